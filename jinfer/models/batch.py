@@ -1,0 +1,84 @@
+"""The model's input: a flattened batch of new tokens from several sequences over a paged KV cache.
+
+Prefill, chunked prefill and decode are the same thing here: sequence b contributes the tokens
+`input_ids[query_start[b]:query_start[b+1]]` at positions `positions[...]`, and after the step its
+context holds `seq_lens[b]` tokens (cached ones plus the new ones). Everything is padded to static
+bucket sizes (T tokens, B sequences, P pages per sequence) so a handful of shapes are compiled.
+
+KV cache: a tuple with one `(k, v)` pair per layer, each `[num_pages, page_size, num_kv_heads,
+head_dim]`. Token t of the batch is written to flat slot `slot_mapping[t]` (= page * page_size +
+offset); a negative slot means padding, and nothing is written.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import jax
+import numpy as np
+
+
+@jax.tree_util.register_dataclass
+@dataclass
+class Batch:
+    input_ids: jax.Array  # [T] int32
+    positions: jax.Array  # [T] int32, position of each token in its sequence
+    slot_mapping: jax.Array  # [T] int32, flat KV slot to write; -1 for padding tokens
+    query_start: jax.Array  # [B+1] int32, cumulative new-token counts; padding seqs repeat the last value
+    seq_lens: jax.Array  # [B] int32, context length after this step; 0 for padding seqs
+    page_table: jax.Array  # [B, P] int32, page ids of each sequence (unused entries: any valid id, e.g. 0)
+    logits_indices: jax.Array  # [N] int32, rows of the flattened tokens whose logits are returned
+
+    @property
+    def num_tokens(self) -> int:
+        return self.input_ids.shape[0]
+
+    @property
+    def num_seqs(self) -> int:
+        return self.seq_lens.shape[0]
+
+
+def make_batch(
+    seqs: list[tuple[list[int], int, list[int]]],
+    page_size: int,
+    *,
+    num_tokens: int | None = None,
+    num_seqs: int | None = None,
+    pages_per_seq: int | None = None,
+    all_logits: bool = False,
+) -> Batch:
+    """Host-side helper: build a padded Batch from (new_token_ids, num_cached_tokens, page_ids) per seq.
+
+    Returns numpy arrays inside the Batch (jit converts them). With `all_logits`, logits of every
+    real token are returned (golden tests); otherwise those of each sequence's last new token.
+    """
+    total = sum(len(toks) for toks, _, _ in seqs)
+    T = num_tokens or total
+    B = num_seqs or len(seqs)
+    P = pages_per_seq or max(len(p) for _, _, p in seqs)
+    if total > T or len(seqs) > B:
+        raise ValueError(f"batch of {total} tokens / {len(seqs)} seqs exceeds buckets T={T}, B={B}")
+    input_ids = np.zeros(T, np.int32)
+    positions = np.zeros(T, np.int32)
+    slots = np.full(T, -1, np.int32)
+    qstart = np.zeros(B + 1, np.int32)
+    seq_lens = np.zeros(B, np.int32)
+    table = np.zeros((B, P), np.int32)
+    last = []
+    t = 0
+    for b, (toks, cached, pages) in enumerate(seqs):
+        n = len(toks)
+        if (cached + n + page_size - 1) // page_size > len(pages):
+            raise ValueError(f"sequence {b}: {cached + n} tokens need more than {len(pages)} pages")
+        pos = np.arange(cached, cached + n)
+        input_ids[t:t + n] = toks
+        positions[t:t + n] = pos
+        slots[t:t + n] = np.asarray(pages)[pos // page_size] * page_size + pos % page_size
+        table[b, :len(pages)] = pages
+        seq_lens[b] = cached + n
+        t += n
+        qstart[b + 1] = t
+        last.append(t - 1)
+    qstart[len(seqs) + 1:] = t
+    logits_idx = np.arange(total, dtype=np.int32) if all_logits else np.asarray(last + [0] * (B - len(seqs)), np.int32)
+    return Batch(input_ids, positions, slots, qstart, seq_lens, table, logits_idx)

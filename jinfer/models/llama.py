@@ -1,0 +1,171 @@
+"""The llama-family dense decoder (Llama, Qwen2, Qwen3): weight specs and a pure forward pass.
+
+The three architectures differ only by switches in `ModelConfig`: `attention_bias` (Qwen2 q/k/v
+bias) and `qk_norm` (Qwen3 per-head RMSNorm on q and k before RoPE). Every weight is described
+once in `weight_specs`; random init, sharding and checkpoint loading are derived from that table.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, fields
+from functools import partial
+
+import jax
+import jax.numpy as jnp
+
+from jinfer.config import ModelConfig
+from jinfer.models.batch import Batch
+from jinfer.models.layers import apply_rope, paged_attention_reference, rms_norm, rope_cos_sin, swiglu_mlp, write_kv
+
+
+@dataclass(frozen=True)
+class ArrayInfo:
+    """One weight: its shape and logical axes in jinfer's layout, and where checkpoints keep it.
+
+    Linear weights are stored [in, out] here (x @ W); checkpoints keep them [out, in], hence
+    `transpose`. `init` is the dummy-weight initializer: "normal" (std 0.02), "ones" or "zeros".
+    """
+
+    shape: tuple[int, ...]
+    axes: tuple[str | None, ...]
+    hf_name: str
+    gguf_name: str
+    transpose: bool = False
+    init: str = "normal"
+
+
+@jax.tree_util.register_dataclass
+@dataclass
+class LayerWeights:
+    attn_norm: jax.Array  # [hidden]
+    wq: jax.Array  # [hidden, H*D]
+    wk: jax.Array  # [hidden, KVH*D]
+    wv: jax.Array  # [hidden, KVH*D]
+    wo: jax.Array  # [H*D, hidden]
+    mlp_norm: jax.Array  # [hidden]
+    w_gate: jax.Array  # [hidden, I]
+    w_up: jax.Array  # [hidden, I]
+    w_down: jax.Array  # [I, hidden]
+    bq: jax.Array | None = None  # [H*D]      qwen2
+    bk: jax.Array | None = None  # [KVH*D]    qwen2
+    bv: jax.Array | None = None  # [KVH*D]    qwen2
+    q_norm: jax.Array | None = None  # [D]    qwen3
+    k_norm: jax.Array | None = None  # [D]    qwen3
+
+
+@jax.tree_util.register_dataclass
+@dataclass
+class Weights:
+    embed: jax.Array  # [vocab, hidden]
+    layers: list[LayerWeights]
+    final_norm: jax.Array  # [hidden]
+    lm_head: jax.Array | None = None  # [hidden, vocab]; None when tied to embed
+
+
+def layer_specs(cfg: ModelConfig, i: int) -> dict[str, ArrayInfo]:
+    h, q, kv, inter, d = cfg.hidden_size, cfg.q_size, cfg.kv_size, cfg.intermediate_size, cfg.head_dim
+    hf, gg = f"model.layers.{i}.", f"blk.{i}."
+    specs = {
+        "attn_norm": ArrayInfo((h,), ("embed",), hf + "input_layernorm.weight", gg + "attn_norm.weight", init="ones"),
+        "wq": ArrayInfo((h, q), ("embed", "q_heads"), hf + "self_attn.q_proj.weight", gg + "attn_q.weight", True),
+        "wk": ArrayInfo((h, kv), ("embed", "kv_heads"), hf + "self_attn.k_proj.weight", gg + "attn_k.weight", True),
+        "wv": ArrayInfo((h, kv), ("embed", "kv_heads"), hf + "self_attn.v_proj.weight", gg + "attn_v.weight", True),
+        "wo": ArrayInfo((q, h), ("q_heads", "embed"), hf + "self_attn.o_proj.weight", gg + "attn_output.weight",
+                        True),
+        "mlp_norm": ArrayInfo((h,), ("embed",), hf + "post_attention_layernorm.weight", gg + "ffn_norm.weight",
+                              init="ones"),
+        "w_gate": ArrayInfo((h, inter), ("embed", "mlp"), hf + "mlp.gate_proj.weight", gg + "ffn_gate.weight", True),
+        "w_up": ArrayInfo((h, inter), ("embed", "mlp"), hf + "mlp.up_proj.weight", gg + "ffn_up.weight", True),
+        "w_down": ArrayInfo((inter, h), ("mlp", "embed"), hf + "mlp.down_proj.weight", gg + "ffn_down.weight", True),
+    }
+    if cfg.attention_bias:
+        specs["bq"] = ArrayInfo((q,), ("q_heads",), hf + "self_attn.q_proj.bias", gg + "attn_q.bias", init="zeros")
+        specs["bk"] = ArrayInfo((kv,), ("kv_heads",), hf + "self_attn.k_proj.bias", gg + "attn_k.bias", init="zeros")
+        specs["bv"] = ArrayInfo((kv,), ("kv_heads",), hf + "self_attn.v_proj.bias", gg + "attn_v.bias", init="zeros")
+    if cfg.qk_norm:
+        specs["q_norm"] = ArrayInfo((d,), ("head_dim",), hf + "self_attn.q_norm.weight", gg + "attn_q_norm.weight",
+                                    init="ones")
+        specs["k_norm"] = ArrayInfo((d,), ("head_dim",), hf + "self_attn.k_norm.weight", gg + "attn_k_norm.weight",
+                                    init="ones")
+    return specs
+
+
+def weight_specs(cfg: ModelConfig) -> dict[str, ArrayInfo]:
+    """Every weight of the model, keyed by its path in the `Weights` pytree ("layers.3.wq")."""
+    h, v = cfg.hidden_size, cfg.vocab_size
+    specs = {"embed": ArrayInfo((v, h), ("vocab", "embed"), "model.embed_tokens.weight", "token_embd.weight")}
+    for i in range(cfg.num_layers):
+        specs.update({f"layers.{i}.{k}": s for k, s in layer_specs(cfg, i).items()})
+    specs["final_norm"] = ArrayInfo((h,), ("embed",), "model.norm.weight", "output_norm.weight", init="ones")
+    if not cfg.tie_word_embeddings:
+        specs["lm_head"] = ArrayInfo((h, v), ("embed", "vocab"), "lm_head.weight", "output.weight", True)
+    return specs
+
+
+def assemble_weights(cfg: ModelConfig, arrays: dict[str, jax.Array]) -> Weights:
+    """Build the `Weights` pytree from a flat {spec path: array} dict (the loaders' output)."""
+    layer_fields = {f.name for f in fields(LayerWeights)}
+    layers = []
+    for i in range(cfg.num_layers):
+        prefix = f"layers.{i}."
+        kw = {k[len(prefix):]: a for k, a in arrays.items() if k.startswith(prefix)}
+        assert set(kw) <= layer_fields, set(kw) - layer_fields
+        layers.append(LayerWeights(**kw))
+    return Weights(arrays["embed"], layers, arrays["final_norm"], arrays.get("lm_head"))
+
+
+AttentionFn = Callable[..., jax.Array]
+
+
+def _attention(layer: LayerWeights, x: jax.Array, cos, sin, kv, batch: Batch, cfg: ModelConfig,
+               attn_fn: AttentionFn):
+    T = x.shape[0]
+    H, KVH, D = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+    q, k, v = x @ layer.wq, x @ layer.wk, x @ layer.wv
+    if cfg.attention_bias:
+        q, k, v = q + layer.bq, k + layer.bk, v + layer.bv
+    q, k, v = q.reshape(T, H, D), k.reshape(T, KVH, D), v.reshape(T, KVH, D)
+    if cfg.qk_norm:
+        q, k = rms_norm(q, layer.q_norm, cfg.rms_norm_eps), rms_norm(k, layer.k_norm, cfg.rms_norm_eps)
+    q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+    k_cache, v_cache = write_kv(kv[0], kv[1], k, v, batch.slot_mapping)
+    out = attn_fn(q, k_cache, v_cache, batch, D**-0.5)  # [T, H, D]
+    return out.reshape(T, H * D) @ layer.wo, (k_cache, v_cache)
+
+
+def reference_attention(q, k_cache, v_cache, batch: Batch, scale: float) -> jax.Array:
+    return paged_attention_reference(q, k_cache, v_cache, batch.positions, batch.query_start, batch.page_table, scale)
+
+
+def forward(
+    weights: Weights,
+    batch: Batch,
+    kv_cache: tuple[tuple[jax.Array, jax.Array], ...],
+    cfg: ModelConfig,
+    attn_fn: AttentionFn = reference_attention,
+) -> tuple[jax.Array, tuple[tuple[jax.Array, jax.Array], ...]]:
+    """One step over a flattened ragged batch. Returns (logits [N, vocab] float32, updated kv_cache).
+
+    Layers are unrolled in Python (one executable, no scan): measured faster than `lax.scan` over
+    stacked weights for decode on the H100.
+    """
+    x = weights.embed[batch.input_ids]  # [T, hidden]
+    cos, sin = rope_cos_sin(batch.positions, cfg, x.dtype)
+    new_cache = []
+    for layer, kv in zip(weights.layers, kv_cache, strict=True):
+        attn_out, kv = _attention(layer, rms_norm(x, layer.attn_norm, cfg.rms_norm_eps), cos, sin, kv, batch, cfg,
+                                  attn_fn)
+        x = x + attn_out
+        h = rms_norm(x, layer.mlp_norm, cfg.rms_norm_eps)
+        x = x + swiglu_mlp(h, layer.w_gate, layer.w_up, layer.w_down)
+        new_cache.append(kv)
+    x = rms_norm(x[batch.logits_indices], weights.final_norm, cfg.rms_norm_eps)  # [N, hidden]
+    head = weights.embed.T if weights.lm_head is None else weights.lm_head
+    logits = jnp.dot(x, head, preferred_element_type=jnp.float32)
+    return logits, tuple(new_cache)
+
+
+@partial(jax.jit, static_argnames=("cfg", "attn_fn"), donate_argnames=("kv_cache",))
+def forward_jit(weights, batch, kv_cache, cfg, attn_fn=reference_attention):
+    return forward(weights, batch, kv_cache, cfg, attn_fn)

@@ -1,0 +1,53 @@
+"""GGUF checkpoints via the `gguf` package, dequantized to float32 at load time.
+
+llama.cpp's converter permutes the rows of Q and K for llama-architecture files (to interleave
+RoPE pairs); we undo it so the same rotate-half forward serves every source. qwen2/qwen3 GGUFs
+are not permuted.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+from gguf import GGMLQuantizationType
+from gguf.quants import dequantize
+
+from jinfer.config import ModelConfig
+from jinfer.models.llama import ArrayInfo
+from jinfer.weights.gguf_meta import open_gguf
+
+SUPPORTED_TYPES = {t.name for t in (
+    GGMLQuantizationType.F32, GGMLQuantizationType.F16, GGMLQuantizationType.BF16, GGMLQuantizationType.Q8_0,
+    GGMLQuantizationType.Q4_0, GGMLQuantizationType.Q4_1, GGMLQuantizationType.Q5_0, GGMLQuantizationType.Q5_1,
+    GGMLQuantizationType.Q2_K, GGMLQuantizationType.Q3_K, GGMLQuantizationType.Q4_K, GGMLQuantizationType.Q5_K,
+    GGMLQuantizationType.Q6_K, GGMLQuantizationType.Q8_K)}
+
+
+def unpermute_qk(w: np.ndarray, n_heads: int) -> np.ndarray:
+    """Invert llama.cpp's `permute` (rows [n, 2, D/2] -> [n, D/2, 2]) on a [n*D, ...] weight or bias."""
+    return w.reshape(n_heads, w.shape[0] // n_heads // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+class GGUFTensorSource:
+    def __init__(self, path: Path, cfg: ModelConfig):
+        self.path, self.cfg = Path(path), cfg
+        self._tensors = {t.name: t for t in open_gguf(str(path)).tensors}
+
+    def get(self, spec: ArrayInfo) -> np.ndarray:
+        t = self._tensors.get(spec.gguf_name)
+        if t is None:
+            raise ValueError(f"tensor {spec.gguf_name!r} is missing from {self.path}")
+        if t.tensor_type.name not in SUPPORTED_TYPES:
+            raise ValueError(f"tensor {spec.gguf_name!r} has unsupported GGML type {t.tensor_type.name}; "
+                             f"supported: {sorted(SUPPORTED_TYPES)}")
+        w = np.asarray(dequantize(t.data, t.tensor_type), dtype=np.float32)
+        # GGUF lists dims innermost first; the data is row-major [out, in], like HF.
+        w = w.reshape(tuple(int(d) for d in reversed(t.shape)))
+        if self.cfg.architecture == "llama":
+            name = spec.gguf_name.rsplit(".", 2)
+            if name[-2] == "attn_q":
+                w = unpermute_qk(w, self.cfg.num_heads)
+            elif name[-2] == "attn_k":
+                w = unpermute_qk(w, self.cfg.num_kv_heads)
+        return w

@@ -1,0 +1,129 @@
+"""Resolve a model argument to a config plus a weight source, and load the `Weights` pytree.
+
+Three sources give the same pytree: an HF safetensors directory, a GGUF file (dequantized at load
+time) and `dummy` random weights at any config. Every tensor is checked against its spec and
+placed on the mesh with the sharding its logical axes ask for.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import Mesh
+from tqdm.auto import tqdm
+
+from jinfer.config import NAMED_SHAPES, ModelConfig
+from jinfer.models.llama import ArrayInfo, Weights, assemble_weights, weight_specs
+from jinfer.parallel import logical_sharding, make_mesh
+from jinfer.weights.gguf_meta import read_metadata, tensor_names
+
+DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
+DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
+
+
+def models_dir() -> Path:
+    """Where model directories live: $JINFER_MODELS_DIR, else the repository's models/."""
+    env = os.environ.get("JINFER_MODELS_DIR")
+    return Path(env) if env else Path(__file__).resolve().parents[2] / "models"
+
+
+def default_model_path() -> Path:
+    return models_dir() / DEFAULT_MODEL_NAME / DEFAULT_MODEL_FILE
+
+
+@dataclass(frozen=True)
+class ModelSource:
+    kind: str  # "hf" | "gguf" | "dummy"
+    path: Path | None  # directory (hf), file (gguf), or None / config dir (dummy)
+    config: ModelConfig
+
+    @property
+    def tokenizer_path(self) -> Path | None:
+        return self.path
+
+
+def resolve_model(model: str | os.PathLike | None = None, load_format: str = "auto") -> ModelSource:
+    """Turn a model argument into a ModelSource.
+
+    `None` is the embedded default model; "dummy:<shape>" (shapes: NAMED_SHAPES) is random weights
+    at a real shape; a `.gguf` file, a directory holding one, or an HF directory with config.json.
+    `load_format="dummy"` gives random weights for an HF directory's config.
+    """
+    if load_format not in ("auto", "dummy"):
+        raise ValueError(f"load_format={load_format!r} must be 'auto' or 'dummy'")
+    if model is None:
+        path = default_model_path()
+        if not path.is_file():
+            raise ValueError(f"the default model is not installed at {path}; run `make install` first")
+        model = path
+    name = str(model)
+    if name.startswith("dummy:"):
+        shape = name.removeprefix("dummy:")
+        if shape not in NAMED_SHAPES:
+            raise ValueError(f"model={name!r}: unknown shape {shape!r}; known: {sorted(NAMED_SHAPES)}")
+        return ModelSource("dummy", None, NAMED_SHAPES[shape])
+    path = Path(name)
+    if not path.exists():
+        raise ValueError(f"model={name!r} does not exist (give a model directory, a .gguf file or dummy:<shape>)")
+    if path.is_dir() and not (path / "config.json").exists():
+        ggufs = sorted(path.glob("*.gguf"))
+        if len(ggufs) != 1:
+            raise ValueError(f"model={name!r}: a directory needs a config.json or exactly one .gguf file "
+                             f"(found {len(ggufs)} .gguf files)")
+        path = ggufs[0]
+    if path.is_file():
+        if path.suffix != ".gguf":
+            raise ValueError(f"model={name!r}: a model file must be .gguf")
+        cfg = ModelConfig.from_gguf_metadata(read_metadata(path), tensor_names(path))
+        return ModelSource("dummy" if load_format == "dummy" else "gguf", path, cfg)
+    cfg = ModelConfig.from_hf_config(path)
+    return ModelSource("dummy" if load_format == "dummy" else "hf", path, cfg)
+
+
+def load_weights(source: ModelSource, dtype: str = "bfloat16", mesh: Mesh | None = None,
+                 seed: int = 0, progress: bool = True) -> Weights:
+    if dtype not in DTYPES:
+        raise ValueError(f"dtype={dtype!r} must be one of {sorted(DTYPES)}")
+    mesh = mesh or make_mesh(1)
+    cfg, jdtype = source.config, DTYPES[dtype]
+    specs = weight_specs(cfg)
+    if source.kind == "dummy":
+        from jinfer.weights.dummy import dummy_array
+        key = jax.random.key(seed)
+        arrays = {name: dummy_array(jax.random.fold_in(key, i), spec, jdtype,
+                                    logical_sharding(mesh, spec.axes, spec.shape))
+                  for i, (name, spec) in enumerate(specs.items())}
+        return assemble_weights(cfg, arrays)
+    if source.kind == "gguf":
+        from jinfer.weights.gguf import GGUFTensorSource
+        reader = GGUFTensorSource(source.path, cfg)
+    else:
+        from jinfer.weights.safetensors import SafetensorsSource
+        reader = SafetensorsSource(source.path)
+    arrays = {}
+    bar = tqdm(specs.items(), desc=f"loading {source.path.name}", unit="tensor", disable=not progress, leave=False)
+    for name, spec in bar:
+        host = reader.get(spec)
+        arrays[name] = place(host, spec, jdtype, mesh)
+    return assemble_weights(cfg, arrays)
+
+
+def checkpoint_shape(spec: ArrayInfo) -> tuple[int, ...]:
+    return spec.shape[::-1] if spec.transpose else spec.shape
+
+
+def place(host: np.ndarray, spec: ArrayInfo, dtype, mesh: Mesh) -> jax.Array:
+    """Check a checkpoint tensor against its spec, transpose to jinfer's layout, cast and shard it."""
+    expected = checkpoint_shape(spec)
+    if tuple(host.shape) != expected:
+        raise ValueError(f"tensor {spec.hf_name!r} has shape {tuple(host.shape)}, expected {expected}")
+    if spec.transpose:
+        host = host.T
+    host = np.ascontiguousarray(host.astype(dtype))
+    return jax.device_put(host, logical_sharding(mesh, spec.axes, spec.shape))
