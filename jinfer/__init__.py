@@ -1,0 +1,20 @@
+"""jinfer: an LLM inference engine on JAX."""
+
+__version__ = "0.1.0"
+
+from jinfer.sampling_params import SamplingParams  # noqa: E402
+
+
+def __getattr__(name):  # LLM pulls in JAX and the engine: import it lazily
+    if name == "LLM":
+        from jinfer.llm import LLM
+
+        return LLM
+    if name in ("RequestOutput", "CompletionOutput"):
+        from jinfer import outputs
+
+        return getattr(outputs, name)
+    raise AttributeError(name)
+
+
+__all__ = ["LLM", "SamplingParams", "__version__"]

@@ -121,9 +121,9 @@ class ModelConfig:
                              f"supported: {sorted(HF_ARCHITECTURES)}")
 
         def req(name: str) -> Any:
-            if name not in cfg:
+            if cfg.get(name) is None:
                 raise ValueError(f"config field {name!r} is missing (architecture {archs[0]})")
-            return cfg[name]
+            return _positive_int(f"config field {name!r}", cfg[name])
 
         num_heads = req("num_attention_heads")
         hidden = req("hidden_size")
@@ -160,12 +160,12 @@ class ModelConfig:
 
         def req(key: str) -> Any:
             full = f"{arch}.{key}"
-            if full not in meta:
+            if meta.get(full) is None:
                 raise ValueError(f"GGUF field {full!r} is missing")
-            return meta[full]
+            return _positive_int(f"GGUF field {full!r}", meta[full])
 
-        num_heads = int(req("attention.head_count"))
-        hidden = int(req("embedding_length"))
+        num_heads = req("attention.head_count")
+        hidden = req("embedding_length")
         head_dim = int(meta.get(f"{arch}.attention.key_length", hidden // num_heads))
         vocab = meta.get(f"{arch}.vocab_size") or len(meta.get("tokenizer.ggml.tokens", ()))
         if not vocab:
@@ -198,6 +198,12 @@ class ModelConfig:
 
     def replace(self, **kw) -> ModelConfig:
         return dataclasses.replace(self, **kw)
+
+
+def _positive_int(what: str, value: Any) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        raise ValueError(f"{what}={value!r} must be a positive integer")
+    return value
 
 
 def _rope_scaling_from_hf(rs: dict[str, Any] | None) -> RopeScaling:

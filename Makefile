@@ -1,0 +1,34 @@
+# jinfer: `make install` then `make test`; `make generate` runs the default model.
+SHELL := /bin/bash
+VENV := .venv
+PY := $(VENV)/bin/python
+# Python 3.12 (the GPU machine's version): python3.12 on PATH, else a pyenv install.
+PYTHON312 ?= $(shell command -v python3.12 2>/dev/null || ls /root/.pyenv/versions/3.12*/bin/python3.12 2>/dev/null | tail -n 1)
+PROMPT ?= What is the capital of France?
+PYTEST_ARGS ?=
+
+.PHONY: install test generate lint fetch-model clean
+
+install: $(VENV)/.installed fetch-model
+
+$(VENV)/.installed: pyproject.toml
+	@test -n "$(PYTHON312)" || { echo "Python 3.12 not found: install it or set PYTHON312=/path/to/python3.12"; exit 1; }
+	test -x $(PY) || $(PYTHON312) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q -e ".[test]"
+	touch $@
+
+fetch-model: $(VENV)/.installed
+	$(PY) scripts/fetch_default_model.py
+
+test: install
+	$(PY) -m pytest -q $(PYTEST_ARGS)
+
+lint: $(VENV)/.installed
+	$(VENV)/bin/ruff check .
+
+generate: install
+	$(VENV)/bin/jinfer generate --chat --prompt "$(PROMPT)"
+
+clean:
+	rm -rf $(VENV) .pytest_cache .ruff_cache

@@ -1,0 +1,101 @@
+"""Time the raw forward pass (no engine): compile time and steady-state step time for a prefill and
+for decode steps, at a named real shape with dummy weights.
+
+    python -m benchmarks.bench_forward --shape qwen3-4b --prompt-len 1024 --batch 1 --out results/x.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from functools import partial
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from benchmarks.common import environment, write_result
+from jinfer.models.batch import make_batch
+from jinfer.models.llama import forward
+from jinfer.weights.loader import DTYPES, load_weights, resolve_model
+
+
+def timed(fn, *args, iters: int):
+    """Median wall time of fn(*args) over iters runs, synced with block_until_ready."""
+    times = []
+    out = None
+    for _ in range(iters):
+        t = time.perf_counter()
+        out = fn(*args)
+        jax.block_until_ready(out)
+        times.append(time.perf_counter() - t)
+    return float(np.median(times)), out
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--shape", default="qwen3-4b")
+    ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--prompt-len", type=int, default=1024)
+    ap.add_argument("--batch", type=int, default=1)
+    ap.add_argument("--page-size", type=int, default=16)
+    ap.add_argument("--iters", type=int, default=10)
+    ap.add_argument("--out")
+    args = ap.parse_args()
+
+    src = resolve_model(f"dummy:{args.shape}")
+    cfg = src.config
+    t0 = time.perf_counter()
+    w = load_weights(src, args.dtype, progress=False)
+    jax.block_until_ready(w)
+    load_s = time.perf_counter() - t0
+    pages_per_seq = (args.prompt_len + args.iters + 2) // args.page_size + 1
+    num_pages = pages_per_seq * args.batch
+    shape = (num_pages, args.page_size, cfg.num_kv_heads, cfg.head_dim)
+    kv = tuple((jnp.zeros(shape, DTYPES[args.dtype]), jnp.zeros(shape, DTYPES[args.dtype]))
+               for _ in range(cfg.num_layers))
+    pages = [list(range(b * pages_per_seq, (b + 1) * pages_per_seq)) for b in range(args.batch)]
+    rng = np.random.default_rng(0)
+    prompts = [rng.integers(0, cfg.vocab_size, args.prompt_len).tolist() for _ in range(args.batch)]
+    step = jax.jit(partial(forward, cfg=cfg), donate_argnames=("kv_cache",))
+
+    prefill = make_batch([(p, 0, pg) for p, pg in zip(prompts, pages)], args.page_size)
+    t0 = time.perf_counter()
+    compiled_prefill = step.lower(w, prefill, kv).compile()
+    prefill_compile_s = time.perf_counter() - t0
+    # Re-running prefill over the same slots is harmless for timing.
+    prefill_s, (logits, kv) = timed(lambda *a: compiled_prefill(*a), w, prefill, kv, iters=1)
+    prefill_s, (logits, kv) = None, (logits, kv)
+    times = []
+    for _ in range(3):
+        t = time.perf_counter()
+        logits, kv = compiled_prefill(w, prefill, kv)
+        jax.block_until_ready(logits)
+        times.append(time.perf_counter() - t)
+    prefill_s = float(np.median(times))
+
+    decode = lambda i: make_batch([([1], args.prompt_len + i, pg) for pg in pages], args.page_size,
+                                  pages_per_seq=pages_per_seq)
+    t0 = time.perf_counter()
+    compiled_decode = step.lower(w, decode(0), kv).compile()
+    decode_compile_s = time.perf_counter() - t0
+    times = []
+    for i in range(args.iters):
+        b = decode(i)
+        t = time.perf_counter()
+        logits, kv = compiled_decode(w, b, kv)
+        jax.block_until_ready(logits)
+        times.append(time.perf_counter() - t)
+    result = {
+        "benchmark": "forward", **environment(), "shape": args.shape, "dtype": args.dtype,
+        "batch_size": args.batch, "prompt_len": args.prompt_len, "page_size": args.page_size,
+        "attention": "jnp reference",
+        "weights_load_s": load_s, "prefill_compile_s": prefill_compile_s, "prefill_step_ms": prefill_s * 1e3,
+        "decode_compile_s": decode_compile_s, "decode_step_ms_median": float(np.median(times[1:])) * 1e3,
+        "decode_step_ms_min": float(np.min(times)) * 1e3,
+    }
+    write_result(result, args.out)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,30 @@
+"""Shared by the benchmarks: environment facts every result JSON carries, and JSON output."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import time
+from pathlib import Path
+
+import jax
+
+
+def environment() -> dict:
+    dev = jax.devices()[0]
+    try:
+        commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True,
+                                cwd=Path(__file__).parent, check=True).stdout.strip()
+    except (subprocess.CalledProcessError, FileNotFoundError):
+        commit = "unknown"
+    return {"device": getattr(dev, "device_kind", dev.platform), "platform": dev.platform,
+            "num_devices": jax.device_count(), "jax_version": jax.__version__, "commit": commit,
+            "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+
+
+def write_result(result: dict, out: str | None) -> None:
+    text = json.dumps(result, indent=2)
+    if out:
+        Path(out).parent.mkdir(parents=True, exist_ok=True)
+        Path(out).write_text(text + "\n")
+    print(text)

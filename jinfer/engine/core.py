@@ -1,0 +1,291 @@
+"""EngineCore: one scheduler, one model runner, and the per-request text state between them.
+
+The offline `LLM` drives it in-process; the ZeroMQ engine process (core_proc.py) wraps it. Per
+step: schedule -> run the batch -> update the scheduler with the sampled tokens -> detokenize,
+apply stop strings, and emit one `EngineOutput` delta per sequence that produced text or finished.
+`n > 1` is fanned out here into n sequences sharing the prompt (and its cached prefix pages).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from dataclasses import dataclass, field
+
+import jax
+import numpy as np
+
+from jinfer.config import ModelConfig
+from jinfer.engine.kv_cache_manager import KVCacheManager, cdiv
+from jinfer.engine.model_runner import ModelRunner, StepRow, kv_cache_bytes_per_page
+from jinfer.engine.request import FinishReason, Request
+from jinfer.engine.sampler import num_logprobs_for, pack_token_mask
+from jinfer.engine.scheduler import Scheduler, SchedulerConfig
+from jinfer.outputs import EngineOutput
+from jinfer.parallel import make_mesh
+from jinfer.sampling_params import SamplingParams
+from jinfer.tokenizer import IncrementalDetokenizer, Tokenizer
+from jinfer.weights.loader import DTYPES, load_weights, resolve_model
+
+log = logging.getLogger(__name__)
+
+CPU_KV_CACHE_BYTES = 1 << 30  # default KV pool on CPU, where free memory is not reported
+
+
+def enable_compilation_cache(path: str | None = None) -> str:
+    """Keep compiled executables on disk (JAX persistent cache): a restart skips the compiles."""
+    path = path or os.environ.get("JINFER_COMPILATION_CACHE") or os.path.expanduser("~/.cache/jinfer/xla")
+    jax.config.update("jax_compilation_cache_dir", path)
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
+    jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+    return path
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    model: str | None = None  # None: the embedded default model
+    dtype: str = "bfloat16"
+    load_format: str = "auto"  # "dummy": random weights at the model's config
+    max_model_len: int | None = None  # default: the model's context, capped by the KV pool
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 2048
+    page_size: int = 16
+    num_pages: int | None = None  # default: from gpu_memory_utilization (GPU) or 1 GiB (CPU)
+    gpu_memory_utilization: float = 0.9
+    enable_prefix_caching: bool = True
+    enable_chunked_prefill: bool = True
+    tensor_parallel_size: int = 1
+    seed: int = 0
+    warmup: bool = True  # compile every bucket at start-up
+    compilation_cache_dir: str | None = None  # default $JINFER_COMPILATION_CACHE or ~/.cache/jinfer/xla; "" off
+
+    def __post_init__(self):
+        if self.dtype not in DTYPES:
+            raise ValueError(f"dtype={self.dtype!r} must be one of {sorted(DTYPES)}")
+        for name in ("max_num_seqs", "max_num_batched_tokens", "page_size", "tensor_parallel_size"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+                raise ValueError(f"{name}={v!r} must be an integer >= 1")
+        for name in ("max_model_len", "num_pages"):
+            v = getattr(self, name)
+            if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < 1):
+                raise ValueError(f"{name}={v!r} must be an integer >= 1 or None")
+        if not 0 < self.gpu_memory_utilization <= 1:
+            raise ValueError(f"gpu_memory_utilization={self.gpu_memory_utilization} must be in (0, 1]")
+
+
+@dataclass
+class _Seq:
+    """Text-side state of one sequence (one of a request's n samples)."""
+
+    parent_id: str
+    index: int
+    params: SamplingParams
+    seed: int
+    detok: IncrementalDetokenizer | None
+    prompt_mask: object = None  # packed prompt token set, only for repetition penalty
+    text: str = ""  # all text decoded so far (stop strings are searched here)
+    emitted: int = 0  # chars of `text` already sent
+    num_prompt_tokens: int = 0
+    first_output: bool = True
+    held: list[int] = field(default_factory=list)  # token ids whose text is not sent yet
+
+
+class EngineCore:
+    def __init__(self, config: EngineConfig = EngineConfig(), *, tokenizer: Tokenizer | None = None):
+        t0 = time.perf_counter()
+        self.config = config
+        if config.compilation_cache_dir != "":
+            enable_compilation_cache(config.compilation_cache_dir)
+        source = resolve_model(config.model, config.load_format)
+        self.model_config: ModelConfig = source.config
+        self.model_name = config.model or "SmolLM2-135M-Instruct"
+        self.tokenizer = tokenizer
+        if self.tokenizer is None and source.path is not None:
+            self.tokenizer = Tokenizer.from_pretrained(source.path)
+        mesh = make_mesh(config.tensor_parallel_size)
+        weights = load_weights(source, config.dtype, mesh, seed=config.seed)
+        num_pages = config.num_pages or self._auto_num_pages()
+        max_len = min(config.max_model_len or self.model_config.max_position_embeddings,
+                      (num_pages - 1) * config.page_size)
+        self.max_model_len = max_len
+        self.kv = KVCacheManager(num_pages, config.page_size, config.enable_prefix_caching)
+        self.scheduler = Scheduler(SchedulerConfig(
+            max_model_len=max_len, max_num_seqs=config.max_num_seqs,
+            max_num_batched_tokens=config.max_num_batched_tokens,
+            enable_chunked_prefill=config.enable_chunked_prefill), self.kv)
+        self.runner = ModelRunner(self.model_config, weights, mesh, num_pages=num_pages, page_size=config.page_size,
+                                  kv_dtype=DTYPES[config.dtype], max_num_batched_tokens=config.max_num_batched_tokens,
+                                  max_num_seqs=config.max_num_seqs, max_model_len=max_len)
+        self._seqs: dict[str, _Seq] = {}  # sequence id -> state
+        self._children: dict[str, list[str]] = {}  # request id -> its sequence ids
+        self._rng = np.random.default_rng(config.seed)
+        self.eos_token_ids = tuple(self.tokenizer.eos_token_ids) if self.tokenizer else self.model_config.eos_token_ids
+        self.num_prompt_tokens_total = 0
+        self.num_generation_tokens_total = 0
+        if config.warmup:
+            self.runner.warmup()
+        self.startup_seconds = time.perf_counter() - t0
+        log.info("engine ready in %.1f s: %s, %d KV pages of %d tokens, max_model_len %d", self.startup_seconds,
+                 self.model_name, num_pages, config.page_size, max_len)
+
+    def _auto_num_pages(self) -> int:
+        cfg = self.config
+        per_page = kv_cache_bytes_per_page(self.model_config, cfg.page_size, DTYPES[cfg.dtype])
+        stats = jax.devices()[0].memory_stats() or {}
+        if "bytes_limit" in stats:
+            free = stats["bytes_limit"] * cfg.gpu_memory_utilization - stats.get("bytes_in_use", 0)
+            budget = int(free) * cfg.tensor_parallel_size
+        else:
+            budget = CPU_KV_CACHE_BYTES
+        # never more than max_num_seqs full-length sequences would need
+        cap = cfg.max_num_seqs * cdiv(cfg.max_model_len or self.model_config.max_position_embeddings,
+                                      cfg.page_size) + 1
+        num_pages = min(budget // per_page, cap)
+        if num_pages < 2:
+            raise ValueError(f"not enough memory for the KV cache ({budget} bytes, {per_page} per page)")
+        return int(num_pages)
+
+    # ---- requests -----------------------------------------------------------------------------
+
+    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams | None = None) -> None:
+        """Queue a request (its n samples). ValueError, naming the field, if it can never run."""
+        params = params or SamplingParams()
+        if not isinstance(request_id, str) or not request_id:
+            raise ValueError(f"request_id={request_id!r} must be a non-empty string")
+        if request_id in self._children:
+            raise ValueError(f"request_id={request_id!r} is already in use")
+        ids = [int(t) for t in prompt_token_ids]
+        if not ids:
+            raise ValueError("prompt must not be empty")
+        vocab = self.model_config.vocab_size
+        if any(t < 0 or t >= vocab for t in ids):
+            raise ValueError(f"prompt token ids must be in [0, {vocab})")
+        n_max = params.max_tokens if params.max_tokens is not None else 1
+        if len(ids) + n_max > self.max_model_len:
+            raise ValueError(f"prompt ({len(ids)} tokens) + max_tokens ({n_max}) exceeds the context length "
+                             f"of {self.max_model_len} tokens")
+        seq_ids = [request_id] if params.n == 1 else [f"{request_id}#{i}" for i in range(params.n)]
+        mask = pack_token_mask(ids, vocab) if params.repetition_penalty != 1.0 else None
+        added = []
+        try:
+            for i, sid in enumerate(seq_ids):
+                seed = params.seed + i if params.seed is not None else int(self._rng.integers(0, 2**31))
+                self.scheduler.add_request(Request(sid, ids, params, self.eos_token_ids))
+                added.append(sid)
+                detok = IncrementalDetokenizer(self.tokenizer, skip_special_tokens=params.skip_special_tokens,
+                                               prompt_ids=ids) if self.tokenizer else None
+                self._seqs[sid] = _Seq(request_id, i, params, seed, detok, mask, num_prompt_tokens=len(ids))
+        except ValueError:
+            for sid in added:
+                self.scheduler.abort(sid)
+                self._seqs.pop(sid, None)
+            raise
+        self._children[request_id] = seq_ids
+        self.num_prompt_tokens_total += len(ids) * params.n
+
+    def abort(self, request_id: str) -> None:
+        """Drop a request and all its samples now; its pages go back to the pool. Unknown ids are ignored."""
+        for sid in self._children.pop(request_id, ()):
+            self.scheduler.abort(sid)
+            self._seqs.pop(sid, None)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished_requests()
+
+    # ---- one step -----------------------------------------------------------------------------
+
+    def step(self) -> list[EngineOutput]:
+        out = self.scheduler.schedule()
+        if out.is_empty:
+            return []
+        rows = []
+        for s in out.scheduled:
+            seq = self._seqs[s.request_id]
+            rows.append(StepRow(seq.params, s.request.output_token_ids, seq.prompt_mask, seq.seed)
+                        if s.needs_sample else None)
+        wanted = [r.params for r in rows if r is not None]
+        num_logprobs = num_logprobs_for(wanted) if wanted else -1
+        result = self.runner.execute(out, rows, num_logprobs)
+        tokens, chosen_lp, top_ids, top_lp = jax.device_get(
+            (result.tokens, result.logprobs, result.top_ids, result.top_logprobs))
+        sampled = {s.request_id: int(tokens[b]) for b, s in enumerate(out.scheduled) if s.needs_sample}
+        finished = {r.request_id: r for r in self.scheduler.update(out, sampled)}
+        outputs = []
+        for b, s in enumerate(out.scheduled):
+            if not s.needs_sample:
+                continue
+            request, seq = s.request, self._seqs[s.request_id]
+            token = sampled[s.request_id]
+            self.num_generation_tokens_total += 1
+            lps = None
+            if seq.params.logprobs is not None:
+                n = seq.params.logprobs
+                lp = {int(i): float(v) for i, v in zip(top_ids[b][:n], top_lp[b][:n])}
+                lp[token] = float(chosen_lp[b])
+                lps = [lp]
+            outputs.append(self._emit(request, seq, token, lps, finished.get(s.request_id)))
+        return outputs
+
+    def _emit(self, request: Request, seq: _Seq, token: int, lps, finished: Request | None) -> EngineOutput:
+        """Detokenize one new token, apply stop strings, and build the delta to send."""
+        sp = seq.params
+        stop_hit = None
+        eos_finish = finished is not None and finished.finish_reason == FinishReason.STOP and \
+            finished.stop_reason is None
+        if seq.detok is not None:
+            if not eos_finish:  # the EOS token's own text is never part of the output
+                seq.text += seq.detok.add(token)
+            if finished is not None:
+                seq.text += seq.detok.flush()
+            if sp.stop:
+                stop_hit = self._find_stop(seq, sp)
+        seq.held.append(token)
+        done = finished is not None or stop_hit is not None
+        if stop_hit is not None and finished is None:
+            self.scheduler.finish_request(request.request_id, FinishReason.STOP, stop_hit)
+        # Hold back text that may be the start of a stop string, so it is never sent then retracted.
+        hold = 0 if done or not sp.stop else max(len(s) for s in sp.stop) - 1
+        upto = max(seq.emitted, len(seq.text) - hold)
+        new_text = seq.text[seq.emitted:upto]
+        seq.emitted = upto
+        ids, seq.held = seq.held, []
+        delta = EngineOutput(seq.parent_id, seq.index, ids, new_text, finished=done,
+                             new_logprobs=lps, num_prompt_tokens=seq.num_prompt_tokens,
+                             num_cached_tokens=request.num_cached_tokens)
+        if done:
+            delta.finish_reason = str(FinishReason.STOP if stop_hit is not None else request.finish_reason)
+            delta.stop_reason = stop_hit if stop_hit is not None else request.stop_reason
+            self._forget(request.request_id)
+        return delta
+
+    @staticmethod
+    def _find_stop(seq: _Seq, sp: SamplingParams) -> str | None:
+        """Search the not-yet-sent text for a stop string; on a hit, cut the text there."""
+        longest = max(len(s) for s in sp.stop)
+        start = max(0, seq.emitted - longest + 1)
+        best = None
+        for stop in sp.stop:
+            i = seq.text.find(stop, start)
+            if i >= 0 and (best is None or i < best[0]):
+                best = (i, stop)
+        if best is None:
+            return None
+        i, stop = best
+        seq.text = seq.text[:i + len(stop)] if sp.include_stop_str_in_output else seq.text[:i]
+        return stop
+
+    def _forget(self, seq_id: str) -> None:
+        seq = self._seqs.pop(seq_id)
+        children = self._children.get(seq.parent_id)
+        if children is not None and all(c not in self._seqs for c in children):
+            del self._children[seq.parent_id]
+
+    # ---- stats --------------------------------------------------------------------------------
+
+    def stats(self) -> dict:
+        return {**self.scheduler.stats(), "kv_usage": self.kv.usage, "num_pages": self.kv.num_usable_pages,
+                "num_free_pages": self.kv.num_free_pages,
+                "prompt_tokens_total": self.num_prompt_tokens_total,
+                "generation_tokens_total": self.num_generation_tokens_total}

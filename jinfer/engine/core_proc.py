@@ -1,0 +1,351 @@
+"""The engine process: one `EngineCore` behind a ZeroMQ ROUTER socket, in one loop.
+
+    loop:  receive (non-blocking while requests run, up to IDLE_POLL_MS when idle)
+           -> dispatch by message type (handler table)
+           -> core.step() -> send each client the deltas of its own requests
+           -> every STATS_INTERVAL_S: push stats to clients, check that the parent process lives
+
+One ROUTER socket carries both directions, so several clients (the HTTP server, internal services)
+can share one engine: each request's deltas go back to the client that sent it. A request the core
+refuses is answered `Rejected`; a failing step finishes the requests it held with an error output and
+the loop goes on. Start it with `start_engine_process` (a fresh interpreter, no pickle) or run
+`python -m jinfer.engine.core_proc --address ... --config '{json}'`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import importlib
+import json
+import logging
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from collections import defaultdict
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import zmq
+
+from jinfer.engine.protocol import (
+    Abort,
+    AddRequest,
+    EngineError,
+    EngineReady,
+    Hello,
+    Message,
+    Outputs,
+    ProtocolError,
+    Rejected,
+    Shutdown,
+    Stats,
+    StatsRequest,
+    decode,
+    encode,
+)
+from jinfer.outputs import EngineOutput
+from jinfer.sampling_params import SamplingParams
+
+log = logging.getLogger("jinfer.engine")
+
+IDLE_POLL_MS = 100
+STATS_INTERVAL_S = 0.5
+MAX_MESSAGES_PER_STEP = 4096  # a flood of requests must not starve the running ones
+
+
+def default_address() -> str:
+    """A fresh ipc:// address in a private temp dir (nothing listens on a network interface)."""
+    return f"ipc://{tempfile.mkdtemp(prefix='jinfer-')}/engine.sock"
+
+
+def config_to_dict(config: Any) -> dict[str, Any]:
+    """EngineConfig (a flat frozen dataclass) or a plain dict -> JSON-able dict."""
+    if dataclasses.is_dataclass(config):
+        config = {f.name: getattr(config, f.name) for f in dataclasses.fields(config)}
+    return json.loads(json.dumps(config, default=str))
+
+
+def _default_core_factory(config: dict[str, Any]) -> Any:
+    from jinfer.engine.core import EngineConfig, EngineCore
+
+    return EngineCore(EngineConfig(**config))
+
+
+def _load_factory(spec: str | None) -> Callable[[dict[str, Any]], Any]:
+    if not spec:
+        return _default_core_factory
+    module, _, attr = spec.partition(":")
+    return getattr(importlib.import_module(module), attr)
+
+
+def _ready_message(core: Any) -> EngineReady:
+    tok_path = getattr(core, "tokenizer_path", None)
+    if tok_path is None and getattr(core, "tokenizer", None) is not None:
+        try:
+            from jinfer.weights.loader import resolve_model
+
+            path = resolve_model(core.config.model, getattr(core.config, "load_format", "auto")).tokenizer_path
+            tok_path = None if path is None else str(path)
+        except Exception:  # a client without a tokenizer can still send token ids
+            log.warning("could not tell clients where the tokenizer is", exc_info=True)
+    return EngineReady(
+        model_name=str(core.model_name), max_model_len=int(core.max_model_len),
+        vocab_size=int(core.model_config.vocab_size), max_num_seqs=int(core.config.max_num_seqs),
+        pid=os.getpid(), tokenizer_path=tok_path,
+        eos_token_ids=[int(t) for t in getattr(core, "eos_token_ids", ())])
+
+
+class EngineCoreProc:
+    """The loop around one core; `run()` returns when told to shut down or when the parent is gone."""
+
+    def __init__(self, core: Any, sock: zmq.Socket, *, parent_pid: int | None = None,
+                 stats_interval: float = STATS_INTERVAL_S):
+        self.core, self.sock = core, sock
+        self.parent_pid, self.stats_interval = parent_pid, stats_interval
+        self.ready = _ready_message(core)
+        self.handlers: dict[type, Callable[[bytes, Any], None]] = {
+            Hello: self._on_hello, AddRequest: self._on_add, Abort: self._on_abort,
+            StatsRequest: self._on_stats, Shutdown: self._on_shutdown,
+        }
+        self.owner: dict[str, bytes] = {}  # request id -> identity of the client that sent it
+        self.open_seqs: dict[str, set[int]] = {}  # request id -> indices of its unfinished samples
+        self.clients: set[bytes] = set()
+        self.running = True
+        self._next_tick = 0.0
+        self._last_stats: dict[str, float] | None = None
+
+    def run(self) -> None:
+        while self.running:
+            busy = self.core.has_unfinished_requests()
+            self._receive(0 if busy else IDLE_POLL_MS)
+            if self.running and self.core.has_unfinished_requests():
+                self._step()
+            if time.monotonic() >= self._next_tick:
+                self._tick()
+
+    def close(self, reason: str) -> None:
+        """Tell every client the engine is going away (their requests are lost)."""
+        for identity in list(self.clients):
+            self._send(identity, EngineError(reason))
+
+    # ---- I/O -----------------------------------------------------------------------------------
+
+    def _receive(self, timeout_ms: int) -> None:
+        for _ in range(MAX_MESSAGES_PER_STEP):
+            if not self.sock.poll(timeout_ms, zmq.POLLIN):
+                return
+            timeout_ms = 0
+            frames = self.sock.recv_multipart(zmq.NOBLOCK)
+            if len(frames) != 2:
+                log.warning("dropped a message of %d frames (expected identity + payload)", len(frames))
+                continue
+            identity, frame = frames
+            try:
+                msg = decode(frame)
+            except ProtocolError as e:
+                log.warning("dropped an invalid message: %s", e)
+                continue
+            handler = self.handlers.get(type(msg))
+            if handler is None:
+                log.warning("dropped a %s message: clients may not send it", type(msg).__name__)
+                continue
+            handler(identity, msg)
+
+    def _send(self, identity: bytes, msg: Message) -> None:
+        try:
+            self.sock.send_multipart([identity, encode(msg)], zmq.NOBLOCK)
+        except zmq.ZMQError as e:
+            if e.errno != zmq.EHOSTUNREACH:
+                raise
+            self._drop_client(identity)  # ROUTER_MANDATORY: that client is gone
+
+    def _drop_client(self, identity: bytes) -> None:
+        self.clients.discard(identity)
+        gone = [rid for rid, who in self.owner.items() if who == identity]
+        if gone:
+            log.warning("client disconnected: aborting its %d requests", len(gone))
+        for rid in gone:
+            self.core.abort(rid)
+            self._forget(rid)
+
+    # ---- handlers ------------------------------------------------------------------------------
+
+    def _on_hello(self, identity: bytes, msg: Hello) -> None:
+        self.clients.add(identity)
+        self._send(identity, self.ready)
+
+    def _on_add(self, identity: bytes, msg: AddRequest) -> None:
+        rid = msg.request_id
+        self.clients.add(identity)
+        if rid in self.owner:
+            self._send(identity, Rejected(rid, f"request_id={rid!r} is already in use"))
+            return
+        try:
+            params = SamplingParams(**msg.params)
+            self.core.add_request(rid, msg.prompt_token_ids, params)
+        except (ValueError, TypeError) as e:
+            self._send(identity, Rejected(rid, str(e)))
+            return
+        except Exception as e:
+            log.exception("add_request(%r) failed", rid)
+            self._send(identity, Rejected(rid, f"internal error: {type(e).__name__}: {e}"))
+            return
+        self.owner[rid] = identity
+        self.open_seqs[rid] = set(range(params.n))
+
+    def _on_abort(self, identity: bytes, msg: Abort) -> None:
+        for rid in msg.request_ids:
+            if self.owner.get(rid) != identity:
+                continue  # unknown, finished, or another client's
+            self.core.abort(rid)
+            self._finish_all(rid, "abort", None)
+
+    def _on_stats(self, identity: bytes, msg: StatsRequest) -> None:
+        self._send(identity, Stats(self._stats(), msg.token))
+
+    def _on_shutdown(self, identity: bytes, msg: Shutdown) -> None:
+        log.info("shutdown requested")
+        self.running = False
+
+    # ---- steps ---------------------------------------------------------------------------------
+
+    def _step(self) -> None:
+        try:
+            outputs = self.core.step()
+        except Exception as e:
+            log.exception("engine step failed: finishing its requests with an error")
+            for rid in list(self.owner):
+                self.core.abort(rid)  # if even this fails, the loop dies: the process exits non-zero
+                self._finish_all(rid, "error", f"engine step failed: {type(e).__name__}: {e}")
+            return
+        by_client: dict[bytes, list[EngineOutput]] = defaultdict(list)
+        for out in outputs:
+            identity = self.owner.get(out.request_id)
+            if identity is None:
+                continue  # aborted meanwhile
+            by_client[identity].append(out)
+            if out.finished:
+                seqs = self.open_seqs[out.request_id]
+                seqs.discard(out.index)
+                if not seqs:
+                    self._forget(out.request_id)
+        for identity, outs in by_client.items():
+            self._send(identity, Outputs(outs))
+
+    def _finish_all(self, rid: str, reason: str, error: str | None) -> None:
+        """Send the final delta of every unfinished sample of `rid` and forget it."""
+        identity = self.owner.get(rid)
+        seqs = sorted(self.open_seqs.get(rid, ()))
+        self._forget(rid)
+        if identity is not None and seqs:
+            self._send(identity, Outputs([EngineOutput(rid, i, [], "", finished=True, finish_reason=reason,
+                                                       error=error) for i in seqs]))
+
+    def _forget(self, rid: str) -> None:
+        self.owner.pop(rid, None)
+        self.open_seqs.pop(rid, None)
+
+    # ---- periodic ------------------------------------------------------------------------------
+
+    def _stats(self) -> dict[str, float]:
+        return {k: v for k, v in self.core.stats().items()
+                if isinstance(v, int | float) and not isinstance(v, bool)}
+
+    def _tick(self) -> None:
+        self._next_tick = time.monotonic() + self.stats_interval
+        stats = self._stats()
+        if stats != self._last_stats:
+            self._last_stats = stats
+            for identity in list(self.clients):
+                self._send(identity, Stats(stats))
+        if self.parent_pid is not None and os.getppid() != self.parent_pid:
+            log.warning("parent process %d is gone: exiting", self.parent_pid)
+            self.running = False
+
+
+def run_engine_core(config: Any, address: str, *, parent_pid: int | None = None,
+                    core_factory: Callable[[dict[str, Any]], Any] | str | None = None) -> int:
+    """Bind `address`, build the core, serve until shut down; returns the process exit code.
+
+    The socket is bound before the (slow) model load so that clients can connect and queue their
+    Hello at once; they get EngineReady when the core is built, or EngineError if that fails."""
+    factory = core_factory if callable(core_factory) else _load_factory(core_factory)
+    ctx = zmq.Context()
+    sock = ctx.socket(zmq.ROUTER)
+    sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
+    sock.setsockopt(zmq.SNDHWM, 0)
+    sock.setsockopt(zmq.RCVHWM, 0)
+    sock.setsockopt(zmq.LINGER, 1000)
+    sock.bind(address)
+    log.info("engine process %d listening on %s", os.getpid(), address)
+    proc = None
+    try:
+        try:
+            core = factory(config_to_dict(config))
+        except BaseException as e:
+            log.exception("engine start-up failed")
+            _refuse_waiting_clients(sock, f"engine start-up failed: {type(e).__name__}: {e}")
+            return 1
+        proc = EngineCoreProc(core, sock, parent_pid=parent_pid)
+
+        def stop(signum, frame):
+            log.info("received signal %d: shutting down", signum)
+            proc.running = False
+
+        signal.signal(signal.SIGTERM, stop)
+        signal.signal(signal.SIGINT, stop)
+        proc.run()
+        proc.close("engine shut down")
+        return 0
+    except Exception as e:
+        log.exception("engine loop failed")
+        if proc is not None:
+            proc.close(f"engine failed: {type(e).__name__}: {e}")
+        return 1
+    finally:
+        sock.close()
+        ctx.term()
+
+
+def _refuse_waiting_clients(sock: zmq.Socket, reason: str) -> None:
+    while sock.poll(200, zmq.POLLIN):
+        frames = sock.recv_multipart()
+        if len(frames) == 2:
+            try:
+                sock.send_multipart([frames[0], encode(EngineError(reason))], zmq.NOBLOCK)
+            except zmq.ZMQError:
+                pass
+
+
+def start_engine_process(config: Any, address: str, *, core_factory: str | None = None) -> subprocess.Popen:
+    """Start the engine in a fresh interpreter (its own session: a terminal's Ctrl-C goes to the parent,
+    which shuts the engine down in order; the engine exits by itself if the parent dies)."""
+    cmd = [sys.executable, "-m", "jinfer.engine.core_proc", "--address", address,
+           "--config", json.dumps(config_to_dict(config)), "--parent-pid", str(os.getpid())]
+    if core_factory:
+        cmd += ["--core-factory", core_factory]
+    env = dict(os.environ)
+    root = str(Path(__file__).resolve().parents[2])  # so that `-m jinfer...` works from any cwd
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH")) if p)
+    return subprocess.Popen(cmd, env=env, start_new_session=True)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description="jinfer engine process (EngineCore behind ZeroMQ)")
+    parser.add_argument("--address", required=True, help="ipc:///path or tcp://127.0.0.1:PORT to bind")
+    parser.add_argument("--config", default="{}", help="EngineConfig fields as JSON")
+    parser.add_argument("--parent-pid", type=int, default=None, help="exit when this parent process is gone")
+    parser.add_argument("--core-factory", default=None, help="module:callable building the core (tests)")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    return run_engine_core(json.loads(args.config), args.address, parent_pid=args.parent_pid,
+                           core_factory=args.core_factory)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

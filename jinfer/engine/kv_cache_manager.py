@@ -1,0 +1,197 @@
+"""Paged KV cache allocator with automatic prefix caching (plain Python, host side).
+
+The device KV cache is `[num_pages, page_size, ...]` per layer; this module only hands out page ids.
+
+- Page 0 is reserved as the NULL page: never allocated, so the runner may point padding entries of
+  the page table (and, if ever needed, padding slots) at it. Usable pages are 1..num_pages-1 and
+  `num_free_pages`/`usage` count only those.
+- Each request's page table is `request.page_ids`; a page may be shared by several requests
+  (reference counted). A page whose reference count drops to 0 goes to the free queue.
+- Prefix caching: a FULL page is named by a 128-bit blake2b digest chained over (parent page's
+  digest, the page's token ids), so a digest names a whole prefix. Computed full pages are entered
+  in a hash table (`cache_full_pages`); a new request reuses the pages of its longest cached prefix
+  (`get_computed_pages`), but never its last token, which must be computed to produce a logit.
+- Free queue order (front is taken first): pages holding no cached content are put at the front,
+  so they are reused before anything cached; cached pages are appended at the back (LRU), a freed
+  request's pages in reverse order so its tail goes before its shared-looking head. Taking a cached
+  page from the front evicts it from the hash table.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from array import array
+from collections import OrderedDict
+
+from jinfer.engine.request import Request
+
+NULL_PAGE = 0
+
+
+def cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def hash_page(parent: bytes, token_ids: list[int]) -> bytes:
+    """128-bit digest of a full page given its parent's digest (b"" for the first page)."""
+    return hashlib.blake2b(parent + array("q", token_ids).tobytes(), digest_size=16).digest()
+
+
+class KVCacheManager:
+    def __init__(self, num_pages: int, page_size: int, enable_prefix_caching: bool = True):
+        if num_pages < 2:
+            raise ValueError(f"num_pages={num_pages} must be >= 2 (page 0 is the reserved null page)")
+        if page_size < 1:
+            raise ValueError(f"page_size={page_size} must be >= 1")
+        self.num_pages = num_pages
+        self.page_size = page_size
+        self.enable_prefix_caching = enable_prefix_caching
+        self._ref_cnt = [0] * num_pages
+        self._page_hash: list[bytes | None] = [None] * num_pages
+        self._hash_to_page: dict[bytes, int] = {}
+        # Pages with ref count 0, in reuse order (front first); values unused.
+        self._free: OrderedDict[int, None] = OrderedDict.fromkeys(range(1, num_pages))
+        # request_id -> number of leading pages of its table already looked at by cache_full_pages.
+        self._num_registered: dict[str, int] = {}
+        self.num_query_tokens = 0  # prefix-cache stats, counted once per admission
+        self.num_hit_tokens = 0
+
+    # ---- pool state ----------------------------------------------------------------------------
+
+    @property
+    def num_usable_pages(self) -> int:
+        return self.num_pages - 1
+
+    @property
+    def num_free_pages(self) -> int:
+        """Pages not referenced by any request (cached ones included: they are evictable)."""
+        return len(self._free)
+
+    @property
+    def num_cached_pages(self) -> int:
+        return len(self._hash_to_page)
+
+    @property
+    def usage(self) -> float:
+        """Fraction of usable pages referenced by requests."""
+        return 1.0 - self.num_free_pages / self.num_usable_pages
+
+    @property
+    def prefix_cache_hit_rate(self) -> float:
+        return self.num_hit_tokens / self.num_query_tokens if self.num_query_tokens else 0.0
+
+    def ref_count(self, page: int) -> int:
+        return self._ref_cnt[page]
+
+    def pages_needed(self, num_tokens: int) -> int:
+        return cdiv(num_tokens, self.page_size)
+
+    # ---- prefix cache --------------------------------------------------------------------------
+
+    def _update_hashes(self, request: Request, num_pages: int) -> list[bytes]:
+        """Extend `request.page_hashes` to cover its first `num_pages` full pages."""
+        hashes, toks, ps = request.page_hashes, request.all_token_ids, self.page_size
+        while len(hashes) < num_pages:
+            i = len(hashes)
+            hashes.append(hash_page(hashes[-1] if hashes else b"", toks[i * ps:(i + 1) * ps]))
+        return hashes
+
+    def get_computed_pages(self, request: Request) -> tuple[list[int], int]:
+        """Pages of the longest cached prefix of a request about to be admitted, and its token count.
+
+        Never covers the request's last token. Changes nothing: pass the pages to `allocate_slots`.
+        """
+        assert not request.page_ids and request.num_computed_tokens == 0, request.request_id
+        if not self.enable_prefix_caching:
+            return [], 0
+        max_pages = (request.num_tokens - 1) // self.page_size
+        pages = []
+        for h in self._update_hashes(request, max_pages):
+            page = self._hash_to_page.get(h)
+            if page is None:
+                break
+            pages.append(page)
+        return pages, len(pages) * self.page_size
+
+    def cache_full_pages(self, request: Request) -> None:
+        """Enter the request's full, computed pages (first num_computed_tokens tokens) in the cache."""
+        if not self.enable_prefix_caching:
+            return
+        num_full = min(request.num_computed_tokens // self.page_size, len(request.page_ids))
+        start = self._num_registered.get(request.request_id, 0)
+        if num_full <= start:
+            return
+        hashes = self._update_hashes(request, num_full)
+        for i in range(start, num_full):
+            page, h = request.page_ids[i], hashes[i]
+            # Skip pages already cached (prefix hits) and content another page already holds (two
+            # requests computed the same prefix at once): that page simply stays uncached.
+            if self._page_hash[page] is None and h not in self._hash_to_page:
+                self._page_hash[page] = h
+                self._hash_to_page[h] = page
+        self._num_registered[request.request_id] = num_full
+
+    def reset_prefix_cache(self) -> None:
+        """Forget all cached content (e.g. after weights change). Pages in use stay allocated."""
+        self._hash_to_page.clear()
+        self._page_hash = [None] * self.num_pages
+
+    # ---- allocation ----------------------------------------------------------------------------
+
+    def _take_free_page(self) -> int:
+        page, _ = self._free.popitem(last=False)
+        h = self._page_hash[page]
+        if h is not None:  # evict its cached content
+            self._page_hash[page] = None
+            if self._hash_to_page.get(h) == page:
+                del self._hash_to_page[h]
+        self._ref_cnt[page] = 1
+        return page
+
+    def allocate_slots(self, request: Request, num_new_tokens: int,
+                       computed_pages: list[int] | None = None) -> bool:
+        """Grow the request's page table to hold `num_new_tokens` more tokens; False if the pool is short.
+
+        At admission pass `computed_pages` from `get_computed_pages` (possibly []): they become the
+        head of the page table (the new tokens start after them) and the prefix-cache query is counted.
+        On False nothing changed (the caller preempts someone or waits).
+        """
+        if computed_pages is None:  # a running request: most steps need no new page
+            num_tokens = request.num_computed_tokens + num_new_tokens
+            num_fresh = -(-num_tokens // self.page_size) - len(request.page_ids)
+            if num_fresh <= 0:
+                return True
+            computed = []
+        else:
+            assert not request.page_ids and request.num_computed_tokens == 0, request.request_id
+            computed = computed_pages
+            num_tokens = len(computed) * self.page_size + num_new_tokens
+            num_fresh = max(0, self.pages_needed(num_tokens) - len(computed))
+        # Cached pages with no users sit in the free queue; reusing them takes them out of it.
+        num_revived = sum(1 for p in computed if self._ref_cnt[p] == 0)
+        if num_fresh + num_revived > self.num_free_pages:
+            return False
+        for p in computed:
+            if self._ref_cnt[p] == 0:
+                del self._free[p]
+            self._ref_cnt[p] += 1
+        request.page_ids.extend(computed)
+        request.page_ids.extend(self._take_free_page() for _ in range(num_fresh))
+        if computed_pages is not None:
+            self.num_query_tokens += request.num_tokens
+            self.num_hit_tokens += len(computed) * self.page_size
+            if computed:
+                self._num_registered[request.request_id] = len(computed)
+        return True
+
+    def free(self, request: Request) -> None:
+        """Drop the request's references; pages nobody else uses return to the free queue."""
+        for page in reversed(request.page_ids):
+            self._ref_cnt[page] -= 1
+            assert self._ref_cnt[page] >= 0, page
+            if self._ref_cnt[page] == 0:
+                self._free[page] = None
+                if self._page_hash[page] is None:
+                    self._free.move_to_end(page, last=False)
+        request.page_ids = []  # a new list: a ScheduledRequest may still hold the old one
+        self._num_registered.pop(request.request_id, None)

@@ -1,0 +1,283 @@
+"""Continuous-batching scheduler (plain Python): which requests compute how many tokens this step.
+
+One step, as the engine core drives it:
+
+    out = scheduler.schedule()                  # SchedulerOutput: the batch, in order
+    sampled = runner.step(out)                  # {request_id: token} for each s with s.needs_sample
+    finished = scheduler.update(out, sampled)   # advance, append tokens, check stops, free pages
+
+Policy (vLLM v1 style, token-count model): each step has a budget of `max_num_batched_tokens`.
+Running requests go first, in admission order: a decode takes 1 token, an unfinished prefill the
+rest of its prompt (chunked to the remaining budget). If a running request needs a page and the
+pool is empty, the NEWEST running request is preempted (pages freed, `num_computed_tokens` reset to
+0, put at the FRONT of the waiting queue; its generated tokens are kept and recomputed with the
+prompt), repeatedly, until it fits or it is itself the victim. Then, if nobody was preempted this
+step, waiting requests join in FIFO order while budget, `max_num_seqs` and pages allow, reusing
+cached prefix pages. A request that could not run alone in an empty pool is refused at
+`add_request`, so the engine never fails for lack of KV space.
+
+Stop conditions (`update`): once `min_tokens` tokens exist, an EOS id (unless `ignore_eos`) or a
+`stop_token_ids` id finishes with "stop" (stop_reason = the id, None for EOS); then `max_tokens`
+or reaching `max_model_len` tokens finishes with "length". Stop strings are the engine core's job
+(it detokenizes); it calls `finish_request(id, FinishReason.STOP, stop_string)`.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from jinfer.engine.kv_cache_manager import KVCacheManager
+from jinfer.engine.request import FinishReason, Request, RequestStatus
+
+
+@dataclass(frozen=True, kw_only=True)
+class SchedulerConfig:
+    max_model_len: int  # max tokens per sequence, prompt + output
+    max_num_seqs: int = 256  # cap on running requests
+    max_num_batched_tokens: int = 2048  # token budget per step
+    enable_chunked_prefill: bool = True
+    long_prefill_token_threshold: int | None = None  # cap on one request's tokens per step
+
+    def __post_init__(self):
+        for name in ("max_model_len", "max_num_seqs", "max_num_batched_tokens"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"{name}={value!r} must be an integer >= 1")
+        t = self.long_prefill_token_threshold
+        if t is not None and (not isinstance(t, int) or isinstance(t, bool) or t < 1):
+            raise ValueError(f"long_prefill_token_threshold={t!r} must be an integer >= 1 or None")
+        if not self.enable_chunked_prefill and self.max_num_batched_tokens < self.max_model_len:
+            raise ValueError(f"max_num_batched_tokens={self.max_num_batched_tokens} must be >= "
+                             f"max_model_len={self.max_model_len} when chunked prefill is off")
+
+
+@dataclass
+class ScheduledRequest:
+    """One sequence of the step's batch: tokens `request.all_token_ids[start:start + num_new_tokens]`."""
+
+    request: Request
+    num_new_tokens: int
+    start: int  # == request.num_computed_tokens when scheduled: position of the first new token
+    page_ids: list[int]  # the request's whole page table (live list; read it before the next schedule)
+    needs_sample: bool  # this step reaches the end of the request's known tokens: sample its next token
+
+    @property
+    def request_id(self) -> str:
+        return self.request.request_id
+
+    @property
+    def token_ids(self) -> list[int]:
+        return self.request.all_token_ids[self.start:self.start + self.num_new_tokens]
+
+    @property
+    def is_last_chunk(self) -> bool:
+        return self.needs_sample
+
+
+@dataclass
+class SchedulerOutput:
+    scheduled: list[ScheduledRequest] = field(default_factory=list)  # batch order
+    preempted_ids: list[str] = field(default_factory=list)  # preempted during this schedule()
+    finished_ids: list[str] = field(default_factory=list)  # finished/aborted since the last schedule()
+
+    @property
+    def num_scheduled_tokens(self) -> int:
+        return sum(s.num_new_tokens for s in self.scheduled)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.scheduled
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, kv_manager: KVCacheManager):
+        self.config = config
+        self.kv = kv_manager
+        self.requests: dict[str, Request] = {}  # unfinished requests by id
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []  # admission order: the last one is the newest
+        self._finished_ids: list[str] = []
+
+    # ---- requests in and out -------------------------------------------------------------------
+
+    def add_request(self, request: Request) -> None:
+        """Queue a request; ValueError if it could never run (too long for the model or the pool)."""
+        rid, n, cfg = request.request_id, request.num_prompt_tokens, self.config
+        if rid in self.requests:
+            raise ValueError(f"request_id={rid!r} is already in use")
+        if request.status != RequestStatus.WAITING or request.num_output_tokens:
+            raise ValueError(f"request {rid!r} is not a fresh request (status {request.status.value})")
+        max_tokens = request.sampling_params.max_tokens
+        if max_tokens is None:
+            if n >= cfg.max_model_len:
+                raise ValueError(f"request {rid!r}: prompt of {n} tokens leaves no room to generate "
+                                 f"within max_model_len={cfg.max_model_len}")
+            max_tokens = cfg.max_model_len - n
+        elif n + max_tokens > cfg.max_model_len:
+            raise ValueError(f"request {rid!r}: prompt of {n} tokens + max_tokens={max_tokens} exceeds "
+                             f"max_model_len={cfg.max_model_len}")
+        # The last sampled token is never fed back, so it needs no KV slot.
+        pages = self.kv.pages_needed(n + max_tokens - 1)
+        if pages > self.kv.num_usable_pages:
+            raise ValueError(f"request {rid!r}: {n} prompt + {max_tokens} output tokens need {pages} KV "
+                             f"pages but the cache has {self.kv.num_usable_pages}")
+        self.requests[rid] = request
+        self.waiting.append(request)
+
+    def finish_request(self, request_id: str, reason: FinishReason,
+                       stop_reason: int | str | None = None) -> Request | None:
+        """Finish a request now (stop string, abort, error): frees its pages. None if unknown/finished."""
+        request = self.requests.get(request_id)
+        if request is None:
+            return None
+        if request.status == RequestStatus.RUNNING:
+            self.running.remove(request)
+        else:
+            self.waiting.remove(request)
+        self._finish(request, reason, stop_reason)
+        return request
+
+    def abort(self, request_id: str) -> Request | None:
+        return self.finish_request(request_id, FinishReason.ABORT)
+
+    def _finish(self, request: Request, reason: FinishReason, stop_reason: int | str | None = None) -> None:
+        request.status = reason.status
+        request.finish_reason = reason
+        request.stop_reason = stop_reason
+        self.kv.free(request)
+        del self.requests[request.request_id]
+        self._finished_ids.append(request.request_id)
+
+    def _preempt(self, request: Request) -> None:
+        self.kv.free(request)
+        request.status = RequestStatus.PREEMPTED
+        request.num_computed_tokens = 0
+        request.num_preemptions += 1
+        self.waiting.appendleft(request)
+
+    # ---- one step ------------------------------------------------------------------------------
+
+    def _clamp(self, num_new: int, budget: int) -> int:
+        """Tokens to compute this step out of `num_new` remaining; 0 = cannot run this step."""
+        t = self.config.long_prefill_token_threshold
+        if t is not None:
+            num_new = min(num_new, t)
+        if num_new > budget and not self.config.enable_chunked_prefill:
+            return 0
+        return min(num_new, budget)
+
+    @staticmethod
+    def _scheduled(request: Request, num_new: int, start: int) -> ScheduledRequest:
+        return ScheduledRequest(request, num_new, start, request.page_ids,
+                                needs_sample=start + num_new == request.num_tokens)
+
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput(finished_ids=self._finished_ids)
+        self._finished_ids = []
+        budget = self.config.max_num_batched_tokens
+
+        i = 0
+        while i < len(self.running) and budget > 0:
+            request = self.running[i]
+            num_new = self._clamp(request.num_tokens - request.num_computed_tokens, budget)
+            if num_new == 0:
+                i += 1
+                continue
+            while not self.kv.allocate_slots(request, num_new):
+                victim = self.running.pop()  # newest; never one scheduled earlier in this loop
+                self._preempt(victim)
+                out.preempted_ids.append(victim.request_id)
+                if victim is request:  # it was the newest itself: nothing left to schedule
+                    break
+            if request.status != RequestStatus.RUNNING:
+                break
+            out.scheduled.append(self._scheduled(request, num_new, request.num_computed_tokens))
+            budget -= num_new
+            i += 1
+
+        # Admitting while others were just preempted would only thrash.
+        while (not out.preempted_ids and self.waiting and budget > 0
+               and len(self.running) < self.config.max_num_seqs):
+            request = self.waiting[0]
+            computed, num_cached = self.kv.get_computed_pages(request)
+            num_new = self._clamp(request.num_tokens - num_cached, budget)
+            if num_new == 0 or not self.kv.allocate_slots(request, num_new, computed):
+                break  # FIFO: nobody overtakes the head of the queue
+            self.waiting.popleft()
+            if request.status == RequestStatus.WAITING:
+                request.num_cached_tokens = num_cached
+            request.status = RequestStatus.RUNNING
+            request.num_computed_tokens = num_cached
+            self.running.append(request)
+            out.scheduled.append(self._scheduled(request, num_new, num_cached))
+            budget -= num_new
+        return out
+
+    def update(self, out: SchedulerOutput, sampled: dict[str, int]) -> list[Request]:
+        """Apply a step's results: advance each scheduled request, append its sampled token (required
+        for every `s.needs_sample`), finish requests that hit a stop condition. Returns those."""
+        finished = []
+        for s in out.scheduled:
+            request = s.request
+            if request.is_finished:  # finished by the core between schedule and update
+                continue
+            assert request.num_computed_tokens == s.start, request.request_id
+            request.num_computed_tokens += s.num_new_tokens
+            self.kv.cache_full_pages(request)
+            if not s.needs_sample:
+                continue
+            try:
+                token = sampled[request.request_id]
+            except KeyError:
+                raise KeyError(f"no sampled token for request {request.request_id!r}") from None
+            request.append_output_token(token)
+            stop = self._check_stop(request)
+            if stop is not None:
+                self._finish(request, *stop)
+                finished.append(request)
+        if finished:
+            self.running = [r for r in self.running if not r.is_finished]
+        return finished
+
+    def _check_stop(self, request: Request) -> tuple[FinishReason, int | None] | None:
+        sp = request.sampling_params
+        n_out = request.num_output_tokens
+        if n_out >= sp.min_tokens:
+            token = request.output_token_ids[-1]
+            if not sp.ignore_eos and token in request.eos_token_ids:
+                return FinishReason.STOP, None
+            if token in sp.stop_token_ids:
+                return FinishReason.STOP, token
+        if (sp.max_tokens is not None and n_out >= sp.max_tokens) or \
+                request.num_tokens >= self.config.max_model_len:
+            return FinishReason.LENGTH, None
+        return None
+
+    # ---- stats ---------------------------------------------------------------------------------
+
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.requests)
+
+    @property
+    def max_pages_per_seq(self) -> int:
+        """Page-table width the runner needs: pages for max_model_len tokens."""
+        return self.kv.pages_needed(self.config.max_model_len)
+
+    def stats(self) -> dict[str, float]:
+        return {
+            "num_running": self.num_running,
+            "num_waiting": self.num_waiting,
+            "kv_cache_usage": self.kv.usage,
+            "prefix_cache_hit_rate": self.kv.prefix_cache_hit_rate,
+            "prefix_cache_queries": self.kv.num_query_tokens,
+            "prefix_cache_hits": self.kv.num_hit_tokens,
+        }

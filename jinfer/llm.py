@@ -1,0 +1,106 @@
+"""Offline batched generation, with vLLM's interface: `from jinfer import LLM, SamplingParams`.
+
+    llm = LLM()                                   # the embedded default model
+    outs = llm.generate(["Hello", {"prompt_token_ids": [1, 2, 3]}], SamplingParams(max_tokens=64))
+    outs[0].outputs[0].text
+
+It drives the same EngineCore the server uses, in-process: all prompts are queued at once and the
+scheduler batches them continuously.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+from collections.abc import Sequence
+from typing import Any
+
+from tqdm.auto import tqdm
+
+from jinfer.engine.core import EngineConfig, EngineCore
+from jinfer.outputs import CompletionOutput, RequestOutput
+from jinfer.sampling_params import SamplingParams
+from jinfer.tokenizer import Tokenizer
+
+PromptType = str | dict[str, Any] | list[int]
+
+
+class LLM:
+    def __init__(self, model: str | None = None, **engine_args: Any):
+        known = {f.name for f in dataclasses.fields(EngineConfig)}
+        unknown = sorted(set(engine_args) - known)
+        if unknown:
+            raise ValueError(f"unknown engine arguments {unknown}; known: {sorted(known - {'model'})}")
+        self.engine = EngineCore(EngineConfig(model=model, **engine_args))
+        self._ids = itertools.count()
+
+    def get_tokenizer(self) -> Tokenizer | None:
+        return self.engine.tokenizer
+
+    def _prompt_ids(self, prompt: PromptType) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, str):
+            tok = self._require_tokenizer()
+            return prompt, tok.encode(prompt)
+        if isinstance(prompt, dict):
+            if "prompt_token_ids" in prompt:
+                return prompt.get("prompt"), list(prompt["prompt_token_ids"])
+            if "prompt" in prompt:
+                return self._prompt_ids(prompt["prompt"])
+            raise ValueError("a prompt dict needs 'prompt' or 'prompt_token_ids'")
+        if isinstance(prompt, (list, tuple)) and all(isinstance(t, int) for t in prompt):
+            return None, list(prompt)
+        raise ValueError(f"prompt of type {type(prompt).__name__} must be a str, a list of token ids or a dict")
+
+    def _require_tokenizer(self) -> Tokenizer:
+        if self.engine.tokenizer is None:
+            raise ValueError("this model has no tokenizer: pass prompts as {'prompt_token_ids': [...]}")
+        return self.engine.tokenizer
+
+    def generate(self, prompts: PromptType | Sequence[PromptType],
+                 sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+                 use_tqdm: bool = True) -> list[RequestOutput]:
+        """Generate for every prompt; outputs come back in input order."""
+        if isinstance(prompts, (str, dict)) or (isinstance(prompts, list) and prompts
+                                                and all(isinstance(t, int) for t in prompts)):
+            prompts = [prompts]
+        prompts = list(prompts)
+        if sampling_params is None or isinstance(sampling_params, SamplingParams):
+            params = [sampling_params or SamplingParams()] * len(prompts)
+        else:
+            params = list(sampling_params)
+            if len(params) != len(prompts):
+                raise ValueError(f"got {len(params)} sampling_params for {len(prompts)} prompts")
+        results: dict[str, RequestOutput] = {}
+        order = []
+        try:
+            for prompt, sp in zip(prompts, params):
+                text, ids = self._prompt_ids(prompt)
+                rid = str(next(self._ids))
+                self.engine.add_request(rid, ids, sp)
+                results[rid] = RequestOutput(rid, text, ids, [CompletionOutput(i) for i in range(sp.n)])
+                order.append(rid)
+            with tqdm(total=len(order), desc="generating", unit="req", disable=not use_tqdm or len(order) < 2,
+                      leave=False) as bar:
+                while self.engine.has_unfinished_requests():
+                    for delta in self.engine.step():
+                        out = results[delta.request_id]
+                        out.add(delta)
+                        if out.finished:
+                            bar.update(1)
+        finally:
+            for rid in order:
+                if not results[rid].finished:
+                    self.engine.abort(rid)
+        return [results[rid] for rid in order]
+
+    def chat(self, messages: list[dict] | list[list[dict]],
+             sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+             use_tqdm: bool = True, add_generation_prompt: bool = True) -> list[RequestOutput]:
+        """Chat completion for one conversation (a list of messages) or several."""
+        tok = self._require_tokenizer()
+        conversations = [messages] if messages and isinstance(messages[0], dict) else messages
+        prompts = []
+        for conv in conversations:
+            text = tok.apply_chat_template(conv, add_generation_prompt=add_generation_prompt)
+            prompts.append({"prompt": text, "prompt_token_ids": tok.encode(text, add_special_tokens=False)})
+        return self.generate(prompts, sampling_params, use_tqdm)

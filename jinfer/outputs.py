@@ -1,0 +1,64 @@
+"""What the engine returns: per-step deltas (`EngineOutput`, streamed by the server) and the
+vLLM-compatible aggregated `RequestOutput` / `CompletionOutput` of the offline API."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+# One entry per generated token: {token_id: logprob} holding the chosen token and the top-N.
+TokenLogprobs = dict[int, float]
+
+
+@dataclass
+class EngineOutput:
+    """New tokens of one sequence (`index` of the request's n samples) from one engine step."""
+
+    request_id: str
+    index: int
+    new_token_ids: list[int]
+    new_text: str
+    finished: bool = False
+    finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
+    stop_reason: int | str | None = None  # the stop token id or stop string that ended it
+    new_logprobs: list[TokenLogprobs] | None = None
+    num_prompt_tokens: int = 0
+    num_cached_tokens: int = 0
+    error: str | None = None  # set when finish_reason == "error"
+
+
+@dataclass
+class CompletionOutput:
+    index: int
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    cumulative_logprob: float | None = None
+    logprobs: list[TokenLogprobs] | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass
+class RequestOutput:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]
+    finished: bool = False
+    num_cached_tokens: int = 0
+
+    def add(self, delta: EngineOutput) -> None:
+        """Fold one step's delta into the aggregate."""
+        out = self.outputs[delta.index]
+        out.token_ids.extend(delta.new_token_ids)
+        out.text += delta.new_text
+        if delta.new_logprobs is not None:
+            out.logprobs = (out.logprobs or []) + delta.new_logprobs
+            chosen = sum(lp[t] for lp, t in zip(delta.new_logprobs, delta.new_token_ids, strict=True))
+            out.cumulative_logprob = (out.cumulative_logprob or 0.0) + chosen
+        if delta.finished:
+            out.finish_reason, out.stop_reason = delta.finish_reason, delta.stop_reason
+        self.num_cached_tokens = max(self.num_cached_tokens, delta.num_cached_tokens)
+        self.finished = all(o.finished() for o in self.outputs)

@@ -1,0 +1,97 @@
+"""Tiny random-weight Llama / Qwen2 / Qwen3 checkpoints against HF transformers' own logits.
+
+The goldens (tests/data/golden/tiny-*.npz) come from scripts/make_golden.py running HF
+transformers on the same safetensors; nothing here runs PyTorch. Pages are deliberately small and
+handed out in scrambled order so every sequence spans several non-contiguous pages.
+"""
+
+from functools import partial
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jinfer.models.batch import make_batch
+from jinfer.models.llama import forward
+from jinfer.weights.loader import load_weights, resolve_model
+
+from ..conftest import DATA
+
+PAGE = 4
+NUM_PAGES = 64
+ATOL = 2e-4  # float32 vs PyTorch float32: differences are summation-order noise
+
+
+def load(arch):
+    src = resolve_model(DATA / f"tiny-{arch}")
+    return src.config, load_weights(src, "float32", progress=False), np.load(DATA / "golden" / f"tiny-{arch}.npz")
+
+
+def empty_cache(cfg):
+    shape = (NUM_PAGES, PAGE, cfg.num_kv_heads, cfg.head_dim)
+    return tuple((jnp.zeros(shape), jnp.zeros(shape)) for _ in range(cfg.num_layers))
+
+
+def scrambled_pages(seed, n):
+    return [int(p) for p in np.random.default_rng(seed).permutation(NUM_PAGES)[:n]]
+
+
+@pytest.fixture(scope="module", params=["llama", "qwen2", "qwen3"])
+def model(request):
+    cfg, w, gold = load(request.param)
+    step = jax.jit(partial(forward, cfg=cfg), donate_argnames=("kv_cache",))
+    return cfg, w, gold, step
+
+
+def test_config_read_from_hf(model):
+    cfg, _, gold, _ = model
+    assert cfg.num_kv_heads < cfg.num_heads  # GQA is exercised
+    if cfg.architecture == "llama":
+        assert cfg.rope_scaling.rope_type == "llama3" and not cfg.tie_word_embeddings
+    if cfg.architecture == "qwen2":
+        assert cfg.attention_bias and cfg.tie_word_embeddings
+    if cfg.architecture == "qwen3":
+        assert cfg.qk_norm and cfg.head_dim * cfg.num_heads != cfg.hidden_size
+
+
+@pytest.mark.parametrize("i", [0, 1, 2])
+def test_prefill_and_every_decode_step_match_hf(model, i):
+    cfg, w, gold, step = model
+    prompt, greedy = gold[f"prompt_{i}"].tolist(), gold[f"greedy_{i}"].tolist()
+    pages = scrambled_pages(i, (len(prompt) + len(greedy)) // PAGE + 1)
+    kv = empty_cache(cfg)
+    logits, kv = step(w, make_batch([(prompt, 0, pages)], PAGE, all_logits=True), kv)
+    np.testing.assert_allclose(np.asarray(logits), gold[f"prefill_logits_{i}"], atol=ATOL, rtol=1e-4)
+    # decode_logits[s] are the logits that chose greedy[s] (row 0 = the prompt's last position).
+    # Decode with our own greedy tokens: they must equal HF's, and every step's logits must match.
+    np.testing.assert_allclose(np.asarray(logits[-1]), gold[f"decode_logits_{i}"][0], atol=ATOL, rtol=1e-4)
+    ours = [int(np.argmax(logits[-1]))]
+    for s in range(1, len(greedy)):
+        batch = make_batch([([ours[-1]], len(prompt) + s - 1, pages)], PAGE, pages_per_seq=len(pages))
+        logits, kv = step(w, batch, kv)
+        np.testing.assert_allclose(np.asarray(logits[0]), gold[f"decode_logits_{i}"][s], atol=ATOL, rtol=1e-4,
+                                   err_msg=f"decode step {s}")
+        ours.append(int(np.argmax(logits[0])))
+    assert ours == greedy
+
+
+def test_batched_chunked_prefill_matches_hf(model):
+    """All three prompts in one flattened batch, the longest split into chunks across two steps."""
+    cfg, w, gold, step = model
+    prompts = [gold[f"prompt_{i}"].tolist() for i in range(3)]
+    perm = scrambled_pages(7, 30)  # disjoint, non-contiguous page sets
+    pages = [perm[0:8], perm[8:16], perm[16:30]]
+    kv = empty_cache(cfg)
+    cut = 13
+    first = make_batch([(prompts[0], 0, pages[0]), (prompts[2][:cut], 0, pages[2])], PAGE, num_tokens=32,
+                       num_seqs=4, pages_per_seq=14, all_logits=True)
+    logits1, kv = step(w, first, kv)
+    second = make_batch([(prompts[1], 0, pages[1]), (prompts[2][cut:], cut, pages[2])], PAGE, num_tokens=48,
+                        num_seqs=4, pages_per_seq=14, all_logits=True)
+    logits2, kv = step(w, second, kv)
+    n0, n1 = len(prompts[0]), len(prompts[1])
+    np.testing.assert_allclose(np.asarray(logits1[:n0]), gold["prefill_logits_0"], atol=ATOL, rtol=1e-4)
+    got2 = np.concatenate([np.asarray(logits1[n0:n0 + cut]), np.asarray(logits2[n1:])])
+    np.testing.assert_allclose(got2, gold["prefill_logits_2"], atol=ATOL, rtol=1e-4)
+    np.testing.assert_allclose(np.asarray(logits2[:n1]), gold["prefill_logits_1"], atol=ATOL, rtol=1e-4)

@@ -1,0 +1,80 @@
+import json
+
+import pytest
+
+from jinfer.config import NAMED_SHAPES, CacheConfig, ModelConfig, RopeScaling, rope_inv_freq
+
+LLAMA = {
+    "architectures": ["LlamaForCausalLM"], "vocab_size": 100, "hidden_size": 64, "intermediate_size": 128,
+    "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "rms_norm_eps": 1e-5,
+    "rope_theta": 10000.0, "max_position_embeddings": 256,
+}
+
+
+def test_from_hf_dispatch_and_defaults():
+    cfg = ModelConfig.from_hf_config(LLAMA)
+    assert (cfg.architecture, cfg.head_dim, cfg.num_kv_heads) == ("llama", 16, 2)
+    assert not cfg.attention_bias and not cfg.qk_norm
+    q2 = ModelConfig.from_hf_config({**LLAMA, "architectures": ["Qwen2ForCausalLM"]})
+    assert q2.attention_bias and not q2.qk_norm
+    q3 = ModelConfig.from_hf_config({**LLAMA, "architectures": ["Qwen3ForCausalLM"], "head_dim": 32})
+    assert q3.qk_norm and q3.head_dim == 32 and q3.q_size == 128
+
+
+def test_from_hf_path(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps(LLAMA))
+    assert ModelConfig.from_hf_config(tmp_path).num_layers == 2
+    with pytest.raises(ValueError, match="config.json not found"):
+        ModelConfig.from_hf_config(tmp_path / "nope")
+    (tmp_path / "bad.json").write_text("{not json")
+    with pytest.raises(ValueError, match="not valid JSON"):
+        ModelConfig.from_hf_config(tmp_path / "bad.json")
+
+
+@pytest.mark.parametrize("change, field", [
+    ({"architectures": ["GPT2LMHeadModel"]}, "architectures"),
+    ({"architectures": []}, "architectures"),
+    ({"hidden_size": None}, "hidden_size"),
+    ({"num_key_value_heads": 3}, "num_heads"),
+    ({"vocab_size": -1}, "vocab_size"),
+    ({"rope_scaling": {"rope_type": "yarn-ish"}}, "rope_type"),
+])
+def test_malformed_hf_config_names_field(change, field):
+    with pytest.raises(ValueError, match=field):
+        ModelConfig.from_hf_config({**LLAMA, **change})
+
+
+def test_unsupported_architecture_lists_supported():
+    with pytest.raises(ValueError, match="Qwen3ForCausalLM"):
+        ModelConfig.from_hf_config({**LLAMA, "architectures": ["MistralForCausalLM"]})
+    with pytest.raises(ValueError, match="general.architecture"):
+        ModelConfig.from_gguf_metadata({"general.architecture": "gpt2"})
+
+
+def test_missing_field_named():
+    cfg = dict(LLAMA)
+    del cfg["intermediate_size"]
+    with pytest.raises(ValueError, match="'intermediate_size' is missing"):
+        ModelConfig.from_hf_config(cfg)
+    with pytest.raises(ValueError, match="llama.block_count"):
+        ModelConfig.from_gguf_metadata({"general.architecture": "llama", "llama.attention.head_count": 4,
+                                        "llama.embedding_length": 64, "llama.vocab_size": 10,
+                                        "llama.feed_forward_length": 128})
+
+
+def test_llama3_rope_scaling_matches_formula():
+    cfg = ModelConfig.from_hf_config({**LLAMA, "rope_scaling": {
+        "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 32}})
+    assert cfg.rope_scaling == RopeScaling("llama3", 8.0, 1.0, 4.0, 32)
+    base = rope_inv_freq(cfg.replace(rope_scaling=RopeScaling()))
+    scaled = rope_inv_freq(cfg)
+    assert scaled[0] == base[0]  # high frequency: untouched
+    assert scaled[-1] == pytest.approx(base[-1] / 8)  # low frequency: divided by factor
+
+
+def test_cache_config_and_named_shapes():
+    with pytest.raises(ValueError, match="page_size"):
+        CacheConfig(page_size=12)
+    q = NAMED_SHAPES["qwen3-4b"]
+    assert 3.9e9 < q.num_params() < 4.1e9
