@@ -103,7 +103,10 @@ class EngineCore:
         self.model_name = config.model or "SmolLM2-135M-Instruct"
         self.tokenizer = tokenizer
         if self.tokenizer is None and source.path is not None:
-            self.tokenizer = Tokenizer.from_pretrained(source.path)
+            if source.path.is_file() or (source.path / "tokenizer.json").exists():
+                self.tokenizer = Tokenizer.from_pretrained(source.path)
+            else:
+                log.warning("%s has no tokenizer.json: prompts must be token ids, outputs carry no text", source.path)
         mesh = make_mesh(config.tensor_parallel_size)
         weights = load_weights(source, config.dtype, mesh, seed=config.seed)
         num_pages = config.num_pages or self._auto_num_pages()

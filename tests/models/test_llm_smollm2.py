@@ -1,0 +1,70 @@
+"""The offline API and CLI on the embedded default model: real text, stop strings, chat."""
+
+import subprocess
+import sys
+
+import pytest
+
+from jinfer import SamplingParams
+from jinfer.llm import LLM
+
+GREEDY = SamplingParams(temperature=0, max_tokens=24)
+FRANCE = [{"role": "user", "content": "What is the capital of France?"}]
+
+
+@pytest.fixture(scope="module")
+def llm(default_gguf):
+    return LLM(str(default_gguf), dtype="float32", max_model_len=256, max_num_batched_tokens=64, max_num_seqs=8,
+               warmup=False)
+
+
+def test_chat_answers_paris(llm):
+    out = llm.chat(FRANCE, GREEDY, use_tqdm=False)[0].outputs[0]
+    assert out.text == "The capital of France is Paris."
+    assert out.finish_reason == "stop" and out.stop_reason is None  # EOS (<|im_end|>), not a stop string
+    assert out.token_ids[-1] == 2
+
+
+def test_stop_string_spanning_tokens(llm):
+    tok = llm.get_tokenizer()
+    full = llm.chat(FRANCE, GREEDY, use_tqdm=False)[0].outputs[0]
+    # "is Par" starts inside " is" and ends inside " Paris": it spans a token boundary
+    pieces = [tok.decode([t]) for t in full.token_ids]
+    assert not any("is Par" in p for p in pieces)
+    out = llm.chat(FRANCE, SamplingParams(temperature=0, max_tokens=24, stop=["is Par"]), use_tqdm=False)[0]
+    o = out.outputs[0]
+    assert o.text == "The capital of France " and o.finish_reason == "stop" and o.stop_reason == "is Par"
+    keep = llm.chat(FRANCE, SamplingParams(temperature=0, max_tokens=24, stop=["is Par"],
+                                           include_stop_str_in_output=True), use_tqdm=False)[0].outputs[0]
+    assert keep.text == "The capital of France is Par"
+
+
+def test_streamed_text_equals_final_text(llm):
+    """Deltas from the core never include a partial stop string and add up to the final text."""
+    core = llm.engine
+    tok = llm.get_tokenizer()
+    ids = tok.encode("Once upon a time")
+    core.add_request("s", ids, SamplingParams(temperature=0, max_tokens=30, stop=["\n\n", "zzz"]))
+    deltas = []
+    while core.has_unfinished_requests():
+        deltas += core.step()
+    text = "".join(d.new_text for d in deltas)
+    assert deltas[-1].finished and "\n\n" not in text
+    full = llm.generate("Once upon a time", SamplingParams(temperature=0, max_tokens=30), use_tqdm=False)[0]
+    assert full.outputs[0].text.startswith(text)
+
+
+def test_mixed_prompts_batch(llm):
+    outs = llm.generate(["The quick brown fox", {"prompt_token_ids": [1, 504, 3575]}],
+                        SamplingParams(temperature=0.8, top_p=0.95, max_tokens=8, seed=0), use_tqdm=False)
+    assert outs[0].prompt == "The quick brown fox" and outs[1].prompt_token_ids == [1, 504, 3575]
+    assert all(len(o.outputs[0].token_ids) <= 8 and o.outputs[0].text for o in outs)
+
+
+def test_cli_generate_chat(default_gguf):
+    proc = subprocess.run([sys.executable, "-m", "jinfer.cli", "generate", "--chat", "--dtype", "float32",
+                           "--max-model-len", "256", "--prompt", "What is the capital of France?"],
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "Paris" in proc.stdout
+    assert "tokens/s" in proc.stderr

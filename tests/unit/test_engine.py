@@ -1,0 +1,192 @@
+"""EngineCore + LLM on a tiny Llama (tests/data/tiny-llama): batching, preemption, chunking and
+prefix caching must be invisible in the outputs; nothing compiles after warm-up."""
+
+import jax
+import numpy as np
+import pytest
+
+from jinfer.engine.core import EngineConfig, EngineCore
+from jinfer.llm import LLM
+from jinfer.sampling_params import SamplingParams
+
+from ..conftest import DATA
+
+TINY = str(DATA / "tiny-llama")
+GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+BASE = dict(dtype="float32", page_size=4, max_model_len=128, max_num_batched_tokens=64, max_num_seqs=16,
+            warmup=False, compilation_cache_dir="")
+
+
+def prompts(n, seed=0):
+    rng = np.random.default_rng(seed)
+    return [rng.integers(3, 256, size=int(rng.integers(3, 40))).tolist() for _ in range(n)]
+
+
+def run_all(core: EngineCore, reqs, arrivals=None, max_steps=10_000):
+    """Feed (id, prompt, params) into the core, request i at step arrivals[i]; return id -> token ids."""
+    arrivals = arrivals or [0] * len(reqs)
+    out: dict[str, list[int]] = {}
+    finish: dict[str, str] = {}
+    step = 0
+    pending = sorted(zip(arrivals, range(len(reqs))))
+    while pending or core.has_unfinished_requests():
+        while pending and pending[0][0] <= step:
+            rid, prompt, params = reqs[pending.pop(0)[1]]
+            core.add_request(rid, prompt, params)
+        for d in core.step():
+            out.setdefault(f"{d.request_id}/{d.index}", []).extend(d.new_token_ids)
+            if d.finished:
+                finish[f"{d.request_id}/{d.index}"] = d.finish_reason
+        step += 1
+        assert step < max_steps
+    return out, finish
+
+
+@pytest.fixture(scope="module")
+def alone():
+    """Each of 16 prompts generated on its own in a fresh engine: the reference."""
+    core = EngineCore(EngineConfig(TINY, **BASE))
+    ref = {}
+    for i, p in enumerate(prompts(16)):
+        out, _ = run_all(core, [(str(i), p, GREEDY)])
+        ref[f"{i}/0"] = out[f"{i}/0"]
+    return ref
+
+
+def test_continuous_batching_is_invisible(alone):
+    core = EngineCore(EngineConfig(TINY, **BASE))
+    reqs = [(str(i), p, GREEDY) for i, p in enumerate(prompts(16))]
+    together, finish = run_all(core, reqs)
+    assert together == alone and set(finish.values()) == {"length"}
+    staggered, _ = run_all(core, [(f"{r}", p, s) for r, p, s in reqs], arrivals=[i * 3 for i in range(16)])
+    assert staggered == alone
+    assert core.kv.num_free_pages == core.kv.num_usable_pages
+
+
+def test_preemption_under_tiny_pool_is_invisible(alone):
+    # 24 usable pages of 4 tokens: 16 requests of up to ~50 tokens cannot all fit at once
+    core = EngineCore(EngineConfig(TINY, **{**BASE, "num_pages": 25}))
+    reqs = [(str(i), p, GREEDY) for i, p in enumerate(prompts(16))]
+    preempted = []
+    orig = core.scheduler._preempt
+    core.scheduler._preempt = lambda r: (preempted.append(r.request_id), orig(r))[1]
+    out, _ = run_all(core, reqs)
+    assert preempted, "the pool was meant to be too small"
+    assert out == alone
+    assert core.kv.num_free_pages == core.kv.num_usable_pages
+
+
+def test_chunked_prefill_equals_unchunked(alone):
+    core = EngineCore(EngineConfig(TINY, **{**BASE, "max_num_batched_tokens": 8}))  # prompts up to 39 tokens
+    out, _ = run_all(core, [(str(i), p, GREEDY) for i, p in enumerate(prompts(16))])
+    assert out == alone
+
+
+def test_prefix_cache_reuses_exact_pages_and_gives_same_output():
+    core = EngineCore(EngineConfig(TINY, **BASE))
+    shared = prompts(1, seed=5)[0] + prompts(1, seed=6)[0]  # a long common prefix
+    a, b = shared + [7, 8, 9], shared + [10, 11]
+    run_all(core, [("a", a, GREEDY)])
+
+    # the pages of a's full prefix pages are cached after it finishes: b must get exactly those
+    from jinfer.engine.request import Request
+    probe = Request("probe", b, GREEDY)
+    pages_a, cached = core.kv.get_computed_pages(probe)
+    assert cached == (len(shared) // 4) * 4 and len(pages_a) == len(shared) // 4
+    hits_before = core.kv.num_hit_tokens
+    core.add_request("b", b, GREEDY)
+    out_b = list(core.step()[0].new_token_ids)
+    req_b = core.scheduler.requests["b"]
+    assert req_b.page_ids[:len(pages_a)] == pages_a
+    assert req_b.num_cached_tokens == cached and core.kv.num_hit_tokens - hits_before == cached
+    while core.has_unfinished_requests():
+        out_b += core.step()[0].new_token_ids
+    fresh = EngineCore(EngineConfig(TINY, **{**BASE, "enable_prefix_caching": False}))
+    out_b_fresh, _ = run_all(fresh, [("b", b, GREEDY)])
+    assert out_b == out_b_fresh["b/0"] and len(out_b) == GREEDY.max_tokens
+    assert fresh.kv.num_hit_tokens == 0
+
+
+def test_abort_frees_all_pages():
+    core = EngineCore(EngineConfig(TINY, **BASE))
+    for i, p in enumerate(prompts(6)):
+        core.add_request(str(i), p, SamplingParams(max_tokens=50, ignore_eos=True, n=2 if i == 0 else 1))
+    core.step()
+    core.step()
+    assert core.kv.num_free_pages < core.kv.num_usable_pages
+    for i in range(6):
+        core.abort(str(i))
+    assert core.kv.num_free_pages == core.kv.num_usable_pages
+    assert not core.has_unfinished_requests() and core.step() == []
+
+
+def test_seeded_sampling_is_reproducible_and_batch_independent():
+    core = EngineCore(EngineConfig(TINY, **BASE))
+    sp = SamplingParams(temperature=1.0, top_p=0.9, top_k=50, seed=1234, max_tokens=10, ignore_eos=True)
+    p = prompts(1, seed=9)[0]
+    alone, _ = run_all(core, [("x", p, sp)])
+    others = [(f"o{i}", q, SamplingParams(temperature=0.7, max_tokens=6, ignore_eos=True))
+              for i, q in enumerate(prompts(5, seed=3))]
+    crowded, _ = run_all(core, others[:3] + [("x", p, sp)] + others[3:], arrivals=[0, 0, 1, 2, 2, 4])
+    assert crowded["x/0"] == alone["x/0"]
+    other_seed, _ = run_all(core, [("x", p, SamplingParams(**{**sp.to_dict(), "seed": 99}))])
+    assert other_seed["x/0"] != alone["x/0"]
+
+
+def test_n_samples_and_request_errors():
+    core = EngineCore(EngineConfig(TINY, **BASE))
+    out, finish = run_all(core, [("r", prompts(1)[0], SamplingParams(n=3, temperature=1.0, max_tokens=5,
+                                                                    ignore_eos=True))])
+    assert sorted(out) == ["r/0", "r/1", "r/2"] and all(len(v) == 5 for v in out.values())
+    with pytest.raises(ValueError, match="context length"):
+        core.add_request("long", [5] * 120, SamplingParams(max_tokens=20))
+    with pytest.raises(ValueError, match="token ids"):
+        core.add_request("bad", [5, 999], SamplingParams())
+    with pytest.raises(ValueError, match="empty"):
+        core.add_request("empty", [], SamplingParams())
+    core.add_request("dup", [5, 6], SamplingParams(max_tokens=2))
+    with pytest.raises(ValueError, match="already in use"):
+        core.add_request("dup", [5, 6], SamplingParams(max_tokens=2))
+    assert not core.scheduler.requests.get("long")
+
+
+def test_no_compilation_after_warmup():
+    core = EngineCore(EngineConfig(TINY, **{**BASE, "warmup": True, "max_num_batched_tokens": 32}))
+    lowered = []
+
+    def listener(event, duration, **kw):
+        if event == "/jax/core/compile/jaxpr_to_mlir_module_duration":
+            lowered.append(kw.get("fun_name", "?"))
+
+    jax.monitoring.register_event_duration_secs_listener(listener)
+    try:
+        reqs = []
+        for i, p in enumerate(prompts(20, seed=11) + [list(range(3, 110))]):
+            kinds = [GREEDY, SamplingParams(temperature=0.8, top_p=0.9, max_tokens=9, seed=i),
+                     SamplingParams(temperature=1.2, top_k=5, min_p=0.05, max_tokens=17, n=2)]
+            reqs.append((f"w{i}", p, kinds[i % 3]))
+        run_all(core, reqs, arrivals=[(i * 7) % 13 for i in range(len(reqs))])
+    finally:
+        jax.monitoring.unregister_event_duration_listener(listener)
+    assert lowered == [], f"compiled after warm-up: {lowered}"
+
+
+def test_llm_api_order_n_and_validation():
+    llm = LLM(TINY, **BASE)
+    ps = prompts(5, seed=21)
+    outs = llm.generate([{"prompt_token_ids": p} for p in ps], GREEDY, use_tqdm=False)
+    assert [o.prompt_token_ids for o in outs] == ps
+    assert all(len(o.outputs[0].token_ids) == 12 and o.outputs[0].finish_reason == "length" for o in outs)
+    # same prompts in reverse order: same outputs, in the new order
+    rev = llm.generate([{"prompt_token_ids": p} for p in ps[::-1]], GREEDY, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in rev] == [o.outputs[0].token_ids for o in outs][::-1]
+    multi = llm.generate([ps[0]], SamplingParams(n=2, max_tokens=3, temperature=1.0, logprobs=2, ignore_eos=True),
+                         use_tqdm=False)[0]
+    assert [c.index for c in multi.outputs] == [0, 1] and all(len(c.logprobs) == 3 for c in multi.outputs)
+    assert all(len(lp) in (2, 3) and c.token_ids[k] in lp for c in multi.outputs for k, lp in enumerate(c.logprobs))
+    with pytest.raises(ValueError, match="tokenizer"):
+        llm.generate("text needs a tokenizer")
+    with pytest.raises(ValueError, match="unknown engine arguments"):
+        LLM(TINY, max_batch=3)
+    with pytest.raises(ValueError, match="max_tokens"):
+        SamplingParams(max_tokens=-1)
