@@ -3,7 +3,9 @@ SHELL := /bin/bash
 VENV := .venv
 PY := $(VENV)/bin/python
 # Python 3.12 (the GPU machine's version): python3.12 on PATH, else a pyenv install.
-PYTHON312 ?= $(shell command -v python3.12 2>/dev/null || ls /root/.pyenv/versions/3.12*/bin/python3.12 2>/dev/null | tail -n 1)
+# (a pyenv shim may exist without a 3.12 behind it, so each candidate must actually run)
+PYTHON312 ?= $(shell for p in python3.12 $$(ls -d /root/.pyenv/versions/3.12*/bin/python3.12 2>/dev/null); do \
+	$$p -c 'import sys; assert sys.version_info[:2] == (3, 12)' 2>/dev/null && { command -v $$p; break; }; done)
 PROMPT ?= What is the capital of France?
 PYTEST_ARGS ?=
 

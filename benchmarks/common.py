@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import time
 from pathlib import Path
@@ -12,8 +13,9 @@ import jax
 
 def environment() -> dict:
     dev = jax.devices()[0]
+    commit = os.environ.get("JINFER_COMMIT")  # the device machine's copy of the tree has no .git
     try:
-        commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True,
+        commit = commit or subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True,
                                 cwd=Path(__file__).parent, check=True).stdout.strip()
     except (subprocess.CalledProcessError, FileNotFoundError):
         commit = "unknown"
