@@ -59,7 +59,7 @@ def main():
         "benchmark": "throughput", **environment(), "shape": args.model, "dtype": args.dtype,
         "num_prompts": args.num_prompts, "input_len": args.input_len, "output_len": args.output_len,
         "max_num_seqs": args.max_num_seqs, "max_num_batched_tokens": args.max_num_batched_tokens,
-        "num_pages": llm.engine.kv.num_usable_pages, "attention": "jnp reference",
+        "num_pages": llm.engine.kv.num_usable_pages, "attention_backend": llm.engine.runner.ops.backend,
         "startup_s": startup_s, "dry_run_s": dry_s, "elapsed_s": elapsed,
         "requests_per_s": args.num_prompts / elapsed, "output_tokens_per_s": n_out / elapsed,
         "total_tokens_per_s": (n_in + n_out) / elapsed, "output_tokens": n_out,

@@ -16,13 +16,16 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--page-size", type=int, default=16)
     p.add_argument("--load-format", default="auto", choices=["auto", "dummy"])
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--attention-backend", default="auto", choices=["auto", "reference", "pallas"],
+                   help="auto: Pallas kernels on GPU, jnp reference on CPU")
     p.add_argument("--no-warmup", action="store_true", help="compile shapes lazily instead of at start-up")
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict:
     return dict(dtype=args.dtype, max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
                 max_num_batched_tokens=args.max_num_batched_tokens, num_pages=args.num_pages,
-                page_size=args.page_size, load_format=args.load_format, seed=args.seed, warmup=not args.no_warmup)
+                page_size=args.page_size, load_format=args.load_format, seed=args.seed, warmup=not args.no_warmup,
+                attention_backend=args.attention_backend)
 
 
 def cmd_generate(args: argparse.Namespace) -> int:

@@ -33,23 +33,8 @@ from typing import Any
 import zmq
 from zmq.utils.monitor import recv_monitor_message
 
+from jinfer.engine import protocol as proto
 from jinfer.engine.core_proc import default_address, start_engine_process
-from jinfer.engine.protocol import (
-    Abort,
-    AddRequest,
-    EngineError,
-    EngineReady,
-    Hello,
-    Message,
-    Outputs,
-    ProtocolError,
-    Rejected,
-    Shutdown,
-    Stats,
-    StatsRequest,
-    decode,
-    encode,
-)
 from jinfer.outputs import CompletionOutput, EngineOutput, RequestOutput
 from jinfer.sampling_params import SamplingParams
 
@@ -82,7 +67,7 @@ class EngineClient:
     def __init__(self, address: str, *, process: subprocess.Popen | None = None, startup_timeout: float = 900.0,
                  name: str = "client", ipc_dir: str | None = None):
         self.address, self.process, self._ipc_dir = address, process, ipc_dir
-        self.info: EngineReady | None = None
+        self.info: proto.EngineReady | None = None
         self.latest_stats: dict[str, float] = {}
         self._dead: str | None = None
         self._closing = False
@@ -100,18 +85,23 @@ class EngineClient:
         self._sock.setsockopt(zmq.SNDHWM, 0)
         self._sock.setsockopt(zmq.RCVHWM, 0)
         self._monitor = self._sock.get_monitor_socket(zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED)
+        self._wake_lock = threading.Lock()
         self._wake_r, self._wake_w = os.pipe()
         os.set_blocking(self._wake_r, False)
+        os.set_blocking(self._wake_w, False)
         self._sock.connect(address)
         self._thread = threading.Thread(target=self._io_loop, name=f"jinfer-{name}-io", daemon=True)
         self._thread.start()
-        self._send(Hello(client_name=name))
+        self._send(proto.Hello(client_name=name))
         deadline = time.monotonic() + startup_timeout
-        while not self._ready.wait(0.1):
-            if self._dead or time.monotonic() > deadline:
-                reason = self._dead or f"no answer from the engine at {address} within {startup_timeout:.0f} s"
-                self.close()
-                raise EngineDeadError(f"engine did not start: {reason}")
+        try:
+            while not self._ready.wait(0.1):
+                if self._dead or time.monotonic() > deadline:
+                    reason = self._dead or f"no answer from the engine at {address} within {startup_timeout:.0f} s"
+                    raise EngineDeadError(f"engine did not start: {reason}")
+        except BaseException:  # also Ctrl-C while the model loads: never leave the process behind
+            self.close()
+            raise
 
     @classmethod
     def spawn(cls, config: Any = None, *, address: str | None = None, core_factory: str | None = None,
@@ -159,15 +149,20 @@ class EngineClient:
         """Disconnect; an owned engine process is shut down (Shutdown, then SIGTERM, then SIGKILL)."""
         if self._closing:
             return
-        if self.process is not None and self._dead is None:
-            self._send(Shutdown())
+        if self.process is not None and self._dead is None and self._ready.is_set():
+            self._send(proto.Shutdown())
         self._closing = True
         self._fail_all("the engine client was closed")
-        if self._thread.is_alive() and threading.current_thread() is not self._thread:
-            os.write(self._wake_w, b"x")
+        if threading.current_thread() is not self._thread:
+            self._wake()
             self._thread.join(2.0)
+            with self._wake_lock:  # never write to a closed (maybe reused) descriptor
+                os.close(self._wake_w)
+                self._wake_w = -1
         if self.process is not None:
-            for action, wait in ((None, 10.0), (self.process.terminate, 5.0), (self.process.kill, 5.0)):
+            # Before EngineReady the engine is loading and reads no messages: SIGTERM at once.
+            steps = [(None, 10.0)] if self._ready.is_set() else []
+            for action, wait in steps + [(self.process.terminate, 5.0), (self.process.kill, 5.0)]:
                 if action is not None:
                     action()
                 try:
@@ -199,7 +194,7 @@ class EngineClient:
             if request_id in self._pending:
                 raise ValueError(f"request_id={request_id!r} is already in use")
             self._pending[request_id] = _Pending(tag, q, loop, set(range(params.n)))
-        self._send(AddRequest(request_id, ids, params.to_dict()))
+        self._send(proto.AddRequest(request_id, ids, params.to_dict()))
 
     def abort(self, request_id: str) -> None:
         """Stop a request: its unfinished samples end with finish_reason "abort"; the engine frees its pages."""
@@ -211,7 +206,7 @@ class EngineClient:
                   for i in sorted(p.open_seqs)]
         self._deliver([(p, [(p.tag, o) for o in finals] + [(p.tag, _DONE)])])
         if self.is_alive:
-            self._send(Abort([request_id]))
+            self._send(proto.Abort([request_id]))
 
     def generate(self, prompt: Prompt, params: SamplingParams | None = None, request_id: str | None = None,
                  timeout: float | None = None) -> RequestOutput:
@@ -321,14 +316,22 @@ class EngineClient:
             raise EngineDeadError(self._dead or "the engine client is closed")
         token = next(self._tokens)
         self._stats_waiters[token] = callback
-        self._send(StatsRequest(token))
+        self._send(proto.StatsRequest(token))
         return token
 
     # ---- the I/O thread ------------------------------------------------------------------------
 
-    def _send(self, msg: Message) -> None:
-        self._outbox.append(encode(msg))
-        os.write(self._wake_w, b"x")
+    def _send(self, msg: proto.Message) -> None:
+        self._outbox.append(proto.encode(msg))
+        self._wake()
+
+    def _wake(self) -> None:
+        with self._wake_lock:
+            if self._wake_w >= 0:
+                try:
+                    os.write(self._wake_w, b"x")
+                except BlockingIOError:  # pipe full: a wake-up is pending anyway
+                    pass
 
     def _io_loop(self) -> None:
         poller = zmq.Poller()
@@ -356,9 +359,14 @@ class EngineClient:
             log.exception("engine client I/O thread failed")
             self._on_dead(f"engine client I/O failed: {type(e).__name__}: {e}")
         finally:
+            try:
+                while self._outbox:  # e.g. the Shutdown that close() just queued
+                    self._sock.send(self._outbox.popleft(), zmq.NOBLOCK)
+            except zmq.ZMQError:
+                pass
             self._sock.disable_monitor()
             self._monitor.close(0)
-            self._sock.close(0)
+            self._sock.close(linger=500)
             os.close(self._wake_r)
             self._ctx.term()
 
@@ -368,26 +376,26 @@ class EngineClient:
 
     def _on_frame(self, frame: bytes) -> None:
         try:
-            msg = decode(frame)
-        except ProtocolError as e:
+            msg = proto.decode(frame)
+        except proto.ProtocolError as e:
             log.warning("dropped an invalid message from the engine: %s", e)
             return
-        if isinstance(msg, Outputs):
+        if isinstance(msg, proto.Outputs):
             self._on_outputs(msg.outputs)
-        elif isinstance(msg, Stats):
+        elif isinstance(msg, proto.Stats):
             self.latest_stats = msg.stats
             waiter = self._stats_waiters.pop(msg.token, None) if msg.token else None
             if waiter is not None:
                 waiter(msg.stats)
-        elif isinstance(msg, Rejected):
+        elif isinstance(msg, proto.Rejected):
             with self._lock:
                 p = self._pending.pop(msg.request_id, None)
             if p is not None:
                 self._deliver([(p, [(p.tag, ValueError(msg.message)), (p.tag, _DONE)])])
-        elif isinstance(msg, EngineReady):
+        elif isinstance(msg, proto.EngineReady):
             self.info = msg
             self._ready.set()
-        elif isinstance(msg, EngineError):
+        elif isinstance(msg, proto.EngineError):
             self._on_dead(msg.message)
         else:
             log.warning("dropped an unexpected %s message from the engine", type(msg).__name__)
@@ -425,10 +433,9 @@ class EngineClient:
         with self._lock:
             pending, self._pending = self._pending, {}
             waiters, self._stats_waiters = self._stats_waiters, {}
-        err = EngineDeadError(reason)
-        self._deliver([(p, [(p.tag, err), (p.tag, _DONE)]) for p in pending.values()])
+        self._deliver([(p, [(p.tag, EngineDeadError(reason)), (p.tag, _DONE)]) for p in pending.values()])
         for waiter in waiters.values():
-            waiter(err)
+            waiter(EngineDeadError(reason))
 
     def _on_dead(self, reason: str) -> None:
         if self._dead is not None or self._closing:

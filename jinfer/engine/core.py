@@ -22,6 +22,7 @@ from jinfer.engine.model_runner import ModelRunner, StepRow, kv_cache_bytes_per_
 from jinfer.engine.request import FinishReason, Request
 from jinfer.engine.sampler import num_logprobs_for, pack_token_mask
 from jinfer.engine.scheduler import Scheduler, SchedulerConfig
+from jinfer.models.ops import BACKENDS, select_ops
 from jinfer.outputs import EngineOutput
 from jinfer.parallel import make_mesh
 from jinfer.sampling_params import SamplingParams
@@ -57,6 +58,7 @@ class EngineConfig:
     enable_chunked_prefill: bool = True
     tensor_parallel_size: int = 1
     seed: int = 0
+    attention_backend: str = "auto"  # "auto" (Pallas on GPU, jnp elsewhere) | "reference" | "pallas"
     warmup: bool = True  # compile every bucket at start-up
     compilation_cache_dir: str | None = None  # default $JINFER_COMPILATION_CACHE or ~/.cache/jinfer/xla; "" off
 
@@ -71,6 +73,8 @@ class EngineConfig:
             v = getattr(self, name)
             if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < 1):
                 raise ValueError(f"{name}={v!r} must be an integer >= 1 or None")
+        if self.attention_backend not in BACKENDS:
+            raise ValueError(f"attention_backend={self.attention_backend!r} must be one of {BACKENDS}")
         if not 0 < self.gpu_memory_utilization <= 1:
             raise ValueError(f"gpu_memory_utilization={self.gpu_memory_utilization} must be in (0, 1]")
 
@@ -120,7 +124,8 @@ class EngineCore:
             enable_chunked_prefill=config.enable_chunked_prefill), self.kv)
         self.runner = ModelRunner(self.model_config, weights, mesh, num_pages=num_pages, page_size=config.page_size,
                                   kv_dtype=DTYPES[config.dtype], max_num_batched_tokens=config.max_num_batched_tokens,
-                                  max_num_seqs=config.max_num_seqs, max_model_len=max_len)
+                                  max_num_seqs=config.max_num_seqs, max_model_len=max_len,
+                                  ops=select_ops(config.attention_backend))
         self._seqs: dict[str, _Seq] = {}  # sequence id -> state
         self._children: dict[str, list[str]] = {}  # request id -> its sequence ids
         self._rng = np.random.default_rng(config.seed)

@@ -280,7 +280,7 @@ def run_engine_core(config: Any, address: str, *, parent_pid: int | None = None,
     sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
     sock.setsockopt(zmq.SNDHWM, 0)
     sock.setsockopt(zmq.RCVHWM, 0)
-    sock.setsockopt(zmq.LINGER, 1000)
+    sock.setsockopt(zmq.LINGER, 200)  # goodbyes to clients that may be gone already
     sock.bind(address)
     log.info("engine process %d listening on %s", os.getpid(), address)
     proc = None

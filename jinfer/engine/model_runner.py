@@ -1,7 +1,7 @@
 """Turns a scheduled batch into padded device arrays and runs one jitted forward + sampling step.
 
 Shapes come from a small fixed set of buckets so serving never stalls on a compile:
-- T (tokens in the step): powers of two from `MIN_TOKENS` up to `max_num_batched_tokens`;
+- T (tokens in the step): 1, then powers of two from `MIN_TOKENS` up to `max_num_batched_tokens`;
 - B (sequences): min(T, the max_num_seqs bucket): a step never has more sequences than tokens;
 - P (pages per sequence in the page table): powers of two up to the longest sequence allowed.
 `warmup()` compiles every (T, P) forward and the plain sampler for every B ahead of time. The KV
@@ -27,6 +27,7 @@ from jinfer.engine.sampler import SampleResult, SamplingTensors, sample
 from jinfer.engine.scheduler import SchedulerOutput
 from jinfer.models.batch import Batch
 from jinfer.models.llama import Weights, forward
+from jinfer.models.ops import REFERENCE_OPS, ModelOps
 from jinfer.parallel import logical_sharding
 
 log = logging.getLogger(__name__)
@@ -76,16 +77,18 @@ class StepRow:
 
 class ModelRunner:
     def __init__(self, cfg: ModelConfig, weights: Weights, mesh: Mesh, *, num_pages: int, page_size: int,
-                 kv_dtype, max_num_batched_tokens: int, max_num_seqs: int, max_model_len: int, attn_fn=None):
+                 kv_dtype, max_num_batched_tokens: int, max_num_seqs: int, max_model_len: int,
+                 ops: ModelOps = REFERENCE_OPS):
         self.cfg, self.weights, self.mesh = cfg, weights, mesh
         self.page_size = page_size
         self.kv_cache = init_kv_cache(cfg, num_pages, page_size, kv_dtype, mesh)
-        self.token_buckets = pow2_buckets(MIN_TOKENS, max(max_num_batched_tokens, MIN_TOKENS))
+        # T=1 is its own bucket: batch-1 decode is the latency-critical case and has its own kernels.
+        self.token_buckets = (1,) + pow2_buckets(MIN_TOKENS, max(max_num_batched_tokens, MIN_TOKENS))
         self.max_seqs_bucket = pick(pow2_buckets(1, 1 << (max_num_seqs - 1).bit_length()), max_num_seqs)
         max_pages = cdiv(max_model_len, page_size)
         self.page_buckets = pow2_buckets(min(MIN_PAGES, max_pages), max_pages)
-        fwd = partial(forward, cfg=cfg) if attn_fn is None else partial(forward, cfg=cfg, attn_fn=attn_fn)
-        self._forward = jax.jit(fwd, donate_argnames=("kv_cache",))
+        self.ops = ops
+        self._forward = jax.jit(partial(forward, cfg=cfg, ops=ops), donate_argnames=("kv_cache",))
         self._sample = jax.jit(sample, static_argnames=("num_logprobs",))
         self.compile_seconds = 0.0
 

@@ -7,7 +7,6 @@ once in `weight_specs`; random init, sharding and checkpoint loading are derived
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass, fields
 from functools import partial
 
@@ -16,7 +15,8 @@ import jax.numpy as jnp
 
 from jinfer.config import ModelConfig
 from jinfer.models.batch import Batch
-from jinfer.models.layers import apply_rope, paged_attention_reference, rms_norm, rope_cos_sin, swiglu_mlp, write_kv
+from jinfer.models.layers import apply_rope, rms_norm, rope_cos_sin, write_kv
+from jinfer.models.ops import REFERENCE_OPS, ModelOps
 
 
 @dataclass(frozen=True)
@@ -115,11 +115,7 @@ def assemble_weights(cfg: ModelConfig, arrays: dict[str, jax.Array]) -> Weights:
     return Weights(arrays["embed"], layers, arrays["final_norm"], arrays.get("lm_head"))
 
 
-AttentionFn = Callable[..., jax.Array]
-
-
-def _attention(layer: LayerWeights, x: jax.Array, cos, sin, kv, batch: Batch, cfg: ModelConfig,
-               attn_fn: AttentionFn):
+def _attention(layer: LayerWeights, x: jax.Array, cos, sin, kv, batch: Batch, cfg: ModelConfig, ops: ModelOps):
     T = x.shape[0]
     H, KVH, D = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
     q, k, v = x @ layer.wq, x @ layer.wk, x @ layer.wv
@@ -130,12 +126,8 @@ def _attention(layer: LayerWeights, x: jax.Array, cos, sin, kv, batch: Batch, cf
         q, k = rms_norm(q, layer.q_norm, cfg.rms_norm_eps), rms_norm(k, layer.k_norm, cfg.rms_norm_eps)
     q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
     k_cache, v_cache = write_kv(kv[0], kv[1], k, v, batch.slot_mapping)
-    out = attn_fn(q, k_cache, v_cache, batch, D**-0.5)  # [T, H, D]
+    out = ops.attention(q, k_cache, v_cache, batch, D**-0.5)  # [T, H, D]
     return out.reshape(T, H * D) @ layer.wo, (k_cache, v_cache)
-
-
-def reference_attention(q, k_cache, v_cache, batch: Batch, scale: float) -> jax.Array:
-    return paged_attention_reference(q, k_cache, v_cache, batch.positions, batch.query_start, batch.page_table, scale)
 
 
 def forward(
@@ -143,7 +135,7 @@ def forward(
     batch: Batch,
     kv_cache: tuple[tuple[jax.Array, jax.Array], ...],
     cfg: ModelConfig,
-    attn_fn: AttentionFn = reference_attention,
+    ops: ModelOps = REFERENCE_OPS,
 ) -> tuple[jax.Array, tuple[tuple[jax.Array, jax.Array], ...]]:
     """One step over a flattened ragged batch. Returns (logits [N, vocab] float32, updated kv_cache).
 
@@ -155,10 +147,10 @@ def forward(
     new_cache = []
     for layer, kv in zip(weights.layers, kv_cache, strict=True):
         attn_out, kv = _attention(layer, rms_norm(x, layer.attn_norm, cfg.rms_norm_eps), cos, sin, kv, batch, cfg,
-                                  attn_fn)
+                                  ops)
         x = x + attn_out
         h = rms_norm(x, layer.mlp_norm, cfg.rms_norm_eps)
-        x = x + swiglu_mlp(h, layer.w_gate, layer.w_up, layer.w_down)
+        x = x + ops.mlp(h, layer.w_gate, layer.w_up, layer.w_down)
         new_cache.append(kv)
     x = rms_norm(x[batch.logits_indices], weights.final_norm, cfg.rms_norm_eps)  # [N, hidden]
     head = weights.embed.T if weights.lm_head is None else weights.lm_head
@@ -166,6 +158,6 @@ def forward(
     return logits, tuple(new_cache)
 
 
-@partial(jax.jit, static_argnames=("cfg", "attn_fn"), donate_argnames=("kv_cache",))
-def forward_jit(weights, batch, kv_cache, cfg, attn_fn=reference_attention):
-    return forward(weights, batch, kv_cache, cfg, attn_fn)
+@partial(jax.jit, static_argnames=("cfg", "ops"), donate_argnames=("kv_cache",))
+def forward_jit(weights, batch, kv_cache, cfg, ops=REFERENCE_OPS):
+    return forward(weights, batch, kv_cache, cfg, ops)

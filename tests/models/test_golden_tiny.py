@@ -14,6 +14,7 @@ import pytest
 
 from jinfer.models.batch import make_batch
 from jinfer.models.llama import forward
+from jinfer.models.ops import REFERENCE_OPS, ModelOps
 from jinfer.weights.loader import load_weights, resolve_model
 
 from ..conftest import DATA
@@ -37,10 +38,16 @@ def scrambled_pages(seed, n):
     return [int(p) for p in np.random.default_rng(seed).permutation(NUM_PAGES)[:n]]
 
 
-@pytest.fixture(scope="module", params=["llama", "qwen2", "qwen3"])
+# The Pallas kernels run in the Pallas interpreter here; natively on GPU (see tests/kernels).
+OPS = {"ref": REFERENCE_OPS, "pallas": ModelOps("pallas", interpret=jax.default_backend() != "gpu")}
+
+
+@pytest.fixture(scope="module", params=[(a, o) for a in ("llama", "qwen2", "qwen3") for o in OPS],
+                ids=lambda p: f"{p[0]}-{p[1]}")
 def model(request):
-    cfg, w, gold = load(request.param)
-    step = jax.jit(partial(forward, cfg=cfg), donate_argnames=("kv_cache",))
+    arch, ops = request.param
+    cfg, w, gold = load(arch)
+    step = jax.jit(partial(forward, cfg=cfg, ops=OPS[ops]), donate_argnames=("kv_cache",))
     return cfg, w, gold, step
 
 

@@ -110,7 +110,7 @@ def test_filter_rows_do_not_depend_on_batch():
 
 LARGE_V = 2 * NUM_GROUPS * GROUP_SIZE  # so that the candidate path and its fallback both run
 LARGE_CASES = [  # std of the logits, temperature, top_k, top_p, min_p
-    (3.0, 1.0, -1, 0.9, 0.0),  # peaked: the nucleus is among the candidates
+    (3.0, 1.0, -1, 0.9, 0.0),  # peaked (std 3 is spiked, like LM logits): the candidates suffice
     (0.3, 1.0, -1, 0.9, 0.0),  # flat: the nucleus needs the full sort
     (3.0, 0.8, 100, 0.8, 0.0),
     (0.3, 1.0, 200, 1.0, 0.0),
@@ -133,6 +133,8 @@ def test_candidates_hold_every_token_above_cut():
 def test_large_vocab_filters_match_numpy_and_batch():
     rng = np.random.default_rng(11)
     logits = np.stack([rng.normal(0, c[0], LARGE_V) for c in LARGE_CASES]).astype(np.float32)
+    for b in (0, 2):
+        logits[b, rng.choice(LARGE_V, 20, replace=False)] += rng.uniform(10, 14, 20)
     rows = [(params(temperature=T, top_k=k, top_p=p, min_p=m), [], None, 0) for _, T, k, p, m in LARGE_CASES]
     out = np.asarray(jit_processed_logits(logits, SamplingTensors.from_params(rows, LARGE_V)))
     for b, (_, T, k, p, m) in enumerate(LARGE_CASES):

@@ -1,0 +1,92 @@
+"""Latency of the engine: TTFT and TPOT at batch sizes 1..N, input length L, output length O.
+
+    python -m benchmarks.bench_latency --shape qwen3-4b --batch-sizes 1 8 32 --input-len 1024 --output-len 128
+
+Drives EngineCore directly (no server): all requests of a batch arrive together; TTFT is the time
+until every request of the batch has its first token, TPOT the mean time per later decode step
+(p50/p99 over steps). Each batch size runs twice and the second run is timed, so no compile lands
+in a figure. The decode roofline uses the bandwidth measured in the same run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import numpy as np
+
+from benchmarks.common import environment, write_result
+from benchmarks.roofline import decode_bytes, measure_bandwidth
+from jinfer.engine.core import EngineConfig, EngineCore
+from jinfer.sampling_params import SamplingParams
+
+
+def run_batch(core: EngineCore, prompts: list[list[int]], output_len: int, tag: str) -> dict:
+    params = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True)
+    for i, p in enumerate(prompts):
+        core.add_request(f"{tag}-{i}", p, params)
+    t0 = time.perf_counter()
+    first_seen: set[str] = set()
+    ttft = None
+    step_times = []
+    while core.has_unfinished_requests():
+        t = time.perf_counter()
+        outs = core.step()  # returns after the sampled tokens reached the host: the step is synced
+        step_times.append(time.perf_counter() - t)
+        first_seen.update(o.request_id for o in outs if o.new_token_ids)
+        if ttft is None and len(first_seen) == len(prompts):
+            ttft = time.perf_counter() - t0
+            decode_start = len(step_times)
+    decode = np.asarray(step_times[decode_start:]) * 1e3
+    return {"ttft_ms": ttft * 1e3, "tpot_ms": float(decode.mean()), "tpot_p50_ms": float(np.percentile(decode, 50)),
+            "tpot_p99_ms": float(np.percentile(decode, 99)), "decode_steps": int(len(decode)),
+            "total_s": time.perf_counter() - t0}
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--shape", default="qwen3-4b", help="named shape (dummy weights) or a model path")
+    ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 8, 32])
+    ap.add_argument("--input-len", type=int, default=1024)
+    ap.add_argument("--output-len", type=int, default=128)
+    ap.add_argument("--attention-backend", default="auto")
+    ap.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    ap.add_argument("--profile", help="write a jax.profiler (Perfetto) trace of the timed runs here")
+    ap.add_argument("--out")
+    args = ap.parse_args()
+
+    model = args.shape if "/" in args.shape else f"dummy:{args.shape}"
+    t0 = time.perf_counter()
+    core = EngineCore(EngineConfig(model=model, dtype=args.dtype, max_model_len=args.input_len + args.output_len,
+                                   max_num_seqs=max(args.batch_sizes),
+                                   max_num_batched_tokens=args.max_num_batched_tokens,
+                                   attention_backend=args.attention_backend, warmup=False))
+    startup_s = time.perf_counter() - t0
+    cfg = core.model_config
+    bandwidth = measure_bandwidth()
+    rng = np.random.default_rng(0)
+    rows = []
+    for bs in args.batch_sizes:
+        make = lambda n=bs: [rng.integers(0, cfg.vocab_size, args.input_len).tolist() for _ in range(n)]
+        run_batch(core, make(), args.output_len, f"warm{bs}")  # compiles every shape this batch uses
+        if args.profile:
+            import jax
+            jax.profiler.start_trace(args.profile)
+        row = run_batch(core, make(), args.output_len, f"run{bs}")
+        if args.profile:
+            jax.profiler.stop_trace()
+        mid_context = args.input_len + args.output_len // 2
+        floor = decode_bytes(cfg, bs, mid_context)["total"] / bandwidth * 1e3
+        rows.append({"batch_size": bs, **row, "roofline_tpot_ms": floor, "tpot_over_roofline": row["tpot_ms"] / floor})
+        print(f"batch {bs}: TTFT {row['ttft_ms']:.1f} ms, TPOT {row['tpot_ms']:.2f} ms "
+              f"(roofline {floor:.2f} ms, {row['tpot_ms'] / floor:.2f}x)")
+    result = {"benchmark": "latency", **environment(), "shape": args.shape, "dtype": args.dtype,
+              "input_len": args.input_len, "output_len": args.output_len,
+              "attention_backend": core.runner.ops.backend, "startup_s": startup_s,
+              "measured_bandwidth_Bps": bandwidth, "rows": rows}
+    write_result(result, args.out)
+
+
+if __name__ == "__main__":
+    main()

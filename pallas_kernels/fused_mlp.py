@@ -1,0 +1,200 @@
+"""Fused SwiGLU MLP: `(silu(x @ w_gate) * (x @ w_up)) @ w_down` without the intermediate in HBM.
+
+One program owns (token tile, intermediate block): it computes the gate and up projections of its
+`block_i` intermediate columns in fp32, forms `silu(gate) * up` in registers, and multiplies it
+straight into `w_down`'s matching rows. The down projection sums over the intermediate dimension,
+which is split across programs, so each program writes its `[block_t, hidden]` contribution as an
+fp32 partial `[splits, T, hidden]` and XLA sums the `I / block_i` partials (deterministic). That
+costs `splits * T * hidden * 4` bytes of traffic, so the kernel can only pay off for decode-sized
+token counts; the runner picks it per token count from the measured table
+(benchmarks/results/kernels_*.json). (fp32 atomic adds into one `[T, hidden]` buffer instead of
+partials measured 1.6-10x slower on the H100; see kernels_h100_sweep_v0.json.)
+
+GPU backend: the Pallas Triton lowering (see `pallas_kernels/__init__.py`).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+
+
+# ----------------------------------------------------------------------------------------------
+# Kernel body
+# ----------------------------------------------------------------------------------------------
+def _mlp_kernel(
+    x_ref,  # [block_t, hidden]
+    wg_ref,  # [hidden, block_i]: this program's gate columns
+    wu_ref,  # [hidden, block_i]: this program's up columns
+    wd_ref,  # [block_i, hidden]: the matching down-projection rows
+    o_ref,  # [block_t, hidden] fp32: this intermediate block's partial of the output
+    *,
+    block_k: int,
+    block_n: int,
+):
+    block_t, hidden = x_ref.shape
+    block_i = wg_ref.shape[1]
+
+    def up_body(kk, carry):
+        g, u = carry  # [block_t, block_i] fp32 each
+        cols = pl.ds(kk * block_k, block_k)
+        xk = x_ref[:, cols]  # [block_t, block_k]
+        g = g + plgpu.dot(xk, wg_ref[cols, :])
+        u = u + plgpu.dot(xk, wu_ref[cols, :])
+        return g, u
+
+    zeros = jnp.zeros((block_t, block_i), jnp.float32)
+    g, u = jax.lax.fori_loop(0, hidden // block_k, up_body, (zeros, zeros))
+    h = (g * jax.nn.sigmoid(g) * u).astype(wd_ref.dtype)  # [block_t, block_i], never leaves the SM
+
+    def down_body(n, _):
+        cols = pl.ds(n * block_n, block_n)
+        o_ref[:, cols] = plgpu.dot(h, wd_ref[:, cols])  # [block_t, block_n] fp32
+        return 0
+
+    jax.lax.fori_loop(0, hidden // block_n, down_body, 0)
+
+
+# ----------------------------------------------------------------------------------------------
+# Wrapper: grid and block specs
+# ----------------------------------------------------------------------------------------------
+def _pow2_divisor(n: int, cap: int) -> int:
+    """Largest power of two <= cap dividing n."""
+    d = 1
+    while d * 2 <= cap and n % (d * 2) == 0:
+        d *= 2
+    return d
+
+
+def _mlp_call(x, w_gate, w_up, w_down, *, block_t, block_i, num_warps, num_stages, interpret):
+    tokens, hidden = x.shape
+    inter = w_gate.shape[1]
+    if block_t is None:
+        block_t = min(64, max(16, 1 << (tokens - 1).bit_length()))
+    if block_i is None:
+        block_i = _pow2_divisor(inter, 128)
+    if num_warps is None:  # H100 sweep: 8 warps / 3 stages for decode tiles; bigger tiles run out of smem
+        num_warps = 8 if block_t <= 16 else 4
+    if num_stages is None:
+        num_stages = 3 if block_t <= 16 else 2
+    block_k = _pow2_divisor(hidden, 128)
+    block_n = _pow2_divisor(hidden, 256)
+    padded = pl.cdiv(tokens, block_t) * block_t
+    xp = jnp.pad(x, ((0, padded - tokens), (0, 0))) if padded != tokens else x
+    t_tiles, splits = padded // block_t, inter // block_i
+    kernel = functools.partial(_mlp_kernel, block_k=block_k, block_n=block_n)
+    partials = pl.pallas_call(
+        kernel,
+        grid=(t_tiles, splits),
+        in_specs=[
+            pl.BlockSpec((block_t, hidden), lambda t, i: (t, 0)),
+            pl.BlockSpec((hidden, block_i), lambda t, i: (0, i)),
+            pl.BlockSpec((hidden, block_i), lambda t, i: (0, i)),
+            pl.BlockSpec((block_i, hidden), lambda t, i: (i, 0)),
+        ],
+        out_specs=pl.BlockSpec((None, block_t, hidden), lambda t, i: (i, t, 0)),
+        out_shape=jax.ShapeDtypeStruct((splits, padded, hidden), jnp.float32),
+        compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),
+        interpret=interpret,
+        name=f"fused_swiglu_mlp_t{block_t}_i{block_i}",
+    )(xp, w_gate, w_up, w_down)
+    out = partials.sum(axis=0)  # [padded, hidden] fp32
+    return out[:tokens].astype(x.dtype)
+
+
+# ----------------------------------------------------------------------------------------------
+# Public API
+# ----------------------------------------------------------------------------------------------
+@functools.partial(jax.jit, static_argnames=("block_t", "block_i", "num_warps", "num_stages", "interpret"))
+def fused_swiglu_mlp(
+    x: jax.Array,
+    w_gate: jax.Array,
+    w_up: jax.Array,
+    w_down: jax.Array,
+    *,
+    block_t: int | None = None,
+    block_i: int | None = None,
+    num_warps: int | None = None,
+    num_stages: int | None = None,
+    interpret: bool = False,
+) -> jax.Array:
+    """SwiGLU MLP `(silu(x @ w_gate) * (x @ w_up)) @ w_down` with the intermediate kept on-chip.
+
+    Args:
+      x: `[tokens, hidden]`.
+      w_gate, w_up: `[hidden, intermediate]`.
+      w_down: `[intermediate, hidden]`.
+      block_t: tokens per tile (power of two >= 16); default min(64, next_pow2(tokens)).
+      block_i: intermediate columns per program (power of two dividing intermediate); default 128.
+      num_warps, num_stages: Triton launch parameters; None picks (8, 3) for block_t 16, else (4, 2).
+      interpret: run the Pallas interpreter (CPU tests).
+
+    Returns:
+      `[tokens, hidden]` in x's dtype (fp32 accumulation).
+    """
+    if x.ndim != 2:
+        raise ValueError(f"x must be [tokens, hidden], got {x.shape=}")
+    hidden = x.shape[1]
+    if w_gate.ndim != 2 or w_gate.shape[0] != hidden or w_up.shape != w_gate.shape:
+        raise ValueError(f"w_gate/w_up must be [hidden, intermediate]: {w_gate.shape=} {w_up.shape=} "
+                         f"{x.shape=}")
+    if w_down.shape != (w_gate.shape[1], hidden):
+        raise ValueError(f"w_down must be [intermediate, hidden]: {w_down.shape=} {w_gate.shape=}")
+    if hidden % 16 or w_gate.shape[1] % 16:
+        raise ValueError(f"hidden and intermediate must be multiples of 16: {w_gate.shape=}")
+    if block_t is not None and (block_t < 16 or block_t & (block_t - 1)):
+        raise ValueError(f"block_t must be a power of two >= 16, got {block_t=}")
+    if block_i is not None and (block_i & (block_i - 1) or w_gate.shape[1] % block_i):
+        raise ValueError(f"block_i must be a power of two dividing intermediate, got {block_i=}")
+    return _mlp_call(x, w_gate, w_up, w_down, block_t=block_t, block_i=block_i, num_warps=num_warps,
+                     num_stages=num_stages, interpret=interpret)
+
+
+# ----------------------------------------------------------------------------------------------
+# Reference
+# ----------------------------------------------------------------------------------------------
+@jax.jit
+def fused_swiglu_mlp_reference(x: jax.Array, w_gate: jax.Array, w_up: jax.Array,
+                               w_down: jax.Array) -> jax.Array:
+    """Pure-jnp SwiGLU MLP (what XLA fuses on its own); fp32 accumulation, output in x's dtype."""
+    g = jnp.dot(x, w_gate, preferred_element_type=jnp.float32)
+    u = jnp.dot(x, w_up, preferred_element_type=jnp.float32)
+    h = (jax.nn.silu(g) * u).astype(x.dtype)
+    return jnp.dot(h, w_down, preferred_element_type=jnp.float32).astype(x.dtype)
+
+
+# ----------------------------------------------------------------------------------------------
+# Benchmark
+# ----------------------------------------------------------------------------------------------
+def main() -> None:
+    """Quick timing at Qwen3-4B shapes; the full comparison is benchmarks/bench_kernels.py."""
+    import time
+
+    hidden, inter = 2560, 9728
+    interpret = jax.default_backend() != "gpu"
+    if interpret:
+        hidden, inter = 256, 512
+    key = jax.random.key(0)
+    kx, kg, ku, kd = jax.random.split(key, 4)
+    wg = jax.random.normal(kg, (hidden, inter), jnp.bfloat16) * hidden**-0.5
+    wu = jax.random.normal(ku, (hidden, inter), jnp.bfloat16) * hidden**-0.5
+    wd = jax.random.normal(kd, (inter, hidden), jnp.bfloat16) * inter**-0.5
+    for tokens in (1, 16, 64):
+        x = jax.random.normal(kx, (tokens, hidden), jnp.bfloat16)
+        fn = functools.partial(fused_swiglu_mlp, interpret=interpret)
+        for name, f in (("pallas", fn), ("xla", fused_swiglu_mlp_reference)):
+            f(x, wg, wu, wd).block_until_ready()
+            reps = 2 if interpret else 50
+            t0 = time.perf_counter()
+            for _ in range(reps):
+                out = f(x, wg, wu, wd)
+            out.block_until_ready()
+            print(f"mlp T={tokens} {name}: {(time.perf_counter() - t0) / reps * 1e6:.1f} us")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,317 @@
+"""Paged decode attention: one new query token per sequence against its paged KV cache.
+
+KV cache layout (vLLM/flash): `k_cache, v_cache` each `[num_pages, page_size, num_kv_heads, head_dim]`.
+Sequence b's token at position t lives in page `page_table[b, t // page_size]`, row `t % page_size`.
+The query of sequence b is at position `seq_lens[b] - 1` and attends to positions `0..seq_lens[b]-1`.
+
+One program handles (sequence, kv head, split): the G query heads sharing that kv head are one
+`[G, head_dim]` matrix (padded to 16 rows, the smallest tensor-core tile), so each K/V byte is read
+once. A program walks its split of the sequence in blocks of `pages_per_block` pages, gathering
+the pages by id, with an fp32 online softmax. With `num_splits > 1` (flash-decoding) every split writes
+an unnormalised fp32 partial plus its running max / sum and a small XLA epilogue merges them; this
+keeps the GPU busy when the batch is small and the contexts are long.
+
+GPU backend: the Pallas Triton lowering (see `pallas_kernels/__init__.py` for why).
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+
+LOG2E = math.log2(math.e)
+MASK_VALUE = -0.7 * float(jnp.finfo(jnp.float32).max)  # finite: masked rows never make NaN
+MIN_ROWS = 16  # tensor-core dots want M >= 16
+TARGET_PROGRAMS = 264  # ~2 waves of the H100's 132 SMs, used to pick num_splits
+
+
+# ----------------------------------------------------------------------------------------------
+# Kernel body
+# ----------------------------------------------------------------------------------------------
+def _decode_kernel(
+    q_ref,  # [Gp, D]: the (padded) query heads of this kv head
+    k_ref,  # [num_pages, page_size, D]: this kv head's slice of the whole K cache
+    v_ref,  # [num_pages, page_size, D]
+    pt_ref,  # [Pp]: this sequence's page ids (padded to num_splits * blocks_per_split * ppb)
+    len_ref,  # [1]: this sequence's context length
+    o_ref,  # [Gp, D]: normalised output (one split) or unnormalised fp32 partial (split-K)
+    *ml_refs,  # split-K only: m_ref [Gp], l_ref [Gp] fp32 (running max in log2 units, sum)
+    scale: float,
+    pages_per_block: int,
+    blocks_per_split: int,
+):
+    split = pl.program_id(2)
+    rows, head_dim = q_ref.shape
+    page_size = k_ref.shape[1]
+    block_k = pages_per_block * page_size
+    seq_len = len_ref[0]
+    first_block = split * blocks_per_split
+    n_blocks = jnp.clip(pl.cdiv(seq_len - first_block * block_k, block_k), 0, blocks_per_split)
+
+    q = q_ref[...]  # [Gp, D]
+    qk_scale = scale * LOG2E  # softmax in base 2: exp2 is one instruction
+
+    def body(i, carry):
+        acc, m_prev, l_prev = carry  # [Gp, D], [Gp], [Gp] fp32
+        blk = first_block + i
+        pages = pt_ref[pl.ds(blk * pages_per_block, pages_per_block)]  # [ppb]
+        k = k_ref[pages].reshape(block_k, head_dim)  # [block_k, D] gathered pages
+        v = v_ref[pages].reshape(block_k, head_dim)  # [block_k, D]
+        s = plgpu.dot(q, k, trans_b=True) * qk_scale  # [Gp, block_k] fp32
+        pos = blk * block_k + jnp.arange(block_k, dtype=jnp.int32)  # [block_k]
+        s = jnp.where((pos < seq_len)[None, :], s, MASK_VALUE)
+        m_next = jnp.maximum(m_prev, s.max(axis=1))  # [Gp]
+        alpha = jnp.exp2(m_prev - m_next)  # [Gp]
+        p = jnp.exp2(s - m_next[:, None])  # [Gp, block_k]
+        l_next = alpha * l_prev + p.sum(axis=1)
+        acc = acc * alpha[:, None] + plgpu.dot(p.astype(v.dtype), v)  # [Gp, D]
+        return acc, m_next, l_next
+
+    acc = jnp.zeros((rows, head_dim), jnp.float32)
+    m = jnp.full((rows,), jnp.finfo(jnp.float32).min, jnp.float32)
+    l = jnp.zeros((rows,), jnp.float32)
+    acc, m, l = jax.lax.fori_loop(0, n_blocks, body, (acc, m, l))
+
+    if ml_refs:
+        m_ref, l_ref = ml_refs
+        o_ref[...] = acc
+        m_ref[...] = m
+        l_ref[...] = l
+    else:
+        l_safe = jnp.where(l == 0.0, 1.0, l)  # seq_len 0 (padding) -> zeros, not NaN
+        o_ref[...] = (acc / l_safe[:, None]).astype(o_ref.dtype)
+
+
+# ----------------------------------------------------------------------------------------------
+# Wrapper: grid and block specs
+# ----------------------------------------------------------------------------------------------
+def _next_pow2(n: int) -> int:
+    return 1 << max(0, (n - 1).bit_length())
+
+
+def _plan_splits(batch: int, num_kv_heads: int, num_blocks: int, num_splits: int | None) -> tuple[int, int]:
+    """(num_splits, blocks_per_split) covering num_blocks blocks with no empty trailing split."""
+    if num_splits is None:
+        num_splits = max(1, pl.cdiv(TARGET_PROGRAMS, batch * num_kv_heads))
+    num_splits = max(1, min(num_splits, num_blocks))
+    blocks_per_split = pl.cdiv(num_blocks, num_splits)
+    return pl.cdiv(num_blocks, blocks_per_split), blocks_per_split
+
+
+def _decode_call(q, k_cache, v_cache, page_table, seq_lens, *, scale, pages_per_block, num_splits,
+                 num_warps, num_stages, kv_heads_fastest, interpret):
+    batch, num_heads, head_dim = q.shape
+    num_pages, page_size, num_kv_heads, _ = k_cache.shape
+    group = num_heads // num_kv_heads
+    rows = max(MIN_ROWS, _next_pow2(group))
+    max_pages = page_table.shape[1]
+    ppb = min(pages_per_block, _next_pow2(max_pages))
+    num_blocks = pl.cdiv(max_pages, ppb)
+    splits, bps = _plan_splits(batch, num_kv_heads, num_blocks, num_splits)
+    if num_warps is None:  # H100 sweep: 2 warps when batch x kv heads fill the GPU, 4 with split-K
+        num_warps = 2 if splits == 1 else 4
+    padded_pages = splits * bps * ppb
+
+    q4 = q.reshape(batch, num_kv_heads, group, head_dim)
+    q4 = jnp.pad(q4, ((0, 0), (0, 0), (0, rows - group), (0, 0)))  # [B, KVH, Gp, D]
+    table = jnp.pad(page_table.astype(jnp.int32), ((0, 0), (0, padded_pages - max_pages)))  # [B, Pp]
+    lens = seq_lens.astype(jnp.int32).reshape(batch, 1)  # [B, 1]
+
+    kernel = functools.partial(_decode_kernel, scale=scale, pages_per_block=ppb, blocks_per_split=bps)
+    # Grid dim 0 is the fastest-varying launch index (CUDA x). With kv heads there, the programs
+    # running side by side read the same pages (different heads' slices of each row).
+    if kv_heads_fastest:
+        grid = (num_kv_heads, batch, splits)
+        bhs = lambda f: lambda h, b, s: f(b, h, s)  # noqa: E731
+    else:
+        grid = (batch, num_kv_heads, splits)
+        bhs = lambda f: f  # noqa: E731
+    in_specs = [
+        pl.BlockSpec((None, None, rows, head_dim), bhs(lambda b, h, s: (b, h, 0, 0))),
+        pl.BlockSpec((num_pages, page_size, None, head_dim), bhs(lambda b, h, s: (0, 0, h, 0))),
+        pl.BlockSpec((num_pages, page_size, None, head_dim), bhs(lambda b, h, s: (0, 0, h, 0))),
+        pl.BlockSpec((None, padded_pages), bhs(lambda b, h, s: (b, 0))),
+        pl.BlockSpec((None, 1), bhs(lambda b, h, s: (b, 0))),
+    ]
+    if splits == 1:
+        out_shape = jax.ShapeDtypeStruct((batch, num_kv_heads, rows, head_dim), q.dtype)
+        out_specs = pl.BlockSpec((None, None, rows, head_dim), bhs(lambda b, h, s: (b, h, 0, 0)))
+    else:
+        out_shape = [
+            jax.ShapeDtypeStruct((splits, batch, num_kv_heads, rows, head_dim), jnp.float32),
+            jax.ShapeDtypeStruct((splits, batch, num_kv_heads, rows), jnp.float32),
+            jax.ShapeDtypeStruct((splits, batch, num_kv_heads, rows), jnp.float32),
+        ]
+        out_specs = [
+            pl.BlockSpec((None, None, None, rows, head_dim), bhs(lambda b, h, s: (s, b, h, 0, 0))),
+            pl.BlockSpec((None, None, None, rows), bhs(lambda b, h, s: (s, b, h, 0))),
+            pl.BlockSpec((None, None, None, rows), bhs(lambda b, h, s: (s, b, h, 0))),
+        ]
+    out = pl.pallas_call(
+        kernel,
+        grid=grid,
+        in_specs=in_specs,
+        out_specs=out_specs,
+        out_shape=out_shape,
+        compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),
+        interpret=interpret,
+        name=f"paged_decode_attention_ppb{ppb}_s{splits}",
+    )(q4, k_cache, v_cache, table, lens)
+
+    if splits > 1:  # flash-decoding epilogue: merge the per-split partial softmaxes
+        acc, m, l = out  # [S, B, KVH, Gp, D], [S, B, KVH, Gp] x2
+        m_max = m.max(axis=0)
+        w = jnp.exp2(m - m_max[None])  # [S, B, KVH, Gp]
+        l_tot = (w * l).sum(axis=0)
+        acc = (w[..., None] * acc).sum(axis=0)
+        out = (acc / jnp.where(l_tot == 0.0, 1.0, l_tot)[..., None]).astype(q.dtype)
+    return out[:, :, :group].reshape(batch, num_heads, head_dim)
+
+
+# ----------------------------------------------------------------------------------------------
+# Public API
+# ----------------------------------------------------------------------------------------------
+def _check_args(q, k_cache, v_cache, page_table, seq_lens, pages_per_block, num_splits):
+    if q.ndim != 3:
+        raise ValueError(f"q must be [batch, num_heads, head_dim], got {q.shape=}")
+    if k_cache.ndim != 4 or k_cache.shape != v_cache.shape:
+        raise ValueError(f"k_cache/v_cache must be equal [pages, page_size, kv_heads, head_dim]: "
+                         f"{k_cache.shape=} {v_cache.shape=}")
+    batch, num_heads, head_dim = q.shape
+    _, page_size, num_kv_heads, kv_dim = k_cache.shape
+    if kv_dim != head_dim:
+        raise ValueError(f"k_cache head_dim must match q: {k_cache.shape=} {q.shape=}")
+    if num_heads % num_kv_heads:
+        raise ValueError(f"q heads must be a multiple of kv heads: {q.shape=} {k_cache.shape=}")
+    for name, n in (("head_dim", head_dim), ("page_size", page_size)):
+        if n & (n - 1):
+            raise ValueError(f"{name} must be a power of two (Triton block shapes), got {n}")
+    if page_table.ndim != 2 or page_table.shape[0] != batch:
+        raise ValueError(f"page_table must be [batch, pages_per_seq]: {page_table.shape=} {q.shape=}")
+    if seq_lens.shape != (batch,):
+        raise ValueError(f"seq_lens must be [batch]: {seq_lens.shape=} {q.shape=}")
+    if pages_per_block < 1 or pages_per_block & (pages_per_block - 1):
+        raise ValueError(f"pages_per_block must be a power of two >= 1, got {pages_per_block=}")
+    if num_splits is not None and num_splits < 1:
+        raise ValueError(f"num_splits must be >= 1 or None, got {num_splits=}")
+
+
+@functools.partial(jax.jit, static_argnames=(
+    "scale", "pages_per_block", "num_splits", "num_warps", "num_stages", "kv_heads_fastest", "interpret"))
+def paged_decode_attention(
+    q: jax.Array,
+    k_cache: jax.Array,
+    v_cache: jax.Array,
+    page_table: jax.Array,
+    seq_lens: jax.Array,
+    *,
+    scale: float | None = None,
+    pages_per_block: int | None = None,
+    num_splits: int | None = None,
+    num_warps: int | None = None,
+    num_stages: int = 2,
+    kv_heads_fastest: bool = True,
+    interpret: bool = False,
+) -> jax.Array:
+    """Decode attention of one query token per sequence over a paged KV cache.
+
+    Args:
+      q: `[batch, num_heads, head_dim]`, the query of each sequence's newest token (position
+        `seq_lens[b] - 1`).
+      k_cache, v_cache: `[num_pages, page_size, num_kv_heads, head_dim]`; the new token's K/V already
+        written. Query head h reads kv head `h // (num_heads // num_kv_heads)`.
+      page_table: int32 `[batch, pages_per_seq]`; unused entries must be valid page ids (e.g. 0).
+      seq_lens: int32 `[batch]`, context length including the new token; 0 marks a padding
+        sequence, whose output is zeros.
+      scale: softmax scale, default `head_dim ** -0.5`.
+      pages_per_block: pages gathered per inner step (power of two); default: 64 tokens' worth.
+      num_splits: flash-decoding splits of the context; None picks enough to fill the GPU
+        (1 when batch * num_kv_heads already does).
+      num_warps, num_stages: Triton launch parameters (num_warps None: 2 without split-K, else 4).
+      kv_heads_fastest: launch order; True runs a sequence's kv heads side by side (page locality).
+      interpret: run the Pallas interpreter (CPU tests).
+
+    Returns:
+      `[batch, num_heads, head_dim]` in q's dtype (softmax and accumulation in fp32).
+    """
+    page_size = k_cache.shape[1]
+    if pages_per_block is None:
+        pages_per_block = max(1, 64 // page_size)  # 64-token blocks: best on the H100 sweep
+    _check_args(q, k_cache, v_cache, page_table, seq_lens, pages_per_block, num_splits)
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    return _decode_call(q, k_cache, v_cache, page_table, seq_lens, scale=scale,
+                        pages_per_block=pages_per_block, num_splits=num_splits, num_warps=num_warps,
+                        num_stages=num_stages, kv_heads_fastest=kv_heads_fastest, interpret=interpret)
+
+
+# ----------------------------------------------------------------------------------------------
+# Reference
+# ----------------------------------------------------------------------------------------------
+@functools.partial(jax.jit, static_argnames=("scale",))
+def paged_decode_attention_reference(
+    q: jax.Array,
+    k_cache: jax.Array,
+    v_cache: jax.Array,
+    page_table: jax.Array,
+    seq_lens: jax.Array,
+    *,
+    scale: float | None = None,
+) -> jax.Array:
+    """Pure-jnp paged decode attention (gathers every page of the table); same contract as the kernel."""
+    batch, num_heads, head_dim = q.shape
+    _, page_size, num_kv_heads, _ = k_cache.shape
+    group = num_heads // num_kv_heads
+    scale = head_dim**-0.5 if scale is None else scale
+    ctx = page_table.shape[1] * page_size
+    k = k_cache[page_table].reshape(batch, ctx, num_kv_heads, head_dim)  # [B, S, KVH, D]
+    v = v_cache[page_table].reshape(batch, ctx, num_kv_heads, head_dim)
+    qg = q.reshape(batch, num_kv_heads, group, head_dim)
+    s = jnp.einsum("bhgd,bshd->bhgs", qg, k, preferred_element_type=jnp.float32) * scale
+    valid = jnp.arange(ctx)[None, :] < seq_lens[:, None]  # [B, S]
+    s = jnp.where(valid[:, None, None, :], s, -jnp.inf)
+    m = jnp.max(s, axis=-1, keepdims=True)
+    p = jnp.exp(s - jnp.where(jnp.isfinite(m), m, 0.0))
+    l = p.sum(axis=-1, keepdims=True)
+    o = jnp.einsum("bhgs,bshd->bhgd", p.astype(v.dtype), v, preferred_element_type=jnp.float32)
+    o = o / jnp.where(l == 0.0, 1.0, l)
+    return o.reshape(batch, num_heads, head_dim).astype(q.dtype)
+
+
+# ----------------------------------------------------------------------------------------------
+# Benchmark
+# ----------------------------------------------------------------------------------------------
+def main() -> None:
+    """Quick timing on the default device; the full comparison is benchmarks/bench_kernels.py."""
+    import time
+
+    batch, ctx, heads, kv_heads, dim, page = 64, 2048, 32, 8, 128, 16
+    interpret = jax.default_backend() != "gpu"
+    if interpret:
+        batch, ctx = 2, 256
+    pages = batch * ctx // page
+    key = jax.random.key(0)
+    kq, kk, kv = jax.random.split(key, 3)
+    q = jax.random.normal(kq, (batch, heads, dim), jnp.bfloat16)
+    k = jax.random.normal(kk, (pages, page, kv_heads, dim), jnp.bfloat16)
+    v = jax.random.normal(kv, (pages, page, kv_heads, dim), jnp.bfloat16)
+    table = jax.random.permutation(key, pages).reshape(batch, ctx // page).astype(jnp.int32)
+    lens = jnp.full((batch,), ctx, jnp.int32)
+    fn = functools.partial(paged_decode_attention, interpret=interpret)
+    fn(q, k, v, table, lens).block_until_ready()
+    n = 3 if interpret else 50
+    t0 = time.perf_counter()
+    for _ in range(n):
+        out = fn(q, k, v, table, lens)
+    out.block_until_ready()
+    dt = (time.perf_counter() - t0) / n
+    gb = 2 * k.size * k.dtype.itemsize / 1e9
+    print(f"paged_decode_attention B={batch} ctx={ctx}: {dt * 1e6:.1f} us, {gb / dt / 1e3:.2f} TB/s")
+
+
+if __name__ == "__main__":
+    main()

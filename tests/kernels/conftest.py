@@ -1,0 +1,55 @@
+"""Shared helpers for the kernel tests: execution modes and random paged KV caches.
+
+Every kernel test runs in two modes: "interpret" (Pallas interpreter, any backend, part of the CPU
+suite) and "gpu" (compiled for the GPU, marker `gpu`, skipped when JAX has no GPU).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+HAS_GPU = jax.default_backend() == "gpu"
+
+MODES = [
+    pytest.param("interpret", id="interpret"),
+    pytest.param("gpu", id="gpu", marks=[pytest.mark.gpu, pytest.mark.skipif(not HAS_GPU, reason="no GPU")]),
+]
+
+
+def tolerance(dtype, mode: str) -> float:
+    """atol = rtol for outputs of magnitude ~1: bf16 rounding, or TF32 dots for f32 on the GPU."""
+    if dtype == jnp.bfloat16:
+        return 2e-2
+    return 1e-2 if mode == "gpu" else 2e-5
+
+
+def paged_kv(rng: np.random.Generator, ctx_lens, page_size: int, num_kv_heads: int, head_dim: int,
+             dtype, *, pages_per_seq: int | None = None, extra_pages: int = 3):
+    """Random K/V caches and a shuffled page table holding contexts of `ctx_lens` tokens.
+
+    Returns (k_cache, v_cache, page_table [B, P]); unused table entries point at page 0.
+    """
+    need = [-(-n // page_size) for n in ctx_lens]
+    pages_per_seq = pages_per_seq or max(1, max(need))
+    num_pages = sum(need) + extra_pages
+    shape = (num_pages, page_size, num_kv_heads, head_dim)
+    k = jnp.asarray(rng.standard_normal(shape), dtype)
+    v = jnp.asarray(rng.standard_normal(shape), dtype)
+    perm = rng.permutation(num_pages)
+    table = np.zeros((len(ctx_lens), pages_per_seq), np.int32)
+    used = 0
+    for b, n in enumerate(need):
+        table[b, :n] = perm[used:used + n]
+        used += n
+    return k, v, jnp.asarray(table)
+
+
+def assert_close(out, ref, dtype, mode: str) -> None:
+    out = np.asarray(out.astype(jnp.float32))
+    ref = np.asarray(ref.astype(jnp.float32))
+    assert np.isfinite(out).all(), "kernel produced non-finite values"
+    tol = tolerance(dtype, mode)
+    np.testing.assert_allclose(out, ref, atol=tol, rtol=tol)
