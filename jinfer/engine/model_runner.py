@@ -104,28 +104,29 @@ class ModelRunner:
         if len(out.scheduled) > B:
             raise ValueError(f"{len(out.scheduled)} sequences exceed the bucket of {B}")
         P = pick(self.page_buckets, max(len(s.page_ids) for s in out.scheduled))
-        ps = self.page_size
-        input_ids = np.zeros(T, np.int32)
-        positions = np.zeros(T, np.int32)
-        slots = np.full(T, -1, np.int32)
-        query_start = np.zeros(B + 1, np.int32)
-        seq_lens = np.zeros(B, np.int32)
+        ps, n_seqs = self.page_size, len(out.scheduled)
+        counts = np.fromiter((s.num_new_tokens for s in out.scheduled), np.int32, n_seqs)
+        starts = np.fromiter((s.start for s in out.scheduled), np.int32, n_seqs)
+        total = int(counts.sum())
+        query_start = np.full(B + 1, total, np.int32)
+        query_start[0] = 0
+        np.cumsum(counts, out=query_start[1:n_seqs + 1])
         page_table = np.full((B, P), NULL_PAGE, np.int32)
-        logits_idx = np.zeros(B, np.int32)
-        t = 0
         for b, s in enumerate(out.scheduled):
-            n = s.num_new_tokens
-            pages = np.asarray(s.page_ids, np.int32)
-            pos = np.arange(s.start, s.start + n, dtype=np.int32)
-            input_ids[t:t + n] = s.token_ids
-            positions[t:t + n] = pos
-            slots[t:t + n] = pages[pos // ps] * ps + pos % ps
-            page_table[b, :len(pages)] = pages
-            seq_lens[b] = s.start + n
-            t += n
-            query_start[b + 1] = t
-            logits_idx[b] = t - 1
-        query_start[len(out.scheduled) + 1:] = t
+            page_table[b, :len(s.page_ids)] = s.page_ids
+        seq_of_token = np.repeat(np.arange(n_seqs, dtype=np.int32), counts)  # [total]
+        pos = starts[seq_of_token] + np.arange(total, dtype=np.int32) - query_start[seq_of_token]
+        input_ids = np.zeros(T, np.int32)
+        input_ids[:total] = [t for s in out.scheduled for t in s.token_ids] if total > n_seqs else \
+            [s.request.all_token_ids[s.start] for s in out.scheduled]
+        positions = np.zeros(T, np.int32)
+        positions[:total] = pos
+        slots = np.full(T, -1, np.int32)
+        slots[:total] = page_table[seq_of_token, pos // ps] * ps + pos % ps
+        seq_lens = np.zeros(B, np.int32)
+        seq_lens[:n_seqs] = starts + counts
+        logits_idx = np.zeros(B, np.int32)
+        logits_idx[:n_seqs] = query_start[1:n_seqs + 1] - 1
         return Batch(input_ids, positions, slots, query_start, seq_lens, page_table, logits_idx)
 
     def sampling_tensors(self, rows: list[StepRow | None], B: int) -> SamplingTensors:

@@ -112,13 +112,14 @@ class SamplingTensors:
         top_k = np.zeros(B, np.int32)
         seeds = np.zeros(B, np.uint32)
         steps = np.zeros(B, np.int32)
+        drawn = rng.integers(0, 2**32, size=B, dtype=np.uint32)  # one draw for every unseeded row
         penalized, repeated = [], []
         for b, (params, output_ids, prompt, step) in enumerate(rows):
             for name, default in _DEFAULTS.items():
                 t[name][b] = _param(params, name, default)
             top_k[b] = max(int(_param(params, "top_k", -1)), 0)
             seed = _param(params, "seed", None)
-            seeds[b] = rng.integers(0, 2**32, dtype=np.uint32) if seed is None else int(seed) % 2**32
+            seeds[b] = drawn[b] if seed is None else int(seed) % 2**32
             steps[b] = len(output_ids) if step is None else step
             if t["presence_penalty"][b] or t["frequency_penalty"][b] or t["repetition_penalty"][b] != 1:
                 penalized.append((b, output_ids))
