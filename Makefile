@@ -1,4 +1,4 @@
-# jinfer: `make install` then `make test`; `make generate` runs the default model.
+# jinfer: `make install` then `make test`; `make serve` serves the default model, `make generate` runs it once.
 SHELL := /bin/bash
 VENV := .venv
 PY := $(VENV)/bin/python
@@ -8,8 +8,12 @@ PYTHON312 ?= $(shell for p in python3.12 $$(ls -d /root/.pyenv/versions/3.12*/bi
 	$$p -c 'import sys; assert sys.version_info[:2] == (3, 12)' 2>/dev/null && { command -v $$p; break; }; done)
 PROMPT ?= What is the capital of France?
 PYTEST_ARGS ?=
+HOST ?= 127.0.0.1
+PORT ?= 8000
+# CPU-friendly limits for the default model (a laptop); on a GPU pass your own via SERVE_ARGS.
+SERVE_ARGS ?= --max-model-len 2048 --max-num-batched-tokens 256 --max-num-seqs 32
 
-.PHONY: install test generate lint fetch-model clean
+.PHONY: install test serve generate lint fetch-model clean
 
 install: $(VENV)/.installed fetch-model
 
@@ -28,6 +32,9 @@ test: install
 
 lint: $(VENV)/.installed
 	$(VENV)/bin/ruff check .
+
+serve: install
+	$(VENV)/bin/jinfer serve --host $(HOST) --port $(PORT) $(SERVE_ARGS)
 
 generate: install
 	$(VENV)/bin/jinfer generate --chat --prompt "$(PROMPT)"

@@ -38,11 +38,11 @@ def main():
     jax.block_until_ready(w)
     load_s = time.perf_counter() - t0
     pages_per_seq = (args.prompt_len + args.iters + 2) // args.page_size + 1
-    num_pages = pages_per_seq * args.batch
+    num_pages = pages_per_seq * args.batch + 1  # page 0 is reserved
     shape = (num_pages, args.page_size, cfg.num_kv_heads, cfg.head_dim)
     kv = tuple((jnp.zeros(shape, DTYPES[args.dtype]), jnp.zeros(shape, DTYPES[args.dtype]))
                for _ in range(cfg.num_layers))
-    pages = [list(range(b * pages_per_seq, (b + 1) * pages_per_seq)) for b in range(args.batch)]
+    pages = [list(range(1 + b * pages_per_seq, 1 + (b + 1) * pages_per_seq)) for b in range(args.batch)]
     rng = np.random.default_rng(0)
     prompts = [rng.integers(0, cfg.vocab_size, args.prompt_len).tolist() for _ in range(args.batch)]
     step = jax.jit(partial(forward, cfg=cfg), donate_argnames=("kv_cache",))

@@ -81,9 +81,8 @@ class EngineClient:
         self._tokenizer = None
         self._ctx = zmq.Context()
         self._sock = self._ctx.socket(zmq.DEALER)
-        self._sock.setsockopt(zmq.LINGER, 0)
-        self._sock.setsockopt(zmq.SNDHWM, 0)
-        self._sock.setsockopt(zmq.RCVHWM, 0)
+        for option in (zmq.LINGER, zmq.SNDHWM, zmq.RCVHWM):  # no limits: the engine's deltas must never drop
+            self._sock.setsockopt(option, 0)
         self._monitor = self._sock.get_monitor_socket(zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED)
         self._wake_lock = threading.Lock()
         self._wake_r, self._wake_w = os.pipe()
@@ -393,6 +392,10 @@ class EngineClient:
             if p is not None:
                 self._deliver([(p, [(p.tag, ValueError(msg.message)), (p.tag, _DONE)])])
         elif isinstance(msg, proto.EngineReady):
+            if msg.protocol_version != proto.PROTOCOL_VERSION:
+                self._on_dead(f"the engine speaks protocol {msg.protocol_version}, "
+                              f"this client {proto.PROTOCOL_VERSION}")
+                return
             self.info = msg
             self._ready.set()
         elif isinstance(msg, proto.EngineError):

@@ -33,6 +33,7 @@ from typing import Any
 import zmq
 
 from jinfer.engine.protocol import (
+    PROTOCOL_VERSION,
     Abort,
     AddRequest,
     EngineError,
@@ -176,6 +177,10 @@ class EngineCoreProc:
     # ---- handlers ------------------------------------------------------------------------------
 
     def _on_hello(self, identity: bytes, msg: Hello) -> None:
+        if msg.protocol_version != PROTOCOL_VERSION:
+            self._send(identity, EngineError(f"the engine speaks protocol {PROTOCOL_VERSION}, "
+                                             f"client {msg.client_name!r} {msg.protocol_version}"))
+            return
         self.clients.add(identity)
         self._send(identity, self.ready)
 

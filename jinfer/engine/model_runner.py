@@ -1,7 +1,7 @@
 """Turns a scheduled batch into padded device arrays and runs one jitted forward + sampling step.
 
 Shapes come from a small fixed set of buckets so serving never stalls on a compile:
-- T (tokens in the step): 1, then powers of two from `MIN_TOKENS` up to `max_num_batched_tokens`;
+- T (tokens in the step): 1 (GPU only), then powers of two from `MIN_TOKENS` up to `max_num_batched_tokens`;
 - B (sequences): min(T, the max_num_seqs bucket): a step never has more sequences than tokens;
 - P (pages per sequence in the page table): powers of two up to the longest sequence allowed.
 `warmup()` compiles every (T, P) forward and the plain sampler for every B ahead of time. The KV
@@ -82,8 +82,11 @@ class ModelRunner:
         self.cfg, self.weights, self.mesh = cfg, weights, mesh
         self.page_size = page_size
         self.kv_cache = init_kv_cache(cfg, num_pages, page_size, kv_dtype, mesh)
-        # T=1 is its own bucket: batch-1 decode is the latency-critical case and has its own kernels.
-        self.token_buckets = (1,) + pow2_buckets(MIN_TOKENS, max(max_num_batched_tokens, MIN_TOKENS))
+        # On GPU, T=1 is its own bucket: batch-1 decode is the latency-critical case and has its own
+        # kernels. Not on CPU: there XLA copies the whole KV cache when a one-token update is followed
+        # by a read of the cache in the same executable (step time grew with the pool: 4 s at 4096 pages).
+        one = (1,) if jax.default_backend() == "gpu" else ()
+        self.token_buckets = one + pow2_buckets(MIN_TOKENS, max(max_num_batched_tokens, MIN_TOKENS))
         self.max_seqs_bucket = pick(pow2_buckets(1, 1 << (max_num_seqs - 1).bit_length()), max_num_seqs)
         max_pages = cdiv(max_model_len, page_size)
         self.page_buckets = pow2_buckets(min(MIN_PAGES, max_pages), max_pages)

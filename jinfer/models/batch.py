@@ -7,7 +7,8 @@ bucket sizes (T tokens, B sequences, P pages per sequence) so a handful of shape
 
 KV cache: a tuple with one `(k, v)` pair per layer, each `[num_pages, page_size, num_kv_heads,
 head_dim]`. Token t of the batch is written to flat slot `slot_mapping[t]` (= page * page_size +
-offset); a negative slot means padding, and nothing is written.
+offset); a negative slot means padding. Page 0 is reserved: it never holds a sequence's tokens
+(padding writes and padding page-table entries point at it), so real pages are 1..num_pages-1.
 """
 
 from __future__ import annotations
@@ -68,6 +69,8 @@ def make_batch(
     t = 0
     for b, (toks, cached, pages) in enumerate(seqs):
         n = len(toks)
+        if 0 in pages:
+            raise ValueError(f"sequence {b}: page 0 is reserved and cannot hold tokens")
         if (cached + n + page_size - 1) // page_size > len(pages):
             raise ValueError(f"sequence {b}: {cached + n} tokens need more than {len(pages)} pages")
         pos = np.arange(cached, cached + n)

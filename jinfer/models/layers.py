@@ -40,15 +40,19 @@ def swiglu_mlp(x: jax.Array, w_gate: jax.Array, w_up: jax.Array, w_down: jax.Arr
 def write_kv(
     k_cache: jax.Array, v_cache: jax.Array, k: jax.Array, v: jax.Array, slot_mapping: jax.Array
 ) -> tuple[jax.Array, jax.Array]:
-    """Scatter the new tokens' K/V into their flat slots; negative slots (padding) are dropped.
+    """Scatter the new tokens' K/V into their flat slots; padding tokens (slot < 0) go to page 0.
 
     k_cache/v_cache: [num_pages, page_size, KVH, D]; k/v: [T, KVH, D]; slot_mapping: [T].
+    Page 0 is reserved (never holds a sequence's tokens), so padding writes land there instead of
+    being dropped: every index is in bounds and the scatter needs no bounds handling.
     """
     num_pages, page_size, kvh, d = k_cache.shape
     num_slots = num_pages * page_size
-    slots = jnp.where(slot_mapping < 0, num_slots, slot_mapping)  # out of range -> dropped
-    k_flat = k_cache.reshape(num_slots, kvh, d).at[slots].set(k.astype(k_cache.dtype), mode="drop")
-    v_flat = v_cache.reshape(num_slots, kvh, d).at[slots].set(v.astype(v_cache.dtype), mode="drop")
+    slots = jnp.where(slot_mapping < 0, 0, slot_mapping)
+    k, v = k.astype(k_cache.dtype), v.astype(v_cache.dtype)
+    k_flat, v_flat = k_cache.reshape(num_slots, kvh, d), v_cache.reshape(num_slots, kvh, d)
+    k_flat = k_flat.at[slots].set(k, mode="promise_in_bounds")
+    v_flat = v_flat.at[slots].set(v, mode="promise_in_bounds")
     return k_flat.reshape(k_cache.shape), v_flat.reshape(v_cache.shape)
 
 

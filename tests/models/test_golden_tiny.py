@@ -35,7 +35,7 @@ def empty_cache(cfg):
 
 
 def scrambled_pages(seed, n):
-    return [int(p) for p in np.random.default_rng(seed).permutation(NUM_PAGES)[:n]]
+    return [int(p) + 1 for p in np.random.default_rng(seed).permutation(NUM_PAGES - 1)[:n]]  # page 0 is reserved
 
 
 # The Pallas kernels run in the Pallas interpreter here; natively on GPU (see tests/kernels).

@@ -40,8 +40,9 @@ def test_greedy_ids_equal_hf_for_32_tokens(smollm2, golden):
     prompts = [r["prompt_ids"] for r in golden]
     pages_each = (max(map(len, prompts)) + n_new) // PAGE + 1
     # interleave page ids across sequences so no sequence's pages are contiguous
-    pages = [list(range(b, len(prompts) * pages_each, len(prompts))) for b in range(len(prompts))]
-    shape = (len(prompts) * pages_each, PAGE, cfg.num_kv_heads, cfg.head_dim)
+    # (page 0 is reserved for padding)
+    pages = [list(range(b + 1, len(prompts) * pages_each + 1, len(prompts))) for b in range(len(prompts))]
+    shape = (len(prompts) * pages_each + 1, PAGE, cfg.num_kv_heads, cfg.head_dim)
     kv = tuple((jnp.zeros(shape), jnp.zeros(shape)) for _ in range(cfg.num_layers))
     logits, kv = step(w, make_batch([(p, 0, pg) for p, pg in zip(prompts, pages)], PAGE), kv)
     first_logits = np.asarray(logits[0])

@@ -1,0 +1,219 @@
+"""The OpenAI-compatible HTTP server (Starlette): routes, auth, admission control, error bodies.
+
+    POST /v1/completions, POST /v1/chat/completions   (JSON or SSE with `stream: true`)
+    GET  /v1/models, /health, /metrics, /version
+
+The engine is reached through `jinfer.client.EngineClient` (ZeroMQ); this process tokenizes, applies
+the chat template, validates, and formats. Admission is bounded: at most max_num_seqs running plus
+`max_queued_requests` waiting sequences, past that 503 with Retry-After.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.routing import Route
+
+import jinfer
+from jinfer.client import EngineClient
+from server import schemas
+from server.generation import Generation
+from server.metrics import Metrics
+from server.validation import InvalidRequest, ServingContext, parse_chat, parse_completion
+
+RETRY_AFTER_S = 1
+MAX_BODY_BYTES = 32 << 20
+
+
+@dataclass
+class ServerState:
+    client: EngineClient
+    tokenizer: Any
+    ctx: ServingContext
+    api_key: str | None
+    max_in_flight: int  # sequences: running + queued
+    metrics: Metrics = field(default_factory=Metrics)
+    in_flight: int = 0
+    started: int = field(default_factory=lambda: int(time.time()))
+
+
+def _error(e: InvalidRequest) -> JSONResponse:
+    return JSONResponse(e.body(), status_code=e.status, headers=e.headers)
+
+
+def _state(request: Request) -> ServerState:
+    return request.app.state.jinfer
+
+
+def _check_auth(request: Request, state: ServerState) -> None:
+    if state.api_key is None:
+        return
+    if request.headers.get("authorization", "") != f"Bearer {state.api_key}":
+        raise InvalidRequest("Incorrect or missing API key: send 'Authorization: Bearer <key>'", None,
+                             "invalid_api_key", 401)
+
+
+async def _json_body(request: Request) -> Any:
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > MAX_BODY_BYTES:
+            raise InvalidRequest(f"the request body exceeds {MAX_BODY_BYTES} bytes", None, "request_too_large", 413)
+        chunks.append(chunk)
+    raw = b"".join(chunks)
+    try:
+        return json.loads(raw)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise InvalidRequest(f"the request body is not valid JSON: {e}", None, "invalid_json") from None
+
+
+def _admit(state: ServerState, num_seqs: int) -> Callable[[], None]:
+    if not state.client.is_alive:
+        raise InvalidRequest("the engine is unavailable", None, "engine_unavailable", 503, "server_error")
+    if num_seqs > state.max_in_flight:
+        raise InvalidRequest(f"this request needs {num_seqs} sequences (prompts x n) but the server takes at most "
+                             f"{state.max_in_flight} at a time", "n")
+    if state.in_flight + num_seqs > state.max_in_flight:
+        raise InvalidRequest(f"the server is overloaded ({state.in_flight} sequences in flight); retry later",
+                             None, "overloaded", 503, "server_error", {"Retry-After": str(RETRY_AFTER_S)})
+    state.in_flight += num_seqs
+    state.metrics.in_flight.set(state.in_flight)
+
+    def release() -> None:
+        state.in_flight -= num_seqs
+        state.metrics.in_flight.set(state.in_flight)
+
+    return release
+
+
+class ClientDisconnected(Exception):
+    pass
+
+
+async def _until_disconnect(request: Request, coro: Any) -> Any:
+    """Run `coro`; if the HTTP client goes away first, cancel it (which aborts the engine request)."""
+
+    async def disconnected() -> None:
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
+
+    task, watch = asyncio.ensure_future(coro), asyncio.ensure_future(disconnected())
+    try:
+        await asyncio.wait({task, watch}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watch.cancel()
+        if not task.done():
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+            raise ClientDisconnected
+    return task.result()
+
+
+_STATUS_BY_CODE = {"invalid_api_key": "unauthorized", "overloaded": "overloaded", "engine_unavailable": "error"}
+
+
+async def _generate(request: Request, chat: bool) -> Response:
+    state = _state(request)
+    endpoint = "chat" if chat else "completions"
+    try:
+        _check_auth(request, state)
+        body = await _json_body(request)
+        req = parse_chat(body, state.ctx) if chat else parse_completion(body, state.ctx)
+        release = _admit(state, len(req.prompts) * req.params.n)
+    except InvalidRequest as e:
+        state.metrics.requests.labels(endpoint, _STATUS_BY_CODE.get(e.code, "invalid")).inc()
+        return _error(e)
+    gen = Generation(state, req, release)
+    try:  # counted and logged by gen.close() from here on
+        await _until_disconnect(request, gen.start())
+    except InvalidRequest as e:
+        return _error(e)
+    except ClientDisconnected:
+        return Response(status_code=499)
+    if req.stream:
+        return StreamingResponse(gen.sse(), media_type="text/event-stream",
+                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+    try:
+        return JSONResponse(await _until_disconnect(request, gen.collect()))
+    except InvalidRequest as e:
+        return _error(e)
+    except ClientDisconnected:
+        return Response(status_code=499)  # nobody reads it: the client is gone
+
+
+async def completions(request: Request) -> Response:
+    return await _generate(request, chat=False)
+
+
+async def chat_completions(request: Request) -> Response:
+    return await _generate(request, chat=True)
+
+
+async def models(request: Request) -> Response:
+    state = _state(request)
+    try:
+        _check_auth(request, state)
+    except InvalidRequest as e:
+        return _error(e)
+    cards = [schemas.model_card(n, state.started, state.ctx.max_model_len) for n in state.ctx.model_names]
+    return JSONResponse({"object": "list", "data": cards})
+
+
+async def health(request: Request) -> Response:
+    client = _state(request).client
+    if client.is_alive:
+        return JSONResponse({"status": "ok"})
+    return JSONResponse({"status": "unhealthy", "reason": client.dead_reason or "engine client closed"},
+                        status_code=503)
+
+
+async def metrics(request: Request) -> Response:
+    state = _state(request)
+    stats = state.client.latest_stats
+    if state.client.is_alive:
+        try:
+            stats = await state.client.stats_async(timeout=1.0)
+        except Exception:  # a busy or dying engine: serve the last pushed numbers
+            pass
+    state.metrics.set_engine_stats(stats, state.client.is_alive)
+    return Response(state.metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
+
+
+async def version(request: Request) -> Response:
+    return JSONResponse({"version": jinfer.__version__})
+
+
+async def _http_error(request: Request, exc: HTTPException) -> Response:
+    code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code)
+    return JSONResponse(schemas.error_body(str(exc.detail), param=None, code=code), status_code=exc.status_code)
+
+
+def build_app(client: EngineClient, *, tokenizer: Any = None, served_model_names: list[str] | None = None,
+              api_key: str | None = None, max_queued_requests: int | None = None) -> Starlette:
+    """The ASGI app around a connected client. `max_queued_requests` (default 4 x max_num_seqs) bounds the
+    sequences waiting beyond the engine's max_num_seqs."""
+    info = client.info
+    tokenizer = tokenizer if tokenizer is not None else client.tokenizer
+    names = tuple(served_model_names or [info.model_name])
+    queued = 4 * info.max_num_seqs if max_queued_requests is None else max_queued_requests
+    state = ServerState(client, tokenizer, ServingContext(names, info.max_model_len, info.vocab_size, tokenizer),
+                        api_key, info.max_num_seqs + queued)
+    app = Starlette(routes=[
+        Route("/v1/completions", completions, methods=["POST"]),
+        Route("/v1/chat/completions", chat_completions, methods=["POST"]),
+        Route("/v1/models", models, methods=["GET"]),
+        Route("/health", health, methods=["GET"]),
+        Route("/metrics", metrics, methods=["GET"]),
+        Route("/version", version, methods=["GET"]),
+    ], exception_handlers={HTTPException: _http_error})
+    app.state.jinfer = state
+    return app

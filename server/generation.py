@@ -1,0 +1,226 @@
+"""One OpenAI generation request on its way through the engine: start (the engine accepted it),
+the deltas (kept per choice, timed for the metrics), then a JSON body or an SSE stream, and one
+structured log line when it ends."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import re
+import time
+import uuid
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from jinfer.client import EngineDeadError, RequestError
+from jinfer.outputs import EngineOutput
+from server import schemas
+from server.validation import GenerationRequest, InvalidRequest
+
+log = logging.getLogger("jinfer.server")
+
+
+def to_http_error(e: BaseException) -> InvalidRequest:
+    if isinstance(e, InvalidRequest):
+        return e
+    if isinstance(e, EngineDeadError):
+        return InvalidRequest(f"the engine is unavailable: {e}", None, "engine_unavailable", 503, "server_error")
+    if isinstance(e, RequestError):
+        return InvalidRequest(f"generation failed: {e}", None, "internal_error", 500, "server_error")
+    if isinstance(e, ValueError):  # the engine refused the request
+        m = re.match(r"(\w+)=", str(e))
+        param = m.group(1) if m else "max_tokens" if "max_tokens" in str(e) else None
+        return InvalidRequest(str(e), param)
+    log.exception("unexpected error", exc_info=e)
+    return InvalidRequest(f"internal error: {type(e).__name__}: {e}", None, "internal_error", 500, "server_error")
+
+
+@dataclass
+class _Choice:
+    index: int
+    prompt_index: int
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[dict[int, float]] = field(default_factory=list)
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    last_time: float | None = None
+    streamed: bool = False
+
+
+class Generation:
+    def __init__(self, state: Any, req: GenerationRequest, release: Callable[[], None]):
+        self.state, self.req, self._release = state, req, release
+        self.endpoint = "chat" if req.chat else "completions"
+        self.id = f"{'chatcmpl' if req.chat else 'cmpl'}-{uuid.uuid4().hex}"
+        self.created = int(time.time())
+        self.t0 = time.monotonic()
+        self.t_first: float | None = None
+        n = req.params.n
+        self.choices = [_Choice(p * n + i, p) for p in range(len(req.prompts)) for i in range(n)]
+        self.num_cached = 0
+        self._agen = state.client.stream_batch(req.prompts, req.params, self.id)
+        self._buffer: list[tuple[_Choice, EngineOutput]] = []  # recorded by start(), not yet sent
+        self._closed = False
+
+    async def start(self) -> None:
+        """Wait until the engine took every prompt (its first delta), so that a refusal is still a 400."""
+        waiting = set(range(len(self.req.prompts)))
+        try:
+            while waiting:
+                prompt_index, delta = await anext(self._agen)
+                self._buffer.append(self._record(prompt_index, delta))
+                waiting.discard(prompt_index)
+        except StopAsyncIteration:
+            pass
+        except BaseException as e:
+            await self.close("invalid" if type(e) is ValueError else "error" if isinstance(e, Exception)
+                             else "aborted")
+            raise to_http_error(e) if isinstance(e, Exception) else e from None
+
+    async def deltas(self) -> AsyncIterator[tuple[_Choice, EngineOutput]]:
+        while self._buffer:
+            yield self._buffer.pop(0)
+        async for item in self._agen:
+            yield self._record(*item)
+
+    def _record(self, prompt_index: int, d: EngineOutput) -> tuple[_Choice, EngineOutput]:
+        now = time.monotonic()
+        c = self.choices[prompt_index * self.req.params.n + d.index]
+        if d.new_token_ids:
+            if self.t_first is None:
+                self.t_first = now
+                self.state.metrics.ttft.observe(now - self.t0)
+            if c.last_time is not None:
+                self.state.metrics.itl.observe((now - c.last_time) / len(d.new_token_ids))
+            c.last_time = now
+            self.state.metrics.generation_tokens.inc(len(d.new_token_ids))
+        c.text += d.new_text
+        c.token_ids += d.new_token_ids
+        if d.new_logprobs:
+            c.logprobs += d.new_logprobs
+        if d.finished:
+            c.finish_reason, c.stop_reason = d.finish_reason, d.stop_reason
+        self.num_cached = max(self.num_cached, d.num_cached_tokens)
+        return c, d
+
+    # ---- end -----------------------------------------------------------------------------------
+
+    @property
+    def prompt_tokens(self) -> int:
+        return sum(len(p) for p in self.req.prompts)
+
+    @property
+    def completion_tokens(self) -> int:
+        return sum(len(c.token_ids) for c in self.choices)
+
+    def usage(self) -> dict[str, Any]:
+        return schemas.usage(self.prompt_tokens, self.completion_tokens, self.num_cached)
+
+    async def close(self, status: str) -> None:
+        """Abort what still runs, free the admission slot, count and log the request. Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        await self._agen.aclose()
+        self._release()
+        m, now = self.state.metrics, time.monotonic()
+        m.requests.labels(self.endpoint, status).inc()
+        m.prompt_tokens.inc(self.prompt_tokens)
+        if status == "success":
+            m.e2e.observe(now - self.t0)
+        out_len = max((len(c.token_ids) for c in self.choices), default=0)
+        ttft = None if self.t_first is None else self.t_first - self.t0
+        tpot = (now - self.t_first) / (out_len - 1) if self.t_first is not None and out_len > 1 else None
+        log.info(json.dumps({
+            "event": "request_finished", "id": self.id, "endpoint": self.endpoint, "status": status,
+            "prompt_tokens": self.prompt_tokens, "output_tokens": self.completion_tokens,
+            "ttft_ms": None if ttft is None else round(ttft * 1e3, 2),
+            "tpot_ms": None if tpot is None else round(tpot * 1e3, 2),
+            "e2e_ms": round((now - self.t0) * 1e3, 2),
+            "finish_reason": [c.finish_reason for c in self.choices] if len(self.choices) > 1
+            else self.choices[0].finish_reason,
+        }))
+
+    # ---- non-streaming -------------------------------------------------------------------------
+
+    async def collect(self) -> dict[str, Any]:
+        try:
+            async for _ in self.deltas():
+                pass
+        except BaseException as e:
+            await self.close("aborted" if isinstance(e, asyncio.CancelledError) else "error")
+            raise to_http_error(e) if isinstance(e, Exception) else e from None
+        await self.close("success")
+        r, tok = self.req, self.state.tokenizer
+        choices = []
+        for c in self.choices:
+            if r.chat:
+                lp = None if r.top_logprobs is None else schemas.chat_logprobs(tok, c.token_ids, c.logprobs,
+                                                                                r.top_logprobs)
+                choices.append(schemas.chat_choice(c.index, c.text, lp, c.finish_reason, c.stop_reason))
+            else:
+                prefix = r.prompt_texts[c.prompt_index] if r.echo else ""
+                lp = self._completion_logprobs(c, c.token_ids, c.logprobs, echo=r.echo, offset=0)
+                choices.append(schemas.completion_choice(c.index, prefix + c.text, lp, c.finish_reason,
+                                                         c.stop_reason))
+        return schemas.response(r.chat, self.id, self.created, r.model, choices, self.usage())
+
+    def _completion_logprobs(self, c: _Choice, ids: list[int], lps: list, *, echo: bool, offset: int):
+        if self.req.top_logprobs is None:
+            return None
+        lps = list(lps)
+        if echo:  # prompt tokens have no logprobs here (no prompt_logprobs in the engine)
+            prompt = self.req.prompts[c.prompt_index]
+            ids, lps = prompt + ids, [None] * len(prompt) + lps
+        return schemas.completion_logprobs(self.state.tokenizer, ids, lps, offset)
+
+    # ---- streaming -----------------------------------------------------------------------------
+
+    def _event(self, choices: list[dict], usage: dict | None = None) -> str:
+        r = self.req
+        body = schemas.chunk(r.chat, self.id, self.created, r.model, choices, usage, r.include_usage)
+        return f"data: {json.dumps(body, ensure_ascii=False, separators=(',', ':'))}\n\n"
+
+    async def sse(self) -> AsyncIterator[str]:
+        r, tok = self.req, self.state.tokenizer
+        status = "error"
+        try:
+            if r.chat:  # role first
+                for c in self.choices:
+                    yield self._event([schemas.chat_delta(c.index, {"role": "assistant", "content": ""})])
+            async for c, d in self.deltas():
+                text, echo = d.new_text, r.echo and not c.streamed
+                offset = len(c.text) - len(d.new_text) + (len(r.prompt_texts[c.prompt_index]) if r.echo else 0)
+                if echo:
+                    text, offset = r.prompt_texts[c.prompt_index] + text, 0
+                c.streamed = True
+                if r.chat:
+                    lp = None if r.top_logprobs is None or not d.new_logprobs else schemas.chat_logprobs(
+                        tok, d.new_token_ids, d.new_logprobs, r.top_logprobs)
+                    if text or lp:
+                        yield self._event([schemas.chat_delta(c.index, {"content": text}, lp)])
+                    if d.finished:
+                        yield self._event([schemas.chat_delta(c.index, {}, None, d.finish_reason, d.stop_reason)])
+                else:
+                    lp = self._completion_logprobs(c, d.new_token_ids, d.new_logprobs or [], echo=echo,
+                                                   offset=offset) if d.new_logprobs or echo else None
+                    if text or lp:
+                        yield self._event([schemas.completion_choice(c.index, text, lp, None)])
+                    if d.finished:
+                        yield self._event([schemas.completion_choice(c.index, "", None, d.finish_reason,
+                                                                     d.stop_reason)])
+            if r.include_usage:
+                yield self._event([], self.usage())
+            status = "success"
+        except (asyncio.CancelledError, GeneratorExit):
+            status = "aborted"  # the client went away: close() aborts the engine request
+            raise
+        except Exception as e:
+            err = to_http_error(e)
+            yield f"data: {json.dumps(err.body())}\n\n"
+        finally:
+            await self.close(status)
+        yield "data: [DONE]\n\n"

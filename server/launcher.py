@@ -1,0 +1,163 @@
+"""`jinfer serve`: start the engine process, then the HTTP server in this process; stop both cleanly.
+
+    jinfer serve [MODEL] [--host 127.0.0.1] [--port 8000] [--api-key KEY] [engine options]
+    python -m server.launcher ...   (the same)
+
+SIGINT / SIGTERM: uvicorn drains the open requests, then the engine is told to shut down (exit 0).
+If the engine process dies, in-flight requests fail at once, /health turns 503 for a moment, and the
+launcher exits with status 1 instead of hanging.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import logging
+import os
+import signal
+import sys
+import threading
+
+import uvicorn
+
+from jinfer.client import EngineClient, EngineDeadError
+
+log = logging.getLogger("jinfer.server")
+
+DEATH_EXIT_DELAY_S = 2.0  # keep answering (/health 503, errors) briefly before exiting
+# CLI flag -> EngineConfig field; None defaults mean "EngineConfig's default".
+_ENGINE_OPTIONS = ("dtype", "load_format", "max_model_len", "max_num_seqs", "max_num_batched_tokens", "num_pages",
+                   "page_size", "gpu_memory_utilization", "tensor_parallel_size", "seed", "attention_backend",
+                   "compilation_cache_dir")
+
+
+def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("model", nargs="?", default=None,
+                        help="model directory, .gguf file or dummy:<shape> (default: the embedded SmolLM2-135M)")
+    s = parser.add_argument_group("server")
+    s.add_argument("--host", default="127.0.0.1", help="interface to listen on (default: 127.0.0.1 only)")
+    s.add_argument("--port", type=int, default=8000)
+    s.add_argument("--api-key", default=os.environ.get("JINFER_API_KEY"),
+                   help="require 'Authorization: Bearer KEY' on /v1 (default: $JINFER_API_KEY, else none)")
+    s.add_argument("--served-model-name", nargs="+", default=None, help="model names accepted in requests")
+    s.add_argument("--max-queued-requests", type=int, default=None,
+                   help="sequences allowed to wait beyond --max-num-seqs before 503 (default 4 x max-num-seqs)")
+    s.add_argument("--engine-address", default=None,
+                   help="ZeroMQ address for the engine process (default: a private ipc:// socket)")
+    s.add_argument("--startup-timeout", type=float, default=1800.0, help="seconds to wait for the engine")
+    s.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    s.add_argument("--core-factory", default=None, help=argparse.SUPPRESS)  # tests: a fake engine core
+    e = parser.add_argument_group("engine")
+    e.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"])
+    e.add_argument("--load-format", default=None, choices=["auto", "dummy"])
+    e.add_argument("--max-model-len", type=int, default=None)
+    e.add_argument("--max-num-seqs", type=int, default=None)
+    e.add_argument("--max-num-batched-tokens", type=int, default=None)
+    e.add_argument("--num-pages", type=int, default=None)
+    e.add_argument("--page-size", type=int, default=None)
+    e.add_argument("--gpu-memory-utilization", type=float, default=None)
+    e.add_argument("--tensor-parallel-size", type=int, default=None)
+    e.add_argument("--seed", type=int, default=None)
+    e.add_argument("--attention-backend", default=None, choices=["auto", "reference", "pallas"])
+    e.add_argument("--compilation-cache-dir", default=None, help="JAX compilation cache ('' = off)")
+    e.add_argument("--no-prefix-caching", action="store_true")
+    e.add_argument("--no-chunked-prefill", action="store_true")
+    e.add_argument("--no-warmup", action="store_true", help="compile shapes on first use instead of at start")
+
+
+def engine_config_kwargs(args: argparse.Namespace) -> dict:
+    kw = {name: getattr(args, name) for name in _ENGINE_OPTIONS if getattr(args, name, None) is not None}
+    kw["model"] = args.model
+    if args.no_prefix_caching:
+        kw["enable_prefix_caching"] = False
+    if args.no_chunked_prefill:
+        kw["enable_chunked_prefill"] = False
+    if args.no_warmup:
+        kw["warmup"] = False
+    return kw
+
+
+class _Server(uvicorn.Server):
+    """uvicorn re-raises the signal it caught once it is done; we still have the engine to stop."""
+
+    @contextlib.contextmanager
+    def capture_signals(self):
+        if threading.current_thread() is not threading.main_thread():
+            yield
+            return
+        previous = {sig: signal.signal(sig, self.handle_exit) for sig in (signal.SIGINT, signal.SIGTERM)}
+        try:
+            yield
+        finally:
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
+
+
+def _interrupt(signum, frame):
+    raise KeyboardInterrupt
+
+
+def run_serve(args: argparse.Namespace) -> int:
+    """Serve until SIGINT/SIGTERM (returns 0) or until the engine dies (returns 1)."""
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    from jinfer.engine.core import EngineConfig  # JAX is imported, but this process never touches a device
+
+    try:
+        config = EngineConfig(**engine_config_kwargs(args))
+    except (ValueError, TypeError) as e:
+        log.error("invalid engine option: %s", e)
+        return 2
+    previous_term = signal.signal(signal.SIGTERM, _interrupt)  # SIGTERM during the long start-up
+    try:
+        client = EngineClient.spawn(config, address=args.engine_address, name="server",
+                                    startup_timeout=args.startup_timeout,
+                                    core_factory=getattr(args, "core_factory", None))
+    except EngineDeadError as e:
+        log.error("%s", e)
+        return 1
+    except KeyboardInterrupt:
+        log.info("interrupted while the engine was starting")
+        return 130
+    finally:
+        signal.signal(signal.SIGTERM, previous_term)
+
+    from server.app import build_app
+
+    died = threading.Event()
+    try:
+        app = build_app(client, served_model_names=args.served_model_name, api_key=args.api_key,
+                        max_queued_requests=args.max_queued_requests)
+        server = _Server(uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
+                                        access_log=False, timeout_graceful_shutdown=5))
+
+        def on_engine_death(reason: str) -> None:
+            died.set()
+            log.error("engine died (%s): exiting in %.0f s", reason, DEATH_EXIT_DELAY_S)
+            timer = threading.Timer(DEATH_EXIT_DELAY_S, lambda: setattr(server, "should_exit", True))
+            timer.daemon = True
+            timer.start()
+
+        client.add_death_callback(on_engine_death)
+        if not client.is_alive:
+            on_engine_death(client.dead_reason or "unknown")
+        log.info("serving %s on http://%s:%d (engine pid %d at %s)", client.info.model_name, args.host, args.port,
+                 client.info.pid, client.address)
+        server.run()
+    except SystemExit as e:  # uvicorn exits this way when it cannot bind
+        return e.code if isinstance(e.code, int) else 1
+    finally:
+        client.close()
+    if died.is_set():
+        return 1
+    log.info("shut down cleanly")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="jinfer serve", description="OpenAI-compatible server for jinfer")
+    add_serve_arguments(parser)
+    return run_serve(parser.parse_args(argv))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

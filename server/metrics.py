@@ -1,0 +1,48 @@
+"""Prometheus metrics of one server (its own registry, so tests can build several apps)."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+_LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
+                    20.0, 40.0, 80.0)
+STATUSES = ("success", "invalid", "unauthorized", "overloaded", "aborted", "error")
+_E2E_BUCKETS = (0.1, 0.3, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 60.0, 120.0, 300.0)
+
+
+class Metrics:
+    def __init__(self) -> None:
+        r = self.registry = CollectorRegistry()
+        self.requests = Counter("jinfer_requests", "Generation requests by endpoint and outcome "
+                                "(success, invalid, unauthorized, overloaded, aborted, error)",
+                                ["endpoint", "status"], registry=r)
+        for endpoint in ("completions", "chat"):  # every series exists from the start, at 0
+            for status in STATUSES:
+                self.requests.labels(endpoint, status)
+        self.prompt_tokens = Counter("jinfer_prompt_tokens", "Prompt tokens of finished requests", registry=r)
+        self.generation_tokens = Counter("jinfer_generation_tokens", "Generated tokens", registry=r)
+        self.ttft = Histogram("jinfer_time_to_first_token_seconds", "Request arrival to first token",
+                              buckets=_LATENCY_BUCKETS, registry=r)
+        self.itl = Histogram("jinfer_inter_token_latency_seconds", "Time between two tokens of a sequence",
+                             buckets=_LATENCY_BUCKETS, registry=r)
+        self.e2e = Histogram("jinfer_e2e_request_latency_seconds", "Request arrival to last token",
+                             buckets=_E2E_BUCKETS, registry=r)
+        self.in_flight = Gauge("jinfer_server_requests_in_flight", "Sequences the server waits on", registry=r)
+        self.running = Gauge("jinfer_num_requests_running", "Sequences running in the engine", registry=r)
+        self.waiting = Gauge("jinfer_num_requests_waiting", "Sequences waiting in the engine", registry=r)
+        self.kv_usage = Gauge("jinfer_kv_cache_usage_ratio", "Fraction of KV pages in use (0..1)", registry=r)
+        self.free_pages = Gauge("jinfer_kv_cache_free_pages", "Free KV pages", registry=r)
+        self.prefix_hit_rate = Gauge("jinfer_prefix_cache_hit_rate", "Prefix-cache hit rate over prompt tokens",
+                                     registry=r)
+        self.engine_alive = Gauge("jinfer_engine_alive", "1 while the engine process serves", registry=r)
+
+    def set_engine_stats(self, stats: dict[str, float], alive: bool) -> None:
+        self.engine_alive.set(1 if alive else 0)
+        for gauge, key in ((self.running, "num_running"), (self.waiting, "num_waiting"),
+                           (self.kv_usage, "kv_usage"), (self.free_pages, "num_free_pages"),
+                           (self.prefix_hit_rate, "prefix_cache_hit_rate")):
+            if key in stats:
+                gauge.set(stats[key])
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

@@ -1,0 +1,248 @@
+"""OpenAI request bodies -> a checked `GenerationRequest`, or `InvalidRequest` naming the bad field.
+
+Everything a request can get wrong is caught here, before the engine sees it: JSON types, value
+ranges (via SamplingParams, whose ValueError names the field), the prompt forms, the chat messages,
+the model name, and prompt + max_tokens against the context length.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from jinfer.sampling_params import SamplingParams
+
+
+class InvalidRequest(Exception):
+    """Becomes an HTTP error with an OpenAI error body."""
+
+    def __init__(self, message: str, param: str | None = None, code: str | None = None, status: int = 400,
+                 type: str = "invalid_request_error", headers: dict[str, str] | None = None):
+        super().__init__(message)
+        self.message, self.param, self.code, self.status, self.type = message, param, code, status, type
+        self.headers = headers
+
+    def body(self) -> dict[str, Any]:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+
+@dataclass(frozen=True)
+class ServingContext:
+    model_names: tuple[str, ...]
+    max_model_len: int
+    vocab_size: int
+    tokenizer: Any  # jinfer.tokenizer.Tokenizer
+
+
+@dataclass
+class GenerationRequest:
+    chat: bool
+    model: str
+    prompts: list[list[int]]  # token ids of each prompt
+    prompt_texts: list[str]  # their text (echo, logprob offsets)
+    params: SamplingParams
+    stream: bool = False
+    include_usage: bool = False
+    echo: bool = False
+    top_logprobs: int | None = None  # None: no logprobs in the response
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+# name -> (JSON types accepted, description for the error message)
+_INT, _NUM, _BOOL = ((int,), "an integer"), ((int, float), "a number"), ((bool,), "a boolean")
+_SAMPLING_FIELDS = {
+    "n": _INT, "temperature": _NUM, "top_p": _NUM, "top_k": _INT, "min_p": _NUM, "seed": _INT,
+    "presence_penalty": _NUM, "frequency_penalty": _NUM, "repetition_penalty": _NUM, "min_tokens": _INT,
+    "ignore_eos": _BOOL, "skip_special_tokens": _BOOL, "include_stop_str_in_output": _BOOL,
+}
+# Accepted for compatibility but unsupported when set to something that would change the output.
+_UNSUPPORTED = ("suffix", "logit_bias", "tools", "functions", "function_call", "prediction", "audio",
+                "modalities")
+
+
+def _typed(body: dict[str, Any], name: str, spec: tuple[tuple[type, ...], str], default: Any = None) -> Any:
+    value = body.get(name)
+    if value is None:
+        return default
+    types, what = spec
+    if isinstance(value, bool) and bool not in types or not isinstance(value, types):
+        raise InvalidRequest(f"'{name}' must be {what}, got {type(value).__name__} {value!r}"[:300], name)
+    return value
+
+
+def _check_common(body: Any, ctx: ServingContext) -> str:
+    if not isinstance(body, dict):
+        raise InvalidRequest("the request body must be a JSON object", None)
+    model = body.get("model", ctx.model_names[0])
+    if not isinstance(model, str):
+        raise InvalidRequest(f"'model' must be a string, got {type(model).__name__}", "model")
+    if model not in ctx.model_names:
+        raise InvalidRequest(f"The model '{model}' does not exist; this server serves {list(ctx.model_names)}",
+                             "model", "model_not_found")
+    for name in _UNSUPPORTED:
+        if body.get(name) not in (None, {}, []):
+            raise InvalidRequest(f"'{name}' is not supported by this server", name, "unsupported_parameter")
+    fmt = body.get("response_format")
+    if fmt is not None and fmt != {"type": "text"}:
+        raise InvalidRequest("'response_format' other than {'type': 'text'} is not supported", "response_format",
+                             "unsupported_parameter")
+    if body.get("tool_choice") not in (None, "none"):
+        raise InvalidRequest("'tool_choice' is not supported", "tool_choice", "unsupported_parameter")
+    return model
+
+
+def _sampling_params(body: dict[str, Any], max_tokens: int | None, logprobs: int | None,
+                     rename: dict[str, str]) -> SamplingParams:
+    kw: dict[str, Any] = {name: body[name] for name in _SAMPLING_FIELDS if body.get(name) is not None}
+    for name, spec in _SAMPLING_FIELDS.items():
+        _typed(body, name, spec)
+    best_of = _typed(body, "best_of", _INT)
+    if best_of is not None and best_of != kw.get("n", 1):
+        raise InvalidRequest("'best_of' different from 'n' is not supported", "best_of", "unsupported_parameter")
+    stop = body.get("stop")
+    if stop is not None and not isinstance(stop, str) and not (
+            isinstance(stop, list) and all(isinstance(s, str) for s in stop)):
+        raise InvalidRequest("'stop' must be a string or a list of strings", "stop")
+    if isinstance(stop, list) and not stop:
+        stop = None
+    ids = body.get("stop_token_ids")
+    if ids is not None and not (isinstance(ids, list) and all(_is_int(t) for t in ids)):
+        raise InvalidRequest("'stop_token_ids' must be a list of integers", "stop_token_ids")
+    try:
+        return SamplingParams(**kw, stop=stop, stop_token_ids=ids, max_tokens=max_tokens, logprobs=logprobs)
+    except ValueError as e:  # "field=value must be ..." : the message starts with the field's name
+        m = re.match(r"(\w+)=", str(e))
+        name = m.group(1) if m else None
+        raise InvalidRequest(str(e), rename.get(name, name)) from None
+
+
+def _is_int(x: Any) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def _stream_options(body: dict[str, Any]) -> tuple[bool, bool]:
+    stream = bool(_typed(body, "stream", _BOOL, False))
+    opts = body.get("stream_options")
+    if opts is None:
+        return stream, False
+    if not isinstance(opts, dict):
+        raise InvalidRequest("'stream_options' must be an object", "stream_options")
+    if not stream:
+        raise InvalidRequest("'stream_options' is only allowed when 'stream' is true", "stream_options")
+    include = opts.get("include_usage", False)
+    if not isinstance(include, bool):
+        raise InvalidRequest("'stream_options.include_usage' must be a boolean", "stream_options.include_usage")
+    return stream, include
+
+
+def _max_tokens(body: dict[str, Any], names: Sequence[str], default: int | None) -> tuple[int | None, str]:
+    for name in names:
+        if body.get(name) is not None:
+            return _typed(body, name, _INT), name
+    return default, names[0]
+
+
+def _check_length(prompts: list[list[int]], max_tokens: int | None, mt_name: str, prompt_name: str,
+                  ctx: ServingContext) -> None:
+    for ids in prompts:
+        if len(ids) >= ctx.max_model_len:
+            raise InvalidRequest(f"This model's maximum context length is {ctx.max_model_len} tokens, but the "
+                                 f"prompt has {len(ids)} tokens", prompt_name, "context_length_exceeded")
+        if max_tokens is not None and len(ids) + max_tokens > ctx.max_model_len:
+            raise InvalidRequest(f"This model's maximum context length is {ctx.max_model_len} tokens; the prompt "
+                                 f"({len(ids)} tokens) + {mt_name} ({max_tokens}) exceeds it", mt_name,
+                                 "context_length_exceeded")
+
+
+def _token_ids(ids: list[Any], ctx: ServingContext) -> list[int]:
+    if not ids:
+        raise InvalidRequest("'prompt' must not be empty", "prompt")
+    if not all(_is_int(t) and 0 <= t < ctx.vocab_size for t in ids):
+        raise InvalidRequest(f"'prompt' token ids must be integers in [0, {ctx.vocab_size})", "prompt")
+    return ids
+
+
+def parse_completion(body: Any, ctx: ServingContext) -> GenerationRequest:
+    model = _check_common(body, ctx)
+    if "prompt" not in body or body["prompt"] is None:
+        raise InvalidRequest("'prompt' is required", "prompt", "missing_required_parameter")
+    prompt = body["prompt"]
+    tok = ctx.tokenizer
+    if isinstance(prompt, str):
+        prompt = [prompt]
+    if not isinstance(prompt, list) or not prompt:
+        raise InvalidRequest("'prompt' must be a string, a list of strings, a list of token ids or a list of "
+                             "token id lists, and not empty", "prompt")
+    if all(isinstance(p, str) for p in prompt):
+        texts = prompt
+        ids = [tok.encode(p) for p in prompt]
+        if any(not i for i in ids):
+            raise InvalidRequest("'prompt' must not be empty", "prompt")
+    elif all(_is_int(t) for t in prompt):
+        ids = [_token_ids(prompt, ctx)]
+        texts = [tok.decode(ids[0], skip_special_tokens=False)]
+    elif all(isinstance(p, list) for p in prompt):
+        ids = [_token_ids(p, ctx) for p in prompt]
+        texts = [tok.decode(i, skip_special_tokens=False) for i in ids]
+    else:
+        raise InvalidRequest("'prompt' must be a string, a list of strings, a list of token ids or a list of "
+                             "token id lists", "prompt")
+    stream, include_usage = _stream_options(body)
+    echo = bool(_typed(body, "echo", _BOOL, False))
+    logprobs = _typed(body, "logprobs", _INT)
+    max_tokens, mt_name = _max_tokens(body, ("max_tokens",), 16)
+    params = _sampling_params(body, max_tokens, logprobs, {})
+    _check_length(ids, max_tokens, mt_name, "prompt", ctx)
+    return GenerationRequest(False, model, ids, list(texts), params, stream, include_usage, echo, logprobs)
+
+
+def _message_text(i: int, m: Any) -> dict[str, Any]:
+    if not isinstance(m, dict):
+        raise InvalidRequest(f"'messages[{i}]' must be an object", f"messages[{i}]")
+    role = m.get("role")
+    if role not in ("system", "developer", "user", "assistant", "tool"):
+        raise InvalidRequest(f"'messages[{i}].role' must be one of system, developer, user, assistant, tool; "
+                             f"got {role!r}", f"messages[{i}].role")
+    content = m.get("content")
+    if isinstance(content, list):  # content parts: only text
+        parts = []
+        for j, part in enumerate(content):
+            if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
+                raise InvalidRequest(f"'messages[{i}].content[{j}]' must be a text part; only text is supported",
+                                     f"messages[{i}].content")
+            parts.append(part["text"])
+        content = "".join(parts)
+    if content is None and role == "assistant":
+        content = ""
+    if not isinstance(content, str):
+        raise InvalidRequest(f"'messages[{i}].content' must be a string or a list of text parts",
+                             f"messages[{i}].content")
+    return {"role": "system" if role == "developer" else role, "content": content}
+
+
+def parse_chat(body: Any, ctx: ServingContext) -> GenerationRequest:
+    model = _check_common(body, ctx)
+    messages = body.get("messages")
+    if not isinstance(messages, list) or not messages:
+        raise InvalidRequest("'messages' is required and must be a non-empty list", "messages",
+                             None if isinstance(messages, list) else "missing_required_parameter")
+    msgs = [_message_text(i, m) for i, m in enumerate(messages)]
+    try:
+        text = ctx.tokenizer.apply_chat_template(msgs, add_generation_prompt=True)
+    except ValueError as e:
+        raise InvalidRequest(str(e), "messages") from None
+    ids = ctx.tokenizer.encode(text, add_special_tokens=False)
+    stream, include_usage = _stream_options(body)
+    want_lp = bool(_typed(body, "logprobs", _BOOL, False))
+    top = _typed(body, "top_logprobs", _INT)
+    if top is not None and not want_lp:
+        raise InvalidRequest("'top_logprobs' requires 'logprobs' to be true", "top_logprobs")
+    top = (top or 0) if want_lp else None
+    max_tokens, mt_name = _max_tokens(body, ("max_completion_tokens", "max_tokens"), None)
+    if body.get("max_completion_tokens") is None and body.get("max_tokens") is not None:
+        mt_name = "max_tokens"
+    params = _sampling_params(body, max_tokens, top, {"max_tokens": mt_name, "logprobs": "top_logprobs"})
+    _check_length([ids], max_tokens, mt_name, "messages", ctx)
+    return GenerationRequest(True, model, [ids], [text], params, stream, include_usage, False, top)

@@ -1,0 +1,86 @@
+"""A deterministic EngineCore stand-in (no model): tests of the engine process, the ZMQ client and the HTTP
+server that do not need a real model. Sample i of a request emits tokens last_prompt_token + 1 + i, +2, ...
+(mod vocab) with text " <id>", until max_tokens; prompt token FAIL_TOKEN makes step() raise."""
+
+from __future__ import annotations
+
+import os
+import time
+from types import SimpleNamespace
+from typing import Any
+
+from jinfer.outputs import EngineOutput
+from jinfer.sampling_params import SamplingParams
+from jinfer.weights.loader import default_model_path
+
+FAIL_TOKEN = 999
+VOCAB = 49152  # the default model's, so that its tokenizer can stand beside the fake
+
+
+class FakeCore:
+    def __init__(self, config: dict[str, Any]):
+        self.config = SimpleNamespace(max_num_seqs=config.get("max_num_seqs", 8), model=None)
+        self.model_name = "fake-model"
+        self.max_model_len = config.get("max_model_len", 64)
+        self.model_config = SimpleNamespace(vocab_size=VOCAB)
+        self.tokenizer = None
+        self.tokenizer_path = str(default_model_path()) if default_model_path().is_file() else None
+        self.eos_token_ids = (0,)
+        self.step_delay = config.get("step_delay", float(os.environ.get("JINFER_FAKE_STEP_DELAY", "0")))
+        self.num_pages = 100
+        self.seqs: dict[tuple[str, int], dict[str, Any]] = {}
+
+    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> None:
+        if any(rid == request_id for rid, _ in self.seqs):
+            raise ValueError(f"request_id={request_id!r} is already in use")
+        if not prompt_token_ids:
+            raise ValueError("prompt must not be empty")
+        max_tokens = params.max_tokens or self.max_model_len - len(prompt_token_ids)
+        if len(prompt_token_ids) + max_tokens > self.max_model_len:
+            raise ValueError(f"prompt ({len(prompt_token_ids)} tokens) + max_tokens ({max_tokens}) exceeds "
+                             f"the context length of {self.max_model_len} tokens")
+        for i in range(params.n):
+            self.seqs[(request_id, i)] = dict(next=prompt_token_ids[-1] + 1 + i, left=max_tokens,
+                                              prompt=len(prompt_token_ids), params=params,
+                                              fail=FAIL_TOKEN in prompt_token_ids)
+
+    def abort(self, request_id: str) -> None:
+        for key in [k for k in self.seqs if k[0] == request_id]:
+            del self.seqs[key]
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.seqs)
+
+    def step(self) -> list[EngineOutput]:
+        time.sleep(self.step_delay)
+        if any(s["fail"] for s in self.seqs.values()):
+            raise RuntimeError("injected failure")
+        outs = []
+        for (rid, i), s in list(self.seqs.items()):
+            tok = s["next"] % VOCAB
+            s["next"] += 1
+            s["left"] -= 1
+            lps = None
+            if s["params"].logprobs is not None:
+                lps = [{tok: -0.5, **{(tok + k) % VOCAB: -1.0 - k for k in range(1, s["params"].logprobs + 1)}}]
+            done = s["left"] == 0
+            outs.append(EngineOutput(rid, i, [tok], f" {tok}", finished=done,
+                                     finish_reason="length" if done else None, new_logprobs=lps,
+                                     num_prompt_tokens=s["prompt"]))
+            if done:
+                del self.seqs[(rid, i)]
+        return outs
+
+    def stats(self) -> dict[str, float]:
+        used = len(self.seqs)
+        return {"num_running": used, "num_waiting": 0, "kv_usage": used / self.num_pages,
+                "num_pages": self.num_pages, "num_free_pages": self.num_pages - used,
+                "prefix_cache_hit_rate": 0.0}
+
+
+def make_fake_core(config: dict[str, Any]) -> FakeCore:
+    return FakeCore(config)
+
+
+def broken_core(config: dict[str, Any]) -> FakeCore:
+    raise RuntimeError("no such model")
