@@ -42,7 +42,8 @@ async def one_request(client: httpx.AsyncClient, url: str, model: str, prompt: l
                 now = time.perf_counter()
                 if chunk.get("usage"):
                     n_out = chunk["usage"]["completion_tokens"]
-                if chunk.get("choices") and chunk["choices"][0].get("text") is not None:
+                choice = chunk["choices"][0] if chunk.get("choices") else None
+                if choice is not None and choice.get("finish_reason") is None:  # a token chunk
                     if ttft is None:
                         ttft = now - t0
                     else:

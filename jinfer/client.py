@@ -134,13 +134,13 @@ class EngineClient:
 
     @property
     def tokenizer(self):
-        """The engine's tokenizer, loaded in this process on first use (same host)."""
+        """The engine's tokenizer, loaded in this process on first use (same host); None if it has none."""
         if self._tokenizer is None:
             from jinfer.tokenizer import Tokenizer
 
             path = self.info.tokenizer_path if self.info else None
             if path is None:
-                raise ValueError("the engine has no tokenizer: send token ids, not text")
+                return None
             self._tokenizer = Tokenizer.from_pretrained(path)
         return self._tokenizer
 
@@ -182,6 +182,8 @@ class EngineClient:
 
     def _prompt_ids(self, prompt: Prompt) -> list[int]:
         if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ValueError("the engine has no tokenizer: send token ids, not text")
             return self.tokenizer.encode(prompt)
         return [int(t) for t in prompt]
 

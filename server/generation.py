@@ -207,7 +207,8 @@ class Generation:
                 else:
                     lp = self._completion_logprobs(c, d.new_token_ids, d.new_logprobs or [], echo=echo,
                                                    offset=offset) if d.new_logprobs or echo else None
-                    if text or lp:
+                    # (a model without a tokenizer streams one empty-text chunk per step, so progress shows)
+                    if text or lp or (tok is None and d.new_token_ids):
                         yield self._event([schemas.completion_choice(c.index, text, lp, None)])
                     if d.finished:
                         yield self._event([schemas.completion_choice(c.index, "", None, d.finish_reason,

@@ -25,6 +25,8 @@ def _finite(logprob: float | None) -> float | None:
 
 
 def token_text(tokenizer: Any, token_id: int) -> str:
+    if tokenizer is None:  # a model without a tokenizer (dummy weights): name the id
+        return f"token_id:{token_id}"
     return tokenizer.decode([token_id], skip_special_tokens=False)
 
 

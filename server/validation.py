@@ -164,28 +164,35 @@ def _token_ids(ids: list[Any], ctx: ServingContext) -> list[int]:
     return ids
 
 
+def _require_tokenizer(ctx: ServingContext, param: str) -> None:
+    if ctx.tokenizer is None:
+        raise InvalidRequest("this model has no tokenizer: send 'prompt' as token ids to /v1/completions", param)
+
+
 def parse_completion(body: Any, ctx: ServingContext) -> GenerationRequest:
     model = _check_common(body, ctx)
     if "prompt" not in body or body["prompt"] is None:
         raise InvalidRequest("'prompt' is required", "prompt", "missing_required_parameter")
     prompt = body["prompt"]
     tok = ctx.tokenizer
+    decode = (lambda ids: tok.decode(ids, skip_special_tokens=False)) if tok is not None else (lambda ids: "")
     if isinstance(prompt, str):
         prompt = [prompt]
     if not isinstance(prompt, list) or not prompt:
         raise InvalidRequest("'prompt' must be a string, a list of strings, a list of token ids or a list of "
                              "token id lists, and not empty", "prompt")
     if all(isinstance(p, str) for p in prompt):
+        _require_tokenizer(ctx, "prompt")
         texts = prompt
         ids = [tok.encode(p) for p in prompt]
         if any(not i for i in ids):
             raise InvalidRequest("'prompt' must not be empty", "prompt")
     elif all(_is_int(t) for t in prompt):
         ids = [_token_ids(prompt, ctx)]
-        texts = [tok.decode(ids[0], skip_special_tokens=False)]
+        texts = [decode(ids[0])]
     elif all(isinstance(p, list) for p in prompt):
         ids = [_token_ids(p, ctx) for p in prompt]
-        texts = [tok.decode(i, skip_special_tokens=False) for i in ids]
+        texts = [decode(i) for i in ids]
     else:
         raise InvalidRequest("'prompt' must be a string, a list of strings, a list of token ids or a list of "
                              "token id lists", "prompt")
@@ -229,6 +236,7 @@ def parse_chat(body: Any, ctx: ServingContext) -> GenerationRequest:
         raise InvalidRequest("'messages' is required and must be a non-empty list", "messages",
                              None if isinstance(messages, list) else "missing_required_parameter")
     msgs = [_message_text(i, m) for i, m in enumerate(messages)]
+    _require_tokenizer(ctx, "messages")
     try:
         text = ctx.tokenizer.apply_chat_template(msgs, add_generation_prompt=True)
     except ValueError as e:

@@ -89,7 +89,10 @@ class ModelRunner:
         self.token_buckets = one + pow2_buckets(MIN_TOKENS, max(max_num_batched_tokens, MIN_TOKENS))
         self.max_seqs_bucket = pick(pow2_buckets(1, 1 << (max_num_seqs - 1).bit_length()), max_num_seqs)
         max_pages = cdiv(max_model_len, page_size)
-        self.page_buckets = pow2_buckets(min(MIN_PAGES, max_pages), max_pages)
+        # The reference attention gathers all P pages of every token, so P is bucketed; the Pallas
+        # kernels stop at each sequence's length, so one full-width page table costs nothing there.
+        self.page_buckets = ((max_pages,) if ops.backend == "pallas"
+                             else pow2_buckets(min(MIN_PAGES, max_pages), max_pages))
         self.ops = ops
         self._forward = jax.jit(partial(forward, cfg=cfg, ops=ops), donate_argnames=("kv_cache",))
         self._sample = jax.jit(sample, static_argnames=("num_logprobs",))
