@@ -6,26 +6,7 @@ import argparse
 import sys
 import time
 
-
-def add_engine_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32", "float16"])
-    p.add_argument("--max-model-len", type=int)
-    p.add_argument("--max-num-seqs", type=int, default=256)
-    p.add_argument("--max-num-batched-tokens", type=int, default=2048)
-    p.add_argument("--num-pages", type=int, help="KV cache pages (default: from free memory)")
-    p.add_argument("--page-size", type=int, default=16)
-    p.add_argument("--load-format", default="auto", choices=["auto", "dummy"])
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--attention-backend", default="auto", choices=["auto", "reference", "pallas"],
-                   help="auto: Pallas kernels on GPU, jnp reference on CPU")
-    p.add_argument("--no-warmup", action="store_true", help="compile shapes lazily instead of at start-up")
-
-
-def engine_kwargs(args: argparse.Namespace) -> dict:
-    return dict(dtype=args.dtype, max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
-                max_num_batched_tokens=args.max_num_batched_tokens, num_pages=args.num_pages,
-                page_size=args.page_size, load_format=args.load_format, seed=args.seed, warmup=not args.no_warmup,
-                attention_backend=args.attention_backend)
+from jinfer.engine.args import add_engine_arguments, engine_config_kwargs
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
@@ -33,9 +14,9 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
                             seed=args.seed)
-    kwargs = engine_kwargs(args)
+    kwargs = engine_config_kwargs(args)
     kwargs["warmup"] = False  # one prompt: compile only the shapes it uses
-    llm = LLM(args.model, **kwargs)
+    llm = LLM(**kwargs)
     if args.chat:
         run = lambda: llm.chat([{"role": "user", "content": args.prompt}], params, use_tqdm=False)
     else:
@@ -59,11 +40,11 @@ def main(argv: list[str] | None = None) -> int:
     sub = parser.add_subparsers(dest="command", required=True)
     g = sub.add_parser("generate", help="generate a completion for one prompt")
     g.add_argument("--model", default=None, help="model directory, .gguf file or dummy:<shape> (default: SmolLM2)")
+    g.add_argument("--top-p", type=float, default=1.0)
     g.add_argument("--prompt", required=True)
     g.add_argument("--chat", action="store_true", help="apply the model's chat template")
     g.add_argument("--max-tokens", type=int, default=64)
     g.add_argument("--temperature", type=float, default=0.0)
-    g.add_argument("--top-p", type=float, default=1.0)
     add_engine_arguments(g)
     g.set_defaults(func=cmd_generate)
     try:

@@ -21,14 +21,11 @@ import threading
 import uvicorn
 
 from jinfer.client import EngineClient, EngineDeadError
+from jinfer.engine.args import add_engine_arguments, engine_config_kwargs
 
 log = logging.getLogger("jinfer.server")
 
 DEATH_EXIT_DELAY_S = 2.0  # keep answering (/health 503, errors) briefly before exiting
-# CLI flag -> EngineConfig field; None defaults mean "EngineConfig's default".
-_ENGINE_OPTIONS = ("dtype", "load_format", "max_model_len", "max_num_seqs", "max_num_batched_tokens", "num_pages",
-                   "page_size", "gpu_memory_utilization", "tensor_parallel_size", "seed", "attention_backend",
-                   "compilation_cache_dir")
 
 
 def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
@@ -47,34 +44,7 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     s.add_argument("--startup-timeout", type=float, default=1800.0, help="seconds to wait for the engine")
     s.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     s.add_argument("--core-factory", default=None, help=argparse.SUPPRESS)  # tests: a fake engine core
-    e = parser.add_argument_group("engine")
-    e.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"])
-    e.add_argument("--load-format", default=None, choices=["auto", "dummy"])
-    e.add_argument("--max-model-len", type=int, default=None)
-    e.add_argument("--max-num-seqs", type=int, default=None)
-    e.add_argument("--max-num-batched-tokens", type=int, default=None)
-    e.add_argument("--num-pages", type=int, default=None)
-    e.add_argument("--page-size", type=int, default=None)
-    e.add_argument("--gpu-memory-utilization", type=float, default=None)
-    e.add_argument("--tensor-parallel-size", type=int, default=None)
-    e.add_argument("--seed", type=int, default=None)
-    e.add_argument("--attention-backend", default=None, choices=["auto", "reference", "pallas"])
-    e.add_argument("--compilation-cache-dir", default=None, help="JAX compilation cache ('' = off)")
-    e.add_argument("--no-prefix-caching", action="store_true")
-    e.add_argument("--no-chunked-prefill", action="store_true")
-    e.add_argument("--no-warmup", action="store_true", help="compile shapes on first use instead of at start")
-
-
-def engine_config_kwargs(args: argparse.Namespace) -> dict:
-    kw = {name: getattr(args, name) for name in _ENGINE_OPTIONS if getattr(args, name, None) is not None}
-    kw["model"] = args.model
-    if args.no_prefix_caching:
-        kw["enable_prefix_caching"] = False
-    if args.no_chunked_prefill:
-        kw["enable_chunked_prefill"] = False
-    if args.no_warmup:
-        kw["warmup"] = False
-    return kw
+    add_engine_arguments(parser)
 
 
 class _Server(uvicorn.Server):

@@ -46,7 +46,7 @@ def enable_compilation_cache(path: str | None = None) -> str:
 @dataclass(frozen=True)
 class EngineConfig:
     model: str | None = None  # None: the embedded default model
-    dtype: str = "bfloat16"
+    dtype: str = "auto"  # "auto": bfloat16 on accelerators, float32 on CPU (faster there)
     load_format: str = "auto"  # "dummy": random weights at the model's config
     max_model_len: int | None = None  # default: the model's context, capped by the KV pool
     max_num_seqs: int = 256
@@ -63,8 +63,8 @@ class EngineConfig:
     compilation_cache_dir: str | None = None  # default $JINFER_COMPILATION_CACHE or ~/.cache/jinfer/xla; "" off
 
     def __post_init__(self):
-        if self.dtype not in DTYPES:
-            raise ValueError(f"dtype={self.dtype!r} must be one of {sorted(DTYPES)}")
+        if self.dtype != "auto" and self.dtype not in DTYPES:
+            raise ValueError(f"dtype={self.dtype!r} must be 'auto' or one of {sorted(DTYPES)}")
         for name in ("max_num_seqs", "max_num_batched_tokens", "page_size", "tensor_parallel_size"):
             v = getattr(self, name)
             if not isinstance(v, int) or isinstance(v, bool) or v < 1:
@@ -111,8 +111,10 @@ class EngineCore:
                 self.tokenizer = Tokenizer.from_pretrained(source.path)
             else:
                 log.warning("%s has no tokenizer.json: prompts must be token ids, outputs carry no text", source.path)
+        self.dtype = config.dtype if config.dtype != "auto" else (
+            "float32" if jax.default_backend() == "cpu" else "bfloat16")
         mesh = make_mesh(config.tensor_parallel_size)
-        weights = load_weights(source, config.dtype, mesh, seed=config.seed)
+        weights = load_weights(source, self.dtype, mesh, seed=config.seed)
         num_pages = config.num_pages or self._auto_num_pages()
         max_len = min(config.max_model_len or self.model_config.max_position_embeddings,
                       (num_pages - 1) * config.page_size)
@@ -123,7 +125,7 @@ class EngineCore:
             max_num_batched_tokens=config.max_num_batched_tokens,
             enable_chunked_prefill=config.enable_chunked_prefill), self.kv)
         self.runner = ModelRunner(self.model_config, weights, mesh, num_pages=num_pages, page_size=config.page_size,
-                                  kv_dtype=DTYPES[config.dtype], max_num_batched_tokens=config.max_num_batched_tokens,
+                                  kv_dtype=DTYPES[self.dtype], max_num_batched_tokens=config.max_num_batched_tokens,
                                   max_num_seqs=config.max_num_seqs, max_model_len=max_len,
                                   ops=select_ops(config.attention_backend))
         self._seqs: dict[str, _Seq] = {}  # sequence id -> state
@@ -140,7 +142,7 @@ class EngineCore:
 
     def _auto_num_pages(self) -> int:
         cfg = self.config
-        per_page = kv_cache_bytes_per_page(self.model_config, cfg.page_size, DTYPES[cfg.dtype])
+        per_page = kv_cache_bytes_per_page(self.model_config, cfg.page_size, DTYPES[self.dtype])
         stats = jax.devices()[0].memory_stats() or {}
         if "bytes_limit" in stats:
             free = stats["bytes_limit"] * cfg.gpu_memory_utilization - stats.get("bytes_in_use", 0)

@@ -1,0 +1,47 @@
+"""Engine options on the command line, shared by `jinfer generate` and `jinfer serve`.
+
+Every flag defaults to None, meaning "EngineConfig's default", so the defaults live in one place
+(`jinfer/engine/core.py:EngineConfig`).
+"""
+
+from __future__ import annotations
+
+import argparse
+
+# CLI flag -> EngineConfig field.
+_ENGINE_OPTIONS = ("dtype", "load_format", "max_model_len", "max_num_seqs", "max_num_batched_tokens", "num_pages",
+                   "page_size", "gpu_memory_utilization", "tensor_parallel_size", "seed", "attention_backend",
+                   "compilation_cache_dir")
+
+
+def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
+    e = parser.add_argument_group("engine")
+    e.add_argument("--dtype", default=None, choices=["auto", "float32", "bfloat16", "float16"],
+                   help="auto (default): bfloat16 on GPU, float32 on CPU")
+    e.add_argument("--load-format", default=None, choices=["auto", "dummy"])
+    e.add_argument("--max-model-len", type=int, default=None)
+    e.add_argument("--max-num-seqs", type=int, default=None)
+    e.add_argument("--max-num-batched-tokens", type=int, default=None)
+    e.add_argument("--num-pages", type=int, default=None)
+    e.add_argument("--page-size", type=int, default=None)
+    e.add_argument("--gpu-memory-utilization", type=float, default=None)
+    e.add_argument("--tensor-parallel-size", type=int, default=None)
+    e.add_argument("--seed", type=int, default=None)
+    e.add_argument("--attention-backend", default=None, choices=["auto", "reference", "pallas"])
+    e.add_argument("--compilation-cache-dir", default=None, help="JAX compilation cache ('' = off)")
+    e.add_argument("--no-prefix-caching", action="store_true")
+    e.add_argument("--no-chunked-prefill", action="store_true")
+    e.add_argument("--no-warmup", action="store_true", help="compile shapes on first use instead of at start")
+
+
+def engine_config_kwargs(args: argparse.Namespace) -> dict:
+    """EngineConfig keyword arguments for the flags given (model included)."""
+    kw = {name: getattr(args, name) for name in _ENGINE_OPTIONS if getattr(args, name, None) is not None}
+    kw["model"] = args.model
+    if args.no_prefix_caching:
+        kw["enable_prefix_caching"] = False
+    if args.no_chunked_prefill:
+        kw["enable_chunked_prefill"] = False
+    if args.no_warmup:
+        kw["warmup"] = False
+    return kw
