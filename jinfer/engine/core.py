@@ -106,9 +106,11 @@ class EngineCore:
         self.model_config: ModelConfig = source.config
         self.model_name = config.model or "SmolLM2-135M-Instruct"
         self.tokenizer = tokenizer
+        self.tokenizer_path: str | None = None  # where another process on this host can load it
         if self.tokenizer is None and source.path is not None:
             if source.path.is_file() or (source.path / "tokenizer.json").exists():
                 self.tokenizer = Tokenizer.from_pretrained(source.path)
+                self.tokenizer_path = str(source.path)
             else:
                 log.warning("%s has no tokenizer.json: prompts must be token ids, outputs carry no text", source.path)
         self.dtype = config.dtype if config.dtype != "auto" else (

@@ -85,15 +85,7 @@ def _load_factory(spec: str | None) -> Callable[[dict[str, Any]], Any]:
 
 
 def _ready_message(core: Any) -> EngineReady:
-    tok_path = getattr(core, "tokenizer_path", None)
-    if tok_path is None and getattr(core, "tokenizer", None) is not None:
-        try:
-            from jinfer.weights.loader import resolve_model
-
-            path = resolve_model(core.config.model, getattr(core.config, "load_format", "auto")).tokenizer_path
-            tok_path = None if path is None else str(path)
-        except Exception:  # a client without a tokenizer can still send token ids
-            log.warning("could not tell clients where the tokenizer is", exc_info=True)
+    tok_path = getattr(core, "tokenizer_path", None)  # None: clients must send token ids
     return EngineReady(
         model_name=str(core.model_name), max_model_len=int(core.max_model_len),
         vocab_size=int(core.model_config.vocab_size), max_num_seqs=int(core.config.max_num_seqs),

@@ -43,10 +43,6 @@ class ModelSource:
     path: Path | None  # directory (hf), file (gguf), or None / config dir (dummy)
     config: ModelConfig
 
-    @property
-    def tokenizer_path(self) -> Path | None:
-        return self.path
-
 
 def resolve_model(model: str | os.PathLike | None = None, load_format: str = "auto") -> ModelSource:
     """Turn a model argument into a ModelSource.
