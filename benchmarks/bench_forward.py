@@ -14,7 +14,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from benchmarks.common import environment, write_result
+from benchmarks.common import add_profile_argument, environment, profiled, write_result
 from jinfer.models.batch import make_batch
 from jinfer.models.llama import forward
 from jinfer.weights.loader import DTYPES, load_weights, resolve_model
@@ -28,6 +28,7 @@ def main():
     ap.add_argument("--batch", type=int, default=1)
     ap.add_argument("--page-size", type=int, default=16)
     ap.add_argument("--iters", type=int, default=10)
+    add_profile_argument(ap)
     ap.add_argument("--out")
     args = ap.parse_args()
 
@@ -67,12 +68,13 @@ def main():
     compiled_decode = step.lower(w, decode(0), kv).compile()
     decode_compile_s = time.perf_counter() - t0
     times = []
-    for i in range(args.iters):
-        b = decode(i)
-        t = time.perf_counter()
-        logits, kv = compiled_decode(w, b, kv)
-        jax.block_until_ready(logits)
-        times.append(time.perf_counter() - t)
+    with profiled(args.profile):  # the decode steps
+        for i in range(args.iters):
+            b = decode(i)
+            t = time.perf_counter()
+            logits, kv = compiled_decode(w, b, kv)
+            jax.block_until_ready(logits)
+            times.append(time.perf_counter() - t)
     result = {
         "benchmark": "forward", **environment(), "shape": args.shape, "dtype": args.dtype,
         "batch_size": args.batch, "prompt_len": args.prompt_len, "page_size": args.page_size,

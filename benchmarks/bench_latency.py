@@ -15,7 +15,7 @@ import time
 
 import numpy as np
 
-from benchmarks.common import environment, write_result
+from benchmarks.common import add_profile_argument, environment, profiled, write_result
 from benchmarks.roofline import decode_bytes, measure_bandwidth
 from jinfer.engine.core import EngineConfig, EngineCore
 from jinfer.sampling_params import SamplingParams
@@ -52,7 +52,7 @@ def main():
     ap.add_argument("--output-len", type=int, default=128)
     ap.add_argument("--attention-backend", default="auto")
     ap.add_argument("--max-num-batched-tokens", type=int, default=2048)
-    ap.add_argument("--profile", help="write a jax.profiler (Perfetto) trace of the timed runs here")
+    add_profile_argument(ap)
     ap.add_argument("--out")
     args = ap.parse_args()
 
@@ -70,12 +70,8 @@ def main():
     for bs in args.batch_sizes:
         make = lambda n=bs: [rng.integers(0, cfg.vocab_size, args.input_len).tolist() for _ in range(n)]
         run_batch(core, make(), args.output_len, f"warm{bs}")  # compiles every shape this batch uses
-        if args.profile:
-            import jax
-            jax.profiler.start_trace(args.profile)
-        row = run_batch(core, make(), args.output_len, f"run{bs}")
-        if args.profile:
-            jax.profiler.stop_trace()
+        with profiled(args.profile and f"{args.profile}/batch{bs}"):
+            row = run_batch(core, make(), args.output_len, f"run{bs}")
         mid_context = args.input_len + args.output_len // 2
         floor = decode_bytes(cfg, bs, mid_context)["total"] / bandwidth * 1e3
         rows.append({"batch_size": bs, **row, "roofline_tpot_ms": floor, "tpot_over_roofline": row["tpot_ms"] / floor})

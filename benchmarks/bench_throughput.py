@@ -14,7 +14,7 @@ import time
 
 import numpy as np
 
-from benchmarks.common import environment, write_result
+from benchmarks.common import add_profile_argument, environment, profiled, write_result
 from jinfer import LLM, SamplingParams
 
 
@@ -29,6 +29,7 @@ def main():
     ap.add_argument("--max-num-batched-tokens", type=int, default=2048)
     ap.add_argument("--num-pages", type=int)
     ap.add_argument("--warmup", action="store_true", help="compile all buckets at start-up instead of a dry run")
+    add_profile_argument(ap)
     ap.add_argument("--out")
     args = ap.parse_args()
 
@@ -52,7 +53,8 @@ def main():
         dry_s, _ = run(prompts)
     # Different prompts for the timed run, so no prefix-cache hits flatter it.
     prompts = [{"prompt_token_ids": rng.integers(0, vocab, args.input_len).tolist()} for _ in range(args.num_prompts)]
-    elapsed, outs = run(prompts)
+    with profiled(args.profile):
+        elapsed, outs = run(prompts)
     n_out = sum(len(o.outputs[0].token_ids) for o in outs)
     n_in = sum(len(o.prompt_token_ids) for o in outs)
     result = {

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import subprocess
@@ -22,6 +23,15 @@ def environment() -> dict:
     return {"device": getattr(dev, "device_kind", dev.platform), "platform": dev.platform,
             "num_devices": jax.device_count(), "jax_version": jax.__version__, "commit": commit,
             "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+
+
+def profiled(trace_dir: str | None):
+    """`with profiled(args.profile):` writes a jax.profiler (Perfetto/TensorBoard) trace when a directory is given."""
+    return jax.profiler.trace(trace_dir) if trace_dir else contextlib.nullcontext()
+
+
+def add_profile_argument(ap) -> None:
+    ap.add_argument("--profile", metavar="DIR", help="write a jax.profiler (Perfetto) trace of the timed run here")
 
 
 def write_result(result: dict, out: str | None) -> None:
