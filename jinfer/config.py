@@ -22,7 +22,6 @@ HF_ARCHITECTURES = {
 }
 GGUF_ARCHITECTURES = ("llama", "qwen2", "qwen3")
 SUPPORTED_ROPE_TYPES = ("default", "llama3", "linear")
-DTYPES = ("float32", "bfloat16", "float16")
 
 
 @dataclass(frozen=True)
@@ -257,17 +256,3 @@ def rope_inv_freq(cfg: ModelConfig) -> list[float]:
                 out.append((1 - smooth) * f / rs.factor + smooth * f)
         return out
     return inv
-
-
-@dataclass(frozen=True)
-class CacheConfig:
-    """Paged KV cache geometry. Layout per layer: k, v each [num_pages, page_size, num_kv_heads, head_dim]."""
-
-    page_size: int = 16
-    num_pages: int = 512
-
-    def __post_init__(self):
-        if self.page_size <= 0 or self.page_size & (self.page_size - 1):
-            raise ValueError(f"page_size={self.page_size} must be a positive power of two")
-        if self.num_pages <= 0:
-            raise ValueError(f"num_pages={self.num_pages} must be > 0")

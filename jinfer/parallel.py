@@ -43,7 +43,3 @@ def logical_sharding(mesh: Mesh, logical_axes: tuple[str | None, ...], shape: tu
             axis = None
         spec.append(axis)
     return NamedSharding(mesh, PartitionSpec(*spec))
-
-
-def replicated(mesh: Mesh) -> NamedSharding:
-    return NamedSharding(mesh, PartitionSpec())

@@ -69,6 +69,8 @@ class EngineConfig:
             v = getattr(self, name)
             if not isinstance(v, int) or isinstance(v, bool) or v < 1:
                 raise ValueError(f"{name}={v!r} must be an integer >= 1")
+        if self.page_size & (self.page_size - 1):
+            raise ValueError(f"page_size={self.page_size} must be a power of two")
         for name in ("max_model_len", "num_pages"):
             v = getattr(self, name)
             if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < 1):
@@ -92,7 +94,6 @@ class _Seq:
     text: str = ""  # all text decoded so far (stop strings are searched here)
     emitted: int = 0  # chars of `text` already sent
     num_prompt_tokens: int = 0
-    first_output: bool = True
     held: list[int] = field(default_factory=list)  # token ids whose text is not sent yet
 
 

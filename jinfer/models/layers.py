@@ -1,5 +1,5 @@
-"""Building blocks of the dense decoder: RMSNorm, RoPE, SwiGLU MLP, paged KV writes and the
-reference (plain-jnp) paged attention. All are pure functions of arrays."""
+"""Building blocks of the dense decoder: RMSNorm, RoPE, SwiGLU MLP and paged KV writes. All are pure
+functions of arrays. (Attention is chosen in jinfer/models/ops.py.)"""
 
 from __future__ import annotations
 
@@ -54,43 +54,3 @@ def write_kv(
     k_flat = k_flat.at[slots].set(k, mode="promise_in_bounds")
     v_flat = v_flat.at[slots].set(v, mode="promise_in_bounds")
     return k_flat.reshape(k_cache.shape), v_flat.reshape(v_cache.shape)
-
-
-def token_seq_ids(query_start: jax.Array, num_tokens: int) -> jax.Array:
-    """Index of the sequence each flattened token belongs to ([T]; padding tokens map to the last seq)."""
-    t = jnp.arange(num_tokens, dtype=jnp.int32)
-    seq = jnp.searchsorted(query_start[1:], t, side="right").astype(jnp.int32)
-    return jnp.minimum(seq, query_start.shape[0] - 2)
-
-
-def paged_attention_reference(
-    q: jax.Array,
-    k_cache: jax.Array,
-    v_cache: jax.Array,
-    positions: jax.Array,
-    query_start: jax.Array,
-    page_table: jax.Array,
-    scale: float,
-) -> jax.Array:
-    """Causal attention of each new token over its sequence's paged context, in plain jnp.
-
-    q: [T, H, D]; caches: [num_pages, page_size, KVH, D] (already holding the new tokens);
-    positions: [T]; query_start: [B+1]; page_table: [B, P]. Returns [T, H, D].
-    Each token gathers its own sequence's pages ([T, P*page_size, KVH, D]): simple and exact, but
-    memory grows with T x context — the Pallas kernels replace this on GPU.
-    """
-    T, H, D = q.shape
-    _, page_size, kvh, _ = k_cache.shape
-    group = H // kvh
-    seq = token_seq_ids(query_start, T)  # [T]
-    pages = page_table[seq]  # [T, P]
-    S = pages.shape[1] * page_size
-    k = k_cache[pages].reshape(T, S, kvh, D)  # [T, S, KVH, D]
-    v = v_cache[pages].reshape(T, S, kvh, D)
-    qg = q.reshape(T, kvh, group, D)
-    scores = jnp.einsum("tkgd,tskd->tkgs", qg, k, preferred_element_type=jnp.float32) * scale
-    visible = jnp.arange(S, dtype=jnp.int32)[None, :] <= positions[:, None]  # [T, S] causal within the seq
-    scores = jnp.where(visible[:, None, None, :], scores, -jnp.inf)
-    probs = jax.nn.softmax(scores, axis=-1)
-    out = jnp.einsum("tkgs,tskd->tkgd", probs.astype(v.dtype), v, preferred_element_type=jnp.float32)
-    return out.reshape(T, H, D).astype(q.dtype)

@@ -8,7 +8,6 @@ once in `weight_specs`; random init, sharding and checkpoint loading are derived
 from __future__ import annotations
 
 from dataclasses import dataclass, fields
-from functools import partial
 
 import jax
 import jax.numpy as jnp
@@ -156,8 +155,3 @@ def forward(
     head = weights.embed.T if weights.lm_head is None else weights.lm_head
     logits = jnp.dot(x, head, preferred_element_type=jnp.float32)
     return logits, tuple(new_cache)
-
-
-@partial(jax.jit, static_argnames=("cfg", "ops"), donate_argnames=("kv_cache",))
-def forward_jit(weights, batch, kv_cache, cfg, ops=REFERENCE_OPS):
-    return forward(weights, batch, kv_cache, cfg, ops)

@@ -1,7 +1,8 @@
 """Which implementation computes attention and the MLP inside the forward pass.
 
 `ModelOps` is a static (hashable) argument of `forward`, so each choice compiles its own
-executable. The reference ops are plain jnp (XLA); the Pallas ops call the kernels in
+executable. The reference ops are plain jnp (XLA: the kernel module's own jnp reference for attention, which
+gathers every page of each token's sequence); the Pallas ops call the kernels in
 `pallas_kernels/`, natively on GPU or in the Pallas interpreter on CPU (tests).
 
 Kernel choice per shape (static, at trace time), from the H100 measurements in
@@ -19,7 +20,7 @@ from dataclasses import dataclass
 import jax
 
 from jinfer.models.batch import Batch
-from jinfer.models.layers import paged_attention_reference, swiglu_mlp
+from jinfer.models.layers import swiglu_mlp
 
 BACKENDS = ("auto", "reference", "pallas")
 # Token counts at which the fused Pallas MLP measured faster than XLA on the H100
@@ -39,11 +40,12 @@ class ModelOps:
     def attention(self, q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, batch: Batch,
                   scale: float) -> jax.Array:
         """q: [T, H, D] -> [T, H, D], each token over its sequence's pages (K/V already written)."""
+        from pallas_kernels.prefill_attention import ragged_prefill_attention, ragged_prefill_attention_reference
+
         if self.backend == "reference":
-            return paged_attention_reference(q, k_cache, v_cache, batch.positions, batch.query_start,
-                                             batch.page_table, scale)
+            return ragged_prefill_attention_reference(q, k_cache, v_cache, batch.query_start, batch.seq_lens,
+                                                      batch.page_table, scale=scale)
         from pallas_kernels.paged_attention import paged_decode_attention
-        from pallas_kernels.prefill_attention import ragged_prefill_attention
 
         if q.shape[0] == 1 and batch.num_seqs == 1:
             return paged_decode_attention(q, k_cache, v_cache, batch.page_table, batch.seq_lens, scale=scale,

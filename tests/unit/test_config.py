@@ -2,7 +2,8 @@ import json
 
 import pytest
 
-from jinfer.config import NAMED_SHAPES, CacheConfig, ModelConfig, RopeScaling, rope_inv_freq
+from jinfer.config import NAMED_SHAPES, ModelConfig, RopeScaling, rope_inv_freq
+from jinfer.engine.core import EngineConfig
 
 LLAMA = {
     "architectures": ["LlamaForCausalLM"], "vocab_size": 100, "hidden_size": 64, "intermediate_size": 128,
@@ -73,8 +74,8 @@ def test_llama3_rope_scaling_matches_formula():
     assert scaled[-1] == pytest.approx(base[-1] / 8)  # low frequency: divided by factor
 
 
-def test_cache_config_and_named_shapes():
+def test_engine_config_page_size_and_named_shapes():
     with pytest.raises(ValueError, match="page_size"):
-        CacheConfig(page_size=12)
+        EngineConfig(page_size=12)
     q = NAMED_SHAPES["qwen3-4b"]
     assert 3.9e9 < q.num_params() < 4.1e9
