@@ -11,6 +11,7 @@ in a figure. The decode roofline uses the bandwidth measured in the same run.
 from __future__ import annotations
 
 import argparse
+import os
 import time
 
 import numpy as np
@@ -31,7 +32,8 @@ def run_batch(core: EngineCore, prompts: list[list[int]], output_len: int, tag: 
     step_times = []
     while core.has_unfinished_requests():
         t = time.perf_counter()
-        outs = core.step()  # returns after the sampled tokens reached the host: the step is synced
+        outs = core.step()  # returns once a step's tokens reached the host (with async scheduling, the
+        # previous step's, after this one was launched): the time between returns is the time per token
         step_times.append(time.perf_counter() - t)
         first_seen.update(o.request_id for o in outs if o.new_token_ids)
         if ttft is None and len(first_seen) == len(prompts):
@@ -52,6 +54,7 @@ def main():
     ap.add_argument("--output-len", type=int, default=128)
     ap.add_argument("--attention-backend", default="auto")
     ap.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    ap.add_argument("--no-async-scheduling", action="store_true")
     add_profile_argument(ap)
     ap.add_argument("--out")
     args = ap.parse_args()
@@ -61,7 +64,8 @@ def main():
     core = EngineCore(EngineConfig(model=model, dtype=args.dtype, max_model_len=args.input_len + args.output_len,
                                    max_num_seqs=max(args.batch_sizes),
                                    max_num_batched_tokens=args.max_num_batched_tokens,
-                                   attention_backend=args.attention_backend, warmup=False))
+                                   attention_backend=args.attention_backend, warmup=False,
+                                   async_scheduling=not args.no_async_scheduling))
     startup_s = time.perf_counter() - t0
     cfg = core.model_config
     bandwidth = measure_bandwidth()
@@ -79,7 +83,8 @@ def main():
               f"(roofline {floor:.2f} ms, {row['tpot_ms'] / floor:.2f}x)")
     result = {"benchmark": "latency", **environment(), "shape": args.shape, "dtype": args.dtype,
               "input_len": args.input_len, "output_len": args.output_len,
-              "attention_backend": core.runner.ops.backend, "startup_s": startup_s,
+              "attention_backend": core.runner.ops.backend, "async_scheduling": core.config.async_scheduling,
+              "xla_flags": os.environ.get("XLA_FLAGS", ""), "startup_s": startup_s,
               "measured_bandwidth_Bps": bandwidth, "rows": rows}
     write_result(result, args.out)
 

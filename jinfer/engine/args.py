@@ -32,6 +32,8 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     e.add_argument("--no-prefix-caching", action="store_true")
     e.add_argument("--no-chunked-prefill", action="store_true")
     e.add_argument("--no-warmup", action="store_true", help="compile shapes on first use instead of at start")
+    e.add_argument("--no-async-scheduling", action="store_true",
+                   help="read each step's tokens back before scheduling the next (no overlap of host and device)")
 
 
 def engine_config_kwargs(args: argparse.Namespace) -> dict:
@@ -44,4 +46,6 @@ def engine_config_kwargs(args: argparse.Namespace) -> dict:
         kw["enable_chunked_prefill"] = False
     if args.no_warmup:
         kw["warmup"] = False
+    if getattr(args, "no_async_scheduling", False):
+        kw["async_scheduling"] = False
     return kw

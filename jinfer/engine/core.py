@@ -18,7 +18,7 @@ import numpy as np
 
 from jinfer.config import ModelConfig
 from jinfer.engine.kv_cache_manager import KVCacheManager, cdiv
-from jinfer.engine.model_runner import ModelRunner, StepRow, kv_cache_bytes_per_page
+from jinfer.engine.model_runner import Launched, ModelRunner, StepRow, kv_cache_bytes_per_page
 from jinfer.engine.request import FinishReason, Request
 from jinfer.engine.sampler import num_logprobs_for, pack_token_mask
 from jinfer.engine.scheduler import Scheduler, SchedulerConfig
@@ -60,6 +60,7 @@ class EngineConfig:
     seed: int = 0
     attention_backend: str = "auto"  # "auto" (Pallas on GPU, jnp elsewhere) | "reference" | "pallas"
     warmup: bool = True  # compile every bucket at start-up
+    async_scheduling: bool = True  # launch step N+1 before reading step N's tokens (one step in flight)
     compilation_cache_dir: str | None = None  # default $JINFER_COMPILATION_CACHE or ~/.cache/jinfer/xla; "" off
 
     def __post_init__(self):
@@ -94,6 +95,7 @@ class _Seq:
     text: str = ""  # all text decoded so far (stop strings are searched here)
     emitted: int = 0  # chars of `text` already sent
     num_prompt_tokens: int = 0
+    penalized: bool = False  # penalties read the output tokens on the host: no step may be in flight
     held: list[int] = field(default_factory=list)  # token ids whose text is not sent yet
 
 
@@ -137,6 +139,8 @@ class EngineCore:
         self.eos_token_ids = tuple(self.tokenizer.eos_token_ids) if self.tokenizer else self.model_config.eos_token_ids
         self.num_prompt_tokens_total = 0
         self.num_generation_tokens_total = 0
+        self._inflight: Launched | None = None  # the launched step whose tokens are not read yet
+        self._num_penalized = 0  # live sequences with penalties
         if config.warmup:
             self.runner.warmup()
         self.startup_seconds = time.perf_counter() - t0
@@ -181,6 +185,7 @@ class EngineCore:
                              f"of {self.max_model_len} tokens")
         seq_ids = [request_id] if params.n == 1 else [f"{request_id}#{i}" for i in range(params.n)]
         mask = pack_token_mask(ids, vocab) if params.repetition_penalty != 1.0 else None
+        penalized = bool(params.presence_penalty or params.frequency_penalty or params.repetition_penalty != 1.0)
         added = []
         try:
             for i, sid in enumerate(seq_ids):
@@ -189,11 +194,13 @@ class EngineCore:
                 added.append(sid)
                 detok = IncrementalDetokenizer(self.tokenizer, skip_special_tokens=params.skip_special_tokens,
                                                prompt_ids=ids) if self.tokenizer else None
-                self._seqs[sid] = _Seq(request_id, i, params, seed, detok, mask, num_prompt_tokens=len(ids))
+                self._seqs[sid] = _Seq(request_id, i, params, seed, detok, mask, num_prompt_tokens=len(ids),
+                                       penalized=penalized)
+                self._num_penalized += penalized
         except ValueError:
             for sid in added:
                 self.scheduler.abort(sid)
-                self._seqs.pop(sid, None)
+                self._drop(sid)
             raise
         self._children[request_id] = seq_ids
         self.num_prompt_tokens_total += len(ids) * params.n
@@ -202,41 +209,67 @@ class EngineCore:
         """Drop a request and all its samples now; its pages go back to the pool. Unknown ids are ignored."""
         for sid in self._children.pop(request_id, ()):
             self.scheduler.abort(sid)
-            self._seqs.pop(sid, None)
+            self._drop(sid)
+
+    def _drop(self, seq_id: str) -> None:
+        seq = self._seqs.pop(seq_id, None)
+        if seq is not None:
+            self._num_penalized -= seq.penalized
 
     def has_unfinished_requests(self) -> bool:
+        # A step still in flight holds only finished requests once the scheduler has none: nothing to read.
         return self.scheduler.has_unfinished_requests()
 
     # ---- one step -----------------------------------------------------------------------------
 
     def step(self) -> list[EngineOutput]:
+        """Schedule and launch one step; return the outputs of the step read back in this call.
+
+        With `async_scheduling` the step launched here is read back by the next call (after it has
+        launched the one after), so the host's scheduling, batch building and detokenizing overlap the
+        device's work; the outputs returned are one step behind. Penalties need every generated token
+        on the host, so while a sequence uses them the previous step is read back before scheduling.
+        """
+        outputs = []
+        if self._inflight is not None and self._num_penalized:
+            outputs = self._complete(self._inflight)
+            self._inflight = None
         out = self.scheduler.schedule()
-        if out.is_empty:
-            return []
-        rows = []
-        for s in out.scheduled:
-            seq = self._seqs[s.request_id]
-            rows.append(StepRow(seq.params, s.request.output_token_ids, seq.prompt_mask, seq.seed)
-                        if s.needs_sample else None)
-        wanted = [r.params for r in rows if r is not None]
-        num_logprobs = num_logprobs_for(wanted) if wanted else -1
-        result = self.runner.execute(out, rows, num_logprobs)
-        tokens, chosen_lp, top_ids, top_lp = jax.device_get(
-            (result.tokens, result.logprobs, result.top_ids, result.top_logprobs))
-        sampled = {s.request_id: int(tokens[b]) for b, s in enumerate(out.scheduled) if s.needs_sample}
+        launched = None
+        if not out.is_empty:
+            rows = []
+            for s in out.scheduled:
+                seq, r = self._seqs[s.request_id], s.request
+                rows.append(StepRow(seq.params, r.output_token_ids, seq.prompt_mask, seq.seed,
+                                    r.num_output_tokens + r.num_pending_tokens - 1) if s.needs_sample else None)
+            wanted = [r.params for r in rows if r is not None]
+            num_logprobs = num_logprobs_for(wanted) if wanted else -1
+            launched = self.runner.launch(out, rows, num_logprobs, self._inflight)
+        if self._inflight is not None:
+            outputs += self._complete(self._inflight)
+        self._inflight = launched
+        if launched is not None and not self.config.async_scheduling:
+            outputs += self._complete(launched)
+            self._inflight = None
+        return outputs
+
+    def _complete(self, launched: Launched) -> list[EngineOutput]:
+        """Read a launched step's tokens back, advance the scheduler and build the deltas."""
+        out = launched.out
+        result = self.runner.fetch(launched)
+        live = [(b, s) for b, s in enumerate(out.scheduled) if s.needs_sample and not s.request.is_finished]
+        sampled = {s.request_id: int(result.tokens[b]) for b, s in live}
         finished = {r.request_id: r for r in self.scheduler.update(out, sampled)}
         outputs = []
-        for b, s in enumerate(out.scheduled):
-            if not s.needs_sample:
-                continue
+        for b, s in live:
             request, seq = s.request, self._seqs[s.request_id]
             token = sampled[s.request_id]
             self.num_generation_tokens_total += 1
             lps = None
             if seq.params.logprobs is not None:
                 n = seq.params.logprobs
-                lp = {int(i): float(v) for i, v in zip(top_ids[b][:n], top_lp[b][:n])}
-                lp[token] = float(chosen_lp[b])
+                lp = {int(i): float(v) for i, v in zip(result.top_ids[b][:n], result.top_logprobs[b][:n])}
+                lp[token] = float(result.logprobs[b])
                 lps = [lp]
             outputs.append(self._emit(request, seq, token, lps, finished.get(s.request_id)))
         return outputs
@@ -290,7 +323,8 @@ class EngineCore:
         return stop
 
     def _forget(self, seq_id: str) -> None:
-        seq = self._seqs.pop(seq_id)
+        seq = self._seqs[seq_id]
+        self._drop(seq_id)
         children = self._children.get(seq.parent_id)
         if children is not None and all(c not in self._seqs for c in children):
             del self._children[seq.parent_id]

@@ -114,10 +114,15 @@ class KVCacheManager:
         return pages, len(pages) * self.page_size
 
     def cache_full_pages(self, request: Request) -> None:
-        """Enter the request's full, computed pages (first num_computed_tokens tokens) in the cache."""
+        """Enter the request's full, computed pages (first num_computed_tokens tokens) in the cache.
+
+        Only known tokens count (not one still pending on the device); a page whose KV a launched step
+        is still writing may be entered: any step that reads it runs after that one on the device.
+        """
         if not self.enable_prefix_caching:
             return
-        num_full = min(request.num_computed_tokens // self.page_size, len(request.page_ids))
+        known = min(request.num_computed_tokens, request.num_tokens)
+        num_full = min(known // self.page_size, len(request.page_ids))
         start = self._num_registered.get(request.request_id, 0)
         if num_full <= start:
             return

@@ -1,11 +1,19 @@
-"""Turns a scheduled batch into padded device arrays and runs one jitted forward + sampling step.
+"""Turns a scheduled batch into padded device arrays and launches one jitted forward + sampling step.
 
 Shapes come from a small fixed set of buckets so serving never stalls on a compile:
 - T (tokens in the step): 1 (GPU only), then powers of two from `MIN_TOKENS` up to `max_num_batched_tokens`;
 - B (sequences): min(T, the max_num_seqs bucket): a step never has more sequences than tokens;
 - P (pages per sequence in the page table): powers of two up to the longest sequence allowed.
-`warmup()` compiles every (T, P) forward and the plain sampler for every B ahead of time. The KV
-cache is donated to the step, so it is updated in place.
+`warmup()` compiles every (T, P) forward and the sampler variants of `SamplerFlags.warm()` for
+every B ahead of time. The KV cache is donated to the step, so it is updated in place.
+
+A step is two executables (forward, then sampler) fed by two host-to-device copies: the whole batch
+description packed into one int32 buffer, the sampling parameters into another (`pack_batch`,
+`pack_sampling`; unpacked by static slices inside the jitted functions). `launch` returns at once
+with device arrays (JAX dispatch is asynchronous) and starts the copy of the results to the host;
+`fetch` waits for them. The sampled tokens also stay on the device in a fixed-size buffer, from
+which the next step takes the inputs of its decodes (`ScheduledRequest.input_from_device`), so the
+engine can launch step N+1 before it reads step N's tokens.
 """
 
 from __future__ import annotations
@@ -19,11 +27,11 @@ from functools import partial
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import Mesh
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from jinfer.config import ModelConfig
 from jinfer.engine.kv_cache_manager import NULL_PAGE, cdiv
-from jinfer.engine.sampler import SampleResult, SamplingTensors, sample
+from jinfer.engine.sampler import SamplerFlags, SamplingTensors, sample_traced
 from jinfer.engine.scheduler import SchedulerOutput
 from jinfer.models.batch import Batch
 from jinfer.models.llama import Weights, forward
@@ -67,12 +75,102 @@ def init_kv_cache(cfg: ModelConfig, num_pages: int, page_size: int, dtype, mesh:
 
 @dataclass
 class StepRow:
-    """Sampling inputs of one scheduled sequence that needs a token: (params, output ids, prompt, step)."""
+    """Sampling inputs of one scheduled sequence that needs a token."""
 
-    params: object
-    output_ids: list[int]
-    prompt: object
+    params: object  # SamplingParams-like
+    output_ids: list[int]  # generated ids known on the host (penalties read them)
+    prompt: object  # packed prompt token set (repetition penalty) or None
     seed: int
+    step: int  # index of the token being sampled among the request's outputs (keys the noise)
+
+
+@dataclass
+class StepResult:
+    """Host copies of a step's samples; row b = scheduled sequence b."""
+
+    tokens: np.ndarray  # [B] i32
+    logprobs: np.ndarray  # [B] f32, raw logprob of the sampled token
+    top_ids: np.ndarray  # [B, N] i32
+    top_logprobs: np.ndarray  # [B, N] f32
+
+
+@dataclass
+class Launched:
+    """A step dispatched to the device whose results have not been read yet."""
+
+    out: SchedulerOutput
+    rows: list[StepRow | None]
+    packed: jax.Array  # i32[B, 2 + 2N]: token, logprob bits, top ids, top logprob bits
+    tokens: jax.Array  # i32[max_seqs_bucket]: sampled ids, for the next step's inputs
+    row_of: dict[str, int]  # request id -> batch row, for rows that sample
+
+
+def _i32(a: np.ndarray) -> np.ndarray:
+    return np.ascontiguousarray(a).view(np.int32).ravel()
+
+
+def pack_batch(batch: Batch, prev_index: np.ndarray) -> np.ndarray:
+    """One int32 buffer for the batch description (see `unpack_batch`)."""
+    return np.concatenate([batch.input_ids, batch.positions, batch.slot_mapping, prev_index, batch.query_start,
+                           batch.seq_lens, batch.logits_indices, batch.page_table.ravel()]).astype(np.int32)
+
+
+def unpack_batch(buf: jax.Array, dims: tuple[int, int, int]) -> tuple[Batch, jax.Array]:
+    T, B, P = dims
+    sizes = (T, T, T, T, B + 1, B, B, B * P)
+    parts, o = [], 0
+    for n in sizes:
+        parts.append(buf[o:o + n])
+        o += n
+    ids, pos, slots, prev, qs, lens, logits_idx, table = parts
+    return Batch(ids, pos, slots, qs, lens, table.reshape(B, P), logits_idx), prev
+
+
+_FLOAT_FIELDS = ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty")
+_INT_FIELDS = ("top_k", "seeds", "steps")
+
+
+def pack_sampling(t: SamplingTensors) -> np.ndarray:
+    """One int32 buffer for the sampling parameters (floats and u32 by bit pattern)."""
+    parts = [_i32(np.asarray(getattr(t, f), np.float32)) for f in _FLOAT_FIELDS]
+    parts += [_i32(getattr(t, f)) for f in _INT_FIELDS] + [_i32(t.output_tokens), _i32(t.prompt_mask)]
+    return np.concatenate(parts)
+
+
+def unpack_sampling(buf: jax.Array, dims: tuple[int, int, int]) -> SamplingTensors:
+    B, M, W = dims
+    o, out = 0, {}
+    for f in _FLOAT_FIELDS + _INT_FIELDS:
+        out[f] = buf[o:o + B]
+        o += B
+    for f in _FLOAT_FIELDS:
+        out[f] = jax.lax.bitcast_convert_type(out[f], jnp.float32)
+    out["seeds"] = jax.lax.bitcast_convert_type(out["seeds"], jnp.uint32)
+    out["output_tokens"] = buf[o:o + B * M].reshape(B, M)
+    o += B * M
+    out["prompt_mask"] = jax.lax.bitcast_convert_type(buf[o:o + B * W], jnp.uint32).reshape(B, W)
+    return SamplingTensors(**out)
+
+
+def _forward_step(weights, buf, kv_cache, prev_tokens, *, dims, cfg, ops):
+    batch, prev = unpack_batch(buf, dims)
+    # Decodes of tokens sampled by the previous step read them from its on-device buffer.
+    batch.input_ids = jnp.where(prev >= 0, prev_tokens[jnp.maximum(prev, 0)], batch.input_ids)
+    return forward(weights, batch, kv_cache, cfg, ops)
+
+
+def _sample_step(logits, buf, *, dims, num_logprobs, flags, max_seqs):
+    B = logits.shape[0]
+    r = sample_traced(logits, unpack_sampling(buf, dims), num_logprobs, flags)
+    bits = lambda x: jax.lax.bitcast_convert_type(x, jnp.int32)
+    packed = jnp.concatenate([r.tokens[:, None], bits(r.logprobs)[:, None], r.top_ids, bits(r.top_logprobs)], axis=1)
+    return packed, jnp.zeros(max_seqs, jnp.int32).at[:B].set(r.tokens)
+
+
+def unpack_result(packed: np.ndarray) -> StepResult:
+    n = (packed.shape[1] - 2) // 2
+    f32 = lambda x: np.ascontiguousarray(x).view(np.float32)
+    return StepResult(packed[:, 0], f32(packed[:, 1]), packed[:, 2:2 + n], f32(packed[:, 2 + n:]))
 
 
 class ModelRunner:
@@ -94,8 +192,12 @@ class ModelRunner:
         self.page_buckets = ((max_pages,) if ops.backend == "pallas"
                              else pow2_buckets(min(MIN_PAGES, max_pages), max_pages))
         self.ops = ops
-        self._forward = jax.jit(partial(forward, cfg=cfg, ops=ops), donate_argnames=("kv_cache",))
-        self._sample = jax.jit(sample, static_argnames=("num_logprobs",))
+        self._forward = jax.jit(partial(_forward_step, cfg=cfg, ops=ops), static_argnames=("dims",),
+                                donate_argnames=("kv_cache",))
+        self._sample = jax.jit(partial(_sample_step, max_seqs=self.max_seqs_bucket),
+                               static_argnames=("dims", "num_logprobs", "flags"))
+        # Same sharding as the sampler's output (replicated over the mesh), or the forward recompiles.
+        self._no_prev = jax.device_put(np.zeros(self.max_seqs_bucket, np.int32), NamedSharding(mesh, PartitionSpec()))
         self.compile_seconds = 0.0
 
     def seqs_bucket(self, num_tokens_bucket: int) -> int:
@@ -103,8 +205,9 @@ class ModelRunner:
 
     # ---- host-side batch building ---------------------------------------------------------------
 
-    def build_batch(self, out: SchedulerOutput) -> Batch:
-        """Pad the scheduled sequences into one Batch (numpy, moved to device in one call)."""
+    def build_batch(self, out: SchedulerOutput, prev: Launched | None = None) -> tuple[Batch, np.ndarray]:
+        """Pad the scheduled sequences into one Batch (numpy) and the [T] rows of `prev`'s samples to
+        take as input ids (-1: the id in the batch)."""
         T = pick(self.token_buckets, out.num_scheduled_tokens)
         B = self.seqs_bucket(T)
         if len(out.scheduled) > B:
@@ -123,8 +226,17 @@ class ModelRunner:
         seq_of_token = np.repeat(np.arange(n_seqs, dtype=np.int32), counts)  # [total]
         pos = starts[seq_of_token] + np.arange(total, dtype=np.int32) - query_start[seq_of_token]
         input_ids = np.zeros(T, np.int32)
-        input_ids[:total] = [t for s in out.scheduled for t in s.token_ids] if total > n_seqs else \
-            [s.request.all_token_ids[s.start] for s in out.scheduled]
+        prev_index = np.full(T, -1, np.int32)
+        ids = []
+        for b, s in enumerate(out.scheduled):
+            if s.input_from_device:  # a one-token decode of the token `prev` is sampling
+                prev_index[query_start[b]] = prev.row_of[s.request_id]
+                ids.append(0)
+            elif s.num_new_tokens == 1:
+                ids.append(s.request.all_token_ids[s.start])
+            else:
+                ids.extend(s.token_ids)
+        input_ids[:total] = ids
         positions = np.zeros(T, np.int32)
         positions[:total] = pos
         slots = np.full(T, -1, np.int32)
@@ -133,11 +245,11 @@ class ModelRunner:
         seq_lens[:n_seqs] = starts + counts
         logits_idx = np.zeros(B, np.int32)
         logits_idx[:n_seqs] = query_start[1:n_seqs + 1] - 1
-        return Batch(input_ids, positions, slots, query_start, seq_lens, page_table, logits_idx)
+        return Batch(input_ids, positions, slots, query_start, seq_lens, page_table, logits_idx), prev_index
 
     def sampling_tensors(self, rows: list[StepRow | None], B: int) -> SamplingTensors:
         """Rows align with the batch's sequences; None (a prefill chunk that samples nothing) is padding."""
-        dense = [(r.params, r.output_ids, r.prompt, None) if r else ({"temperature": 0.0}, [], None, None)
+        dense = [(r.params, r.output_ids, r.prompt, r.step) if r else ({"temperature": 0.0}, [], None, None)
                  for r in rows]
         st = SamplingTensors.from_params(dense, self.cfg.vocab_size, num_seqs=B)
         for b, r in enumerate(rows):
@@ -147,26 +259,43 @@ class ModelRunner:
 
     # ---- device step ------------------------------------------------------------------------------
 
-    def execute(self, out: SchedulerOutput, rows: list[StepRow | None], num_logprobs: int) -> SampleResult:
-        """Run the step; returns device arrays (row b = scheduled sequence b)."""
-        batch = self.build_batch(out)
-        st = self.sampling_tensors(rows, batch.num_seqs)
-        batch, st = jax.device_put((batch, st))
-        logits, self.kv_cache = self._forward(self.weights, batch, self.kv_cache)
-        return self._sample(logits, st, num_logprobs=num_logprobs)
+    def launch(self, out: SchedulerOutput, rows: list[StepRow | None], num_logprobs: int,
+               prev: Launched | None = None) -> Launched:
+        """Dispatch the step (forward + sampler) and return without waiting for the device. `prev`: the
+        step launched before, still in flight, whose samples feed this step's `input_from_device` rows."""
+        if any(s.input_from_device for s in out.scheduled) and (prev is None or any(
+                s.input_from_device and s.num_new_tokens != 1 for s in out.scheduled)):
+            raise ValueError("decodes of pending tokens need the previous step")
+        batch, prev_index = self.build_batch(out, prev)
+        T, B, P = batch.num_tokens, batch.num_seqs, batch.page_table.shape[1]
+        st = self.sampling_tensors(rows, B)
+        flags = SamplerFlags.of(st)
+        M, W = st.output_tokens.shape[1], st.prompt_mask.shape[1]
+        buf, sbuf = jax.device_put((pack_batch(batch, prev_index), pack_sampling(st)))
+        logits, self.kv_cache = self._forward(self.weights, buf, self.kv_cache,
+                                              prev.tokens if prev is not None else self._no_prev, dims=(T, B, P))
+        packed, tokens = self._sample(logits, sbuf, dims=(B, M, W), num_logprobs=num_logprobs, flags=flags)
+        packed.copy_to_host_async()
+        row_of = {s.request_id: b for b, s in enumerate(out.scheduled) if s.needs_sample}
+        return Launched(out, rows, packed, tokens, row_of)
+
+    def fetch(self, launched: Launched) -> StepResult:
+        """Wait for a launched step and return its samples on the host."""
+        return unpack_result(np.asarray(launched.packed))
 
     def warmup(self) -> float:
-        """Compile every forward bucket and the plain sampler per sequence bucket; returns seconds."""
+        """Compile every forward bucket, and the warm sampler variants per sequence bucket."""
         t0 = time.perf_counter()
         for T in self.token_buckets:
             B = self.seqs_bucket(T)
             for P in self.page_buckets:
-                batch = Batch(np.zeros(T, np.int32), np.zeros(T, np.int32), np.full(T, -1, np.int32),
-                              np.zeros(B + 1, np.int32), np.zeros(B, np.int32), np.zeros((B, P), np.int32),
-                              np.zeros(B, np.int32))
-                logits, self.kv_cache = self._forward(self.weights, batch, self.kv_cache)
-            st = self.sampling_tensors([None] * B, B)
-            jax.block_until_ready(self._sample(logits, st, num_logprobs=-1))
+                buf = np.zeros(T * 4 + B * 3 + 1 + B * P, np.int32)
+                buf[2 * T:3 * T] = -1  # no KV writes
+                buf[3 * T:4 * T] = -1  # no inputs from a previous step
+                logits, self.kv_cache = self._forward(self.weights, buf, self.kv_cache, self._no_prev, dims=(T, B, P))
+            sbuf = pack_sampling(self.sampling_tensors([None] * B, B))
+            for flags in SamplerFlags.warm():
+                jax.block_until_ready(self._sample(logits, sbuf, dims=(B, 0, 0), num_logprobs=-1, flags=flags))
         self.compile_seconds = time.perf_counter() - t0
         log.info("warm-up: %d forward shapes compiled in %.1f s", len(self.token_buckets) * len(self.page_buckets),
                  self.compile_seconds)

@@ -1,9 +1,9 @@
 """One generation request as the scheduler sees it: tokens, progress, pages, and how it ended.
 
 Token-count model: `all_token_ids` = prompt + generated tokens; `num_computed_tokens` counts the
-leading tokens whose KV is in the cache. A step computes the next `num_new_tokens` of them; when it
-reaches the end of `all_token_ids` a token is sampled and appended. Prefill, chunked prefill, decode
-and recompute after preemption are all this one loop. A request is one sequence: the engine fans
+leading tokens whose KV is in the cache or is being written by a launched step. A step computes
+the next `num_new_tokens` of them; when it reaches the end of `all_token_ids` a token is sampled
+and appended. Prefill, chunked prefill, decode and recompute after preemption are all this one loop. A request is one sequence: the engine fans
 `SamplingParams.n > 1` out into n Requests.
 """
 
@@ -59,6 +59,9 @@ class Request:
     all_token_ids: list[int] = field(init=False)  # prompt + output, the tokens the model consumes
     status: RequestStatus = field(default=RequestStatus.WAITING, init=False)
     num_computed_tokens: int = field(default=0, init=False)
+    # Tokens sampled by a launched step but not yet read back (0 or 1): with one step in flight the
+    # scheduler schedules their decode before their value is known (the device feeds it in).
+    num_pending_tokens: int = field(default=0, init=False)
     num_cached_tokens: int = field(default=0, init=False)  # prefix-cache hit at first admission
     num_preemptions: int = field(default=0, init=False)
     finish_reason: FinishReason | None = field(default=None, init=False)

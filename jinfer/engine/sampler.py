@@ -9,21 +9,26 @@ flow on traced values and only static shapes. The pipeline follows vLLM v1's sam
 3. greedy rows (temperature < 1e-5) take the argmax of the penalized logits;
 4. the others: divide by temperature, min-p (drop p < min_p * p_max), top-k, then top-p on the
    top-k-renormalized distribution (keep the smallest prefix whose mass is >= top_p, at least one
-   token), and draw with Gumbel-max under the per-request key fold_in(key(seed), step).
+   token), and draw with Gumbel-max; the noise of token v is a counter-based hash of
+   (seed, step, v) (`_gumbel`).
 
 vLLM v1 applies min-p BEFORE top-k/top-p (it is an "argmax-invariant logits processor"); v0 applied
 it after. We follow v1. Top-k and min-p commute; top-p after min-p sees a renormalized distribution.
 
-Cost. `lax.cond` on batch-wide predicates skips what no row needs (fine under jit; on GPU each
-costs one tiny device-to-host read): all-greedy batches skip the noise and filters, batches without
-penalties skip the scatter, batches where no sampled row uses top-k/top-p skip all sorting. The
-filters become one logit threshold per row, so only values are sorted (no argsort, no [B, V] ints).
+Cost. The step's `SamplerFlags` (static, computed on the host from the batch's parameters by
+`SamplerFlags.of`) compile out what no row needs: all-greedy batches skip the noise and filters,
+batches without penalties skip the scatter, batches whose every row is settled by the candidate sort
+(below) skip the full sort. No predicate is read back from the device mid-step (a `lax.cond` on GPU costs a
+device-to-host sync, which stalls a host that runs one step ahead). The filters become one logit
+threshold per row, so only values are sorted (no argsort, no [B, V] ints).
 XLA's sort (and `lax.top_k` for k > 16, which is a sort) of [256, 152k] f32 takes ~3 ms on an H100,
 so top-k/top-p first sort a candidate set (`_candidates`): the NUM_GROUPS groups of GROUP_SIZE
 consecutive tokens with the largest maxima, which hold every token above the next group's maximum.
 That settles a row exactly when its top-k and the mass needed for its top-p lie among those tokens
-(always for k <= 128; typically for nuclei of up to a few hundred tokens). Rows it cannot settle
-(flat distributions) are redone on the full sort, behind another `lax.cond`. The same candidates
+(always for 0 < k <= NUM_GROUPS, with or without top-p: top-p then works inside the top k; typically
+for nuclei of up to a few hundred tokens). Only batches with a row that may not be settled (top-p
+without such a top-k: `SamplerFlags.full_sort`) compile the full-sort fallback, behind a `lax.cond`
+(the one device-to-host read left, and only in that variant). The same candidates
 give the top-N logprobs. Measured with `main()` on one H100, B=256, V=151936 (LM-like spiked
 logits): greedy 0.29 ms, temperature 0.77 ms, + top-k/top-p 1.25 ms (4.6 ms when flat rows need the
 full sort), + 20 logprobs 1.1 ms, + penalties 1.1 ms; at B=32: 0.18 / 0.30 / 0.44 / 1.6 / 0.38 /
@@ -150,6 +155,43 @@ class SampleResult:
     top_logprobs: jax.Array  # [B, N] f32, their raw logprobs
 
 
+@dataclass(frozen=True)
+class SamplerFlags:
+    """Static switches of one compiled sampler variant (what at least one row of the batch needs).
+
+    Each is a superset switch: a variant with a flag on gives rows that do not need it the same
+    result as a variant with it off, bit for bit (so a seeded row does not depend on its batch).
+    Sampled rows always go through the top-k/top-p threshold (off rows get -inf): one variant less to
+    compile for ~0.5 ms at B=256 on an H100.
+    """
+
+    sampling: bool = True  # some row is not greedy (else: argmax only)
+    full_sort: bool = True  # some sampled row may need the full-sort fallback (top-p without a small top-k)
+    penalties: bool = True  # some row uses a repetition/frequency/presence penalty
+
+    @classmethod
+    def of(cls, t: SamplingTensors) -> SamplerFlags:
+        """The flags a batch needs, from host (numpy) parameters."""
+        temp, top_k, top_p = (np.asarray(a) for a in (t.temperature, t.top_k, t.top_p))
+        sampled = temp >= GREEDY_EPS
+        small_k = (top_k > 0) & (top_k <= NUM_GROUPS)  # top-k (and top-p inside it) settled by the candidates
+        rep = np.asarray(t.repetition_penalty)
+        penalties = bool(np.any((np.asarray(t.presence_penalty) != 0) | (np.asarray(t.frequency_penalty) != 0)
+                                | ((rep != 1) & (rep > 0))))
+        return cls(sampling=bool(sampled.any()),
+                   full_sort=bool((sampled & (((top_p < 1) & ~small_k) | (top_k > NUM_GROUPS))).any()),
+                   penalties=penalties)
+
+    @classmethod
+    def warm(cls) -> tuple[SamplerFlags, ...]:
+        """The variants compiled at start-up (penalties compile on first use)."""
+        return GREEDY_FLAGS, cls(full_sort=False, penalties=False), cls(penalties=False)
+
+
+ALL_FLAGS = SamplerFlags()
+GREEDY_FLAGS = SamplerFlags(sampling=False, full_sort=False, penalties=False)
+
+
 class PackedTokenMask(np.ndarray):
     """u32[W] packed token bitset (a marker subclass so `from_params` can tell it from a prompt)."""
 
@@ -193,6 +235,7 @@ def _repeat(x: jax.Array, r: jax.Array) -> jax.Array:
 
 def apply_penalties(logits: jax.Array, t: SamplingTensors) -> jax.Array:
     """Repetition, frequency and presence penalties (vLLM semantics) on f32[B, V] logits."""
+    logits = jnp.asarray(logits)
     B, V = logits.shape
     ids = t.output_tokens  # [B, M]
     has_prompt = t.prompt_mask.shape[1] > 0
@@ -224,8 +267,7 @@ def apply_penalties(logits: jax.Array, t: SamplingTensors) -> jax.Array:
         f = jnp.broadcast_to(-t.frequency_penalty[:, None], ids.shape)
         return logits.at[rows, scatter_ids].add(f, mode="drop")
 
-    active = jnp.any((t.presence_penalty != 0) | (t.frequency_penalty != 0) | (rep[:, 0] != 1))
-    return lax.cond(active, penalize, lambda x: x, logits)
+    return penalize(logits)
 
 
 def _candidates(x: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
@@ -278,8 +320,10 @@ def _thresholds(s: jax.Array, cut: jax.Array, z_all: jax.Array, top: jax.Array, 
     return jnp.maximum(kth, pth), (ok_k & ok_p)[:, 0]
 
 
-def _top_k_top_p_threshold(x: jax.Array, needs: jax.Array, top_k: jax.Array, top_p: jax.Array) -> jax.Array:
-    """Per-row threshold f32[B, 1]: from the candidate sort, or for rows it cannot settle the full sort.
+def _top_k_top_p_threshold(x: jax.Array, needs: jax.Array, top_k: jax.Array, top_p: jax.Array,
+                           full_sort: bool = True) -> jax.Array:
+    """Per-row threshold f32[B, 1]: from the candidate sort, or for rows it cannot settle the full sort
+    (compiled only with `full_sort`: without it the caller guarantees every row is settled).
 
     Every row takes the same path whatever the rest of the batch does (the full sort only overrides
     the rows that need it), so a seeded row does not depend on its neighbours.
@@ -291,25 +335,29 @@ def _top_k_top_p_threshold(x: jax.Array, needs: jax.Array, top_k: jax.Array, top
     s = jnp.sort(vals, axis=1, descending=True)
     threshold, ok = _thresholds(s, cut, z_all, top, top_k, top_p, V)
     ok = ok | ~needs
+    if not full_sort:
+        return threshold
 
-    def full_sort(x):
+    def full_sort_threshold(x):
         s = jnp.sort(x, axis=1, descending=True)  # [B, V] values only
         return _thresholds(s, jnp.full((B, 1), -jnp.inf), z_all, top, top_k, top_p, V)[0]
 
-    fallback = lax.cond(jnp.all(ok), lambda x: jnp.full((B, 1), -jnp.inf), full_sort, x)
+    fallback = lax.cond(jnp.all(ok), lambda x: jnp.full((B, 1), -jnp.inf), full_sort_threshold, x)
     return jnp.where(ok[:, None], threshold, fallback)
 
 
-def processed_logits(logits: jax.Array, t: SamplingTensors) -> jax.Array:
+def processed_logits(logits: jax.Array, t: SamplingTensors, flags: SamplerFlags = ALL_FLAGS) -> jax.Array:
     """What the random rows draw from: penalties, temperature, min-p, top-k, top-p (-inf = dropped).
 
     Greedy rows are left at temperature 1 and unfiltered (their token is the argmax anyway).
     """
-    logits = apply_penalties(logits.astype(jnp.float32), t)
-    return _filter(logits, t)
+    logits = logits.astype(jnp.float32)
+    if flags.penalties:
+        logits = apply_penalties(logits, t)
+    return _filter(logits, t, flags)
 
 
-def _filter(logits: jax.Array, t: SamplingTensors) -> jax.Array:
+def _filter(logits: jax.Array, t: SamplingTensors, flags: SamplerFlags) -> jax.Array:
     V = logits.shape[1]
     greedy = t.temperature < GREEDY_EPS
     x = logits / jnp.where(greedy, 1.0, t.temperature)[:, None]
@@ -319,39 +367,65 @@ def _filter(logits: jax.Array, t: SamplingTensors) -> jax.Array:
     cutoff = jnp.where(min_p > 0, top + jnp.log(jnp.where(min_p > 0, min_p, 1.0)), -jnp.inf)
     x = jnp.where(x < cutoff, -jnp.inf, x)
     needs = ~greedy & (((t.top_k > 0) & (t.top_k < V)) | (t.top_p < 1))
-    no_threshold = lambda x, *_: jnp.full((x.shape[0], 1), -jnp.inf, x.dtype)
-    threshold = lax.cond(jnp.any(needs), _top_k_top_p_threshold, no_threshold, x, needs, t.top_k, t.top_p)
+    threshold = _top_k_top_p_threshold(x, needs, t.top_k, t.top_p, flags.full_sort)
     return jnp.where(x >= threshold, x, -jnp.inf)
 
 
+def _mix32(x: jax.Array) -> jax.Array:
+    """murmur3's 32-bit finalizer: a bijection on u32 whose every output bit depends on every input bit."""
+    x = x ^ (x >> 16)
+    x = x * jnp.uint32(0x85EBCA6B)
+    x = x ^ (x >> 13)
+    x = x * jnp.uint32(0xC2B2AE35)
+    return x ^ (x >> 16)
+
+
 def _gumbel(seeds: jax.Array, steps: jax.Array, vocab_size: int) -> jax.Array:
-    """f32[B, V] Gumbel noise; row b depends only on (seeds[b], steps[b])."""
-    def row(seed, step):
-        key = jax.random.fold_in(jax.random.key(seed), step)
-        return jax.random.gumbel(key, (vocab_size,), jnp.float32)
-    return jax.vmap(row)(seeds, steps)
+    """f32[B, V] Gumbel noise; row b depends only on (seeds[b], steps[b]).
+
+    A counter-based hash (seed, step, token id) -> 23 uniform bits, not `jax.random`: threefry
+    compiled to ~0.7 s per sampler variant on CPU and costs more on the device; Gumbel-max only needs
+    independent-looking uniforms per (request, step, token). Two mixing rounds key each row, one more
+    mixes in the token id.
+    """
+    row = _mix32(_mix32(seeds.astype(jnp.uint32) ^ jnp.uint32(0x9E3779B9)) + steps.astype(jnp.uint32))  # [B]
+    ids = jnp.arange(vocab_size, dtype=jnp.uint32) * jnp.uint32(0x9E3779B9)
+    bits = _mix32(row[:, None] ^ ids[None, :])  # [B, V]
+    u = ((bits >> 9).astype(jnp.float32) + 0.5) * (1.0 / (1 << 23))  # (0, 1) exactly in f32, never 0 or 1
+    return -jnp.log(-jnp.log(u))
 
 
-@functools.partial(jax.jit, static_argnames="num_logprobs")
-def sample(logits: jax.Array, t: SamplingTensors, num_logprobs: int = 0) -> SampleResult:
+def sample(logits: jax.Array, t: SamplingTensors, num_logprobs: int = 0,
+           flags: SamplerFlags | None = None) -> SampleResult:
     """Sample one token per row of f32/bf16[B, V] logits under per-row parameters `t`.
 
     `num_logprobs` (static): N top logprobs to return per row (the max over the batch); 0 returns the
     sampled token's logprob only, < 0 skips logprob work (logprobs 0, top arrays [B, 0]).
     Logprobs are of the raw logits, before penalties and temperature (vLLM v1 default).
+    `flags` (static) picks the compiled variant; None derives them from `t` (which must then be on
+    the host: numpy or concrete arrays).
     """
+    return sample_jit(logits, t, num_logprobs, SamplerFlags.of(t) if flags is None else flags)
+
+
+@functools.partial(jax.jit, static_argnames=("num_logprobs", "flags"))
+def sample_jit(logits: jax.Array, t: SamplingTensors, num_logprobs: int, flags: SamplerFlags) -> SampleResult:
+    return sample_traced(logits, t, num_logprobs, flags)
+
+
+def sample_traced(logits: jax.Array, t: SamplingTensors, num_logprobs: int, flags: SamplerFlags) -> SampleResult:
+    """`sample` for use inside another traced function (no jit of its own)."""
     B, V = logits.shape
     assert t.temperature.shape == (B,), (t.temperature.shape, logits.shape)
     raw = logits.astype(jnp.float32)
-    logits = apply_penalties(raw, t)
+    logits = apply_penalties(raw, t) if flags.penalties else raw
     greedy_tokens = jnp.argmax(logits, axis=-1).astype(jnp.int32)
-    greedy = t.temperature < GREEDY_EPS
-
-    def draw(logits):
-        x = _filter(logits, t) + _gumbel(t.seeds, t.steps, V)
-        return jnp.where(greedy, greedy_tokens, jnp.argmax(x, axis=-1).astype(jnp.int32))
-
-    tokens = lax.cond(jnp.all(greedy), lambda _: greedy_tokens, draw, logits)
+    if flags.sampling:
+        greedy = t.temperature < GREEDY_EPS
+        x = _filter(logits, t, flags) + _gumbel(t.seeds, t.steps, V)
+        tokens = jnp.where(greedy, greedy_tokens, jnp.argmax(x, axis=-1).astype(jnp.int32))
+    else:
+        tokens = greedy_tokens
 
     N = max(num_logprobs, 0)
     if num_logprobs < 0:

@@ -4,7 +4,14 @@ One step, as the engine core drives it:
 
     out = scheduler.schedule()                  # SchedulerOutput: the batch, in order
     sampled = runner.step(out)                  # {request_id: token} for each s with s.needs_sample
-    finished = scheduler.update(out, sampled)   # advance, append tokens, check stops, free pages
+    finished = scheduler.update(out, sampled)   # append tokens, check stops, free pages
+
+`schedule` advances `num_computed_tokens` at once and counts each token it will sample as pending
+(`Request.num_pending_tokens`), so the engine may schedule step N+1 before step N's tokens are read
+back (async scheduling): a request with a pending token gets a one-token decode whose input the
+device takes from step N's samples (`ScheduledRequest.input_from_device`). A request whose pending
+token is certainly its last (max_tokens, max_model_len) is not scheduled again; one that turns out to
+stop on EOS or a stop string has computed one extra token, which `update` drops.
 
 Policy (vLLM v1 style, token-count model): each step has a budget of `max_num_batched_tokens`.
 Running requests go first, in admission order: a decode takes 1 token, an unfinished prefill the
@@ -60,7 +67,8 @@ class ScheduledRequest:
     num_new_tokens: int
     start: int  # == request.num_computed_tokens when scheduled: position of the first new token
     page_ids: list[int]  # the request's whole page table (live list; read it before the next schedule)
-    needs_sample: bool  # this step reaches the end of the request's known tokens: sample its next token
+    needs_sample: bool  # this step reaches the end of the request's tokens: sample its next token
+    input_from_device: bool = False  # a one-token decode of the token the previous (in-flight) step samples
 
     @property
     def request_id(self) -> str:
@@ -169,8 +177,21 @@ class Scheduler:
 
     @staticmethod
     def _scheduled(request: Request, num_new: int, start: int) -> ScheduledRequest:
-        return ScheduledRequest(request, num_new, start, request.page_ids,
-                                needs_sample=start + num_new == request.num_tokens)
+        """The batch entry; advances the request as if the step had run (its token pending)."""
+        end = request.num_tokens + request.num_pending_tokens
+        s = ScheduledRequest(request, num_new, start, request.page_ids, needs_sample=start + num_new == end,
+                             input_from_device=start >= request.num_tokens)
+        assert not s.input_from_device or num_new == 1, request.request_id
+        request.num_computed_tokens = start + num_new
+        request.num_pending_tokens += s.needs_sample
+        return s
+
+    def _last_token_pending(self, request: Request) -> bool:
+        """The request's pending token certainly ends it (length): no need to feed it back."""
+        max_tokens = request.sampling_params.max_tokens
+        n = request.num_tokens + request.num_pending_tokens
+        return (max_tokens is not None and request.num_output_tokens + request.num_pending_tokens >= max_tokens) \
+            or n >= self.config.max_model_len
 
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput(finished_ids=self._finished_ids)
@@ -180,7 +201,11 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             request = self.running[i]
-            num_new = self._clamp(request.num_tokens - request.num_computed_tokens, budget)
+            if request.num_pending_tokens and self._last_token_pending(request):
+                i += 1
+                continue
+            num_new = self._clamp(request.num_tokens + request.num_pending_tokens - request.num_computed_tokens,
+                                  budget)
             if num_new == 0:
                 i += 1
                 continue
@@ -200,6 +225,8 @@ class Scheduler:
         while (not out.preempted_ids and self.waiting and budget > 0
                and len(self.running) < self.config.max_num_seqs):
             request = self.waiting[0]
+            if request.num_pending_tokens:  # preempted with a token in flight: wait until it is read
+                break
             computed, num_cached = self.kv.get_computed_pages(request)
             num_new = self._clamp(request.num_tokens - num_cached, budget)
             if num_new == 0 or not self.kv.allocate_slots(request, num_new, computed):
@@ -208,32 +235,33 @@ class Scheduler:
             if request.status == RequestStatus.WAITING:
                 request.num_cached_tokens = num_cached
             request.status = RequestStatus.RUNNING
-            request.num_computed_tokens = num_cached
             self.running.append(request)
             out.scheduled.append(self._scheduled(request, num_new, num_cached))
             budget -= num_new
         return out
 
     def update(self, out: SchedulerOutput, sampled: dict[str, int]) -> list[Request]:
-        """Apply a step's results: advance each scheduled request, append its sampled token (required
-        for every `s.needs_sample`), finish requests that hit a stop condition. Returns those."""
+        """Apply a step's results: append each sampled token (required for every `s.needs_sample` of a
+        request still unfinished), enter newly full pages in the prefix cache, finish requests that hit
+        a stop condition. Returns those. Requests finished meanwhile (abort, stop string, a stop in the
+        previous step) are skipped: their token is dropped."""
         finished = []
         for s in out.scheduled:
             request = s.request
-            if request.is_finished:  # finished by the core between schedule and update
+            request.num_pending_tokens -= s.needs_sample
+            if request.is_finished:
                 continue
-            assert request.num_computed_tokens == s.start, request.request_id
-            request.num_computed_tokens += s.num_new_tokens
+            if s.needs_sample:
+                try:
+                    token = sampled[request.request_id]
+                except KeyError:
+                    raise KeyError(f"no sampled token for request {request.request_id!r}") from None
+                request.append_output_token(token)
             self.kv.cache_full_pages(request)
-            if not s.needs_sample:
-                continue
-            try:
-                token = sampled[request.request_id]
-            except KeyError:
-                raise KeyError(f"no sampled token for request {request.request_id!r}") from None
-            request.append_output_token(token)
-            stop = self._check_stop(request)
+            stop = self._check_stop(request) if s.needs_sample else None
             if stop is not None:
+                if request.status != RequestStatus.RUNNING:  # preempted while its token was in flight
+                    self.waiting.remove(request)
                 self._finish(request, *stop)
                 finished.append(request)
         if finished:

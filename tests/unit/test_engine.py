@@ -44,8 +44,8 @@ def run_all(core: EngineCore, reqs, arrivals=None, max_steps=10_000):
 
 @pytest.fixture(scope="module")
 def alone():
-    """Each of 16 prompts generated on its own in a fresh engine: the reference."""
-    core = EngineCore(EngineConfig(TINY, **BASE))
+    """Each of 16 prompts generated on its own in a fresh engine, one step at a time: the reference."""
+    core = EngineCore(EngineConfig(TINY, **BASE, async_scheduling=False))
     ref = {}
     for i, p in enumerate(prompts(16)):
         out, _ = run_all(core, [(str(i), p, GREEDY)])
@@ -83,7 +83,7 @@ def test_chunked_prefill_equals_unchunked(alone):
 
 
 def test_prefix_cache_reuses_exact_pages_and_gives_same_output():
-    core = EngineCore(EngineConfig(TINY, **BASE))
+    core = EngineCore(EngineConfig(TINY, **BASE, async_scheduling=False))  # one output per step()
     shared = prompts(1, seed=5)[0] + prompts(1, seed=6)[0]  # a long common prefix
     a, b = shared + [7, 8, 9], shared + [10, 11]
     run_all(core, [("a", a, GREEDY)])
@@ -190,3 +190,36 @@ def test_llm_api_order_n_and_validation():
         LLM(TINY, max_batch=3)
     with pytest.raises(ValueError, match="max_tokens"):
         SamplingParams(max_tokens=-1)
+
+
+def test_async_scheduling_gives_the_same_outputs_as_sync(alone):
+    """One step in flight (tokens fed back on the device) must not change a single token or finish
+    reason: stop tokens that end requests early (their extra in-flight token is dropped), seeded
+    sampling, n > 1, penalties (which force a read-back), logprobs, preemption and an abort."""
+    stop_tok = alone["0/0"][5]  # greedy request 0 produces it at its 6th token
+    kinds = [
+        SamplingParams(temperature=0.0, max_tokens=12, stop_token_ids=[stop_tok]),
+        SamplingParams(temperature=0.9, top_p=0.8, seed=7, max_tokens=10, ignore_eos=True, n=2),
+        SamplingParams(temperature=1.1, top_k=8, seed=3, max_tokens=7, ignore_eos=True, logprobs=2),
+        SamplingParams(temperature=0.0, max_tokens=9, ignore_eos=True, frequency_penalty=0.7),
+    ]
+    reqs = [(str(i), p, kinds[i % 4]) for i, p in enumerate(prompts(8))]
+    arrivals = [(i * 5) % 11 for i in range(8)]
+    results = {}
+    for mode in (False, True):
+        core = EngineCore(EngineConfig(TINY, **{**BASE, "num_pages": 16}, async_scheduling=mode))
+        preempted = []
+        orig = core.scheduler._preempt
+        core.scheduler._preempt = lambda r, orig=orig, seen=preempted: (seen.append(r.request_id), orig(r))[1]
+        results[mode] = run_all(core, reqs, arrivals)
+        assert preempted, "the pool was meant to be too small"
+        assert core.kv.num_free_pages == core.kv.num_usable_pages
+        # an abort while a step is in flight: nothing of it is emitted, and its pages come back
+        core.add_request("late", prompts(1, seed=1)[0], SamplingParams(max_tokens=30, ignore_eos=True))
+        emitted = [d for _ in range(3) for d in core.step()]
+        core.abort("late")
+        assert all(d.request_id == "late" for d in emitted)
+        assert core.step() == [] and core.kv.num_free_pages == core.kv.num_usable_pages
+    (sync_out, sync_finish), (async_out, async_finish) = results[False], results[True]
+    assert async_out == sync_out and async_finish == sync_finish
+    assert sync_out["0/0"] == alone["0/0"][:6] and sync_finish["0/0"] == "stop"

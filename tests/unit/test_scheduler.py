@@ -344,3 +344,47 @@ def test_random_workload_always_completes(seed):
     for r in reqs:
         if r.finish_reason == "length":
             assert r.num_output_tokens == r.sampling_params.max_tokens
+
+
+def test_one_step_in_flight():
+    """Async scheduling: step N+1 is scheduled before step N's tokens are known."""
+    sched = make_sched()
+    a, b = make_req("a", 6, max_tokens=3), make_req("b", 5, base=200, max_tokens=10)
+    add(sched, a, b)
+    out1 = sched.schedule()  # both prefills; each samples a token that is not known yet
+    assert [(s.request_id, s.start, s.num_new_tokens, s.needs_sample, s.input_from_device)
+            for s in out1.scheduled] == [("a", 0, 6, True, False), ("b", 0, 5, True, False)]
+    assert (a.num_computed_tokens, a.num_pending_tokens, a.num_tokens) == (6, 1, 6)
+    out2 = sched.schedule()  # decodes of the pending tokens, fed from the device
+    assert [(s.request_id, s.start, s.num_new_tokens, s.needs_sample, s.input_from_device)
+            for s in out2.scheduled] == [("a", 6, 1, True, True), ("b", 5, 1, True, True)]
+    assert a.page_ids == [1, 2] and b.page_ids == [3, 4]  # position 6 of a needs its second page
+    assert sched.update(out1, {"a": TOK, "b": EOS}) == [b]  # b stops: its in-flight token is dropped
+    assert a.output_token_ids == [TOK] and a.num_pending_tokens == 1 and b.page_ids == []
+    out3 = sched.schedule()
+    assert [(s.request_id, s.start, s.input_from_device) for s in out3.scheduled] == [("a", 7, True)]
+    assert sched.update(out2, {"a": 11, "b": 12}) == [] and b.output_token_ids == [EOS]
+    # a's third token (max_tokens=3) is pending: it is certainly the last, so nothing is scheduled
+    assert sched.schedule().is_empty
+    assert sched.update(out3, {"a": 13}) == [a] and a.output_token_ids == [TOK, 11, 13]
+    assert a.finish_reason == FinishReason.LENGTH and not sched.has_unfinished_requests()
+    assert sched.kv.num_free_pages == sched.kv.num_usable_pages
+
+
+def test_preempted_with_a_token_in_flight():
+    sched = make_sched(num_pages=5)  # 4 usable pages of 4 tokens
+    a, b = make_req("a", 8, max_tokens=8, ignore_eos=True), make_req("b", 7, base=300, max_tokens=8,
+                                                                      ignore_eos=True)
+    add(sched, a, b)
+    out1 = sched.schedule()
+    assert [s.request_id for s in out1.scheduled] == ["a", "b"]
+    out2 = sched.schedule()  # a needs a third page at position 8: b (newest) is preempted
+    assert out2.preempted_ids == ["b"] and [s.request_id for s in out2.scheduled] == ["a"]
+    assert b.status == RequestStatus.PREEMPTED and b.num_pending_tokens == 1
+    out3 = sched.schedule()  # b may not be readmitted while its token is in flight
+    assert [s.request_id for s in out3.scheduled] == ["a"] and b.status == RequestStatus.PREEMPTED
+    sched.update(out1, {"a": TOK, "b": 33})
+    assert b.output_token_ids == [33] and b.num_pending_tokens == 0 and b.num_computed_tokens == 0
+    sched.update(out2, {"a": TOK})
+    sched.update(out3, {"a": TOK})
+    assert len(a.output_token_ids) == 3
