@@ -36,6 +36,9 @@ def main():
     ap.add_argument("--page-size", type=int, default=16)
     ap.add_argument("--iters", type=int, default=10)
     ap.add_argument("--attention-backend", default="auto", help="auto | reference | pallas")
+    ap.add_argument("--num-pages", type=int, help="KV pool size (default: just what the batch needs); a serving-size "
+                    "pool shows whether the KV update is done in place")
+    ap.add_argument("--dump-hlo", metavar="DIR", help="write the optimized HLO of the prefill and decode executables")
     add_profile_argument(ap)
     ap.add_argument("--out")
     args = ap.parse_args()
@@ -47,7 +50,7 @@ def main():
     jax.block_until_ready(w)
     load_s = time.perf_counter() - t0
     pages_per_seq = (args.prompt_len + args.iters + 2) // args.page_size + 1
-    num_pages = pages_per_seq * args.batch + 1  # page 0 is reserved
+    num_pages = max(pages_per_seq * args.batch + 1, args.num_pages or 0)  # page 0 is reserved
     shape = (num_pages, args.page_size, cfg.num_kv_heads, cfg.head_dim)
     kv = tuple((jnp.zeros(shape, DTYPES[args.dtype]), jnp.zeros(shape, DTYPES[args.dtype]))
                for _ in range(cfg.num_layers))
@@ -79,6 +82,11 @@ def main():
     t0 = time.perf_counter()
     compiled_decode = step.lower(w, decode(0), kv).compile()
     decode_compile_s = time.perf_counter() - t0
+    if args.dump_hlo:
+        os.makedirs(args.dump_hlo, exist_ok=True)
+        for name, c in (("prefill", compiled_prefill), ("decode", compiled_decode)):
+            with open(f"{args.dump_hlo}/{name}.hlo.txt", "w") as f:
+                f.write(c.as_text())
     times = []
     with profiled(args.profile and f"{args.profile}/decode"):  # the decode steps
         for i in range(args.iters):
@@ -96,7 +104,7 @@ def main():
     pipelined_ms = (time.perf_counter() - t) / args.iters * 1e3
     result = {
         "benchmark": "forward", **environment(), "shape": args.shape, "dtype": args.dtype,
-        "batch_size": args.batch, "prompt_len": args.prompt_len, "page_size": args.page_size,
+        "batch_size": args.batch, "prompt_len": args.prompt_len, "page_size": args.page_size, "num_pages": num_pages,
         "attention_backend": ops.backend, "xla_flags": os.environ.get("XLA_FLAGS", ""),
         "weights_load_s": load_s, "prefill_compile_s": prefill_compile_s, "prefill_step_ms": prefill_s * 1e3,
         "decode_compile_s": decode_compile_s, "decode_step_ms_median": float(np.median(times[1:])) * 1e3,

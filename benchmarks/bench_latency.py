@@ -55,6 +55,7 @@ def main():
     ap.add_argument("--attention-backend", default="auto")
     ap.add_argument("--max-num-batched-tokens", type=int, default=2048)
     ap.add_argument("--no-async-scheduling", action="store_true")
+    ap.add_argument("--no-executable-cache", action="store_true")
     add_profile_argument(ap)
     ap.add_argument("--out")
     args = ap.parse_args()
@@ -65,7 +66,8 @@ def main():
                                    max_num_seqs=max(args.batch_sizes),
                                    max_num_batched_tokens=args.max_num_batched_tokens,
                                    attention_backend=args.attention_backend, warmup=False,
-                                   async_scheduling=not args.no_async_scheduling))
+                                   async_scheduling=not args.no_async_scheduling,
+                                   executable_cache=not args.no_executable_cache))
     startup_s = time.perf_counter() - t0
     cfg = core.model_config
     bandwidth = measure_bandwidth()
@@ -84,6 +86,7 @@ def main():
     result = {"benchmark": "latency", **environment(), "shape": args.shape, "dtype": args.dtype,
               "input_len": args.input_len, "output_len": args.output_len,
               "attention_backend": core.runner.ops.backend, "async_scheduling": core.config.async_scheduling,
+              "executable_cache": core.config.executable_cache,
               "xla_flags": os.environ.get("XLA_FLAGS", ""), "startup_s": startup_s,
               "measured_bandwidth_Bps": bandwidth, "rows": rows}
     write_result(result, args.out)

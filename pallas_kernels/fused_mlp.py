@@ -27,22 +27,34 @@ from jax.experimental.pallas import triton as plgpu
 # Kernel body
 # ----------------------------------------------------------------------------------------------
 def _mlp_kernel(
-    x_ref,  # [block_t, hidden]
-    wg_ref,  # [hidden, block_i]: this program's gate columns
-    wu_ref,  # [hidden, block_i]: this program's up columns
-    wd_ref,  # [block_i, hidden]: the matching down-projection rows
-    o_ref,  # [block_t, hidden] fp32: this intermediate block's partial of the output
-    *,
+    *refs,
     block_k: int,
     block_n: int,
+    has_norm: bool,
+    eps: float,
 ):
+    if has_norm:
+        x_ref, n_ref, wg_ref, wu_ref, wd_ref, o_ref = refs
+    else:
+        (x_ref, wg_ref, wu_ref, wd_ref, o_ref), n_ref = refs, None
+    # x_ref [block_t, hidden]; n_ref [hidden]: RMSNorm weight applied to x first (optional);
+    # wg_ref/wu_ref [hidden, block_i]: this program's gate/up columns; wd_ref [block_i, hidden]: the
+    # matching down-projection rows; o_ref [block_t, hidden] fp32: this intermediate block's partial.
     block_t, hidden = x_ref.shape
     block_i = wg_ref.shape[1]
+    if has_norm:  # every program recomputes the row norms: x is tiny next to the weights
+        def sumsq(kk, acc):
+            xk = x_ref[:, pl.ds(kk * block_k, block_k)].astype(jnp.float32)
+            return acc + jnp.sum(xk * xk, axis=1)
+        ss = jax.lax.fori_loop(0, hidden // block_k, sumsq, jnp.zeros((block_t,), jnp.float32))
+        inv = jax.lax.rsqrt(ss / hidden + eps)  # [block_t]
 
     def up_body(kk, carry):
         g, u = carry  # [block_t, block_i] fp32 each
         cols = pl.ds(kk * block_k, block_k)
         xk = x_ref[:, cols]  # [block_t, block_k]
+        if has_norm:  # HF RMSNorm rounding: normalized value in x's dtype, times the weight in that dtype
+            xk = (xk.astype(jnp.float32) * inv[:, None]).astype(x_ref.dtype) * n_ref[cols][None, :]
         g = g + plgpu.dot(xk, wg_ref[cols, :])
         u = u + plgpu.dot(xk, wu_ref[cols, :])
         return g, u
@@ -70,7 +82,8 @@ def _pow2_divisor(n: int, cap: int) -> int:
     return d
 
 
-def _mlp_call(x, w_gate, w_up, w_down, *, block_t, block_i, num_warps, num_stages, interpret):
+def _mlp_call(x, w_gate, w_up, w_down, norm_weight, *, eps, block_t, block_i, num_warps, num_stages,
+              interpret):
     tokens, hidden = x.shape
     inter = w_gate.shape[1]
     if block_t is None:
@@ -86,12 +99,15 @@ def _mlp_call(x, w_gate, w_up, w_down, *, block_t, block_i, num_warps, num_stage
     padded = pl.cdiv(tokens, block_t) * block_t
     xp = jnp.pad(x, ((0, padded - tokens), (0, 0))) if padded != tokens else x
     t_tiles, splits = padded // block_t, inter // block_i
-    kernel = functools.partial(_mlp_kernel, block_k=block_k, block_n=block_n)
+    has_norm = norm_weight is not None
+    kernel = functools.partial(_mlp_kernel, block_k=block_k, block_n=block_n, has_norm=has_norm, eps=eps)
+    norm_spec = [pl.BlockSpec((hidden,), lambda t, i: (0,))] if has_norm else []
     partials = pl.pallas_call(
         kernel,
         grid=(t_tiles, splits),
         in_specs=[
             pl.BlockSpec((block_t, hidden), lambda t, i: (t, 0)),
+            *norm_spec,
             pl.BlockSpec((hidden, block_i), lambda t, i: (0, i)),
             pl.BlockSpec((hidden, block_i), lambda t, i: (0, i)),
             pl.BlockSpec((block_i, hidden), lambda t, i: (i, 0)),
@@ -100,8 +116,8 @@ def _mlp_call(x, w_gate, w_up, w_down, *, block_t, block_i, num_warps, num_stage
         out_shape=jax.ShapeDtypeStruct((splits, padded, hidden), jnp.float32),
         compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),
         interpret=interpret,
-        name=f"fused_swiglu_mlp_t{block_t}_i{block_i}",
-    )(xp, w_gate, w_up, w_down)
+        name=f"fused_swiglu_mlp_t{block_t}_i{block_i}" + ("_norm" if has_norm else ""),
+    )(xp, *([norm_weight] if has_norm else []), w_gate, w_up, w_down)
     out = partials.sum(axis=0)  # [padded, hidden] fp32
     return out[:tokens].astype(x.dtype)
 
@@ -109,13 +125,15 @@ def _mlp_call(x, w_gate, w_up, w_down, *, block_t, block_i, num_warps, num_stage
 # ----------------------------------------------------------------------------------------------
 # Public API
 # ----------------------------------------------------------------------------------------------
-@functools.partial(jax.jit, static_argnames=("block_t", "block_i", "num_warps", "num_stages", "interpret"))
+@functools.partial(jax.jit, static_argnames=("eps", "block_t", "block_i", "num_warps", "num_stages", "interpret"))
 def fused_swiglu_mlp(
     x: jax.Array,
     w_gate: jax.Array,
     w_up: jax.Array,
     w_down: jax.Array,
+    norm_weight: jax.Array | None = None,
     *,
+    eps: float = 1e-6,
     block_t: int | None = None,
     block_i: int | None = None,
     num_warps: int | None = None,
@@ -128,6 +146,8 @@ def fused_swiglu_mlp(
       x: `[tokens, hidden]`.
       w_gate, w_up: `[hidden, intermediate]`.
       w_down: `[intermediate, hidden]`.
+      norm_weight: `[hidden]`: apply RMSNorm (HF rounding) to x first, inside the kernel; None: no norm.
+      eps: RMSNorm epsilon.
       block_t: tokens per tile (power of two >= 16); default min(64, next_pow2(tokens)).
       block_i: intermediate columns per program (power of two dividing intermediate); default 128.
       num_warps, num_stages: Triton launch parameters; None picks (8, 3) for block_t 16, else (4, 2).
@@ -150,17 +170,22 @@ def fused_swiglu_mlp(
         raise ValueError(f"block_t must be a power of two >= 16, got {block_t=}")
     if block_i is not None and (block_i & (block_i - 1) or w_gate.shape[1] % block_i):
         raise ValueError(f"block_i must be a power of two dividing intermediate, got {block_i=}")
-    return _mlp_call(x, w_gate, w_up, w_down, block_t=block_t, block_i=block_i, num_warps=num_warps,
-                     num_stages=num_stages, interpret=interpret)
+    if norm_weight is not None and norm_weight.shape != (hidden,):
+        raise ValueError(f"norm_weight must be [hidden={hidden}], got {norm_weight.shape}")
+    return _mlp_call(x, w_gate, w_up, w_down, norm_weight, eps=eps, block_t=block_t, block_i=block_i,
+                     num_warps=num_warps, num_stages=num_stages, interpret=interpret)
 
 
 # ----------------------------------------------------------------------------------------------
 # Reference
 # ----------------------------------------------------------------------------------------------
-@jax.jit
-def fused_swiglu_mlp_reference(x: jax.Array, w_gate: jax.Array, w_up: jax.Array,
-                               w_down: jax.Array) -> jax.Array:
+@functools.partial(jax.jit, static_argnames=("eps",))
+def fused_swiglu_mlp_reference(x: jax.Array, w_gate: jax.Array, w_up: jax.Array, w_down: jax.Array,
+                               norm_weight: jax.Array | None = None, *, eps: float = 1e-6) -> jax.Array:
     """Pure-jnp SwiGLU MLP (what XLA fuses on its own); fp32 accumulation, output in x's dtype."""
+    if norm_weight is not None:
+        xf = x.astype(jnp.float32)
+        x = norm_weight * (xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)).astype(x.dtype)
     g = jnp.dot(x, w_gate, preferred_element_type=jnp.float32)
     u = jnp.dot(x, w_up, preferred_element_type=jnp.float32)
     h = (jax.nn.silu(g) * u).astype(x.dtype)

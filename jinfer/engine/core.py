@@ -61,6 +61,7 @@ class EngineConfig:
     attention_backend: str = "auto"  # "auto" (Pallas on GPU, jnp elsewhere) | "reference" | "pallas"
     warmup: bool = True  # compile every bucket at start-up
     async_scheduling: bool = True  # launch step N+1 before reading step N's tokens (one step in flight)
+    executable_cache: bool = True  # keep compiled executables on disk (warm starts skip tracing); False: plain jit
     compilation_cache_dir: str | None = None  # default $JINFER_COMPILATION_CACHE or ~/.cache/jinfer/xla; "" off
 
     def __post_init__(self):
@@ -103,8 +104,8 @@ class EngineCore:
     def __init__(self, config: EngineConfig = EngineConfig(), *, tokenizer: Tokenizer | None = None):
         t0 = time.perf_counter()
         self.config = config
-        if config.compilation_cache_dir != "":
-            enable_compilation_cache(config.compilation_cache_dir)
+        cache_dir = enable_compilation_cache(config.compilation_cache_dir) if config.compilation_cache_dir != "" \
+            else None
         source = resolve_model(config.model, config.load_format)
         self.model_config: ModelConfig = source.config
         self.model_name = config.model or "SmolLM2-135M-Instruct"
@@ -132,7 +133,9 @@ class EngineCore:
         self.runner = ModelRunner(self.model_config, weights, mesh, num_pages=num_pages, page_size=config.page_size,
                                   kv_dtype=DTYPES[self.dtype], max_num_batched_tokens=config.max_num_batched_tokens,
                                   max_num_seqs=config.max_num_seqs, max_model_len=max_len,
-                                  ops=select_ops(config.attention_backend))
+                                  ops=select_ops(config.attention_backend),
+                                  executable_dir=os.path.join(cache_dir, "executables")
+                                  if cache_dir and config.executable_cache else None)
         self._seqs: dict[str, _Seq] = {}  # sequence id -> state
         self._children: dict[str, list[str]] = {}  # request id -> its sequence ids
         self._rng = np.random.default_rng(config.seed)

@@ -30,6 +30,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from jinfer.config import ModelConfig
+from jinfer.engine.executable_cache import ExecutableCache
 from jinfer.engine.kv_cache_manager import NULL_PAGE, cdiv
 from jinfer.engine.sampler import SamplerFlags, SamplingTensors, sample_traced
 from jinfer.engine.scheduler import SchedulerOutput
@@ -176,7 +177,7 @@ def unpack_result(packed: np.ndarray) -> StepResult:
 class ModelRunner:
     def __init__(self, cfg: ModelConfig, weights: Weights, mesh: Mesh, *, num_pages: int, page_size: int,
                  kv_dtype, max_num_batched_tokens: int, max_num_seqs: int, max_model_len: int,
-                 ops: ModelOps = REFERENCE_OPS):
+                 ops: ModelOps = REFERENCE_OPS, executable_dir: str | None = None):
         self.cfg, self.weights, self.mesh = cfg, weights, mesh
         self.page_size = page_size
         self.kv_cache = init_kv_cache(cfg, num_pages, page_size, kv_dtype, mesh)
@@ -197,8 +198,17 @@ class ModelRunner:
         self._sample = jax.jit(partial(_sample_step, max_seqs=self.max_seqs_bucket),
                                static_argnames=("dims", "num_logprobs", "flags"))
         # Same sharding as the sampler's output (replicated over the mesh), or the forward recompiles.
-        self._no_prev = jax.device_put(np.zeros(self.max_seqs_bucket, np.int32), NamedSharding(mesh, PartitionSpec()))
+        self._replicated = NamedSharding(mesh, PartitionSpec())
+        self._no_prev = jax.device_put(np.zeros(self.max_seqs_bucket, np.int32), self._replicated)
+        # Compiled executables per shape, loaded from / stored to disk when `executable_dir` is set: a
+        # warm start then neither traces nor lowers (see executable_cache.py).
+        self.executables = ExecutableCache(executable_dir, namespace=repr((cfg, ops, mesh.shape, self.max_seqs_bucket)))
+        self._compiled: dict[tuple, jax.stages.Compiled] = {}
         self.compile_seconds = 0.0
+        # The forward's `prev_tokens` argument is always the latest sampler output (even when no row
+        # reads it), so every call of an executable sees arguments of identical type and sharding and
+        # stays on JAX's C++ fast path (a miss costs ~50 ms of Python argument checks per call).
+        self._last_tokens = self._no_prev
 
     def seqs_bucket(self, num_tokens_bucket: int) -> int:
         return min(num_tokens_bucket, self.max_seqs_bucket)
@@ -257,6 +267,29 @@ class ModelRunner:
                 st.seeds[b] = r.seed % 2**32
         return st
 
+    # ---- executables ------------------------------------------------------------------------------
+
+    def forward_executable(self, T: int, B: int, P: int) -> jax.stages.Compiled:
+        key = ("forward", T, B, P)
+        if key not in self._compiled and self.executables.directory is None:  # plain jit, compiled on first call
+            self._compiled[key] = partial(self._forward, dims=(T, B, P))
+        if key not in self._compiled:
+            buf = jax.ShapeDtypeStruct((4 * T + 3 * B + 1 + B * P,), jnp.int32)
+            self._compiled[key] = self.executables.compile("forward", self._forward, self.weights, buf, self.kv_cache,
+                                                           self._no_prev, dims=(T, B, P))
+        return self._compiled[key]
+
+    def sampler_executable(self, B: int, M: int, W: int, num_logprobs: int, flags: SamplerFlags) -> jax.stages.Compiled:
+        key = ("sample", B, M, W, num_logprobs, flags)
+        if key not in self._compiled and self.executables.directory is None:
+            self._compiled[key] = partial(self._sample, dims=(B, M, W), num_logprobs=num_logprobs, flags=flags)
+        if key not in self._compiled:
+            logits = jax.ShapeDtypeStruct((B, self.cfg.vocab_size), jnp.float32, sharding=self._replicated)
+            buf = jax.ShapeDtypeStruct((B * (len(_FLOAT_FIELDS) + len(_INT_FIELDS) + M + W),), jnp.int32)
+            self._compiled[key] = self.executables.compile("sample", self._sample, logits, buf, dims=(B, M, W),
+                                                           num_logprobs=num_logprobs, flags=flags)
+        return self._compiled[key]
+
     # ---- device step ------------------------------------------------------------------------------
 
     def launch(self, out: SchedulerOutput, rows: list[StepRow | None], num_logprobs: int,
@@ -271,10 +304,12 @@ class ModelRunner:
         st = self.sampling_tensors(rows, B)
         flags = SamplerFlags.of(st)
         M, W = st.output_tokens.shape[1], st.prompt_mask.shape[1]
+        forward, sample = self.forward_executable(T, B, P), self.sampler_executable(B, M, W, num_logprobs, flags)
         buf, sbuf = jax.device_put((pack_batch(batch, prev_index), pack_sampling(st)))
-        logits, self.kv_cache = self._forward(self.weights, buf, self.kv_cache,
-                                              prev.tokens if prev is not None else self._no_prev, dims=(T, B, P))
-        packed, tokens = self._sample(logits, sbuf, dims=(B, M, W), num_logprobs=num_logprobs, flags=flags)
+        prev_tokens = prev.tokens if prev is not None else self._last_tokens
+        logits, self.kv_cache = forward(self.weights, buf, self.kv_cache, prev_tokens)
+        packed, tokens = sample(logits, sbuf)
+        self._last_tokens = tokens
         packed.copy_to_host_async()
         row_of = {s.request_id: b for b, s in enumerate(out.scheduled) if s.needs_sample}
         return Launched(out, rows, packed, tokens, row_of)
@@ -284,19 +319,28 @@ class ModelRunner:
         return unpack_result(np.asarray(launched.packed))
 
     def warmup(self) -> float:
-        """Compile every forward bucket, and the warm sampler variants per sequence bucket."""
+        """Compile (or load) every forward bucket, and the warm sampler variants per sequence bucket."""
         t0 = time.perf_counter()
+        run = self.executables.directory is None  # plain jit compiles on its first call: make that call
         for T in self.token_buckets:
             B = self.seqs_bucket(T)
             for P in self.page_buckets:
-                buf = np.zeros(T * 4 + B * 3 + 1 + B * P, np.int32)
-                buf[2 * T:3 * T] = -1  # no KV writes
-                buf[3 * T:4 * T] = -1  # no inputs from a previous step
-                logits, self.kv_cache = self._forward(self.weights, buf, self.kv_cache, self._no_prev, dims=(T, B, P))
-            sbuf = pack_sampling(self.sampling_tensors([None] * B, B))
+                forward = self.forward_executable(T, B, P)
+                if run:
+                    buf = np.zeros(4 * T + 3 * B + 1 + B * P, np.int32)
+                    buf[2 * T:4 * T] = -1  # no KV writes, no inputs from a previous step
+                    logits, self.kv_cache = forward(self.weights, buf, self.kv_cache, self._last_tokens)
             for flags in SamplerFlags.warm():
-                jax.block_until_ready(self._sample(logits, sbuf, dims=(B, 0, 0), num_logprobs=-1, flags=flags))
+                sample = self.sampler_executable(B, 0, 0, -1, flags)
+                if run:
+                    jax.block_until_ready(sample(logits, pack_sampling(self.sampling_tensors([None] * B, B))))
+        # A first sampler output, so the very first step passes the same kind of array as all others.
+        B = self.seqs_bucket(self.token_buckets[0])
+        sample = self.sampler_executable(B, 0, 0, -1, SamplerFlags.warm()[0])
+        logits = jax.device_put(np.zeros((B, self.cfg.vocab_size), np.float32), self._replicated)
+        self._last_tokens = sample(logits, pack_sampling(self.sampling_tensors([None] * B, B)))[1]
         self.compile_seconds = time.perf_counter() - t0
-        log.info("warm-up: %d forward shapes compiled in %.1f s", len(self.token_buckets) * len(self.page_buckets),
-                 self.compile_seconds)
+        log.info("warm-up: %d forward shapes ready in %.1f s (executable cache: %d loaded, %d compiled)",
+                 len(self.token_buckets) * len(self.page_buckets), self.compile_seconds, self.executables.hits,
+                 self.executables.misses)
         return self.compile_seconds

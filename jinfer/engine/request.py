@@ -3,7 +3,8 @@
 Token-count model: `all_token_ids` = prompt + generated tokens; `num_computed_tokens` counts the
 leading tokens whose KV is in the cache or is being written by a launched step. A step computes
 the next `num_new_tokens` of them; when it reaches the end of `all_token_ids` a token is sampled
-and appended. Prefill, chunked prefill, decode and recompute after preemption are all this one loop. A request is one sequence: the engine fans
+and appended. Prefill, chunked prefill, decode and recompute after preemption are all this one loop.
+A request is one sequence: the engine fans
 `SamplingParams.n > 1` out into n Requests.
 """
 

@@ -115,9 +115,10 @@ def assemble_weights(cfg: ModelConfig, arrays: dict[str, jax.Array]) -> Weights:
 
 
 def _attention(layer: LayerWeights, x: jax.Array, cos, sin, kv, batch: Batch, cfg: ModelConfig, ops: ModelOps):
+    """x + attention(rms_norm(x)); also returns the layer's updated (k, v) cache."""
     T = x.shape[0]
     H, KVH, D = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-    q, k, v = x @ layer.wq, x @ layer.wk, x @ layer.wv
+    q, k, v = ops.qkv(x, layer.attn_norm, layer.wq, layer.wk, layer.wv, cfg.rms_norm_eps)
     if cfg.attention_bias:
         q, k, v = q + layer.bq, k + layer.bk, v + layer.bv
     q, k, v = q.reshape(T, H, D), k.reshape(T, KVH, D), v.reshape(T, KVH, D)
@@ -126,7 +127,7 @@ def _attention(layer: LayerWeights, x: jax.Array, cos, sin, kv, batch: Batch, cf
     q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
     k_cache, v_cache = write_kv(kv[0], kv[1], k, v, batch.slot_mapping)
     out = ops.attention(q, k_cache, v_cache, batch, D**-0.5)  # [T, H, D]
-    return out.reshape(T, H * D) @ layer.wo, (k_cache, v_cache)
+    return ops.out_proj(out.reshape(T, H * D), layer.wo, x), (k_cache, v_cache)
 
 
 def forward(
@@ -145,11 +146,8 @@ def forward(
     cos, sin = rope_cos_sin(batch.positions, cfg, x.dtype)
     new_cache = []
     for layer, kv in zip(weights.layers, kv_cache, strict=True):
-        attn_out, kv = _attention(layer, rms_norm(x, layer.attn_norm, cfg.rms_norm_eps), cos, sin, kv, batch, cfg,
-                                  ops)
-        x = x + attn_out
-        h = rms_norm(x, layer.mlp_norm, cfg.rms_norm_eps)
-        x = x + ops.mlp(h, layer.w_gate, layer.w_up, layer.w_down)
+        x, kv = _attention(layer, x, cos, sin, kv, batch, cfg, ops)
+        x = ops.mlp_block(x, layer.mlp_norm, layer.w_gate, layer.w_up, layer.w_down, cfg.rms_norm_eps)
         new_cache.append(kv)
     x = rms_norm(x[batch.logits_indices], weights.final_norm, cfg.rms_norm_eps)  # [N, hidden]
     head = weights.embed.T if weights.lm_head is None else weights.lm_head

@@ -31,6 +31,18 @@ def test_mlp_matches_reference(mode, tokens, hidden, inter, dtype, block_i):
     assert_close(out, fused_swiglu_mlp_reference(x, wg, wu, wd), dtype, mode)
 
 
+@pytest.mark.parametrize("mode", MODES)
+def test_mlp_with_norm_prologue(mode):
+    rng = np.random.default_rng(3)
+    tokens, hidden, inter, dtype = 3, 128, 256, jnp.bfloat16
+    x = jnp.asarray(rng.standard_normal((tokens, hidden)) * 4, dtype)
+    wg, wu = (jnp.asarray(rng.standard_normal((hidden, inter)) * hidden**-0.5, dtype) for _ in range(2))
+    wd = jnp.asarray(rng.standard_normal((inter, hidden)) * inter**-0.5, dtype)
+    g = jnp.asarray(1 + 0.2 * rng.standard_normal(hidden), dtype)
+    out = fused_swiglu_mlp(x, wg, wu, wd, g, eps=1e-5, interpret=mode == "interpret")
+    assert_close(out, fused_swiglu_mlp_reference(x, wg, wu, wd, g, eps=1e-5), dtype, mode)
+
+
 def test_mlp_argument_checks():
     x = jnp.zeros((4, 64))
     w = jnp.zeros((64, 128))

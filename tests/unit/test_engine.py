@@ -223,3 +223,31 @@ def test_async_scheduling_gives_the_same_outputs_as_sync(alone):
     (sync_out, sync_finish), (async_out, async_finish) = results[False], results[True]
     assert async_out == sync_out and async_finish == sync_finish
     assert sync_out["0/0"] == alone["0/0"][:6] and sync_finish["0/0"] == "stop"
+
+
+def test_warm_start_loads_executables_without_tracing(tmp_path):
+    """With a cache directory, a second engine loads every compiled shape from disk: no tracing or
+    lowering at start-up or while serving, and the same tokens."""
+    cfg = EngineConfig(TINY, **{**BASE, "warmup": True, "max_num_batched_tokens": 16,
+                                "compilation_cache_dir": str(tmp_path)})
+    reqs = [(str(i), p, kind) for i, p in enumerate(prompts(4, seed=2))
+            for kind in [SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)]]
+    first = EngineCore(cfg)
+    assert first.runner.executables.misses > 0 and first.runner.executables.hits == 0
+    expected, _ = run_all(first, reqs)
+    lowered = []
+
+    def listener(event, duration, **kw):
+        if event == "/jax/core/compile/jaxpr_to_mlir_module_duration":
+            lowered.append(kw.get("fun_name", "?"))
+
+    jax.monitoring.register_event_duration_secs_listener(listener)
+    try:
+        second = EngineCore(cfg)
+        got, _ = run_all(second, reqs)
+    finally:
+        jax.monitoring.unregister_event_duration_listener(listener)
+    assert second.runner.executables.hits == first.runner.executables.misses
+    # (the KV pool's zero-fill is a tiny jit of its own, traced per engine)
+    assert second.runner.executables.misses == 0 and [n for n in lowered if "step" in n] == []
+    assert got == expected
