@@ -108,6 +108,18 @@ async def run(args) -> dict:
     return {"model": model, **metrics}
 
 
+def server_gauge(base_url: str, name: str) -> float | None:
+    """A gauge from the server's Prometheus /metrics (None if the server does not export it)."""
+    try:
+        text = httpx.get(f"{base_url}/metrics", timeout=10).text
+    except httpx.HTTPError:
+        return None
+    for line in text.splitlines():
+        if line.startswith(name + " "):
+            return float(line.split()[1])
+    return None
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--base-url", default="http://127.0.0.1:8000")
@@ -126,6 +138,7 @@ def main():
     ap.add_argument("--out")
     args = ap.parse_args()
     metrics = asyncio.run(run(args))
+    metrics["server_compiles_after_warmup"] = server_gauge(args.base_url, "jinfer_compiles_after_warmup")
     from benchmarks.common import environment
     env = environment()
     env["device"] = args.device  # the client process may run on CPU; the server's device is what counts

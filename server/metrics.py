@@ -35,12 +35,15 @@ class Metrics:
         self.prefix_hit_rate = Gauge("jinfer_prefix_cache_hit_rate", "Prefix-cache hit rate over prompt tokens",
                                      registry=r)
         self.engine_alive = Gauge("jinfer_engine_alive", "1 while the engine process serves", registry=r)
+        self.late_compiles = Gauge("jinfer_compiles_after_warmup", "Shapes the engine compiled after its warm-up "
+                                   "(each stalled a step)", registry=r)
 
     def set_engine_stats(self, stats: dict[str, float], alive: bool) -> None:
         self.engine_alive.set(1 if alive else 0)
         for gauge, key in ((self.running, "num_running"), (self.waiting, "num_waiting"),
                            (self.kv_usage, "kv_usage"), (self.free_pages, "num_free_pages"),
-                           (self.prefix_hit_rate, "prefix_cache_hit_rate")):
+                           (self.prefix_hit_rate, "prefix_cache_hit_rate"),
+                           (self.late_compiles, "compiles_after_warmup")):
             if key in stats:
                 gauge.set(stats[key])
 

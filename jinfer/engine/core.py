@@ -338,4 +338,5 @@ class EngineCore:
         return {**self.scheduler.stats(), "kv_usage": self.kv.usage, "num_pages": self.kv.num_usable_pages,
                 "num_free_pages": self.kv.num_free_pages,
                 "prompt_tokens_total": self.num_prompt_tokens_total,
-                "generation_tokens_total": self.num_generation_tokens_total}
+                "generation_tokens_total": self.num_generation_tokens_total,
+                "compiles_after_warmup": self.runner.compiles_after_warmup}

@@ -205,6 +205,8 @@ class ModelRunner:
         self.executables = ExecutableCache(executable_dir, namespace=repr((cfg, ops, mesh.shape, self.max_seqs_bucket)))
         self._compiled: dict[tuple, jax.stages.Compiled] = {}
         self.compile_seconds = 0.0
+        self.warmed_up = False
+        self.compiles_after_warmup = 0  # shapes first needed after warm-up (each one stalls a step)
         # The forward's `prev_tokens` argument is always the latest sampler output (even when no row
         # reads it), so every call of an executable sees arguments of identical type and sharding and
         # stays on JAX's C++ fast path (a miss costs ~50 ms of Python argument checks per call).
@@ -269,8 +271,15 @@ class ModelRunner:
 
     # ---- executables ------------------------------------------------------------------------------
 
+    def _new_shape(self, key: tuple) -> None:
+        if self.warmed_up:
+            self.compiles_after_warmup += 1
+            log.warning("compiling %s after warm-up", key)
+
     def forward_executable(self, T: int, B: int, P: int) -> jax.stages.Compiled:
         key = ("forward", T, B, P)
+        if key not in self._compiled:
+            self._new_shape(key)
         if key not in self._compiled and self.executables.directory is None:  # plain jit, compiled on first call
             self._compiled[key] = partial(self._forward, dims=(T, B, P))
         if key not in self._compiled:
@@ -281,6 +290,8 @@ class ModelRunner:
 
     def sampler_executable(self, B: int, M: int, W: int, num_logprobs: int, flags: SamplerFlags) -> jax.stages.Compiled:
         key = ("sample", B, M, W, num_logprobs, flags)
+        if key not in self._compiled:
+            self._new_shape(key)
         if key not in self._compiled and self.executables.directory is None:
             self._compiled[key] = partial(self._sample, dims=(B, M, W), num_logprobs=num_logprobs, flags=flags)
         if key not in self._compiled:
@@ -339,6 +350,7 @@ class ModelRunner:
         sample = self.sampler_executable(B, 0, 0, -1, SamplerFlags.warm()[0])
         logits = jax.device_put(np.zeros((B, self.cfg.vocab_size), np.float32), self._replicated)
         self._last_tokens = sample(logits, pack_sampling(self.sampling_tensors([None] * B, B)))[1]
+        self.warmed_up = True
         self.compile_seconds = time.perf_counter() - t0
         log.info("warm-up: %d forward shapes ready in %.1f s (executable cache: %d loaded, %d compiled)",
                  len(self.token_buckets) * len(self.page_buckets), self.compile_seconds, self.executables.hits,
