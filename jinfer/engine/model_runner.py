@@ -193,12 +193,18 @@ class ModelRunner:
         self.page_buckets = ((max_pages,) if ops.backend == "pallas"
                              else pow2_buckets(min(MIN_PAGES, max_pages), max_pages))
         self.ops = ops
-        self._forward = jax.jit(partial(_forward_step, cfg=cfg, ops=ops), static_argnames=("dims",),
-                                donate_argnames=("kv_cache",))
-        self._sample = jax.jit(partial(_sample_step, max_seqs=self.max_seqs_bucket),
-                               static_argnames=("dims", "num_logprobs", "flags"))
-        # Same sharding as the sampler's output (replicated over the mesh), or the forward recompiles.
+        # Every output's sharding is pinned to the very object its next consumer was first called
+        # with (the KV pool's own shardings, one replicated sharding for logits and tokens). JAX keys
+        # its C++ dispatch cache on argument shardings by equality, and shardings XLA infers (e.g.
+        # replicated) differ from the pool's logical ones even on one device: each new combination
+        # took the Python path once more (~30 ms, measured as a slow first prefill after warm-up).
         self._replicated = NamedSharding(mesh, PartitionSpec())
+        kv_shardings = jax.tree.map(lambda a: a.sharding, self.kv_cache)
+        self._forward = jax.jit(partial(_forward_step, cfg=cfg, ops=ops), static_argnames=("dims",),
+                                donate_argnames=("kv_cache",), out_shardings=(self._replicated, kv_shardings))
+        self._sample = jax.jit(partial(_sample_step, max_seqs=self.max_seqs_bucket),
+                               static_argnames=("dims", "num_logprobs", "flags"),
+                               out_shardings=(self._replicated, self._replicated))
         self._no_prev = jax.device_put(np.zeros(self.max_seqs_bucket, np.int32), self._replicated)
         # Compiled executables per shape, loaded from / stored to disk when `executable_dir` is set: a
         # warm start then neither traces nor lowers (see executable_cache.py).
@@ -209,7 +215,7 @@ class ModelRunner:
         self.compiles_after_warmup = 0  # shapes first needed after warm-up (each one stalls a step)
         # The forward's `prev_tokens` argument is always the latest sampler output (even when no row
         # reads it), so every call of an executable sees arguments of identical type and sharding and
-        # stays on JAX's C++ fast path (a miss costs ~50 ms of Python argument checks per call).
+        # stays on JAX's C++ fast path (see above).
         self._last_tokens = self._no_prev
 
     def seqs_bucket(self, num_tokens_bucket: int) -> int:
