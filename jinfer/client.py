@@ -22,6 +22,7 @@ import os
 import queue
 import shutil
 import subprocess
+import sys
 import threading
 import time
 import uuid
@@ -142,6 +143,9 @@ class EngineClient:
             if path is None:
                 return None
             self._tokenizer = Tokenizer.from_pretrained(path)
+            gguf_meta = sys.modules.get("jinfer.weights.gguf_meta")
+            if gguf_meta is not None:  # a GGUF's tokenizer: drop the file's parsed metadata (~150 MB)
+                gguf_meta.open_gguf.cache_clear()
         return self._tokenizer
 
     def close(self) -> None:

@@ -14,6 +14,7 @@ import argparse
 import contextlib
 import logging
 import os
+import re
 import signal
 import sys
 import threading
@@ -26,6 +27,8 @@ from jinfer.engine.args import add_engine_arguments, engine_config_kwargs
 log = logging.getLogger("jinfer.server")
 
 DEATH_EXIT_DELAY_S = 2.0  # keep answering (/health 503, errors) briefly before exiting
+# How the engine process reports options it refuses (jinfer/engine/core_proc.py); exit status 2 like argparse.
+_INVALID_CONFIG = re.compile(r"engine start-up failed: (ValueError|TypeError):")
 
 
 def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
@@ -70,13 +73,9 @@ def _interrupt(signum, frame):
 def run_serve(args: argparse.Namespace) -> int:
     """Serve until SIGINT/SIGTERM (returns 0) or until the engine dies (returns 1)."""
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    from jinfer.engine.core import EngineConfig  # JAX is imported, but this process never touches a device
-
-    try:
-        config = EngineConfig(**engine_config_kwargs(args))
-    except (ValueError, TypeError) as e:
-        log.error("invalid engine option: %s", e)
-        return 2
+    # The options go to the engine process as given; EngineConfig validates them there. This process
+    # never imports JAX (jinfer.engine.core does): it would cost start-up time and host memory for nothing.
+    config = engine_config_kwargs(args)
     previous_term = signal.signal(signal.SIGTERM, _interrupt)  # SIGTERM during the long start-up
     try:
         client = EngineClient.spawn(config, address=args.engine_address, name="server",
@@ -84,7 +83,7 @@ def run_serve(args: argparse.Namespace) -> int:
                                     core_factory=getattr(args, "core_factory", None))
     except EngineDeadError as e:
         log.error("%s", e)
-        return 1
+        return 2 if _INVALID_CONFIG.search(str(e)) else 1
     except KeyboardInterrupt:
         log.info("interrupted while the engine was starting")
         return 130

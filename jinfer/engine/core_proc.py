@@ -340,6 +340,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--core-factory", default=None, help="module:callable building the core (tests)")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    # Before JAX starts its backend. XLA's default GPU allocator (BFC) keeps a host-side table of 8
+    # bytes per 256 bytes of its pool: 1.9 GB of host RSS for the ~60 GB pool of an 80 GB H100. CUDA's
+    # stream-ordered pool (cudaMallocAsync) has none and measured as fast (batch-1 TPOT 6.41 vs 6.44 ms,
+    # throughput 37.1k vs 37.0k tok/s on one H100). Set the variable to choose another allocator.
+    os.environ.setdefault("XLA_PYTHON_CLIENT_ALLOCATOR", "cuda_async")
     return run_engine_core(json.loads(args.config), args.address, parent_pid=args.parent_pid,
                            core_factory=args.core_factory)
 

@@ -1,6 +1,8 @@
 """EngineCore + LLM on a tiny Llama (tests/data/tiny-llama): batching, preemption, chunking and
 prefix caching must be invisible in the outputs; nothing compiles after warm-up."""
 
+import contextlib
+
 import jax
 import numpy as np
 import pytest
@@ -150,8 +152,9 @@ def test_n_samples_and_request_errors():
     assert not core.scheduler.requests.get("long")
 
 
-def test_no_compilation_after_warmup():
-    core = EngineCore(EngineConfig(TINY, **{**BASE, "warmup": True, "max_num_batched_tokens": 32}))
+@contextlib.contextmanager
+def lowerings():
+    """Names of the functions JAX traces and lowers inside the block."""
     lowered = []
 
     def listener(event, duration, **kw):
@@ -160,15 +163,22 @@ def test_no_compilation_after_warmup():
 
     jax.monitoring.register_event_duration_secs_listener(listener)
     try:
+        yield lowered
+    finally:
+        jax.monitoring.unregister_event_duration_listener(listener)
+
+
+def test_no_compilation_after_warmup():
+    core = EngineCore(EngineConfig(TINY, **{**BASE, "warmup": True, "max_num_batched_tokens": 32}))
+    with lowerings() as lowered:
         reqs = []
         for i, p in enumerate(prompts(20, seed=11) + [list(range(3, 110))]):
             kinds = [GREEDY, SamplingParams(temperature=0.8, top_p=0.9, max_tokens=9, seed=i),
                      SamplingParams(temperature=1.2, top_k=5, min_p=0.05, max_tokens=17, n=2)]
             reqs.append((f"w{i}", p, kinds[i % 3]))
         run_all(core, reqs, arrivals=[(i * 7) % 13 for i in range(len(reqs))])
-    finally:
-        jax.monitoring.unregister_event_duration_listener(listener)
     assert lowered == [], f"compiled after warm-up: {lowered}"
+    assert core.stats()["compiles_after_warmup"] == 0
 
 
 def test_llm_api_order_n_and_validation():
@@ -235,18 +245,9 @@ def test_warm_start_loads_executables_without_tracing(tmp_path):
     first = EngineCore(cfg)
     assert first.runner.executables.misses > 0 and first.runner.executables.hits == 0
     expected, _ = run_all(first, reqs)
-    lowered = []
-
-    def listener(event, duration, **kw):
-        if event == "/jax/core/compile/jaxpr_to_mlir_module_duration":
-            lowered.append(kw.get("fun_name", "?"))
-
-    jax.monitoring.register_event_duration_secs_listener(listener)
-    try:
+    with lowerings() as lowered:
         second = EngineCore(cfg)
         got, _ = run_all(second, reqs)
-    finally:
-        jax.monitoring.unregister_event_duration_listener(listener)
     assert second.runner.executables.hits == first.runner.executables.misses
     # (the KV pool's zero-fill is a tiny jit of its own, traced per engine)
     assert second.runner.executables.misses == 0 and [n for n in lowered if "step" in n] == []

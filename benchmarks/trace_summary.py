@@ -1,0 +1,67 @@
+"""Summarize a Perfetto trace written by a benchmark's `--profile DIR` (engine steps on the host, GPU kernels).
+
+    python -m benchmarks.trace_summary path/to/*.trace.json.gz [--skip 2] [--top 20]
+
+For the engine steps (`EngineCore.step` spans) after the first `--skip`: the step time, the GPU's
+busy time and kernel count per step, the longest host phases inside one step, and the kernels that
+take the most GPU time per step. Writes nothing; prints a table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import gzip
+import json
+
+
+def load(path: str) -> tuple[list[dict], dict, dict]:
+    with gzip.open(path) if path.endswith(".gz") else open(path) as f:
+        events = json.load(f)["traceEvents"]
+    procs, threads = {}, {}
+    for e in events:
+        if e.get("ph") == "M" and e["name"] == "process_name":
+            procs[e["pid"]] = e["args"]["name"]
+        elif e.get("ph") == "M" and e["name"] == "thread_name":
+            threads[(e["pid"], e["tid"])] = e["args"]["name"]
+    return [e for e in events if e.get("ph") == "X"], procs, threads
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("trace")
+    ap.add_argument("--skip", type=int, default=2, help="engine steps to skip at the start (prefill, warm-up)")
+    ap.add_argument("--top", type=int, default=20)
+    args = ap.parse_args()
+    spans, procs, threads = load(args.trace)
+    steps = sorted((e for e in spans if e["name"].endswith(" step") and "core.py" in e["name"]),
+                   key=lambda e: e["ts"])[args.skip:]
+    if len(steps) < 2:
+        raise SystemExit(f"{len(steps)} engine steps after --skip {args.skip}: nothing to summarize")
+    gpu = [e for e in spans if procs.get(e["pid"], "").startswith("/device")
+           and "Compute" in threads.get((e["pid"], e["tid"]), "")]
+    host = [e for e in spans if threads.get((e["pid"], e["tid"])) == "python3"]
+    lo, hi = steps[0]["ts"], steps[-1]["ts"]
+    n = len(steps) - 1
+    in_window = [e for e in gpu if lo <= e["ts"] < hi]
+    busy = sum(e["dur"] for e in in_window)
+    print(f"{n} steps: {(hi - lo) / n / 1e3:.2f} ms per step, GPU busy {busy / n / 1e3:.2f} ms per step, "
+          f"{len(in_window) / n:.0f} kernels per step")
+
+    mid = steps[len(steps) // 2]
+    print(f"\nhost phases of one step (>= 0.1 ms), ms from its start:")
+    for e in sorted((e for e in host if mid["ts"] <= e["ts"] < mid["ts"] + mid["dur"] and e["dur"] >= 100),
+                    key=lambda e: e["ts"]):
+        print(f"  {(e['ts'] - mid['ts']) / 1e3:7.2f} +{e['dur'] / 1e3:6.2f}  {e['name'][:90]}")
+
+    count, total = collections.Counter(), collections.Counter()
+    for e in in_window:
+        count[e["name"]] += 1
+        total[e["name"]] += e["dur"]
+    print(f"\nGPU time per step by kernel (top {args.top}):")
+    for name, t in total.most_common(args.top):
+        print(f"  {t / n:9.1f} us  x{count[name] / n:5.1f}  {name[:90]}")
+
+
+if __name__ == "__main__":
+    main()
