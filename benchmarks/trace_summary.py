@@ -49,7 +49,7 @@ def main() -> None:
           f"{len(in_window) / n:.0f} kernels per step")
 
     mid = steps[len(steps) // 2]
-    print(f"\nhost phases of one step (>= 0.1 ms), ms from its start:")
+    print("\nhost phases of one step (>= 0.1 ms), ms from its start:")
     for e in sorted((e for e in host if mid["ts"] <= e["ts"] < mid["ts"] + mid["dur"] and e["dur"] >= 100),
                     key=lambda e: e["ts"]):
         print(f"  {(e['ts'] - mid['ts']) / 1e3:7.2f} +{e['dur'] / 1e3:6.2f}  {e['name'][:90]}")
