@@ -22,7 +22,7 @@ import numpy as np
 
 from benchmarks.common import add_profile_argument, environment, profiled, write_result
 from jinfer.models.batch import make_batch
-from jinfer.models.llama import forward
+from jinfer.models.llama import forward, fuse_qkv
 from jinfer.models.ops import select_ops
 from jinfer.weights.loader import DTYPES, load_weights, resolve_model
 
@@ -46,7 +46,7 @@ def main():
     src = resolve_model(f"dummy:{args.shape}")
     cfg = src.config
     t0 = time.perf_counter()
-    w = load_weights(src, args.dtype, progress=False)
+    w = fuse_qkv(load_weights(src, args.dtype, progress=False))  # as the engine does on one device
     jax.block_until_ready(w)
     load_s = time.perf_counter() - t0
     pages_per_seq = (args.prompt_len + args.iters + 2) // args.page_size + 1

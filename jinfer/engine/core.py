@@ -22,6 +22,7 @@ from jinfer.engine.model_runner import Launched, ModelRunner, StepRow, kv_cache_
 from jinfer.engine.request import FinishReason, Request
 from jinfer.engine.sampler import num_logprobs_for, pack_token_mask
 from jinfer.engine.scheduler import Scheduler, SchedulerConfig
+from jinfer.models.llama import fuse_qkv
 from jinfer.models.ops import BACKENDS, select_ops
 from jinfer.outputs import EngineOutput
 from jinfer.parallel import make_mesh
@@ -121,6 +122,8 @@ class EngineCore:
             "float32" if jax.default_backend() == "cpu" else "bfloat16")
         mesh = make_mesh(config.tensor_parallel_size)
         weights = load_weights(source, self.dtype, mesh, seed=config.seed)
+        if mesh.size == 1:
+            weights = fuse_qkv(weights)
         num_pages = config.num_pages or self._auto_num_pages()
         max_len = min(config.max_model_len or self.model_config.max_position_embeddings,
                       (num_pages - 1) * config.page_size)

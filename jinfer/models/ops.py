@@ -56,16 +56,16 @@ class ModelOps:
         return ragged_prefill_attention(q, k_cache, v_cache, batch.query_start, batch.seq_lens, batch.page_table,
                                         scale=scale, interpret=self.interpret)
 
-    def qkv(self, x: jax.Array, norm: jax.Array, wq: jax.Array, wk: jax.Array, wv: jax.Array,
-            eps: float) -> tuple[jax.Array, jax.Array, jax.Array]:
-        """rms_norm(x) @ wq, @ wk, @ wv; x: [T, hidden] (the residual stream).
+    def norm_projections(self, x: jax.Array, norm: jax.Array, weights: tuple[jax.Array, ...],
+                         eps: float) -> tuple[jax.Array, ...]:
+        """rms_norm(x) @ w for each w; x: [T, hidden] (the residual stream).
 
         XLA's kernels. A Pallas kernel doing norm + q/k/v in one launch (and o + residual) was tried: it
         ran at ~1 TB/s at T=1 on the H100 (30 us per layer for q/k/v, 32-column tiles) and made the
         decode step slower (bench_forward pipelined decode 5.64 vs 5.14 ms), so it was dropped.
         """
         h = rms_norm(x, norm, eps)
-        return h @ wq, h @ wk, h @ wv
+        return tuple(h @ w for w in weights)
 
     def out_proj(self, attn: jax.Array, wo: jax.Array, residual: jax.Array) -> jax.Array:
         """residual + attn @ wo."""

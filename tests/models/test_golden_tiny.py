@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from jinfer.models.batch import make_batch
-from jinfer.models.llama import forward
+from jinfer.models.llama import forward, fuse_qkv
 from jinfer.models.ops import REFERENCE_OPS, ModelOps
 from jinfer.weights.loader import load_weights, resolve_model
 
@@ -47,6 +47,9 @@ OPS = {"ref": REFERENCE_OPS, "pallas": ModelOps("pallas", interpret=jax.default_
 def model(request):
     arch, ops = request.param
     cfg, w, gold = load(arch)
+    if ops == "pallas":  # also covers the fused q/k/v projection the engine uses on one device
+        w = fuse_qkv(w)
+        assert w.layers[0].wq is None and w.layers[0].wqkv is not None
     step = jax.jit(partial(forward, cfg=cfg, ops=OPS[ops]), donate_argnames=("kv_cache",))
     return cfg, w, gold, step
 
