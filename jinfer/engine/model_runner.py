@@ -43,6 +43,12 @@ log = logging.getLogger(__name__)
 
 MIN_TOKENS = 8
 MIN_PAGES = 4
+# XLA command buffers (CUDA graphs) only for steps of at most this many tokens. They save the
+# per-kernel launch cost that dominates small decode steps, but recording a graph costs ~16 ms for a
+# 1k-token prefill executable (it was re-recorded in front of the first prefill after warm-up, on
+# the TTFT path), and large steps hide their launches behind device time anyway.
+COMMAND_BUFFER_MAX_TOKENS = 32
+NO_COMMAND_BUFFER = {"xla_gpu_enable_command_buffer": ""}
 KV_AXES = ("pages", "page_slot", "kv_heads", "head_dim")
 
 
@@ -200,8 +206,10 @@ class ModelRunner:
         # took the Python path once more (~30 ms, measured as a slow first prefill after warm-up).
         self._replicated = NamedSharding(mesh, PartitionSpec())
         kv_shardings = jax.tree.map(lambda a: a.sharding, self.kv_cache)
-        self._forward = jax.jit(partial(_forward_step, cfg=cfg, ops=ops), static_argnames=("dims",),
-                                donate_argnames=("kv_cache",), out_shardings=(self._replicated, kv_shardings))
+        forward_jit = partial(jax.jit, partial(_forward_step, cfg=cfg, ops=ops), static_argnames=("dims",),
+                              donate_argnames=("kv_cache",), out_shardings=(self._replicated, kv_shardings))
+        self._forward = forward_jit()  # small steps: with command buffers (XLA's default)
+        self._forward_large = forward_jit(compiler_options=NO_COMMAND_BUFFER)
         self._sample = jax.jit(partial(_sample_step, max_seqs=self.max_seqs_bucket),
                                static_argnames=("dims", "num_logprobs", "flags"),
                                out_shardings=(self._replicated, self._replicated))
@@ -282,16 +290,19 @@ class ModelRunner:
             self.compiles_after_warmup += 1
             log.warning("compiling %s after warm-up", key)
 
+    def _forward_jit(self, T: int):
+        return self._forward if T <= COMMAND_BUFFER_MAX_TOKENS else self._forward_large
+
     def forward_executable(self, T: int, B: int, P: int) -> jax.stages.Compiled:
         key = ("forward", T, B, P)
         if key not in self._compiled:
             self._new_shape(key)
         if key not in self._compiled and self.executables.directory is None:  # plain jit, compiled on first call
-            self._compiled[key] = partial(self._forward, dims=(T, B, P))
+            self._compiled[key] = partial(self._forward_jit(T), dims=(T, B, P))
         if key not in self._compiled:
             buf = jax.ShapeDtypeStruct((4 * T + 3 * B + 1 + B * P,), jnp.int32)
-            self._compiled[key] = self.executables.compile("forward", self._forward, self.weights, buf, self.kv_cache,
-                                                           self._no_prev, dims=(T, B, P))
+            self._compiled[key] = self.executables.compile("forward", self._forward_jit(T), self.weights, buf,
+                                                           self.kv_cache, self._no_prev, dims=(T, B, P))
         return self._compiled[key]
 
     def sampler_executable(self, B: int, M: int, W: int, num_logprobs: int, flags: SamplerFlags) -> jax.stages.Compiled:
