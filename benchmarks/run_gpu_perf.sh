@@ -16,3 +16,7 @@ python3 -m benchmarks.bench_throughput --model dummy:qwen3-4b --num-prompts 512 
     --max-num-batched-tokens 8192 --out "$OUT/throughput_qwen3-4b_h100_512x1k.json" | tail -1
 python3 -m benchmarks.bench_forward --shape qwen3-4b --prompt-len 1024 --batch 1 --iters 30 --attention-backend pallas \
     --out "$OUT/forward_qwen3-4b_h100_pallas.json" | grep -E "prefill_step|decode_step_ms_median|pipelined"
+# A Perfetto trace of batch-1 decode steps (summarize with `python -m benchmarks.trace_summary FILE`).
+python3 -m benchmarks.bench_latency --shape qwen3-4b --batch-sizes 1 --input-len 1024 --output-len 16 \
+    --profile /tmp/jinfer-trace --out /tmp/jinfer-trace/latency.json | grep "^batch"
+cp "$(find /tmp/jinfer-trace -name '*.trace.json.gz' | head -1)" "$OUT/profile_latency_b1_qwen3-4b_h100.trace.json.gz"
