@@ -35,7 +35,7 @@ ROOT = Path(__file__).resolve().parents[1]
 PHASE_PATTERNS = {
     "engine_listening_at": re.compile(r"^(\S+ \S+) INFO jinfer\.engine: engine process \d+ listening"),
     "weights_s": re.compile(r"weights loaded in ([\d.]+) s"),
-    "warmup_s": re.compile(r"warm-up: \d+ forward shapes (?:compiled|ready) in ([\d.]+) s"),
+    "warmup_s": re.compile(r"warm-up: \d+ forward shapes ready in ([\d.]+) s"),
     "engine_init_s": re.compile(r"engine ready in ([\d.]+) s"),
     "serving_at": re.compile(r"^(\S+ \S+) INFO jinfer\.server: serving "),
 }

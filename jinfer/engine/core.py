@@ -20,7 +20,7 @@ from jinfer.config import ModelConfig
 from jinfer.engine.kv_cache_manager import KVCacheManager, cdiv
 from jinfer.engine.model_runner import Launched, ModelRunner, StepRow, kv_cache_bytes_per_page
 from jinfer.engine.request import FinishReason, Request
-from jinfer.engine.sampler import num_logprobs_for, pack_token_mask
+from jinfer.engine.sampler import num_logprobs_for, pack_token_mask, uses_penalties
 from jinfer.engine.scheduler import Scheduler, SchedulerConfig
 from jinfer.models.llama import fuse_qkv
 from jinfer.models.ops import BACKENDS, select_ops
@@ -191,7 +191,7 @@ class EngineCore:
                              f"of {self.max_model_len} tokens")
         seq_ids = [request_id] if params.n == 1 else [f"{request_id}#{i}" for i in range(params.n)]
         mask = pack_token_mask(ids, vocab) if params.repetition_penalty != 1.0 else None
-        penalized = bool(params.presence_penalty or params.frequency_penalty or params.repetition_penalty != 1.0)
+        penalized = uses_penalties(params)
         added = []
         try:
             for i, sid in enumerate(seq_ids):

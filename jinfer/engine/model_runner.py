@@ -106,7 +106,6 @@ class Launched:
     """A step dispatched to the device whose results have not been read yet."""
 
     out: SchedulerOutput
-    rows: list[StepRow | None]
     packed: jax.Array  # i32[B, 2 + 2N]: token, logprob bits, top ids, top logprob bits
     tokens: jax.Array  # i32[max_seqs_bucket]: sampled ids, for the next step's inputs
     row_of: dict[str, int]  # request id -> batch row, for rows that sample
@@ -122,11 +121,15 @@ def pack_batch(batch: Batch, prev_index: np.ndarray) -> np.ndarray:
                            batch.seq_lens, batch.logits_indices, batch.page_table.ravel()]).astype(np.int32)
 
 
+def _batch_sizes(T: int, B: int, P: int) -> tuple[int, ...]:
+    """Lengths of the packed batch's parts, in `pack_batch` order."""
+    return (T, T, T, T, B + 1, B, B, B * P)
+
+
 def unpack_batch(buf: jax.Array, dims: tuple[int, int, int]) -> tuple[Batch, jax.Array]:
     T, B, P = dims
-    sizes = (T, T, T, T, B + 1, B, B, B * P)
     parts, o = [], 0
-    for n in sizes:
+    for n in _batch_sizes(T, B, P):
         parts.append(buf[o:o + n])
         o += n
     ids, pos, slots, prev, qs, lens, logits_idx, table = parts
@@ -285,38 +288,32 @@ class ModelRunner:
 
     # ---- executables ------------------------------------------------------------------------------
 
-    def _new_shape(self, key: tuple) -> None:
+    def _add_executable(self, key: tuple, jitted, args: tuple, **static) -> jax.stages.Compiled:
+        """A shape seen for the first time: load it from the executable cache or compile it (with no
+        cache directory, the plain jit, which compiles on its first call); kept under `key`."""
         if self.warmed_up:
             self.compiles_after_warmup += 1
             log.warning("compiling %s after warm-up", key)
-
-    def _forward_jit(self, T: int):
-        return self._forward if T <= COMMAND_BUFFER_MAX_TOKENS else self._forward_large
+        self._compiled[key] = (partial(jitted, **static) if self.executables.directory is None
+                               else self.executables.compile(key[0], jitted, *args, **static))
+        return self._compiled[key]
 
     def forward_executable(self, T: int, B: int, P: int) -> jax.stages.Compiled:
-        key = ("forward", T, B, P)
-        if key not in self._compiled:
-            self._new_shape(key)
-        if key not in self._compiled and self.executables.directory is None:  # plain jit, compiled on first call
-            self._compiled[key] = partial(self._forward_jit(T), dims=(T, B, P))
-        if key not in self._compiled:
-            buf = jax.ShapeDtypeStruct((4 * T + 3 * B + 1 + B * P,), jnp.int32)
-            self._compiled[key] = self.executables.compile("forward", self._forward_jit(T), self.weights, buf,
-                                                           self.kv_cache, self._no_prev, dims=(T, B, P))
-        return self._compiled[key]
+        if (hit := self._compiled.get(("forward", T, B, P))) is not None:  # the per-step path
+            return hit
+        # XLA command buffers only for small steps (see COMMAND_BUFFER_MAX_TOKENS).
+        jitted = self._forward if T <= COMMAND_BUFFER_MAX_TOKENS else self._forward_large
+        buf = jax.ShapeDtypeStruct((sum(_batch_sizes(T, B, P)),), jnp.int32)
+        return self._add_executable(("forward", T, B, P), jitted, (self.weights, buf, self.kv_cache, self._no_prev),
+                                    dims=(T, B, P))
 
     def sampler_executable(self, B: int, M: int, W: int, num_logprobs: int, flags: SamplerFlags) -> jax.stages.Compiled:
-        key = ("sample", B, M, W, num_logprobs, flags)
-        if key not in self._compiled:
-            self._new_shape(key)
-        if key not in self._compiled and self.executables.directory is None:
-            self._compiled[key] = partial(self._sample, dims=(B, M, W), num_logprobs=num_logprobs, flags=flags)
-        if key not in self._compiled:
-            logits = jax.ShapeDtypeStruct((B, self.cfg.vocab_size), jnp.float32, sharding=self._replicated)
-            buf = jax.ShapeDtypeStruct((B * (len(_FLOAT_FIELDS) + len(_INT_FIELDS) + M + W),), jnp.int32)
-            self._compiled[key] = self.executables.compile("sample", self._sample, logits, buf, dims=(B, M, W),
-                                                           num_logprobs=num_logprobs, flags=flags)
-        return self._compiled[key]
+        if (hit := self._compiled.get(("sample", B, M, W, num_logprobs, flags))) is not None:
+            return hit
+        logits = jax.ShapeDtypeStruct((B, self.cfg.vocab_size), jnp.float32, sharding=self._replicated)
+        buf = jax.ShapeDtypeStruct((B * (len(_FLOAT_FIELDS) + len(_INT_FIELDS) + M + W),), jnp.int32)
+        return self._add_executable(("sample", B, M, W, num_logprobs, flags), self._sample, (logits, buf),
+                                    dims=(B, M, W), num_logprobs=num_logprobs, flags=flags)
 
     # ---- device step ------------------------------------------------------------------------------
 
@@ -324,8 +321,7 @@ class ModelRunner:
                prev: Launched | None = None) -> Launched:
         """Dispatch the step (forward + sampler) and return without waiting for the device. `prev`: the
         step launched before, still in flight, whose samples feed this step's `input_from_device` rows."""
-        if any(s.input_from_device for s in out.scheduled) and (prev is None or any(
-                s.input_from_device and s.num_new_tokens != 1 for s in out.scheduled)):
+        if prev is None and any(s.input_from_device for s in out.scheduled):
             raise ValueError("decodes of pending tokens need the previous step")
         batch, prev_index = self.build_batch(out, prev)
         T, B, P = batch.num_tokens, batch.num_seqs, batch.page_table.shape[1]
@@ -340,7 +336,7 @@ class ModelRunner:
         self._last_tokens = tokens
         packed.copy_to_host_async()
         row_of = {s.request_id: b for b, s in enumerate(out.scheduled) if s.needs_sample}
-        return Launched(out, rows, packed, tokens, row_of)
+        return Launched(out, packed, tokens, row_of)
 
     def fetch(self, launched: Launched) -> StepResult:
         """Wait for a launched step and return its samples on the host."""
@@ -355,8 +351,8 @@ class ModelRunner:
             for P in self.page_buckets:
                 forward = self.forward_executable(T, B, P)
                 if run:
-                    buf = np.zeros(4 * T + 3 * B + 1 + B * P, np.int32)
-                    buf[2 * T:4 * T] = -1  # no KV writes, no inputs from a previous step
+                    buf = np.zeros(sum(_batch_sizes(T, B, P)), np.int32)
+                    buf[2 * T:4 * T] = -1  # slots and prev rows (parts 3, 4): no KV writes, no previous step
                     logits, self.kv_cache = forward(self.weights, buf, self.kv_cache, self._last_tokens)
             for flags in SamplerFlags.warm():
                 sample = self.sampler_executable(B, 0, 0, -1, flags)

@@ -53,7 +53,6 @@ row uses repetition penalty, and so that no [B, V] count array is built on devic
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -126,7 +125,7 @@ class SamplingTensors:
             seed = _param(params, "seed", None)
             seeds[b] = drawn[b] if seed is None else int(seed) % 2**32
             steps[b] = len(output_ids) if step is None else step
-            if t["presence_penalty"][b] or t["frequency_penalty"][b] or t["repetition_penalty"][b] != 1:
+            if uses_penalties(params):
                 penalized.append((b, output_ids))
             if t["repetition_penalty"][b] != 1 and prompt is not None:
                 repeated.append((b, prompt))
@@ -203,6 +202,12 @@ _DEFAULTS = dict(temperature=1.0, top_p=1.0, min_p=0.0, presence_penalty=0.0, fr
 def _param(params: Any, name: str, default: Any) -> Any:
     value = params.get(name) if isinstance(params, Mapping) else getattr(params, name, None)
     return default if value is None else value
+
+
+def uses_penalties(params: Any) -> bool:
+    """Whether a request's parameters ask for any repetition, frequency or presence penalty."""
+    return bool(_param(params, "presence_penalty", 0.0) or _param(params, "frequency_penalty", 0.0)
+                or _param(params, "repetition_penalty", 1.0) != 1)
 
 
 def _num_words(vocab_size: int) -> int:
@@ -405,12 +410,7 @@ def sample(logits: jax.Array, t: SamplingTensors, num_logprobs: int = 0,
     `flags` (static) picks the compiled variant; None derives them from `t` (which must then be on
     the host: numpy or concrete arrays).
     """
-    return sample_jit(logits, t, num_logprobs, SamplerFlags.of(t) if flags is None else flags)
-
-
-@functools.partial(jax.jit, static_argnames=("num_logprobs", "flags"))
-def sample_jit(logits: jax.Array, t: SamplingTensors, num_logprobs: int, flags: SamplerFlags) -> SampleResult:
-    return sample_traced(logits, t, num_logprobs, flags)
+    return _sample_jit(logits, t, num_logprobs, SamplerFlags.of(t) if flags is None else flags)
 
 
 def sample_traced(logits: jax.Array, t: SamplingTensors, num_logprobs: int, flags: SamplerFlags) -> SampleResult:
@@ -442,6 +442,9 @@ def sample_traced(logits: jax.Array, t: SamplingTensors, num_logprobs: int, flag
     else:
         top_vals, top_ids = lax.top_k(raw, N)
     return SampleResult(tokens, chosen, top_ids.astype(jnp.int32), top_vals - lse[:, None])
+
+
+_sample_jit = jax.jit(sample_traced, static_argnames=("num_logprobs", "flags"))
 
 
 

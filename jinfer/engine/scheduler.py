@@ -186,12 +186,11 @@ class Scheduler:
         request.num_pending_tokens += s.needs_sample
         return s
 
-    def _last_token_pending(self, request: Request) -> bool:
-        """The request's pending token certainly ends it (length): no need to feed it back."""
+    def _reaches_length(self, request: Request, pending: int = 0) -> bool:
+        """max_tokens or max_model_len is reached, counting `pending` tokens not yet read back."""
         max_tokens = request.sampling_params.max_tokens
-        n = request.num_tokens + request.num_pending_tokens
-        return (max_tokens is not None and request.num_output_tokens + request.num_pending_tokens >= max_tokens) \
-            or n >= self.config.max_model_len
+        return (max_tokens is not None and request.num_output_tokens + pending >= max_tokens) \
+            or request.num_tokens + pending >= self.config.max_model_len
 
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput(finished_ids=self._finished_ids)
@@ -201,7 +200,8 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             request = self.running[i]
-            if request.num_pending_tokens and self._last_token_pending(request):
+            # A pending token that certainly ends the request (length) needs no decode.
+            if request.num_pending_tokens and self._reaches_length(request, request.num_pending_tokens):
                 i += 1
                 continue
             num_new = self._clamp(request.num_tokens + request.num_pending_tokens - request.num_computed_tokens,
@@ -277,8 +277,7 @@ class Scheduler:
                 return FinishReason.STOP, None
             if token in sp.stop_token_ids:
                 return FinishReason.STOP, token
-        if (sp.max_tokens is not None and n_out >= sp.max_tokens) or \
-                request.num_tokens >= self.config.max_model_len:
+        if self._reaches_length(request):
             return FinishReason.LENGTH, None
         return None
 
