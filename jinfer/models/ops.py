@@ -62,7 +62,8 @@ class ModelOps:
 
         XLA's kernels. A Pallas kernel doing norm + q/k/v in one launch (and o + residual) was tried: it
         ran at ~1 TB/s at T=1 on the H100 (30 us per layer for q/k/v, 32-column tiles) and made the
-        decode step slower (bench_forward pipelined decode 5.64 vs 5.14 ms), so it was dropped.
+        decode step slower (bench_forward pipelined decode 5.64 vs 5.14 ms, an exploratory run whose
+        JSON was not kept), so it was dropped.
         """
         h = rms_norm(x, norm, eps)
         return tuple(h @ w for w in weights)
