@@ -35,7 +35,7 @@ def main():
     ap.add_argument("--batch", type=int, default=1)
     ap.add_argument("--page-size", type=int, default=16)
     ap.add_argument("--iters", type=int, default=10)
-    ap.add_argument("--attention-backend", default="auto", help="auto | reference | pallas")
+    ap.add_argument("--attention-backend", default="auto", help="auto | reference | pallas | pallas-triton")
     ap.add_argument("--num-pages", type=int, help="KV pool size (default: just what the batch needs); a serving-size "
                     "pool shows whether the KV update is done in place")
     ap.add_argument("--dump-hlo", metavar="DIR", help="write the optimized HLO of the prefill and decode executables")
@@ -105,7 +105,8 @@ def main():
     result = {
         "benchmark": "forward", **environment(), "shape": args.shape, "dtype": args.dtype,
         "batch_size": args.batch, "prompt_len": args.prompt_len, "page_size": args.page_size, "num_pages": num_pages,
-        "attention_backend": ops.backend, "xla_flags": os.environ.get("XLA_FLAGS", ""),
+        "attention_backend": ops.backend, "mosaic_prefill": ops.mosaic_prefill,
+        "xla_flags": os.environ.get("XLA_FLAGS", ""),
         "weights_load_s": load_s, "prefill_compile_s": prefill_compile_s, "prefill_step_ms": prefill_s * 1e3,
         "decode_compile_s": decode_compile_s, "decode_step_ms_median": float(np.median(times[1:])) * 1e3,
         "decode_step_ms_min": float(np.min(times)) * 1e3, "decode_pipelined_ms": pipelined_ms,

@@ -11,7 +11,7 @@ Measures our Pallas kernels side by side with their peers at Qwen3-4B attention 
 `time_us` is device time per call: one jit chains 10 calls (each call's output is the next one's
 query / activations) and the chain is timed warm, median of 5 runs of back-to-back executions with
 `block_until_ready`; `wall_us` is the per-call time of separate dispatches from Python (host
-overhead included). `--sweep` also times a grid of launch parameters for each kernel.
+overhead included). `--sweep [all|triton|mgpu]` also times a grid of launch parameters.
 
   python benchmarks/bench_kernels.py --out benchmarks/results/kernels_h100.json [--sweep]
 """
@@ -22,6 +22,7 @@ import argparse
 import datetime
 import functools
 import json
+import os
 import statistics
 import subprocess
 import sys
@@ -41,6 +42,7 @@ from pallas_kernels.paged_attention import (  # noqa: E402
     paged_decode_attention_reference,
 )
 from pallas_kernels.prefill_attention import ragged_prefill_attention  # noqa: E402
+from pallas_kernels.prefill_attention_mgpu import ragged_prefill_attention_mgpu  # noqa: E402
 
 HEADS, KV_HEADS, DIM, PAGE = 32, 8, 128, 16
 DTYPE = jnp.bfloat16
@@ -115,7 +117,7 @@ def reference_unhoisted(q, k, v, table, lens):
 
 
 # ----------------------------------------------------------------------------------------------
-def bench_decode(results: list, sweep: bool) -> None:
+def bench_decode(results: list, sweep: str | None) -> None:
     from jax.experimental.pallas.ops.gpu import paged_attention as jax_paged
 
     for batch, ctx in SHAPES["decode"]:
@@ -141,7 +143,7 @@ def bench_decode(results: list, sweep: bool) -> None:
         ours = paged_decode_attention(q, k, v, table, lens, **KW)
         shape["max_abs_err_vs_ref"] = float(jnp.abs(ours.astype(jnp.float32) - ref.astype(jnp.float32)).max())
         add("pallas_decode(default)", functools.partial(paged_decode_attention, **KW), q, k, v, table, lens)
-        if sweep:
+        if sweep in ("all", "triton"):
             if batch == 1:
                 configs = [(ppb, s, st, 4, hf) for ppb in (4, 8, 16) for s in (16, 32) for st in (2, 4)
                            for hf in (True, False)]
@@ -171,7 +173,7 @@ def bench_decode(results: list, sweep: bool) -> None:
 
 
 # ----------------------------------------------------------------------------------------------
-def bench_prefill(results: list, sweep: bool) -> None:
+def bench_prefill(results: list, sweep: str | None) -> None:
     for n in SHAPES["prefill"]:
         key = jax.random.key(n)
         kq, kk, kv = jax.random.split(key, 3)
@@ -192,7 +194,13 @@ def bench_prefill(results: list, sweep: bool) -> None:
 
         add("pallas_prefill(default)", functools.partial(ragged_prefill_attention, **KW),
             q, k, v, qs, lens, table)
-        if sweep:
+        add("mosaic_gpu_prefill(default)", functools.partial(ragged_prefill_attention_mgpu, **KW),
+            q, k, v, qs, lens, table)
+        if sweep in ("all", "mgpu"):
+            for bkv, steps in ((64, 2), (64, 3), (64, 4), (128, 3)):
+                fn = functools.partial(ragged_prefill_attention_mgpu, block_kv=bkv, max_steps=steps, **KW)
+                add("mosaic_gpu_prefill", fn, q, k, v, qs, lens, table, block_kv=bkv, max_steps=steps, wall=False)
+        if sweep in ("all", "triton"):
             for bq, ppb, warps, stages, hf in ((32, 4, 4, 2, False), (32, 4, 4, 3, True),
                                                (32, 8, 8, 3, True), (32, 8, 8, 2, True), (64, 8, 8, 2, True),
                                                (32, 4, 8, 3, True), (64, 4, 8, 2, True)):
@@ -210,10 +218,12 @@ def bench_prefill(results: list, sweep: bool) -> None:
                 continue
             add(f"{impl}_dot_product_attention(contiguous)", fn, q, k_c, v_c)
         if n == SHAPES["prefill"][0]:  # correctness spot check at GPU precision vs XLA
-            ours = ragged_prefill_attention(q, k, v, qs, lens, table, **KW)
             ref = jax.nn.dot_product_attention(q[None], k_c, v_c, is_causal=True, implementation="xla")[0]
-            err = jnp.abs(ours.astype(jnp.float32) - ref.astype(jnp.float32)).max()
-            results[-1]["max_abs_err_vs_xla"] = float(err)
+            for name, fn in (("pallas_prefill", ragged_prefill_attention),
+                             ("mosaic_gpu_prefill", ragged_prefill_attention_mgpu)):
+                ours = fn(q, k, v, qs, lens, table, **KW)
+                err = jnp.abs(ours.astype(jnp.float32) - ref.astype(jnp.float32)).max()
+                results[-1][f"max_abs_err_{name}_vs_xla"] = float(err)
 
     # A decode batch through the prefill kernel: does the runner need to split mixed batches?
     batch, ctx = SHAPES["mixed"]
@@ -233,7 +243,7 @@ def bench_prefill(results: list, sweep: bool) -> None:
 
 
 # ----------------------------------------------------------------------------------------------
-def bench_mlp(results: list, sweep: bool) -> None:
+def bench_mlp(results: list, sweep: str | None) -> None:
     (hidden, inter), token_counts = SHAPES["mlp"]
     key = jax.random.key(0)
     kx, kg, ku, kd = jax.random.split(key, 4)
@@ -255,7 +265,7 @@ def bench_mlp(results: list, sweep: bool) -> None:
 
         add("xla_reference", fused_swiglu_mlp_reference)
         add("pallas_mlp(default)", functools.partial(fused_swiglu_mlp, **KW))
-        if sweep and tokens <= 64:  # beyond that the partials traffic loses to XLA by construction
+        if sweep in ("all", "triton") and tokens <= 64:  # beyond that the partials traffic loses to XLA by construction
             for bi, warps, stages in ((32, 4, 3), (64, 4, 2), (64, 4, 4), (128, 4, 4), (128, 8, 3)):
                 fn = functools.partial(fused_swiglu_mlp, block_i=bi, num_warps=warps, num_stages=stages, **KW)
                 add("pallas_mlp", fn, block_i=bi, num_warps=warps, num_stages=stages, wall=False)
@@ -267,7 +277,8 @@ def main() -> None:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", default=None,
                         help="JSON path (default benchmarks/results/kernels_<gpu>.json)")
-    parser.add_argument("--sweep", action="store_true", help="also time a grid of launch parameters")
+    parser.add_argument("--sweep", nargs="?", const="all", default=None, choices=("all", "triton", "mgpu"),
+                        help="also time a grid of launch parameters (all kernels, or the Triton / Mosaic ones)")
     parser.add_argument("--only", default="decode,prefill,mlp", help="comma list of decode,prefill,mlp")
     parser.add_argument("--smoke", action="store_true",
                         help="tiny shapes in interpret mode (checks the script)")
@@ -279,11 +290,12 @@ def main() -> None:
     elif jax.default_backend() != "gpu":
         sys.exit("bench_kernels.py needs a GPU (the kernels' CPU path is the interpreter); try --smoke")
     device = jax.devices()[0].device_kind
+    commit = os.environ.get("JINFER_COMMIT")  # the device machine's copy of the tree has no .git
     try:
-        commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True,
-                                cwd=Path(__file__).parent, check=True).stdout.strip()
+        commit = commit or subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True,
+                                          cwd=Path(__file__).parent, check=True).stdout.strip()
     except Exception:
-        commit = "unknown (no commit yet)"
+        commit = "unknown"
     meta = {"device": device, "jax_version": jax.__version__, "git_commit": commit,
             "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
             "dtype": "bfloat16", "heads": HEADS, "kv_heads": KV_HEADS, "head_dim": DIM, "page_size": PAGE,

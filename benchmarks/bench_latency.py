@@ -85,7 +85,8 @@ def main():
               f"(roofline {floor:.2f} ms, {row['tpot_ms'] / floor:.2f}x)")
     result = {"benchmark": "latency", **environment(), "shape": args.shape, "dtype": args.dtype,
               "input_len": args.input_len, "output_len": args.output_len,
-              "attention_backend": core.runner.ops.backend, "async_scheduling": core.config.async_scheduling,
+              "attention_backend": core.runner.ops.backend, "mosaic_prefill": core.runner.ops.mosaic_prefill,
+              "async_scheduling": core.config.async_scheduling,
               "executable_cache": core.config.executable_cache,
               "xla_flags": os.environ.get("XLA_FLAGS", ""), "startup_s": startup_s,
               "measured_bandwidth_Bps": bandwidth, "rows": rows}

@@ -29,6 +29,7 @@ def main():
     ap.add_argument("--max-num-batched-tokens", type=int, default=2048)
     ap.add_argument("--num-pages", type=int)
     ap.add_argument("--no-async-scheduling", action="store_true")
+    ap.add_argument("--attention-backend", default="auto", help="auto | reference | pallas | pallas-triton")
     ap.add_argument("--warmup", action="store_true", help="compile all buckets at start-up instead of a dry run")
     add_profile_argument(ap)
     ap.add_argument("--out")
@@ -38,7 +39,7 @@ def main():
     llm = LLM(args.model, dtype=args.dtype, max_num_seqs=args.max_num_seqs,
               max_num_batched_tokens=args.max_num_batched_tokens, num_pages=args.num_pages,
               max_model_len=args.input_len + args.output_len, warmup=args.warmup,
-              async_scheduling=not args.no_async_scheduling)
+              async_scheduling=not args.no_async_scheduling, attention_backend=args.attention_backend)
     startup_s = time.perf_counter() - t0
     vocab = llm.engine.model_config.vocab_size
     rng = np.random.default_rng(0)
@@ -64,6 +65,7 @@ def main():
         "num_prompts": args.num_prompts, "input_len": args.input_len, "output_len": args.output_len,
         "max_num_seqs": args.max_num_seqs, "max_num_batched_tokens": args.max_num_batched_tokens,
         "num_pages": llm.engine.kv.num_usable_pages, "attention_backend": llm.engine.runner.ops.backend,
+        "mosaic_prefill": llm.engine.runner.ops.mosaic_prefill,
         "async_scheduling": llm.engine.config.async_scheduling,
         "startup_s": startup_s, "dry_run_s": dry_s, "elapsed_s": elapsed,
         "requests_per_s": args.num_prompts / elapsed, "output_tokens_per_s": n_out / elapsed,

@@ -104,8 +104,11 @@ def _next_pow2(n: int) -> int:
     return 1 << max(0, (n - 1).bit_length())
 
 
-def _tile_table(query_start, seq_lens, num_tokens: int, block_q: int, num_tiles: int):
-    """[num_tiles, 8] int32: per tile q0, q1, window start, position shift, seq, ctx (rest 0)."""
+def _tile_table(query_start, seq_lens, num_tokens: int, block_q: int, num_tiles: int, seg_mask=None):
+    """[num_tiles, 8] int32: per tile q0, q1, window start, position shift, seq, ctx (rest 0).
+
+    seg_mask: optional bool [B + 1] (segment B: the padding tokens); False segments get no tiles.
+    """
     batch = seq_lens.shape[0]
     qs = query_start.astype(jnp.int32)
     starts = qs  # [B+1]: segment b = sequence b; segment B = trailing padding tokens
@@ -113,6 +116,8 @@ def _tile_table(query_start, seq_lens, num_tokens: int, block_q: int, num_tiles:
     ctx = jnp.concatenate([seq_lens.astype(jnp.int32), jnp.zeros((1,), jnp.int32)])
     qlen = jnp.maximum(ends - starts, 0)
     tiles = pl.cdiv(qlen, block_q)  # [B+1]
+    if seg_mask is not None:
+        tiles = jnp.where(seg_mask, tiles, 0)
     cum = jnp.cumsum(tiles)
     i = jnp.arange(num_tiles, dtype=jnp.int32)
     seg = jnp.minimum(jnp.searchsorted(cum, i, side="right"), batch).astype(jnp.int32)
@@ -129,7 +134,7 @@ def _tile_table(query_start, seq_lens, num_tokens: int, block_q: int, num_tiles:
     return table[::-1]
 
 
-def _prefill_call(q, k_cache, v_cache, query_start, seq_lens, page_table, *, scale, block_q,
+def _prefill_call(q, k_cache, v_cache, query_start, seq_lens, page_table, seq_mask, *, scale, block_q,
                   pages_per_block, num_warps, num_stages, kv_heads_fastest, interpret):
     num_tokens, num_heads, head_dim = q.shape
     num_pages, page_size, num_kv_heads, _ = k_cache.shape
@@ -148,7 +153,8 @@ def _prefill_call(q, k_cache, v_cache, query_start, seq_lens, page_table, *, sca
     padded_pages = pl.cdiv(max_pages, ppb) * ppb
     table = jnp.pad(page_table.astype(jnp.int32), ((0, 1), (0, padded_pages - max_pages)))  # [B+1, Pp]
     num_tiles = pl.cdiv(num_tokens, block_q) + batch + 1
-    tiles = _tile_table(query_start, seq_lens, padded_tokens, block_q, num_tiles)
+    seg_mask = None if seq_mask is None else jnp.concatenate([seq_mask, jnp.ones((1,), bool)])
+    tiles = _tile_table(query_start, seq_lens, padded_tokens, block_q, num_tiles, seg_mask)
 
     kernel = functools.partial(_prefill_kernel, scale=scale, block_q=block_q, pages_per_block=ppb)
     # Grid dim 0 is the fastest-varying launch index (CUDA x): with kv heads there, a tile's heads
@@ -211,6 +217,7 @@ def ragged_prefill_attention(
     query_start: jax.Array,
     seq_lens: jax.Array,
     page_table: jax.Array,
+    seq_mask: jax.Array | None = None,
     *,
     scale: float | None = None,
     block_q: int | None = None,
@@ -229,6 +236,8 @@ def ragged_prefill_attention(
         padding sequences repeat the last value; tokens after `query_start[batch]` are padding.
       seq_lens: int32 `[batch]`, context length including the new tokens (0 for padding sequences).
       page_table: int32 `[batch, pages_per_seq]`; unused entries must be valid page ids.
+      seq_mask: optional bool `[batch]`: only these sequences (and the padding tokens) are computed;
+        the other sequences' rows are left unspecified (the runner fills them from another kernel).
       scale: softmax scale, default `head_dim ** -0.5`.
       block_q: tokens per tile (power of two); default fills ~128 rows of tokens x heads-per-kv-head.
       pages_per_block: pages per K/V step (power of two); default 64 tokens' worth.
@@ -244,8 +253,10 @@ def ragged_prefill_attention(
         raise ValueError(f"block_q must be a power of two, got {block_q=}")
     if pages_per_block is not None and (pages_per_block < 1 or pages_per_block & (pages_per_block - 1)):
         raise ValueError(f"pages_per_block must be a power of two, got {pages_per_block=}")
+    if seq_mask is not None and seq_mask.shape != seq_lens.shape:
+        raise ValueError(f"seq_mask must be [batch]: {seq_mask.shape=} {seq_lens.shape=}")
     scale = q.shape[-1] ** -0.5 if scale is None else scale
-    return _prefill_call(q, k_cache, v_cache, query_start, seq_lens, page_table, scale=scale,
+    return _prefill_call(q, k_cache, v_cache, query_start, seq_lens, page_table, seq_mask, scale=scale,
                          block_q=block_q, pages_per_block=pages_per_block, num_warps=num_warps,
                          num_stages=num_stages, kv_heads_fastest=kv_heads_fastest, interpret=interpret)
 

@@ -27,7 +27,9 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     e.add_argument("--gpu-memory-utilization", type=float, default=None)
     e.add_argument("--tensor-parallel-size", type=int, default=None)
     e.add_argument("--seed", type=int, default=None)
-    e.add_argument("--attention-backend", default=None, choices=["auto", "reference", "pallas"])
+    e.add_argument("--attention-backend", default=None, choices=["auto", "reference", "pallas", "pallas-triton"],
+                   help="pallas: Pallas kernels (Mosaic GPU for long prefills, Triton elsewhere); "
+                        "pallas-triton: Triton kernels only; auto: pallas on GPU, reference elsewhere")
     e.add_argument("--compilation-cache-dir", default=None, help="JAX compilation cache ('' = off)")
     e.add_argument("--no-prefix-caching", action="store_true")
     e.add_argument("--no-chunked-prefill", action="store_true")

@@ -8,8 +8,12 @@ gathers every page of each token's sequence); the Pallas ops call the kernels in
 Kernel choice per shape (static, at trace time), from the H100 measurements in
 benchmarks/results/kernels_h100.json:
 - attention: one token in the step (batch-1 decode) -> the split-K decode kernel; anything else
-  (prefill chunks, decode batches, mixed) -> the ragged prefill kernel, which measured the same
-  bandwidth as the decode kernel on decode batches (2.47 vs 2.46 TB/s at 64 x 2k);
+  (prefill chunks, decode batches, mixed) -> the ragged prefill kernels, split by sequence: those
+  with >= `MOSAIC_MIN_QUERY_LEN` new tokens go to the Mosaic GPU kernel (TMA + wgmma, one query head
+  per tile; prefill_attention_mgpu.py), the rest (decodes, short chunks) and the padding to the
+  Triton kernel, which packs a kv head's query heads into one tile and measured the same bandwidth
+  as the decode kernel on decode batches (2.47 vs 2.46 TB/s at 64 x 2k). A step of fewer than
+  `MOSAIC_MIN_QUERY_LEN` tokens never launches the Mosaic kernel;
 - MLP: the fused Pallas kernel only where it beat XLA (`PALLAS_MLP_TOKENS`); XLA's fusion elsewhere;
 - projections around attention: XLA (see `qkv`).
 The layer's norms and residual adds belong to these ops (`qkv`, `out_proj`, `mlp_block`), so a fused
@@ -21,11 +25,15 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import jax
+import jax.numpy as jnp
 
 from jinfer.models.batch import Batch
 from jinfer.models.layers import rms_norm, swiglu_mlp
 
-BACKENDS = ("auto", "reference", "pallas")
+BACKENDS = ("auto", "reference", "pallas", "pallas-triton")  # pallas-triton: no Mosaic GPU kernel
+# Sequences with at least this many new tokens in a step take the Mosaic GPU prefill kernel: a full
+# tile (2 warpgroups x 64 query rows); shorter ones waste most of the tile's rows.
+MOSAIC_MIN_QUERY_LEN = 128
 # Token counts at which the fused Pallas MLP measured faster than XLA on the H100
 # (63.7 vs 77.5 us at T=1; slower from T=16 on; T=2..15 not measured).
 PALLAS_MLP_TOKENS = frozenset({1})
@@ -35,6 +43,7 @@ PALLAS_MLP_TOKENS = frozenset({1})
 class ModelOps:
     backend: str = "reference"  # "reference" | "pallas"
     interpret: bool = False  # Pallas interpreter (CPU)
+    mosaic_prefill: bool = False  # long prefill sequences on the Mosaic GPU kernel (see module doc)
 
     def __post_init__(self):
         if self.backend not in ("reference", "pallas"):
@@ -53,8 +62,22 @@ class ModelOps:
         if q.shape[0] == 1 and batch.num_seqs == 1:
             return paged_decode_attention(q, k_cache, v_cache, batch.page_table, batch.seq_lens, scale=scale,
                                           interpret=self.interpret)
-        return ragged_prefill_attention(q, k_cache, v_cache, batch.query_start, batch.seq_lens, batch.page_table,
-                                        scale=scale, interpret=self.interpret)
+        args = (q, k_cache, v_cache, batch.query_start, batch.seq_lens, batch.page_table)
+        if not self.mosaic_prefill or q.shape[0] < MOSAIC_MIN_QUERY_LEN:
+            return ragged_prefill_attention(*args, scale=scale, interpret=self.interpret)
+        from pallas_kernels.prefill_attention_mgpu import check_supported, ragged_prefill_attention_mgpu
+
+        if check_supported(q, k_cache) is not None:
+            return ragged_prefill_attention(*args, scale=scale, interpret=self.interpret)
+        qlen = batch.query_start[1:] - batch.query_start[:-1]
+        long = qlen >= MOSAIC_MIN_QUERY_LEN  # [B]
+        short_out = ragged_prefill_attention(*args, ~long, scale=scale, interpret=self.interpret)
+        long_out = ragged_prefill_attention_mgpu(*args, scale=scale, min_query_len=MOSAIC_MIN_QUERY_LEN,
+                                                 interpret=self.interpret)
+        t = jnp.arange(q.shape[0])
+        seq = jnp.searchsorted(batch.query_start, t, side="right") - 1  # [T]; padding tokens: >= B
+        token_long = (seq < long.shape[0]) & long[jnp.minimum(seq, long.shape[0] - 1)]
+        return jnp.where(token_long[:, None, None], long_out, short_out)
 
     def norm_projections(self, x: jax.Array, norm: jax.Array, weights: tuple[jax.Array, ...],
                          eps: float) -> tuple[jax.Array, ...]:
@@ -87,10 +110,16 @@ REFERENCE_OPS = ModelOps()
 
 
 def select_ops(backend: str = "auto", interpret: bool | None = None) -> ModelOps:
-    """"auto": the Pallas kernels on GPU, the jnp reference elsewhere. Pallas off-GPU runs interpreted."""
+    """"auto": the Pallas kernels on GPU, the jnp reference elsewhere. Pallas off-GPU runs interpreted.
+
+    The Mosaic GPU prefill kernel is on for "pallas" when compiled for the GPU; "pallas-triton" and
+    interpret mode (its interpreter is far slower) keep every prefill on the Triton kernel.
+    """
     if backend not in BACKENDS:
         raise ValueError(f"attention_backend={backend!r} must be one of {BACKENDS}")
     on_gpu = jax.default_backend() == "gpu"
     if backend == "auto":
         backend = "pallas" if on_gpu else "reference"
-    return ModelOps(backend, (not on_gpu) if interpret is None else interpret)
+    interpret = (not on_gpu) if interpret is None else interpret
+    mosaic = backend == "pallas" and not interpret
+    return ModelOps("pallas" if backend == "pallas-triton" else backend, interpret, mosaic)

@@ -1,0 +1,373 @@
+"""Ragged (chunked) prefill attention over a paged KV cache, Mosaic GPU (Hopper: TMA + wgmma).
+
+Same contract as `prefill_attention.ragged_prefill_attention` (flattened new tokens of several
+sequences, each token attending causally to its sequence's cached pages), built the FlashAttention-3
+way after JAX's `pallas/ops/gpu/attention_mgpu.py`:
+
+- One CTA = (query head, tile of 2 x block_q consecutive tokens of one sequence). Three warpgroups:
+  two compute warpgroups own block_q query rows each; the third (memory) streams K/V blocks into a
+  ring of `max_steps` SMEM slots with TMA, one copy per page (the page table is read as scalars from
+  GMEM), and waits for the compute warpgroups to release a slot before refilling it.
+- The compute warpgroups run S = Q K^T and O += P V on the tensor cores (wgmma), softmax in
+  registers, and take turns on the tensor cores through a schedule barrier, so one's softmax
+  overlaps the other's matmuls. Blocks fully below a warpgroup's first row run unmasked; only the
+  diagonal blocks apply the causal mask.
+- Tiles are not aligned to sequence starts: a tile's query window is clamped inside [0, T) (TMA
+  loads whole boxes), so it may hold rows of the neighbouring sequences. Each tile writes its whole
+  window to its own slot of a padded output ([num_tiles * 2 * block_q, H, D]) and the wrapper
+  gathers each token's row back: no masked stores, no races between tiles.
+
+The tile table is the Triton kernel's (`prefill_attention._tile_table`): a sequence's last tiles,
+which see the most context, launch first.
+
+Interpret mode (CPU): jax 0.11.2's Mosaic GPU interpreter has no `pl.run_state` and wants both
+wgmma operands in SMEM, so with `interpret` set P goes through an SMEM buffer and each P V product
+lands in a fresh accumulator that is added in registers. Everything else (TMA, barriers, ring,
+paging, masking, tile table, gather) is the code that runs on the GPU.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+from pallas_kernels.prefill_attention import _Q0, _Q1, _SEQ, _SHIFT, _WIN, _tile_table
+
+LOG2E = math.log2(math.e)
+COMPUTE_WGS = 2
+
+
+# ----------------------------------------------------------------------------------------------
+# Kernel body
+# ----------------------------------------------------------------------------------------------
+def _kernel(tile_ref, q_ref, k_ref, v_ref, pt_ref, out_ref, scoped, *, scale, block_q, block_kv,
+            max_steps, p_in_smem):
+    # tile_ref [num_tiles, 8] int32 (GMEM), q_ref [Tp, H, D], k_ref/v_ref [pages, page_size, KVH, D],
+    # pt_ref [B + 1, Pp] int32, out_ref [num_tiles * 2 * block_q, H, D]
+    smem, (k_ready, v_ready, q_ready), (k_free, v_free), schedule = scoped
+    qo_smem2, k_smem, v_smem, p_smem2 = smem
+    _, num_heads, head_dim = q_ref.shape
+    page_size, num_kv_heads = k_ref.shape[1], k_ref.shape[2]
+    pages_per_block = block_kv // page_size
+    dtype = q_ref.dtype
+
+    head = lax.axis_index("heads")
+    tile = lax.axis_index("tiles")
+    wg = lax.axis_index("wg")
+    q0, q1, win = tile_ref[tile, _Q0], tile_ref[tile, _Q1], tile_ref[tile, _WIN]
+    shift, seq = tile_ref[tile, _SHIFT], tile_ref[tile, _SEQ]
+    # KV blocks the CTA needs: up to its last valid token's position.
+    cta_steps = jnp.where(q1 > q0, pl.cdiv(jnp.maximum(q1 + shift, 0), block_kv), 0)
+
+    def schedule_barrier():
+        plgpu.barrier_arrive(schedule)
+        plgpu.barrier_wait(schedule)
+
+    @pl.when(wg < COMPUTE_WGS)
+    def _compute_wg():
+        plgpu.set_max_registers(232, action="increase")
+        qo_smem = qo_smem2.at[wg]
+        base = win + wg * block_q  # token index of this warpgroup's row 0
+        first = jnp.maximum(base, q0) + shift  # position of its first / last valid row
+        last = jnp.minimum(base + block_q, q1) - 1 + shift
+        kv_steps = jnp.where(last >= first, pl.cdiv(jnp.maximum(last + 1, 0), block_kv), 0)
+        full_steps = jnp.minimum(jnp.maximum(first + 1, 0) // block_kv, kv_steps)
+
+        plgpu.copy_gmem_to_smem(q_ref.at[pl.ds(base, block_q), head], qo_smem, q_ready.at[wg])
+        plgpu.barrier_wait(q_ready.at[wg])
+
+        m_i = plgpu.layout_cast(jnp.full((block_q,), -jnp.inf, jnp.float32), plgpu.Layout.WGMMA.reduce(1))
+        l_i = plgpu.layout_cast(jnp.full((block_q,), 0.0, jnp.float32), plgpu.Layout.WGMMA.reduce(1))
+        acc = plgpu.layout_cast(jnp.full((block_q, head_dim), 0.0, jnp.float32), plgpu.Layout.WGMMA)
+
+        @pl.when(kv_steps > 0)
+        def _():
+            plgpu.barrier_wait(k_ready.at[0])
+
+        pl.when(wg == 1)(schedule_barrier)
+
+        def kv_step(step, carry, masked: bool):
+            acc, m_i, l_i = carry  # [bq, D] f32, [bq] f32 (log2 domain, scaled), [bq] f32
+            slot = lax.rem(step, jnp.int32(max_steps))
+
+            def qk(acc_ref):
+                plgpu.wgmma(acc_ref, qo_smem, k_smem.at[slot].transpose((1, 0)))
+                schedule_barrier()
+                return acc_ref[...]
+
+            s = pl.run_scoped(qk, plgpu.ACC((block_q, block_kv), jnp.float32))  # [bq, bkv]
+            plgpu.barrier_arrive(k_free.at[slot])
+            s = s * (scale * LOG2E)
+            if masked:
+                rows = plgpu.broadcasted_iota(jnp.int32, s.shape, 0, layout=plgpu.Layout.WGMMA)
+                cols = plgpu.broadcasted_iota(jnp.int32, s.shape, 1, layout=plgpu.Layout.WGMMA)
+                s = jnp.where(rows + (base + shift) >= cols + step * block_kv, s, -jnp.inf)
+            m_new = jnp.maximum(m_i, s.max(axis=1))
+            alpha = jnp.exp2(m_i - m_new)
+            p = jnp.exp2(s - lax.broadcast_in_dim(m_new, s.shape, [0]))
+            acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
+            l_i = l_i * alpha
+            p16 = p.astype(dtype)
+
+            def end_softmax():
+                plgpu.barrier_arrive(schedule)
+                plgpu.barrier_wait(v_ready.at[slot])
+                plgpu.barrier_wait(schedule)
+
+            # Ordering as in JAX's attention_mgpu (measured there to matter).
+            if head_dim <= 128:
+                l_i = l_i + p.sum(axis=1)
+                acc, l_i, m_new, p16 = lax.optimization_barrier((acc, l_i, m_new, p16))
+                end_softmax()
+            else:
+                end_softmax()
+                l_i = l_i + p.sum(axis=1)
+
+            def wait_next_k():
+                nxt = step + 1
+
+                @pl.when(nxt < kv_steps)
+                def _():
+                    plgpu.barrier_wait(k_ready.at[lax.rem(nxt, jnp.int32(max_steps))])
+
+            if p_in_smem:
+                p_smem = p_smem2.at[wg]
+                p_smem[...] = p16
+                plgpu.commit_smem()
+
+                def pv(acc_ref):
+                    plgpu.wgmma(acc_ref, p_smem, v_smem.at[slot])
+                    wait_next_k()
+                    return acc_ref[...]
+
+                acc = acc + pl.run_scoped(pv, plgpu.ACC((block_q, head_dim), jnp.float32))
+            else:
+                def pv(acc_ref):
+                    plgpu.wgmma(acc_ref, p16, v_smem.at[slot])
+                    wait_next_k()
+
+                acc = pl.run_state(pv)(plgpu.ACC.init(acc))
+            plgpu.barrier_arrive(v_free.at[slot])
+            return acc, m_new, l_i
+
+        def drain(step, _):
+            # Keep the ring and the schedule barrier in step with the other warpgroup (every
+            # warpgroup observes every phase of the barriers it uses).
+            slot = lax.rem(step, jnp.int32(max_steps))
+            plgpu.barrier_wait(k_ready.at[slot])
+            plgpu.barrier_wait(v_ready.at[slot])
+            plgpu.barrier_arrive(k_free.at[slot])
+            plgpu.barrier_arrive(v_free.at[slot])
+            schedule_barrier()
+            schedule_barrier()
+
+        carry = (acc, m_i, l_i)
+        carry = lax.fori_loop(0, full_steps, functools.partial(kv_step, masked=False), carry)
+        acc, m_i, l_i = lax.fori_loop(full_steps, kv_steps, functools.partial(kv_step, masked=True), carry)
+        lax.fori_loop(kv_steps, cta_steps, drain, None)
+        pl.when(wg == 0)(schedule_barrier)
+
+        l_i = jnp.where(l_i == 0.0, 1.0, l_i)  # rows without context (padding) -> zeros
+        qo_smem[...] = (acc / lax.broadcast_in_dim(l_i, acc.shape, [0])).astype(dtype)
+        plgpu.commit_smem()
+        row0 = tile * (COMPUTE_WGS * block_q) + wg * block_q
+        plgpu.copy_smem_to_gmem(qo_smem, out_ref.at[pl.ds(row0, block_q), head])
+        plgpu.wait_smem_to_gmem(0)
+
+    @pl.when(wg == COMPUTE_WGS)
+    def _memory_wg():
+        plgpu.set_max_registers(40, action="decrease")
+        kv_head = lax.div(head, jnp.int32(num_heads // num_kv_heads))
+
+        def load(step, slot, src, dst, ready):
+            for p in range(pages_per_block):
+                page = pt_ref[seq, step * pages_per_block + p]
+                plgpu.copy_gmem_to_smem(src.at[page, :, kv_head], dst.at[slot, pl.ds(p * page_size, page_size)],
+                                        ready.at[slot])
+
+        for i in range(max_steps):
+            @pl.when(i < cta_steps)
+            def _(i=i):
+                load(i, i, k_ref, k_smem, k_ready)
+                load(i, i, v_ref, v_smem, v_ready)
+
+        @pl.loop(0, jnp.maximum(cta_steps - max_steps, 0))
+        def _(step):
+            slot = lax.rem(step, jnp.int32(max_steps))
+            plgpu.barrier_wait(k_free.at[slot])
+            load(step + max_steps, slot, k_ref, k_smem, k_ready)
+            plgpu.barrier_wait(v_free.at[slot])
+            load(step + max_steps, slot, v_ref, v_smem, v_ready)
+
+        @pl.loop(jnp.maximum(cta_steps - max_steps, 0), cta_steps)
+        def _(step):  # the last release of each slot (nothing to refill)
+            slot = lax.rem(step, jnp.int32(max_steps))
+            plgpu.barrier_wait(k_free.at[slot])
+            plgpu.barrier_wait(v_free.at[slot])
+
+
+# ----------------------------------------------------------------------------------------------
+# Wrapper: tile table, SMEM, barriers, gather of the padded output
+# ----------------------------------------------------------------------------------------------
+def _mgpu_call(q, k_cache, v_cache, query_start, seq_lens, page_table, *, scale, block_q, block_kv,
+               max_steps, min_query_len, interpret):
+    num_tokens, num_heads, head_dim = q.shape
+    num_pages, page_size, num_kv_heads, _ = k_cache.shape
+    batch, max_pages = page_table.shape
+    cta_q = COMPUTE_WGS * block_q
+    pages_per_block = block_kv // page_size
+    dtype = q.dtype
+
+    padded_tokens = max(num_tokens, cta_q)  # tiny batches: give the window room
+    if padded_tokens != num_tokens:
+        q = jnp.pad(q, ((0, padded_tokens - num_tokens), (0, 0), (0, 0)))
+    padded_pages = pl.cdiv(max_pages, pages_per_block) * pages_per_block
+    table = jnp.pad(page_table.astype(jnp.int32), ((0, 1), (0, padded_pages - max_pages)))  # [B+1, Pp]
+    if min_query_len > 1:  # sequences with fewer new tokens (and the padding tokens) get no tiles
+        qlen = query_start[1:] - query_start[:-1]
+        seg_mask = jnp.concatenate([qlen >= min_query_len, jnp.zeros((1,), bool)])
+        # each selected sequence adds at most one partial tile
+        num_tiles = pl.cdiv(num_tokens, cta_q) + min(batch, num_tokens // min_query_len)
+    else:
+        seg_mask = None
+        num_tiles = pl.cdiv(num_tokens, cta_q) + batch + 1
+    tiles = _tile_table(query_start, seq_lens, padded_tokens, cta_q, num_tiles, seg_mask)  # [num_tiles, 8]
+
+    def entry(tile_ref, q_ref, k_ref, v_ref, pt_ref, out_ref):
+        transforms = (plgpu.TilingTransform((8, 128 // jnp.dtype(dtype).itemsize)), plgpu.SwizzleTransform(128))
+        smem = [
+            plgpu.SMEM((COMPUTE_WGS, block_q, head_dim), dtype, transforms=transforms),
+            plgpu.SMEM((max_steps, block_kv, head_dim), dtype, transforms=transforms),
+            plgpu.SMEM((max_steps, block_kv, head_dim), dtype, transforms=transforms),
+            plgpu.SMEM((COMPUTE_WGS, block_q, block_kv), dtype, transforms=transforms) if interpret else None,
+        ]
+        pl.run_scoped(
+            lambda *scoped: _kernel(tile_ref, q_ref, k_ref, v_ref, pt_ref, out_ref, scoped, scale=scale,
+                                    block_q=block_q, block_kv=block_kv, max_steps=max_steps,
+                                    p_in_smem=bool(interpret)),
+            smem,
+            (plgpu.Barrier(num_arrivals=pages_per_block, num_barriers=max_steps),  # K slot filled
+             plgpu.Barrier(num_arrivals=pages_per_block, num_barriers=max_steps),  # V slot filled
+             plgpu.Barrier(num_barriers=COMPUTE_WGS)),  # Q tile loaded
+            (plgpu.Barrier(num_arrivals=COMPUTE_WGS, num_barriers=max_steps),) * 2,  # K / V slot free
+            plgpu.Barrier(num_arrivals=COMPUTE_WGS),  # tensor-core turn
+            collective_axes="wg",
+        )
+
+    out = plgpu.kernel(
+        entry,
+        out_type=jax.ShapeDtypeStruct((num_tiles * cta_q, num_heads, head_dim), dtype),
+        grid=(num_heads, num_tiles),
+        grid_names=("heads", "tiles"),
+        num_threads=COMPUTE_WGS + 1,
+        thread_name="wg",
+        compiler_params=plgpu.CompilerParams(approx_math=True),
+        interpret=plgpu.InterpretGPUParams() if interpret else None,
+    )(tiles, q, k_cache, v_cache, table)
+
+    # Token t's row: in the tile whose valid range holds it, at its offset from that tile's window.
+    rows = jnp.arange(cta_q, dtype=jnp.int32)[None, :]
+    tok = tiles[:, _WIN, None] + rows  # [num_tiles, cta_q]
+    mine = (tok >= tiles[:, _Q0, None]) & (tok < tiles[:, _Q1, None])
+    src = jnp.arange(num_tiles, dtype=jnp.int32)[:, None] * cta_q + rows
+    index = jnp.full((num_tokens,), num_tiles * cta_q, jnp.int32)  # tokens of no tile: zeros
+    index = index.at[jnp.where(mine, tok, num_tokens)].set(src, mode="drop")
+    return jnp.take(out, index, axis=0, mode="fill", fill_value=0)
+
+
+# ----------------------------------------------------------------------------------------------
+# Public API
+# ----------------------------------------------------------------------------------------------
+def default_blocks(head_dim: int) -> tuple[int, int, int]:
+    """(block_q, block_kv, max_steps) that fit the 227 KB of SMEM: Q/O 2 x 64 rows, a 2-deep K/V ring."""
+    return (64, 128, 2) if head_dim <= 128 else (64, 64, 2)
+
+
+def check_supported(q, k_cache) -> str | None:
+    """Why this kernel cannot take these shapes (None when it can)."""
+    head_dim, page_size = q.shape[-1], k_cache.shape[1]
+    _, block_kv, _ = default_blocks(head_dim)
+    if jnp.dtype(q.dtype) not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)):
+        return f"dtype {q.dtype} (bf16/fp16 only)"
+    if head_dim % 64:
+        return f"head_dim {head_dim} (multiple of 64 only)"
+    if block_kv % page_size or page_size % 8:
+        return f"page_size {page_size} (a multiple of 8 dividing {block_kv})"
+    return None
+
+
+@functools.partial(jax.jit, static_argnames=("scale", "block_q", "block_kv", "max_steps", "min_query_len",
+                                             "interpret"))
+def ragged_prefill_attention_mgpu(
+    q: jax.Array,
+    k_cache: jax.Array,
+    v_cache: jax.Array,
+    query_start: jax.Array,
+    seq_lens: jax.Array,
+    page_table: jax.Array,
+    *,
+    scale: float | None = None,
+    block_q: int | None = None,
+    block_kv: int | None = None,
+    max_steps: int | None = None,
+    min_query_len: int = 0,
+    interpret: bool = False,
+) -> jax.Array:
+    """Causal attention of a flattened ragged batch of new tokens over a paged KV cache (Mosaic GPU).
+
+    Arguments and result as `prefill_attention.ragged_prefill_attention`; `block_q` (rows per compute
+    warpgroup, multiple of 64), `block_kv` (K/V rows per step, multiple of 64 and of the page size)
+    and `max_steps` (K/V ring depth, >= 2) default to `default_blocks(head_dim)`. With
+    `min_query_len` > 1 only sequences with at least that many new tokens are computed (fewer tiles
+    launched); the other sequences' rows and the padding rows are zeros.
+    """
+    from pallas_kernels.prefill_attention import _check_args
+
+    _check_args(q, k_cache, v_cache, query_start, seq_lens, page_table)
+    if (why := check_supported(q, k_cache)) is not None:
+        raise ValueError(f"ragged_prefill_attention_mgpu does not support {why}")
+    d_bq, d_bkv, d_steps = default_blocks(q.shape[-1])
+    block_q, block_kv, max_steps = block_q or d_bq, block_kv or d_bkv, max_steps or d_steps
+    if block_q % 64 or block_kv % 64 or block_kv % k_cache.shape[1] or max_steps < 2:
+        raise ValueError(f"need block_q, block_kv multiples of 64 (block_kv of the page size) and max_steps >= 2: "
+                         f"{block_q=} {block_kv=} {max_steps=}")
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    return _mgpu_call(q, k_cache, v_cache, query_start, seq_lens, page_table, scale=scale, block_q=block_q,
+                      block_kv=block_kv, max_steps=max_steps, min_query_len=min_query_len, interpret=interpret)
+
+
+# ----------------------------------------------------------------------------------------------
+# Benchmark
+# ----------------------------------------------------------------------------------------------
+def main() -> None:
+    """Quick causal-prefill timing on the GPU; the full comparison is benchmarks/bench_kernels.py."""
+    import time
+
+    n, heads, kv_heads, dim, page = 4096, 32, 8, 128, 16
+    key = jax.random.key(0)
+    kq, kk, kv = jax.random.split(key, 3)
+    q = jax.random.normal(kq, (n, heads, dim), jnp.bfloat16)
+    k = jax.random.normal(kk, (n // page, page, kv_heads, dim), jnp.bfloat16)
+    v = jax.random.normal(kv, (n // page, page, kv_heads, dim), jnp.bfloat16)
+    table = jnp.arange(n // page, dtype=jnp.int32)[None]
+    qs = jnp.array([0, n], jnp.int32)
+    lens = jnp.array([n], jnp.int32)
+    ragged_prefill_attention_mgpu(q, k, v, qs, lens, table).block_until_ready()
+    reps = 20
+    t0 = time.perf_counter()
+    for _ in range(reps):
+        out = ragged_prefill_attention_mgpu(q, k, v, qs, lens, table)
+    out.block_until_ready()
+    dt = (time.perf_counter() - t0) / reps
+    flops = 4 * n * n / 2 * heads * dim
+    print(f"ragged_prefill_attention_mgpu causal {n}: {dt * 1e6:.1f} us, {flops / dt / 1e12:.1f} TFLOP/s")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,110 @@
+"""ragged_prefill_attention_mgpu (Mosaic GPU: TMA + wgmma) vs the jnp reference on mixed batches.
+
+"interpret" runs jax's Mosaic GPU interpreter on CPU (threads, SMEM, barriers and TMA simulated);
+"gpu" compiles for the H100. Shapes stay small: the interpreter runs each warpgroup as a thread.
+"""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from pallas_kernels.prefill_attention import ragged_prefill_attention_reference
+from pallas_kernels.prefill_attention_mgpu import check_supported, ragged_prefill_attention_mgpu
+from tests.kernels.conftest import MODES, assert_close, paged_kv
+from tests.kernels.test_prefill_attention import _batch
+
+# seqs: (new tokens, context length incl. them); (0, 0) is a padding sequence
+CASES = [
+    pytest.param(16, 8, 2, 128, [(17, 17), (3, 40), (1, 16), (16, 33)], 2, {}, id="p16-g4-d128"),
+    pytest.param(8, 4, 4, 64, [(1, 1), (8, 8), (9, 9), (5, 20), (1, 30), (0, 0)], 3, {}, id="p8-g1-d64"),
+    pytest.param(64, 16, 2, 64, [(65, 65), (1, 100), (10, 74), (0, 0)], 0, {}, id="p64-g8-d64"),
+    # K/V ring wraps around (5 blocks of 64 through 3 slots); 129 = two tiles + 1 token
+    pytest.param(16, 8, 2, 128, [(129, 300), (1, 17)], 1, {"block_kv": 64, "max_steps": 3}, id="ring-wrap"),
+    pytest.param(16, 4, 2, 256, [(20, 20), (1, 17)], 1, {}, id="p16-g2-d256"),
+]
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("page_size,heads,kv_heads,dim,seqs,pad,blocks", CASES)
+def test_mgpu_prefill_matches_reference(mode, page_size, heads, kv_heads, dim, seqs, pad, blocks):
+    rng = np.random.default_rng(len(seqs) * 100 + dim + page_size)
+    q, k, v, qs, lens, table = _batch(rng, seqs, pad, page_size, heads, kv_heads, dim, jnp.bfloat16)
+    out = ragged_prefill_attention_mgpu(q, k, v, qs, lens, table, interpret=mode == "interpret", **blocks)
+    ref = ragged_prefill_attention_reference(q, k, v, qs, lens, table)
+    assert out.shape == q.shape and out.dtype == q.dtype
+    assert_close(out, ref, jnp.bfloat16, mode)
+    real = int(qs[-1])
+    assert not np.asarray(out[real:].astype(jnp.float32)).any(), "padding tokens must be zeros"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mode", MODES)
+def test_mgpu_prefill_long_chunk(mode):
+    """A 300-token chunk after 700 cached tokens next to a fresh 200-token prompt and two decodes."""
+    rng = np.random.default_rng(3)
+    seqs = [(300, 1000), (200, 200), (1, 513), (1, 64)]
+    q, k, v, qs, lens, table = _batch(rng, seqs, 11, 16, 8, 2, 128, jnp.bfloat16)
+    out = ragged_prefill_attention_mgpu(q, k, v, qs, lens, table, interpret=mode == "interpret")
+    ref = ragged_prefill_attention_reference(q, k, v, qs, lens, table)
+    assert_close(out, ref, jnp.bfloat16, mode)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("mode", [m for m in MODES if m.id == "gpu"])
+@pytest.mark.parametrize("n", [1024, 4096])
+def test_mgpu_prefill_causal_single_sequence(mode, n):
+    """The benchmark's shape: one fresh causal prompt, Qwen3-4B heads, fp16 and bf16."""
+    rng = np.random.default_rng(n)
+    for dtype in (jnp.bfloat16, jnp.float16):
+        k, v, table = paged_kv(rng, [n], 16, 8, 128, dtype, extra_pages=0)
+        q = jnp.asarray(rng.standard_normal((n, 32, 128)), dtype)
+        qs, lens = jnp.asarray([0, n], jnp.int32), jnp.asarray([n], jnp.int32)
+        out = ragged_prefill_attention_mgpu(q, k, v, qs, lens, table)
+        assert_close(out, ragged_prefill_attention_reference(q, k, v, qs, lens, table), dtype, mode)
+
+
+def test_mgpu_prefill_argument_checks():
+    q = jnp.zeros((5, 8, 64), jnp.bfloat16)
+    table = jnp.zeros((1, 2), jnp.int32)
+    qs, lens = jnp.asarray([0, 5], jnp.int32), jnp.asarray([5], jnp.int32)
+    with pytest.raises(ValueError, match="head_dim"):
+        k = jnp.zeros((4, 16, 2, 96), jnp.bfloat16)
+        ragged_prefill_attention_mgpu(jnp.zeros((5, 8, 96), jnp.bfloat16), k, k, qs, lens, table, interpret=True)
+    k = jnp.zeros((4, 16, 2, 64), jnp.bfloat16)
+    with pytest.raises(ValueError, match="dtype"):
+        ragged_prefill_attention_mgpu(q.astype(jnp.float32), k.astype(jnp.float32), k.astype(jnp.float32), qs,
+                                      lens, table, interpret=True)
+    with pytest.raises(ValueError, match="max_steps"):
+        ragged_prefill_attention_mgpu(q, k, k, qs, lens, table, max_steps=1, interpret=True)
+    with pytest.raises(ValueError, match="query_start"):
+        ragged_prefill_attention_mgpu(q, k, k, qs[:1], lens, table, interpret=True)
+    assert check_supported(q, jnp.zeros((4, 4, 2, 64), jnp.bfloat16)) is not None  # page size 4
+    assert check_supported(q, k) is None
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mode", MODES)
+def test_ops_split_sends_long_sequences_to_mosaic(mode):
+    """ModelOps with mosaic_prefill: sequences with >= MOSAIC_MIN_QUERY_LEN new tokens take the Mosaic
+    kernel, decodes / short chunks / padding the Triton kernel; the merged rows match the reference."""
+    from jinfer.models.batch import make_batch
+    from jinfer.models.ops import MOSAIC_MIN_QUERY_LEN, REFERENCE_OPS, ModelOps
+
+    rng = np.random.default_rng(11)
+    page, kv_heads, heads, dim = 16, 2, 8, 64
+    seqs = [(1, 40), (MOSAIC_MIN_QUERY_LEN + 3, MOSAIC_MIN_QUERY_LEN + 50), (20, 60), (MOSAIC_MIN_QUERY_LEN, 200)]
+    need = [-(-c // page) for _, c in seqs]
+    shape = (sum(need) + 1, page, kv_heads, dim)  # page 0 is reserved
+    k, v = (jnp.asarray(rng.standard_normal(shape), jnp.bfloat16) for _ in range(2))
+    ids = (rng.permutation(sum(need)) + 1).tolist()
+    pages = [ids[sum(need[:b]):sum(need[:b + 1])] for b in range(len(seqs))]
+    num_tokens = sum(n for n, _ in seqs) + 5
+    batch = make_batch([([0] * n, c - n, pages[b]) for b, (n, c) in enumerate(seqs)], page,
+                       num_tokens=num_tokens, num_seqs=len(seqs) + 1)
+    q = jnp.asarray(rng.standard_normal((num_tokens, heads, dim)), jnp.bfloat16)
+    ops = ModelOps("pallas", interpret=mode == "interpret", mosaic_prefill=True)
+    out = ops.attention(q, k, v, batch, dim**-0.5)
+    ref = REFERENCE_OPS.attention(q, k, v, batch, dim**-0.5)
+    assert_close(out, ref, jnp.bfloat16, mode)
