@@ -104,11 +104,16 @@ def _next_pow2(n: int) -> int:
     return 1 << max(0, (n - 1).bit_length())
 
 
-def _tile_table(query_start, seq_lens, num_tokens: int, block_q: int, num_tiles: int, seg_mask=None):
+def _tile_table(query_start, seq_lens, num_tokens: int, block_q: int, num_tiles: int, seg_mask=None,
+                window: int | None = None, align: int = 1):
     """[num_tiles, 8] int32: per tile q0, q1, window start, position shift, seq, ctx (rest 0).
 
+    Tiles hold up to block_q tokens; each tile's window of `window` (default block_q) tokens starts
+    at a multiple of `align`, inside [0, num_tokens), and covers the tile's tokens (needs
+    window >= block_q + align - 1 and num_tokens a multiple of align).
     seg_mask: optional bool [B + 1] (segment B: the padding tokens); False segments get no tiles.
     """
+    window = window or block_q
     batch = seq_lens.shape[0]
     qs = query_start.astype(jnp.int32)
     starts = qs  # [B+1]: segment b = sequence b; segment B = trailing padding tokens
@@ -125,7 +130,7 @@ def _tile_table(query_start, seq_lens, num_tokens: int, block_q: int, num_tiles:
     j = i - (cum[seg] - tiles[seg])
     q0 = jnp.where(live, starts[seg] + j * block_q, 0)
     q1 = jnp.where(live, jnp.minimum(q0 + block_q, ends[seg]), 0)
-    win = jnp.clip(q0, 0, num_tokens - block_q)
+    win = jnp.clip(q0 // align * align, 0, num_tokens - window)
     shift = ctx[seg] - ends[seg]  # position = token index + shift
     zero = jnp.zeros_like(i)
     table = jnp.stack([q0, q1, win, shift, seg, ctx[seg], zero, zero], axis=1)

@@ -4,7 +4,7 @@ Same contract as `prefill_attention.ragged_prefill_attention` (flattened new tok
 sequences, each token attending causally to its sequence's cached pages), built the FlashAttention-3
 way after JAX's `pallas/ops/gpu/attention_mgpu.py`:
 
-- One CTA = (query head, tile of 2 x block_q consecutive tokens of one sequence). Three warpgroups:
+- One CTA = (query head, tile of up to 2 x block_q - 8 consecutive tokens of one sequence). Three warpgroups:
   two compute warpgroups own block_q query rows each; the third (memory) streams K/V blocks into a
   ring of `max_steps` SMEM slots with TMA, one copy per page (the page table is read as scalars from
   GMEM), and waits for the compute warpgroups to release a slot before refilling it.
@@ -12,9 +12,10 @@ way after JAX's `pallas/ops/gpu/attention_mgpu.py`:
   registers, and take turns on the tensor cores through a schedule barrier, so one's softmax
   overlaps the other's matmuls. Blocks fully below a warpgroup's first row run unmasked; only the
   diagonal blocks apply the causal mask.
-- Tiles are not aligned to sequence starts: a tile's query window is clamped inside [0, T) (TMA
-  loads whole boxes), so it may hold rows of the neighbouring sequences. Each tile writes its whole
-  window to its own slot of a padded output ([num_tiles * 2 * block_q, H, D]) and the wrapper
+- Tiles are not aligned to sequence starts: a tile's query window (2 x block_q rows, starting at a
+  multiple of 8, as Mosaic GPU's TMA addresses GMEM in whole 8-row SMEM tiles) is clamped inside
+  [0, T), so it may hold rows of the neighbouring sequences; a tile takes 2 x block_q - 8 tokens.
+  Each tile writes its whole window to its own slot of a padded output ([num_tiles * 2 * block_q, H, D]) and the wrapper
   gathers each token's row back: no masked stores, no races between tiles.
 
 The tile table is the Triton kernel's (`prefill_attention._tile_table`): a sequence's last tiles,
@@ -41,6 +42,9 @@ from pallas_kernels.prefill_attention import _Q0, _Q1, _SEQ, _SHIFT, _WIN, _tile
 
 LOG2E = math.log2(math.e)
 COMPUTE_WGS = 2
+# Query windows start at multiples of the SMEM tile's 8 rows (Mosaic GPU's TMA addresses GMEM in
+# tiles), so a tile holds 2 * block_q - 8 tokens and its window of 2 * block_q rows covers them.
+ALIGN = 8
 
 
 # ----------------------------------------------------------------------------------------------
@@ -73,7 +77,7 @@ def _kernel(tile_ref, q_ref, k_ref, v_ref, pt_ref, out_ref, scoped, *, scale, bl
     def _compute_wg():
         plgpu.set_max_registers(232, action="increase")
         qo_smem = qo_smem2.at[wg]
-        base = win + wg * block_q  # token index of this warpgroup's row 0
+        base = pl.multiple_of(win + wg * block_q, ALIGN)  # token index of this warpgroup's row 0
         first = jnp.maximum(base, q0) + shift  # position of its first / last valid row
         last = jnp.minimum(base + block_q, q1) - 1 + shift
         kv_steps = jnp.where(last >= first, pl.cdiv(jnp.maximum(last + 1, 0), block_kv), 0)
@@ -176,7 +180,7 @@ def _kernel(tile_ref, q_ref, k_ref, v_ref, pt_ref, out_ref, scoped, *, scale, bl
         l_i = jnp.where(l_i == 0.0, 1.0, l_i)  # rows without context (padding) -> zeros
         qo_smem[...] = (acc / lax.broadcast_in_dim(l_i, acc.shape, [0])).astype(dtype)
         plgpu.commit_smem()
-        row0 = tile * (COMPUTE_WGS * block_q) + wg * block_q
+        row0 = pl.multiple_of(tile * (COMPUTE_WGS * block_q) + wg * block_q, block_q)
         plgpu.copy_smem_to_gmem(qo_smem, out_ref.at[pl.ds(row0, block_q), head])
         plgpu.wait_smem_to_gmem(0)
 
@@ -224,7 +228,8 @@ def _mgpu_call(q, k_cache, v_cache, query_start, seq_lens, page_table, *, scale,
     pages_per_block = block_kv // page_size
     dtype = q.dtype
 
-    padded_tokens = max(num_tokens, cta_q)  # tiny batches: give the window room
+    tile_tokens = cta_q - ALIGN
+    padded_tokens = pl.cdiv(max(num_tokens, cta_q), ALIGN) * ALIGN  # room for an aligned window
     if padded_tokens != num_tokens:
         q = jnp.pad(q, ((0, padded_tokens - num_tokens), (0, 0), (0, 0)))
     padded_pages = pl.cdiv(max_pages, pages_per_block) * pages_per_block
@@ -233,11 +238,12 @@ def _mgpu_call(q, k_cache, v_cache, query_start, seq_lens, page_table, *, scale,
         qlen = query_start[1:] - query_start[:-1]
         seg_mask = jnp.concatenate([qlen >= min_query_len, jnp.zeros((1,), bool)])
         # each selected sequence adds at most one partial tile
-        num_tiles = pl.cdiv(num_tokens, cta_q) + min(batch, num_tokens // min_query_len)
+        num_tiles = pl.cdiv(num_tokens, tile_tokens) + min(batch, num_tokens // min_query_len)
     else:
         seg_mask = None
-        num_tiles = pl.cdiv(num_tokens, cta_q) + batch + 1
-    tiles = _tile_table(query_start, seq_lens, padded_tokens, cta_q, num_tiles, seg_mask)  # [num_tiles, 8]
+        num_tiles = pl.cdiv(num_tokens, tile_tokens) + batch + 1
+    tiles = _tile_table(query_start, seq_lens, padded_tokens, tile_tokens, num_tiles, seg_mask,
+                        window=cta_q, align=ALIGN)  # [num_tiles, 8]
 
     def entry(tile_ref, q_ref, k_ref, v_ref, pt_ref, out_ref):
         transforms = (plgpu.TilingTransform((8, 128 // jnp.dtype(dtype).itemsize)), plgpu.SwizzleTransform(128))
