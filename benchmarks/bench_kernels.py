@@ -143,6 +143,9 @@ def bench_decode(results: list, sweep: str | None) -> None:
         ours = paged_decode_attention(q, k, v, table, lens, **KW)
         shape["max_abs_err_vs_ref"] = float(jnp.abs(ours.astype(jnp.float32) - ref.astype(jnp.float32)).max())
         add("pallas_decode(default)", functools.partial(paged_decode_attention, **KW), q, k, v, table, lens)
+        for ppb in (2, 4):  # the two block sizes the default picks between (32 / 64 tokens)
+            add("pallas_decode", functools.partial(paged_decode_attention, pages_per_block=ppb, **KW), q, k, v,
+                table, lens, pages_per_block=ppb, wall=False)
         if sweep in ("all", "triton"):
             if batch == 1:
                 configs = [(ppb, s, st, 4, hf) for ppb in (4, 8, 16) for s in (16, 32) for st in (2, 4)
@@ -197,7 +200,7 @@ def bench_prefill(results: list, sweep: str | None) -> None:
         add("mosaic_gpu_prefill(default)", functools.partial(ragged_prefill_attention_mgpu, **KW),
             q, k, v, qs, lens, table)
         if sweep in ("all", "mgpu"):
-            for bkv, steps in ((64, 2), (64, 3), (64, 4), (128, 3)):
+            for bkv, steps in ((64, 2), (128, 3)):
                 fn = functools.partial(ragged_prefill_attention_mgpu, block_kv=bkv, max_steps=steps, **KW)
                 add("mosaic_gpu_prefill", fn, q, k, v, qs, lens, table, block_kv=bkv, max_steps=steps, wall=False)
         if sweep in ("all", "triton"):

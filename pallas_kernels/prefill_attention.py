@@ -41,12 +41,12 @@ def _prefill_kernel(
     k_ref,  # [num_pages, page_size, D]: this kv head's slice of the K cache
     v_ref,  # [num_pages, page_size, D]
     pt_ref,  # [B + 1, Pp]: page table (last row: the padding pseudo-sequence)
-    o_ref,  # [T, Gp, D]
-    *,
+    *refs,  # [prev_ref [T, Gp, D] (aliased to o_ref: rows this call does not compute keep it),] o_ref [T, Gp, D]
     scale: float,
     block_q: int,
     pages_per_block: int,
 ):
+    o_ref = refs[-1]
     _, group, head_dim = q_ref.shape
     page_size = k_ref.shape[1]
     block_k = pages_per_block * page_size
@@ -108,9 +108,10 @@ def _tile_table(query_start, seq_lens, num_tokens: int, block_q: int, num_tiles:
                 window: int | None = None, align: int = 1):
     """[num_tiles, 8] int32: per tile q0, q1, window start, position shift, seq, ctx (rest 0).
 
-    Tiles hold up to block_q tokens; each tile's window of `window` (default block_q) tokens starts
-    at a multiple of `align`, inside [0, num_tokens), and covers the tile's tokens (needs
-    window >= block_q + align - 1 and num_tokens a multiple of align).
+    Tiles hold up to block_q tokens (up to `window` for segments starting at a multiple of `align`);
+    each tile's window of `window` (default block_q) tokens starts at a multiple of `align`, inside
+    [0, num_tokens), and covers the tile's tokens (needs window >= block_q + align - 1 and
+    num_tokens a multiple of align).
     seg_mask: optional bool [B + 1] (segment B: the padding tokens); False segments get no tiles.
     """
     window = window or block_q
@@ -120,7 +121,8 @@ def _tile_table(query_start, seq_lens, num_tokens: int, block_q: int, num_tiles:
     ends = jnp.concatenate([qs[1:], jnp.array([num_tokens], jnp.int32)])
     ctx = jnp.concatenate([seq_lens.astype(jnp.int32), jnp.zeros((1,), jnp.int32)])
     qlen = jnp.maximum(ends - starts, 0)
-    tiles = pl.cdiv(qlen, block_q)  # [B+1]
+    block = jnp.where(starts % align == 0, window, block_q)  # [B+1] tokens per tile
+    tiles = pl.cdiv(qlen, block)  # [B+1]
     if seg_mask is not None:
         tiles = jnp.where(seg_mask, tiles, 0)
     cum = jnp.cumsum(tiles)
@@ -128,8 +130,8 @@ def _tile_table(query_start, seq_lens, num_tokens: int, block_q: int, num_tiles:
     seg = jnp.minimum(jnp.searchsorted(cum, i, side="right"), batch).astype(jnp.int32)
     live = i < cum[-1]
     j = i - (cum[seg] - tiles[seg])
-    q0 = jnp.where(live, starts[seg] + j * block_q, 0)
-    q1 = jnp.where(live, jnp.minimum(q0 + block_q, ends[seg]), 0)
+    q0 = jnp.where(live, starts[seg] + j * block[seg], 0)
+    q1 = jnp.where(live, jnp.minimum(q0 + block[seg], ends[seg]), 0)
     win = jnp.clip(q0 // align * align, 0, num_tokens - window)
     shift = ctx[seg] - ends[seg]  # position = token index + shift
     zero = jnp.zeros_like(i)
@@ -139,7 +141,7 @@ def _tile_table(query_start, seq_lens, num_tokens: int, block_q: int, num_tiles:
     return table[::-1]
 
 
-def _prefill_call(q, k_cache, v_cache, query_start, seq_lens, page_table, seq_mask, *, scale, block_q,
+def _prefill_call(q, k_cache, v_cache, query_start, seq_lens, page_table, seq_mask, out, *, scale, block_q,
                   pages_per_block, num_warps, num_stages, kv_heads_fastest, interpret):
     num_tokens, num_heads, head_dim = q.shape
     num_pages, page_size, num_kv_heads, _ = k_cache.shape
@@ -170,23 +172,38 @@ def _prefill_call(q, k_cache, v_cache, query_start, seq_lens, page_table, seq_ma
     else:
         grid = (num_tiles, num_kv_heads)
         th = lambda f: f  # noqa: E731
-    out = pl.pallas_call(
+    token_spec = pl.BlockSpec((padded_tokens, None, gp, head_dim), th(lambda t, h: (0, h, 0, 0)))
+    in_specs = [
+        pl.BlockSpec((None, 8), th(lambda t, h: (t, 0))),
+        token_spec,
+        pl.BlockSpec((num_pages, page_size, None, head_dim), th(lambda t, h: (0, 0, h, 0))),
+        pl.BlockSpec((num_pages, page_size, None, head_dim), th(lambda t, h: (0, 0, h, 0))),
+        pl.BlockSpec((batch + 1, padded_pages), th(lambda t, h: (0, 0))),
+    ]
+    args = [tiles, q4, k_cache, v_cache, table]
+    # Write into `out` in place when its layout is the kernel's (no head / token padding).
+    alias = out is not None and gp == group and padded_tokens == num_tokens
+    if alias:
+        in_specs.append(token_spec)
+        args.append(out.reshape(num_tokens, num_kv_heads, group, head_dim))
+    res = pl.pallas_call(
         kernel,
         grid=grid,
-        in_specs=[
-            pl.BlockSpec((None, 8), th(lambda t, h: (t, 0))),
-            pl.BlockSpec((padded_tokens, None, gp, head_dim), th(lambda t, h: (0, h, 0, 0))),
-            pl.BlockSpec((num_pages, page_size, None, head_dim), th(lambda t, h: (0, 0, h, 0))),
-            pl.BlockSpec((num_pages, page_size, None, head_dim), th(lambda t, h: (0, 0, h, 0))),
-            pl.BlockSpec((batch + 1, padded_pages), th(lambda t, h: (0, 0))),
-        ],
-        out_specs=pl.BlockSpec((padded_tokens, None, gp, head_dim), th(lambda t, h: (0, h, 0, 0))),
+        in_specs=in_specs,
+        out_specs=token_spec,
         out_shape=jax.ShapeDtypeStruct((padded_tokens, num_kv_heads, gp, head_dim), q.dtype),
+        input_output_aliases={len(args) - 1: 0} if alias else {},
         compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),
         interpret=interpret,
         name=f"ragged_prefill_attention_bq{block_q}_ppb{ppb}",
-    )(tiles, q4, k_cache, v_cache, table)
-    return out[:num_tokens, :, :group].reshape(num_tokens, num_heads, head_dim)
+    )(*args)
+    res = res[:num_tokens, :, :group].reshape(num_tokens, num_heads, head_dim)
+    if out is not None and not alias:  # rows of the sequences seq_mask leaves out come from `out`
+        t = jnp.arange(num_tokens)
+        seg = jnp.searchsorted(query_start, t, side="right") - 1  # [T]; >= batch: padding
+        ours = (seg >= batch) | seq_mask[jnp.clip(seg, 0, batch - 1)]
+        res = jnp.where(ours[:, None, None], res, out)
+    return res
 
 
 # ----------------------------------------------------------------------------------------------
@@ -223,6 +240,7 @@ def ragged_prefill_attention(
     seq_lens: jax.Array,
     page_table: jax.Array,
     seq_mask: jax.Array | None = None,
+    out: jax.Array | None = None,
     *,
     scale: float | None = None,
     block_q: int | None = None,
@@ -242,7 +260,9 @@ def ragged_prefill_attention(
       seq_lens: int32 `[batch]`, context length including the new tokens (0 for padding sequences).
       page_table: int32 `[batch, pages_per_seq]`; unused entries must be valid page ids.
       seq_mask: optional bool `[batch]`: only these sequences (and the padding tokens) are computed;
-        the other sequences' rows are left unspecified (the runner fills them from another kernel).
+        the other sequences' rows are left unspecified, or taken from `out`.
+      out: optional `[num_tokens, num_heads, head_dim]` holding the rows of the sequences seq_mask
+        leaves out (another kernel's result); written in place where the layouts allow.
       scale: softmax scale, default `head_dim ** -0.5`.
       block_q: tokens per tile (power of two); default fills ~128 rows of tokens x heads-per-kv-head.
       pages_per_block: pages per K/V step (power of two); default 64 tokens' worth.
@@ -260,8 +280,10 @@ def ragged_prefill_attention(
         raise ValueError(f"pages_per_block must be a power of two, got {pages_per_block=}")
     if seq_mask is not None and seq_mask.shape != seq_lens.shape:
         raise ValueError(f"seq_mask must be [batch]: {seq_mask.shape=} {seq_lens.shape=}")
+    if out is not None and (seq_mask is None or out.shape != q.shape or out.dtype != q.dtype):
+        raise ValueError(f"out must come with a seq_mask and match q: {out.shape=} {q.shape=}")
     scale = q.shape[-1] ** -0.5 if scale is None else scale
-    return _prefill_call(q, k_cache, v_cache, query_start, seq_lens, page_table, seq_mask, scale=scale,
+    return _prefill_call(q, k_cache, v_cache, query_start, seq_lens, page_table, seq_mask, out, scale=scale,
                          block_q=block_q, pages_per_block=pages_per_block, num_warps=num_warps,
                          num_stages=num_stages, kv_heads_fastest=kv_heads_fastest, interpret=interpret)
 

@@ -15,8 +15,9 @@ way after JAX's `pallas/ops/gpu/attention_mgpu.py`:
 - Tiles are not aligned to sequence starts: a tile's query window (2 x block_q rows, starting at a
   multiple of 8, as Mosaic GPU's TMA addresses GMEM in whole 8-row SMEM tiles) is clamped inside
   [0, T), so it may hold rows of the neighbouring sequences; a tile takes 2 x block_q - 8 tokens.
-  Each tile writes its whole window to its own slot of a padded output ([num_tiles * 2 * block_q, H, D]) and the wrapper
-  gathers each token's row back: no masked stores, no races between tiles.
+  A tile stores its rows by 8-row chunks: straight into the output where the chunk is all its own,
+  into a small per-tile edge buffer where a sequence boundary cuts the chunk; the wrapper scatters
+  the edge rows (at most 16 per tile) into place. No races between tiles, no full-output copy.
 
 The tile table is the Triton kernel's (`prefill_attention._tile_table`): a sequence's last tiles,
 which see the most context, launch first.
@@ -50,10 +51,10 @@ ALIGN = 8
 # ----------------------------------------------------------------------------------------------
 # Kernel body
 # ----------------------------------------------------------------------------------------------
-def _kernel(tile_ref, q_ref, k_ref, v_ref, pt_ref, out_ref, scoped, *, scale, block_q, block_kv,
+def _kernel(tile_ref, q_ref, k_ref, v_ref, pt_ref, out_ref, edge_ref, scoped, *, scale, block_q, block_kv,
             max_steps, p_in_smem):
     # tile_ref [num_tiles, 8] int32 (GMEM), q_ref [Tp, H, D], k_ref/v_ref [pages, page_size, KVH, D],
-    # pt_ref [B + 1, Pp] int32, out_ref [num_tiles * 2 * block_q, H, D]
+    # pt_ref [B + 1, Pp] int32, out_ref [Tp, H, D], edge_ref [num_tiles, 2, ALIGN, H, D]
     smem, (k_ready, v_ready, q_ready), (k_free, v_free), schedule = scoped
     qo_smem2, k_smem, v_smem, p_smem2 = smem
     _, num_heads, head_dim = q_ref.shape
@@ -61,6 +62,7 @@ def _kernel(tile_ref, q_ref, k_ref, v_ref, pt_ref, out_ref, scoped, *, scale, bl
     pages_per_block = block_kv // page_size
     dtype = q_ref.dtype
 
+    qk_scale = scale * LOG2E
     head = lax.axis_index("heads")
     tile = lax.axis_index("tiles")
     wg = lax.axis_index("wg")
@@ -107,14 +109,14 @@ def _kernel(tile_ref, q_ref, k_ref, v_ref, pt_ref, out_ref, scoped, *, scale, bl
 
             s = pl.run_scoped(qk, plgpu.ACC((block_q, block_kv), jnp.float32))  # [bq, bkv]
             plgpu.barrier_arrive(k_free.at[slot])
-            s = s * (scale * LOG2E)
             if masked:
                 rows = plgpu.broadcasted_iota(jnp.int32, s.shape, 0, layout=plgpu.Layout.WGMMA)
                 cols = plgpu.broadcasted_iota(jnp.int32, s.shape, 1, layout=plgpu.Layout.WGMMA)
                 s = jnp.where(rows + (base + shift) >= cols + step * block_kv, s, -jnp.inf)
-            m_new = jnp.maximum(m_i, s.max(axis=1))
+            # m is kept in the scaled log2 domain, so p = exp2(s * c - m) is one FMA per element.
+            m_new = jnp.maximum(m_i, s.max(axis=1) * qk_scale)
             alpha = jnp.exp2(m_i - m_new)
-            p = jnp.exp2(s - lax.broadcast_in_dim(m_new, s.shape, [0]))
+            p = jnp.exp2(s * qk_scale - lax.broadcast_in_dim(m_new, s.shape, [0]))
             acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
             l_i = l_i * alpha
             p16 = p.astype(dtype)
@@ -180,8 +182,19 @@ def _kernel(tile_ref, q_ref, k_ref, v_ref, pt_ref, out_ref, scoped, *, scale, bl
         l_i = jnp.where(l_i == 0.0, 1.0, l_i)  # rows without context (padding) -> zeros
         qo_smem[...] = (acc / lax.broadcast_in_dim(l_i, acc.shape, [0])).astype(dtype)
         plgpu.commit_smem()
-        row0 = pl.multiple_of(tile * (COMPUTE_WGS * block_q) + wg * block_q, block_q)
-        plgpu.copy_smem_to_gmem(qo_smem, out_ref.at[pl.ds(row0, block_q), head])
+        # Store by 8-row chunks: a chunk wholly inside [q0, q1) goes straight to its rows of the
+        # output; the chunk holding an unaligned q0 (q1) goes to edge slot 0 (1), which the wrapper
+        # scatters into place, since a neighbouring tile owns the chunk's other rows.
+        for c in range(block_q // ALIGN):
+            t0 = base + c * ALIGN
+            rows = qo_smem.at[pl.ds(c * ALIGN, ALIGN)]
+            inside = (t0 >= q0) & (t0 + ALIGN <= q1)
+            edge = (t0 < q1) & (t0 + ALIGN > q0) & ~inside
+            # (pl.when rather than the copy's predicate: the interpreter has no predicated copies)
+            pl.when(inside)(functools.partial(
+                plgpu.copy_smem_to_gmem, rows, out_ref.at[pl.ds(pl.multiple_of(t0, ALIGN), ALIGN), head]))
+            pl.when(edge & (t0 < q0))(functools.partial(plgpu.copy_smem_to_gmem, rows, edge_ref.at[tile, 0, :, head]))
+            pl.when(edge & (t0 >= q0))(functools.partial(plgpu.copy_smem_to_gmem, rows, edge_ref.at[tile, 1, :, head]))
         plgpu.wait_smem_to_gmem(0)
 
     @pl.when(wg == COMPUTE_WGS)
@@ -245,7 +258,7 @@ def _mgpu_call(q, k_cache, v_cache, query_start, seq_lens, page_table, *, scale,
     tiles = _tile_table(query_start, seq_lens, padded_tokens, tile_tokens, num_tiles, seg_mask,
                         window=cta_q, align=ALIGN)  # [num_tiles, 8]
 
-    def entry(tile_ref, q_ref, k_ref, v_ref, pt_ref, out_ref):
+    def entry(tile_ref, q_ref, k_ref, v_ref, pt_ref, out_ref, edge_ref):
         transforms = (plgpu.TilingTransform((8, 128 // jnp.dtype(dtype).itemsize)), plgpu.SwizzleTransform(128))
         smem = [
             plgpu.SMEM((COMPUTE_WGS, block_q, head_dim), dtype, transforms=transforms),
@@ -254,7 +267,7 @@ def _mgpu_call(q, k_cache, v_cache, query_start, seq_lens, page_table, *, scale,
             plgpu.SMEM((COMPUTE_WGS, block_q, block_kv), dtype, transforms=transforms) if interpret else None,
         ]
         pl.run_scoped(
-            lambda *scoped: _kernel(tile_ref, q_ref, k_ref, v_ref, pt_ref, out_ref, scoped, scale=scale,
+            lambda *scoped: _kernel(tile_ref, q_ref, k_ref, v_ref, pt_ref, out_ref, edge_ref, scoped, scale=scale,
                                     block_q=block_q, block_kv=block_kv, max_steps=max_steps,
                                     p_in_smem=bool(interpret)),
             smem,
@@ -266,9 +279,10 @@ def _mgpu_call(q, k_cache, v_cache, query_start, seq_lens, page_table, *, scale,
             collective_axes="wg",
         )
 
-    out = plgpu.kernel(
+    out, edges = plgpu.kernel(
         entry,
-        out_type=jax.ShapeDtypeStruct((num_tiles * cta_q, num_heads, head_dim), dtype),
+        out_type=(jax.ShapeDtypeStruct((padded_tokens, num_heads, head_dim), dtype),
+                  jax.ShapeDtypeStruct((num_tiles, 2, ALIGN, num_heads, head_dim), dtype)),
         grid=(num_heads, num_tiles),
         grid_names=("heads", "tiles"),
         num_threads=COMPUTE_WGS + 1,
@@ -277,14 +291,16 @@ def _mgpu_call(q, k_cache, v_cache, query_start, seq_lens, page_table, *, scale,
         interpret=plgpu.InterpretGPUParams() if interpret else None,
     )(tiles, q, k_cache, v_cache, table)
 
-    # Token t's row: in the tile whose valid range holds it, at its offset from that tile's window.
-    rows = jnp.arange(cta_q, dtype=jnp.int32)[None, :]
-    tok = tiles[:, _WIN, None] + rows  # [num_tiles, cta_q]
-    mine = (tok >= tiles[:, _Q0, None]) & (tok < tiles[:, _Q1, None])
-    src = jnp.arange(num_tiles, dtype=jnp.int32)[:, None] * cta_q + rows
-    index = jnp.full((num_tokens,), num_tiles * cta_q, jnp.int32)  # tokens of no tile: zeros
-    index = index.at[jnp.where(mine, tok, num_tokens)].set(src, mode="drop")
-    return jnp.take(out, index, axis=0, mode="fill", fill_value=0)
+    # Scatter the edge chunks' valid rows into place (2 x 8 rows per tile).
+    q0, q1 = tiles[:, _Q0, None], tiles[:, _Q1, None]  # [num_tiles, 1]
+    r = jnp.arange(ALIGN, dtype=jnp.int32)[None, :]
+    first = q0 // ALIGN * ALIGN + r  # [num_tiles, 8]: chunk holding q0 (written when q0 % 8 != 0)
+    last = (q1 - 1) // ALIGN * ALIGN + r  # chunk holding q1 - 1 (written when q1 % 8 != 0, chunk >= q0)
+    use_first = (first >= q0) & (first < q1) & (q0 % ALIGN != 0)
+    use_last = (last >= q0) & (last < q1) & (q1 % ALIGN != 0) & ((q1 - 1) // ALIGN * ALIGN >= q0)
+    tok = jnp.stack([jnp.where(use_first, first, padded_tokens), jnp.where(use_last, last, padded_tokens)], 1)
+    out = out.at[tok.reshape(-1)].set(edges.reshape(-1, num_heads, head_dim), mode="drop")
+    return out[:num_tokens] if padded_tokens != num_tokens else out
 
 
 # ----------------------------------------------------------------------------------------------
@@ -331,7 +347,8 @@ def ragged_prefill_attention_mgpu(
     warpgroup, multiple of 64), `block_kv` (K/V rows per step, multiple of 64 and of the page size)
     and `max_steps` (K/V ring depth, >= 2) default to `default_blocks(head_dim)`. With
     `min_query_len` > 1 only sequences with at least that many new tokens are computed (fewer tiles
-    launched); the other sequences' rows and the padding rows are zeros.
+    launched); the other sequences' rows and the padding rows are then left unspecified (the
+    runner fills them from the Triton kernel).
     """
     from pallas_kernels.prefill_attention import _check_args
 

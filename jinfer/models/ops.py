@@ -25,7 +25,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import jax
-import jax.numpy as jnp
 
 from jinfer.models.batch import Batch
 from jinfer.models.layers import rms_norm, swiglu_mlp
@@ -69,15 +68,12 @@ class ModelOps:
 
         if check_supported(q, k_cache) is not None:
             return ragged_prefill_attention(*args, scale=scale, interpret=self.interpret)
-        qlen = batch.query_start[1:] - batch.query_start[:-1]
-        long = qlen >= MOSAIC_MIN_QUERY_LEN  # [B]
-        short_out = ragged_prefill_attention(*args, ~long, scale=scale, interpret=self.interpret)
-        long_out = ragged_prefill_attention_mgpu(*args, scale=scale, min_query_len=MOSAIC_MIN_QUERY_LEN,
-                                                 interpret=self.interpret)
-        t = jnp.arange(q.shape[0])
-        seq = jnp.searchsorted(batch.query_start, t, side="right") - 1  # [T]; padding tokens: >= B
-        token_long = (seq < long.shape[0]) & long[jnp.minimum(seq, long.shape[0] - 1)]
-        return jnp.where(token_long[:, None, None], long_out, short_out)
+        # The Mosaic kernel writes the long sequences' rows; the Triton kernel then fills in the rest
+        # of the same buffer (in place).
+        long = batch.query_start[1:] - batch.query_start[:-1] >= MOSAIC_MIN_QUERY_LEN  # [B]
+        out = ragged_prefill_attention_mgpu(*args, scale=scale, min_query_len=MOSAIC_MIN_QUERY_LEN,
+                                            interpret=self.interpret)
+        return ragged_prefill_attention(*args, ~long, out, scale=scale, interpret=self.interpret)
 
     def norm_projections(self, x: jax.Array, norm: jax.Array, weights: tuple[jax.Array, ...],
                          eps: float) -> tuple[jax.Array, ...]:

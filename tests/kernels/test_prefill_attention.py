@@ -80,3 +80,20 @@ def test_prefill_tile_major_launch_order(mode):
     out = ragged_prefill_attention(q, k, v, qs, lens, table, kv_heads_fastest=False,
                                    interpret=mode == "interpret")
     assert_close(out, ragged_prefill_attention_reference(q, k, v, qs, lens, table), jnp.float32, mode)
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("heads,kv_heads", [(8, 2), (6, 2)], ids=["in-place", "merged"])
+def test_prefill_seq_mask_fills_in_out(mode, heads, kv_heads):
+    """seq_mask + out: masked-in sequences (and padding) are computed, the others keep out's rows;
+    in place when the layout allows (group a power of two), else merged."""
+    rng = np.random.default_rng(9)
+    q, k, v, qs, lens, table = _batch(rng, [(5, 9), (1, 20), (12, 12)], 3, 8, heads, kv_heads, 64, jnp.float32)
+    mask = jnp.asarray([True, False, True])
+    prev = jnp.full(q.shape, 7.0, q.dtype)
+    out = ragged_prefill_attention(q, k, v, qs, lens, table, mask, prev, interpret=mode == "interpret")
+    ref = ragged_prefill_attention_reference(q, k, v, qs, lens, table)
+    keep = np.zeros(q.shape[0], bool)
+    keep[5] = True  # sequence 1's token
+    assert_close(out[~keep], ref[~keep], jnp.float32, mode)
+    assert (np.asarray(out[keep]) == 7.0).all()
