@@ -246,6 +246,51 @@ def bench_prefill(results: list, sweep: str | None) -> None:
 
 
 # ----------------------------------------------------------------------------------------------
+def bench_mixed(results: list, sweep: str | None) -> None:
+    """Engine-shaped steps through ModelOps.attention: Triton-only vs the Mosaic/Triton split."""
+    import numpy as np
+
+    from jinfer.models.batch import make_batch
+    from jinfer.models.ops import MOSAIC_MIN_QUERY_LEN, ModelOps
+
+    interpret = bool(KW.get("interpret"))
+    n = 1024 if not interpret else 128
+    steps = {  # name: [(new tokens, context incl. them)] (the runner's 8192-token budget)
+        "8 x 1k prefill": [(n, n)] * 8,
+        "64 decodes + 7.5 x 1k chunks": [(1, n + 100)] * 64 + [(n, n)] * 7 + [(n * 5 // 8, n * 5 // 8)],
+    }
+    if interpret:
+        steps = {"smoke": [(1, 40), (n - 8, n)]}
+    rng = np.random.default_rng(0)
+    for name, seqs in steps.items():
+        need = [-(-c // PAGE) for _, c in seqs]
+        ids = (rng.permutation(sum(need)) + 1).tolist()
+        pages = [ids[sum(need[:b]):sum(need[:b + 1])] for b in range(len(seqs))]
+        unit = 128 if interpret else 1024  # the runner's token buckets
+        num_tokens = -(-sum(q for q, _ in seqs) // unit) * unit
+        batch = make_batch([([0] * q, c - q, pages[b]) for b, (q, c) in enumerate(seqs)], PAGE,
+                           num_tokens=num_tokens)
+        batch = jax.tree.map(jnp.asarray, batch)
+        key = jax.random.key(len(seqs))
+        kq, kk, kv = jax.random.split(key, 3)
+        q = jax.random.normal(kq, (num_tokens, HEADS, DIM), DTYPE)
+        k = jax.random.normal(kk, (sum(need) + 1, PAGE, KV_HEADS, DIM), DTYPE)
+        v = jax.random.normal(kv, (sum(need) + 1, PAGE, KV_HEADS, DIM), DTYPE)
+        flops = sum(4 * qn * (c - qn / 2) * HEADS * DIM for qn, c in seqs)
+        shape = {"kernel": "mixed_step", "step": name, "tokens": num_tokens, "seqs": len(seqs), "flops": flops}
+        for impl, ops in (("triton_only", ModelOps("pallas", interpret, mosaic_prefill=False)),
+                          ("mosaic_long_triton_rest", ModelOps("pallas", interpret, mosaic_prefill=True))):
+            entry = {**shape, "impl": impl}
+            fn = jax.jit(lambda q, k, v, b, ops=ops: ops.attention(q, k, v, b, DIM**-0.5))
+            dt = attempt(results, entry, fn, q, k, v, batch)
+            if dt:
+                entry["tflop_per_s"] = round(flops / dt / 1e12, 1)
+        entry = {**shape, "impl": "mosaic_long_only", "min_query_len": MOSAIC_MIN_QUERY_LEN}
+        fn = functools.partial(ragged_prefill_attention_mgpu, min_query_len=MOSAIC_MIN_QUERY_LEN, **KW)
+        attempt(results, entry, fn, q, k, v, batch.query_start, batch.seq_lens, batch.page_table)
+
+
+# ----------------------------------------------------------------------------------------------
 def bench_mlp(results: list, sweep: str | None) -> None:
     (hidden, inter), token_counts = SHAPES["mlp"]
     key = jax.random.key(0)
@@ -282,7 +327,7 @@ def main() -> None:
                         help="JSON path (default benchmarks/results/kernels_<gpu>.json)")
     parser.add_argument("--sweep", nargs="?", const="all", default=None, choices=("all", "triton", "mgpu"),
                         help="also time a grid of launch parameters (all kernels, or the Triton / Mosaic ones)")
-    parser.add_argument("--only", default="decode,prefill,mlp", help="comma list of decode,prefill,mlp")
+    parser.add_argument("--only", default="decode,prefill,mixed,mlp", help="comma list of decode,prefill,mixed,mlp")
     parser.add_argument("--smoke", action="store_true",
                         help="tiny shapes in interpret mode (checks the script)")
     args = parser.parse_args()
@@ -308,7 +353,7 @@ def main() -> None:
     results: list = []
     out = Path(args.out or Path(__file__).parent / "results" / f"kernels_{device.replace(' ', '_')}.json")
     out.parent.mkdir(parents=True, exist_ok=True)
-    benches = {"decode": bench_decode, "prefill": bench_prefill, "mlp": bench_mlp}
+    benches = {"decode": bench_decode, "prefill": bench_prefill, "mixed": bench_mixed, "mlp": bench_mlp}
     for name in args.only.split(","):
         try:
             benches[name](results, args.sweep)
