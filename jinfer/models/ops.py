@@ -13,7 +13,7 @@ benchmarks/results/kernels_h100.json:
   per tile; prefill_attention_mgpu.py), the rest (decodes, short chunks) and the padding to the
   Triton kernel, which packs a kv head's query heads into one tile and measured the same bandwidth
   as the decode kernel on decode batches (2.47 vs 2.46 TB/s at 64 x 2k). A step of fewer than
-  `MOSAIC_MIN_QUERY_LEN` tokens never launches the Mosaic kernel;
+  `MOSAIC_MIN_STEP_TOKENS` tokens never launches the Mosaic kernel;
 - MLP: the fused Pallas kernel only where it beat XLA (`PALLAS_MLP_TOKENS`); XLA's fusion elsewhere;
 - projections around attention: XLA (see `qkv`).
 The layer's norms and residual adds belong to these ops (`qkv`, `out_proj`, `mlp_block`), so a fused
@@ -33,6 +33,9 @@ BACKENDS = ("auto", "reference", "pallas", "pallas-triton")  # pallas-triton: no
 # Sequences with at least this many new tokens in a step take the Mosaic GPU prefill kernel: a full
 # tile (2 warpgroups x 64 query rows); shorter ones waste most of the tile's rows.
 MOSAIC_MIN_QUERY_LEN = 128
+# Steps of fewer tokens never launch it: they are decode batches (<= max_num_seqs tokens) or small
+# chunks, where its tile table and launch (~0.1 ms per step over 36 layers) buy nothing.
+MOSAIC_MIN_STEP_TOKENS = 512
 # Token counts at which the fused Pallas MLP measured faster than XLA on the H100
 # (63.7 vs 77.5 us at T=1; slower from T=16 on; T=2..15 not measured).
 PALLAS_MLP_TOKENS = frozenset({1})
@@ -62,7 +65,7 @@ class ModelOps:
             return paged_decode_attention(q, k_cache, v_cache, batch.page_table, batch.seq_lens, scale=scale,
                                           interpret=self.interpret)
         args = (q, k_cache, v_cache, batch.query_start, batch.seq_lens, batch.page_table)
-        if not self.mosaic_prefill or q.shape[0] < MOSAIC_MIN_QUERY_LEN:
+        if not self.mosaic_prefill or q.shape[0] < MOSAIC_MIN_STEP_TOKENS:
             return ragged_prefill_attention(*args, scale=scale, interpret=self.interpret)
         from pallas_kernels.prefill_attention_mgpu import check_supported, ragged_prefill_attention_mgpu
 

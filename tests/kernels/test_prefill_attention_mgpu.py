@@ -95,7 +95,7 @@ def test_ops_split_sends_long_sequences_to_mosaic(mode):
     """ModelOps with mosaic_prefill: sequences with >= MOSAIC_MIN_QUERY_LEN new tokens take the Mosaic
     kernel, decodes / short chunks / padding the Triton kernel; the merged rows match the reference."""
     from jinfer.models.batch import make_batch
-    from jinfer.models.ops import MOSAIC_MIN_QUERY_LEN, REFERENCE_OPS, ModelOps
+    from jinfer.models.ops import MOSAIC_MIN_QUERY_LEN, MOSAIC_MIN_STEP_TOKENS, REFERENCE_OPS, ModelOps
 
     rng = np.random.default_rng(11)
     page, kv_heads, heads, dim = 16, 2, 8, 64
@@ -105,7 +105,7 @@ def test_ops_split_sends_long_sequences_to_mosaic(mode):
     k, v = (jnp.asarray(rng.standard_normal(shape), jnp.bfloat16) for _ in range(2))
     ids = (rng.permutation(sum(need)) + 1).tolist()
     pages = [ids[sum(need[:b]):sum(need[:b + 1])] for b in range(len(seqs))]
-    num_tokens = sum(n for n, _ in seqs) + 5
+    num_tokens = max(sum(n for n, _ in seqs) + 5, MOSAIC_MIN_STEP_TOKENS)
     batch = make_batch([([0] * n, c - n, pages[b]) for b, (n, c) in enumerate(seqs)], page,
                        num_tokens=num_tokens, num_seqs=len(seqs) + 1)
     q = jnp.asarray(rng.standard_normal((num_tokens, heads, dim)), jnp.bfloat16)
@@ -113,3 +113,7 @@ def test_ops_split_sends_long_sequences_to_mosaic(mode):
     out = ops.attention(q, k, v, batch, dim**-0.5)
     ref = REFERENCE_OPS.attention(q, k, v, batch, dim**-0.5)
     assert_close(out, ref, jnp.bfloat16, mode)
+    import jax
+
+    jaxpr = str(jax.make_jaxpr(lambda q: ops.attention(q, k, v, batch, dim**-0.5))(q))
+    assert "ragged_prefill_attention_bq" in jaxpr and "wgmma" in jaxpr, "both kernels must run"
