@@ -330,32 +330,34 @@ def ragged_prefill_attention_reference(
 # ----------------------------------------------------------------------------------------------
 # Benchmark
 # ----------------------------------------------------------------------------------------------
-def main() -> None:
-    """Quick causal-prefill timing; the full comparison is benchmarks/bench_kernels.py."""
+def time_causal_prefill(fn, name: str, interpret: bool) -> None:
+    """Print the time and TFLOP/s of `fn(q, k, v, query_start, seq_lens, page_table)` on one causal
+    prompt (4096 tokens, Qwen3-4B heads; 128 under the interpreter). Shared by the modules' main()."""
     import time
 
-    n, heads, kv_heads, dim, page = 4096, 32, 8, 128, 16
-    interpret = jax.default_backend() != "gpu"
-    if interpret:
-        n = 128
-    key = jax.random.key(0)
-    kq, kk, kv = jax.random.split(key, 3)
+    n, heads, kv_heads, dim, page = (128 if interpret else 4096), 32, 8, 128, 16
+    kq, kk, kv = jax.random.split(jax.random.key(0), 3)
     q = jax.random.normal(kq, (n, heads, dim), jnp.bfloat16)
     k = jax.random.normal(kk, (n // page, page, kv_heads, dim), jnp.bfloat16)
     v = jax.random.normal(kv, (n // page, page, kv_heads, dim), jnp.bfloat16)
-    table = jnp.arange(n // page, dtype=jnp.int32)[None]
-    qs = jnp.array([0, n], jnp.int32)
-    lens = jnp.array([n], jnp.int32)
-    fn = functools.partial(ragged_prefill_attention, interpret=interpret)
-    fn(q, k, v, qs, lens, table).block_until_ready()
+    args = (q, k, v, jnp.array([0, n], jnp.int32), jnp.array([n], jnp.int32),
+            jnp.arange(n // page, dtype=jnp.int32)[None])
+    fn(*args).block_until_ready()
     reps = 2 if interpret else 20
     t0 = time.perf_counter()
     for _ in range(reps):
-        out = fn(q, k, v, qs, lens, table)
+        out = fn(*args)
     out.block_until_ready()
     dt = (time.perf_counter() - t0) / reps
     flops = 4 * n * n / 2 * heads * dim
-    print(f"ragged_prefill_attention causal {n}: {dt * 1e6:.1f} us, {flops / dt / 1e12:.1f} TFLOP/s")
+    print(f"{name} causal {n}: {dt * 1e6:.1f} us, {flops / dt / 1e12:.1f} TFLOP/s")
+
+
+def main() -> None:
+    """Quick causal-prefill timing; the full comparison is benchmarks/bench_kernels.py."""
+    interpret = jax.default_backend() != "gpu"
+    time_causal_prefill(functools.partial(ragged_prefill_attention, interpret=interpret),
+                        "ragged_prefill_attention", interpret)
 
 
 if __name__ == "__main__":

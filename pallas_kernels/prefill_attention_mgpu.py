@@ -39,7 +39,17 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from pallas_kernels.prefill_attention import _Q0, _Q1, _SEQ, _SHIFT, _WIN, _tile_table
+from pallas_kernels.prefill_attention import (
+    _Q0,
+    _Q1,
+    _SEQ,
+    _SHIFT,
+    _WIN,
+    _check_args,
+    _tile_table,
+    ragged_prefill_attention_reference,
+    time_causal_prefill,
+)
 
 LOG2E = math.log2(math.e)
 COMPUTE_WGS = 2
@@ -352,8 +362,6 @@ def ragged_prefill_attention_mgpu(
     launched); the other sequences' rows and the padding rows are then left unspecified (the
     runner fills them from the Triton kernel).
     """
-    from pallas_kernels.prefill_attention import _check_args
-
     _check_args(q, k_cache, v_cache, query_start, seq_lens, page_table)
     if (why := check_supported(q, k_cache)) is not None:
         raise ValueError(f"ragged_prefill_attention_mgpu does not support {why}")
@@ -368,30 +376,19 @@ def ragged_prefill_attention_mgpu(
 
 
 # ----------------------------------------------------------------------------------------------
+# Reference: the same contract as the Triton kernel, so the same pure-jnp reference
+# ----------------------------------------------------------------------------------------------
+ragged_prefill_attention_mgpu_reference = ragged_prefill_attention_reference
+
+
+# ----------------------------------------------------------------------------------------------
 # Benchmark
 # ----------------------------------------------------------------------------------------------
 def main() -> None:
-    """Quick causal-prefill timing on the GPU; the full comparison is benchmarks/bench_kernels.py."""
-    import time
-
-    n, heads, kv_heads, dim, page = 4096, 32, 8, 128, 16
-    key = jax.random.key(0)
-    kq, kk, kv = jax.random.split(key, 3)
-    q = jax.random.normal(kq, (n, heads, dim), jnp.bfloat16)
-    k = jax.random.normal(kk, (n // page, page, kv_heads, dim), jnp.bfloat16)
-    v = jax.random.normal(kv, (n // page, page, kv_heads, dim), jnp.bfloat16)
-    table = jnp.arange(n // page, dtype=jnp.int32)[None]
-    qs = jnp.array([0, n], jnp.int32)
-    lens = jnp.array([n], jnp.int32)
-    ragged_prefill_attention_mgpu(q, k, v, qs, lens, table).block_until_ready()
-    reps = 20
-    t0 = time.perf_counter()
-    for _ in range(reps):
-        out = ragged_prefill_attention_mgpu(q, k, v, qs, lens, table)
-    out.block_until_ready()
-    dt = (time.perf_counter() - t0) / reps
-    flops = 4 * n * n / 2 * heads * dim
-    print(f"ragged_prefill_attention_mgpu causal {n}: {dt * 1e6:.1f} us, {flops / dt / 1e12:.1f} TFLOP/s")
+    """Quick causal-prefill timing; the full comparison is benchmarks/bench_kernels.py."""
+    interpret = jax.default_backend() != "gpu"
+    time_causal_prefill(functools.partial(ragged_prefill_attention_mgpu, interpret=interpret),
+                        "ragged_prefill_attention_mgpu", interpret)
 
 
 if __name__ == "__main__":

@@ -117,3 +117,21 @@ def test_ops_split_sends_long_sequences_to_mosaic(mode):
 
     jaxpr = str(jax.make_jaxpr(lambda q: ops.attention(q, k, v, batch, dim**-0.5))(q))
     assert "ragged_prefill_attention_bq" in jaxpr and "wgmma" in jaxpr, "both kernels must run"
+
+
+@pytest.mark.parametrize("dim,page,blocks", [(128, 16, {}), (64, 8, {"block_kv": 64, "max_steps": 2}), (256, 64, {})],
+                         ids=["d128-p16", "d64-p8", "d256-p64"])
+def test_mgpu_prefill_lowers_for_cuda(dim, page, blocks):
+    """Mosaic GPU's own compile steps (layout inference, TMA legality) run at lowering: exporting for
+    CUDA checks them on a machine without a GPU (the interpreter does not)."""
+    import jax
+    from jax import export
+
+    heads, kv_heads, tokens, batch = 8, 2, 300, 3
+    s = jax.ShapeDtypeStruct
+    kv = s((tokens // page + 4, page, kv_heads, dim), jnp.bfloat16)
+    fn = jax.jit(lambda *a: ragged_prefill_attention_mgpu(*a, min_query_len=128, **blocks))
+    exp = export.export(fn, platforms=["cuda"])(
+        s((tokens, heads, dim), jnp.bfloat16), kv, kv, s((batch + 1,), jnp.int32), s((batch,), jnp.int32),
+        s((batch, tokens // page + 1), jnp.int32))
+    assert "mosaic_gpu" in exp.mlir_module()
