@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import argparse
+import functools
+import gc
 import sys
 import time
 
@@ -18,9 +20,9 @@ def cmd_generate(args: argparse.Namespace) -> int:
     kwargs["warmup"] = False  # one prompt: compile only the shapes it uses
     llm = LLM(**kwargs)
     if args.chat:
-        run = lambda: llm.chat([{"role": "user", "content": args.prompt}], params, use_tqdm=False)
+        run = functools.partial(llm.chat, [{"role": "user", "content": args.prompt}], params, use_tqdm=False)
     else:
-        run = lambda: llm.generate(args.prompt, params, use_tqdm=False)
+        run = functools.partial(llm.generate, args.prompt, params, use_tqdm=False)
     t0 = time.perf_counter()
     out = run()[0].outputs[0]
     first = time.perf_counter() - t0
@@ -32,6 +34,10 @@ def cmd_generate(args: argparse.Namespace) -> int:
     steady = time.perf_counter() - t0
     print(f"[{n} tokens, {n / steady:.1f} tokens/s steady ({steady:.2f} s), first run {first:.2f} s incl. compile; "
           f"finish_reason={out.finish_reason}]", file=sys.stderr)
+    # Free the engine's XLA objects here, on the main thread: left to the collector at interpreter exit
+    # they could be freed on another thread (tqdm's monitor) and abort the process.
+    del run, llm
+    gc.collect()
     return 0
 
 
