@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import functools
-import gc
 import sys
 import time
 
@@ -34,10 +33,6 @@ def cmd_generate(args: argparse.Namespace) -> int:
     steady = time.perf_counter() - t0
     print(f"[{n} tokens, {n / steady:.1f} tokens/s steady ({steady:.2f} s), first run {first:.2f} s incl. compile; "
           f"finish_reason={out.finish_reason}]", file=sys.stderr)
-    # Free the engine's XLA objects here, on the main thread: left to the collector at interpreter exit
-    # they could be freed on another thread (tqdm's monitor) and abort the process.
-    del run, llm
-    gc.collect()
     return 0
 
 
