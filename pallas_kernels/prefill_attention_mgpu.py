@@ -4,8 +4,8 @@ Same contract as `prefill_attention.ragged_prefill_attention` (flattened new tok
 sequences, each token attending causally to its sequence's cached pages), built the FlashAttention-3
 way after JAX's `pallas/ops/gpu/attention_mgpu.py`:
 
-- One CTA = (query head, tile of up to 2 x block_q - 8 consecutive tokens of one sequence). Three warpgroups:
-  two compute warpgroups own block_q query rows each; the third (memory) streams K/V blocks into a
+- One CTA = (query head, tile of consecutive tokens of one sequence). Three warpgroups: two
+  compute warpgroups own block_q query rows each; the third (memory) streams K/V blocks into a
   ring of `max_steps` SMEM slots with TMA, one copy per page (the page table is read as scalars from
   GMEM), and waits for the compute warpgroups to release a slot before refilling it.
 - The compute warpgroups run S = Q K^T and O += P V on the tensor cores (wgmma), softmax in
@@ -14,7 +14,8 @@ way after JAX's `pallas/ops/gpu/attention_mgpu.py`:
   diagonal blocks apply the causal mask.
 - Tiles are not aligned to sequence starts: a tile's query window (2 x block_q rows, starting at a
   multiple of 8, as Mosaic GPU's TMA addresses GMEM in whole 8-row SMEM tiles) is clamped inside
-  [0, T), so it may hold rows of the neighbouring sequences; a tile takes 2 x block_q - 8 tokens.
+  [0, T), so it may hold rows of the neighbouring sequences; a tile takes 2 x block_q - 8 tokens
+  (2 x block_q when its sequence starts at a multiple of 8).
   A tile stores its rows by 8-row chunks: straight into the output where the chunk is all its own,
   into a small per-tile edge buffer where a sequence boundary cuts the chunk; the wrapper scatters
   the edge rows (at most 16 per tile) into place. No races between tiles, no full-output copy.
@@ -25,7 +26,8 @@ which see the most context, launch first.
 Interpret mode (CPU): jax 0.11.2's Mosaic GPU interpreter has no `pl.run_state` and wants both
 wgmma operands in SMEM, so with `interpret` set P goes through an SMEM buffer and each P V product
 lands in a fresh accumulator that is added in registers. Everything else (TMA, barriers, ring,
-paging, masking, tile table, gather) is the code that runs on the GPU.
+paging, masking, tile table, chunked stores) is the code that runs on the GPU, and a CPU test
+lowers the GPU path for CUDA with `jax.export` (Mosaic GPU's layout inference runs there).
 """
 
 from __future__ import annotations
