@@ -10,11 +10,8 @@ scheduler batches them continuously.
 
 from __future__ import annotations
 
-import atexit
 import dataclasses
-import gc
 import itertools
-import weakref
 from collections.abc import Sequence
 from typing import Any
 
@@ -28,19 +25,6 @@ from jinfer.tokenizer import Tokenizer
 PromptType = str | dict[str, Any] | list[int]
 
 
-_LIVE: weakref.WeakSet = weakref.WeakSet()
-
-
-@atexit.register
-def _free_engines() -> None:
-    """Free every LLM's engine on the main thread before the interpreter shuts down. Left to the final
-    garbage collection, its XLA objects could be freed on a daemon thread (tqdm's monitor), which
-    aborted the process ("terminate called without an active exception") about half the time."""
-    for llm in list(_LIVE):
-        llm.engine = None
-    gc.collect()
-
-
 class LLM:
     def __init__(self, model: str | None = None, **engine_args: Any):
         known = {f.name for f in dataclasses.fields(EngineConfig)}
@@ -49,7 +33,6 @@ class LLM:
             raise ValueError(f"unknown engine arguments {unknown}; known: {sorted(known - {'model'})}")
         self.engine = EngineCore(EngineConfig(model=model, **engine_args))
         self._ids = itertools.count()
-        _LIVE.add(self)
 
     def get_tokenizer(self) -> Tokenizer | None:
         return self.engine.tokenizer
