@@ -242,8 +242,13 @@ def _kernel(tile_ref, q_ref, k_ref, v_ref, pt_ref, out_ref, edge_ref, scoped, *,
 
 
 # ----------------------------------------------------------------------------------------------
-# Wrapper: tile table, SMEM, barriers, gather of the padded output
+# Wrapper: tile table, SMEM, barriers, scatter of the edge chunks
 # ----------------------------------------------------------------------------------------------
+def long_sequences(query_start: jax.Array, min_query_len: int) -> jax.Array:
+    """bool [B]: the sequences the kernel computes with `min_query_len` (> 1); a caller fills the rest."""
+    return query_start[1:] - query_start[:-1] >= min_query_len
+
+
 def _mgpu_call(q, k_cache, v_cache, query_start, seq_lens, page_table, *, scale, block_q, block_kv,
                max_steps, min_query_len, interpret):
     num_tokens, num_heads, head_dim = q.shape
@@ -260,8 +265,7 @@ def _mgpu_call(q, k_cache, v_cache, query_start, seq_lens, page_table, *, scale,
     padded_pages = pl.cdiv(max_pages, pages_per_block) * pages_per_block
     table = jnp.pad(page_table.astype(jnp.int32), ((0, 1), (0, padded_pages - max_pages)))  # [B+1, Pp]
     if min_query_len > 1:  # sequences with fewer new tokens (and the padding tokens) get no tiles
-        qlen = query_start[1:] - query_start[:-1]
-        seg_mask = jnp.concatenate([qlen >= min_query_len, jnp.zeros((1,), bool)])
+        seg_mask = jnp.concatenate([long_sequences(query_start, min_query_len), jnp.zeros((1,), bool)])
         # each selected sequence adds at most one partial tile
         num_tiles = pl.cdiv(num_tokens, tile_tokens) + min(batch, num_tokens // min_query_len)
     else:

@@ -67,16 +67,20 @@ class ModelOps:
         args = (q, k_cache, v_cache, batch.query_start, batch.seq_lens, batch.page_table)
         if not self.mosaic_prefill or q.shape[0] < MOSAIC_MIN_STEP_TOKENS:
             return ragged_prefill_attention(*args, scale=scale, interpret=self.interpret)
-        from pallas_kernels.prefill_attention_mgpu import check_supported, ragged_prefill_attention_mgpu
+        from pallas_kernels.prefill_attention_mgpu import (
+            check_supported,
+            long_sequences,
+            ragged_prefill_attention_mgpu,
+        )
 
         if check_supported(q, k_cache) is not None:
             return ragged_prefill_attention(*args, scale=scale, interpret=self.interpret)
         # The Mosaic kernel writes the long sequences' rows; the Triton kernel then fills in the rest
         # of the same buffer (in place).
-        long = batch.query_start[1:] - batch.query_start[:-1] >= MOSAIC_MIN_QUERY_LEN  # [B]
         out = ragged_prefill_attention_mgpu(*args, scale=scale, min_query_len=MOSAIC_MIN_QUERY_LEN,
                                             interpret=self.interpret)
-        return ragged_prefill_attention(*args, ~long, out, scale=scale, interpret=self.interpret)
+        rest = ~long_sequences(batch.query_start, MOSAIC_MIN_QUERY_LEN)
+        return ragged_prefill_attention(*args, rest, out, scale=scale, interpret=self.interpret)
 
     def norm_projections(self, x: jax.Array, norm: jax.Array, weights: tuple[jax.Array, ...],
                          eps: float) -> tuple[jax.Array, ...]:
