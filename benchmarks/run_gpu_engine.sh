@@ -2,9 +2,7 @@
 # On the H100 machine (device tool, carrying .whl): the raw forward step and offline throughput of a
 # Qwen3-4B-shaped dummy model. Results land in $OUT (copy them to benchmarks/results/).
 set -euo pipefail
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
-export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 JINFER_COMPILATION_CACHE=/tmp/jinfer-xla
-OUT=${OUT:-benchmarks/results}
+source benchmarks/gpu_env.sh
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv
 python3 -m benchmarks.roofline --shape qwen3-4b --batch 1 --context 1024 --prompt-len 1024 --out "$OUT/roofline_qwen3-4b_h100.json"
 python3 -m benchmarks.bench_forward --shape qwen3-4b --prompt-len 1024 --batch 1 --iters 20 \

@@ -4,16 +4,11 @@
 # 1k in / 128 out) and the raw forward step (sync vs pipelined), Qwen3-4B-shaped dummy model, bf16.
 # Results land in $OUT (copy them to benchmarks/results/). Part 2: run_gpu_serving.sh.
 set -uo pipefail
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
-export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 JINFER_COMPILATION_CACHE=/tmp/jinfer-xla
-OUT=${OUT:-benchmarks/results}
+source benchmarks/gpu_env.sh
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv
 JAX_PLATFORMS=cuda timeout 240 python3 -m pytest -q -m gpu tests/kernels tests/unit/test_executable_cache.py \
     -p no:cacheprovider 2>&1 | tail -2
-python3 -m benchmarks.bench_latency --shape qwen3-4b --batch-sizes 1 8 32 --input-len 1024 --output-len 128 \
-    --out "$OUT/latency_qwen3-4b_h100.json" | grep "^batch"
-python3 -m benchmarks.bench_throughput --model dummy:qwen3-4b --num-prompts 512 --input-len 1024 --output-len 128 \
-    --max-num-batched-tokens 8192 --out "$OUT/throughput_qwen3-4b_h100_512x1k.json" | tail -1
+BACKENDS=pallas bash benchmarks/run_gpu_prefill.sh  # latency and throughput, written by one script
 python3 -m benchmarks.bench_forward --shape qwen3-4b --prompt-len 1024 --batch 1 --iters 30 --attention-backend pallas \
     --out "$OUT/forward_qwen3-4b_h100_pallas.json" | grep -E "prefill_step|decode_step_ms_median|pipelined"
 # A Perfetto trace of batch-1 decode steps (summarize with `python -m benchmarks.trace_summary FILE`).

@@ -2,12 +2,10 @@
 # On the H100 machine (device tool, carrying .whl): the engine with the Mosaic GPU prefill kernel
 # (attention backend "pallas", the default on GPU) against Triton-only prefill ("pallas-triton"):
 # TTFT of a 1k prompt (batch 1) and offline throughput (512 prompts, 1k in / 128 out), Qwen3-4B
-# shape, dummy weights, bf16. Results land in $OUT.
+# shape, dummy weights, bf16. Results land in $OUT. BACKENDS=pallas runs only the default.
 set -uo pipefail
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
-export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 JINFER_COMPILATION_CACHE=/tmp/jinfer-xla
-OUT=${OUT:-benchmarks/results}
-for backend in pallas pallas-triton; do
+source benchmarks/gpu_env.sh
+for backend in ${BACKENDS:-pallas pallas-triton}; do
   tag=$([ $backend = pallas ] && echo "" || echo "_triton")
   python3 -m benchmarks.bench_latency --shape qwen3-4b --batch-sizes 1 8 32 --input-len 1024 --output-len 128 \
       --attention-backend $backend --out "$OUT/latency_qwen3-4b_h100$tag.json" | grep "^batch"

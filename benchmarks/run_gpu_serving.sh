@@ -4,9 +4,7 @@
 # (bench_startup), then the serving benchmark at 16 req/s (1k in / 128 out) against a warm server.
 # HF_PEER=1 also runs the HF transformers peer. Results in $OUT.
 set -uo pipefail
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
-export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 JINFER_COMPILATION_CACHE=/tmp/jinfer-xla
-OUT=${OUT:-benchmarks/results}
+source benchmarks/gpu_env.sh
 ARGS="--max-model-len 2048 --max-num-seqs 256 --max-num-batched-tokens 2048"
 DEVICE=$(nvidia-smi --query-gpu=name --format=csv,noheader)
 
