@@ -79,3 +79,16 @@ def test_engine_config_page_size_and_named_shapes():
         EngineConfig(page_size=12)
     q = NAMED_SHAPES["qwen3-4b"]
     assert 3.9e9 < q.num_params() < 4.1e9
+
+
+def test_cli_attention_backends_match_the_ops():
+    """args.py lists the backends itself (the HTTP launcher must not import JAX); keep it in step."""
+    import argparse
+
+    from jinfer.engine.args import add_engine_arguments
+    from jinfer.models.ops import BACKENDS
+
+    parser = argparse.ArgumentParser()
+    add_engine_arguments(parser)
+    action = next(a for a in parser._actions if a.dest == "attention_backend")
+    assert tuple(action.choices) == BACKENDS
