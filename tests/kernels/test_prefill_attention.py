@@ -70,6 +70,13 @@ def test_prefill_argument_checks():
     with pytest.raises(ValueError, match="k_cache"):
         ragged_prefill_attention(q, k, jnp.zeros((4, 16, 2, 32)), jnp.zeros((3,), jnp.int32),
                                  jnp.ones((2,), jnp.int32), table, interpret=True)
+    qs, lens = jnp.zeros((3,), jnp.int32), jnp.ones((2,), jnp.int32)
+    with pytest.raises(ValueError, match="seq_mask"):
+        ragged_prefill_attention(q, k, k, qs, lens, table, jnp.ones((3,), bool), interpret=True)
+    with pytest.raises(ValueError, match="out must come with a seq_mask"):
+        ragged_prefill_attention(q, k, k, qs, lens, table, None, q, interpret=True)
+    with pytest.raises(ValueError, match="out must"):
+        ragged_prefill_attention(q, k, k, qs, lens, table, jnp.ones((2,), bool), q[:4], interpret=True)
 
 
 @pytest.mark.parametrize("mode", MODES)
