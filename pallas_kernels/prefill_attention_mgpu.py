@@ -64,179 +64,203 @@ ALIGN = 8
 # Kernel body
 # ----------------------------------------------------------------------------------------------
 def _kernel(tile_ref, q_ref, k_ref, v_ref, pt_ref, out_ref, edge_ref, scoped, *, scale, block_q, block_kv,
-            max_steps, p_in_smem):
-    # tile_ref [num_tiles, 8] int32 (GMEM), q_ref [Tp, H, D], k_ref/v_ref [pages, page_size, KVH, D],
-    # pt_ref [B + 1, Pp] int32, out_ref [Tp, H, D], edge_ref [num_tiles, 2, ALIGN, H, D]
+            max_steps, num_ctas, num_rounds, p_in_smem):
+    # tile_ref [num_tiles, 8] int32 (GMEM, costliest first), q_ref [Tp, H, D],
+    # k_ref/v_ref [pages, page_size, KVH, D], pt_ref [B + 1, Pp] int32, out_ref [Tp, H, D],
+    # edge_ref [num_tiles, 2, ALIGN, H, D]
     smem, (k_ready, v_ready, q_ready), (k_free, v_free), schedule = scoped
     qo_smem2, k_smem, v_smem, p_smem2 = smem
     _, num_heads, head_dim = q_ref.shape
     page_size, num_kv_heads = k_ref.shape[1], k_ref.shape[2]
     pages_per_block = block_kv // page_size
     dtype = q_ref.dtype
-
     qk_scale = scale * LOG2E
-    head = lax.axis_index("heads")
-    tile = lax.axis_index("tiles")
     wg = lax.axis_index("wg")
-    q0, q1, win = tile_ref[tile, _Q0], tile_ref[tile, _Q1], tile_ref[tile, _WIN]
-    shift, seq = tile_ref[tile, _SHIFT], tile_ref[tile, _SEQ]
-    # KV blocks the CTA needs: up to its last valid token's position.
-    cta_steps = jnp.where(q1 > q0, pl.cdiv(jnp.maximum(q1 + shift, 0), block_kv), 0)
+    cta = lax.axis_index("ctas")
+
+    def work_item(r):
+        """The CTA's r-th work item (query head, tile) and its K/V block count. Items are ranked by
+        cost (tile-major, heads fastest) and dealt to the CTAs in snake order, round by round."""
+        rank = r * num_ctas + jnp.where(r % 2 == 0, cta, num_ctas - 1 - cta)
+        tile, head = lax.div(rank, jnp.int32(num_heads)), lax.rem(rank, jnp.int32(num_heads))
+        q0, q1, win = tile_ref[tile, _Q0], tile_ref[tile, _Q1], tile_ref[tile, _WIN]
+        shift, seq = tile_ref[tile, _SHIFT], tile_ref[tile, _SEQ]
+        # KV blocks the item needs: up to its last valid token's position.
+        steps = jnp.where(q1 > q0, pl.cdiv(jnp.maximum(q1 + shift, 0), block_kv), 0)
+        return tile, head, q0, q1, win, shift, seq, steps
 
     def schedule_barrier():
         plgpu.barrier_arrive(schedule)
         plgpu.barrier_wait(schedule)
 
-    @pl.when((wg < COMPUTE_WGS) & (q1 > q0))  # empty tiles (the grid's spare ones) exit at once
+    @pl.when(wg < COMPUTE_WGS)
     def _compute_wg():
         plgpu.set_max_registers(232, action="increase")
         qo_smem = qo_smem2.at[wg]
-        base = pl.multiple_of(win + wg * block_q, ALIGN)  # token index of this warpgroup's row 0
-        first = jnp.maximum(base, q0) + shift  # position of its first / last valid row
-        last = jnp.minimum(base + block_q, q1) - 1 + shift
-        kv_steps = jnp.where(last >= first, pl.cdiv(jnp.maximum(last + 1, 0), block_kv), 0)
-        full_steps = jnp.minimum(jnp.maximum(first + 1, 0) // block_kv, kv_steps)
 
-        plgpu.copy_gmem_to_smem(q_ref.at[pl.ds(base, block_q), head], qo_smem, q_ready.at[wg])
-        plgpu.barrier_wait(q_ready.at[wg])
+        def item(r, g0):  # g0: K/V blocks of the CTA's earlier items (ring position)
+            tile, head, q0, q1, win, shift, _, cta_steps = work_item(r)
+            pl.when(q1 > q0)(functools.partial(_attend, tile, head, q0, q1, win, shift, cta_steps, g0))
+            return g0 + cta_steps
 
-        m_i = plgpu.layout_cast(jnp.full((block_q,), -jnp.inf, jnp.float32), plgpu.Layout.WGMMA.reduce(1))
-        l_i = plgpu.layout_cast(jnp.full((block_q,), 0.0, jnp.float32), plgpu.Layout.WGMMA.reduce(1))
-        acc = plgpu.layout_cast(jnp.full((block_q, head_dim), 0.0, jnp.float32), plgpu.Layout.WGMMA)
+        def _attend(tile, head, q0, q1, win, shift, cta_steps, g0):
+            base = pl.multiple_of(win + wg * block_q, ALIGN)  # token index of this warpgroup's row 0
+            first = jnp.maximum(base, q0) + shift  # position of its first / last valid row
+            last = jnp.minimum(base + block_q, q1) - 1 + shift
+            kv_steps = jnp.where(last >= first, pl.cdiv(jnp.maximum(last + 1, 0), block_kv), 0)
+            full_steps = jnp.minimum(jnp.maximum(first + 1, 0) // block_kv, kv_steps)
 
-        @pl.when(kv_steps > 0)
-        def _():
-            plgpu.barrier_wait(k_ready.at[0])
+            def slot_of(step):
+                return lax.rem(g0 + step, jnp.int32(max_steps))
 
-        pl.when(wg == 1)(schedule_barrier)
+            plgpu.copy_gmem_to_smem(q_ref.at[pl.ds(base, block_q), head], qo_smem, q_ready.at[wg])
+            plgpu.barrier_wait(q_ready.at[wg])
 
-        def kv_step(step, carry, masked: bool):
-            acc, m_i, l_i = carry  # [bq, D] f32, [bq] f32 (log2 domain, scaled), [bq] f32
-            slot = lax.rem(step, jnp.int32(max_steps))
+            m_i = plgpu.layout_cast(jnp.full((block_q,), -jnp.inf, jnp.float32), plgpu.Layout.WGMMA.reduce(1))
+            l_i = plgpu.layout_cast(jnp.full((block_q,), 0.0, jnp.float32), plgpu.Layout.WGMMA.reduce(1))
+            acc = plgpu.layout_cast(jnp.full((block_q, head_dim), 0.0, jnp.float32), plgpu.Layout.WGMMA)
 
-            def qk(acc_ref):
-                plgpu.wgmma(acc_ref, qo_smem, k_smem.at[slot].transpose((1, 0)))
-                schedule_barrier()
-                return acc_ref[...]
+            @pl.when(kv_steps > 0)
+            def _():
+                plgpu.barrier_wait(k_ready.at[slot_of(0)])
 
-            s = pl.run_scoped(qk, plgpu.ACC((block_q, block_kv), jnp.float32))  # [bq, bkv]
-            plgpu.barrier_arrive(k_free.at[slot])
-            if masked:
-                rows = plgpu.broadcasted_iota(jnp.int32, s.shape, 0, layout=plgpu.Layout.WGMMA)
-                cols = plgpu.broadcasted_iota(jnp.int32, s.shape, 1, layout=plgpu.Layout.WGMMA)
-                s = jnp.where(rows + (base + shift) >= cols + step * block_kv, s, -jnp.inf)
-            # m is kept in the scaled log2 domain, so p = exp2(s * c - m) is one FMA per element.
-            m_new = jnp.maximum(m_i, s.max(axis=1) * qk_scale)
-            alpha = jnp.exp2(m_i - m_new)
-            p = jnp.exp2(s * qk_scale - lax.broadcast_in_dim(m_new, s.shape, [0]))
-            acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
-            l_i = l_i * alpha
-            p16 = p.astype(dtype)
+            pl.when(wg == 1)(schedule_barrier)
 
-            def end_softmax():
-                plgpu.barrier_arrive(schedule)
-                plgpu.barrier_wait(v_ready.at[slot])
-                plgpu.barrier_wait(schedule)
+            def kv_step(step, carry, masked: bool):
+                acc, m_i, l_i = carry  # [bq, D] f32, [bq] f32 (log2 domain, scaled), [bq] f32
+                slot = slot_of(step)
 
-            # Ordering as in JAX's attention_mgpu (measured there to matter).
-            if head_dim <= 128:
-                l_i = l_i + p.sum(axis=1)
-                acc, l_i, m_new, p16 = lax.optimization_barrier((acc, l_i, m_new, p16))
-                end_softmax()
-            else:
-                end_softmax()
-                l_i = l_i + p.sum(axis=1)
-
-            def wait_next_k():
-                nxt = step + 1
-
-                @pl.when(nxt < kv_steps)
-                def _():
-                    plgpu.barrier_wait(k_ready.at[lax.rem(nxt, jnp.int32(max_steps))])
-
-            if p_in_smem:
-                p_smem = p_smem2.at[wg]
-                p_smem[...] = p16
-                plgpu.commit_smem()
-
-                def pv(acc_ref):
-                    plgpu.wgmma(acc_ref, p_smem, v_smem.at[slot])
-                    wait_next_k()
+                def qk(acc_ref):
+                    plgpu.wgmma(acc_ref, qo_smem, k_smem.at[slot].transpose((1, 0)))
+                    schedule_barrier()
                     return acc_ref[...]
 
-                acc = acc + pl.run_scoped(pv, plgpu.ACC((block_q, head_dim), jnp.float32))
-            else:
-                def pv(acc_ref):
-                    plgpu.wgmma(acc_ref, p16, v_smem.at[slot])
-                    wait_next_k()
+                s = pl.run_scoped(qk, plgpu.ACC((block_q, block_kv), jnp.float32))  # [bq, bkv]
+                plgpu.barrier_arrive(k_free.at[slot])
+                if masked:
+                    rows = plgpu.broadcasted_iota(jnp.int32, s.shape, 0, layout=plgpu.Layout.WGMMA)
+                    cols = plgpu.broadcasted_iota(jnp.int32, s.shape, 1, layout=plgpu.Layout.WGMMA)
+                    s = jnp.where(rows + (base + shift) >= cols + step * block_kv, s, -jnp.inf)
+                # m is kept in the scaled log2 domain, so p = exp2(s * c - m) is one FMA per element.
+                m_new = jnp.maximum(m_i, s.max(axis=1) * qk_scale)
+                alpha = jnp.exp2(m_i - m_new)
+                p = jnp.exp2(s * qk_scale - lax.broadcast_in_dim(m_new, s.shape, [0]))
+                acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
+                l_i = l_i * alpha
+                p16 = p.astype(dtype)
 
-                acc = pl.run_state(pv)(plgpu.ACC.init(acc))
-            plgpu.barrier_arrive(v_free.at[slot])
-            return acc, m_new, l_i
+                def end_softmax():
+                    plgpu.barrier_arrive(schedule)
+                    plgpu.barrier_wait(v_ready.at[slot])
+                    plgpu.barrier_wait(schedule)
 
-        def drain(step, _):
-            # Keep the ring and the schedule barrier in step with the other warpgroup (every
-            # warpgroup observes every phase of the barriers it uses).
-            slot = lax.rem(step, jnp.int32(max_steps))
-            plgpu.barrier_wait(k_ready.at[slot])
-            plgpu.barrier_wait(v_ready.at[slot])
-            plgpu.barrier_arrive(k_free.at[slot])
-            plgpu.barrier_arrive(v_free.at[slot])
-            schedule_barrier()
-            schedule_barrier()
+                # Ordering as in JAX's attention_mgpu (measured there to matter).
+                if head_dim <= 128:
+                    l_i = l_i + p.sum(axis=1)
+                    acc, l_i, m_new, p16 = lax.optimization_barrier((acc, l_i, m_new, p16))
+                    end_softmax()
+                else:
+                    end_softmax()
+                    l_i = l_i + p.sum(axis=1)
 
-        carry = (acc, m_i, l_i)
-        carry = lax.fori_loop(0, full_steps, functools.partial(kv_step, masked=False), carry)
-        acc, m_i, l_i = lax.fori_loop(full_steps, kv_steps, functools.partial(kv_step, masked=True), carry)
-        lax.fori_loop(kv_steps, cta_steps, drain, None)
-        pl.when(wg == 0)(schedule_barrier)
+                def wait_next_k():
+                    @pl.when(step + 1 < kv_steps)
+                    def _():
+                        plgpu.barrier_wait(k_ready.at[slot_of(step + 1)])
 
-        l_i = jnp.where(l_i == 0.0, 1.0, l_i)  # rows without context (padding) -> zeros
-        qo_smem[...] = (acc / lax.broadcast_in_dim(l_i, acc.shape, [0])).astype(dtype)
-        plgpu.commit_smem()
-        # Store by 8-row chunks: a chunk wholly inside [q0, q1) goes straight to its rows of the
-        # output; the chunk holding an unaligned q0 (q1) goes to edge slot 0 (1), which the wrapper
-        # scatters into place, since a neighbouring tile owns the chunk's other rows.
-        for c in range(block_q // ALIGN):
-            t0 = base + c * ALIGN
-            rows = qo_smem.at[pl.ds(c * ALIGN, ALIGN)]
-            inside = (t0 >= q0) & (t0 + ALIGN <= q1)
-            edge = (t0 < q1) & (t0 + ALIGN > q0) & ~inside
-            # (pl.when rather than the copy's predicate: the interpreter has no predicated copies)
-            pl.when(inside)(functools.partial(
-                plgpu.copy_smem_to_gmem, rows, out_ref.at[pl.ds(pl.multiple_of(t0, ALIGN), ALIGN), head]))
-            pl.when(edge & (t0 < q0))(functools.partial(plgpu.copy_smem_to_gmem, rows, edge_ref.at[tile, 0, :, head]))
-            pl.when(edge & (t0 >= q0))(functools.partial(plgpu.copy_smem_to_gmem, rows, edge_ref.at[tile, 1, :, head]))
+                if p_in_smem:
+                    p_smem = p_smem2.at[wg]
+                    p_smem[...] = p16
+                    plgpu.commit_smem()
+
+                    def pv(acc_ref):
+                        plgpu.wgmma(acc_ref, p_smem, v_smem.at[slot])
+                        wait_next_k()
+                        return acc_ref[...]
+
+                    acc = acc + pl.run_scoped(pv, plgpu.ACC((block_q, head_dim), jnp.float32))
+                else:
+                    def pv(acc_ref):
+                        plgpu.wgmma(acc_ref, p16, v_smem.at[slot])
+                        wait_next_k()
+
+                    acc = pl.run_state(pv)(plgpu.ACC.init(acc))
+                plgpu.barrier_arrive(v_free.at[slot])
+                return acc, m_new, l_i
+
+            def drain(step, _):
+                # Keep the ring and the schedule barrier in step with the other warpgroup (every
+                # warpgroup observes every phase of the barriers it uses).
+                slot = slot_of(step)
+                plgpu.barrier_wait(k_ready.at[slot])
+                plgpu.barrier_wait(v_ready.at[slot])
+                plgpu.barrier_arrive(k_free.at[slot])
+                plgpu.barrier_arrive(v_free.at[slot])
+                schedule_barrier()
+                schedule_barrier()
+
+            carry = (acc, m_i, l_i)
+            carry = lax.fori_loop(0, full_steps, functools.partial(kv_step, masked=False), carry)
+            acc, m_i, l_i = lax.fori_loop(full_steps, kv_steps, functools.partial(kv_step, masked=True), carry)
+            lax.fori_loop(kv_steps, cta_steps, drain, None)
+            pl.when(wg == 0)(schedule_barrier)
+
+            l_i = jnp.where(l_i == 0.0, 1.0, l_i)  # rows without context (padding) -> zeros
+            qo_smem[...] = (acc / lax.broadcast_in_dim(l_i, acc.shape, [0])).astype(dtype)
+            plgpu.commit_smem()
+            # Store by 8-row chunks: a chunk wholly inside [q0, q1) goes straight to its rows of the
+            # output; the chunk holding an unaligned q0 (q1) goes to edge slot 0 (1), which the wrapper
+            # scatters into place, since a neighbouring tile owns the chunk's other rows.
+            for c in range(block_q // ALIGN):
+                t0 = base + c * ALIGN
+                rows = qo_smem.at[pl.ds(c * ALIGN, ALIGN)]
+                inside = (t0 >= q0) & (t0 + ALIGN <= q1)
+                edge = (t0 < q1) & (t0 + ALIGN > q0) & ~inside
+                # (pl.when rather than the copy's predicate: the interpreter has no predicated copies)
+                pl.when(inside)(functools.partial(
+                    plgpu.copy_smem_to_gmem, rows, out_ref.at[pl.ds(pl.multiple_of(t0, ALIGN), ALIGN), head]))
+                pl.when(edge & (t0 < q0))(
+                    functools.partial(plgpu.copy_smem_to_gmem, rows, edge_ref.at[tile, 0, :, head]))
+                pl.when(edge & (t0 >= q0))(
+                    functools.partial(plgpu.copy_smem_to_gmem, rows, edge_ref.at[tile, 1, :, head]))
+            # The next item's Q lands in the same SMEM: wait until the stores have read it (the memory
+            # warpgroup is already streaming that item's first K/V blocks).
+            plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+
+        lax.fori_loop(0, num_rounds, item, jnp.int32(0))
         plgpu.wait_smem_to_gmem(0)
 
     @pl.when(wg == COMPUTE_WGS)
     def _memory_wg():
         plgpu.set_max_registers(40, action="decrease")
-        kv_head = lax.div(head, jnp.int32(num_heads // num_kv_heads))
 
-        def load(step, slot, src, dst, ready):
+        def load(seq, step, slot, src, dst, ready, kv_head):
             for p in range(pages_per_block):
                 page = pt_ref[seq, step * pages_per_block + p]
                 plgpu.copy_gmem_to_smem(src.at[page, :, kv_head], dst.at[slot, pl.ds(p * page_size, page_size)],
                                         ready.at[slot])
 
-        for i in range(max_steps):
-            @pl.when(i < cta_steps)
-            def _(i=i):
-                load(i, i, k_ref, k_smem, k_ready)
-                load(i, i, v_ref, v_smem, v_ready)
+        def item(r, g0):
+            _, head, _, _, _, _, seq, steps = work_item(r)
+            kv_head = lax.div(head, jnp.int32(num_heads // num_kv_heads))
 
-        @pl.loop(0, jnp.maximum(cta_steps - max_steps, 0))
-        def _(step):
-            slot = lax.rem(step, jnp.int32(max_steps))
-            plgpu.barrier_wait(k_free.at[slot])
-            load(step + max_steps, slot, k_ref, k_smem, k_ready)
-            plgpu.barrier_wait(v_free.at[slot])
-            load(step + max_steps, slot, v_ref, v_smem, v_ready)
+            @pl.loop(0, steps)
+            def _(step):
+                g = g0 + step  # the CTA's K/V block count: ring slot and refill waits run across items
+                slot = lax.rem(g, jnp.int32(max_steps))
+                refill = g >= max_steps
+                pl.when(refill)(lambda: plgpu.barrier_wait(k_free.at[slot]))
+                load(seq, step, slot, k_ref, k_smem, k_ready, kv_head)
+                pl.when(refill)(lambda: plgpu.barrier_wait(v_free.at[slot]))
+                load(seq, step, slot, v_ref, v_smem, v_ready, kv_head)
 
-        @pl.loop(jnp.maximum(cta_steps - max_steps, 0), cta_steps)
-        def _(step):  # the last release of each slot (nothing to refill)
-            slot = lax.rem(step, jnp.int32(max_steps))
+            return g0 + steps
+
+        total = lax.fori_loop(0, num_rounds, item, jnp.int32(0))
+
+        @pl.loop(jnp.maximum(total - max_steps, 0), total)
+        def _(g):  # the last release of each slot (nothing to refill)
+            slot = lax.rem(g, jnp.int32(max_steps))
             plgpu.barrier_wait(k_free.at[slot])
             plgpu.barrier_wait(v_free.at[slot])
 
@@ -249,8 +273,14 @@ def long_sequences(query_start: jax.Array, min_query_len: int) -> jax.Array:
     return query_start[1:] - query_start[:-1] >= min_query_len
 
 
+def _num_sms(interpret) -> int:
+    """CTAs of the persistent grid: the GPU's SM count (a few under the CPU interpreter)."""
+    device = jax.devices()[0]
+    return 4 if interpret or device.platform != "gpu" else device.core_count
+
+
 def _mgpu_call(q, k_cache, v_cache, query_start, seq_lens, page_table, *, scale, block_q, block_kv,
-               max_steps, min_query_len, interpret):
+               max_steps, num_ctas, min_query_len, interpret):
     num_tokens, num_heads, head_dim = q.shape
     num_pages, page_size, num_kv_heads, _ = k_cache.shape
     batch, max_pages = page_table.shape
@@ -273,6 +303,19 @@ def _mgpu_call(q, k_cache, v_cache, query_start, seq_lens, page_table, *, scale,
         num_tiles = pl.cdiv(num_tokens, tile_tokens) + batch + 1
     tiles = _tile_table(query_start, seq_lens, padded_tokens, tile_tokens, num_tiles, seg_mask,
                         window=cta_q, align=ALIGN)  # [num_tiles, 8]
+    # Persistent CTAs (one per SM: the SMEM ring allows no second) deal the (head, tile) items out
+    # costliest first, so the short causal tiles fill in behind the long ones and the memory
+    # warpgroup streams the next item's K/V while the compute warpgroups finish the current one.
+    steps = jnp.where(tiles[:, _Q1] > tiles[:, _Q0],
+                      pl.cdiv(jnp.maximum(tiles[:, _Q1] + tiles[:, _SHIFT], 0), block_kv), 0)
+    tiles = tiles[jnp.argsort(-steps, stable=True)]
+    num_items = num_tiles * num_heads
+    num_ctas = min(num_ctas or _num_sms(interpret), num_items)
+    num_rounds = pl.cdiv(num_items, num_ctas)
+    if num_rounds * num_ctas > num_items:  # empty items (q0 = q1 = 0) for the last round's spare slots
+        extra = pl.cdiv(num_rounds * num_ctas - num_items, num_heads)
+        tiles = jnp.pad(tiles, ((0, extra), (0, 0)))
+        num_tiles += extra
 
     def entry(tile_ref, q_ref, k_ref, v_ref, pt_ref, out_ref, edge_ref):
         transforms = (plgpu.TilingTransform((8, 128 // jnp.dtype(dtype).itemsize)), plgpu.SwizzleTransform(128))
@@ -285,7 +328,7 @@ def _mgpu_call(q, k_cache, v_cache, query_start, seq_lens, page_table, *, scale,
         pl.run_scoped(
             lambda *scoped: _kernel(tile_ref, q_ref, k_ref, v_ref, pt_ref, out_ref, edge_ref, scoped, scale=scale,
                                     block_q=block_q, block_kv=block_kv, max_steps=max_steps,
-                                    p_in_smem=bool(interpret)),
+                                    num_ctas=num_ctas, num_rounds=num_rounds, p_in_smem=bool(interpret)),
             smem,
             (plgpu.Barrier(num_arrivals=pages_per_block, num_barriers=max_steps),  # K slot filled
              plgpu.Barrier(num_arrivals=pages_per_block, num_barriers=max_steps),  # V slot filled
@@ -299,8 +342,8 @@ def _mgpu_call(q, k_cache, v_cache, query_start, seq_lens, page_table, *, scale,
         entry,
         out_type=(jax.ShapeDtypeStruct((padded_tokens, num_heads, head_dim), dtype),
                   jax.ShapeDtypeStruct((num_tiles, 2, ALIGN, num_heads, head_dim), dtype)),
-        grid=(num_heads, num_tiles),
-        grid_names=("heads", "tiles"),
+        grid=(num_ctas,),
+        grid_names=("ctas",),
         num_threads=COMPUTE_WGS + 1,
         thread_name="wg",
         compiler_params=plgpu.CompilerParams(approx_math=True),
@@ -342,7 +385,7 @@ def check_supported(q, k_cache) -> str | None:
     return None
 
 
-@functools.partial(jax.jit, static_argnames=("scale", "block_q", "block_kv", "max_steps", "min_query_len",
+@functools.partial(jax.jit, static_argnames=("scale", "block_q", "block_kv", "max_steps", "num_ctas", "min_query_len",
                                              "interpret"))
 def ragged_prefill_attention_mgpu(
     q: jax.Array,
@@ -356,6 +399,7 @@ def ragged_prefill_attention_mgpu(
     block_q: int | None = None,
     block_kv: int | None = None,
     max_steps: int | None = None,
+    num_ctas: int | None = None,
     min_query_len: int = 0,
     interpret: bool = False,
 ) -> jax.Array:
@@ -363,7 +407,8 @@ def ragged_prefill_attention_mgpu(
 
     Arguments and result as `prefill_attention.ragged_prefill_attention`; `block_q` (rows per compute
     warpgroup, multiple of 64), `block_kv` (K/V rows per step, multiple of 64 and of the page size)
-    and `max_steps` (K/V ring depth, >= 2) default to `default_blocks(head_dim)`. With
+    and `max_steps` (K/V ring depth, >= 2) default to `default_blocks(head_dim)`; `num_ctas` (the
+    persistent grid) defaults to the GPU's SM count. With
     `min_query_len` > 1 only sequences with at least that many new tokens are computed (fewer tiles
     launched); the other sequences' rows and the padding rows are then left unspecified (the
     runner fills them from the Triton kernel).
@@ -378,7 +423,8 @@ def ragged_prefill_attention_mgpu(
                          f"{block_q=} {block_kv=} {max_steps=}")
     scale = q.shape[-1] ** -0.5 if scale is None else scale
     return _mgpu_call(q, k_cache, v_cache, query_start, seq_lens, page_table, scale=scale, block_q=block_q,
-                      block_kv=block_kv, max_steps=max_steps, min_query_len=min_query_len, interpret=interpret)
+                      block_kv=block_kv, max_steps=max_steps, num_ctas=num_ctas, min_query_len=min_query_len,
+                      interpret=interpret)
 
 
 # ----------------------------------------------------------------------------------------------

@@ -39,6 +39,19 @@ def test_mgpu_prefill_matches_reference(mode, page_size, heads, kv_heads, dim, s
     assert not np.asarray(out[real:].astype(jnp.float32)).any(), "padding tokens must be zeros"
 
 
+@pytest.mark.parametrize("num_ctas", [1, 3, 64])
+def test_mgpu_prefill_persistent_grid(num_ctas):
+    """Any number of persistent CTAs: one CTA walking every item (its K/V ring running on across
+    items), an odd count (snake order, a spare slot in the last round), more CTAs than items."""
+    rng = np.random.default_rng(num_ctas)
+    seqs = [(130, 200), (1, 17), (40, 40), (0, 0)]
+    q, k, v, qs, lens, table = _batch(rng, seqs, 3, 16, 4, 2, 64, jnp.bfloat16)
+    out = ragged_prefill_attention_mgpu(q, k, v, qs, lens, table, interpret=True, block_kv=64, max_steps=2,
+                                        num_ctas=num_ctas)
+    ref = ragged_prefill_attention_reference(q, k, v, qs, lens, table)
+    assert_close(out, ref, jnp.bfloat16, "interpret")
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("mode", MODES)
 def test_mgpu_prefill_long_chunk(mode):
