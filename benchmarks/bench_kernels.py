@@ -200,12 +200,15 @@ def bench_prefill(results: list, sweep: str | None) -> None:
         add("mosaic_gpu_prefill(default)", functools.partial(ragged_prefill_attention_mgpu, **KW),
             q, k, v, qs, lens, table)
         if sweep in ("all", "mgpu"):
-            # num_ctas 2**20: one (head, tile) item per CTA, i.e. not persistent
-            for bkv, steps, ctas in ((64, 2, None), (64, 3, None), (128, 2, None), (128, 3, 2**20)):
+            # num_ctas None: one persistent CTA per SM; 2**20: one (head, tile) item per CTA
+            sms = jax.devices()[0].core_count
+            for bkv, steps, qb, ctas in ((128, 3, 1, None), (128, 3, 1, sms - 4), (128, 3, 1, 2**20),
+                                         (128, 2, 2, None), (128, 2, 2, sms - 4), (128, 2, 2, 2**20),
+                                         (128, 2, 1, None), (64, 3, 2, None), (64, 4, 2, None), (64, 4, 2, 2**20)):
                 fn = functools.partial(ragged_prefill_attention_mgpu, block_kv=bkv, max_steps=steps,
-                                       num_ctas=ctas, **KW)
+                                       q_buffers=qb, num_ctas=ctas, **KW)
                 add("mosaic_gpu_prefill", fn, q, k, v, qs, lens, table, block_kv=bkv, max_steps=steps,
-                    num_ctas=ctas or "sms", wall=False)
+                    q_buffers=qb, num_ctas=ctas or sms, wall=False)
         if sweep in ("all", "triton"):
             for bq, ppb, warps, stages, hf in ((32, 4, 4, 2, False), (32, 4, 4, 3, True),
                                                (32, 8, 8, 3, True), (32, 8, 8, 2, True), (64, 8, 8, 2, True),

@@ -58,18 +58,19 @@ COMPUTE_WGS = 2
 # Query windows start at multiples of the SMEM tile's 8 rows (Mosaic GPU's TMA addresses GMEM in
 # tiles), so a tile holds 2 * block_q - 8 tokens and its window of 2 * block_q rows covers them.
 ALIGN = 8
+SMEM_BYTES = 227 * 1024  # per CTA on Hopper
 
 
 # ----------------------------------------------------------------------------------------------
 # Kernel body
 # ----------------------------------------------------------------------------------------------
 def _kernel(tile_ref, q_ref, k_ref, v_ref, pt_ref, out_ref, edge_ref, scoped, *, scale, block_q, block_kv,
-            max_steps, num_ctas, num_rounds, p_in_smem):
+            max_steps, q_buffers, num_ctas, num_rounds, p_in_smem):
     # tile_ref [num_tiles, 8] int32 (GMEM, costliest first), q_ref [Tp, H, D],
     # k_ref/v_ref [pages, page_size, KVH, D], pt_ref [B + 1, Pp] int32, out_ref [Tp, H, D],
     # edge_ref [num_tiles, 2, ALIGN, H, D]
-    smem, (k_ready, v_ready, q_ready), (k_free, v_free), schedule = scoped
-    qo_smem2, k_smem, v_smem, p_smem2 = smem
+    smem, (k_ready, v_ready, q_ready), (k_free, v_free, q_free), schedule = scoped
+    qo_smem3, k_smem, v_smem, p_smem2 = smem  # qo_smem3 [q_buffers, COMPUTE_WGS, block_q, D]
     _, num_heads, head_dim = q_ref.shape
     page_size, num_kv_heads = k_ref.shape[1], k_ref.shape[2]
     pages_per_block = block_kv // page_size
@@ -96,14 +97,16 @@ def _kernel(tile_ref, q_ref, k_ref, v_ref, pt_ref, out_ref, edge_ref, scoped, *,
     @pl.when(wg < COMPUTE_WGS)
     def _compute_wg():
         plgpu.set_max_registers(232, action="increase")
-        qo_smem = qo_smem2.at[wg]
 
-        def item(r, g0):  # g0: K/V blocks of the CTA's earlier items (ring position)
+        def item(r, carry):  # g0: K/V blocks of the CTA's earlier items (ring position), n: their count
+            g0, n = carry
             tile, head, q0, q1, win, shift, _, cta_steps = work_item(r)
-            pl.when(q1 > q0)(functools.partial(_attend, tile, head, q0, q1, win, shift, cta_steps, g0))
-            return g0 + cta_steps
+            qbuf = lax.rem(n, jnp.int32(q_buffers))
+            pl.when(q1 > q0)(functools.partial(_attend, tile, head, q0, q1, win, shift, cta_steps, g0, qbuf))
+            return g0 + cta_steps, n + (q1 > q0).astype(jnp.int32)
 
-        def _attend(tile, head, q0, q1, win, shift, cta_steps, g0):
+        def _attend(tile, head, q0, q1, win, shift, cta_steps, g0, qbuf):
+            qo_smem = qo_smem3.at[qbuf, wg]
             base = pl.multiple_of(win + wg * block_q, ALIGN)  # token index of this warpgroup's row 0
             first = jnp.maximum(base, q0) + shift  # position of its first / last valid row
             last = jnp.minimum(base + block_q, q1) - 1 + shift
@@ -113,8 +116,7 @@ def _kernel(tile_ref, q_ref, k_ref, v_ref, pt_ref, out_ref, edge_ref, scoped, *,
             def slot_of(step):
                 return lax.rem(g0 + step, jnp.int32(max_steps))
 
-            plgpu.copy_gmem_to_smem(q_ref.at[pl.ds(base, block_q), head], qo_smem, q_ready.at[wg])
-            plgpu.barrier_wait(q_ready.at[wg])
+            plgpu.barrier_wait(q_ready.at[qbuf])  # loaded by the memory warpgroup
 
             m_i = plgpu.layout_cast(jnp.full((block_q,), -jnp.inf, jnp.float32), plgpu.Layout.WGMMA.reduce(1))
             l_i = plgpu.layout_cast(jnp.full((block_q,), 0.0, jnp.float32), plgpu.Layout.WGMMA.reduce(1))
@@ -223,11 +225,11 @@ def _kernel(tile_ref, q_ref, k_ref, v_ref, pt_ref, out_ref, edge_ref, scoped, *,
                     functools.partial(plgpu.copy_smem_to_gmem, rows, edge_ref.at[tile, 0, :, head]))
                 pl.when(edge & (t0 >= q0))(
                     functools.partial(plgpu.copy_smem_to_gmem, rows, edge_ref.at[tile, 1, :, head]))
-            # The next item's Q lands in the same SMEM: wait until the stores have read it (the memory
-            # warpgroup is already streaming that item's first K/V blocks).
+            # A later item's Q lands in this buffer: release it once the stores have read it.
             plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+            plgpu.barrier_arrive(q_free.at[qbuf])
 
-        lax.fori_loop(0, num_rounds, item, jnp.int32(0))
+        lax.fori_loop(0, num_rounds, item, (jnp.int32(0), jnp.int32(0)))
         plgpu.wait_smem_to_gmem(0)
 
     @pl.when(wg == COMPUTE_WGS)
@@ -240,9 +242,18 @@ def _kernel(tile_ref, q_ref, k_ref, v_ref, pt_ref, out_ref, edge_ref, scoped, *,
                 plgpu.copy_gmem_to_smem(src.at[page, :, kv_head], dst.at[slot, pl.ds(p * page_size, page_size)],
                                         ready.at[slot])
 
-        def item(r, g0):
-            _, head, _, _, _, _, seq, steps = work_item(r)
+        def item(r, carry):
+            g0, n = carry
+            _, head, q0, q1, win, _, seq, steps = work_item(r)
             kv_head = lax.div(head, jnp.int32(num_heads // num_kv_heads))
+
+            @pl.when(q1 > q0)
+            def _load_q():  # the item's query window, half per compute warpgroup
+                qbuf = lax.rem(n, jnp.int32(q_buffers))
+                pl.when(n >= q_buffers)(lambda: plgpu.barrier_wait(q_free.at[qbuf]))
+                for w in range(COMPUTE_WGS):
+                    rows = q_ref.at[pl.ds(pl.multiple_of(win + w * block_q, ALIGN), block_q), head]
+                    plgpu.copy_gmem_to_smem(rows, qo_smem3.at[qbuf, w], q_ready.at[qbuf])
 
             @pl.loop(0, steps)
             def _(step):
@@ -254,9 +265,13 @@ def _kernel(tile_ref, q_ref, k_ref, v_ref, pt_ref, out_ref, edge_ref, scoped, *,
                 pl.when(refill)(lambda: plgpu.barrier_wait(v_free.at[slot]))
                 load(seq, step, slot, v_ref, v_smem, v_ready, kv_head)
 
-            return g0 + steps
+            return g0 + steps, n + (q1 > q0).astype(jnp.int32)
 
-        total = lax.fori_loop(0, num_rounds, item, jnp.int32(0))
+        total, items = lax.fori_loop(0, num_rounds, item, (jnp.int32(0), jnp.int32(0)))
+
+        @pl.loop(jnp.maximum(items - q_buffers, 0), items)
+        def _(i):
+            plgpu.barrier_wait(q_free.at[lax.rem(i, jnp.int32(q_buffers))])
 
         @pl.loop(jnp.maximum(total - max_steps, 0), total)
         def _(g):  # the last release of each slot (nothing to refill)
@@ -280,7 +295,7 @@ def _num_sms(interpret) -> int:
 
 
 def _mgpu_call(q, k_cache, v_cache, query_start, seq_lens, page_table, *, scale, block_q, block_kv,
-               max_steps, num_ctas, min_query_len, interpret):
+               max_steps, q_buffers, num_ctas, min_query_len, interpret):
     num_tokens, num_heads, head_dim = q.shape
     num_pages, page_size, num_kv_heads, _ = k_cache.shape
     batch, max_pages = page_table.shape
@@ -320,7 +335,7 @@ def _mgpu_call(q, k_cache, v_cache, query_start, seq_lens, page_table, *, scale,
     def entry(tile_ref, q_ref, k_ref, v_ref, pt_ref, out_ref, edge_ref):
         transforms = (plgpu.TilingTransform((8, 128 // jnp.dtype(dtype).itemsize)), plgpu.SwizzleTransform(128))
         smem = [
-            plgpu.SMEM((COMPUTE_WGS, block_q, head_dim), dtype, transforms=transforms),
+            plgpu.SMEM((q_buffers, COMPUTE_WGS, block_q, head_dim), dtype, transforms=transforms),
             plgpu.SMEM((max_steps, block_kv, head_dim), dtype, transforms=transforms),
             plgpu.SMEM((max_steps, block_kv, head_dim), dtype, transforms=transforms),
             plgpu.SMEM((COMPUTE_WGS, block_q, block_kv), dtype, transforms=transforms) if interpret else None,
@@ -328,12 +343,14 @@ def _mgpu_call(q, k_cache, v_cache, query_start, seq_lens, page_table, *, scale,
         pl.run_scoped(
             lambda *scoped: _kernel(tile_ref, q_ref, k_ref, v_ref, pt_ref, out_ref, edge_ref, scoped, scale=scale,
                                     block_q=block_q, block_kv=block_kv, max_steps=max_steps,
-                                    num_ctas=num_ctas, num_rounds=num_rounds, p_in_smem=bool(interpret)),
+                                    q_buffers=q_buffers, num_ctas=num_ctas, num_rounds=num_rounds,
+                                    p_in_smem=bool(interpret)),
             smem,
             (plgpu.Barrier(num_arrivals=pages_per_block, num_barriers=max_steps),  # K slot filled
              plgpu.Barrier(num_arrivals=pages_per_block, num_barriers=max_steps),  # V slot filled
-             plgpu.Barrier(num_barriers=COMPUTE_WGS)),  # Q tile loaded
-            (plgpu.Barrier(num_arrivals=COMPUTE_WGS, num_barriers=max_steps),) * 2,  # K / V slot free
+             plgpu.Barrier(num_arrivals=COMPUTE_WGS, num_barriers=q_buffers)),  # Q window loaded
+            (plgpu.Barrier(num_arrivals=COMPUTE_WGS, num_barriers=max_steps),) * 2  # K / V slot free
+            + (plgpu.Barrier(num_arrivals=COMPUTE_WGS, num_barriers=q_buffers),),  # Q buffer free
             plgpu.Barrier(num_arrivals=COMPUTE_WGS),  # tensor-core turn
             collective_axes="wg",
         )
@@ -385,7 +402,7 @@ def check_supported(q, k_cache) -> str | None:
     return None
 
 
-@functools.partial(jax.jit, static_argnames=("scale", "block_q", "block_kv", "max_steps", "num_ctas", "min_query_len",
+@functools.partial(jax.jit, static_argnames=("scale", "block_q", "block_kv", "max_steps", "q_buffers", "num_ctas", "min_query_len",
                                              "interpret"))
 def ragged_prefill_attention_mgpu(
     q: jax.Array,
@@ -399,6 +416,7 @@ def ragged_prefill_attention_mgpu(
     block_q: int | None = None,
     block_kv: int | None = None,
     max_steps: int | None = None,
+    q_buffers: int | None = None,
     num_ctas: int | None = None,
     min_query_len: int = 0,
     interpret: bool = False,
@@ -421,9 +439,16 @@ def ragged_prefill_attention_mgpu(
     if block_q % 64 or block_kv % 64 or block_kv % k_cache.shape[1] or max_steps < 2:
         raise ValueError(f"need block_q, block_kv multiples of 64 (block_kv of the page size) and max_steps >= 2: "
                          f"{block_q=} {block_kv=} {max_steps=}")
+    q_bytes = COMPUTE_WGS * block_q * q.shape[-1] * q.dtype.itemsize
+    ring_bytes = 2 * max_steps * block_kv * q.shape[-1] * q.dtype.itemsize
+    if q_buffers is None:  # double-buffer the query window when the SMEM has room
+        q_buffers = 2 if 2 * q_bytes + ring_bytes <= SMEM_BYTES else 1
+    if q_buffers < 1 or q_buffers * q_bytes + ring_bytes > SMEM_BYTES:
+        raise ValueError(f"{q_buffers=} query buffers and a K/V ring of {max_steps=} x {block_kv=} rows need "
+                         f"{(q_buffers * q_bytes + ring_bytes) // 1024} KiB of SMEM (at most {SMEM_BYTES // 1024})")
     scale = q.shape[-1] ** -0.5 if scale is None else scale
     return _mgpu_call(q, k_cache, v_cache, query_start, seq_lens, page_table, scale=scale, block_q=block_q,
-                      block_kv=block_kv, max_steps=max_steps, num_ctas=num_ctas, min_query_len=min_query_len,
+                      block_kv=block_kv, max_steps=max_steps, q_buffers=q_buffers, num_ctas=num_ctas, min_query_len=min_query_len,
                       interpret=interpret)
 
 

@@ -96,6 +96,8 @@ def test_mgpu_prefill_argument_checks():
                                       lens, table, interpret=True)
     with pytest.raises(ValueError, match="max_steps"):
         ragged_prefill_attention_mgpu(q, k, k, qs, lens, table, max_steps=1, interpret=True)
+    with pytest.raises(ValueError, match="SMEM"):
+        ragged_prefill_attention_mgpu(q, k, k, qs, lens, table, block_kv=256, max_steps=8, interpret=True)
     with pytest.raises(ValueError, match="query_start"):
         ragged_prefill_attention_mgpu(q, k, k, qs[:1], lens, table, interpret=True)
     assert check_supported(q, jnp.zeros((4, 4, 2, 64), jnp.bfloat16)) is not None  # page size 4
@@ -132,8 +134,9 @@ def test_ops_split_sends_long_sequences_to_mosaic(mode):
     assert "ragged_prefill_attention_bq" in jaxpr and "wgmma" in jaxpr, "both kernels must run"
 
 
-@pytest.mark.parametrize("dim,page,blocks", [(128, 16, {}), (64, 8, {"block_kv": 64, "max_steps": 2}), (256, 64, {})],
-                         ids=["d128-p16", "d64-p8", "d256-p64"])
+@pytest.mark.parametrize("dim,page,blocks", [(128, 16, {}), (128, 16, {"max_steps": 2, "q_buffers": 2}),
+                                              (64, 8, {"block_kv": 64, "max_steps": 2}), (256, 64, {})],
+                         ids=["d128-p16", "d128-p16-2q", "d64-p8", "d256-p64"])
 def test_mgpu_prefill_lowers_for_cuda(dim, page, blocks):
     """Mosaic GPU's own compile steps (layout inference, TMA legality) run at lowering: exporting for
     CUDA checks them on a machine without a GPU (the interpreter does not)."""
