@@ -4,14 +4,22 @@ Same contract as `prefill_attention.ragged_prefill_attention` (flattened new tok
 sequences, each token attending causally to its sequence's cached pages), built the FlashAttention-3
 way after JAX's `pallas/ops/gpu/attention_mgpu.py`:
 
-- One CTA = (query head, tile of consecutive tokens of one sequence). Three warpgroups: two
-  compute warpgroups own block_q query rows each; the third (memory) streams K/V blocks into a
-  ring of `max_steps` SMEM slots with TMA, one copy per page (the page table is read as scalars from
-  GMEM), and waits for the compute warpgroups to release a slot before refilling it.
+- Work item = (query head, tile of consecutive tokens of one sequence). The grid is persistent:
+  one CTA per SM (the SMEM use allows no second), each walking its items; the items, ranked by
+  cost (K/V blocks), are dealt to the CTAs in snake order round by round, so the short causal
+  tiles fill in behind the long ones.
+- Three warpgroups per CTA: two compute warpgroups own block_q query rows each; the third
+  (memory) loads each item's query window into one of `q_buffers` SMEM buffers and streams K/V
+  blocks into a ring of `max_steps` SMEM slots with TMA, one copy per page (the page table is read
+  as scalars from GMEM), waiting for the compute warpgroups to release a buffer or slot before
+  refilling it. The ring runs on across items, so the next item's Q and first K/V blocks land
+  while the compute warpgroups finish the current item and store its output.
 - The compute warpgroups run S = Q K^T and O += P V on the tensor cores (wgmma), softmax in
   registers, and take turns on the tensor cores through a schedule barrier, so one's softmax
   overlaps the other's matmuls. Blocks fully below a warpgroup's first row run unmasked; only the
-  diagonal blocks apply the causal mask.
+  diagonal blocks apply the causal mask. (FlashAttention-3's intra-warpgroup pipeline, S of the
+  next block issued with P V of the current one, measured 26% slower on the H100: ptxas
+  serializes the wgmmas (C7513), as the register P operand is fenced between the two issues.)
 - Tiles are not aligned to sequence starts: a tile's query window (2 x block_q rows, starting at a
   multiple of 8, as Mosaic GPU's TMA addresses GMEM in whole 8-row SMEM tiles) is clamped inside
   [0, T), so it may hold rows of the neighbouring sequences; a tile takes 2 x block_q - 8 tokens
@@ -20,8 +28,7 @@ way after JAX's `pallas/ops/gpu/attention_mgpu.py`:
   into a small per-tile edge buffer where a sequence boundary cuts the chunk; the wrapper scatters
   the edge rows (at most 16 per tile) into place. No races between tiles, no full-output copy.
 
-The tile table is the Triton kernel's (`prefill_attention._tile_table`): a sequence's last tiles,
-which see the most context, launch first.
+The tile table is the Triton kernel's (`prefill_attention._tile_table`), sorted by cost.
 
 Interpret mode (CPU): jax 0.11.2's Mosaic GPU interpreter has no `pl.run_state` and wants both
 wgmma operands in SMEM, so with `interpret` set P goes through an SMEM buffer and each P V product
@@ -96,7 +103,7 @@ def _kernel(tile_ref, q_ref, k_ref, v_ref, pt_ref, out_ref, edge_ref, scoped, *,
 
     @pl.when(wg < COMPUTE_WGS)
     def _compute_wg():
-        plgpu.set_max_registers(232, action="increase")
+        plgpu.set_max_registers(240, action="increase")
 
         def item(r, carry):  # g0: K/V blocks of the CTA's earlier items (ring position), n: their count
             g0, n = carry
@@ -234,7 +241,7 @@ def _kernel(tile_ref, q_ref, k_ref, v_ref, pt_ref, out_ref, edge_ref, scoped, *,
 
     @pl.when(wg == COMPUTE_WGS)
     def _memory_wg():
-        plgpu.set_max_registers(40, action="decrease")
+        plgpu.set_max_registers(24, action="decrease")  # TMA issue only (H100: +1-2%)
 
         def load(seq, step, slot, src, dst, ready, kv_head):
             for p in range(pages_per_block):
@@ -383,10 +390,11 @@ def _mgpu_call(q, k_cache, v_cache, query_start, seq_lens, page_table, *, scale,
 # Public API
 # ----------------------------------------------------------------------------------------------
 def default_blocks(head_dim: int) -> tuple[int, int, int]:
-    """(block_q, block_kv, max_steps) within the 227 KB of SMEM: Q/O 2 x 64 rows and a K/V ring of
-    3 x 128 rows (224 KB at head_dim 128; H100 sweep: 222 vs 205 TFLOP/s with 2 slots at 1k tokens,
-    the same at 4k and 16k), or 2 x 64 rows at head_dim 256."""
-    return (64, 128, 3) if head_dim <= 128 else (64, 64, 2)
+    """(block_q, block_kv, max_steps) within the 227 KB of SMEM. Head_dim <= 128: a K/V ring of
+    2 x 128 rows, leaving room for two Q/O buffers of 2 x 64 rows (192 KB at head_dim 128; H100 sweep,
+    persistent grid: 307/513/579 TFLOP/s at 1k/4k/16k tokens vs 293/502/579 with one Q buffer and 3
+    ring slots). Head_dim 256: 2 x 64 rows (one Q buffer fits)."""
+    return (64, 128, 2) if head_dim <= 128 else (64, 64, 2)
 
 
 def check_supported(q, k_cache) -> str | None:
@@ -402,8 +410,8 @@ def check_supported(q, k_cache) -> str | None:
     return None
 
 
-@functools.partial(jax.jit, static_argnames=("scale", "block_q", "block_kv", "max_steps", "q_buffers", "num_ctas", "min_query_len",
-                                             "interpret"))
+@functools.partial(jax.jit, static_argnames=("scale", "block_q", "block_kv", "max_steps", "q_buffers", "num_ctas",
+                                             "min_query_len", "interpret"))
 def ragged_prefill_attention_mgpu(
     q: jax.Array,
     k_cache: jax.Array,
@@ -448,8 +456,8 @@ def ragged_prefill_attention_mgpu(
                          f"{(q_buffers * q_bytes + ring_bytes) // 1024} KiB of SMEM (at most {SMEM_BYTES // 1024})")
     scale = q.shape[-1] ** -0.5 if scale is None else scale
     return _mgpu_call(q, k_cache, v_cache, query_start, seq_lens, page_table, scale=scale, block_q=block_q,
-                      block_kv=block_kv, max_steps=max_steps, q_buffers=q_buffers, num_ctas=num_ctas, min_query_len=min_query_len,
-                      interpret=interpret)
+                      block_kv=block_kv, max_steps=max_steps, q_buffers=q_buffers, num_ctas=num_ctas,
+                      min_query_len=min_query_len, interpret=interpret)
 
 
 # ----------------------------------------------------------------------------------------------
