@@ -13,7 +13,7 @@ query / activations) and the chain is timed warm, median of 5 runs of back-to-ba
 `block_until_ready`; `wall_us` is the per-call time of separate dispatches from Python (host
 overhead included). `--sweep [all|triton|mgpu]` also times a grid of launch parameters.
 
-  python benchmarks/bench_kernels.py --out benchmarks/results/kernels_h100.json [--sweep]
+  python benchmarks/bench_kernels.py --out benchmarks/results/kernels_h100.json [--sweep] [--repeat N]
 """
 
 from __future__ import annotations
@@ -332,6 +332,8 @@ def main() -> None:
     parser.add_argument("--sweep", nargs="?", const="all", default=None, choices=("all", "triton", "mgpu"),
                         help="also time a grid of launch parameters (all kernels, or the Triton / Mosaic ones)")
     parser.add_argument("--only", default="decode,prefill,mixed,mlp", help="comma list of decode,prefill,mixed,mlp")
+    parser.add_argument("--repeat", type=int, default=1,
+                        help="run the selected benchmarks N times; the JSON's summary has each figure's median")
     parser.add_argument("--smoke", action="store_true",
                         help="tiny shapes in interpret mode (checks the script)")
     args = parser.parse_args()
@@ -358,14 +360,49 @@ def main() -> None:
     out = Path(args.out or Path(__file__).parent / "results" / f"kernels_{device.replace(' ', '_')}.json")
     out.parent.mkdir(parents=True, exist_ok=True)
     benches = {"decode": bench_decode, "prefill": bench_prefill, "mixed": bench_mixed, "mlp": bench_mlp}
-    for name in args.only.split(","):
-        try:
-            benches[name](results, args.sweep)
-        except Exception:
-            results.append({"kernel": name, "error": traceback.format_exc()[-2000:]})
-            print(results[-1]["error"], flush=True)
-        out.write_text(json.dumps({"meta": meta, "results": results}, indent=1))
+    summary: list = []
+    for r in range(args.repeat):
+        for name in args.only.split(","):
+            first = len(results)
+            try:
+                benches[name](results, args.sweep)
+            except Exception:
+                results.append({"kernel": name, "error": traceback.format_exc()[-2000:]})
+                print(results[-1]["error"], flush=True)
+            if args.repeat > 1:
+                for entry in results[first:]:
+                    entry["repeat"] = r
+                summary = summarize(results)
+            out.write_text(json.dumps({"meta": meta, "summary": summary, "results": results}, indent=1))
+    for row in summary:
+        print(json.dumps(row))
     print(f"wrote {out}")
+
+
+MEASURED = ("time_us", "wall_us", "tb_per_s", "tflop_per_s", "frac_copy_bw", "repeat")
+
+
+def summarize(results: list) -> list:
+    """Per measured configuration (same kernel, shape, impl and parameters): the median, min and max
+    of its device time over the repeats, and its throughput at the median time."""
+    groups: dict = {}
+    for entry in results:
+        if "time_us" not in entry:
+            continue
+        key = json.dumps({k: v for k, v in entry.items() if k not in MEASURED and not k.startswith("max_abs_err")},
+                         sort_keys=True)
+        groups.setdefault(key, []).append(entry)
+    rows = []
+    for key, entries in groups.items():
+        times = sorted(e["time_us"] for e in entries)
+        median = statistics.median(times)
+        row = {**json.loads(key), "runs": len(times), "time_us_median": round(median, 2),
+               "time_us_min": times[0], "time_us_max": times[-1]}
+        for metric in ("tb_per_s", "tflop_per_s"):  # throughput = work / time: rescale one run's figure
+            if metric in entries[0]:
+                row[f"{metric}_at_median"] = round(entries[0][metric] * entries[0]["time_us"] / median, 3)
+        rows.append(row)
+    return rows
 
 
 if __name__ == "__main__":
