@@ -11,8 +11,10 @@ benchmarks/results/kernels_h100.json:
   (prefill chunks, decode batches, mixed) -> the ragged prefill kernels, split by sequence: those
   with >= `MOSAIC_MIN_QUERY_LEN` new tokens go to the Mosaic GPU kernel (TMA + wgmma, one query head
   per tile; prefill_attention_mgpu.py), the rest (decodes, short chunks) and the padding to the
-  Triton kernel, which packs a kv head's query heads into one tile and measured the same bandwidth
-  as the decode kernel on decode batches (2.47 vs 2.46 TB/s at 64 x 2k). A step of fewer than
+  Triton kernel, which packs a kv head's query heads into one tile. On decode batches it reads K/V
+  at 2.17 TB/s where the decode kernel reaches 2.44 (64 x 2k, random pages; `kernels_h100_repeat3.json`):
+  a pure-decode step would be faster on the decode kernel, but the buckets (B = T up to
+  max_num_seqs) do not tell a decode step from a mixed one at trace time. A step of fewer than
   `MOSAIC_MIN_STEP_TOKENS` tokens never launches the Mosaic kernel;
 - MLP: the fused Pallas kernel only where it beat XLA (`PALLAS_MLP_TOKENS`); XLA's fusion elsewhere;
 - projections around attention: XLA (see `qkv`).
