@@ -66,6 +66,7 @@ COMPUTE_WGS = 2
 # tiles), so a tile holds 2 * block_q - 8 tokens and its window of 2 * block_q rows covers them.
 ALIGN = 8
 SMEM_BYTES = 227 * 1024  # per CTA on Hopper
+_STEPS = 6  # tile table column (spare in `_tile_table`) filled here: the tile's K/V block count
 
 
 # ----------------------------------------------------------------------------------------------
@@ -92,9 +93,7 @@ def _kernel(tile_ref, q_ref, k_ref, v_ref, pt_ref, out_ref, edge_ref, scoped, *,
         rank = r * num_ctas + jnp.where(r % 2 == 0, cta, num_ctas - 1 - cta)
         tile, head = lax.div(rank, jnp.int32(num_heads)), lax.rem(rank, jnp.int32(num_heads))
         q0, q1, win = tile_ref[tile, _Q0], tile_ref[tile, _Q1], tile_ref[tile, _WIN]
-        shift, seq = tile_ref[tile, _SHIFT], tile_ref[tile, _SEQ]
-        # KV blocks the item needs: up to its last valid token's position.
-        steps = jnp.where(q1 > q0, pl.cdiv(jnp.maximum(q1 + shift, 0), block_kv), 0)
+        shift, seq, steps = tile_ref[tile, _SHIFT], tile_ref[tile, _SEQ], tile_ref[tile, _STEPS]
         return tile, head, q0, q1, win, shift, seq, steps
 
     def schedule_barrier():
@@ -328,9 +327,10 @@ def _mgpu_call(q, k_cache, v_cache, query_start, seq_lens, page_table, *, scale,
     # Persistent CTAs (one per SM: the SMEM ring allows no second) deal the (head, tile) items out
     # costliest first, so the short causal tiles fill in behind the long ones and the memory
     # warpgroup streams the next item's K/V while the compute warpgroups finish the current one.
+    # K/V blocks a tile needs: up to its last valid token's position.
     steps = jnp.where(tiles[:, _Q1] > tiles[:, _Q0],
                       pl.cdiv(jnp.maximum(tiles[:, _Q1] + tiles[:, _SHIFT], 0), block_kv), 0)
-    tiles = tiles[jnp.argsort(-steps, stable=True)]
+    tiles = tiles.at[:, _STEPS].set(steps)[jnp.argsort(-steps, stable=True)]
     num_items = num_tiles * num_heads
     num_ctas = min(num_ctas or _num_sms(interpret), num_items)
     num_rounds = pl.cdiv(num_items, num_ctas)
@@ -447,6 +447,8 @@ def ragged_prefill_attention_mgpu(
     if block_q % 64 or block_kv % 64 or block_kv % k_cache.shape[1] or max_steps < 2:
         raise ValueError(f"need block_q, block_kv multiples of 64 (block_kv of the page size) and max_steps >= 2: "
                          f"{block_q=} {block_kv=} {max_steps=}")
+    if num_ctas is not None and num_ctas < 1:
+        raise ValueError(f"num_ctas must be >= 1 or None (one per SM), got {num_ctas=}")
     q_bytes = COMPUTE_WGS * block_q * q.shape[-1] * q.dtype.itemsize
     ring_bytes = 2 * max_steps * block_kv * q.shape[-1] * q.dtype.itemsize
     if q_buffers is None:  # double-buffer the query window when the SMEM has room

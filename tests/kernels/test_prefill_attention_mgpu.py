@@ -96,6 +96,8 @@ def test_mgpu_prefill_argument_checks():
                                       lens, table, interpret=True)
     with pytest.raises(ValueError, match="max_steps"):
         ragged_prefill_attention_mgpu(q, k, k, qs, lens, table, max_steps=1, interpret=True)
+    with pytest.raises(ValueError, match="num_ctas"):
+        ragged_prefill_attention_mgpu(q, k, k, qs, lens, table, num_ctas=0, interpret=True)
     with pytest.raises(ValueError, match="SMEM"):
         ragged_prefill_attention_mgpu(q, k, k, qs, lens, table, block_kv=256, max_steps=8, interpret=True)
     with pytest.raises(ValueError, match="query_start"):
