@@ -4,7 +4,9 @@ for decode steps, at a named real shape with dummy weights.
 Decode is timed two ways: `decode_step_ms_*` syncs every step (host work and launches included, as a
 naive loop sees it), `decode_pipelined_ms` dispatches all steps with their inputs already on the
 device and syncs once (the device's own time per step once the host runs ahead: what an engine
-that overlaps host and device can reach).
+that overlaps host and device can reach). With the Pallas kernels at batch > 1 the decode steps run as
+the engine's decode-only executables (paged decode kernel); `decode_pipelined_ms_ragged_attention`
+times the same steps with the ragged prefill kernel's attention (the path of mixed steps).
 
     python -m benchmarks.bench_forward --shape qwen3-4b --prompt-len 1024 --batch 1 --out results/x.json
 """
@@ -14,6 +16,7 @@ from __future__ import annotations
 import argparse
 import os
 import time
+from dataclasses import replace
 from functools import partial
 
 import jax
@@ -77,10 +80,14 @@ def main():
             times.append(time.perf_counter() - t)
     prefill_s = float(np.median(times))
 
+    # Decode steps as the engine runs them: with the Pallas kernels, a decode-only executable whose
+    # attention is the paged decode kernel (`ModelOps.decode_step`); batch 1 gets it from its shape.
+    decode_ops = replace(ops, decode_step=True) if ops.backend == "pallas" else ops
+    decode_step = jax.jit(partial(forward, cfg=cfg, ops=decode_ops), donate_argnames=("kv_cache",))
     decode = lambda i: make_batch([([1], args.prompt_len + i, pg) for pg in pages], args.page_size,
                                   pages_per_seq=pages_per_seq)
     t0 = time.perf_counter()
-    compiled_decode = step.lower(w, decode(0), kv).compile()
+    compiled_decode = decode_step.lower(w, decode(0), kv).compile()
     decode_compile_s = time.perf_counter() - t0
     if args.dump_hlo:
         os.makedirs(args.dump_hlo, exist_ok=True)
@@ -96,12 +103,21 @@ def main():
             jax.block_until_ready(logits)
             times.append(time.perf_counter() - t)
     batches = [jax.device_put(decode(i)) for i in range(args.iters)]
-    jax.block_until_ready((batches, kv))
-    t = time.perf_counter()
-    for b in batches:
-        logits, kv = compiled_decode(w, b, kv)
-    jax.block_until_ready(logits)
-    pipelined_ms = (time.perf_counter() - t) / args.iters * 1e3
+
+    def pipelined(fn, kv):
+        jax.block_until_ready((batches, kv))
+        t = time.perf_counter()
+        for b in batches:
+            logits, kv = fn(w, b, kv)
+        jax.block_until_ready(logits)
+        return (time.perf_counter() - t) / args.iters * 1e3, kv
+
+    pipelined_ms, kv = pipelined(compiled_decode, kv)
+    extra = {}
+    if decode_ops is not ops and args.batch > 1:  # the same steps with the ragged kernel's attention
+        ragged = step.lower(w, batches[0], kv).compile()
+        logits, kv = ragged(w, batches[0], kv)  # warm-up
+        extra["decode_pipelined_ms_ragged_attention"], kv = pipelined(ragged, kv)
     result = {
         "benchmark": "forward", **environment(), "shape": args.shape, "dtype": args.dtype,
         "batch_size": args.batch, "prompt_len": args.prompt_len, "page_size": args.page_size, "num_pages": num_pages,
@@ -109,7 +125,7 @@ def main():
         "xla_flags": os.environ.get("XLA_FLAGS", ""),
         "weights_load_s": load_s, "prefill_compile_s": prefill_compile_s, "prefill_step_ms": prefill_s * 1e3,
         "decode_compile_s": decode_compile_s, "decode_step_ms_median": float(np.median(times[1:])) * 1e3,
-        "decode_step_ms_min": float(np.min(times)) * 1e3, "decode_pipelined_ms": pipelined_ms,
+        "decode_step_ms_min": float(np.min(times)) * 1e3, "decode_pipelined_ms": pipelined_ms, **extra,
     }
     write_result(result, args.out)
 

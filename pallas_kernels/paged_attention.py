@@ -37,26 +37,36 @@ LARGE_BATCH_PROGRAMS = 1024
 # Kernel body
 # ----------------------------------------------------------------------------------------------
 def _decode_kernel(
-    q_ref,  # [Gp, D]: the (padded) query heads of this kv head
+    q_ref,  # [B * H, D]: every query (rows of one sequence's kv head are contiguous)
     k_ref,  # [num_pages, page_size, D]: this kv head's slice of the whole K cache
     v_ref,  # [num_pages, page_size, D]
     pt_ref,  # [Pp]: this sequence's page ids (padded to num_splits * blocks_per_split * ppb)
     len_ref,  # [1]: this sequence's context length
-    o_ref,  # [Gp, D]: normalised output (one split) or unnormalised fp32 partial (split-K)
+    o_ref,  # one split: [B * H, D] like q_ref; split-K: [Gp, D] unnormalised fp32 partial
     *ml_refs,  # split-K only: m_ref [Gp], l_ref [Gp] fp32 (running max in log2 units, sum)
     scale: float,
     pages_per_block: int,
     blocks_per_split: int,
+    num_heads: int,
+    group: int,
+    rows: int,
+    kv_heads_fastest: bool,
 ):
+    h, b = (pl.program_id(0), pl.program_id(1)) if kv_heads_fastest else (pl.program_id(1), pl.program_id(0))
     split = pl.program_id(2)
-    rows, head_dim = q_ref.shape
+    head_dim = q_ref.shape[1]
     page_size = k_ref.shape[1]
     block_k = pages_per_block * page_size
     seq_len = len_ref[0]
     first_block = split * blocks_per_split
     n_blocks = jnp.clip(pl.cdiv(seq_len - first_block * block_k, block_k), 0, blocks_per_split)
 
-    q = q_ref[...]  # [Gp, D]
+    # The G query heads of kv head h, padded to Gp rows in registers (masked loads, no padded copy of q
+    # in HBM). The rows past G belong to the next kv head (or past the end): never stored.
+    row = jnp.arange(rows, dtype=jnp.int32)
+    q_rows = pl.ds((b * num_heads + h * group), rows)
+    q_mask = jnp.broadcast_to((row < group)[:, None], (rows, head_dim))
+    q = plgpu.load(q_ref.at[q_rows], mask=q_mask, other=0.0)  # [Gp, D]
     qk_scale = scale * LOG2E  # softmax in base 2: exp2 is one instruction
 
     def body(i, carry):
@@ -87,7 +97,7 @@ def _decode_kernel(
         l_ref[...] = l
     else:
         l_safe = jnp.where(l == 0.0, 1.0, l)  # seq_len 0 (padding) -> zeros, not NaN
-        o_ref[...] = (acc / l_safe[:, None]).astype(o_ref.dtype)
+        plgpu.store(o_ref.at[q_rows], (acc / l_safe[:, None]).astype(o_ref.dtype), mask=q_mask)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -120,12 +130,12 @@ def _decode_call(q, k_cache, v_cache, page_table, seq_lens, *, scale, pages_per_
         num_warps = 2 if splits == 1 else 4
     padded_pages = splits * bps * ppb
 
-    q4 = q.reshape(batch, num_kv_heads, group, head_dim)
-    q4 = jnp.pad(q4, ((0, 0), (0, 0), (0, rows - group), (0, 0)))  # [B, KVH, Gp, D]
+    q2 = q.reshape(batch * num_heads, head_dim)  # [B * H, D], a free reshape
     table = jnp.pad(page_table.astype(jnp.int32), ((0, 0), (0, padded_pages - max_pages)))  # [B, Pp]
     lens = seq_lens.astype(jnp.int32).reshape(batch, 1)  # [B, 1]
 
-    kernel = functools.partial(_decode_kernel, scale=scale, pages_per_block=ppb, blocks_per_split=bps)
+    kernel = functools.partial(_decode_kernel, scale=scale, pages_per_block=ppb, blocks_per_split=bps,
+                               num_heads=num_heads, group=group, rows=rows, kv_heads_fastest=kv_heads_fastest)
     # Grid dim 0 is the fastest-varying launch index (CUDA x). With kv heads there, the programs
     # running side by side read the same pages (different heads' slices of each row).
     if kv_heads_fastest:
@@ -134,16 +144,17 @@ def _decode_call(q, k_cache, v_cache, page_table, seq_lens, *, scale, pages_per_
     else:
         grid = (batch, num_kv_heads, splits)
         bhs = lambda f: f  # noqa: E731
+    whole = pl.no_block_spec  # q (and the one-split output): rows picked in the kernel
     in_specs = [
-        pl.BlockSpec((None, None, rows, head_dim), bhs(lambda b, h, s: (b, h, 0, 0))),
+        whole,
         pl.BlockSpec((num_pages, page_size, None, head_dim), bhs(lambda b, h, s: (0, 0, h, 0))),
         pl.BlockSpec((num_pages, page_size, None, head_dim), bhs(lambda b, h, s: (0, 0, h, 0))),
         pl.BlockSpec((None, padded_pages), bhs(lambda b, h, s: (b, 0))),
         pl.BlockSpec((None, 1), bhs(lambda b, h, s: (b, 0))),
     ]
     if splits == 1:
-        out_shape = jax.ShapeDtypeStruct((batch, num_kv_heads, rows, head_dim), q.dtype)
-        out_specs = pl.BlockSpec((None, None, rows, head_dim), bhs(lambda b, h, s: (b, h, 0, 0)))
+        out_shape = jax.ShapeDtypeStruct((batch * num_heads, head_dim), q.dtype)
+        out_specs = whole
     else:
         out_shape = [
             jax.ShapeDtypeStruct((splits, batch, num_kv_heads, rows, head_dim), jnp.float32),
@@ -164,7 +175,7 @@ def _decode_call(q, k_cache, v_cache, page_table, seq_lens, *, scale, pages_per_
         compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),
         interpret=interpret,
         name=f"paged_decode_attention_ppb{ppb}_s{splits}",
-    )(q4, k_cache, v_cache, table, lens)
+    )(q2, k_cache, v_cache, table, lens)
 
     if splits > 1:  # flash-decoding epilogue: merge the per-split partial softmaxes
         acc, m, l = out  # [S, B, KVH, Gp, D], [S, B, KVH, Gp] x2
@@ -173,7 +184,8 @@ def _decode_call(q, k_cache, v_cache, page_table, seq_lens, *, scale, pages_per_
         l_tot = (w * l).sum(axis=0)
         acc = (w[..., None] * acc).sum(axis=0)
         out = (acc / jnp.where(l_tot == 0.0, 1.0, l_tot)[..., None]).astype(q.dtype)
-    return out[:, :, :group].reshape(batch, num_heads, head_dim)
+        out = out[:, :, :group]  # fused into the merge
+    return out.reshape(batch, num_heads, head_dim)
 
 
 # ----------------------------------------------------------------------------------------------

@@ -4,7 +4,9 @@ Shapes come from a small fixed set of buckets so serving never stalls on a compi
 - T (tokens in the step): 1 (GPU only), then powers of two from `MIN_TOKENS` up to `max_num_batched_tokens`;
 - B (sequences): min(T, the max_num_seqs bucket): a step never has more sequences than tokens;
 - P (pages per sequence in the page table): powers of two up to the longest sequence allowed.
-`warmup()` compiles every (T, P) forward and the sampler variants of `SamplerFlags.warm()` for
+With the Pallas kernels, a bucket with B = T (T > 1) has a second forward for decode-only steps
+(every sequence one new token), whose attention is the paged decode kernel instead of the ragged
+one (`ModelOps.decode_step`). `warmup()` compiles every (T, P) forward (and decode forward) and the sampler variants of `SamplerFlags.warm()` for
 every B ahead of time. The KV cache is donated to the step, so it is updated in place.
 
 A step is two executables (forward, then sampler) fed by two host-to-device copies: the whole batch
@@ -21,7 +23,8 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
+from itertools import product
+from dataclasses import dataclass, replace
 from functools import partial
 
 import jax
@@ -209,10 +212,15 @@ class ModelRunner:
         # took the Python path once more (~30 ms, measured as a slow first prefill after warm-up).
         self._replicated = NamedSharding(mesh, PartitionSpec())
         kv_shardings = jax.tree.map(lambda a: a.sharding, self.kv_cache)
-        forward_jit = partial(jax.jit, partial(_forward_step, cfg=cfg, ops=ops), static_argnames=("dims",),
-                              donate_argnames=("kv_cache",), out_shardings=(self._replicated, kv_shardings))
-        self._forward = forward_jit()  # small steps: with command buffers (XLA's default)
-        self._forward_large = forward_jit(compiler_options=NO_COMMAND_BUFFER)
+        forward_jit = lambda ops, **kw: jax.jit(  # noqa: E731
+            partial(_forward_step, cfg=cfg, ops=ops), static_argnames=("dims",), donate_argnames=("kv_cache",),
+            out_shardings=(self._replicated, kv_shardings), **kw)
+        # Indexed by "decode step": small steps run with command buffers (XLA's default), large without.
+        self._forward = {d: (forward_jit(o), forward_jit(o, compiler_options=NO_COMMAND_BUFFER))
+                         for d, o in ((False, ops), (True, replace(ops, decode_step=True)))}
+        # Buckets whose decode-only steps get their own executable (see the module doc).
+        self.decode_buckets = (frozenset(T for T in self.token_buckets if T > 1 and self.seqs_bucket(T) == T)
+                               if ops.backend == "pallas" else frozenset())
         self._sample = jax.jit(partial(_sample_step, max_seqs=self.max_seqs_bucket),
                                static_argnames=("dims", "num_logprobs", "flags"),
                                out_shardings=(self._replicated, self._replicated))
@@ -298,14 +306,16 @@ class ModelRunner:
                                else self.executables.compile(key[0], jitted, *args, **static))
         return self._compiled[key]
 
-    def forward_executable(self, T: int, B: int, P: int) -> jax.stages.Compiled:
-        if (hit := self._compiled.get(("forward", T, B, P))) is not None:  # the per-step path
+    def forward_executable(self, T: int, B: int, P: int, decode: bool = False) -> jax.stages.Compiled:
+        key = ("forward_decode" if decode else "forward", T, B, P)
+        if (hit := self._compiled.get(key)) is not None:  # the per-step path
             return hit
+        if decode and T not in self.decode_buckets:
+            raise ValueError(f"no decode-only executable for T={T} (decode buckets: {sorted(self.decode_buckets)})")
         # XLA command buffers only for small steps (see COMMAND_BUFFER_MAX_TOKENS).
-        jitted = self._forward if T <= COMMAND_BUFFER_MAX_TOKENS else self._forward_large
+        jitted = self._forward[decode][T > COMMAND_BUFFER_MAX_TOKENS]
         buf = jax.ShapeDtypeStruct((sum(_batch_sizes(T, B, P)),), jnp.int32)
-        return self._add_executable(("forward", T, B, P), jitted, (self.weights, buf, self.kv_cache, self._no_prev),
-                                    dims=(T, B, P))
+        return self._add_executable(key, jitted, (self.weights, buf, self.kv_cache, self._no_prev), dims=(T, B, P))
 
     def sampler_executable(self, B: int, M: int, W: int, num_logprobs: int, flags: SamplerFlags) -> jax.stages.Compiled:
         if (hit := self._compiled.get(("sample", B, M, W, num_logprobs, flags))) is not None:
@@ -328,7 +338,9 @@ class ModelRunner:
         st = self.sampling_tensors(rows, B)
         flags = SamplerFlags.of(st)
         M, W = st.output_tokens.shape[1], st.prompt_mask.shape[1]
-        forward, sample = self.forward_executable(T, B, P), self.sampler_executable(B, M, W, num_logprobs, flags)
+        decode = T in self.decode_buckets and out.num_scheduled_tokens == len(out.scheduled)
+        forward = self.forward_executable(T, B, P, decode)
+        sample = self.sampler_executable(B, M, W, num_logprobs, flags)
         buf, sbuf = jax.device_put((pack_batch(batch, prev_index), pack_sampling(st)))
         prev_tokens = prev.tokens if prev is not None else self._last_tokens
         logits, self.kv_cache = forward(self.weights, buf, self.kv_cache, prev_tokens)
@@ -348,8 +360,8 @@ class ModelRunner:
         run = self.executables.directory is None  # plain jit compiles on its first call: make that call
         for T in self.token_buckets:
             B = self.seqs_bucket(T)
-            for P in self.page_buckets:
-                forward = self.forward_executable(T, B, P)
+            for P, decode in product(self.page_buckets, (False, True) if T in self.decode_buckets else (False,)):
+                forward = self.forward_executable(T, B, P, decode)
                 if run:
                     buf = np.zeros(sum(_batch_sizes(T, B, P)), np.int32)
                     buf[2 * T:4 * T] = -1  # slots and prev rows (parts 3, 4): no KV writes, no previous step
@@ -366,6 +378,7 @@ class ModelRunner:
         self.warmed_up = True
         self.compile_seconds = time.perf_counter() - t0
         log.info("warm-up: %d forward shapes ready in %.1f s (executable cache: %d loaded, %d compiled)",
-                 len(self.token_buckets) * len(self.page_buckets), self.compile_seconds, self.executables.hits,
+                 (len(self.token_buckets) + len(self.decode_buckets)) * len(self.page_buckets), self.compile_seconds,
+                 self.executables.hits,
                  self.executables.misses)
         return self.compile_seconds

@@ -7,14 +7,14 @@ gathers every page of each token's sequence); the Pallas ops call the kernels in
 
 Kernel choice per shape (static, at trace time), from the H100 measurements in
 benchmarks/results/kernels_h100.json:
-- attention: one token in the step (batch-1 decode) -> the split-K decode kernel; anything else
-  (prefill chunks, decode batches, mixed) -> the ragged prefill kernels, split by sequence: those
-  with >= `MOSAIC_MIN_QUERY_LEN` new tokens go to the Mosaic GPU kernel (TMA + wgmma, one query head
-  per tile; prefill_attention_mgpu.py), the rest (decodes, short chunks) and the padding to the
-  Triton kernel, which packs a kv head's query heads into one tile. On decode batches it reads K/V
-  at 2.17 TB/s where the decode kernel reaches 2.44 (64 x 2k, random pages; `kernels_h100_repeat3.json`):
-  a pure-decode step would be faster on the decode kernel, but the buckets (B = T up to
-  max_num_seqs) do not tell a decode step from a mixed one at trace time. A step of fewer than
+- attention: a decode step (every sequence has one new token: batch-1 decode, or an executable the
+  runner compiled with `decode_step` for the decode-only steps of a bucket with B = T) -> the
+  paged decode kernel; anything else (prefill chunks, mixed steps) -> the ragged prefill kernels,
+  split by sequence: those with >= `MOSAIC_MIN_QUERY_LEN` new tokens go to the Mosaic GPU kernel
+  (TMA + wgmma, one query head per tile; prefill_attention_mgpu.py), the rest (decodes, short
+  chunks) and the padding to the Triton kernel, which packs a kv head's query heads into one tile.
+  The ragged kernel reads decode batches at 2.17 TB/s where the decode kernel reaches 2.44 (64 x 2k,
+  random pages; `kernels_h100_repeat3.json`), hence the decode-only executables. A step of fewer than
   `MOSAIC_MIN_STEP_TOKENS` tokens never launches the Mosaic kernel;
 - MLP: the fused Pallas kernel only where it beat XLA (`PALLAS_MLP_TOKENS`); XLA's fusion elsewhere;
 - projections around attention: XLA (see `qkv`).
@@ -48,6 +48,9 @@ class ModelOps:
     backend: str = "reference"  # "reference" | "pallas"
     interpret: bool = False  # Pallas interpreter (CPU)
     mosaic_prefill: bool = False  # long prefill sequences on the Mosaic GPU kernel (see module doc)
+    # Set by the runner on the executables of decode-only steps: sequence b's one new token is row b
+    # (T == B; padding sequences have seq_len 0), so attention is the paged decode kernel.
+    decode_step: bool = False
 
     def __post_init__(self):
         if self.backend not in ("reference", "pallas"):
@@ -63,7 +66,10 @@ class ModelOps:
                                                       batch.page_table, scale=scale)
         from pallas_kernels.paged_attention import paged_decode_attention
 
-        if q.shape[0] == 1 and batch.num_seqs == 1:
+        if self.decode_step and q.shape[0] != batch.num_seqs:
+            raise ValueError(f"a decode step needs one token per sequence: {q.shape[0]} tokens, "
+                             f"{batch.num_seqs} sequences")
+        if self.decode_step or (q.shape[0] == 1 and batch.num_seqs == 1):
             return paged_decode_attention(q, k_cache, v_cache, batch.page_table, batch.seq_lens, scale=scale,
                                           interpret=self.interpret)
         args = (q, k_cache, v_cache, batch.query_start, batch.seq_lens, batch.page_table)

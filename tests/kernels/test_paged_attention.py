@@ -16,6 +16,7 @@ CASES = [
     pytest.param(16, 8, 2, 128, jnp.bfloat16, [1, 16, 17, 300], 3, 2, id="p16-g4-d128-bf16-split3"),
     pytest.param(64, 16, 2, 64, jnp.bfloat16, [1, 64, 65, 500, 0], None, 1, id="p64-g8-d64-bf16-auto"),
     pytest.param(16, 8, 1, 256, jnp.bfloat16, [1, 16, 17, 100], 2, 2, id="p16-g8-d256-bf16-split2"),
+    pytest.param(16, 32, 2, 64, jnp.bfloat16, [1, 33, 200], 1, 2, id="p16-g16-d64-bf16-nosplit"),
     pytest.param(16, 8, 2, 128, jnp.float32, [0, 0], None, 4, id="all-padding"),
 ]
 

@@ -65,6 +65,24 @@ def test_continuous_batching_is_invisible(alone):
     assert core.kv.num_free_pages == core.kv.num_usable_pages
 
 
+def test_pallas_decode_steps_match_reference(alone):
+    """Pallas kernels (interpreted on CPU): decode-only steps take their own executable (paged decode
+    kernel), mixed steps the ragged kernel; the tokens equal the jnp reference engine's."""
+    core = EngineCore(EngineConfig(TINY, **{**BASE, "max_num_seqs": 8, "warmup": True}, attention_backend="pallas"))
+    runner = core.runner
+    assert runner.ops.backend == "pallas" and runner.decode_buckets == {8}
+    steps = []
+    launch = runner.launch
+    runner.launch = lambda out, *a, **kw: (steps.append(out.num_scheduled_tokens == len(out.scheduled)),
+                                           launch(out, *a, **kw))[1]
+    reqs = [(str(i), p, GREEDY) for i, p in enumerate(prompts(6))]
+    out, _ = run_all(core, reqs, arrivals=[0, 0, 0, 2, 4, 6])
+    assert out == {k: alone[k] for k in out} and len(out) == 6
+    kinds = {key[0] for key in runner._compiled}
+    assert {"forward", "forward_decode"} <= kinds and any(steps) and not all(steps)
+    assert core.stats()["compiles_after_warmup"] == 0
+
+
 def test_preemption_under_tiny_pool_is_invisible(alone):
     # 24 usable pages of 4 tokens: 16 requests of up to ~50 tokens cannot all fit at once
     core = EngineCore(EngineConfig(TINY, **{**BASE, "num_pages": 25}))
