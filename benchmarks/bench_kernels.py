@@ -50,9 +50,10 @@ COPY_BW = 2.9e12  # measured HBM copy bandwidth of the H100 machine (gpu/README.
 MATMUL_PEAK = 780e12  # measured bf16 matmul peak (8192^3)
 # shapes per benchmark; --smoke shrinks them and runs the kernels in interpret mode (CPU check)
 SHAPES = {"decode": ((1, 8192), (64, 2048), (256, 1024)), "prefill": (1024, 4096, 16384),
-          "mlp": ((2560, 9728), (1, 16, 64, 256, 2048)), "mixed": (64, 2048)}
+          "mlp": ((2560, 9728), (1, 16, 64, 256, 2048)), "mixed": (64, 2048),
+          "route": ((8, 16, 32, 64, 128, 256), (512, 1024, 2048, 4096))}
 SMOKE_SHAPES = {"decode": ((1, 256), (2, 128)), "prefill": (64,), "mlp": ((128, 256), (1, 16)),
-                "mixed": (2, 64)}
+                "mixed": (2, 64), "route": ((2,), (64,))}
 KW: dict = {}  # extra kernel kwargs ({"interpret": True} under --smoke)
 
 
@@ -296,6 +297,31 @@ def bench_mixed(results: list, sweep: str | None) -> None:
 
 
 # ----------------------------------------------------------------------------------------------
+def bench_route(results: list, sweep: str | None) -> None:
+    """Decode-only steps at the runner's batch buckets: the paged decode kernel (default, and each
+    fixed split count) against the ragged prefill kernel (what mixed steps use); the data behind
+    the decode kernel's split policy and the runner's decode-only executables."""
+    batches, contexts = SHAPES["route"]
+    for batch in batches:
+        for ctx in contexts:
+            q, k, v, table, lens, kv_bytes = decode_inputs(batch, ctx)
+            qs = jnp.arange(batch + 1, dtype=jnp.int32)
+            shape = {"kernel": "decode_step", "batch": batch, "ctx": ctx, "kv_bytes": kv_bytes}
+            runs = [("pallas_decode(default)", functools.partial(paged_decode_attention, **KW),
+                     (q, k, v, table, lens), {})]
+            runs += [("pallas_decode", functools.partial(paged_decode_attention, num_splits=s, **KW),
+                      (q, k, v, table, lens), {"num_splits": s}) for s in (1, 2, 4)]
+            runs.append(("pallas_prefill", functools.partial(ragged_prefill_attention, **KW),
+                         (q, k, v, qs, lens, table), {}))
+            for impl, fn, args, params in runs:
+                entry = {**shape, "impl": impl, **params}
+                dt = attempt(results, entry, fn, *args, wall=False)
+                if dt:
+                    entry["tb_per_s"] = round(kv_bytes / dt / 1e12, 3)
+            del q, k, v
+
+
+# ----------------------------------------------------------------------------------------------
 def bench_mlp(results: list, sweep: str | None) -> None:
     (hidden, inter), token_counts = SHAPES["mlp"]
     key = jax.random.key(0)
@@ -332,7 +358,7 @@ def main() -> None:
                         help="JSON path (default benchmarks/results/kernels_<gpu>.json)")
     parser.add_argument("--sweep", nargs="?", const="all", default=None, choices=("all", "triton", "mgpu"),
                         help="also time a grid of launch parameters (all kernels, or the Triton / Mosaic ones)")
-    parser.add_argument("--only", default="decode,prefill,mixed,mlp", help="comma list of decode,prefill,mixed,mlp")
+    parser.add_argument("--only", default="decode,prefill,mixed,mlp", help="comma list of decode,prefill,mixed,mlp,route (route: not in the default)")
     parser.add_argument("--repeat", type=int, default=1,
                         help="run the selected benchmarks N times; the JSON's summary has each figure's median")
     parser.add_argument("--smoke", action="store_true",
@@ -360,7 +386,8 @@ def main() -> None:
     results: list = []
     out = Path(args.out or Path(__file__).parent / "results" / f"kernels_{device.replace(' ', '_')}.json")
     out.parent.mkdir(parents=True, exist_ok=True)
-    benches = {"decode": bench_decode, "prefill": bench_prefill, "mixed": bench_mixed, "mlp": bench_mlp}
+    benches = {"decode": bench_decode, "prefill": bench_prefill, "mixed": bench_mixed, "mlp": bench_mlp,
+               "route": bench_route}
     summary: list = []
     for r in range(args.repeat):
         for name in args.only.split(","):
