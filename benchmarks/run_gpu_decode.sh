@@ -1,15 +1,29 @@
 #!/usr/bin/env bash
-# On the H100 machine (device tool, carrying .whl): the decode paths. Every GPU kernel test, the
-# decode kernel benchmark (medians of 3 passes) into $OUT/kernels_h100_decode.json, and the raw
-# Qwen3-4B forward's decode step with the decode-only executable against the ragged kernel's
-# attention (bench_forward) at batch 64 x 2k and 32 x 1k.
+# On the H100 machine (device tool, carrying .whl): the decode paths. PARTS (default all) picks:
+#   tests   every GPU kernel test;
+#   kernels the decode kernel benchmark (medians of 3 passes) -> $OUT/kernels_h100_decode.json, and
+#           decode-only steps at the runner's buckets, decode kernel vs ragged -> kernels_h100_route.json;
+#   forward the raw Qwen3-4B forward's decode step, decode-only executable vs the ragged kernel's
+#           attention (bench_forward, alternating passes) at batch 64 x 2k and 32 x 1k;
+#   engine  the engine's TTFT/TPOT and offline throughput (run_gpu_prefill.sh, backend pallas).
 set -uo pipefail
 source benchmarks/gpu_env.sh
+PARTS=${PARTS:-tests kernels forward engine}
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
-JAX_PLATFORMS=cuda timeout 300 python3 -m pytest -q -m gpu tests/kernels -p no:cacheprovider 2>&1 | tail -2
-python3 benchmarks/bench_kernels.py --only decode --repeat 3 --out "$OUT/kernels_h100_decode.json" | grep -v '^{'
-for bp in "64 2048" "32 1024"; do
-  set -- $bp
-  python3 -m benchmarks.bench_forward --shape qwen3-4b --batch $1 --prompt-len $2 --iters 20 \
-      --out "$OUT/forward_decode_b$1_qwen3-4b_h100.json" | grep -E '"decode_(pipelined|step_ms_median)'
-done
+if [[ $PARTS == *tests* ]]; then
+  JAX_PLATFORMS=cuda timeout 300 python3 -m pytest -q -m gpu tests/kernels -p no:cacheprovider 2>&1 | tail -2
+fi
+if [[ $PARTS == *kernels* ]]; then
+  python3 benchmarks/bench_kernels.py --only decode --repeat 3 --out "$OUT/kernels_h100_decode.json" | grep -v '^{'
+  python3 benchmarks/bench_kernels.py --only route --out "$OUT/kernels_h100_route.json" | tail -1
+fi
+if [[ $PARTS == *forward* ]]; then
+  for bp in "64 2048" "32 1024"; do
+    set -- $bp
+    python3 -m benchmarks.bench_forward --shape qwen3-4b --batch $1 --prompt-len $2 --iters 20 \
+        --out "$OUT/forward_decode_b$1_qwen3-4b_h100.json" | grep -E '"decode_(pipelined_ms|step_ms_median)'
+  done
+fi
+if [[ $PARTS == *engine* ]]; then
+  BACKENDS=pallas bash benchmarks/run_gpu_prefill.sh
+fi
