@@ -42,6 +42,7 @@ def run_batch(core: EngineCore, prompts: list[list[int]], output_len: int, tag: 
     decode = np.asarray(step_times[decode_start:]) * 1e3
     return {"ttft_ms": ttft * 1e3, "tpot_ms": float(decode.mean()), "tpot_p50_ms": float(np.percentile(decode, 50)),
             "tpot_p99_ms": float(np.percentile(decode, 99)), "decode_steps": int(len(decode)),
+            "decode_step_ms": [round(float(x), 3) for x in decode],
             "total_s": time.perf_counter() - t0}
 
 
