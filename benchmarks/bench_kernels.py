@@ -358,7 +358,8 @@ def main() -> None:
                         help="JSON path (default benchmarks/results/kernels_<gpu>.json)")
     parser.add_argument("--sweep", nargs="?", const="all", default=None, choices=("all", "triton", "mgpu"),
                         help="also time a grid of launch parameters (all kernels, or the Triton / Mosaic ones)")
-    parser.add_argument("--only", default="decode,prefill,mixed,mlp", help="comma list of decode,prefill,mixed,mlp,route (route: not in the default)")
+    parser.add_argument("--only", default="decode,prefill,mixed,mlp",
+                        help="comma list of decode,prefill,mixed,mlp,route (route: not in the default)")
     parser.add_argument("--repeat", type=int, default=1,
                         help="run the selected benchmarks N times; the JSON's summary has each figure's median")
     parser.add_argument("--smoke", action="store_true",

@@ -107,6 +107,7 @@ class ExecutableCache:
         self.directory = Path(directory).expanduser() if directory else None
         self.namespace = namespace
         self.hits = self.misses = 0
+        self._count_lock = threading.Lock()  # compile() may run in several threads (warm-up)
 
     def compile(self, name: str, jitted, /, *args, **kwargs) -> jax.stages.Compiled:
         """Return the compiled executable of jitted(*args, **kwargs) (arrays, numpy arrays or
@@ -124,10 +125,12 @@ class ExecutableCache:
                 log.warning("executable cache: dropping unloadable entry %s (%s: %s)", path, type(e).__name__, e)
                 _remove(path)
             else:
-                self.hits += 1
+                with self._count_lock:
+                    self.hits += 1
                 log.info("executable cache: %s loaded in %.3f s", name, time.perf_counter() - t0)
                 return compiled
-        self.misses += 1
+        with self._count_lock:
+            self.misses += 1
         with _fresh_compile() as from_persistent_cache:
             compiled = jitted.lower(*args, **kwargs).compile()
         t1 = time.perf_counter()

@@ -6,8 +6,9 @@ Shapes come from a small fixed set of buckets so serving never stalls on a compi
 - P (pages per sequence in the page table): powers of two up to the longest sequence allowed.
 With the Pallas kernels, a bucket with B = T (T > 1) has a second forward for decode-only steps
 (every sequence one new token), whose attention is the paged decode kernel instead of the ragged
-one (`ModelOps.decode_step`). `warmup()` compiles every (T, P) forward (and decode forward) and the sampler variants of `SamplerFlags.warm()` for
-every B ahead of time. The KV cache is donated to the step, so it is updated in place.
+one (`ModelOps.decode_step`). `warmup()` compiles (or loads, in parallel) every (T, P) forward, the
+decode forwards, and the sampler variants of `SamplerFlags.warm()` for every B ahead of time.
+The KV cache is donated to the step, so it is updated in place.
 
 A step is two executables (forward, then sampler) fed by two host-to-device copies: the whole batch
 description packed into one int32 buffer, the sampling parameters into another (`pack_batch`,
@@ -23,7 +24,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Sequence
-from itertools import product
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
 from functools import partial
 
@@ -45,6 +46,7 @@ from jinfer.parallel import logical_sharding
 log = logging.getLogger(__name__)
 
 MIN_TOKENS = 8
+WARMUP_THREADS = 8  # forward executables loaded / compiled at once during warm-up
 MIN_PAGES = 4
 # XLA command buffers (CUDA graphs) only for steps of at most this many tokens. They save the
 # per-kernel launch cost that dominates small decode steps, but recording a graph costs ~16 ms for a
@@ -358,9 +360,18 @@ class ModelRunner:
         """Compile (or load) every forward bucket, and the warm sampler variants per sequence bucket."""
         t0 = time.perf_counter()
         run = self.executables.directory is None  # plain jit compiles on its first call: make that call
+        shapes = [(T, self.seqs_bucket(T), P, decode) for T in self.token_buckets for P in self.page_buckets
+                  for decode in ((False, True) if T in self.decode_buckets else (False,))]
+        if not run:  # load (or trace + compile) everything in parallel: loads and XLA compiles release the GIL
+            jobs = [partial(self.forward_executable, *shape) for shape in shapes]
+            jobs += [partial(self.sampler_executable, B, 0, 0, -1, flags)
+                     for B in sorted({shape[1] for shape in shapes}) for flags in SamplerFlags.warm()]
+            with ThreadPoolExecutor(max_workers=WARMUP_THREADS) as pool:
+                for _ in pool.map(lambda job: job(), jobs):  # re-raises a job's exception
+                    pass
         for T in self.token_buckets:
             B = self.seqs_bucket(T)
-            for P, decode in product(self.page_buckets, (False, True) if T in self.decode_buckets else (False,)):
+            for _, _, P, decode in (shape for shape in shapes if shape[0] == T):
                 forward = self.forward_executable(T, B, P, decode)
                 if run:
                     buf = np.zeros(sum(_batch_sizes(T, B, P)), np.int32)
@@ -378,7 +389,6 @@ class ModelRunner:
         self.warmed_up = True
         self.compile_seconds = time.perf_counter() - t0
         log.info("warm-up: %d forward shapes ready in %.1f s (executable cache: %d loaded, %d compiled)",
-                 (len(self.token_buckets) + len(self.decode_buckets)) * len(self.page_buckets), self.compile_seconds,
-                 self.executables.hits,
+                 len(shapes), self.compile_seconds, self.executables.hits,
                  self.executables.misses)
         return self.compile_seconds

@@ -55,6 +55,12 @@ class ModelOps:
     def __post_init__(self):
         if self.backend not in ("reference", "pallas"):
             raise ValueError(f"attention_backend={self.backend!r} must be one of {BACKENDS}")
+        if self.mosaic_prefill:
+            # Importing Mosaic GPU points its custom call at the runtime library it resolves its host
+            # symbols from (MOSAIC_GPU_RUNTIME_LIB_PATH). An executable loaded from the executable
+            # cache is never traced, so without this the first one holding a Mosaic kernel failed to
+            # load ("Symbols not found: mosaic_gpu_init_tma_desc") and was recompiled at every start.
+            import jax.experimental.mosaic.gpu  # noqa: F401
 
     def attention(self, q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, batch: Batch,
                   scale: float) -> jax.Array:

@@ -92,3 +92,17 @@ def test_cli_attention_backends_match_the_ops():
     add_engine_arguments(parser)
     action = next(a for a in parser._actions if a.dest == "attention_backend")
     assert tuple(action.choices) == BACKENDS
+
+
+def test_mosaic_ops_import_the_mosaic_runtime():
+    """Executables holding a Mosaic GPU kernel load from the executable cache without any tracing; the
+    Mosaic module must be imported first (it points the custom call at its runtime library), so
+    ModelOps with mosaic_prefill imports it. Checked in a fresh interpreter."""
+    import subprocess
+    import sys
+
+    code = ("import sys; from jinfer.models.ops import ModelOps; m = 'jax.experimental.mosaic.gpu'; "
+            "ModelOps('pallas'); a = m in sys.modules; ModelOps('pallas', mosaic_prefill=True); "
+            "print(a, m in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.split() == ["False", "True"]
