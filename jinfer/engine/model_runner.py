@@ -21,6 +21,7 @@ engine can launch step N+1 before it reads step N's tokens.
 
 from __future__ import annotations
 
+import ctypes
 import logging
 import time
 from collections.abc import Sequence
@@ -55,6 +56,16 @@ MIN_PAGES = 4
 COMMAND_BUFFER_MAX_TOKENS = 32
 NO_COMMAND_BUFFER = {"xla_gpu_enable_command_buffer": ""}
 KV_AXES = ("pages", "page_slot", "kv_heads", "head_dim")
+
+
+def _trim_host_heap() -> None:
+    """Hand the heap's free pages back to the OS (glibc only; a no-op elsewhere). Warm-up frees a lot
+    (executable payloads read from disk, lowering and compile temporaries), spread over the arenas of
+    its threads; glibc keeps such memory mapped, and it counted as the idle engine's RSS."""
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
 
 
 def pow2_buckets(lo: int, hi: int) -> tuple[int, ...]:
@@ -387,6 +398,7 @@ class ModelRunner:
         logits = jax.device_put(np.zeros((B, self.cfg.vocab_size), np.float32), self._replicated)
         self._last_tokens = sample(logits, pack_sampling(self.sampling_tensors([None] * B, B)))[1]
         self.warmed_up = True
+        _trim_host_heap()
         self.compile_seconds = time.perf_counter() - t0
         log.info("warm-up: %d forward shapes ready in %.1f s (executable cache: %d loaded, %d compiled)",
                  len(shapes), self.compile_seconds, self.executables.hits,
