@@ -17,7 +17,7 @@ import time
 import numpy as np
 
 from benchmarks.common import add_profile_argument, environment, profiled, write_result
-from benchmarks.roofline import decode_bytes, measure_bandwidth
+from benchmarks.roofline import decode_bytes, floors, measure_copy_bandwidth, measure_matmul
 from jinfer.engine.core import EngineConfig, EngineCore
 from jinfer.sampling_params import SamplingParams
 
@@ -71,7 +71,9 @@ def main():
                                    executable_cache=not args.no_executable_cache))
     startup_s = time.perf_counter() - t0
     cfg = core.model_config
-    bandwidth = measure_bandwidth()
+    copy = measure_copy_bandwidth()  # the device's copy rate (torch's copy where available), same run
+    bandwidth = copy["best_Bps"]
+    matmul = measure_matmul()
     rng = np.random.default_rng(0)
     rows = []
     for bs in args.batch_sizes:
@@ -81,8 +83,16 @@ def main():
             row = run_batch(core, make(), args.output_len, f"run{bs}")
         mid_context = args.input_len + args.output_len // 2
         floor = decode_bytes(cfg, bs, mid_context)["total"] / bandwidth * 1e3
-        rows.append({"batch_size": bs, **row, "roofline_tpot_ms": floor, "tpot_over_roofline": row["tpot_ms"] / floor})
-        print(f"batch {bs}: TTFT {row['ttft_ms']:.1f} ms, TPOT {row['tpot_ms']:.2f} ms "
+        pf = floors(cfg, 1, args.input_len, args.input_len, bandwidth, matmul)
+        ttft_floor = {k: bs * pf[k] for k in ("prefill_flop_floor_ms", "prefill_byte_floor_ms")}
+        if bs > 1:  # one batch of bs prompts reads the weights once
+            ttft_floor["prefill_byte_floor_ms"] = pf["prefill_byte_floor_ms"]
+        rows.append({"batch_size": bs, **row, "roofline_tpot_ms": floor, "tpot_over_roofline": row["tpot_ms"] / floor,
+                     "ttft_flop_floor_ms": ttft_floor["prefill_flop_floor_ms"],
+                     "ttft_byte_floor_ms": ttft_floor["prefill_byte_floor_ms"],
+                     "ttft_over_flop_floor": row["ttft_ms"] / ttft_floor["prefill_flop_floor_ms"]})
+        print(f"batch {bs}: TTFT {row['ttft_ms']:.1f} ms (FLOP floor {ttft_floor['prefill_flop_floor_ms']:.1f}, "
+              f"byte floor {ttft_floor['prefill_byte_floor_ms']:.1f}), TPOT {row['tpot_ms']:.2f} ms "
               f"(roofline {floor:.2f} ms, {row['tpot_ms'] / floor:.2f}x)")
     result = {"benchmark": "latency", **environment(), "shape": args.shape, "dtype": args.dtype,
               "input_len": args.input_len, "output_len": args.output_len,
@@ -90,7 +100,8 @@ def main():
               "async_scheduling": core.config.async_scheduling,
               "executable_cache": core.config.executable_cache,
               "xla_flags": os.environ.get("XLA_FLAGS", ""), "startup_s": startup_s,
-              "measured_bandwidth_Bps": bandwidth, "rows": rows}
+              "measured_bandwidth_Bps": bandwidth, "copy_bandwidth": copy, "measured_matmul_flops": matmul,
+              "rows": rows}
     write_result(result, args.out)
 
 

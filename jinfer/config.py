@@ -13,14 +13,19 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-# HF `architectures` entry -> our family name. Every family here is the llama-style dense decoder
-# (jinfer/models/llama.py) with a few switches (QKV bias for qwen2, per-head q/k RMSNorm for qwen3).
+# HF `architectures` entry -> our architecture name. llama/qwen2/qwen3 are the llama-style dense
+# decoder (jinfer/models/llama.py) with a few switches (QKV bias for qwen2, per-head q/k RMSNorm for
+# qwen3); qwen3_moe is Qwen3 attention with mixture-of-experts MLPs (jinfer/models/qwen3_moe.py).
+# jinfer/models/registry.py maps each architecture to its model module.
 HF_ARCHITECTURES = {
     "LlamaForCausalLM": "llama",
     "Qwen2ForCausalLM": "qwen2",
     "Qwen3ForCausalLM": "qwen3",
+    "Qwen3MoeForCausalLM": "qwen3_moe",
 }
-GGUF_ARCHITECTURES = ("llama", "qwen2", "qwen3")
+ARCHITECTURES = ("llama", "qwen2", "qwen3", "qwen3_moe")
+# GGUF `general.architecture` -> ours (llama.cpp spells qwen3_moe without the underscore)
+GGUF_ARCHITECTURES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "qwen3moe": "qwen3_moe"}
 SUPPORTED_ROPE_TYPES = ("default", "llama3", "linear")
 
 
@@ -45,7 +50,7 @@ class RopeScaling:
 
 @dataclass(frozen=True)
 class ModelConfig:
-    architecture: str  # "llama" | "qwen2" | "qwen3"
+    architecture: str  # one of ARCHITECTURES
     vocab_size: int
     hidden_size: int
     intermediate_size: int
@@ -62,10 +67,18 @@ class ModelConfig:
     qk_norm: bool = False  # per-head RMSNorm on q and k before RoPE (qwen3)
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
+    # Mixture of experts (qwen3_moe). A layer is sparse unless listed in `mlp_only_layers` or skipped by
+    # `decoder_sparse_step` (HF's rule, `is_moe_layer`); dense layers use `intermediate_size`.
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    norm_topk_prob: bool = True  # renormalise the top-k routing weights to sum to 1
+    decoder_sparse_step: int = 1
+    mlp_only_layers: tuple[int, ...] = ()
 
     def __post_init__(self):
-        if self.architecture not in GGUF_ARCHITECTURES:
-            raise ValueError(f"architecture={self.architecture!r} is not supported; supported: {GGUF_ARCHITECTURES}")
+        if self.architecture not in ARCHITECTURES:
+            raise ValueError(f"architecture={self.architecture!r} is not supported; supported: {ARCHITECTURES}")
         for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads",
                      "num_kv_heads", "head_dim", "max_position_embeddings"):
             value = getattr(self, name)
@@ -77,6 +90,20 @@ class ModelConfig:
             raise ValueError(f"head_dim={self.head_dim} must be even for RoPE")
         if self.rms_norm_eps <= 0 or self.rope_theta <= 0:
             raise ValueError(f"rms_norm_eps={self.rms_norm_eps} and rope_theta={self.rope_theta} must be > 0")
+        if self.num_experts:
+            for name in ("num_experts_per_tok", "moe_intermediate_size", "decoder_sparse_step"):
+                value = getattr(self, name)
+                if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+                    raise ValueError(f"{name}={value!r} must be a positive integer for a mixture-of-experts model")
+            if self.num_experts_per_tok > self.num_experts:
+                raise ValueError(f"num_experts_per_tok={self.num_experts_per_tok} must be <= "
+                                 f"num_experts={self.num_experts}")
+        elif self.architecture == "qwen3_moe":
+            raise ValueError(f"num_experts={self.num_experts!r} must be a positive integer for qwen3_moe")
+        if not isinstance(self.mlp_only_layers, tuple) or any(
+                not isinstance(i, int) or not 0 <= i < self.num_layers for i in self.mlp_only_layers):
+            raise ValueError(f"mlp_only_layers={self.mlp_only_layers!r} must be a tuple of layer indices "
+                             f"in [0, {self.num_layers})")
 
     @property
     def q_size(self) -> int:
@@ -86,14 +113,22 @@ class ModelConfig:
     def kv_size(self) -> int:
         return self.num_kv_heads * self.head_dim
 
-    def num_params(self) -> int:
+    def is_moe_layer(self, i: int) -> bool:
+        """HF's rule (Qwen3MoeDecoderLayer): sparse unless in mlp_only_layers, every decoder_sparse_step-th."""
+        return bool(self.num_experts) and i not in self.mlp_only_layers and (i + 1) % self.decoder_sparse_step == 0
+
+    def num_params(self, active: bool = False) -> int:
+        """Parameter count; `active`: only the experts a token uses (top-k of each MoE layer)."""
         h, i, v = self.hidden_size, self.intermediate_size, self.vocab_size
-        per_layer = h * (self.q_size + 2 * self.kv_size) + self.q_size * h + 3 * h * i + 2 * h
+        attn = h * (self.q_size + 2 * self.kv_size) + self.q_size * h + 2 * h
         if self.attention_bias:
-            per_layer += self.q_size + 2 * self.kv_size
+            attn += self.q_size + 2 * self.kv_size
         if self.qk_norm:
-            per_layer += 2 * self.head_dim
-        return v * h * (1 if self.tie_word_embeddings else 2) + self.num_layers * per_layer + h
+            attn += 2 * self.head_dim
+        experts = self.num_experts_per_tok if active else self.num_experts
+        mlp = sum(h * self.num_experts + experts * 3 * h * self.moe_intermediate_size if self.is_moe_layer(n)
+                  else 3 * h * i for n in range(self.num_layers))
+        return v * h * (1 if self.tie_word_embeddings else 2) + self.num_layers * attn + mlp + h
 
     # ---- constructors -------------------------------------------------------------------------
 
@@ -129,6 +164,22 @@ class ModelConfig:
         head_dim = cfg.get("head_dim") or hidden // num_heads
         eos = cfg.get("eos_token_id")
         eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,))
+        moe = {}
+        if family == "qwen3_moe":
+            # transformers 5 writes `num_local_experts`; published checkpoints have `num_experts`
+            experts = cfg.get("num_experts", cfg.get("num_local_experts"))
+            if experts is None:
+                raise ValueError(f"config field 'num_experts' is missing (architecture {archs[0]})")
+            only = cfg.get("mlp_only_layers") or []
+            if not isinstance(only, list):
+                raise ValueError(f"config field 'mlp_only_layers'={only!r} must be a list of layer indices")
+            moe = dict(num_experts=_positive_int("config field 'num_experts'", experts),
+                       num_experts_per_tok=req("num_experts_per_tok"),
+                       moe_intermediate_size=req("moe_intermediate_size"),
+                       norm_topk_prob=bool(cfg.get("norm_topk_prob", True)),
+                       decoder_sparse_step=_positive_int("config field 'decoder_sparse_step'",
+                                                         cfg.get("decoder_sparse_step", 1)),
+                       mlp_only_layers=tuple(only))
         return cls(
             architecture=family,
             vocab_size=req("vocab_size"),
@@ -144,9 +195,10 @@ class ModelConfig:
             rope_scaling=_rope_scaling_from_hf(cfg.get("rope_scaling") or cfg.get("rope_parameters")),
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
             attention_bias=family == "qwen2" or bool(cfg.get("attention_bias", False)),
-            qk_norm=family == "qwen3",
+            qk_norm=family in ("qwen3", "qwen3_moe"),
             bos_token_id=cfg.get("bos_token_id"),
             eos_token_ids=eos_ids,
+            **moe,
         )
 
     @classmethod
@@ -155,7 +207,8 @@ class ModelConfig:
         arch = meta.get("general.architecture")
         if arch not in GGUF_ARCHITECTURES:
             raise ValueError(f"GGUF field 'general.architecture'={arch!r} is not supported; "
-                             f"supported: {GGUF_ARCHITECTURES}")
+                             f"supported: {tuple(GGUF_ARCHITECTURES)}")
+        family = GGUF_ARCHITECTURES[arch]
 
         def req(key: str) -> Any:
             full = f"{arch}.{key}"
@@ -175,12 +228,24 @@ class ModelConfig:
             scaling = RopeScaling("linear", float(meta.get(f"{arch}.rope.scaling.factor", 1.0)))
         eos = meta.get("tokenizer.ggml.eos_token_id")
         tied = tensor_names is not None and "output.weight" not in tensor_names
+        num_layers = int(req("block_count"))
+        moe = {}
+        if family == "qwen3_moe":
+            # llama.cpp has no mlp_only_layers: a layer with a dense ffn_gate and no experts is one
+            only = tuple(i for i in range(num_layers) if tensor_names is not None
+                         and f"blk.{i}.ffn_gate_exps.weight" not in tensor_names
+                         and f"blk.{i}.ffn_gate.weight" in tensor_names)
+            moe = dict(num_experts=req("expert_count"), num_experts_per_tok=req("expert_used_count"),
+                       moe_intermediate_size=req("expert_feed_forward_length"),
+                       norm_topk_prob=bool(meta.get(f"{arch}.expert_weights_norm", True)), mlp_only_layers=only)
+        # a MoE model without dense layers may omit feed_forward_length
+        inter = meta.get(f"{arch}.feed_forward_length") if family == "qwen3_moe" else None
         return cls(
-            architecture=arch,
+            architecture=family,
             vocab_size=int(vocab),
             hidden_size=hidden,
-            intermediate_size=int(req("feed_forward_length")),
-            num_layers=int(req("block_count")),
+            intermediate_size=int(inter or moe.get("moe_intermediate_size") or req("feed_forward_length")),
+            num_layers=num_layers,
             num_heads=num_heads,
             num_kv_heads=int(meta.get(f"{arch}.attention.head_count_kv", num_heads)),
             head_dim=head_dim,
@@ -189,10 +254,11 @@ class ModelConfig:
             rope_theta=float(meta.get(f"{arch}.rope.freq_base", 10000.0)),
             rope_scaling=scaling,
             tie_word_embeddings=tied,
-            attention_bias=arch == "qwen2",
-            qk_norm=arch == "qwen3",
+            attention_bias=family == "qwen2",
+            qk_norm=family in ("qwen3", "qwen3_moe"),
             bos_token_id=meta.get("tokenizer.ggml.bos_token_id"),
             eos_token_ids=() if eos is None else (int(eos),),
+            **moe,
         )
 
     def replace(self, **kw) -> ModelConfig:
@@ -230,6 +296,13 @@ NAMED_SHAPES: dict[str, ModelConfig] = {
                              eos_token_ids=(128009,)),
     "smollm2-135m": ModelConfig("llama", 49152, 576, 1536, 30, 9, 3, 64, 8192, 1e-5, 1e5,
                                 tie_word_embeddings=True, eos_token_ids=(2,)),
+    # Qwen3-30B-A3B / Qwen3-235B-A22B (their published config.json): every layer sparse, top-8 of 128
+    "qwen3-30b-a3b": ModelConfig("qwen3_moe", 151936, 2048, 6144, 48, 32, 4, 128, 40960, 1e-6, 1e6,
+                                 qk_norm=True, eos_token_ids=(151645,), num_experts=128, num_experts_per_tok=8,
+                                 moe_intermediate_size=768),
+    "qwen3-235b-a22b": ModelConfig("qwen3_moe", 151936, 4096, 12288, 94, 64, 4, 128, 40960, 1e-6, 1e6,
+                                   qk_norm=True, eos_token_ids=(151645,), num_experts=128, num_experts_per_tok=8,
+                                   moe_intermediate_size=1536),
 }
 
 

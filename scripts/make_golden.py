@@ -9,7 +9,8 @@ Environment used: Python 3.11, torch==2.13.0 (CPU), transformers==5.23, gguf, sa
 The jinfer tests only read the outputs (numpy / json / safetensors); they never import torch.
 
 Outputs (all under tests/data/, see tests/data/README.md):
-  tiny-llama/, tiny-qwen2/, tiny-qwen3/      tiny random-weight HF checkpoints (float32 safetensors)
+  tiny-llama/, tiny-qwen2/, tiny-qwen3/,
+  tiny-qwen3_moe/                             tiny random-weight HF checkpoints (float32 safetensors)
   golden/tiny-<arch>.npz                      prefill logits, greedy ids and per-step decode logits
   golden/smollm2_greedy.json                  greedy continuations of SmolLM2-135M-Instruct (Q4_1 GGUF)
   golden/smollm2_chat0_last_logits.npy        HF prefill logits of the first chat prompt, last position
@@ -38,6 +39,8 @@ from transformers import (
     Qwen2ForCausalLM,
     Qwen3Config,
     Qwen3ForCausalLM,
+    Qwen3MoeConfig,
+    Qwen3MoeForCausalLM,
 )
 
 REPO = Path(__file__).resolve().parent.parent
@@ -129,7 +132,48 @@ def tiny_specs():
             ),
             None,
         ),
+        # 8 experts, top-2, layer 1 dense (mlp_only_layers): routing, stacked experts and a dense layer
+        # inside one MoE model
+        "qwen3_moe": (
+            Qwen3MoeForCausalLM,
+            Qwen3MoeConfig(
+                **_common(
+                    num_hidden_layers=3,
+                    intermediate_size=96,
+                    moe_intermediate_size=32,
+                    num_experts=8,
+                    num_experts_per_tok=2,
+                    norm_topk_prob=True,
+                    decoder_sparse_step=1,
+                    mlp_only_layers=[1],
+                    head_dim=32,
+                    tie_word_embeddings=False,
+                    rope_theta=1000000.0,
+                    attention_bias=False,
+                    use_sliding_window=False,
+                )
+            ),
+            None,
+        ),
     }
+
+
+MIN_ROUTER_GAP = 1e-3  # k-th minus (k+1)-th routing probability, every token of every MoE layer
+
+
+def router_gap(model, ids):
+    """Smallest gap between the k-th and (k+1)-th expert probability over the sequence (MoE only): a
+    near-tie could route differently under another engine's float32 rounding."""
+    cfg = model.config
+    if not hasattr(cfg, "num_experts_per_tok"):
+        return float("inf")
+    out = model(input_ids=torch.tensor([ids]), output_router_logits=True)
+    gaps = []
+    for logits in out.router_logits:
+        p = torch.softmax(logits.float(), dim=-1).sort(dim=-1, descending=True).values
+        k = cfg.num_experts_per_tok
+        gaps.append(float((p[:, k - 1] - p[:, k]).min()))
+    return min(gaps)
 
 
 @torch.no_grad()
@@ -202,7 +246,8 @@ def make_tiny(arch, cls, cfg, shard, seed):
         for _attempt in range(500):
             prompt = rng.integers(0, VOCAB, size=L).astype(np.int32)
             prefill, greedy, dec = greedy_with_cache(model, prompt.tolist(), N_DECODE)
-            if top2_margin(dec).min() >= MIN_MARGIN:
+            if top2_margin(dec).min() >= MIN_MARGIN and router_gap(
+                    model, prompt.tolist() + greedy.tolist()) >= MIN_ROUTER_GAP:
                 break
         else:
             raise RuntimeError(f"no prompt with margin >= {MIN_MARGIN} for {arch} L={L}")
@@ -217,7 +262,7 @@ def make_tiny(arch, cls, cfg, shard, seed):
         arrays[f"decode_margin_{i}"] = m.astype(np.float32)
         margins.append(float(m.min()))
     arrays["meta"] = np.array(json.dumps({**META, "arch": arch, "seed": seed, "n_decode": N_DECODE,
-                                            "min_margin": MIN_MARGIN}))
+                                            "min_margin": MIN_MARGIN, "min_router_gap": MIN_ROUTER_GAP}))
     GOLDEN.mkdir(parents=True, exist_ok=True)
     np.savez(GOLDEN / f"tiny-{arch}.npz", **arrays)
     size = sum(f.stat().st_size for f in out_dir.iterdir())

@@ -25,8 +25,8 @@ from jinfer.engine.model_runner import Launched, ModelRunner, StepRow, kv_cache_
 from jinfer.engine.request import FinishReason, Request
 from jinfer.engine.sampler import num_logprobs_for, pack_token_mask, uses_penalties
 from jinfer.engine.scheduler import Scheduler, SchedulerConfig
-from jinfer.models.llama import fuse_qkv
 from jinfer.models.ops import BACKENDS, select_ops
+from jinfer.models.registry import fuse_qkv
 from jinfer.outputs import EngineOutput
 from jinfer.parallel import make_mesh
 from jinfer.sampling_params import SamplingParams
@@ -140,7 +140,7 @@ class EngineCore:
         mesh = make_mesh(config.tensor_parallel_size)
         weights = load_weights(source, self.dtype, mesh, seed=config.seed)
         if mesh.size == 1:
-            weights = fuse_qkv(weights)
+            weights = fuse_qkv(self.model_config, weights)
         num_pages = config.num_pages or self._auto_num_pages()
         max_len = min(config.max_model_len or self.model_config.max_position_embeddings,
                       (num_pages - 1) * config.page_size)

@@ -40,8 +40,9 @@ from jinfer.engine.kv_cache_manager import NULL_PAGE, cdiv
 from jinfer.engine.sampler import SamplerFlags, SamplingTensors, sample_traced
 from jinfer.engine.scheduler import SchedulerOutput
 from jinfer.models.batch import Batch
-from jinfer.models.llama import Weights, forward
+from jinfer.models.llama import Weights
 from jinfer.models.ops import REFERENCE_OPS, ModelOps
+from jinfer.models.registry import forward
 from jinfer.parallel import logical_sharding
 
 log = logging.getLogger(__name__)

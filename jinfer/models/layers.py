@@ -1,5 +1,5 @@
-"""Building blocks of the dense decoder: RMSNorm, RoPE, SwiGLU MLP and paged KV writes. All are pure
-functions of arrays. (Attention is chosen in jinfer/models/ops.py.)"""
+"""Building blocks of the decoders: RMSNorm, RoPE, SwiGLU MLP, the mixture-of-experts MLP and paged KV
+writes. All are pure functions of arrays. (Kernels are chosen in jinfer/models/ops.py.)"""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jinfer.config import ModelConfig, rope_inv_freq
+from pallas_kernels.moe_routing import topk_routing
 
 
 def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
@@ -35,6 +36,28 @@ def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
 def swiglu_mlp(x: jax.Array, w_gate: jax.Array, w_up: jax.Array, w_down: jax.Array) -> jax.Array:
     """down(silu(x @ gate) * (x @ up)). x: [T, hidden]; w_gate/w_up: [hidden, I]; w_down: [I, hidden]."""
     return (jax.nn.silu(x @ w_gate) * (x @ w_up)) @ w_down
+
+
+def moe_mlp(x: jax.Array, logits: jax.Array, w_gate: jax.Array, w_up: jax.Array, w_down: jax.Array, top_k: int,
+            renormalize: bool) -> jax.Array:
+    """Mixture of SwiGLU experts in plain jnp (XLA): HF's routing, the (token, slot) pairs sorted by
+    expert, two `lax.ragged_dot`s, then each token's k outputs weighted and summed.
+
+    x: [T, hidden]; logits: [T, E] router logits; w_gate/w_up: [E, hidden, I]; w_down: [E, I, hidden].
+    """
+    tokens, hidden = x.shape
+    weights, ids = topk_routing(logits, top_k, renormalize)  # [T, k] each
+    flat = ids.reshape(-1)
+    order = jnp.argsort(flat, stable=True)  # pairs grouped by expert
+    sizes = jnp.bincount(flat, length=w_gate.shape[0]).astype(jnp.int32)
+    xs = x[order // top_k]  # [T*k, hidden]
+    g = jax.lax.ragged_dot(xs, w_gate, sizes, preferred_element_type=jnp.float32)
+    u = jax.lax.ragged_dot(xs, w_up, sizes, preferred_element_type=jnp.float32)
+    h = (jax.nn.silu(g) * u).astype(x.dtype)
+    y = jax.lax.ragged_dot(h, w_down, sizes, preferred_element_type=jnp.float32)  # [T*k, hidden]
+    y = y * weights.reshape(-1)[order][:, None]
+    out = jnp.zeros((tokens * top_k, hidden), jnp.float32).at[order].set(y)
+    return out.reshape(tokens, top_k, hidden).sum(axis=1).astype(x.dtype)
 
 
 def write_kv(

@@ -3,11 +3,16 @@
 The three architectures differ only by switches in `ModelConfig`: `attention_bias` (Qwen2 q/k/v
 bias) and `qk_norm` (Qwen3 per-head RMSNorm on q and k before RoPE). Every weight is described
 once in `weight_specs`; random init, sharding and checkpoint loading are derived from that table.
+
+The decoder skeleton (`decoder_forward`: embedding, attention over the paged cache, final norm,
+lm_head) and the attention weights are shared with the other families (qwen3_moe.py), which bring
+their own MLP per layer.
 """
 
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from dataclasses import dataclass, fields
 
 import jax
@@ -17,22 +22,10 @@ from jinfer.config import ModelConfig
 from jinfer.models.batch import Batch
 from jinfer.models.layers import apply_rope, rms_norm, rope_cos_sin, write_kv
 from jinfer.models.ops import REFERENCE_OPS, ModelOps
+from jinfer.models.spec import ArrayInfo
 
-
-@dataclass(frozen=True)
-class ArrayInfo:
-    """One weight: its shape and logical axes in jinfer's layout, and where checkpoints keep it.
-
-    Linear weights are stored [in, out] here (x @ W); checkpoints keep them [out, in], hence
-    `transpose`. `init` is the dummy-weight initializer: "normal" (std 0.02), "ones" or "zeros".
-    """
-
-    shape: tuple[int, ...]
-    axes: tuple[str | None, ...]
-    hf_name: str
-    gguf_name: str
-    transpose: bool = False
-    init: str = "normal"
+__all__ = ["ArrayInfo", "LayerWeights", "Weights", "assemble_weights", "decoder_forward", "forward", "fuse_qkv",
+           "weight_specs"]
 
 
 @jax.tree_util.register_dataclass
@@ -44,15 +37,16 @@ class LayerWeights:
     wv: jax.Array | None  # [hidden, KVH*D]
     wo: jax.Array  # [H*D, hidden]
     mlp_norm: jax.Array  # [hidden]
-    w_gate: jax.Array  # [hidden, I]
-    w_up: jax.Array  # [hidden, I]
-    w_down: jax.Array  # [I, hidden]
+    w_gate: jax.Array  # [hidden, I]; MoE layers: [E, hidden, I] (one per expert)
+    w_up: jax.Array  # [hidden, I]; MoE: [E, hidden, I]
+    w_down: jax.Array  # [I, hidden]; MoE: [E, I, hidden]
     bq: jax.Array | None = None  # [H*D]      qwen2
     bk: jax.Array | None = None  # [KVH*D]    qwen2
     bv: jax.Array | None = None  # [KVH*D]    qwen2
     q_norm: jax.Array | None = None  # [D]    qwen3
     k_norm: jax.Array | None = None  # [D]    qwen3
     wqkv: jax.Array | None = None  # [hidden, (H + 2*KVH)*D]: wq|wk|wv side by side (`fuse_qkv`)
+    router: jax.Array | None = None  # [hidden, E]: MoE layers' router (qwen3_moe)
 
 
 @jax.tree_util.register_dataclass
@@ -64,8 +58,9 @@ class Weights:
     lm_head: jax.Array | None = None  # [hidden, vocab]; None when tied to embed
 
 
-def layer_specs(cfg: ModelConfig, i: int) -> dict[str, ArrayInfo]:
-    h, q, kv, inter, d = cfg.hidden_size, cfg.q_size, cfg.kv_size, cfg.intermediate_size, cfg.head_dim
+def attention_specs(cfg: ModelConfig, i: int) -> dict[str, ArrayInfo]:
+    """Layer i's attention weights and the two norms around it."""
+    h, q, kv, d = cfg.hidden_size, cfg.q_size, cfg.kv_size, cfg.head_dim
     hf, gg = f"model.layers.{i}.", f"blk.{i}."
     specs = {
         "attn_norm": ArrayInfo((h,), ("embed",), hf + "input_layernorm.weight", gg + "attn_norm.weight", init="ones"),
@@ -76,9 +71,6 @@ def layer_specs(cfg: ModelConfig, i: int) -> dict[str, ArrayInfo]:
                         True),
         "mlp_norm": ArrayInfo((h,), ("embed",), hf + "post_attention_layernorm.weight", gg + "ffn_norm.weight",
                               init="ones"),
-        "w_gate": ArrayInfo((h, inter), ("embed", "mlp"), hf + "mlp.gate_proj.weight", gg + "ffn_gate.weight", True),
-        "w_up": ArrayInfo((h, inter), ("embed", "mlp"), hf + "mlp.up_proj.weight", gg + "ffn_up.weight", True),
-        "w_down": ArrayInfo((inter, h), ("mlp", "embed"), hf + "mlp.down_proj.weight", gg + "ffn_down.weight", True),
     }
     if cfg.attention_bias:
         specs["bq"] = ArrayInfo((q,), ("q_heads",), hf + "self_attn.q_proj.bias", gg + "attn_q.bias", init="zeros")
@@ -92,7 +84,24 @@ def layer_specs(cfg: ModelConfig, i: int) -> dict[str, ArrayInfo]:
     return specs
 
 
-def weight_specs(cfg: ModelConfig) -> dict[str, ArrayInfo]:
+def mlp_specs(cfg: ModelConfig, i: int) -> dict[str, ArrayInfo]:
+    """Layer i's dense SwiGLU MLP."""
+    h, inter = cfg.hidden_size, cfg.intermediate_size
+    hf, gg = f"model.layers.{i}.mlp.", f"blk.{i}."
+    return {
+        "w_gate": ArrayInfo((h, inter), ("embed", "mlp"), hf + "gate_proj.weight", gg + "ffn_gate.weight", True),
+        "w_up": ArrayInfo((h, inter), ("embed", "mlp"), hf + "up_proj.weight", gg + "ffn_up.weight", True),
+        "w_down": ArrayInfo((inter, h), ("mlp", "embed"), hf + "down_proj.weight", gg + "ffn_down.weight", True),
+    }
+
+
+def layer_specs(cfg: ModelConfig, i: int) -> dict[str, ArrayInfo]:
+    return attention_specs(cfg, i) | mlp_specs(cfg, i)
+
+
+def weight_specs(cfg: ModelConfig,
+                 layer_specs: Callable[[ModelConfig, int], dict[str, ArrayInfo]] = layer_specs
+                 ) -> dict[str, ArrayInfo]:
     """Every weight of the model, keyed by its path in the `Weights` pytree ("layers.3.wq")."""
     h, v = cfg.hidden_size, cfg.vocab_size
     specs = {"embed": ArrayInfo((v, h), ("vocab", "embed"), "model.embed_tokens.weight", "token_embd.weight")}
@@ -151,6 +160,14 @@ def _attention(layer: LayerWeights, x: jax.Array, cos, sin, kv, batch: Batch, cf
     return ops.out_proj(out.reshape(T, H * D), layer.wo, x), (k_cache, v_cache)
 
 
+def dense_mlp(layer: LayerWeights, i: int, x: jax.Array, cfg: ModelConfig, ops: ModelOps) -> jax.Array:
+    """x + SwiGLU(rms_norm(x)): the dense families' MLP block."""
+    return ops.mlp_block(x, layer.mlp_norm, layer.w_gate, layer.w_up, layer.w_down, cfg.rms_norm_eps)
+
+
+MlpFn = Callable[[LayerWeights, int, jax.Array, ModelConfig, ModelOps], jax.Array]
+
+
 def forward(
     weights: Weights,
     batch: Batch,
@@ -158,7 +175,15 @@ def forward(
     cfg: ModelConfig,
     ops: ModelOps = REFERENCE_OPS,
 ) -> tuple[jax.Array, tuple[tuple[jax.Array, jax.Array], ...]]:
-    """One step over a flattened ragged batch. Returns (logits [N, vocab] float32, updated kv_cache).
+    """One step over a flattened ragged batch. Returns (logits [N, vocab] float32, updated kv_cache)."""
+    return decoder_forward(weights, batch, kv_cache, cfg, ops, dense_mlp)
+
+
+def decoder_forward(weights: Weights, batch: Batch, kv_cache: tuple[tuple[jax.Array, jax.Array], ...],
+                    cfg: ModelConfig, ops: ModelOps, mlp: MlpFn
+                    ) -> tuple[jax.Array, tuple[tuple[jax.Array, jax.Array], ...]]:
+    """The decoder every family shares: embedding, per layer attention then the family's `mlp` block
+    (`mlp(layer, i, x, cfg, ops) -> x + mlp(norm(x))`), final norm and lm_head.
 
     Layers are unrolled in Python (one executable, no scan): measured faster than `lax.scan` over
     stacked weights for decode on the H100.
@@ -166,9 +191,9 @@ def forward(
     x = weights.embed[batch.input_ids]  # [T, hidden]
     cos, sin = rope_cos_sin(batch.positions, cfg, x.dtype)
     new_cache = []
-    for layer, kv in zip(weights.layers, kv_cache, strict=True):
+    for i, (layer, kv) in enumerate(zip(weights.layers, kv_cache, strict=True)):
         x, kv = _attention(layer, x, cos, sin, kv, batch, cfg, ops)
-        x = ops.mlp_block(x, layer.mlp_norm, layer.w_gate, layer.w_up, layer.w_down, cfg.rms_norm_eps)
+        x = mlp(layer, i, x, cfg, ops)
         new_cache.append(kv)
     x = rms_norm(x[batch.logits_indices], weights.final_norm, cfg.rms_norm_eps)  # [N, hidden]
     head = weights.embed.T if weights.lm_head is None else weights.lm_head

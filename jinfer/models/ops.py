@@ -18,8 +18,11 @@ benchmarks/results/kernels_h100.json:
   `MOSAIC_MIN_STEP_TOKENS` tokens never launches the Mosaic kernel;
 - MLP: the fused Pallas kernel only where it beat XLA (`PALLAS_MLP_TOKENS`); XLA's fusion elsewhere;
 - projections around attention: XLA (see `qkv`).
-The layer's norms and residual adds belong to these ops (`qkv`, `out_proj`, `mlp_block`), so a fused
-kernel can take them in; the reference ops are the plain jnp model.
+- mixture-of-experts MLP (`moe_block`): the router matmul in XLA, then the routing kernel and the
+  two grouped GEMMs of pallas_kernels/moe_routing.py and moe_gemm.py over the expert-grouped layout,
+  with `moe_block_m` rows per block; the reference is `layers.moe_mlp` (`lax.ragged_dot`).
+The layer's norms and residual adds belong to these ops (`qkv`, `out_proj`, `mlp_block`, `moe_block`),
+so a fused kernel can take them in; the reference ops are the plain jnp model.
 """
 
 from __future__ import annotations
@@ -27,9 +30,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import jax
+import jax.numpy as jnp
 
 from jinfer.models.batch import Batch
-from jinfer.models.layers import rms_norm, swiglu_mlp
+from jinfer.models.layers import moe_mlp, rms_norm, swiglu_mlp
 
 BACKENDS = ("auto", "reference", "pallas", "pallas-triton")  # pallas-triton: no Mosaic GPU kernel
 # Sequences with at least this many new tokens in a step take the Mosaic GPU prefill kernel: a full
@@ -41,6 +45,13 @@ MOSAIC_MIN_STEP_TOKENS = 512
 # Token counts at which the fused Pallas MLP measured faster than XLA on the H100
 # (63.7 vs 77.5 us at T=1; slower from T=16 on; T=2..15 not measured).
 PALLAS_MLP_TOKENS = frozenset({1})
+
+
+def moe_block_m(num_pairs: int, num_experts: int) -> int:
+    """Rows per block of the expert-grouped layout (the grouped GEMMs' M tile): 16 (the smallest
+    tensor-core tile) while experts get a few rows each (decode), larger tiles as they fill."""
+    per_expert = num_pairs / num_experts
+    return 16 if per_expert <= 16 else 64
 
 
 @dataclass(frozen=True)
@@ -121,6 +132,25 @@ class ModelOps:
 
             return x + fused_swiglu_mlp(x, w_gate, w_up, w_down, norm, eps=eps, interpret=self.interpret)
         return x + swiglu_mlp(rms_norm(x, norm, eps), w_gate, w_up, w_down)
+
+    def moe_block(self, x: jax.Array, norm: jax.Array, router: jax.Array, w_gate: jax.Array, w_up: jax.Array,
+                  w_down: jax.Array, *, top_k: int, renormalize: bool, eps: float) -> jax.Array:
+        """x + moe(rms_norm(x)); x: [T, hidden]; router: [hidden, E]; experts stacked [E, ...]."""
+        h = rms_norm(x, norm, eps)
+        # router logits rounded to the activation dtype, as HF's F.linear (and vLLM) produce them
+        logits = jnp.dot(h, router, preferred_element_type=jnp.float32).astype(h.dtype)  # [T, E]
+        num_experts, hidden, inter = w_gate.shape
+        if self.backend == "reference" or hidden % 16 or inter % 16:
+            return x + moe_mlp(h, logits, w_gate, w_up, w_down, top_k, renormalize)
+        from pallas_kernels.moe_gemm import moe_combine, moe_down, moe_gate_up
+        from pallas_kernels.moe_routing import moe_route
+
+        block_m = moe_block_m(x.shape[0] * top_k, num_experts)
+        routing = moe_route(logits, top_k=top_k, renormalize=renormalize, block_m=block_m,
+                            interpret=self.interpret)
+        act = moe_gate_up(h, routing, w_gate, w_up, interpret=self.interpret)
+        y = moe_down(act, routing, w_down, interpret=self.interpret)
+        return x + moe_combine(y, top_k, x.dtype)
 
 
 REFERENCE_OPS = ModelOps()

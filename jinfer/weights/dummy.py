@@ -24,7 +24,7 @@ import numpy as np
 from jax import lax
 from jax.sharding import Sharding
 
-from jinfer.models.llama import ArrayInfo
+from jinfer.models.spec import ArrayInfo
 
 STD = 0.02
 _LAYER = re.compile(r"^(layers\.\d+)\.(.+)$")

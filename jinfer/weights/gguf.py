@@ -14,7 +14,7 @@ from gguf import GGMLQuantizationType
 from gguf.quants import dequantize
 
 from jinfer.config import ModelConfig
-from jinfer.models.llama import ArrayInfo
+from jinfer.models.spec import ArrayInfo
 from jinfer.weights.gguf_meta import open_gguf
 
 SUPPORTED_TYPES = {t.name for t in (

@@ -20,7 +20,9 @@ from jax.sharding import Mesh
 from tqdm.auto import tqdm
 
 from jinfer.config import NAMED_SHAPES, ModelConfig
-from jinfer.models.llama import ArrayInfo, Weights, assemble_weights, weight_specs
+from jinfer.models.llama import Weights
+from jinfer.models.registry import assemble_weights, weight_specs
+from jinfer.models.spec import ArrayInfo
 from jinfer.parallel import logical_sharding, make_mesh
 from jinfer.weights.gguf_meta import open_gguf, read_metadata, tensor_names
 
@@ -126,16 +128,12 @@ def _load_checkpoint(source: ModelSource, specs: dict[str, ArrayInfo], dtype, me
     return arrays
 
 
-def checkpoint_shape(spec: ArrayInfo) -> tuple[int, ...]:
-    return spec.shape[::-1] if spec.transpose else spec.shape
-
-
 def place(host: np.ndarray, spec: ArrayInfo, dtype, mesh: Mesh) -> jax.Array:
     """Check a checkpoint tensor against its spec, transpose to jinfer's layout, cast and shard it."""
-    expected = checkpoint_shape(spec)
+    expected = spec.checkpoint_shape()
     if tuple(host.shape) != expected:
         raise ValueError(f"tensor {spec.hf_name!r} has shape {tuple(host.shape)}, expected {expected}")
     if spec.transpose:
-        host = host.T
+        host = np.swapaxes(host, -1, -2)
     host = np.ascontiguousarray(host.astype(dtype))
     return jax.device_put(host, logical_sharding(mesh, spec.axes, spec.shape))

@@ -8,7 +8,7 @@ from pathlib import Path
 import numpy as np
 from safetensors import safe_open
 
-from jinfer.models.llama import ArrayInfo
+from jinfer.models.spec import EXPERT, ArrayInfo
 
 
 class SafetensorsSource:
@@ -25,8 +25,23 @@ class SafetensorsSource:
         self._handles = {f: safe_open(str(self.directory / f), framework="numpy") for f in files}
         self._where = {name: f for f, h in self._handles.items() for name in h.keys()}
 
-    def get(self, spec: ArrayInfo) -> np.ndarray:
-        f = self._where.get(spec.hf_name)
+    def _tensor(self, name: str) -> np.ndarray:
+        f = self._where.get(name)
         if f is None:
-            raise ValueError(f"tensor {spec.hf_name!r} is missing from the checkpoint in {self.directory}")
-        return self._handles[f].get_tensor(spec.hf_name)
+            raise ValueError(f"tensor {name!r} is missing from the checkpoint in {self.directory}")
+        return self._handles[f].get_tensor(name)
+
+    def get(self, spec: ArrayInfo) -> np.ndarray:
+        if EXPERT not in spec.hf_name:
+            return self._tensor(spec.hf_name)
+        # Stacked experts: one tensor per expert (published checkpoints, transformers' save_pretrained),
+        # else transformers' fused in-memory layout [E, parts * out, in].
+        names = [spec.hf_name.replace(EXPERT, str(e)) for e in range(spec.shape[0])]
+        if names[0] not in self._where and spec.hf_fused is not None and spec.hf_fused[0] in self._where:
+            name, part, parts = spec.hf_fused
+            fused = self._tensor(name)
+            if fused.ndim != 3 or fused.shape[1] % parts:
+                raise ValueError(f"tensor {name!r} has shape {fused.shape}, expected [experts, {parts} x out, in]")
+            rows = fused.shape[1] // parts
+            return fused[:, part * rows:(part + 1) * rows]
+        return np.stack([self._tensor(n) for n in names])

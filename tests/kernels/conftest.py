@@ -53,3 +53,18 @@ def assert_close(out, ref, dtype, mode: str) -> None:
     assert np.isfinite(out).all(), "kernel produced non-finite values"
     tol = tolerance(dtype, mode)
     np.testing.assert_allclose(out, ref, atol=tol, rtol=tol)
+
+
+def lower_for_cuda(fn, *shapes) -> str:
+    """Lower `fn` for CUDA on a machine without a GPU and return the module text: the Pallas Triton
+    lowering (our kernel -> Triton IR) runs, against an abstract H100. (PTX compilation happens on the
+    GPU only.)"""
+    from jax import export
+    from jax._src import mesh as mesh_lib
+
+    device = mesh_lib.AbstractDevice(device_kind="NVIDIA H100 80GB HBM3", num_cores=132, platform="gpu")
+    mesh = jax.sharding.AbstractMesh((1,), ("x",), abstract_device=device)
+    with jax.sharding.use_abstract_mesh(mesh):
+        exp = export.export(jax.jit(fn), platforms=["cuda"],
+                            disabled_checks=[export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")])(*shapes)
+    return exp.mlir_module()

@@ -1,4 +1,4 @@
-"""Tiny random-weight Llama / Qwen2 / Qwen3 checkpoints against HF transformers' own logits.
+"""Tiny random-weight Llama / Qwen2 / Qwen3 / Qwen3-MoE checkpoints against HF transformers' own logits.
 
 The goldens (tests/data/golden/tiny-*.npz) come from scripts/make_golden.py running HF
 transformers on the same safetensors; nothing here runs PyTorch. Pages are deliberately small and
@@ -13,8 +13,8 @@ import numpy as np
 import pytest
 
 from jinfer.models.batch import make_batch
-from jinfer.models.llama import forward, fuse_qkv
 from jinfer.models.ops import REFERENCE_OPS, ModelOps
+from jinfer.models.registry import forward, fuse_qkv
 from jinfer.weights.loader import load_weights, resolve_model
 
 from ..conftest import DATA
@@ -42,27 +42,35 @@ def scrambled_pages(seed, n):
 OPS = {"ref": REFERENCE_OPS, "pallas": ModelOps("pallas", interpret=jax.default_backend() != "gpu")}
 
 
-@pytest.fixture(scope="module", params=[(a, o) for a in ("llama", "qwen2", "qwen3") for o in OPS],
+ARCHS = ("llama", "qwen2", "qwen3", "qwen3_moe")
+
+
+@pytest.fixture(scope="module", params=[(a, o) for a in ARCHS for o in OPS],
                 ids=lambda p: f"{p[0]}-{p[1]}")
 def model(request):
     arch, ops = request.param
     cfg, w, gold = load(arch)
     if ops == "pallas":  # also covers the fused q/k/v projection the engine uses on one device
-        w = fuse_qkv(w)
+        w = fuse_qkv(cfg, w)
         assert w.layers[0].wq is None and w.layers[0].wqkv is not None
     step = jax.jit(partial(forward, cfg=cfg, ops=OPS[ops]), donate_argnames=("kv_cache",))
     return cfg, w, gold, step
 
 
 def test_config_read_from_hf(model):
-    cfg, _, gold, _ = model
+    cfg, w, gold, _ = model
     assert cfg.num_kv_heads < cfg.num_heads  # GQA is exercised
     if cfg.architecture == "llama":
         assert cfg.rope_scaling.rope_type == "llama3" and not cfg.tie_word_embeddings
     if cfg.architecture == "qwen2":
         assert cfg.attention_bias and cfg.tie_word_embeddings
-    if cfg.architecture == "qwen3":
+    if cfg.architecture in ("qwen3", "qwen3_moe"):
         assert cfg.qk_norm and cfg.head_dim * cfg.num_heads != cfg.hidden_size
+    if cfg.architecture == "qwen3_moe":  # transformers 5 writes num_local_experts; experts per layer stacked
+        assert (cfg.num_experts, cfg.num_experts_per_tok, cfg.mlp_only_layers) == (8, 2, (1,))
+        assert [cfg.is_moe_layer(i) for i in range(3)] == [True, False, True]
+        assert w.layers[0].w_gate.shape == (8, 64, 32) and w.layers[0].router.shape == (64, 8)
+        assert w.layers[1].router is None and w.layers[1].w_gate.shape == (64, 96)
 
 
 @pytest.mark.parametrize("i", [0, 1, 2])

@@ -1,0 +1,291 @@
+"""Mixture-of-experts kernels on the GPU at Qwen3-30B-A3B expert shapes (128 experts, top-8, hidden
+2048, moe_intermediate 768, bf16), with the peers measured in the same run:
+
+- ours: routing kernel + grouped GEMMs (`pallas_kernels/moe_routing.py`, `moe_gemm.py`: gate|up with
+  the SwiGLU epilogue, down with the weighted scatter back to token order, then the k-sum), and the
+  Mosaic GPU grouped GEMM (`moe_gemm_mgpu.py`) where it is present, on expert-sorted rows;
+- `jax.lax.ragged_dot` (XLA) on the same expert-sorted rows;
+- torch `_grouped_mm` (CUTLASS) in a subprocess (torch never shares the process with JAX): the two
+  grouped matmuls (gate|up fused, then down) plus SwiGLU between them, captured in a CUDA graph,
+  and torch's device copy bandwidth (the roofline's rate).
+
+"gemm" figures time the two grouped matmuls with the routing given (what torch._grouped_mm is given);
+"block" figures time the whole MoE MLP from router logits (routing included). Times are device times
+from a jit chaining 10 calls (each call's output feeds the next), median of 5 runs (benchmarks.bench_kernels'
+method); the per-kernel split comes from CUPTI (`jax.experimental.mosaic.gpu.profiler.measure`).
+Bandwidth counts the bytes of the experts actually hit; TFLOP/s the real routed rows (2 x rows x 3 x H x I).
+
+    python -m benchmarks.bench_moe --out benchmarks/results/moe_kernels_h100.json [--sweep] [--tokens 1 8 64]
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import statistics
+import subprocess
+import sys
+import traceback
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from benchmarks.bench_kernels import chained, timeit
+from benchmarks.common import environment, write_result
+from jinfer.models.layers import moe_mlp
+from jinfer.models.ops import ModelOps, moe_block_m
+from pallas_kernels.moe_gemm import moe_combine, moe_down, moe_gate_up
+from pallas_kernels.moe_routing import moe_route, moe_route_reference
+
+E, H, INTER, K = 128, 2048, 768, 8
+TOKENS = (1, 8, 64, 512, 4096)
+DTYPE = jnp.bfloat16
+KW: dict = {}  # {"interpret": True} under --smoke (CPU check of the script at tiny shapes)
+
+
+def weights(seed: int = 0):
+    kg, ku, kd, kr = jax.random.split(jax.random.key(seed), 4)
+    w = lambda k, shape: (jax.random.normal(k, shape, jnp.float32) * 0.02).astype(DTYPE)  # noqa: E731
+    return w(kg, (E, H, INTER)), w(ku, (E, H, INTER)), w(kd, (E, INTER, H)), w(kr, (H, E))
+
+
+def cupti_split(fn, *args, iterations: int = 20) -> dict | None:
+    """Median per-kernel device time (us) of one call of fn, by kernel name, from CUPTI."""
+    try:
+        from jax.experimental.mosaic.gpu import profiler
+
+        _, runs = profiler.measure(fn, aggregate=False, iterations=iterations)(*args)
+    except Exception as e:  # CUPTI may be unavailable
+        return {"error": f"{type(e).__name__}: {str(e)[:200]}"}
+    if not runs:
+        return None
+    names = [n for n, _ in runs[0]]
+    per = {n: [] for n in names}
+    for run in runs:
+        for n, ms in run:
+            per.setdefault(n, []).append(ms * 1e3)
+    split = {n: round(statistics.median(v), 2) for n, v in per.items()}
+    split["total_us"] = round(sum(split.values()), 2)
+    return split
+
+
+def record(rows: list, entry: dict, fn, *args, hit_bytes: int, flops: float, split=True):
+    try:
+        dt = timeit(chained(fn), *args) / 10
+        entry.update(time_us=round(dt * 1e6, 2), tb_per_s=round(hit_bytes / dt / 1e12, 3),
+                     tflop_per_s=round(flops / dt / 1e12, 1))
+        if split:
+            entry["cupti_us"] = cupti_split(jax.jit(fn), *args)
+    except Exception as e:
+        entry["error"] = f"{type(e).__name__}: {str(e)[:300]}"
+        traceback.print_exc()
+    rows.append(entry)
+    print(json.dumps(entry), flush=True)
+
+
+def sorted_rows(x, ids):
+    """x's rows per (token, slot) pair sorted by expert, and the group sizes (ragged_dot / torch input)."""
+    flat = ids.reshape(-1)
+    order = jnp.argsort(flat, stable=True)
+    return x[order // K], jnp.bincount(flat, length=E).astype(jnp.int32)
+
+
+def bench_tokens(rows: list, tokens: int, w, sweep: bool) -> None:
+    wg, wu, wd, router = w
+    kx, kl = jax.random.split(jax.random.key(tokens))
+    x = jax.random.normal(kx, (tokens, H), DTYPE)
+    logits = (x @ router).astype(DTYPE)
+    bm = moe_block_m(tokens * K, E)
+    routing = moe_route(logits, top_k=K, block_m=bm, **KW)
+    hit = int(np.unique(np.asarray(routing.topk_ids)).size)
+    hit_bytes = hit * 3 * H * INTER * 2
+    flops = 2 * tokens * K * 3 * H * INTER
+    base = {"tokens": tokens, "top_k": K, "experts_hit": hit, "hit_bytes": hit_bytes, "flops": flops}
+
+    # correctness of the whole block against the XLA reference (bf16)
+    ref = moe_mlp(x, logits, wg, wu, wd, K, True)
+    ours = moe_combine(moe_down(moe_gate_up(x, routing, wg, wu, **KW), routing, wd, **KW), K, DTYPE)
+    base["max_abs_err_vs_ref"] = float(jnp.abs(ours.astype(jnp.float32) - ref.astype(jnp.float32)).max())
+    base["ref_max_abs"] = float(jnp.abs(ref.astype(jnp.float32)).max())
+
+    def gemm(x, routing=routing, **kw):
+        kw = {**KW, **kw}
+        return moe_combine(moe_down(moe_gate_up(x, routing, wg, wu, **kw), routing, wd, **kw), K, x.dtype)
+
+    record(rows, {**base, "what": "gemm", "impl": "pallas_triton", "block_m": bm}, gemm, x, hit_bytes=hit_bytes,
+           flops=flops)
+    if sweep:
+        configs = [(n, k, wp, st) for n in (32, 64, 128) for k in (64, 128, 256) for wp in (4, 8) for st in (3, 4, 5)]
+        if bm > 16:
+            configs = [(n, k, wp, st) for n in (64, 128, 256) for k in (32, 64) for wp in (4, 8) for st in (2, 3, 4)]
+        for n, k, wp, st in configs:
+            fn = functools.partial(gemm, block_n=n, block_k=k, num_warps=wp, num_stages=st)
+            record(rows, {**base, "what": "gemm", "impl": "pallas_triton", "block_m": bm, "block_n": n, "block_k": k,
+                          "num_warps": wp, "num_stages": st}, fn, x, hit_bytes=hit_bytes, flops=flops, split=False)
+        for bm2 in (16, 32, 64, 128):
+            if bm2 == bm or tokens * K < 4 * bm2:
+                continue
+            r2 = moe_route(logits, top_k=K, block_m=bm2, **KW)
+            record(rows, {**base, "what": "gemm", "impl": "pallas_triton", "block_m": bm2},
+                   functools.partial(gemm, routing=r2), x, hit_bytes=hit_bytes, flops=flops, split=False)
+
+    try:
+        from pallas_kernels import moe_gemm_mgpu
+    except ImportError:
+        moe_gemm_mgpu = None
+    if moe_gemm_mgpu is not None and tokens * K >= 512:
+        for mbm in ((64, 128) if sweep else (128,)):
+            r = moe_route_reference(logits, top_k=K, block_m=mbm)
+            rows_tok = jnp.where(jnp.arange(r.sorted_pairs.shape[0]) % mbm < jnp.repeat(r.block_rows, mbm),
+                                 r.sorted_pairs // K, 0)
+
+            def mgpu(x, r=r, rows_tok=rows_tok, mbm=mbm):
+                xs = x[rows_tok]  # [M, H] expert-sorted rows (TMA needs them contiguous)
+                h = moe_gemm_mgpu.moe_grouped_matmul_mgpu(xs, wg, r.block_expert, wu, block_m=mbm, **KW)
+                ys = moe_gemm_mgpu.moe_grouped_matmul_mgpu(h, wd, r.block_expert, block_m=mbm, **KW)  # [M, H]
+                y = ys[r.pair_rows.reshape(-1)] * r.topk_weights.reshape(-1, 1).astype(ys.dtype)
+                return moe_combine(y, K, x.dtype)
+
+            try:
+                err = float(jnp.abs(mgpu(x).astype(jnp.float32) - ref.astype(jnp.float32)).max())
+            except Exception as e:
+                err = f"{type(e).__name__}: {str(e)[:200]}"
+            record(rows, {**base, "what": "gemm", "impl": "pallas_mgpu", "block_m": mbm, "max_abs_err_vs_ref": err},
+                   mgpu, x, hit_bytes=hit_bytes, flops=flops)
+
+    xs, sizes = sorted_rows(x, routing.topk_ids)
+
+    def ragged(xs):
+        g = jax.lax.ragged_dot(xs, wg, sizes, preferred_element_type=jnp.float32)
+        u = jax.lax.ragged_dot(xs, wu, sizes, preferred_element_type=jnp.float32)
+        h = (jax.nn.silu(g) * u).astype(xs.dtype)
+        return jax.lax.ragged_dot(h, wd, sizes, preferred_element_type=jnp.float32).astype(xs.dtype)
+
+    record(rows, {**base, "what": "gemm", "impl": "xla_ragged_dot"}, ragged, xs, hit_bytes=hit_bytes, flops=flops)
+
+    # the whole MoE MLP from the normed input: router, routing, experts, combine (+ residual)
+    norm = jnp.ones((H,), DTYPE)
+    for name, ops in (("pallas", ModelOps("pallas", interpret=bool(KW), mosaic_prefill=not KW)),
+                      ("xla_reference", ModelOps())):
+        block = functools.partial(ops.moe_block, top_k=K, renormalize=True, eps=1e-6)
+        record(rows, {**base, "what": "block", "impl": name}, lambda x, block=block: block(x, norm, router, wg, wu, wd),
+               x, hit_bytes=hit_bytes, flops=flops)
+
+
+# ----------------------------------------------------------------------------------------------
+# torch peer (subprocess)
+# ----------------------------------------------------------------------------------------------
+def torch_peer(tokens_list) -> list[dict]:
+    import torch
+
+    dev = "cuda"
+    torch.manual_seed(0)
+    w13 = (torch.randn(E, 2 * INTER, H, device=dev) * 0.02).to(torch.bfloat16)  # [E, out, in] like HF
+    w2 = (torch.randn(E, H, INTER, device=dev) * 0.02).to(torch.bfloat16)
+    out = []
+    nbytes = 1 << 31
+    a = torch.empty(nbytes // 2, dtype=torch.bfloat16, device=dev)
+    b = torch.empty_like(a)
+    for _ in range(3):
+        b.copy_(a)
+    torch.cuda.synchronize()
+    ev0, ev1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    best = float("inf")
+    for _ in range(10):
+        ev0.record()
+        b.copy_(a)
+        ev1.record()
+        torch.cuda.synchronize()
+        best = min(best, ev0.elapsed_time(ev1) / 1e3)
+    out.append({"impl": "torch_copy", "copy_bytes_per_s": 2 * nbytes / best, "torch_version": torch.__version__})
+    del a, b
+    for tokens in tokens_list:
+        ids = torch.stack([torch.randperm(E, device=dev)[:K] for _ in range(tokens)])  # distinct experts per token
+        counts = torch.bincount(ids.flatten(), minlength=E)
+        offs = torch.cumsum(counts, 0).to(torch.int32)
+        x = torch.randn(tokens * K, H, device=dev).to(torch.bfloat16)  # already expert-sorted rows
+        hit = int((counts > 0).sum())
+        hit_bytes = hit * 3 * H * INTER * 2
+        flops = 2 * tokens * K * 3 * H * INTER
+
+        def step(x, offs=offs):
+            gu = torch._grouped_mm(x, w13.transpose(-2, -1), offs=offs)  # [R, 2I]
+            g, u = gu.chunk(2, dim=-1)
+            h = torch.nn.functional.silu(g) * u
+            return torch._grouped_mm(h, w2.transpose(-2, -1), offs=offs)  # [R, H]
+
+        entry = {"what": "gemm", "impl": "torch_grouped_mm", "tokens": tokens, "experts_hit": hit,
+                 "hit_bytes": hit_bytes, "flops": flops}
+        try:
+            for _ in range(3):
+                step(x)
+            torch.cuda.synchronize()
+            g = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(g):
+                y = x
+                for _ in range(10):
+                    y = step(y)
+            times = []
+            for _ in range(5):
+                g.replay()
+                torch.cuda.synchronize()
+                ev0.record()
+                g.replay()
+                ev1.record()
+                torch.cuda.synchronize()
+                times.append(ev0.elapsed_time(ev1) / 1e3 / 10)
+            dt = statistics.median(times)
+            entry.update(time_us=round(dt * 1e6, 2), tb_per_s=round(hit_bytes / dt / 1e12, 3),
+                         tflop_per_s=round(flops / dt / 1e12, 1))
+        except Exception as e:
+            entry["error"] = f"{type(e).__name__}: {str(e)[:300]}"
+        out.append(entry)
+    return out
+
+
+def run_torch_peer(tokens_list) -> list[dict]:
+    cmd = [sys.executable, "-m", "benchmarks.bench_moe", "--torch-peer", "--tokens", *map(str, tokens_list)]
+    try:
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    except subprocess.TimeoutExpired:
+        return [{"impl": "torch_grouped_mm", "error": "timeout"}]
+    rows = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
+    if proc.returncode:
+        rows.append({"impl": "torch_grouped_mm", "error": proc.stderr[-500:]})
+    for r in rows:
+        print(json.dumps(r), flush=True)
+    return rows
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--tokens", type=int, nargs="+", default=list(TOKENS))
+    ap.add_argument("--sweep", action="store_true", help="also time a grid of Triton tile / launch parameters")
+    ap.add_argument("--no-torch", action="store_true")
+    ap.add_argument("--smoke", action="store_true", help="tiny shapes, kernels interpreted (CPU check)")
+    ap.add_argument("--torch-peer", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--out")
+    args = ap.parse_args()
+    if args.torch_peer:
+        for row in torch_peer(args.tokens):
+            print(json.dumps(row), flush=True)
+        return
+    if args.smoke:
+        global E, H, INTER, K
+        E, H, INTER, K = 8, 64, 32, 2
+        KW["interpret"] = True
+        args.tokens, args.no_torch = [1, 64], True
+    peer = [] if args.no_torch else run_torch_peer(args.tokens)
+    w = weights()
+    rows: list[dict] = []
+    for tokens in args.tokens:
+        bench_tokens(rows, tokens, w, args.sweep)
+    copy = next((r["copy_bytes_per_s"] for r in peer if r.get("impl") == "torch_copy"), None)
+    write_result({"benchmark": "moe_kernels", **environment(), "experts": E, "hidden": H, "moe_intermediate": INTER,
+                  "top_k": K, "dtype": "bfloat16", "torch_copy_bytes_per_s": copy, "rows": rows + peer}, args.out)
+
+
+if __name__ == "__main__":
+    main()

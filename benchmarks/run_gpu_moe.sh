@@ -1,0 +1,37 @@
+#!/usr/bin/env bash
+# On the GPU machine (device tool, carrying .whl): Qwen3-MoE on one GPU. PARTS (comma list, default all):
+#   tests       the MoE kernel tests compiled for the GPU, and the MoE model goldens with the kernels
+#   kernels     bench_moe: routing + grouped GEMMs vs torch._grouped_mm and lax.ragged_dot ($SWEEP: tile grid)
+#   latency     engine TTFT / TPOT on dummy:qwen3-30b-a3b, batch $BATCHES (default "1 8 32"), 1k in / 128 out
+#   throughput  offline 512 prompts x 1k in / 128 out
+# JSON lands in $OUT (copy to benchmarks/results/); $TAG names the device in the file names (default h100).
+set -uo pipefail
+source benchmarks/gpu_env.sh
+PARTS=${PARTS:-tests,kernels,latency,throughput}
+TAG=${TAG:-h100}
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
+if [[ $PARTS == *tests* ]]; then
+  JAX_PLATFORMS=cuda timeout 400 python3 -m pytest -q -m gpu tests/kernels/test_moe_routing.py \
+      tests/kernels/test_moe_gemm.py $(ls tests/kernels/test_moe_gemm_mgpu.py 2>/dev/null) -p no:cacheprovider 2>&1 | tail -4
+fi
+if [[ $PARTS == *kernels* ]]; then
+  timeout 900 python3 -m benchmarks.bench_moe ${SWEEP:+--sweep} ${TOKENS:+--tokens $TOKENS} \
+      --out "$OUT/moe_kernels_$TAG.json" | grep '^{"' | python3 -c '
+import json, sys
+for line in sys.stdin:
+    r = json.loads(line)
+    if "tokens" in r:
+        cfg = {k: r[k] for k in ("block_m", "block_n", "block_k", "num_warps", "num_stages") if k in r}
+        print(r["tokens"], r.get("what"), r["impl"], cfg or "", r.get("time_us"), "us", r.get("tb_per_s"), "TB/s",
+              r.get("tflop_per_s"), "TFLOP/s", r.get("error", "")[:120], "err", r.get("max_abs_err_vs_ref"))
+    else:
+        print(r)'
+fi
+if [[ $PARTS == *latency* ]]; then
+  timeout 900 python3 -m benchmarks.bench_latency --shape qwen3-30b-a3b --batch-sizes ${BATCHES:-1 8 32} \
+      --input-len 1024 --output-len 128 --out "$OUT/latency_qwen3-30b-a3b_$TAG.json" | grep "^batch"
+fi
+if [[ $PARTS == *throughput* ]]; then
+  timeout 900 python3 -m benchmarks.bench_throughput --model dummy:qwen3-30b-a3b --num-prompts 512 --input-len 1024 \
+      --output-len 128 --out "$OUT/throughput_qwen3-30b-a3b_${TAG}_512x1k.json" | grep "^throughput"
+fi

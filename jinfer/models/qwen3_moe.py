@@ -1,0 +1,66 @@
+"""Qwen3-MoE (`Qwen3MoeForCausalLM`, GGUF `qwen3moe`): Qwen3 attention with mixture-of-experts MLPs.
+
+Everything but the MLP is the llama-family decoder (llama.py: attention over the paged cache, q/k
+norms, RoPE, embedding, lm_head). A sparse layer (`ModelConfig.is_moe_layer`, HF's rule from
+`mlp_only_layers` and `decoder_sparse_step`) has a router `[hidden, E]` and its experts' SwiGLU
+weights stacked per layer (`[E, hidden, I]` gate and up, `[E, I, hidden]` down); the other layers
+keep the dense MLP. Routing is HF's (softmax over the experts in float32, top-k, renormalised when
+`norm_topk_prob`); `ModelOps.moe_block` picks the kernels.
+"""
+
+from __future__ import annotations
+
+import jax
+
+from jinfer.config import ModelConfig
+from jinfer.models import llama
+from jinfer.models.batch import Batch
+from jinfer.models.llama import LayerWeights, Weights, assemble_weights, fuse_qkv
+from jinfer.models.ops import REFERENCE_OPS, ModelOps
+from jinfer.models.spec import EXPERT, ArrayInfo
+
+__all__ = ["assemble_weights", "forward", "fuse_qkv", "moe_specs", "weight_specs"]
+
+
+def moe_specs(cfg: ModelConfig, i: int) -> dict[str, ArrayInfo]:
+    """Layer i's router and stacked experts."""
+    h, e, inter = cfg.hidden_size, cfg.num_experts, cfg.moe_intermediate_size
+    hf, gg = f"model.layers.{i}.mlp.", f"blk.{i}."
+    expert = f"{hf}experts.{EXPERT}."
+    fused_gate_up = f"{hf}experts.gate_up_proj"  # transformers' in-memory layout: [E, 2*I, hidden], gate first
+    return {
+        "router": ArrayInfo((h, e), ("embed", None), hf + "gate.weight", gg + "ffn_gate_inp.weight", True),
+        "w_gate": ArrayInfo((e, h, inter), ("experts", "embed", "moe_mlp"), expert + "gate_proj.weight",
+                            gg + "ffn_gate_exps.weight", True, hf_fused=(fused_gate_up, 0, 2)),
+        "w_up": ArrayInfo((e, h, inter), ("experts", "embed", "moe_mlp"), expert + "up_proj.weight",
+                          gg + "ffn_up_exps.weight", True, hf_fused=(fused_gate_up, 1, 2)),
+        "w_down": ArrayInfo((e, inter, h), ("experts", "moe_mlp", "embed"), expert + "down_proj.weight",
+                            gg + "ffn_down_exps.weight", True, hf_fused=(f"{hf}experts.down_proj", 0, 1)),
+    }
+
+
+def layer_specs(cfg: ModelConfig, i: int) -> dict[str, ArrayInfo]:
+    mlp = moe_specs(cfg, i) if cfg.is_moe_layer(i) else llama.mlp_specs(cfg, i)
+    return llama.attention_specs(cfg, i) | mlp
+
+
+def weight_specs(cfg: ModelConfig) -> dict[str, ArrayInfo]:
+    return llama.weight_specs(cfg, layer_specs)
+
+
+def moe_or_dense_mlp(layer: LayerWeights, i: int, x: jax.Array, cfg: ModelConfig, ops: ModelOps) -> jax.Array:
+    if not cfg.is_moe_layer(i):
+        return llama.dense_mlp(layer, i, x, cfg, ops)
+    return ops.moe_block(x, layer.mlp_norm, layer.router, layer.w_gate, layer.w_up, layer.w_down,
+                         top_k=cfg.num_experts_per_tok, renormalize=cfg.norm_topk_prob, eps=cfg.rms_norm_eps)
+
+
+def forward(
+    weights: Weights,
+    batch: Batch,
+    kv_cache: tuple[tuple[jax.Array, jax.Array], ...],
+    cfg: ModelConfig,
+    ops: ModelOps = REFERENCE_OPS,
+) -> tuple[jax.Array, tuple[tuple[jax.Array, jax.Array], ...]]:
+    """One step over a flattened ragged batch. Returns (logits [N, vocab] float32, updated kv_cache)."""
+    return llama.decoder_forward(weights, batch, kv_cache, cfg, ops, moe_or_dense_mlp)

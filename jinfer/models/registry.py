@@ -1,0 +1,40 @@
+"""Architecture -> model family module. The engine, the loaders and the benchmarks go through here and
+never ask which family they run.
+
+A family module provides `weight_specs(cfg)` (every weight described once), `assemble_weights(cfg,
+arrays)` (the loaders' flat dict -> its pytree), `forward(weights, batch, kv_cache, cfg, ops)` (pure,
+jit-compiled by the runner) and `fuse_qkv(weights)` (the single-device fused q|k|v projection).
+"""
+
+from __future__ import annotations
+
+from types import ModuleType
+
+from jinfer.config import ARCHITECTURES, ModelConfig
+from jinfer.models import llama, qwen3_moe
+
+FAMILIES: dict[str, ModuleType] = {"llama": llama, "qwen2": llama, "qwen3": llama, "qwen3_moe": qwen3_moe}
+assert set(FAMILIES) == set(ARCHITECTURES)
+
+
+def family(cfg: ModelConfig) -> ModuleType:
+    return FAMILIES[cfg.architecture]
+
+
+def weight_specs(cfg: ModelConfig):
+    return family(cfg).weight_specs(cfg)
+
+
+def assemble_weights(cfg: ModelConfig, arrays):
+    return family(cfg).assemble_weights(cfg, arrays)
+
+
+def forward(weights, batch, kv_cache, cfg: ModelConfig, ops=None):
+    """The family's forward; `ops` defaults to the reference ops."""
+    fam = family(cfg)
+    return fam.forward(weights, batch, kv_cache, cfg) if ops is None else fam.forward(weights, batch, kv_cache,
+                                                                                        cfg, ops)
+
+
+def fuse_qkv(cfg: ModelConfig, weights):
+    return family(cfg).fuse_qkv(weights)

@@ -1,0 +1,298 @@
+"""Grouped GEMMs of a mixture-of-experts MLP (Pallas, Triton lowering), over the expert-grouped layout
+of `moe_routing.MoeRouting`.
+
+- `moe_gate_up`: h[r] = silu(x[t] @ w_gate[e]) * (x[t] @ w_up[e]) for each routed row r = (t, j) of
+  the grouped layout, e its expert. One program owns (block of `block_m` rows, `block_n` columns):
+  it reads the block's expert from the block table, gathers its tokens' rows of x by id (no permuted
+  copy of x in HBM), streams the expert's gate and up columns over K and applies SwiGLU in registers
+  before one store. Programs of unused blocks (expert -1) return at once, so a decode step reads only
+  the experts it routes to.
+- `moe_down`: y[p] = w[p] * (h[r] @ w_down[e]) for each pair p = t * k + j at row r, written back in
+  token order (a masked scatter by pair id), so `y.reshape(T, k, H).sum(1)` is the MLP's output (the
+  k-sum is left to XLA: deterministic, and it fuses with the residual add).
+
+Grid: (blocks, column tiles), blocks fastest, so programs running side by side share the expert's
+column tile (blocks of one expert are consecutive) and reuse it from L2 on large steps.
+
+Tile sizes: `block_m` comes with the routing (the layout's padding unit: 16 for decode-sized steps,
+where each expert has a few rows, 64-128 for prefill); `block_n` / `block_k` / warps / stages default
+per step size (see `_launch`), overridable for sweeps.
+
+GPU backend: the Pallas Triton lowering (see `pallas_kernels/__init__.py`); the Mosaic GPU kernel
+for large steps is `moe_gemm_mgpu.py`.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+
+from pallas_kernels.moe_routing import MoeRouting
+
+
+# ----------------------------------------------------------------------------------------------
+# Kernel bodies
+# ----------------------------------------------------------------------------------------------
+def _block(bexp_ref, brows_ref, sorted_ref, block_m):
+    """This program's block: (expert, [bm] validity mask, [bm] pair ids (0 where invalid))."""
+    b = pl.program_id(0)
+    expert = bexp_ref[b]
+    valid = jnp.arange(block_m, dtype=jnp.int32) < brows_ref[b]  # [bm]
+    pairs = jnp.where(valid, sorted_ref[pl.ds(b * block_m, block_m)], 0)  # [bm]
+    return expert, valid, pairs
+
+
+def _gate_up_kernel(bexp_ref, brows_ref, sorted_ref, x_ref, wg_ref, wu_ref, h_ref, *, top_k, block_m, block_n,
+                    block_k):
+    # bexp_ref / brows_ref [NB] int32; sorted_ref [M] int32; x_ref [T, K]; wg_ref / wu_ref [E, K, N];
+    # h_ref [M, N] (out): this program writes rows [b*bm, (b+1)*bm) x columns [n*bn, (n+1)*bn)
+    expert, valid, pairs = _block(bexp_ref, brows_ref, sorted_ref, block_m)
+    tokens = pairs // top_k  # [bm]: padding rows read token 0, their h is never read
+    b, n = pl.program_id(0), pl.program_id(1)
+    cols = pl.ds(n * block_n, block_n)
+
+    @pl.when(expert >= 0)
+    def _():
+        def body(i, carry):
+            g, u = carry  # [bm, bn] fp32 each
+            ks = pl.ds(i * block_k, block_k)
+            xk = x_ref[tokens, ks]  # [bm, bk]: the block's token rows, gathered
+            g = g + plgpu.dot(xk, wg_ref[expert, ks, cols])
+            u = u + plgpu.dot(xk, wu_ref[expert, ks, cols])
+            return g, u
+
+        zeros = jnp.zeros((block_m, block_n), jnp.float32)
+        g, u = jax.lax.fori_loop(0, x_ref.shape[1] // block_k, body, (zeros, zeros))
+        h_ref[pl.ds(b * block_m, block_m), cols] = (g * jax.nn.sigmoid(g) * u).astype(h_ref.dtype)
+
+
+def _down_kernel(bexp_ref, brows_ref, sorted_ref, w_ref, h_ref, wd_ref, y_ref, *, block_m, block_n, block_k):
+    # w_ref [T*k] fp32 routing weights by pair; h_ref [M, I]; wd_ref [E, I, N];
+    # y_ref [T*k + 1, N] (out, by pair; the last row takes the masked-out lanes' addresses, never written)
+    expert, valid, pairs = _block(bexp_ref, brows_ref, sorted_ref, block_m)
+    b, n = pl.program_id(0), pl.program_id(1)
+    cols = pl.ds(n * block_n, block_n)
+    rows = pl.ds(b * block_m, block_m)
+
+    @pl.when(expert >= 0)
+    def _():
+        def body(i, acc):
+            ks = pl.ds(i * block_k, block_k)
+            return acc + plgpu.dot(h_ref[rows, ks], wd_ref[expert, ks, cols])
+
+        acc = jax.lax.fori_loop(0, h_ref.shape[1] // block_k, body, jnp.zeros((block_m, block_n), jnp.float32))
+        acc = acc * w_ref[pairs][:, None]  # [bm, bn] weighted by each pair's routing weight
+        # Scatter by pair id, both axes as index arrays (the interpreter has no masked store that mixes
+        # index arrays and slices); masked-out lanes aim at the spare last row.
+        dest = jnp.where(valid, pairs, y_ref.shape[0] - 1)[:, None]  # [bm, 1]
+        col_ids = (n * block_n + jnp.arange(block_n, dtype=jnp.int32))[None, :]  # [1, bn]
+        plgpu.store(y_ref.at[dest, col_ids], acc.astype(y_ref.dtype), mask=valid[:, None])
+
+
+# ----------------------------------------------------------------------------------------------
+# Wrappers
+# ----------------------------------------------------------------------------------------------
+def _pow2_divisor(n: int, cap: int) -> int:
+    """Largest power of two <= cap dividing n."""
+    d = 1
+    while d * 2 <= cap and n % (d * 2) == 0:
+        d *= 2
+    return d
+
+
+def _launch(block_m, k, n, block_n, block_k, num_warps, num_stages):
+    """Defaults: decode-sized blocks (16 rows) are weight streams: narrow column tiles for more programs in
+    flight, deep pipelines; prefill-sized ones are tensor-core tiles."""
+    small = block_m <= 32
+    block_n = block_n or _pow2_divisor(n, 64 if small else 128)
+    block_k = block_k or _pow2_divisor(k, 128 if small else 64)
+    num_warps = num_warps or (4 if small else 8)
+    num_stages = num_stages or (4 if small else 3)
+    return block_n, block_k, num_warps, num_stages
+
+
+def _gate_up_call(x, routing, w_gate, w_up, *, block_n, block_k, num_warps, num_stages, interpret):
+    _, k = x.shape
+    n = w_gate.shape[2]
+    bm = routing.block_m
+    block_n, block_k, num_warps, num_stages = _launch(bm, k, n, block_n, block_k, num_warps, num_stages)
+    m, nb = routing.sorted_pairs.shape[0], routing.block_expert.shape[0]
+    kernel = functools.partial(_gate_up_kernel, top_k=routing.top_k, block_m=bm, block_n=block_n, block_k=block_k)
+    whole = pl.no_block_spec
+    return pl.pallas_call(
+        kernel,
+        grid=(nb, n // block_n),
+        in_specs=[whole] * 6,
+        out_specs=whole,
+        out_shape=jax.ShapeDtypeStruct((m, n), x.dtype),
+        compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),
+        interpret=interpret,
+        name=f"moe_gate_up_m{bm}_n{block_n}_k{block_k}",
+    )(routing.block_expert, routing.block_rows, routing.sorted_pairs, x, w_gate, w_up)
+
+
+def _down_call(h, routing, w_down, *, block_n, block_k, num_warps, num_stages, interpret):
+    _, k = h.shape
+    n = w_down.shape[2]
+    bm = routing.block_m
+    block_n, block_k, num_warps, num_stages = _launch(bm, k, n, block_n, block_k, num_warps, num_stages)
+    pairs = routing.topk_ids.size
+    kernel = functools.partial(_down_kernel, block_m=bm, block_n=block_n, block_k=block_k)
+    whole = pl.no_block_spec
+    return pl.pallas_call(
+        kernel,
+        grid=(routing.block_expert.shape[0], n // block_n),
+        in_specs=[whole] * 6,
+        out_specs=whole,
+        out_shape=jax.ShapeDtypeStruct((pairs + 1, n), h.dtype),
+        compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),
+        interpret=interpret,
+        name=f"moe_down_m{bm}_n{block_n}_k{block_k}",
+    )(routing.block_expert, routing.block_rows, routing.sorted_pairs, routing.topk_weights.reshape(-1), h,
+      w_down)[:pairs]  # (the slice fuses into the consumer's k-sum)
+
+
+def _check_routing(routing: MoeRouting, num_experts: int):
+    bm = routing.block_m
+    if bm < 16 or bm & (bm - 1):
+        raise ValueError(f"routing.block_m={bm} must be a power of two >= 16 (tensor-core tiles)")
+    if routing.sorted_pairs.shape[0] != bm * routing.block_expert.shape[0]:
+        raise ValueError(f"routing.sorted_pairs {routing.sorted_pairs.shape} must hold block_m x blocks rows")
+    del num_experts
+
+
+_TUNING = ("block_n", "block_k", "num_warps", "num_stages", "interpret")
+
+
+# ----------------------------------------------------------------------------------------------
+# Public API
+# ----------------------------------------------------------------------------------------------
+@functools.partial(jax.jit, static_argnames=_TUNING)
+def moe_gate_up(x: jax.Array, routing: MoeRouting, w_gate: jax.Array, w_up: jax.Array, *,
+                block_n: int | None = None, block_k: int | None = None, num_warps: int | None = None,
+                num_stages: int | None = None, interpret: bool = False) -> jax.Array:
+    """silu(x @ w_gate[e]) * (x @ w_up[e]) for every routed row of the grouped layout.
+
+    Args:
+      x: `[tokens, hidden]` (the normed MLP input).
+      routing: `moe_route(...)` of these tokens.
+      w_gate, w_up: `[experts, hidden, intermediate]`.
+      block_n, block_k, num_warps, num_stages: tile and launch overrides (powers of two dividing the dims).
+      interpret: run the Pallas interpreter (CPU tests).
+
+    Returns:
+      `[rows, intermediate]` in x's dtype, rows in the grouped layout (fp32 accumulation); rows past a
+      block's valid rows and rows of unused blocks are unspecified.
+    """
+    if x.ndim != 2 or w_gate.ndim != 3 or w_gate.shape[1] != x.shape[1] or w_up.shape != w_gate.shape:
+        raise ValueError(f"x must be [tokens, hidden] and w_gate/w_up [experts, hidden, intermediate]: "
+                         f"{x.shape=} {w_gate.shape=} {w_up.shape=}")
+    if routing.topk_ids.shape[0] != x.shape[0]:
+        raise ValueError(f"routing is for {routing.topk_ids.shape[0]} tokens, x has {x.shape[0]}")
+    _check_routing(routing, w_gate.shape[0])
+    if x.shape[1] % 16 or w_gate.shape[2] % 16:
+        raise ValueError(f"hidden and intermediate must be multiples of 16: {w_gate.shape=}")
+    return _gate_up_call(x, routing, w_gate, w_up, block_n=block_n, block_k=block_k, num_warps=num_warps,
+                         num_stages=num_stages, interpret=interpret)
+
+
+@functools.partial(jax.jit, static_argnames=_TUNING)
+def moe_down(h: jax.Array, routing: MoeRouting, w_down: jax.Array, *, block_n: int | None = None,
+             block_k: int | None = None, num_warps: int | None = None, num_stages: int | None = None,
+             interpret: bool = False) -> jax.Array:
+    """routing weight x (h[row] @ w_down[e]) for every (token, slot) pair, in token order.
+
+    Args:
+      h: `[rows, intermediate]`, `moe_gate_up`'s output.
+      routing: the same routing.
+      w_down: `[experts, intermediate, hidden]`.
+
+    Returns:
+      `[tokens * top_k, hidden]` in h's dtype: row t * k + j is slot j of token t; the MLP output is
+      `.reshape(tokens, top_k, hidden).sum(1)`.
+    """
+    if h.ndim != 2 or w_down.ndim != 3 or w_down.shape[1] != h.shape[1]:
+        raise ValueError(f"h must be [rows, intermediate] and w_down [experts, intermediate, hidden]: "
+                         f"{h.shape=} {w_down.shape=}")
+    if h.shape[0] != routing.sorted_pairs.shape[0]:
+        raise ValueError(f"h has {h.shape[0]} rows, the routing's layout {routing.sorted_pairs.shape[0]}")
+    _check_routing(routing, w_down.shape[0])
+    if h.shape[1] % 16 or w_down.shape[2] % 16:
+        raise ValueError(f"intermediate and hidden must be multiples of 16: {w_down.shape=}")
+    return _down_call(h, routing, w_down, block_n=block_n, block_k=block_k, num_warps=num_warps,
+                      num_stages=num_stages, interpret=interpret)
+
+
+def moe_combine(y: jax.Array, top_k: int, dtype) -> jax.Array:
+    """[T*k, H] weighted expert outputs by pair -> [T, H]: the sum over each token's k slots (fp32)."""
+    return y.reshape(-1, top_k, y.shape[-1]).astype(jnp.float32).sum(axis=1).astype(dtype)
+
+
+# ----------------------------------------------------------------------------------------------
+# References
+# ----------------------------------------------------------------------------------------------
+def _row_experts(routing: MoeRouting) -> jax.Array:
+    return jnp.repeat(jnp.maximum(routing.block_expert, 0), routing.block_m)  # [M]
+
+
+@jax.jit
+def moe_gate_up_reference(x, routing: MoeRouting, w_gate, w_up):
+    """Per-row jnp: each row of the layout times its expert's weights (fp32 accumulation)."""
+    e = _row_experts(routing)
+    xs = x[routing.sorted_pairs // routing.top_k]  # [M, K]
+    g = jnp.einsum("mk,mkn->mn", xs, w_gate[e], preferred_element_type=jnp.float32)
+    u = jnp.einsum("mk,mkn->mn", xs, w_up[e], preferred_element_type=jnp.float32)
+    return (jax.nn.silu(g) * u).astype(x.dtype)
+
+
+@jax.jit
+def moe_down_reference(h, routing: MoeRouting, w_down):
+    e = _row_experts(routing)[routing.pair_rows.reshape(-1)]  # [T*k]
+    hp = h[routing.pair_rows.reshape(-1)]  # [T*k, I]
+    y = jnp.einsum("pi,pih->ph", hp, w_down[e], preferred_element_type=jnp.float32)
+    return (y * routing.topk_weights.reshape(-1, 1)).astype(h.dtype)
+
+
+# ----------------------------------------------------------------------------------------------
+# Benchmark
+# ----------------------------------------------------------------------------------------------
+def main() -> None:
+    """Quick timing at Qwen3-30B-A3B expert shapes; the full comparison is benchmarks/bench_moe.py."""
+    import time
+
+    from pallas_kernels.moe_routing import moe_route
+
+    interpret = jax.default_backend() != "gpu"
+    e, hidden, inter, k = (128, 2048, 768, 8) if not interpret else (8, 128, 64, 2)
+    key = jax.random.key(0)
+    kg, ku, kd, kx, kr = jax.random.split(key, 5)
+    wg = (jax.random.normal(kg, (e, hidden, inter), jnp.float32) * 0.02).astype(jnp.bfloat16)
+    wu = (jax.random.normal(ku, (e, hidden, inter), jnp.float32) * 0.02).astype(jnp.bfloat16)
+    wd = (jax.random.normal(kd, (e, inter, hidden), jnp.float32) * 0.02).astype(jnp.bfloat16)
+    for tokens in (1, 8, 64):
+        x = jax.random.normal(kx, (tokens, hidden), jnp.bfloat16)
+        r = moe_route(jax.random.normal(kr, (tokens, e)), top_k=k, block_m=16, interpret=interpret)
+
+        def mlp(x, r):
+            return moe_combine(moe_down(moe_gate_up(x, r, wg, wu, interpret=interpret), r, wd, interpret=interpret),
+                               k, x.dtype)
+
+        f = jax.jit(mlp)
+        f(x, r).block_until_ready()
+        reps = 2 if interpret else 100
+        t0 = time.perf_counter()
+        for _ in range(reps):
+            out = f(x, r)
+        out.block_until_ready()
+        dt = (time.perf_counter() - t0) / reps
+        hit = len(set(jax.device_get(r.topk_ids).ravel().tolist()))
+        gb = hit * 3 * hidden * inter * 2 / 1e9
+        print(f"moe T={tokens}: {dt * 1e6:.1f} us, {hit} experts, {gb / dt / 1e3:.2f} TB/s")
+
+
+if __name__ == "__main__":
+    main()

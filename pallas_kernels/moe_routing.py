@@ -1,0 +1,266 @@
+"""Mixture-of-experts routing: router logits -> top-k experts and weights -> the routed rows grouped
+by expert, on the device with no host sync.
+
+The grouped layout (`MoeRouting`) is what the grouped GEMMs (moe_gemm.py, moe_gemm_mgpu.py) read:
+the T*k (token, slot) pairs, pair p = t * k + j, sorted by expert (within an expert by token), each
+expert's segment padded to a multiple of `block_m` rows, so every block of `block_m` rows belongs to
+one expert (vLLM's `moe_align_block_size` layout). The block count is static: at most
+cdiv(T*k, block_m) + min(E, T*k) blocks are used (each non-empty expert adds at most one partial
+block); the unused ones come last, with expert -1 and 0 rows.
+
+Routing is HF's (Qwen3-MoE, Mixtral): softmax over the experts in float32, top-k (ties to the lower
+expert id, as `lax.top_k`), renormalised to sum to 1 when `renormalize`.
+
+Two implementations of the same layout:
+- `moe_route`: one Pallas program (Triton lowering) for decode-sized steps. softmax, top-k by k
+  rounds of arg-max, per-expert counts, each pair's rank among its expert's pairs (an exclusive
+  cumsum over tokens of the [T, E] selection mask: a token picks an expert at most once, so pairs of
+  one expert are ordered by token), the block table, and a scatter of the pair ids into their rows.
+  At batch 1 XLA's version is ~8 small kernels per layer, which is most of a layer's budget.
+- `moe_route_reference`: the same computation in jnp (XLA), used for large steps and as the
+  reference. Rows of `sorted_pairs` past a block's `block_rows` are 0 here and unspecified in the
+  kernel's output.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+
+# Largest token count routed by the Pallas program; larger steps use the jnp version (the program
+# holds [tokens, experts] tiles in registers).
+ROUTE_KERNEL_MAX_TOKENS = 256
+
+
+@jax.tree_util.register_dataclass
+@dataclass
+class MoeRouting:
+    topk_ids: jax.Array  # [T, k] int32: the experts of each token, best first
+    topk_weights: jax.Array  # [T, k] float32: their routing weights
+    pair_rows: jax.Array  # [T, k] int32: row of pair (t, j) in the expert-sorted layout
+    sorted_pairs: jax.Array  # [M] int32: pair id t * k + j of each row (valid rows only, see block_rows)
+    block_expert: jax.Array  # [NB] int32: expert of each block of block_m rows; -1: unused block
+    block_rows: jax.Array  # [NB] int32: valid rows at the start of each block (0 for unused blocks)
+
+    @property
+    def block_m(self) -> int:
+        return self.sorted_pairs.shape[0] // self.block_expert.shape[0]
+
+    @property
+    def top_k(self) -> int:
+        return self.topk_ids.shape[1]
+
+
+def num_blocks(num_pairs: int, num_experts: int, block_m: int) -> int:
+    """Static bound on the blocks of the grouped layout: the blocks used number sum_e cdiv(c_e, block_m)
+    < R / block_m + n (R pairs, n <= min(E, R) experts hit), so with block_m > 1 the last block is never
+    used."""
+    return pl.cdiv(num_pairs, block_m) + min(num_experts, num_pairs)
+
+
+def _next_pow2(n: int) -> int:
+    return 1 << max(0, (n - 1).bit_length())
+
+
+# ----------------------------------------------------------------------------------------------
+# Kernel body
+# ----------------------------------------------------------------------------------------------
+def _route_kernel(logits_ref, ids_ref, w_ref, rows_ref, sorted_ref, bexp_ref, brows_ref, *, tokens, experts,
+                  top_k, block_m, renormalize):
+    # logits_ref [Tp, Ep] f32 (padding columns -inf); ids_ref / w_ref / rows_ref [Tp, Kp] (out);
+    # sorted_ref [M] (out, scattered); bexp_ref / brows_ref [NBp] (out). Every dim here is a power of two.
+    tp, ep = logits_ref.shape
+    kp = ids_ref.shape[1]
+    nbp = bexp_ref.shape[0]
+    t = lax.broadcasted_iota(jnp.int32, (tp, ep), 0)  # [Tp, Ep]
+    e = lax.broadcasted_iota(jnp.int32, (tp, ep), 1)  # [Tp, Ep]
+    slot = lax.broadcasted_iota(jnp.int32, (tp, kp), 1)  # [Tp, Kp]
+    live = t < tokens  # [Tp, Ep]
+    logits = logits_ref[...]
+    m = jnp.max(logits, axis=1, keepdims=True)
+    p = jnp.exp(logits - m)
+    p = p / jnp.sum(p, axis=1, keepdims=True)  # [Tp, Ep] softmax (padding experts: 0)
+
+    # top-k: k rounds of arg-max (the lowest expert id among equal probabilities, as lax.top_k)
+    cur = jnp.where(e < experts, p, -1.0)
+    ids = jnp.zeros((tp, kp), jnp.int32)
+    ws = jnp.zeros((tp, kp), jnp.float32)
+    picked = []
+    for j in range(top_k):
+        mj = jnp.max(cur, axis=1, keepdims=True)  # [Tp, 1]
+        ij = jnp.min(jnp.where(cur == mj, e, ep), axis=1, keepdims=True)  # [Tp, 1]
+        ids = jnp.where(slot == j, ij, ids)
+        ws = jnp.where(slot == j, mj, ws)
+        cur = jnp.where(e == ij, -2.0, cur)
+        picked.append(ij)
+    if renormalize:
+        ws = ws / jnp.sum(ws, axis=1, keepdims=True)
+    sel = ((cur == -2.0) & live).astype(jnp.int32)  # [Tp, Ep]: token t picked expert e
+
+    # grouped layout: rank of token t among expert e's tokens, blocks of each expert, row of each pair
+    counts = jnp.sum(sel, axis=0)  # [Ep]
+    rank = jnp.cumsum(sel, axis=0) - sel  # [Tp, Ep]
+    nblk = (counts + block_m - 1) // block_m  # [Ep]
+    blk_end = jnp.cumsum(nblk)  # [Ep] inclusive
+    blk_start = blk_end - nblk
+    row = blk_start[None, :] * block_m + rank  # [Tp, Ep]
+    rows = jnp.zeros((tp, kp), jnp.int32)
+    t1 = lax.broadcasted_iota(jnp.int32, (tp, 1), 0)  # [Tp, 1]
+    for j, ij in enumerate(picked):
+        rj = jnp.sum(jnp.where(e == ij, row, 0), axis=1, keepdims=True)  # [Tp, 1]
+        rows = jnp.where(slot == j, rj, rows)
+        ok = t1 < tokens
+        # padding tokens aim at the last row, which the layout never uses (see num_blocks)
+        dest = jnp.where(ok, rj, sorted_ref.shape[0] - 1)[:, 0]
+        plgpu.store(sorted_ref.at[dest], (t1 * top_k + j)[:, 0], mask=ok[:, 0])
+    ids_ref[...] = ids
+    w_ref[...] = ws
+    rows_ref[...] = rows
+
+    # block table: block b belongs to the first expert whose blocks end after b
+    b = lax.broadcasted_iota(jnp.int32, (nbp, ep), 0)  # [NBp, Ep]
+    eb = jnp.sum((blk_end[None, :] <= b).astype(jnp.int32), axis=1, keepdims=True)  # [NBp, 1]
+    hit = lax.broadcasted_iota(jnp.int32, (nbp, ep), 1) == eb
+    cnt_b = jnp.sum(jnp.where(hit, counts[None, :], 0), axis=1, keepdims=True)
+    start_b = jnp.sum(jnp.where(hit, blk_start[None, :], 0), axis=1, keepdims=True)
+    b1 = lax.broadcasted_iota(jnp.int32, (nbp, 1), 0)
+    used = eb < experts
+    bexp_ref[...] = jnp.where(used, eb, -1)[:, 0]
+    brows_ref[...] = jnp.where(used, jnp.clip(cnt_b - (b1 - start_b) * block_m, 0, block_m), 0)[:, 0]
+
+
+# ----------------------------------------------------------------------------------------------
+# Wrapper
+# ----------------------------------------------------------------------------------------------
+def _route_call(logits, top_k, renormalize, block_m, num_warps, interpret):
+    tokens, experts = logits.shape
+    tp, ep, kp = _next_pow2(tokens), _next_pow2(experts), _next_pow2(top_k)
+    nb = num_blocks(tokens * top_k, experts, block_m)
+    nbp = _next_pow2(nb)
+    x = logits.astype(jnp.float32)
+    if (tp, ep) != (tokens, experts):
+        x = jnp.pad(x, ((0, tp - tokens), (0, ep - experts)), constant_values=-jnp.inf)
+        x = x.at[tokens:].set(0.0)  # padding tokens: finite rows (never used)
+    whole = pl.no_block_spec
+    kernel = functools.partial(_route_kernel, tokens=tokens, experts=experts, top_k=top_k, block_m=block_m,
+                               renormalize=renormalize)
+    i32 = jnp.int32
+    ids, ws, rows, sorted_pairs, bexp, brows = pl.pallas_call(
+        kernel,
+        grid=(1,),
+        in_specs=[whole],
+        out_specs=[whole] * 6,
+        out_shape=[jax.ShapeDtypeStruct((tp, kp), i32), jax.ShapeDtypeStruct((tp, kp), jnp.float32),
+                   jax.ShapeDtypeStruct((tp, kp), i32), jax.ShapeDtypeStruct((nb * block_m,), i32),
+                   jax.ShapeDtypeStruct((nbp,), i32), jax.ShapeDtypeStruct((nbp,), i32)],
+        compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=1),
+        interpret=interpret,
+        name=f"moe_route_t{tp}_e{ep}_k{top_k}_m{block_m}",
+    )(x)
+    return MoeRouting(ids[:tokens, :top_k], ws[:tokens, :top_k], rows[:tokens, :top_k], sorted_pairs, bexp[:nb],
+                      brows[:nb])
+
+
+def _check_args(logits, top_k, block_m):
+    if logits.ndim != 2:
+        raise ValueError(f"logits must be [tokens, experts], got {logits.shape=}")
+    if not 1 <= top_k <= logits.shape[1]:
+        raise ValueError(f"top_k={top_k} must be in [1, experts={logits.shape[1]}]")
+    if block_m < 1 or block_m & (block_m - 1):
+        raise ValueError(f"block_m={block_m} must be a power of two")
+
+
+# ----------------------------------------------------------------------------------------------
+# Public API
+# ----------------------------------------------------------------------------------------------
+@functools.partial(jax.jit, static_argnames=("top_k", "renormalize", "block_m", "num_warps", "interpret"))
+def moe_route(logits: jax.Array, *, top_k: int, renormalize: bool = True, block_m: int = 16,
+              num_warps: int | None = None, interpret: bool = False) -> MoeRouting:
+    """Route tokens to their top-k experts and group the routed rows by expert.
+
+    Args:
+      logits: `[tokens, experts]` router logits (any float dtype; softmax runs in float32).
+      top_k: experts per token.
+      renormalize: divide the top-k weights by their sum (HF `norm_topk_prob`).
+      block_m: rows per block of the grouped layout (power of two; the grouped GEMM's M tile).
+      num_warps: Triton launch parameter (default by size).
+      interpret: run the Pallas interpreter (CPU tests).
+
+    Steps of more than `ROUTE_KERNEL_MAX_TOKENS` tokens use `moe_route_reference` (XLA).
+    """
+    _check_args(logits, top_k, block_m)
+    if logits.shape[0] > ROUTE_KERNEL_MAX_TOKENS:
+        return moe_route_reference(logits, top_k=top_k, renormalize=renormalize, block_m=block_m)
+    if num_warps is None:
+        num_warps = 4 if logits.shape[0] * logits.shape[1] <= 4096 else 8
+    return _route_call(logits, top_k, renormalize, block_m, num_warps, interpret)
+
+
+# ----------------------------------------------------------------------------------------------
+# Reference
+# ----------------------------------------------------------------------------------------------
+def topk_routing(logits: jax.Array, top_k: int, renormalize: bool) -> tuple[jax.Array, jax.Array]:
+    """HF's routing: (weights [T, k] float32, expert ids [T, k] int32)."""
+    probs = jax.nn.softmax(logits.astype(jnp.float32), axis=-1)
+    weights, ids = lax.top_k(probs, top_k)
+    if renormalize:
+        weights = weights / jnp.sum(weights, axis=-1, keepdims=True)
+    return weights, ids.astype(jnp.int32)
+
+
+@functools.partial(jax.jit, static_argnames=("top_k", "renormalize", "block_m"))
+def moe_route_reference(logits: jax.Array, *, top_k: int, renormalize: bool = True, block_m: int = 16
+                        ) -> MoeRouting:
+    """`moe_route` in jnp; rows of `sorted_pairs` past each block's valid rows are 0."""
+    _check_args(logits, top_k, block_m)
+    tokens, experts = logits.shape
+    weights, ids = topk_routing(logits, top_k, renormalize)
+    sel = jnp.zeros((tokens, experts), jnp.int32).at[jnp.arange(tokens)[:, None], ids].set(1)  # [T, E]
+    counts = sel.sum(axis=0)  # [E]
+    rank = jnp.cumsum(sel, axis=0) - sel  # [T, E]: token t's rank among expert e's tokens
+    nblk = (counts + block_m - 1) // block_m
+    blk_end = jnp.cumsum(nblk)
+    blk_start = blk_end - nblk
+    pair_rows = jnp.take_along_axis(blk_start[None, :] * block_m + rank, ids, axis=1)  # [T, k]
+    nb = num_blocks(tokens * top_k, experts, block_m)
+    sorted_pairs = jnp.zeros(nb * block_m, jnp.int32).at[pair_rows.reshape(-1)].set(
+        jnp.arange(tokens * top_k, dtype=jnp.int32))
+    b = jnp.arange(nb, dtype=jnp.int32)
+    eb = jnp.searchsorted(blk_end, b, side="right").astype(jnp.int32)  # [NB]
+    used = eb < experts
+    ebc = jnp.minimum(eb, experts - 1)
+    block_rows = jnp.where(used, jnp.clip(counts[ebc] - (b - blk_start[ebc]) * block_m, 0, block_m), 0)
+    return MoeRouting(ids, weights, pair_rows.astype(jnp.int32), sorted_pairs, jnp.where(used, eb, -1),
+                      block_rows.astype(jnp.int32))
+
+
+# ----------------------------------------------------------------------------------------------
+# Benchmark
+# ----------------------------------------------------------------------------------------------
+def main() -> None:
+    """Routing time at Qwen3-30B-A3B's 128 experts, top-8, kernel vs XLA."""
+    import time
+
+    interpret = jax.default_backend() != "gpu"
+    for tokens in (1, 8, 64, 256):
+        logits = jax.random.normal(jax.random.key(tokens), (tokens, 128), jnp.float32)
+        for name, fn in (("pallas", functools.partial(moe_route, interpret=interpret)),
+                         ("xla", moe_route_reference)):
+            f = jax.jit(functools.partial(fn, top_k=8, block_m=16))
+            jax.block_until_ready(f(logits))
+            reps = 2 if interpret else 200
+            t0 = time.perf_counter()
+            for _ in range(reps):
+                out = f(logits)
+            jax.block_until_ready(out)
+            print(f"route T={tokens} {name}: {(time.perf_counter() - t0) / reps * 1e6:.1f} us")
+
+
+if __name__ == "__main__":
+    main()
