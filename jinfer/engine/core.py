@@ -118,9 +118,19 @@ def _release_engines() -> None:
     gc.collect()
 
 
+# JAX's GPU memory pool, as a fraction of the device, when the engine is first to start JAX (its default is 0.75,
+# which left a 61 GB Qwen3-30B-A3B no KV cache on an 80 GB H100); the KV pool then takes
+# gpu_memory_utilization of it, less what the weights use.
+MEM_FRACTION = "0.95"
+
+
 class EngineCore:
     def __init__(self, config: EngineConfig = EngineConfig(), *, tokenizer: Tokenizer | None = None):
         t0 = time.perf_counter()
+        from jax._src import xla_bridge
+
+        if not xla_bridge.backends_are_initialized():
+            os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", MEM_FRACTION)
         self.config = config
         cache_dir = enable_compilation_cache(config.compilation_cache_dir) if config.compilation_cache_dir != "" \
             else None
