@@ -10,9 +10,10 @@
   and torch's device copy bandwidth (the roofline's rate).
 
 "gemm" figures time the two grouped matmuls with the routing given (what torch._grouped_mm is given);
-"block" figures time the whole MoE MLP from router logits (routing included). Times are device times
-from a jit chaining 10 calls (each call's output feeds the next), median of 5 runs (benchmarks.bench_kernels'
-method); the per-kernel split comes from CUPTI (`jax.experimental.mosaic.gpu.profiler.measure`).
+"block" figures time the whole MoE MLP from router logits (routing included). Our times are the sum of
+the call's kernel times from CUPTI (`jax.experimental.mosaic.gpu.profiler.measure`, median of 20 calls,
+split by kernel); torch's are CUDA-event times of a CUDA graph of 10 chained calls (gaps between its
+kernels included, a few us).
 Bandwidth counts the bytes of the experts actually hit; TFLOP/s the real routed rows (2 x rows x 3 x H x I).
 
     python -m benchmarks.bench_moe --out benchmarks/results/moe_kernels_h100.json [--sweep] [--tokens 1 8 64]
@@ -43,6 +44,7 @@ E, H, INTER, K = 128, 2048, 768, 8
 TOKENS = (1, 8, 64, 512, 4096)
 DTYPE = jnp.bfloat16
 KW: dict = {}  # {"interpret": True} under --smoke (CPU check of the script at tiny shapes)
+SKIP: set = set()  # --skip ragged: no ragged_dot / whole-block rows (each row is a compile: ~20 s on the H100)
 
 
 def weights(seed: int = 0):
@@ -72,12 +74,17 @@ def cupti_split(fn, *args, iterations: int = 20) -> dict | None:
 
 
 def record(rows: list, entry: dict, fn, *args, hit_bytes: int, flops: float, split=True):
+    """Device time of one call: the sum of its kernels' CUPTI times (one compile; a chain of 10 calls compiled
+    each Triton kernel 10 times, minutes per row on the H100), else (CPU) a chain of calls."""
     try:
-        dt = timeit(chained(fn), *args) / 10
+        cupti = cupti_split(jax.jit(fn), *args)
+        if cupti and "total_us" in cupti:
+            dt = cupti["total_us"] / 1e6
+            entry["cupti_us"] = cupti
+        else:
+            dt = timeit(chained(fn), *args) / 10
         entry.update(time_us=round(dt * 1e6, 2), tb_per_s=round(hit_bytes / dt / 1e12, 3),
                      tflop_per_s=round(flops / dt / 1e12, 1))
-        if split:
-            entry["cupti_us"] = cupti_split(jax.jit(fn), *args)
     except Exception as e:
         entry["error"] = f"{type(e).__name__}: {str(e)[:300]}"
         traceback.print_exc()
@@ -170,6 +177,8 @@ def bench_tokens(rows: list, tokens: int, w, sweep: bool, xla_block: bool) -> No
         h = (jax.nn.silu(g) * u).astype(xs.dtype)
         return jax.lax.ragged_dot(h, wd, sizes, preferred_element_type=jnp.float32).astype(xs.dtype)
 
+    if "ragged" in SKIP:
+        return
     record(rows, {**base, "what": "gemm", "impl": "xla_ragged_dot"}, ragged, xs, hit_bytes=hit_bytes, flops=flops)
 
     # the whole MoE MLP from the normed input: router, routing, experts, combine (+ residual)
@@ -274,6 +283,7 @@ def main():
     ap.add_argument("--sweep", action="store_true", help="also time a grid of Triton tile / launch parameters")
     ap.add_argument("--sweep-tokens", type=int, nargs="*", help="token counts the sweep runs at (default: all)")
     ap.add_argument("--no-torch", action="store_true")
+    ap.add_argument("--skip", nargs="*", default=[], choices=["ragged"])
     ap.add_argument("--xla-block", action="store_true", help="also time the whole MoE block through XLA (ragged_dot)")
     ap.add_argument("--smoke", action="store_true", help="tiny shapes, kernels interpreted (CPU check)")
     ap.add_argument("--torch-peer", action="store_true", help=argparse.SUPPRESS)
@@ -283,6 +293,7 @@ def main():
         for row in torch_peer(args.tokens):
             print(json.dumps(row), flush=True)
         return
+    SKIP.update(args.skip)
     if args.smoke:
         global E, H, INTER, K
         E, H, INTER, K = 8, 64, 32, 2

@@ -74,10 +74,12 @@ def _next_pow2(n: int) -> int:
 def _route_kernel(logits_ref, ids_ref, w_ref, rows_ref, sorted_ref, bexp_ref, brows_ref, *, tokens, experts,
                   top_k, block_m, renormalize):
     # logits_ref [Tp, Ep] f32 (padding columns -inf); ids_ref / w_ref / rows_ref [Tp, Kp] (out);
-    # sorted_ref [M] (out, scattered); bexp_ref / brows_ref [NBp] (out). Every dim here is a power of two.
+    # sorted_ref [M] (out, scattered); bexp_ref / brows_ref [NB] (out, NB <= NBp, stored masked). Every
+    # dim of a value here is a power of two.
     tp, ep = logits_ref.shape
     kp = ids_ref.shape[1]
-    nbp = bexp_ref.shape[0]
+    nb = bexp_ref.shape[0]
+    nbp = _next_pow2(nb)
     t = lax.broadcasted_iota(jnp.int32, (tp, ep), 0)  # [Tp, Ep]
     e = lax.broadcasted_iota(jnp.int32, (tp, ep), 1)  # [Tp, Ep]
     slot = lax.broadcasted_iota(jnp.int32, (tp, kp), 1)  # [Tp, Kp]
@@ -131,8 +133,10 @@ def _route_kernel(logits_ref, ids_ref, w_ref, rows_ref, sorted_ref, bexp_ref, br
     start_b = jnp.sum(jnp.where(hit, blk_start[None, :], 0), axis=1, keepdims=True)
     b1 = lax.broadcasted_iota(jnp.int32, (nbp, 1), 0)
     used = eb < experts
-    bexp_ref[...] = jnp.where(used, eb, -1)[:, 0]
-    brows_ref[...] = jnp.where(used, jnp.clip(cnt_b - (b1 - start_b) * block_m, 0, block_m), 0)[:, 0]
+    keep = b1[:, 0] < nb  # (outputs are exactly [NB]: a padded one cost a copy kernel to slice)
+    plgpu.store(bexp_ref.at[pl.ds(0, nbp)], jnp.where(used, eb, -1)[:, 0], mask=keep)
+    plgpu.store(brows_ref.at[pl.ds(0, nbp)], jnp.where(used, jnp.clip(cnt_b - (b1 - start_b) * block_m, 0, block_m),
+                                                        0)[:, 0], mask=keep)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -142,7 +146,6 @@ def _route_call(logits, top_k, renormalize, block_m, num_warps, interpret):
     tokens, experts = logits.shape
     tp, ep, kp = _next_pow2(tokens), _next_pow2(experts), _next_pow2(top_k)
     nb = num_blocks(tokens * top_k, experts, block_m)
-    nbp = _next_pow2(nb)
     x = logits.astype(jnp.float32)
     if (tp, ep) != (tokens, experts):
         x = jnp.pad(x, ((0, tp - tokens), (0, ep - experts)), constant_values=-jnp.inf)
@@ -158,13 +161,14 @@ def _route_call(logits, top_k, renormalize, block_m, num_warps, interpret):
         out_specs=[whole] * 6,
         out_shape=[jax.ShapeDtypeStruct((tp, kp), i32), jax.ShapeDtypeStruct((tp, kp), jnp.float32),
                    jax.ShapeDtypeStruct((tp, kp), i32), jax.ShapeDtypeStruct((nb * block_m,), i32),
-                   jax.ShapeDtypeStruct((nbp,), i32), jax.ShapeDtypeStruct((nbp,), i32)],
+                   jax.ShapeDtypeStruct((nb,), i32), jax.ShapeDtypeStruct((nb,), i32)],
         compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=1),
         interpret=interpret,
         name=f"moe_route_t{tp}_e{ep}_k{top_k}_m{block_m}",
     )(x)
-    return MoeRouting(ids[:tokens, :top_k], ws[:tokens, :top_k], rows[:tokens, :top_k], sorted_pairs, bexp[:nb],
-                      brows[:nb])
+    if (tp, kp) != (tokens, top_k):
+        ids, ws, rows = ids[:tokens, :top_k], ws[:tokens, :top_k], rows[:tokens, :top_k]
+    return MoeRouting(ids, ws, rows, sorted_pairs, bexp, brows)
 
 
 def _check_args(logits, top_k, block_m):
