@@ -120,15 +120,7 @@ class ModelOps:
         return tuple(h @ w for w in weights)
 
     def out_proj(self, attn: jax.Array, wo: jax.Array, residual: jax.Array) -> jax.Array:
-        """residual + attn @ wo.
-
-        With the kernels, the attention output is fenced off (`optimization_barrier`): XLA fused the
-        decode kernel's split-K merge into the o projection and ran the batch-1 matrix-vector product as a
-        multiply fusion plus a reduce fusion, 28.7 us per layer for Qwen3-30B-A3B's 16.8 MB o weight
-        (0.58 TB/s; profile_latency_b1_qwen3-30b-a3b_h100.trace.json.gz), where a plain GEMV streams it
-        at ~2 TB/s."""
-        if self.backend == "pallas":
-            attn = jax.lax.optimization_barrier(attn)
+        """residual + attn @ wo."""
         return residual + attn @ wo
 
     def mlp_block(self, x: jax.Array, norm: jax.Array, w_gate: jax.Array, w_up: jax.Array, w_down: jax.Array,
