@@ -47,6 +47,14 @@ MOSAIC_MIN_STEP_TOKENS = 512
 PALLAS_MLP_TOKENS = frozenset({1})
 
 
+# Steps routing at least this many rows per expert (on average) run the experts on the Mosaic GPU grouped
+# GEMM (moe_gemm_mgpu.py: 482 TFLOP/s at 4096 tokens x top-8 on the H100, against 251 for the Triton
+# kernels; at 512 and 1024 tokens it was weight-bound at 84-167 TFLOP/s and the Triton kernels were not
+# measured there, so they keep those steps). kernels: moe_kernels_h100.json, moe_mgpu_h100.json.
+MOSAIC_MOE_MIN_ROWS_PER_EXPERT = 128
+MOSAIC_MOE_BLOCK_M = 128
+
+
 def moe_block_m(num_pairs: int, num_experts: int) -> int:
     """Rows per block of the expert-grouped layout (the grouped GEMMs' M tile): 16 (the smallest
     tensor-core tile) while experts get a few rows each (decode), larger tiles as they fill."""
@@ -145,12 +153,40 @@ class ModelOps:
         from pallas_kernels.moe_gemm import moe_combine, moe_down, moe_gate_up
         from pallas_kernels.moe_routing import moe_route
 
+        if self.mosaic_prefill and x.shape[0] * top_k >= MOSAIC_MOE_MIN_ROWS_PER_EXPERT * num_experts:
+            out = self._moe_mgpu(h, logits, w_gate, w_up, w_down, top_k, renormalize)
+            if out is not None:
+                return x + out
         block_m = moe_block_m(x.shape[0] * top_k, num_experts)
         routing = moe_route(logits, top_k=top_k, renormalize=renormalize, block_m=block_m,
                             interpret=self.interpret)
         act = moe_gate_up(h, routing, w_gate, w_up, interpret=self.interpret)
         y = moe_down(act, routing, w_down, interpret=self.interpret)
         return x + moe_combine(y, top_k, x.dtype)
+
+
+    def _moe_mgpu(self, h, logits, w_gate, w_up, w_down, top_k, renormalize):
+        """The experts on the Mosaic GPU grouped GEMM: TMA needs each expert's rows contiguous, so h's rows
+        are gathered into the grouped layout (XLA), and the down projection's rows are gathered back per
+        (token, slot) and weighted in the k-sum. None where the kernel does not take the shapes."""
+        from pallas_kernels.moe_gemm import moe_combine
+        from pallas_kernels.moe_gemm_mgpu import check_supported, moe_grouped_matmul_mgpu
+        from pallas_kernels.moe_routing import moe_route
+
+        bm = MOSAIC_MOE_BLOCK_M
+        rows = jax.ShapeDtypeStruct((bm, h.shape[1]), h.dtype)
+        if check_supported(rows, w_gate, w_up, block_m=bm) is not None or check_supported(
+                jax.ShapeDtypeStruct((bm, w_down.shape[1]), h.dtype), w_down, block_m=bm) is not None:
+            return None
+        r = moe_route(logits, top_k=top_k, renormalize=renormalize, block_m=bm, interpret=self.interpret)
+        m = r.sorted_pairs.shape[0]
+        valid = jnp.arange(m, dtype=jnp.int32) % bm < jnp.repeat(r.block_rows, bm, total_repeat_length=m)
+        xs = h[jnp.where(valid, r.sorted_pairs // top_k, 0)]  # [M, hidden] expert-sorted rows
+        kw = dict(block_m=bm, block_rows=r.block_rows, interpret=self.interpret)
+        act = moe_grouped_matmul_mgpu(xs, w_gate, r.block_expert, w_up, **kw)  # [M, I]
+        ys = moe_grouped_matmul_mgpu(act, w_down, r.block_expert, **kw)  # [M, hidden]
+        y = ys[r.pair_rows.reshape(-1)] * r.topk_weights.reshape(-1, 1).astype(ys.dtype)  # [T*k, hidden]
+        return moe_combine(y, top_k, h.dtype)
 
 
 REFERENCE_OPS = ModelOps()
