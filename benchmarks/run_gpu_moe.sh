@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # On the GPU machine (device tool, carrying .whl): Qwen3-MoE on one GPU. PARTS (comma list, default all):
 #   tests       the MoE kernel tests compiled for the GPU, and the MoE model goldens with the kernels
-#   kernels     bench_moe: routing + grouped GEMMs vs torch._grouped_mm and lax.ragged_dot ($SWEEP: tile grid)
+#   kernels     bench_moe: routing + grouped GEMMs vs torch._grouped_mm and lax.ragged_dot ($SWEEP: tile grid),
+#               then the Mosaic GPU grouped GEMM at 512 / 1024 / 4096 tokens (moe_mgpu_$TAG.json)
 #   latency     engine TTFT / TPOT on dummy:qwen3-30b-a3b, batch $BATCHES (default "1 8 32"), 1k in / 128 out
 #   throughput  offline 512 prompts x 1k in / 128 out
 # JSON lands in $OUT (copy to benchmarks/results/); $TAG names the device in the file names (default h100).
@@ -26,6 +27,7 @@ for line in sys.stdin:
               r.get("tflop_per_s"), "TFLOP/s", r.get("error", "")[:120], "err", r.get("max_abs_err_vs_ref"))
     else:
         print(r)'
+  timeout 300 python3 -m pallas_kernels.moe_gemm_mgpu > "$OUT/moe_mgpu_$TAG.json"
 fi
 if [[ $PARTS == *latency* ]]; then
   timeout 900 python3 -m benchmarks.bench_latency --shape qwen3-30b-a3b --batch-sizes ${BATCHES:-1 8 32} \
@@ -33,5 +35,5 @@ if [[ $PARTS == *latency* ]]; then
 fi
 if [[ $PARTS == *throughput* ]]; then
   timeout 900 python3 -m benchmarks.bench_throughput --model dummy:qwen3-30b-a3b --num-prompts 512 --input-len 1024 \
-      --output-len 128 --out "$OUT/throughput_qwen3-30b-a3b_${TAG}_512x1k.json" | grep "^throughput"
+      --output-len 128 --warmup --out "$OUT/throughput_qwen3-30b-a3b_${TAG}_512x1k.json" | grep "^throughput"
 fi
