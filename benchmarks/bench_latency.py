@@ -75,6 +75,7 @@ def main():
     copy = measure_copy_bandwidth(torch_copy)  # the device's copy rate (torch's copy where available), same run
     bandwidth = copy["best_Bps"]
     matmul = measure_matmul()
+    pf = floors(cfg, 1, args.input_len, args.input_len, bandwidth, matmul)  # one prompt's prefill floors
     rng = np.random.default_rng(0)
     rows = []
     for bs in args.batch_sizes:
@@ -84,7 +85,6 @@ def main():
             row = run_batch(core, make(), args.output_len, f"run{bs}")
         mid_context = args.input_len + args.output_len // 2
         floor = decode_bytes(cfg, bs, mid_context)["total"] / bandwidth * 1e3
-        pf = floors(cfg, 1, args.input_len, args.input_len, bandwidth, matmul)
         ttft_floor = {k: bs * pf[k] for k in ("prefill_flop_floor_ms", "prefill_byte_floor_ms")}
         if bs > 1:  # one batch of bs prompts reads the weights once
             ttft_floor["prefill_byte_floor_ms"] = pf["prefill_byte_floor_ms"]

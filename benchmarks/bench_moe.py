@@ -152,15 +152,9 @@ def bench_tokens(rows: list, tokens: int, w, sweep: bool, xla_block: bool) -> No
     if moe_gemm_mgpu is not None and tokens * K >= 512:
         for mbm in ((64, 128) if sweep else (128,)):
             r = moe_route_reference(logits, top_k=K, block_m=mbm)
-            rows_tok = jnp.where(jnp.arange(r.sorted_pairs.shape[0]) % mbm < jnp.repeat(r.block_rows, mbm),
-                                 r.sorted_pairs // K, 0)
 
-            def mgpu(x, r=r, rows_tok=rows_tok, mbm=mbm):
-                xs = x[rows_tok]  # [M, H] expert-sorted rows (TMA needs them contiguous)
-                h = moe_gemm_mgpu.moe_grouped_matmul_mgpu(xs, wg, r.block_expert, wu, block_m=mbm, **KW)
-                ys = moe_gemm_mgpu.moe_grouped_matmul_mgpu(h, wd, r.block_expert, block_m=mbm, **KW)  # [M, H]
-                y = ys[r.pair_rows.reshape(-1)] * r.topk_weights.reshape(-1, 1).astype(ys.dtype)
-                return moe_combine(y, K, x.dtype)
+            def mgpu(x, r=r):
+                return moe_gemm_mgpu.moe_experts_mgpu(x, r, wg, wu, wd, **KW)
 
             try:
                 err = float(jnp.abs(mgpu(x).astype(jnp.float32) - ref.astype(jnp.float32)).max())

@@ -156,13 +156,12 @@ def _down_call(h, routing, w_down, *, block_n, block_k, num_warps, num_stages, i
       w_down)[:pairs]  # (the slice fuses into the consumer's k-sum)
 
 
-def _check_routing(routing: MoeRouting, num_experts: int):
+def _check_routing(routing: MoeRouting):
     bm = routing.block_m
     if bm < 16 or bm & (bm - 1):
         raise ValueError(f"routing.block_m={bm} must be a power of two >= 16 (tensor-core tiles)")
     if routing.sorted_pairs.shape[0] != bm * routing.block_expert.shape[0]:
         raise ValueError(f"routing.sorted_pairs {routing.sorted_pairs.shape} must hold block_m x blocks rows")
-    del num_experts
 
 
 _TUNING = ("block_n", "block_k", "num_warps", "num_stages", "interpret")
@@ -193,7 +192,7 @@ def moe_gate_up(x: jax.Array, routing: MoeRouting, w_gate: jax.Array, w_up: jax.
                          f"{x.shape=} {w_gate.shape=} {w_up.shape=}")
     if routing.topk_ids.shape[0] != x.shape[0]:
         raise ValueError(f"routing is for {routing.topk_ids.shape[0]} tokens, x has {x.shape[0]}")
-    _check_routing(routing, w_gate.shape[0])
+    _check_routing(routing)
     if x.shape[1] % 16 or w_gate.shape[2] % 16:
         raise ValueError(f"hidden and intermediate must be multiples of 16: {w_gate.shape=}")
     return _gate_up_call(x, routing, w_gate, w_up, block_n=block_n, block_k=block_k, num_warps=num_warps,
@@ -220,7 +219,7 @@ def moe_down(h: jax.Array, routing: MoeRouting, w_down: jax.Array, *, block_n: i
                          f"{h.shape=} {w_down.shape=}")
     if h.shape[0] != routing.sorted_pairs.shape[0]:
         raise ValueError(f"h has {h.shape[0]} rows, the routing's layout {routing.sorted_pairs.shape[0]}")
-    _check_routing(routing, w_down.shape[0])
+    _check_routing(routing)
     if h.shape[1] % 16 or w_down.shape[2] % 16:
         raise ValueError(f"intermediate and hidden must be multiples of 16: {w_down.shape=}")
     return _down_call(h, routing, w_down, block_n=block_n, block_k=block_k, num_warps=num_warps,

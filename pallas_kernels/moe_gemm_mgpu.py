@@ -448,6 +448,28 @@ def moe_grouped_matmul_mgpu(
                       max_steps=max_steps, wg_split=wg_split, num_ctas=num_ctas, interpret=interpret)
 
 
+def moe_experts_mgpu(x: jax.Array, routing, w_gate: jax.Array, w_up: jax.Array, w_down: jax.Array, *,
+                     interpret: bool = False) -> jax.Array:
+    """The whole expert MLP on this kernel: `x` [T, hidden] and a `moe_routing.MoeRouting` -> [T, hidden].
+
+    TMA wants each expert's rows contiguous, so x's rows are gathered into the grouped layout first (XLA),
+    and the down projection's rows are gathered back per (token, slot), weighted and summed over the k
+    slots (`moe_gemm.moe_combine`). The routing's block size is this kernel's block_m; its `block_rows`
+    let all-padding half blocks skip their wgmmas.
+    """
+    from pallas_kernels.moe_gemm import moe_combine
+
+    bm, top_k = routing.block_m, routing.top_k
+    m = routing.sorted_pairs.shape[0]
+    valid = jnp.arange(m, dtype=jnp.int32) % bm < jnp.repeat(routing.block_rows, bm, total_repeat_length=m)
+    xs = x[jnp.where(valid, routing.sorted_pairs // top_k, 0)]  # [M, hidden] expert-sorted rows
+    kw = dict(block_m=bm, block_rows=routing.block_rows, interpret=interpret)
+    act = moe_grouped_matmul_mgpu(xs, w_gate, routing.block_expert, w_up, **kw)  # [M, I]
+    ys = moe_grouped_matmul_mgpu(act, w_down, routing.block_expert, **kw)  # [M, hidden]
+    y = ys[routing.pair_rows.reshape(-1)] * routing.topk_weights.reshape(-1, 1).astype(ys.dtype)  # [T*k, hidden]
+    return moe_combine(y, top_k, x.dtype)
+
+
 # ----------------------------------------------------------------------------------------------
 # Reference
 # ----------------------------------------------------------------------------------------------

@@ -164,29 +164,18 @@ class ModelOps:
         y = moe_down(act, routing, w_down, interpret=self.interpret)
         return x + moe_combine(y, top_k, x.dtype)
 
-
     def _moe_mgpu(self, h, logits, w_gate, w_up, w_down, top_k, renormalize):
-        """The experts on the Mosaic GPU grouped GEMM: TMA needs each expert's rows contiguous, so h's rows
-        are gathered into the grouped layout (XLA), and the down projection's rows are gathered back per
-        (token, slot) and weighted in the k-sum. None where the kernel does not take the shapes."""
-        from pallas_kernels.moe_gemm import moe_combine
-        from pallas_kernels.moe_gemm_mgpu import check_supported, moe_grouped_matmul_mgpu
+        """The experts on the Mosaic GPU grouped GEMM (`moe_experts_mgpu`); None where the kernel does not
+        take the shapes."""
+        from pallas_kernels.moe_gemm_mgpu import check_supported, moe_experts_mgpu
         from pallas_kernels.moe_routing import moe_route
 
         bm = MOSAIC_MOE_BLOCK_M
-        rows = jax.ShapeDtypeStruct((bm, h.shape[1]), h.dtype)
-        if check_supported(rows, w_gate, w_up, block_m=bm) is not None or check_supported(
-                jax.ShapeDtypeStruct((bm, w_down.shape[1]), h.dtype), w_down, block_m=bm) is not None:
+        if check_supported(jax.ShapeDtypeStruct((bm, h.shape[1]), h.dtype), w_gate, w_up, block_m=bm) is not None \
+                or check_supported(jax.ShapeDtypeStruct((bm, w_down.shape[1]), h.dtype), w_down, block_m=bm) is not None:
             return None
-        r = moe_route(logits, top_k=top_k, renormalize=renormalize, block_m=bm, interpret=self.interpret)
-        m = r.sorted_pairs.shape[0]
-        valid = jnp.arange(m, dtype=jnp.int32) % bm < jnp.repeat(r.block_rows, bm, total_repeat_length=m)
-        xs = h[jnp.where(valid, r.sorted_pairs // top_k, 0)]  # [M, hidden] expert-sorted rows
-        kw = dict(block_m=bm, block_rows=r.block_rows, interpret=self.interpret)
-        act = moe_grouped_matmul_mgpu(xs, w_gate, r.block_expert, w_up, **kw)  # [M, I]
-        ys = moe_grouped_matmul_mgpu(act, w_down, r.block_expert, **kw)  # [M, hidden]
-        y = ys[r.pair_rows.reshape(-1)] * r.topk_weights.reshape(-1, 1).astype(ys.dtype)  # [T*k, hidden]
-        return moe_combine(y, top_k, h.dtype)
+        routing = moe_route(logits, top_k=top_k, renormalize=renormalize, block_m=bm, interpret=self.interpret)
+        return moe_experts_mgpu(h, routing, w_gate, w_up, w_down, interpret=self.interpret)
 
 
 REFERENCE_OPS = ModelOps()

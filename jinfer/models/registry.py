@@ -12,6 +12,7 @@ from types import ModuleType
 
 from jinfer.config import ARCHITECTURES, ModelConfig
 from jinfer.models import llama, qwen3_moe
+from jinfer.models.ops import REFERENCE_OPS, ModelOps
 
 FAMILIES: dict[str, ModuleType] = {"llama": llama, "qwen2": llama, "qwen3": llama, "qwen3_moe": qwen3_moe}
 assert set(FAMILIES) == set(ARCHITECTURES)
@@ -29,11 +30,8 @@ def assemble_weights(cfg: ModelConfig, arrays):
     return family(cfg).assemble_weights(cfg, arrays)
 
 
-def forward(weights, batch, kv_cache, cfg: ModelConfig, ops=None):
-    """The family's forward; `ops` defaults to the reference ops."""
-    fam = family(cfg)
-    return fam.forward(weights, batch, kv_cache, cfg) if ops is None else fam.forward(weights, batch, kv_cache,
-                                                                                        cfg, ops)
+def forward(weights, batch, kv_cache, cfg: ModelConfig, ops: ModelOps = REFERENCE_OPS):
+    return family(cfg).forward(weights, batch, kv_cache, cfg, ops)
 
 
 def fuse_qkv(cfg: ModelConfig, weights):

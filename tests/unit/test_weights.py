@@ -28,7 +28,7 @@ def hf_tensors(seed=0) -> dict[str, np.ndarray]:
     cfg = resolve_model_from_dict(HF_CFG)
     out = {}
     for spec in weight_specs(cfg).values():
-        shape = spec.shape[::-1] if spec.transpose else spec.shape
+        shape = spec.checkpoint_shape()
         out[spec.hf_name] = rng.standard_normal(shape).astype(np.float32) * (0.05 if len(shape) > 1 else 1.0)
     return out
 
