@@ -106,3 +106,29 @@ def test_mosaic_ops_import_the_mosaic_runtime():
             "print(a, m in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.split() == ["False", "True"]
+
+
+MOE = {**LLAMA, "architectures": ["Qwen3MoeForCausalLM"], "num_experts": 8, "num_experts_per_tok": 2,
+       "moe_intermediate_size": 32, "mlp_only_layers": [1]}
+
+
+def test_qwen3_moe_from_hf():
+    cfg = ModelConfig.from_hf_config(MOE)
+    assert cfg.architecture == "qwen3_moe" and cfg.qk_norm and cfg.norm_topk_prob
+    assert [cfg.is_moe_layer(i) for i in range(2)] == [True, False]
+    local = {k: v for k, v in MOE.items() if k != "num_experts"} | {"num_local_experts": 8}  # transformers 5
+    assert ModelConfig.from_hf_config(local).num_experts == 8
+    assert NAMED_SHAPES["qwen3-30b-a3b"].num_params(active=True) < NAMED_SHAPES["qwen3-30b-a3b"].num_params() / 8
+
+
+@pytest.mark.parametrize("change, field", [
+    ({"num_experts": None}, "num_experts"),
+    ({"num_experts_per_tok": 9}, "num_experts_per_tok"),
+    ({"moe_intermediate_size": 0}, "moe_intermediate_size"),
+    ({"mlp_only_layers": [5]}, "mlp_only_layers"),
+    ({"mlp_only_layers": 1}, "mlp_only_layers"),
+    ({"decoder_sparse_step": 0}, "decoder_sparse_step"),
+])
+def test_malformed_moe_config_names_field(change, field):
+    with pytest.raises(ValueError, match=field):
+        ModelConfig.from_hf_config({**MOE, **change})
