@@ -57,6 +57,8 @@ def main():
     ap.add_argument("--max-num-batched-tokens", type=int, default=2048)
     ap.add_argument("--no-async-scheduling", action="store_true")
     ap.add_argument("--no-executable-cache", action="store_true")
+    ap.add_argument("--tensor-parallel-size", "-tp", type=int, default=1)
+    ap.add_argument("--enable-expert-parallel", action="store_true")
     add_profile_argument(ap)
     ap.add_argument("--out")
     args = ap.parse_args()
@@ -69,7 +71,9 @@ def main():
                                    max_num_batched_tokens=args.max_num_batched_tokens,
                                    attention_backend=args.attention_backend, warmup=False,
                                    async_scheduling=not args.no_async_scheduling,
-                                   executable_cache=not args.no_executable_cache))
+                                   executable_cache=not args.no_executable_cache,
+                                   tensor_parallel_size=args.tensor_parallel_size,
+                                   enable_expert_parallel=args.enable_expert_parallel))
     startup_s = time.perf_counter() - t0
     cfg = core.model_config
     copy = measure_copy_bandwidth(torch_copy)  # the device's copy rate (torch's copy where available), same run
@@ -84,7 +88,8 @@ def main():
         with profiled(args.profile and f"{args.profile}/batch{bs}"):
             row = run_batch(core, make(), args.output_len, f"run{bs}")
         mid_context = args.input_len + args.output_len // 2
-        floor = decode_bytes(cfg, bs, mid_context)["total"] / bandwidth * 1e3
+        # each device reads its share of the bytes (split evenly: weights, KV heads and vocab)
+        floor = decode_bytes(cfg, bs, mid_context)["total"] / args.tensor_parallel_size / bandwidth * 1e3
         ttft_floor = {k: bs * pf[k] for k in ("prefill_flop_floor_ms", "prefill_byte_floor_ms")}
         if bs > 1:  # one batch of bs prompts reads the weights once
             ttft_floor["prefill_byte_floor_ms"] = pf["prefill_byte_floor_ms"]
@@ -96,6 +101,8 @@ def main():
               f"byte floor {ttft_floor['prefill_byte_floor_ms']:.1f}), TPOT {row['tpot_ms']:.2f} ms "
               f"(roofline {floor:.2f} ms, {row['tpot_ms'] / floor:.2f}x)")
     result = {"benchmark": "latency", **environment(), "shape": args.shape, "dtype": args.dtype,
+              "tensor_parallel_size": args.tensor_parallel_size, "expert_parallel": args.enable_expert_parallel,
+              "num_pages": core.kv.num_usable_pages,
               "input_len": args.input_len, "output_len": args.output_len,
               "attention_backend": core.runner.ops.backend, "mosaic_prefill": core.runner.ops.mosaic_prefill,
               "async_scheduling": core.config.async_scheduling,

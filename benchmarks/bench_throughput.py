@@ -31,6 +31,8 @@ def main():
     ap.add_argument("--no-async-scheduling", action="store_true")
     ap.add_argument("--attention-backend", default="auto", help="auto | reference | pallas | pallas-triton")
     ap.add_argument("--warmup", action="store_true", help="compile all buckets at start-up instead of a dry run")
+    ap.add_argument("--tensor-parallel-size", "-tp", type=int, default=1)
+    ap.add_argument("--enable-expert-parallel", action="store_true")
     add_profile_argument(ap)
     ap.add_argument("--out")
     args = ap.parse_args()
@@ -39,7 +41,8 @@ def main():
     llm = LLM(args.model, dtype=args.dtype, max_num_seqs=args.max_num_seqs,
               max_num_batched_tokens=args.max_num_batched_tokens, num_pages=args.num_pages,
               max_model_len=args.input_len + args.output_len, warmup=args.warmup,
-              async_scheduling=not args.no_async_scheduling, attention_backend=args.attention_backend)
+              async_scheduling=not args.no_async_scheduling, attention_backend=args.attention_backend,
+              tensor_parallel_size=args.tensor_parallel_size, enable_expert_parallel=args.enable_expert_parallel)
     startup_s = time.perf_counter() - t0
     vocab = llm.engine.model_config.vocab_size
     rng = np.random.default_rng(0)
@@ -62,6 +65,7 @@ def main():
     n_in = sum(len(o.prompt_token_ids) for o in outs)
     result = {
         "benchmark": "throughput", **environment(), "shape": args.model, "dtype": args.dtype,
+        "tensor_parallel_size": args.tensor_parallel_size, "expert_parallel": args.enable_expert_parallel,
         "num_prompts": args.num_prompts, "input_len": args.input_len, "output_len": args.output_len,
         "max_num_seqs": args.max_num_seqs, "max_num_batched_tokens": args.max_num_batched_tokens,
         "num_pages": llm.engine.kv.num_usable_pages, "attention_backend": llm.engine.runner.ops.backend,

@@ -1,20 +1,39 @@
-"""Device mesh and logical-axis -> mesh-axis sharding rules.
+"""Device mesh, logical-axis -> mesh-axis sharding rules, and the sharded forward.
 
-Weights and the KV cache are always placed with a `NamedSharding` on a mesh (one device by
-default), so tensor parallelism is a change of mesh shape, not of code. Logical axis names come from
-the weight specs (`jinfer/models/llama.py`).
+Weights and the KV cache are always placed with a `NamedSharding` on a mesh (one device by default),
+so tensor parallelism is a change of mesh shape, not of model code. Logical axis names come from the
+weight descriptions (`ArrayInfo.axes`), so a model family states nothing new to be sharded.
+
+Several devices run the forward under `jax.shard_map` (`shard_forward`): each device runs the family's
+own forward on its shards, with the Pallas kernels, and `ModelOps` issues the collectives
+(`ModelOps.axis`). GSPMD cannot partition a `pallas_call` (it gathered around every kernel: 12x slower
+on two GPUs than on one), hence explicit per-device code. The layout is Megatron's:
+- attention: q heads and kv heads split (column-parallel q/k/v, the KV cache split by kv heads),
+  row-parallel o, then one psum; with more devices than kv heads each kv head is replicated so every
+  device holds the one its q heads read (`kv_heads_total`);
+- dense MLP: gate/up column-parallel, down row-parallel, one psum;
+- MoE: the experts' intermediate axis split like a dense MLP (tensor parallel), or with
+  `expert_parallel` whole experts split over the devices. The activations are replicated after the
+  attention's psum, so each device routes every token, runs only its own experts' pairs and the psum
+  that ends the block combines them: no dispatch all_to_all is needed;
+- embedding and lm_head: vocab-parallel (masked lookup + psum; logits all-gathered for the sampler).
+The sharded axis of every array is `TP_AXIS`; a mesh is one-dimensional (data-parallel replicas are
+separate meshes).
 """
 
 from __future__ import annotations
 
+import dataclasses
+import functools
+
 import jax
+import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 TP_AXIS = "tp"
 
-# Which logical axes are split across the tensor-parallel mesh axis. Column-parallel q/k/v/gate/up,
-# row-parallel o/down, vocab-parallel embedding and lm_head: the standard Megatron layout.
+# Which logical axes are split across the mesh axis: the standard Megatron layout.
 LOGICAL_RULES: dict[str, str | None] = {
     "vocab": TP_AXIS,
     "embed": None,
@@ -22,9 +41,13 @@ LOGICAL_RULES: dict[str, str | None] = {
     "kv_heads": TP_AXIS,
     "head_dim": None,
     "mlp": TP_AXIS,
+    "moe_mlp": TP_AXIS,  # experts' intermediate axis: tensor parallel MoE
+    "experts": None,
     "pages": None,
     "page_slot": None,
 }
+EXPERT_PARALLEL_RULES = LOGICAL_RULES | {"experts": TP_AXIS, "moe_mlp": None}
+KV_AXES = ("pages", "page_slot", "kv_heads", "head_dim")
 
 
 def make_mesh(tp: int = 1, devices: list | None = None) -> Mesh:
@@ -34,12 +57,113 @@ def make_mesh(tp: int = 1, devices: list | None = None) -> Mesh:
     return Mesh(np.asarray(devices[:tp]), (TP_AXIS,))
 
 
-def logical_sharding(mesh: Mesh, logical_axes: tuple[str | None, ...], shape: tuple[int, ...]) -> NamedSharding:
-    """NamedSharding for an array with the given logical axes; an axis not divisible by the mesh stays whole."""
-    spec = []
+def rules(expert_parallel: bool = False) -> dict[str, str | None]:
+    return EXPERT_PARALLEL_RULES if expert_parallel else LOGICAL_RULES
+
+
+def logical_spec(mesh: Mesh, logical_axes: tuple[str | None, ...], shape: tuple[int, ...],
+                 expert_parallel: bool = False) -> PartitionSpec:
+    """PartitionSpec for an array with the given logical axes; an axis not divisible by the mesh stays whole."""
+    table, spec = rules(expert_parallel), []
     for name, dim in zip(logical_axes, shape, strict=True):
-        axis = LOGICAL_RULES.get(name) if name else None
+        axis = table.get(name) if name else None
         if axis is not None and dim % mesh.shape[axis]:
             axis = None
         spec.append(axis)
-    return NamedSharding(mesh, PartitionSpec(*spec))
+    return PartitionSpec(*spec)
+
+
+def logical_sharding(mesh: Mesh, logical_axes: tuple[str | None, ...], shape: tuple[int, ...],
+                     expert_parallel: bool = False) -> NamedSharding:
+    return NamedSharding(mesh, logical_spec(mesh, logical_axes, shape, expert_parallel))
+
+
+# ---- what a model needs to be split n ways ------------------------------------------------------
+
+def check_parallel(cfg, tp: int, expert_parallel: bool = False) -> None:
+    """ValueError, naming the field, when the model cannot be split `tp` ways."""
+    if cfg.num_heads % tp:
+        raise ValueError(f"tensor_parallel_size={tp} must divide the model's num_heads={cfg.num_heads}")
+    kvh = cfg.num_kv_heads
+    if kvh % tp and tp % kvh:
+        raise ValueError(f"tensor_parallel_size={tp} must divide, or be a multiple of, num_kv_heads={kvh}")
+    dense = [i for i in range(cfg.num_layers) if not cfg.is_moe_layer(i)]
+    if dense and cfg.intermediate_size % tp:
+        raise ValueError(f"tensor_parallel_size={tp} must divide intermediate_size={cfg.intermediate_size}")
+    if not cfg.num_experts:
+        if expert_parallel and tp > 1:
+            raise ValueError("enable_expert_parallel needs a mixture-of-experts model")
+        return
+    if expert_parallel and cfg.num_experts % tp:
+        raise ValueError(f"tensor_parallel_size={tp} must divide num_experts={cfg.num_experts} "
+                         "with enable_expert_parallel")
+    if not expert_parallel and cfg.moe_intermediate_size % tp:
+        raise ValueError(f"tensor_parallel_size={tp} must divide moe_intermediate_size="
+                         f"{cfg.moe_intermediate_size} (or set enable_expert_parallel)")
+
+
+def kv_heads_total(cfg, tp: int) -> int:
+    """KV heads over all devices: the model's, or one per device when there are more devices than heads
+    (each head then stored tp / num_kv_heads times, as vLLM does)."""
+    return max(cfg.num_kv_heads, tp)
+
+
+def local_config(cfg, tp: int):
+    """The config one device's forward sees: its share of the q and kv heads. Everything else the
+    forward derives from its arrays' (local) shapes."""
+    if tp == 1:
+        return cfg
+    return dataclasses.replace(cfg, num_heads=cfg.num_heads // tp, num_kv_heads=kv_heads_total(cfg, tp) // tp)
+
+
+def shard_attention_weights(cfg, weights, mesh: Mesh, fuse_qkv: bool = True, expert_parallel: bool = False):
+    """Lay out the attention weights for the mesh: kv heads repeated when the devices outnumber them,
+    then (`fuse_qkv`) one q|k|v projection per layer whose shard on device d is [wq_d | wk_d | wv_d], so
+    the per-device forward splits its local columns exactly as one device splits the whole matrix."""
+    tp, kvh, d = mesh.size, cfg.num_kv_heads, cfg.head_dim
+    repeat = kv_heads_total(cfg, tp) // kvh
+
+    def heads(w):  # [..., kvh * d] -> [..., kvh * repeat * d], each head `repeat` times in a row
+        if w is None or repeat == 1:
+            return w
+        w = w.reshape(*w.shape[:-1], kvh, d)
+        return jnp.repeat(w, repeat, axis=-2).reshape(*w.shape[:-2], kvh * repeat * d)
+
+    def place(w, axes):
+        return None if w is None else jax.device_put(w, logical_sharding(mesh, axes, w.shape, expert_parallel))
+
+    col = ("embed", "kv_heads")
+    layers = []
+    for layer in weights.layers:
+        if layer.wqkv is not None:
+            layers.append(layer)
+            continue
+        wk, wv = place(heads(layer.wk), col), place(heads(layer.wv), col)
+        bk, bv = place(heads(layer.bk), col[1:]), place(heads(layer.bv), col[1:])
+        new = dict(wk=wk, wv=wv, bk=bk, bv=bv)
+        if fuse_qkv:  # (biases stay apart, added after the split)
+            parts = [w.reshape(w.shape[0], tp, w.shape[1] // tp) for w in (layer.wq, wk, wv)]
+            wqkv = jnp.concatenate(parts, axis=2).reshape(layer.wq.shape[0], -1)
+            new |= dict(wq=None, wk=None, wv=None, wqkv=place(wqkv, ("embed", "q_heads")))
+        layers.append(dataclasses.replace(layer, **new))
+    return dataclasses.replace(weights, layers=layers)
+
+
+# ---- the sharded forward ------------------------------------------------------------------------
+
+def array_specs(tree):
+    """The PartitionSpec of every (NamedSharding-placed) array of a pytree."""
+    return jax.tree.map(lambda a: a.sharding.spec, tree)
+
+
+def mesh_forward(forward, cfg, ops, mesh: Mesh, weight_specs, kv_specs):
+    """`forward(weights, batch, kv_cache, cfg, ops)` (a family's, or the registry's) as a function of
+    (weights, batch, kv_cache) for the mesh: itself on one device; on several, each device runs it on its
+    shards under `jax.shard_map` with its `local_config` and the collectives on (`ModelOps.axis`). The
+    batch goes to every device whole, the logits come back whole (the forward gathers them), the cache
+    stays in its shards (`weight_specs`, `kv_specs`: `array_specs` of the placed arrays)."""
+    if mesh.size == 1:
+        return functools.partial(forward, cfg=cfg, ops=ops)
+    body = functools.partial(forward, cfg=local_config(cfg, mesh.size), ops=dataclasses.replace(ops, axis=TP_AXIS))
+    return jax.shard_map(body, mesh=mesh, in_specs=(weight_specs, PartitionSpec(), kv_specs),
+                         out_specs=(PartitionSpec(), kv_specs), check_vma=False)

@@ -226,9 +226,14 @@ def moe_down(h: jax.Array, routing: MoeRouting, w_down: jax.Array, *, block_n: i
                       num_stages=num_stages, interpret=interpret)
 
 
-def moe_combine(y: jax.Array, top_k: int, dtype) -> jax.Array:
-    """[T*k, H] weighted expert outputs by pair -> [T, H]: the sum over each token's k slots (fp32)."""
-    return y.reshape(-1, top_k, y.shape[-1]).astype(jnp.float32).sum(axis=1).astype(dtype)
+def moe_combine(y: jax.Array, top_k: int, dtype, mine: jax.Array | None = None) -> jax.Array:
+    """[T*k, H] weighted expert outputs by pair -> [T, H]: the sum over each token's k slots (fp32).
+    `mine` [T, k]: only these pairs (expert parallelism: the rows of pairs routed to other devices are
+    never written)."""
+    y = y.reshape(-1, top_k, y.shape[-1]).astype(jnp.float32)
+    if mine is not None:
+        y = jnp.where(mine[:, :, None], y, 0.0)
+    return y.sum(axis=1).astype(dtype)
 
 
 # ----------------------------------------------------------------------------------------------

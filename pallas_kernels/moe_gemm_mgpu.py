@@ -449,13 +449,14 @@ def moe_grouped_matmul_mgpu(
 
 
 def moe_experts_mgpu(x: jax.Array, routing, w_gate: jax.Array, w_up: jax.Array, w_down: jax.Array, *,
-                     interpret: bool = False) -> jax.Array:
+                     mine: jax.Array | None = None, interpret: bool = False) -> jax.Array:
     """The whole expert MLP on this kernel: `x` [T, hidden] and a `moe_routing.MoeRouting` -> [T, hidden].
 
     TMA wants each expert's rows contiguous, so x's rows are gathered into the grouped layout first (XLA),
     and the down projection's rows are gathered back per (token, slot), weighted and summed over the k
     slots (`moe_gemm.moe_combine`). The routing's block size is this kernel's block_m; its `block_rows`
-    let all-padding half blocks skip their wgmmas.
+    let all-padding half blocks skip their wgmmas. `mine` [T, k]: the pairs whose experts are here
+    (expert parallelism, `moe_routing.local_experts`); the others are left out of the sum.
     """
     from pallas_kernels.moe_gemm import moe_combine
 
@@ -467,7 +468,7 @@ def moe_experts_mgpu(x: jax.Array, routing, w_gate: jax.Array, w_up: jax.Array, 
     act = moe_grouped_matmul_mgpu(xs, w_gate, routing.block_expert, w_up, **kw)  # [M, I]
     ys = moe_grouped_matmul_mgpu(act, w_down, routing.block_expert, **kw)  # [M, hidden]
     y = ys[routing.pair_rows.reshape(-1)] * routing.topk_weights.reshape(-1, 1).astype(ys.dtype)  # [T*k, hidden]
-    return moe_combine(y, top_k, x.dtype)
+    return moe_combine(y, top_k, x.dtype, mine)
 
 
 # ----------------------------------------------------------------------------------------------

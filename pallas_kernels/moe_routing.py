@@ -206,6 +206,19 @@ def moe_route(logits: jax.Array, *, top_k: int, renormalize: bool = True, block_
     return _route_call(logits, top_k, renormalize, block_m, num_warps, interpret)
 
 
+def local_experts(routing: MoeRouting, first: jax.Array, count: int) -> tuple[MoeRouting, jax.Array]:
+    """The part of a routing that runs on a device holding experts [first, first + count) (expert
+    parallelism): other experts' blocks become unused (expert -1, 0 rows; the grouped GEMMs skip them)
+    and block experts are renumbered to the device's local ids. Also returns the [T, k] mask of the
+    pairs routed here: the other pairs' outputs are not written and must be masked out of the combine
+    (`moe_gemm.moe_combine`)."""
+    mine = (routing.topk_ids >= first) & (routing.topk_ids < first + count)  # [T, k]
+    be = routing.block_expert
+    here = (be >= first) & (be < first + count)
+    return (MoeRouting(routing.topk_ids, routing.topk_weights, routing.pair_rows, routing.sorted_pairs,
+                       jnp.where(here, be - first, -1), jnp.where(here, routing.block_rows, 0)), mine)
+
+
 # ----------------------------------------------------------------------------------------------
 # Reference
 # ----------------------------------------------------------------------------------------------

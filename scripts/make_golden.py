@@ -123,7 +123,8 @@ def tiny_specs():
                 **_common(
                     num_hidden_layers=2,
                     intermediate_size=128,
-                    head_dim=32,  # != hidden/heads (16)
+                    num_attention_heads=8,  # 8 q heads over 2 kv heads: tp=8 tests (kv heads replicated)
+                    head_dim=32,  # != hidden/heads (8)
                     tie_word_embeddings=False,
                     rope_theta=1000000.0,
                     attention_bias=False,
@@ -146,6 +147,7 @@ def tiny_specs():
                     norm_topk_prob=True,
                     decoder_sparse_step=1,
                     mlp_only_layers=[1],
+                    num_attention_heads=8,  # tp / ep = 8 tests
                     head_dim=32,
                     tie_word_embeddings=False,
                     rope_theta=1000000.0,

@@ -25,7 +25,11 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     e.add_argument("--num-pages", type=int, default=None)
     e.add_argument("--page-size", type=int, default=None)
     e.add_argument("--gpu-memory-utilization", type=float, default=None)
-    e.add_argument("--tensor-parallel-size", type=int, default=None)
+    e.add_argument("--tensor-parallel-size", "-tp", type=int, default=None,
+                   help="devices the model is split over (tensor parallel; experts too, see below)")
+    e.add_argument("--enable-expert-parallel", action="store_true",
+                   help="MoE models: split whole experts over the tensor-parallel devices instead of each "
+                        "expert's columns")
     e.add_argument("--seed", type=int, default=None)
     e.add_argument("--attention-backend", default=None, choices=["auto", "reference", "pallas", "pallas-triton"],
                    help="pallas: Pallas kernels (Mosaic GPU for long prefills, Triton elsewhere); "
@@ -46,6 +50,8 @@ def engine_config_kwargs(args: argparse.Namespace) -> dict:
         kw["enable_prefix_caching"] = False
     if args.no_chunked_prefill:
         kw["enable_chunked_prefill"] = False
+    if getattr(args, "enable_expert_parallel", False):
+        kw["enable_expert_parallel"] = True
     if args.no_warmup:
         kw["warmup"] = False
     if getattr(args, "no_async_scheduling", False):

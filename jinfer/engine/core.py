@@ -26,9 +26,8 @@ from jinfer.engine.request import FinishReason, Request
 from jinfer.engine.sampler import num_logprobs_for, pack_token_mask, uses_penalties
 from jinfer.engine.scheduler import Scheduler, SchedulerConfig
 from jinfer.models.ops import BACKENDS, select_ops
-from jinfer.models.registry import fuse_qkv
 from jinfer.outputs import EngineOutput
-from jinfer.parallel import make_mesh
+from jinfer.parallel import check_parallel, make_mesh, shard_attention_weights
 from jinfer.sampling_params import SamplingParams
 from jinfer.tokenizer import IncrementalDetokenizer, Tokenizer
 from jinfer.weights.loader import DTYPES, load_weights, resolve_model
@@ -61,6 +60,7 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     enable_chunked_prefill: bool = True
     tensor_parallel_size: int = 1
+    enable_expert_parallel: bool = False  # MoE: whole experts split over the devices (else their columns)
     seed: int = 0
     attention_backend: str = "auto"  # "auto" (Pallas on GPU, jnp elsewhere) | "reference" | "pallas"
     warmup: bool = True  # compile every bucket at start-up
@@ -147,10 +147,12 @@ class EngineCore:
                 log.warning("%s has no tokenizer.json: prompts must be token ids, outputs carry no text", source.path)
         self.dtype = config.dtype if config.dtype != "auto" else (
             "float32" if jax.default_backend() == "cpu" else "bfloat16")
+        check_parallel(self.model_config, config.tensor_parallel_size, config.enable_expert_parallel)
         mesh = make_mesh(config.tensor_parallel_size)
-        weights = load_weights(source, self.dtype, mesh, seed=config.seed)
-        if mesh.size == 1:
-            weights = fuse_qkv(self.model_config, weights)
+        weights = load_weights(source, self.dtype, mesh, seed=config.seed,
+                               expert_parallel=config.enable_expert_parallel)
+        weights = shard_attention_weights(self.model_config, weights, mesh,
+                                          expert_parallel=config.enable_expert_parallel)
         num_pages = config.num_pages or self._auto_num_pages()
         max_len = min(config.max_model_len or self.model_config.max_position_embeddings,
                       (num_pages - 1) * config.page_size)
@@ -183,11 +185,12 @@ class EngineCore:
 
     def _auto_num_pages(self) -> int:
         cfg = self.config
-        per_page = kv_cache_bytes_per_page(self.model_config, cfg.page_size, DTYPES[self.dtype])
+        per_page = kv_cache_bytes_per_page(self.model_config, cfg.page_size, DTYPES[self.dtype],
+                                           cfg.tensor_parallel_size)  # on each device
         stats = jax.devices()[0].memory_stats() or {}
         if "bytes_limit" in stats:
             free = stats["bytes_limit"] * cfg.gpu_memory_utilization - stats.get("bytes_in_use", 0)
-            budget = int(free) * cfg.tensor_parallel_size
+            budget = int(free)
         else:
             budget = CPU_KV_CACHE_BYTES
         # never more than max_num_seqs full-length sequences would need

@@ -43,7 +43,7 @@ from jinfer.models.batch import Batch
 from jinfer.models.llama import Weights
 from jinfer.models.ops import REFERENCE_OPS, ModelOps
 from jinfer.models.registry import forward
-from jinfer.parallel import logical_sharding
+from jinfer.parallel import KV_AXES, array_specs, kv_heads_total, logical_sharding, mesh_forward
 
 log = logging.getLogger(__name__)
 
@@ -56,7 +56,6 @@ MIN_PAGES = 4
 # the TTFT path), and large steps hide their launches behind device time anyway.
 COMMAND_BUFFER_MAX_TOKENS = 32
 NO_COMMAND_BUFFER = {"xla_gpu_enable_command_buffer": ""}
-KV_AXES = ("pages", "page_slot", "kv_heads", "head_dim")
 
 
 def _trim_host_heap() -> None:
@@ -86,12 +85,14 @@ def pick(buckets: Sequence[int], n: int) -> int:
     raise ValueError(f"{n} exceeds the largest bucket {buckets[-1]}")
 
 
-def kv_cache_bytes_per_page(cfg: ModelConfig, page_size: int, dtype) -> int:
-    return 2 * cfg.num_layers * page_size * cfg.num_kv_heads * cfg.head_dim * jnp.dtype(dtype).itemsize
+def kv_cache_bytes_per_page(cfg: ModelConfig, page_size: int, dtype, tp: int = 1) -> int:
+    """Bytes one page takes on each device of a `tp`-way mesh (its share of the kv heads)."""
+    heads = kv_heads_total(cfg, tp) // tp
+    return 2 * cfg.num_layers * page_size * heads * cfg.head_dim * jnp.dtype(dtype).itemsize
 
 
 def init_kv_cache(cfg: ModelConfig, num_pages: int, page_size: int, dtype, mesh: Mesh):
-    shape = (num_pages, page_size, cfg.num_kv_heads, cfg.head_dim)
+    shape = (num_pages, page_size, kv_heads_total(cfg, mesh.size), cfg.head_dim)
     sharding = logical_sharding(mesh, KV_AXES, shape)
     zeros = jax.jit(lambda: jnp.zeros(shape, dtype), out_shardings=sharding)
     return tuple((zeros(), zeros()) for _ in range(cfg.num_layers))
@@ -179,11 +180,14 @@ def unpack_sampling(buf: jax.Array, dims: tuple[int, int, int]) -> SamplingTenso
     return SamplingTensors(**out)
 
 
-def _forward_step(weights, buf, kv_cache, prev_tokens, *, dims, cfg, ops):
+def _forward_step(weights, buf, kv_cache, prev_tokens, *, dims, cfg, ops, mesh, specs):
+    """Unpack the batch and run the model's forward on the mesh (`parallel.mesh_forward`; `specs`: the
+    weights' and the cache's PartitionSpecs). Only values with a stable repr are bound here: they key
+    the executable cache."""
     batch, prev = unpack_batch(buf, dims)
     # Decodes of tokens sampled by the previous step read them from its on-device buffer.
     batch.input_ids = jnp.where(prev >= 0, prev_tokens[jnp.maximum(prev, 0)], batch.input_ids)
-    return forward(weights, batch, kv_cache, cfg, ops)
+    return mesh_forward(forward, cfg, ops, mesh, *specs)(weights, batch, kv_cache)
 
 
 def _sample_step(logits, buf, *, dims, num_logprobs, flags, max_seqs):
@@ -226,8 +230,10 @@ class ModelRunner:
         # took the Python path once more (~30 ms, measured as a slow first prefill after warm-up).
         self._replicated = NamedSharding(mesh, PartitionSpec())
         kv_shardings = jax.tree.map(lambda a: a.sharding, self.kv_cache)
+        specs = (array_specs(weights), array_specs(self.kv_cache))
         forward_jit = lambda ops, **kw: jax.jit(  # noqa: E731
-            partial(_forward_step, cfg=cfg, ops=ops), static_argnames=("dims",), donate_argnames=("kv_cache",),
+            partial(_forward_step, cfg=cfg, ops=ops, mesh=mesh, specs=specs), static_argnames=("dims",),
+            donate_argnames=("kv_cache",),
             out_shardings=(self._replicated, kv_shardings), **kw)
         # Indexed by "decode step": small steps run with command buffers (XLA's default), large without.
         self._forward = {d: (forward_jit(o), forward_jit(o, compiler_options=NO_COMMAND_BUFFER))

@@ -39,23 +39,32 @@ def swiglu_mlp(x: jax.Array, w_gate: jax.Array, w_up: jax.Array, w_down: jax.Arr
 
 
 def moe_mlp(x: jax.Array, logits: jax.Array, w_gate: jax.Array, w_up: jax.Array, w_down: jax.Array, top_k: int,
-            renormalize: bool) -> jax.Array:
+            renormalize: bool, first: jax.Array | None = None) -> jax.Array:
     """Mixture of SwiGLU experts in plain jnp (XLA): HF's routing, the (token, slot) pairs sorted by
     expert, two `lax.ragged_dot`s, then each token's k outputs weighted and summed.
 
-    x: [T, hidden]; logits: [T, E] router logits; w_gate/w_up: [E, hidden, I]; w_down: [E, I, hidden].
+    x: [T, hidden]; logits: [T, E] router logits; w_gate/w_up: [E', hidden, I]; w_down: [E', I, hidden].
+    `first` (expert parallelism): the weights are experts [first, first + E') of the E; only the pairs
+    routed to them are computed (the others sort last, outside every group) and summed.
     """
     tokens, hidden = x.shape
+    count = w_gate.shape[0]
     weights, ids = topk_routing(logits, top_k, renormalize)  # [T, k] each
     flat = ids.reshape(-1)
+    if first is not None:
+        flat = flat - first
+        mine = (flat >= 0) & (flat < count)
+        flat = jnp.where(mine, flat, count)  # other devices' pairs: past the last group
     order = jnp.argsort(flat, stable=True)  # pairs grouped by expert
-    sizes = jnp.bincount(flat, length=w_gate.shape[0]).astype(jnp.int32)
+    sizes = jnp.bincount(flat, length=count).astype(jnp.int32)
     xs = x[order // top_k]  # [T*k, hidden]
     g = jax.lax.ragged_dot(xs, w_gate, sizes, preferred_element_type=jnp.float32)
     u = jax.lax.ragged_dot(xs, w_up, sizes, preferred_element_type=jnp.float32)
     h = (jax.nn.silu(g) * u).astype(x.dtype)
     y = jax.lax.ragged_dot(h, w_down, sizes, preferred_element_type=jnp.float32)  # [T*k, hidden]
     y = y * weights.reshape(-1)[order][:, None]
+    if first is not None:  # rows past the groups are not defined by ragged_dot
+        y = jnp.where(mine[order][:, None], y, 0.0)
     out = jnp.zeros((tokens * top_k, hidden), jnp.float32).at[order].set(y)
     return out.reshape(tokens, top_k, hidden).sum(axis=1).astype(x.dtype)
 

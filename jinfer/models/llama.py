@@ -187,8 +187,11 @@ def decoder_forward(weights: Weights, batch: Batch, kv_cache: tuple[tuple[jax.Ar
 
     Layers are unrolled in Python (one executable, no scan): measured faster than `lax.scan` over
     stacked weights for decode on the H100.
+
+    Under `jax.shard_map` (jinfer/parallel.py) this runs on each device's shards: `cfg` then holds the
+    device's q / kv head counts (`parallel.local_config`) and `ops` the collectives.
     """
-    x = weights.embed[batch.input_ids]  # [T, hidden]
+    x = ops.embed(weights.embed, batch.input_ids, cfg.vocab_size)  # [T, hidden]
     cos, sin = rope_cos_sin(batch.positions, cfg, x.dtype)
     new_cache = []
     for i, (layer, kv) in enumerate(zip(weights.layers, kv_cache, strict=True)):
@@ -197,5 +200,4 @@ def decoder_forward(weights: Weights, batch: Batch, kv_cache: tuple[tuple[jax.Ar
         new_cache.append(kv)
     x = rms_norm(x[batch.logits_indices], weights.final_norm, cfg.rms_norm_eps)  # [N, hidden]
     head = weights.embed.T if weights.lm_head is None else weights.lm_head
-    logits = jnp.dot(x, head, preferred_element_type=jnp.float32)
-    return logits, tuple(new_cache)
+    return ops.lm_head(x, head, cfg.vocab_size), tuple(new_cache)

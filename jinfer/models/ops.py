@@ -70,6 +70,9 @@ class ModelOps:
     # Set by the runner on the executables of decode-only steps: sequence b's one new token is row b
     # (T == B; padding sequences have seq_len 0), so attention is the paged decode kernel.
     decode_step: bool = False
+    # The mesh axis this forward is sharded over (inside `jax.shard_map`, see jinfer/parallel.py): the
+    # ops then hold their device's shards and reduce partial sums across it. None: one device.
+    axis: str | None = None
 
     def __post_init__(self):
         if self.backend not in ("reference", "pallas"):
@@ -127,9 +130,30 @@ class ModelOps:
         h = rms_norm(x, norm, eps)
         return tuple(h @ w for w in weights)
 
+    def reduce(self, partial: jax.Array) -> jax.Array:
+        """The sum of the devices' partial results of a row-parallel matmul (identity on one device)."""
+        return partial if self.axis is None else jax.lax.psum(partial, self.axis)
+
+    def embed(self, table: jax.Array, ids: jax.Array, vocab_size: int) -> jax.Array:
+        """table[ids]; a vocab-parallel table (this device's rows of `vocab_size`) looks up the ids in its
+        range, zeros elsewhere, and the psum assembles the rows."""
+        if table.shape[0] == vocab_size:
+            return table[ids]
+        rows = table.shape[0]
+        local = ids - jax.lax.axis_index(self.axis) * rows
+        hit = (local >= 0) & (local < rows)
+        return self.reduce(jnp.where(hit[:, None], table[jnp.clip(local, 0, rows - 1)], 0))
+
+    def lm_head(self, x: jax.Array, head: jax.Array, vocab_size: int) -> jax.Array:
+        """x @ head in float32 -> [N, vocab]; a vocab-parallel head's columns are gathered."""
+        logits = jnp.dot(x, head, preferred_element_type=jnp.float32)
+        if head.shape[1] == vocab_size:
+            return logits
+        return jax.lax.all_gather(logits, self.axis, axis=1, tiled=True)
+
     def out_proj(self, attn: jax.Array, wo: jax.Array, residual: jax.Array) -> jax.Array:
         """residual + attn @ wo."""
-        return residual + attn @ wo
+        return residual + self.reduce(attn @ wo)
 
     def mlp_block(self, x: jax.Array, norm: jax.Array, w_gate: jax.Array, w_up: jax.Array, w_down: jax.Array,
                   eps: float) -> jax.Array:
@@ -138,44 +162,59 @@ class ModelOps:
                 and w_gate.shape[1] % 16 == 0:
             from pallas_kernels.fused_mlp import fused_swiglu_mlp
 
-            return x + fused_swiglu_mlp(x, w_gate, w_up, w_down, norm, eps=eps, interpret=self.interpret)
-        return x + swiglu_mlp(rms_norm(x, norm, eps), w_gate, w_up, w_down)
+            return x + self.reduce(fused_swiglu_mlp(x, w_gate, w_up, w_down, norm, eps=eps,
+                                                    interpret=self.interpret))
+        return x + self.reduce(swiglu_mlp(rms_norm(x, norm, eps), w_gate, w_up, w_down))
 
     def moe_block(self, x: jax.Array, norm: jax.Array, router: jax.Array, w_gate: jax.Array, w_up: jax.Array,
                   w_down: jax.Array, *, top_k: int, renormalize: bool, eps: float) -> jax.Array:
-        """x + moe(rms_norm(x)); x: [T, hidden]; router: [hidden, E]; experts stacked [E, ...]."""
+        """x + moe(rms_norm(x)); x: [T, hidden]; router: [hidden, E]; experts stacked [E, ...].
+
+        Sharded (`axis`), the experts here are this device's: their intermediate columns (tensor
+        parallel) or, when there are fewer of them than the router's E, experts [e0, e0 + E_local)
+        (expert parallel). Every device routes every token; the psum adds the partial outputs.
+        """
         h = rms_norm(x, norm, eps)
         # router logits rounded to the activation dtype, as HF's F.linear (and vLLM) produce them
         logits = jnp.dot(h, router, preferred_element_type=jnp.float32).astype(h.dtype)  # [T, E]
         num_experts, hidden, inter = w_gate.shape
+        first = None  # expert parallel: the id of this device's first expert
+        if num_experts != logits.shape[1]:
+            first = jax.lax.axis_index(self.axis) * num_experts
         if self.backend == "reference" or hidden % 16 or inter % 16:
-            return x + moe_mlp(h, logits, w_gate, w_up, w_down, top_k, renormalize)
+            return x + self.reduce(moe_mlp(h, logits, w_gate, w_up, w_down, top_k, renormalize, first))
         from pallas_kernels.moe_gemm import moe_combine, moe_down, moe_gate_up
-        from pallas_kernels.moe_routing import moe_route
+        from pallas_kernels.moe_routing import local_experts, moe_route
 
-        if self.mosaic_prefill and x.shape[0] * top_k >= MOSAIC_MOE_MIN_ROWS_PER_EXPERT * num_experts:
-            out = self._moe_mgpu(h, logits, w_gate, w_up, w_down, top_k, renormalize)
+        if self.mosaic_prefill and x.shape[0] * top_k >= MOSAIC_MOE_MIN_ROWS_PER_EXPERT * logits.shape[1]:
+            out = self._moe_mgpu(h, logits, w_gate, w_up, w_down, top_k, renormalize, first)
             if out is not None:
-                return x + out
-        block_m = moe_block_m(x.shape[0] * top_k, num_experts)
+                return x + self.reduce(out)
+        block_m = moe_block_m(x.shape[0] * top_k, logits.shape[1])
         routing = moe_route(logits, top_k=top_k, renormalize=renormalize, block_m=block_m,
                             interpret=self.interpret)
+        mine = None
+        if first is not None:
+            routing, mine = local_experts(routing, first, num_experts)
         act = moe_gate_up(h, routing, w_gate, w_up, interpret=self.interpret)
         y = moe_down(act, routing, w_down, interpret=self.interpret)
-        return x + moe_combine(y, top_k, x.dtype)
+        return x + self.reduce(moe_combine(y, top_k, x.dtype, mine))
 
-    def _moe_mgpu(self, h, logits, w_gate, w_up, w_down, top_k, renormalize):
+    def _moe_mgpu(self, h, logits, w_gate, w_up, w_down, top_k, renormalize, first):
         """The experts on the Mosaic GPU grouped GEMM (`moe_experts_mgpu`); None where the kernel does not
         take the shapes."""
         from pallas_kernels.moe_gemm_mgpu import check_supported, moe_experts_mgpu
-        from pallas_kernels.moe_routing import moe_route
+        from pallas_kernels.moe_routing import local_experts, moe_route
 
         bm = MOSAIC_MOE_BLOCK_M
         if check_supported(jax.ShapeDtypeStruct((bm, h.shape[1]), h.dtype), w_gate, w_up, block_m=bm) is not None \
                 or check_supported(jax.ShapeDtypeStruct((bm, w_down.shape[1]), h.dtype), w_down, block_m=bm) is not None:
             return None
         routing = moe_route(logits, top_k=top_k, renormalize=renormalize, block_m=bm, interpret=self.interpret)
-        return moe_experts_mgpu(h, routing, w_gate, w_up, w_down, interpret=self.interpret)
+        mine = None
+        if first is not None:
+            routing, mine = local_experts(routing, first, w_gate.shape[0])
+        return moe_experts_mgpu(h, routing, w_gate, w_up, w_down, mine=mine, interpret=self.interpret)
 
 
 REFERENCE_OPS = ModelOps()

@@ -89,7 +89,9 @@ def resolve_model(model: str | os.PathLike | None = None, load_format: str = "au
 
 
 def load_weights(source: ModelSource, dtype: str = "bfloat16", mesh: Mesh | None = None,
-                 seed: int = 0, progress: bool = True) -> Weights:
+                 seed: int = 0, progress: bool = True, expert_parallel: bool = False) -> Weights:
+    """The model's weights, each placed on `mesh` by its logical axes (`expert_parallel`: MoE experts
+    split whole over the mesh, see jinfer/parallel.py)."""
     if dtype not in DTYPES:
         raise ValueError(f"dtype={dtype!r} must be one of {sorted(DTYPES)}")
     t0 = time.perf_counter()
@@ -98,10 +100,11 @@ def load_weights(source: ModelSource, dtype: str = "bfloat16", mesh: Mesh | None
     specs = weight_specs(cfg)
     if source.kind == "dummy":
         from jinfer.weights.dummy import dummy_weights
-        shardings = {name: logical_sharding(mesh, spec.axes, spec.shape) for name, spec in specs.items()}
+        shardings = {name: logical_sharding(mesh, spec.axes, spec.shape, expert_parallel)
+                     for name, spec in specs.items()}
         arrays = dummy_weights(specs, jdtype, shardings, seed)
     else:
-        arrays = _load_checkpoint(source, specs, jdtype, mesh, progress)
+        arrays = _load_checkpoint(source, specs, jdtype, mesh, progress, expert_parallel)
     jax.block_until_ready(arrays)
     log.info("weights loaded in %.1f s: %s %s, %.2f GB", time.perf_counter() - t0, source.kind, dtype,
              sum(a.nbytes for a in arrays.values()) / 1e9)
@@ -109,7 +112,7 @@ def load_weights(source: ModelSource, dtype: str = "bfloat16", mesh: Mesh | None
 
 
 def _load_checkpoint(source: ModelSource, specs: dict[str, ArrayInfo], dtype, mesh: Mesh,
-                     progress: bool) -> dict[str, jax.Array]:
+                     progress: bool, expert_parallel: bool = False) -> dict[str, jax.Array]:
     if source.kind == "gguf":
         from jinfer.weights.gguf import GGUFTensorSource
         reader = GGUFTensorSource(source.path, source.config)
@@ -119,7 +122,7 @@ def _load_checkpoint(source: ModelSource, specs: dict[str, ArrayInfo], dtype, me
     arrays = {}
     bar = tqdm(specs.items(), desc=f"loading {source.path.name}", unit="tensor", disable=not progress, leave=False)
     for name, spec in bar:
-        arrays[name] = place(reader.get(spec), spec, dtype, mesh)
+        arrays[name] = place(reader.get(spec), spec, dtype, mesh, expert_parallel)
     if source.kind == "gguf":
         # Everything is on the device now: unmap the file and drop its parsed metadata (for a 49k-token
         # vocabulary ~150 MB of host memory kept for nothing); a later read opens it again.
@@ -128,7 +131,7 @@ def _load_checkpoint(source: ModelSource, specs: dict[str, ArrayInfo], dtype, me
     return arrays
 
 
-def place(host: np.ndarray, spec: ArrayInfo, dtype, mesh: Mesh) -> jax.Array:
+def place(host: np.ndarray, spec: ArrayInfo, dtype, mesh: Mesh, expert_parallel: bool = False) -> jax.Array:
     """Check a checkpoint tensor against its spec, transpose to jinfer's layout, cast and shard it."""
     expected = spec.checkpoint_shape()
     if tuple(host.shape) != expected:
@@ -136,4 +139,4 @@ def place(host: np.ndarray, spec: ArrayInfo, dtype, mesh: Mesh) -> jax.Array:
     if spec.transpose:
         host = np.swapaxes(host, -1, -2)
     host = np.ascontiguousarray(host.astype(dtype))
-    return jax.device_put(host, logical_sharding(mesh, spec.axes, spec.shape))
+    return jax.device_put(host, logical_sharding(mesh, spec.axes, spec.shape, expert_parallel))

@@ -76,9 +76,18 @@ def test_config_read_from_hf(model):
 @pytest.mark.parametrize("i", [0, 1, 2])
 def test_prefill_and_every_decode_step_match_hf(model, i):
     cfg, w, gold, step = model
+    check_prompt_and_decodes(step, w, empty_cache(cfg), gold, i)
+
+
+def test_batched_chunked_prefill_matches_hf(model):
+    cfg, w, gold, step = model
+    check_batched_chunked_prefill(step, w, empty_cache(cfg), gold)
+
+
+def check_prompt_and_decodes(step, w, kv, gold, i):
+    """Prompt i's prefill logits, then 32 greedy decode steps: every step's logits and token as HF's."""
     prompt, greedy = gold[f"prompt_{i}"].tolist(), gold[f"greedy_{i}"].tolist()
     pages = scrambled_pages(i, (len(prompt) + len(greedy)) // PAGE + 1)
-    kv = empty_cache(cfg)
     logits, kv = step(w, make_batch([(prompt, 0, pages)], PAGE, all_logits=True), kv)
     np.testing.assert_allclose(np.asarray(logits), gold[f"prefill_logits_{i}"], atol=ATOL, rtol=1e-4)
     # decode_logits[s] are the logits that chose greedy[s] (row 0 = the prompt's last position).
@@ -94,13 +103,11 @@ def test_prefill_and_every_decode_step_match_hf(model, i):
     assert ours == greedy
 
 
-def test_batched_chunked_prefill_matches_hf(model):
+def check_batched_chunked_prefill(step, w, kv, gold):
     """All three prompts in one flattened batch, the longest split into chunks across two steps."""
-    cfg, w, gold, step = model
     prompts = [gold[f"prompt_{i}"].tolist() for i in range(3)]
     perm = scrambled_pages(7, 30)  # disjoint, non-contiguous page sets
     pages = [perm[0:8], perm[8:16], perm[16:30]]
-    kv = empty_cache(cfg)
     cut = 13
     first = make_batch([(prompts[0], 0, pages[0]), (prompts[2][:cut], 0, pages[2])], PAGE, num_tokens=32,
                        num_seqs=4, pages_per_seq=14, all_logits=True)
