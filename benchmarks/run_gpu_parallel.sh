@@ -15,14 +15,17 @@ TAG=${TAG:-h200x2}
 TP=${TP:-2}
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
 if [[ $PARTS == *tests* ]]; then
-  JAX_PLATFORMS=cuda timeout 300 python3 -m pytest -q tests/models/test_parallel_golden.py -p no:cacheprovider \
+  JAX_PLATFORMS=cuda JAX_DEFAULT_MATMUL_PRECISION=highest timeout 300 python3 -m pytest -q tests/models/test_parallel_golden.py -p no:cacheprovider \
       > "$OUT/tests_parallel_$TAG.log" 2>&1; tail -3 "$OUT/tests_parallel_$TAG.log"
 fi
-if [[ $PARTS == *step* ]]; then
+STEP_SHAPES=${STEP_SHAPES:-dense,moe}
+if [[ $PARTS == *step* && $STEP_SHAPES == *dense* ]]; then
   timeout 400 python3 -m benchmarks.bench_parallel --shape qwen3-8b --tp 1 $TP --batch-sizes 1 16 \
       ${VARIANTS:+--variants $VARIANTS} --out "$OUT/parallel_step_qwen3-8b_$TAG.json" 2>&1 | grep "^{'"
+fi
+if [[ $PARTS == *step* && $STEP_SHAPES == *moe* ]]; then
   timeout 400 python3 -m benchmarks.bench_parallel --shape qwen3-30b-a3b --tp 1 $TP --expert-parallel \
-      --batch-sizes 1 16 ${VARIANTS:+--variants $VARIANTS} --out "$OUT/parallel_step_qwen3-30b-a3b_$TAG.json" \
+      --batch-sizes 1 16 ${MOE_VARIANTS:+--variants $MOE_VARIANTS} --out "$OUT/parallel_step_qwen3-30b-a3b_$TAG.json" \
       2>&1 | grep "^{'"
 fi
 if [[ $PARTS == *latency* ]]; then
