@@ -16,7 +16,6 @@ from __future__ import annotations
 import argparse
 import time
 from dataclasses import replace
-from functools import partial
 
 import jax
 import jax.numpy as jnp

@@ -129,6 +129,11 @@ class EngineClient:
     def dead_reason(self) -> str | None:
         return self._dead
 
+    @property
+    def replicas(self) -> list[EngineClient]:
+        """The engines behind this client (one; `jinfer.replicas.ReplicaClient` has several)."""
+        return [self]
+
     def add_death_callback(self, fn: Callable[[str], None]) -> None:
         """`fn(reason)` runs on the client's I/O thread once, when the engine is found dead."""
         self._death_callbacks.append(fn)

@@ -5,13 +5,16 @@
     outs[0].outputs[0].text
 
 It drives the same EngineCore the server uses, in-process: all prompts are queued at once and the
-scheduler batches them continuously.
+scheduler batches them continuously. `data_parallel_size=N` builds N engines on disjoint devices (each
+`tensor_parallel_size` of them); the prompts are shared out by length and the engines step in their
+own threads (JAX releases the GIL while a device works).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import itertools
+import threading
 from collections.abc import Sequence
 from typing import Any
 
@@ -31,7 +34,10 @@ class LLM:
         unknown = sorted(set(engine_args) - known)
         if unknown:
             raise ValueError(f"unknown engine arguments {unknown}; known: {sorted(known - {'model'})}")
-        self.engine = EngineCore(EngineConfig(model=model, **engine_args))
+        config = EngineConfig(model=model, **engine_args)
+        self.engines = [EngineCore(dataclasses.replace(config, data_parallel_rank=i))
+                        for i in range(config.data_parallel_size)]
+        self.engine = self.engines[0]
         self._ids = itertools.count()
 
     def get_tokenizer(self) -> Tokenizer | None:
@@ -71,27 +77,63 @@ class LLM:
             if len(params) != len(prompts):
                 raise ValueError(f"got {len(params)} sampling_params for {len(prompts)} prompts")
         results: dict[str, RequestOutput] = {}
-        order = []
+        order, engine_of = [], {}
+        load = [0] * len(self.engines)  # prompt tokens x samples given to each engine
         try:
             for prompt, sp in zip(prompts, params):
                 text, ids = self._prompt_ids(prompt)
                 rid = str(next(self._ids))
-                self.engine.add_request(rid, ids, sp)
+                e = min(range(len(self.engines)), key=load.__getitem__)
+                self.engines[e].add_request(rid, ids, sp)
+                load[e] += (len(ids) + (sp.max_tokens or 16)) * sp.n
                 results[rid] = RequestOutput(rid, text, ids, [CompletionOutput(i) for i in range(sp.n)])
                 order.append(rid)
+                engine_of[rid] = e
             with tqdm(total=len(order), desc="generating", unit="req", disable=not use_tqdm or len(order) < 2,
                       leave=False) as bar:
-                while self.engine.has_unfinished_requests():
-                    for delta in self.engine.step():
-                        out = results[delta.request_id]
-                        out.add(delta)
-                        if out.finished:
-                            bar.update(1)
+                lock = threading.Lock()
+
+                def drive(engine: EngineCore) -> None:
+                    while engine.has_unfinished_requests():
+                        deltas = engine.step()
+                        with lock:
+                            for delta in deltas:
+                                out = results[delta.request_id]
+                                out.add(delta)
+                                if out.finished:
+                                    bar.update(1)
+
+                busy = [e for e in self.engines if e.has_unfinished_requests()]
+                if len(busy) <= 1:
+                    for engine in busy:
+                        drive(engine)
+                else:
+                    self._drive_threads(drive, busy)
         finally:
             for rid in order:
                 if not results[rid].finished:
-                    self.engine.abort(rid)
+                    self.engines[engine_of[rid]].abort(rid)
         return [results[rid] for rid in order]
+
+    @staticmethod
+    def _drive_threads(drive, engines: list[EngineCore]) -> None:
+        """Run `drive(engine)` for each engine in its own thread; re-raise the first failure."""
+        errors: list[BaseException] = []
+
+        def run(engine):
+            try:
+                drive(engine)
+            except BaseException as e:  # noqa: BLE001 - handed to the caller's thread
+                errors.append(e)
+
+        threads = [threading.Thread(target=run, args=(e,), name=f"jinfer-dp{i}", daemon=True)
+                   for i, e in enumerate(engines)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        if errors:
+            raise errors[0]
 
     def chat(self, messages: list[dict] | list[list[dict]],
              sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,

@@ -170,21 +170,31 @@ async def models(request: Request) -> Response:
 
 async def health(request: Request) -> Response:
     client = _state(request).client
+    replicas = client.replicas
     if client.is_alive:
-        return JSONResponse({"status": "ok"})
+        body: dict[str, Any] = {"status": "ok"}
+        if len(replicas) > 1:  # data parallel: serving while any replica is
+            body["replicas_alive"] = [i for i, c in enumerate(replicas) if c.is_alive]
+        return JSONResponse(body)
     return JSONResponse({"status": "unhealthy", "reason": client.dead_reason or "engine client closed"},
                         status_code=503)
 
 
-async def metrics(request: Request) -> Response:
-    state = _state(request)
-    stats = state.client.latest_stats
-    if state.client.is_alive:
+async def _replica_stats(replica: EngineClient) -> dict[str, float]:
+    if replica.is_alive:
         try:
-            stats = await state.client.stats_async(timeout=1.0)
+            return await replica.stats_async(timeout=1.0)
         except Exception:  # a busy or dying engine: serve the last pushed numbers
             pass
-    state.metrics.set_engine_stats(stats, state.client.is_alive)
+    return replica.latest_stats
+
+
+async def metrics(request: Request) -> Response:
+    state = _state(request)
+    replicas = state.client.replicas
+    stats = await asyncio.gather(*(_replica_stats(r) for r in replicas))
+    for i, (replica, s) in enumerate(zip(replicas, stats, strict=True)):
+        state.metrics.set_engine_stats(s, replica.is_alive, i)
     return Response(state.metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
 
 

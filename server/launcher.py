@@ -23,6 +23,7 @@ import uvicorn
 
 from jinfer.client import EngineClient, EngineDeadError
 from jinfer.engine.args import add_engine_arguments, engine_config_kwargs
+from jinfer.replicas import ReplicaClient
 
 log = logging.getLogger("jinfer.server")
 
@@ -46,6 +47,8 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
                    help="ZeroMQ address for the engine process (default: a private ipc:// socket)")
     s.add_argument("--startup-timeout", type=float, default=1800.0, help="seconds to wait for the engine")
     s.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    s.add_argument("--data-parallel-size", "-dp", type=int, default=1,
+                   help="engine replicas, each on its own tensor-parallel-size devices, behind this server")
     s.add_argument("--core-factory", default=None, help=argparse.SUPPRESS)  # tests: a fake engine core
     add_engine_arguments(parser)
 
@@ -76,11 +79,22 @@ def run_serve(args: argparse.Namespace) -> int:
     # The options go to the engine process as given; EngineConfig validates them there. This process
     # never imports JAX (jinfer.engine.core does): it would cost start-up time and host memory for nothing.
     config = engine_config_kwargs(args)
+    dp = getattr(args, "data_parallel_size", 1)
+    if dp < 1 or (dp > 1 and args.engine_address):
+        log.error("--data-parallel-size=%d must be >= 1, and > 1 only without --engine-address", dp)
+        return 2
     previous_term = signal.signal(signal.SIGTERM, _interrupt)  # SIGTERM during the long start-up
     try:
-        client = EngineClient.spawn(config, address=args.engine_address, name="server",
-                                    startup_timeout=args.startup_timeout,
-                                    core_factory=getattr(args, "core_factory", None))
+        if dp > 1:
+            client = ReplicaClient.spawn(config, dp, name="server", startup_timeout=args.startup_timeout,
+                                         core_factory=getattr(args, "core_factory", None))
+        else:
+            client = EngineClient.spawn(config, address=args.engine_address, name="server",
+                                        startup_timeout=args.startup_timeout,
+                                        core_factory=getattr(args, "core_factory", None))
+    except ValueError as e:  # devices missing for the replicas
+        log.error("%s", e)
+        return 2
     except EngineDeadError as e:
         log.error("%s", e)
         return 2 if _INVALID_CONFIG.search(str(e)) else 1
@@ -109,8 +123,8 @@ def run_serve(args: argparse.Namespace) -> int:
         client.add_death_callback(on_engine_death)
         if not client.is_alive:
             on_engine_death(client.dead_reason or "unknown")
-        log.info("serving %s on http://%s:%d (engine pid %d at %s)", client.info.model_name, args.host, args.port,
-                 client.info.pid, client.address)
+        log.info("serving %s on http://%s:%d (engine pid %s at %s)", client.info.model_name, args.host, args.port,
+                 ", ".join(str(c.info.pid) for c in client.replicas), client.address)
         server.run()
     except SystemExit as e:  # uvicorn exits this way when it cannot bind
         return e.code if isinstance(e.code, int) else 1

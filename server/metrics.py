@@ -28,24 +28,27 @@ class Metrics:
         self.e2e = Histogram("jinfer_e2e_request_latency_seconds", "Request arrival to last token",
                              buckets=_E2E_BUCKETS, registry=r)
         self.in_flight = Gauge("jinfer_server_requests_in_flight", "Sequences the server waits on", registry=r)
-        self.running = Gauge("jinfer_num_requests_running", "Sequences running in the engine", registry=r)
-        self.waiting = Gauge("jinfer_num_requests_waiting", "Sequences waiting in the engine", registry=r)
-        self.kv_usage = Gauge("jinfer_kv_cache_usage_ratio", "Fraction of KV pages in use (0..1)", registry=r)
-        self.free_pages = Gauge("jinfer_kv_cache_free_pages", "Free KV pages", registry=r)
+        # engine gauges per data-parallel replica ("0" with one engine)
+        per = dict(labelnames=["replica"], registry=r)
+        self.running = Gauge("jinfer_num_requests_running", "Sequences running in the engine", **per)
+        self.waiting = Gauge("jinfer_num_requests_waiting", "Sequences waiting in the engine", **per)
+        self.kv_usage = Gauge("jinfer_kv_cache_usage_ratio", "Fraction of KV pages in use (0..1)", **per)
+        self.free_pages = Gauge("jinfer_kv_cache_free_pages", "Free KV pages", **per)
         self.prefix_hit_rate = Gauge("jinfer_prefix_cache_hit_rate", "Prefix-cache hit rate over prompt tokens",
-                                     registry=r)
-        self.engine_alive = Gauge("jinfer_engine_alive", "1 while the engine process serves", registry=r)
+                                     **per)
+        self.engine_alive = Gauge("jinfer_engine_alive", "1 while the engine process serves", **per)
         self.late_compiles = Gauge("jinfer_compiles_after_warmup", "Shapes the engine compiled after its warm-up "
-                                   "(each stalled a step)", registry=r)
+                                   "(each stalled a step)", **per)
 
-    def set_engine_stats(self, stats: dict[str, float], alive: bool) -> None:
-        self.engine_alive.set(1 if alive else 0)
+    def set_engine_stats(self, stats: dict[str, float], alive: bool, replica: int = 0) -> None:
+        label = str(replica)
+        self.engine_alive.labels(label).set(1 if alive else 0)
         for gauge, key in ((self.running, "num_running"), (self.waiting, "num_waiting"),
                            (self.kv_usage, "kv_usage"), (self.free_pages, "num_free_pages"),
                            (self.prefix_hit_rate, "prefix_cache_hit_rate"),
                            (self.late_compiles, "compiles_after_warmup")):
             if key in stats:
-                gauge.set(stats[key])
+                gauge.labels(label).set(stats[key])
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

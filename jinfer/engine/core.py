@@ -61,6 +61,10 @@ class EngineConfig:
     enable_chunked_prefill: bool = True
     tensor_parallel_size: int = 1
     enable_expert_parallel: bool = False  # MoE: whole experts split over the devices (else their columns)
+    # Offline data parallelism (`LLM(data_parallel_size=N)`): this engine is replica `data_parallel_rank`,
+    # on devices [rank * tp, (rank + 1) * tp). (The server runs each replica in its own process instead.)
+    data_parallel_size: int = 1
+    data_parallel_rank: int = 0
     seed: int = 0
     attention_backend: str = "auto"  # "auto" (Pallas on GPU, jnp elsewhere) | "reference" | "pallas"
     warmup: bool = True  # compile every bucket at start-up
@@ -71,10 +75,14 @@ class EngineConfig:
     def __post_init__(self):
         if self.dtype != "auto" and self.dtype not in DTYPES:
             raise ValueError(f"dtype={self.dtype!r} must be 'auto' or one of {sorted(DTYPES)}")
-        for name in ("max_num_seqs", "max_num_batched_tokens", "page_size", "tensor_parallel_size"):
+        for name in ("max_num_seqs", "max_num_batched_tokens", "page_size", "tensor_parallel_size",
+                     "data_parallel_size"):
             v = getattr(self, name)
             if not isinstance(v, int) or isinstance(v, bool) or v < 1:
                 raise ValueError(f"{name}={v!r} must be an integer >= 1")
+        if not isinstance(self.data_parallel_rank, int) or not 0 <= self.data_parallel_rank < self.data_parallel_size:
+            raise ValueError(f"data_parallel_rank={self.data_parallel_rank!r} must be in "
+                             f"[0, data_parallel_size={self.data_parallel_size})")
         if self.page_size & (self.page_size - 1):
             raise ValueError(f"page_size={self.page_size} must be a power of two")
         for name in ("max_model_len", "num_pages"):
@@ -148,12 +156,16 @@ class EngineCore:
         self.dtype = config.dtype if config.dtype != "auto" else (
             "float32" if jax.default_backend() == "cpu" else "bfloat16")
         check_parallel(self.model_config, config.tensor_parallel_size, config.enable_expert_parallel)
-        mesh = make_mesh(config.tensor_parallel_size)
+        tp, rank = config.tensor_parallel_size, config.data_parallel_rank
+        if config.data_parallel_size * tp > len(jax.devices()):
+            raise ValueError(f"data_parallel_size={config.data_parallel_size} x tensor_parallel_size={tp} needs "
+                             f"{config.data_parallel_size * tp} devices; {len(jax.devices())} are available")
+        mesh = make_mesh(tp, jax.devices()[rank * tp:(rank + 1) * tp])
         weights = load_weights(source, self.dtype, mesh, seed=config.seed,
                                expert_parallel=config.enable_expert_parallel)
         weights = shard_attention_weights(self.model_config, weights, mesh,
                                           expert_parallel=config.enable_expert_parallel)
-        num_pages = config.num_pages or self._auto_num_pages()
+        num_pages = config.num_pages or self._auto_num_pages(mesh.devices.flat[0])
         max_len = min(config.max_model_len or self.model_config.max_position_embeddings,
                       (num_pages - 1) * config.page_size)
         self.max_model_len = max_len
@@ -183,11 +195,11 @@ class EngineCore:
         log.info("engine ready in %.1f s: %s, %d KV pages of %d tokens, max_model_len %d", self.startup_seconds,
                  self.model_name, num_pages, config.page_size, max_len)
 
-    def _auto_num_pages(self) -> int:
+    def _auto_num_pages(self, device) -> int:
         cfg = self.config
         per_page = kv_cache_bytes_per_page(self.model_config, cfg.page_size, DTYPES[self.dtype],
                                            cfg.tensor_parallel_size)  # on each device
-        stats = jax.devices()[0].memory_stats() or {}
+        stats = device.memory_stats() or {}
         if "bytes_limit" in stats:
             free = stats["bytes_limit"] * cfg.gpu_memory_utilization - stats.get("bytes_in_use", 0)
             budget = int(free)

@@ -319,14 +319,16 @@ def _refuse_waiting_clients(sock: zmq.Socket, reason: str) -> None:
                 pass
 
 
-def start_engine_process(config: Any, address: str, *, core_factory: str | None = None) -> subprocess.Popen:
+def start_engine_process(config: Any, address: str, *, core_factory: str | None = None,
+                         env: dict[str, str] | None = None) -> subprocess.Popen:
     """Start the engine in a fresh interpreter (its own session: a terminal's Ctrl-C goes to the parent,
-    which shuts the engine down in order; the engine exits by itself if the parent dies)."""
+    which shuts the engine down in order; the engine exits by itself if the parent dies). `env`: variables
+    set for it on top of ours (a data-parallel replica's CUDA_VISIBLE_DEVICES)."""
     cmd = [sys.executable, "-m", "jinfer.engine.core_proc", "--address", address,
            "--config", json.dumps(config_to_dict(config)), "--parent-pid", str(os.getpid())]
     if core_factory:
         cmd += ["--core-factory", core_factory]
-    env = dict(os.environ)
+    env = dict(os.environ) | (env or {})
     root = str(Path(__file__).resolve().parents[2])  # so that `-m jinfer...` works from any cwd
     env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH")) if p)
     return subprocess.Popen(cmd, env=env, start_new_session=True)

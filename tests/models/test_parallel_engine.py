@@ -86,3 +86,18 @@ def test_cli_flags():
     kw = engine_config_kwargs(ap.parse_args(["--tensor-parallel-size", "2", "--enable-expert-parallel"]))
     assert kw["tensor_parallel_size"] == 2 and kw["enable_expert_parallel"] is True
     assert engine_config_kwargs(ap.parse_args(["-tp", "4"]))["tensor_parallel_size"] == 4
+
+
+def test_offline_data_parallel_replicas_on_disjoint_devices():
+    """LLM(data_parallel_size=2, tensor_parallel_size=2): two engines on devices {0,1} and {2,3}, the prompts
+    shared out, HF's greedy ids for every prompt."""
+    prompts, greedy = gold("qwen3_moe")
+    llm = LLM(str(DATA / "tiny-qwen3_moe"), **BASE, tensor_parallel_size=2, data_parallel_size=2,
+              enable_expert_parallel=True, warmup=False, compilation_cache_dir="")
+    meshes = [sorted(d.id for d in e.runner.mesh.devices.flat) for e in llm.engines]
+    assert meshes == [[0, 1], [2, 3]]
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts * 2], GREEDY, use_tqdm=False)
+    assert [list(o.outputs[0].token_ids) for o in outs] == greedy * 2
+    assert all(e.num_generation_tokens_total > 0 for e in llm.engines)  # both replicas worked
+    with pytest.raises(ValueError, match="data_parallel_size=5"):
+        LLM(str(DATA / "tiny-qwen3"), **BASE, tensor_parallel_size=2, data_parallel_size=5, warmup=False)
