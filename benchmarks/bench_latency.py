@@ -59,12 +59,16 @@ def main():
     ap.add_argument("--no-executable-cache", action="store_true")
     ap.add_argument("--tensor-parallel-size", "-tp", type=int, default=1)
     ap.add_argument("--enable-expert-parallel", action="store_true")
+    ap.add_argument("--nnodes", type=int, default=1, help="processes the mesh spans (jinfer/distributed.py)")
+    ap.add_argument("--node-rank", type=int, default=0, help="> 0: follow process 0's steps, measure nothing")
+    ap.add_argument("--master-port", type=int, default=29500)
     add_profile_argument(ap)
     ap.add_argument("--out")
     args = ap.parse_args()
 
     model = args.shape if "/" in args.shape else f"dummy:{args.shape}"
-    torch_copy = measure_torch_copy()  # before the engine's JAX holds the GPU's memory
+    follower = args.node_rank > 0
+    torch_copy = None if follower else measure_torch_copy()  # before the engine's JAX holds the GPU's memory
     t0 = time.perf_counter()
     core = EngineCore(EngineConfig(model=model, dtype=args.dtype, max_model_len=args.input_len + args.output_len,
                                    max_num_seqs=max(args.batch_sizes),
@@ -73,7 +77,10 @@ def main():
                                    async_scheduling=not args.no_async_scheduling,
                                    executable_cache=not args.no_executable_cache,
                                    tensor_parallel_size=args.tensor_parallel_size,
-                                   enable_expert_parallel=args.enable_expert_parallel))
+                                   enable_expert_parallel=args.enable_expert_parallel,
+                                   nnodes=args.nnodes, node_rank=args.node_rank, master_port=args.master_port))
+    if follower:
+        raise SystemExit(core.group.serve(core.runner))
     startup_s = time.perf_counter() - t0
     cfg = core.model_config
     copy = measure_copy_bandwidth(torch_copy)  # the device's copy rate (torch's copy where available), same run
@@ -102,6 +109,7 @@ def main():
               f"(roofline {floor:.2f} ms, {row['tpot_ms'] / floor:.2f}x)")
     result = {"benchmark": "latency", **environment(), "shape": args.shape, "dtype": args.dtype,
               "tensor_parallel_size": args.tensor_parallel_size, "expert_parallel": args.enable_expert_parallel,
+              "processes": args.nnodes,
               "num_pages": core.kv.num_usable_pages,
               "input_len": args.input_len, "output_len": args.output_len,
               "attention_backend": core.runner.ops.backend, "mosaic_prefill": core.runner.ops.mosaic_prefill,
@@ -111,6 +119,7 @@ def main():
               "measured_bandwidth_Bps": bandwidth, "copy_bandwidth": copy, "measured_matmul_flops": matmul,
               "rows": rows}
     write_result(result, args.out)
+    core.close()  # a multi-process group: the followers stop
 
 
 if __name__ == "__main__":

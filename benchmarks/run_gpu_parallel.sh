@@ -6,11 +6,14 @@
 #               Qwen3-8B (tensor parallel) and Qwen3-30B-A3B (expert parallel); the psum alone
 #   latency     engine TTFT / TPOT, Qwen3-8B tp 1 vs $TP and Qwen3-30B-A3B one GPU vs ep $TP, batch $BATCHES
 #   throughput  offline 512 prompts x 1k in / 128 out, the same pairs
+#   profile     a Perfetto trace of the Qwen3-8B decode step at tp 1 and $TP (batch 1), summarized per device
+#   multiprocess Qwen3-8B TPOT with one process per GPU ($TP processes, jax.distributed) vs one process
+#   dp          serving at saturation, Qwen3-4B: one replica vs $TP replicas (--data-parallel-size) behind one server
 # JSON lands in $OUT; $TAG names the machine in the file names (default h200x2).
 set -uo pipefail
 source benchmarks/gpu_env.sh
 export NCCL_NVLS_ENABLE=0  # NVLink multicast stays off on the shared machine
-PARTS=${PARTS:-tests,step,latency,throughput}
+PARTS=${PARTS:-tests,step,latency,throughput,profile,multiprocess,dp}
 TAG=${TAG:-h200x2}
 TP=${TP:-2}
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
@@ -28,25 +31,72 @@ if [[ $PARTS == *step* && $STEP_SHAPES == *moe* ]]; then
       --batch-sizes 1 16 ${MOE_VARIANTS:+--variants $MOE_VARIANTS} --out "$OUT/parallel_step_qwen3-30b-a3b_$TAG.json" \
       2>&1 | grep "^{'"
 fi
-if [[ $PARTS == *latency* ]]; then
+SHAPES=${SHAPES:-dense,moe}  # for latency and throughput
+if [[ $PARTS == *latency* && $SHAPES == *dense* ]]; then
   for tp in 1 $TP; do
     timeout 300 python3 -m benchmarks.bench_latency --shape qwen3-8b --batch-sizes ${BATCHES:-1 16} -tp $tp \
         --input-len 1024 --output-len 128 --out "$OUT/latency_qwen3-8b_tp${tp}_$TAG.json" | grep "^batch"
   done
+fi
+if [[ $PARTS == *latency* && $SHAPES == *moe* ]]; then
   for ep in 1 $TP; do
     timeout 400 python3 -m benchmarks.bench_latency --shape qwen3-30b-a3b --batch-sizes ${BATCHES:-1 16} -tp $ep \
         $([ $ep -gt 1 ] && echo --enable-expert-parallel) --input-len 1024 --output-len 128 \
         --out "$OUT/latency_qwen3-30b-a3b_ep${ep}_$TAG.json" | grep "^batch"
   done
 fi
-if [[ $PARTS == *throughput* ]]; then
+if [[ $PARTS == *throughput* && $SHAPES == *dense* ]]; then
   for tp in 1 $TP; do
     timeout 400 python3 -m benchmarks.bench_throughput --model dummy:qwen3-8b --num-prompts 512 --input-len 1024 \
         --output-len 128 --warmup -tp $tp --out "$OUT/throughput_qwen3-8b_tp${tp}_${TAG}_512x1k.json" | grep "^throughput"
   done
+fi
+if [[ $PARTS == *throughput* && $SHAPES == *moe* ]]; then
   for ep in 1 $TP; do
     timeout 500 python3 -m benchmarks.bench_throughput --model dummy:qwen3-30b-a3b --num-prompts 512 --input-len 1024 \
         --output-len 128 --warmup -tp $ep $([ $ep -gt 1 ] && echo --enable-expert-parallel) \
         --out "$OUT/throughput_qwen3-30b-a3b_ep${ep}_${TAG}_512x1k.json" | grep "^throughput"
+  done
+fi
+if [[ $PARTS == *profile* ]]; then
+  timeout 300 python3 -m benchmarks.bench_parallel --shape qwen3-8b --tp 1 $TP --batch-sizes 1 --variants default \
+      --profile "$OUT/profile_parallel" --out "$OUT/parallel_profile_qwen3-8b_$TAG.json" 2>&1 | grep "^{'"
+  for d in "$OUT"/profile_parallel/*/; do
+    echo "== $d"; python3 -m benchmarks.trace_summary "$(find "$d" -name '*.trace.json.gz' | head -1)" --steps 30 --top 25
+  done
+fi
+if [[ $PARTS == *multiprocess* ]]; then
+  PORT=29555
+  for r in $(seq 1 $((TP - 1))); do
+    CUDA_VISIBLE_DEVICES=$r timeout 300 python3 -m benchmarks.bench_latency --shape qwen3-8b --batch-sizes ${BATCHES:-1 16} \
+        -tp $TP --nnodes $TP --node-rank $r --master-port $PORT --input-len 1024 --output-len 128 \
+        > "$OUT/multiprocess_rank$r.log" 2>&1 &
+  done
+  CUDA_VISIBLE_DEVICES=0 timeout 300 python3 -m benchmarks.bench_latency --shape qwen3-8b --batch-sizes ${BATCHES:-1 16} \
+      -tp $TP --nnodes $TP --node-rank 0 --master-port $PORT --input-len 1024 --output-len 128 \
+      --out "$OUT/latency_qwen3-8b_tp${TP}_${TP}proc_$TAG.json" | grep "^batch"
+  wait
+  tail -2 "$OUT"/multiprocess_rank*.log
+fi
+if [[ $PARTS == *dp* ]]; then
+  ARGS="--max-model-len 2048 --max-num-seqs 256 --max-num-batched-tokens 2048 --log-level warning"
+  for dp in $TP 1; do  # the replicas compile together first; the single replica then starts warm
+    python3 -m server.launcher dummy:qwen3-4b --port 8000 -dp $dp $ARGS > "$OUT/serve_dp$dp.log" 2>&1 &
+    SERVER=$!
+    JAX_PLATFORMS=cpu python3 - <<'PY'
+import time, httpx
+t = time.time()
+while time.time() - t < 400:
+    try:
+        if httpx.get("http://127.0.0.1:8000/health", timeout=1).status_code == 200:
+            print(f"server ready in {time.time() - t:.1f} s"); break
+    except httpx.HTTPError:
+        pass
+    time.sleep(0.2)
+PY
+    JAX_PLATFORMS=cpu timeout 300 python3 -m benchmarks.bench_serving --num-prompts 512 --input-len 1024 --output-len 128 \
+        --vocab-size 151936 --warmup 16 --device "$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1) x $dp" \
+        --out "$OUT/serving_qwen3-4b_dp${dp}_${TAG}_saturation.json" | tail -1
+    kill -TERM $SERVER; wait $SERVER
   done
 fi

@@ -32,8 +32,13 @@ def main() -> None:
     ap.add_argument("trace")
     ap.add_argument("--skip", type=int, default=2, help="engine steps to skip at the start (prefill, warm-up)")
     ap.add_argument("--top", type=int, default=20)
+    ap.add_argument("--steps", type=int, default=0,
+                    help="a trace without engine steps (bench_parallel's): per device, every kernel's time over "
+                         "this many steps")
     args = ap.parse_args()
     spans, procs, threads = load(args.trace)
+    if args.steps:
+        return per_device(spans, procs, threads, args.steps, args.top)
     steps = sorted((e for e in spans if e["name"].endswith(" step") and "core.py" in e["name"]),
                    key=lambda e: e["ts"])[args.skip:]
     if len(steps) < 2:
@@ -61,6 +66,23 @@ def main() -> None:
     print(f"\nGPU time per step by kernel (top {args.top}):")
     for name, t in total.most_common(args.top):
         print(f"  {t / n:9.1f} us  x{count[name] / n:5.1f}  {name[:90]}")
+
+
+def per_device(spans: list[dict], procs: dict, threads: dict, n: int, top: int) -> None:
+    """Each device's kernels (all streams) over `n` steps: span, busy time, and the top kernels."""
+    for pid in sorted({e["pid"] for e in spans if procs.get(e["pid"], "").startswith("/device")}):
+        evs = [e for e in spans if e["pid"] == pid and "Compute" in threads.get((e["pid"], e["tid"]), "")]
+        if not evs:
+            continue
+        lo, hi = min(e["ts"] for e in evs), max(e["ts"] + e["dur"] for e in evs)
+        count, total = collections.Counter(), collections.Counter()
+        for e in evs:
+            count[e["name"]] += 1
+            total[e["name"]] += e["dur"]
+        print(f"{procs[pid]}: {(hi - lo) / n / 1e3:.2f} ms per step first to last kernel, busy "
+              f"{sum(total.values()) / n / 1e3:.2f} ms, {len(evs) / n:.0f} kernels per step")
+        for name, t in total.most_common(top):
+            print(f"  {t / n:9.1f} us  x{count[name] / n:5.1f}  {name[:100]}")
 
 
 if __name__ == "__main__":

@@ -57,6 +57,18 @@ def make_mesh(tp: int = 1, devices: list | None = None) -> Mesh:
     return Mesh(np.asarray(devices[:tp]), (TP_AXIS,))
 
 
+def put(host, sharding):
+    """Host array(s) -> device array(s) with `sharding`. Over several processes each one puts its own copy
+    of the (identical) host data on its own devices: `jax.device_put` would first check that the copies
+    are equal with a collective that gathers the whole array from every process, on each call."""
+    if sharding is None or sharding.is_fully_addressable:
+        return jax.device_put(host, sharding)
+    if isinstance(host, tuple | list):
+        return type(host)(put(h, sharding) for h in host)
+    host = np.asarray(host)
+    return jax.make_array_from_callback(host.shape, sharding, lambda index: host[index])
+
+
 def rules(expert_parallel: bool = False) -> dict[str, str | None]:
     return EXPERT_PARALLEL_RULES if expert_parallel else LOGICAL_RULES
 

@@ -79,6 +79,8 @@ def run_serve(args: argparse.Namespace) -> int:
     # The options go to the engine process as given; EngineConfig validates them there. This process
     # never imports JAX (jinfer.engine.core does): it would cost start-up time and host memory for nothing.
     config = engine_config_kwargs(args)
+    if config.get("node_rank", 0) > 0:
+        return _run_headless(config)
     dp = getattr(args, "data_parallel_size", 1)
     if dp < 1 or (dp > 1 and args.engine_address):
         log.error("--data-parallel-size=%d must be >= 1, and > 1 only without --engine-address", dp)
@@ -134,6 +136,22 @@ def run_serve(args: argparse.Namespace) -> int:
         return 1
     log.info("shut down cleanly")
     return 0
+
+
+def _run_headless(config: dict) -> int:
+    """A process of rank > 0 of a multi-process group: no HTTP server; it follows process 0 until process 0
+    stops the group (exit 0) or a process of the group is lost (exit 3, jinfer/distributed.py)."""
+    from jinfer.distributed import run_worker
+    from jinfer.engine.core import EngineConfig
+
+    try:
+        engine_config = EngineConfig(**config)
+    except ValueError as e:
+        log.error("%s", e)
+        return 2
+    log.info("headless: process %d of %d, following process 0 at %s", engine_config.node_rank,
+             engine_config.nnodes, engine_config.master_addr)
+    return run_worker(engine_config)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -11,7 +11,7 @@ import argparse
 # CLI flag -> EngineConfig field.
 _ENGINE_OPTIONS = ("dtype", "load_format", "max_model_len", "max_num_seqs", "max_num_batched_tokens", "num_pages",
                    "page_size", "gpu_memory_utilization", "tensor_parallel_size", "seed", "attention_backend",
-                   "compilation_cache_dir")
+                   "compilation_cache_dir", "nnodes", "node_rank", "master_addr", "master_port")
 
 
 def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
@@ -30,6 +30,12 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     e.add_argument("--enable-expert-parallel", action="store_true",
                    help="MoE models: split whole experts over the tensor-parallel devices instead of each "
                         "expert's columns")
+    e.add_argument("--nnodes", type=int, default=None,
+                   help="processes (hosts) one mesh spans; each runs this command with its own --node-rank")
+    e.add_argument("--node-rank", type=int, default=None,
+                   help="this process's rank in [0, nnodes): 0 schedules (and serves); the others follow it, headless")
+    e.add_argument("--master-addr", default=None, help="host of process 0 (JAX's coordinator), default 127.0.0.1")
+    e.add_argument("--master-port", type=int, default=None, help="port of JAX's coordinator on process 0 (29500)")
     e.add_argument("--seed", type=int, default=None)
     e.add_argument("--attention-backend", default=None, choices=["auto", "reference", "pallas", "pallas-triton"],
                    help="pallas: Pallas kernels (Mosaic GPU for long prefills, Triton elsewhere); "

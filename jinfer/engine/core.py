@@ -20,6 +20,7 @@ import jax
 import numpy as np
 
 from jinfer.config import ModelConfig
+from jinfer.distributed import Leader, check_group, join
 from jinfer.engine.kv_cache_manager import KVCacheManager, cdiv
 from jinfer.engine.model_runner import Launched, ModelRunner, StepRow, kv_cache_bytes_per_page
 from jinfer.engine.request import FinishReason, Request
@@ -65,6 +66,12 @@ class EngineConfig:
     # on devices [rank * tp, (rank + 1) * tp). (The server runs each replica in its own process instead.)
     data_parallel_size: int = 1
     data_parallel_rank: int = 0
+    # Several processes (hosts), one mesh over all their devices (jinfer/distributed.py): this process is
+    # `node_rank` of `nnodes`; process 0 hosts JAX's coordinator at master_addr:master_port and schedules.
+    nnodes: int = 1
+    node_rank: int = 0
+    master_addr: str = "127.0.0.1"
+    master_port: int = 29500
     seed: int = 0
     attention_backend: str = "auto"  # "auto" (Pallas on GPU, jnp elsewhere) | "reference" | "pallas"
     warmup: bool = True  # compile every bucket at start-up
@@ -83,6 +90,10 @@ class EngineConfig:
         if not isinstance(self.data_parallel_rank, int) or not 0 <= self.data_parallel_rank < self.data_parallel_size:
             raise ValueError(f"data_parallel_rank={self.data_parallel_rank!r} must be in "
                              f"[0, data_parallel_size={self.data_parallel_size})")
+        check_group(self.nnodes, self.node_rank, self.master_port)
+        if self.nnodes > 1 and self.data_parallel_size > 1:
+            raise ValueError(f"data_parallel_size={self.data_parallel_size} with nnodes={self.nnodes}: data-parallel "
+                             "replicas of a multi-process group are not supported (run one server per group)")
         if self.page_size & (self.page_size - 1):
             raise ValueError(f"page_size={self.page_size} must be a power of two")
         for name in ("max_model_len", "num_pages"):
@@ -121,6 +132,8 @@ def _release_engines() -> None:
     the final garbage collection, its XLA objects could be freed on a daemon thread (tqdm's monitor),
     which aborted the process ("terminate called without an active exception") about half the time."""
     for core in list(_LIVE_ENGINES):
+        if isinstance(core.group, Leader):
+            core.close()
         core.runner = None
         core._inflight = None
     gc.collect()
@@ -140,6 +153,8 @@ class EngineCore:
         if not xla_bridge.backends_are_initialized():
             os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", MEM_FRACTION)
         self.config = config
+        # Several processes: join the group before anything starts JAX's backends (distributed.py).
+        self.group = join(config.nnodes, config.node_rank, config.master_addr, config.master_port)
         cache_dir = enable_compilation_cache(config.compilation_cache_dir) if config.compilation_cache_dir != "" \
             else None
         source = resolve_model(config.model, config.load_format)
@@ -157,6 +172,9 @@ class EngineCore:
             "float32" if jax.default_backend() == "cpu" else "bfloat16")
         check_parallel(self.model_config, config.tensor_parallel_size, config.enable_expert_parallel)
         tp, rank = config.tensor_parallel_size, config.data_parallel_rank
+        if self.group is not None and tp != jax.device_count():
+            raise ValueError(f"tensor_parallel_size={tp} must be the group's {jax.device_count()} devices "
+                             f"({config.nnodes} processes): one mesh spans them all")
         if config.data_parallel_size * tp > len(jax.devices()):
             raise ValueError(f"data_parallel_size={config.data_parallel_size} x tensor_parallel_size={tp} needs "
                              f"{config.data_parallel_size * tp} devices; {len(jax.devices())} are available")
@@ -165,7 +183,10 @@ class EngineCore:
                                expert_parallel=config.enable_expert_parallel)
         weights = shard_attention_weights(self.model_config, weights, mesh,
                                           expert_parallel=config.enable_expert_parallel)
-        num_pages = config.num_pages or self._auto_num_pages(mesh.devices.flat[0])
+        num_pages = config.num_pages or self._auto_num_pages(
+            next(d for d in mesh.devices.flat if d.process_index == jax.process_index()))
+        if self.group is not None:  # the same pool (and executables) in every process
+            num_pages = self.group.agree_min("num_pages", num_pages)
         max_len = min(config.max_model_len or self.model_config.max_position_embeddings,
                       (num_pages - 1) * config.page_size)
         self.max_model_len = max_len
@@ -179,7 +200,7 @@ class EngineCore:
                                   max_num_seqs=config.max_num_seqs, max_model_len=max_len,
                                   ops=select_ops(config.attention_backend),
                                   executable_dir=os.path.join(cache_dir, "executables")
-                                  if cache_dir and config.executable_cache else None)
+                                  if cache_dir and config.executable_cache and self.group is None else None)
         self._seqs: dict[str, _Seq] = {}  # sequence id -> state
         self._children: dict[str, list[str]] = {}  # request id -> its sequence ids
         self._rng = np.random.default_rng(config.seed)
@@ -189,7 +210,10 @@ class EngineCore:
         self._inflight: Launched | None = None  # the launched step whose tokens are not read yet
         self._num_penalized = 0  # live sequences with penalties
         if config.warmup:
-            self.runner.warmup()
+            self.runner.warmup()  # every process of a group warms up the same shapes in the same order
+        if isinstance(self.group, Leader):
+            self.group.wait_for_workers()
+            self.runner.on_launch = self.group.send_step
         self.startup_seconds = time.perf_counter() - t0
         _LIVE_ENGINES.add(self)
         log.info("engine ready in %.1f s: %s, %d KV pages of %d tokens, max_model_len %d", self.startup_seconds,
@@ -278,7 +302,18 @@ class EngineCore:
         launched the one after), so the host's scheduling, batch building and detokenizing overlap the
         device's work; the outputs returned are one step behind. Penalties need every generated token
         on the host, so while a sequence uses them the previous step is read back before scheduling.
+        A step that fails in a multi-process group ends the process: the group's collectives are out of
+        step for good (jinfer/distributed.py).
         """
+        if self.group is None:
+            return self._step()
+        try:
+            return self._step()
+        except Exception as e:
+            self.group.lost(f"a step failed ({type(e).__name__}: {e}); the group cannot go on")
+            raise
+
+    def _step(self) -> list[EngineOutput]:
         outputs = []
         if self._inflight is not None and self._num_penalized:
             outputs = self._complete(self._inflight)
@@ -379,6 +414,11 @@ class EngineCore:
             del self._children[seq.parent_id]
 
     # ---- stats --------------------------------------------------------------------------------
+
+    def close(self) -> None:
+        """Stop a multi-process group (the other processes exit); nothing to do for one process."""
+        if self.group is not None:
+            self.group.close()
 
     def stats(self) -> dict:
         return {**self.scheduler.stats(), "kv_usage": self.kv.usage, "num_pages": self.kv.num_usable_pages,

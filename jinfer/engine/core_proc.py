@@ -298,6 +298,8 @@ def run_engine_core(config: Any, address: str, *, parent_pid: int | None = None,
         signal.signal(signal.SIGINT, stop)
         proc.run()
         proc.close("engine shut down")
+        if hasattr(core, "close"):
+            core.close()  # a multi-process group: the other processes stop too
         return 0
     except Exception as e:
         log.exception("engine loop failed")

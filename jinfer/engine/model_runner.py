@@ -26,7 +26,7 @@ import logging
 import time
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, replace
+from dataclasses import astuple, dataclass, replace
 from functools import partial
 
 import jax
@@ -35,6 +35,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from jinfer.config import ModelConfig
+from jinfer.distributed import StepInputs
 from jinfer.engine.executable_cache import ExecutableCache
 from jinfer.engine.kv_cache_manager import NULL_PAGE, cdiv
 from jinfer.engine.sampler import SamplerFlags, SamplingTensors, sample_traced
@@ -43,7 +44,7 @@ from jinfer.models.batch import Batch
 from jinfer.models.llama import Weights
 from jinfer.models.ops import REFERENCE_OPS, ModelOps
 from jinfer.models.registry import forward
-from jinfer.parallel import KV_AXES, array_specs, kv_heads_total, logical_sharding, mesh_forward
+from jinfer.parallel import KV_AXES, array_specs, kv_heads_total, logical_sharding, mesh_forward, put
 
 log = logging.getLogger(__name__)
 
@@ -244,7 +245,7 @@ class ModelRunner:
         self._sample = jax.jit(partial(_sample_step, max_seqs=self.max_seqs_bucket),
                                static_argnames=("dims", "num_logprobs", "flags"),
                                out_shardings=(self._replicated, self._replicated))
-        self._no_prev = jax.device_put(np.zeros(self.max_seqs_bucket, np.int32), self._replicated)
+        self._no_prev = put(np.zeros(self.max_seqs_bucket, np.int32), self._replicated)
         # Compiled executables per shape, loaded from / stored to disk when `executable_dir` is set: a
         # warm start then neither traces nor lowers (see executable_cache.py).
         self.executables = ExecutableCache(executable_dir, namespace=repr((cfg, ops, mesh.shape, self.max_seqs_bucket)))
@@ -256,6 +257,13 @@ class ModelRunner:
         # reads it), so every call of an executable sees arguments of identical type and sharding and
         # stays on JAX's C++ fast path (see above).
         self._last_tokens = self._no_prev
+        # Host inputs go to the devices uncommitted (the executable places them) in one process; over
+        # several processes each one puts its (identical) copy on its own devices of the mesh.
+        self._input_sharding = self._replicated if jax.process_count() > 1 else None
+        self.on_launch = None  # process 0 of a group: called with each step's StepInputs before launching
+
+    def _put(self, x):
+        return put(x, self._input_sharding)
 
     def seqs_bucket(self, num_tokens_bucket: int) -> int:
         return min(num_tokens_bucket, self.max_seqs_bucket)
@@ -356,19 +364,26 @@ class ModelRunner:
         batch, prev_index = self.build_batch(out, prev)
         T, B, P = batch.num_tokens, batch.num_seqs, batch.page_table.shape[1]
         st = self.sampling_tensors(rows, B)
-        flags = SamplerFlags.of(st)
-        M, W = st.output_tokens.shape[1], st.prompt_mask.shape[1]
-        decode = T in self.decode_buckets and out.num_scheduled_tokens == len(out.scheduled)
-        forward = self.forward_executable(T, B, P, decode)
-        sample = self.sampler_executable(B, M, W, num_logprobs, flags)
-        buf, sbuf = jax.device_put((pack_batch(batch, prev_index), pack_sampling(st)))
-        prev_tokens = prev.tokens if prev is not None else self._last_tokens
-        logits, self.kv_cache = forward(self.weights, buf, self.kv_cache, prev_tokens)
-        packed, tokens = sample(logits, sbuf)
-        self._last_tokens = tokens
+        step = StepInputs(T, B, P, T in self.decode_buckets and out.num_scheduled_tokens == len(out.scheduled),
+                          st.output_tokens.shape[1], st.prompt_mask.shape[1], num_logprobs,
+                          astuple(SamplerFlags.of(st)), pack_batch(batch, prev_index), pack_sampling(st))
+        if self.on_launch is not None:  # the other processes of a multi-process group launch it too
+            self.on_launch(step)
+        packed, tokens = self.run_step(step)
         packed.copy_to_host_async()
         row_of = {s.request_id: b for b, s in enumerate(out.scheduled) if s.needs_sample}
         return Launched(out, packed, tokens, row_of)
+
+    def run_step(self, step: StepInputs) -> tuple[jax.Array, jax.Array]:
+        """Launch one step's executables on its packed inputs: (packed samples, sampled ids). The decodes
+        of pending tokens read the latest sampler output, the step launched just before this one."""
+        forward = self.forward_executable(step.T, step.B, step.P, step.decode)
+        sample = self.sampler_executable(step.B, step.M, step.W, step.num_logprobs, SamplerFlags(*step.flags))
+        buf, sbuf = self._put((step.batch, step.sampling))
+        logits, self.kv_cache = forward(self.weights, buf, self.kv_cache, self._last_tokens)
+        packed, tokens = sample(logits, sbuf)
+        self._last_tokens = tokens
+        return packed, tokens
 
     def fetch(self, launched: Launched) -> StepResult:
         """Wait for a launched step and return its samples on the host."""
@@ -394,16 +409,17 @@ class ModelRunner:
                 if run:
                     buf = np.zeros(sum(_batch_sizes(T, B, P)), np.int32)
                     buf[2 * T:4 * T] = -1  # slots and prev rows (parts 3, 4): no KV writes, no previous step
-                    logits, self.kv_cache = forward(self.weights, buf, self.kv_cache, self._last_tokens)
+                    logits, self.kv_cache = forward(self.weights, self._put(buf), self.kv_cache, self._last_tokens)
             for flags in SamplerFlags.warm():
                 sample = self.sampler_executable(B, 0, 0, -1, flags)
                 if run:
-                    jax.block_until_ready(sample(logits, pack_sampling(self.sampling_tensors([None] * B, B))))
+                    jax.block_until_ready(sample(logits, self._put(pack_sampling(self.sampling_tensors([None] * B,
+                                                                                                       B)))))
         # A first sampler output, so the very first step passes the same kind of array as all others.
         B = self.seqs_bucket(self.token_buckets[0])
         sample = self.sampler_executable(B, 0, 0, -1, SamplerFlags.warm()[0])
-        logits = jax.device_put(np.zeros((B, self.cfg.vocab_size), np.float32), self._replicated)
-        self._last_tokens = sample(logits, pack_sampling(self.sampling_tensors([None] * B, B)))[1]
+        logits = put(np.zeros((B, self.cfg.vocab_size), np.float32), self._replicated)
+        self._last_tokens = sample(logits, self._put(pack_sampling(self.sampling_tensors([None] * B, B))))[1]
         self.warmed_up = True
         _trim_host_heap()
         self.compile_seconds = time.perf_counter() - t0

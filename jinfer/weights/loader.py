@@ -23,7 +23,7 @@ from jinfer.config import NAMED_SHAPES, ModelConfig
 from jinfer.models.llama import Weights
 from jinfer.models.registry import assemble_weights, weight_specs
 from jinfer.models.spec import ArrayInfo
-from jinfer.parallel import logical_sharding, make_mesh
+from jinfer.parallel import logical_sharding, make_mesh, put
 from jinfer.weights.gguf_meta import open_gguf, read_metadata, tensor_names
 
 log = logging.getLogger(__name__)
@@ -139,4 +139,4 @@ def place(host: np.ndarray, spec: ArrayInfo, dtype, mesh: Mesh, expert_parallel:
     if spec.transpose:
         host = np.swapaxes(host, -1, -2)
     host = np.ascontiguousarray(host.astype(dtype))
-    return jax.device_put(host, logical_sharding(mesh, spec.axes, spec.shape, expert_parallel))
+    return put(host, logical_sharding(mesh, spec.axes, spec.shape, expert_parallel))

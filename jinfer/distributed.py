@@ -1,0 +1,337 @@
+"""Several processes, one mesh: `--nnodes N --node-rank R --master-addr HOST --master-port PORT`.
+
+Every process of the group calls `jax.distributed.initialize` (process 0 hosts JAX's coordinator at
+HOST:PORT) and builds the same EngineCore: the same config, one mesh over the devices of all
+processes, each process holding its own shards of the weights and of the KV cache. Process 0 owns the
+scheduler. For each step it sends the step's inputs (its shape key and ModelRunner's two packed int32
+buffers, `StepInputs`) to the other processes over ZeroMQ, then launches the step itself; the others
+(`Follower.serve`) launch the very same executables on the very same inputs, so the collectives inside
+the step meet. Only process 0 reads the sampled tokens back; the others never leave the device.
+
+    process 0:  schedule -> build batch -> send StepInputs ---------> launch -> read tokens -> ...
+    process r:                           recv StepInputs -> launch (same executables, same order)
+
+Liveness. A collective whose peer is gone never returns, and JAX's coordination service aborts every
+process of the group a heartbeat timeout after one of them is lost: a group lives and dies as one. To
+make that fast, each process runs a heartbeat thread on sockets of its own (process 0's step socket can
+be blocked inside a collective): the others ping process 0 every HEARTBEAT_S and process 0 answers. A
+process that hears nothing from a peer for `PEER_TIMEOUT_S` logs why and exits at once with status
+EXIT_PEER_LOST. Process 0 exiting is what the server's engine client sees (the process, or its socket,
+gone): it fails the requests in flight and reports unhealthy; every other process exits by the same
+rule. A clean stop is process 0 sending STOP (also on the heartbeat socket, so that nobody takes the
+quiet that follows for a death) and every process then leaving JAX's coordination service together.
+
+Messages are msgpack lists of ints, bools and bytes: nothing received is executed.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import threading
+import time
+from dataclasses import dataclass
+
+import msgpack
+import numpy as np
+import zmq
+
+log = logging.getLogger(__name__)
+
+HEARTBEAT_S = 0.1
+PEER_TIMEOUT_S = float(os.environ.get("JINFER_PEER_TIMEOUT_S", "0.5"))  # once the group is up
+STARTUP_PEER_TIMEOUT_S = 120.0  # while processes load weights and compile (threads can starve)
+JAX_HEARTBEAT_TIMEOUT_S = 10  # JAX's own detection, the backstop
+JAX_SHUTDOWN_TIMEOUT_S = 30
+WORKER_WAIT_S = 600.0  # process 0 waits this long for the others to be ready
+EXIT_PEER_LOST = 3
+STOP = b"stop"
+PING, PONG = b"ping", b"pong"
+_STEPS_KEY, _HEARTBEAT_KEY = "jinfer/steps", "jinfer/heartbeat"
+
+
+@dataclass(frozen=True)
+class StepInputs:
+    """Everything a process needs to launch one step: the executables' key and their two input buffers."""
+
+    T: int  # tokens bucket
+    B: int  # sequences bucket
+    P: int  # pages bucket
+    decode: bool  # the decode-only forward
+    M: int  # output tokens per row given to the sampler (penalties)
+    W: int  # words of the packed prompt-token mask per row
+    num_logprobs: int
+    flags: tuple[bool, ...]  # SamplerFlags fields, in order
+    batch: np.ndarray  # int32, `model_runner.pack_batch`
+    sampling: np.ndarray  # int32, `model_runner.pack_sampling`
+
+    def to_wire(self) -> bytes:
+        return msgpack.packb([self.T, self.B, self.P, self.decode, self.M, self.W, self.num_logprobs,
+                              list(self.flags), self.batch.astype(np.int32).tobytes(),
+                              self.sampling.astype(np.int32).tobytes()])
+
+    @classmethod
+    def from_wire(cls, frame: bytes) -> StepInputs:
+        T, B, P, decode, M, W, n, flags, batch, sampling = msgpack.unpackb(frame)
+        return cls(int(T), int(B), int(P), bool(decode), int(M), int(W), int(n), tuple(bool(f) for f in flags),
+                   np.frombuffer(batch, np.int32), np.frombuffer(sampling, np.int32))
+
+
+def check_group(nnodes: int, node_rank: int, master_port: int) -> None:
+    """ValueError naming the field, for EngineConfig."""
+    if not isinstance(nnodes, int) or isinstance(nnodes, bool) or nnodes < 1:
+        raise ValueError(f"nnodes={nnodes!r} must be an integer >= 1")
+    if not isinstance(node_rank, int) or isinstance(node_rank, bool) or not 0 <= node_rank < nnodes:
+        raise ValueError(f"node_rank={node_rank!r} must be in [0, nnodes={nnodes})")
+    if not isinstance(master_port, int) or isinstance(master_port, bool) or not 0 < master_port < 65536:
+        raise ValueError(f"master_port={master_port!r} must be a TCP port in [1, 65535]")
+
+
+def join(nnodes: int, node_rank: int, master_addr: str, master_port: int) -> Leader | Follower | None:
+    """Join the group (jax.distributed + this module's sockets); None for a single process. Call it before
+    anything starts JAX's backends."""
+    if nnodes == 1:
+        return None
+    import jax
+    from jax._src import distributed as jax_distributed
+
+    if jax_distributed.global_state.client is None:
+        jax.config.update("jax_cpu_collectives_implementation", "gloo")  # CPU collectives across processes
+        log.info("process %d of %d: joining the group at %s:%d", node_rank, nnodes, master_addr, master_port)
+        jax.distributed.initialize(f"{master_addr}:{master_port}", nnodes, node_rank,
+                                   heartbeat_timeout_seconds=JAX_HEARTBEAT_TIMEOUT_S,
+                                   shutdown_timeout_seconds=JAX_SHUTDOWN_TIMEOUT_S)
+    if (jax.process_count(), jax.process_index()) != (nnodes, node_rank):
+        raise ValueError(f"nnodes={nnodes}, node_rank={node_rank} do not match JAX's distributed setup "
+                         f"({jax.process_count()} processes, this one {jax.process_index()})")
+    kv = jax_distributed.global_state.client
+    return Leader(nnodes, master_addr, kv) if node_rank == 0 else Follower(nnodes, node_rank, kv)
+
+
+def _bind_ip(host: str) -> str:
+    try:
+        return socket.gethostbyname(host)
+    except OSError:
+        return "*"
+
+
+def _lost(reason: str) -> None:
+    """A peer is gone: the group cannot go on, and a collective waiting on it would never return."""
+    log.error("%s: exiting (status %d); the other processes of the group exit too", reason, EXIT_PEER_LOST)
+    for handler in logging.getLogger().handlers:
+        handler.flush()
+    os._exit(EXIT_PEER_LOST)
+
+
+def _leave_jax() -> None:
+    """Leave JAX's coordination service; every process of the group does it at the same time."""
+    import jax
+
+    try:
+        jax.distributed.shutdown()
+    except Exception as e:  # noqa: BLE001 - a failed goodbye must not hide why we stop
+        log.warning("jax.distributed.shutdown: %s", e)
+
+
+class _Heartbeat(threading.Thread):
+    """Pings (followers) or answers pings (the leader) on a socket of its own; `on_lost` when a peer is quiet
+    for longer than `timeout`."""
+
+    def __init__(self, sock: zmq.Socket, peers: list[bytes] | None, on_lost=_lost):
+        super().__init__(name="jinfer-heartbeat", daemon=True)
+        self.sock, self.peers, self.on_lost = sock, peers, on_lost  # peers: None on a follower
+        self.timeout = STARTUP_PEER_TIMEOUT_S
+        self.stopping = threading.Event()
+        self.closed = threading.Event()
+
+    def run(self) -> None:
+        now = time.monotonic()
+        last = {p: now for p in self.peers} if self.peers is not None else {b"": now}
+        next_ping = now
+        try:
+            while not self.stopping.is_set():
+                now = time.monotonic()
+                if self.peers is None and now >= next_ping:
+                    self.sock.send(PING, zmq.NOBLOCK)
+                    next_ping = now + HEARTBEAT_S
+                if self.sock.poll(int(HEARTBEAT_S * 1000 / 2), zmq.POLLIN):
+                    frames = self.sock.recv_multipart()
+                    if frames[-1] == STOP:  # the leader stops the group: silence from here on is expected
+                        self.stopping.set()
+                        break
+                    if self.peers is None:
+                        last[b""] = time.monotonic()
+                    elif frames[0] in last and frames[-1] == PING:
+                        last[frames[0]] = time.monotonic()
+                        self.sock.send_multipart([frames[0], PONG], zmq.NOBLOCK)
+                quiet = [p for p, t in last.items() if time.monotonic() - t > self.timeout]
+                if quiet and not self.stopping.is_set():
+                    who = "process 0" if self.peers is None else ", ".join(f"process {p.decode()[1:]}" for p in quiet)
+                    self.on_lost(f"no heartbeat from {who} for {self.timeout:.1f} s")
+                    return
+        except zmq.ZMQError as e:
+            if not self.stopping.is_set():
+                self.on_lost(f"heartbeat socket failed: {e}")
+        finally:
+            self.closed.set()
+
+    def stop(self) -> None:
+        self.stopping.set()
+        self.closed.wait(2.0)
+        self.sock.close(linger=0)
+
+
+def _worker_id(rank: int) -> bytes:
+    return f"w{rank}".encode()
+
+
+class _Member:
+    def __init__(self, nnodes: int, rank: int, kv):
+        self.nnodes, self.rank, self.kv = nnodes, rank, kv
+        self.ctx = zmq.Context()
+
+    def lost(self, reason: str) -> None:
+        _lost(reason)
+
+    def agree_min(self, name: str, value: int) -> int:
+        """The least of every process's `value` (e.g. KV pages: each process sizes its pool by its own
+        free memory, but the executables must have the same shapes everywhere)."""
+        self.kv.key_value_set(f"jinfer/{name}/{self.rank}", str(int(value)))
+        return min(int(self.kv.blocking_key_value_get(f"jinfer/{name}/{r}", int(WORKER_WAIT_S * 1000)))
+                   for r in range(self.nnodes))
+
+
+class Leader(_Member):
+    """Process 0's side: the step socket it sends every step on, and the heartbeat it answers."""
+
+    def __init__(self, nnodes: int, master_addr: str, kv):
+        super().__init__(nnodes, 0, kv)
+        self.workers = [_worker_id(r) for r in range(1, nnodes)]
+        ip = _bind_ip(master_addr)
+        self.steps = self.ctx.socket(zmq.ROUTER)
+        self.steps.setsockopt(zmq.ROUTER_MANDATORY, 1)
+        self.steps.setsockopt(zmq.SNDHWM, 0)
+        hb = self.ctx.socket(zmq.ROUTER)
+        host = master_addr if ip == "*" else ip
+        kv.key_value_set(_STEPS_KEY, f"tcp://{host}:{self.steps.bind_to_random_port(f'tcp://{ip}')}")
+        kv.key_value_set(_HEARTBEAT_KEY, f"tcp://{host}:{hb.bind_to_random_port(f'tcp://{ip}')}")
+        self.heartbeat = _Heartbeat(hb, self.workers)
+        self.heartbeat.start()
+        self.ready = False
+        self.closed = False
+
+    def wait_for_workers(self, timeout: float = WORKER_WAIT_S) -> None:
+        """Until every other process has built its engine and said hello on the step socket."""
+        waiting, deadline = set(self.workers), time.monotonic() + timeout
+        while waiting:
+            if not self.steps.poll(int(max(0.0, deadline - time.monotonic()) * 1000), zmq.POLLIN):
+                raise RuntimeError(f"processes {sorted(w.decode()[1:] for w in waiting)} not ready "
+                                   f"within {timeout:.0f} s")
+            identity, _ = self.steps.recv_multipart()
+            waiting.discard(identity)
+        self.ready = True
+        self.heartbeat.timeout = PEER_TIMEOUT_S
+        log.info("all %d processes of the group are ready", len(self.workers) + 1)
+
+    def send_step(self, step: StepInputs) -> None:
+        self._send(step.to_wire())
+
+    def _send(self, frame: bytes) -> None:
+        for w in self.workers:
+            self.steps.send_multipart([w, frame])
+
+    def close(self) -> None:
+        """Stop the group: the others leave their loops, then all leave JAX's coordination service."""
+        if self.closed:
+            return
+        self.closed = True
+        self.heartbeat.stopping.set()
+        self.heartbeat.closed.wait(2.0)  # the thread is off its socket: ours to use now
+        for w in self.workers:  # on the heartbeat socket first: nobody may take the coming silence for a death
+            try:
+                self.heartbeat.sock.send_multipart([w, STOP], zmq.NOBLOCK)
+            except zmq.ZMQError:
+                pass
+        if self.ready:
+            try:
+                self._send(STOP)
+            except zmq.ZMQError as e:
+                log.warning("could not tell the group to stop: %s", e)
+        self.heartbeat.stop()
+        self.steps.close(linger=1000)
+        self.ctx.term()
+        _leave_jax()
+
+
+class Follower(_Member):
+    """Process r > 0: replays every step process 0 sends, until STOP."""
+
+    def __init__(self, nnodes: int, rank: int, kv):
+        super().__init__(nnodes, rank, kv)
+        hb = self.ctx.socket(zmq.DEALER)
+        hb.setsockopt(zmq.IDENTITY, _worker_id(rank))
+        hb.connect(kv.blocking_key_value_get(_HEARTBEAT_KEY, int(WORKER_WAIT_S * 1000)))
+        self.heartbeat = _Heartbeat(hb, None)
+        self.heartbeat.start()
+        self.steps = self.ctx.socket(zmq.DEALER)
+        self.steps.setsockopt(zmq.IDENTITY, _worker_id(rank))
+        self.steps.setsockopt(zmq.RCVHWM, 0)
+        self.steps.connect(kv.blocking_key_value_get(_STEPS_KEY, int(WORKER_WAIT_S * 1000)))
+
+    def serve(self, runner) -> int:
+        """Say hello, then launch each step process 0 sends on `runner` (a ModelRunner); 0 after STOP."""
+        import jax
+
+        self.steps.send(b"hello")
+        self.heartbeat.timeout = PEER_TIMEOUT_S
+        in_flight: list = []
+        while True:
+            frame = self.steps.recv()
+            if frame == STOP:
+                break
+            try:
+                _, tokens = runner.run_step(StepInputs.from_wire(frame))
+                in_flight.append(tokens)
+                if len(in_flight) > 2:  # as deep as process 0's pipeline: launch N+1, then wait for N
+                    jax.block_until_ready(in_flight.pop(0))
+            except Exception as e:  # noqa: BLE001 - the group's collectives are out of step for good
+                self.lost(f"a step failed ({type(e).__name__}: {e}); the group cannot go on")
+        log.info("process %d: stopped by process 0", self.rank)
+        self.close()
+        return 0
+
+    def close(self) -> None:
+        self.heartbeat.stopping.set()
+        self.heartbeat.stop()
+        self.steps.close(linger=0)
+        self.ctx.term()
+        _leave_jax()
+
+
+def run_worker(config) -> int:
+    """A process of rank > 0 (`jinfer serve --node-rank R`, headless): build the engine, follow process 0."""
+    from jinfer.engine.core import EngineCore
+
+    core = EngineCore(config)
+    if not isinstance(core.group, Follower):
+        raise ValueError(f"node_rank={config.node_rank}: only processes of rank > 0 follow process 0")
+    return core.group.serve(core.runner)
+
+
+def main(argv: list[str] | None = None) -> int:
+    import argparse
+    import json
+
+    from jinfer import distributed  # not this `__main__` module: the engine's classes are that one's
+    from jinfer.engine.core import EngineConfig
+
+    parser = argparse.ArgumentParser(description="jinfer: a process of rank > 0 in a multi-process group")
+    parser.add_argument("--config", required=True, help="EngineConfig fields as JSON (nnodes, node_rank, ...)")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    return distributed.run_worker(EngineConfig(**json.loads(args.config)))
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,194 @@
+"""Several processes, one mesh (jinfer/distributed.py), on CPU with gloo collectives: each process is a
+fresh interpreter with its own fake CPU devices, joined by `jax.distributed`. The group gives HF's greedy
+tokens (what one process gives too, tests/models/test_parallel_engine.py), stops cleanly, and a process
+that dies takes the group down at once: the server's client fails the request in flight and no process
+is left behind."""
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+
+import numpy as np
+import pytest
+
+from jinfer.client import EngineClient
+from jinfer.distributed import EXIT_PEER_LOST, StepInputs, check_group
+from jinfer.engine.args import add_engine_arguments, engine_config_kwargs
+from jinfer.engine.core import EngineConfig
+from jinfer.sampling_params import SamplingParams
+
+from ..conftest import DATA, ROOT
+
+BASE = dict(dtype="float32", page_size=4, max_model_len=128, max_num_batched_tokens=16, max_num_seqs=8,
+            compilation_cache_dir="")
+# Prints the greedy ids of the golden prompts as JSON, then stops the group.
+LEADER = """
+import json, sys
+from jinfer.llm import LLM
+from jinfer.sampling_params import SamplingParams
+config, prompts = json.loads(sys.argv[1]), json.loads(sys.argv[2])
+llm = LLM(**config)
+outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
+                    SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True), use_tqdm=False)
+print("TOKENS", json.dumps([list(o.outputs[0].token_ids) for o in outs]), flush=True)
+llm.engine.close()
+"""
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def process_env(devices: int) -> dict:
+    return dict(os.environ, XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}", JAX_PLATFORMS="cpu",
+                PYTHONPATH=str(ROOT))
+
+
+def start_follower(config: dict, rank: int, devices: int) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-m", "jinfer.distributed", "--config",
+                             json.dumps(config | {"node_rank": rank})], env=process_env(devices),
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+
+
+def gold(arch):
+    g = np.load(DATA / "golden" / f"tiny-{arch}.npz")
+    return [g[f"prompt_{i}"].tolist() for i in range(3)], [g[f"greedy_{i}"].tolist() for i in range(3)]
+
+
+@pytest.mark.parametrize("arch,devices,ep,backend,warmup", [
+    ("qwen3", 1, False, "reference", True),  # tp=2: one device in each process
+    ("qwen3_moe", 2, True, "pallas", False),  # tp=4: two devices each, experts split over all four
+])
+def test_two_processes_give_hf_tokens(arch, devices, ep, backend, warmup):
+    prompts, greedy = gold(arch)
+    config = dict(BASE, model=str(DATA / f"tiny-{arch}"), tensor_parallel_size=2 * devices, nnodes=2,
+                  master_port=free_port(), enable_expert_parallel=ep, attention_backend=backend, warmup=warmup)
+    follower = start_follower(config, 1, devices)
+    leader = subprocess.run([sys.executable, "-c", LEADER, json.dumps(config | {"node_rank": 0}),
+                             json.dumps(prompts)], env=process_env(devices), capture_output=True, text=True,
+                            timeout=300)
+    try:
+        assert follower.wait(timeout=60) == 0, follower.stderr.read()[-3000:]  # stopped by process 0, cleanly
+    finally:
+        follower.kill()
+    assert leader.returncode == 0, leader.stderr[-3000:]
+    line = next(x for x in leader.stdout.splitlines() if x.startswith("TOKENS"))
+    assert json.loads(line.removeprefix("TOKENS ")) == greedy
+
+
+def spawn_group(monkeypatch):
+    """A served 2-process group: process 0 behind an EngineClient (as `jinfer serve` runs it), process 1
+    headless."""
+    config = dict(BASE, model=str(DATA / "tiny-qwen3"), tensor_parallel_size=2, nnodes=2, master_port=free_port(),
+                  max_model_len=512, warmup=False)
+    follower = start_follower(config, 1, 1)
+    monkeypatch.setenv("XLA_FLAGS", "--xla_force_host_platform_device_count=1")
+    try:
+        client = EngineClient.spawn(config | {"node_rank": 0}, startup_timeout=240)
+    except BaseException:
+        follower.kill()
+        raise
+    return client, follower
+
+
+def long_request(client, result: dict) -> threading.Thread:
+    def run():
+        try:
+            client.generate([1, 2, 3], SamplingParams(max_tokens=500, ignore_eos=True),
+                            timeout=120)
+            result["outcome"] = "finished"
+        except Exception as e:  # noqa: BLE001 - what the test looks at
+            result["outcome"] = type(e).__name__
+        result["at"] = time.monotonic()
+
+    t = threading.Thread(target=run, daemon=True)
+    t.start()
+    return t
+
+
+@pytest.mark.parametrize("victim", ["follower", "leader"])
+def test_a_dead_process_takes_the_group_down_at_once(victim, monkeypatch):
+    client, follower = spawn_group(monkeypatch)
+    leader = client.process
+    try:
+        assert client.generate([5, 6, 7], SamplingParams(max_tokens=4, ignore_eos=True),
+                               timeout=60).outputs[0].token_ids  # the group serves
+        result = {}
+        thread = long_request(client, result)
+        time.sleep(0.5)  # the request is running
+        assert "outcome" not in result
+        killed = time.monotonic()
+        (follower if victim == "follower" else leader).send_signal(signal.SIGKILL)
+        thread.join(timeout=10)
+        # the request in flight fails (not hangs), the client reports the engine dead, within a second or so
+        assert result["outcome"] in ("EngineDeadError", "RequestError"), result
+        assert result["at"] - killed < 2.0, result["at"] - killed
+        deadline = time.monotonic() + 2.0
+        while client.is_alive and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not client.is_alive, "the engine client still reports the group alive"
+        # and no process of the group is left: the survivor exits by itself, having lost its peer (our
+        # heartbeat, EXIT_PEER_LOST; or JAX's coordination client aborting when process 0's service is gone)
+        survivor = leader if victim == "follower" else follower
+        code = survivor.wait(timeout=5)
+        assert code == EXIT_PEER_LOST if victim == "follower" else code != 0
+    finally:
+        client.close()
+        follower.kill()
+        leader.kill()
+
+
+def test_served_group_stops_cleanly(monkeypatch):
+    client, follower = spawn_group(monkeypatch)
+    try:
+        out = client.generate([5, 6, 7], SamplingParams(max_tokens=8, ignore_eos=True),
+                              timeout=60)
+        assert len(out.outputs[0].token_ids) == 8
+    finally:
+        client.close()  # Shutdown to process 0, which stops process 1
+        code = follower.wait(timeout=30)
+        follower.kill()
+    assert code == 0
+    assert client.process.wait(timeout=30) == 0
+
+
+def test_step_inputs_round_trip():
+    step = StepInputs(16, 8, 32, True, 3, 2, 5, (True, False, True), np.arange(10, dtype=np.int32),
+                      np.array([-1, 2**31 - 1], np.int32))
+    back = StepInputs.from_wire(step.to_wire())
+    assert (back.T, back.B, back.P, back.decode, back.M, back.W, back.num_logprobs, back.flags) == \
+        (16, 8, 32, True, 3, 2, 5, (True, False, True))
+    assert back.batch.tolist() == list(range(10)) and back.sampling.tolist() == [-1, 2**31 - 1]
+
+
+@pytest.mark.parametrize("kw,match", [
+    ({"nnodes": 0}, "nnodes=0"),
+    ({"nnodes": 2, "node_rank": 2}, "node_rank=2"),
+    ({"nnodes": 2, "master_port": 70000}, "master_port=70000"),
+    ({"nnodes": 2, "data_parallel_size": 2}, "data_parallel_size=2"),
+])
+def test_config_names_the_field(kw, match):
+    with pytest.raises(ValueError, match=match):
+        EngineConfig(**kw)
+    if "data_parallel_size" not in kw:
+        with pytest.raises(ValueError, match=match):
+            check_group(kw.get("nnodes", 1), kw.get("node_rank", 0), kw.get("master_port", 29500))
+
+
+def test_cli_flags():
+    import argparse
+
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--model")
+    add_engine_arguments(parser)
+    kw = engine_config_kwargs(parser.parse_args(["-tp", "4", "--nnodes", "2", "--node-rank", "1",
+                                                 "--master-addr", "10.0.0.1", "--master-port", "1234"]))
+    assert (kw["nnodes"], kw["node_rank"], kw["master_addr"], kw["master_port"]) == (2, 1, "10.0.0.1", 1234)
+    assert EngineConfig(**kw).tensor_parallel_size == 4
