@@ -35,6 +35,11 @@ VARIANTS = {
     "default": {},
     # XLA's own Triton one-shot / two-shot all-reduce kernels instead of NCCL for small all-reduces
     "one_shot": {"xla_gpu_experimental_use_collective_kernels": "COLLECTIVE_KERNEL_ALL_REDUCE"},
+    # XLA's one-shot all-reduce kernel (each device reads the peers' buffers over NVLink, one kernel)
+    "one_shot_kernel": {"xla_gpu_unsupported_use_all_reduce_one_shot_kernel": True},
+    "one_shot_kernel_graph": {"xla_gpu_unsupported_use_all_reduce_one_shot_kernel": True,
+                              "xla_gpu_enable_command_buffer": "FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN,COLLECTIVES",
+                              "xla_gpu_enable_collectives_command_buffer_filter": "ALLREDUCE"},
     # NCCL all-reduces captured in the step's CUDA graph (command buffer)
     "graph_collectives": {"xla_gpu_enable_command_buffer":
                           "FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN,COLLECTIVES",

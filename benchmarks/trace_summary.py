@@ -71,6 +71,11 @@ def main() -> None:
 def per_device(spans: list[dict], procs: dict, threads: dict, n: int, top: int) -> None:
     """Each device's kernels (all streams) over `n` steps: span, busy time, and the top kernels."""
     for pid in sorted({e["pid"] for e in spans if procs.get(e["pid"], "").startswith("/device")}):
+        by_thread = collections.Counter()
+        for e in spans:
+            if e["pid"] == pid:
+                by_thread[threads.get((pid, e["tid"]), str(e["tid"]))] += e["dur"]
+        print(f"{procs[pid]} streams: " + ", ".join(f"{name} {t / n:.0f} us" for name, t in by_thread.most_common(8)))
         evs = [e for e in spans if e["pid"] == pid and "Compute" in threads.get((e["pid"], e["tid"]), "")]
         if not evs:
             continue

@@ -82,6 +82,11 @@ def _pow2_divisor(n: int, cap: int) -> int:
     return d
 
 
+def default_block_i(inter: int) -> int:
+    """Intermediate columns per program: 128, the H100 sweep's best at Qwen3-4B's width."""
+    return _pow2_divisor(inter, 128)
+
+
 def _mlp_call(x, w_gate, w_up, w_down, norm_weight, *, eps, block_t, block_i, num_warps, num_stages,
               interpret):
     tokens, hidden = x.shape
@@ -89,7 +94,7 @@ def _mlp_call(x, w_gate, w_up, w_down, norm_weight, *, eps, block_t, block_i, nu
     if block_t is None:
         block_t = min(64, max(16, 1 << (tokens - 1).bit_length()))
     if block_i is None:
-        block_i = _pow2_divisor(inter, 128)
+        block_i = default_block_i(inter)
     if num_warps is None:  # H100 sweep: 8 warps / 3 stages for decode tiles; bigger tiles run out of smem
         num_warps = 8 if block_t <= 16 else 4
     if num_stages is None:

@@ -46,6 +46,21 @@ MOSAIC_MIN_STEP_TOKENS = 512
 # (63.7 vs 77.5 us at T=1; slower from T=16 on; T=2..15 not measured).
 PALLAS_MLP_TOKENS = frozenset({1})
 
+# XLA's GPU pipeline rewrites a dot whose left side is one row (a vector once the unit dimension is
+# dropped) into a multiply + reduce when the matrix has fewer than 10M elements (its
+# DotStrengthReduction pass), and that streams the weights at ~0.8 TB/s instead of ~3: the o projection
+# of a tp=2 Qwen3-8B shard (2048 x 4096) or of Qwen3-30B-A3B (4096 x 2048) in a batch-1 decode step.
+# `project` gives such dots a second (padding) row, which keeps them GEMMs.
+STRENGTH_REDUCED_DOT_ELEMENTS = 10_000_000
+PAD_VECTOR_DOTS = True
+
+
+def project(x: jax.Array, w: jax.Array, **kw) -> jax.Array:
+    """x @ w for x [T, K], w [K, N] (`jnp.dot` keywords pass through), kept a GEMM when T = 1."""
+    if PAD_VECTOR_DOTS and x.shape[0] == 1 and w.shape[0] * w.shape[1] < STRENGTH_REDUCED_DOT_ELEMENTS:
+        return jnp.dot(jnp.pad(x, ((0, 1), (0, 0))), w, **kw)[:1]
+    return jnp.dot(x, w, **kw)
+
 
 # Steps routing at least this many rows per expert (on average) run the experts on the Mosaic GPU grouped
 # GEMM (moe_gemm_mgpu.py: 482 TFLOP/s at 4096 tokens x top-8 on the H100, against 251 for the Triton
@@ -128,7 +143,7 @@ class ModelOps:
         JSON was not kept), so it was dropped.
         """
         h = rms_norm(x, norm, eps)
-        return tuple(h @ w for w in weights)
+        return tuple(project(h, w) for w in weights)
 
     def reduce(self, partial: jax.Array) -> jax.Array:
         """The sum of the devices' partial results of a row-parallel matmul (identity on one device)."""
@@ -146,14 +161,14 @@ class ModelOps:
 
     def lm_head(self, x: jax.Array, head: jax.Array, vocab_size: int) -> jax.Array:
         """x @ head in float32 -> [N, vocab]; a vocab-parallel head's columns are gathered."""
-        logits = jnp.dot(x, head, preferred_element_type=jnp.float32)
+        logits = project(x, head, preferred_element_type=jnp.float32)
         if head.shape[1] == vocab_size:
             return logits
         return jax.lax.all_gather(logits, self.axis, axis=1, tiled=True)
 
     def out_proj(self, attn: jax.Array, wo: jax.Array, residual: jax.Array) -> jax.Array:
         """residual + attn @ wo."""
-        return residual + self.reduce(attn @ wo)
+        return residual + self.reduce(project(attn, wo))
 
     def mlp_block(self, x: jax.Array, norm: jax.Array, w_gate: jax.Array, w_up: jax.Array, w_down: jax.Array,
                   eps: float) -> jax.Array:

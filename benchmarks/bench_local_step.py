@@ -1,0 +1,129 @@
+"""One device's share of a tensor-parallel decode step, on one GPU, with no collectives.
+
+    python -m benchmarks.bench_local_step --shape qwen3-8b --tp 1 2 --batch-sizes 1 16 --variants default mlp_i64
+
+The model's forward runs at the shapes one device of a `tp`-way mesh holds (q and kv heads,
+intermediate columns and vocabulary divided by tp; dummy weights), as a decode step with `--context`
+tokens per sequence, dispatched back to back and synced once. `tp` devices each doing this share plus
+the collectives is what bench_parallel times; so the ratio step(tp) / step(1) here says how well the
+kernels keep their speed at the narrower shapes, apart from communication. Variants patch one op:
+
+- mlp_i{N}: the fused MLP kernel with N intermediate columns per program (default 128: at tp 2 an 8B
+  layer gives it 48 programs for 132 SMs);
+- o_barrier: an optimization barrier between attention and the o projection;
+- vector_dots: batch-1 projections left as XLA makes them (`ops.PAD_VECTOR_DOTS` off: the small ones
+  become a multiply + reduce).
+
+Each variant is run once untimed first (clocks, autotuning), then timed `--runs` times (the best kept).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import dataclasses
+import functools
+import time
+
+import jax
+import numpy as np
+
+import pallas_kernels.fused_mlp as fused_mlp
+from benchmarks.common import add_profile_argument, environment, profiled, write_result
+from jinfer.engine.model_runner import init_kv_cache
+from jinfer.models import ops as ops_module
+from jinfer.models.batch import make_batch
+from jinfer.models.ops import select_ops
+from jinfer.models.registry import forward
+from jinfer.parallel import make_mesh, shard_attention_weights
+from jinfer.weights.loader import DTYPES, ModelSource, load_weights, resolve_model
+
+
+def local_shapes(cfg, tp: int):
+    """The config whose full-size weights are one device's shards of `cfg` on a tp-way mesh."""
+    kv = max(cfg.num_kv_heads, tp) // tp
+    return dataclasses.replace(cfg, num_heads=cfg.num_heads // tp, num_kv_heads=kv,
+                               intermediate_size=cfg.intermediate_size // tp, vocab_size=cfg.vocab_size // tp)
+
+
+@contextlib.contextmanager
+def variant(name: str):
+    saved_block, saved_out = fused_mlp.fused_swiglu_mlp, ops_module.ModelOps.out_proj
+    saved_pad = ops_module.PAD_VECTOR_DOTS
+    if name == "vector_dots":
+        ops_module.PAD_VECTOR_DOTS = False
+    elif name.startswith("mlp_i"):
+        fused_mlp.fused_swiglu_mlp = functools.partial(saved_block, block_i=int(name.removeprefix("mlp_i")))
+    elif name == "o_barrier":
+        def out_proj(self, attn, wo, residual):
+            return residual + self.reduce(ops_module.project(jax.lax.optimization_barrier(attn), wo))
+        ops_module.ModelOps.out_proj = out_proj
+    elif name != "default":
+        raise ValueError(f"unknown variant {name!r}")
+    try:
+        yield
+    finally:
+        fused_mlp.fused_swiglu_mlp, ops_module.ModelOps.out_proj = saved_block, saved_out
+        ops_module.PAD_VECTOR_DOTS = saved_pad
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--shape", default="qwen3-8b")
+    ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--tp", type=int, nargs="+", default=[1, 2])
+    ap.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 16])
+    ap.add_argument("--context", type=int, default=1024)
+    ap.add_argument("--page-size", type=int, default=16)
+    ap.add_argument("--iters", type=int, default=30)
+    ap.add_argument("--runs", type=int, default=5)
+    ap.add_argument("--variants", nargs="+", default=["default"])
+    add_profile_argument(ap)
+    ap.add_argument("--out")
+    args = ap.parse_args()
+
+    full = resolve_model(f"dummy:{args.shape}").config
+    dtype = DTYPES[args.dtype]
+    ops = dataclasses.replace(select_ops("auto"), decode_step=True)
+    mesh = make_mesh(1)
+    rows = []
+    for tp in args.tp:
+        cfg = local_shapes(full, tp)
+        w = shard_attention_weights(cfg, load_weights(ModelSource("dummy", None, cfg), args.dtype, mesh,
+                                                      progress=False), mesh)
+        pages_per_seq = (args.context + args.iters + 2) // args.page_size + 1
+        kv = init_kv_cache(cfg, pages_per_seq * max(args.batch_sizes) + 1, args.page_size, dtype, mesh)
+        for bs in args.batch_sizes:
+            pages = [list(range(1 + b * pages_per_seq, 1 + (b + 1) * pages_per_seq)) for b in range(bs)]
+            batches = [jax.device_put(make_batch([([1], args.context + i, pg) for pg in pages], args.page_size,
+                                                 pages_per_seq=pages_per_seq)) for i in range(args.iters)]
+            for name in args.variants:
+                with variant(name):
+                    step = jax.jit(functools.partial(forward, cfg=cfg, ops=ops), donate_argnums=(2,))
+                    logits, kv = step(w, batches[0], kv)
+                    runs = []
+                    for r in range(args.runs + 1):
+                        jax.block_until_ready((logits, kv))
+                        trace = args.profile and r == args.runs and f"{args.profile}/tp{tp}_b{bs}_{name}"
+                        with profiled(trace):
+                            t = time.perf_counter()
+                            for b in batches:
+                                logits, kv = step(w, b, kv)
+                            jax.block_until_ready(logits)
+                        runs.append((time.perf_counter() - t) / args.iters * 1e3)
+                runs = runs[1:]  # the first pass is the warm-up
+                row = {"tp": tp, "batch_size": bs, "variant": name, "step_ms": float(np.min(runs)),
+                       "step_ms_runs": runs}
+                rows.append(row)
+                print({k: v for k, v in row.items() if k != "step_ms_runs"}, flush=True)
+        del w, kv
+    base = {(r["batch_size"], r["variant"]): r["step_ms"] for r in rows if r["tp"] == 1}
+    for r in rows:
+        if r["tp"] > 1 and (r["batch_size"], "default") in base:
+            r["vs_tp1_default"] = r["step_ms"] / base[(r["batch_size"], "default")]
+    write_result({"benchmark": "local_step", **environment(), "shape": args.shape, "dtype": args.dtype,
+                  "context": args.context, "rows": rows}, args.out)
+
+
+if __name__ == "__main__":
+    main()
