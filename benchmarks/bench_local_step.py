@@ -12,7 +12,10 @@ kernels keep their speed at the narrower shapes, apart from communication. Varia
   layer gives it 48 programs for 132 SMs);
 - o_barrier: an optimization barrier between attention and the o projection;
 - vector_dots: batch-1 projections left as XLA makes them (`ops.PAD_VECTOR_DOTS` off: the small ones
-  become a multiply + reduce).
+  become a multiply + reduce);
+- no_qkv_rope: q/k norm, RoPE and the K/V write as XLA ops instead of the qkv_rope kernel;
+- no_merge: the decode kernel's split-K partials merged by XLA instead of the merge kernel;
+- unfused: both of the above.
 
 Each variant is run once untimed first (clocks, autotuning), then timed `--runs` times (the best kept).
 """
@@ -29,6 +32,7 @@ import jax
 import numpy as np
 
 import pallas_kernels.fused_mlp as fused_mlp
+import pallas_kernels.paged_attention as paged_attention
 from benchmarks.common import add_profile_argument, environment, profiled, write_result
 from jinfer.engine.model_runner import init_kv_cache
 from jinfer.models import ops as ops_module
@@ -49,8 +53,15 @@ def local_shapes(cfg, tp: int):
 @contextlib.contextmanager
 def variant(name: str):
     saved_block, saved_out = fused_mlp.fused_swiglu_mlp, ops_module.ModelOps.out_proj
-    saved_pad = ops_module.PAD_VECTOR_DOTS
-    if name == "vector_dots":
+    saved_pad, saved_rope = ops_module.PAD_VECTOR_DOTS, ops_module.QKV_ROPE_MAX_TOKENS
+    saved_attn = paged_attention.paged_decode_attention
+    if name in ("no_qkv_rope", "unfused"):
+        ops_module.QKV_ROPE_MAX_TOKENS = 0
+    if name in ("no_merge", "unfused"):
+        paged_attention.paged_decode_attention = functools.partial(saved_attn, merge_kernel=False)
+    if name in ("no_qkv_rope", "no_merge", "unfused"):
+        pass
+    elif name == "vector_dots":
         ops_module.PAD_VECTOR_DOTS = False
     elif name.startswith("mlp_i"):
         fused_mlp.fused_swiglu_mlp = functools.partial(saved_block, block_i=int(name.removeprefix("mlp_i")))
@@ -64,7 +75,8 @@ def variant(name: str):
         yield
     finally:
         fused_mlp.fused_swiglu_mlp, ops_module.ModelOps.out_proj = saved_block, saved_out
-        ops_module.PAD_VECTOR_DOTS = saved_pad
+        ops_module.PAD_VECTOR_DOTS, ops_module.QKV_ROPE_MAX_TOKENS = saved_pad, saved_rope
+        paged_attention.paged_decode_attention = saved_attn
 
 
 def main():

@@ -117,7 +117,7 @@ def _plan_splits(batch: int, num_kv_heads: int, num_blocks: int, num_splits: int
 
 
 def _decode_call(q, k_cache, v_cache, page_table, seq_lens, *, scale, pages_per_block, num_splits,
-                 num_warps, num_stages, kv_heads_fastest, interpret):
+                 num_warps, num_stages, kv_heads_fastest, merge_kernel, interpret):
     batch, num_heads, head_dim = q.shape
     num_pages, page_size, num_kv_heads, _ = k_cache.shape
     group = num_heads // num_kv_heads
@@ -179,13 +179,59 @@ def _decode_call(q, k_cache, v_cache, page_table, seq_lens, *, scale, pages_per_
 
     if splits > 1:  # flash-decoding epilogue: merge the per-split partial softmaxes
         acc, m, l = out  # [S, B, KVH, Gp, D], [S, B, KVH, Gp] x2
-        m_max = m.max(axis=0)
-        w = jnp.exp2(m - m_max[None])  # [S, B, KVH, Gp]
-        l_tot = (w * l).sum(axis=0)
-        acc = (w[..., None] * acc).sum(axis=0)
-        out = (acc / jnp.where(l_tot == 0.0, 1.0, l_tot)[..., None]).astype(q.dtype)
-        out = out[:, :, :group]  # fused into the merge
+        if merge_kernel:
+            out = _merge_call(acc, m, l, num_heads=num_heads, group=group, dtype=q.dtype,
+                              kv_heads_fastest=kv_heads_fastest, interpret=interpret)
+        else:
+            out = merge_splits_reference(acc, m, l, group).astype(q.dtype)
     return out.reshape(batch, num_heads, head_dim)
+
+
+def merge_splits_reference(acc, m, l, group: int) -> jax.Array:
+    """The splits' partial softmaxes ([S, B, KVH, Gp, D] unnormalised, running max in log2 units and sum
+    [S, B, KVH, Gp]) merged: [B, KVH, group, D] float32 (zeros where every split was empty)."""
+    m_max = m.max(axis=0)
+    w = jnp.exp2(m - m_max[None])  # [S, B, KVH, Gp]
+    l_tot = (w * l).sum(axis=0)
+    acc = (w[..., None] * acc).sum(axis=0)
+    return (acc / jnp.where(l_tot == 0.0, 1.0, l_tot)[..., None])[:, :, :group]
+
+
+def _merge_kernel(acc_ref, m_ref, l_ref, o_ref, *, num_heads: int, group: int, kv_heads_fastest: bool):
+    """One program per (sequence, kv head): the XLA merge's ~5 kernels (max, exp2, two sums, divide)
+    in one, reading each split's partial once."""
+    h, b = (pl.program_id(0), pl.program_id(1)) if kv_heads_fastest else (pl.program_id(1), pl.program_id(0))
+    splits, rows, head_dim = acc_ref.shape[0], acc_ref.shape[3], acc_ref.shape[4]
+    m_max = jax.lax.fori_loop(0, splits, lambda s, mx: jnp.maximum(mx, m_ref[s, b, h, :]),
+                              jnp.full((rows,), jnp.finfo(jnp.float32).min, jnp.float32))
+
+    def body(s, carry):
+        acc, l_tot = carry
+        w = jnp.exp2(m_ref[s, b, h, :] - m_max)  # [Gp]
+        return acc + w[:, None] * acc_ref[s, b, h, :, :], l_tot + w * l_ref[s, b, h, :]
+
+    acc, l_tot = jax.lax.fori_loop(0, splits, body, (jnp.zeros((rows, head_dim), jnp.float32),
+                                                     jnp.zeros((rows,), jnp.float32)))
+    out = acc / jnp.where(l_tot == 0.0, 1.0, l_tot)[:, None]
+    row = jnp.arange(rows, dtype=jnp.int32)
+    mask = jnp.broadcast_to((row < group)[:, None], (rows, head_dim))
+    plgpu.store(o_ref.at[pl.ds(b * num_heads + h * group, rows)], out.astype(o_ref.dtype), mask=mask)
+
+
+def _merge_call(acc, m, l, *, num_heads, group, dtype, kv_heads_fastest, interpret):
+    splits, batch, num_kv_heads, rows, head_dim = acc.shape
+    kernel = functools.partial(_merge_kernel, num_heads=num_heads, group=group, kv_heads_fastest=kv_heads_fastest)
+    grid = (num_kv_heads, batch) if kv_heads_fastest else (batch, num_kv_heads)
+    return pl.pallas_call(
+        kernel,
+        grid=grid,
+        in_specs=[pl.no_block_spec] * 3,
+        out_specs=pl.no_block_spec,
+        out_shape=jax.ShapeDtypeStruct((batch * num_heads, head_dim), dtype),
+        compiler_params=plgpu.CompilerParams(num_warps=2, num_stages=1),
+        interpret=interpret,
+        name=f"paged_decode_merge_s{splits}",
+    )(acc, m, l)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -217,7 +263,8 @@ def _check_args(q, k_cache, v_cache, page_table, seq_lens, pages_per_block, num_
 
 
 @functools.partial(jax.jit, static_argnames=(
-    "scale", "pages_per_block", "num_splits", "num_warps", "num_stages", "kv_heads_fastest", "interpret"))
+    "scale", "pages_per_block", "num_splits", "num_warps", "num_stages", "kv_heads_fastest", "merge_kernel",
+    "interpret"))
 def paged_decode_attention(
     q: jax.Array,
     k_cache: jax.Array,
@@ -231,6 +278,7 @@ def paged_decode_attention(
     num_warps: int | None = None,
     num_stages: int = 2,
     kv_heads_fastest: bool = True,
+    merge_kernel: bool = True,
     interpret: bool = False,
 ) -> jax.Array:
     """Decode attention of one query token per sequence over a paged KV cache.
@@ -249,6 +297,7 @@ def paged_decode_attention(
         (1 when batch * num_kv_heads already does).
       num_warps, num_stages: Triton launch parameters (num_warps None: 2 without split-K, else 4).
       kv_heads_fastest: launch order; True runs a sequence's kv heads side by side (page locality).
+      merge_kernel: merge split-K partials in one Pallas kernel (else XLA's fusions of the same math).
       interpret: run the Pallas interpreter (CPU tests).
 
     Returns:
@@ -262,7 +311,8 @@ def paged_decode_attention(
     scale = q.shape[-1] ** -0.5 if scale is None else scale
     return _decode_call(q, k_cache, v_cache, page_table, seq_lens, scale=scale,
                         pages_per_block=pages_per_block, num_splits=num_splits, num_warps=num_warps,
-                        num_stages=num_stages, kv_heads_fastest=kv_heads_fastest, interpret=interpret)
+                        num_stages=num_stages, kv_heads_fastest=kv_heads_fastest, merge_kernel=merge_kernel,
+                        interpret=interpret)
 
 
 # ----------------------------------------------------------------------------------------------

@@ -146,6 +146,13 @@ def _attention(layer: LayerWeights, x: jax.Array, cos, sin, kv, batch: Batch, cf
     H, KVH, D = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
     if layer.wqkv is not None:
         (qkv,) = ops.norm_projections(x, layer.attn_norm, (layer.wqkv,), cfg.rms_norm_eps)
+        fused = None if cfg.attention_bias else ops.qkv_rope_write(
+            qkv, layer.q_norm if cfg.qk_norm else None, layer.k_norm if cfg.qk_norm else None, cos, sin, kv,
+            batch.slot_mapping, H, KVH, cfg.rms_norm_eps)
+        if fused is not None:
+            q, k_cache, v_cache = fused
+            out = ops.attention(q, k_cache, v_cache, batch, D**-0.5)  # [T, H, D]
+            return ops.out_proj(out.reshape(T, H * D), layer.wo, x), (k_cache, v_cache)
         q, k, v = jnp.split(qkv, [H * D, (H + KVH) * D], axis=-1)
     else:
         q, k, v = ops.norm_projections(x, layer.attn_norm, (layer.wq, layer.wk, layer.wv), cfg.rms_norm_eps)

@@ -62,6 +62,12 @@ def project(x: jax.Array, w: jax.Array, **kw) -> jax.Array:
     return jnp.dot(x, w, **kw)
 
 
+# Steps of at most this many tokens run q/k norm + RoPE + the K/V write as one kernel (qkv_rope.py): at
+# decode they are ~8 XLA kernels per layer of ~1.3 us launch latency each. Prefill-sized steps keep XLA's
+# fusions, which stream large inputs well.
+QKV_ROPE_MAX_TOKENS = 256
+
+
 # Steps routing at least this many rows per expert (on average) run the experts on the Mosaic GPU grouped
 # GEMM (moe_gemm_mgpu.py: 482 TFLOP/s at 4096 tokens x top-8 on the H100, against 251 for the Triton
 # kernels; at 512 and 1024 tokens it was weight-bound at 84-167 TFLOP/s and the Triton kernels were not
@@ -98,6 +104,19 @@ class ModelOps:
             # cache is never traced, so without this the first one holding a Mosaic kernel failed to
             # load ("Symbols not found: mosaic_gpu_init_tma_desc") and was recompiled at every start.
             import jax.experimental.mosaic.gpu  # noqa: F401
+
+    def qkv_rope_write(self, qkv: jax.Array, q_norm: jax.Array | None, k_norm: jax.Array | None, cos: jax.Array,
+                       sin: jax.Array, kv: tuple[jax.Array, jax.Array], slot_mapping: jax.Array, num_heads: int,
+                       num_kv_heads: int, eps: float) -> tuple[jax.Array, jax.Array, jax.Array] | None:
+        """The fused q|k|v -> (q, k_cache, v_cache) kernel (q/k norm, RoPE, K/V write), or None where the
+        XLA ops are used: the reference backend, steps over QKV_ROPE_MAX_TOKENS tokens, other shapes."""
+        from pallas_kernels.qkv_rope import check_supported, qkv_rope_write
+
+        if self.backend != "pallas" or qkv.shape[0] > QKV_ROPE_MAX_TOKENS \
+                or check_supported(qkv.shape[1], num_heads, num_kv_heads, kv[0].shape[-1]) is not None:
+            return None
+        return qkv_rope_write(qkv, cos, sin, slot_mapping, q_norm, k_norm, kv[0], kv[1], num_heads=num_heads,
+                              num_kv_heads=num_kv_heads, eps=eps, interpret=self.interpret)
 
     def attention(self, q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, batch: Batch,
                   scale: float) -> jax.Array:
@@ -191,7 +210,7 @@ class ModelOps:
         """
         h = rms_norm(x, norm, eps)
         # router logits rounded to the activation dtype, as HF's F.linear (and vLLM) produce them
-        logits = jnp.dot(h, router, preferred_element_type=jnp.float32).astype(h.dtype)  # [T, E]
+        logits = project(h, router, preferred_element_type=jnp.float32).astype(h.dtype)  # [T, E]
         num_experts, hidden, inter = w_gate.shape
         first = None  # expert parallel: the id of this device's first expert
         if num_experts != logits.shape[1]:

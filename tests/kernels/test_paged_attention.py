@@ -80,3 +80,20 @@ def test_decode_batch_major_launch_order(mode):
         out = paged_decode_attention(q, k, v, table, seq_lens, num_splits=splits, pages_per_block=1,
                                      kv_heads_fastest=False, interpret=mode == "interpret")
         assert_close(out, paged_decode_attention_reference(q, k, v, table, seq_lens), jnp.float32, mode)
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("kv_heads_fastest", [True, False])
+def test_split_merge_kernel_matches_xla_merge(mode, kv_heads_fastest):
+    """The split-K merge kernel against the XLA merge of the same partials (and the reference)."""
+    rng = np.random.default_rng(11)
+    lens = [1, 33, 130, 0]
+    k, v, table = paged_kv(rng, lens, 16, 2, 64, jnp.float32)
+    q = jnp.asarray(rng.standard_normal((len(lens), 6, 64)), jnp.float32)  # group 3: rows padded to 16
+    seq_lens = jnp.asarray(lens, jnp.int32)
+    kw = dict(num_splits=4, pages_per_block=1, kv_heads_fastest=kv_heads_fastest, interpret=mode == "interpret")
+    fused = paged_decode_attention(q, k, v, table, seq_lens, merge_kernel=True, **kw)
+    xla = paged_decode_attention(q, k, v, table, seq_lens, merge_kernel=False, **kw)
+    assert_close(fused, xla, jnp.float32, mode)
+    assert_close(fused, paged_decode_attention_reference(q, k, v, table, seq_lens), jnp.float32, mode)
+    assert not np.asarray(fused[3]).any()

@@ -1,0 +1,74 @@
+"""qkv_rope_write (q/k RMSNorm + RoPE + paged K/V write in one kernel) vs its jnp reference."""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from pallas_kernels.qkv_rope import check_supported, qkv_rope_write, qkv_rope_write_reference
+from tests.kernels.conftest import MODES, assert_close
+
+# (tokens, heads, kv_heads, head_dim, page_size, qk_norm, dtype)
+CASES = [
+    pytest.param(1, 8, 2, 64, 16, True, jnp.bfloat16, id="t1-qknorm-bf16"),
+    pytest.param(5, 4, 4, 16, 8, False, jnp.float32, id="t5-norope-norm-f32"),
+    pytest.param(7, 6, 2, 32, 4, True, jnp.float32, id="t7-h6-qknorm-f32"),
+    pytest.param(3, 2, 2, 128, 16, True, jnp.bfloat16, id="t3-kvh-eq-h-bf16"),
+]
+
+
+def _inputs(rng, tokens, heads, kv_heads, dim, page_size, qk_norm, dtype, num_pages=6):
+    qkv = jnp.asarray(rng.standard_normal((tokens, (heads + 2 * kv_heads) * dim)) * 2, dtype)
+    pos = rng.integers(0, 500, tokens)
+    inv = 1.0 / (10000 ** (np.arange(0, dim, 2) / dim))
+    emb = np.concatenate([pos[:, None] * inv] * 2, axis=-1)
+    cos, sin = jnp.asarray(np.cos(emb), dtype), jnp.asarray(np.sin(emb), dtype)
+    # distinct slots in pages 1.., the last token padding (slot -1) when there are several
+    slots = rng.permutation(np.arange(page_size, num_pages * page_size))[:tokens].astype(np.int32)
+    if tokens > 1:
+        slots[-1] = -1
+    qn = jnp.asarray(1 + 0.1 * rng.standard_normal(dim), dtype) if qk_norm else None
+    kn = jnp.asarray(1 + 0.1 * rng.standard_normal(dim), dtype) if qk_norm else None
+    shape = (num_pages, page_size, kv_heads, dim)
+    k_cache = jnp.asarray(rng.standard_normal(shape), dtype)
+    v_cache = jnp.asarray(rng.standard_normal(shape), dtype)
+    return qkv, cos, sin, jnp.asarray(slots), qn, kn, k_cache, v_cache
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("tokens,heads,kv_heads,dim,page_size,qk_norm,dtype", CASES)
+def test_matches_reference(mode, tokens, heads, kv_heads, dim, page_size, qk_norm, dtype):
+    rng = np.random.default_rng(tokens * 100 + heads * 10 + dim)
+    args = _inputs(rng, tokens, heads, kv_heads, dim, page_size, qk_norm, dtype)
+    kw = dict(num_heads=heads, num_kv_heads=kv_heads, eps=1e-6)
+    before_k, before_v = np.asarray(args[6].astype(jnp.float32)), np.asarray(args[7].astype(jnp.float32))
+    q, kc, vc = qkv_rope_write(*args, **kw, interpret=mode == "interpret")
+    rq, rk, rv = qkv_rope_write_reference(*args, **kw)
+    assert q.shape == (tokens, heads, dim) and q.dtype == dtype
+    assert_close(q, rq, dtype, mode)
+    assert_close(kc, rk, dtype, mode)
+    assert_close(vc, rv, dtype, mode)
+    # rows not written keep their contents exactly (padding wrote nothing)
+    slots = np.asarray(args[3])
+    written = np.zeros(before_k.shape[:2], bool).reshape(-1)
+    written[slots[slots >= 0]] = True
+    written = written.reshape(before_k.shape[:2])
+    np.testing.assert_array_equal(np.asarray(kc.astype(jnp.float32))[~written], before_k[~written])
+    np.testing.assert_array_equal(np.asarray(vc.astype(jnp.float32))[~written], before_v[~written])
+    # v rows are copied bit for bit
+    for t, s in enumerate(slots):
+        if s >= 0:
+            v_new = args[0][t].reshape(-1, dim)[heads + kv_heads:]
+            np.testing.assert_array_equal(np.asarray(vc[s // page_size, s % page_size]), np.asarray(v_new))
+
+
+def test_unsupported_shapes():
+    assert check_supported(3 * 4 * 24, 4, 4, 24) is not None  # head_dim not a power of two
+    assert check_supported(100, 4, 2, 16) is not None
+    assert check_supported((8 + 4) * 64, 8, 2, 64) is None
+    with pytest.raises(ValueError, match="head_dim"):
+        z = jnp.zeros((1, 3 * 24))
+        qkv_rope_write(z, jnp.zeros((1, 24)), jnp.zeros((1, 24)), jnp.zeros((1,), jnp.int32), None, None,
+                       jnp.zeros((2, 4, 1, 24)), jnp.zeros((2, 4, 1, 24)), num_heads=1, num_kv_heads=1,
+                       interpret=True)
