@@ -179,7 +179,7 @@ def _decode_call(q, k_cache, v_cache, page_table, seq_lens, *, scale, pages_per_
 
     if splits > 1:  # flash-decoding epilogue: merge the per-split partial softmaxes
         acc, m, l = out  # [S, B, KVH, Gp, D], [S, B, KVH, Gp] x2
-        if merge_kernel:
+        if merge_kernel and splits <= MERGE_KERNEL_MAX_SPLITS:
             out = _merge_call(acc, m, l, num_heads=num_heads, group=group, dtype=q.dtype,
                               kv_heads_fastest=kv_heads_fastest, interpret=interpret)
         else:
@@ -197,41 +197,48 @@ def merge_splits_reference(acc, m, l, group: int) -> jax.Array:
     return (acc / jnp.where(l_tot == 0.0, 1.0, l_tot)[..., None])[:, :, :group]
 
 
-def _merge_kernel(acc_ref, m_ref, l_ref, o_ref, *, num_heads: int, group: int, kv_heads_fastest: bool):
-    """One program per (sequence, kv head): the XLA merge's ~5 kernels (max, exp2, two sums, divide)
-    in one, reading each split's partial once."""
+# The merge kernel holds every split of one row in registers: [splits, head_dim] float32.
+MERGE_KERNEL_MAX_SPLITS = 64
+
+
+def _merge_kernel(acc_ref, m_ref, l_ref, o_ref, *, splits: int, kv_heads_fastest: bool):
+    """One program per (kv head, sequence, query head of the group): that row's splits loaded at once
+    (independent loads, no serial chain) and merged; XLA's merge is ~5 kernels (max, exp2, two sums,
+    divide) of ~1.3 us launch latency each at decode."""
     h, b = (pl.program_id(0), pl.program_id(1)) if kv_heads_fastest else (pl.program_id(1), pl.program_id(0))
-    splits, rows, head_dim = acc_ref.shape[0], acc_ref.shape[3], acc_ref.shape[4]
-    m_max = jax.lax.fori_loop(0, splits, lambda s, mx: jnp.maximum(mx, m_ref[s, b, h, :]),
-                              jnp.full((rows,), jnp.finfo(jnp.float32).min, jnp.float32))
-
-    def body(s, carry):
-        acc, l_tot = carry
-        w = jnp.exp2(m_ref[s, b, h, :] - m_max)  # [Gp]
-        return acc + w[:, None] * acc_ref[s, b, h, :, :], l_tot + w * l_ref[s, b, h, :]
-
-    acc, l_tot = jax.lax.fori_loop(0, splits, body, (jnp.zeros((rows, head_dim), jnp.float32),
-                                                     jnp.zeros((rows,), jnp.float32)))
-    out = acc / jnp.where(l_tot == 0.0, 1.0, l_tot)[:, None]
-    row = jnp.arange(rows, dtype=jnp.int32)
-    mask = jnp.broadcast_to((row < group)[:, None], (rows, head_dim))
-    plgpu.store(o_ref.at[pl.ds(b * num_heads + h * group, rows)], out.astype(o_ref.dtype), mask=mask)
+    g = pl.program_id(2)
+    padded = _next_pow2(splits)
+    valid = jnp.arange(padded, dtype=jnp.int32) < splits
+    s = pl.ds(0, padded)
+    m = plgpu.load(m_ref.at[s, b, h, g], mask=valid, other=jnp.finfo(jnp.float32).min)  # [S]
+    l = plgpu.load(l_ref.at[s, b, h, g], mask=valid, other=0.0)
+    acc = plgpu.load(acc_ref.at[s, b, h, g, :], mask=valid[:, None], other=0.0)  # [S, D]
+    w = jnp.exp2(m - jnp.max(m))
+    l_tot = jnp.sum(w * l)
+    out = jnp.sum(w[:, None] * acc, axis=0) / jnp.where(l_tot == 0.0, 1.0, l_tot)
+    o_ref[...] = out.astype(o_ref.dtype)
 
 
 def _merge_call(acc, m, l, *, num_heads, group, dtype, kv_heads_fastest, interpret):
     splits, batch, num_kv_heads, rows, head_dim = acc.shape
-    kernel = functools.partial(_merge_kernel, num_heads=num_heads, group=group, kv_heads_fastest=kv_heads_fastest)
-    grid = (num_kv_heads, batch) if kv_heads_fastest else (batch, num_kv_heads)
-    return pl.pallas_call(
+    kernel = functools.partial(_merge_kernel, splits=splits, kv_heads_fastest=kv_heads_fastest)
+    if kv_heads_fastest:
+        grid = (num_kv_heads, batch, group)
+        out_map = lambda h, b, g: (b, h, g, 0)  # noqa: E731
+    else:
+        grid = (batch, num_kv_heads, group)
+        out_map = lambda b, h, g: (b, h, g, 0)  # noqa: E731
+    out = pl.pallas_call(
         kernel,
         grid=grid,
         in_specs=[pl.no_block_spec] * 3,
-        out_specs=pl.no_block_spec,
-        out_shape=jax.ShapeDtypeStruct((batch * num_heads, head_dim), dtype),
-        compiler_params=plgpu.CompilerParams(num_warps=2, num_stages=1),
+        out_specs=pl.BlockSpec((None, None, None, head_dim), out_map),
+        out_shape=jax.ShapeDtypeStruct((batch, num_kv_heads, group, head_dim), dtype),
+        compiler_params=plgpu.CompilerParams(num_warps=4, num_stages=1),
         interpret=interpret,
         name=f"paged_decode_merge_s{splits}",
     )(acc, m, l)
+    return out
 
 
 # ----------------------------------------------------------------------------------------------
