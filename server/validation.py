@@ -52,13 +52,15 @@ class GenerationRequest:
 
 # name -> (JSON types accepted, description for the error message)
 _INT, _NUM, _BOOL = ((int,), "an integer"), ((int, float), "a number"), ((bool,), "a boolean")
+_MAP = ((dict,), "an object")
 _SAMPLING_FIELDS = {
     "n": _INT, "temperature": _NUM, "top_p": _NUM, "top_k": _INT, "min_p": _NUM, "seed": _INT,
     "presence_penalty": _NUM, "frequency_penalty": _NUM, "repetition_penalty": _NUM, "min_tokens": _INT,
     "ignore_eos": _BOOL, "skip_special_tokens": _BOOL, "include_stop_str_in_output": _BOOL,
+    "logit_bias": _MAP,  # {"token id": bias}: checked (count, ids, range) by SamplingParams
 }
 # Accepted for compatibility but unsupported when set to something that would change the output.
-_UNSUPPORTED = ("suffix", "logit_bias", "tools", "functions", "function_call", "prediction", "audio",
+_UNSUPPORTED = ("suffix", "tools", "functions", "function_call", "prediction", "audio",
                 "modalities")
 
 
@@ -116,6 +118,12 @@ def _sampling_params(body: dict[str, Any], max_tokens: int | None, logprobs: int
         m = re.match(r"(\w+)=", str(e))
         name = m.group(1) if m else None
         raise InvalidRequest(str(e), rename.get(name, name)) from None
+
+
+def _check_vocab(params: SamplingParams, ctx: ServingContext) -> None:
+    """Token ids in the parameters must exist in the model's vocabulary."""
+    if params.logit_bias and params.logit_bias[-1][0] >= ctx.vocab_size:  # sorted by id
+        raise InvalidRequest(f"'logit_bias' keys must be token ids in [0, {ctx.vocab_size})", "logit_bias")
 
 
 def _is_int(x: Any) -> bool:
@@ -201,6 +209,7 @@ def parse_completion(body: Any, ctx: ServingContext) -> GenerationRequest:
     logprobs = _typed(body, "logprobs", _INT)
     max_tokens, mt_name = _max_tokens(body, ("max_tokens",), 16)
     params = _sampling_params(body, max_tokens, logprobs, {})
+    _check_vocab(params, ctx)
     _check_length(ids, max_tokens, mt_name, "prompt", ctx)
     return GenerationRequest(False, model, ids, list(texts), params, stream, include_usage, echo, logprobs)
 
@@ -252,5 +261,6 @@ def parse_chat(body: Any, ctx: ServingContext) -> GenerationRequest:
     if body.get("max_completion_tokens") is None and body.get("max_tokens") is not None:
         mt_name = "max_tokens"
     params = _sampling_params(body, max_tokens, top, {"max_tokens": mt_name, "logprobs": "top_logprobs"})
+    _check_vocab(params, ctx)
     _check_length([ids], max_tokens, mt_name, "messages", ctx)
     return GenerationRequest(True, model, [ids], [text], params, stream, include_usage, False, top)

@@ -177,8 +177,13 @@ def _dec_params(v: Any, name: str) -> dict[str, Any]:
     out = {}
     for k, x in v.items():
         _dec_str(k, f"{name} key")
-        out[k] = [_dec_scalar(e, f"{name}.{k}") for e in x] if isinstance(x, list) else _dec_scalar(x, f"{name}.{k}")
+        out[k] = _dec_param_list(x, f"{name}.{k}") if isinstance(x, list) else _dec_scalar(x, f"{name}.{k}")
     return out
+
+
+def _dec_param_list(v: list, name: str) -> list:
+    """A list of scalars, or of lists of scalars (logit_bias: [[id, bias], ...]); nothing deeper."""
+    return [[_dec_scalar(y, name) for y in e] if isinstance(e, list) else _dec_scalar(e, name) for e in v]
 
 
 def _dec_stats(v: Any, name: str) -> dict[str, float]:
