@@ -65,17 +65,18 @@ class StepInputs:
     flags: tuple[bool, ...]  # SamplerFlags fields, in order
     batch: np.ndarray  # int32, `model_runner.pack_batch`
     sampling: np.ndarray  # int32, `model_runner.pack_sampling`
+    K: int = 0  # sparse logit biases per row (logit_bias, min_tokens)
 
     def to_wire(self) -> bytes:
         return msgpack.packb([self.T, self.B, self.P, self.decode, self.M, self.W, self.num_logprobs,
                               list(self.flags), self.batch.astype(np.int32).tobytes(),
-                              self.sampling.astype(np.int32).tobytes()])
+                              self.sampling.astype(np.int32).tobytes(), self.K])
 
     @classmethod
     def from_wire(cls, frame: bytes) -> StepInputs:
-        T, B, P, decode, M, W, n, flags, batch, sampling = msgpack.unpackb(frame)
+        T, B, P, decode, M, W, n, flags, batch, sampling, K = msgpack.unpackb(frame)
         return cls(int(T), int(B), int(P), bool(decode), int(M), int(W), int(n), tuple(bool(f) for f in flags),
-                   np.frombuffer(batch, np.int32), np.frombuffer(sampling, np.int32))
+                   np.frombuffer(batch, np.int32), np.frombuffer(sampling, np.int32), int(K))
 
 
 def check_group(nnodes: int, node_rank: int, master_port: int) -> None:

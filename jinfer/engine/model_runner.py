@@ -38,7 +38,7 @@ from jinfer.config import ModelConfig
 from jinfer.distributed import StepInputs
 from jinfer.engine.executable_cache import ExecutableCache
 from jinfer.engine.kv_cache_manager import NULL_PAGE, cdiv
-from jinfer.engine.sampler import SamplerFlags, SamplingTensors, sample_traced
+from jinfer.engine.sampler import SamplerFlags, SamplingTensors, sample_traced, uses_penalties
 from jinfer.engine.scheduler import SchedulerOutput
 from jinfer.models.batch import Batch
 from jinfer.models.llama import Weights
@@ -108,6 +108,7 @@ class StepRow:
     prompt: object  # packed prompt token set (repetition penalty) or None
     seed: int
     step: int  # index of the token being sampled among the request's outputs (keys the noise)
+    min_tokens_ids: tuple[int, ...] = ()  # masked while step < min_tokens (EOS, stop ids)
 
 
 @dataclass
@@ -163,11 +164,12 @@ def pack_sampling(t: SamplingTensors) -> np.ndarray:
     """One int32 buffer for the sampling parameters (floats and u32 by bit pattern)."""
     parts = [_i32(np.asarray(getattr(t, f), np.float32)) for f in _FLOAT_FIELDS]
     parts += [_i32(getattr(t, f)) for f in _INT_FIELDS] + [_i32(t.output_tokens), _i32(t.prompt_mask)]
+    parts += [_i32(t.bias_ids), _i32(np.asarray(t.bias_values, np.float32))]
     return np.concatenate(parts)
 
 
-def unpack_sampling(buf: jax.Array, dims: tuple[int, int, int]) -> SamplingTensors:
-    B, M, W = dims
+def unpack_sampling(buf: jax.Array, dims: tuple[int, int, int, int]) -> SamplingTensors:
+    B, M, W, K = dims
     o, out = 0, {}
     for f in _FLOAT_FIELDS + _INT_FIELDS:
         out[f] = buf[o:o + B]
@@ -178,6 +180,9 @@ def unpack_sampling(buf: jax.Array, dims: tuple[int, int, int]) -> SamplingTenso
     out["output_tokens"] = buf[o:o + B * M].reshape(B, M)
     o += B * M
     out["prompt_mask"] = jax.lax.bitcast_convert_type(buf[o:o + B * W], jnp.uint32).reshape(B, W)
+    o += B * W
+    out["bias_ids"] = buf[o:o + B * K].reshape(B, K)
+    out["bias_values"] = jax.lax.bitcast_convert_type(buf[o + B * K:o + 2 * B * K], jnp.float32).reshape(B, K)
     return SamplingTensors(**out)
 
 
@@ -191,9 +196,13 @@ def _forward_step(weights, buf, kv_cache, prev_tokens, *, dims, cfg, ops, mesh, 
     return mesh_forward(forward, cfg, ops, mesh, *specs)(weights, batch, kv_cache)
 
 
-def _sample_step(logits, buf, *, dims, num_logprobs, flags, max_seqs):
+def _sample_step(logits, buf, prev_tokens, *, dims, num_logprobs, flags, max_seqs):
     B = logits.shape[0]
-    r = sample_traced(logits, unpack_sampling(buf, dims), num_logprobs, flags)
+    t = unpack_sampling(buf, dims)
+    if dims[1]:  # penalties: an output token still pending on the host is -2 - (its row in prev_tokens)
+        ids = t.output_tokens
+        t.output_tokens = jnp.where(ids <= -2, prev_tokens[jnp.clip(-2 - ids, 0, max_seqs - 1)], ids)
+    r = sample_traced(logits, t, num_logprobs, flags)
     bits = lambda x: jax.lax.bitcast_convert_type(x, jnp.int32)
     packed = jnp.concatenate([r.tokens[:, None], bits(r.logprobs)[:, None], r.top_ids, bits(r.top_logprobs)], axis=1)
     return packed, jnp.zeros(max_seqs, jnp.int32).at[:B].set(r.tokens)
@@ -203,6 +212,15 @@ def unpack_result(packed: np.ndarray) -> StepResult:
     n = (packed.shape[1] - 2) // 2
     f32 = lambda x: np.ascontiguousarray(x).view(np.float32)
     return StepResult(packed[:, 0], f32(packed[:, 1]), packed[:, 2:2 + n], f32(packed[:, 2 + n:]))
+
+
+def _with_pending_output(row: StepRow | None, s, prev: Launched | None) -> StepRow | None:
+    """A penalized row whose last output token is still being sampled by `prev` (async scheduling): its
+    output ids end with the marker -2 - (that token's row in prev's samples), which the sampler resolves on
+    the device, so penalties never make the host wait for the previous step."""
+    if row is None or not s.input_from_device or not uses_penalties(row.params):
+        return row
+    return replace(row, output_ids=[*row.output_ids, -2 - prev.row_of[s.request_id]])
 
 
 class ModelRunner:
@@ -316,7 +334,8 @@ class ModelRunner:
         """Rows align with the batch's sequences; None (a prefill chunk that samples nothing) is padding."""
         dense = [(r.params, r.output_ids, r.prompt, r.step) if r else ({"temperature": 0.0}, [], None, None)
                  for r in rows]
-        st = SamplingTensors.from_params(dense, self.cfg.vocab_size, num_seqs=B)
+        st = SamplingTensors.from_params(dense, self.cfg.vocab_size, num_seqs=B,
+                                         min_tokens_ids=[r.min_tokens_ids if r else () for r in rows])
         for b, r in enumerate(rows):
             if r is not None:
                 st.seeds[b] = r.seed % 2**32
@@ -345,13 +364,15 @@ class ModelRunner:
         buf = jax.ShapeDtypeStruct((sum(_batch_sizes(T, B, P)),), jnp.int32)
         return self._add_executable(key, jitted, (self.weights, buf, self.kv_cache, self._no_prev), dims=(T, B, P))
 
-    def sampler_executable(self, B: int, M: int, W: int, num_logprobs: int, flags: SamplerFlags) -> jax.stages.Compiled:
-        if (hit := self._compiled.get(("sample", B, M, W, num_logprobs, flags))) is not None:
+    def sampler_executable(self, B: int, M: int, W: int, num_logprobs: int, flags: SamplerFlags,
+                           K: int = 0) -> jax.stages.Compiled:
+        if (hit := self._compiled.get(("sample", B, M, W, K, num_logprobs, flags))) is not None:
             return hit
         logits = jax.ShapeDtypeStruct((B, self.cfg.vocab_size), jnp.float32, sharding=self._replicated)
-        buf = jax.ShapeDtypeStruct((B * (len(_FLOAT_FIELDS) + len(_INT_FIELDS) + M + W),), jnp.int32)
-        return self._add_executable(("sample", B, M, W, num_logprobs, flags), self._sample, (logits, buf),
-                                    dims=(B, M, W), num_logprobs=num_logprobs, flags=flags)
+        buf = jax.ShapeDtypeStruct((B * (len(_FLOAT_FIELDS) + len(_INT_FIELDS) + M + W + 2 * K),), jnp.int32)
+        return self._add_executable(("sample", B, M, W, K, num_logprobs, flags), self._sample,
+                                    (logits, buf, self._no_prev), dims=(B, M, W, K), num_logprobs=num_logprobs,
+                                    flags=flags)
 
     # ---- device step ------------------------------------------------------------------------------
 
@@ -363,10 +384,12 @@ class ModelRunner:
             raise ValueError("decodes of pending tokens need the previous step")
         batch, prev_index = self.build_batch(out, prev)
         T, B, P = batch.num_tokens, batch.num_seqs, batch.page_table.shape[1]
+        rows = [_with_pending_output(r, s, prev) for r, s in zip(rows, out.scheduled, strict=True)]
         st = self.sampling_tensors(rows, B)
         step = StepInputs(T, B, P, T in self.decode_buckets and out.num_scheduled_tokens == len(out.scheduled),
                           st.output_tokens.shape[1], st.prompt_mask.shape[1], num_logprobs,
-                          astuple(SamplerFlags.of(st)), pack_batch(batch, prev_index), pack_sampling(st))
+                          astuple(SamplerFlags.of(st)), pack_batch(batch, prev_index), pack_sampling(st),
+                          K=st.bias_ids.shape[1])
         if self.on_launch is not None:  # the other processes of a multi-process group launch it too
             self.on_launch(step)
         packed, tokens = self.run_step(step)
@@ -378,10 +401,11 @@ class ModelRunner:
         """Launch one step's executables on its packed inputs: (packed samples, sampled ids). The decodes
         of pending tokens read the latest sampler output, the step launched just before this one."""
         forward = self.forward_executable(step.T, step.B, step.P, step.decode)
-        sample = self.sampler_executable(step.B, step.M, step.W, step.num_logprobs, SamplerFlags(*step.flags))
+        sample = self.sampler_executable(step.B, step.M, step.W, step.num_logprobs, SamplerFlags(*step.flags),
+                                         step.K)
         buf, sbuf = self._put((step.batch, step.sampling))
         logits, self.kv_cache = forward(self.weights, buf, self.kv_cache, self._last_tokens)
-        packed, tokens = sample(logits, sbuf)
+        packed, tokens = sample(logits, sbuf, self._last_tokens)
         self._last_tokens = tokens
         return packed, tokens
 
@@ -414,12 +438,14 @@ class ModelRunner:
                 sample = self.sampler_executable(B, 0, 0, -1, flags)
                 if run:
                     jax.block_until_ready(sample(logits, self._put(pack_sampling(self.sampling_tensors([None] * B,
-                                                                                                       B)))))
+                                                                                                       B))),
+                                                 self._last_tokens))
         # A first sampler output, so the very first step passes the same kind of array as all others.
         B = self.seqs_bucket(self.token_buckets[0])
         sample = self.sampler_executable(B, 0, 0, -1, SamplerFlags.warm()[0])
         logits = put(np.zeros((B, self.cfg.vocab_size), np.float32), self._replicated)
-        self._last_tokens = sample(logits, self._put(pack_sampling(self.sampling_tensors([None] * B, B))))[1]
+        self._last_tokens = sample(logits, self._put(pack_sampling(self.sampling_tensors([None] * B, B))),
+                                   self._last_tokens)[1]
         self.warmed_up = True
         _trim_host_heap()
         self.compile_seconds = time.perf_counter() - t0
