@@ -120,6 +120,10 @@ class _Seq:
     emitted: int = 0  # chars of `text` already sent
     num_prompt_tokens: int = 0
     min_tokens_ids: tuple[int, ...] = ()  # masked (EOS, stop ids) while fewer than min_tokens tokens exist
+    # prompt_logprobs: the prompt's ids and one entry per prompt token (the first None), filled as the
+    # prefill's chunks are read back and sent with the first delta; None when not asked for.
+    prompt_ids: list[int] | None = None
+    prompt_lps: list[dict[int, float] | None] | None = None
     held: list[int] = field(default_factory=list)  # token ids whose text is not sent yet
 
 
@@ -271,6 +275,8 @@ class EngineCore:
                 self._seqs[sid] = _Seq(request_id, i, params, seed, detok, mask, num_prompt_tokens=len(ids),
                                        min_tokens_ids=request.stop_token_ids_while_min_tokens()
                                        if params.min_tokens else ())
+                if params.prompt_logprobs is not None:
+                    self._seqs[sid].prompt_ids, self._seqs[sid].prompt_lps = ids, [None] * len(ids)
         except ValueError:
             for sid in added:
                 self.scheduler.abort(sid)
@@ -325,7 +331,7 @@ class EngineCore:
                             if s.needs_sample else None)
             wanted = [r.params for r in rows if r is not None]
             num_logprobs = num_logprobs_for(wanted) if wanted else -1
-            launched = self.runner.launch(out, rows, num_logprobs, self._inflight)
+            launched = self.runner.launch(out, rows, num_logprobs, self._inflight, self._prompt_logprobs_wanted(out))
         if self._inflight is not None:
             outputs += self._complete(self._inflight)
         self._inflight = launched
@@ -334,10 +340,35 @@ class EngineCore:
             self._inflight = None
         return outputs
 
+    def _prompt_logprobs_wanted(self, out) -> tuple[int, list[bool]] | None:
+        """(top k, which scheduled sequences) for the prompt logprobs of this step's prefill chunks."""
+        wants = []
+        for s in out.scheduled:
+            seq = self._seqs[s.request_id]
+            wants.append(seq.prompt_lps is not None and s.start < seq.num_prompt_tokens - 1)
+        if not any(wants):
+            return None
+        k = max(self._seqs[s.request_id].params.prompt_logprobs for s, w in zip(out.scheduled, wants) if w)
+        return k, wants
+
+    def _record_prompt_logprobs(self, launched: Launched) -> None:
+        plp = self.runner.fetch_prompt_logprobs(launched)
+        if plp is None:
+            return
+        for i, (sid, pos) in enumerate(launched.prompt_rows):
+            seq = self._seqs.get(sid)
+            if seq is None or seq.prompt_lps is None:  # aborted, or sent already (a recompute after preemption)
+                continue
+            k = seq.params.prompt_logprobs
+            lp = {int(t): float(v) for t, v in zip(plp.top_ids[i][:k], plp.top_logprobs[i][:k])}
+            lp[seq.prompt_ids[pos]] = float(plp.logprobs[i])
+            seq.prompt_lps[pos] = lp
+
     def _complete(self, launched: Launched) -> list[EngineOutput]:
         """Read a launched step's tokens back, advance the scheduler and build the deltas."""
         out = launched.out
         result = self.runner.fetch(launched)
+        self._record_prompt_logprobs(launched)
         live = [(b, s) for b, s in enumerate(out.scheduled) if s.needs_sample and not s.request.is_finished]
         sampled = {s.request_id: int(result.tokens[b]) for b, s in live}
         finished = {r.request_id: r for r in self.scheduler.update(out, sampled)}
@@ -380,7 +411,8 @@ class EngineCore:
         ids, seq.held = seq.held, []
         delta = EngineOutput(seq.parent_id, seq.index, ids, new_text, finished=done,
                              new_logprobs=lps, num_prompt_tokens=seq.num_prompt_tokens,
-                             num_cached_tokens=request.num_cached_tokens)
+                             num_cached_tokens=request.num_cached_tokens, prompt_logprobs=seq.prompt_lps)
+        seq.prompt_lps = None  # sent with the first delta
         if done:
             delta.finish_reason = str(FinishReason.STOP if stop_hit is not None else request.finish_reason)
             delta.stop_reason = stop_hit if stop_hit is not None else request.stop_reason

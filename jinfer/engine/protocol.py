@@ -21,7 +21,7 @@ import numpy as np
 
 from jinfer.outputs import EngineOutput
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2
 _INT32 = np.dtype("<i4")
 _FLOAT64 = np.dtype("<f8")
 MAX_FRAME_BYTES = 256 << 20
@@ -227,6 +227,8 @@ _OUTPUT_FIELDS: list[tuple[str, Callable[[Any], Any], Callable[[Any, str], Any]]
     ("num_prompt_tokens", int, _dec_int),
     ("num_cached_tokens", int, _dec_int),
     ("error", lambda x: x, _optional(_dec_str)),
+    ("prompt_logprobs", lambda x: None if x is None else _enc_logprobs(x[1:]),  # the first entry is always None
+     lambda v, n: None if v is None else [None, *_dec_logprobs(v, n)]),
 ]
 
 

@@ -474,6 +474,21 @@ def sample_traced(logits: jax.Array, t: SamplingTensors, num_logprobs: int, flag
 _sample_jit = jax.jit(sample_traced, static_argnames=("num_logprobs", "flags"))
 
 
+def token_logprobs(logits: jax.Array, targets: jax.Array, k: int) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """Prompt logprobs: for f32[N, V] logits and the i32[N] token each row predicts, the raw logprob of that
+    token [N], and the top-k ids [N, k] with their logprobs [N, k] (k static, 0 allowed). Rows whose target
+    is negative (padding) give garbage that the caller ignores."""
+    raw = logits.astype(jnp.float32)
+    N = raw.shape[0]
+    lse = jax.nn.logsumexp(raw, axis=-1)  # [N]
+    chosen = jnp.take_along_axis(raw, jnp.maximum(targets, 0)[:, None], axis=1)[:, 0] - lse
+    if k == 0:
+        return chosen, jnp.zeros((N, 0), jnp.int32), jnp.zeros((N, 0), jnp.float32)
+    vals, ids, _ = _candidates(raw)  # the top k (<= NUM_GROUPS) tokens are among the candidates
+    top_vals, pos = lax.top_k(vals, k)
+    return chosen, jnp.take_along_axis(ids, pos, axis=1).astype(jnp.int32), top_vals - lse[:, None]
+
+
 
 def main() -> None:
     """Benchmark: `python -m jinfer.engine.sampler [B] [V]` times `sample` per parameter mix."""
