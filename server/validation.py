@@ -7,6 +7,7 @@ the model name, and prompt + max_tokens against the context length.
 
 from __future__ import annotations
 
+import dataclasses
 import re
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -48,6 +49,7 @@ class GenerationRequest:
     echo: bool = False
     top_logprobs: int | None = None  # None: no logprobs in the response
     extra: dict[str, Any] = field(default_factory=dict)
+    echo_only: bool = False  # completions echo + max_tokens 0: the prompt (and its logprobs), nothing generated
 
 
 # name -> (JSON types accepted, description for the error message)
@@ -208,10 +210,15 @@ def parse_completion(body: Any, ctx: ServingContext) -> GenerationRequest:
     echo = bool(_typed(body, "echo", _BOOL, False))
     logprobs = _typed(body, "logprobs", _INT)
     max_tokens, mt_name = _max_tokens(body, ("max_tokens",), 16)
-    params = _sampling_params(body, max_tokens, logprobs, {})
+    # echo + max_tokens 0 (how evaluation harnesses score a prompt): generate one token, then drop it (vLLM)
+    echo_only = echo and max_tokens == 0
+    params = _sampling_params(body, 1 if echo_only else max_tokens, logprobs, {})
+    if echo and logprobs is not None:  # the echoed prompt tokens' logprobs (the first one null)
+        params = dataclasses.replace(params, prompt_logprobs=logprobs)
     _check_vocab(params, ctx)
-    _check_length(ids, max_tokens, mt_name, "prompt", ctx)
-    return GenerationRequest(False, model, ids, list(texts), params, stream, include_usage, echo, logprobs)
+    _check_length(ids, params.max_tokens, mt_name, "prompt", ctx)
+    return GenerationRequest(False, model, ids, list(texts), params, stream, include_usage, echo, logprobs,
+                             echo_only=echo_only)
 
 
 def _message_text(i: int, m: Any) -> dict[str, Any]:

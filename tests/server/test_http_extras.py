@@ -202,3 +202,41 @@ def test_tokenize_errors(client):
 def test_ping(client):
     assert client.get("/ping").status_code == 200
     assert client.post("/ping").status_code == 200
+
+
+# ---- /v1/completions echo + logprobs: the prompt tokens' logprobs (the fake core's: -j/1000) ----------
+
+
+def test_echo_logprobs_with_max_tokens_0(client):
+    """As lm-evaluation-harness scores a prompt: echo, logprobs 1, max_tokens 0 (and 1)."""
+    ids = [19556, 28, 905, 17]  # "Hello, world!"
+    for max_tokens in (0, 1):
+        r = client.post(C, json={"prompt": ids, "echo": True, "logprobs": 1, "max_tokens": max_tokens,
+                                 "temperature": 0})
+        assert r.status_code == 200, r.text
+        choice = r.json()["choices"][0]
+        lp = choice["logprobs"]
+        n = len(ids) + max_tokens
+        assert len(lp["tokens"]) == len(lp["token_logprobs"]) == len(lp["top_logprobs"]) == n
+        assert lp["tokens"][:4] == ["Hello", ",", " world", "!"]
+        assert lp["token_logprobs"][:4] == [None, -0.001, -0.002, -0.003]
+        assert lp["top_logprobs"][0] is None
+        assert lp["top_logprobs"][1] == {",": -0.001, "-": -0.1}  # the prompt token and the top 1 (id 28 + 1)
+        assert lp["text_offset"][:4] == [0, 5, 6, 12]
+        assert choice["text"].startswith("Hello, world!")
+        if max_tokens == 0:
+            assert choice["text"] == "Hello, world!" and choice["finish_reason"] == "length"
+            assert r.json()["usage"]["completion_tokens"] == 0
+        else:
+            assert lp["token_logprobs"][4] == -0.5  # the generated token's
+    # streamed: the first chunk carries the echoed prompt and its logprobs
+    with client.stream("POST", C, json={"prompt": ids, "echo": True, "logprobs": 2, "max_tokens": 0,
+                                        "stream": True}) as r:
+        events = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: {")]
+    first = events[0]["choices"][0]
+    assert first["text"] == "Hello, world!" and first["logprobs"]["token_logprobs"] == [None, -0.001, -0.002, -0.003]
+    assert len(first["logprobs"]["top_logprobs"][2]) == 3
+    assert events[-1]["choices"][0]["finish_reason"] == "length"
+    assert "".join(e["choices"][0]["text"] for e in events) == "Hello, world!"
+    # without echo, max_tokens 0 is still refused
+    assert client.post(C, json={"prompt": ids, "max_tokens": 0}).status_code == 400
