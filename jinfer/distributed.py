@@ -65,17 +65,22 @@ class StepInputs:
     flags: tuple[bool, ...]  # SamplerFlags fields, in order
     batch: np.ndarray  # int32, `model_runner.pack_batch`
     sampling: np.ndarray  # int32, `model_runner.pack_sampling`
+    K: int = 0  # sparse logit biases per row (logit_bias, min_tokens)
+    plp_k: int = -1  # prompt logprobs: top-k per prompt position (-1: none in this step)
+    plp_targets: np.ndarray | None = None  # int32 [T]: the token each prompt position scores (-1 padding)
 
     def to_wire(self) -> bytes:
+        targets = None if self.plp_targets is None else self.plp_targets.astype(np.int32).tobytes()
         return msgpack.packb([self.T, self.B, self.P, self.decode, self.M, self.W, self.num_logprobs,
                               list(self.flags), self.batch.astype(np.int32).tobytes(),
-                              self.sampling.astype(np.int32).tobytes()])
+                              self.sampling.astype(np.int32).tobytes(), self.K, self.plp_k, targets])
 
     @classmethod
     def from_wire(cls, frame: bytes) -> StepInputs:
-        T, B, P, decode, M, W, n, flags, batch, sampling = msgpack.unpackb(frame)
+        T, B, P, decode, M, W, n, flags, batch, sampling, K, plp_k, targets = msgpack.unpackb(frame)
         return cls(int(T), int(B), int(P), bool(decode), int(M), int(W), int(n), tuple(bool(f) for f in flags),
-                   np.frombuffer(batch, np.int32), np.frombuffer(sampling, np.int32))
+                   np.frombuffer(batch, np.int32), np.frombuffer(sampling, np.int32), int(K), int(plp_k),
+                   None if targets is None else np.frombuffer(targets, np.int32))
 
 
 def check_group(nnodes: int, node_rank: int, master_port: int) -> None:
@@ -291,7 +296,7 @@ class Follower(_Member):
             if frame == STOP:
                 break
             try:
-                _, tokens = runner.run_step(StepInputs.from_wire(frame))
+                _, tokens, _ = runner.run_step(StepInputs.from_wire(frame))
                 in_flight.append(tokens)
                 if len(in_flight) > 2:  # as deep as process 0's pipeline: launch N+1, then wait for N
                     jax.block_until_ready(in_flight.pop(0))

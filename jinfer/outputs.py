@@ -24,6 +24,8 @@ class EngineOutput:
     num_prompt_tokens: int = 0
     num_cached_tokens: int = 0
     error: str | None = None  # set when finish_reason == "error"
+    # prompt_logprobs: on a sequence's first delta, one entry per prompt token (the first None)
+    prompt_logprobs: list[TokenLogprobs | None] | None = None
 
 
 @dataclass
@@ -48,6 +50,7 @@ class RequestOutput:
     outputs: list[CompletionOutput]
     finished: bool = False
     num_cached_tokens: int = 0
+    prompt_logprobs: list[TokenLogprobs | None] | None = None  # SamplingParams.prompt_logprobs (vLLM's)
 
     def add(self, delta: EngineOutput) -> None:
         """Fold one step's delta into the aggregate."""
@@ -61,4 +64,6 @@ class RequestOutput:
         if delta.finished:
             out.finish_reason, out.stop_reason = delta.finish_reason, delta.stop_reason
         self.num_cached_tokens = max(self.num_cached_tokens, delta.num_cached_tokens)
+        if delta.prompt_logprobs is not None and self.prompt_logprobs is None:
+            self.prompt_logprobs = delta.prompt_logprobs
         self.finished = all(o.finished() for o in self.outputs)

@@ -3,7 +3,13 @@
 Frozen and validated once in `__post_init__`: every bad value raises `ValueError` naming the field, so
 the server can turn it into a 400 without knowing the rules. Normalization done here:
 - `stop` (str | list[str] | None) -> tuple[str, ...]; `stop_token_ids` -> tuple[int, ...];
-- `top_k` 0 -> -1 (both mean "off"); ints given for float fields become floats.
+- `top_k` 0 -> -1 (both mean "off"); ints given for float fields become floats;
+- `logit_bias` ({token id (int or decimal string): bias} or [[id, bias], ...]) -> tuple of (id, bias) pairs.
+
+Bounds (every field is checked into a range, so nothing downstream overflows: a request is never a 500):
+integers fit their device types (`seed` in int64 as vLLM, the others in int32), floats are finite in float32,
+`n` <= MAX_N, at most MAX_STOP_STRINGS stop strings of at most MAX_STOP_STRING_CHARS characters each,
+at most MAX_STOP_TOKEN_IDS stop token ids, at most MAX_LOGIT_BIAS logit_bias entries in [-100, 100].
 """
 
 from __future__ import annotations
@@ -13,6 +19,15 @@ from dataclasses import dataclass, fields
 from typing import Any
 
 MAX_LOGPROBS = 20
+MAX_N = 1024
+MAX_STOP_STRINGS = 64
+MAX_STOP_STRING_CHARS = 1024
+MAX_STOP_TOKEN_IDS = 1024
+MAX_LOGIT_BIAS = 1024
+LOGIT_BIAS_RANGE = 100.0
+INT32_MAX = 2**31 - 1
+INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
+FLOAT32_MAX = 3.4028234663852886e38
 # Below this temperature sampling is greedy (argmax), as in vLLM.
 GREEDY_EPS = 1e-5
 
@@ -23,6 +38,22 @@ def _is_int(x: Any) -> bool:
 
 def _is_number(x: Any) -> bool:
     return isinstance(x, int | float) and not isinstance(x, bool)
+
+
+def _show(x: Any) -> str:
+    """A short repr for error messages (a 4000-digit integer from a request must not become the message)."""
+    if _is_int(x) and abs(x) > 10**20:
+        return f"<{x.bit_length()}-bit integer>"
+    r = repr(x)
+    return r if len(r) <= 80 else r[:77] + "..."
+
+
+def _finite32(x: Any) -> bool:
+    """A number whose float value is finite in float32 (huge ints would overflow float() or the device)."""
+    try:
+        return _is_number(x) and math.isfinite(float(x)) and abs(float(x)) <= FLOAT32_MAX
+    except OverflowError:
+        return False
 
 
 @dataclass(frozen=True)
@@ -46,30 +77,39 @@ class SamplingParams:
     logprobs: int | None = None  # top-N logprobs per generated token (the sampled one is always returned)
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    # ---- issue 16 part B: prompt logprobs and logit bias ----
+    prompt_logprobs: int | None = None  # top-N logprobs per prompt token (and the token's own); first is None
+    logit_bias: Any = None  # {token id: bias in [-100, 100]} added to the logits before sampling
 
     def __post_init__(self):
         set_ = lambda name, value: object.__setattr__(self, name, value)
         for name in ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty",
                      "repetition_penalty"):
             value = getattr(self, name)
-            if not _is_number(value) or not math.isfinite(value):
-                raise ValueError(f"{name}={value!r} must be a finite number")
+            if not _finite32(value):
+                raise ValueError(f"{name}={_show(value)} must be a finite number")
             set_(name, float(value))
         for name in ("n", "top_k", "min_tokens"):
             value = getattr(self, name)
             if not _is_int(value):
-                raise ValueError(f"{name}={value!r} must be an integer")
-        for name in ("seed", "max_tokens", "logprobs"):
+                raise ValueError(f"{name}={_show(value)} must be an integer")
+        for name in ("seed", "max_tokens", "logprobs", "prompt_logprobs"):
             value = getattr(self, name)
             if value is not None and not _is_int(value):
-                raise ValueError(f"{name}={value!r} must be an integer or None")
+                raise ValueError(f"{name}={_show(value)} must be an integer or None")
+        for name in ("n", "top_k", "min_tokens", "max_tokens"):  # int32 on the device
+            value = getattr(self, name)
+            if value is not None and abs(value) > INT32_MAX:
+                raise ValueError(f"{name}={_show(value)} must be at most {INT32_MAX} in magnitude")
+        if self.seed is not None and not INT64_MIN <= self.seed <= INT64_MAX:
+            raise ValueError(f"seed={_show(self.seed)} must be a 64-bit signed integer [{INT64_MIN}, {INT64_MAX}]")
         for name in ("ignore_eos", "skip_special_tokens", "include_stop_str_in_output"):
             value = getattr(self, name)
             if not isinstance(value, bool):
-                raise ValueError(f"{name}={value!r} must be a bool")
+                raise ValueError(f"{name}={_show(value)} must be a bool")
 
-        if self.n < 1:
-            raise ValueError(f"n={self.n} must be >= 1")
+        if not 1 <= self.n <= MAX_N:
+            raise ValueError(f"n={self.n} must be in [1, {MAX_N}]")
         if self.temperature < 0:
             raise ValueError(f"temperature={self.temperature} must be >= 0")
         if not 0 < self.top_p <= 1:
@@ -93,7 +133,9 @@ class SamplingParams:
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
             raise ValueError(f"min_tokens={self.min_tokens} must be <= max_tokens={self.max_tokens}")
         if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
-            raise ValueError(f"logprobs={self.logprobs} must be in [0, {MAX_LOGPROBS}]")
+            raise ValueError(f"logprobs={_show(self.logprobs)} must be in [0, {MAX_LOGPROBS}]")
+        if self.prompt_logprobs is not None and not 0 <= self.prompt_logprobs <= MAX_LOGPROBS:
+            raise ValueError(f"prompt_logprobs={_show(self.prompt_logprobs)} must be in [0, {MAX_LOGPROBS}]")
 
         stop = self.stop
         if stop is None:
@@ -103,9 +145,13 @@ class SamplingParams:
         elif isinstance(stop, list | tuple):
             stop = tuple(stop)
         else:
-            raise ValueError(f"stop={stop!r} must be a string, a list of strings or None")
+            raise ValueError(f"stop={_show(stop)} must be a string, a list of strings or None")
         if not all(isinstance(s, str) and s for s in stop):
-            raise ValueError(f"stop={self.stop!r} must contain only non-empty strings")
+            raise ValueError(f"stop={_show(self.stop)} must contain only non-empty strings")
+        if len(stop) > MAX_STOP_STRINGS:
+            raise ValueError(f"stop= has {len(stop)} strings; at most {MAX_STOP_STRINGS} are allowed")
+        if any(len(s) > MAX_STOP_STRING_CHARS for s in stop):
+            raise ValueError(f"stop= strings must be at most {MAX_STOP_STRING_CHARS} characters long")
         set_("stop", stop)
 
         ids = self.stop_token_ids
@@ -114,10 +160,14 @@ class SamplingParams:
         elif isinstance(ids, list | tuple):
             ids = tuple(ids)
         else:
-            raise ValueError(f"stop_token_ids={ids!r} must be a list of integers or None")
-        if not all(_is_int(t) and t >= 0 for t in ids):
-            raise ValueError(f"stop_token_ids={self.stop_token_ids!r} must contain only integers >= 0")
+            raise ValueError(f"stop_token_ids={_show(ids)} must be a list of integers or None")
+        if not all(_is_int(t) and 0 <= t <= INT32_MAX for t in ids):
+            raise ValueError(f"stop_token_ids={_show(self.stop_token_ids)} must contain only integers in "
+                             f"[0, {INT32_MAX}]")
+        if len(ids) > MAX_STOP_TOKEN_IDS:
+            raise ValueError(f"stop_token_ids= has {len(ids)} ids; at most {MAX_STOP_TOKEN_IDS} are allowed")
         set_("stop_token_ids", ids)
+        set_("logit_bias", _logit_bias(self.logit_bias))
 
     @property
     def is_greedy(self) -> bool:
@@ -128,4 +178,29 @@ class SamplingParams:
         d = {f.name: getattr(self, f.name) for f in fields(self)}
         d["stop"] = list(self.stop)
         d["stop_token_ids"] = list(self.stop_token_ids)
+        d["logit_bias"] = None if self.logit_bias is None else [list(p) for p in self.logit_bias]
         return d
+
+
+def _logit_bias(bias: Any) -> tuple[tuple[int, float], ...] | None:
+    """{id: bias} (ids as ints or decimal strings, as JSON gives them) or [[id, bias], ...] -> sorted pairs."""
+    if bias is None:
+        return None
+    if isinstance(bias, dict):
+        items = list(bias.items())
+    elif isinstance(bias, list | tuple) and all(isinstance(p, list | tuple) and len(p) == 2 for p in bias):
+        items = [tuple(p) for p in bias]
+    else:
+        raise ValueError("logit_bias= must be a map of token id to bias")
+    if len(items) > MAX_LOGIT_BIAS:
+        raise ValueError(f"logit_bias= has {len(items)} entries; at most {MAX_LOGIT_BIAS} are allowed")
+    out = {}
+    for key, value in items:
+        if isinstance(key, str) and key.isascii() and key.isdecimal() and len(key) <= 10:
+            key = int(key)
+        if not _is_int(key) or not 0 <= key <= INT32_MAX:
+            raise ValueError(f"logit_bias= keys must be token ids (integers >= 0), got {_show(key)}")
+        if not _finite32(value) or not -LOGIT_BIAS_RANGE <= value <= LOGIT_BIAS_RANGE:
+            raise ValueError(f"logit_bias= values must be numbers in [-100, 100], got {_show(value)}")
+        out[key] = float(value)
+    return tuple(sorted(out.items())) or None

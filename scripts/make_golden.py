@@ -14,6 +14,8 @@ Outputs (all under tests/data/, see tests/data/README.md):
   golden/tiny-<arch>.npz                      prefill logits, greedy ids and per-step decode logits
   golden/smollm2_greedy.json                  greedy continuations of SmolLM2-135M-Instruct (Q4_1 GGUF)
   golden/smollm2_chat0_last_logits.npy        HF prefill logits of the first chat prompt, last position
+  golden/prompt_logprobs_tiny-qwen3.npz       prompt logprobs (+ top 5) of tiny-qwen3 (`--only prompt-logprobs`
+                                              writes just this file, from the committed checkpoint)
 
 Deterministic: fixed seeds, CPU, float32, eager attention, deterministic torch algorithms.
 """
@@ -376,17 +378,51 @@ def make_smollm2(gguf_path: Path):
     np.save(GOLDEN / "smollm2_chat0_last_logits.npy", chat0_logits.astype(np.float32))
 
 
+PROMPT_LOGPROBS_LENS = (6, 45, 90)
+PROMPT_LOGPROBS_TOP = 5
+
+
+@torch.no_grad()
+def make_prompt_logprobs(arch: str = "qwen3", seed: int = 7):
+    """vLLM's prompt_logprobs from HF logits of the committed tiny checkpoint: entry j >= 1 is
+    log_softmax(logits[j - 1])[prompt[j]], with the top PROMPT_LOGPROBS_TOP of that row. The last prompt
+    repeats the first 32 tokens of the one before it (a prefix-cache hit if the engine used the cache)."""
+    d = DATA / f"tiny-{arch}"
+    model = AutoModelForCausalLM.from_pretrained(d, dtype=torch.float32, attn_implementation="eager").eval()
+    rng = np.random.default_rng(seed)
+    prompts = [rng.integers(0, VOCAB, size=L).astype(np.int32) for L in PROMPT_LOGPROBS_LENS]
+    prompts.append(np.concatenate([prompts[-1][:32], rng.integers(0, VOCAB, size=20).astype(np.int32)]))
+    arrays = {}
+    for i, prompt in enumerate(prompts):
+        logits = model(input_ids=torch.tensor([prompt.tolist()])).logits[0].double()
+        lsm = torch.log_softmax(logits, dim=-1)[:-1]  # row j - 1 scores prompt[j]
+        top = torch.topk(lsm, PROMPT_LOGPROBS_TOP, dim=-1)
+        arrays[f"prompt_{i}"] = prompt
+        arrays[f"logprobs_{i}"] = lsm.gather(1, torch.tensor(prompt[1:], dtype=torch.long)[:, None])[:, 0].numpy()
+        arrays[f"top_ids_{i}"] = top.indices.numpy().astype(np.int32)
+        arrays[f"top_logprobs_{i}"] = top.values.numpy()
+    arrays["meta"] = np.array(json.dumps({**META, "arch": arch, "seed": seed, "top": PROMPT_LOGPROBS_TOP}))
+    out = GOLDEN / f"prompt_logprobs_tiny-{arch}.npz"
+    np.savez(out, **arrays)
+    print(f"wrote {out.relative_to(REPO)}: prompts of {[len(p) for p in prompts]} tokens")
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("gguf", nargs="?", default=str(DEFAULT_GGUF))
     ap.add_argument("--skip-gguf", action="store_true")
     ap.add_argument("--skip-tiny", action="store_true")
+    ap.add_argument("--only", choices=["prompt-logprobs"], default=None,
+                    help="write only this golden file (from the committed checkpoints)")
     args = ap.parse_args()
 
     torch.manual_seed(0)
     torch.use_deterministic_algorithms(True)
     torch.set_num_threads(min(2, os.cpu_count() or 1))
 
+    if args.only == "prompt-logprobs":
+        make_prompt_logprobs()
+        return
     if not args.skip_tiny:
         for seed, (arch, (cls, cfg, shard)) in enumerate(tiny_specs().items()):
             make_tiny(arch, cls, cfg, shard, seed=1000 + 10 * seed)

@@ -1,7 +1,7 @@
 """The OpenAI-compatible HTTP server (Starlette): routes, auth, admission control, error bodies.
 
     POST /v1/completions, POST /v1/chat/completions   (JSON or SSE with `stream: true`)
-    GET  /v1/models, /health, /metrics, /version
+    GET  /v1/models, /health, /metrics, /version;  GET|POST /ping;  POST /tokenize, /detokenize
 
 The engine is reached through `jinfer.client.EngineClient` (ZeroMQ); this process tokenizes, applies
 the chat template, validates, and formats. Admission is bounded: at most max_num_seqs running plus
@@ -12,11 +12,13 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.requests import Request
@@ -28,10 +30,12 @@ from jinfer.client import EngineClient
 from server import schemas
 from server.generation import Generation
 from server.metrics import Metrics
+from server.tokenization import detokenize, tokenize
 from server.validation import InvalidRequest, ServingContext, parse_chat, parse_completion
 
 RETRY_AFTER_S = 1
 MAX_BODY_BYTES = 32 << 20
+MAX_JSON_DEPTH = 64  # nesting of arrays/objects in a request body
 
 
 @dataclass
@@ -70,10 +74,28 @@ async def _json_body(request: Request) -> Any:
             raise InvalidRequest(f"the request body exceeds {MAX_BODY_BYTES} bytes", None, "request_too_large", 413)
         chunks.append(chunk)
     raw = b"".join(chunks)
+    if json_depth(raw) > MAX_JSON_DEPTH:
+        raise InvalidRequest(f"the request body nests arrays/objects deeper than {MAX_JSON_DEPTH} levels", None,
+                             "invalid_json")
     try:
         return json.loads(raw)
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise InvalidRequest(f"the request body is not valid JSON: {e}", None, "invalid_json") from None
+    except (ValueError, RecursionError) as e:  # JSONDecodeError, UnicodeDecodeError, int digit limit
+        raise InvalidRequest(f"the request body is not valid JSON: {str(e)[:200]}", None, "invalid_json") from None
+
+
+_JSON_STRING = re.compile(rb'"[^"\\]*(?:\\.[^"\\]*)*"', re.DOTALL)
+_DEPTH_STEP = np.zeros(256, np.int8)
+_DEPTH_STEP[[ord("["), ord("{")]] = 1
+_DEPTH_STEP[[ord("]"), ord("}")]] = -1
+
+
+def json_depth(raw: bytes) -> int:
+    """Maximum nesting depth of the brackets of a JSON text, outside its strings, without parsing it (a
+    parser recurses per level: 100,000 nested '[' overflowed the stack). """
+    if raw.count(b"[") + raw.count(b"{") <= MAX_JSON_DEPTH:
+        return 0  # cannot be deeper (the usual case: no scan)
+    steps = _DEPTH_STEP[np.frombuffer(_JSON_STRING.sub(b"", raw), np.uint8)]
+    return int(np.cumsum(steps, dtype=np.int64).max(initial=0))
 
 
 def _admit(state: ServerState, num_seqs: int) -> Callable[[], None]:
@@ -198,6 +220,25 @@ async def metrics(request: Request) -> Response:
     return Response(state.metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
 
 
+async def ping(request: Request) -> Response:
+    """vLLM's /ping (GET or POST): the same answer as /health."""
+    return await health(request)
+
+
+def _json_endpoint(handler: Callable[[Any, ServingContext], dict[str, Any]]) -> Callable[[Request], Any]:
+    """A POST endpoint that answers one JSON body with one JSON body (/tokenize, /detokenize)."""
+
+    async def endpoint(request: Request) -> Response:
+        state = _state(request)
+        try:
+            _check_auth(request, state)
+            return JSONResponse(handler(await _json_body(request), state.ctx))
+        except InvalidRequest as e:
+            return _error(e)
+
+    return endpoint
+
+
 async def version(request: Request) -> Response:
     return JSONResponse({"version": jinfer.__version__})
 
@@ -224,6 +265,9 @@ def build_app(client: EngineClient, *, tokenizer: Any = None, served_model_names
         Route("/health", health, methods=["GET"]),
         Route("/metrics", metrics, methods=["GET"]),
         Route("/version", version, methods=["GET"]),
+        Route("/ping", ping, methods=["GET", "POST"]),
+        Route("/tokenize", _json_endpoint(tokenize), methods=["POST"]),
+        Route("/detokenize", _json_endpoint(detokenize), methods=["POST"]),
     ], exception_handlers={HTTPException: _http_error})
     app.state.jinfer = state
     return app

@@ -48,6 +48,7 @@ class _Choice:
     stop_reason: int | str | None = None
     last_time: float | None = None
     streamed: bool = False
+    prompt_logprobs: list[dict[int, float] | None] | None = None  # echo + logprobs
 
 
 class Generation:
@@ -97,6 +98,12 @@ class Generation:
                 self.state.metrics.itl.observe((now - c.last_time) / len(d.new_token_ids))
             c.last_time = now
             self.state.metrics.generation_tokens.inc(len(d.new_token_ids))
+        if d.prompt_logprobs is not None:
+            c.prompt_logprobs = d.prompt_logprobs
+        if self.req.echo_only:  # the one token generated for an echo of max_tokens 0 is not part of the answer
+            d.new_text, d.new_token_ids, d.new_logprobs = "", [], None
+            if d.finished:
+                d.finish_reason, d.stop_reason = "length", None
         c.text += d.new_text
         c.token_ids += d.new_token_ids
         if d.new_logprobs:
@@ -172,9 +179,9 @@ class Generation:
         if self.req.top_logprobs is None:
             return None
         lps = list(lps)
-        if echo:  # prompt tokens have no logprobs here (no prompt_logprobs in the engine)
+        if echo:  # the prompt tokens' logprobs come from the engine's prompt_logprobs (the first one is None)
             prompt = self.req.prompts[c.prompt_index]
-            ids, lps = prompt + ids, [None] * len(prompt) + lps
+            ids, lps = prompt + ids, (c.prompt_logprobs or [None] * len(prompt)) + lps
         return schemas.completion_logprobs(self.state.tokenizer, ids, lps, offset)
 
     # ---- streaming -----------------------------------------------------------------------------
@@ -207,6 +214,8 @@ class Generation:
                 else:
                     lp = self._completion_logprobs(c, d.new_token_ids, d.new_logprobs or [], echo=echo,
                                                    offset=offset) if d.new_logprobs or echo else None
+                    if lp is not None and not lp["tokens"]:  # nothing to report in this chunk
+                        lp = None
                     # (a model without a tokenizer streams one empty-text chunk per step, so progress shows)
                     if text or lp or (tok is None and d.new_token_ids):
                         yield self._event([schemas.completion_choice(c.index, text, lp, None)])

@@ -7,6 +7,7 @@ the model name, and prompt + max_tokens against the context length.
 
 from __future__ import annotations
 
+import dataclasses
 import re
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -48,17 +49,20 @@ class GenerationRequest:
     echo: bool = False
     top_logprobs: int | None = None  # None: no logprobs in the response
     extra: dict[str, Any] = field(default_factory=dict)
+    echo_only: bool = False  # completions echo + max_tokens 0: the prompt (and its logprobs), nothing generated
 
 
 # name -> (JSON types accepted, description for the error message)
 _INT, _NUM, _BOOL = ((int,), "an integer"), ((int, float), "a number"), ((bool,), "a boolean")
+_MAP = ((dict,), "an object")
 _SAMPLING_FIELDS = {
     "n": _INT, "temperature": _NUM, "top_p": _NUM, "top_k": _INT, "min_p": _NUM, "seed": _INT,
     "presence_penalty": _NUM, "frequency_penalty": _NUM, "repetition_penalty": _NUM, "min_tokens": _INT,
     "ignore_eos": _BOOL, "skip_special_tokens": _BOOL, "include_stop_str_in_output": _BOOL,
+    "logit_bias": _MAP,  # {"token id": bias}: checked (count, ids, range) by SamplingParams
 }
 # Accepted for compatibility but unsupported when set to something that would change the output.
-_UNSUPPORTED = ("suffix", "logit_bias", "tools", "functions", "function_call", "prediction", "audio",
+_UNSUPPORTED = ("suffix", "tools", "functions", "function_call", "prediction", "audio",
                 "modalities")
 
 
@@ -116,6 +120,12 @@ def _sampling_params(body: dict[str, Any], max_tokens: int | None, logprobs: int
         m = re.match(r"(\w+)=", str(e))
         name = m.group(1) if m else None
         raise InvalidRequest(str(e), rename.get(name, name)) from None
+
+
+def _check_vocab(params: SamplingParams, ctx: ServingContext) -> None:
+    """Token ids in the parameters must exist in the model's vocabulary."""
+    if params.logit_bias and params.logit_bias[-1][0] >= ctx.vocab_size:  # sorted by id
+        raise InvalidRequest(f"'logit_bias' keys must be token ids in [0, {ctx.vocab_size})", "logit_bias")
 
 
 def _is_int(x: Any) -> bool:
@@ -200,9 +210,15 @@ def parse_completion(body: Any, ctx: ServingContext) -> GenerationRequest:
     echo = bool(_typed(body, "echo", _BOOL, False))
     logprobs = _typed(body, "logprobs", _INT)
     max_tokens, mt_name = _max_tokens(body, ("max_tokens",), 16)
-    params = _sampling_params(body, max_tokens, logprobs, {})
-    _check_length(ids, max_tokens, mt_name, "prompt", ctx)
-    return GenerationRequest(False, model, ids, list(texts), params, stream, include_usage, echo, logprobs)
+    # echo + max_tokens 0 (how evaluation harnesses score a prompt): generate one token, then drop it (vLLM)
+    echo_only = echo and max_tokens == 0
+    params = _sampling_params(body, 1 if echo_only else max_tokens, logprobs, {})
+    if echo and logprobs is not None:  # the echoed prompt tokens' logprobs (the first one null)
+        params = dataclasses.replace(params, prompt_logprobs=logprobs)
+    _check_vocab(params, ctx)
+    _check_length(ids, params.max_tokens, mt_name, "prompt", ctx)
+    return GenerationRequest(False, model, ids, list(texts), params, stream, include_usage, echo, logprobs,
+                             echo_only=echo_only)
 
 
 def _message_text(i: int, m: Any) -> dict[str, Any]:
@@ -252,5 +268,6 @@ def parse_chat(body: Any, ctx: ServingContext) -> GenerationRequest:
     if body.get("max_completion_tokens") is None and body.get("max_tokens") is not None:
         mt_name = "max_tokens"
     params = _sampling_params(body, max_tokens, top, {"max_tokens": mt_name, "logprobs": "top_logprobs"})
+    _check_vocab(params, ctx)
     _check_length([ids], max_tokens, mt_name, "messages", ctx)
     return GenerationRequest(True, model, [ids], [text], params, stream, include_usage, False, top)

@@ -24,7 +24,7 @@ from jinfer.distributed import Leader, check_group, join
 from jinfer.engine.kv_cache_manager import KVCacheManager, cdiv
 from jinfer.engine.model_runner import Launched, ModelRunner, StepRow, kv_cache_bytes_per_page
 from jinfer.engine.request import FinishReason, Request
-from jinfer.engine.sampler import num_logprobs_for, pack_token_mask, uses_penalties
+from jinfer.engine.sampler import num_logprobs_for, pack_token_mask
 from jinfer.engine.scheduler import Scheduler, SchedulerConfig
 from jinfer.models.ops import BACKENDS, select_ops
 from jinfer.outputs import EngineOutput
@@ -119,7 +119,11 @@ class _Seq:
     text: str = ""  # all text decoded so far (stop strings are searched here)
     emitted: int = 0  # chars of `text` already sent
     num_prompt_tokens: int = 0
-    penalized: bool = False  # penalties read the output tokens on the host: no step may be in flight
+    min_tokens_ids: tuple[int, ...] = ()  # masked (EOS, stop ids) while fewer than min_tokens tokens exist
+    # prompt_logprobs: the prompt's ids and one entry per prompt token (the first None), filled as the
+    # prefill's chunks are read back and sent with the first delta; None when not asked for.
+    prompt_ids: list[int] | None = None
+    prompt_lps: list[dict[int, float] | None] | None = None
     held: list[int] = field(default_factory=list)  # token ids whose text is not sent yet
 
 
@@ -208,7 +212,6 @@ class EngineCore:
         self.num_prompt_tokens_total = 0
         self.num_generation_tokens_total = 0
         self._inflight: Launched | None = None  # the launched step whose tokens are not read yet
-        self._num_penalized = 0  # live sequences with penalties
         if config.warmup:
             self.runner.warmup()  # every process of a group warms up the same shapes in the same order
         if isinstance(self.group, Leader):
@@ -258,18 +261,22 @@ class EngineCore:
                              f"of {self.max_model_len} tokens")
         seq_ids = [request_id] if params.n == 1 else [f"{request_id}#{i}" for i in range(params.n)]
         mask = pack_token_mask(ids, vocab) if params.repetition_penalty != 1.0 else None
-        penalized = uses_penalties(params)
+        if params.logit_bias and params.logit_bias[-1][0] >= vocab:  # sorted by id
+            raise ValueError(f"logit_bias= keys must be token ids in [0, {vocab})")
         added = []
         try:
             for i, sid in enumerate(seq_ids):
                 seed = params.seed + i if params.seed is not None else int(self._rng.integers(0, 2**31))
-                self.scheduler.add_request(Request(sid, ids, params, self.eos_token_ids))
+                request = Request(sid, ids, params, self.eos_token_ids)
+                self.scheduler.add_request(request)
                 added.append(sid)
                 detok = IncrementalDetokenizer(self.tokenizer, skip_special_tokens=params.skip_special_tokens,
                                                prompt_ids=ids) if self.tokenizer else None
                 self._seqs[sid] = _Seq(request_id, i, params, seed, detok, mask, num_prompt_tokens=len(ids),
-                                       penalized=penalized)
-                self._num_penalized += penalized
+                                       min_tokens_ids=request.stop_token_ids_while_min_tokens()
+                                       if params.min_tokens else ())
+                if params.prompt_logprobs is not None:
+                    self._seqs[sid].prompt_ids, self._seqs[sid].prompt_lps = ids, [None] * len(ids)
         except ValueError:
             for sid in added:
                 self.scheduler.abort(sid)
@@ -285,9 +292,7 @@ class EngineCore:
             self._drop(sid)
 
     def _drop(self, seq_id: str) -> None:
-        seq = self._seqs.pop(seq_id, None)
-        if seq is not None:
-            self._num_penalized -= seq.penalized
+        self._seqs.pop(seq_id, None)
 
     def has_unfinished_requests(self) -> bool:
         # A step still in flight holds only finished requests once the scheduler has none: nothing to read.
@@ -300,8 +305,8 @@ class EngineCore:
 
         With `async_scheduling` the step launched here is read back by the next call (after it has
         launched the one after), so the host's scheduling, batch building and detokenizing overlap the
-        device's work; the outputs returned are one step behind. Penalties need every generated token
-        on the host, so while a sequence uses them the previous step is read back before scheduling.
+        device's work; the outputs returned are one step behind (penalties too: the sampler takes a
+        pending output token from the previous step's samples on the device).
         A step that fails in a multi-process group ends the process: the group's collectives are out of
         step for good (jinfer/distributed.py).
         """
@@ -315,9 +320,6 @@ class EngineCore:
 
     def _step(self) -> list[EngineOutput]:
         outputs = []
-        if self._inflight is not None and self._num_penalized:
-            outputs = self._complete(self._inflight)
-            self._inflight = None
         out = self.scheduler.schedule()
         launched = None
         if not out.is_empty:
@@ -325,10 +327,11 @@ class EngineCore:
             for s in out.scheduled:
                 seq, r = self._seqs[s.request_id], s.request
                 rows.append(StepRow(seq.params, r.output_token_ids, seq.prompt_mask, seq.seed,
-                                    r.num_output_tokens + r.num_pending_tokens - 1) if s.needs_sample else None)
+                                    r.num_output_tokens + r.num_pending_tokens - 1, seq.min_tokens_ids)
+                            if s.needs_sample else None)
             wanted = [r.params for r in rows if r is not None]
             num_logprobs = num_logprobs_for(wanted) if wanted else -1
-            launched = self.runner.launch(out, rows, num_logprobs, self._inflight)
+            launched = self.runner.launch(out, rows, num_logprobs, self._inflight, self._prompt_logprobs_wanted(out))
         if self._inflight is not None:
             outputs += self._complete(self._inflight)
         self._inflight = launched
@@ -337,10 +340,35 @@ class EngineCore:
             self._inflight = None
         return outputs
 
+    def _prompt_logprobs_wanted(self, out) -> tuple[int, list[bool]] | None:
+        """(top k, which scheduled sequences) for the prompt logprobs of this step's prefill chunks."""
+        wants = []
+        for s in out.scheduled:
+            seq = self._seqs[s.request_id]
+            wants.append(seq.prompt_lps is not None and s.start < seq.num_prompt_tokens - 1)
+        if not any(wants):
+            return None
+        k = max(self._seqs[s.request_id].params.prompt_logprobs for s, w in zip(out.scheduled, wants) if w)
+        return k, wants
+
+    def _record_prompt_logprobs(self, launched: Launched) -> None:
+        plp = self.runner.fetch_prompt_logprobs(launched)
+        if plp is None:
+            return
+        for i, (sid, pos) in enumerate(launched.prompt_rows):
+            seq = self._seqs.get(sid)
+            if seq is None or seq.prompt_lps is None:  # aborted, or sent already (a recompute after preemption)
+                continue
+            k = seq.params.prompt_logprobs
+            lp = {int(t): float(v) for t, v in zip(plp.top_ids[i][:k], plp.top_logprobs[i][:k])}
+            lp[seq.prompt_ids[pos]] = float(plp.logprobs[i])
+            seq.prompt_lps[pos] = lp
+
     def _complete(self, launched: Launched) -> list[EngineOutput]:
         """Read a launched step's tokens back, advance the scheduler and build the deltas."""
         out = launched.out
         result = self.runner.fetch(launched)
+        self._record_prompt_logprobs(launched)
         live = [(b, s) for b, s in enumerate(out.scheduled) if s.needs_sample and not s.request.is_finished]
         sampled = {s.request_id: int(result.tokens[b]) for b, s in live}
         finished = {r.request_id: r for r in self.scheduler.update(out, sampled)}
@@ -369,7 +397,7 @@ class EngineCore:
                 seq.text += seq.detok.add(token)
             if finished is not None:
                 seq.text += seq.detok.flush()
-            if sp.stop:
+            if sp.stop and request.num_output_tokens >= sp.min_tokens:  # as vLLM: no stop string before min_tokens
                 stop_hit = self._find_stop(seq, sp)
         seq.held.append(token)
         done = finished is not None or stop_hit is not None
@@ -383,7 +411,8 @@ class EngineCore:
         ids, seq.held = seq.held, []
         delta = EngineOutput(seq.parent_id, seq.index, ids, new_text, finished=done,
                              new_logprobs=lps, num_prompt_tokens=seq.num_prompt_tokens,
-                             num_cached_tokens=request.num_cached_tokens)
+                             num_cached_tokens=request.num_cached_tokens, prompt_logprobs=seq.prompt_lps)
+        seq.prompt_lps = None  # sent with the first delta
         if done:
             delta.finish_reason = str(FinishReason.STOP if stop_hit is not None else request.finish_reason)
             delta.stop_reason = stop_hit if stop_hit is not None else request.stop_reason

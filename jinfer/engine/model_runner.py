@@ -26,7 +26,7 @@ import logging
 import time
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import astuple, dataclass, replace
+from dataclasses import astuple, dataclass, field, replace
 from functools import partial
 
 import jax
@@ -38,7 +38,7 @@ from jinfer.config import ModelConfig
 from jinfer.distributed import StepInputs
 from jinfer.engine.executable_cache import ExecutableCache
 from jinfer.engine.kv_cache_manager import NULL_PAGE, cdiv
-from jinfer.engine.sampler import SamplerFlags, SamplingTensors, sample_traced
+from jinfer.engine.sampler import SamplerFlags, SamplingTensors, sample_traced, token_logprobs, uses_penalties
 from jinfer.engine.scheduler import SchedulerOutput
 from jinfer.models.batch import Batch
 from jinfer.models.llama import Weights
@@ -108,6 +108,7 @@ class StepRow:
     prompt: object  # packed prompt token set (repetition penalty) or None
     seed: int
     step: int  # index of the token being sampled among the request's outputs (keys the noise)
+    min_tokens_ids: tuple[int, ...] = ()  # masked while step < min_tokens (EOS, stop ids)
 
 
 @dataclass
@@ -128,6 +129,19 @@ class Launched:
     packed: jax.Array  # i32[B, 2 + 2N]: token, logprob bits, top ids, top logprob bits
     tokens: jax.Array  # i32[max_seqs_bucket]: sampled ids, for the next step's inputs
     row_of: dict[str, int]  # request id -> batch row, for rows that sample
+    # Prompt logprobs: i32[T, 1 + 2k] (target logprob bits, top ids, top logprob bits), and for each of its
+    # rows (request id, prompt position whose token it scores).
+    prompt_packed: jax.Array | None = None
+    prompt_rows: list[tuple[str, int]] = field(default_factory=list)
+
+
+@dataclass
+class PromptLogprobs:
+    """Host copies of a step's prompt logprobs: row i scores prompt position `Launched.prompt_rows[i]`."""
+
+    logprobs: np.ndarray  # [R] f32, of the prompt token itself
+    top_ids: np.ndarray  # [R, k] i32
+    top_logprobs: np.ndarray  # [R, k] f32
 
 
 def _i32(a: np.ndarray) -> np.ndarray:
@@ -140,15 +154,16 @@ def pack_batch(batch: Batch, prev_index: np.ndarray) -> np.ndarray:
                            batch.seq_lens, batch.logits_indices, batch.page_table.ravel()]).astype(np.int32)
 
 
-def _batch_sizes(T: int, B: int, P: int) -> tuple[int, ...]:
-    """Lengths of the packed batch's parts, in `pack_batch` order."""
-    return (T, T, T, T, B + 1, B, B, B * P)
+def _batch_sizes(T: int, B: int, P: int, L: int | None = None) -> tuple[int, ...]:
+    """Lengths of the packed batch's parts, in `pack_batch` order. L: logits rows (B, or B + T in steps with
+    prompt logprobs: each sequence's last token, then the prompt positions whose logprobs are wanted)."""
+    return (T, T, T, T, B + 1, B, B if L is None else L, B * P)
 
 
-def unpack_batch(buf: jax.Array, dims: tuple[int, int, int]) -> tuple[Batch, jax.Array]:
-    T, B, P = dims
+def unpack_batch(buf: jax.Array, dims: tuple[int, ...]) -> tuple[Batch, jax.Array]:
+    T, B, P = dims[:3]
     parts, o = [], 0
-    for n in _batch_sizes(T, B, P):
+    for n in _batch_sizes(*dims):
         parts.append(buf[o:o + n])
         o += n
     ids, pos, slots, prev, qs, lens, logits_idx, table = parts
@@ -163,11 +178,12 @@ def pack_sampling(t: SamplingTensors) -> np.ndarray:
     """One int32 buffer for the sampling parameters (floats and u32 by bit pattern)."""
     parts = [_i32(np.asarray(getattr(t, f), np.float32)) for f in _FLOAT_FIELDS]
     parts += [_i32(getattr(t, f)) for f in _INT_FIELDS] + [_i32(t.output_tokens), _i32(t.prompt_mask)]
+    parts += [_i32(t.bias_ids), _i32(np.asarray(t.bias_values, np.float32))]
     return np.concatenate(parts)
 
 
-def unpack_sampling(buf: jax.Array, dims: tuple[int, int, int]) -> SamplingTensors:
-    B, M, W = dims
+def unpack_sampling(buf: jax.Array, dims: tuple[int, int, int, int]) -> SamplingTensors:
+    B, M, W, K = dims
     o, out = 0, {}
     for f in _FLOAT_FIELDS + _INT_FIELDS:
         out[f] = buf[o:o + B]
@@ -178,6 +194,9 @@ def unpack_sampling(buf: jax.Array, dims: tuple[int, int, int]) -> SamplingTenso
     out["output_tokens"] = buf[o:o + B * M].reshape(B, M)
     o += B * M
     out["prompt_mask"] = jax.lax.bitcast_convert_type(buf[o:o + B * W], jnp.uint32).reshape(B, W)
+    o += B * W
+    out["bias_ids"] = buf[o:o + B * K].reshape(B, K)
+    out["bias_values"] = jax.lax.bitcast_convert_type(buf[o + B * K:o + 2 * B * K], jnp.float32).reshape(B, K)
     return SamplingTensors(**out)
 
 
@@ -191,18 +210,46 @@ def _forward_step(weights, buf, kv_cache, prev_tokens, *, dims, cfg, ops, mesh, 
     return mesh_forward(forward, cfg, ops, mesh, *specs)(weights, batch, kv_cache)
 
 
-def _sample_step(logits, buf, *, dims, num_logprobs, flags, max_seqs):
+def _sample_step(logits, buf, prev_tokens, *, dims, num_logprobs, flags, max_seqs):
     B = logits.shape[0]
-    r = sample_traced(logits, unpack_sampling(buf, dims), num_logprobs, flags)
+    t = unpack_sampling(buf, dims)
+    if dims[1]:  # penalties: an output token still pending on the host is -2 - (its row in prev_tokens)
+        ids = t.output_tokens
+        t.output_tokens = jnp.where(ids <= -2, prev_tokens[jnp.clip(-2 - ids, 0, max_seqs - 1)], ids)
+    r = sample_traced(logits, t, num_logprobs, flags)
     bits = lambda x: jax.lax.bitcast_convert_type(x, jnp.int32)
     packed = jnp.concatenate([r.tokens[:, None], bits(r.logprobs)[:, None], r.top_ids, bits(r.top_logprobs)], axis=1)
     return packed, jnp.zeros(max_seqs, jnp.int32).at[:B].set(r.tokens)
+
+
+def _prompt_logprobs_step(logits, targets, *, num_seqs, k):
+    """Split the logits of a step with prompt logprobs: the sampler's [B, V], and the packed logprobs of the
+    prompt positions [T, 1 + 2k] (see `Launched.prompt_packed`)."""
+    lp, top_ids, top_lps = token_logprobs(logits[num_seqs:], targets, k)
+    bits = lambda x: jax.lax.bitcast_convert_type(x, jnp.int32)
+    return logits[:num_seqs], jnp.concatenate([bits(lp)[:, None], top_ids, bits(top_lps)], axis=1)
+
+
+def unpack_prompt_logprobs(packed: np.ndarray, num_rows: int) -> PromptLogprobs:
+    packed = packed[:num_rows]
+    k = (packed.shape[1] - 1) // 2
+    f32 = lambda x: np.ascontiguousarray(x).view(np.float32)
+    return PromptLogprobs(f32(packed[:, :1])[:, 0], packed[:, 1:1 + k], f32(packed[:, 1 + k:]))
 
 
 def unpack_result(packed: np.ndarray) -> StepResult:
     n = (packed.shape[1] - 2) // 2
     f32 = lambda x: np.ascontiguousarray(x).view(np.float32)
     return StepResult(packed[:, 0], f32(packed[:, 1]), packed[:, 2:2 + n], f32(packed[:, 2 + n:]))
+
+
+def _with_pending_output(row: StepRow | None, s, prev: Launched | None) -> StepRow | None:
+    """A penalized row whose last output token is still being sampled by `prev` (async scheduling): its
+    output ids end with the marker -2 - (that token's row in prev's samples), which the sampler resolves on
+    the device, so penalties never make the host wait for the previous step."""
+    if row is None or not s.input_from_device or not uses_penalties(row.params):
+        return row
+    return replace(row, output_ids=[*row.output_ids, -2 - prev.row_of[s.request_id]])
 
 
 class ModelRunner:
@@ -245,6 +292,8 @@ class ModelRunner:
         self._sample = jax.jit(partial(_sample_step, max_seqs=self.max_seqs_bucket),
                                static_argnames=("dims", "num_logprobs", "flags"),
                                out_shardings=(self._replicated, self._replicated))
+        self._prompt_logprobs = jax.jit(_prompt_logprobs_step, static_argnames=("num_seqs", "k"),
+                                        out_shardings=(self._replicated, self._replicated))
         self._no_prev = put(np.zeros(self.max_seqs_bucket, np.int32), self._replicated)
         # Compiled executables per shape, loaded from / stored to disk when `executable_dir` is set: a
         # warm start then neither traces nor lowers (see executable_cache.py).
@@ -316,7 +365,8 @@ class ModelRunner:
         """Rows align with the batch's sequences; None (a prefill chunk that samples nothing) is padding."""
         dense = [(r.params, r.output_ids, r.prompt, r.step) if r else ({"temperature": 0.0}, [], None, None)
                  for r in rows]
-        st = SamplingTensors.from_params(dense, self.cfg.vocab_size, num_seqs=B)
+        st = SamplingTensors.from_params(dense, self.cfg.vocab_size, num_seqs=B,
+                                         min_tokens_ids=[r.min_tokens_ids if r else () for r in rows])
         for b, r in enumerate(rows):
             if r is not None:
                 st.seeds[b] = r.seed % 2**32
@@ -334,60 +384,118 @@ class ModelRunner:
                                else self.executables.compile(key[0], jitted, *args, **static))
         return self._compiled[key]
 
-    def forward_executable(self, T: int, B: int, P: int, decode: bool = False) -> jax.stages.Compiled:
-        key = ("forward_decode" if decode else "forward", T, B, P)
+    def forward_executable(self, T: int, B: int, P: int, decode: bool = False,
+                           prompt_logits: bool = False) -> jax.stages.Compiled:
+        """`prompt_logits`: the variant that also returns the logits of every token (B + T rows), for steps
+        with prompt logprobs; compiled on first use, not at warm-up."""
+        key = ("forward_decode" if decode else "forward_prompt_logits" if prompt_logits else "forward", T, B, P)
         if (hit := self._compiled.get(key)) is not None:  # the per-step path
             return hit
         if decode and T not in self.decode_buckets:
             raise ValueError(f"no decode-only executable for T={T} (decode buckets: {sorted(self.decode_buckets)})")
         # XLA command buffers only for small steps (see COMMAND_BUFFER_MAX_TOKENS).
         jitted = self._forward[decode][T > COMMAND_BUFFER_MAX_TOKENS]
-        buf = jax.ShapeDtypeStruct((sum(_batch_sizes(T, B, P)),), jnp.int32)
-        return self._add_executable(key, jitted, (self.weights, buf, self.kv_cache, self._no_prev), dims=(T, B, P))
+        dims = (T, B, P, B + T) if prompt_logits else (T, B, P)
+        buf = jax.ShapeDtypeStruct((sum(_batch_sizes(*dims)),), jnp.int32)
+        return self._add_executable(key, jitted, (self.weights, buf, self.kv_cache, self._no_prev), dims=dims)
 
-    def sampler_executable(self, B: int, M: int, W: int, num_logprobs: int, flags: SamplerFlags) -> jax.stages.Compiled:
-        if (hit := self._compiled.get(("sample", B, M, W, num_logprobs, flags))) is not None:
+    def prompt_logprobs_executable(self, T: int, B: int, k: int) -> jax.stages.Compiled:
+        if (hit := self._compiled.get(("prompt_logprobs", T, B, k))) is not None:
+            return hit
+        logits = jax.ShapeDtypeStruct((B + T, self.cfg.vocab_size), jnp.float32, sharding=self._replicated)
+        targets = jax.ShapeDtypeStruct((T,), jnp.int32)
+        return self._add_executable(("prompt_logprobs", T, B, k), self._prompt_logprobs, (logits, targets),
+                                    num_seqs=B, k=k)
+
+    def sampler_executable(self, B: int, M: int, W: int, num_logprobs: int, flags: SamplerFlags,
+                           K: int = 0) -> jax.stages.Compiled:
+        if (hit := self._compiled.get(("sample", B, M, W, K, num_logprobs, flags))) is not None:
             return hit
         logits = jax.ShapeDtypeStruct((B, self.cfg.vocab_size), jnp.float32, sharding=self._replicated)
-        buf = jax.ShapeDtypeStruct((B * (len(_FLOAT_FIELDS) + len(_INT_FIELDS) + M + W),), jnp.int32)
-        return self._add_executable(("sample", B, M, W, num_logprobs, flags), self._sample, (logits, buf),
-                                    dims=(B, M, W), num_logprobs=num_logprobs, flags=flags)
+        buf = jax.ShapeDtypeStruct((B * (len(_FLOAT_FIELDS) + len(_INT_FIELDS) + M + W + 2 * K),), jnp.int32)
+        return self._add_executable(("sample", B, M, W, K, num_logprobs, flags), self._sample,
+                                    (logits, buf, self._no_prev), dims=(B, M, W, K), num_logprobs=num_logprobs,
+                                    flags=flags)
 
     # ---- device step ------------------------------------------------------------------------------
 
     def launch(self, out: SchedulerOutput, rows: list[StepRow | None], num_logprobs: int,
-               prev: Launched | None = None) -> Launched:
+               prev: Launched | None = None, prompt_logprobs: tuple[int, list[bool]] | None = None) -> Launched:
         """Dispatch the step (forward + sampler) and return without waiting for the device. `prev`: the
-        step launched before, still in flight, whose samples feed this step's `input_from_device` rows."""
+        step launched before, still in flight, whose samples feed this step's `input_from_device` rows.
+        `prompt_logprobs` = (k, wants): the scheduled sequences (wants[b]) whose prompt positions in this
+        step get their prompt token's logprob and top k (`Launched.prompt_rows`)."""
         if prev is None and any(s.input_from_device for s in out.scheduled):
             raise ValueError("decodes of pending tokens need the previous step")
         batch, prev_index = self.build_batch(out, prev)
         T, B, P = batch.num_tokens, batch.num_seqs, batch.page_table.shape[1]
+        plp_k, targets, prompt_rows = -1, None, []
+        if prompt_logprobs is not None:
+            indices, targets, prompt_rows = self._prompt_positions(out, batch, prompt_logprobs[1])
+            if prompt_rows:
+                plp_k = prompt_logprobs[0]
+                batch.logits_indices = np.concatenate([batch.logits_indices, indices])
+        rows = [_with_pending_output(r, s, prev) for r, s in zip(rows, out.scheduled, strict=True)]
         st = self.sampling_tensors(rows, B)
         step = StepInputs(T, B, P, T in self.decode_buckets and out.num_scheduled_tokens == len(out.scheduled),
                           st.output_tokens.shape[1], st.prompt_mask.shape[1], num_logprobs,
-                          astuple(SamplerFlags.of(st)), pack_batch(batch, prev_index), pack_sampling(st))
+                          astuple(SamplerFlags.of(st)), pack_batch(batch, prev_index), pack_sampling(st),
+                          K=st.bias_ids.shape[1], plp_k=plp_k, plp_targets=targets if plp_k >= 0 else None)
         if self.on_launch is not None:  # the other processes of a multi-process group launch it too
             self.on_launch(step)
-        packed, tokens = self.run_step(step)
+        packed, tokens, prompt_packed = self.run_step(step)
         packed.copy_to_host_async()
+        if prompt_packed is not None:
+            prompt_packed.copy_to_host_async()
         row_of = {s.request_id: b for b, s in enumerate(out.scheduled) if s.needs_sample}
-        return Launched(out, packed, tokens, row_of)
+        return Launched(out, packed, tokens, row_of, prompt_packed, prompt_rows)
 
-    def run_step(self, step: StepInputs) -> tuple[jax.Array, jax.Array]:
-        """Launch one step's executables on its packed inputs: (packed samples, sampled ids). The decodes
-        of pending tokens read the latest sampler output, the step launched just before this one."""
-        forward = self.forward_executable(step.T, step.B, step.P, step.decode)
-        sample = self.sampler_executable(step.B, step.M, step.W, step.num_logprobs, SamplerFlags(*step.flags))
+    @staticmethod
+    def _prompt_positions(out: SchedulerOutput, batch: Batch, wants: list[bool]
+                          ) -> tuple[np.ndarray, np.ndarray, list[tuple[str, int]]]:
+        """For the wanted sequences, the tokens of this step at prompt positions p < prompt length - 1 (their
+        logits score prompt token p + 1): flat token indices and target ids, each padded to T, and the rows'
+        (request id, p + 1)."""
+        T = batch.num_tokens
+        indices, targets = np.zeros(T, np.int32), np.full(T, -1, np.int32)
+        rows = []
+        for b, s in enumerate(out.scheduled):
+            if not wants[b]:
+                continue
+            r = s.request
+            end = min(s.start + s.num_new_tokens, r.num_prompt_tokens - 1)
+            for p in range(s.start, end):
+                indices[len(rows)] = batch.query_start[b] + p - s.start
+                targets[len(rows)] = r.prompt_token_ids[p + 1]
+                rows.append((s.request_id, p + 1))
+        return indices, targets, rows
+
+    def run_step(self, step: StepInputs) -> tuple[jax.Array, jax.Array, jax.Array | None]:
+        """Launch one step's executables on its packed inputs: (packed samples, sampled ids, packed prompt
+        logprobs or None). The decodes of pending tokens read the latest sampler output, the step launched
+        just before this one."""
+        prompt_logits = step.plp_k >= 0
+        forward = self.forward_executable(step.T, step.B, step.P, step.decode and not prompt_logits, prompt_logits)
+        sample = self.sampler_executable(step.B, step.M, step.W, step.num_logprobs, SamplerFlags(*step.flags),
+                                         step.K)
         buf, sbuf = self._put((step.batch, step.sampling))
         logits, self.kv_cache = forward(self.weights, buf, self.kv_cache, self._last_tokens)
-        packed, tokens = sample(logits, sbuf)
+        prompt_packed = None
+        if prompt_logits:  # the logits of the prompt positions: their logprobs, before the sampler
+            split = self.prompt_logprobs_executable(step.T, step.B, step.plp_k)
+            logits, prompt_packed = split(logits, self._put(step.plp_targets))
+        packed, tokens = sample(logits, sbuf, self._last_tokens)
         self._last_tokens = tokens
-        return packed, tokens
+        return packed, tokens, prompt_packed
 
     def fetch(self, launched: Launched) -> StepResult:
         """Wait for a launched step and return its samples on the host."""
         return unpack_result(np.asarray(launched.packed))
+
+    def fetch_prompt_logprobs(self, launched: Launched) -> PromptLogprobs | None:
+        if launched.prompt_packed is None:
+            return None
+        return unpack_prompt_logprobs(np.asarray(launched.prompt_packed), len(launched.prompt_rows))
 
     def warmup(self) -> float:
         """Compile (or load) every forward bucket, and the warm sampler variants per sequence bucket."""
@@ -414,12 +522,14 @@ class ModelRunner:
                 sample = self.sampler_executable(B, 0, 0, -1, flags)
                 if run:
                     jax.block_until_ready(sample(logits, self._put(pack_sampling(self.sampling_tensors([None] * B,
-                                                                                                       B)))))
+                                                                                                       B))),
+                                                 self._last_tokens))
         # A first sampler output, so the very first step passes the same kind of array as all others.
         B = self.seqs_bucket(self.token_buckets[0])
         sample = self.sampler_executable(B, 0, 0, -1, SamplerFlags.warm()[0])
         logits = put(np.zeros((B, self.cfg.vocab_size), np.float32), self._replicated)
-        self._last_tokens = sample(logits, self._put(pack_sampling(self.sampling_tensors([None] * B, B))))[1]
+        self._last_tokens = sample(logits, self._put(pack_sampling(self.sampling_tensors([None] * B, B))),
+                                   self._last_tokens)[1]
         self.warmed_up = True
         _trim_host_heap()
         self.compile_seconds = time.perf_counter() - t0

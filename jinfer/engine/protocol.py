@@ -21,7 +21,7 @@ import numpy as np
 
 from jinfer.outputs import EngineOutput
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2
 _INT32 = np.dtype("<i4")
 _FLOAT64 = np.dtype("<f8")
 MAX_FRAME_BYTES = 256 << 20
@@ -177,8 +177,13 @@ def _dec_params(v: Any, name: str) -> dict[str, Any]:
     out = {}
     for k, x in v.items():
         _dec_str(k, f"{name} key")
-        out[k] = [_dec_scalar(e, f"{name}.{k}") for e in x] if isinstance(x, list) else _dec_scalar(x, f"{name}.{k}")
+        out[k] = _dec_param_list(x, f"{name}.{k}") if isinstance(x, list) else _dec_scalar(x, f"{name}.{k}")
     return out
+
+
+def _dec_param_list(v: list, name: str) -> list:
+    """A list of scalars, or of lists of scalars (logit_bias: [[id, bias], ...]); nothing deeper."""
+    return [[_dec_scalar(y, name) for y in e] if isinstance(e, list) else _dec_scalar(e, name) for e in v]
 
 
 def _dec_stats(v: Any, name: str) -> dict[str, float]:
@@ -222,6 +227,8 @@ _OUTPUT_FIELDS: list[tuple[str, Callable[[Any], Any], Callable[[Any, str], Any]]
     ("num_prompt_tokens", int, _dec_int),
     ("num_cached_tokens", int, _dec_int),
     ("error", lambda x: x, _optional(_dec_str)),
+    ("prompt_logprobs", lambda x: None if x is None else _enc_logprobs(x[1:]),  # the first entry is always None
+     lambda v, n: None if v is None else [None, *_dec_logprobs(v, n)]),
 ]
 
 

@@ -4,7 +4,8 @@
 flow on traced values and only static shapes. The pipeline follows vLLM v1's sampler:
 
 1. logprobs (if asked) = log_softmax of the RAW logits (vLLM's default `raw_logprobs` mode);
-2. penalties: repetition (tokens seen in prompt or output: logit > 0 divided by r, < 0 times r),
+2. logit_bias and min_tokens (the EOS / stop ids at -inf while too few tokens exist): a sparse add;
+   penalties: repetition (tokens seen in prompt or output: logit > 0 divided by r, < 0 times r),
    then frequency (minus f * count in output) and presence (minus p if in output);
 3. greedy rows (temperature < 1e-5) take the argmax of the penalized logits;
 4. the others: divide by temperature, min-p (drop p < min_p * p_max), top-k, then top-p on the
@@ -86,6 +87,10 @@ class SamplingTensors:
     steps: jax.Array  # [B] i32, tokens generated so far by the request (folded into its key)
     output_tokens: jax.Array  # [B, M] i32, generated ids, -1 padded; M may be 0
     prompt_mask: jax.Array  # [B, W] u32, packed prompt token set, W = ceil(V/32) or 0
+    # Sparse additions to the logits (logit_bias; -inf for the EOS / stop ids masked while fewer than
+    # min_tokens tokens exist), applied before the penalties as in vLLM. K may be 0 (compiled out).
+    bias_ids: jax.Array = None  # [B, K] i32, -1 padded
+    bias_values: jax.Array = None  # [B, K] f32
 
     @classmethod
     def from_params(
@@ -96,6 +101,7 @@ class SamplingTensors:
         num_seqs: int | None = None,
         output_len: int | None = None,
         rng: np.random.Generator | None = None,
+        min_tokens_ids: Sequence[Sequence[int]] | None = None,
     ) -> SamplingTensors:
         """Host-side builder from `(params, output_ids, prompt, step)` per request (numpy leaves).
 
@@ -104,7 +110,8 @@ class SamplingTensors:
         `pack_token_mask` (cache that object per request), or None. `step` None means `len(output_ids)`.
         Rows are padded to `num_seqs` (greedy, no penalties). `output_len` is the static M; by default
         the next power of two that holds the longest output of a penalized row (0 if none). A request
-        without a seed gets one drawn from `rng`.
+        without a seed gets one drawn from `rng`. `min_tokens_ids[b]`: the ids row b may not sample while
+        its step is below `min_tokens` (EOS and stop ids); its `logit_bias` is added as given.
         """
         B = num_seqs or len(rows)
         if len(rows) > B:
@@ -117,7 +124,7 @@ class SamplingTensors:
         seeds = np.zeros(B, np.uint32)
         steps = np.zeros(B, np.int32)
         drawn = rng.integers(0, 2**32, size=B, dtype=np.uint32)  # one draw for every unseeded row
-        penalized, repeated = [], []
+        penalized, repeated, biased = [], [], []
         for b, (params, output_ids, prompt, step) in enumerate(rows):
             for name, default in _DEFAULTS.items():
                 t[name][b] = _param(params, name, default)
@@ -129,6 +136,11 @@ class SamplingTensors:
                 penalized.append((b, output_ids))
             if t["repetition_penalty"][b] != 1 and prompt is not None:
                 repeated.append((b, prompt))
+            bias = dict(_param(params, "logit_bias", None) or ())
+            if min_tokens_ids is not None and steps[b] < int(_param(params, "min_tokens", 0)):
+                bias.update((int(i), -np.inf) for i in min_tokens_ids[b])
+            if bias:
+                biased.append((b, bias))
 
         longest = max((len(ids) for _, ids in penalized), default=0)
         M = output_len if output_len is not None else (1 << (longest - 1).bit_length() if longest else 0)
@@ -141,8 +153,13 @@ class SamplingTensors:
         for b, prompt in repeated:
             prompt_mask[b] = prompt if isinstance(prompt, PackedTokenMask) else pack_token_mask(
                 prompt, vocab_size)
+        longest = max((len(d) for _, d in biased), default=0)
+        K = 1 << (longest - 1).bit_length() if longest else 0
+        bias_ids, bias_values = np.full((B, K), -1, np.int32), np.zeros((B, K), np.float32)
+        for b, d in biased:
+            bias_ids[b, :len(d)], bias_values[b, :len(d)] = list(d), list(d.values())
         return cls(**t, top_k=top_k, seeds=seeds, steps=steps, output_tokens=output_tokens,
-                   prompt_mask=prompt_mask)
+                   prompt_mask=prompt_mask, bias_ids=bias_ids, bias_values=bias_values)
 
 
 @jax.tree_util.register_dataclass
@@ -275,6 +292,15 @@ def apply_penalties(logits: jax.Array, t: SamplingTensors) -> jax.Array:
     return penalize(logits)
 
 
+def apply_bias(logits: jax.Array, t: SamplingTensors) -> jax.Array:
+    """Add the sparse per-row biases (logit_bias, min_tokens' -inf) to f32[B, V] logits."""
+    if t.bias_ids is None or t.bias_ids.shape[1] == 0:
+        return logits
+    B, V = logits.shape
+    ids = jnp.where(t.bias_ids >= 0, t.bias_ids, V)  # padding: out of range, dropped
+    return logits.at[jnp.arange(B)[:, None], ids].add(t.bias_values, mode="drop")
+
+
 def _candidates(x: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
     """A small candidate set holding every token above `cut`: values, ids ([B, n], unsorted), cut [B, 1].
 
@@ -356,7 +382,7 @@ def processed_logits(logits: jax.Array, t: SamplingTensors, flags: SamplerFlags 
 
     Greedy rows are left at temperature 1 and unfiltered (their token is the argmax anyway).
     """
-    logits = logits.astype(jnp.float32)
+    logits = apply_bias(logits.astype(jnp.float32), t)
     if flags.penalties:
         logits = apply_penalties(logits, t)
     return _filter(logits, t, flags)
@@ -418,7 +444,8 @@ def sample_traced(logits: jax.Array, t: SamplingTensors, num_logprobs: int, flag
     B, V = logits.shape
     assert t.temperature.shape == (B,), (t.temperature.shape, logits.shape)
     raw = logits.astype(jnp.float32)
-    logits = apply_penalties(raw, t) if flags.penalties else raw
+    logits = apply_bias(raw, t)
+    logits = apply_penalties(logits, t) if flags.penalties else logits
     greedy_tokens = jnp.argmax(logits, axis=-1).astype(jnp.int32)
     if flags.sampling:
         greedy = t.temperature < GREEDY_EPS
@@ -445,6 +472,21 @@ def sample_traced(logits: jax.Array, t: SamplingTensors, num_logprobs: int, flag
 
 
 _sample_jit = jax.jit(sample_traced, static_argnames=("num_logprobs", "flags"))
+
+
+def token_logprobs(logits: jax.Array, targets: jax.Array, k: int) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """Prompt logprobs: for f32[N, V] logits and the i32[N] token each row predicts, the raw logprob of that
+    token [N], and the top-k ids [N, k] with their logprobs [N, k] (k static, 0 allowed). Rows whose target
+    is negative (padding) give garbage that the caller ignores."""
+    raw = logits.astype(jnp.float32)
+    N = raw.shape[0]
+    lse = jax.nn.logsumexp(raw, axis=-1)  # [N]
+    chosen = jnp.take_along_axis(raw, jnp.maximum(targets, 0)[:, None], axis=1)[:, 0] - lse
+    if k == 0:
+        return chosen, jnp.zeros((N, 0), jnp.int32), jnp.zeros((N, 0), jnp.float32)
+    vals, ids, _ = _candidates(raw)  # the top k (<= NUM_GROUPS) tokens are among the candidates
+    top_vals, pos = lax.top_k(vals, k)
+    return chosen, jnp.take_along_axis(ids, pos, axis=1).astype(jnp.int32), top_vals - lse[:, None]
 
 
 

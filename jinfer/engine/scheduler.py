@@ -227,7 +227,9 @@ class Scheduler:
             request = self.waiting[0]
             if request.num_pending_tokens:  # preempted with a token in flight: wait until it is read
                 break
-            computed, num_cached = self.kv.get_computed_pages(request)
+            # A cached prefix has no logits: prompt logprobs compute the whole prompt (as vLLM does).
+            computed, num_cached = (([], 0) if request.sampling_params.prompt_logprobs is not None
+                                    else self.kv.get_computed_pages(request))
             num_new = self._clamp(request.num_tokens - num_cached, budget)
             if num_new == 0 or not self.kv.allocate_slots(request, num_new, computed):
                 break  # FIFO: nobody overtakes the head of the queue

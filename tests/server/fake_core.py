@@ -1,6 +1,8 @@
 """A deterministic EngineCore stand-in (no model): tests of the engine process, the ZMQ client and the HTTP
 server that do not need a real model. Sample i of a request emits tokens last_prompt_token + 1 + i, +2, ...
-(mod vocab) with text " <id>", until max_tokens; prompt token FAIL_TOKEN makes step() raise."""
+(mod vocab) with text " <id>", until max_tokens; prompt token FAIL_TOKEN makes step() raise. With
+prompt_logprobs k, the first delta has prompt token j's logprob -j/1000 and top k ids prompt[j] + 1.. (logprob
+-0.1 i)."""
 
 from __future__ import annotations
 
@@ -42,7 +44,8 @@ class FakeCore:
         for i in range(params.n):
             self.seqs[(request_id, i)] = dict(next=prompt_token_ids[-1] + 1 + i, left=max_tokens,
                                               prompt=len(prompt_token_ids), params=params,
-                                              fail=FAIL_TOKEN in prompt_token_ids)
+                                              fail=FAIL_TOKEN in prompt_token_ids,
+                                              prompt_ids=list(prompt_token_ids))
 
     def abort(self, request_id: str) -> None:
         for key in [k for k in self.seqs if k[0] == request_id]:
@@ -64,9 +67,14 @@ class FakeCore:
             if s["params"].logprobs is not None:
                 lps = [{tok: -0.5, **{(tok + k) % VOCAB: -1.0 - k for k in range(1, s["params"].logprobs + 1)}}]
             done = s["left"] == 0
+            plp, k = None, s["params"].prompt_logprobs
+            if k is not None and "plp_sent" not in s:
+                s["plp_sent"] = True
+                plp = [None] + [{t: -j / 1000, **{(t + m) % VOCAB: -0.1 * m for m in range(1, k + 1)}}
+                                for j, t in enumerate(s["prompt_ids"][1:], 1)]
             outs.append(EngineOutput(rid, i, [tok], f" {tok}", finished=done,
                                      finish_reason="length" if done else None, new_logprobs=lps,
-                                     num_prompt_tokens=s["prompt"]))
+                                     num_prompt_tokens=s["prompt"], prompt_logprobs=plp))
             if done:
                 del self.seqs[(rid, i)]
         return outs

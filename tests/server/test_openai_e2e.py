@@ -8,6 +8,7 @@ import signal
 import time
 
 import httpx
+import numpy as np
 import openai
 import pytest
 
@@ -125,6 +126,23 @@ def test_logprobs(client):
     streamed = [t.token for ch in chunks if ch.choices and ch.choices[0].logprobs
                 for t in ch.choices[0].logprobs.content]
     assert streamed == [t.token for t in content]
+
+
+def test_echo_prompt_logprobs_match_generation_logprobs(client, tokenizer):
+    """The prompt logprobs of an echoed prompt (from the prefill's logits) equal the logprobs the same tokens
+    had when they were generated one by one (decode steps), as lm-evaluation-harness relies on."""
+    prompt = tokenizer.encode("The capital of France is")
+    gen = client.completions.create(model=MODEL, prompt=prompt, temperature=0, max_tokens=6, logprobs=2)
+    gen_ids = tokenizer.encode(gen.choices[0].text, add_special_tokens=False)
+    r = client.completions.create(model=MODEL, prompt=prompt + gen_ids, temperature=0, max_tokens=0, echo=True,
+                                  logprobs=2)
+    lp = r.choices[0].logprobs
+    assert len(lp.token_logprobs) == len(prompt) + len(gen_ids) and lp.token_logprobs[0] is None
+    assert lp.top_logprobs[0] is None and r.usage.completion_tokens == 0
+    assert r.choices[0].text == tokenizer.decode(prompt + gen_ids, skip_special_tokens=False)
+    assert len(gen_ids) == gen.usage.completion_tokens  # the text re-encodes to the generated tokens
+    np.testing.assert_allclose(lp.token_logprobs[len(prompt):], gen.choices[0].logprobs.token_logprobs, atol=2e-3)
+    assert all(v <= 0 for v in lp.token_logprobs[1:]) and all(len(t) in (2, 3) for t in lp.top_logprobs[1:])
 
 
 def test_stop_strings(client):

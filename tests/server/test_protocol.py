@@ -35,7 +35,9 @@ MESSAGES = [
                           num_prompt_tokens=3, num_cached_tokens=16),
              EngineOutput("r1", 1, [], "", finished=True, finish_reason="stop", stop_reason="\n"),
              EngineOutput("r2", 0, [2], "", finished=True, finish_reason="stop", stop_reason=2),
-             EngineOutput("r3", 0, [], "", finished=True, finish_reason="error", error="boom")]),
+             EngineOutput("r3", 0, [], "", finished=True, finish_reason="error", error="boom"),
+             EngineOutput("r4", 0, [1], "a", prompt_logprobs=[None, {3: -1.5, 9: -0.25}, {4: -0.0}]),
+             EngineOutput("r5", 0, [1], "a", prompt_logprobs=[None])]),
     StatsRequest(7),
     Stats({"kv_usage": 0.25, "num_running": 3}, 7),
     Shutdown(),
@@ -49,7 +51,8 @@ def test_round_trip(msg):
 
 
 def test_sampling_params_round_trip():
-    params = SamplingParams(n=3, temperature=0.5, top_k=5, stop="x", stop_token_ids=[1], max_tokens=None)
+    params = SamplingParams(n=3, temperature=0.5, top_k=5, stop="x", stop_token_ids=[1], max_tokens=None,
+                            prompt_logprobs=2, logit_bias={"7": -1.5, 3: 100})
     assert SamplingParams(**decode(encode(AddRequest("r", [1], params.to_dict()))).params) == params
 
 

@@ -270,3 +270,24 @@ def test_warm_start_loads_executables_without_tracing(tmp_path):
     # (the KV pool's zero-fill is a tiny jit of its own, traced per engine)
     assert second.runner.executables.misses == 0 and [n for n in lowered if "step" in n] == []
     assert got == expected
+
+
+def test_logit_bias_and_min_tokens(alone):
+    """logit_bias steers greedy decoding (+100 forces a token, -100 forbids one); min_tokens keeps the EOS and
+    stop ids from being sampled (masked, not merely ignored) until min_tokens tokens exist."""
+    core = EngineCore(EngineConfig(TINY, **BASE))
+    p = prompts(1)[0]
+    first = alone["0/0"][0]
+    stop_tok = alone["0/0"][5]
+    reqs = [("force", p, SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True, logit_bias={"17": 100})),
+            ("forbid", p, SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True,
+                                         logit_bias={first: -100})),
+            ("min", p, SamplingParams(temperature=0.0, max_tokens=12, stop_token_ids=[stop_tok], min_tokens=9)),
+            ("min_seeded", p, SamplingParams(temperature=1.0, seed=3, max_tokens=12, min_tokens=12,
+                                             stop_token_ids=list(range(0, 256, 2))))]
+    out, finish = run_all(core, reqs)
+    assert out["force/0"] == [17] * 5
+    assert out["forbid/0"] != [first]
+    assert stop_tok not in out["min/0"][:9] and len(out["min/0"]) >= 9
+    assert out["min/0"][:5] == alone["0/0"][:5]  # the same greedy path until the masked stop token
+    assert len(out["min_seeded/0"]) == 12 and all(t % 2 for t in out["min_seeded/0"])  # 128 ids masked

@@ -334,3 +334,35 @@ def test_pack_token_mask_roundtrip_odd_vocab():
     mask = pack_token_mask(ids, 101)
     assert mask.dtype == np.uint32 and mask.shape == (4,)
     assert np.flatnonzero(np.asarray(_unpack_token_mask(mask[None], 101))[0]).tolist() == ids
+
+
+def test_logit_bias_and_min_tokens_mask_match_numpy():
+    """logit_bias adds to the logits and min_tokens masks its ids to -inf while step < min_tokens, before
+    the penalties; greedy takes the argmax of the result; logprobs stay those of the raw logits."""
+    rng = np.random.default_rng(6)
+    logits = rng.normal(0, 1, (8, V)).astype(np.float32)
+    top = np.argmax(logits, axis=1)
+    rows = [  # (params, masked ids, step)
+        (params(temperature=0.0, logit_bias=((5, 100.0),)), (), 0),
+        (params(temperature=0.0, logit_bias={7: 3.5, int(top[1]): -100.0}), (), 0),
+        (params(temperature=0.0, min_tokens=2), (int(top[2]), 9), 1),  # masked: step 1 < 2
+        (params(temperature=0.0, min_tokens=2), (int(top[3]),), 2),  # step 2: no longer masked
+        (params(temperature=0.0, min_tokens=3, logit_bias=((int(top[4]), 50.0),), frequency_penalty=1.0),
+         (int(top[4]),), 0),  # -inf wins over a bias
+        (params(temperature=0.0), (), 0),
+    ]
+    t = SamplingTensors.from_params([(p, [1, 2], None, step) for p, _, step in rows], V, num_seqs=8,
+                                    min_tokens_ids=[ids for _, ids, _ in rows])
+    assert t.bias_ids.shape == (8, 2)
+    res = sample(logits, t, num_logprobs=2)
+    for b, (p, ids, step) in enumerate(rows):
+        x = logits[b].astype(np.float64)
+        for i, v in dict(getattr(p, "logit_bias", None) or ()).items():
+            x[i] += v
+        if step < getattr(p, "min_tokens", 0):
+            x[list(ids)] = -np.inf
+        x = ref_penalties(x, [1, 2], [], 0.0, p.frequency_penalty, 1.0)
+        assert int(res.tokens[b]) == int(np.argmax(x)), b
+        np.testing.assert_allclose(float(res.logprobs[b]), log_softmax(logits[b])[int(res.tokens[b])], rtol=1e-5)
+    assert int(res.tokens[0]) == 5 and int(res.tokens[2]) != top[2] and int(res.tokens[3]) == top[3]
+    assert int(res.tokens[4]) != top[4] and int(res.tokens[5]) == top[5]
