@@ -22,8 +22,13 @@ HF_ARCHITECTURES = {
     "Qwen2ForCausalLM": "qwen2",
     "Qwen3ForCausalLM": "qwen3",
     "Qwen3MoeForCausalLM": "qwen3_moe",
+    "Qwen3_5ForCausalLM": "qwen3_5",
+    # the published (multimodal) checkpoints: text config under `text_config`, text weights under
+    # `model.language_model.`; only the text part is loaded
+    "Qwen3_5ForConditionalGeneration": "qwen3_5",
 }
-ARCHITECTURES = ("llama", "qwen2", "qwen3", "qwen3_moe")
+ARCHITECTURES = ("llama", "qwen2", "qwen3", "qwen3_moe", "qwen3_5")
+LAYER_TYPES = ("full_attention", "linear_attention")
 # GGUF `general.architecture` -> ours (llama.cpp spells qwen3_moe without the underscore)
 GGUF_ARCHITECTURES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "qwen3moe": "qwen3_moe"}
 SUPPORTED_ROPE_TYPES = ("default", "llama3", "linear")
@@ -75,6 +80,16 @@ class ModelConfig:
     norm_topk_prob: bool = True  # renormalise the top-k routing weights to sum to 1
     decoder_sparse_step: int = 1
     mlp_only_layers: tuple[int, ...] = ()
+    # Hybrid models (qwen3_5): each layer "full_attention" (paged KV) or "linear_attention" (Gated
+    # DeltaNet: a fixed-size state per sequence); () = every layer full attention. The linear layers'
+    # shapes: q/k heads and dims, v heads and dims, the causal conv's kernel width.
+    layer_types: tuple[str, ...] = ()
+    linear_num_key_heads: int = 0
+    linear_num_value_heads: int = 0
+    linear_key_head_dim: int = 0
+    linear_value_head_dim: int = 0
+    linear_conv_kernel_dim: int = 0
+    partial_rotary_factor: float = 1.0  # RoPE on the first head_dim * factor dims of each head
 
     def __post_init__(self):
         if self.architecture not in ARCHITECTURES:
@@ -100,10 +115,63 @@ class ModelConfig:
                                  f"num_experts={self.num_experts}")
         elif self.architecture == "qwen3_moe":
             raise ValueError(f"num_experts={self.num_experts!r} must be a positive integer for qwen3_moe")
+        self._check_hybrid()
         if not isinstance(self.mlp_only_layers, tuple) or any(
                 not isinstance(i, int) or not 0 <= i < self.num_layers for i in self.mlp_only_layers):
             raise ValueError(f"mlp_only_layers={self.mlp_only_layers!r} must be a tuple of layer indices "
                              f"in [0, {self.num_layers})")
+
+    def _check_hybrid(self) -> None:
+        if not 0 < self.partial_rotary_factor <= 1 or self.rotary_dim % 2 or self.rotary_dim == 0:
+            raise ValueError(f"partial_rotary_factor={self.partial_rotary_factor} must be in (0, 1] and give an even "
+                             f"rotary dimension of head_dim={self.head_dim}")
+        if self.architecture == "qwen3_5" and not self.layer_types:
+            raise ValueError("layer_types=() must list every layer's type for qwen3_5")
+        if not self.layer_types:
+            return
+        if (not isinstance(self.layer_types, tuple) or len(self.layer_types) != self.num_layers
+                or any(t not in LAYER_TYPES for t in self.layer_types)):
+            raise ValueError(f"layer_types={self.layer_types!r} must be a tuple of num_layers={self.num_layers} "
+                             f"entries from {LAYER_TYPES}")
+        if self.architecture != "qwen3_5" and "linear_attention" in self.layer_types:
+            raise ValueError(f"layer_types: linear_attention layers need architecture 'qwen3_5', "
+                             f"not {self.architecture!r}")
+        if "linear_attention" not in self.layer_types:
+            return
+        for name in ("linear_num_key_heads", "linear_num_value_heads", "linear_key_head_dim",
+                     "linear_value_head_dim", "linear_conv_kernel_dim"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+                raise ValueError(f"{name}={value!r} must be a positive integer for linear_attention layers")
+        if self.linear_num_value_heads % self.linear_num_key_heads:
+            raise ValueError(f"linear_num_value_heads={self.linear_num_value_heads} must be a multiple of "
+                             f"linear_num_key_heads={self.linear_num_key_heads}")
+
+    @property
+    def rotary_dim(self) -> int:
+        return int(self.head_dim * self.partial_rotary_factor)
+
+    def is_linear_layer(self, i: int) -> bool:
+        """A Gated DeltaNet layer (qwen3_5): a fixed-size state per sequence instead of paged KV."""
+        return bool(self.layer_types) and self.layer_types[i] == "linear_attention"
+
+    @property
+    def attention_layers(self) -> tuple[int, ...]:
+        """The layers that keep paged KV (all of them but the linear-attention ones)."""
+        return tuple(i for i in range(self.num_layers) if not self.is_linear_layer(i))
+
+    @property
+    def linear_key_size(self) -> int:
+        return self.linear_num_key_heads * self.linear_key_head_dim
+
+    @property
+    def linear_value_size(self) -> int:
+        return self.linear_num_value_heads * self.linear_value_head_dim
+
+    @property
+    def linear_conv_dim(self) -> int:
+        """Channels of the causal conv: q | k | v."""
+        return 2 * self.linear_key_size + self.linear_value_size
 
     @property
     def q_size(self) -> int:
@@ -120,6 +188,8 @@ class ModelConfig:
     def num_params(self, active: bool = False) -> int:
         """Parameter count; `active`: only the experts a token uses (top-k of each MoE layer)."""
         h, i, v = self.hidden_size, self.intermediate_size, self.vocab_size
+        if self.architecture == "qwen3_5":
+            return self._hybrid_params()
         attn = h * (self.q_size + 2 * self.kv_size) + self.q_size * h + 2 * h
         if self.attention_bias:
             attn += self.q_size + 2 * self.kv_size
@@ -129,6 +199,16 @@ class ModelConfig:
         mlp = sum(h * self.num_experts + experts * 3 * h * self.moe_intermediate_size if self.is_moe_layer(n)
                   else 3 * h * i for n in range(self.num_layers))
         return v * h * (1 if self.tie_word_embeddings else 2) + self.num_layers * attn + mlp + h
+
+    def _hybrid_params(self) -> int:
+        h, v = self.hidden_size, self.vocab_size
+        full = h * (2 * self.q_size + 2 * self.kv_size) + self.q_size * h + 2 * self.head_dim  # q has its gate
+        hv, conv = self.linear_num_value_heads, self.linear_conv_dim
+        linear = (h * (conv + self.linear_value_size + 2 * hv) + conv * self.linear_conv_kernel_dim + 2 * hv
+                  + self.linear_value_head_dim + self.linear_value_size * h)
+        per_layer = [(linear if self.is_linear_layer(n) else full) + 3 * h * self.intermediate_size + 2 * h
+                     for n in range(self.num_layers)]
+        return v * h * (1 if self.tie_word_embeddings else 2) + sum(per_layer) + h
 
     # ---- constructors -------------------------------------------------------------------------
 
@@ -153,6 +233,12 @@ class ModelConfig:
         if family is None:
             raise ValueError(f"config field 'architectures'={archs!r} is not supported; "
                              f"supported: {sorted(HF_ARCHITECTURES)}")
+        if archs[0].endswith("ForConditionalGeneration"):  # multimodal: the text model's config is nested
+            text = cfg.get("text_config")
+            if not isinstance(text, dict):
+                raise ValueError(f"config field 'text_config'={text!r} must be an object (architecture {archs[0]})")
+            tie = cfg.get("tie_word_embeddings", text.get("tie_word_embeddings", False))
+            cfg = {**text, "architectures": archs, "tie_word_embeddings": tie}
 
         def req(name: str) -> Any:
             if cfg.get(name) is None:
@@ -180,6 +266,9 @@ class ModelConfig:
                        decoder_sparse_step=_positive_int("config field 'decoder_sparse_step'",
                                                          cfg.get("decoder_sparse_step", 1)),
                        mlp_only_layers=tuple(only))
+        hybrid = {}
+        if family == "qwen3_5":
+            hybrid = _hybrid_from_hf(cfg, req("num_hidden_layers"), archs[0])
         return cls(
             architecture=family,
             vocab_size=req("vocab_size"),
@@ -195,10 +284,11 @@ class ModelConfig:
             rope_scaling=_rope_scaling_from_hf(cfg.get("rope_scaling") or cfg.get("rope_parameters")),
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
             attention_bias=family == "qwen2" or bool(cfg.get("attention_bias", False)),
-            qk_norm=family in ("qwen3", "qwen3_moe"),
+            qk_norm=family in ("qwen3", "qwen3_moe", "qwen3_5"),
             bos_token_id=cfg.get("bos_token_id"),
             eos_token_ids=eos_ids,
             **moe,
+            **hybrid,
         )
 
     @classmethod
@@ -265,6 +355,31 @@ class ModelConfig:
         return dataclasses.replace(self, **kw)
 
 
+def _hybrid_from_hf(cfg: dict[str, Any], num_layers: int, arch: str) -> dict[str, Any]:
+    """qwen3_5's fields: layer types (HF's default: every `full_attention_interval`-th layer full), the
+    Gated DeltaNet shapes and the partial rotary factor (in `rope_parameters` or at the top level)."""
+    types = cfg.get("layer_types")
+    if types is None:
+        interval = _positive_int("config field 'full_attention_interval'", cfg.get("full_attention_interval", 4))
+        types = ["linear_attention" if (i + 1) % interval else "full_attention" for i in range(num_layers)]
+    if not isinstance(types, list):
+        raise ValueError(f"config field 'layer_types'={types!r} must be a list")
+    out = {"layer_types": tuple(types)}
+    for name in ("linear_num_key_heads", "linear_num_value_heads", "linear_key_head_dim", "linear_value_head_dim",
+                 "linear_conv_kernel_dim"):
+        if cfg.get(name) is None:
+            raise ValueError(f"config field {name!r} is missing (architecture {arch})")
+        out[name] = _positive_int(f"config field {name!r}", cfg[name])
+    rope = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
+    factor = rope.get("partial_rotary_factor", cfg.get("partial_rotary_factor", 1.0))
+    if isinstance(factor, bool) or not isinstance(factor, int | float):
+        raise ValueError(f"config field 'partial_rotary_factor'={factor!r} must be a number")
+    out["partial_rotary_factor"] = float(factor)
+    if cfg.get("hidden_act", "silu") != "silu":
+        raise ValueError(f"config field 'hidden_act'={cfg['hidden_act']!r} is not supported (silu only)")
+    return out
+
+
 def _positive_int(what: str, value: Any) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
         raise ValueError(f"{what}={value!r} must be a positive integer")
@@ -306,9 +421,30 @@ NAMED_SHAPES: dict[str, ModelConfig] = {
 }
 
 
+def _qwen3_5(hidden: int, inter: int, layers: int, heads: int, kv_heads: int, value_heads: int,
+             tied: bool) -> ModelConfig:
+    """A Qwen3.5 dense text model (the published config.json's `text_config`): three Gated DeltaNet layers
+    to each gated full-attention layer, head_dim 256, RoPE on a quarter of it (theta 1e7), 16 q/k heads of
+    128 in the linear layers, conv kernel 4, vocab 248,320."""
+    return ModelConfig("qwen3_5", 248320, hidden, inter, layers, heads, kv_heads, 256, 262144, 1e-6, 1e7,
+                       tie_word_embeddings=tied, qk_norm=True, eos_token_ids=(248046,),
+                       layer_types=tuple("full_attention" if (i + 1) % 4 == 0 else "linear_attention"
+                                         for i in range(layers)),
+                       linear_num_key_heads=16, linear_num_value_heads=value_heads, linear_key_head_dim=128,
+                       linear_value_head_dim=128, linear_conv_kernel_dim=4, partial_rotary_factor=0.25)
+
+
+NAMED_SHAPES |= {
+    "qwen3.5-0.8b": _qwen3_5(1024, 3584, 24, 8, 2, 16, tied=True),
+    "qwen3.5-2b": _qwen3_5(2048, 6144, 24, 8, 2, 16, tied=True),
+    "qwen3.5-4b": _qwen3_5(2560, 9216, 32, 16, 4, 32, tied=True),
+    "qwen3.5-9b": _qwen3_5(4096, 12288, 32, 16, 4, 32, tied=False),
+}
+
+
 def rope_inv_freq(cfg: ModelConfig) -> list[float]:
     """RoPE inverse frequencies (host-side, float64) with the configured scaling applied."""
-    d = cfg.head_dim
+    d = cfg.rotary_dim  # head_dim unless partial RoPE
     inv = [1.0 / (cfg.rope_theta ** (i / d)) for i in range(0, d, 2)]
     rs = cfg.rope_scaling
     if rs.rope_type == "linear":

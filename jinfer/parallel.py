@@ -94,6 +94,9 @@ def logical_sharding(mesh: Mesh, logical_axes: tuple[str | None, ...], shape: tu
 
 def check_parallel(cfg, tp: int, expert_parallel: bool = False) -> None:
     """ValueError, naming the field, when the model cannot be split `tp` ways."""
+    if tp > 1 and "linear_attention" in cfg.layer_types:
+        raise ValueError(f"tensor_parallel_size={tp}: models with linear-attention layers ({cfg.architecture}) "
+                         "run on one device only for now")
     if cfg.num_heads % tp:
         raise ValueError(f"tensor_parallel_size={tp} must divide the model's num_heads={cfg.num_heads}")
     kvh = cfg.num_kv_heads
@@ -133,6 +136,10 @@ def shard_attention_weights(cfg, weights, mesh: Mesh, fuse_qkv: bool = True, exp
     then (`fuse_qkv`) one q|k|v projection per layer whose shard on device d is [wq_d | wk_d | wv_d], so
     the per-device forward splits its local columns exactly as one device splits the whole matrix."""
     tp, kvh, d = mesh.size, cfg.num_kv_heads, cfg.head_dim
+    if tp == 1:  # nothing to repeat or split: the family's own fused projections
+        from jinfer.models.registry import fuse_qkv as family_fuse_qkv
+
+        return family_fuse_qkv(cfg, weights) if fuse_qkv else weights
     repeat = kv_heads_total(cfg, tp) // kvh
 
     def heads(w):  # [..., kvh * d] -> [..., kvh * repeat * d], each head `repeat` times in a row

@@ -10,7 +10,7 @@ The jinfer tests only read the outputs (numpy / json / safetensors); they never 
 
 Outputs (all under tests/data/, see tests/data/README.md):
   tiny-llama/, tiny-qwen2/, tiny-qwen3/,
-  tiny-qwen3_moe/                             tiny random-weight HF checkpoints (float32 safetensors)
+  tiny-qwen3_moe/, tiny-qwen3_5/              tiny random-weight HF checkpoints (float32 safetensors)
   golden/tiny-<arch>.npz                      prefill logits, greedy ids and per-step decode logits
   golden/smollm2_greedy.json                  greedy continuations of SmolLM2-135M-Instruct (Q4_1 GGUF)
   golden/smollm2_chat0_last_logits.npy        HF prefill logits of the first chat prompt, last position
@@ -44,6 +44,7 @@ from transformers import (
     Qwen3MoeConfig,
     Qwen3MoeForCausalLM,
 )
+from transformers.models.qwen3_5 import Qwen3_5ForCausalLM, Qwen3_5TextConfig
 
 REPO = Path(__file__).resolve().parent.parent
 DATA = REPO / "tests" / "data"
@@ -51,6 +52,8 @@ GOLDEN = DATA / "golden"
 DEFAULT_GGUF = REPO / "models" / "SmolLM2-135M-Instruct" / "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 PROMPT_LENS = (5, 19, 37)
+# qwen3_5: the longest prompt spans two of HF's 64-token delta-rule chunks
+PROMPT_LENS_BY_ARCH = {"qwen3_5": (5, 37, 80)}
 N_DECODE = 32
 VOCAB = 256
 MIN_MARGIN = 0.02  # logits have std ~0.8; see make_tiny
@@ -159,6 +162,26 @@ def tiny_specs():
             ),
             None,
         ),
+        # Hybrid: layers 0-2 Gated DeltaNet, layer 3 gated full attention (HF's default interval 4);
+        # 2 q/k heads serving 4 v heads in the linear layers, partial RoPE (8 of 32 dims)
+        "qwen3_5": (
+            Qwen3_5ForCausalLM,
+            Qwen3_5TextConfig(
+                **_common(
+                    num_hidden_layers=4,
+                    intermediate_size=128,
+                    head_dim=32,
+                    tie_word_embeddings=False,
+                    rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.25},
+                    linear_conv_kernel_dim=4,
+                    linear_key_head_dim=16,
+                    linear_value_head_dim=16,
+                    linear_num_key_heads=2,
+                    linear_num_value_heads=4,
+                )
+            ),
+            None,
+        ),
     }
 
 
@@ -185,7 +208,14 @@ def randomize_norms_and_biases(model, gen):
     """Make every norm weight / bias non-trivial so bugs in applying them are caught."""
     n_norm = n_bias = 0
     for name, p in model.named_parameters():
-        if name.endswith("norm.weight"):
+        if name.endswith("dt_bias"):  # Gated DeltaNet's time-step bias (HF initialises it to ones)
+            p.copy_(1.0 + 0.5 * torch.randn(p.shape, generator=gen))
+            n_bias += 1
+        elif name.endswith("A_log"):
+            # HF draws A from U(0.01, 16); decays that strong make HF's own chunked prefill and recurrent
+            # decode disagree by ~4e-4 in float32 (the sanity check below), so keep A in (0.1, 2)
+            p.copy_(torch.empty(p.shape).uniform_(0.1, 2.0, generator=gen).log())
+        elif name.endswith("norm.weight"):
             p.copy_(1.0 + 0.1 * torch.randn(p.shape, generator=gen))
             n_norm += 1
         elif name.endswith(".bias"):
@@ -243,7 +273,7 @@ def make_tiny(arch, cls, cfg, shard, seed):
     rng = np.random.default_rng(seed + 2)
     arrays = {}
     margins = []
-    for i, L in enumerate(PROMPT_LENS):
+    for i, L in enumerate(PROMPT_LENS_BY_ARCH.get(arch, PROMPT_LENS)):
         # Deterministic rejection sampling: keep the first random prompt whose whole greedy
         # trajectory has a top-1/top-2 logit gap >= MIN_MARGIN at every step, so an engine with
         # slightly different float32 rounding cannot legitimately pick a different token.
@@ -412,20 +442,23 @@ def main():
     ap.add_argument("gguf", nargs="?", default=str(DEFAULT_GGUF))
     ap.add_argument("--skip-gguf", action="store_true")
     ap.add_argument("--skip-tiny", action="store_true")
-    ap.add_argument("--only", choices=["prompt-logprobs"], default=None,
-                    help="write only this golden file (from the committed checkpoints)")
+    ap.add_argument("--only", nargs="+", metavar="NAME",
+                    help="regenerate only these: tiny model archs (e.g. qwen3_5, with --skip-gguf; seeds stay the "
+                         "same) or prompt-logprobs (from the committed checkpoints)")
     args = ap.parse_args()
 
     torch.manual_seed(0)
     torch.use_deterministic_algorithms(True)
     torch.set_num_threads(min(2, os.cpu_count() or 1))
 
-    if args.only == "prompt-logprobs":
+    if args.only and "prompt-logprobs" in args.only:
         make_prompt_logprobs()
-        return
+        if args.only == ["prompt-logprobs"]:
+            return
     if not args.skip_tiny:
         for seed, (arch, (cls, cfg, shard)) in enumerate(tiny_specs().items()):
-            make_tiny(arch, cls, cfg, shard, seed=1000 + 10 * seed)
+            if args.only is None or arch in args.only:
+                make_tiny(arch, cls, cfg, shard, seed=1000 + 10 * seed)
     if not args.skip_gguf:
         make_smollm2(Path(args.gguf))
 

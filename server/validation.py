@@ -221,6 +221,10 @@ def parse_completion(body: Any, ctx: ServingContext) -> GenerationRequest:
                              echo_only=echo_only)
 
 
+MEDIA_PARTS = frozenset({"image_url", "image", "input_image", "video", "video_url", "input_audio", "audio_url",
+                         "file"})
+
+
 def _message_text(i: int, m: Any) -> dict[str, Any]:
     if not isinstance(m, dict):
         raise InvalidRequest(f"'messages[{i}]' must be an object", f"messages[{i}]")
@@ -232,7 +236,12 @@ def _message_text(i: int, m: Any) -> dict[str, Any]:
     if isinstance(content, list):  # content parts: only text
         parts = []
         for j, part in enumerate(content):
-            if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
+            kind = part.get("type") if isinstance(part, dict) else None
+            if kind in MEDIA_PARTS:  # e.g. a multimodal checkpoint (Qwen3.5): only its text model is served
+                raise InvalidRequest(f"'messages[{i}].content[{j}]' is a {kind!r} part: images, video and audio "
+                                     "are not supported (jinfer serves text models; a multimodal checkpoint's "
+                                     "vision tower is not loaded)", f"messages[{i}].content")
+            if kind != "text" or not isinstance(part.get("text"), str):
                 raise InvalidRequest(f"'messages[{i}].content[{j}]' must be a text part; only text is supported",
                                      f"messages[{i}].content")
             parts.append(part["text"])

@@ -22,11 +22,18 @@ import numpy as np
 from jinfer.config import ModelConfig
 from jinfer.distributed import Leader, check_group, join
 from jinfer.engine.kv_cache_manager import KVCacheManager, cdiv
-from jinfer.engine.model_runner import Launched, ModelRunner, StepRow, kv_cache_bytes_per_page
+from jinfer.engine.model_runner import (
+    Launched,
+    ModelRunner,
+    StepRow,
+    kv_cache_bytes_per_page,
+    state_bytes_per_slot,
+)
 from jinfer.engine.request import FinishReason, Request
 from jinfer.engine.sampler import num_logprobs_for, pack_token_mask
 from jinfer.engine.scheduler import Scheduler, SchedulerConfig
 from jinfer.models.ops import BACKENDS, select_ops
+from jinfer.models.registry import state_specs
 from jinfer.outputs import EngineOutput
 from jinfer.parallel import check_parallel, make_mesh, shard_attention_weights
 from jinfer.sampling_params import SamplingParams
@@ -187,6 +194,14 @@ class EngineCore:
                                expert_parallel=config.enable_expert_parallel)
         weights = shard_attention_weights(self.model_config, weights, mesh,
                                           expert_parallel=config.enable_expert_parallel)
+        # Models with per-sequence state layers (linear attention): one state slot per running sequence, plus
+        # the reserved slot 0. Their state summarises a whole prefix, so prefix-cache hits would need it
+        # checkpointed at page boundaries: not built; hits are off for such models.
+        self.num_state_slots = config.max_num_seqs + 1 if state_specs(self.model_config) else 0
+        prefix_caching = config.enable_prefix_caching and not self.num_state_slots
+        if config.enable_prefix_caching and not prefix_caching:
+            log.info("prefix caching is off: %s keeps a per-sequence state in its linear-attention layers, "
+                     "which a cached prefix's pages cannot restore", self.model_config.architecture)
         num_pages = config.num_pages or self._auto_num_pages(
             next(d for d in mesh.devices.flat if d.process_index == jax.process_index()))
         if self.group is not None:  # the same pool (and executables) in every process
@@ -194,7 +209,7 @@ class EngineCore:
         max_len = min(config.max_model_len or self.model_config.max_position_embeddings,
                       (num_pages - 1) * config.page_size)
         self.max_model_len = max_len
-        self.kv = KVCacheManager(num_pages, config.page_size, config.enable_prefix_caching)
+        self.kv = KVCacheManager(num_pages, config.page_size, prefix_caching, self.num_state_slots)
         self.scheduler = Scheduler(SchedulerConfig(
             max_model_len=max_len, max_num_seqs=config.max_num_seqs,
             max_num_batched_tokens=config.max_num_batched_tokens,
@@ -202,7 +217,7 @@ class EngineCore:
         self.runner = ModelRunner(self.model_config, weights, mesh, num_pages=num_pages, page_size=config.page_size,
                                   kv_dtype=DTYPES[self.dtype], max_num_batched_tokens=config.max_num_batched_tokens,
                                   max_num_seqs=config.max_num_seqs, max_model_len=max_len,
-                                  ops=select_ops(config.attention_backend),
+                                  ops=select_ops(config.attention_backend), num_state_slots=self.num_state_slots,
                                   executable_dir=os.path.join(cache_dir, "executables")
                                   if cache_dir and config.executable_cache and self.group is None else None)
         self._seqs: dict[str, _Seq] = {}  # sequence id -> state
@@ -232,6 +247,7 @@ class EngineCore:
             budget = int(free)
         else:
             budget = CPU_KV_CACHE_BYTES
+        budget -= self.num_state_slots * state_bytes_per_slot(self.model_config, DTYPES[self.dtype])
         # never more than max_num_seqs full-length sequences would need
         cap = cfg.max_num_seqs * cdiv(cfg.max_model_len or self.model_config.max_position_embeddings,
                                       cfg.page_size) + 1

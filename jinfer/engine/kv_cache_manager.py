@@ -15,6 +15,12 @@ The device KV cache is `[num_pages, page_size, ...]` per layer; this module only
   so they are reused before anything cached; cached pages are appended at the back (LRU), a freed
   request's pages in reverse order so its tail goes before its shared-looking head. Taking a cached
   page from the front evicts it from the hash table.
+- State slots (models with linear-attention layers, `num_state_slots` > 0): besides its pages, each
+  admitted request holds one slot of the fixed-size per-sequence state pools (`request.state_slot`),
+  taken at admission with its first pages and returned by `free` (finish, abort, preemption: a
+  preempted request recomputes its state from position 0). Slot 0 is reserved for padding sequences.
+  A state summarises a whole prefix and cannot be rebuilt from pages, so such models run without
+  prefix caching (the engine turns it off).
 """
 
 from __future__ import annotations
@@ -38,7 +44,7 @@ def hash_page(parent: bytes, token_ids: list[int]) -> bytes:
 
 
 class KVCacheManager:
-    def __init__(self, num_pages: int, page_size: int, enable_prefix_caching: bool = True):
+    def __init__(self, num_pages: int, page_size: int, enable_prefix_caching: bool = True, num_state_slots: int = 0):
         if num_pages < 2:
             raise ValueError(f"num_pages={num_pages} must be >= 2 (page 0 is the reserved null page)")
         if page_size < 1:
@@ -55,6 +61,14 @@ class KVCacheManager:
         self._num_registered: dict[str, int] = {}
         self.num_query_tokens = 0  # prefix-cache stats, counted once per admission
         self.num_hit_tokens = 0
+        if num_state_slots == 1 or num_state_slots < 0:
+            raise ValueError(f"num_state_slots={num_state_slots} must be 0 (no state layers) or >= 2 (slot 0 is "
+                             "reserved)")
+        if num_state_slots and enable_prefix_caching:
+            raise ValueError("enable_prefix_caching=True needs states checkpointed at page boundaries, which "
+                             "models with per-sequence state slots do not have")
+        self.num_state_slots = num_state_slots
+        self._free_slots: list[int] = list(range(num_state_slots - 1, 0, -1))  # pop() takes the lowest
 
     # ---- pool state ----------------------------------------------------------------------------
 
@@ -176,6 +190,10 @@ class KVCacheManager:
         num_revived = sum(1 for p in computed if self._ref_cnt[p] == 0)
         if num_fresh + num_revived > self.num_free_pages:
             return False
+        if computed_pages is not None and self.num_state_slots:
+            if not self._free_slots:
+                return False
+            request.state_slot = self._free_slots.pop()
         for p in computed:
             if self._ref_cnt[p] == 0:
                 del self._free[p]
@@ -200,3 +218,10 @@ class KVCacheManager:
                     self._free.move_to_end(page, last=False)
         request.page_ids = []  # a new list: a ScheduledRequest may still hold the old one
         self._num_registered.pop(request.request_id, None)
+        if request.state_slot:
+            self._free_slots.append(request.state_slot)
+            request.state_slot = 0
+
+    @property
+    def num_free_state_slots(self) -> int:
+        return len(self._free_slots)

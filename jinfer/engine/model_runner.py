@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import ctypes
 import logging
+import math
 import time
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -43,7 +44,7 @@ from jinfer.engine.scheduler import SchedulerOutput
 from jinfer.models.batch import Batch
 from jinfer.models.llama import Weights
 from jinfer.models.ops import REFERENCE_OPS, ModelOps
-from jinfer.models.registry import forward
+from jinfer.models.registry import forward, state_specs
 from jinfer.parallel import KV_AXES, array_specs, kv_heads_total, logical_sharding, mesh_forward, put
 
 log = logging.getLogger(__name__)
@@ -87,16 +88,37 @@ def pick(buckets: Sequence[int], n: int) -> int:
 
 
 def kv_cache_bytes_per_page(cfg: ModelConfig, page_size: int, dtype, tp: int = 1) -> int:
-    """Bytes one page takes on each device of a `tp`-way mesh (its share of the kv heads)."""
+    """Bytes one page takes on each device of a `tp`-way mesh (its share of the kv heads), over the layers
+    that keep paged KV."""
     heads = kv_heads_total(cfg, tp) // tp
-    return 2 * cfg.num_layers * page_size * heads * cfg.head_dim * jnp.dtype(dtype).itemsize
+    num_layers = cfg.num_layers - len(state_specs(cfg))
+    return 2 * num_layers * page_size * heads * cfg.head_dim * jnp.dtype(dtype).itemsize
 
 
-def init_kv_cache(cfg: ModelConfig, num_pages: int, page_size: int, dtype, mesh: Mesh):
+def state_bytes_per_slot(cfg: ModelConfig, dtype) -> int:
+    """Bytes one sequence's state slot takes over all layers with a per-sequence state (0 for most models)."""
+    return sum(math.prod(s.shape) * jnp.dtype(s.dtype or dtype).itemsize
+               for specs in state_specs(cfg).values() for s in specs)
+
+
+def init_kv_cache(cfg: ModelConfig, num_pages: int, page_size: int, dtype, mesh: Mesh, num_state_slots: int = 0):
+    """Per layer: its (k, v) pages, or (a layer with a per-sequence state, `registry.state_specs`) one pool
+    of `num_state_slots` slots per state array, replicated over the mesh."""
     shape = (num_pages, page_size, kv_heads_total(cfg, mesh.size), cfg.head_dim)
     sharding = logical_sharding(mesh, KV_AXES, shape)
     zeros = jax.jit(lambda: jnp.zeros(shape, dtype), out_shardings=sharding)
-    return tuple((zeros(), zeros()) for _ in range(cfg.num_layers))
+    states = state_specs(cfg)
+    if states and num_state_slots < 2:
+        raise ValueError(f"num_state_slots={num_state_slots}: this model keeps a state per sequence in "
+                         f"{len(states)} layers and needs >= 2 slots (slot 0 is reserved)")
+
+    def pool(spec):
+        full = (num_state_slots, *spec.shape)
+        return jax.jit(lambda: jnp.zeros(full, spec.dtype or dtype),
+                       out_shardings=NamedSharding(mesh, PartitionSpec()))()
+
+    return tuple(tuple(pool(spec) for spec in states[i]) if i in states else (zeros(), zeros())
+                 for i in range(cfg.num_layers))
 
 
 @dataclass
@@ -151,13 +173,14 @@ def _i32(a: np.ndarray) -> np.ndarray:
 def pack_batch(batch: Batch, prev_index: np.ndarray) -> np.ndarray:
     """One int32 buffer for the batch description (see `unpack_batch`)."""
     return np.concatenate([batch.input_ids, batch.positions, batch.slot_mapping, prev_index, batch.query_start,
-                           batch.seq_lens, batch.logits_indices, batch.page_table.ravel()]).astype(np.int32)
+                           batch.seq_lens, batch.logits_indices, batch.state_slots,
+                           batch.page_table.ravel()]).astype(np.int32)
 
 
 def _batch_sizes(T: int, B: int, P: int, L: int | None = None) -> tuple[int, ...]:
     """Lengths of the packed batch's parts, in `pack_batch` order. L: logits rows (B, or B + T in steps with
     prompt logprobs: each sequence's last token, then the prompt positions whose logprobs are wanted)."""
-    return (T, T, T, T, B + 1, B, B if L is None else L, B * P)
+    return (T, T, T, T, B + 1, B, B if L is None else L, B, B * P)
 
 
 def unpack_batch(buf: jax.Array, dims: tuple[int, ...]) -> tuple[Batch, jax.Array]:
@@ -166,8 +189,8 @@ def unpack_batch(buf: jax.Array, dims: tuple[int, ...]) -> tuple[Batch, jax.Arra
     for n in _batch_sizes(*dims):
         parts.append(buf[o:o + n])
         o += n
-    ids, pos, slots, prev, qs, lens, logits_idx, table = parts
-    return Batch(ids, pos, slots, qs, lens, table.reshape(B, P), logits_idx), prev
+    ids, pos, slots, prev, qs, lens, logits_idx, state_slots, table = parts
+    return Batch(ids, pos, slots, qs, lens, table.reshape(B, P), logits_idx, state_slots), prev
 
 
 _FLOAT_FIELDS = ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty")
@@ -255,10 +278,10 @@ def _with_pending_output(row: StepRow | None, s, prev: Launched | None) -> StepR
 class ModelRunner:
     def __init__(self, cfg: ModelConfig, weights: Weights, mesh: Mesh, *, num_pages: int, page_size: int,
                  kv_dtype, max_num_batched_tokens: int, max_num_seqs: int, max_model_len: int,
-                 ops: ModelOps = REFERENCE_OPS, executable_dir: str | None = None):
+                 ops: ModelOps = REFERENCE_OPS, executable_dir: str | None = None, num_state_slots: int = 0):
         self.cfg, self.weights, self.mesh = cfg, weights, mesh
         self.page_size = page_size
-        self.kv_cache = init_kv_cache(cfg, num_pages, page_size, kv_dtype, mesh)
+        self.kv_cache = init_kv_cache(cfg, num_pages, page_size, kv_dtype, mesh, num_state_slots)
         # On GPU, T=1 is its own bucket: batch-1 decode is the latency-critical case and has its own
         # kernels. Not on CPU: there XLA copies the whole KV cache when a one-token update is followed
         # by a read of the cache in the same executable (step time grew with the pool: 4 s at 4096 pages).
@@ -359,7 +382,10 @@ class ModelRunner:
         seq_lens[:n_seqs] = starts + counts
         logits_idx = np.zeros(B, np.int32)
         logits_idx[:n_seqs] = query_start[1:n_seqs + 1] - 1
-        return Batch(input_ids, positions, slots, query_start, seq_lens, page_table, logits_idx), prev_index
+        state_slots = np.zeros(B, np.int32)  # padding sequences: the reserved slot 0
+        state_slots[:n_seqs] = [s.request.state_slot for s in out.scheduled]
+        return (Batch(input_ids, positions, slots, query_start, seq_lens, page_table, logits_idx, state_slots),
+                prev_index)
 
     def sampling_tensors(self, rows: list[StepRow | None], B: int) -> SamplingTensors:
         """Rows align with the batch's sequences; None (a prefill chunk that samples nothing) is padding."""

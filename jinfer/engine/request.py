@@ -70,6 +70,8 @@ class Request:
     # Owned by KVCacheManager: the page table, and chained hashes of the full pages of all_token_ids
     # (kept across preemption: the tokens never change, only grow).
     page_ids: list[int] = field(default_factory=list, init=False)
+    # Its slot in the per-sequence state pools (linear-attention layers; 0 = none), held while admitted.
+    state_slot: int = field(default=0, init=False)
     page_hashes: list[bytes] = field(default_factory=list, init=False, repr=False)
 
     def __post_init__(self):

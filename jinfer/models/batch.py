@@ -29,6 +29,9 @@ class Batch:
     seq_lens: jax.Array  # [B] int32, context length after this step; 0 for padding seqs
     page_table: jax.Array  # [B, P] int32, page ids of each sequence (unused entries: any valid id, e.g. 0)
     logits_indices: jax.Array  # [N] int32, rows of the flattened tokens whose logits are returned
+    # [B] int32, each sequence's slot in the per-sequence state pools of linear-attention layers (slot 0:
+    # reserved, padding sequences); unused by models without such layers
+    state_slots: jax.Array | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -47,8 +50,10 @@ def make_batch(
     num_seqs: int | None = None,
     pages_per_seq: int | None = None,
     all_logits: bool = False,
+    state_slots: list[int] | None = None,
 ) -> Batch:
     """Host-side helper: build a padded Batch from (new_token_ids, num_cached_tokens, page_ids) per seq.
+    `state_slots`: each sequence's state slot (default b + 1: slot 0 is reserved).
 
     Returns numpy arrays inside the Batch (jit converts them). With `all_logits`, logits of every
     real token are returned (golden tests); otherwise those of each sequence's last new token.
@@ -84,4 +89,6 @@ def make_batch(
         last.append(t - 1)
     qstart[len(seqs) + 1:] = t
     logits_idx = np.arange(total, dtype=np.int32) if all_logits else np.asarray(last + [0] * (B - len(seqs)), np.int32)
-    return Batch(input_ids, positions, slots, qstart, seq_lens, table, logits_idx)
+    state = np.zeros(B, np.int32)
+    state[:len(seqs)] = state_slots if state_slots is not None else np.arange(1, len(seqs) + 1)
+    return Batch(input_ids, positions, slots, qstart, seq_lens, table, logits_idx, state)

@@ -19,7 +19,8 @@ def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
 
 
 def rope_cos_sin(positions: jax.Array, cfg: ModelConfig, dtype) -> tuple[jax.Array, jax.Array]:
-    """cos/sin tables for the given positions: each [T, head_dim], in the activation dtype."""
+    """cos/sin tables for the given positions: each [T, rotary_dim] (head_dim unless partial RoPE), in the
+    activation dtype."""
     inv_freq = jnp.asarray(np.asarray(rope_inv_freq(cfg), np.float32))  # [D/2], a compile-time constant
     freqs = positions.astype(jnp.float32)[:, None] * inv_freq[None, :]  # [T, D/2]
     emb = jnp.concatenate([freqs, freqs], axis=-1)  # [T, D]
@@ -27,7 +28,11 @@ def rope_cos_sin(positions: jax.Array, cfg: ModelConfig, dtype) -> tuple[jax.Arr
 
 
 def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
-    """Rotate-half RoPE (HF layout). x: [T, heads, D]; cos/sin: [T, D]."""
+    """Rotate-half RoPE (HF layout). x: [T, heads, D]; cos/sin: [T, R]. With R < D (partial RoPE) only the
+    first R dims of each head rotate; the rest pass through."""
+    if cos.shape[-1] < x.shape[-1]:
+        r = cos.shape[-1]
+        return jnp.concatenate([apply_rope(x[..., :r], cos, sin), x[..., r:]], axis=-1)
     half = x.shape[-1] // 2
     rotated = jnp.concatenate([-x[..., half:], x[..., :half]], axis=-1)
     return x * cos[:, None, :] + rotated * sin[:, None, :]

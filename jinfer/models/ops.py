@@ -164,6 +164,20 @@ class ModelOps:
         h = rms_norm(x, norm, eps)
         return tuple(project(h, w) for w in weights)
 
+    def gated_delta_rule(self, q, k, v, g, beta, states, slots, fresh, query_start):
+        """Gated DeltaNet's recurrence over the ragged batch, each sequence from / to its state slot
+        (pallas_kernels/gated_delta_rule.py). Returns (o [T, Hv, Dv] float32, the updated state pool)."""
+        from pallas_kernels.gated_delta_rule import gated_delta_rule
+
+        return gated_delta_rule(q, k, v, g, beta, states, slots, fresh, query_start, backend=self.backend,
+                                interpret=self.interpret)
+
+    def gated_rms_norm(self, x: jax.Array, gate: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
+        """HF's RMSNormGated: weight * rms_norm(x) (rounded to x's dtype), times silu(gate) in float32."""
+        from pallas_kernels.gated_rms_norm import gated_rms_norm_reference
+
+        return gated_rms_norm_reference(x, gate, weight, eps)
+
     def reduce(self, partial: jax.Array) -> jax.Array:
         """The sum of the devices' partial results of a row-parallel matmul (identity on one device)."""
         return partial if self.axis is None else jax.lax.psum(partial, self.axis)

@@ -3,7 +3,9 @@ never ask which family they run.
 
 A family module provides `weight_specs(cfg)` (every weight described once), `assemble_weights(cfg,
 arrays)` (the loaders' flat dict -> its pytree), `forward(weights, batch, kv_cache, cfg, ops)` (pure,
-jit-compiled by the runner) and `fuse_qkv(weights)` (the single-device fused q|k|v projection).
+jit-compiled by the runner), `fuse_qkv(weights)` (the single-device fused q|k|v projection) and, if some
+layers keep a fixed-size state per sequence instead of paged KV, `state_specs(cfg)` ({layer: its state
+arrays}; the engine sizes a pool of state slots from it).
 """
 
 from __future__ import annotations
@@ -11,10 +13,12 @@ from __future__ import annotations
 from types import ModuleType
 
 from jinfer.config import ARCHITECTURES, ModelConfig
-from jinfer.models import llama, qwen3_moe
+from jinfer.models import llama, qwen3_5, qwen3_moe
 from jinfer.models.ops import REFERENCE_OPS, ModelOps
+from jinfer.models.spec import StateSpec
 
-FAMILIES: dict[str, ModuleType] = {"llama": llama, "qwen2": llama, "qwen3": llama, "qwen3_moe": qwen3_moe}
+FAMILIES: dict[str, ModuleType] = {"llama": llama, "qwen2": llama, "qwen3": llama, "qwen3_moe": qwen3_moe,
+                                 "qwen3_5": qwen3_5}
 assert set(FAMILIES) == set(ARCHITECTURES)
 
 
@@ -36,3 +40,9 @@ def forward(weights, batch, kv_cache, cfg: ModelConfig, ops: ModelOps = REFERENC
 
 def fuse_qkv(cfg: ModelConfig, weights):
     return family(cfg).fuse_qkv(weights)
+
+
+def state_specs(cfg: ModelConfig) -> dict[int, tuple[StateSpec, ...]]:
+    """{layer index: its per-sequence state arrays} for layers without paged KV; {} for most families."""
+    fn = getattr(family(cfg), "state_specs", None)
+    return fn(cfg) if fn is not None else {}

@@ -37,3 +37,12 @@ class ArrayInfo:
         if not self.transpose:
             return self.shape
         return (*self.shape[:-2], self.shape[-1], self.shape[-2])
+
+
+@dataclass(frozen=True)
+class StateSpec:
+    """One array of a layer's fixed-size per-sequence state (linear-attention layers): the cache holds a
+    pool `[num_state_slots, *shape]` of it, one slot per running sequence. `dtype` None: the KV cache's."""
+
+    shape: tuple[int, ...]
+    dtype: str | None = None

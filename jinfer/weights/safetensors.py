@@ -27,6 +27,11 @@ class SafetensorsSource:
 
     def _tensor(self, name: str) -> np.ndarray:
         f = self._where.get(name)
+        if f is None and name.startswith("model."):
+            # multimodal checkpoints (Qwen3_5ForConditionalGeneration) keep the text model under
+            # model.language_model. (the vision tower and the MTP head are simply never read)
+            name = "model.language_model." + name.removeprefix("model.")
+            f = self._where.get(name)
         if f is None:
             raise ValueError(f"tensor {name!r} is missing from the checkpoint in {self.directory}")
         return self._handles[f].get_tensor(name)

@@ -94,6 +94,14 @@ def test_invalid_request_is_400_naming_the_field(server, path, body, param):
     assert httpx.get(f"{server.url}/health").status_code == 200
 
 
+def test_image_in_chat_is_a_clear_400(server):
+    part = {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}
+    r = post(server, CHAT, {"messages": [{"role": "user", "content": [{"type": "text", "text": "what?"}, part]}]})
+    assert r.status_code == 400
+    err = r.json()["error"]
+    assert err["param"] == "messages[0].content" and "images" in err["message"] and "image_url" in err["message"]
+
+
 def test_server_healthy_and_idle_after_invalid_requests(server):
     assert post(server, C, {"prompt": "hi", "max_tokens": 3}).json()["usage"]["completion_tokens"] == 3
     assert metric(server.url, "jinfer_requests_total") >= len(INVALID)

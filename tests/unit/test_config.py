@@ -132,3 +132,41 @@ def test_qwen3_moe_from_hf():
 def test_malformed_moe_config_names_field(change, field):
     with pytest.raises(ValueError, match=field):
         ModelConfig.from_hf_config({**MOE, **change})
+
+
+QWEN3_5 = {
+    "architectures": ["Qwen3_5ForCausalLM"], "vocab_size": 100, "hidden_size": 64, "intermediate_size": 128,
+    "num_hidden_layers": 4, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 32,
+    "linear_num_key_heads": 2, "linear_num_value_heads": 4, "linear_key_head_dim": 16, "linear_value_head_dim": 16,
+    "linear_conv_kernel_dim": 4, "rope_parameters": {"rope_type": "default", "rope_theta": 1e7,
+                                                      "partial_rotary_factor": 0.25},
+}
+
+
+def test_qwen3_5_from_hf_and_the_multimodal_layout():
+    cfg = ModelConfig.from_hf_config(QWEN3_5)  # no layer_types: HF's full_attention_interval default (4)
+    assert cfg.layer_types == ("linear_attention",) * 3 + ("full_attention",)
+    assert (cfg.rotary_dim, cfg.attention_layers, cfg.qk_norm) == (8, (3,), True)
+    assert len(rope_inv_freq(cfg)) == 4
+    text = {k: v for k, v in QWEN3_5.items() if k != "architectures"}
+    mm = ModelConfig.from_hf_config({"architectures": ["Qwen3_5ForConditionalGeneration"], "text_config": text,
+                                     "tie_word_embeddings": True})
+    assert mm == cfg.replace(tie_word_embeddings=True)
+    for name in ("qwen3.5-0.8b", "qwen3.5-2b", "qwen3.5-4b", "qwen3.5-9b"):
+        shape = NAMED_SHAPES[name]
+        assert shape.layer_types.count("full_attention") * 4 == shape.num_layers and shape.rotary_dim == 64
+
+
+@pytest.mark.parametrize("change,field", [
+    ({"linear_num_value_heads": 3}, "linear_num_value_heads"),
+    ({"linear_conv_kernel_dim": 0}, "linear_conv_kernel_dim"),
+    ({"layer_types": ["full_attention"] * 3}, "layer_types"),
+    ({"layer_types": ["mamba"] * 4}, "layer_types"),
+    ({"rope_parameters": {"rope_theta": 1e7, "partial_rotary_factor": 0.3}}, "partial_rotary_factor"),
+    ({"text_config": 3, "architectures": ["Qwen3_5ForConditionalGeneration"]}, "text_config"),
+])
+def test_malformed_qwen3_5_config_names_field(change, field):
+    with pytest.raises(ValueError, match=field):
+        ModelConfig.from_hf_config({**QWEN3_5, **change})
+    with pytest.raises(ValueError, match="linear_key_head_dim"):
+        ModelConfig.from_hf_config({k: v for k, v in QWEN3_5.items() if k != "linear_key_head_dim"})

@@ -223,3 +223,28 @@ def test_invalid_construction():
         KVCacheManager(num_pages=1, page_size=4)
     with pytest.raises(ValueError, match="page_size"):
         KVCacheManager(num_pages=4, page_size=0)
+
+
+def test_state_slots_taken_at_admission_and_returned_by_free():
+    """Linear-attention models: one state slot per admitted request (slot 0 reserved), none left -> no
+    admission; growing a running request takes no slot; free returns it."""
+    kv = KVCacheManager(num_pages=9, page_size=PS, enable_prefix_caching=False, num_state_slots=3)
+    a, b, c = make_req("a", range(3)), make_req("b", range(3)), make_req("c", range(3))
+    admit(kv, a)
+    admit(kv, b)
+    assert (a.state_slot, b.state_slot, kv.num_free_state_slots) == (1, 2, 0)
+    assert not kv.allocate_slots(c, 3, [])
+    assert c.state_slot == 0 and c.page_ids == []  # nothing changed
+    a.num_computed_tokens = 3
+    assert kv.allocate_slots(a, 4) and a.state_slot == 1
+    kv.free(a)
+    assert a.state_slot == 0 and kv.num_free_state_slots == 1
+    admit(kv, c)
+    assert c.state_slot == 1
+
+
+def test_state_slots_refuse_prefix_caching():
+    with pytest.raises(ValueError, match="enable_prefix_caching"):
+        KVCacheManager(num_pages=9, page_size=PS, num_state_slots=3)
+    with pytest.raises(ValueError, match="num_state_slots"):
+        KVCacheManager(num_pages=9, page_size=PS, enable_prefix_caching=False, num_state_slots=1)

@@ -1,0 +1,255 @@
+"""Qwen3.5 (`Qwen3_5ForCausalLM`, and the text part of `Qwen3_5ForConditionalGeneration`): a hybrid of
+Gated DeltaNet (linear attention) layers and gated full-attention layers, as HF transformers computes it
+(transformers/models/qwen3_5/modeling_qwen3_5.py).
+
+- Gated attention (`layer_types[i] == "full_attention"`): q_proj gives each head's query and an output
+  gate side by side ([H, 2D] per token); q/k RMSNorm, RoPE on the first `rotary_dim` dims of each head,
+  attention over the paged KV cache, output times sigmoid(gate), o_proj.
+- Gated DeltaNet ("linear_attention"): in_proj_qkv -> a depthwise causal conv1d (kernel K, no bias) and
+  SiLU -> q | k | v; in_proj_z (the output gate), in_proj_b (beta = sigmoid), in_proj_a (the decay
+  g = -exp(A_log) * softplus(a + dt_bias)); the gated delta rule (pallas_kernels/gated_delta_rule.py)
+  with L2-normalised q and k; a per-head RMSNorm gated by silu(z); out_proj.
+- Every other RMSNorm (input, post-attention, q/k, final) is zero-centred: HF multiplies by
+  (1 + weight). `assemble_weights` adds the 1 once at load time, so the shared `rms_norm` and the MLP
+  kernels apply them unchanged (and dummy weights initialise them to zeros, as HF does).
+
+The cache: full-attention layers keep paged (k, v) like every family; a linear layer keeps one
+fixed-size state per sequence, in a pool of slots (`state_specs`): the last K - 1 conv inputs
+[S, K-1, conv_dim] (activation dtype) and the recurrent state [S, Hv, Dk, Dv] (float32). A sequence
+reads its slot (`Batch.state_slots`) unless its first new token is at position 0 (then it starts from
+zeros: admission, recompute after preemption), and writes its final state back. Slot 0 is reserved for
+padding sequences.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+import jax
+import jax.numpy as jnp
+
+from jinfer.config import ModelConfig
+from jinfer.models import llama
+from jinfer.models.batch import Batch
+from jinfer.models.layers import apply_rope, rms_norm, rope_cos_sin, write_kv
+from jinfer.models.llama import Weights
+from jinfer.models.ops import REFERENCE_OPS, ModelOps
+from jinfer.models.spec import ArrayInfo, StateSpec
+from pallas_kernels.gated_delta_rule import token_sequences
+
+__all__ = ["HybridLayer", "assemble_weights", "forward", "fuse_qkv", "state_specs", "weight_specs"]
+
+# Norms stored zero-centred in checkpoints (HF multiplies by 1 + weight); the gated norm is not.
+ZERO_CENTRED = ("attn_norm", "mlp_norm", "q_norm", "k_norm")
+
+
+@jax.tree_util.register_dataclass
+@dataclass
+class HybridLayer:
+    attn_norm: jax.Array  # [hidden] (1 + HF's weight)
+    mlp_norm: jax.Array  # [hidden] (1 + HF's weight)
+    w_gate: jax.Array  # [hidden, I]
+    w_up: jax.Array  # [hidden, I]
+    w_down: jax.Array  # [I, hidden]
+    # gated attention layers
+    wq: jax.Array | None = None  # [hidden, H * 2D]: per head D query columns then D gate columns
+    wk: jax.Array | None = None  # [hidden, KVH * D]
+    wv: jax.Array | None = None  # [hidden, KVH * D]
+    wo: jax.Array | None = None  # [H * D, hidden]
+    q_norm: jax.Array | None = None  # [D] (1 + HF's weight)
+    k_norm: jax.Array | None = None  # [D]
+    wqkv: jax.Array | None = None  # [hidden, H * 2D + 2 * KVH * D]: wq | wk | wv (`fuse_qkv`)
+    # Gated DeltaNet layers
+    lin_qkv: jax.Array | None = None  # [hidden, conv_dim]: q | k | v before the conv
+    lin_z: jax.Array | None = None  # [hidden, Hv * Dv]
+    lin_b: jax.Array | None = None  # [hidden, Hv]
+    lin_a: jax.Array | None = None  # [hidden, Hv]
+    lin_in: jax.Array | None = None  # [hidden, conv_dim + Hv * Dv + 2 * Hv]: qkv | z | b | a (`fuse_qkv`)
+    conv_w: jax.Array | None = None  # [conv_dim, 1, K]
+    a_log: jax.Array | None = None  # [Hv]
+    dt_bias: jax.Array | None = None  # [Hv]
+    lin_norm: jax.Array | None = None  # [Dv]: the gated RMSNorm's weight (plain, not zero-centred)
+    lin_out: jax.Array | None = None  # [Hv * Dv, hidden]
+
+
+def attention_specs(cfg: ModelConfig, i: int) -> dict[str, ArrayInfo]:
+    h, q, kv, d = cfg.hidden_size, cfg.q_size, cfg.kv_size, cfg.head_dim
+    hf = f"model.layers.{i}.self_attn."
+    return {
+        "wq": ArrayInfo((h, 2 * q), ("embed", "q_heads"), hf + "q_proj.weight", "", True),
+        "wk": ArrayInfo((h, kv), ("embed", "kv_heads"), hf + "k_proj.weight", "", True),
+        "wv": ArrayInfo((h, kv), ("embed", "kv_heads"), hf + "v_proj.weight", "", True),
+        "wo": ArrayInfo((q, h), ("q_heads", "embed"), hf + "o_proj.weight", "", True),
+        "q_norm": ArrayInfo((d,), ("head_dim",), hf + "q_norm.weight", "", init="zeros"),
+        "k_norm": ArrayInfo((d,), ("head_dim",), hf + "k_norm.weight", "", init="zeros"),
+    }
+
+
+def linear_attention_specs(cfg: ModelConfig, i: int) -> dict[str, ArrayInfo]:
+    h, conv, vs, hv = cfg.hidden_size, cfg.linear_conv_dim, cfg.linear_value_size, cfg.linear_num_value_heads
+    hf = f"model.layers.{i}.linear_attn."
+    return {
+        "lin_qkv": ArrayInfo((h, conv), ("embed", None), hf + "in_proj_qkv.weight", "", True),
+        "lin_z": ArrayInfo((h, vs), ("embed", None), hf + "in_proj_z.weight", "", True),
+        "lin_b": ArrayInfo((h, hv), ("embed", None), hf + "in_proj_b.weight", "", True),
+        "lin_a": ArrayInfo((h, hv), ("embed", None), hf + "in_proj_a.weight", "", True),
+        "conv_w": ArrayInfo((conv, 1, cfg.linear_conv_kernel_dim), (None, None, None), hf + "conv1d.weight", ""),
+        "a_log": ArrayInfo((hv,), (None,), hf + "A_log", "", init="zeros"),
+        "dt_bias": ArrayInfo((hv,), (None,), hf + "dt_bias", "", init="ones"),
+        "lin_norm": ArrayInfo((cfg.linear_value_head_dim,), (None,), hf + "norm.weight", "", init="ones"),
+        "lin_out": ArrayInfo((vs, h), (None, "embed"), hf + "out_proj.weight", "", True),
+    }
+
+
+def layer_specs(cfg: ModelConfig, i: int) -> dict[str, ArrayInfo]:
+    h = cfg.hidden_size
+    hf = f"model.layers.{i}."
+    norms = {
+        "attn_norm": ArrayInfo((h,), ("embed",), hf + "input_layernorm.weight", "", init="zeros"),
+        "mlp_norm": ArrayInfo((h,), ("embed",), hf + "post_attention_layernorm.weight", "", init="zeros"),
+    }
+    mixer = linear_attention_specs(cfg, i) if cfg.is_linear_layer(i) else attention_specs(cfg, i)
+    return norms | mixer | llama.mlp_specs(cfg, i)
+
+
+def weight_specs(cfg: ModelConfig) -> dict[str, ArrayInfo]:
+    specs = llama.weight_specs(cfg, layer_specs)
+    specs["final_norm"] = dataclasses.replace(specs["final_norm"], init="zeros")
+    return specs
+
+
+def assemble_weights(cfg: ModelConfig, arrays: dict[str, jax.Array]) -> Weights:
+    """The loaders' flat dict -> `Weights` with `HybridLayer`s; zero-centred norms get their 1 added."""
+    layers = []
+    for i in range(cfg.num_layers):
+        prefix = f"layers.{i}."
+        kw = {k[len(prefix):]: a for k, a in arrays.items() if k.startswith(prefix)}
+        kw = {k: (a + 1 if k in ZERO_CENTRED else a) for k, a in kw.items()}
+        layers.append(HybridLayer(**kw))
+    return Weights(arrays["embed"], layers, arrays["final_norm"] + 1, arrays.get("lm_head"))
+
+
+def fuse_qkv(weights: Weights) -> Weights:
+    """One input projection per layer (single device): wq | wk | wv, and qkv | z | b | a in the linear
+    layers (the same reason as llama.fuse_qkv: small matrix-vector products run far below HBM speed)."""
+    layers = []
+    for layer in weights.layers:
+        if layer.wq is not None:
+            layer = dataclasses.replace(layer, wq=None, wk=None, wv=None,
+                                        wqkv=jnp.concatenate([layer.wq, layer.wk, layer.wv], axis=1))
+        elif layer.lin_qkv is not None:
+            w = jnp.concatenate([layer.lin_qkv, layer.lin_z, layer.lin_b, layer.lin_a], axis=1)
+            layer = dataclasses.replace(layer, lin_qkv=None, lin_z=None, lin_b=None, lin_a=None, lin_in=w)
+        layers.append(layer)
+    return dataclasses.replace(weights, layers=layers)
+
+
+def state_specs(cfg: ModelConfig) -> dict[int, tuple[StateSpec, ...]]:
+    """The per-sequence state of each linear layer: (conv inputs, recurrent state)."""
+    conv = StateSpec((cfg.linear_conv_kernel_dim - 1, cfg.linear_conv_dim), None)
+    rec = StateSpec((cfg.linear_num_value_heads, cfg.linear_key_head_dim, cfg.linear_value_head_dim), "float32")
+    return {i: (conv, rec) for i in range(cfg.num_layers) if cfg.is_linear_layer(i)}
+
+
+def _gated_attention(layer: HybridLayer, x, cos, sin, kv, batch: Batch, cfg: ModelConfig, ops: ModelOps):
+    T = x.shape[0]
+    H, KVH, D = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+    if layer.wqkv is not None:
+        (y,) = ops.norm_projections(x, layer.attn_norm, (layer.wqkv,), cfg.rms_norm_eps)
+        qg, k, v = jnp.split(y, [2 * H * D, (2 * H + KVH) * D], axis=-1)
+    else:
+        qg, k, v = ops.norm_projections(x, layer.attn_norm, (layer.wq, layer.wk, layer.wv), cfg.rms_norm_eps)
+    qg = qg.reshape(T, H, 2 * D)
+    q, gate = qg[..., :D], qg[..., D:].reshape(T, H * D)
+    k, v = k.reshape(T, KVH, D), v.reshape(T, KVH, D)
+    q, k = rms_norm(q, layer.q_norm, cfg.rms_norm_eps), rms_norm(k, layer.k_norm, cfg.rms_norm_eps)
+    q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+    k_cache, v_cache = write_kv(kv[0], kv[1], k, v, batch.slot_mapping)
+    out = ops.attention(q, k_cache, v_cache, batch, D**-0.5).reshape(T, H * D)
+    return ops.out_proj(out * jax.nn.sigmoid(gate), layer.wo, x), (k_cache, v_cache)
+
+
+def causal_conv(x: jax.Array, conv_state: jax.Array, weight: jax.Array, seq: jax.Array, starts: jax.Array,
+                query_start: jax.Array, slots: jax.Array, fresh: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """Depthwise causal conv1d + SiLU over a ragged batch, each sequence continuing from its conv state.
+
+    x: [T, C] this step's inputs; conv_state: [S, K-1, C] the pool (oldest first); weight: [C, 1, K];
+    seq: [T] each row's sequence (B for padding); starts: [B] rows where each sequence begins (query_start).
+    Returns (y [T, C], the pool with each sequence's last K-1 inputs written to its slot).
+    """
+    T, C = x.shape
+    K = weight.shape[-1]
+    B = slots.shape[0]
+    prev = jnp.where(fresh[:, None, None], 0, conv_state[slots]).astype(x.dtype)  # [B, K-1, C]
+    b = jnp.minimum(seq, B - 1)
+    r = jnp.arange(T) - starts[b]  # offset of each row within its sequence's new tokens
+    w = weight[:, 0, :].astype(jnp.float32)  # [C, K]
+    acc = jnp.zeros((T, C), jnp.float32)
+    for d in range(K):  # tap d looks d rows back: in this step's rows, else in the conv state
+        inside = r >= d
+        from_x = x[jnp.maximum(jnp.arange(T) - d, 0)]
+        from_state = prev[b, jnp.clip(K - 1 + r - d, 0, K - 2)]
+        tap = jnp.where(inside[:, None], from_x, from_state)
+        acc = acc + tap.astype(jnp.float32) * w[:, K - 1 - d]
+    y = jax.nn.silu(acc).astype(x.dtype)
+    # new state: the last K-1 inputs of each sequence (fewer new rows than K-1: the rest from the old state)
+    n = query_start[1:] - query_start[:-1]  # [B]
+    i = jnp.arange(K - 1)
+    rr = n[:, None] - (K - 1) + i[None, :]  # [B, K-1] offsets within the new rows
+    new = jnp.where((rr >= 0)[..., None], x[jnp.clip(query_start[:-1, None] + rr, 0, T - 1)],
+                    prev[jnp.arange(B)[:, None], jnp.clip(K - 1 + rr, 0, K - 2)])
+    return y, conv_state.at[slots].set(new.astype(conv_state.dtype))
+
+
+def _gated_delta_net(layer: HybridLayer, x, state, batch: Batch, info, cfg: ModelConfig, ops: ModelOps):
+    T = x.shape[0]
+    Hk, Hv = cfg.linear_num_key_heads, cfg.linear_num_value_heads
+    Dk, Dv = cfg.linear_key_head_dim, cfg.linear_value_head_dim
+    conv_state, rec_state = state
+    if layer.lin_in is not None:
+        (y,) = ops.norm_projections(x, layer.attn_norm, (layer.lin_in,), cfg.rms_norm_eps)
+        c, vs = cfg.linear_conv_dim, cfg.linear_value_size
+        mixed, z, b, a = jnp.split(y, [c, c + vs, c + vs + Hv], axis=-1)
+    else:
+        mixed, z, b, a = ops.norm_projections(x, layer.attn_norm, (layer.lin_qkv, layer.lin_z, layer.lin_b,
+                                                                   layer.lin_a), cfg.rms_norm_eps)
+    seq, fresh = info
+    slots, qs = batch.state_slots, batch.query_start
+    mixed, conv_state = causal_conv(mixed, conv_state, layer.conv_w, seq, qs[:-1], qs, slots, fresh)
+    q, k, v = jnp.split(mixed, [Hk * Dk, 2 * Hk * Dk], axis=-1)
+    q, k, v = q.reshape(T, Hk, Dk), k.reshape(T, Hk, Dk), v.reshape(T, Hv, Dv)
+    beta = jax.nn.sigmoid(b).astype(jnp.float32)
+    g = -jnp.exp(layer.a_log.astype(jnp.float32)) * jax.nn.softplus(a.astype(jnp.float32)
+                                                                     + layer.dt_bias.astype(jnp.float32))
+    o, rec_state = ops.gated_delta_rule(q, k, v, g, beta, rec_state, slots, fresh, qs)  # o: [T, Hv, Dv] f32
+    o = ops.gated_rms_norm(o.astype(x.dtype), z.reshape(T, Hv, Dv), layer.lin_norm, cfg.rms_norm_eps)
+    return ops.out_proj(o.reshape(T, Hv * Dv), layer.lin_out, x), (conv_state, rec_state)
+
+
+def forward(
+    weights: Weights,
+    batch: Batch,
+    kv_cache: tuple[tuple[jax.Array, jax.Array], ...],
+    cfg: ModelConfig,
+    ops: ModelOps = REFERENCE_OPS,
+) -> tuple[jax.Array, tuple[tuple[jax.Array, jax.Array], ...]]:
+    """One step over a flattened ragged batch. `kv_cache[i]` is layer i's (k, v) pages or, for a linear
+    layer, its (conv, recurrent) state pools. Returns (logits [N, vocab] float32, the updated cache)."""
+    x = ops.embed(weights.embed, batch.input_ids, cfg.vocab_size)  # [T, hidden]
+    cos, sin = rope_cos_sin(batch.positions, cfg, x.dtype)
+    qs = batch.query_start
+    fresh = batch.seq_lens - (qs[1:] - qs[:-1]) == 0  # [B] first new token at position 0 (or padding)
+    info = (token_sequences(qs, x.shape[0]), fresh)
+    new_cache = []
+    for i, (layer, cache) in enumerate(zip(weights.layers, kv_cache, strict=True)):
+        if cfg.is_linear_layer(i):
+            x, cache = _gated_delta_net(layer, x, cache, batch, info, cfg, ops)
+        else:
+            x, cache = _gated_attention(layer, x, cos, sin, cache, batch, cfg, ops)
+        x = ops.mlp_block(x, layer.mlp_norm, layer.w_gate, layer.w_up, layer.w_down, cfg.rms_norm_eps)
+        new_cache.append(cache)
+    x = rms_norm(x[batch.logits_indices], weights.final_norm, cfg.rms_norm_eps)  # [N, hidden]
+    head = weights.embed.T if weights.lm_head is None else weights.lm_head
+    return ops.lm_head(x, head, cfg.vocab_size), tuple(new_cache)
+

@@ -1,0 +1,153 @@
+"""Tiny random-weight Qwen3.5 (3 Gated DeltaNet layers + 1 gated attention layer) against HF transformers.
+
+tests/data/golden/tiny-qwen3_5.npz comes from scripts/make_golden.py (HF's Qwen3_5ForCausalLM on the same
+safetensors: chunked delta rule for the prompts, the recurrent one for each decode step). Prompts of 5,
+37 and 80 tokens: the last spans two of HF's 64-token chunks. Sequences sit in non-trivial state slots
+and scrambled pages; chunked prefill cuts through the conv window (K - 1 = 3 rows) and the 64-row chunk.
+"""
+
+import json
+from functools import partial
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from safetensors.numpy import load_file, save_file
+
+from jinfer.models.batch import make_batch
+from jinfer.models.ops import REFERENCE_OPS, ModelOps
+from jinfer.models.registry import forward, fuse_qkv, state_specs
+from jinfer.weights.loader import load_weights, resolve_model
+
+from ..conftest import DATA
+
+PAGE = 4
+NUM_PAGES = 80
+NUM_SLOTS = 8
+ATOL = 2e-4
+OPS = {"ref": REFERENCE_OPS, "pallas": ModelOps("pallas", interpret=jax.default_backend() != "gpu")}
+
+
+def load(path=DATA / "tiny-qwen3_5"):
+    src = resolve_model(path)
+    return src.config, load_weights(src, "float32", progress=False)
+
+
+def empty_cache(cfg):
+    """Per layer: (k, v) pages, or each state array's pool of NUM_SLOTS slots filled with garbage (a slot's
+    old content must never leak into a sequence that starts at position 0)."""
+    states = state_specs(cfg)
+    shape = (NUM_PAGES, PAGE, cfg.num_kv_heads, cfg.head_dim)
+    rng = np.random.default_rng(0)
+    return tuple(tuple(jnp.asarray(rng.standard_normal((NUM_SLOTS, *s.shape)), s.dtype or jnp.float32)
+                       for s in states[i]) if i in states else (jnp.zeros(shape), jnp.zeros(shape))
+                 for i in range(cfg.num_layers))
+
+
+def pages_for(seed, n):
+    return [int(p) + 1 for p in np.random.default_rng(seed).permutation(NUM_PAGES - 1)[:n]]
+
+
+@pytest.fixture(scope="module")
+def gold():
+    return np.load(DATA / "golden" / "tiny-qwen3_5.npz")
+
+
+@pytest.fixture(scope="module", params=list(OPS))
+def model(request):
+    cfg, w = load()
+    if request.param == "pallas":
+        w = fuse_qkv(cfg, w)
+        assert w.layers[0].lin_in is not None and w.layers[3].wqkv is not None
+    return cfg, w, jax.jit(partial(forward, cfg=cfg, ops=OPS[request.param]), donate_argnames=("kv_cache",))
+
+
+def test_config_read_from_hf():
+    cfg, w = load()
+    assert cfg.architecture == "qwen3_5"
+    assert cfg.layer_types == ("linear_attention",) * 3 + ("full_attention",)
+    assert (cfg.rotary_dim, cfg.linear_conv_dim, cfg.attention_layers) == (8, 128, (3,))
+    assert w.layers[0].conv_w.shape == (128, 1, 4) and w.layers[0].wq is None
+    assert w.layers[3].wq.shape == (64, 2 * 4 * 32) and w.layers[3].lin_qkv is None
+    assert set(state_specs(cfg)) == {0, 1, 2}
+
+
+@pytest.mark.parametrize("i", [0, 1, 2])
+def test_prefill_and_every_decode_step_match_hf(model, gold, i):
+    cfg, w, step = model
+    prompt, greedy = gold[f"prompt_{i}"].tolist(), gold[f"greedy_{i}"].tolist()
+    pages = pages_for(i, (len(prompt) + len(greedy)) // PAGE + 1)
+    slot = [5]
+    kv = empty_cache(cfg)
+    logits, kv = step(w, make_batch([(prompt, 0, pages)], PAGE, all_logits=True, state_slots=slot), kv)
+    np.testing.assert_allclose(np.asarray(logits), gold[f"prefill_logits_{i}"], atol=ATOL, rtol=1e-4)
+    ours = [int(np.argmax(logits[-1]))]
+    for s in range(1, len(greedy)):
+        batch = make_batch([([ours[-1]], len(prompt) + s - 1, pages)], PAGE, pages_per_seq=len(pages),
+                           num_tokens=8, num_seqs=2, state_slots=slot)
+        logits, kv = step(w, batch, kv)
+        np.testing.assert_allclose(np.asarray(logits[0]), gold[f"decode_logits_{i}"][s], atol=ATOL, rtol=1e-4,
+                                   err_msg=f"decode step {s}")
+        ours.append(int(np.argmax(logits[0])))
+    assert ours == greedy
+
+
+def test_batched_chunked_prefill_then_batched_decode_match_hf(model, gold):
+    """Three prompts in flattened batches, the 80-token one in chunks of 2 (< the conv window), 65
+    (across the 64-row chunk) and 13 rows, next to the others; then all three decode together."""
+    cfg, w, step = model
+    prompts = [gold[f"prompt_{i}"].tolist() for i in range(3)]
+    perm = pages_for(7, 75)
+    pages = [perm[0:10], perm[10:30], perm[30:75]]
+    slots = [3, 7, 1]
+    kv = empty_cache(cfg)
+    P = 45
+
+    def run(seqs, T):
+        nonlocal kv
+        batch = make_batch([s[:3] for s in seqs], PAGE, num_tokens=T, num_seqs=4, pages_per_seq=P, all_logits=True,
+                           state_slots=[s[3] for s in seqs])
+        logits, kv = step(w, batch, kv)
+        return np.asarray(logits)
+
+    a = run([(prompts[2][:2], 0, pages[2], slots[2]), (prompts[0], 0, pages[0], slots[0])], 8)
+    b = run([(prompts[1], 0, pages[1], slots[1]), (prompts[2][2:67], 2, pages[2], slots[2])], 128)
+    c = run([(prompts[2][67:], 67, pages[2], slots[2])], 16)
+    n1 = len(prompts[1])
+    np.testing.assert_allclose(a[2:7], gold["prefill_logits_0"], atol=ATOL, rtol=1e-4)
+    np.testing.assert_allclose(b[:n1], gold["prefill_logits_1"], atol=ATOL, rtol=1e-4)
+    np.testing.assert_allclose(np.concatenate([a[:2], b[n1:n1 + 65], c[:13]]), gold["prefill_logits_2"],
+                               atol=ATOL, rtol=1e-4)
+    for s in range(1, 6):  # every sequence's next greedy token, all three in one step
+        seqs = [([int(gold[f"greedy_{i}"][s - 1])], len(prompts[i]) + s - 1, pages[i], slots[i]) for i in range(3)]
+        batch = make_batch([x[:3] for x in seqs], PAGE, num_tokens=8, num_seqs=4, pages_per_seq=P,
+                           state_slots=slots)
+        logits, kv = step(w, batch, kv)
+        for i in range(3):
+            np.testing.assert_allclose(np.asarray(logits[i]), gold[f"decode_logits_{i}"][s], atol=ATOL, rtol=1e-4,
+                                       err_msg=f"sequence {i}, decode step {s}")
+
+
+def test_conditional_generation_layout_loads_the_text_model(tmp_path, gold):
+    """A published checkpoint's layout (Qwen3_5ForConditionalGeneration): config under text_config, text
+    weights under model.language_model., plus vision / MTP tensors that are not read."""
+    src = DATA / "tiny-qwen3_5"
+    tensors = load_file(src / "model.safetensors")
+    renamed = {("model.language_model." + k.removeprefix("model.") if k.startswith("model.") else k): v
+               for k, v in tensors.items()}
+    renamed["model.visual.patch_embed.proj.weight"] = np.zeros((4, 3), np.float32)
+    renamed["mtp.fc.weight"] = np.zeros((4, 4), np.float32)
+    save_file(renamed, tmp_path / "model.safetensors")
+    text = json.loads((src / "config.json").read_text())
+    text.pop("architectures")
+    (tmp_path / "config.json").write_text(json.dumps({
+        "architectures": ["Qwen3_5ForConditionalGeneration"], "model_type": "qwen3_5",
+        "tie_word_embeddings": False, "text_config": {**text, "model_type": "qwen3_5_text"},
+        "vision_config": {"depth": 1}, "image_token_id": 248056}))
+    cfg, w = load(tmp_path)
+    assert cfg == load()[0]
+    prompt = gold["prompt_1"].tolist()
+    batch = make_batch([(prompt, 0, pages_for(0, 10))], PAGE, all_logits=True)
+    logits, _ = jax.jit(partial(forward, cfg=cfg))(w, batch, empty_cache(cfg))
+    np.testing.assert_allclose(np.asarray(logits), gold["prefill_logits_1"], atol=ATOL, rtol=1e-4)
