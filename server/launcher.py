@@ -22,7 +22,7 @@ import threading
 import uvicorn
 
 from jinfer.client import EngineClient, EngineDeadError
-from jinfer.engine.args import add_engine_arguments, engine_config_kwargs
+from jinfer.engine.args import SERVE_WARMUP_FIRST_TOKENS, add_engine_arguments, engine_config_kwargs
 from jinfer.replicas import ReplicaClient
 
 log = logging.getLogger("jinfer.server")
@@ -79,6 +79,8 @@ def run_serve(args: argparse.Namespace) -> int:
     # The options go to the engine process as given; EngineConfig validates them there. This process
     # never imports JAX (jinfer.engine.core does): it would cost start-up time and host memory for nothing.
     config = engine_config_kwargs(args)
+    if getattr(args, "warmup_first_tokens", None) is None and not args.no_warmup:
+        config["warmup_first_tokens"] = SERVE_WARMUP_FIRST_TOKENS  # ready sooner; the rest compiles while serving
     if config.get("node_rank", 0) > 0:
         return _run_headless(config)
     dp = getattr(args, "data_parallel_size", 1)

@@ -39,6 +39,8 @@ class Metrics:
         self.engine_alive = Gauge("jinfer_engine_alive", "1 while the engine process serves", **per)
         self.late_compiles = Gauge("jinfer_compiles_after_warmup", "Shapes the engine compiled after its warm-up "
                                    "(each stalled a step)", **per)
+        self.warmup_pending = Gauge("jinfer_warmup_pending_shapes", "Step shapes a staged warm-up is still "
+                                    "compiling in the background (0: serving at full speed)", **per)
 
     def set_engine_stats(self, stats: dict[str, float], alive: bool, replica: int = 0) -> None:
         label = str(replica)
@@ -46,7 +48,8 @@ class Metrics:
         for gauge, key in ((self.running, "num_running"), (self.waiting, "num_waiting"),
                            (self.kv_usage, "kv_usage"), (self.free_pages, "num_free_pages"),
                            (self.prefix_hit_rate, "prefix_cache_hit_rate"),
-                           (self.late_compiles, "compiles_after_warmup")):
+                           (self.late_compiles, "compiles_after_warmup"),
+                           (self.warmup_pending, "warmup_pending")):
             if key in stats:
                 gauge.labels(label).set(stats[key])
 

@@ -8,10 +8,20 @@ from __future__ import annotations
 
 import argparse
 
+# `jinfer serve` is ready once these steps compile; the other shapes follow in the background.
+SERVE_WARMUP_FIRST_TOKENS = 256
+
 # CLI flag -> EngineConfig field.
 _ENGINE_OPTIONS = ("dtype", "load_format", "max_model_len", "max_num_seqs", "max_num_batched_tokens", "num_pages",
                    "page_size", "gpu_memory_utilization", "tensor_parallel_size", "seed", "attention_backend",
                    "compilation_cache_dir", "nnodes", "node_rank", "master_addr", "master_port")
+
+
+def _non_negative_int(text: str) -> int:
+    value = int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"{value} must be >= 0")
+    return value
 
 
 def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
@@ -44,6 +54,10 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     e.add_argument("--no-prefix-caching", action="store_true")
     e.add_argument("--no-chunked-prefill", action="store_true")
     e.add_argument("--no-warmup", action="store_true", help="compile shapes on first use instead of at start")
+    e.add_argument("--warmup-first-tokens", type=_non_negative_int, default=None, metavar="N",
+                   help="staged warm-up: compile the 1-token and N-token steps before serving and the other shapes "
+                        f"in the background while serving (serve's default: {SERVE_WARMUP_FIRST_TOKENS}; 0: every "
+                        "shape before serving)")
     e.add_argument("--no-async-scheduling", action="store_true",
                    help="read each step's tokens back before scheduling the next (no overlap of host and device)")
 
@@ -60,6 +74,9 @@ def engine_config_kwargs(args: argparse.Namespace) -> dict:
         kw["enable_expert_parallel"] = True
     if args.no_warmup:
         kw["warmup"] = False
+    first = getattr(args, "warmup_first_tokens", None)
+    if first is not None:
+        kw["warmup_first_tokens"] = first or None  # 0: everything before serving
     if getattr(args, "no_async_scheduling", False):
         kw["async_scheduling"] = False
     return kw

@@ -82,6 +82,9 @@ class EngineConfig:
     seed: int = 0
     attention_backend: str = "auto"  # "auto" (Pallas on GPU, jnp elsewhere) | "reference" | "pallas"
     warmup: bool = True  # compile every bucket at start-up
+    # Staged warm-up: compile only T = 1 and the bucket of this many tokens before serving, the rest in the
+    # background while serving (steps padded into ready buckets meanwhile). None: everything first.
+    warmup_first_tokens: int | None = None
     async_scheduling: bool = True  # launch step N+1 before reading step N's tokens (one step in flight)
     executable_cache: bool = True  # keep compiled executables on disk (warm starts skip tracing); False: plain jit
     compilation_cache_dir: str | None = None  # default $JINFER_COMPILATION_CACHE or ~/.cache/jinfer/xla; "" off
@@ -98,6 +101,10 @@ class EngineConfig:
             raise ValueError(f"data_parallel_rank={self.data_parallel_rank!r} must be in "
                              f"[0, data_parallel_size={self.data_parallel_size})")
         check_group(self.nnodes, self.node_rank, self.master_port)
+        if self.warmup_first_tokens is not None and (not isinstance(self.warmup_first_tokens, int)
+                                                     or isinstance(self.warmup_first_tokens, bool)
+                                                     or self.warmup_first_tokens < 1):
+            raise ValueError(f"warmup_first_tokens={self.warmup_first_tokens!r} must be None or an integer >= 1")
         if self.nnodes > 1 and self.data_parallel_size > 1:
             raise ValueError(f"data_parallel_size={self.data_parallel_size} with nnodes={self.nnodes}: data-parallel "
                              "replicas of a multi-process group are not supported (run one server per group)")
@@ -228,7 +235,8 @@ class EngineCore:
         self.num_generation_tokens_total = 0
         self._inflight: Launched | None = None  # the launched step whose tokens are not read yet
         if config.warmup:
-            self.runner.warmup()  # every process of a group warms up the same shapes in the same order
+            # every process of a group warms up the same shapes in the same order, all before serving
+            self.runner.warmup(first_tokens=config.warmup_first_tokens if self.group is None else None)
         if isinstance(self.group, Leader):
             self.group.wait_for_workers()
             self.runner.on_launch = self.group.send_step
@@ -336,7 +344,7 @@ class EngineCore:
 
     def _step(self) -> list[EngineOutput]:
         outputs = []
-        out = self.scheduler.schedule()
+        out = self.scheduler.schedule(*self.runner.ready_limits())
         launched = None
         if not out.is_empty:
             rows = []
@@ -461,7 +469,8 @@ class EngineCore:
     # ---- stats --------------------------------------------------------------------------------
 
     def close(self) -> None:
-        """Stop a multi-process group (the other processes exit); nothing to do for one process."""
+        """Stop a staged warm-up's background compiles and a multi-process group (the other processes exit)."""
+        self.runner.stop_background()
         if self.group is not None:
             self.group.close()
 
@@ -470,4 +479,6 @@ class EngineCore:
                 "num_free_pages": self.kv.num_free_pages,
                 "prompt_tokens_total": self.num_prompt_tokens_total,
                 "generation_tokens_total": self.num_generation_tokens_total,
-                "compiles_after_warmup": self.runner.compiles_after_warmup}
+                "compiles_after_warmup": self.runner.compiles_after_warmup,
+                "warmup_pending": len(self.runner.token_buckets) - len(self.runner.ready_tokens)
+                + len(self.runner.decode_buckets) - len(self.runner.ready_decode)}

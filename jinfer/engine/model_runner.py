@@ -24,6 +24,7 @@ from __future__ import annotations
 import ctypes
 import logging
 import math
+import threading
 import time
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -324,6 +325,13 @@ class ModelRunner:
         self._compiled: dict[tuple, jax.stages.Compiled] = {}
         self.compile_seconds = 0.0
         self.warmed_up = False
+        # Buckets steps may use now: all of them (compiled on first use) unless a staged warm-up
+        # (`warmup(first_tokens=...)`) is still compiling the rest in the background.
+        self.ready_tokens: tuple[int, ...] = self.token_buckets
+        self.ready_decode: frozenset[int] = self.decode_buckets
+        self._background: threading.Thread | None = None
+        self._stop_background = threading.Event()
+        self.background_seconds = 0.0  # start-up to the last background compile
         self.compiles_after_warmup = 0  # shapes first needed after warm-up (each one stalls a step)
         # The forward's `prev_tokens` argument is always the latest sampler output (even when no row
         # reads it), so every call of an executable sees arguments of identical type and sharding and
@@ -345,7 +353,7 @@ class ModelRunner:
     def build_batch(self, out: SchedulerOutput, prev: Launched | None = None) -> tuple[Batch, np.ndarray]:
         """Pad the scheduled sequences into one Batch (numpy) and the [T] rows of `prev`'s samples to
         take as input ids (-1: the id in the batch)."""
-        T = pick(self.token_buckets, out.num_scheduled_tokens)
+        T = pick(self.ready_tokens, out.num_scheduled_tokens)
         B = self.seqs_bucket(T)
         if len(out.scheduled) > B:
             raise ValueError(f"{len(out.scheduled)} sequences exceed the bucket of {B}")
@@ -400,18 +408,20 @@ class ModelRunner:
 
     # ---- executables ------------------------------------------------------------------------------
 
-    def _add_executable(self, key: tuple, jitted, args: tuple, **static) -> jax.stages.Compiled:
+    def _add_executable(self, key: tuple, jitted, args: tuple, background: bool = False,
+                        **static) -> jax.stages.Compiled:
         """A shape seen for the first time: load it from the executable cache or compile it (with no
-        cache directory, the plain jit, which compiles on its first call); kept under `key`."""
-        if self.warmed_up:
+        cache directory and not `background`, the plain jit, which compiles on its first call); kept under
+        `key`. `background`: the staged warm-up's thread, whose compiles are not stalls."""
+        if self.warmed_up and not background:
             self.compiles_after_warmup += 1
             log.warning("compiling %s after warm-up", key)
-        self._compiled[key] = (partial(jitted, **static) if self.executables.directory is None
+        self._compiled[key] = (partial(jitted, **static) if self.executables.directory is None and not background
                                else self.executables.compile(key[0], jitted, *args, **static))
         return self._compiled[key]
 
     def forward_executable(self, T: int, B: int, P: int, decode: bool = False,
-                           prompt_logits: bool = False) -> jax.stages.Compiled:
+                           prompt_logits: bool = False, background: bool = False) -> jax.stages.Compiled:
         """`prompt_logits`: the variant that also returns the logits of every token (B + T rows), for steps
         with prompt logprobs; compiled on first use, not at warm-up."""
         key = ("forward_decode" if decode else "forward_prompt_logits" if prompt_logits else "forward", T, B, P)
@@ -423,7 +433,8 @@ class ModelRunner:
         jitted = self._forward[decode][T > COMMAND_BUFFER_MAX_TOKENS]
         dims = (T, B, P, B + T) if prompt_logits else (T, B, P)
         buf = jax.ShapeDtypeStruct((sum(_batch_sizes(*dims)),), jnp.int32)
-        return self._add_executable(key, jitted, (self.weights, buf, self.kv_cache, self._no_prev), dims=dims)
+        return self._add_executable(key, jitted, (self.weights, buf, self.kv_cache, self._no_prev), background,
+                                    dims=dims)
 
     def prompt_logprobs_executable(self, T: int, B: int, k: int) -> jax.stages.Compiled:
         if (hit := self._compiled.get(("prompt_logprobs", T, B, k))) is not None:
@@ -434,13 +445,14 @@ class ModelRunner:
                                     num_seqs=B, k=k)
 
     def sampler_executable(self, B: int, M: int, W: int, num_logprobs: int, flags: SamplerFlags,
-                           K: int = 0) -> jax.stages.Compiled:
+                           K: int = 0, background: bool = False) -> jax.stages.Compiled:
         if (hit := self._compiled.get(("sample", B, M, W, K, num_logprobs, flags))) is not None:
             return hit
         logits = jax.ShapeDtypeStruct((B, self.cfg.vocab_size), jnp.float32, sharding=self._replicated)
         buf = jax.ShapeDtypeStruct((B * (len(_FLOAT_FIELDS) + len(_INT_FIELDS) + M + W + 2 * K),), jnp.int32)
         return self._add_executable(("sample", B, M, W, K, num_logprobs, flags), self._sample,
-                                    (logits, buf, self._no_prev), dims=(B, M, W, K), num_logprobs=num_logprobs,
+                                    (logits, buf, self._no_prev), background, dims=(B, M, W, K),
+                                    num_logprobs=num_logprobs,
                                     flags=flags)
 
     # ---- device step ------------------------------------------------------------------------------
@@ -463,7 +475,7 @@ class ModelRunner:
                 batch.logits_indices = np.concatenate([batch.logits_indices, indices])
         rows = [_with_pending_output(r, s, prev) for r, s in zip(rows, out.scheduled, strict=True)]
         st = self.sampling_tensors(rows, B)
-        step = StepInputs(T, B, P, T in self.decode_buckets and out.num_scheduled_tokens == len(out.scheduled),
+        step = StepInputs(T, B, P, T in self.ready_decode and out.num_scheduled_tokens == len(out.scheduled),
                           st.output_tokens.shape[1], st.prompt_mask.shape[1], num_logprobs,
                           astuple(SamplerFlags.of(st)), pack_batch(batch, prev_index), pack_sampling(st),
                           K=st.bias_ids.shape[1], plp_k=plp_k, plp_targets=targets if plp_k >= 0 else None)
@@ -523,12 +535,23 @@ class ModelRunner:
             return None
         return unpack_prompt_logprobs(np.asarray(launched.prompt_packed), len(launched.prompt_rows))
 
-    def warmup(self) -> float:
-        """Compile (or load) every forward bucket, and the warm sampler variants per sequence bucket."""
+    def warmup(self, first_tokens: int | None = None, background: bool = True) -> float:
+        """Compile (or load) every forward bucket, and the warm sampler variants per sequence bucket.
+
+        `first_tokens` (a staged warm-up, for a server to be ready sooner): only T = 1 and the bucket of
+        `first_tokens` tokens now; the other buckets, smallest first, then the decode-only variants, in a
+        background thread (`background`; else `start_background()` later). Until a bucket is ready a step
+        is padded into a larger ready one (`ready_tokens`) and the scheduler stays within the largest
+        (`ready_limits`), so no step waits for a compile.
+        """
         t0 = time.perf_counter()
         run = self.executables.directory is None  # plain jit compiles on its first call: make that call
-        shapes = [(T, self.seqs_bucket(T), P, decode) for T in self.token_buckets for P in self.page_buckets
-                  for decode in ((False, True) if T in self.decode_buckets else (False,))]
+        now = self.token_buckets
+        if first_tokens is not None:
+            cut = pick(self.token_buckets, min(max(first_tokens, 1), self.token_buckets[-1]))
+            now = tuple(T for T in self.token_buckets if T in (1, cut))
+        shapes = [(T, self.seqs_bucket(T), P, decode) for T in now for P in self.page_buckets
+                  for decode in ((False, True) if T in self.decode_buckets and first_tokens is None else (False,))]
         if not run:  # load (or trace + compile) everything in parallel: loads and XLA compiles release the GIL
             jobs = [partial(self.forward_executable, *shape) for shape in shapes]
             jobs += [partial(self.sampler_executable, B, 0, 0, -1, flags)
@@ -536,7 +559,7 @@ class ModelRunner:
             with ThreadPoolExecutor(max_workers=WARMUP_THREADS) as pool:
                 for _ in pool.map(lambda job: job(), jobs):  # re-raises a job's exception
                     pass
-        for T in self.token_buckets:
+        for T in now:
             B = self.seqs_bucket(T)
             for _, _, P, decode in (shape for shape in shapes if shape[0] == T):
                 forward = self.forward_executable(T, B, P, decode)
@@ -551,7 +574,7 @@ class ModelRunner:
                                                                                                        B))),
                                                  self._last_tokens))
         # A first sampler output, so the very first step passes the same kind of array as all others.
-        B = self.seqs_bucket(self.token_buckets[0])
+        B = self.seqs_bucket(now[0])
         sample = self.sampler_executable(B, 0, 0, -1, SamplerFlags.warm()[0])
         logits = put(np.zeros((B, self.cfg.vocab_size), np.float32), self._replicated)
         self._last_tokens = sample(logits, self._put(pack_sampling(self.sampling_tensors([None] * B, B))),
@@ -562,4 +585,55 @@ class ModelRunner:
         log.info("warm-up: %d forward shapes ready in %.1f s (executable cache: %d loaded, %d compiled)",
                  len(shapes), self.compile_seconds, self.executables.hits,
                  self.executables.misses)
+        if first_tokens is not None:
+            self.ready_tokens, self.ready_decode = now, frozenset()
+            self._rest = [(T, False) for T in self.token_buckets if T not in now] \
+                + [(T, True) for T in sorted(self.decode_buckets)]
+            self._t0 = t0
+            if background:
+                self.start_background()
         return self.compile_seconds
+
+    def start_background(self) -> None:
+        """Compile the buckets a staged warm-up left, one at a time in a daemon thread; each becomes usable
+        as soon as it is compiled (loads and XLA compiles release the GIL, so steps go on meanwhile)."""
+        if self._background is not None or not getattr(self, "_rest", None):
+            return
+
+        def work():
+            try:
+                for T, decode in self._rest:
+                    if self._stop_background.is_set():
+                        return
+                    B = self.seqs_bucket(T)
+                    for P in self.page_buckets:
+                        self.forward_executable(T, B, P, decode, background=True)
+                    if decode:
+                        self.ready_decode = self.ready_decode | {T}
+                        continue
+                    for flags in SamplerFlags.warm():
+                        self.sampler_executable(B, 0, 0, -1, flags, background=True)
+                    self.ready_tokens = tuple(sorted({*self.ready_tokens, T}))
+                self.background_seconds = time.perf_counter() - self._t0
+                log.info("warm-up: all %d token buckets ready %.1f s after start-up began",
+                         len(self.token_buckets), self.background_seconds)
+            except Exception:  # the buckets compiled so far stay usable; the rest compile on first use
+                log.exception("background warm-up failed")
+                self.ready_tokens, self.ready_decode = self.token_buckets, self.decode_buckets
+
+        self._background = threading.Thread(target=work, name="jinfer-warmup", daemon=True)
+        self._background.start()
+
+    def wait_warmup(self, timeout: float | None = None) -> bool:
+        """Wait for a staged warm-up's background compiles; True once every bucket is ready."""
+        if self._background is not None:
+            self._background.join(timeout)
+        return self.ready_tokens == self.token_buckets and self.ready_decode == self.decode_buckets
+
+    def stop_background(self) -> None:
+        self._stop_background.set()
+
+    def ready_limits(self) -> tuple[int, int]:
+        """(tokens, sequences) a step may hold now: the largest ready bucket and its sequence bucket."""
+        T = self.ready_tokens[-1]
+        return T, self.seqs_bucket(T)

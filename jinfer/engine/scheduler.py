@@ -192,13 +192,16 @@ class Scheduler:
         return (max_tokens is not None and request.num_output_tokens + pending >= max_tokens) \
             or request.num_tokens + pending >= self.config.max_model_len
 
-    def schedule(self) -> SchedulerOutput:
+    def schedule(self, max_tokens: int | None = None, max_seqs: int | None = None) -> SchedulerOutput:
+        """One step's work. `max_tokens` / `max_seqs`: tighter limits for this step (the executables ready
+        while a staged warm-up compiles the rest)."""
         out = SchedulerOutput(finished_ids=self._finished_ids)
         self._finished_ids = []
-        budget = self.config.max_num_batched_tokens
+        budget = min(self.config.max_num_batched_tokens, max_tokens or self.config.max_num_batched_tokens)
+        max_seqs = max_seqs or self.config.max_num_seqs
 
         i = 0
-        while i < len(self.running) and budget > 0:
+        while i < len(self.running) and budget > 0 and len(out.scheduled) < max_seqs:
             request = self.running[i]
             # A pending token that certainly ends the request (length) needs no decode.
             if request.num_pending_tokens and self._reaches_length(request, request.num_pending_tokens):
@@ -223,7 +226,7 @@ class Scheduler:
 
         # Admitting while others were just preempted would only thrash.
         while (not out.preempted_ids and self.waiting and budget > 0
-               and len(self.running) < self.config.max_num_seqs):
+               and len(self.running) < self.config.max_num_seqs and len(out.scheduled) < max_seqs):
             request = self.waiting[0]
             if request.num_pending_tokens:  # preempted with a token in flight: wait until it is read
                 break

@@ -83,6 +83,40 @@ def test_pallas_decode_steps_match_reference(alone):
     assert core.stats()["compiles_after_warmup"] == 0
 
 
+def test_staged_warmup_serves_before_every_bucket_is_ready(alone):
+    """A staged warm-up compiles the first bucket only; until the background compiles the rest, steps stay
+    within it (padded into it, the scheduler's budget capped) and the tokens are unchanged; once the rest
+    is ready larger steps use it, with no compile on the step path."""
+    core = EngineCore(EngineConfig(TINY, **{**BASE, "max_num_batched_tokens": 16}))  # buckets 8, 16
+    runner = core.runner
+    runner.warmup(first_tokens=8, background=False)
+    assert runner.ready_tokens == (8,) and runner.ready_limits() == (8, 8)
+    assert core.stats()["warmup_pending"] == len(runner.token_buckets) - 1 + len(runner.decode_buckets)
+    sizes = []
+    build = runner.build_batch
+    runner.build_batch = lambda out, prev=None: (sizes.append(len(out.scheduled)), build(out, prev))[1]
+    widths = []
+    schedule = core.scheduler.schedule
+    core.scheduler.schedule = lambda *a: (lambda o: (widths.append(o.num_scheduled_tokens), o)[1])(schedule(*a))
+    reqs = [(str(i), p, GREEDY) for i, p in enumerate(prompts(16))]
+    out, _ = run_all(core, reqs)
+    assert out == alone
+    assert max(widths) == 8 and max(sizes) <= 8
+    runner.start_background()
+    assert runner.wait_warmup(timeout=300)
+    assert runner.ready_tokens == runner.token_buckets and core.stats()["warmup_pending"] == 0
+    widths.clear()
+    out, _ = run_all(core, [(f"b{r}", p, s) for r, p, s in reqs])
+    assert {k[1:]: v for k, v in out.items()} == alone
+    assert max(widths) > 8
+    assert core.stats()["compiles_after_warmup"] == 0
+
+
+def test_warmup_first_tokens_validated():
+    with pytest.raises(ValueError, match="warmup_first_tokens"):
+        EngineConfig(TINY, warmup_first_tokens=0)
+
+
 def test_preemption_under_tiny_pool_is_invisible(alone):
     # 24 usable pages of 4 tokens: 16 requests of up to ~50 tokens cannot all fit at once
     core = EngineCore(EngineConfig(TINY, **{**BASE, "num_pages": 25}))
