@@ -38,6 +38,8 @@ PHASE_PATTERNS = {
     "warmup_s": re.compile(r"warm-up: \d+ forward shapes ready in ([\d.]+) s"),
     "engine_init_s": re.compile(r"engine ready in ([\d.]+) s"),
     "serving_at": re.compile(r"^(\S+ \S+) INFO jinfer\.server: serving "),
+    # a staged warm-up (serve's default) compiles the other shapes while serving: full speed from here
+    "full_speed_at": re.compile(r"^(\S+ \S+) INFO jinfer\.engine\.model_runner: warm-up: all \d+ token buckets ready"),
 }
 MB = 1 << 20
 
@@ -150,6 +152,11 @@ def one_run(i: int, args: argparse.Namespace, server_args: list[str], env: dict[
             time.sleep(0.05)
         if startup is None:
             raise RuntimeError(f"no /health 200 within {args.timeout} s:\n{log_path.read_text()[-3000:]}")
+        while time.perf_counter() - t0 < args.timeout and "full_speed_after_s" not in parse_phases(
+                log_path.read_text(errors="replace"), t_launch) and "--warmup-first-tokens 0" not in " ".join(cmd):
+            if proc.poll() is not None:
+                raise RuntimeError(f"the server exited with {proc.returncode}:\n{log_path.read_text()[-3000:]}")
+            time.sleep(0.25)  # the background compiles of a staged warm-up (idle RSS counts them)
         time.sleep(args.idle_s)
         pids = descendants(proc.pid)
         procs = [m for m in map(memory, [proc.pid, *pids]) if m is not None]
@@ -194,7 +201,8 @@ def main() -> None:
         for i in range(args.runs):
             runs.append(one_run(i, args, server_args, env, log_dir))
             r = runs[-1]
-            print(f"run {i}: ready in {r['startup_s']:.2f} s, idle RSS {r['rss_mb_total']:.0f} MB {r['rss_mb']}, "
+            print(f"run {i}: ready in {r['startup_s']:.2f} s, full speed after "
+                  f"{r['phases'].get('full_speed_after_s')} s, idle RSS {r['rss_mb_total']:.0f} MB {r['rss_mb']}, "
                   f"phases {r['phases']}", file=sys.stderr)
         if not args.log_dir:
             for r in runs:

@@ -331,6 +331,7 @@ class ModelRunner:
         self.ready_decode: frozenset[int] = self.decode_buckets
         self._background: threading.Thread | None = None
         self._stop_background = threading.Event()
+        self._ready_lock = threading.Lock()
         self.background_seconds = 0.0  # start-up to the last background compile
         self.compiles_after_warmup = 0  # shapes first needed after warm-up (each one stalls a step)
         # The forward's `prev_tokens` argument is always the latest sampler output (even when no row
@@ -600,20 +601,26 @@ class ModelRunner:
         if self._background is not None or not getattr(self, "_rest", None):
             return
 
-        def work():
-            try:
-                for T, decode in self._rest:
-                    if self._stop_background.is_set():
-                        return
-                    B = self.seqs_bucket(T)
-                    for P in self.page_buckets:
-                        self.forward_executable(T, B, P, decode, background=True)
-                    if decode:
-                        self.ready_decode = self.ready_decode | {T}
-                        continue
-                    for flags in SamplerFlags.warm():
-                        self.sampler_executable(B, 0, 0, -1, flags, background=True)
+        def bucket(T: int, decode: bool) -> None:
+            if self._stop_background.is_set():
+                return
+            B = self.seqs_bucket(T)
+            for P in self.page_buckets:
+                self.forward_executable(T, B, P, decode, background=True)
+            if not decode:
+                for flags in SamplerFlags.warm():
+                    self.sampler_executable(B, 0, 0, -1, flags, background=True)
+            with self._ready_lock:
+                if decode:
+                    self.ready_decode = self.ready_decode | {T}
+                else:
                     self.ready_tokens = tuple(sorted({*self.ready_tokens, T}))
+
+        def work():
+            try:  # smallest buckets first, WARMUP_THREADS at a time (compiles release the GIL)
+                with ThreadPoolExecutor(max_workers=WARMUP_THREADS, thread_name_prefix="jinfer-warmup") as pool:
+                    for _ in pool.map(lambda job: bucket(*job), self._rest):
+                        pass
                 self.background_seconds = time.perf_counter() - self._t0
                 log.info("warm-up: all %d token buckets ready %.1f s after start-up began",
                          len(self.token_buckets), self.background_seconds)
