@@ -11,7 +11,8 @@ import argparse
 # CLI flag -> EngineConfig field.
 _ENGINE_OPTIONS = ("dtype", "load_format", "max_model_len", "max_num_seqs", "max_num_batched_tokens", "num_pages",
                    "page_size", "gpu_memory_utilization", "tensor_parallel_size", "seed", "attention_backend",
-                   "compilation_cache_dir", "nnodes", "node_rank", "master_addr", "master_port")
+                   "compilation_cache_dir", "nnodes", "node_rank", "master_addr", "master_port",
+                   "log_stats_interval")
 
 
 def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
@@ -44,6 +45,10 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     e.add_argument("--no-prefix-caching", action="store_true")
     e.add_argument("--no-chunked-prefill", action="store_true")
     e.add_argument("--no-warmup", action="store_true", help="compile shapes on first use instead of at start")
+    e.add_argument("--log-stats-interval", type=float, default=None,
+                   help="seconds between the engine's stats log lines (throughput, running/waiting, KV usage, "
+                        "prefix-cache hit rate); default 10, 0 turns them off")
+    e.add_argument("--disable-log-stats", action="store_true", help="no periodic stats lines (vLLM's flag)")
     e.add_argument("--no-async-scheduling", action="store_true",
                    help="read each step's tokens back before scheduling the next (no overlap of host and device)")
 
@@ -62,4 +67,6 @@ def engine_config_kwargs(args: argparse.Namespace) -> dict:
         kw["warmup"] = False
     if getattr(args, "no_async_scheduling", False):
         kw["async_scheduling"] = False
+    if getattr(args, "disable_log_stats", False):
+        kw["log_stats_interval"] = 0.0
     return kw

@@ -78,6 +78,7 @@ class EngineConfig:
     async_scheduling: bool = True  # launch step N+1 before reading step N's tokens (one step in flight)
     executable_cache: bool = True  # keep compiled executables on disk (warm starts skip tracing); False: plain jit
     compilation_cache_dir: str | None = None  # default $JINFER_COMPILATION_CACHE or ~/.cache/jinfer/xla; "" off
+    log_stats_interval: float = 10.0  # seconds between the engine process's stats lines (0: none)
 
     def __post_init__(self):
         if self.dtype != "auto" and self.dtype not in DTYPES:
@@ -102,6 +103,9 @@ class EngineConfig:
                 raise ValueError(f"{name}={v!r} must be an integer >= 1 or None")
         if self.attention_backend not in BACKENDS:
             raise ValueError(f"attention_backend={self.attention_backend!r} must be one of {BACKENDS}")
+        v = self.log_stats_interval
+        if not isinstance(v, int | float) or isinstance(v, bool) or not 0 <= v < float("inf"):
+            raise ValueError(f"log_stats_interval={v!r} must be a number of seconds >= 0")
         if not 0 < self.gpu_memory_utilization <= 1:
             raise ValueError(f"gpu_memory_utilization={self.gpu_memory_utilization} must be in (0, 1]")
 
