@@ -265,7 +265,9 @@ def build_app(client: EngineClient, *, tokenizer: Any = None, served_model_names
     tokenizer = tokenizer if tokenizer is not None else client.tokenizer
     names = tuple(served_model_names or [info.model_name])
     queued = 4 * info.max_num_seqs if max_queued_requests is None else max_queued_requests
-    state = ServerState(client, tokenizer, ServingContext(names, info.max_model_len, info.vocab_size, tokenizer),
+    ctx = ServingContext(names, info.max_model_len, info.vocab_size, tokenizer,
+                         dict(getattr(info, "generation_defaults", {}) or {}))
+    state = ServerState(client, tokenizer, ctx,
                         api_key, info.max_num_seqs + queued)
     app = Starlette(routes=[
         Route("/v1/completions", completions, methods=["POST"]),

@@ -12,7 +12,7 @@ import argparse
 _ENGINE_OPTIONS = ("dtype", "load_format", "max_model_len", "max_num_seqs", "max_num_batched_tokens", "num_pages",
                    "page_size", "gpu_memory_utilization", "tensor_parallel_size", "seed", "attention_backend",
                    "compilation_cache_dir", "nnodes", "node_rank", "master_addr", "master_port",
-                   "log_stats_interval")
+                   "log_stats_interval", "generation_config")
 
 
 def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
@@ -48,6 +48,9 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     e.add_argument("--log-stats-interval", type=float, default=None,
                    help="seconds between the engine's stats log lines (throughput, running/waiting, KV usage, "
                         "prefix-cache hit rate); default 10, 0 turns them off")
+    e.add_argument("--generation-config", default=None,
+                   help="default sampling parameters: auto (default: the model's generation_config.json), vllm "
+                        "(none), or a directory holding a generation_config.json; a request's values win")
     e.add_argument("--disable-log-stats", action="store_true", help="no periodic stats lines (vLLM's flag)")
     e.add_argument("--no-async-scheduling", action="store_true",
                    help="read each step's tokens back before scheduling the next (no overlap of host and device)")
