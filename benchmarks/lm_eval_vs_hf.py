@@ -193,12 +193,14 @@ def main() -> int:
                           "jinfer_acc": metrics[TASKS[0]].get("acc,none"), "hf_acc": hf_acc / len(samples[TASKS[0]]),
                           "tokenization_matches_hf": same_tokens},
         "generate_until": {"requests": len(gens), "identical_text": sum(g["same"] for g in gens),
+                           "non_empty": sum(bool(g["jinfer"].strip()) for g in gens),
                            "jinfer_exact_match": metrics[TASKS[1]].get("exact_match,none")},
         "per_example": {"loglikelihood": rows, "generate_until": gens},
     }
     Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
     print(json.dumps({k: v for k, v in result.items() if k != "per_example"}, indent=1))
-    ok = result["loglikelihood"]["all_within_tolerance"] and result["generate_until"]["identical_text"] == len(gens)
+    ok = (result["loglikelihood"]["all_within_tolerance"] and result["generate_until"]["identical_text"] == len(gens)
+          and result["generate_until"]["non_empty"] == len(gens))  # an empty answer compares nothing
     return 0 if ok else 1
 
 
