@@ -40,6 +40,10 @@ class LLM:
         self.engine = self.engines[0]
         self._ids = itertools.count()
 
+    def get_default_sampling_params(self) -> SamplingParams:
+        """SamplingParams with the model's generation_config.json defaults (`generation_config=`, vLLM's)."""
+        return SamplingParams(**self.engine.generation_defaults)
+
     def get_tokenizer(self) -> Tokenizer | None:
         return self.engine.tokenizer
 
@@ -71,7 +75,7 @@ class LLM:
             prompts = [prompts]
         prompts = list(prompts)
         if sampling_params is None or isinstance(sampling_params, SamplingParams):
-            params = [sampling_params or SamplingParams()] * len(prompts)
+            params = [sampling_params or self.get_default_sampling_params()] * len(prompts)
         else:
             params = list(sampling_params)
             if len(params) != len(prompts):

@@ -1,7 +1,7 @@
 """The OpenAI-compatible HTTP server (Starlette): routes, auth, admission control, error bodies.
 
     POST /v1/completions, POST /v1/chat/completions   (JSON or SSE with `stream: true`)
-    GET  /v1/models, /health, /metrics, /version;  GET|POST /ping;  POST /tokenize, /detokenize
+    GET  /v1/models, /health, /metrics, /version;  GET|POST /ping;  POST /tokenize, /detokenize;  GET /tokenizer_info
 
 The engine is reached through `jinfer.client.EngineClient` (ZeroMQ); this process tokenizes, applies
 the chat template, validates, and formats. Admission is bounded: at most max_num_seqs running plus
@@ -30,7 +30,7 @@ from jinfer.client import EngineClient
 from server import schemas
 from server.generation import Generation
 from server.metrics import Metrics
-from server.tokenization import detokenize, tokenize
+from server.tokenization import detokenize, tokenize, tokenizer_info
 from server.validation import InvalidRequest, ServingContext, parse_chat, parse_completion
 
 RETRY_AFTER_S = 1
@@ -239,6 +239,15 @@ def _json_endpoint(handler: Callable[[Any, ServingContext], dict[str, Any]]) -> 
     return endpoint
 
 
+async def get_tokenizer_info(request: Request) -> Response:
+    state = _state(request)
+    try:
+        _check_auth(request, state)
+        return JSONResponse(tokenizer_info(state.ctx))
+    except InvalidRequest as e:
+        return _error(e)
+
+
 async def version(request: Request) -> Response:
     return JSONResponse({"version": jinfer.__version__})
 
@@ -256,7 +265,9 @@ def build_app(client: EngineClient, *, tokenizer: Any = None, served_model_names
     tokenizer = tokenizer if tokenizer is not None else client.tokenizer
     names = tuple(served_model_names or [info.model_name])
     queued = 4 * info.max_num_seqs if max_queued_requests is None else max_queued_requests
-    state = ServerState(client, tokenizer, ServingContext(names, info.max_model_len, info.vocab_size, tokenizer),
+    ctx = ServingContext(names, info.max_model_len, info.vocab_size, tokenizer,
+                         dict(getattr(info, "generation_defaults", {}) or {}))
+    state = ServerState(client, tokenizer, ctx,
                         api_key, info.max_num_seqs + queued)
     app = Starlette(routes=[
         Route("/v1/completions", completions, methods=["POST"]),
@@ -268,6 +279,7 @@ def build_app(client: EngineClient, *, tokenizer: Any = None, served_model_names
         Route("/ping", ping, methods=["GET", "POST"]),
         Route("/tokenize", _json_endpoint(tokenize), methods=["POST"]),
         Route("/detokenize", _json_endpoint(detokenize), methods=["POST"]),
+        Route("/tokenizer_info", get_tokenizer_info, methods=["GET"]),
     ], exception_handlers={HTTPException: _http_error})
     app.state.jinfer = state
     return app

@@ -5,6 +5,8 @@
                   "add_special_tokens": false, "return_token_strs": false}
               -> {"count": n, "max_model_len": L, "tokens": [ids], "token_strs": null | [str]}
     /detokenize  {"tokens": [ids]} -> {"prompt": "text"}
+    GET /tokenizer_info -> {"tokenizer_class", "bos_token", "eos_token", "pad_token", "chat_template",
+                            "model_max_length"}   (what lm-evaluation-harness' remote tokenizer reads)
 
 Both accept an optional "model" (one of the served names). Every field is checked; bad input is a 400
 naming it (`InvalidRequest`), like the generation endpoints.
@@ -79,3 +81,12 @@ def detokenize(body: Any, ctx: ServingContext) -> dict[str, Any]:
         raise InvalidRequest(f"'tokens' must be a list of token ids in [0, {ctx.vocab_size})", "tokens",
                              None if "tokens" in body else "missing_required_parameter")
     return {"prompt": ctx.tokenizer.decode(ids, skip_special_tokens=False)}
+
+
+def tokenizer_info(ctx: ServingContext) -> dict[str, Any]:
+    _require_tokenizer(ctx, None)
+    tok = ctx.tokenizer
+    name = lambda i: None if i is None else tok.id_to_token(i)
+    return {"tokenizer_class": "jinfer.tokenizer.Tokenizer", "bos_token": name(tok.bos_token_id),
+            "eos_token": name((tok.eos_token_ids or (None,))[0]), "pad_token": None,
+            "chat_template": tok.chat_template, "model_max_length": ctx.max_model_len}

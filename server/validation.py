@@ -35,6 +35,7 @@ class ServingContext:
     max_model_len: int
     vocab_size: int
     tokenizer: Any  # jinfer.tokenizer.Tokenizer
+    generation_defaults: dict[str, float] = field(default_factory=dict)  # --generation-config
 
 
 @dataclass
@@ -120,6 +121,25 @@ def _sampling_params(body: dict[str, Any], max_tokens: int | None, logprobs: int
         m = re.match(r"(\w+)=", str(e))
         name = m.group(1) if m else None
         raise InvalidRequest(str(e), rename.get(name, name)) from None
+
+
+def _generation_defaults(body: dict[str, Any], params: SamplingParams, ctx: ServingContext,
+                         prompts: list[list[int]], mt_name: str) -> SamplingParams:
+    """The model's generation_config defaults for the fields the request left out; its max_new_tokens caps
+    max_tokens (within the context left by the longest prompt), as in vLLM."""
+    d = ctx.generation_defaults
+    if not d:
+        return params
+    kw = {k: v for k, v in d.items() if k != "max_tokens" and body.get(k) is None}
+    if "max_tokens" in d:
+        room = ctx.max_model_len - max(len(p) for p in prompts)
+        cap = int(d["max_tokens"]) if room < 1 else min(int(d["max_tokens"]), room)
+        kw["max_tokens"] = cap if params.max_tokens is None else min(params.max_tokens, cap)
+        kw["min_tokens"] = min(params.min_tokens, kw["max_tokens"])
+    try:
+        return dataclasses.replace(params, **kw)
+    except ValueError as e:
+        raise InvalidRequest(f"with the model's generation_config defaults: {e}", mt_name) from None
 
 
 def _check_vocab(params: SamplingParams, ctx: ServingContext) -> None:
@@ -215,6 +235,7 @@ def parse_completion(body: Any, ctx: ServingContext) -> GenerationRequest:
     params = _sampling_params(body, 1 if echo_only else max_tokens, logprobs, {})
     if echo and logprobs is not None:  # the echoed prompt tokens' logprobs (the first one null)
         params = dataclasses.replace(params, prompt_logprobs=logprobs)
+    params = _generation_defaults(body, params, ctx, ids, mt_name)
     _check_vocab(params, ctx)
     _check_length(ids, params.max_tokens, mt_name, "prompt", ctx)
     return GenerationRequest(False, model, ids, list(texts), params, stream, include_usage, echo, logprobs,
@@ -277,6 +298,7 @@ def parse_chat(body: Any, ctx: ServingContext) -> GenerationRequest:
     if body.get("max_completion_tokens") is None and body.get("max_tokens") is not None:
         mt_name = "max_tokens"
     params = _sampling_params(body, max_tokens, top, {"max_tokens": mt_name, "logprobs": "top_logprobs"})
+    params = _generation_defaults(body, params, ctx, [ids], mt_name)
     _check_vocab(params, ctx)
-    _check_length([ids], max_tokens, mt_name, "messages", ctx)
+    _check_length([ids], params.max_tokens, mt_name, "messages", ctx)
     return GenerationRequest(True, model, [ids], [text], params, stream, include_usage, False, top)

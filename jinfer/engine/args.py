@@ -14,7 +14,8 @@ SERVE_WARMUP_FIRST_TOKENS = 256
 # CLI flag -> EngineConfig field.
 _ENGINE_OPTIONS = ("dtype", "load_format", "max_model_len", "max_num_seqs", "max_num_batched_tokens", "num_pages",
                    "page_size", "gpu_memory_utilization", "tensor_parallel_size", "seed", "attention_backend",
-                   "compilation_cache_dir", "nnodes", "node_rank", "master_addr", "master_port")
+                   "compilation_cache_dir", "nnodes", "node_rank", "master_addr", "master_port",
+                   "log_stats_interval", "generation_config")
 
 
 def _non_negative_int(text: str) -> int:
@@ -58,6 +59,13 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
                    help="staged warm-up: compile the 1-token and N-token steps before serving and the other shapes "
                         f"in the background while serving (serve's default: {SERVE_WARMUP_FIRST_TOKENS}; 0: every "
                         "shape before serving)")
+    e.add_argument("--log-stats-interval", type=float, default=None,
+                   help="seconds between the engine's stats log lines (throughput, running/waiting, KV usage, "
+                        "prefix-cache hit rate); default 10, 0 turns them off")
+    e.add_argument("--generation-config", default=None,
+                   help="default sampling parameters: auto (default: the model's generation_config.json), vllm "
+                        "(none), or a directory holding a generation_config.json; a request's values win")
+    e.add_argument("--disable-log-stats", action="store_true", help="no periodic stats lines (vLLM's flag)")
     e.add_argument("--no-async-scheduling", action="store_true",
                    help="read each step's tokens back before scheduling the next (no overlap of host and device)")
 
@@ -79,4 +87,6 @@ def engine_config_kwargs(args: argparse.Namespace) -> dict:
         kw["warmup_first_tokens"] = first or None  # 0: everything before serving
     if getattr(args, "no_async_scheduling", False):
         kw["async_scheduling"] = False
+    if getattr(args, "disable_log_stats", False):
+        kw["log_stats_interval"] = 0.0
     return kw

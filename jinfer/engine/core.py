@@ -32,6 +32,8 @@ from jinfer.engine.model_runner import (
 from jinfer.engine.request import FinishReason, Request
 from jinfer.engine.sampler import num_logprobs_for, pack_token_mask
 from jinfer.engine.scheduler import Scheduler, SchedulerConfig
+from jinfer.generation_config import check_setting as check_generation_config
+from jinfer.generation_config import load_generation_defaults
 from jinfer.models.ops import BACKENDS, select_ops
 from jinfer.models.registry import state_specs
 from jinfer.outputs import EngineOutput
@@ -88,6 +90,8 @@ class EngineConfig:
     async_scheduling: bool = True  # launch step N+1 before reading step N's tokens (one step in flight)
     executable_cache: bool = True  # keep compiled executables on disk (warm starts skip tracing); False: plain jit
     compilation_cache_dir: str | None = None  # default $JINFER_COMPILATION_CACHE or ~/.cache/jinfer/xla; "" off
+    log_stats_interval: float = 10.0  # seconds between the engine process's stats lines (0: none)
+    generation_config: str = "auto"  # default sampling parameters: "auto" (the model's), "vllm" (none) or a dir
 
     def __post_init__(self):
         if self.dtype != "auto" and self.dtype not in DTYPES:
@@ -116,6 +120,10 @@ class EngineConfig:
                 raise ValueError(f"{name}={v!r} must be an integer >= 1 or None")
         if self.attention_backend not in BACKENDS:
             raise ValueError(f"attention_backend={self.attention_backend!r} must be one of {BACKENDS}")
+        check_generation_config(self.generation_config)
+        v = self.log_stats_interval
+        if not isinstance(v, int | float) or isinstance(v, bool) or not 0 <= v < float("inf"):
+            raise ValueError(f"log_stats_interval={v!r} must be a number of seconds >= 0")
         if not 0 < self.gpu_memory_utilization <= 1:
             raise ValueError(f"gpu_memory_utilization={self.gpu_memory_utilization} must be in (0, 1]")
 
@@ -178,6 +186,7 @@ class EngineCore:
         source = resolve_model(config.model, config.load_format)
         self.model_config: ModelConfig = source.config
         self.model_name = config.model or "SmolLM2-135M-Instruct"
+        self.generation_defaults = load_generation_defaults(config.generation_config, source.path)
         self.tokenizer = tokenizer
         self.tokenizer_path: str | None = None  # where another process on this host can load it
         if self.tokenizer is None and source.path is not None:

@@ -49,6 +49,7 @@ from jinfer.engine.protocol import (
     decode,
     encode,
 )
+from jinfer.engine.stats_log import StatsLogger
 from jinfer.outputs import EngineOutput
 from jinfer.sampling_params import SamplingParams
 
@@ -90,7 +91,8 @@ def _ready_message(core: Any) -> EngineReady:
         model_name=str(core.model_name), max_model_len=int(core.max_model_len),
         vocab_size=int(core.model_config.vocab_size), max_num_seqs=int(core.config.max_num_seqs),
         pid=os.getpid(), tokenizer_path=tok_path,
-        eos_token_ids=[int(t) for t in getattr(core, "eos_token_ids", ())])
+        eos_token_ids=[int(t) for t in getattr(core, "eos_token_ids", ())],
+        generation_defaults=dict(getattr(core, "generation_defaults", {})))
 
 
 class EngineCoreProc:
@@ -111,6 +113,9 @@ class EngineCoreProc:
         self.running = True
         self._next_tick = 0.0
         self._last_stats: dict[str, float] | None = None
+        config = getattr(core, "config", None)
+        self.stats_logger = StatsLogger(float(getattr(config, "log_stats_interval", 10.0) or 0.0),
+                                        int(getattr(config, "data_parallel_rank", 0) or 0))
 
     def run(self) -> None:
         while self.running:
@@ -256,6 +261,7 @@ class EngineCoreProc:
     def _tick(self) -> None:
         self._next_tick = time.monotonic() + self.stats_interval
         stats = self._stats()
+        self.stats_logger.maybe_log(stats)
         if stats != self._last_stats:
             self._last_stats = stats
             for identity in list(self.clients):

@@ -54,6 +54,7 @@ class EngineReady:
     tokenizer_path: str | None = None  # where a client can load the same tokenizer (same host)
     eos_token_ids: list[int] = field(default_factory=list)
     protocol_version: int = PROTOCOL_VERSION
+    generation_defaults: dict[str, float] = field(default_factory=dict)  # from generation_config.json
 
 
 @dataclass(frozen=True)
@@ -254,7 +255,8 @@ _SCHEMAS: dict[type, tuple[str, dict[str, tuple[Callable[[Any], Any], Callable[[
     Hello: ("hello", {"client_name": _STR, "protocol_version": _INT}),
     EngineReady: ("ready", {"model_name": _STR, "max_model_len": _INT, "vocab_size": _INT,
                             "max_num_seqs": _INT, "pid": _INT, "tokenizer_path": (_ident, _optional(_dec_str)),
-                            "eos_token_ids": (pack_ids, unpack_ids), "protocol_version": _INT}),
+                            "eos_token_ids": (pack_ids, unpack_ids), "protocol_version": _INT,
+                            "generation_defaults": (_ident, _dec_stats)}),
     AddRequest: ("add", {"request_id": _STR, "prompt_token_ids": (pack_ids, unpack_ids),
                          "params": (_ident, _dec_params)}),
     Abort: ("abort", {"request_ids": (list, _dec_str_list)}),

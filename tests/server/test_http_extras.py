@@ -199,6 +199,12 @@ def test_tokenize_errors(client):
         assert r.status_code == 400 and r.json()["error"]["param"] == param, (body, r.text)
 
 
+def test_tokenizer_info(client):
+    info = client.get("/tokenizer_info").json()
+    assert (info["bos_token"], info["eos_token"]) == ("<|im_start|>", "<|im_end|>")  # SmolLM2-Instruct's
+    assert info["model_max_length"] == 64 and "<|im_start|>" in info["chat_template"]
+
+
 def test_ping(client):
     assert client.get("/ping").status_code == 200
     assert client.post("/ping").status_code == 200

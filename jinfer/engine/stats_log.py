@@ -1,0 +1,49 @@
+"""The engine's periodic stats line, like vLLM's:
+
+    Engine 000: Avg prompt throughput: 812.4 tokens/s, Avg generation throughput: 96.0 tokens/s,
+    Running: 4 reqs, Waiting: 0 reqs, GPU KV cache usage: 3.1%, Prefix cache hit rate: 42.0%
+
+Throughputs are averages over the interval (`--log-stats-interval`, default 10 s; 0 turns the line off);
+the prefix-cache hit rate is over the interval's lookups (the lifetime rate when there were none). An idle
+engine logs once after its last busy interval, then stays quiet (as vLLM does).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+log = logging.getLogger("jinfer.engine")
+
+
+class StatsLogger:
+    def __init__(self, interval: float, engine_index: int = 0, clock=time.monotonic):
+        self.interval, self.engine_index, self.clock = interval, engine_index, clock
+        self._last: dict[str, float] | None = None
+        self._last_time = clock()
+        self._was_busy = False
+
+    def maybe_log(self, stats: dict[str, float]) -> str | None:
+        """Log (and return) the line if an interval has passed since the last one; None otherwise."""
+        now = self.clock()
+        if self.interval <= 0 or now - self._last_time < self.interval:
+            return None
+        last, self._last = self._last, dict(stats)
+        elapsed, self._last_time = now - self._last_time, now
+        if last is None:
+            last = {}
+        delta = lambda key: stats.get(key, 0.0) - last.get(key, 0.0)
+        prompt_tps = delta("prompt_tokens_total") / elapsed
+        gen_tps = delta("generation_tokens_total") / elapsed
+        busy = bool(prompt_tps or gen_tps or stats.get("num_running") or stats.get("num_waiting"))
+        if not busy and not self._was_busy:
+            return None
+        self._was_busy = busy
+        queries = delta("prefix_cache_queries")
+        hit_rate = delta("prefix_cache_hits") / queries if queries > 0 else stats.get("prefix_cache_hit_rate", 0.0)
+        line = (f"Engine {self.engine_index:03d}: Avg prompt throughput: {prompt_tps:.1f} tokens/s, "
+                f"Avg generation throughput: {gen_tps:.1f} tokens/s, Running: {int(stats.get('num_running', 0))} "
+                f"reqs, Waiting: {int(stats.get('num_waiting', 0))} reqs, GPU KV cache usage: "
+                f"{100 * stats.get('kv_usage', 0.0):.1f}%, Prefix cache hit rate: {100 * hit_rate:.1f}%")
+        log.info(line)
+        return line
