@@ -30,6 +30,7 @@ import functools
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
@@ -184,3 +185,66 @@ def gated_delta_rule(q, k, v, g, beta, states, slots, fresh, query_start, *, bac
     if backend == "pallas":
         return recurrent_gated_delta_rule(q, k, v, g, beta, states, slots, fresh, query_start, interpret=interpret)
     return recurrent_reference(q, k, v, g, beta, states, slots, fresh, query_start)
+
+
+# ----------------------------------------------------------------------------------------------
+# Benchmark
+# ----------------------------------------------------------------------------------------------
+def main():
+    """Kernel time at Qwen3.5-4B's linear-layer shapes (16 q/k heads, 32 v heads, 128 x 128 state), one
+    layer: decode batches (state bytes read + written over time = TB/s) and one-sequence prefills (the
+    recurrent walk; TFLOP/s of the rule's 6 Hv Dk Dv FLOPs per token). JSON lines on stdout. Small shapes
+    on CPU (interpreter), to check the script."""
+    import argparse
+    import json
+    import time
+
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--batches", type=int, nargs="+", default=[1, 8, 64, 256])
+    ap.add_argument("--prefill", type=int, nargs="+", default=[1024, 16384])
+    ap.add_argument("--block-v", type=int, nargs="+", default=[16, 32, 64])
+    ap.add_argument("--num-warps", type=int, nargs="+", default=[4])
+    args = ap.parse_args()
+    gpu = jax.default_backend() == "gpu"
+    hk, hv, dk, dv = (16, 32, 128, 128) if gpu else (2, 4, 16, 16)
+    if not gpu:
+        args.batches, args.prefill, args.block_v = [2], [8], [16]
+    rng = np.random.default_rng(0)
+
+    def run(lens, block_v, warps):
+        B, T = len(lens), sum(lens)
+        qs = jnp.asarray(np.concatenate([[0], np.cumsum(lens)]), jnp.int32)
+        q = jnp.asarray(rng.standard_normal((T, hk, dk)), jnp.bfloat16)
+        k = jnp.asarray(rng.standard_normal((T, hk, dk)), jnp.bfloat16)
+        v = jnp.asarray(rng.standard_normal((T, hv, dv)), jnp.bfloat16)
+        g = jnp.asarray(-rng.uniform(0.01, 1, (T, hv)), jnp.float32)
+        beta = jnp.asarray(rng.uniform(0, 1, (T, hv)), jnp.float32)
+        states = jnp.zeros((B + 1, hv, dk, dv), jnp.float32)
+        slots, fresh = jnp.arange(1, B + 1, dtype=jnp.int32), jnp.zeros(B, bool)
+        fn = functools.partial(recurrent_gated_delta_rule, block_v=block_v, num_warps=warps, interpret=not gpu)
+        o, states = fn(q, k, v, g, beta, states, slots, fresh, qs)  # compile
+        jax.block_until_ready(o)
+        reps = 20 if gpu else 1
+        t0 = time.perf_counter()
+        for _ in range(reps):
+            o, states = fn(q, k, v, g, beta, states, slots, fresh, qs)
+        jax.block_until_ready((o, states))
+        return (time.perf_counter() - t0) / reps
+
+    dev = jax.devices()[0].device_kind
+    for bv in args.block_v:
+        for warps in args.num_warps:
+            for B in args.batches:
+                t = run([1] * B, bv, warps)
+                nbytes = 2 * B * hv * dk * dv * 4
+                print(json.dumps({"what": "decode", "device": dev, "batch": B, "block_v": bv, "num_warps": warps,
+                                  "time_us": t * 1e6, "state_bytes": nbytes, "tb_per_s": nbytes / t / 1e12}))
+            for n in args.prefill:
+                t = run([n], bv, warps)
+                flops = 6 * n * hv * dk * dv
+                print(json.dumps({"what": "prefill", "device": dev, "tokens": n, "block_v": bv, "num_warps": warps,
+                                  "time_us": t * 1e6, "tflop_per_s": flops / t / 1e12}))
+
+
+if __name__ == "__main__":
+    main()
