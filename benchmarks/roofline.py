@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import subprocess
 import sys
 import time
@@ -102,12 +103,22 @@ def touched_weight_bytes(cfg: ModelConfig, tokens: int, dtype_bytes: int = 2) ->
     return total
 
 
+def state_bytes(cfg: ModelConfig, dtype_bytes: int = 2) -> int:
+    """One sequence's fixed-size state over the linear-attention layers (0 for other models)."""
+    from jinfer.models.registry import state_specs
+
+    return sum(math.prod(s.shape) * (4 if s.dtype == "float32" else dtype_bytes)
+               for specs in state_specs(cfg).values() for s in specs)
+
+
 def decode_bytes(cfg: ModelConfig, batch: int, context: int, dtype_bytes: int = 2) -> dict:
     """Minimum HBM traffic of one decode step: the weights it touches once (for MoE the experts its
-    `batch` tokens route to), plus each sequence's K/V once."""
+    `batch` tokens route to), each sequence's K/V once (attention layers) and, for linear-attention
+    layers, each sequence's state read and written once."""
     weights = touched_weight_bytes(cfg, batch, dtype_bytes)
-    kv = batch * context * cfg.num_layers * 2 * cfg.num_kv_heads * cfg.head_dim * dtype_bytes
-    return {"weights": weights, "kv": kv, "total": weights + kv}
+    kv = batch * context * len(cfg.attention_layers) * 2 * cfg.num_kv_heads * cfg.head_dim * dtype_bytes
+    states = 2 * batch * state_bytes(cfg, dtype_bytes)
+    return {"weights": weights, "kv": kv, "states": states, "total": weights + kv + states}
 
 
 def prefill_flops(cfg: ModelConfig, tokens: int) -> dict:
@@ -115,8 +126,12 @@ def prefill_flops(cfg: ModelConfig, tokens: int) -> dict:
     embed = cfg.vocab_size * cfg.hidden_size
     dense = 2 * tokens * (cfg.num_params(active=True) - (embed if not cfg.tie_word_embeddings else 0))
     # QK^T and PV, causal: half of the full L x L square.
-    attn = 2 * 2 * cfg.num_layers * cfg.num_heads * cfg.head_dim * tokens * tokens // 2
-    return {"dense": dense, "attention": attn, "total": dense + attn}
+    attn = 2 * 2 * len(cfg.attention_layers) * cfg.num_heads * cfg.head_dim * tokens * tokens // 2
+    # gated delta rule per token and value head: k^T S, the rank-1 update and q^T S (the chunked form does
+    # about as much on the tensor cores)
+    linear = (cfg.num_layers - len(cfg.attention_layers)) * tokens * 6 * cfg.linear_num_value_heads \
+        * cfg.linear_key_head_dim * cfg.linear_value_head_dim
+    return {"dense": dense, "attention": attn, "linear_attention": linear, "total": dense + attn + linear}
 
 
 def floors(cfg: ModelConfig, batch: int, context: int, prompt_len: int, bw: float, flops: float) -> dict:

@@ -13,14 +13,26 @@ sequence starts from its state slot `states[slots[b]]` ([S, Hv, Dk, Dv] float32)
 `fresh[b]` (its first token is position 0), and its final state is written back to the same slot.
 Rows past `query_start[B]` are padding.
 
-This module holds the references: `recurrent_reference` (token by token, exactly HF's
-`torch_recurrent_gated_delta_rule`) and `gated_delta_rule` picks the implementation.
+The kernel (`recurrent_gated_delta_rule`, Pallas Triton lowering) is flash-linear-attention's fused
+recurrent form, varlen: one program per (sequence, value head, block of value columns) keeps its
+[Dk, block_v] slice of the state in registers, walks its sequence's rows (L2-normalising q and k,
+decaying, writing the delta, reading the output) and writes the slice back to the sequence's slot in
+place (the pool is aliased to the output). A decode step is one row per program: the fused recurrent
+decode step. Long prefills walk their rows one by one, parallel only over sequences x heads x blocks;
+the chunked (WY) form that would run them on the tensor cores is not built yet.
+`recurrent_reference` (token by token, exactly HF's `torch_recurrent_gated_delta_rule`) is the
+reference.
 """
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
+import numpy as np
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
 
 L2_EPS = 1e-6  # HF / flash-linear-attention's l2norm epsilon
 
@@ -79,8 +91,160 @@ def recurrent_reference(q: jax.Array, k: jax.Array, v: jax.Array, g: jax.Array, 
     return o, states.at[slots].set(finals[:B])
 
 
+# ----------------------------------------------------------------------------------------------
+# Kernel body
+# ----------------------------------------------------------------------------------------------
+def _recurrent_kernel(qs_ref, slot_ref, fresh_ref, q_ref, k_ref, v_ref, g_ref, beta_ref, s_in_ref,
+                      o_ref, s_ref, *, group: int, block_v: int):
+    # qs_ref [B + 1]: row ranges; slot_ref, fresh_ref [B]; q_ref, k_ref [T, Hk, Dk]; v_ref [T, Hv, Dv];
+    # g_ref, beta_ref [T, Hv] f32; s_in_ref / s_ref [S, Hv, Dk, Dv] f32: the pool, aliased (read, then
+    # written in place); o_ref [T, Hv, Dv] f32.
+    del s_in_ref  # the same buffer as s_ref
+    b, h, j = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    kh = h // group
+    dk = q_ref.shape[-1]
+    cols = pl.ds(j * block_v, block_v)
+    start, end = qs_ref[b], qs_ref[b + 1]
+    slot = slot_ref[b]
+    state = s_ref[slot, h, :, cols]  # [Dk, block_v]
+    state = jnp.where(fresh_ref[b] != 0, 0.0, state)
+    scale = dk ** -0.5
+
+    def body(t, state):
+        q = q_ref[t, kh, :].astype(jnp.float32)  # [Dk]
+        k = k_ref[t, kh, :].astype(jnp.float32)
+        q = q * jax.lax.rsqrt(jnp.sum(q * q) + L2_EPS) * scale
+        k = k * jax.lax.rsqrt(jnp.sum(k * k) + L2_EPS)
+        v = v_ref[t, h, cols].astype(jnp.float32)  # [block_v]
+        state = state * jnp.exp(g_ref[t, h])
+        delta = (v - jnp.sum(k[:, None] * state, axis=0)) * beta_ref[t, h]  # [block_v]
+        state = state + k[:, None] * delta[None, :]
+        o_ref[t, h, cols] = jnp.sum(q[:, None] * state, axis=0)
+        return state
+
+    state = jax.lax.fori_loop(start, end, body, state)
+    s_ref[slot, h, :, cols] = state
+
+
+def _recurrent_call(q, k, v, g, beta, states, slots, fresh, query_start, *, block_v, num_warps, interpret):
+    T, hk, dk = q.shape
+    hv, dv = v.shape[1], v.shape[2]
+    B = slots.shape[0]
+    whole = pl.no_block_spec
+    kernel = functools.partial(_recurrent_kernel, group=hv // hk, block_v=block_v)
+    o, states = pl.pallas_call(
+        kernel,
+        grid=(B, hv, dv // block_v),
+        in_specs=[whole] * 9,
+        out_specs=[whole, whole],
+        out_shape=[jax.ShapeDtypeStruct((T, hv, dv), jnp.float32), jax.ShapeDtypeStruct(states.shape, jnp.float32)],
+        input_output_aliases={8: 1},
+        compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=1),
+        interpret=interpret,
+        name=f"recurrent_gated_delta_rule_bv{block_v}",
+    )(query_start.astype(jnp.int32), slots.astype(jnp.int32), fresh.astype(jnp.int32), q, k, v,
+      g.astype(jnp.float32), beta.astype(jnp.float32), states)
+    # rows past the last sequence are never visited: zeros, not whatever the buffer held
+    o = jnp.where((jnp.arange(T) < query_start[-1])[:, None, None], o, 0.0)
+    return o, states
+
+
+# ----------------------------------------------------------------------------------------------
+# Public API
+# ----------------------------------------------------------------------------------------------
+@functools.partial(jax.jit, static_argnames=("block_v", "num_warps", "interpret"), donate_argnames=("states",))
+def recurrent_gated_delta_rule(q, k, v, g, beta, states, slots, fresh, query_start, *, block_v: int | None = None,
+                               num_warps: int = 4, interpret: bool = False) -> tuple[jax.Array, jax.Array]:
+    """The rule over a ragged batch (module doc), updating the state pool in place (donated).
+
+    q, k: [T, Hk, Dk]; v: [T, Hv, Dv]; g, beta: [T, Hv]; states: [S, Hv, Dk, Dv] float32; slots, fresh:
+    [B]; query_start: [B + 1]. Returns (o [T, Hv, Dv] float32, the pool). Dk and Dv powers of two.
+    """
+    T, hk, dk = q.shape
+    hv, dv = v.shape[1], v.shape[2]
+    if k.shape != q.shape or v.shape[0] != T or g.shape != (T, hv) or beta.shape != (T, hv):
+        raise ValueError(f"q/k must be [T, Hk, Dk], v [T, Hv, Dv], g/beta [T, Hv]: {q.shape=} {k.shape=} "
+                         f"{v.shape=} {g.shape=} {beta.shape=}")
+    if hv % hk:
+        raise ValueError(f"value heads ({hv}) must be a multiple of q/k heads ({hk})")
+    if states.shape[1:] != (hv, dk, dv) or states.dtype != jnp.float32:
+        raise ValueError(f"states must be float32 [slots, {hv}, {dk}, {dv}], got {states.shape} {states.dtype}")
+    if dk & (dk - 1) or dv & (dv - 1):
+        raise ValueError(f"key_dim={dk} and value_dim={dv} must be powers of two")
+    block_v = block_v or min(dv, 32)
+    if dv % block_v:
+        raise ValueError(f"block_v={block_v} must divide value_dim={dv}")
+    return _recurrent_call(q, k, v, g, beta, states, slots, fresh, query_start, block_v=block_v,
+                           num_warps=num_warps, interpret=interpret)
+
+
 def gated_delta_rule(q, k, v, g, beta, states, slots, fresh, query_start, *, backend: str = "reference",
                      interpret: bool = False) -> tuple[jax.Array, jax.Array]:
-    """The rule over a ragged batch (see the module doc): (o [T, Hv, Dv] float32, updated states pool)."""
-    del backend, interpret  # only the reference so far
+    """The rule over a ragged batch (see the module doc): (o [T, Hv, Dv] float32, updated states pool).
+    backend "pallas": the recurrent kernel; "reference": `recurrent_reference`."""
+    if backend == "pallas":
+        return recurrent_gated_delta_rule(q, k, v, g, beta, states, slots, fresh, query_start, interpret=interpret)
     return recurrent_reference(q, k, v, g, beta, states, slots, fresh, query_start)
+
+
+# ----------------------------------------------------------------------------------------------
+# Benchmark
+# ----------------------------------------------------------------------------------------------
+def main():
+    """Kernel time at Qwen3.5-4B's linear-layer shapes (16 q/k heads, 32 v heads, 128 x 128 state), one
+    layer: decode batches (state bytes read + written over time = TB/s) and one-sequence prefills (the
+    recurrent walk; TFLOP/s of the rule's 6 Hv Dk Dv FLOPs per token). JSON lines on stdout. Small shapes
+    on CPU (interpreter), to check the script."""
+    import argparse
+    import json
+    import time
+
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--batches", type=int, nargs="+", default=[1, 8, 64, 256])
+    ap.add_argument("--prefill", type=int, nargs="+", default=[1024, 16384])
+    ap.add_argument("--block-v", type=int, nargs="+", default=[16, 32, 64])
+    ap.add_argument("--num-warps", type=int, nargs="+", default=[4])
+    args = ap.parse_args()
+    gpu = jax.default_backend() == "gpu"
+    hk, hv, dk, dv = (16, 32, 128, 128) if gpu else (2, 4, 16, 16)
+    if not gpu:
+        args.batches, args.prefill, args.block_v = [2], [8], [16]
+    rng = np.random.default_rng(0)
+
+    def run(lens, block_v, warps):
+        B, T = len(lens), sum(lens)
+        qs = jnp.asarray(np.concatenate([[0], np.cumsum(lens)]), jnp.int32)
+        q = jnp.asarray(rng.standard_normal((T, hk, dk)), jnp.bfloat16)
+        k = jnp.asarray(rng.standard_normal((T, hk, dk)), jnp.bfloat16)
+        v = jnp.asarray(rng.standard_normal((T, hv, dv)), jnp.bfloat16)
+        g = jnp.asarray(-rng.uniform(0.01, 1, (T, hv)), jnp.float32)
+        beta = jnp.asarray(rng.uniform(0, 1, (T, hv)), jnp.float32)
+        states = jnp.zeros((B + 1, hv, dk, dv), jnp.float32)
+        slots, fresh = jnp.arange(1, B + 1, dtype=jnp.int32), jnp.zeros(B, bool)
+        fn = functools.partial(recurrent_gated_delta_rule, block_v=block_v, num_warps=warps, interpret=not gpu)
+        o, states = fn(q, k, v, g, beta, states, slots, fresh, qs)  # compile
+        jax.block_until_ready(o)
+        reps = 20 if gpu else 1
+        t0 = time.perf_counter()
+        for _ in range(reps):
+            o, states = fn(q, k, v, g, beta, states, slots, fresh, qs)
+        jax.block_until_ready((o, states))
+        return (time.perf_counter() - t0) / reps
+
+    dev = jax.devices()[0].device_kind
+    for bv in args.block_v:
+        for warps in args.num_warps:
+            for B in args.batches:
+                t = run([1] * B, bv, warps)
+                nbytes = 2 * B * hv * dk * dv * 4
+                print(json.dumps({"what": "decode", "device": dev, "batch": B, "block_v": bv, "num_warps": warps,
+                                  "time_us": t * 1e6, "state_bytes": nbytes, "tb_per_s": nbytes / t / 1e12}))
+            for n in args.prefill:
+                t = run([n], bv, warps)
+                flops = 6 * n * hv * dk * dv
+                print(json.dumps({"what": "prefill", "device": dev, "tokens": n, "block_v": bv, "num_warps": warps,
+                                  "time_us": t * 1e6, "tflop_per_s": flops / t / 1e12}))
+
+
+if __name__ == "__main__":
+    main()

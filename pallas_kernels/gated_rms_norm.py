@@ -1,13 +1,56 @@
 """Gated RMSNorm (Gated DeltaNet's output norm): per head, weight * rms_norm(x) * silu(gate).
 
-x, gate: [..., D]; weight: [D]. HF's `Qwen3_5RMSNormGated` rounding: the normalised value in x's dtype
-times the weight, then times silu(gate) in float32, cast back to x's dtype.
+x, gate: [N, D] (rows: tokens x value heads); weight: [D]. HF's `Qwen3_5RMSNormGated` rounding: the
+normalised value in x's dtype times the weight, then times silu(gate) in float32, cast back to x's dtype.
+One program normalises `block_rows` rows (one read of x and gate, one write): XLA runs the same as a
+few fusions with the statistics in between.
+
+GPU backend: the Pallas Triton lowering (see `pallas_kernels/__init__.py`).
 """
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+
+
+def _kernel(x_ref, z_ref, w_ref, o_ref, *, eps: float):
+    # x_ref, z_ref, o_ref [block_rows, D]; w_ref [D]
+    x = x_ref[...].astype(jnp.float32)
+    x = x * jax.lax.rsqrt(jnp.mean(x * x, axis=1, keepdims=True) + eps)
+    h = (w_ref[...][None, :] * x.astype(x_ref.dtype)).astype(jnp.float32)
+    z = z_ref[...].astype(jnp.float32)
+    o_ref[...] = (h * z * jax.nn.sigmoid(z)).astype(o_ref.dtype)
+
+
+@functools.partial(jax.jit, static_argnames=("eps", "block_rows", "interpret"))
+def gated_rms_norm(x: jax.Array, gate: jax.Array, weight: jax.Array, *, eps: float, block_rows: int = 16,
+                   interpret: bool = False) -> jax.Array:
+    """weight * rms_norm(x) * silu(gate) over the last axis; x, gate: [..., D] (D a power of two)."""
+    if gate.shape != x.shape or weight.shape != x.shape[-1:]:
+        raise ValueError(f"gate must match x and weight be [D]: {x.shape=} {gate.shape=} {weight.shape=}")
+    d = x.shape[-1]
+    if d & (d - 1):
+        raise ValueError(f"the normalised dimension ({d}) must be a power of two")
+    n = x.size // d
+    rows = pl.cdiv(n, block_rows) * block_rows
+    pad = lambda a: jnp.pad(a.reshape(n, d), ((0, rows - n), (0, 0)))  # noqa: E731
+    block = pl.BlockSpec((block_rows, d), lambda i: (i, 0))
+    out = pl.pallas_call(
+        functools.partial(_kernel, eps=eps),
+        grid=(rows // block_rows,),
+        in_specs=[block, block, pl.BlockSpec((d,), lambda i: (0,))],
+        out_specs=block,
+        out_shape=jax.ShapeDtypeStruct((rows, d), x.dtype),
+        compiler_params=plgpu.CompilerParams(num_warps=4, num_stages=1),
+        interpret=interpret,
+        name="gated_rms_norm",
+    )(pad(x), pad(gate), weight.astype(x.dtype))
+    return out[:n].reshape(x.shape)
 
 
 def gated_rms_norm_reference(x: jax.Array, gate: jax.Array, weight: jax.Array, eps: float) -> jax.Array:

@@ -174,8 +174,10 @@ class ModelOps:
 
     def gated_rms_norm(self, x: jax.Array, gate: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
         """HF's RMSNormGated: weight * rms_norm(x) (rounded to x's dtype), times silu(gate) in float32."""
-        from pallas_kernels.gated_rms_norm import gated_rms_norm_reference
+        from pallas_kernels.gated_rms_norm import gated_rms_norm, gated_rms_norm_reference
 
+        if self.backend == "pallas" and not x.shape[-1] & (x.shape[-1] - 1):
+            return gated_rms_norm(x, gate, weight, eps=eps, interpret=self.interpret)
         return gated_rms_norm_reference(x, gate, weight, eps)
 
     def reduce(self, partial: jax.Array) -> jax.Array:

@@ -1,0 +1,47 @@
+#!/usr/bin/env bash
+# On the GPU machine (device tool, carrying .whl): Qwen3.5 (hybrid Gated DeltaNet + gated attention) on one GPU.
+# PARTS (comma list, default all):
+#   tests       the Gated DeltaNet kernel tests compiled for the GPU, then the tiny HF goldens through the kernels
+#   kernels     the recurrent delta-rule kernel alone at Qwen3.5-4B's shapes: decode batches 1..256 (TB/s on state
+#               bytes), one-sequence prefills of 1k and 16k tokens (TFLOP/s), block_v 16 / 32 / 64
+#   latency     engine TPOT / TTFT at batch 1, 1k in / 128 out, against the roofline measured in the same run
+#   long        TTFT of one 16k-token prompt (chunked by max_num_batched_tokens)
+#   throughput  offline $PROMPTS prompts x $IN in / $OUT_LEN out
+# JSON lands in $OUT (copy to benchmarks/results/); $TAG names the device in the file names (default h100).
+# SHAPE: a named shape (default qwen3.5-4b) or a model directory; on CPU, to check the script:
+#   OUT=/tmp/q35 SHAPE=tests/data/tiny-qwen3_5 IN=32 OUT_LEN=8 LONG=64 PROMPTS=8 bash benchmarks/run_gpu_qwen35.sh
+set -uo pipefail
+source benchmarks/gpu_env.sh
+PARTS=${PARTS:-tests,kernels,latency,long,throughput}
+TAG=${TAG:-h100}
+SHAPE=${SHAPE:-qwen3.5-4b}
+NAME=$(basename "$SHAPE")
+MODEL=$([[ $SHAPE == */* ]] && echo "$SHAPE" || echo "dummy:$SHAPE")
+IN=${IN:-1024}
+OUT_LEN=${OUT_LEN:-128}
+LONG=${LONG:-16384}
+PROMPTS=${PROMPTS:-512}
+mkdir -p "$OUT"
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader 2>/dev/null || echo "no GPU"
+if [[ $PARTS == *tests* ]]; then
+  JAX_PLATFORMS=${JAX_PLATFORMS:-cuda} timeout 600 python3 -m pytest -q -m gpu tests/kernels/test_gated_delta_rule.py \
+      tests/kernels/test_gated_rms_norm.py -p no:cacheprovider 2>&1 | tail -4
+  # the goldens with the kernels compiled natively (f32 dots may run as TF32 there: informative)
+  timeout 600 python3 -m pytest -q tests/models/test_golden_qwen3_5.py -k pallas -p no:cacheprovider 2>&1 | tail -4
+fi
+if [[ $PARTS == *kernels* ]]; then
+  timeout 900 python3 -m pallas_kernels.gated_delta_rule > "$OUT/gdn_kernels_$TAG.json"
+  cat "$OUT/gdn_kernels_$TAG.json"
+fi
+if [[ $PARTS == *latency* ]]; then
+  timeout 900 python3 -m benchmarks.bench_latency --shape "$SHAPE" --batch-sizes ${BATCHES:-1} \
+      --input-len "$IN" --output-len "$OUT_LEN" --out "$OUT/latency_${NAME}_$TAG.json" | grep "^batch"
+fi
+if [[ $PARTS == *long* ]]; then
+  timeout 900 python3 -m benchmarks.bench_latency --shape "$SHAPE" --batch-sizes 1 --input-len "$LONG" \
+      --output-len 8 --out "$OUT/latency_${NAME}_${TAG}_16k.json" | grep "^batch"
+fi
+if [[ $PARTS == *throughput* ]]; then
+  timeout 900 python3 -m benchmarks.bench_throughput --model "$MODEL" --num-prompts "$PROMPTS" --input-len "$IN" \
+      --output-len "$OUT_LEN" --warmup --out "$OUT/throughput_${NAME}_${TAG}_${PROMPTS}x${IN}.json" | grep "^throughput"
+fi

@@ -1,0 +1,33 @@
+"""gated_rms_norm vs its jnp reference (HF's RMSNormGated rounding)."""
+
+from __future__ import annotations
+
+from functools import partial
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from pallas_kernels.gated_rms_norm import gated_rms_norm, gated_rms_norm_reference
+from tests.kernels.conftest import MODES, assert_close, lower_for_cuda
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("shape,dtype", [((5, 4, 16), jnp.float32), ((33, 32, 128), jnp.bfloat16)])
+def test_gated_rms_norm_matches_reference(mode, shape, dtype):
+    rng = np.random.default_rng(shape[0])
+    x = jnp.asarray(rng.standard_normal(shape), dtype)
+    z = jnp.asarray(rng.standard_normal(shape), dtype)
+    w = jnp.asarray(1 + 0.1 * rng.standard_normal(shape[-1:]), dtype)
+    out = gated_rms_norm(x, z, w, eps=1e-6, interpret=mode == "interpret")
+    assert out.shape == x.shape and out.dtype == dtype
+    assert_close(out, gated_rms_norm_reference(x, z, w, 1e-6), dtype, mode)
+
+
+def test_gated_rms_norm_checks_and_lowers_for_cuda():
+    with pytest.raises(ValueError, match="power of two"):
+        gated_rms_norm(jnp.zeros((2, 12)), jnp.zeros((2, 12)), jnp.zeros(12), eps=1e-6, interpret=True)
+    s = jax.ShapeDtypeStruct((64, 128), jnp.bfloat16)
+    text = lower_for_cuda(partial(gated_rms_norm, eps=1e-6), s, s, jax.ShapeDtypeStruct((128,), jnp.bfloat16))
+    assert "gated_rms_norm" in text
