@@ -3,6 +3,7 @@
 __version__ = "0.1.0"
 
 from jinfer.sampling_params import SamplingParams  # noqa: E402
+from jinfer.structured_outputs import GuidedDecodingParams, StructuredOutputsParams  # noqa: E402
 
 
 def __getattr__(name):  # LLM pulls in JAX and the engine: import it lazily
@@ -17,4 +18,4 @@ def __getattr__(name):  # LLM pulls in JAX and the engine: import it lazily
     raise AttributeError(name)
 
 
-__all__ = ["LLM", "SamplingParams", "__version__"]
+__all__ = ["LLM", "SamplingParams", "StructuredOutputsParams", "GuidedDecodingParams", "__version__"]

@@ -18,6 +18,8 @@ import math
 from dataclasses import dataclass, fields
 from typing import Any
 
+from jinfer.structured_outputs import StructuredOutputsParams
+
 MAX_LOGPROBS = 20
 MAX_N = 1024
 MAX_STOP_STRINGS = 64
@@ -80,6 +82,9 @@ class SamplingParams:
     # ---- issue 16 part B: prompt logprobs and logit bias ----
     prompt_logprobs: int | None = None  # top-N logprobs per prompt token (and the token's own); first is None
     logit_bias: Any = None  # {token id: bias in [-100, 100]} added to the logits before sampling
+    # What the output must match (JSON schema, regex, choice, grammar): a StructuredOutputsParams, a dict
+    # of its fields, or its `to_wire()` string (normalized to StructuredOutputsParams).
+    structured_outputs: StructuredOutputsParams | dict | str | None = None
 
     def __post_init__(self):
         set_ = lambda name, value: object.__setattr__(self, name, value)
@@ -168,6 +173,7 @@ class SamplingParams:
             raise ValueError(f"stop_token_ids= has {len(ids)} ids; at most {MAX_STOP_TOKEN_IDS} are allowed")
         set_("stop_token_ids", ids)
         set_("logit_bias", _logit_bias(self.logit_bias))
+        set_("structured_outputs", StructuredOutputsParams.of(self.structured_outputs))
 
     @property
     def is_greedy(self) -> bool:
@@ -179,6 +185,8 @@ class SamplingParams:
         d["stop"] = list(self.stop)
         d["stop_token_ids"] = list(self.stop_token_ids)
         d["logit_bias"] = None if self.logit_bias is None else [list(p) for p in self.logit_bias]
+        if self.structured_outputs is not None:
+            d["structured_outputs"] = self.structured_outputs.to_wire()
         return d
 
 

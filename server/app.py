@@ -258,15 +258,17 @@ async def _http_error(request: Request, exc: HTTPException) -> Response:
 
 
 def build_app(client: EngineClient, *, tokenizer: Any = None, served_model_names: list[str] | None = None,
-              api_key: str | None = None, max_queued_requests: int | None = None) -> Starlette:
+              api_key: str | None = None, max_queued_requests: int | None = None,
+              tool_parser: str | None = None) -> Starlette:
     """The ASGI app around a connected client. `max_queued_requests` (default 4 x max_num_seqs) bounds the
-    sequences waiting beyond the engine's max_num_seqs."""
+    sequences waiting beyond the engine's max_num_seqs. `tool_parser`: read tool calls of tool_choice "auto"
+    with this parser (server/tools.py; None: "auto" is refused)."""
     info = client.info
     tokenizer = tokenizer if tokenizer is not None else client.tokenizer
     names = tuple(served_model_names or [info.model_name])
     queued = 4 * info.max_num_seqs if max_queued_requests is None else max_queued_requests
     ctx = ServingContext(names, info.max_model_len, info.vocab_size, tokenizer,
-                         dict(getattr(info, "generation_defaults", {}) or {}))
+                         dict(getattr(info, "generation_defaults", {}) or {}), tool_parser)
     state = ServerState(client, tokenizer, ctx,
                         api_key, info.max_num_seqs + queued)
     app = Starlette(routes=[

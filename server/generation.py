@@ -17,6 +17,7 @@ from typing import Any
 from jinfer.client import EngineDeadError, RequestError
 from jinfer.outputs import EngineOutput
 from server import schemas
+from server.tools import ToolStream
 from server.validation import GenerationRequest, InvalidRequest
 
 log = logging.getLogger("jinfer.server")
@@ -167,7 +168,11 @@ class Generation:
             if r.chat:
                 lp = None if r.top_logprobs is None else schemas.chat_logprobs(tok, c.token_ids, c.logprobs,
                                                                                 r.top_logprobs)
-                choices.append(schemas.chat_choice(c.index, c.text, lp, c.finish_reason, c.stop_reason))
+                content, calls, finish = c.text, [], c.finish_reason
+                if r.tools is not None:  # tool calling: calls read out of the text (server/tools.py)
+                    content, calls = r.tools.message(c.text)
+                    finish = "tool_calls" if calls and finish == "stop" else finish
+                choices.append(schemas.chat_choice(c.index, content, lp, finish, c.stop_reason, calls))
             else:
                 prefix = r.prompt_texts[c.prompt_index] if r.echo else ""
                 lp = self._completion_logprobs(c, c.token_ids, c.logprobs, echo=r.echo, offset=0)
@@ -194,6 +199,7 @@ class Generation:
     async def sse(self) -> AsyncIterator[str]:
         r, tok = self.req, self.state.tokenizer
         status = "error"
+        tool_streams: dict[int, ToolStream] = {}
         try:
             if r.chat:  # role first
                 for c in self.choices:
@@ -207,10 +213,16 @@ class Generation:
                 if r.chat:
                     lp = None if r.top_logprobs is None or not d.new_logprobs else schemas.chat_logprobs(
                         tok, d.new_token_ids, d.new_logprobs, r.top_logprobs)
-                    if text or lp:
-                        yield self._event([schemas.chat_delta(c.index, {"content": text}, lp)])
+                    delta, finish = {"content": text}, d.finish_reason
+                    if r.tools is not None:  # tool calling: content and delta.tool_calls pieces (server/tools.py)
+                        stream = tool_streams.setdefault(c.index, ToolStream(r.tools))
+                        text, pieces = stream.update(c.text, d.finished)
+                        delta = {**({"content": text} if text else {}), **({"tool_calls": pieces} if pieces else {})}
+                        finish = "tool_calls" if stream.num_calls and finish == "stop" else finish
+                    if text or lp or "tool_calls" in delta:
+                        yield self._event([schemas.chat_delta(c.index, delta, lp)])
                     if d.finished:
-                        yield self._event([schemas.chat_delta(c.index, {}, None, d.finish_reason, d.stop_reason)])
+                        yield self._event([schemas.chat_delta(c.index, {}, None, finish, d.stop_reason)])
                 else:
                     lp = self._completion_logprobs(c, d.new_token_ids, d.new_logprobs or [], echo=echo,
                                                    offset=offset) if d.new_logprobs or echo else None

@@ -24,6 +24,7 @@ import uvicorn
 from jinfer.client import EngineClient, EngineDeadError
 from jinfer.engine.args import SERVE_WARMUP_FIRST_TOKENS, add_engine_arguments, engine_config_kwargs
 from jinfer.replicas import ReplicaClient
+from server.tools import TOOL_PARSERS
 
 log = logging.getLogger("jinfer.server")
 
@@ -49,6 +50,10 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     s.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     s.add_argument("--data-parallel-size", "-dp", type=int, default=1,
                    help="engine replicas, each on its own tensor-parallel-size devices, behind this server")
+    s.add_argument("--enable-auto-tool-choice", action="store_true",
+                   help='tool_choice "auto": read the model\'s tool calls with --tool-call-parser')
+    s.add_argument("--tool-call-parser", default=None, choices=sorted(TOOL_PARSERS),
+                   help="how the model writes tool calls: hermes (alias qwen: Qwen 2.5/3, Hermes) or llama3_json")
     s.add_argument("--core-factory", default=None, help=argparse.SUPPRESS)  # tests: a fake engine core
     add_engine_arguments(parser)
 
@@ -81,6 +86,9 @@ def run_serve(args: argparse.Namespace) -> int:
     config = engine_config_kwargs(args)
     if getattr(args, "warmup_first_tokens", None) is None and not args.no_warmup:
         config["warmup_first_tokens"] = SERVE_WARMUP_FIRST_TOKENS  # ready sooner; the rest compiles while serving
+    if getattr(args, "enable_auto_tool_choice", False) and not getattr(args, "tool_call_parser", None):
+        log.error("--enable-auto-tool-choice needs --tool-call-parser (one of %s)", ", ".join(sorted(TOOL_PARSERS)))
+        return 2
     if config.get("node_rank", 0) > 0:
         return _run_headless(config)
     dp = getattr(args, "data_parallel_size", 1)
@@ -113,7 +121,8 @@ def run_serve(args: argparse.Namespace) -> int:
     died = threading.Event()
     try:
         app = build_app(client, served_model_names=args.served_model_name, api_key=args.api_key,
-                        max_queued_requests=args.max_queued_requests)
+                        max_queued_requests=args.max_queued_requests,
+                        tool_parser=args.tool_call_parser if args.enable_auto_tool_choice else None)
         server = _Server(uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
                                         access_log=False, timeout_graceful_shutdown=5))
 

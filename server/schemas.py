@@ -72,9 +72,9 @@ def completion_choice(index: int, text: str, logprobs: dict | None, finish_reaso
             "stop_reason": stop_reason}
 
 
-def chat_choice(index: int, content: str, logprobs: dict | None, finish_reason: str | None,
-                stop_reason: int | str | None = None) -> dict[str, Any]:
-    return {"index": index, "message": {"role": "assistant", "content": content, "tool_calls": []},
+def chat_choice(index: int, content: str | None, logprobs: dict | None, finish_reason: str | None,
+                stop_reason: int | str | None = None, tool_calls: list[dict] | None = None) -> dict[str, Any]:
+    return {"index": index, "message": {"role": "assistant", "content": content, "tool_calls": tool_calls or []},
             "logprobs": logprobs, "finish_reason": finish_reason, "stop_reason": stop_reason}
 
 

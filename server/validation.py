@@ -36,6 +36,7 @@ class ServingContext:
     vocab_size: int
     tokenizer: Any  # jinfer.tokenizer.Tokenizer
     generation_defaults: dict[str, float] = field(default_factory=dict)  # --generation-config
+    tool_parser: str | None = None  # --tool-call-parser with --enable-auto-tool-choice (tool_choice "auto")
 
 
 @dataclass
@@ -51,6 +52,7 @@ class GenerationRequest:
     top_logprobs: int | None = None  # None: no logprobs in the response
     extra: dict[str, Any] = field(default_factory=dict)
     echo_only: bool = False  # completions echo + max_tokens 0: the prompt (and its logprobs), nothing generated
+    tools: Any = None  # server.tools.ToolPlan: how to read tool calls out of the output (None: plain text)
 
 
 # name -> (JSON types accepted, description for the error message)
@@ -63,8 +65,7 @@ _SAMPLING_FIELDS = {
     "logit_bias": _MAP,  # {"token id": bias}: checked (count, ids, range) by SamplingParams
 }
 # Accepted for compatibility but unsupported when set to something that would change the output.
-_UNSUPPORTED = ("suffix", "tools", "functions", "function_call", "prediction", "audio",
-                "modalities")
+_UNSUPPORTED = ("suffix", "functions", "function_call", "prediction", "audio", "modalities")
 
 
 def _typed(body: dict[str, Any], name: str, spec: tuple[tuple[type, ...], str], default: Any = None) -> Any:
@@ -89,17 +90,11 @@ def _check_common(body: Any, ctx: ServingContext) -> str:
     for name in _UNSUPPORTED:
         if body.get(name) not in (None, {}, []):
             raise InvalidRequest(f"'{name}' is not supported by this server", name, "unsupported_parameter")
-    fmt = body.get("response_format")
-    if fmt is not None and fmt != {"type": "text"}:
-        raise InvalidRequest("'response_format' other than {'type': 'text'} is not supported", "response_format",
-                             "unsupported_parameter")
-    if body.get("tool_choice") not in (None, "none"):
-        raise InvalidRequest("'tool_choice' is not supported", "tool_choice", "unsupported_parameter")
     return model
 
 
 def _sampling_params(body: dict[str, Any], max_tokens: int | None, logprobs: int | None,
-                     rename: dict[str, str]) -> SamplingParams:
+                     rename: dict[str, str], structured_outputs: Any = None) -> SamplingParams:
     kw: dict[str, Any] = {name: body[name] for name in _SAMPLING_FIELDS if body.get(name) is not None}
     for name, spec in _SAMPLING_FIELDS.items():
         _typed(body, name, spec)
@@ -116,7 +111,8 @@ def _sampling_params(body: dict[str, Any], max_tokens: int | None, logprobs: int
     if ids is not None and not (isinstance(ids, list) and all(_is_int(t) for t in ids)):
         raise InvalidRequest("'stop_token_ids' must be a list of integers", "stop_token_ids")
     try:
-        return SamplingParams(**kw, stop=stop, stop_token_ids=ids, max_tokens=max_tokens, logprobs=logprobs)
+        return SamplingParams(**kw, stop=stop, stop_token_ids=ids, max_tokens=max_tokens, logprobs=logprobs,
+                              structured_outputs=structured_outputs)
     except ValueError as e:  # "field=value must be ..." : the message starts with the field's name
         m = re.match(r"(\w+)=", str(e))
         name = m.group(1) if m else None
@@ -230,9 +226,14 @@ def parse_completion(body: Any, ctx: ServingContext) -> GenerationRequest:
     echo = bool(_typed(body, "echo", _BOOL, False))
     logprobs = _typed(body, "logprobs", _INT)
     max_tokens, mt_name = _max_tokens(body, ("max_tokens",), 16)
+    for name in ("tools", "tool_choice"):  # chat only
+        if body.get(name) is not None:
+            raise InvalidRequest(f"'{name}' is only supported on /v1/chat/completions", name, "unsupported_parameter")
+    from server.structured import parse_structured_outputs
+
     # echo + max_tokens 0 (how evaluation harnesses score a prompt): generate one token, then drop it (vLLM)
     echo_only = echo and max_tokens == 0
-    params = _sampling_params(body, 1 if echo_only else max_tokens, logprobs, {})
+    params = _sampling_params(body, 1 if echo_only else max_tokens, logprobs, {}, parse_structured_outputs(body))
     if echo and logprobs is not None:  # the echoed prompt tokens' logprobs (the first one null)
         params = dataclasses.replace(params, prompt_logprobs=logprobs)
     params = _generation_defaults(body, params, ctx, ids, mt_name)
@@ -272,7 +273,9 @@ def _message_text(i: int, m: Any) -> dict[str, Any]:
     if not isinstance(content, str):
         raise InvalidRequest(f"'messages[{i}].content' must be a string or a list of text parts",
                              f"messages[{i}].content")
-    return {"role": "system" if role == "developer" else role, "content": content}
+    from server.tools import history_fields
+
+    return {"role": "system" if role == "developer" else role, "content": content, **history_fields(i, m)}
 
 
 def parse_chat(body: Any, ctx: ServingContext) -> GenerationRequest:
@@ -283,8 +286,16 @@ def parse_chat(body: Any, ctx: ServingContext) -> GenerationRequest:
                              None if isinstance(messages, list) else "missing_required_parameter")
     msgs = [_message_text(i, m) for i, m in enumerate(messages)]
     _require_tokenizer(ctx, "messages")
+    from server.structured import parse_structured_outputs
+    from server.tools import parse_tools
+
+    tools, tool_plan, forced = parse_tools(body, ctx.tool_parser)
+    structured = parse_structured_outputs(body)
+    if forced is not None and structured is not None:
+        raise InvalidRequest("'tool_choice' required or a named function already constrains the output; drop "
+                             "'response_format' / the guided_* fields", "tool_choice")
     try:
-        text = ctx.tokenizer.apply_chat_template(msgs, add_generation_prompt=True)
+        text = ctx.tokenizer.apply_chat_template(msgs, add_generation_prompt=True, tools=tools)
     except ValueError as e:
         raise InvalidRequest(str(e), "messages") from None
     ids = ctx.tokenizer.encode(text, add_special_tokens=False)
@@ -297,8 +308,9 @@ def parse_chat(body: Any, ctx: ServingContext) -> GenerationRequest:
     max_tokens, mt_name = _max_tokens(body, ("max_completion_tokens", "max_tokens"), None)
     if body.get("max_completion_tokens") is None and body.get("max_tokens") is not None:
         mt_name = "max_tokens"
-    params = _sampling_params(body, max_tokens, top, {"max_tokens": mt_name, "logprobs": "top_logprobs"})
+    params = _sampling_params(body, max_tokens, top, {"max_tokens": mt_name, "logprobs": "top_logprobs"},
+                              forced or structured)
     params = _generation_defaults(body, params, ctx, [ids], mt_name)
     _check_vocab(params, ctx)
     _check_length([ids], params.max_tokens, mt_name, "messages", ctx)
-    return GenerationRequest(True, model, [ids], [text], params, stream, include_usage, False, top)
+    return GenerationRequest(True, model, [ids], [text], params, stream, include_usage, False, top, tools=tool_plan)

@@ -21,6 +21,7 @@ import numpy as np
 
 from jinfer.config import ModelConfig
 from jinfer.distributed import Leader, check_group, join
+from jinfer.engine.grammar import GrammarEngine
 from jinfer.engine.kv_cache_manager import KVCacheManager, cdiv
 from jinfer.engine.model_runner import (
     Launched,
@@ -146,6 +147,7 @@ class _Seq:
     # prefill's chunks are read back and sent with the first delta; None when not asked for.
     prompt_ids: list[int] | None = None
     prompt_lps: list[dict[int, float] | None] | None = None
+    matcher: object = None  # structured outputs: this sequence's llguidance matcher (jinfer/engine/grammar.py)
     held: list[int] = field(default_factory=list)  # token ids whose text is not sent yet
 
 
@@ -243,6 +245,7 @@ class EngineCore:
         self.num_prompt_tokens_total = 0
         self.num_generation_tokens_total = 0
         self._inflight: Launched | None = None  # the launched step whose tokens are not read yet
+        self.grammar = GrammarEngine(self.tokenizer, self.model_config.vocab_size, self.eos_token_ids)
         if config.warmup:
             # every process of a group warms up the same shapes in the same order, all before serving
             self.runner.warmup(first_tokens=config.warmup_first_tokens if self.group is None else None)
@@ -296,6 +299,8 @@ class EngineCore:
         mask = pack_token_mask(ids, vocab) if params.repetition_penalty != 1.0 else None
         if params.logit_bias and params.logit_bias[-1][0] >= vocab:  # sorted by id
             raise ValueError(f"logit_bias= keys must be token ids in [0, {vocab})")
+        # Structured outputs: the grammar compiles (or comes from the cache) before anything is queued.
+        matcher = self.grammar.matcher(params.structured_outputs) if params.structured_outputs else None
         added = []
         try:
             for i, sid in enumerate(seq_ids):
@@ -305,9 +310,10 @@ class EngineCore:
                 added.append(sid)
                 detok = IncrementalDetokenizer(self.tokenizer, skip_special_tokens=params.skip_special_tokens,
                                                prompt_ids=ids) if self.tokenizer else None
+                own = matcher if i == 0 or matcher is None else matcher.deep_copy()  # each sample its own state
                 self._seqs[sid] = _Seq(request_id, i, params, seed, detok, mask, num_prompt_tokens=len(ids),
                                        min_tokens_ids=request.stop_token_ids_while_min_tokens()
-                                       if params.min_tokens else ())
+                                       if params.min_tokens else (), matcher=own)
                 if params.prompt_logprobs is not None:
                     self._seqs[sid].prompt_ids, self._seqs[sid].prompt_lps = ids, [None] * len(ids)
         except ValueError:
@@ -364,7 +370,12 @@ class EngineCore:
                             if s.needs_sample else None)
             wanted = [r.params for r in rows if r is not None]
             num_logprobs = num_logprobs_for(wanted) if wanted else -1
-            launched = self.runner.launch(out, rows, num_logprobs, self._inflight, self._prompt_logprobs_wanted(out))
+            prompt_logprobs = self._prompt_logprobs_wanted(out)
+            guided = [b for b, s in enumerate(out.scheduled) if s.needs_sample and self._seqs[s.request_id].matcher]
+            if not guided:
+                launched = self.runner.launch(out, rows, num_logprobs, self._inflight, prompt_logprobs)
+            else:
+                launched, outputs = self._launch_guided(out, rows, num_logprobs, guided, outputs, prompt_logprobs)
         if self._inflight is not None:
             outputs += self._complete(self._inflight)
         self._inflight = launched
@@ -397,6 +408,30 @@ class EngineCore:
             lp[seq.prompt_ids[pos]] = float(plp.logprobs[i])
             seq.prompt_lps[pos] = lp
 
+    def _launch_guided(self, out, rows, num_logprobs: int, guided: list[int], outputs: list[EngineOutput],
+                       prompt_logprobs=None):
+        """Launch a step with grammar-constrained rows. Their masks need the grammars advanced by the step
+        in flight: the forward goes first, then that step is read back and the masks computed while the
+        device runs the forward, then the sampler follows (async scheduling stays on). A multi-process group
+        replays whole steps, so there (and in steps with prompt logprobs) the step in flight is read back
+        before the launch."""
+        prev = self._inflight
+        if prev is not None and self.runner.on_launch is None and prompt_logprobs is None:
+            fwd = self.runner.launch_forward(out, prev)
+            outputs += self._complete(prev)
+            self._inflight = None
+            return self.runner.launch_sample(fwd, rows, num_logprobs, self._grammar_masks(out, guided)), outputs
+        if prev is not None:
+            outputs += self._complete(prev)
+            self._inflight = None
+        return self.runner.launch(out, rows, num_logprobs, prev, prompt_logprobs, self._grammar_masks(out, guided),
+                                  pending_outputs=False), outputs
+
+    def _grammar_masks(self, out, guided: list[int]):
+        live = [(self._seqs[s.request_id].matcher, b) for b in guided
+                if not (s := out.scheduled[b]).request.is_finished]
+        return self.grammar.fill_masks(live, self.runner.batch_rows(out))  # padded rows allow everything
+
     def _complete(self, launched: Launched) -> list[EngineOutput]:
         """Read a launched step's tokens back, advance the scheduler and build the deltas."""
         out = launched.out
@@ -405,6 +440,11 @@ class EngineCore:
         live = [(b, s) for b, s in enumerate(out.scheduled) if s.needs_sample and not s.request.is_finished]
         sampled = {s.request_id: int(result.tokens[b]) for b, s in live}
         finished = {r.request_id: r for r in self.scheduler.update(out, sampled)}
+        for _, s in live:  # structured outputs: a grammar that can go no further ends its sequence
+            matcher = self._seqs[s.request_id].matcher
+            if matcher is not None and self.grammar.advance(matcher, sampled[s.request_id]) \
+                    and s.request_id not in finished:
+                finished[s.request_id] = self.scheduler.finish_request(s.request_id, FinishReason.STOP)
         outputs = []
         for b, s in live:
             request, seq = s.request, self._seqs[s.request_id]
@@ -424,7 +464,7 @@ class EngineCore:
         sp = seq.params
         stop_hit = None
         eos_finish = finished is not None and finished.finish_reason == FinishReason.STOP and \
-            finished.stop_reason is None
+            finished.stop_reason is None and token in request.eos_token_ids
         if seq.detok is not None:
             if not eos_finish:  # the EOS token's own text is never part of the output
                 seq.text += seq.detok.add(token)

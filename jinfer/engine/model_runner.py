@@ -40,7 +40,14 @@ from jinfer.config import ModelConfig
 from jinfer.distributed import StepInputs
 from jinfer.engine.executable_cache import ExecutableCache
 from jinfer.engine.kv_cache_manager import NULL_PAGE, cdiv
-from jinfer.engine.sampler import SamplerFlags, SamplingTensors, sample_traced, token_logprobs, uses_penalties
+from jinfer.engine.sampler import (
+    SamplerFlags,
+    SamplingTensors,
+    mask_words,
+    sample_traced,
+    token_logprobs,
+    uses_penalties,
+)
 from jinfer.engine.scheduler import SchedulerOutput
 from jinfer.models.batch import Batch
 from jinfer.models.llama import Weights
@@ -167,6 +174,15 @@ class PromptLogprobs:
     top_logprobs: np.ndarray  # [R, k] f32
 
 
+@dataclass
+class ForwardLaunched:
+    """A step whose forward is dispatched and whose sampler is not (`ModelRunner.launch_forward`)."""
+
+    out: SchedulerOutput
+    logits: jax.Array  # [B, V]
+    B: int
+
+
 def _i32(a: np.ndarray) -> np.ndarray:
     return np.ascontiguousarray(a).view(np.int32).ravel()
 
@@ -203,10 +219,13 @@ def pack_sampling(t: SamplingTensors) -> np.ndarray:
     parts = [_i32(np.asarray(getattr(t, f), np.float32)) for f in _FLOAT_FIELDS]
     parts += [_i32(getattr(t, f)) for f in _INT_FIELDS] + [_i32(t.output_tokens), _i32(t.prompt_mask)]
     parts += [_i32(t.bias_ids), _i32(np.asarray(t.bias_values, np.float32))]
+    if t.token_mask is not None and t.token_mask.size:
+        parts.append(_i32(t.token_mask))
     return np.concatenate(parts)
 
 
-def unpack_sampling(buf: jax.Array, dims: tuple[int, int, int, int]) -> SamplingTensors:
+def unpack_sampling(buf: jax.Array, dims: tuple[int, int, int, int], mask_words: int = 0) -> SamplingTensors:
+    """`mask_words`: G of the grammar token mask that ends the buffer (0: none)."""
     B, M, W, K = dims
     o, out = 0, {}
     for f in _FLOAT_FIELDS + _INT_FIELDS:
@@ -221,6 +240,9 @@ def unpack_sampling(buf: jax.Array, dims: tuple[int, int, int, int]) -> Sampling
     o += B * W
     out["bias_ids"] = buf[o:o + B * K].reshape(B, K)
     out["bias_values"] = jax.lax.bitcast_convert_type(buf[o + B * K:o + 2 * B * K], jnp.float32).reshape(B, K)
+    o += 2 * B * K
+    G = mask_words
+    out["token_mask"] = jax.lax.bitcast_convert_type(buf[o:o + B * G], jnp.uint32).reshape(B, G)
     return SamplingTensors(**out)
 
 
@@ -235,8 +257,8 @@ def _forward_step(weights, buf, kv_cache, prev_tokens, *, dims, cfg, ops, mesh, 
 
 
 def _sample_step(logits, buf, prev_tokens, *, dims, num_logprobs, flags, max_seqs):
-    B = logits.shape[0]
-    t = unpack_sampling(buf, dims)
+    B, V = logits.shape
+    t = unpack_sampling(buf, dims, mask_words(V) if flags.grammar else 0)
     if dims[1]:  # penalties: an output token still pending on the host is -2 - (its row in prev_tokens)
         ids = t.output_tokens
         t.output_tokens = jnp.where(ids <= -2, prev_tokens[jnp.clip(-2 - ids, 0, max_seqs - 1)], ids)
@@ -346,6 +368,10 @@ class ModelRunner:
     def _put(self, x):
         return put(x, self._input_sharding)
 
+    def batch_rows(self, out: SchedulerOutput) -> int:
+        """B, the padded number of sequences of the step `out` (build_batch's)."""
+        return self.seqs_bucket(pick(self.ready_tokens, out.num_scheduled_tokens))
+
     def seqs_bucket(self, num_tokens_bucket: int) -> int:
         return min(num_tokens_bucket, self.max_seqs_bucket)
 
@@ -396,8 +422,10 @@ class ModelRunner:
         return (Batch(input_ids, positions, slots, query_start, seq_lens, page_table, logits_idx, state_slots),
                 prev_index)
 
-    def sampling_tensors(self, rows: list[StepRow | None], B: int) -> SamplingTensors:
-        """Rows align with the batch's sequences; None (a prefill chunk that samples nothing) is padding."""
+    def sampling_tensors(self, rows: list[StepRow | None], B: int, token_mask: np.ndarray | None = None
+                         ) -> SamplingTensors:
+        """Rows align with the batch's sequences; None (a prefill chunk that samples nothing) is padding.
+        `token_mask`: [<= B, ceil(V/32)] 32-bit grammar masks (structured outputs), or None when no row has one."""
         dense = [(r.params, r.output_ids, r.prompt, r.step) if r else ({"temperature": 0.0}, [], None, None)
                  for r in rows]
         st = SamplingTensors.from_params(dense, self.cfg.vocab_size, num_seqs=B,
@@ -405,6 +433,13 @@ class ModelRunner:
         for b, r in enumerate(rows):
             if r is not None:
                 st.seeds[b] = r.seed % 2**32
+        if token_mask is not None:  # rows past the scheduled ones (padding) allow everything
+            G = mask_words(self.cfg.vocab_size)
+            if token_mask.shape[0] > B or token_mask.shape[1] != G:
+                raise ValueError(f"token_mask of shape {token_mask.shape} for {B} rows of {self.cfg.vocab_size} tokens")
+            if token_mask.shape[0] < B:
+                token_mask = np.concatenate([token_mask, np.full((B - len(token_mask), G), -1, token_mask.dtype)])
+            st.token_mask = token_mask.view(np.uint32)
         return st
 
     # ---- executables ------------------------------------------------------------------------------
@@ -450,20 +485,23 @@ class ModelRunner:
         if (hit := self._compiled.get(("sample", B, M, W, K, num_logprobs, flags))) is not None:
             return hit
         logits = jax.ShapeDtypeStruct((B, self.cfg.vocab_size), jnp.float32, sharding=self._replicated)
-        buf = jax.ShapeDtypeStruct((B * (len(_FLOAT_FIELDS) + len(_INT_FIELDS) + M + W + 2 * K),), jnp.int32)
+        G = mask_words(self.cfg.vocab_size) if flags.grammar else 0
+        buf = jax.ShapeDtypeStruct((B * (len(_FLOAT_FIELDS) + len(_INT_FIELDS) + M + W + 2 * K + G),), jnp.int32)
         return self._add_executable(("sample", B, M, W, K, num_logprobs, flags), self._sample,
                                     (logits, buf, self._no_prev), background, dims=(B, M, W, K),
-                                    num_logprobs=num_logprobs,
-                                    flags=flags)
+                                    num_logprobs=num_logprobs, flags=flags)
 
     # ---- device step ------------------------------------------------------------------------------
 
     def launch(self, out: SchedulerOutput, rows: list[StepRow | None], num_logprobs: int,
-               prev: Launched | None = None, prompt_logprobs: tuple[int, list[bool]] | None = None) -> Launched:
+               prev: Launched | None = None, prompt_logprobs: tuple[int, list[bool]] | None = None,
+               token_mask: np.ndarray | None = None, pending_outputs: bool = True) -> Launched:
         """Dispatch the step (forward + sampler) and return without waiting for the device. `prev`: the
         step launched before, still in flight, whose samples feed this step's `input_from_device` rows.
         `prompt_logprobs` = (k, wants): the scheduled sequences (wants[b]) whose prompt positions in this
-        step get their prompt token's logprob and top k (`Launched.prompt_rows`)."""
+        step get their prompt token's logprob and top k (`Launched.prompt_rows`). `token_mask`: the rows'
+        grammar masks (`sampling_tensors`). `pending_outputs` False: `prev` was read back already, so the
+        rows' output ids hold its tokens (no device-side markers for penalties)."""
         if prev is None and any(s.input_from_device for s in out.scheduled):
             raise ValueError("decodes of pending tokens need the previous step")
         batch, prev_index = self.build_batch(out, prev)
@@ -474,8 +512,9 @@ class ModelRunner:
             if prompt_rows:
                 plp_k = prompt_logprobs[0]
                 batch.logits_indices = np.concatenate([batch.logits_indices, indices])
-        rows = [_with_pending_output(r, s, prev) for r, s in zip(rows, out.scheduled, strict=True)]
-        st = self.sampling_tensors(rows, B)
+        if pending_outputs:
+            rows = [_with_pending_output(r, s, prev) for r, s in zip(rows, out.scheduled, strict=True)]
+        st = self.sampling_tensors(rows, B, token_mask)
         step = StepInputs(T, B, P, T in self.ready_decode and out.num_scheduled_tokens == len(out.scheduled),
                           st.output_tokens.shape[1], st.prompt_mask.shape[1], num_logprobs,
                           astuple(SamplerFlags.of(st)), pack_batch(batch, prev_index), pack_sampling(st),
@@ -508,6 +547,37 @@ class ModelRunner:
                 targets[len(rows)] = r.prompt_token_ids[p + 1]
                 rows.append((s.request_id, p + 1))
         return indices, targets, rows
+
+    # ---- structured outputs: the forward first, the sampler once the host has the grammar masks ----------
+
+    def launch_forward(self, out: SchedulerOutput, prev: Launched | None) -> ForwardLaunched:
+        """Dispatch the step's forward only (one process: a group's other processes replay whole steps).
+        The host then reads `prev` back, advances the grammars and computes this step's masks while the
+        device runs the forward; `launch_sample` queues the sampler behind it (prompt logprobs: `launch`)."""
+        if self.on_launch is not None:
+            raise RuntimeError("a multi-process group launches whole steps (launch)")
+        if prev is None and any(s.input_from_device for s in out.scheduled):
+            raise ValueError("decodes of pending tokens need the previous step")
+        batch, prev_index = self.build_batch(out, prev)
+        T, B, P = batch.num_tokens, batch.num_seqs, batch.page_table.shape[1]
+        decode = T in self.ready_decode and out.num_scheduled_tokens == len(out.scheduled)
+        forward = self.forward_executable(T, B, P, decode)
+        logits, self.kv_cache = forward(self.weights, self._put(pack_batch(batch, prev_index)), self.kv_cache,
+                                        self._last_tokens)
+        return ForwardLaunched(out, logits, B)
+
+    def launch_sample(self, fwd: ForwardLaunched, rows: list[StepRow | None], num_logprobs: int,
+                      token_mask: np.ndarray | None) -> Launched:
+        """Dispatch the sampler of a step whose forward `launch_forward` dispatched. The step before it has
+        been read back, so the rows' output ids are complete."""
+        st = self.sampling_tensors(rows, fwd.B, token_mask)
+        sample = self.sampler_executable(fwd.B, st.output_tokens.shape[1], st.prompt_mask.shape[1], num_logprobs,
+                                         SamplerFlags.of(st), st.bias_ids.shape[1])
+        packed, tokens = sample(fwd.logits, self._put(pack_sampling(st)), self._last_tokens)
+        self._last_tokens = tokens
+        packed.copy_to_host_async()
+        row_of = {s.request_id: b for b, s in enumerate(fwd.out.scheduled) if s.needs_sample}
+        return Launched(fwd.out, packed, tokens, row_of)
 
     def run_step(self, step: StepInputs) -> tuple[jax.Array, jax.Array, jax.Array | None]:
         """Launch one step's executables on its packed inputs: (packed samples, sampled ids, packed prompt

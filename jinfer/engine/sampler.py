@@ -40,6 +40,10 @@ settle, the full sort; rows with filters off get -inf and keep bit-identical log
 only on (seed, step). So a seeded request draws the same token whatever else is in the batch and
 wherever it sits in it.
 
+Structured outputs: with `SamplerFlags.grammar` the raw logits first go through `apply_token_mask`
+(`token_mask` u32[B, ceil(V/32)], a grammar's allowed tokens per row, packed like `prompt_mask`; rows
+without a grammar are all ones). Batches without a grammar compile without it.
+
 Penalty inputs (chosen so that nothing [B, V]-sized crosses the host link per step except when a
 row uses repetition penalty, and so that no [B, V] count array is built on device):
 - `output_tokens` i32[B, M]: ids generated so far, -1 padded. Only rows with a penalty need theirs
@@ -91,6 +95,8 @@ class SamplingTensors:
     # min_tokens tokens exist), applied before the penalties as in vLLM. K may be 0 (compiled out).
     bias_ids: jax.Array = None  # [B, K] i32, -1 padded
     bias_values: jax.Array = None  # [B, K] f32
+    # [B, G] u32, tokens a grammar allows (same packing; all ones for rows without one), G = ceil(V/32) or 0
+    token_mask: jax.Array = None
 
     @classmethod
     def from_params(
@@ -159,7 +165,8 @@ class SamplingTensors:
         for b, d in biased:
             bias_ids[b, :len(d)], bias_values[b, :len(d)] = list(d), list(d.values())
         return cls(**t, top_k=top_k, seeds=seeds, steps=steps, output_tokens=output_tokens,
-                   prompt_mask=prompt_mask, bias_ids=bias_ids, bias_values=bias_values)
+                   prompt_mask=prompt_mask, bias_ids=bias_ids, bias_values=bias_values,
+                   token_mask=np.zeros((B, 0), np.uint32))
 
 
 @jax.tree_util.register_dataclass
@@ -184,6 +191,7 @@ class SamplerFlags:
     sampling: bool = True  # some row is not greedy (else: argmax only)
     full_sort: bool = True  # some sampled row may need the full-sort fallback (top-p without a small top-k)
     penalties: bool = True  # some row uses a repetition/frequency/presence penalty
+    grammar: bool = False  # some row is constrained by a grammar: `token_mask` masks the logits first
 
     @classmethod
     def of(cls, t: SamplingTensors) -> SamplerFlags:
@@ -196,7 +204,7 @@ class SamplerFlags:
                                 | ((rep != 1) & (rep > 0))))
         return cls(sampling=bool(sampled.any()),
                    full_sort=bool((sampled & (((top_p < 1) & ~small_k) | (top_k > NUM_GROUPS))).any()),
-                   penalties=penalties)
+                   penalties=penalties, grammar=t.token_mask is not None and t.token_mask.shape[1] > 0)
 
     @classmethod
     def warm(cls) -> tuple[SamplerFlags, ...]:
@@ -231,6 +239,9 @@ def _num_words(vocab_size: int) -> int:
     return (vocab_size + 31) // 32
 
 
+mask_words = _num_words  # words of a packed token bitset over the vocab
+
+
 def pack_token_mask(token_ids: Sequence[int], vocab_size: int) -> PackedTokenMask:
     """Host-side: the set of `token_ids` as u32[ceil(V/32)], bit v % 32 of word v // 32 = token v."""
     bits = np.zeros(_num_words(vocab_size) * 32, np.bool_)
@@ -249,6 +260,13 @@ def _unpack_token_mask(mask: jax.Array, vocab_size: int) -> jax.Array:
     words = jnp.broadcast_to(mask[:, :, None], (B, W, 32)).reshape(B, W * 32)[:, :vocab_size]
     shift = jnp.arange(vocab_size, dtype=jnp.uint32) & 31
     return ((words >> shift) & 1).astype(jnp.bool_)
+
+
+def apply_token_mask(logits: jax.Array, mask: jax.Array) -> jax.Array:
+    """Structured outputs: -inf for the tokens a row's grammar forbids (`mask` u32[B, ceil(V/32)], bit
+    v % 32 of word v // 32 = token v allowed). Applied to the raw logits, so logprobs are those of the
+    constrained distribution, as in vLLM; one fused select, only in the `grammar` sampler variant."""
+    return jnp.where(_unpack_token_mask(mask, logits.shape[1]), logits, -jnp.inf)
 
 
 def _repeat(x: jax.Array, r: jax.Array) -> jax.Array:
@@ -444,6 +462,8 @@ def sample_traced(logits: jax.Array, t: SamplingTensors, num_logprobs: int, flag
     B, V = logits.shape
     assert t.temperature.shape == (B,), (t.temperature.shape, logits.shape)
     raw = logits.astype(jnp.float32)
+    if flags.grammar:
+        raw = apply_token_mask(raw, t.token_mask)
     logits = apply_bias(raw, t)
     logits = apply_penalties(logits, t) if flags.penalties else logits
     greedy_tokens = jnp.argmax(logits, axis=-1).astype(jnp.int32)

@@ -69,3 +69,21 @@ def test_cli_generate_chat(default_gguf):
     assert proc.returncode == 0, log[-2000:]  # (without the weight-loading progress bar)
     assert "Paris" in proc.stdout
     assert "tokens/s" in proc.stderr
+
+
+def test_structured_outputs_offline(llm):
+    """vLLM's offline shape: SamplingParams(structured_outputs=StructuredOutputsParams(...))."""
+    import json
+
+    from jinfer import StructuredOutputsParams
+
+    schema = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 15},
+                                               "population": {"type": "integer", "minimum": 0, "maximum": 10**8}},
+              "required": ["city", "population"], "additionalProperties": False}
+    sp = [SamplingParams(temperature=0, max_tokens=60, structured_outputs=StructuredOutputsParams(json=schema)),
+          SamplingParams(temperature=0, max_tokens=10, structured_outputs={"choice": ["Paris", "Lyon"]})]
+    outs = llm.chat([FRANCE, FRANCE], sp, use_tqdm=False)
+    assert outs[0].outputs[0].finish_reason == "stop", outs[0].outputs[0].text
+    data = json.loads(outs[0].outputs[0].text)
+    assert set(data) == {"city", "population"} and isinstance(data["population"], int)
+    assert outs[1].outputs[0].text in ("Paris", "Lyon") and outs[1].outputs[0].finish_reason == "stop"

@@ -78,7 +78,7 @@ INVALID = [
     (CHAT, {"messages": MSG, "top_logprobs": 2}, "top_logprobs"),
     (CHAT, {"messages": MSG, "logprobs": True, "top_logprobs": 99}, "top_logprobs"),
     (CHAT, {"messages": MSG, "temperature": -1}, "temperature"),
-    (CHAT, {"messages": MSG, "tools": [{"type": "function"}]}, "tools"),
+    (CHAT, {"messages": MSG, "tools": [{"type": "function"}]}, "tools[0].function"),
     (CHAT, {"messages": MSG, "model": "nope"}, "model"),
 ]
 

@@ -366,3 +366,30 @@ def test_logit_bias_and_min_tokens_mask_match_numpy():
         np.testing.assert_allclose(float(res.logprobs[b]), log_softmax(logits[b])[int(res.tokens[b])], rtol=1e-5)
     assert int(res.tokens[0]) == 5 and int(res.tokens[2]) != top[2] and int(res.tokens[3]) == top[3]
     assert int(res.tokens[4]) != top[4] and int(res.tokens[5]) == top[5]
+
+
+def test_grammar_mask_restricts_every_row_and_leaves_others_bit_identical():
+    """Structured outputs: rows sample only allowed tokens (greedy and random, logprobs renormalized over
+    them); an all-ones row gives bit for bit what the variant without the grammar flag gives."""
+    from jinfer.engine.sampler import SamplerFlags
+
+    rng = np.random.default_rng(3)
+    B, Vb = 4, 300
+    logits = rng.normal(0, 3, (B, Vb)).astype(np.float32)
+    rows = [(params(temperature=0.0 if b % 2 else 0.9, seed=b), [], None, 0) for b in range(B)]
+    plain = SamplingTensors.from_params(rows, Vb)
+    allowed = [rng.choice(Vb, size=5, replace=False) for _ in range(B - 1)]
+    masked = SamplingTensors.from_params(rows, Vb)
+    all_ones = np.full((Vb + 31) // 32, 0xFFFFFFFF, np.uint32)
+    masked.token_mask = np.stack([pack_token_mask(a, Vb) for a in allowed] + [all_ones])
+    flags = SamplerFlags.of(masked)
+    assert flags.grammar and not SamplerFlags.of(plain).grammar
+    r = sample(logits, masked, 3)
+    for b in range(B - 1):
+        assert int(r.tokens[b]) in allowed[b]
+        assert set(np.asarray(r.top_ids[b]).tolist()) <= set(allowed[b].tolist())
+        ref = log_softmax(logits[b, allowed[b]])
+        np.testing.assert_allclose(np.sort(np.asarray(r.top_logprobs[b])), np.sort(ref)[-3:], atol=1e-5)
+    free = sample(logits, plain, 3, SamplerFlags.of(plain))
+    assert int(r.tokens[B - 1]) == int(free.tokens[B - 1])
+    assert np.asarray(r.top_logprobs[B - 1]).tobytes() == np.asarray(free.top_logprobs[B - 1]).tobytes()
