@@ -6,7 +6,9 @@ straight into `w_down`'s matching rows. The down projection sums over the interm
 which is split across programs, so each program writes its `[block_t, hidden]` contribution as an
 fp32 partial `[splits, T, hidden]` and XLA sums the `I / block_i` partials (deterministic). That
 costs `splits * T * hidden * 4` bytes of traffic, so the kernel can only pay off for decode-sized
-token counts; the runner picks it per token count from the measured table
+token counts. The token tile is padded to 16 rows in registers only: x's rows are loaded masked and
+only the real rows of a partial are stored (a batch-1 step padded in HBM wrote and summed 16x the
+partials it needed, 12 MB per Qwen3-4B layer against 149 MB of weights); the runner picks it per token count from the measured table
 (benchmarks/results/kernels_*.json). (fp32 atomic adds into one `[T, hidden]` buffer instead of
 partials measured 1.6-10x slower on the H100; see kernels_h100_sweep_v0.json.)
 
@@ -28,6 +30,7 @@ from jax.experimental.pallas import triton as plgpu
 # ----------------------------------------------------------------------------------------------
 def _mlp_kernel(
     *refs,
+    block_t: int,
     block_k: int,
     block_n: int,
     has_norm: bool,
@@ -37,14 +40,22 @@ def _mlp_kernel(
         x_ref, n_ref, wg_ref, wu_ref, wd_ref, o_ref = refs
     else:
         (x_ref, wg_ref, wu_ref, wd_ref, o_ref), n_ref = refs, None
-    # x_ref [block_t, hidden]; n_ref [hidden]: RMSNorm weight applied to x first (optional);
-    # wg_ref/wu_ref [hidden, block_i]: this program's gate/up columns; wd_ref [block_i, hidden]: the
-    # matching down-projection rows; o_ref [block_t, hidden] fp32: this intermediate block's partial.
-    block_t, hidden = x_ref.shape
+    # x_ref [tokens, hidden] (whole; this tile's rows loaded masked); n_ref [hidden]: RMSNorm weight
+    # applied to x first (optional); wg_ref/wu_ref [hidden, block_i]: this program's gate/up columns;
+    # wd_ref [block_i, hidden]: the matching down-projection rows; o_ref [splits, tokens, hidden] fp32
+    # (whole): this intermediate block's partial goes to o_ref[i, tile rows], real rows only.
+    tokens, hidden = x_ref.shape
     block_i = wg_ref.shape[1]
+    t, i = pl.program_id(0), pl.program_id(1)
+    rows = pl.ds(t * block_t, block_t)
+    real = (t * block_t + jnp.arange(block_t, dtype=jnp.int32)) < tokens  # [block_t]
+
+    def x_cols(cols, width):  # [block_t, width] of x; rows past `tokens` read as 0
+        return plgpu.load(x_ref.at[rows, cols], mask=jnp.broadcast_to(real[:, None], (block_t, width)), other=0)
+
     if has_norm:  # every program recomputes the row norms: x is tiny next to the weights
         def sumsq(kk, acc):
-            xk = x_ref[:, pl.ds(kk * block_k, block_k)].astype(jnp.float32)
+            xk = x_cols(pl.ds(kk * block_k, block_k), block_k).astype(jnp.float32)
             return acc + jnp.sum(xk * xk, axis=1)
         ss = jax.lax.fori_loop(0, hidden // block_k, sumsq, jnp.zeros((block_t,), jnp.float32))
         inv = jax.lax.rsqrt(ss / hidden + eps)  # [block_t]
@@ -52,7 +63,7 @@ def _mlp_kernel(
     def up_body(kk, carry):
         g, u = carry  # [block_t, block_i] fp32 each
         cols = pl.ds(kk * block_k, block_k)
-        xk = x_ref[:, cols]  # [block_t, block_k]
+        xk = x_cols(cols, block_k)  # [block_t, block_k]
         if has_norm:  # HF RMSNorm rounding: normalized value in x's dtype, times the weight in that dtype
             xk = (xk.astype(jnp.float32) * inv[:, None]).astype(x_ref.dtype) * n_ref[cols][None, :]
         g = g + plgpu.dot(xk, wg_ref[cols, :])
@@ -63,9 +74,11 @@ def _mlp_kernel(
     g, u = jax.lax.fori_loop(0, hidden // block_k, up_body, (zeros, zeros))
     h = (g * jax.nn.sigmoid(g) * u).astype(wd_ref.dtype)  # [block_t, block_i], never leaves the SM
 
+    out_mask = jnp.broadcast_to(real[:, None], (block_t, block_n))
+
     def down_body(n, _):
         cols = pl.ds(n * block_n, block_n)
-        o_ref[:, cols] = plgpu.dot(h, wd_ref[:, cols])  # [block_t, block_n] fp32
+        plgpu.store(o_ref.at[i, rows, cols], plgpu.dot(h, wd_ref[:, cols]), mask=out_mask)  # [block_t, block_n] fp32
         return 0
 
     jax.lax.fori_loop(0, hidden // block_n, down_body, 0)
@@ -101,30 +114,29 @@ def _mlp_call(x, w_gate, w_up, w_down, norm_weight, *, eps, block_t, block_i, nu
         num_stages = 3 if block_t <= 16 else 2
     block_k = _pow2_divisor(hidden, 128)
     block_n = _pow2_divisor(hidden, 256)
-    padded = pl.cdiv(tokens, block_t) * block_t
-    xp = jnp.pad(x, ((0, padded - tokens), (0, 0))) if padded != tokens else x
-    t_tiles, splits = padded // block_t, inter // block_i
+    t_tiles, splits = pl.cdiv(tokens, block_t), inter // block_i
     has_norm = norm_weight is not None
-    kernel = functools.partial(_mlp_kernel, block_k=block_k, block_n=block_n, has_norm=has_norm, eps=eps)
+    kernel = functools.partial(_mlp_kernel, block_t=block_t, block_k=block_k, block_n=block_n, has_norm=has_norm,
+                               eps=eps)
     norm_spec = [pl.BlockSpec((hidden,), lambda t, i: (0,))] if has_norm else []
+    whole = pl.no_block_spec  # x and the partials: the tile's rows are picked (masked) in the kernel
     partials = pl.pallas_call(
         kernel,
         grid=(t_tiles, splits),
         in_specs=[
-            pl.BlockSpec((block_t, hidden), lambda t, i: (t, 0)),
+            whole,
             *norm_spec,
             pl.BlockSpec((hidden, block_i), lambda t, i: (0, i)),
             pl.BlockSpec((hidden, block_i), lambda t, i: (0, i)),
             pl.BlockSpec((block_i, hidden), lambda t, i: (i, 0)),
         ],
-        out_specs=pl.BlockSpec((None, block_t, hidden), lambda t, i: (i, t, 0)),
-        out_shape=jax.ShapeDtypeStruct((splits, padded, hidden), jnp.float32),
+        out_specs=whole,
+        out_shape=jax.ShapeDtypeStruct((splits, tokens, hidden), jnp.float32),
         compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),
         interpret=interpret,
         name=f"fused_swiglu_mlp_t{block_t}_i{block_i}" + ("_norm" if has_norm else ""),
-    )(xp, *([norm_weight] if has_norm else []), w_gate, w_up, w_down)
-    out = partials.sum(axis=0)  # [padded, hidden] fp32
-    return out[:tokens].astype(x.dtype)
+    )(x, *([norm_weight] if has_norm else []), w_gate, w_up, w_down)
+    return partials.sum(axis=0).astype(x.dtype)  # [tokens, hidden]
 
 
 # ----------------------------------------------------------------------------------------------
