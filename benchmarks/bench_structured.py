@@ -89,8 +89,8 @@ def _pick(masks: np.ndarray, rows: int, rng: np.random.Generator) -> list[int]:
     return [int(rng.choice(np.flatnonzero(row))) for row in bits]
 
 
-def bench_masks(tokenizer, vocab_size: int, batch_sizes: list[int], steps: int, schema: str = "stress"
-                ) -> list[dict]:
+def bench_masks(tokenizer, vocab_size: int, batch_sizes: list[int], steps: int, schema: str = "stress",
+                independent: bool = False) -> list[dict]:
     from llguidance.numpy import fill_next_token_bitmask
 
     from jinfer.engine.grammar import GrammarEngine
@@ -106,7 +106,13 @@ def bench_masks(tokenizer, vocab_size: int, batch_sizes: list[int], steps: int, 
         grammar.matcher(so)
         compile_ms = (time.perf_counter() - t0) * 1e3  # includes the tokenizer's one-time set-up
         t0 = time.perf_counter()
-        matchers = [grammar.matcher(so) for _ in range(B)]
+        if independent:  # each its own compile: no state shared between the copies
+            import llguidance
+
+            grammar_str = so.to_grammar()
+            matchers = [llguidance.LLMatcher(grammar.ll_tokenizer, grammar_str, log_level=0) for _ in range(B)]
+        else:
+            matchers = [grammar.matcher(so) for _ in range(B)]
         copy_us = (time.perf_counter() - t0) / B * 1e6
         fill, advance, serial, worst_row = [], [], [], []
         for _ in range(steps):
@@ -130,7 +136,7 @@ def bench_masks(tokenizer, vocab_size: int, batch_sizes: list[int], steps: int, 
             advance.append(time.perf_counter() - t0)
         f, a = np.asarray(fill[2:]) * 1e3, np.asarray(advance[2:]) * 1e3
         ser, worst = np.asarray(serial[2:]) * 1e3, np.asarray(worst_row[2:]) * 1e3
-        row = {"batch_size": B, "schema": schema, "fill_masks_ms": float(f.mean()),
+        row = {"batch_size": B, "schema": schema, "independent_matchers": independent, "fill_masks_ms": float(f.mean()),
                "fill_masks_p50_ms": float(np.median(f)), "serial_fill_ms": float(ser.mean()),
                "pool_speedup": float(ser.mean() / f.mean()), "slowest_row_ms": float(worst.mean()),
                "fill_masks_p99_ms": float(np.percentile(f, 99)), "advance_ms": float(a.mean()),
@@ -138,7 +144,8 @@ def bench_masks(tokenizer, vocab_size: int, batch_sizes: list[int], steps: int, 
                "per_row_us": float((f.mean() + a.mean()) / B * 1e3), "compile_ms": compile_ms,
                "matcher_copy_us": copy_us, "mask_bytes_per_step": int(masks.nbytes)}
         rows.append(row)
-        print(f"masks {schema} B={B}: fill {row['fill_masks_ms']:.3f} ms (p99 {row['fill_masks_p99_ms']:.3f}; "
+        tag = schema + (" independent" if independent else "")
+        print(f"masks {tag} B={B}: fill {row['fill_masks_ms']:.3f} ms (p99 {row['fill_masks_p99_ms']:.3f}; "
               f"serial {row['serial_fill_ms']:.3f}, slowest row {row['slowest_row_ms']:.3f}), advance "
               f"{row['advance_ms']:.3f} ms, {row['per_row_us']:.1f} us/row; compile {compile_ms:.0f} ms")
     return rows
@@ -233,6 +240,8 @@ def main() -> None:
     run.add_argument("--dtype", default="bfloat16")
     run.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 32, 256])
     run.add_argument("--mask-steps", type=int, default=64)
+    run.add_argument("--independent-matchers", action="store_true",
+                     help="masks part: compile each row's matcher (no deep copies sharing state)")
     run.add_argument("--mask-schemas", nargs="+", default=["stress"], choices=sorted(SCHEMAS),
                      help="schemas for the masks part (tpot always uses 'stress', which cannot complete)")
     run.add_argument("--input-len", type=int, default=128)
@@ -260,7 +269,8 @@ def main() -> None:
     result["host_cpus"] = os.cpu_count()
     if "masks" in args.parts:
         result["masks"] = [r for name in args.mask_schemas
-                           for r in bench_masks(tokenizer, vocab, args.batch_sizes, args.mask_steps, name)]
+                           for r in bench_masks(tokenizer, vocab, args.batch_sizes, args.mask_steps, name,
+                                                args.independent_matchers)]
     if "tpot" in args.parts:
         result["tpot"], info = bench_tpot(args, tokenizer)
         result.update(info)
