@@ -188,19 +188,21 @@ def recurrent_gated_delta_rule(q, k, v, g, beta, states, slots, fresh, query_sta
 
 
 def gated_delta_rule(q, k, v, g, beta, states, slots, fresh, query_start, *, backend: str = "reference",
-                     interpret: bool = False) -> tuple[jax.Array, jax.Array]:
+                     interpret: bool = False, chunked: bool = True) -> tuple[jax.Array, jax.Array]:
     """The rule over a ragged batch (see the module doc): (o [T, Hv, Dv] float32, updated states pool).
 
     backend "reference": `recurrent_reference`. "pallas": sequences with >= MIN_LEN (64) new rows run in
     chunks (pallas_kernels/gated_delta_rule_chunked.py: tensor-core matmuls), the others (decode rows, short
     chunks of a chunked prefill) in the recurrent kernel; a step of fewer than MIN_LEN rows only launches
     the recurrent one. Each kernel skips the other's sequences, so a mixed step costs both their work only.
+    chunked=False (decode-only steps, where no sequence can be long): the recurrent kernel alone, without
+    the chunked part's dozen or so small ops per layer.
     """
     if backend != "pallas":
         return recurrent_reference(q, k, v, g, beta, states, slots, fresh, query_start)
     from pallas_kernels.gated_delta_rule_chunked import MIN_LEN, chunked_gated_delta_rule
 
-    if q.shape[0] < MIN_LEN:
+    if not chunked or q.shape[0] < MIN_LEN:
         return recurrent_gated_delta_rule(q, k, v, g, beta, states, slots, fresh, query_start, interpret=interpret)
     short = query_start[1:] - query_start[:-1] < MIN_LEN
     o_short, states = recurrent_gated_delta_rule(q, k, v, g, beta, states, slots, fresh, query_start, short,
