@@ -18,8 +18,9 @@ recurrent form, varlen: one program per (sequence, value head, block of value co
 [Dk, block_v] slice of the state in registers, walks its sequence's rows (L2-normalising q and k,
 decaying, writing the delta, reading the output) and writes the slice back to the sequence's slot in
 place (the pool is aliased to the output). A decode step is one row per program: the fused recurrent
-decode step. Long prefills walk their rows one by one, parallel only over sequences x heads x blocks;
-the chunked (WY) form that would run them on the tensor cores is not built yet.
+decode step. It would walk a long prefill's rows one by one, parallel only over sequences x heads x
+blocks: `gated_delta_rule(backend="pallas")` gives sequences of >= 64 new rows to the chunked (WY) form
+(gated_delta_rule_chunked.py, tensor-core matmuls) and skips them here (`active`).
 `recurrent_reference` (token by token, exactly HF's `torch_recurrent_gated_delta_rule`) is the
 reference.
 """

