@@ -320,7 +320,7 @@ def main():
 
     ap = argparse.ArgumentParser()
     ap.add_argument("--prefill", type=int, nargs="+", default=[1024, 16384])
-    ap.add_argument("--block-v", type=int, nargs="+", default=[32, 64])
+    ap.add_argument("--block-v", type=int, nargs="+", default=[16, 32, 64])
     ap.add_argument("--num-warps", type=int, nargs="+", default=[4, 8])
     ap.add_argument("--exact", type=int, nargs="+", default=[0, 1])
     args = ap.parse_args()

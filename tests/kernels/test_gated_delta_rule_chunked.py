@@ -128,3 +128,16 @@ def test_chunked_kernel_lowers_for_cuda():
     for bv in (32, 64):
         text = lower_for_cuda(partial(chunked_gated_delta_rule, min_len=64, block_v=bv), *shapes)
         assert f"chunked_gated_delta_rule_bv{bv}" in text
+
+
+def test_strong_decays_stay_finite():
+    """Decays up to e^-40 per row (A_log large): the cumulative log-decay over a chunk reaches -2500; every
+    exponent in the chunked form is <= 0, so nothing overflows and the result is still the recurrent one."""
+    lens, fresh = [150, 64], [0, 1]
+    args = list(problem(np.random.default_rng(5), lens, fresh, 2, 4, 16, 32, jnp.float32))
+    args[3] = args[3] * 20  # g in (-40, -0.2)
+    o_ref, s_ref = recurrent_reference(*args)
+    before = np.asarray(args[5]).copy()
+    o, s = chunked_gated_delta_rule(*args, block_v=32, exact=True, interpret=True)
+    assert np.isfinite(np.asarray(o)).all() and np.isfinite(np.asarray(s)).all()
+    assert_matches(o, s, o_ref, s_ref, args, before, lens, 1e-4)
