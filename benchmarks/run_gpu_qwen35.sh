@@ -4,9 +4,9 @@
 #   tests       the Gated DeltaNet kernel tests compiled for the GPU, then the tiny HF goldens through the kernels
 #   kernels     the recurrent delta-rule kernel alone at Qwen3.5-4B's shapes: decode batches 1..256 (TB/s on state
 #               bytes), one-sequence prefills of 1k and 16k tokens (TFLOP/s), block_v 16 / 32 / 64 (gdn_kernels_*.json);
-#               then the chunked (WY) prefill form on 1k and 16k tokens: whole, its XLA intra-chunk part and its
-#               recurrence kernel alone, block_v 16 / 32 / 64, 4 / 8 warps, TF32 / exact f32 dots (gdn_chunked_*.json; TFLOP/s of
-#               the rule's 6 Hv Dk Dv FLOPs per token, comparable with the recurrent kernel's)
+#               then the chunked (WY) prefill form on 1k and 16k tokens: whole, its XLA intra-chunk part and
+#               its recurrence kernel alone, block_v 16 / 32 / 64, 4 / 8 warps, TF32 / exact f32 dots
+#               (gdn_chunked_*.json; TFLOP/s of the rule's 6 Hv Dk Dv FLOPs per token, as the recurrent one's)
 #   latency     engine TPOT / TTFT at batch 1, 1k in / 128 out, against the roofline measured in the same run
 #   long        TTFT of one 16k-token prompt (chunked by max_num_batched_tokens)
 #   throughput  offline $PROMPTS prompts x $IN in / $OUT_LEN out
