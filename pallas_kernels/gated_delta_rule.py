@@ -18,8 +18,9 @@ recurrent form, varlen: one program per (sequence, value head, block of value co
 [Dk, block_v] slice of the state in registers, walks its sequence's rows (L2-normalising q and k,
 decaying, writing the delta, reading the output) and writes the slice back to the sequence's slot in
 place (the pool is aliased to the output). A decode step is one row per program: the fused recurrent
-decode step. Long prefills walk their rows one by one, parallel only over sequences x heads x blocks;
-the chunked (WY) form that would run them on the tensor cores is not built yet.
+decode step. It would walk a long prefill's rows one by one, parallel only over sequences x heads x
+blocks: `gated_delta_rule(backend="pallas")` gives sequences of >= 64 new rows to the chunked (WY) form
+(gated_delta_rule_chunked.py, tensor-core matmuls) and skips them here (`active`).
 `recurrent_reference` (token by token, exactly HF's `torch_recurrent_gated_delta_rule`) is the
 reference.
 """
@@ -94,9 +95,9 @@ def recurrent_reference(q: jax.Array, k: jax.Array, v: jax.Array, g: jax.Array, 
 # ----------------------------------------------------------------------------------------------
 # Kernel body
 # ----------------------------------------------------------------------------------------------
-def _recurrent_kernel(qs_ref, slot_ref, fresh_ref, q_ref, k_ref, v_ref, g_ref, beta_ref, s_in_ref,
+def _recurrent_kernel(qs_ref, slot_ref, fresh_ref, active_ref, q_ref, k_ref, v_ref, g_ref, beta_ref, s_in_ref,
                       o_ref, s_ref, *, group: int, block_v: int):
-    # qs_ref [B + 1]: row ranges; slot_ref, fresh_ref [B]; q_ref, k_ref [T, Hk, Dk]; v_ref [T, Hv, Dv];
+    # qs_ref [B + 1]: row ranges; slot_ref, fresh_ref, active_ref [B]; q_ref, k_ref [T, Hk, Dk]; v_ref [T, Hv, Dv];
     # g_ref, beta_ref [T, Hv] f32; s_in_ref / s_ref [S, Hv, Dk, Dv] f32: the pool, aliased (read, then
     # written in place); o_ref [T, Hv, Dv] f32.
     del s_in_ref  # the same buffer as s_ref
@@ -105,9 +106,6 @@ def _recurrent_kernel(qs_ref, slot_ref, fresh_ref, q_ref, k_ref, v_ref, g_ref, b
     dk = q_ref.shape[-1]
     cols = pl.ds(j * block_v, block_v)
     start, end = qs_ref[b], qs_ref[b + 1]
-    slot = slot_ref[b]
-    state = s_ref[slot, h, :, cols]  # [Dk, block_v]
-    state = jnp.where(fresh_ref[b] != 0, 0.0, state)
     scale = dk ** -0.5
 
     def body(t, state):
@@ -122,11 +120,15 @@ def _recurrent_kernel(qs_ref, slot_ref, fresh_ref, q_ref, k_ref, v_ref, g_ref, b
         o_ref[t, h, cols] = jnp.sum(q[:, None] * state, axis=0)
         return state
 
-    state = jax.lax.fori_loop(start, end, body, state)
-    s_ref[slot, h, :, cols] = state
+    @pl.when(active_ref[b] != 0)  # inactive: left to the chunked kernel (its rows and slot not touched)
+    def _():
+        slot = slot_ref[b]
+        state = s_ref[slot, h, :, cols]  # [Dk, block_v]
+        state = jnp.where(fresh_ref[b] != 0, 0.0, state)
+        s_ref[slot, h, :, cols] = jax.lax.fori_loop(start, end, body, state)
 
 
-def _recurrent_call(q, k, v, g, beta, states, slots, fresh, query_start, *, block_v, num_warps, interpret):
+def _recurrent_call(q, k, v, g, beta, states, slots, fresh, query_start, active, *, block_v, num_warps, interpret):
     T, hk, dk = q.shape
     hv, dv = v.shape[1], v.shape[2]
     B = slots.shape[0]
@@ -135,17 +137,20 @@ def _recurrent_call(q, k, v, g, beta, states, slots, fresh, query_start, *, bloc
     o, states = pl.pallas_call(
         kernel,
         grid=(B, hv, dv // block_v),
-        in_specs=[whole] * 9,
+        in_specs=[whole] * 10,
         out_specs=[whole, whole],
         out_shape=[jax.ShapeDtypeStruct((T, hv, dv), jnp.float32), jax.ShapeDtypeStruct(states.shape, jnp.float32)],
-        input_output_aliases={8: 1},
+        input_output_aliases={9: 1},
         compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=1),
         interpret=interpret,
         name=f"recurrent_gated_delta_rule_bv{block_v}",
-    )(query_start.astype(jnp.int32), slots.astype(jnp.int32), fresh.astype(jnp.int32), q, k, v,
-      g.astype(jnp.float32), beta.astype(jnp.float32), states)
-    # rows past the last sequence are never visited: zeros, not whatever the buffer held
-    o = jnp.where((jnp.arange(T) < query_start[-1])[:, None, None], o, 0.0)
+    )(query_start.astype(jnp.int32), slots.astype(jnp.int32), fresh.astype(jnp.int32), active.astype(jnp.int32),
+      q, k, v, g.astype(jnp.float32), beta.astype(jnp.float32), states)
+    # rows past the last sequence and inactive sequences' rows are never visited: zeros, not whatever the
+    # buffer held
+    row_seq = token_sequences(query_start, T)
+    visited = (row_seq < B) & (active[jnp.minimum(row_seq, B - 1)] != 0)
+    o = jnp.where(visited[:, None, None], o, 0.0)
     return o, states
 
 
@@ -153,12 +158,15 @@ def _recurrent_call(q, k, v, g, beta, states, slots, fresh, query_start, *, bloc
 # Public API
 # ----------------------------------------------------------------------------------------------
 @functools.partial(jax.jit, static_argnames=("block_v", "num_warps", "interpret"), donate_argnames=("states",))
-def recurrent_gated_delta_rule(q, k, v, g, beta, states, slots, fresh, query_start, *, block_v: int | None = None,
-                               num_warps: int = 4, interpret: bool = False) -> tuple[jax.Array, jax.Array]:
+def recurrent_gated_delta_rule(q, k, v, g, beta, states, slots, fresh, query_start, active=None, *,
+                               block_v: int | None = None, num_warps: int = 4, interpret: bool = False
+                               ) -> tuple[jax.Array, jax.Array]:
     """The rule over a ragged batch (module doc), updating the state pool in place (donated).
 
     q, k: [T, Hk, Dk]; v: [T, Hv, Dv]; g, beta: [T, Hv]; states: [S, Hv, Dk, Dv] float32; slots, fresh:
-    [B]; query_start: [B + 1]. Returns (o [T, Hv, Dv] float32, the pool). Dk and Dv powers of two.
+    [B]; query_start: [B + 1]; active: [B] bool or None (all): the sequences to run (the others' rows get
+    zeros and their slots are not touched: the chunked kernel runs them). Returns (o [T, Hv, Dv] float32,
+    the pool). Dk and Dv powers of two.
     """
     T, hk, dk = q.shape
     hv, dv = v.shape[1], v.shape[2]
@@ -174,17 +182,35 @@ def recurrent_gated_delta_rule(q, k, v, g, beta, states, slots, fresh, query_sta
     block_v = block_v or min(dv, 32)
     if dv % block_v:
         raise ValueError(f"block_v={block_v} must divide value_dim={dv}")
-    return _recurrent_call(q, k, v, g, beta, states, slots, fresh, query_start, block_v=block_v,
+    if active is None:
+        active = jnp.ones(slots.shape, bool)
+    return _recurrent_call(q, k, v, g, beta, states, slots, fresh, query_start, active, block_v=block_v,
                            num_warps=num_warps, interpret=interpret)
 
 
 def gated_delta_rule(q, k, v, g, beta, states, slots, fresh, query_start, *, backend: str = "reference",
-                     interpret: bool = False) -> tuple[jax.Array, jax.Array]:
+                     interpret: bool = False, chunked: bool = True) -> tuple[jax.Array, jax.Array]:
     """The rule over a ragged batch (see the module doc): (o [T, Hv, Dv] float32, updated states pool).
-    backend "pallas": the recurrent kernel; "reference": `recurrent_reference`."""
-    if backend == "pallas":
+
+    backend "reference": `recurrent_reference`. "pallas": sequences with >= MIN_LEN (64) new rows run in
+    chunks (pallas_kernels/gated_delta_rule_chunked.py: tensor-core matmuls), the others (decode rows, short
+    chunks of a chunked prefill) in the recurrent kernel; a step of fewer than MIN_LEN rows only launches
+    the recurrent one. Each kernel skips the other's sequences, so a mixed step costs both their work only.
+    chunked=False (decode-only steps, where no sequence can be long): the recurrent kernel alone, without
+    the chunked part's dozen or so small ops per layer.
+    """
+    if backend != "pallas":
+        return recurrent_reference(q, k, v, g, beta, states, slots, fresh, query_start)
+    from pallas_kernels.gated_delta_rule_chunked import MIN_LEN, chunked_gated_delta_rule
+
+    if not chunked or q.shape[0] < MIN_LEN:
         return recurrent_gated_delta_rule(q, k, v, g, beta, states, slots, fresh, query_start, interpret=interpret)
-    return recurrent_reference(q, k, v, g, beta, states, slots, fresh, query_start)
+    short = query_start[1:] - query_start[:-1] < MIN_LEN
+    o_short, states = recurrent_gated_delta_rule(q, k, v, g, beta, states, slots, fresh, query_start, short,
+                                                 interpret=interpret)
+    o_long, states = chunked_gated_delta_rule(q, k, v, g, beta, states, slots, fresh, query_start, min_len=MIN_LEN,
+                                              interpret=interpret)
+    return o_short + o_long, states  # each is zero on the other's rows
 
 
 # ----------------------------------------------------------------------------------------------

@@ -166,11 +166,13 @@ class ModelOps:
 
     def gated_delta_rule(self, q, k, v, g, beta, states, slots, fresh, query_start):
         """Gated DeltaNet's recurrence over the ragged batch, each sequence from / to its state slot
-        (pallas_kernels/gated_delta_rule.py). Returns (o [T, Hv, Dv] float32, the updated state pool)."""
+        (pallas_kernels/gated_delta_rule.py). Pallas: sequences of >= 64 new rows in chunks (tensor-core
+        matmuls), the others on the recurrent kernel; decode steps the recurrent kernel only. Returns
+        (o [T, Hv, Dv] float32, the updated state pool)."""
         from pallas_kernels.gated_delta_rule import gated_delta_rule
 
         return gated_delta_rule(q, k, v, g, beta, states, slots, fresh, query_start, backend=self.backend,
-                                interpret=self.interpret)
+                                interpret=self.interpret, chunked=not self.decode_step)
 
     def gated_rms_norm(self, x: jax.Array, gate: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
         """HF's RMSNormGated: weight * rms_norm(x) (rounded to x's dtype), times silu(gate) in float32."""

@@ -62,3 +62,11 @@ def test_pallas_backend_warm_buckets_and_async():
     llm = LLM(TINY, **BASE, max_num_batched_tokens=16, attention_backend="pallas")
     assert [o[0] for o in generate(llm)] == GREEDY_IDS
     assert llm.engine.runner.compiles_after_warmup == 0
+
+
+def test_pallas_backend_long_prefill_runs_chunked():
+    """A 128-token budget: the 80-token prompt prefills in one step beside the others, so its Gated DeltaNet
+    layers run the chunked kernel (>= 64 new rows) while the short prompts and the decodes run the
+    recurrent one."""
+    llm = LLM(TINY, **BASE, max_num_batched_tokens=128, attention_backend="pallas", warmup=False)
+    assert [o[0] for o in generate(llm)] == GREEDY_IDS

@@ -1,0 +1,341 @@
+"""The gated delta rule in chunks (flash-linear-attention's chunked WY form) over a ragged batch: prefill.
+
+Same rule, layout and state pool as pallas_kernels/gated_delta_rule.py (read its doc first). Token by
+token, the rule is a chain of rank-1 updates; in chunks of C = 64 rows it becomes matmuls. Within one
+chunk of a sequence (rows i, j; gc the cumulative log-decay from the chunk's start, S the state entering
+the chunk):
+
+    L     = strictly_lower(beta_i k_i.k_j exp(gc_i - gc_j))          [C, C]
+    W     = (I + L)^-1 (beta exp(gc) K)                               [C, Dk]   (the WY form: one
+    U     = (I + L)^-1 (beta V)                                       [C, Dv]    triangular solve)
+    V'    = U - W S                                                   [C, Dv]   (the chunk's deltas)
+    O     = (Q exp(gc)) S + lower(Q K^T exp(gc_i - gc_j)) V'          [C, Dv]
+    S'    = exp(gc_last) S + (K exp(gc_last - gc))^T V'               [Dk, Dv]
+
+(HF's `torch_chunk_gated_delta_rule`; fla's chunk.py: chunk_local_cumsum, chunk_scaled_dot_kkt +
+solve_tril + recompute_w_u (wy_fast.py), chunk_gated_delta_rule_fwd_h (chunk_delta_h.py), chunk_fwd_o.)
+
+Varlen: sequence b's new rows `query_start[b]:query_start[b + 1]` are cut into ceil(n_b / C) chunks that
+never cross a sequence boundary; a sequence's last chunk is padded with rows of zeros (k = 0, g = 0,
+beta = 0: they leave the state as it is). Only sequences of at least `min_len` new rows run here (the
+others are left to the recurrent kernel: a decode row costs a whole chunk of work in this form); their
+rows' outputs are zeros and their slots are left alone.
+
+Two phases:
+- `intra_chunk` (plain jnp; XLA runs the batched [chunks, Hv, C, D] matmuls and the triangular solve):
+  everything that does not depend on the state, for all chunks at once.
+- The inter-chunk recurrence, sequential along each sequence: the Pallas kernel
+  (`chunked_gated_delta_rule`, Triton lowering) runs one program per (sequence, value head, block of
+  value columns), keeps its [Dk, block_v] slice of the state in registers, walks the sequence's chunks
+  with four dots per chunk (W S and Q e^g S: [C, Dk] x [Dk, block_v]; P V': [C, C] x [C, block_v];
+  Kd^T V': [Dk, C] x [C, block_v]), and writes the slice back to the sequence's slot in place. `chunked_reference` is the same algorithm with the recurrence as a
+  `lax.scan` over chunk positions (all sequences at once); both are tested against the token-by-token
+  `recurrent_reference` (which is golden-checked against HF).
+"""
+
+from __future__ import annotations
+
+import functools
+import itertools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+
+from pallas_kernels.gated_delta_rule import initial_states, prepare_qk
+
+CHUNK = 64  # rows per chunk (fla and HF use 64)
+MIN_LEN = 64  # sequences with fewer new rows are left to the recurrent kernel
+
+
+def max_chunks(num_tokens: int, num_seqs: int, chunk: int = CHUNK, min_len: int = 1) -> int:
+    """A static bound on the chunks of a step: sum ceil(n_b / C) <= T // C + (sequences with n_b >= min_len)."""
+    return num_tokens // chunk + min(num_seqs, num_tokens // max(min_len, 1))
+
+
+def chunk_layout(query_start: jax.Array, num_tokens: int, num_chunks: int, chunk: int = CHUNK,
+                 min_len: int = 1) -> dict[str, jax.Array]:
+    """Where each chunk's rows come from, for the sequences with >= min_len new rows.
+
+    Returns {"long": [B] bool (runs chunked), "chunk_start": [B + 1] each sequence's first chunk,
+    "rows": [NC, C] row of each chunk row (num_tokens for padding: the zero row), "row_chunk": [T] and
+    "row_offset": [T] each row's chunk and place in it, "row_long": [T] bool (the row runs chunked)}.
+    """
+    B = query_start.shape[0] - 1
+    n = query_start[1:] - query_start[:-1]  # [B]
+    long = n >= min_len
+    nch = jnp.where(long, (n + chunk - 1) // chunk, 0)
+    chunk_start = jnp.concatenate([jnp.zeros(1, jnp.int32), jnp.cumsum(nch).astype(jnp.int32)])  # [B + 1]
+    c = jnp.arange(num_chunks, dtype=jnp.int32)
+    seq = jnp.searchsorted(chunk_start[1:], c, side="right").astype(jnp.int32)  # [NC]; B for unused chunks
+    b = jnp.minimum(seq, B - 1)
+    start = query_start[b] + (c - chunk_start[b]) * chunk
+    rows = start[:, None] + jnp.arange(chunk, dtype=jnp.int32)[None, :]  # [NC, C]
+    valid = (seq < B)[:, None] & (rows < query_start[b + 1][:, None])
+    rows = jnp.where(valid, rows, num_tokens)
+    t = jnp.arange(num_tokens, dtype=jnp.int32)
+    row_seq = jnp.searchsorted(query_start[1:], t, side="right").astype(jnp.int32)  # [T]; B for padding
+    rb = jnp.minimum(row_seq, B - 1)
+    local = t - query_start[rb]
+    row_long = (row_seq < B) & long[rb]
+    return {"long": long, "chunk_start": chunk_start, "rows": rows,
+            "row_chunk": jnp.where(row_long, chunk_start[rb] + local // chunk, 0),
+            "row_offset": local % chunk, "row_long": row_long}
+
+
+def intra_chunk(q, k, v, g, beta, rows) -> dict[str, jax.Array]:
+    """The state-independent part of every chunk, batched (plain jnp, float32).
+
+    q, k: [T, Hk, Dk] (raw: L2-normalised and scaled here); v: [T, Hv, Dv]; g, beta: [T, Hv];
+    rows: [NC, C] (T = a zero row). Returns {"w", "qg", "kd": [NC, Hv, C, Dk], "u": [NC, Hv, C, Dv],
+    "p": [NC, Hv, C, C] (lower-triangular incl. the diagonal), "dl": [NC, Hv] exp(gc_last)}.
+    """
+    hv = v.shape[1]
+    qh, kh = prepare_qk(q, k, hv)  # [T, Hv, Dk] f32
+
+    def gather(x):  # [T, Hv, ...] -> [NC, Hv, C, ...], zeros at padding rows
+        x = jnp.concatenate([x.astype(jnp.float32), jnp.zeros_like(x[:1], jnp.float32)])
+        return jnp.moveaxis(x[rows], 2, 1)
+
+    qc, kc, vc = gather(qh), gather(kh), gather(v)  # [NC, Hv, C, D]
+    gc = jnp.cumsum(gather(g), axis=-1)  # [NC, Hv, C]
+    bc = gather(beta)
+    C = rows.shape[1]
+    i = jnp.arange(C)
+    lower, strict = i[:, None] >= i[None, :], i[:, None] > i[None, :]
+    # exp(gc_i - gc_j) for j <= i only (above the diagonal the difference is positive and may overflow)
+    decay = jnp.exp(jnp.where(lower, gc[..., :, None] - gc[..., None, :], -jnp.inf))  # [NC, Hv, C, C]
+    hp = jax.lax.Precision.HIGHEST
+    kk = jnp.einsum("nhik,nhjk->nhij", kc, kc, precision=hp)
+    a = jnp.where(strict, bc[..., :, None] * kk * decay, 0.0) + jnp.eye(C, dtype=jnp.float32)
+    rhs = jnp.concatenate([kc * (bc * jnp.exp(gc))[..., None], vc * bc[..., None]], axis=-1)
+    x = jax.lax.linalg.triangular_solve(a, rhs, left_side=True, lower=True, unit_diagonal=True)
+    dk = kc.shape[-1]
+    qk = jnp.einsum("nhik,nhjk->nhij", qc, kc, precision=hp)
+    return {"w": x[..., :dk], "u": x[..., dk:], "qg": qc * jnp.exp(gc)[..., None],
+            "kd": kc * jnp.exp(gc[..., -1:] - gc)[..., None], "p": jnp.where(lower, qk * decay, 0.0),
+            "dl": jnp.exp(gc[..., -1])}
+
+
+def _rows_out(o_chunks, layout) -> jax.Array:
+    """[NC, Hv, C, Dv] chunk outputs -> [T, Hv, Dv] rows (zeros where a row does not run chunked)."""
+    o = o_chunks[layout["row_chunk"], :, layout["row_offset"]]  # [T, Hv, Dv]
+    return jnp.where(layout["row_long"][:, None, None], o, 0.0)
+
+
+def _write_states(states, slots, layout, finals) -> jax.Array:
+    """The final states of the chunked sequences into their slots; the others' slots keep what they hold."""
+    keep = states[slots]
+    return states.at[slots].set(jnp.where(layout["long"][:, None, None, None], finals, keep))
+
+
+def chunked_reference(q, k, v, g, beta, states, slots, fresh, query_start, *, min_len: int = 1,
+                      chunk: int = CHUNK) -> tuple[jax.Array, jax.Array]:
+    """The chunked algorithm in jnp: `intra_chunk`, then the recurrence as a scan over chunk positions (all
+    sequences at once). Same arguments and results as `recurrent_reference`, for the sequences with >=
+    min_len new rows (the others: zero outputs, slots untouched)."""
+    T, B = q.shape[0], slots.shape[0]
+    nc = max_chunks(T, B, chunk, min_len)
+    layout = chunk_layout(query_start, T, nc, chunk, min_len)
+    parts = intra_chunk(q, k, v, g, beta, layout["rows"])
+    cs = layout["chunk_start"]
+    steps = -(-T // chunk)  # the most chunks one sequence can have
+    hp = jax.lax.Precision.HIGHEST
+
+    def step(s, j):  # s: [B, Hv, Dk, Dv]
+        c = cs[:-1] + j  # [B]
+        on = c < cs[1:]
+        cc = jnp.minimum(c, nc - 1)
+        w, u, qg, kd, p, dl = (parts[x][cc] for x in ("w", "u", "qg", "kd", "p", "dl"))
+        vn = u - jnp.einsum("bhck,bhkv->bhcv", w, s, precision=hp)
+        o = jnp.einsum("bhck,bhkv->bhcv", qg, s, precision=hp) + jnp.einsum("bhcd,bhdv->bhcv", p, vn, precision=hp)
+        s_new = s * dl[..., None, None] + jnp.einsum("bhck,bhcv->bhkv", kd, vn, precision=hp)
+        return jnp.where(on[:, None, None, None], s_new, s), o
+
+    finals, o = jax.lax.scan(step, initial_states(states, slots, fresh), jnp.arange(steps))  # o: [steps, B, ...]
+    c = jnp.arange(nc)
+    seq = jnp.minimum(jnp.searchsorted(cs[1:], c, side="right"), B - 1)
+    o_chunks = o[jnp.clip(c - cs[seq], 0, steps - 1), seq]  # [NC, Hv, C, Dv]
+    return _rows_out(o_chunks, layout), _write_states(states, slots, layout, finals)
+
+
+# ----------------------------------------------------------------------------------------------
+# Kernel body: the inter-chunk recurrence
+# ----------------------------------------------------------------------------------------------
+def _chunk_state_kernel(cs_ref, slot_ref, fresh_ref, w_ref, u_ref, qg_ref, kd_ref, p_ref, dl_ref, s_in_ref,
+                        o_ref, s_ref, *, block_v: int, precision):
+    # cs_ref [B + 1]: each sequence's chunks; slot_ref, fresh_ref [B]; w_ref, qg_ref, kd_ref [NC, Hv, C, Dk];
+    # u_ref [NC, Hv, C, Dv]; p_ref [NC, Hv, C, C]; dl_ref [NC, Hv]; s_in_ref / s_ref [S, Hv, Dk, Dv] f32: the
+    # pool, aliased; o_ref [NC, Hv, C, Dv] f32.
+    del s_in_ref  # the same buffer as s_ref
+    b, h, j = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    cols = pl.ds(j * block_v, block_v)
+    first, last = cs_ref[b], cs_ref[b + 1]
+    dot = functools.partial(jnp.dot, precision=precision, preferred_element_type=jnp.float32)
+
+    @pl.when(last > first)  # a sequence left to the recurrent kernel: its slot is not touched
+    def _():
+        slot = slot_ref[b]
+        state = s_ref[slot, h, :, cols]  # [Dk, block_v]
+        state = jnp.where(fresh_ref[b] != 0, 0.0, state)
+
+        def body(c, state):
+            vn = u_ref[c, h, :, cols] - dot(w_ref[c, h, :, :], state)  # [C, block_v]
+            o_ref[c, h, :, cols] = dot(qg_ref[c, h, :, :], state) + dot(p_ref[c, h, :, :], vn)
+            kd = kd_ref[c, h, :, :]  # [C, Dk]
+            return state * dl_ref[c, h] + jax.lax.dot_general(kd, vn, (((0,), (0,)), ((), ())), precision=precision,
+                                                              preferred_element_type=jnp.float32)
+
+        s_ref[slot, h, :, cols] = jax.lax.fori_loop(first, last, body, state)
+
+
+def _chunk_state_call(parts, states, slots, fresh, chunk_start, *, block_v, num_warps, num_stages, precision,
+                      interpret):
+    nc, hv, c, dv = parts["u"].shape
+    B = slots.shape[0]
+    whole = pl.no_block_spec
+    kernel = functools.partial(_chunk_state_kernel, block_v=block_v, precision=precision)
+    o, states = pl.pallas_call(
+        kernel,
+        grid=(B, hv, dv // block_v),
+        in_specs=[whole] * 10,
+        out_specs=[whole, whole],
+        out_shape=[jax.ShapeDtypeStruct((nc, hv, c, dv), jnp.float32),
+                   jax.ShapeDtypeStruct(states.shape, jnp.float32)],
+        input_output_aliases={9: 1},
+        compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),
+        interpret=interpret,
+        name=f"chunked_gated_delta_rule_bv{block_v}",
+    )(chunk_start, slots.astype(jnp.int32), fresh.astype(jnp.int32), parts["w"], parts["u"], parts["qg"],
+      parts["kd"], parts["p"], parts["dl"], states)
+    return o, states
+
+
+# ----------------------------------------------------------------------------------------------
+# Public API
+# ----------------------------------------------------------------------------------------------
+@functools.partial(jax.jit, static_argnames=("min_len", "block_v", "num_warps", "num_stages", "exact", "interpret"),
+                   donate_argnames=("states",))
+def chunked_gated_delta_rule(q, k, v, g, beta, states, slots, fresh, query_start, *, min_len: int = 1,
+                             block_v: int | None = None, num_warps: int = 4, num_stages: int = 2,
+                             exact: bool = False, interpret: bool = False) -> tuple[jax.Array, jax.Array]:
+    """The rule in chunks over the sequences of >= min_len new rows of a ragged batch (module doc), updating
+    their state slots in place (the pool is donated); other sequences get zero outputs and keep their slots.
+
+    q, k: [T, Hk, Dk]; v: [T, Hv, Dv]; g, beta: [T, Hv]; states: [S, Hv, Dk, Dv] float32; slots, fresh:
+    [B]; query_start: [B + 1]. Returns (o [T, Hv, Dv] float32, the pool). Dk, Dv powers of two >= 16.
+    exact: the kernel's dots in full float32 (default: TF32 on the GPU's tensor cores).
+    """
+    T, hk, dk = q.shape
+    hv, dv = v.shape[1], v.shape[2]
+    if k.shape != q.shape or v.shape[0] != T or g.shape != (T, hv) or beta.shape != (T, hv):
+        raise ValueError(f"q/k must be [T, Hk, Dk], v [T, Hv, Dv], g/beta [T, Hv]: {q.shape=} {k.shape=} "
+                         f"{v.shape=} {g.shape=} {beta.shape=}")
+    if hv % hk:
+        raise ValueError(f"value heads ({hv}) must be a multiple of q/k heads ({hk})")
+    if states.shape[1:] != (hv, dk, dv) or states.dtype != jnp.float32:
+        raise ValueError(f"states must be float32 [slots, {hv}, {dk}, {dv}], got {states.shape} {states.dtype}")
+    if dk & (dk - 1) or dv & (dv - 1) or min(dk, dv) < 16:
+        raise ValueError(f"key_dim={dk} and value_dim={dv} must be powers of two >= 16 (tensor-core dots)")
+    block_v = block_v or min(dv, 32)
+    if dv % block_v or block_v < 16:
+        raise ValueError(f"block_v={block_v} must divide value_dim={dv} and be >= 16")
+    if min_len < 1:
+        raise ValueError(f"{min_len=} must be >= 1")
+    B = slots.shape[0]
+    nc = max_chunks(T, B, CHUNK, min_len)
+    layout = chunk_layout(query_start, T, nc, CHUNK, min_len)
+    parts = intra_chunk(q, k, v, g, beta, layout["rows"])
+    precision = jax.lax.Precision.HIGHEST if exact else jax.lax.Precision.DEFAULT
+    o_chunks, states = _chunk_state_call(parts, states, slots, fresh, layout["chunk_start"], block_v=block_v,
+                                         num_warps=num_warps, num_stages=num_stages, precision=precision,
+                                         interpret=interpret)
+    return _rows_out(o_chunks, layout), states
+
+
+# ----------------------------------------------------------------------------------------------
+# Benchmark
+# ----------------------------------------------------------------------------------------------
+def _bench_prefill(n, hk, hv, dk, dv, block_vs, warps_list, exacts, gpu, rng):
+    """JSON records of the chunked rule on one fresh sequence of n rows (see `main`)."""
+    import time
+
+    C = CHUNK
+    q = jnp.asarray(rng.standard_normal((n, hk, dk)), jnp.bfloat16)
+    k = jnp.asarray(rng.standard_normal((n, hk, dk)), jnp.bfloat16)
+    v = jnp.asarray(rng.standard_normal((n, hv, dv)), jnp.bfloat16)
+    g = jnp.asarray(-rng.uniform(0.01, 1, (n, hv)), jnp.float32)
+    beta = jnp.asarray(rng.uniform(0, 1, (n, hv)), jnp.float32)
+    qs = jnp.asarray([0, n], jnp.int32)
+    slots, fresh = jnp.ones(1, jnp.int32), jnp.ones(1, bool)
+    layout = jax.jit(chunk_layout, static_argnums=(1, 2, 3, 4))(qs, n, max_chunks(n, 1, C, MIN_LEN), C, MIN_LEN)
+    rows, cs = layout["rows"], layout["chunk_start"]
+    intra = jax.jit(intra_chunk)
+    parts = intra(q, k, v, g, beta, rows)
+
+    def timed(step, states):
+        """Seconds per call of step(states) -> (out, states) (the pool is threaded: it may be donated)."""
+        for _ in range(2):  # compile; the second call may compile again for the returned pool's layout
+            out, states = step(states)
+        jax.block_until_ready(out)
+        reps = 10 if gpu else 1
+        t0 = time.perf_counter()
+        for _ in range(reps):
+            out, states = step(states)
+        jax.block_until_ready((out, states))
+        return (time.perf_counter() - t0) / reps
+
+    t_intra = timed(lambda s: (intra(q, k, v, g, beta, rows), s), None)
+    # per token: QK^T and KK^T (4 C Dk), the triangular solve (C (Dk + Dv)), P V' (2 C Dv), the three state dots
+    # (6 Dk Dv); the recurrent form does 6 Dk Dv
+    useful = 6 * n * hv * dk * dv
+    chunked = n * hv * (4 * C * dk + C * (dk + dv) + 2 * C * dv + 6 * dk * dv)
+    out = []
+    for bv, warps, exact in itertools.product(block_vs, warps_list, exacts):
+        prec = jax.lax.Precision.HIGHEST if exact else jax.lax.Precision.DEFAULT
+        kern = jax.jit(functools.partial(_chunk_state_call, block_v=bv, num_warps=warps, num_stages=2,
+                                         precision=prec, interpret=not gpu), donate_argnums=(1,))
+        fn = functools.partial(chunked_gated_delta_rule, min_len=MIN_LEN, block_v=bv, num_warps=warps,
+                               exact=bool(exact), interpret=not gpu)
+        rec = {"what": "chunked_prefill", "device": jax.devices()[0].device_kind, "tokens": n, "block_v": bv,
+               "num_warps": warps, "exact_dots": bool(exact)}
+        try:  # a configuration Triton cannot compile (shared memory, registers) is a record, not the end
+            t_kernel = timed(lambda s, kern=kern: kern(parts, s, slots, fresh, cs), jnp.zeros((2, hv, dk, dv)))
+            t = timed(lambda s, fn=fn: fn(q, k, v, g, beta, s, slots, fresh, qs), jnp.zeros((2, hv, dk, dv)))
+        except Exception as e:  # noqa: BLE001
+            out.append(rec | {"error": f"{type(e).__name__}: {str(e)[:300]}"})
+            continue
+        out.append(rec | {"time_us": t * 1e6, "intra_chunk_us": t_intra * 1e6, "recurrence_kernel_us": t_kernel * 1e6,
+                          "tflop_per_s": useful / t / 1e12, "chunked_form_tflop_per_s": chunked / t / 1e12})
+    return out
+
+
+def main():
+    """Time of the chunked rule at Qwen3.5-4B's linear-layer shapes (16 q/k heads, 32 v heads, 128 x 128
+    state), one layer, one fresh sequence of 1k and 16k tokens: the whole function (intra-chunk XLA part +
+    the recurrence kernel), and each part alone. tflop_per_s counts the rule's 6 Hv Dk Dv FLOPs per token
+    (the recurrent form's useful work, as the recurrent kernel's benchmark does: comparable);
+    chunked_form_tflop_per_s the chunked form's own FLOPs. JSON lines on stdout. Small shapes on CPU
+    (interpreter), to check the script."""
+    import argparse
+    import json
+
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--prefill", type=int, nargs="+", default=[1024, 16384])
+    ap.add_argument("--block-v", type=int, nargs="+", default=[16, 32, 64])
+    ap.add_argument("--num-warps", type=int, nargs="+", default=[4, 8])
+    ap.add_argument("--exact", type=int, nargs="+", default=[0, 1])
+    args = ap.parse_args()
+    gpu = jax.default_backend() == "gpu"
+    hk, hv, dk, dv = (16, 32, 128, 128) if gpu else (2, 4, 16, 32)
+    if not gpu:
+        args.prefill, args.block_v, args.exact = [80], [16], [0]
+    rng = np.random.default_rng(0)
+    for n in args.prefill:
+        for rec in _bench_prefill(n, hk, hv, dk, dv, args.block_v, args.num_warps, args.exact, gpu, rng):
+            print(json.dumps(rec))
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,143 @@
+"""The chunked (WY) gated delta rule, its jnp reference and the pallas dispatch (chunked for long sequences,
+recurrent for the rest) against the token-by-token `recurrent_reference` (golden-checked against HF) on
+ragged batches: sequences of 1, 63, 64, 65 and 200 rows, fresh and continued from their slots, GQA,
+padding rows and an empty padding sequence."""
+
+from __future__ import annotations
+
+from functools import partial
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from pallas_kernels.gated_delta_rule import gated_delta_rule, recurrent_reference
+from pallas_kernels.gated_delta_rule_chunked import (
+    CHUNK,
+    chunk_layout,
+    chunked_gated_delta_rule,
+    chunked_reference,
+    max_chunks,
+)
+from tests.kernels.conftest import MODES
+from tests.kernels.test_gated_delta_rule import problem
+
+# (lens, fresh, hk, hv, dk, dv, dtype, padded T); a 0-length sequence is a padding sequence (not fresh: the
+# recurrent forms write its slot back unchanged, the chunked ones do not touch it)
+CASES = [
+    pytest.param([1, 63, 64, 65, 200, 0], [0, 1, 0, 1, 0, 0], 2, 4, 16, 32, jnp.float32, 400, id="varlen-f32-gqa2"),
+    pytest.param([130, 5], [0, 0], 1, 2, 32, 16, jnp.float32, 135, id="continued-f32-gqa2"),
+    pytest.param([70, 1, 1], [1, 0, 1], 2, 2, 16, 16, jnp.bfloat16, 80, id="mixed-bf16"),
+]
+
+
+def assert_matches(o, s, o_ref, s_ref, args, before, lens, tol):
+    """Rows and written slots as the reference's (atol relative to the largest output); other slots as before."""
+    total = sum(lens)
+    o, o_ref = np.asarray(o), np.asarray(o_ref)
+    np.testing.assert_allclose(o[:total], o_ref[:total], atol=tol * np.abs(o_ref).max(), rtol=tol)
+    assert not o[total:].any()  # padding rows
+    slots = np.asarray(args[6])
+    np.testing.assert_allclose(np.asarray(s)[slots], np.asarray(s_ref)[slots], atol=tol * 10, rtol=tol)
+    untouched = np.setdiff1d(np.arange(before.shape[0]), slots)
+    np.testing.assert_array_equal(np.asarray(s)[untouched], before[untouched])
+
+
+@pytest.mark.parametrize("lens,fresh,hk,hv,dk,dv,dtype,T", CASES)
+def test_chunked_reference_matches_recurrent(lens, fresh, hk, hv, dk, dv, dtype, T):
+    args = problem(np.random.default_rng(sum(lens)), lens, fresh, hk, hv, dk, dv, dtype, T)
+    o_ref, s_ref = recurrent_reference(*args)
+    o, s = jax.jit(chunked_reference)(*args)
+    assert_matches(o, s, o_ref, s_ref, args, np.asarray(args[5]), lens, 1e-4)
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("lens,fresh,hk,hv,dk,dv,dtype,T", CASES)
+def test_chunked_kernel_matches_recurrent_reference(mode, lens, fresh, hk, hv, dk, dv, dtype, T):
+    args = problem(np.random.default_rng(sum(lens) + 1), lens, fresh, hk, hv, dk, dv, dtype, T)
+    o_ref, s_ref = recurrent_reference(*args)
+    before = np.asarray(args[5]).copy()  # the pool is donated
+    o, s = chunked_gated_delta_rule(*args, block_v=16, exact=True, interpret=mode == "interpret")
+    # on the GPU the reference's own einsums may run as TF32
+    assert_matches(o, s, o_ref, s_ref, args, before, lens, 1e-4 if mode == "interpret" else 1e-2)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_chunked_kernel_leaves_short_sequences_alone(mode):
+    """min_len = 64: the 1- and 63-row sequences get zero outputs and keep their slots as they were."""
+    lens, fresh = [1, 63, 64, 200], [0, 1, 1, 0]
+    args = problem(np.random.default_rng(3), lens, fresh, 2, 4, 16, 32, jnp.float32, 336)
+    o_ref, s_ref = recurrent_reference(*args)
+    before = np.asarray(args[5]).copy()
+    o, s = chunked_gated_delta_rule(*args, min_len=64, block_v=32, interpret=mode == "interpret")
+    o, s, slots = np.asarray(o), np.asarray(s), np.asarray(args[6])
+    assert not o[:64].any()
+    np.testing.assert_array_equal(s[slots[:2]], before[slots[:2]])
+    tol = 1e-4 if mode == "interpret" else 1e-2
+    np.testing.assert_allclose(o[64:328], np.asarray(o_ref)[64:328], atol=tol, rtol=tol)
+    np.testing.assert_allclose(s[slots[2:]], np.asarray(s_ref)[slots[2:]], atol=tol * 10, rtol=tol)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_pallas_dispatch_matches_reference(mode):
+    """The model's path: long sequences chunked, decode rows and short ones recurrent, in one step; and a
+    step too short for any chunk (recurrent only)."""
+    interpret = mode == "interpret"
+    tol = 1e-4 if interpret else 1e-2
+    for lens, fresh, T in [([1, 100, 1, 63, 64], [0, 1, 0, 0, 0], 240), ([3, 1], [1, 0], 8)]:
+        args = problem(np.random.default_rng(len(lens)), lens, fresh, 2, 4, 16, 32, jnp.float32, T)
+        o_ref, s_ref = recurrent_reference(*args)
+        before = np.asarray(args[5]).copy()
+        o, s = jax.jit(partial(gated_delta_rule, backend="pallas", interpret=interpret))(*args)
+        assert_matches(o, s, o_ref, s_ref, args, before, lens, tol)
+
+
+def test_chunk_layout():
+    qs = jnp.asarray([0, 1, 65, 195, 195], jnp.int32)  # lengths 1, 64, 130, 0
+    nc = max_chunks(200, 4, CHUNK, 2)
+    lay = jax.jit(chunk_layout, static_argnums=(1, 2, 3, 4))(qs, 200, nc, CHUNK, 2)
+    assert nc == 3 + 4 and lay["long"].tolist() == [False, True, True, False]
+    assert lay["chunk_start"].tolist() == [0, 0, 1, 4, 4]
+    rows = np.asarray(lay["rows"])
+    assert rows[0].tolist() == list(range(1, 65)) and rows[1].tolist() == list(range(65, 129))
+    assert rows[3].tolist() == [193, 194] + [200] * 62 and (rows[4:] == 200).all()
+    assert lay["row_long"].tolist() == [False] + [True] * 194 + [False] * 5
+    assert lay["row_chunk"][194] == 3 and lay["row_offset"][194] == 1
+
+
+def test_chunked_argument_checks():
+    args = list(problem(np.random.default_rng(0), [2], [1], 2, 4, 8, 16, jnp.float32))
+    with pytest.raises(ValueError, match=">= 16"):
+        chunked_gated_delta_rule(*args, interpret=True)
+    args = list(problem(np.random.default_rng(0), [2], [1], 2, 4, 16, 16, jnp.float32))
+    with pytest.raises(ValueError, match="min_len"):
+        chunked_gated_delta_rule(*args, min_len=0, interpret=True)
+
+
+def test_chunked_kernel_lowers_for_cuda():
+    """The Pallas Triton lowering at Qwen3.5-4B's shapes runs on a machine without a GPU: catches what the
+    interpreter accepts but Triton does not (dot shapes, the transposed dot, dynamic chunk indices)."""
+    from tests.kernels.conftest import lower_for_cuda
+
+    T, B, S = 256, 4, 9
+    shapes = [jax.ShapeDtypeStruct(s, d) for s, d in [
+        ((T, 16, 128), jnp.bfloat16), ((T, 16, 128), jnp.bfloat16), ((T, 32, 128), jnp.bfloat16),
+        ((T, 32), jnp.float32), ((T, 32), jnp.float32), ((S, 32, 128, 128), jnp.float32),
+        ((B,), jnp.int32), ((B,), jnp.bool_), ((B + 1,), jnp.int32)]]
+    for bv in (32, 64):
+        text = lower_for_cuda(partial(chunked_gated_delta_rule, min_len=64, block_v=bv), *shapes)
+        assert f"chunked_gated_delta_rule_bv{bv}" in text
+
+
+def test_strong_decays_stay_finite():
+    """Decays up to e^-40 per row (A_log large): the cumulative log-decay over a chunk reaches -2500; every
+    exponent in the chunked form is <= 0, so nothing overflows and the result is still the recurrent one."""
+    lens, fresh = [150, 64], [0, 1]
+    args = list(problem(np.random.default_rng(5), lens, fresh, 2, 4, 16, 32, jnp.float32))
+    args[3] = args[3] * 20  # g in (-40, -0.2)
+    o_ref, s_ref = recurrent_reference(*args)
+    before = np.asarray(args[5]).copy()
+    o, s = chunked_gated_delta_rule(*args, block_v=32, exact=True, interpret=True)
+    assert np.isfinite(np.asarray(o)).all() and np.isfinite(np.asarray(s)).all()
+    assert_matches(o, s, o_ref, s_ref, args, before, lens, 1e-4)
