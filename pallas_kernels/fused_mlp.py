@@ -8,8 +8,9 @@ fp32 partial `[splits, T, hidden]` and XLA sums the `I / block_i` partials (dete
 costs `splits * T * hidden * 4` bytes of traffic, so the kernel can only pay off for decode-sized
 token counts. The token tile is padded to 16 rows in registers only: x's rows are loaded masked and
 only the real rows of a partial are stored (a batch-1 step padded in HBM wrote and summed 16x the
-partials it needed, 12 MB per Qwen3-4B layer against 149 MB of weights); the runner picks it per token count from the measured table
-(benchmarks/results/kernels_*.json). (fp32 atomic adds into one `[T, hidden]` buffer instead of
+partials it needed, 12 MB per Qwen3-4B layer against 149 MB of weights). The runner picks it per
+token count from the measured table (benchmarks/results/kernels_*.json). (fp32 atomic adds into one `[T,
+hidden]` buffer instead of
 partials measured 1.6-10x slower on the H100; see kernels_h100_sweep_v0.json.)
 
 GPU backend: the Pallas Triton lowering (see `pallas_kernels/__init__.py`).

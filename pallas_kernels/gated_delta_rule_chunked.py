@@ -28,8 +28,9 @@ Two phases:
   (`chunked_gated_delta_rule`, Triton lowering) runs one program per (sequence, value head, block of
   value columns), keeps its [Dk, block_v] slice of the state in registers, walks the sequence's chunks
   with four dots per chunk (W S and Q e^g S: [C, Dk] x [Dk, block_v]; P V': [C, C] x [C, block_v];
-  Kd^T V': [Dk, C] x [C, block_v]), and writes the slice back to the sequence's slot in place. `chunked_reference` is the same algorithm with the recurrence as a
-  `lax.scan` over chunk positions (all sequences at once); both are tested against the token-by-token
+  Kd^T V': [Dk, C] x [C, block_v]), and writes the slice back to the sequence's slot in place.
+    `chunked_reference` is the same algorithm with the recurrence as a `lax.scan` over chunk positions (all
+  sequences at once); both are tested against the token-by-token
   `recurrent_reference` (which is golden-checked against HF).
 """
 
