@@ -319,4 +319,6 @@ class Scheduler:
             "prefix_cache_hits": self.kv.num_hit_tokens + self.kv.num_host_hit_tokens,
             "prefix_cache_hbm_hits": self.kv.num_hit_tokens,
             "prefix_cache_host_hits": self.kv.num_host_hit_tokens,
+            "prefix_cache_hbm_hit_rate": self.kv.num_hit_tokens / max(self.kv.num_query_tokens, 1),
+            "prefix_cache_host_hit_rate": self.kv.num_host_hit_tokens / max(self.kv.num_query_tokens, 1),
         }

@@ -64,6 +64,16 @@ def test_offloaded_prefixes_come_back_exact(reference):
     # jax 0.11's CPU backend has pinned_host too: the same code path as on GPU
     held = [a for a in core.runner.host_pool.slots if a is not None]
     assert {a.sharding.memory_kind for a in held} == {"pinned_host"}
+    # /metrics: the engine's stats (as the engine process sends them) become the tier's gauges
+    from server.metrics import Metrics
+    m = Metrics()
+    m.set_engine_stats(stats, True)
+    text = m.render().decode()
+    restored = float(stats["kv_restore_bytes_total"])
+    assert f'jinfer_kv_host_transfer_bytes{{direction="to_device",replica="0"}} {restored}' in text
+    host_rate = stats["prefix_cache_host_hit_rate"]
+    assert 0 < host_rate and f'jinfer_prefix_cache_tier_hit_rate{{replica="0",tier="host"}} {host_rate}' in text
+    assert f'jinfer_kv_host_cache_usage_ratio{{replica="0"}} {stats["kv_host_usage"]}' in text
 
 
 def test_restores_under_preemption_and_a_small_host_pool(reference):
