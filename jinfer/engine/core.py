@@ -314,11 +314,11 @@ class EngineCore:
             raise ValueError(f"request_id={request_id!r} must be a non-empty string")
         if request_id in self._children:
             raise ValueError(f"request_id={request_id!r} is already in use")
-        ids = [int(t) for t in prompt_token_ids]
+        ids = list(map(int, prompt_token_ids))
         if not ids:
             raise ValueError("prompt must not be empty")
         vocab = self.model_config.vocab_size
-        if any(t < 0 or t >= vocab for t in ids):
+        if min(ids) < 0 or max(ids) >= vocab:
             raise ValueError(f"prompt token ids must be in [0, {vocab})")
         n_max = params.max_tokens if params.max_tokens is not None else 1
         if len(ids) + n_max > self.max_model_len:

@@ -5,6 +5,7 @@ import numpy as np
 import pytest
 
 from jinfer.engine.core import EngineConfig, EngineCore
+from jinfer.engine.request import Request
 from jinfer.sampling_params import SamplingParams
 
 from .test_engine import BASE, TINY, run_all
@@ -119,3 +120,36 @@ def test_kv_offload_gb_validated():
         EngineConfig(TINY, kv_offload_gb=1, enable_prefix_caching=False)
     with pytest.raises(ValueError, match="kv_offload_gb"):
         EngineCore(EngineConfig(TINY, **BASE, kv_offload_gb=1e-9))  # less than a page
+
+
+@pytest.mark.parametrize("tier", ["hbm", "host"])
+def test_warm_hit_is_a_one_token_decode_step(tier):
+    """A prompt whose every token but the last is cached (in HBM, or restored from the host tier) reaches its
+    first token with one step of one token, which the runner sends to the decode-only executable (on the GPU:
+    the paged decode kernel; on CPU the decode executables exist only for the Pallas backend, so the test
+    makes bucket 8 one and checks the choice, running the step on the usual executable)."""
+    from dataclasses import replace
+    core = EngineCore(EngineConfig(TINY, **{**BASE, "num_pages": 25}, kv_offload_gb=host_gb(64)))
+    runner = core.runner
+    assert runner.page_buckets[-1] * 4 >= core.max_model_len  # the page-table width covers the context
+    seen = []
+    run_step = runner.run_step
+    runner.run_step = lambda step: (seen.append((step.T, step.decode)), run_step(replace(step, decode=False)))[1]
+    runner.ready_decode = frozenset({8})
+    rng = np.random.default_rng(9)
+    prefix = rng.integers(3, 256, 32).tolist()  # 8 full pages
+    run_all(core, [("warm", prefix, GREEDY)])
+    if tier == "host":  # push the prefix out of HBM
+        run_all(core, [("other", rng.integers(3, 256, 80).tolist(), GREEDY)])
+        pages, _ = core.kv.get_computed_pages(Request("probe", prefix + [42]))
+        assert len(pages) == 8 and min(pages) < 0
+    hbm, host = core.kv.num_hit_tokens, core.kv.num_host_hit_tokens
+    seen.clear()
+    core.add_request("hit", prefix + [42], GREEDY)
+    core.step()
+    assert seen == [(8, True)]  # one token, the decode executable
+    assert core.scheduler.requests["hit"].num_cached_tokens == 32
+    hits = (core.kv.num_hit_tokens - hbm, core.kv.num_host_hit_tokens - host)
+    assert sum(hits) == 32 and (hits[1] == 0 if tier == "hbm" else hits[1] >= 16)  # a tail in the host tier
+    while core.has_unfinished_requests():
+        core.step()
