@@ -10,7 +10,8 @@ device, before the step's forward is launched:
   cache, queued ahead of the forward that reads them; the host goes on at once, so the copy overlaps the
   host's work and the steps already queued.
 Copies go in chunks of at most `MAX_TRANSFER_PAGES` pages (padded to a power of two: a few small
-executables), which bounds the HBM that a chunk stages. A slot's array is dropped when the slot is
+executables). The host queues the chunks without waiting, so a restore's staged pages may all be in HBM at
+once (outside the KV pool's budget: 2.4 GB for 16k tokens of Qwen3-4B). A slot's array is dropped when the slot is
 reassigned; JAX keeps it alive until a copy reading it has finished, so reusing a slot never races a copy.
 """
 
