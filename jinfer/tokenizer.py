@@ -356,7 +356,14 @@ class IncrementalDetokenizer:
         self._skip = tokenizer.special_token_ids if skip_special_tokens else frozenset()
         # A few prompt ids give the first generated token its left context (decoders that strip the first
         # space must not strip the space of a generated word).
-        self._ids = [i for i in prompt_ids if i not in self._skip][-4:]  # the window
+        # (from the end: a 32k-token prompt must not cost a pass over all of it on the first token's path)
+        window = []
+        for i in reversed(prompt_ids):
+            if i not in self._skip:
+                window.append(i)
+                if len(window) == 4:
+                    break
+        self._ids = window[::-1]  # the window
         self._read = len(self._ids)  # window ids before this are emitted ...
         self._prefix_text = self._decode(self._ids)  # ... as this text
         self._chunks: list[str] = []

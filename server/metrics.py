@@ -36,6 +36,14 @@ class Metrics:
         self.free_pages = Gauge("jinfer_kv_cache_free_pages", "Free KV pages", **per)
         self.prefix_hit_rate = Gauge("jinfer_prefix_cache_hit_rate", "Prefix-cache hit rate over prompt tokens",
                                      **per)
+        self.tier_hit_rate = Gauge("jinfer_prefix_cache_tier_hit_rate", "Prefix-cache hits in one tier (hbm, host) "
+                                   "over prompt tokens looked up", labelnames=["replica", "tier"], registry=r)
+        self.host_pages = Gauge("jinfer_kv_host_cache_pages", "KV pages the host tier holds (--kv-offload-gb)", **per)
+        self.host_usage = Gauge("jinfer_kv_host_cache_usage_ratio", "Fraction of the host tier's pages in use "
+                                "(0..1)", **per)
+        self.tier_bytes = Gauge("jinfer_kv_host_transfer_bytes", "KV bytes copied between HBM and the host tier "
+                                "since start (to_host: evicted pages saved; to_device: host hits restored)",
+                                labelnames=["replica", "direction"], registry=r)
         self.engine_alive = Gauge("jinfer_engine_alive", "1 while the engine process serves", **per)
         self.late_compiles = Gauge("jinfer_compiles_after_warmup", "Shapes the engine compiled after its warm-up "
                                    "(each stalled a step)", **per)
@@ -52,6 +60,13 @@ class Metrics:
                            (self.warmup_pending, "warmup_pending")):
             if key in stats:
                 gauge.labels(label).set(stats[key])
+        if "kv_host_pages" in stats:  # the host tier is on
+            for tier in ("hbm", "host"):
+                self.tier_hit_rate.labels(label, tier).set(stats.get(f"prefix_cache_{tier}_hit_rate", 0.0))
+            self.host_pages.labels(label).set(stats["kv_host_pages"])
+            self.host_usage.labels(label).set(stats["kv_host_usage"])
+            self.tier_bytes.labels(label, "to_host").set(stats["kv_offload_bytes_total"])
+            self.tier_bytes.labels(label, "to_device").set(stats["kv_restore_bytes_total"])
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

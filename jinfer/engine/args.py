@@ -15,7 +15,7 @@ SERVE_WARMUP_FIRST_TOKENS = 256
 _ENGINE_OPTIONS = ("dtype", "load_format", "max_model_len", "max_num_seqs", "max_num_batched_tokens", "num_pages",
                    "page_size", "gpu_memory_utilization", "tensor_parallel_size", "seed", "attention_backend",
                    "compilation_cache_dir", "nnodes", "node_rank", "master_addr", "master_port",
-                   "log_stats_interval", "generation_config")
+                   "log_stats_interval", "generation_config", "kv_offload_gb")
 
 
 def _non_negative_int(text: str) -> int:
@@ -53,6 +53,9 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
                         "pallas-triton: Triton kernels only; auto: pallas on GPU, reference elsewhere")
     e.add_argument("--compilation-cache-dir", default=None, help="JAX compilation cache ('' = off)")
     e.add_argument("--no-prefix-caching", action="store_true")
+    e.add_argument("--kv-offload-gb", type=float, default=None, metavar="GIB",
+                   help="host memory (GiB, pinned) for KV pages evicted from the HBM prefix cache: a prefix found "
+                        "there is copied back instead of recomputed (default 0: off)")
     e.add_argument("--no-chunked-prefill", action="store_true")
     e.add_argument("--no-warmup", action="store_true", help="compile shapes on first use instead of at start")
     e.add_argument("--warmup-first-tokens", type=_non_negative_int, default=None, metavar="N",

@@ -69,6 +69,8 @@ class EngineConfig:
     num_pages: int | None = None  # default: from gpu_memory_utilization (GPU) or 1 GiB (CPU)
     gpu_memory_utilization: float = 0.9
     enable_prefix_caching: bool = True
+    # GiB of host memory for KV pages evicted from the HBM prefix cache (the host tier); 0: none
+    kv_offload_gb: float = 0.0
     enable_chunked_prefill: bool = True
     tensor_parallel_size: int = 1
     enable_expert_parallel: bool = False  # MoE: whole experts split over the devices (else their columns)
@@ -125,6 +127,15 @@ class EngineConfig:
         v = self.log_stats_interval
         if not isinstance(v, int | float) or isinstance(v, bool) or not 0 <= v < float("inf"):
             raise ValueError(f"log_stats_interval={v!r} must be a number of seconds >= 0")
+        v = self.kv_offload_gb
+        if not isinstance(v, int | float) or isinstance(v, bool) or not 0 <= v < float("inf"):
+            raise ValueError(f"kv_offload_gb={v!r} must be a number of GiB >= 0 (0: no host tier)")
+        if v and not self.enable_prefix_caching:
+            raise ValueError(f"kv_offload_gb={v} needs enable_prefix_caching=True: the host tier holds pages "
+                             "evicted from the prefix cache")
+        if v and self.nnodes > 1:
+            raise ValueError(f"kv_offload_gb={v} with nnodes={self.nnodes}: the host tier is not supported "
+                             "across several processes")
         if not 0 < self.gpu_memory_utilization <= 1:
             raise ValueError(f"gpu_memory_utilization={self.gpu_memory_utilization} must be in (0, 1]")
 
@@ -227,7 +238,8 @@ class EngineCore:
         max_len = min(config.max_model_len or self.model_config.max_position_embeddings,
                       (num_pages - 1) * config.page_size)
         self.max_model_len = max_len
-        self.kv = KVCacheManager(num_pages, config.page_size, prefix_caching, self.num_state_slots)
+        num_host_pages = self._num_host_pages(prefix_caching)
+        self.kv = KVCacheManager(num_pages, config.page_size, prefix_caching, self.num_state_slots, num_host_pages)
         self.scheduler = Scheduler(SchedulerConfig(
             max_model_len=max_len, max_num_seqs=config.max_num_seqs,
             max_num_batched_tokens=config.max_num_batched_tokens,
@@ -236,6 +248,7 @@ class EngineCore:
                                   kv_dtype=DTYPES[self.dtype], max_num_batched_tokens=config.max_num_batched_tokens,
                                   max_num_seqs=config.max_num_seqs, max_model_len=max_len,
                                   ops=select_ops(config.attention_backend), num_state_slots=self.num_state_slots,
+                                  num_host_pages=num_host_pages,
                                   executable_dir=os.path.join(cache_dir, "executables")
                                   if cache_dir and config.executable_cache and self.group is None else None)
         self._seqs: dict[str, _Seq] = {}  # sequence id -> state
@@ -256,6 +269,22 @@ class EngineCore:
         _LIVE_ENGINES.add(self)
         log.info("engine ready in %.1f s: %s, %d KV pages of %d tokens, max_model_len %d", self.startup_seconds,
                  self.model_name, num_pages, config.page_size, max_len)
+
+    def _num_host_pages(self, prefix_caching: bool) -> int:
+        """Pages the host tier holds: kv_offload_gb GiB at one page's KV over all layers and devices."""
+        cfg = self.config
+        if not cfg.kv_offload_gb:
+            return 0
+        if not prefix_caching:
+            log.info("no KV host tier: prefix caching is off for %s", self.model_config.architecture)
+            return 0
+        per_page = cfg.tensor_parallel_size * kv_cache_bytes_per_page(self.model_config, cfg.page_size,
+                                                                      DTYPES[self.dtype], cfg.tensor_parallel_size)
+        num = int(cfg.kv_offload_gb * 2**30 // per_page)
+        if num < 1:
+            raise ValueError(f"kv_offload_gb={cfg.kv_offload_gb} holds no page ({per_page} bytes each)")
+        log.info("KV host tier: %d pages (%.2f GiB)", num, num * per_page / 2**30)
+        return num
 
     def _auto_num_pages(self, device) -> int:
         cfg = self.config
@@ -285,11 +314,11 @@ class EngineCore:
             raise ValueError(f"request_id={request_id!r} must be a non-empty string")
         if request_id in self._children:
             raise ValueError(f"request_id={request_id!r} is already in use")
-        ids = [int(t) for t in prompt_token_ids]
+        ids = list(map(int, prompt_token_ids))
         if not ids:
             raise ValueError("prompt must not be empty")
         vocab = self.model_config.vocab_size
-        if any(t < 0 or t >= vocab for t in ids):
+        if min(ids) < 0 or max(ids) >= vocab:
             raise ValueError(f"prompt token ids must be in [0, {vocab})")
         n_max = params.max_tokens if params.max_tokens is not None else 1
         if len(ids) + n_max > self.max_model_len:
@@ -360,6 +389,8 @@ class EngineCore:
     def _step(self) -> list[EngineOutput]:
         outputs = []
         out = self.scheduler.schedule(*self.runner.ready_limits())
+        if out.kv_transfers:  # copies between the HBM and host tiers go to the device ahead of the step
+            self.runner.transfer(out.kv_transfers)
         launched = None
         if not out.is_empty:
             rows = []
@@ -523,11 +554,22 @@ class EngineCore:
         if self.group is not None:
             self.group.close()
 
+    def _host_tier_stats(self) -> dict:
+        host, pool = self.kv.host, self.runner.host_pool
+        if host is None:
+            return {}
+        return {"kv_host_pages": host.num_slots, "kv_host_used_pages": host.num_used_slots,
+                "kv_host_usage": host.num_used_slots / host.num_slots,
+                "kv_offload_bytes_total": host.num_offloaded_pages * pool.page_bytes,
+                "kv_restore_bytes_total": host.num_restored_pages * pool.page_bytes,
+                "kv_offload_dropped_pages": host.num_dropped_offloads}
+
     def stats(self) -> dict:
         return {**self.scheduler.stats(), "kv_usage": self.kv.usage, "num_pages": self.kv.num_usable_pages,
                 "num_free_pages": self.kv.num_free_pages,
                 "prompt_tokens_total": self.num_prompt_tokens_total,
                 "generation_tokens_total": self.num_generation_tokens_total,
+                **self._host_tier_stats(),
                 "compiles_after_warmup": self.runner.compiles_after_warmup,
                 "warmup_pending": len(self.runner.token_buckets) - len(self.runner.ready_tokens)
                 + len(self.runner.decode_buckets) - len(self.runner.ready_decode)}

@@ -21,6 +21,12 @@ The device KV cache is `[num_pages, page_size, ...]` per layer; this module only
   preempted request recomputes its state from position 0). Slot 0 is reserved for padding sequences.
   A state summarises a whole prefix and cannot be rebuilt from pages, so such models run without
   prefix caching (the engine turns it off).
+- Host tier (`num_host_pages` > 0, `kv_host_tier.py`): a cached page taken from the free queue for reuse
+  first has its content offloaded to a host slot, and a prefix lookup continues into the host tier
+  where HBM misses. A host hit appears in `get_computed_pages`' list as `-1 - slot`; `allocate_slots`
+  gives it a fresh HBM page (after reviving the HBM hits, so it never evicts one of them), records the
+  restore, and enters the page in the HBM hash table at once (the copy is launched before any step
+  that reads it). The schedule hands the recorded copies to the runner (`take_transfers`).
 """
 
 from __future__ import annotations
@@ -29,6 +35,7 @@ import hashlib
 from array import array
 from collections import OrderedDict
 
+from jinfer.engine.kv_host_tier import HostTier, KVTransfers
 from jinfer.engine.request import Request
 
 NULL_PAGE = 0
@@ -44,7 +51,8 @@ def hash_page(parent: bytes, token_ids: list[int]) -> bytes:
 
 
 class KVCacheManager:
-    def __init__(self, num_pages: int, page_size: int, enable_prefix_caching: bool = True, num_state_slots: int = 0):
+    def __init__(self, num_pages: int, page_size: int, enable_prefix_caching: bool = True, num_state_slots: int = 0,
+                 num_host_pages: int = 0):
         if num_pages < 2:
             raise ValueError(f"num_pages={num_pages} must be >= 2 (page 0 is the reserved null page)")
         if page_size < 1:
@@ -60,7 +68,12 @@ class KVCacheManager:
         # request_id -> number of leading pages of its table already looked at by cache_full_pages.
         self._num_registered: dict[str, int] = {}
         self.num_query_tokens = 0  # prefix-cache stats, counted once per admission
-        self.num_hit_tokens = 0
+        self.num_hit_tokens = 0  # hits in HBM
+        self.num_host_hit_tokens = 0  # hits in the host tier (restored)
+        if num_host_pages and not enable_prefix_caching:
+            raise ValueError(f"num_host_pages={num_host_pages} needs enable_prefix_caching=True (the host tier holds "
+                             "pages evicted from the prefix cache)")
+        self.host = HostTier(num_host_pages) if num_host_pages else None
         if num_state_slots == 1 or num_state_slots < 0:
             raise ValueError(f"num_state_slots={num_state_slots} must be 0 (no state layers) or >= 2 (slot 0 is "
                              "reserved)")
@@ -92,7 +105,9 @@ class KVCacheManager:
 
     @property
     def prefix_cache_hit_rate(self) -> float:
-        return self.num_hit_tokens / self.num_query_tokens if self.num_query_tokens else 0.0
+        """Hits in either tier, over prompt tokens looked up."""
+        hits = self.num_hit_tokens + self.num_host_hit_tokens
+        return hits / self.num_query_tokens if self.num_query_tokens else 0.0
 
     def ref_count(self, page: int) -> int:
         return self._ref_cnt[page]
@@ -104,16 +119,25 @@ class KVCacheManager:
 
     def _update_hashes(self, request: Request, num_pages: int) -> list[bytes]:
         """Extend `request.page_hashes` to cover its first `num_pages` full pages."""
-        hashes, toks, ps = request.page_hashes, request.all_token_ids, self.page_size
-        while len(hashes) < num_pages:
-            i = len(hashes)
-            hashes.append(hash_page(hashes[-1] if hashes else b"", toks[i * ps:(i + 1) * ps]))
+        hashes, ps = request.page_hashes, self.page_size
+        start = len(hashes)
+        if start >= num_pages:
+            return hashes
+        # hash_page over all the pages at once: one conversion to bytes, then slices of it (the first token
+        # of a 32k-token prompt waits for these 2k digests)
+        data = array("q", request.all_token_ids[start * ps:num_pages * ps]).tobytes()
+        step, blake2b = ps * 8, hashlib.blake2b
+        parent = hashes[-1] if hashes else b""
+        for i in range(num_pages - start):
+            parent = blake2b(parent + data[i * step:(i + 1) * step], digest_size=16).digest()
+            hashes.append(parent)
         return hashes
 
     def get_computed_pages(self, request: Request) -> tuple[list[int], int]:
         """Pages of the longest cached prefix of a request about to be admitted, and its token count.
 
         Never covers the request's last token. Changes nothing: pass the pages to `allocate_slots`.
+        With a host tier, a page found only there is `-1 - its slot`.
         """
         assert not request.page_ids and request.num_computed_tokens == 0, request.request_id
         if not self.enable_prefix_caching:
@@ -123,7 +147,10 @@ class KVCacheManager:
         for h in self._update_hashes(request, max_pages):
             page = self._hash_to_page.get(h)
             if page is None:
-                break
+                slot = self.host.lookup(h) if self.host is not None else None
+                if slot is None:
+                    break
+                page = -1 - slot
             pages.append(page)
         return pages, len(pages) * self.page_size
 
@@ -151,16 +178,24 @@ class KVCacheManager:
         self._num_registered[request.request_id] = num_full
 
     def reset_prefix_cache(self) -> None:
-        """Forget all cached content (e.g. after weights change). Pages in use stay allocated."""
+        """Forget all cached content, in both tiers (e.g. after weights change). Pages in use stay allocated."""
         self._hash_to_page.clear()
         self._page_hash = [None] * self.num_pages
+        if self.host is not None:
+            self.host.reset()
+
+    def take_transfers(self) -> KVTransfers | None:
+        """The copies between tiers recorded since the last call (the schedule hands them to the runner)."""
+        return self.host.take_transfers() if self.host is not None else None
 
     # ---- allocation ----------------------------------------------------------------------------
 
     def _take_free_page(self) -> int:
         page, _ = self._free.popitem(last=False)
         h = self._page_hash[page]
-        if h is not None:  # evict its cached content
+        if h is not None:  # evict its cached content (to the host tier, if there is one)
+            if self.host is not None:
+                self.host.offload(page, h)
             self._page_hash[page] = None
             if self._hash_to_page.get(h) == page:
                 del self._hash_to_page[h]
@@ -186,26 +221,43 @@ class KVCacheManager:
             computed = computed_pages
             num_tokens = len(computed) * self.page_size + num_new_tokens
             num_fresh = max(0, self.pages_needed(num_tokens) - len(computed))
-        # Cached pages with no users sit in the free queue; reusing them takes them out of it.
-        num_revived = sum(1 for p in computed if self._ref_cnt[p] == 0)
+        # Cached pages with no users sit in the free queue; reusing them takes them out of it. A host hit
+        # (< 0) takes a fresh page.
+        num_revived = sum(1 for p in computed if p < 0 or self._ref_cnt[p] == 0)
         if num_fresh + num_revived > self.num_free_pages:
             return False
         if computed_pages is not None and self.num_state_slots:
             if not self._free_slots:
                 return False
             request.state_slot = self._free_slots.pop()
-        for p in computed:
+        num_restored = 0
+        for p in computed:  # HBM hits first: taking pages for the host hits must not evict one of them
+            if p < 0:
+                self.host.pin(-1 - p)  # nor may their offloads reuse a slot about to be read
+                num_restored += 1
+                continue
             if self._ref_cnt[p] == 0:
                 del self._free[p]
             self._ref_cnt[p] += 1
+        if num_restored:
+            computed = [p if p >= 0 else self._restore(request.page_hashes[i]) for i, p in enumerate(computed)]
         request.page_ids.extend(computed)
         request.page_ids.extend(self._take_free_page() for _ in range(num_fresh))
         if computed_pages is not None:
             self.num_query_tokens += request.num_tokens
-            self.num_hit_tokens += len(computed) * self.page_size
+            self.num_hit_tokens += (len(computed) - num_restored) * self.page_size
+            self.num_host_hit_tokens += num_restored * self.page_size
             if computed:
                 self._num_registered[request.request_id] = len(computed)
         return True
+
+    def _restore(self, digest: bytes) -> int:
+        """A fresh page receiving `digest`'s content from the host tier, entered in the HBM cache at once."""
+        page = self._take_free_page()
+        self.host.restore(digest, page)
+        self._page_hash[page] = digest
+        self._hash_to_page[digest] = page
+        return page
 
     def free(self, request: Request) -> None:
         """Drop the request's references; pages nobody else uses return to the free queue."""

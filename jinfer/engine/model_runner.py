@@ -40,6 +40,8 @@ from jinfer.config import ModelConfig
 from jinfer.distributed import StepInputs
 from jinfer.engine.executable_cache import ExecutableCache
 from jinfer.engine.kv_cache_manager import NULL_PAGE, cdiv
+from jinfer.engine.kv_host_tier import KVTransfers
+from jinfer.engine.kv_transfer import HostKVPool
 from jinfer.engine.sampler import (
     SamplerFlags,
     SamplingTensors,
@@ -301,10 +303,13 @@ def _with_pending_output(row: StepRow | None, s, prev: Launched | None) -> StepR
 class ModelRunner:
     def __init__(self, cfg: ModelConfig, weights: Weights, mesh: Mesh, *, num_pages: int, page_size: int,
                  kv_dtype, max_num_batched_tokens: int, max_num_seqs: int, max_model_len: int,
-                 ops: ModelOps = REFERENCE_OPS, executable_dir: str | None = None, num_state_slots: int = 0):
+                 ops: ModelOps = REFERENCE_OPS, executable_dir: str | None = None, num_state_slots: int = 0,
+                 num_host_pages: int = 0):
         self.cfg, self.weights, self.mesh = cfg, weights, mesh
         self.page_size = page_size
         self.kv_cache = init_kv_cache(cfg, num_pages, page_size, kv_dtype, mesh, num_state_slots)
+        # The host tier's pages (kv_transfer.py): `transfer` launches a schedule's copies before its step.
+        self.host_pool = HostKVPool(self.kv_cache, num_host_pages) if num_host_pages else None
         # On GPU, T=1 is its own bucket: batch-1 decode is the latency-critical case and has its own
         # kernels. Not on CPU: there XLA copies the whole KV cache when a one-token update is followed
         # by a read of the cache in the same executable (step time grew with the pool: 4 s at 4096 pages).
@@ -367,6 +372,12 @@ class ModelRunner:
 
     def _put(self, x):
         return put(x, self._input_sharding)
+
+    def transfer(self, transfers: KVTransfers) -> None:
+        """Launch one schedule's copies between the HBM and host tiers; call it before launching the step
+        (the device runs them first: offloads read pages before the step overwrites them, restores fill
+        pages before the step reads them)."""
+        self.kv_cache = self.host_pool.apply(self.kv_cache, transfers)
 
     def batch_rows(self, out: SchedulerOutput) -> int:
         """B, the padded number of sequences of the step `out` (build_batch's)."""
@@ -644,6 +655,8 @@ class ModelRunner:
                     jax.block_until_ready(sample(logits, self._put(pack_sampling(self.sampling_tensors([None] * B,
                                                                                                        B))),
                                                  self._last_tokens))
+        if self.host_pool is not None:  # the host tier's gathers and scatters, every chunk size
+            self.kv_cache = self.host_pool.warmup(self.kv_cache)
         # A first sampler output, so the very first step passes the same kind of array as all others.
         B = self.seqs_bucket(now[0])
         sample = self.sampler_executable(B, 0, 0, -1, SamplerFlags.warm()[0])

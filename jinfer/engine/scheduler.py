@@ -35,6 +35,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from jinfer.engine.kv_cache_manager import KVCacheManager
+from jinfer.engine.kv_host_tier import KVTransfers
 from jinfer.engine.request import FinishReason, Request, RequestStatus
 
 
@@ -88,6 +89,9 @@ class SchedulerOutput:
     scheduled: list[ScheduledRequest] = field(default_factory=list)  # batch order
     preempted_ids: list[str] = field(default_factory=list)  # preempted during this schedule()
     finished_ids: list[str] = field(default_factory=list)  # finished/aborted since the last schedule()
+    # Copies between the HBM and host tiers this schedule decided (evicted pages out, host hits in): the
+    # runner launches them before the step's forward.
+    kv_transfers: KVTransfers | None = None
 
     @property
     def num_scheduled_tokens(self) -> int:
@@ -243,6 +247,7 @@ class Scheduler:
             self.running.append(request)
             out.scheduled.append(self._scheduled(request, num_new, num_cached))
             budget -= num_new
+        out.kv_transfers = self.kv.take_transfers()
         return out
 
     def update(self, out: SchedulerOutput, sampled: dict[str, int]) -> list[Request]:
@@ -311,5 +316,9 @@ class Scheduler:
             "kv_cache_usage": self.kv.usage,
             "prefix_cache_hit_rate": self.kv.prefix_cache_hit_rate,
             "prefix_cache_queries": self.kv.num_query_tokens,
-            "prefix_cache_hits": self.kv.num_hit_tokens,
+            "prefix_cache_hits": self.kv.num_hit_tokens + self.kv.num_host_hit_tokens,
+            "prefix_cache_hbm_hits": self.kv.num_hit_tokens,
+            "prefix_cache_host_hits": self.kv.num_host_hit_tokens,
+            "prefix_cache_hbm_hit_rate": self.kv.num_hit_tokens / max(self.kv.num_query_tokens, 1),
+            "prefix_cache_host_hit_rate": self.kv.num_host_hit_tokens / max(self.kv.num_query_tokens, 1),
         }

@@ -4,7 +4,8 @@
     Running: 4 reqs, Waiting: 0 reqs, GPU KV cache usage: 3.1%, Prefix cache hit rate: 42.0%
 
 Throughputs are averages over the interval (`--log-stats-interval`, default 10 s; 0 turns the line off);
-the prefix-cache hit rate is over the interval's lookups (the lifetime rate when there were none). An idle
+the prefix-cache hit rate is over the interval's lookups (the lifetime rate when there were none); with a
+KV host tier (`--kv-offload-gb`) the line adds its usage, its share of the hits and the interval's copies. An idle
 engine logs once after its last busy interval, then stays quiet (as vLLM does).
 """
 
@@ -45,5 +46,10 @@ class StatsLogger:
                 f"Avg generation throughput: {gen_tps:.1f} tokens/s, Running: {int(stats.get('num_running', 0))} "
                 f"reqs, Waiting: {int(stats.get('num_waiting', 0))} reqs, GPU KV cache usage: "
                 f"{100 * stats.get('kv_usage', 0.0):.1f}%, Prefix cache hit rate: {100 * hit_rate:.1f}%")
+        if "kv_host_pages" in stats:  # the host tier: its share of the hits, its usage, the interval's copies
+            host = delta("prefix_cache_host_hits") / queries if queries > 0 else 0.0
+            line += (f", Host KV cache usage: {100 * stats.get('kv_host_usage', 0.0):.1f}%, host hits: "
+                     f"{100 * host:.1f}%, offloaded: {delta('kv_offload_bytes_total') / 2**20:.0f} MiB, restored: "
+                     f"{delta('kv_restore_bytes_total') / 2**20:.0f} MiB")
         log.info(line)
         return line

@@ -216,6 +216,16 @@ def test_hash_is_chained_and_128_bit():
     assert hash_page(h1, [5, 6, 7, 8]) != hash_page(b"", [5, 6, 7, 8])
     assert hash_page(b"", [1, 2, 3, 5]) != h1
     assert hash_page(b"", [2**31, 0, 0, 0]) != hash_page(b"", [0, 0, 0, 0])
+    # the manager's batched hashing (in two goes, as a request grows) gives hash_page's chain
+    kv, r = KVCacheManager(num_pages=9, page_size=PS), make_req("r", range(3, 16))
+    assert kv.get_computed_pages(r) == ([], 0) and len(r.page_hashes) == 3
+    r.append_output_token(99)
+    r.append_output_token(7)
+    r.append_output_token(8)
+    chain = [hash_page(b"", [3, 4, 5, 6])]
+    for page in ([7, 8, 9, 10], [11, 12, 13, 14], [15, 99, 7, 8]):
+        chain.append(hash_page(chain[-1], page))
+    assert kv._update_hashes(r, 4) == chain
 
 
 def test_invalid_construction():

@@ -33,3 +33,18 @@ def test_stats_line_rates_and_quiet_when_idle(caplog):
     now[0] = 50.0
     assert logger.maybe_log(stats) is None
     assert StatsLogger(0.0, clock=lambda: 1e9).maybe_log(stats) is None  # 0: off
+
+
+def test_stats_line_with_the_host_tier():
+    now = [0.0]
+    logger = StatsLogger(10.0, clock=lambda: now[0])
+    stats = dict(prompt_tokens_total=0, num_running=1, prefix_cache_queries=0, prefix_cache_hits=0,
+                 prefix_cache_host_hits=0, kv_host_pages=100, kv_host_usage=0.0, kv_offload_bytes_total=0,
+                 kv_restore_bytes_total=0)
+    now[0] = 10.0
+    logger.maybe_log(stats)
+    stats.update(prefix_cache_queries=1000, prefix_cache_hits=600, prefix_cache_host_hits=250, kv_host_usage=0.5,
+                 kv_offload_bytes_total=3 * 2**20, kv_restore_bytes_total=2**21)
+    now[0] = 20.0
+    assert logger.maybe_log(stats).endswith("Prefix cache hit rate: 60.0%, Host KV cache usage: 50.0%, host hits: "
+                                            "25.0%, offloaded: 3 MiB, restored: 2 MiB")

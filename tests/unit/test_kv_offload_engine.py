@@ -1,0 +1,155 @@
+"""The KV host tier in the engine (tiny Llama, float32): pages evicted from an HBM pool that holds a fraction of
+the working set come back from host memory with their exact contents, under preemption, n > 1 and aborts."""
+
+import numpy as np
+import pytest
+
+from jinfer.engine.core import EngineConfig, EngineCore
+from jinfer.engine.request import Request
+from jinfer.sampling_params import SamplingParams
+
+from .test_engine import BASE, TINY, run_all
+
+PAGE_BYTES = 2 * 2 * 4 * 2 * 16 * 4  # layers x (k, v) x page_size x kv heads x head_dim x float32
+GREEDY = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+LONGER = dict(temperature=0.0, max_tokens=16, ignore_eos=True)  # the second round grows: preemptions
+
+
+def host_gb(pages: int) -> float:
+    return pages * PAGE_BYTES / 2**30
+
+
+def sessions(n=6, seed=3):
+    rng = np.random.default_rng(seed)
+    return [rng.integers(3, 256, size=int(rng.integers(24, 34))).tolist() for _ in range(n)]
+
+
+def two_rounds(core: EngineCore, concurrent: bool):
+    """Each session's prompt, then (after all of them) the prompt extended: the second round finds the
+    first round's prefix in the cache, or, when HBM is too small, in the host tier."""
+    first = [(f"a{i}", p, GREEDY) for i, p in enumerate(sessions())]
+    out = {}
+    for r in first:
+        out.update(run_all(core, [r])[0])
+    second = [(f"b{i}", p + [5, 6, 7, 8, 9], SamplingParams(**LONGER, n=2 if i == 1 else 1))
+              for i, p in enumerate(sessions())]
+    if concurrent:
+        out.update(run_all(core, second)[0])
+    else:
+        for r in second:
+            out.update(run_all(core, [r])[0])
+    return out
+
+
+@pytest.fixture(scope="module")
+def reference():
+    """A pool that holds every session: nothing is ever evicted."""
+    core = EngineCore(EngineConfig(TINY, **BASE))
+    out = two_rounds(core, concurrent=False)
+    assert core.kv.num_hit_tokens > 0
+    return out
+
+
+def test_offloaded_prefixes_come_back_exact(reference):
+    # 24 usable pages of 4 tokens hold about two sessions' histories; the host tier holds all of them
+    core = EngineCore(EngineConfig(TINY, **{**BASE, "num_pages": 25}, kv_offload_gb=host_gb(64)))
+    assert core.kv.host.num_slots == 64 and core.runner.host_pool.page_bytes == PAGE_BYTES
+    out = two_rounds(core, concurrent=False)
+    assert out == reference
+    stats = core.stats()
+    assert core.kv.num_host_hit_tokens > 0 and stats["kv_restore_bytes_total"] > 0
+    assert stats["kv_offload_bytes_total"] >= stats["kv_restore_bytes_total"] > 0
+    assert stats["prefix_cache_host_hits"] == core.kv.num_host_hit_tokens
+    assert core.kv.num_free_pages == core.kv.num_usable_pages
+    assert core.runner.host_pool.num_used_slots == core.kv.host.num_used_slots == stats["kv_host_used_pages"]
+    # jax 0.11's CPU backend has pinned_host too: the same code path as on GPU
+    held = [a for a in core.runner.host_pool.slots if a is not None]
+    assert {a.sharding.memory_kind for a in held} == {"pinned_host"}
+    # /metrics: the engine's stats (as the engine process sends them) become the tier's gauges
+    from server.metrics import Metrics
+    m = Metrics()
+    m.set_engine_stats(stats, True)
+    text = m.render().decode()
+    restored = float(stats["kv_restore_bytes_total"])
+    assert f'jinfer_kv_host_transfer_bytes{{direction="to_device",replica="0"}} {restored}' in text
+    host_rate = stats["prefix_cache_host_hit_rate"]
+    assert 0 < host_rate and f'jinfer_prefix_cache_tier_hit_rate{{replica="0",tier="host"}} {host_rate}' in text
+    assert f'jinfer_kv_host_cache_usage_ratio{{replica="0"}} {stats["kv_host_usage"]}' in text
+
+
+def test_restores_under_preemption_and_a_small_host_pool(reference):
+    # the second round runs all at once: preemptions; the host tier holds 12 pages (its LRU evicts)
+    core = EngineCore(EngineConfig(TINY, **{**BASE, "num_pages": 25}, kv_offload_gb=host_gb(24)))
+    preempted = []
+    orig = core.scheduler._preempt
+    core.scheduler._preempt = lambda r: (preempted.append(r.request_id), orig(r))[1]
+    out = two_rounds(core, concurrent=True)
+    assert out == reference and preempted
+    assert core.kv.num_host_hit_tokens > 0
+    assert core.kv.host.num_used_slots == 24 and core.runner.host_pool.num_used_slots == 24
+    assert core.kv.host.num_offloaded_pages > 24  # the bound held while more went through
+    assert core.kv.num_free_pages == core.kv.num_usable_pages
+
+
+def test_abort_mid_restore_leaks_nothing():
+    core = EngineCore(EngineConfig(TINY, **{**BASE, "num_pages": 25}, kv_offload_gb=host_gb(64)))
+    prompts = sessions()
+    for i, p in enumerate(prompts):
+        run_all(core, [(f"a{i}", p, GREEDY)])
+    hits = core.kv.num_host_hit_tokens
+    core.add_request("x", prompts[0] + [1, 2, 3], SamplingParams(max_tokens=20, ignore_eos=True, n=2))
+    core.step()  # the restore and the first step are launched, not read back
+    assert core.kv.num_host_hit_tokens > hits
+    core.abort("x")
+    while core.has_unfinished_requests():
+        core.step()
+    core.step()
+    assert core.kv.num_free_pages == core.kv.num_usable_pages
+    assert core.kv.take_transfers() is None and not core.kv.host._pinned
+    assert core.runner.host_pool.num_used_slots == core.kv.host.num_used_slots <= 64
+    # the engine goes on, and the aborted request's restored pages serve the next one from HBM
+    hbm = core.kv.num_hit_tokens
+    out, _ = run_all(core, [("y", prompts[0] + [1, 2, 3], GREEDY)])
+    assert core.kv.num_hit_tokens > hbm and len(out["y/0"]) == GREEDY.max_tokens
+
+
+def test_kv_offload_gb_validated():
+    with pytest.raises(ValueError, match="kv_offload_gb"):
+        EngineConfig(TINY, kv_offload_gb=-1)
+    with pytest.raises(ValueError, match="kv_offload_gb"):
+        EngineConfig(TINY, kv_offload_gb=1, enable_prefix_caching=False)
+    with pytest.raises(ValueError, match="kv_offload_gb"):
+        EngineCore(EngineConfig(TINY, **BASE, kv_offload_gb=1e-9))  # less than a page
+
+
+@pytest.mark.parametrize("tier", ["hbm", "host"])
+def test_warm_hit_is_a_one_token_decode_step(tier):
+    """A prompt whose every token but the last is cached (in HBM, or restored from the host tier) reaches its
+    first token with one step of one token, which the runner sends to the decode-only executable (on the GPU:
+    the paged decode kernel; on CPU the decode executables exist only for the Pallas backend, so the test
+    makes bucket 8 one and checks the choice, running the step on the usual executable)."""
+    from dataclasses import replace
+    core = EngineCore(EngineConfig(TINY, **{**BASE, "num_pages": 25}, kv_offload_gb=host_gb(64)))
+    runner = core.runner
+    assert runner.page_buckets[-1] * 4 >= core.max_model_len  # the page-table width covers the context
+    seen = []
+    run_step = runner.run_step
+    runner.run_step = lambda step: (seen.append((step.T, step.decode)), run_step(replace(step, decode=False)))[1]
+    runner.ready_decode = frozenset({8})
+    rng = np.random.default_rng(9)
+    prefix = rng.integers(3, 256, 32).tolist()  # 8 full pages
+    run_all(core, [("warm", prefix, GREEDY)])
+    if tier == "host":  # push the prefix out of HBM
+        run_all(core, [("other", rng.integers(3, 256, 80).tolist(), GREEDY)])
+        pages, _ = core.kv.get_computed_pages(Request("probe", prefix + [42]))
+        assert len(pages) == 8 and min(pages) < 0
+    hbm, host = core.kv.num_hit_tokens, core.kv.num_host_hit_tokens
+    seen.clear()
+    core.add_request("hit", prefix + [42], GREEDY)
+    core.step()
+    assert seen == [(8, True)]  # one token, the decode executable
+    assert core.scheduler.requests["hit"].num_cached_tokens == 32
+    hits = (core.kv.num_hit_tokens - hbm, core.kv.num_host_hit_tokens - host)
+    assert sum(hits) == 32 and (hits[1] == 0 if tier == "hbm" else hits[1] >= 16)  # a tail in the host tier
+    while core.has_unfinished_requests():
+        core.step()
