@@ -17,7 +17,14 @@ import time
 import numpy as np
 
 from benchmarks.common import add_profile_argument, environment, profiled, write_result
-from benchmarks.roofline import decode_bytes, floors, measure_copy_bandwidth, measure_matmul, measure_torch_copy
+from benchmarks.roofline import (
+    decode_bytes,
+    decode_bytes_per_device,
+    floors,
+    measure_copy_bandwidth,
+    measure_matmul,
+    measure_torch_copy,
+)
 from jinfer.engine.core import EngineConfig, EngineCore
 from jinfer.sampling_params import SamplingParams
 
@@ -97,16 +104,24 @@ def main():
         mid_context = args.input_len + args.output_len // 2
         # each device reads its share of the bytes (split evenly: weights, KV heads and vocab)
         floor = decode_bytes(cfg, bs, mid_context)["total"] / args.tensor_parallel_size / bandwidth * 1e3
+        # what the busiest device reads under our layout (replicated kv heads, router; expert parallel: the
+        # device most of the hit experts land on): the floor the step can reach with this layout
+        busiest = None
+        if cfg.num_layers == len(cfg.attention_layers):
+            busiest = decode_bytes_per_device(cfg, bs, mid_context, args.tensor_parallel_size,
+                                              args.enable_expert_parallel)["total"] / bandwidth * 1e3
         ttft_floor = {k: bs * pf[k] for k in ("prefill_flop_floor_ms", "prefill_byte_floor_ms")}
         if bs > 1:  # one batch of bs prompts reads the weights once
             ttft_floor["prefill_byte_floor_ms"] = pf["prefill_byte_floor_ms"]
         rows.append({"batch_size": bs, **row, "roofline_tpot_ms": floor, "tpot_over_roofline": row["tpot_ms"] / floor,
+                     "roofline_tpot_ms_busiest_device": busiest,
                      "ttft_flop_floor_ms": ttft_floor["prefill_flop_floor_ms"],
                      "ttft_byte_floor_ms": ttft_floor["prefill_byte_floor_ms"],
                      "ttft_over_flop_floor": row["ttft_ms"] / ttft_floor["prefill_flop_floor_ms"]})
         print(f"batch {bs}: TTFT {row['ttft_ms']:.1f} ms (FLOP floor {ttft_floor['prefill_flop_floor_ms']:.1f}, "
               f"byte floor {ttft_floor['prefill_byte_floor_ms']:.1f}), TPOT {row['tpot_ms']:.2f} ms "
-              f"(roofline {floor:.2f} ms, {row['tpot_ms'] / floor:.2f}x)")
+              f"(roofline {floor:.2f} ms, {row['tpot_ms'] / floor:.2f}x"
+              + (f"; busiest device {busiest:.2f} ms" if busiest and args.tensor_parallel_size > 1 else "") + ")")
     result = {"benchmark": "latency", **environment(), "shape": args.shape, "dtype": args.dtype,
               "tensor_parallel_size": args.tensor_parallel_size, "expert_parallel": args.enable_expert_parallel,
               "processes": args.nnodes,

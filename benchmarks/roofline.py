@@ -121,6 +121,48 @@ def decode_bytes(cfg: ModelConfig, batch: int, context: int, dtype_bytes: int = 
     return {"weights": weights, "kv": kv, "states": states, "total": weights + kv + states}
 
 
+def busiest_device_experts(cfg: ModelConfig, tokens: int, devices: int, seed: int = 0) -> float:
+    """Expected distinct experts hit, per MoE layer, on the device that gets the most of them, when `tokens`
+    tokens each route to top-k of E uniformly and the experts lie whole on `devices` devices (expert
+    parallel, E / devices each, in order). Simulated: the step waits on that device."""
+    e, k = cfg.num_experts, cfg.num_experts_per_tok
+    rng = np.random.default_rng(seed)
+    samples = max(64, min(2000, 8_000_000 // (tokens * e)))
+    picks = rng.random((samples, tokens, e)).argpartition(k, axis=-1)[..., :k].reshape(samples, -1)
+    hit = np.zeros((samples, e), bool)
+    hit[np.arange(samples)[:, None], picks] = True
+    return float(hit.reshape(samples, devices, e // devices).sum(-1).max(-1).mean())
+
+
+def decode_bytes_per_device(cfg: ModelConfig, batch: int, context: int, tp: int, expert_parallel: bool = False,
+                            dtype_bytes: int = 2) -> dict:
+    """What the busiest of `tp` devices reads in one decode step under jinfer's layout (jinfer/parallel.py):
+    q / o, dense MLPs and the lm_head split tp ways; kv heads split, or one per device past num_kv_heads
+    devices (their weights and cache then stored on several); the router on every device; each hit expert's
+    columns split tp ways, or (expert parallel) whole experts on their device, counted on the device the
+    most hit experts land on (`busiest_device_experts`). At tp=1 it is `decode_bytes`."""
+    from jinfer.parallel import kv_heads_total
+
+    if cfg.num_layers != len(cfg.attention_layers):
+        raise ValueError(f"{cfg.architecture}: per-device bytes are for attention-only models")
+    h, kv_d = cfg.hidden_size, kv_heads_total(cfg, tp) // tp * cfg.head_dim  # kv columns on one device
+    attn = 2 * h * cfg.q_size // tp + 2 * h * kv_d + 2 * h + (2 * cfg.head_dim if cfg.qk_norm else 0)
+    if cfg.attention_bias:
+        attn += cfg.q_size // tp + 2 * kv_d
+    per_expert = 3 * h * cfg.moe_intermediate_size
+    if not cfg.num_experts:
+        experts = 0.0
+    elif expert_parallel and tp > 1:
+        experts = busiest_device_experts(cfg, batch, tp) * per_expert
+    else:
+        experts = experts_hit(cfg, batch) * per_expert / tp
+    mlp = sum(h * cfg.num_experts + experts if cfg.is_moe_layer(i) else 3 * h * cfg.intermediate_size / tp
+              for i in range(cfg.num_layers))
+    weights = (cfg.num_layers * attn + mlp + cfg.vocab_size * h / tp + h) * dtype_bytes
+    kv = batch * context * cfg.num_layers * 2 * kv_d * dtype_bytes
+    return {"weights": weights, "kv": kv, "total": weights + kv}
+
+
 def prefill_flops(cfg: ModelConfig, tokens: int) -> dict:
     """Matmul FLOPs of a causal prefill of `tokens` tokens (one sequence; MoE: the k experts of each token)."""
     embed = cfg.vocab_size * cfg.hidden_size

@@ -5,13 +5,18 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import msgspec
+
 # One entry per generated token: {token_id: logprob} holding the chosen token and the top-N.
 TokenLogprobs = dict[int, float]
 
 
-@dataclass
-class EngineOutput:
-    """New tokens of one sequence (`index` of the request's n samples) from one engine step."""
+class EngineOutput(msgspec.Struct, array_like=True, forbid_unknown_fields=True):
+    """New tokens of one sequence (`index` of the request's n samples) from one engine step.
+
+    A msgspec Struct so that the engine protocol (jinfer/engine/protocol.py) sends it as it is: a positional
+    msgpack array, decoded and type-checked in C on the client side.
+    """
 
     request_id: str
     index: int

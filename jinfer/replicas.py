@@ -22,8 +22,9 @@ import os
 import threading
 from collections import OrderedDict
 from collections.abc import AsyncIterator, Callable, Sequence
-from dataclasses import replace
 from typing import Any
+
+from msgspec.structs import replace
 
 from jinfer.client import EngineClient, EngineDeadError
 from jinfer.sampling_params import SamplingParams

@@ -54,7 +54,8 @@ def resolve_model(model: str | os.PathLike | None = None, load_format: str = "au
     """Turn a model argument into a ModelSource.
 
     `None` is the embedded default model; "dummy:<shape>" (shapes: NAMED_SHAPES) is random weights
-    at a real shape; a `.gguf` file, a directory holding one, or an HF directory with config.json.
+    at a real shape, "dummy:<shape>,num_layers=47" the same with integer fields overridden; a `.gguf`
+    file, a directory holding one, or an HF directory with config.json.
     `load_format="dummy"` gives random weights for an HF directory's config.
     """
     if load_format not in ("auto", "dummy"):
@@ -66,10 +67,7 @@ def resolve_model(model: str | os.PathLike | None = None, load_format: str = "au
         model = path
     name = str(model)
     if name.startswith("dummy:"):
-        shape = name.removeprefix("dummy:")
-        if shape not in NAMED_SHAPES:
-            raise ValueError(f"model={name!r}: unknown shape {shape!r}; known: {sorted(NAMED_SHAPES)}")
-        return ModelSource("dummy", None, NAMED_SHAPES[shape])
+        return ModelSource("dummy", None, dummy_config(name))
     path = Path(name)
     if not path.exists():
         raise ValueError(f"model={name!r} does not exist (give a model directory, a .gguf file or dummy:<shape>)")
@@ -86,6 +84,22 @@ def resolve_model(model: str | os.PathLike | None = None, load_format: str = "au
         return ModelSource("dummy" if load_format == "dummy" else "gguf", path, cfg)
     cfg = ModelConfig.from_hf_config(path)
     return ModelSource("dummy" if load_format == "dummy" else "hf", path, cfg)
+
+
+def dummy_config(name: str) -> ModelConfig:
+    """"dummy:<shape>[,field=int...]" -> the named shape's config with those integer fields replaced
+    (e.g. `dummy:qwen3-235b-a22b,num_layers=47`: half the depth, every layer's shapes the real ones)."""
+    shape, *overrides = name.removeprefix("dummy:").split(",")
+    if shape not in NAMED_SHAPES:
+        raise ValueError(f"model={name!r}: unknown shape {shape!r}; known: {sorted(NAMED_SHAPES)}")
+    cfg, kw = NAMED_SHAPES[shape], {}
+    for item in overrides:
+        key, _, value = item.partition("=")
+        if not isinstance(getattr(cfg, key, None), int) or isinstance(getattr(cfg, key), bool) \
+                or not value.lstrip("-").isdecimal():
+            raise ValueError(f"model={name!r}: {item!r} must be <integer field>=<integer>")
+        kw[key] = int(value)
+    return cfg.replace(**kw) if kw else cfg
 
 
 def load_weights(source: ModelSource, dtype: str = "bfloat16", mesh: Mesh | None = None,

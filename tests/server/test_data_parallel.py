@@ -14,6 +14,7 @@ import openai
 import pytest
 
 from jinfer.client import EngineDeadError
+from jinfer.engine.protocol import EngineReady
 from jinfer.replicas import BALANCE_SLACK, BLOCK, PrefixTracker, ReplicaClient, replica_devices
 from tests.server.helpers import FAKE_CORE, child_pids, start_server, wait_for
 
@@ -44,11 +45,9 @@ class StubClient:
 
 
 def stub_replicas(n=3):
-    import dataclasses
-
     clients = [StubClient() for _ in range(n)]
-    for c in clients:  # ReplicaClient.replace()s the info: it must be a dataclass
-        c.info = dataclasses.make_dataclass("Info", ["max_num_seqs", "model_name"])(4, "m")
+    for c in clients:  # ReplicaClient.replace()s the info: it must be the protocol's EngineReady
+        c.info = EngineReady("m", max_model_len=64, vocab_size=100, max_num_seqs=4, pid=1)
     return ReplicaClient(clients), clients
 
 

@@ -56,12 +56,24 @@ def test_sampling_params_round_trip():
     assert SamplingParams(**decode(encode(AddRequest("r", [1], params.to_dict()))).params) == params
 
 
-def test_token_ids_are_packed_int32():
-    frame = encode(AddRequest("r", list(range(1000)), {}))
-    tag, body = msgpack.unpackb(frame, raw=False)
-    assert tag == "add" and isinstance(body["prompt_token_ids"], bytes)
-    assert np.frombuffer(body["prompt_token_ids"], "<i4").tolist() == list(range(1000))
-    assert len(frame) < 4100
+def test_frame_is_a_tagged_map_with_int_arrays():
+    frame = encode(AddRequest("r", list(range(1000)), {"seed": 2**63 - 1}))
+    body = msgpack.unpackb(frame, raw=False)
+    assert body["type"] == "add" and body["prompt_token_ids"] == list(range(1000))
+    assert len(frame) < 2700  # msgpack ints: 1-3 bytes each here
+
+
+def test_numpy_values_are_encoded_as_plain_values():
+    """A token id or logprob straight from numpy must not make the engine's send fail."""
+    out = EngineOutput("r", 0, [np.int32(5)], "x", new_logprobs=[{np.int64(5): np.float32(-0.5)}],
+                       stop_reason=np.int64(2))
+    assert decode(encode(Outputs([out]))) == Outputs([EngineOutput("r", 0, [5], "x", new_logprobs=[{5: -0.5}],
+                                                                   stop_reason=2)])
+    assert decode(encode(Stats({"kv": np.float64(0.5), "n": np.int64(3)}))).stats == {"kv": 0.5, "n": 3}
+
+
+ROW = ["r", 0, [1], "a", False, None, None, None, 0, 0, None, None]  # an EngineOutput on the wire
+pack = msgpack.packb
 
 
 @pytest.mark.parametrize("frame", [
@@ -69,25 +81,40 @@ def test_token_ids_are_packed_int32():
     b"\xc1",  # never-used msgpack byte
     b"garbage that is not msgpack at all \x00\xff",
     pickle.dumps(Hello()),  # a pickle is just bytes to us: refused, never loaded
-    msgpack.packb(["hello"]),
-    msgpack.packb({"hello": {}}),
-    msgpack.packb(["no_such_tag", {}]),
-    msgpack.packb(["hello", {"client_name": "x"}]),  # missing field
-    msgpack.packb(["hello", {"client_name": "x", "protocol_version": 1, "evil": 1}]),  # extra field
-    msgpack.packb(["hello", {"client_name": 5, "protocol_version": 1}]),  # wrong type
-    msgpack.packb(["hello", {"client_name": "x", "protocol_version": True}]),  # bool is not an int
-    msgpack.packb(["add", {"request_id": "r", "prompt_token_ids": b"\x01\x02\x03", "params": {}}]),  # 3 bytes
-    msgpack.packb(["add", {"request_id": "r", "prompt_token_ids": [1, 2], "params": {}}]),  # not packed
-    msgpack.packb(["add", {"request_id": "r", "prompt_token_ids": b"", "params": {"a": {"b": 1}}}]),
-    msgpack.packb(["abort", {"request_ids": ["a", 3]}]),
-    msgpack.packb(["outputs", {"outputs": [["r", 0]]}]),
-    msgpack.packb(["stats", {"stats": {"a": "b"}, "token": 0}]),
-    msgpack.packb(["hello", {"client_name": msgpack.ExtType(1, b"x"), "protocol_version": 1}]),
-    msgpack.packb([{1: 2}, {}]),
+    pack(["hello", {"client_name": "x"}]),  # protocol 2's frame
+    pack({"client_name": "x"}),  # no tag
+    pack({"type": "no_such_tag"}),
+    pack({"type": "hello", "client_name": "x", "evil": 1}),  # unknown field
+    pack({"type": "hello", "client_name": 5}),  # wrong type
+    pack({"type": "hello", "protocol_version": True}),  # bool is not an int
+    pack({"type": "hello", "protocol_version": 3.0}),  # nor is a float
+    pack({"type": "hello", "client_name": msgpack.ExtType(1, b"x")}),
+    pack({"type": "hello"}) + b"\x00",  # trailing bytes
+    pack({"type": "ready", "max_model_len": 1, "vocab_size": 1, "max_num_seqs": 1, "pid": 1}),  # missing field
+    pack({"type": "add", "request_id": "r", "prompt_token_ids": b"\x01\x00\x00\x00", "params": {}}),  # packed
+    pack({"type": "add", "request_id": "r", "prompt_token_ids": [1, "2"], "params": {}}),
+    pack({"type": "add", "request_id": "r", "prompt_token_ids": [1], "params": {"a": {"b": 1}}}),  # a map
+    pack({"type": "add", "request_id": "r", "prompt_token_ids": [1], "params": {"a": [[[1]]]}}),  # too deep
+    pack({"type": "add", "request_id": "r", "prompt_token_ids": [1], "params": {1: 2}}),  # int key
+    pack({"type": "abort", "request_ids": ["a", 3]}),
+    pack({"type": "outputs", "outputs": [["r", 0]]}),  # an output missing fields
+    pack({"type": "outputs", "outputs": [[*ROW, 1]]}),  # ... or with one too many
+    pack({"type": "outputs", "outputs": [[*ROW[:7], [{"5": -0.5}], *ROW[8:]]]}),  # logprob keyed by a string
+    pack({"type": "outputs", "outputs": [[*ROW[:7], [{5: "x"}], *ROW[8:]]]}),  # a logprob that is a string
+    pack({"type": "stats", "stats": {"a": "b"}}),
+    pack([{1: 2}, {}]),
 ])
 def test_garbage_is_refused(frame):
     with pytest.raises(ProtocolError):
         decode(frame)
+
+
+def test_frames_of_the_wrong_kind_or_size_are_refused(monkeypatch):
+    with pytest.raises(ProtocolError, match="must be bytes"):
+        decode("hello")
+    monkeypatch.setattr("jinfer.engine.protocol.MAX_FRAME_BYTES", 10)
+    with pytest.raises(ProtocolError, match="exceeds"):
+        decode(encode(Hello("a longer client name")))
 
 
 def test_encode_refuses_non_messages():

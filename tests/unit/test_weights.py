@@ -177,6 +177,18 @@ def test_resolve_errors(tmp_path):
         resolve_model(tmp_path)
     with pytest.raises(ValueError, match="unknown shape"):
         resolve_model("dummy:gpt5")
+    for bad in ("num_layers=x", "qk_norm=1", "nope=3", "num_layers"):
+        with pytest.raises(ValueError, match="integer field"):
+            resolve_model(f"dummy:qwen3-235b-a22b,{bad}")
+    with pytest.raises(ValueError, match="num_layers=0"):
+        resolve_model("dummy:qwen3-235b-a22b,num_layers=0")
+
+
+def test_dummy_shape_with_overridden_depth():
+    """The 4-GPU half-depth run of Qwen3-235B-A22B: 47 of its 94 layers, each at the real shapes."""
+    full, half = resolve_model("dummy:qwen3-235b-a22b").config, resolve_model("dummy:qwen3-235b-a22b,num_layers=47")
+    assert half.kind == "dummy" and half.config == full.replace(num_layers=47)
+    assert 117e9 < half.config.num_params() < 119e9  # 235B: half the layers, the embeddings whole
 
 
 def test_dummy_weights_sharded_tp2_match_tp1(tmp_path):
