@@ -390,7 +390,8 @@ class EngineCore:
         outputs = []
         out = self.scheduler.schedule(*self.runner.ready_limits())
         if out.kv_transfers:  # copies between the HBM and host tiers go to the device ahead of the step
-            self.runner.transfer(out.kv_transfers)
+            if dropped := self.runner.transfer(out.kv_transfers):
+                self.kv.host.forget(dropped)
         launched = None
         if not out.is_empty:
             rows = []

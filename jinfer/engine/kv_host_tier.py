@@ -91,6 +91,13 @@ class HostTier:
         self._batch.restores.append((slot, page))
         self.num_restored_pages += 1
 
+    def forget(self, slots: list[int]) -> None:
+        """The runner dropped these slots' bytes (their host block was mostly dead: kv_transfer.py): free them."""
+        gone = set(slots)
+        for digest in [d for d, slot in self._lru.items() if slot in gone]:
+            del self._lru[digest]
+        self._free.extend(sorted(gone - set(self._free), reverse=True))
+
     def take_transfers(self) -> KVTransfers | None:
         """The pending batch (None if empty); its slots are unpinned."""
         batch, self._batch = self._batch, KVTransfers()

@@ -1,23 +1,34 @@
-"""The host tier's bytes: one array per host slot, and the copies between it and the HBM KV cache.
+"""The host tier's bytes: blocks of pages in host memory, and the copies between them and the HBM KV cache.
 
 `HostKVPool.apply(kv_cache, transfers)` replays one schedule's `KVTransfers` (kv_host_tier.py) on the
 device, before the step's forward is launched:
-- offloads: one jitted gather of the evicted pages (each page's K and V over all layers, `[L, 2, ps, h, d]`)
-  and one `jax.device_put` of them into host memory (JAX's `pinned_host` memory kind where the backend has
-  it): asynchronous, and queued ahead of the forward that overwrites the pages, so (the device runs in
-  order) it reads their old contents;
-- restores: one `jax.device_put` of the slots' arrays to the device and one jitted scatter into the donated
-  cache, queued ahead of the forward that reads them; the host goes on at once, so the copy overlaps the
-  host's work and the steps already queued.
-Copies go in chunks of at most `MAX_TRANSFER_PAGES` pages (padded to a power of two: a few small
-executables). The host queues the chunks without waiting, so a restore's staged pages may all be in HBM at
-once (outside the KV pool's budget: 2.4 GB for 16k tokens of Qwen3-4B). A slot's array is dropped when the slot is
-reassigned; JAX keeps it alive until a copy reading it has finished, so reusing a slot never races a copy.
+- offloads: per block of at most `BLOCK_PAGES` evicted pages, one jitted gather (each page's K and V over
+  all layers, `[n, L, 2, ps, h, d]`) and one `jax.device_put` of the block into host memory (JAX's
+  `pinned_host` memory kind where the backend has it): asynchronous, and queued ahead of the forward that
+  overwrites the pages, so (the device runs in order) it reads their old contents. A host slot is then
+  (block, row);
+- restores: per block the restored slots live in, one `jax.device_put` of the whole block to the device and
+  one jitted scatter of the wanted rows into the donated cache, queued ahead of the forward that reads them;
+  the host goes on at once, so the copy overlaps the host's work and the steps already queued.
+Whole blocks, not pages, cross PCIe: one 2.4 MB page per copy reached 29 GB/s host-to-device on the H100
+machine against 53 GB/s for large copies (benchmarks/results/kv_offload_qwen3-4b_h100.json). The price is
+the dead rows of a block: its memory is held until its last slot is reassigned, so when the blocks hold more
+than `MAX_HELD_RATIO` times the tier's slots, the sparsest blocks are dropped and their slots forgotten by
+the tier (the host tier is a cache: losing an entry costs a recompute, never a wrong token).
+XLA's pinned-host allocator grows by pinning new regions (seconds per tens of GB, paid by whichever copy
+needs the room: a 16k-token prefill that offloaded took 4.6-8 s instead of 0.42 s); `reserve` grows it to
+the tier's size once, in a background thread at start-up, and frees it for the blocks to reuse.
+A block's array is dropped when its last slot goes; JAX keeps it alive until a copy reading it has finished,
+so reusing a slot never races a copy.
 """
 
 from __future__ import annotations
 
 import logging
+import threading
+import time
+from dataclasses import dataclass
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -28,12 +39,13 @@ from jinfer.engine.kv_host_tier import KVTransfers
 
 log = logging.getLogger(__name__)
 
-MAX_TRANSFER_PAGES = 64
+BLOCK_PAGES = 16  # pages per host block (one PCIe copy each way): 38 MB for Qwen3-4B
+MAX_HELD_RATIO = 1.5  # host memory held by blocks, at most this times the tier's slots
 HOST_MEMORY_KINDS = ("pinned_host", "unpinned_host")  # in order of preference
 
 
 def transfer_buckets() -> tuple[int, ...]:
-    return tuple(1 << i for i in range(MAX_TRANSFER_PAGES.bit_length()))
+    return tuple(1 << i for i in range(BLOCK_PAGES.bit_length()))
 
 
 def host_memory_kind(device) -> str | None:
@@ -42,16 +54,21 @@ def host_memory_kind(device) -> str | None:
     return next((k for k in HOST_MEMORY_KINDS if k in kinds), None)
 
 
-def _gather_pages(kv_cache, ids, *, n: int):
-    """ids i32[n] -> n arrays [L, 2, ps, h, d]: each page's K and V over all layers."""
-    x = jnp.stack([jnp.stack([k[ids], v[ids]]) for k, v in kv_cache])  # [L, 2, n, ps, h, d]
-    return tuple(x[:, :, i] for i in range(n))
+def _gather_block(kv_cache, ids):
+    """ids i32[n] -> [n, L, 2, ps, h, d]: each page's K and V over all layers."""
+    return jnp.stack([jnp.stack([k[ids], v[ids]], axis=1) for k, v in kv_cache], axis=1)
 
 
-def _scatter_pages(kv_cache, ids, pages):
-    """Write n pages ([L, 2, ps, h, d] each) at page ids i32[n] of every layer (padding: the null page)."""
-    x = jnp.stack(pages, axis=2)  # [L, 2, n, ps, h, d]
-    return tuple((k.at[ids].set(x[i, 0]), v.at[ids].set(x[i, 1])) for i, (k, v) in enumerate(kv_cache))
+def _scatter_rows(kv_cache, ids, block, rows):
+    """Write block[rows[i]] ([L, 2, ps, h, d]) at page ids[i] of every layer (padding: the null page)."""
+    x = block[rows]  # [n, L, 2, ps, h, d]
+    return tuple((k.at[ids].set(x[:, i, 0]), v.at[ids].set(x[:, i, 1])) for i, (k, v) in enumerate(kv_cache))
+
+
+@dataclass(eq=False)
+class _Block:
+    array: Any  # [n, L, 2, ps, h, d] in host memory (numpy without a host memory kind)
+    live: int  # slots pointing at it
 
 
 class HostKVPool:
@@ -65,58 +82,110 @@ class HostKVPool:
         self.page_bytes = int(np.prod(self.page_shape)) * k0.dtype.itemsize  # over all devices
         sharding = k0.sharding
         spec = tuple(sharding.spec) + (None,) * (4 - len(sharding.spec))
-        self.device_sharding = NamedSharding(sharding.mesh, PartitionSpec(None, None, *spec[1:]))
+        self.device_sharding = NamedSharding(sharding.mesh, PartitionSpec(None, None, None, *spec[1:]))
         device = next(iter(sharding.mesh.devices.flat))
+        self.platform = device.platform
         self.memory_kind = host_memory_kind(device)
         self.host_sharding = self.device_sharding.with_memory_kind(self.memory_kind) if self.memory_kind else None
         if self.memory_kind is None:
             log.warning("%s offers no host memory kind: the KV host tier keeps numpy copies (synchronous)",
                         device.platform)
-        self.slots: list[jax.Array | np.ndarray | None] = [None] * num_slots
+        self.slots: list[tuple[_Block, int] | None] = [None] * num_slots
+        self.held_pages = 0  # rows of the live blocks (what the host memory holds)
         kv_shardings = jax.tree.map(lambda a: a.sharding, kv_cache)
-        self._gather = jax.jit(_gather_pages, static_argnames=("n",), out_shardings=self.device_sharding)
-        self._scatter = jax.jit(_scatter_pages, donate_argnames=("kv_cache",), out_shardings=kv_shardings)
-        self._zero = jax.device_put(np.zeros(self.page_shape, self.page_dtype), self.device_sharding)
+        self._gather = jax.jit(_gather_block, out_shardings=self.device_sharding)
+        self._scatter = jax.jit(_scatter_rows, donate_argnames=("kv_cache",), out_shardings=kv_shardings)
+        self._reserver: threading.Thread | None = None
 
     @property
     def num_used_slots(self) -> int:
         return sum(a is not None for a in self.slots)
 
-    def _to_host(self, pages: list[jax.Array]) -> list:
+    def _to_host(self, block: jax.Array):
         if self.host_sharding is None:
-            return [np.asarray(p) for p in jax.device_get(pages)]
-        return jax.device_put(pages, self.host_sharding)
+            return np.asarray(jax.device_get(block))
+        return jax.device_put(block, self.host_sharding)
 
-    def apply(self, kv_cache, transfers: KVTransfers):
-        """Launch the copies (offloads first, then restores); returns the new cache (the old one is donated)."""
-        for chunk in _chunks(transfers.offloads):
+    def _release(self, slot: int) -> None:
+        if (held := self.slots[slot]) is not None:
+            self.slots[slot] = None
+            held[0].live -= 1
+            if held[0].live == 0:
+                self.held_pages -= len(held[0].array)
+                held[0].array = None
+
+    def apply(self, kv_cache, transfers: KVTransfers) -> tuple[Any, list[int]]:
+        """Launch the copies (offloads first, then restores). Returns the new cache (the old one is donated)
+        and the slots whose bytes were dropped to bound the host memory (the tier must forget them)."""
+        for chunk in _chunks(transfers.offloads, BLOCK_PAGES):
             n = _bucket(len(chunk))
             ids = np.zeros(n, np.int32)
             ids[:len(chunk)] = [page for page, _ in chunk]
-            pages = self._gather(kv_cache, ids, n=n)[:len(chunk)]
-            for (_, slot), array in zip(chunk, self._to_host(list(pages)), strict=True):
-                self.slots[slot] = array
-        for chunk in _chunks(transfers.restores):
-            n = _bucket(len(chunk))
-            ids = np.zeros(n, np.int32)  # padding rows write zeros into the null page
-            ids[:len(chunk)] = [page for _, page in chunk]
-            pages = jax.device_put([self.slots[slot] for slot, _ in chunk], self.device_sharding)
-            kv_cache = self._scatter(kv_cache, ids, tuple(pages) + (self._zero,) * (n - len(chunk)))
-        return kv_cache
+            block = _Block(self._to_host(self._gather(kv_cache, ids)), len(chunk))
+            self.held_pages += n
+            for row, (_, slot) in enumerate(chunk):
+                self._release(slot)
+                self.slots[slot] = (block, row)
+        by_block: dict[_Block, list[tuple[int, int]]] = {}  # block -> (row, HBM page), in restore order
+        for slot, page in transfers.restores:
+            block, row = self.slots[slot]
+            by_block.setdefault(block, []).append((row, page))
+        for block, wanted in by_block.items():
+            on_device = jax.device_put(block.array, self.device_sharding)
+            for chunk in _chunks(wanted, len(block.array)):
+                ids = np.zeros(len(block.array), np.int32)  # padding rows write row 0 into the null page
+                rows = np.zeros(len(block.array), np.int32)
+                ids[:len(chunk)], rows[:len(chunk)] = [p for _, p in chunk], [r for r, _ in chunk]
+                kv_cache = self._scatter(kv_cache, ids, on_device, rows)
+        return kv_cache, self._trim()
+
+    def _trim(self) -> list[int]:
+        """Drop the sparsest blocks while the blocks hold more than MAX_HELD_RATIO x the slots."""
+        if self.held_pages <= MAX_HELD_RATIO * self.num_slots:
+            return []
+        blocks: dict[_Block, list[int]] = {}
+        for slot, held in enumerate(self.slots):
+            if held is not None:
+                blocks.setdefault(held[0], []).append(slot)
+        dropped = []
+        for _, slots in sorted(blocks.items(), key=lambda kv: kv[0].live / len(kv[0].array)):
+            if self.held_pages <= self.num_slots:
+                break
+            for slot in slots:
+                self._release(slot)
+            dropped += slots
+        return dropped
 
     def warmup(self, kv_cache):
-        """Compile every chunk size (gathers and scatters of the null page); returns the new cache."""
+        """Compile every block size (gathers and scatters of the null page); returns the new cache. Then
+        grow the pinned-host allocator to the tier's size in the background (`reserve`)."""
         for n in transfer_buckets():
             ids = np.zeros(n, np.int32)
-            self._gather(kv_cache, ids, n=n)
-            kv_cache = self._scatter(kv_cache, ids, (self._zero,) * n)
+            block = self._gather(kv_cache, ids)
+            kv_cache = self._scatter(kv_cache, ids, block, ids)
+        if self.memory_kind == "pinned_host" and self.platform == "gpu" and self._reserver is None:
+            self._reserver = threading.Thread(target=self.reserve, name="kv-host-reserve", daemon=True)
+            self._reserver.start()
         return kv_cache
+
+    def reserve(self) -> None:
+        """Allocate the tier's bytes in host memory once and free them: XLA's pinned-host allocator keeps
+        the pinned regions, so later blocks are carved out of them instead of pinning new memory."""
+        t0 = time.perf_counter()
+        chunk = jax.device_put(np.zeros((BLOCK_PAGES * 16, *self.page_shape[1:]), self.page_dtype),
+                               self.device_sharding.with_spec(PartitionSpec(*self.device_sharding.spec[1:])))
+        held = [jax.device_put(chunk, chunk.sharding.with_memory_kind(self.memory_kind))
+                for _ in range(-(-self.num_slots * self.page_shape[0] // len(chunk)))]
+        jax.block_until_ready(held)
+        log.info("KV host tier: %.1f GiB of %s memory reserved in %.1f s", len(held) * chunk.nbytes / 2**30,
+                 self.memory_kind, time.perf_counter() - t0)
+        del held
 
 
 def _bucket(n: int) -> int:
     return 1 << (n - 1).bit_length()
 
 
-def _chunks(items: list) -> list[list]:
-    return [items[i:i + MAX_TRANSFER_PAGES] for i in range(0, len(items), MAX_TRANSFER_PAGES)]
+def _chunks(items: list, n: int) -> list[list]:
+    return [items[i:i + n] for i in range(0, len(items), n)]
 

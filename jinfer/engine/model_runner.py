@@ -373,11 +373,13 @@ class ModelRunner:
     def _put(self, x):
         return put(x, self._input_sharding)
 
-    def transfer(self, transfers: KVTransfers) -> None:
+    def transfer(self, transfers: KVTransfers) -> list[int]:
         """Launch one schedule's copies between the HBM and host tiers; call it before launching the step
         (the device runs them first: offloads read pages before the step overwrites them, restores fill
-        pages before the step reads them)."""
-        self.kv_cache = self.host_pool.apply(self.kv_cache, transfers)
+        pages before the step reads them). Returns the host slots whose bytes were dropped (the tier
+        forgets them)."""
+        self.kv_cache, dropped = self.host_pool.apply(self.kv_cache, transfers)
+        return dropped
 
     def batch_rows(self, out: SchedulerOutput) -> int:
         """B, the padded number of sequences of the step `out` (build_batch's)."""

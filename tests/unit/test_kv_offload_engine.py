@@ -63,7 +63,7 @@ def test_offloaded_prefixes_come_back_exact(reference):
     assert core.kv.num_free_pages == core.kv.num_usable_pages
     assert core.runner.host_pool.num_used_slots == core.kv.host.num_used_slots == stats["kv_host_used_pages"]
     # jax 0.11's CPU backend has pinned_host too: the same code path as on GPU
-    held = [a for a in core.runner.host_pool.slots if a is not None]
+    held = [block.array for block, _ in filter(None, core.runner.host_pool.slots)]
     assert {a.sharding.memory_kind for a in held} == {"pinned_host"}
     # /metrics: the engine's stats (as the engine process sends them) become the tier's gauges
     from server.metrics import Metrics
@@ -153,3 +153,48 @@ def test_warm_hit_is_a_one_token_decode_step(tier):
     assert sum(hits) == 32 and (hits[1] == 0 if tier == "hbm" else hits[1] >= 16)  # a tail in the host tier
     while core.has_unfinished_requests():
         core.step()
+
+
+def test_host_blocks_restore_rows_and_stay_bounded():
+    """HostKVPool alone: pages offloaded in blocks come back bit-exact into other pages; reassigning most
+    slots of the blocks makes the pool drop the sparsest blocks (bounded host memory) and the tier forget
+    exactly those slots."""
+    import jax
+    import jax.numpy as jnp
+
+    from jinfer.engine.kv_host_tier import HostTier
+    from jinfer.engine.kv_transfer import BLOCK_PAGES, MAX_HELD_RATIO, HostKVPool
+
+    rng = np.random.default_rng(0)
+    pages, layers = 64, 2
+    on_mesh = jax.sharding.NamedSharding(jax.make_mesh((1,), ("tp",)), jax.sharding.PartitionSpec())
+    cache = tuple(tuple(jax.device_put(jnp.asarray(rng.standard_normal((pages, 4, 2, 8)), jnp.float32), on_mesh)
+                        for _ in range(2)) for _ in range(layers))
+    original = jax.tree.map(np.asarray, cache)
+    num_slots = 2 * BLOCK_PAGES
+    pool, tier = HostKVPool(cache, num_slots), HostTier(num_slots)
+    cache = pool.warmup(cache)
+    # offload pages 1..20 (two blocks: 16 + 4 rows), then restore 5 of them into pages 40..44
+    for p in range(1, 21):
+        tier.offload(p, bytes([p]))
+    cache, dropped = pool.apply(cache, tier.take_transfers())
+    assert not dropped and pool.num_used_slots == 20 and pool.held_pages == BLOCK_PAGES + 4
+    for i, p in enumerate([3, 17, 18, 1, 20]):
+        tier.restore(bytes([p]), 40 + i)
+    cache, dropped = pool.apply(cache, tier.take_transfers())
+    got = jax.tree.map(np.asarray, cache)
+    for i, p in enumerate([3, 17, 18, 1, 20]):
+        for (k, v), (k0, v0) in zip(got, original, strict=True):
+            np.testing.assert_array_equal(k[40 + i], k0[p])
+            np.testing.assert_array_equal(v[40 + i], v0[p])
+    # new content reassigns slots one page at a time, leaving older blocks with a few live rows each
+    forgotten = 0
+    for p in range(21, 21 + 3 * BLOCK_PAGES):
+        tier.offload(p % pages or 1, bytes([p % 256, 1]))
+        cache, dropped = pool.apply(cache, tier.take_transfers())
+        tier.forget(dropped)
+        forgotten += len(dropped)
+        assert pool.held_pages <= MAX_HELD_RATIO * num_slots + 1
+        assert pool.num_used_slots == tier.num_used_slots
+        assert all(tier.lookup(d) is None or pool.slots[tier.lookup(d)] is not None for d in tier._lru)
+    assert pool.held_pages <= MAX_HELD_RATIO * num_slots and forgotten > 0
