@@ -172,8 +172,9 @@ class HostKVPool:
         """Allocate the tier's bytes in host memory once and free them: XLA's pinned-host allocator keeps
         the pinned regions, so later blocks are carved out of them instead of pinning new memory."""
         t0 = time.perf_counter()
+        spec = tuple(self.device_sharding.spec) + (None,) * (6 - len(self.device_sharding.spec))
         chunk = jax.device_put(np.zeros((BLOCK_PAGES * 16, *self.page_shape[1:]), self.page_dtype),
-                               self.device_sharding.with_spec(PartitionSpec(*self.device_sharding.spec[1:])))
+                               NamedSharding(self.device_sharding.mesh, PartitionSpec(*spec[1:])))
         held = [jax.device_put(chunk, chunk.sharding.with_memory_kind(self.memory_kind))
                 for _ in range(-(-self.num_slots * self.page_shape[0] // len(chunk)))]
         jax.block_until_ready(held)
