@@ -339,7 +339,7 @@ class EngineCore:
                 added.append(sid)
                 detok = IncrementalDetokenizer(self.tokenizer, skip_special_tokens=params.skip_special_tokens,
                                                prompt_ids=ids) if self.tokenizer else None
-                own = matcher if i == 0 or matcher is None else matcher.deep_copy()  # each sample its own state
+                own = matcher if i == 0 or matcher is None else self.grammar.matcher(params.structured_outputs)
                 self._seqs[sid] = _Seq(request_id, i, params, seed, detok, mask, num_prompt_tokens=len(ids),
                                        min_tokens_ids=request.stop_token_ids_while_min_tokens()
                                        if params.min_tokens else (), matcher=own)
