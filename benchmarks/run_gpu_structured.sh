@@ -13,5 +13,5 @@ python3 -c "import llguidance" 2>/dev/null || python3 -m pip install -q --no-ind
 TOKENIZER=${TOKENIZER:-build/tokenizer-bench}
 [ -f "$TOKENIZER/tokenizer.json" ] || { echo "no $TOKENIZER/tokenizer.json: run export-tokenizer and carry it"; exit 2; }
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
-python3 -m benchmarks.bench_structured run --tokenizer "$TOKENIZER" --shape qwen3-4b --batch-sizes 1 32 256 \
+python3 -m benchmarks.bench_structured run --tokenizer "$TOKENIZER" --shape qwen3-4b --batch-sizes 1 32 256 --mask-schemas stress typical \
     --input-len 128 --output-len 128 --out "$OUT/structured_qwen3-4b_h100.json" | grep -E "^(masks|tpot)|Error"

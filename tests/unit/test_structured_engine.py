@@ -195,3 +195,23 @@ def test_structured_outputs_params_round_trip_and_validation():
                        ({"regex": 5}, "structured_outputs.regex"), ({"bogus": 1}, "structured_outputs")]:
         with pytest.raises(ValueError, match=re.escape(field)):
             SamplingParams(structured_outputs=bad)
+
+
+def test_sequences_get_their_own_compiled_matchers():
+    """A cheap grammar is compiled for every sequence (deep copies share llguidance's lexer behind a lock,
+    which serialises the mask pool), the first compile's time not counting the tokenizer's set-up."""
+    from jinfer.engine.grammar import GrammarEngine
+    from jinfer.structured_outputs import StructuredOutputsParams
+    from jinfer.tokenizer import Tokenizer
+    from jinfer.weights.loader import default_model_path
+
+    tok = Tokenizer.from_pretrained(default_model_path())
+    grammar = GrammarEngine(tok, tok.vocab_size, tok.eos_token_ids)
+    params = StructuredOutputsParams(json={"type": "object", "properties": {"a": {"type": "integer"}}})
+    first, second, third = (grammar.matcher(params) for _ in range(3))
+    assert grammar.num_compiled == 1
+    ((_, fresh),) = grammar._compiled.values()
+    assert fresh  # ~1 ms: the tokenizer's ~0.2 s set-up is outside the timed compile
+    for t in tok.encode('{"a": 1'):
+        assert second.consume_token(t)
+    assert not third.is_stopped() and third.is_accepting() is False
