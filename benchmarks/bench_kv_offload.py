@@ -155,7 +155,7 @@ def part_a(core: EngineCore, s: dict, rng) -> dict:
         t1 = time.perf_counter()
         jax.block_until_ready(core.runner.kv_cache)
         timed.append({"restores": len(t.restores), "offloads": len(t.offloads), "dispatch_ms": (t1 - t0) * 1e3,
-                      "ready_ms": (time.perf_counter() - t0) * 1e3})
+                      "ready_ms": (time.perf_counter() - t0) * 1e3, **core.runner.host_pool.last_apply})
         return dropped
 
     core.runner.transfer = timed_transfer
@@ -287,7 +287,9 @@ def main():
         r = max(a["restore_copies"], key=lambda t: t["restores"])
         print(f"(a) restore at {a['restore_Bps'] / 1e9:.1f} GB/s = {100 * a['restore_fraction_of_h2d']:.0f}% of "
               f"the measured host -> device rate (its batch: {r['restores']} restores + {r['offloads']} offloads, "
-              f"ready in {r['ready_ms']:.1f} ms, host dispatch {r['dispatch_ms']:.1f} ms)")
+              f"ready in {r['ready_ms']:.1f} ms, host dispatch {r['dispatch_ms']:.1f} ms: offloads "
+              f"{1e3 * r.get('offload_s', 0):.1f}, restore copies {1e3 * r.get('restore_put_s', 0):.1f}, scatters "
+              f"{1e3 * r.get('scatter_s', 0):.1f} ms)")
     if "b" in args.parts:
         result["warm_hits"] = part_b(core, s, rng)
     if "c" in args.parts:

@@ -10,8 +10,10 @@ device, before the step's forward is launched:
 - restores: per block the restored slots live in, one `jax.device_put` of the whole block to the device and
   one jitted scatter of the wanted rows into the donated cache, queued ahead of the forward that reads them;
   the host goes on at once, so the copy overlaps the host's work and the steps already queued.
-Whole blocks, not pages, cross PCIe: one 2.4 MB page per copy reached 29 GB/s host-to-device on the H100
-machine against 53 GB/s for large copies (benchmarks/results/kv_offload_qwen3-4b_h100.json). The price is
+Whole blocks, not pages, cross PCIe: one 2.4 MB page per copy reached 24-30 GB/s host-to-device on the H100
+machine against 48-50 GB/s for 16-page blocks and 51-53 GB/s for 1 GB (benchmarks/results/kv_offload_*.json);
+and each block costs a gather and a scatter dispatch of ~1 ms of host time there (64-page blocks: a 16k
+restore is 16 of each). The price is
 the dead rows of a block: its memory is held until its last slot is reassigned, so when the blocks hold more
 than `MAX_HELD_RATIO` times the tier's slots, the sparsest blocks are dropped and their slots forgotten by
 the tier (the host tier is a cache: losing an entry costs a recompute, never a wrong token).
@@ -27,6 +29,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
@@ -39,7 +42,8 @@ from jinfer.engine.kv_host_tier import KVTransfers
 
 log = logging.getLogger(__name__)
 
-BLOCK_PAGES = 16  # pages per host block (one PCIe copy each way): 38 MB for Qwen3-4B
+BLOCK_PAGES = 64  # pages per host block (one PCIe copy each way): 151 MB for Qwen3-4B
+COPY_THREADS = 4  # threads issuing a batch's host -> device block copies
 MAX_HELD_RATIO = 1.5  # host memory held by blocks, at most this times the tier's slots
 HOST_MEMORY_KINDS = ("pinned_host", "unpinned_host")  # in order of preference
 
@@ -96,6 +100,8 @@ class HostKVPool:
         self._gather = jax.jit(_gather_block, out_shardings=self.device_sharding)
         self._scatter = jax.jit(_scatter_rows, donate_argnames=("kv_cache",), out_shardings=kv_shardings)
         self._reserver: threading.Thread | None = None
+        self._copier: ThreadPoolExecutor | None = None
+        self.last_apply: dict = {}  # host time of the last `apply`'s phases (benchmarks read it)
 
     @property
     def num_used_slots(self) -> int:
@@ -117,6 +123,7 @@ class HostKVPool:
     def apply(self, kv_cache, transfers: KVTransfers) -> tuple[Any, list[int]]:
         """Launch the copies (offloads first, then restores). Returns the new cache (the old one is donated)
         and the slots whose bytes were dropped to bound the host memory (the tier must forget them)."""
+        t0 = time.perf_counter()
         for chunk in _chunks(transfers.offloads, BLOCK_PAGES):
             n = _bucket(len(chunk))
             ids = np.zeros(n, np.int32)
@@ -126,17 +133,29 @@ class HostKVPool:
             for row, (_, slot) in enumerate(chunk):
                 self._release(slot)
                 self.slots[slot] = (block, row)
+        t1 = time.perf_counter()
         by_block: dict[_Block, list[tuple[int, int]]] = {}  # block -> (row, HBM page), in restore order
         for slot, page in transfers.restores:
             block, row = self.slots[slot]
             by_block.setdefault(block, []).append((row, page))
-        for block, wanted in by_block.items():
-            on_device = jax.device_put(block.array, self.device_sharding)
+        # The blocks' host -> device copies are issued from a few threads (a device_put from host memory may
+        # hold its caller until the copy is done); the scatters follow in order on this thread.
+        if len(by_block) > 1:
+            if self._copier is None:
+                self._copier = ThreadPoolExecutor(COPY_THREADS, thread_name_prefix="kv-restore")
+            on_device = list(self._copier.map(lambda b: jax.device_put(b.array, self.device_sharding), by_block))
+        else:
+            on_device = [jax.device_put(b.array, self.device_sharding) for b in by_block]
+        t2 = time.perf_counter()
+        for (block, wanted), staged in zip(by_block.items(), on_device, strict=True):
             for chunk in _chunks(wanted, len(block.array)):
                 ids = np.zeros(len(block.array), np.int32)  # padding rows write row 0 into the null page
                 rows = np.zeros(len(block.array), np.int32)
                 ids[:len(chunk)], rows[:len(chunk)] = [p for _, p in chunk], [r for r, _ in chunk]
-                kv_cache = self._scatter(kv_cache, ids, on_device, rows)
+                kv_cache = self._scatter(kv_cache, ids, staged, rows)
+        self.last_apply = {"offloads": len(transfers.offloads), "restores": len(transfers.restores),
+                           "restore_blocks": len(by_block), "offload_s": t1 - t0, "restore_put_s": t2 - t1,
+                           "scatter_s": time.perf_counter() - t2}
         return kv_cache, self._trim()
 
     def _trim(self) -> list[int]:

@@ -171,14 +171,16 @@ def test_host_blocks_restore_rows_and_stay_bounded():
     cache = tuple(tuple(jax.device_put(jnp.asarray(rng.standard_normal((pages, 4, 2, 8)), jnp.float32), on_mesh)
                         for _ in range(2)) for _ in range(layers))
     original = jax.tree.map(np.asarray, cache)
-    num_slots = 2 * BLOCK_PAGES
+    num_slots = 24
     pool, tier = HostKVPool(cache, num_slots), HostTier(num_slots)
     cache = pool.warmup(cache)
     # offload pages 1..20 (two blocks: 16 + 4 rows), then restore 5 of them into pages 40..44
     for p in range(1, 21):
         tier.offload(p, bytes([p]))
     cache, dropped = pool.apply(cache, tier.take_transfers())
-    assert not dropped and pool.num_used_slots == 20 and pool.held_pages == BLOCK_PAGES + 4
+    blocks = [min(BLOCK_PAGES, 20 - i) for i in range(0, 20, BLOCK_PAGES)]  # pages per block, padded to 2^k
+    assert not dropped and pool.num_used_slots == 20 and pool.held_pages == sum(1 << (n - 1).bit_length()
+                                                                                for n in blocks)
     for i, p in enumerate([3, 17, 18, 1, 20]):
         tier.restore(bytes([p]), 40 + i)
     cache, dropped = pool.apply(cache, tier.take_transfers())
@@ -189,7 +191,7 @@ def test_host_blocks_restore_rows_and_stay_bounded():
             np.testing.assert_array_equal(v[40 + i], v0[p])
     # new content reassigns slots one page at a time, leaving older blocks with a few live rows each
     forgotten = 0
-    for p in range(21, 21 + 3 * BLOCK_PAGES):
+    for p in range(21, 81):
         tier.offload(p % pages or 1, bytes([p % 256, 1]))
         cache, dropped = pool.apply(cache, tier.take_transfers())
         tier.forget(dropped)
