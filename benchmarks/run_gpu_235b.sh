@@ -60,17 +60,7 @@ if [[ $PARTS == *serving* ]]; then
   run python3 -m server.launcher "dummy:$SHAPE" --port 8000 -tp $TP $(ep_flag $moe) --max-model-len 2048 \
       --max-num-seqs 256 --max-num-batched-tokens 2048 --log-level warning > "$OUT/serve_${NAME}_$TAG.log" 2>&1 &
   SERVER=$!
-  run env JAX_PLATFORMS=cpu python3 - <<'PY'
-import time, httpx
-t = time.time()
-while time.time() - t < 400:
-    try:
-        if httpx.get("http://127.0.0.1:8000/health", timeout=1).status_code == 200:
-            print(f"server ready in {time.time() - t:.1f} s"); break
-    except httpx.HTTPError:
-        pass
-    time.sleep(0.5)
-PY
+  run env JAX_PLATFORMS=cpu python3 -m benchmarks.wait_ready --timeout 400 --interval 0.5
   for rate in ${RATES:-1 2 4 8}; do
     run env JAX_PLATFORMS=cpu timeout 120 python3 -m benchmarks.bench_serving --num-prompts $((rate * 30)) \
         --input-len 1024 --output-len 128 --request-rate $rate --vocab-size 151936 --warmup 8 --device "$DEVICE" \

@@ -18,17 +18,7 @@ python3 -m benchmarks.bench_startup --model dummy:qwen3-4b --runs 3 --out "$OUT/
 
 python3 -m server.launcher dummy:qwen3-4b --port 8000 $ARGS --log-level warning > "$OUT/serve.log" 2>&1 &
 SERVER=$!
-JAX_PLATFORMS=cpu python3 - <<'PY'
-import time, httpx
-t = time.time()
-while time.time() - t < 600:
-    try:
-        if httpx.get("http://127.0.0.1:8000/health", timeout=1).status_code == 200:
-            print(f"server ready in {time.time() - t:.1f} s"); break
-    except httpx.HTTPError:
-        pass
-    time.sleep(0.2)
-PY
+JAX_PLATFORMS=cpu python3 -m benchmarks.wait_ready --timeout 600 --interval 0.2
 JAX_PLATFORMS=cpu python3 -m benchmarks.bench_serving --num-prompts 160 --input-len 1024 --output-len 128 \
     --request-rate 16 --vocab-size 151936 --warmup 8 --device "$DEVICE" \
     --out "$OUT/serving_qwen3-4b_h100_rate16.json" | tail -1

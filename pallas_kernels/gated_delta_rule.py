@@ -38,6 +38,22 @@ from jax.experimental.pallas import triton as plgpu
 L2_EPS = 1e-6  # HF / flash-linear-attention's l2norm epsilon
 
 
+def check_shapes(q, k, v, g, beta, states, *, min_dim: int = 1) -> tuple[int, int, int]:
+    """The kernels' argument checks (ValueError naming what is wrong); returns (Hv, Dk, Dv)."""
+    T, hk, dk = q.shape
+    hv, dv = v.shape[1], v.shape[2]
+    if k.shape != q.shape or v.shape[0] != T or g.shape != (T, hv) or beta.shape != (T, hv):
+        raise ValueError(f"q/k must be [T, Hk, Dk], v [T, Hv, Dv], g/beta [T, Hv]: {q.shape=} {k.shape=} "
+                         f"{v.shape=} {g.shape=} {beta.shape=}")
+    if hv % hk:
+        raise ValueError(f"value heads ({hv}) must be a multiple of q/k heads ({hk})")
+    if states.shape[1:] != (hv, dk, dv) or states.dtype != jnp.float32:
+        raise ValueError(f"states must be float32 [slots, {hv}, {dk}, {dv}], got {states.shape} {states.dtype}")
+    if dk & (dk - 1) or dv & (dv - 1) or min(dk, dv) < min_dim:
+        raise ValueError(f"key_dim={dk} and value_dim={dv} must be powers of two >= {min_dim}")
+    return hv, dk, dv
+
+
 def l2norm(x: jax.Array) -> jax.Array:
     """x / sqrt(sum x^2 + eps) over the last axis (float32), as HF's `l2norm`."""
     x = x.astype(jnp.float32)
@@ -168,17 +184,7 @@ def recurrent_gated_delta_rule(q, k, v, g, beta, states, slots, fresh, query_sta
     zeros and their slots are not touched: the chunked kernel runs them). Returns (o [T, Hv, Dv] float32,
     the pool). Dk and Dv powers of two.
     """
-    T, hk, dk = q.shape
-    hv, dv = v.shape[1], v.shape[2]
-    if k.shape != q.shape or v.shape[0] != T or g.shape != (T, hv) or beta.shape != (T, hv):
-        raise ValueError(f"q/k must be [T, Hk, Dk], v [T, Hv, Dv], g/beta [T, Hv]: {q.shape=} {k.shape=} "
-                         f"{v.shape=} {g.shape=} {beta.shape=}")
-    if hv % hk:
-        raise ValueError(f"value heads ({hv}) must be a multiple of q/k heads ({hk})")
-    if states.shape[1:] != (hv, dk, dv) or states.dtype != jnp.float32:
-        raise ValueError(f"states must be float32 [slots, {hv}, {dk}, {dv}], got {states.shape} {states.dtype}")
-    if dk & (dk - 1) or dv & (dv - 1):
-        raise ValueError(f"key_dim={dk} and value_dim={dv} must be powers of two")
+    hv, dk, dv = check_shapes(q, k, v, g, beta, states)
     block_v = block_v or min(dv, 32)
     if dv % block_v:
         raise ValueError(f"block_v={block_v} must divide value_dim={dv}")

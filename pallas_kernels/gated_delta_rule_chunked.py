@@ -45,7 +45,7 @@ import numpy as np
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from pallas_kernels.gated_delta_rule import initial_states, prepare_qk
+from pallas_kernels.gated_delta_rule import check_shapes, initial_states, prepare_qk
 
 CHUNK = 64  # rows per chunk (fla and HF use 64)
 MIN_LEN = 64  # sequences with fewer new rows are left to the recurrent kernel
@@ -229,17 +229,8 @@ def chunked_gated_delta_rule(q, k, v, g, beta, states, slots, fresh, query_start
     [B]; query_start: [B + 1]. Returns (o [T, Hv, Dv] float32, the pool). Dk, Dv powers of two >= 16.
     exact: the kernel's dots in full float32 (default: TF32 on the GPU's tensor cores).
     """
-    T, hk, dk = q.shape
-    hv, dv = v.shape[1], v.shape[2]
-    if k.shape != q.shape or v.shape[0] != T or g.shape != (T, hv) or beta.shape != (T, hv):
-        raise ValueError(f"q/k must be [T, Hk, Dk], v [T, Hv, Dv], g/beta [T, Hv]: {q.shape=} {k.shape=} "
-                         f"{v.shape=} {g.shape=} {beta.shape=}")
-    if hv % hk:
-        raise ValueError(f"value heads ({hv}) must be a multiple of q/k heads ({hk})")
-    if states.shape[1:] != (hv, dk, dv) or states.dtype != jnp.float32:
-        raise ValueError(f"states must be float32 [slots, {hv}, {dk}, {dv}], got {states.shape} {states.dtype}")
-    if dk & (dk - 1) or dv & (dv - 1) or min(dk, dv) < 16:
-        raise ValueError(f"key_dim={dk} and value_dim={dv} must be powers of two >= 16 (tensor-core dots)")
+    hv, dk, dv = check_shapes(q, k, v, g, beta, states, min_dim=16)  # tensor-core dots
+    T = q.shape[0]
     block_v = block_v or min(dv, 32)
     if dv % block_v or block_v < 16:
         raise ValueError(f"block_v={block_v} must divide value_dim={dv} and be >= 16")
