@@ -12,9 +12,22 @@ from pathlib import Path
 import jax
 
 
+def source_hash() -> str:
+    """sha1 of the engine's Python sources (jinfer/, pallas_kernels/, server/, benchmarks/): names the code a
+    result ran even where git cannot (the device machine's copy of the tree carries a stale .git HEAD)."""
+    import hashlib
+
+    root = Path(__file__).resolve().parents[1]
+    h = hashlib.sha1()
+    dirs = ("jinfer", "pallas_kernels", "server", "benchmarks")
+    for path in sorted(p for d in dirs for p in (root / d).rglob("*.py")):
+        h.update(str(path.relative_to(root)).encode() + b"\0" + path.read_bytes())
+    return h.hexdigest()[:12]
+
+
 def environment() -> dict:
     dev = jax.devices()[0]
-    commit = os.environ.get("JINFER_COMMIT")  # the device machine's copy of the tree has no .git
+    commit = os.environ.get("JINFER_COMMIT")  # the device machine's copy of the tree may carry a stale .git
     try:
         commit = commit or subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True,
                                 cwd=Path(__file__).parent, check=True).stdout.strip()
@@ -22,7 +35,7 @@ def environment() -> dict:
         commit = "unknown"
     return {"device": getattr(dev, "device_kind", dev.platform), "platform": dev.platform,
             "num_devices": jax.device_count(), "jax_version": jax.__version__, "commit": commit,
-            "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+            "source_hash": source_hash(), "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
 
 
 def profiled(trace_dir: str | None):
