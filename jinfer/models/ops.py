@@ -27,6 +27,7 @@ so a fused kernel can take them in; the reference ops are the plain jnp model.
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 import jax
@@ -42,9 +43,12 @@ MOSAIC_MIN_QUERY_LEN = 128
 # Steps of fewer tokens never launch it: they are decode batches (<= max_num_seqs tokens) or small
 # chunks, where its tile table and launch (~0.1 ms per step over 36 layers) buy nothing.
 MOSAIC_MIN_STEP_TOKENS = 512
-# Token counts at which the fused Pallas MLP measured faster than XLA on the H100
-# (63.7 vs 77.5 us at T=1; slower from T=16 on; T=2..15 not measured).
-PALLAS_MLP_TOKENS = frozenset({1})
+# Token counts at which the fused Pallas MLP measured faster than XLA on the H100 (63.7 vs 77.5 us at T=1).
+# With the partials' padding gone it was still slower at decode batches 8 / 16 / 32 (TPOT 4.44 / 5.13 /
+# 7.62 ms against XLA's 4.30 / 4.96 / 6.05; latency_mlp_tokens_*_qwen3-4b_h100.json).
+# JINFER_PALLAS_MLP_TOKENS="1,8" overrides it for measurements (a different compilation cache dir per
+# setting: the executable cache does not key on the environment).
+PALLAS_MLP_TOKENS = frozenset(int(t) for t in os.environ.get("JINFER_PALLAS_MLP_TOKENS", "1").split(",") if t)
 
 # XLA's GPU pipeline rewrites a dot whose left side is one row (a vector once the unit dimension is
 # dropped) into a multiply + reduce when the matrix has fewer than 10M elements (its
@@ -259,8 +263,10 @@ class ModelOps:
         from pallas_kernels.moe_routing import local_experts, moe_route
 
         bm = MOSAIC_MOE_BLOCK_M
-        if check_supported(jax.ShapeDtypeStruct((bm, h.shape[1]), h.dtype), w_gate, w_up, block_m=bm) is not None \
-                or check_supported(jax.ShapeDtypeStruct((bm, w_down.shape[1]), h.dtype), w_down, block_m=bm) is not None:
+        up_spec = jax.ShapeDtypeStruct((bm, h.shape[1]), h.dtype)
+        down_spec = jax.ShapeDtypeStruct((bm, w_down.shape[1]), h.dtype)
+        if check_supported(up_spec, w_gate, w_up, block_m=bm) is not None \
+                or check_supported(down_spec, w_down, block_m=bm) is not None:
             return None
         routing = moe_route(logits, top_k=top_k, renormalize=renormalize, block_m=bm, interpret=self.interpret)
         mine = None
