@@ -141,3 +141,16 @@ def test_strong_decays_stay_finite():
     o, s = chunked_gated_delta_rule(*args, block_v=32, exact=True, interpret=True)
     assert np.isfinite(np.asarray(o)).all() and np.isfinite(np.asarray(s)).all()
     assert_matches(o, s, o_ref, s_ref, args, before, lens, 1e-4)
+
+
+@pytest.mark.parametrize("C", [2, 16, 64])
+def test_unit_lower_inverse_matches_numpy(C):
+    """The product-form inverse of a unit lower-triangular matrix, entries up to 1 in size (keys that are
+    close to parallel, beta near 1: the hard case), against numpy's."""
+    from pallas_kernels.gated_delta_rule_chunked import unit_lower_inverse
+
+    rng = np.random.default_rng(C)
+    a = np.tril(rng.uniform(-1, 1, (3, C, C)), -1) * rng.uniform(0, 1, (3, C, 1)) + np.eye(C)
+    want = np.linalg.inv(a)
+    got = np.asarray(unit_lower_inverse(jnp.asarray(a, jnp.float32)))
+    np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4 * np.abs(want).max())
