@@ -173,6 +173,8 @@ def _release_engines() -> None:
     for core in list(_LIVE_ENGINES):
         if isinstance(core.group, Leader):
             core.close()
+        if core.runner is not None and core.runner.host_pool is not None:
+            core.runner.host_pool.join()  # its start-up reservation holds XLA buffers on its own thread
         core.runner = None
         core._inflight = None
     gc.collect()

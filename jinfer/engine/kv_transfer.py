@@ -187,6 +187,11 @@ class HostKVPool:
             self._reserver.start()
         return kv_cache
 
+    def join(self) -> None:
+        """Wait for the start-up reservation's thread (before the interpreter exits: see core._release_engines)."""
+        if self._reserver is not None:
+            self._reserver.join()
+
     def reserve(self) -> None:
         """Allocate the tier's bytes in host memory once and free them: XLA's pinned-host allocator keeps
         the pinned regions, so later blocks are carved out of them instead of pinning new memory."""
