@@ -195,6 +195,7 @@ def run_batch(core, prompts, params, tag: str, timer: _HostTimer) -> dict:
 
 
 def bench_tpot(args, tokenizer) -> tuple[list[dict], dict]:
+    from benchmarks.common import profiled
     from jinfer.engine.core import EngineConfig, EngineCore
     from jinfer.sampling_params import SamplingParams
     from jinfer.structured_outputs import StructuredOutputsParams
@@ -214,7 +215,8 @@ def bench_tpot(args, tokenizer) -> tuple[list[dict], dict]:
         row = {"batch_size": B}
         for name, params in (("free", free), ("schema", schema)):
             run_batch(core, make(), params, f"warm-{name}{B}", timer)
-            r = run_batch(core, make(), params, f"{name}{B}", timer)
+            with profiled(args.profile and name == "schema" and f"{args.profile}/schema_b{B}"):
+                r = run_batch(core, make(), params, f"{name}{B}", timer)
             row.update({f"{name}_{k}": v for k, v in r.items()})
         row["tpot_overhead_ms"] = row["schema_tpot_ms"] - row["free_tpot_ms"]
         row["tpot_ratio"] = row["schema_tpot_ms"] / row["free_tpot_ms"]
@@ -248,6 +250,7 @@ def main() -> None:
     run.add_argument("--output-len", type=int, default=128)
     run.add_argument("--max-num-batched-tokens", type=int, default=2048)
     run.add_argument("--out")
+    run.add_argument("--profile", metavar="DIR", help="a jax.profiler trace of each timed run under a schema")
     args = ap.parse_args()
     if args.cmd == "export-tokenizer":
         print(json.dumps(export_tokenizer(args.gguf, args.out, args.vocab_size)))
