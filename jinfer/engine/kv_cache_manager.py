@@ -45,9 +45,13 @@ def cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
+def _page_digest(parent: bytes, token_bytes: bytes) -> bytes:
+    return hashlib.blake2b(parent + token_bytes, digest_size=16).digest()
+
+
 def hash_page(parent: bytes, token_ids: list[int]) -> bytes:
     """128-bit digest of a full page given its parent's digest (b"" for the first page)."""
-    return hashlib.blake2b(parent + array("q", token_ids).tobytes(), digest_size=16).digest()
+    return _page_digest(parent, array("q", token_ids).tobytes())
 
 
 class KVCacheManager:
@@ -126,10 +130,10 @@ class KVCacheManager:
         # hash_page over all the pages at once: one conversion to bytes, then slices of it (the first token
         # of a 32k-token prompt waits for these 2k digests)
         data = array("q", request.all_token_ids[start * ps:num_pages * ps]).tobytes()
-        step, blake2b = ps * 8, hashlib.blake2b
+        step = ps * 8
         parent = hashes[-1] if hashes else b""
         for i in range(num_pages - start):
-            parent = blake2b(parent + data[i * step:(i + 1) * step], digest_size=16).digest()
+            parent = _page_digest(parent, data[i * step:(i + 1) * step])
             hashes.append(parent)
         return hashes
 
