@@ -300,6 +300,11 @@ def _with_pending_output(row: StepRow | None, s, prev: Launched | None) -> StepR
     return replace(row, output_ids=[*row.output_ids, -2 - prev.row_of[s.request_id]])
 
 
+def _sample_rows(out: SchedulerOutput) -> dict[str, int]:
+    """request id -> its row of the step's samples, for the sequences that sample."""
+    return {s.request_id: b for b, s in enumerate(out.scheduled) if s.needs_sample}
+
+
 class ModelRunner:
     def __init__(self, cfg: ModelConfig, weights: Weights, mesh: Mesh, *, num_pages: int, page_size: int,
                  kv_dtype, max_num_batched_tokens: int, max_num_seqs: int, max_model_len: int,
@@ -515,9 +520,7 @@ class ModelRunner:
         step get their prompt token's logprob and top k (`Launched.prompt_rows`). `token_mask`: the rows'
         grammar masks (`sampling_tensors`). `pending_outputs` False: `prev` was read back already, so the
         rows' output ids hold its tokens (no device-side markers for penalties)."""
-        if prev is None and any(s.input_from_device for s in out.scheduled):
-            raise ValueError("decodes of pending tokens need the previous step")
-        batch, prev_index = self.build_batch(out, prev)
+        batch, prev_index, decode = self._step_batch(out, prev)
         T, B, P = batch.num_tokens, batch.num_seqs, batch.page_table.shape[1]
         plp_k, targets, prompt_rows = -1, None, []
         if prompt_logprobs is not None:
@@ -528,8 +531,7 @@ class ModelRunner:
         if pending_outputs:
             rows = [_with_pending_output(r, s, prev) for r, s in zip(rows, out.scheduled, strict=True)]
         st = self.sampling_tensors(rows, B, token_mask)
-        step = StepInputs(T, B, P, T in self.ready_decode and out.num_scheduled_tokens == len(out.scheduled),
-                          st.output_tokens.shape[1], st.prompt_mask.shape[1], num_logprobs,
+        step = StepInputs(T, B, P, decode, st.output_tokens.shape[1], st.prompt_mask.shape[1], num_logprobs,
                           astuple(SamplerFlags.of(st)), pack_batch(batch, prev_index), pack_sampling(st),
                           K=st.bias_ids.shape[1], plp_k=plp_k, plp_targets=targets if plp_k >= 0 else None)
         if self.on_launch is not None:  # the other processes of a multi-process group launch it too
@@ -538,8 +540,16 @@ class ModelRunner:
         packed.copy_to_host_async()
         if prompt_packed is not None:
             prompt_packed.copy_to_host_async()
-        row_of = {s.request_id: b for b, s in enumerate(out.scheduled) if s.needs_sample}
-        return Launched(out, packed, tokens, row_of, prompt_packed, prompt_rows)
+        return Launched(out, packed, tokens, _sample_rows(out), prompt_packed, prompt_rows)
+
+    def _step_batch(self, out: SchedulerOutput, prev: Launched | None) -> tuple[Batch, np.ndarray, bool]:
+        """The step's batch (`build_batch`) and whether it is decode-only (every sequence one new token:
+        the decode executables, where that bucket has them)."""
+        if prev is None and any(s.input_from_device for s in out.scheduled):
+            raise ValueError("decodes of pending tokens need the previous step")
+        batch, prev_index = self.build_batch(out, prev)
+        decode = batch.num_tokens in self.ready_decode and out.num_scheduled_tokens == len(out.scheduled)
+        return batch, prev_index, decode
 
     @staticmethod
     def _prompt_positions(out: SchedulerOutput, batch: Batch, wants: list[bool]
@@ -569,11 +579,8 @@ class ModelRunner:
         device runs the forward; `launch_sample` queues the sampler behind it (prompt logprobs: `launch`)."""
         if self.on_launch is not None:
             raise RuntimeError("a multi-process group launches whole steps (launch)")
-        if prev is None and any(s.input_from_device for s in out.scheduled):
-            raise ValueError("decodes of pending tokens need the previous step")
-        batch, prev_index = self.build_batch(out, prev)
+        batch, prev_index, decode = self._step_batch(out, prev)
         T, B, P = batch.num_tokens, batch.num_seqs, batch.page_table.shape[1]
-        decode = T in self.ready_decode and out.num_scheduled_tokens == len(out.scheduled)
         forward = self.forward_executable(T, B, P, decode)
         logits, self.kv_cache = forward(self.weights, self._put(pack_batch(batch, prev_index)), self.kv_cache,
                                         self._last_tokens)
@@ -589,8 +596,7 @@ class ModelRunner:
         packed, tokens = sample(fwd.logits, self._put(pack_sampling(st)), self._last_tokens)
         self._last_tokens = tokens
         packed.copy_to_host_async()
-        row_of = {s.request_id: b for b, s in enumerate(fwd.out.scheduled) if s.needs_sample}
-        return Launched(fwd.out, packed, tokens, row_of)
+        return Launched(fwd.out, packed, tokens, _sample_rows(fwd.out))
 
     def run_step(self, step: StepInputs) -> tuple[jax.Array, jax.Array, jax.Array | None]:
         """Launch one step's executables on its packed inputs: (packed samples, sampled ids, packed prompt
