@@ -25,7 +25,7 @@ import jax
 import numpy as np
 from jax.sharding import SingleDeviceSharding
 
-from benchmarks.common import environment, write_result
+from benchmarks.common import add_profile_argument, environment, profiled, write_result
 from jinfer.engine.core import EngineConfig, EngineCore
 from jinfer.engine.kv_transfer import BLOCK_PAGES, host_memory_kind
 from jinfer.engine.request import Request
@@ -95,6 +95,7 @@ def measure_host_to_device(nbytes: int, page_bytes: int) -> dict:
 def drain(core: EngineCore) -> None:
     while core.has_unfinished_requests() or core._inflight is not None:
         core.step()
+    core.idle()  # as the engine's loop does when it goes idle
     jax.block_until_ready(core.runner.kv_cache)
 
 
@@ -109,6 +110,37 @@ def ttft_ms(core: EngineCore, rid: str, prompt: list[int], max_tokens: int = 1) 
             first = time.perf_counter() - t0
     drain(core)
     return first * 1e3
+
+
+class Phases:
+    """Host time of a TTFT's phases: the engine methods below are wrapped (on the instance) while active."""
+
+    WRAPPED = (("add", "core", "add_request"), ("schedule", "scheduler", "schedule"),
+               ("transfer", "runner", "transfer"), ("launch", "runner", "launch"),
+               ("fetch", "runner", "fetch"), ("complete", "core", "_complete"))
+
+    def __init__(self, core: EngineCore):
+        self.core, self.ms = core, {}
+
+    def __enter__(self):
+        for name, owner, attr in self.WRAPPED:
+            obj = self.core if owner == "core" else getattr(self.core, owner)
+            setattr(obj, attr, self._timed(name, getattr(obj, attr)))
+        return self
+
+    def _timed(self, name, f):
+        def wrapped(*a, **kw):
+            t0 = time.perf_counter()
+            try:
+                return f(*a, **kw)
+            finally:
+                self.ms[name] = self.ms.get(name, 0.0) + (time.perf_counter() - t0) * 1e3
+        return wrapped
+
+    def __exit__(self, *exc):
+        for _, owner, attr in self.WRAPPED:
+            obj = self.core if owner == "core" else getattr(self.core, owner)
+            del obj.__dict__[attr]  # back to the class's method
 
 
 def where_cached(core: EngineCore, prompt: list[int]) -> tuple[int, int]:
@@ -173,17 +205,26 @@ def part_a(core: EngineCore, s: dict, rng) -> dict:
             "restore_Bps": restore_Bps, "instrumented_restored_ms": instrumented}
 
 
-def part_b(core: EngineCore, s: dict, rng) -> list[dict]:
+def part_b(core: EngineCore, s: dict, rng, profile: str | None = None) -> list[dict]:
     rows = []
     for L in s["warm_lens"]:
         prefix = tokens(rng, L)
         cold = ttft_ms(core, f"b-cold{L}", prefix)
         warm = [ttft_ms(core, f"b-warm{L}-{i}", prefix + [int(rng.integers(0, VOCAB[0]))])
                 for i in range(s["warm_reps"])]
+        phases = []  # the same again with the host's phases timed (fetch: waiting for the device + read-back)
+        for i in range(3):
+            drain(core)
+            with Phases(core) as p:
+                ms = ttft_ms(core, f"b-phases{L}-{i}", prefix + [int(rng.integers(0, VOCAB[0]))])
+            phases.append({"ttft_ms": ms, **{k: round(v, 3) for k, v in p.ms.items()}})
+        with profiled(profile and f"{profile}/warm{L}"):
+            for i in range(3):
+                ttft_ms(core, f"b-profile{L}-{i}", prefix + [int(rng.integers(0, VOCAB[0]))])
         rows.append({"prefix_tokens": L, "cold_ms": cold, "warm_ms": warm, "warm_p50_ms": float(np.median(warm)),
-                     "warm_min_ms": min(warm)})
+                     "warm_min_ms": min(warm), "phases_ms": phases})
         print(f"(b) warm HBM hit at {L} tokens: TTFT p50 {np.median(warm):.1f} ms (min {min(warm):.1f}; "
-              f"cold {cold:.1f} ms)")
+              f"cold {cold:.1f} ms); phases of one (ms): {phases[-1]}")
     return rows
 
 
@@ -250,6 +291,7 @@ def main():
     ap.add_argument("--kv-offload-gb", type=float, default=None, help="host tier (default 24 GiB; 0.05 with --tiny)")
     ap.add_argument("--parts", default="abc", help="which parts to run (a, b, c)")
     ap.add_argument("--out")
+    add_profile_argument(ap)
     args = ap.parse_args()
     s = SIZES["tiny" if args.tiny else "gpu"]
     shape = "tests/data/tiny-qwen3" if args.tiny else args.shape
@@ -291,7 +333,7 @@ def main():
               f"{1e3 * r.get('offload_s', 0):.1f}, restore copies {1e3 * r.get('restore_put_s', 0):.1f}, scatters "
               f"{1e3 * r.get('scatter_s', 0):.1f} ms)")
     if "b" in args.parts:
-        result["warm_hits"] = part_b(core, s, rng)
+        result["warm_hits"] = part_b(core, s, rng, args.profile)
     if "c" in args.parts:
         core.kv.reset_prefix_cache()
         chat = {"with_tier": part_c(core, s, seed=1)}

@@ -392,8 +392,7 @@ class EngineCore:
         outputs = []
         out = self.scheduler.schedule(*self.runner.ready_limits())
         if out.kv_transfers:  # copies between the HBM and host tiers go to the device ahead of the step
-            if dropped := self.runner.transfer(out.kv_transfers):
-                self.kv.host.forget(dropped)
+            self._transfer(out.kv_transfers)
         launched = None
         if not out.is_empty:
             rows = []
@@ -417,6 +416,17 @@ class EngineCore:
             outputs += self._complete(launched)
             self._inflight = None
         return outputs
+
+    def _transfer(self, transfers) -> None:
+        if dropped := self.runner.transfer(transfers):
+            self.kv.host.forget(dropped)
+
+    def idle(self) -> None:
+        """Work for an engine with nothing to run (its loop calls this when it goes idle): the host tier's
+        write-backs still waiting are copied now, not in front of the next request's schedule (a restore
+        would wait for them on PCIe)."""
+        if self.kv.host is not None and (transfers := self.kv.take_transfers(flush=True)):
+            self._transfer(transfers)
 
     def _prompt_logprobs_wanted(self, out) -> tuple[int, list[bool]] | None:
         """(top k, which scheduled sequences) for the prompt logprobs of this step's prefill chunks."""

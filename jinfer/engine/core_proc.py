@@ -123,6 +123,8 @@ class EngineCoreProc:
             self._receive(0 if busy else IDLE_POLL_MS)
             if self.running and self.core.has_unfinished_requests():
                 self._step()
+                if not self.core.has_unfinished_requests() and hasattr(self.core, "idle"):
+                    self.core.idle()
             if time.monotonic() >= self._next_tick:
                 self._tick()
 

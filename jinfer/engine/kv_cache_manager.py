@@ -21,8 +21,9 @@ The device KV cache is `[num_pages, page_size, ...]` per layer; this module only
   preempted request recomputes its state from position 0). Slot 0 is reserved for padding sequences.
   A state summarises a whole prefix and cannot be rebuilt from pages, so such models run without
   prefix caching (the engine turns it off).
-- Host tier (`num_host_pages` > 0, `kv_host_tier.py`): a cached page taken from the free queue for reuse
-  first has its content offloaded to a host slot, and a prefix lookup continues into the host tier
+- Host tier (`num_host_pages` > 0, `kv_host_tier.py`): a cached page freed by its last user is written
+  back to a host slot (in batches), and one taken from the free queue for reuse first has its content
+  offloaded if it is not there yet, and a prefix lookup continues into the host tier
   where HBM misses. A host hit appears in `get_computed_pages`' list as `-1 - slot`; `allocate_slots`
   gives it a fresh HBM page (after reviving the HBM hits, so it never evicts one of them), records the
   restore, and enters the page in the HBM hash table at once (the copy is launched before any step
@@ -188,9 +189,10 @@ class KVCacheManager:
         if self.host is not None:
             self.host.reset()
 
-    def take_transfers(self) -> KVTransfers | None:
-        """The copies between tiers recorded since the last call (the schedule hands them to the runner)."""
-        return self.host.take_transfers() if self.host is not None else None
+    def take_transfers(self, flush: bool = False) -> KVTransfers | None:
+        """The copies between tiers recorded since the last call (the schedule hands them to the runner);
+        `flush`: with every write-back still waiting (kv_host_tier.py)."""
+        return self.host.take_transfers(flush) if self.host is not None else None
 
     # ---- allocation ----------------------------------------------------------------------------
 
@@ -199,6 +201,7 @@ class KVCacheManager:
         h = self._page_hash[page]
         if h is not None:  # evict its cached content (to the host tier, if there is one)
             if self.host is not None:
+                self.host.taken(page)
                 self.host.offload(page, h)
             self._page_hash[page] = None
             if self._hash_to_page.get(h) == page:
@@ -272,6 +275,8 @@ class KVCacheManager:
                 self._free[page] = None
                 if self._page_hash[page] is None:
                     self._free.move_to_end(page, last=False)
+                elif self.host is not None:  # copy it to the host tier ahead of its eviction
+                    self.host.write_back(page, self._page_hash[page])
         request.page_ids = []  # a new list: a ScheduledRequest may still hold the old one
         self._num_registered.pop(request.request_id, None)
         if request.state_slot:

@@ -51,6 +51,40 @@ def test_eviction_offloads_and_a_host_hit_restores():
     assert kv.num_free_pages == kv.num_usable_pages
 
 
+def test_freed_cached_pages_are_written_back_before_their_eviction():
+    kv = KVCacheManager(num_pages=6, page_size=PS, num_host_pages=8)  # 5 usable pages
+    kv.host.write_back_pages = 3
+    a = make_req("a", range(9))  # 2 full pages + 1 token
+    admit(kv, a)
+    finish(kv, a)
+    assert kv.take_transfers() is None  # 2 waiting: fewer than a batch
+    c = make_req("c", range(50, 59))
+    admit(kv, c)
+    finish(kv, c)  # 4 waiting now: the next batch copies them all, while they stay cached in HBM
+    t = kv.take_transfers()
+    assert t.offloads == [(2, 0), (1, 1), (4, 2), (3, 3)] and t.restores == []
+    assert kv.num_cached_pages == 4 and kv.get_computed_pages(make_req("a1", range(9)))[0] == [1, 2]
+    b = make_req("b", range(100, 117))  # 4 full pages + 1: evicts all four, copying nothing more
+    admit(kv, b)
+    assert kv.take_transfers() is None and kv.num_cached_pages == 0
+    kv.free(b)
+    a2 = make_req("a2", list(range(8)) + [7, 7])  # a's pages, found in the host tier
+    pages, cached = kv.get_computed_pages(a2)
+    assert pages == [-1 - 1, -1 - 0] and cached == 8
+    assert kv.allocate_slots(a2, 2, pages)
+    t = kv.take_transfers()
+    assert [slot for slot, _ in t.restores] == [1, 0] and t.offloads == []
+    # a page waiting for its write-back that is taken for reuse is offloaded by its eviction, once
+    kv2 = KVCacheManager(num_pages=4, page_size=PS, num_host_pages=8)
+    kv2.host.write_back_pages = 8
+    d = make_req("d", range(9))
+    admit(kv2, d)
+    finish(kv2, d)
+    admit(kv2, make_req("e", range(70, 79)))  # takes the free page 3, then d's tail (2), then 1
+    t = kv2.take_transfers()
+    assert t.offloads == [(2, 0), (1, 1)] and not kv2.host._waiting
+
+
 def test_restore_never_evicts_the_requests_own_hbm_hits():
     kv = KVCacheManager(num_pages=4, page_size=PS, num_host_pages=8)  # 3 usable pages
     a = make_req("a", range(9))  # 2 full pages

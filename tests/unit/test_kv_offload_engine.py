@@ -24,13 +24,16 @@ def sessions(n=6, seed=3):
     return [rng.integers(3, 256, size=int(rng.integers(24, 34))).tolist() for _ in range(n)]
 
 
-def two_rounds(core: EngineCore, concurrent: bool):
+def two_rounds(core: EngineCore, concurrent: bool, idle: bool = False):
     """Each session's prompt, then (after all of them) the prompt extended: the second round finds the
-    first round's prefix in the cache, or, when HBM is too small, in the host tier."""
+    first round's prefix in the cache, or, when HBM is too small, in the host tier. `idle`: the engine's
+    loop calls `idle()` whenever it has run out of requests."""
     first = [(f"a{i}", p, GREEDY) for i, p in enumerate(sessions())]
     out = {}
     for r in first:
         out.update(run_all(core, [r])[0])
+        if idle:
+            core.idle()
     second = [(f"b{i}", p + [5, 6, 7, 8, 9], SamplingParams(**LONGER, n=2 if i == 1 else 1))
               for i, p in enumerate(sessions())]
     if concurrent:
@@ -75,6 +78,23 @@ def test_offloaded_prefixes_come_back_exact(reference):
     host_rate = stats["prefix_cache_host_hit_rate"]
     assert 0 < host_rate and f'jinfer_prefix_cache_tier_hit_rate{{replica="0",tier="host"}} {host_rate}' in text
     assert f'jinfer_kv_host_cache_usage_ratio{{replica="0"}} {stats["kv_host_usage"]}' in text
+
+
+def test_written_back_pages_come_back_exact(reference):
+    # write-back: freed cached pages go to the host tier in batches of 3 and when the engine goes idle, so
+    # the evictions find them there and the restores' batches carry (almost) no offloads
+    core = EngineCore(EngineConfig(TINY, **{**BASE, "num_pages": 25}, kv_offload_gb=host_gb(64)))
+    core.kv.host.write_back_pages = 3
+    batches, transfer = [], core.runner.transfer
+    core.runner.transfer = lambda t: batches.append(t) or transfer(t)
+    out = two_rounds(core, concurrent=True, idle=True)
+    assert out == reference
+    assert core.kv.num_host_hit_tokens > 0
+    restoring = [t for t in batches if t.restores]
+    # the first restoring schedule evicts only first-round pages, all written back already (19 offloads without)
+    assert restoring and restoring[0].offloads == [] and len(restoring[0].restores) > 8
+    assert core.kv.host.num_offloaded_pages == sum(len(t.offloads) for t in batches)
+    assert core.kv.num_free_pages == core.kv.num_usable_pages
 
 
 def test_restores_under_preemption_and_a_small_host_pool(reference):
