@@ -174,7 +174,7 @@ def _release_engines() -> None:
         if isinstance(core.group, Leader):
             core.close()
         if core.runner is not None and core.runner.host_pool is not None:
-            core.runner.host_pool.join()  # its start-up reservation holds XLA buffers on its own thread
+            core.runner.host_pool.join()  # its reservation and offload threads hold XLA buffers
         core.runner = None
         core._inflight = None
     gc.collect()

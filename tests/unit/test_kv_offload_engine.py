@@ -65,7 +65,8 @@ def test_offloaded_prefixes_come_back_exact(reference):
     assert stats["prefix_cache_host_hits"] == core.kv.num_host_hit_tokens
     assert core.kv.num_free_pages == core.kv.num_usable_pages
     assert core.runner.host_pool.num_used_slots == core.kv.host.num_used_slots == stats["kv_host_used_pages"]
-    # jax 0.11's CPU backend has pinned_host too: the same code path as on GPU
+    # jax 0.11's CPU backend has pinned_host too: the same code path as on GPU (the offload thread's copies)
+    core.runner.host_pool.wait_offloads()
     held = [block.array for block, _ in filter(None, core.runner.host_pool.slots)]
     assert {a.sharding.memory_kind for a in held} == {"pinned_host"}
     # /metrics: the engine's stats (as the engine process sends them) become the tier's gauges
@@ -95,6 +96,21 @@ def test_written_back_pages_come_back_exact(reference):
     assert restoring and restoring[0].offloads == [] and len(restoring[0].restores) > 8
     assert core.kv.host.num_offloaded_pages == sum(len(t.offloads) for t in batches)
     assert core.kv.num_free_pages == core.kv.num_usable_pages
+
+
+def test_blocks_restore_from_hbm_until_their_host_copy_lands(reference):
+    # the offload thread held back: every block keeps its HBM copy, and restores read it
+    core = EngineCore(EngineConfig(TINY, **{**BASE, "num_pages": 25}, kv_offload_gb=host_gb(64)))
+    pool = core.runner.host_pool
+    pool._offloader = "held back"  # no thread is started
+    assert two_rounds(core, concurrent=False) == reference and core.kv.num_host_hit_tokens > 0
+    held = [block.array for block, _ in filter(None, pool.slots)]
+    assert held and {a.sharding.memory_kind for a in held} == {"device"}
+    pool._offloader = None
+    pool._offload(held[0][:1], 1)  # the next offload starts the thread, which copies every queued block
+    pool.wait_offloads()
+    assert {block.array.sharding.memory_kind for block, _ in filter(None, pool.slots)} == {"pinned_host"}
+    pool.join()
 
 
 def test_restores_under_preemption_and_a_small_host_pool(reference):
