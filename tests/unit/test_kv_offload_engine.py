@@ -164,13 +164,12 @@ def test_warm_hit_is_a_one_token_decode_step(tier):
     first token with one step of one token, which the runner sends to the decode-only executable (on the GPU:
     the paged decode kernel; on CPU the decode executables exist only for the Pallas backend, so the test
     makes bucket 8 one and checks the choice, running the step on the usual executable)."""
-    from dataclasses import replace
     core = EngineCore(EngineConfig(TINY, **{**BASE, "num_pages": 25}, kv_offload_gb=host_gb(64)))
     runner = core.runner
     assert runner.page_buckets[-1] * 4 >= core.max_model_len  # the page-table width covers the context
     seen = []
-    run_step = runner.run_step
-    runner.run_step = lambda step: (seen.append((step.T, step.decode)), run_step(replace(step, decode=False)))[1]
+    run_forward = runner.run_forward
+    runner.run_forward = lambda T, B, P, decode, *a: (seen.append((T, decode)), run_forward(T, B, P, False, *a))[1]
     runner.ready_decode = frozenset({8})
     rng = np.random.default_rng(9)
     prefix = rng.integers(3, 256, 32).tolist()  # 8 full pages
