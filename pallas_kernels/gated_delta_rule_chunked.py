@@ -233,6 +233,7 @@ def chunked_gated_delta_rule(q, k, v, g, beta, states, slots, fresh, query_start
 # ----------------------------------------------------------------------------------------------
 def _bench_prefill(n, hk, hv, dk, dv, block_vs, warps_list, exacts, gpu, rng):
     """JSON records of the chunked rule on one fresh sequence of n rows (see `main`)."""
+    import json
     import time
 
     C = CHUNK
@@ -246,7 +247,12 @@ def _bench_prefill(n, hk, hv, dk, dv, block_vs, warps_list, exacts, gpu, rng):
     layout = jax.jit(chunk_layout, static_argnums=(1, 2, 3, 4))(qs, n, max_chunks(n, 1, C, MIN_LEN), C, MIN_LEN)
     rows, cs = layout["rows"], layout["chunk_start"]
     intra = jax.jit(intra_chunk)
-    parts = intra(q, k, v, g, beta, rows)
+    intra_kernel = functools.partial(intra_chunk_pallas, interpret=not gpu)
+    try:  # bf16 parts, as the model's step feeds the recurrence
+        parts = intra_kernel(q, k, v, g, beta, rows)
+    except Exception as e:  # noqa: BLE001  (the records say so; the recurrence is timed on XLA's parts)
+        print(json.dumps({"what": "intra_pallas", "tokens": n, "error": f"{type(e).__name__}: {str(e)[:300]}"}))
+        parts, intra_kernel = intra(q, k, v, g, beta, rows), intra
 
     def timed(step, states):
         """Seconds per call of step(states) -> (out, states) (the pool is threaded: it may be donated)."""
@@ -263,12 +269,13 @@ def _bench_prefill(n, hk, hv, dk, dv, block_vs, warps_list, exacts, gpu, rng):
     t_intra = timed(lambda s: (intra(q, k, v, g, beta, rows), s), None)
     trsm = jax.jit(functools.partial(intra_chunk, solve="trsm"))
     t_intra_trsm = timed(lambda s: (trsm(q, k, v, g, beta, rows), s), None)
+    t_intra_pallas = timed(lambda s: (intra_kernel(q, k, v, g, beta, rows), s), None)
     # per token: QK^T and KK^T (4 C Dk), the triangular solve (C (Dk + Dv)), P V' (2 C Dv), the three state dots
     # (6 Dk Dv); the recurrent form does 6 Dk Dv
     useful = 6 * n * hv * dk * dv
     chunked = n * hv * (4 * C * dk + C * (dk + dv) + 2 * C * dv + 6 * dk * dv)
     out = []
-    for bv, warps, exact in itertools.product(block_vs, warps_list, exacts):
+    for i, (bv, warps, exact) in enumerate(itertools.product(block_vs, warps_list, exacts)):
         prec = jax.lax.Precision.HIGHEST if exact else jax.lax.Precision.DEFAULT
         kern = jax.jit(functools.partial(_chunk_state_call, block_v=bv, num_warps=warps, num_stages=2,
                                          precision=prec, interpret=not gpu), donate_argnums=(1,))
@@ -279,22 +286,31 @@ def _bench_prefill(n, hk, hv, dk, dv, block_vs, warps_list, exacts, gpu, rng):
         try:  # a configuration Triton cannot compile (shared memory, registers) is a record, not the end
             t_kernel = timed(lambda s, kern=kern: kern(parts, s, slots, fresh, cs), jnp.zeros((2, hv, dk, dv)))
             t = timed(lambda s, fn=fn: fn(q, k, v, g, beta, s, slots, fresh, qs), jnp.zeros((2, hv, dk, dv)))
+            extra = {}
+            if i == 0:  # the whole function as it was: XLA's intra-chunk part (float32 parts)
+                fj = functools.partial(fn, intra="jnp")
+                extra["time_jnp_intra_us"] = timed(lambda s, fj=fj: fj(q, k, v, g, beta, s, slots, fresh, qs),
+                                                   jnp.zeros((2, hv, dk, dv))) * 1e6
         except Exception as e:  # noqa: BLE001
             out.append(rec | {"error": f"{type(e).__name__}: {str(e)[:300]}"})
             continue
-        out.append(rec | {"time_us": t * 1e6, "intra_chunk_us": t_intra * 1e6,
-                          "intra_chunk_trsm_us": t_intra_trsm * 1e6, "recurrence_kernel_us": t_kernel * 1e6,
-                          "tflop_per_s": useful / t / 1e12, "chunked_form_tflop_per_s": chunked / t / 1e12})
+        out.append(rec | extra | {"time_us": t * 1e6, "intra_chunk_us": t_intra * 1e6,
+                                  "intra_chunk_trsm_us": t_intra_trsm * 1e6, "intra_pallas_us": t_intra_pallas * 1e6,
+                                  "recurrence_kernel_us": t_kernel * 1e6, "tflop_per_s": useful / t / 1e12,
+                                  "chunked_form_tflop_per_s": chunked / t / 1e12})
     return out
 
 
 def main():
     """Time of the chunked rule at Qwen3.5-4B's linear-layer shapes (16 q/k heads, 32 v heads, 128 x 128
-    state), one layer, one fresh sequence of 1k and 16k tokens: the whole function (intra-chunk XLA part +
-    the recurrence kernel), and each part alone. tflop_per_s counts the rule's 6 Hv Dk Dv FLOPs per token
-    (the recurrent form's useful work, as the recurrent kernel's benchmark does: comparable);
-    chunked_form_tflop_per_s the chunked form's own FLOPs. JSON lines on stdout. Small shapes on CPU
-    (interpreter), to check the script."""
+    state), one layer, one fresh sequence of 1k and 16k tokens: the whole function (the intra-chunk kernel +
+    the recurrence kernel; for the first configuration also with XLA's intra-chunk part: time_jnp_intra_us),
+    and each part alone (intra_chunk_us: XLA's, product-form inverse; intra_chunk_trsm_us: with XLA's
+    triangular solve; intra_pallas_us: the kernel, default settings; recurrence_kernel_us: fed the kernel's
+    bf16 parts). pallas_kernels.gated_delta_rule_intra times the intra-chunk kernel's settings. tflop_per_s
+    counts the rule's 6 Hv Dk Dv FLOPs per token (the recurrent form's useful work, as the recurrent kernel's
+    benchmark does: comparable); chunked_form_tflop_per_s the chunked form's own FLOPs. JSON lines on stdout.
+    Small shapes on CPU (interpreter), to check the script."""
     import argparse
     import json
 
