@@ -137,29 +137,40 @@ def _intra_kernel(start_ref, count_ref, q_ref, k_ref, v_ref, g_ref, beta_ref,
         p_ref[c, h, :, :] = (dot_t(q, k) * decay(gc, gc, i_c[:, None] >= i_c[None, :])).astype(out_dtype)
         dl_ref[c, h] = jnp.exp(g_last)
 
-        # the WY factors: L in 16-row blocks, block forward substitution on [beta e^gc K | beta V]
+        # the WY factors: L in 16-row blocks (kept: 10 x [16, 16]), then block forward substitution on each
+        # right-hand side in turn, beta e^gc K then beta V (its 16-row blocks reloaded: only one side's X blocks
+        # are live at a time, [C, D] f32, not both with the keys)
         i_b = jnp.arange(BLOCK, dtype=jnp.int32)
         strict = i_b[:, None] > i_b[None, :]
-        ks, gcs, rk, rv = [], [], [], []
+        ks, gcs, betas, low, invs = [], [], [], [], []
         for b in range(nb):
             kb = unit(rows(b * BLOCK, BLOCK, k_ref, kh, dk))  # [16, Dk]
             gb = cum(b * BLOCK, BLOCK)  # [16]
             bb = plgpu.load(beta_ref.at[pl.ds(start + b * BLOCK, BLOCK), h], mask=b * BLOCK + i_b < count,
                             other=0).astype(jnp.float32)
+            # L_bj, j < b (its rows all after its columns: exponents <= 0)
+            low.append([bb[:, None] * dot_t(kb, ks[j]) * jnp.exp(gb[:, None] - gcs[j][None, :]) for j in range(b)])
+            diag = bb[:, None] * dot_t(kb, kb) * decay(gb, gb, strict)  # L_bb (strictly lower)
+            invs.append(DIAG_INVERSES[diag_inverse](diag))
             ks.append(kb)
             gcs.append(gb)
-            rk.append(kb * (bb * jnp.exp(gb))[:, None])
-            rv.append(rows(b * BLOCK, BLOCK, v_ref, h, dv) * bb[:, None])
-            # L_bj, j < b (its rows all after its columns: exponents <= 0)
-            blk = [bb[:, None] * dot_t(kb, ks[j]) * jnp.exp(gb[:, None] - gcs[j][None, :]) for j in range(b)]
-            diag = bb[:, None] * dot_t(kb, kb) * decay(gb, gb, strict)  # L_bb (strictly lower)
-            inv = DIAG_INVERSES[diag_inverse](diag)
-            for rhs, out_ref in ((rk, w_ref), (rv, u_ref)):
-                x = rhs[b]
+            betas.append(bb)
+        del ks
+
+        def rhs_k(b):  # [16, Dk] beta e^gc k of block b
+            return unit(rows(b * BLOCK, BLOCK, k_ref, kh, dk)) * (betas[b] * jnp.exp(gcs[b]))[:, None]
+
+        def rhs_v(b):  # [16, Dv] beta v of block b
+            return rows(b * BLOCK, BLOCK, v_ref, h, dv) * betas[b][:, None]
+
+        for rhs, out_ref in ((rhs_k, w_ref), (rhs_v, u_ref)):
+            xs = []
+            for b in range(nb):  # X_b = (I + L_bb)^-1 (R_b - sum_{j<b} L_bj X_j)
+                x = rhs(b)
                 for j in range(b):
-                    x = x - dot(blk[j], rhs[j])
-                rhs[b] = dot(inv, x)  # X_b replaces R_b (R_b is not needed again)
-                out_ref[c, h, pl.ds(b * BLOCK, BLOCK), :] = rhs[b].astype(out_dtype)
+                    x = x - dot(low[b][j], xs[j])
+                xs.append(dot(invs[b], x))
+                out_ref[c, h, pl.ds(b * BLOCK, BLOCK), :] = xs[b].astype(out_dtype)
 
 
 # ----------------------------------------------------------------------------------------------
