@@ -8,8 +8,8 @@
 #               then the chunked (WY) prefill form on 1k and 16k tokens: whole, its XLA intra-chunk part and
 #               its recurrence kernel alone, block_v 16 / 32 / 64, 4 / 8 warps, TF32 / exact f32 dots
 #               (gdn_chunked_*.json; TFLOP/s of the rule's 6 Hv Dk Dv FLOPs per token, as the recurrent one's;
-#               time_us with the fused intra-chunk kernel, time_jnp_intra_us with XLA's);
-#               then the intra-chunk part alone on 1k and 16k tokens: XLA's (product form, triangular solve) vs
+#               time_us with the fused intra-chunk kernel, time_jnp_intra_us with XLA's)
+#   intra       the intra-chunk part alone on 1k and 16k tokens: XLA's (product form, triangular solve) vs
 #               the fused kernel: 4 / 8 warps, diagonal-block inverse by products / substitution, bf16 / f32
 #               parts, TF32 / exact dots; time, GB/s of its least HBM traffic, error vs XLA's solve
 #               (gdn_intra_*.json)
@@ -21,7 +21,7 @@
 #   OUT=/tmp/q35 SHAPE=tests/data/tiny-qwen3_5 IN=32 OUT_LEN=8 LONG=64 PROMPTS=8 bash benchmarks/run_gpu_qwen35.sh
 set -uo pipefail
 source benchmarks/gpu_env.sh
-PARTS=${PARTS:-tests,kernels,latency,long,throughput}
+PARTS=${PARTS:-tests,kernels,intra,latency,long,throughput}
 TAG=${TAG:-h100}
 SHAPE=${SHAPE:-qwen3.5-4b}
 NAME=$(basename "$SHAPE")
@@ -44,6 +44,8 @@ if [[ $PARTS == *kernels* ]]; then
   cat "$OUT/gdn_kernels_$TAG.json"
   timeout 900 python3 -m pallas_kernels.gated_delta_rule_chunked > "$OUT/gdn_chunked_$TAG.json"
   cat "$OUT/gdn_chunked_$TAG.json"
+fi
+if [[ $PARTS == *intra* ]]; then
   timeout 900 python3 -m pallas_kernels.gated_delta_rule_intra > "$OUT/gdn_intra_$TAG.json"
   cat "$OUT/gdn_intra_$TAG.json"
 fi
