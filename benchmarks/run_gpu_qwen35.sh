@@ -1,12 +1,18 @@
 #!/usr/bin/env bash
 # On the GPU machine (device tool, carrying .whl): Qwen3.5 (hybrid Gated DeltaNet + gated attention) on one GPU.
 # PARTS (comma list, default all):
-#   tests       the Gated DeltaNet kernel tests compiled for the GPU, then the tiny HF goldens through the kernels
+#   tests       the Gated DeltaNet kernel tests compiled for the GPU (recurrent, intra-chunk, chunked, gated norm), then
+#               the tiny HF goldens through the kernels
 #   kernels     the recurrent delta-rule kernel alone at Qwen3.5-4B's shapes: decode batches 1..256 (TB/s on state
 #               bytes), one-sequence prefills of 1k and 16k tokens (TFLOP/s), block_v 16 / 32 / 64 (gdn_kernels_*.json);
 #               then the chunked (WY) prefill form on 1k and 16k tokens: whole, its XLA intra-chunk part and
 #               its recurrence kernel alone, block_v 16 / 32 / 64, 4 / 8 warps, TF32 / exact f32 dots
-#               (gdn_chunked_*.json; TFLOP/s of the rule's 6 Hv Dk Dv FLOPs per token, as the recurrent one's)
+#               (gdn_chunked_*.json; TFLOP/s of the rule's 6 Hv Dk Dv FLOPs per token, as the recurrent one's;
+#               time_us with the fused intra-chunk kernel, time_jnp_intra_us with XLA's)
+#   intra       the intra-chunk part alone on 1k and 16k tokens: XLA's (product form, triangular solve) vs
+#               the fused kernel: 4 / 8 warps, diagonal-block inverse by products / substitution, bf16 / f32
+#               parts, TF32 / exact dots; time, GB/s of its least HBM traffic, error vs XLA's solve
+#               (gdn_intra_*.json)
 #   latency     engine TPOT / TTFT at batch 1, 1k in / 128 out, against the roofline measured in the same run
 #   long        TTFT of one 16k-token prompt (chunked by max_num_batched_tokens)
 #   throughput  offline $PROMPTS prompts x $IN in / $OUT_LEN out
@@ -15,7 +21,7 @@
 #   OUT=/tmp/q35 SHAPE=tests/data/tiny-qwen3_5 IN=32 OUT_LEN=8 LONG=64 PROMPTS=8 bash benchmarks/run_gpu_qwen35.sh
 set -uo pipefail
 source benchmarks/gpu_env.sh
-PARTS=${PARTS:-tests,kernels,latency,long,throughput}
+PARTS=${PARTS:-tests,kernels,intra,latency,long,throughput}
 TAG=${TAG:-h100}
 SHAPE=${SHAPE:-qwen3.5-4b}
 NAME=$(basename "$SHAPE")
@@ -28,7 +34,8 @@ mkdir -p "$OUT"
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader 2>/dev/null || echo "no GPU"
 if [[ $PARTS == *tests* ]]; then
   JAX_PLATFORMS=${JAX_PLATFORMS:-cuda} timeout 600 python3 -m pytest -q -m gpu tests/kernels/test_gated_delta_rule.py \
-      tests/kernels/test_gated_delta_rule_chunked.py tests/kernels/test_gated_rms_norm.py -p no:cacheprovider 2>&1 | tail -4
+      tests/kernels/test_gated_delta_rule_intra.py tests/kernels/test_gated_delta_rule_chunked.py \
+      tests/kernels/test_gated_rms_norm.py -p no:cacheprovider 2>&1 | tail -4
   # the goldens with the kernels compiled natively (f32 dots may run as TF32 there: informative)
   timeout 600 python3 -m pytest -q tests/models/test_golden_qwen3_5.py -k pallas -p no:cacheprovider 2>&1 | tail -4
 fi
@@ -37,6 +44,10 @@ if [[ $PARTS == *kernels* ]]; then
   cat "$OUT/gdn_kernels_$TAG.json"
   timeout 900 python3 -m pallas_kernels.gated_delta_rule_chunked > "$OUT/gdn_chunked_$TAG.json"
   cat "$OUT/gdn_chunked_$TAG.json"
+fi
+if [[ $PARTS == *intra* ]]; then
+  timeout 900 python3 -m pallas_kernels.gated_delta_rule_intra > "$OUT/gdn_intra_$TAG.json"
+  cat "$OUT/gdn_intra_$TAG.json"
 fi
 if [[ $PARTS == *latency* ]]; then
   timeout 900 python3 -m benchmarks.bench_latency --shape "$SHAPE" --batch-sizes ${BATCHES:-1} \

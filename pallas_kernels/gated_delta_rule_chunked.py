@@ -22,8 +22,10 @@ others are left to the recurrent kernel: a decode row costs a whole chunk of wor
 rows' outputs are zeros and their slots are left alone.
 
 Two phases:
-- `intra_chunk` (plain jnp; XLA runs the batched [chunks, Hv, C, D] matmuls and the triangular solve):
-  everything that does not depend on the state, for all chunks at once.
+- The intra-chunk part: everything that does not depend on the state, for all chunks at once
+  (pallas_kernels/gated_delta_rule_intra.py: the fused kernel `intra_chunk_pallas`, one program per
+  chunk and value head, reading the activations and writing W, U, Qg, Kd, P in their dtype; its jnp
+  reference `intra_chunk`, re-exported here, all float32 through HBM).
 - The inter-chunk recurrence, sequential along each sequence: the Pallas kernel
   (`chunked_gated_delta_rule`, Triton lowering) runs one program per (sequence, value head, block of
   value columns), keeps its [Dk, block_v] slice of the state in registers, walks the sequence's chunks
@@ -45,7 +47,10 @@ import numpy as np
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from pallas_kernels.gated_delta_rule import check_shapes, initial_states, prepare_qk
+from pallas_kernels.gated_delta_rule import check_shapes, initial_states
+from pallas_kernels.gated_delta_rule_intra import intra_chunk, intra_chunk_pallas, unit_lower_inverse
+
+__all__ = ["intra_chunk", "unit_lower_inverse"]  # phase 1's reference, here since it began here
 
 CHUNK = 64  # rows per chunk (fla and HF use 64)
 MIN_LEN = 64  # sequences with fewer new rows are left to the recurrent kernel
@@ -84,61 +89,6 @@ def chunk_layout(query_start: jax.Array, num_tokens: int, num_chunks: int, chunk
     return {"long": long, "chunk_start": chunk_start, "rows": rows,
             "row_chunk": jnp.where(row_long, chunk_start[rb] + local // chunk, 0),
             "row_offset": local % chunk, "row_long": row_long}
-
-
-def unit_lower_inverse(a: jax.Array) -> jax.Array:
-    """(I + L)^-1 for [..., C, C] unit lower-triangular `a` (C a power of two), as batched matmuls.
-
-    L is nilpotent (L^C = 0), so (I + L)^-1 = sum_k (-L)^k = prod_j (I + (-L)^(2^j)), j < log2 C: 2 log2 C
-    matmuls of [C, C] tiles for the tensor cores instead of XLA's batched triangular solve (`main` times
-    both). On the H100 the whole intra-chunk part took 0.553 / 5.10 ms at 1k / 16k tokens with it and
-    0.567 / 5.78 ms with the solve (gdn_chunked_product_inverse_h100.json): the solve was not where its
-    time goes; its [chunks, heads, 64, 64] float32 intermediates in HBM are."""
-    C = a.shape[-1]
-    hp = jax.lax.Precision.HIGHEST
-    x = jnp.eye(C, dtype=a.dtype) - a  # -L
-    inv = jnp.eye(C, dtype=a.dtype) + x
-    for _ in range(C.bit_length() - 2):  # x^2, x^4, ..., x^(C/2)
-        x = jnp.matmul(x, x, precision=hp)
-        inv = inv + jnp.matmul(inv, x, precision=hp)
-    return inv
-
-
-def intra_chunk(q, k, v, g, beta, rows, solve: str = "product") -> dict[str, jax.Array]:
-    """The state-independent part of every chunk, batched (plain jnp, float32).
-
-    q, k: [T, Hk, Dk] (raw: L2-normalised and scaled here); v: [T, Hv, Dv]; g, beta: [T, Hv];
-    rows: [NC, C] (T = a zero row). Returns {"w", "qg", "kd": [NC, Hv, C, Dk], "u": [NC, Hv, C, Dv],
-    "p": [NC, Hv, C, C] (lower-triangular incl. the diagonal), "dl": [NC, Hv] exp(gc_last)}.
-    """
-    hv = v.shape[1]
-    qh, kh = prepare_qk(q, k, hv)  # [T, Hv, Dk] f32
-
-    def gather(x):  # [T, Hv, ...] -> [NC, Hv, C, ...], zeros at padding rows
-        x = jnp.concatenate([x.astype(jnp.float32), jnp.zeros_like(x[:1], jnp.float32)])
-        return jnp.moveaxis(x[rows], 2, 1)
-
-    qc, kc, vc = gather(qh), gather(kh), gather(v)  # [NC, Hv, C, D]
-    gc = jnp.cumsum(gather(g), axis=-1)  # [NC, Hv, C]
-    bc = gather(beta)
-    C = rows.shape[1]
-    i = jnp.arange(C)
-    lower, strict = i[:, None] >= i[None, :], i[:, None] > i[None, :]
-    # exp(gc_i - gc_j) for j <= i only (above the diagonal the difference is positive and may overflow)
-    decay = jnp.exp(jnp.where(lower, gc[..., :, None] - gc[..., None, :], -jnp.inf))  # [NC, Hv, C, C]
-    hp = jax.lax.Precision.HIGHEST
-    kk = jnp.einsum("nhik,nhjk->nhij", kc, kc, precision=hp)
-    a = jnp.where(strict, bc[..., :, None] * kk * decay, 0.0) + jnp.eye(C, dtype=jnp.float32)
-    rhs = jnp.concatenate([kc * (bc * jnp.exp(gc))[..., None], vc * bc[..., None]], axis=-1)
-    if solve == "product":
-        x = jnp.matmul(unit_lower_inverse(a), rhs, precision=hp)
-    else:  # "trsm": XLA's batched triangular solve
-        x = jax.lax.linalg.triangular_solve(a, rhs, left_side=True, lower=True, unit_diagonal=True)
-    dk = kc.shape[-1]
-    qk = jnp.einsum("nhik,nhjk->nhij", qc, kc, precision=hp)
-    return {"w": x[..., :dk], "u": x[..., dk:], "qg": qc * jnp.exp(gc)[..., None],
-            "kd": kc * jnp.exp(gc[..., -1:] - gc)[..., None], "p": jnp.where(lower, qk * decay, 0.0),
-            "dl": jnp.exp(gc[..., -1])}
 
 
 def _rows_out(o_chunks, layout) -> jax.Array:
@@ -189,13 +139,14 @@ def chunked_reference(q, k, v, g, beta, states, slots, fresh, query_start, *, mi
 def _chunk_state_kernel(cs_ref, slot_ref, fresh_ref, w_ref, u_ref, qg_ref, kd_ref, p_ref, dl_ref, s_in_ref,
                         o_ref, s_ref, *, block_v: int, precision):
     # cs_ref [B + 1]: each sequence's chunks; slot_ref, fresh_ref [B]; w_ref, qg_ref, kd_ref [NC, Hv, C, Dk];
-    # u_ref [NC, Hv, C, Dv]; p_ref [NC, Hv, C, C]; dl_ref [NC, Hv]; s_in_ref / s_ref [S, Hv, Dk, Dv] f32: the
-    # pool, aliased; o_ref [NC, Hv, C, Dv] f32.
+    # u_ref [NC, Hv, C, Dv]; p_ref [NC, Hv, C, C] (these five f32 or bf16); dl_ref [NC, Hv] f32; s_in_ref / s_ref
+    # [S, Hv, Dk, Dv] f32: the pool, aliased; o_ref [NC, Hv, C, Dv] f32.
     del s_in_ref  # the same buffer as s_ref
     b, h, j = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     cols = pl.ds(j * block_v, block_v)
     first, last = cs_ref[b], cs_ref[b + 1]
     dot = functools.partial(jnp.dot, precision=precision, preferred_element_type=jnp.float32)
+    f32 = jnp.float32  # the parts may be stored in bf16: the dots run on float32 values against the f32 state
 
     @pl.when(last > first)  # a sequence left to the recurrent kernel: its slot is not touched
     def _():
@@ -204,9 +155,9 @@ def _chunk_state_kernel(cs_ref, slot_ref, fresh_ref, w_ref, u_ref, qg_ref, kd_re
         state = jnp.where(fresh_ref[b] != 0, 0.0, state)
 
         def body(c, state):
-            vn = u_ref[c, h, :, cols] - dot(w_ref[c, h, :, :], state)  # [C, block_v]
-            o_ref[c, h, :, cols] = dot(qg_ref[c, h, :, :], state) + dot(p_ref[c, h, :, :], vn)
-            kd = kd_ref[c, h, :, :]  # [C, Dk]
+            vn = u_ref[c, h, :, cols].astype(f32) - dot(w_ref[c, h, :, :].astype(f32), state)  # [C, block_v]
+            o_ref[c, h, :, cols] = dot(qg_ref[c, h, :, :].astype(f32), state) + dot(p_ref[c, h, :, :].astype(f32), vn)
+            kd = kd_ref[c, h, :, :].astype(f32)  # [C, Dk]
             return state * dl_ref[c, h] + jax.lax.dot_general(kd, vn, (((0,), (0,)), ((), ())), precision=precision,
                                                               preferred_element_type=jnp.float32)
 
@@ -238,17 +189,20 @@ def _chunk_state_call(parts, states, slots, fresh, chunk_start, *, block_v, num_
 # ----------------------------------------------------------------------------------------------
 # Public API
 # ----------------------------------------------------------------------------------------------
-@functools.partial(jax.jit, static_argnames=("min_len", "block_v", "num_warps", "num_stages", "exact", "interpret"),
-                   donate_argnames=("states",))
+@functools.partial(jax.jit, static_argnames=("min_len", "block_v", "num_warps", "num_stages", "exact", "intra",
+                                             "parts_dtype", "interpret"), donate_argnames=("states",))
 def chunked_gated_delta_rule(q, k, v, g, beta, states, slots, fresh, query_start, *, min_len: int = 1,
                              block_v: int | None = None, num_warps: int = 4, num_stages: int = 2,
-                             exact: bool = False, interpret: bool = False) -> tuple[jax.Array, jax.Array]:
+                             exact: bool = False, intra: str = "pallas", parts_dtype=None,
+                             interpret: bool = False) -> tuple[jax.Array, jax.Array]:
     """The rule in chunks over the sequences of >= min_len new rows of a ragged batch (module doc), updating
     their state slots in place (the pool is donated); other sequences get zero outputs and keep their slots.
 
     q, k: [T, Hk, Dk]; v: [T, Hv, Dv]; g, beta: [T, Hv]; states: [S, Hv, Dk, Dv] float32; slots, fresh:
     [B]; query_start: [B + 1]. Returns (o [T, Hv, Dv] float32, the pool). Dk, Dv powers of two >= 16.
-    exact: the kernel's dots in full float32 (default: TF32 on the GPU's tensor cores).
+    exact: the kernels' dots in full float32 (default: TF32 on the GPU's tensor cores). intra: the
+    intra-chunk part by the fused kernel ("pallas") or by XLA ("jnp": `intra_chunk`, float32); parts_dtype:
+    the dtype the kernel stores W, U, Qg, Kd, P in (default v's: bf16 in the model, as fla).
     """
     hv, dk, dv = check_shapes(q, k, v, g, beta, states, min_dim=16)  # tensor-core dots
     T = q.shape[0]
@@ -257,10 +211,16 @@ def chunked_gated_delta_rule(q, k, v, g, beta, states, slots, fresh, query_start
         raise ValueError(f"block_v={block_v} must divide value_dim={dv} and be >= 16")
     if min_len < 1:
         raise ValueError(f"{min_len=} must be >= 1")
+    if intra not in ("pallas", "jnp"):
+        raise ValueError(f"intra={intra!r} must be 'pallas' or 'jnp'")
     B = slots.shape[0]
     nc = max_chunks(T, B, CHUNK, min_len)
     layout = chunk_layout(query_start, T, nc, CHUNK, min_len)
-    parts = intra_chunk(q, k, v, g, beta, layout["rows"])
+    if intra == "pallas":
+        parts = intra_chunk_pallas(q, k, v, g, beta, layout["rows"], out_dtype=parts_dtype, exact=exact,
+                                   interpret=interpret)
+    else:
+        parts = intra_chunk(q, k, v, g, beta, layout["rows"])
     precision = jax.lax.Precision.HIGHEST if exact else jax.lax.Precision.DEFAULT
     o_chunks, states = _chunk_state_call(parts, states, slots, fresh, layout["chunk_start"], block_v=block_v,
                                          num_warps=num_warps, num_stages=num_stages, precision=precision,
@@ -273,6 +233,7 @@ def chunked_gated_delta_rule(q, k, v, g, beta, states, slots, fresh, query_start
 # ----------------------------------------------------------------------------------------------
 def _bench_prefill(n, hk, hv, dk, dv, block_vs, warps_list, exacts, gpu, rng):
     """JSON records of the chunked rule on one fresh sequence of n rows (see `main`)."""
+    import json
     import time
 
     C = CHUNK
@@ -286,7 +247,12 @@ def _bench_prefill(n, hk, hv, dk, dv, block_vs, warps_list, exacts, gpu, rng):
     layout = jax.jit(chunk_layout, static_argnums=(1, 2, 3, 4))(qs, n, max_chunks(n, 1, C, MIN_LEN), C, MIN_LEN)
     rows, cs = layout["rows"], layout["chunk_start"]
     intra = jax.jit(intra_chunk)
-    parts = intra(q, k, v, g, beta, rows)
+    intra_kernel = functools.partial(intra_chunk_pallas, interpret=not gpu)
+    try:  # bf16 parts, as the model's step feeds the recurrence
+        parts = intra_kernel(q, k, v, g, beta, rows)
+    except Exception as e:  # noqa: BLE001  (the records say so; the recurrence is timed on XLA's parts)
+        print(json.dumps({"what": "intra_pallas", "tokens": n, "error": f"{type(e).__name__}: {str(e)[:300]}"}))
+        parts, intra_kernel = intra(q, k, v, g, beta, rows), intra
 
     def timed(step, states):
         """Seconds per call of step(states) -> (out, states) (the pool is threaded: it may be donated)."""
@@ -303,12 +269,13 @@ def _bench_prefill(n, hk, hv, dk, dv, block_vs, warps_list, exacts, gpu, rng):
     t_intra = timed(lambda s: (intra(q, k, v, g, beta, rows), s), None)
     trsm = jax.jit(functools.partial(intra_chunk, solve="trsm"))
     t_intra_trsm = timed(lambda s: (trsm(q, k, v, g, beta, rows), s), None)
+    t_intra_pallas = timed(lambda s: (intra_kernel(q, k, v, g, beta, rows), s), None)
     # per token: QK^T and KK^T (4 C Dk), the triangular solve (C (Dk + Dv)), P V' (2 C Dv), the three state dots
     # (6 Dk Dv); the recurrent form does 6 Dk Dv
     useful = 6 * n * hv * dk * dv
     chunked = n * hv * (4 * C * dk + C * (dk + dv) + 2 * C * dv + 6 * dk * dv)
     out = []
-    for bv, warps, exact in itertools.product(block_vs, warps_list, exacts):
+    for i, (bv, warps, exact) in enumerate(itertools.product(block_vs, warps_list, exacts)):
         prec = jax.lax.Precision.HIGHEST if exact else jax.lax.Precision.DEFAULT
         kern = jax.jit(functools.partial(_chunk_state_call, block_v=bv, num_warps=warps, num_stages=2,
                                          precision=prec, interpret=not gpu), donate_argnums=(1,))
@@ -319,22 +286,31 @@ def _bench_prefill(n, hk, hv, dk, dv, block_vs, warps_list, exacts, gpu, rng):
         try:  # a configuration Triton cannot compile (shared memory, registers) is a record, not the end
             t_kernel = timed(lambda s, kern=kern: kern(parts, s, slots, fresh, cs), jnp.zeros((2, hv, dk, dv)))
             t = timed(lambda s, fn=fn: fn(q, k, v, g, beta, s, slots, fresh, qs), jnp.zeros((2, hv, dk, dv)))
+            extra = {}
+            if i == 0:  # the whole function as it was: XLA's intra-chunk part (float32 parts)
+                fj = functools.partial(fn, intra="jnp")
+                extra["time_jnp_intra_us"] = timed(lambda s, fj=fj: fj(q, k, v, g, beta, s, slots, fresh, qs),
+                                                   jnp.zeros((2, hv, dk, dv))) * 1e6
         except Exception as e:  # noqa: BLE001
             out.append(rec | {"error": f"{type(e).__name__}: {str(e)[:300]}"})
             continue
-        out.append(rec | {"time_us": t * 1e6, "intra_chunk_us": t_intra * 1e6,
-                          "intra_chunk_trsm_us": t_intra_trsm * 1e6, "recurrence_kernel_us": t_kernel * 1e6,
-                          "tflop_per_s": useful / t / 1e12, "chunked_form_tflop_per_s": chunked / t / 1e12})
+        out.append(rec | extra | {"time_us": t * 1e6, "intra_chunk_us": t_intra * 1e6,
+                                  "intra_chunk_trsm_us": t_intra_trsm * 1e6, "intra_pallas_us": t_intra_pallas * 1e6,
+                                  "recurrence_kernel_us": t_kernel * 1e6, "tflop_per_s": useful / t / 1e12,
+                                  "chunked_form_tflop_per_s": chunked / t / 1e12})
     return out
 
 
 def main():
     """Time of the chunked rule at Qwen3.5-4B's linear-layer shapes (16 q/k heads, 32 v heads, 128 x 128
-    state), one layer, one fresh sequence of 1k and 16k tokens: the whole function (intra-chunk XLA part +
-    the recurrence kernel), and each part alone. tflop_per_s counts the rule's 6 Hv Dk Dv FLOPs per token
-    (the recurrent form's useful work, as the recurrent kernel's benchmark does: comparable);
-    chunked_form_tflop_per_s the chunked form's own FLOPs. JSON lines on stdout. Small shapes on CPU
-    (interpreter), to check the script."""
+    state), one layer, one fresh sequence of 1k and 16k tokens: the whole function (the intra-chunk kernel +
+    the recurrence kernel; for the first configuration also with XLA's intra-chunk part: time_jnp_intra_us),
+    and each part alone (intra_chunk_us: XLA's, product-form inverse; intra_chunk_trsm_us: with XLA's
+    triangular solve; intra_pallas_us: the kernel, default settings; recurrence_kernel_us: fed the kernel's
+    bf16 parts). pallas_kernels.gated_delta_rule_intra times the intra-chunk kernel's settings. tflop_per_s
+    counts the rule's 6 Hv Dk Dv FLOPs per token (the recurrent form's useful work, as the recurrent kernel's
+    benchmark does: comparable); chunked_form_tflop_per_s the chunked form's own FLOPs. JSON lines on stdout.
+    Small shapes on CPU (interpreter), to check the script."""
     import argparse
     import json
 

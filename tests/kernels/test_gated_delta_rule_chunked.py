@@ -1,7 +1,7 @@
-"""The chunked (WY) gated delta rule, its jnp reference and the pallas dispatch (chunked for long sequences,
-recurrent for the rest) against the token-by-token `recurrent_reference` (golden-checked against HF) on
-ragged batches: sequences of 1, 63, 64, 65 and 200 rows, fresh and continued from their slots, GQA,
-padding rows and an empty padding sequence."""
+"""The chunked (WY) gated delta rule (the intra-chunk kernel, then the recurrence kernel), its jnp reference and
+the pallas dispatch (chunked for long sequences, recurrent for the rest) against the token-by-token
+`recurrent_reference` (golden-checked against HF) on ragged batches: sequences of 1, 63, 64, 65 and 200 rows,
+fresh and continued from their slots, GQA, padding rows and an empty padding sequence."""
 
 from __future__ import annotations
 
@@ -59,7 +59,23 @@ def test_chunked_kernel_matches_recurrent_reference(mode, lens, fresh, hk, hv, d
     o_ref, s_ref = recurrent_reference(*args)
     before = np.asarray(args[5]).copy()  # the pool is donated
     o, s = chunked_gated_delta_rule(*args, block_v=16, exact=True, interpret=mode == "interpret")
-    # on the GPU the reference's own einsums may run as TF32
+    # on the GPU the reference's own einsums may run as TF32; bf16 activations: the intra-chunk kernel stores
+    # W, U, Qg, Kd, P in bf16 (as fla does; measured 3-4e-3 of the largest output, 512 rows, Dk = Dv = 128)
+    tol = 1e-2 if dtype == jnp.bfloat16 or mode == "gpu" else 1e-4
+    assert_matches(o, s, o_ref, s_ref, args, before, lens, tol)
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("intra,parts_dtype", [("jnp", None), ("pallas", jnp.float32)])
+def test_chunked_kernel_other_intra_paths(mode, intra, parts_dtype):
+    """The recurrence fed by XLA's intra-chunk part, and by the kernel's kept in float32 (bf16 activations):
+    both within float32 rounding of the token-by-token reference."""
+    lens, fresh = [70, 1, 130], [1, 0, 0]
+    args = problem(np.random.default_rng(11), lens, fresh, 2, 4, 16, 32, jnp.bfloat16, 208)
+    o_ref, s_ref = recurrent_reference(*args)
+    before = np.asarray(args[5]).copy()
+    o, s = chunked_gated_delta_rule(*args, block_v=32, exact=True, intra=intra, parts_dtype=parts_dtype,
+                                    interpret=mode == "interpret")
     assert_matches(o, s, o_ref, s_ref, args, before, lens, 1e-4 if mode == "interpret" else 1e-2)
 
 
@@ -127,7 +143,7 @@ def test_chunked_kernel_lowers_for_cuda():
         ((B,), jnp.int32), ((B,), jnp.bool_), ((B + 1,), jnp.int32)]]
     for bv in (32, 64):
         text = lower_for_cuda(partial(chunked_gated_delta_rule, min_len=64, block_v=bv), *shapes)
-        assert f"chunked_gated_delta_rule_bv{bv}" in text
+        assert f"chunked_gated_delta_rule_bv{bv}" in text and "gated_delta_rule_intra_c64" in text
 
 
 def test_strong_decays_stay_finite():
