@@ -198,6 +198,12 @@ def test_n_samples_and_request_errors():
         core.add_request("bad", [5, 999], SamplingParams())
     with pytest.raises(ValueError, match="empty"):
         core.add_request("empty", [], SamplingParams())
+    for bad in ([5, -1], [5, 1.5], [5, "6"], [5, 2**63]):  # out of range, not integers, past int64
+        with pytest.raises(ValueError, match="token ids"):
+            core.add_request("bad", bad, SamplingParams())
+    core.add_request("numpy", np.array([5, 6]), SamplingParams(max_tokens=1))  # numpy ids become Python ints
+    assert core.scheduler.requests["numpy"].prompt_token_ids == [5, 6]
+    assert all(type(t) is int for t in core.scheduler.requests["numpy"].prompt_token_ids)
     core.add_request("dup", [5, 6], SamplingParams(max_tokens=2))
     with pytest.raises(ValueError, match="already in use"):
         core.add_request("dup", [5, 6], SamplingParams(max_tokens=2))
