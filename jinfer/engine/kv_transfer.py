@@ -16,11 +16,11 @@ device, before the step's forward is launched:
 - restores: per block the restored slots live in, one `jax.device_put` of the block's parts to the device
   and one jitted scatter of the wanted rows into the donated cache, queued ahead of the forward that reads
   them; the host goes on at once, so the copy overlaps the host's work and the steps already queued.
-Whole blocks, not pages, cross PCIe: one 2.4 MB page per copy reached 24-30 GB/s host-to-device on the H100
-machine against 48-50 GB/s for 16-page blocks (so: the parts) and 51-53 GB/s for 1 GB
-(benchmarks/results/kv_offload_*.json); and each block costs a gather and a scatter dispatch of ~1 ms of host time there (64-page blocks: a 16k
-restore is 16 of each). The price is
-the dead rows of a block: its memory is held until its last slot is reassigned, so when the blocks hold more
+Parts of blocks, not pages, cross PCIe: one 2.4 MB page per copy reached 24-30 GB/s host-to-device on the
+H100 machine against 48-50 GB/s for 16-page blocks (hence the parts' size) and 51-53 GB/s for 1 GB
+(benchmarks/results/kv_offload_*.json); and each block costs a gather and a scatter dispatch of ~1 ms of
+host time there (64-page blocks: a 16k restore is 16 of each). The price is the dead rows of a block:
+its memory is held until its last slot is reassigned, so when the blocks hold more
 than `MAX_HELD_RATIO` times the tier's slots, the sparsest blocks are dropped and their slots forgotten by
 the tier (the host tier is a cache: losing an entry costs a recompute, never a wrong token).
 XLA's pinned-host allocator grows by pinning new regions (seconds per tens of GB, paid by whichever copy
