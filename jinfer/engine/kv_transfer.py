@@ -3,30 +3,27 @@
 `HostKVPool.apply(kv_cache, transfers)` replays one schedule's `KVTransfers` (kv_host_tier.py) on the
 device, before the step's forward is launched:
 - offloads: per block of at most `BLOCK_PAGES` evicted pages, one jitted gather (each page's K and V over
-  all layers, in parts of `COPY_PAGES` rows: `[<= COPY_PAGES, L, 2, ps, h, d]` each), queued ahead of the
-  forward that overwrites the pages, so (the device runs in order) it reads their old contents. A host slot
-  is then (block, row). The parts' copies into host memory (JAX's `pinned_host` memory kind where the
-  backend has it) are issued by the `kv-offload` thread, one part at a time, each once the one before has
-  landed: device -> host copies share one stream with the read-back of every step's sampled tokens, so a
-  batch of them issued at once (2.4 GB for a 16k prefix, 46 ms of PCIe) held up the next step's first token
-  by as long, and one whole 64-page block at a time still by up to ~3.3 ms (a warm hit's TTFT right after
-  a 16k prefill, with its evictions and write-back copying: 18.0 ms against 14.0 once they had landed,
-  kv_offload_qwen3-4b_h100.json at f42426f); a 16-page part waits ~0.8 ms. Until all its parts have
-  landed, the block's rows are restored from its HBM copy;
-- restores: per block the restored slots live in, one `jax.device_put` of the block's parts to the device
-  and one jitted scatter of the wanted rows into the donated cache, queued ahead of the forward that reads
-  them; the host goes on at once, so the copy overlaps the host's work and the steps already queued.
-Parts of blocks, not pages, cross PCIe: one 2.4 MB page per copy reached 24-30 GB/s host-to-device on the
-H100 machine against 48-50 GB/s for 16-page blocks (hence the parts' size) and 51-53 GB/s for 1 GB
-(benchmarks/results/kv_offload_*.json); and each block costs a gather and a scatter dispatch of ~1 ms of
-host time there (64-page blocks: a 16k restore is 16 of each). The price is the dead rows of a block:
-its memory is held until its last slot is reassigned, so when the blocks hold more
+  all layers, `[n, L, 2, ps, h, d]`), queued ahead of the forward that overwrites the pages, so (the device
+  runs in order) it reads their old contents. A host slot is then (block, row). The block's copy into host
+  memory (JAX's `pinned_host` memory kind where the backend has it) is issued by the `kv-offload` thread,
+  one block at a time, each once the one before has landed: device -> host copies share one stream with
+  the read-back of every step's sampled tokens, so a batch of them issued at once (2.4 GB for a 16k prefix,
+  46 ms of PCIe) held up the next step's first token by as long; one at a time, a read-back waits for at
+  most one block (~3 ms). Until its copy has landed, the block's rows are restored from its HBM copy;
+- restores: per block the restored slots live in, one `jax.device_put` of the whole block to the device and
+  one jitted scatter of the wanted rows into the donated cache, queued ahead of the forward that reads them;
+  the host goes on at once, so the copy overlaps the host's work and the steps already queued.
+Whole blocks, not pages, cross PCIe: one 2.4 MB page per copy reached 24-30 GB/s host-to-device on the H100
+machine against 48-50 GB/s for 16-page blocks and 51-53 GB/s for 1 GB (benchmarks/results/kv_offload_*.json);
+and each block costs a gather and a scatter dispatch of ~1 ms of host time there (64-page blocks: a 16k
+restore is 16 of each). The price is
+the dead rows of a block: its memory is held until its last slot is reassigned, so when the blocks hold more
 than `MAX_HELD_RATIO` times the tier's slots, the sparsest blocks are dropped and their slots forgotten by
 the tier (the host tier is a cache: losing an entry costs a recompute, never a wrong token).
 XLA's pinned-host allocator grows by pinning new regions (seconds per tens of GB, paid by whichever copy
 needs the room: a 16k-token prefill that offloaded took 4.6-8 s instead of 0.42 s); `reserve` grows it to
 the tier's size once, in a background thread at start-up, and frees it for the blocks to reuse.
-A block's parts are dropped when its last slot goes; JAX keeps it alive until a copy reading it has finished,
+A block's array is dropped when its last slot goes; JAX keeps it alive until a copy reading it has finished,
 so reusing a slot never races a copy.
 """
 
@@ -49,8 +46,7 @@ from jinfer.engine.kv_host_tier import KVTransfers
 
 log = logging.getLogger(__name__)
 
-BLOCK_PAGES = 64  # pages per host block (one gather, one copy call, one scatter): 151 MB for Qwen3-4B
-COPY_PAGES = 16  # pages per part of a block (one PCIe copy each way): 38 MB for Qwen3-4B, ~0.8 ms to the host
+BLOCK_PAGES = 64  # pages per host block (one PCIe copy each way): 151 MB for Qwen3-4B
 COPY_THREADS = 4  # threads issuing a batch's host -> device block copies
 MAX_HELD_RATIO = 1.5  # host memory held by blocks, at most this times the tier's slots
 HOST_MEMORY_KINDS = ("pinned_host", "unpinned_host")  # in order of preference
@@ -67,23 +63,19 @@ def host_memory_kind(device) -> str | None:
 
 
 def _gather_block(kv_cache, ids):
-    """ids i32[n] -> parts of [<= COPY_PAGES, L, 2, ps, h, d]: each page's K and V over all layers."""
-    block = jnp.stack([jnp.stack([k[ids], v[ids]], axis=1) for k, v in kv_cache], axis=1)
-    return tuple(block[i:i + COPY_PAGES] for i in range(0, len(ids), COPY_PAGES))
+    """ids i32[n] -> [n, L, 2, ps, h, d]: each page's K and V over all layers."""
+    return jnp.stack([jnp.stack([k[ids], v[ids]], axis=1) for k, v in kv_cache], axis=1)
 
 
-def _scatter_rows(kv_cache, ids, parts, rows):
-    """Write block[rows[i]] ([L, 2, ps, h, d]) at page ids[i] of every layer (padding: the null page); the
-    block is the concatenation of its parts."""
-    x = (jnp.concatenate(parts) if len(parts) > 1 else parts[0])[rows]  # [n, L, 2, ps, h, d]
+def _scatter_rows(kv_cache, ids, block, rows):
+    """Write block[rows[i]] ([L, 2, ps, h, d]) at page ids[i] of every layer (padding: the null page)."""
+    x = block[rows]  # [n, L, 2, ps, h, d]
     return tuple((k.at[ids].set(x[:, i, 0]), v.at[ids].set(x[:, i, 1])) for i, (k, v) in enumerate(kv_cache))
 
 
 @dataclass(eq=False)
 class _Block:
-    parts: tuple | None  # [<= COPY_PAGES, L, 2, ps, h, d] each, in HBM until copied to host memory (numpy without
-    # a host memory kind); None once dropped
-    rows: int  # n, the parts' rows (a power of two)
+    array: Any  # [n, L, 2, ps, h, d] in host memory (numpy without a host memory kind)
     live: int  # slots pointing at it
 
 
@@ -115,7 +107,7 @@ class HostKVPool:
         self._scatter = jax.jit(_scatter_rows, donate_argnames=("kv_cache",), out_shardings=kv_shardings)
         self._reserver: threading.Thread | None = None
         self._copier: ThreadPoolExecutor | None = None
-        self._offloads: queue.Queue = queue.Queue()  # (block, its parts in HBM) awaiting the host copy
+        self._offloads: queue.Queue = queue.Queue()  # (block, its HBM array) awaiting the host copy
         self._offloader: threading.Thread | None = None
         self.last_apply: dict = {}  # host time of the last `apply`'s phases (benchmarks read it)
 
@@ -123,12 +115,11 @@ class HostKVPool:
     def num_used_slots(self) -> int:
         return sum(a is not None for a in self.slots)
 
-    def _offload(self, on_device: tuple, live: int) -> _Block:
-        """A block of freshly gathered pages (its parts): its host copy is the offload thread's (module doc)."""
-        rows = sum(len(p) for p in on_device)
+    def _offload(self, on_device: jax.Array, live: int) -> _Block:
+        """A block of freshly gathered pages: its host copy is the offload thread's (see the module doc)."""
         if self.host_sharding is None:
-            return _Block(tuple(np.asarray(p) for p in jax.device_get(on_device)), rows, live)
-        block = _Block(on_device, rows, live)  # restores read the HBM copy until the host copy has landed
+            return _Block(np.asarray(jax.device_get(on_device)), live)
+        block = _Block(on_device, live)  # restores read the HBM copy until the host copy has landed
         if self._offloader is None:
             self._offloader = threading.Thread(target=self._offload_loop, name="kv-offload", daemon=True)
             self._offloader.start()
@@ -139,14 +130,11 @@ class HostKVPool:
         while (item := self._offloads.get()) is not None:
             block, on_device = item
             try:
-                on_host = []
-                for part in on_device:  # one part in flight at a time: a step's read-back waits for one at most
-                    if block.parts is not on_device:  # dropped meanwhile
-                        break
-                    on_host.append(jax.device_put(part, self.host_sharding).block_until_ready())
-                else:
-                    if block.parts is on_device:
-                        block.parts = tuple(on_host)
+                if block.array is on_device:  # else dropped meanwhile
+                    on_host = jax.device_put(on_device, self.host_sharding)
+                    on_host.block_until_ready()
+                    if block.array is on_device:
+                        block.array = on_host
             finally:
                 self._offloads.task_done()
 
@@ -159,8 +147,8 @@ class HostKVPool:
             self.slots[slot] = None
             held[0].live -= 1
             if held[0].live == 0:
-                self.held_pages -= held[0].rows
-                held[0].parts = None
+                self.held_pages -= len(held[0].array)
+                held[0].array = None
 
     def apply(self, kv_cache, transfers: KVTransfers) -> tuple[Any, list[int]]:
         """Launch the copies (offloads first, then restores). Returns the new cache (the old one is donated)
@@ -185,14 +173,14 @@ class HostKVPool:
         if len(by_block) > 1:
             if self._copier is None:
                 self._copier = ThreadPoolExecutor(COPY_THREADS, thread_name_prefix="kv-restore")
-            on_device = list(self._copier.map(lambda b: jax.device_put(b.parts, self.device_sharding), by_block))
+            on_device = list(self._copier.map(lambda b: jax.device_put(b.array, self.device_sharding), by_block))
         else:
-            on_device = [jax.device_put(b.parts, self.device_sharding) for b in by_block]
+            on_device = [jax.device_put(b.array, self.device_sharding) for b in by_block]
         t2 = time.perf_counter()
         for (block, wanted), staged in zip(by_block.items(), on_device, strict=True):
-            for chunk in _chunks(wanted, block.rows):
-                ids = np.zeros(block.rows, np.int32)  # padding rows write row 0 into the null page
-                rows = np.zeros(block.rows, np.int32)
+            for chunk in _chunks(wanted, len(block.array)):
+                ids = np.zeros(len(block.array), np.int32)  # padding rows write row 0 into the null page
+                rows = np.zeros(len(block.array), np.int32)
                 ids[:len(chunk)], rows[:len(chunk)] = [p for _, p in chunk], [r for r, _ in chunk]
                 kv_cache = self._scatter(kv_cache, ids, staged, rows)
         self.last_apply = {"offloads": len(transfers.offloads), "restores": len(transfers.restores),
@@ -209,7 +197,7 @@ class HostKVPool:
             if held is not None:
                 blocks.setdefault(held[0], []).append(slot)
         dropped = []
-        for _, slots in sorted(blocks.items(), key=lambda kv: kv[0].live / kv[0].rows):
+        for _, slots in sorted(blocks.items(), key=lambda kv: kv[0].live / len(kv[0].array)):
             if self.held_pages <= self.num_slots:
                 break
             for slot in slots:
