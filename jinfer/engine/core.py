@@ -398,6 +398,9 @@ class EngineCore:
     def _step(self) -> list[EngineOutput]:
         outputs = []
         out = self.scheduler.schedule(*self.runner.ready_limits())
+        pool = self.runner.host_pool
+        if pool is not None and not out.is_empty:  # the host tier's copies now wait for read-backs
+            pool.hold()
         if out.kv_transfers:  # copies between the HBM and host tiers go to the device ahead of the step
             self._transfer(out.kv_transfers)
         launched = None
@@ -434,6 +437,8 @@ class EngineCore:
         would wait for them on PCIe)."""
         if self.kv.host is not None and (transfers := self.kv.take_transfers(flush=True)):
             self._transfer(transfers)
+        if self.runner.host_pool is not None:
+            self.runner.host_pool.release()
 
     def _prompt_logprobs_wanted(self, out) -> tuple[int, list[bool]] | None:
         """(top k, which scheduled sequences) for the prompt logprobs of this step's prefill chunks."""
@@ -487,6 +492,8 @@ class EngineCore:
         """Read a launched step's tokens back, advance the scheduler and build the deltas."""
         out = launched.out
         result = self.runner.fetch(launched)
+        if self.runner.host_pool is not None:  # one host-tier copy may go out before the next read-back
+            self.runner.host_pool.read_back()
         self._record_prompt_logprobs(launched)
         live = [(b, s) for b, s in enumerate(out.scheduled) if s.needs_sample and not s.request.is_finished]
         sampled = {s.request_id: int(result.tokens[b]) for b, s in live}

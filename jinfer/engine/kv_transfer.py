@@ -9,7 +9,12 @@ device, before the step's forward is launched:
   one block at a time, each once the one before has landed: device -> host copies share one stream with
   the read-back of every step's sampled tokens, so a batch of them issued at once (2.4 GB for a 16k prefix,
   46 ms of PCIe) held up the next step's first token by as long; one at a time, a read-back waits for at
-  most one block (~3 ms). Until its copy has landed, the block's rows are restored from its HBM copy;
+  most one block (~3.3 ms: a warm 16k hit took 18.6 ms while the copies of the prefill before it were
+  going out, 15.0 once they had landed). So the engine paces the copies (`hold`, `read_back`, `release`):
+  while it runs requests, blocks go out right after a step's read-back, as many as fit before the next
+  read-back is due (one step interval later, the last interval between read-backs, at the measured time
+  per copy); when it is idle, back to back; and regardless once `MAX_BACKLOG` blocks wait or no turn came
+  for `PACE_TIMEOUT_S`. Until its copy has landed, the block's rows are restored from its HBM copy;
 - restores: per block the restored slots live in, one `jax.device_put` of the whole block to the device and
   one jitted scatter of the wanted rows into the donated cache, queued ahead of the forward that reads them;
   the host goes on at once, so the copy overlaps the host's work and the steps already queued.
@@ -30,6 +35,7 @@ so reusing a slot never races a copy.
 from __future__ import annotations
 
 import logging
+import os
 import queue
 import threading
 import time
@@ -50,6 +56,9 @@ BLOCK_PAGES = 64  # pages per host block (one PCIe copy each way): 151 MB for Qw
 COPY_THREADS = 4  # threads issuing a batch's host -> device block copies
 MAX_HELD_RATIO = 1.5  # host memory held by blocks, at most this times the tier's slots
 HOST_MEMORY_KINDS = ("pinned_host", "unpinned_host")  # in order of preference
+MAX_BACKLOG = 8  # blocks waiting for their host copy (staged in HBM) past which the copies stop waiting
+PACE_TIMEOUT_S = 0.05  # a copy waits at most this long for a read-back (an engine never told it is idle)
+PACED = os.environ.get("JINFER_KV_OFFLOAD_PACED", "1") != "0"  # 0: copies back to back (to compare)
 
 
 def transfer_buckets() -> tuple[int, ...]:
@@ -109,6 +118,11 @@ class HostKVPool:
         self._copier: ThreadPoolExecutor | None = None
         self._offloads: queue.Queue = queue.Queue()  # (block, its HBM array) awaiting the host copy
         self._offloader: threading.Thread | None = None
+        self._pace = threading.Condition()
+        self._holding = False  # the engine runs requests: copies wait for their turn after read-backs
+        self._last_read_back: float | None = None
+        self._deadline = 0.0  # when the next read-back is due (monotonic): copies must land before it
+        self._copy_s = 0.004  # time of one block's copy to the host (measured, smoothed)
         self.last_apply: dict = {}  # host time of the last `apply`'s phases (benchmarks read it)
 
     @property
@@ -124,15 +138,53 @@ class HostKVPool:
             self._offloader = threading.Thread(target=self._offload_loop, name="kv-offload", daemon=True)
             self._offloader.start()
         self._offloads.put((block, on_device))
+        with self._pace:
+            self._pace.notify()  # the backlog may have reached MAX_BACKLOG
         return block
+
+    # ---- pacing of the device -> host copies (module doc): the engine's calls ----------------------
+
+    def hold(self) -> None:
+        """The engine runs requests: copies wait for their turn after read-backs."""
+        with self._pace:
+            if not self._holding and PACED:
+                self._holding, self._last_read_back, self._deadline = True, None, 0.0
+
+    def read_back(self) -> None:
+        """A step was read back: copies may go out until the next read-back is due."""
+        with self._pace:
+            now = time.monotonic()
+            if self._holding and self._last_read_back is not None:
+                self._deadline = now + (now - self._last_read_back)
+                self._pace.notify()
+            self._last_read_back = now
+
+    def release(self) -> None:
+        """The engine is idle: copy everything waiting."""
+        with self._pace:
+            self._holding = False
+            self._pace.notify()
+
+    def _turn(self) -> bool:
+        return (not self._holding or time.monotonic() + self._copy_s <= self._deadline
+                or self._offloads.qsize() >= MAX_BACKLOG)
+
+    def _wait_turn(self) -> None:
+        with self._pace:
+            self._pace.wait_for(self._turn, timeout=PACE_TIMEOUT_S)
 
     def _offload_loop(self) -> None:
         while (item := self._offloads.get()) is not None:
             block, on_device = item
             try:
+                if block.array is on_device:
+                    jax.block_until_ready(on_device)  # its gather, queued behind the steps launched before it
+                    self._wait_turn()
                 if block.array is on_device:  # else dropped meanwhile
+                    t0 = time.perf_counter()
                     on_host = jax.device_put(on_device, self.host_sharding)
                     on_host.block_until_ready()
+                    self._copy_s = 0.5 * self._copy_s + 0.5 * (time.perf_counter() - t0)
                     if block.array is on_device:
                         block.array = on_host
             finally:

@@ -236,3 +236,52 @@ def test_host_blocks_restore_rows_and_stay_bounded():
         assert all(tier.lookup(d) is None or pool.slots[tier.lookup(d)] is not None for d in tier._lru)
     assert pool.held_pages <= MAX_HELD_RATIO * num_slots and forgotten > 0
     pool.reserve()  # the start-up growth of the host allocator (a background thread on GPU) runs anywhere
+
+
+def test_host_copies_wait_for_read_backs_while_the_engine_runs(monkeypatch):
+    """Device -> host copies share a stream with the steps' read-backs, so while the engine runs requests a
+    block's copy waits until a read-back leaves it room before the next one is due; idle, it goes at once."""
+    import time
+
+    import jax
+    import jax.numpy as jnp
+
+    from jinfer.engine import kv_transfer
+    from jinfer.engine.kv_transfer import HostKVPool
+
+    monkeypatch.setattr(kv_transfer, "PACE_TIMEOUT_S", 30.0)  # no fallback turn within the test
+    monkeypatch.setattr(kv_transfer, "PACED", True)
+    on_mesh = jax.sharding.NamedSharding(jax.make_mesh((1,), ("tp",)), jax.sharding.PartitionSpec())
+    cache = tuple(tuple(jax.device_put(jnp.ones((8, 4, 2, 8), jnp.float32), on_mesh) for _ in range(2))
+                  for _ in range(2))
+    pool = HostKVPool(cache, 16)
+
+    def offload():
+        block = pool._offload(pool._gather(cache, np.arange(1, 3, dtype=np.int32)), 2)
+        time.sleep(0.2)
+        return block
+
+    def landed(block):
+        return block.array.sharding.memory_kind == "pinned_host"
+
+    try:
+        pool.hold()
+        block = offload()
+        assert not landed(block)  # the engine runs: no read-back yet
+        pool.read_back()  # the first: the step interval is not known yet
+        time.sleep(0.2)
+        assert not landed(block)
+        pool.read_back()  # 0.2 s after the one before: the next is due 0.2 s from now, room for the copy
+        pool.wait_offloads()
+        assert landed(block)
+        time.sleep(0.25)  # the next read-back is due now: no room for another copy
+        block = offload()
+        assert not landed(block)
+        pool.release()  # idle: copies go at once
+        pool.wait_offloads()
+        assert landed(block)
+        block = offload()
+        pool.wait_offloads()
+        assert landed(block)
+    finally:
+        pool.join()
