@@ -106,6 +106,7 @@ class LLM:
                                 out.add(delta)
                                 if out.finished:
                                     bar.update(1)
+                    engine.idle()  # as the server's loop: the host tier's waiting write-backs go out now
 
                 busy = [e for e in self.engines if e.has_unfinished_requests()]
                 if len(busy) <= 1:

@@ -187,6 +187,8 @@ class HostKVPool:
                     self._copy_s = 0.5 * self._copy_s + 0.5 * (time.perf_counter() - t0)
                     if block.array is on_device:
                         block.array = on_host
+            except Exception:  # noqa: BLE001 - the block keeps its HBM copy (restores read it); the thread goes on
+                log.exception("KV host tier: a block's copy to host memory failed")
             finally:
                 self._offloads.task_done()
 

@@ -285,3 +285,16 @@ def test_host_copies_wait_for_read_backs_while_the_engine_runs(monkeypatch):
         assert landed(block)
     finally:
         pool.join()
+
+
+def test_offline_generate_writes_back_when_done():
+    # LLM.generate goes idle as the server's loop does: the cached pages still waiting for write-back go out
+    from jinfer import LLM
+
+    llm = LLM(TINY, **{**BASE, "num_pages": 25}, kv_offload_gb=host_gb(64))
+    host = llm.engine.kv.host
+    host.write_back_pages = 1000  # no batch fills up: only going idle sends them
+    llm.generate([{"prompt_token_ids": p} for p in sessions(3)], GREEDY, use_tqdm=False)
+    assert not host._waiting and host.num_offloaded_pages > 0
+    llm.engine.runner.host_pool.wait_offloads()
+    assert llm.engine.runner.host_pool.num_used_slots == host.num_used_slots > 0
