@@ -118,7 +118,7 @@ def run_serve(args: argparse.Namespace) -> int:
 
     from server.app import build_app
 
-    died = threading.Event()
+    died, closing = threading.Event(), threading.Event()
     try:
         app = build_app(client, served_model_names=args.served_model_name, api_key=args.api_key,
                         max_queued_requests=args.max_queued_requests,
@@ -127,6 +127,8 @@ def run_serve(args: argparse.Namespace) -> int:
                                         access_log=False, timeout_graceful_shutdown=5))
 
         def on_engine_death(reason: str) -> None:
+            if closing.is_set():  # our own shutdown stops the engine: not a death
+                return
             died.set()
             log.error("engine died (%s): exiting in %.0f s", reason, DEATH_EXIT_DELAY_S)
             timer = threading.Timer(DEATH_EXIT_DELAY_S, lambda: setattr(server, "should_exit", True))
@@ -142,6 +144,7 @@ def run_serve(args: argparse.Namespace) -> int:
     except SystemExit as e:  # uvicorn exits this way when it cannot bind
         return e.code if isinstance(e.code, int) else 1
     finally:
+        closing.set()
         client.close()
     if died.is_set():
         return 1

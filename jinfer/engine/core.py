@@ -319,6 +319,8 @@ class EngineCore:
             raise ValueError(f"request_id={request_id!r} is already in use")
         # One C pass checks the ids are integers (a 32k-token prompt: 1.4 ms instead of 3.7 for list(map(int))
         # and min / max in Python, paid before its first token)
+        if isinstance(prompt_token_ids, (str, bytes, bytearray, memoryview)):  # array("q", b) reads raw bytes
+            raise ValueError(f"prompt token ids must be integers, not {type(prompt_token_ids).__name__}")
         try:
             packed = array("q", prompt_token_ids)
         except (TypeError, OverflowError) as e:

@@ -118,15 +118,27 @@ class EngineCoreProc:
                                         int(getattr(config, "data_parallel_rank", 0) or 0))
 
     def run(self) -> None:
+        went_idle = True
         while self.running:
             busy = self.core.has_unfinished_requests()
             self._receive(0 if busy else IDLE_POLL_MS)
             if self.running and self.core.has_unfinished_requests():
                 self._step()
-                if not self.core.has_unfinished_requests() and hasattr(self.core, "idle"):
-                    self.core.idle()
+            if self.core.has_unfinished_requests():
+                went_idle = False
+            elif not went_idle:  # the last request finished or was aborted: the engine's idle work, once
+                went_idle = True
+                self._idle()
             if time.monotonic() >= self._next_tick:
                 self._tick()
+
+    def _idle(self) -> None:
+        if not hasattr(self.core, "idle"):
+            return
+        try:
+            self.core.idle()
+        except Exception:
+            log.exception("the engine's idle work failed (the host tier's write-backs): serving goes on")
 
     def close(self, reason: str) -> None:
         """Tell every client the engine is going away (their requests are lost)."""

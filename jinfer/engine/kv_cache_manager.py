@@ -78,7 +78,7 @@ class KVCacheManager:
         if num_host_pages and not enable_prefix_caching:
             raise ValueError(f"num_host_pages={num_host_pages} needs enable_prefix_caching=True (the host tier holds "
                              "pages evicted from the prefix cache)")
-        self.host = HostTier(num_host_pages) if num_host_pages else None
+        self.host = HostTier(num_host_pages, in_hbm=self._hash_to_page.__contains__) if num_host_pages else None
         if num_state_slots == 1 or num_state_slots < 0:
             raise ValueError(f"num_state_slots={num_state_slots} must be 0 (no state layers) or >= 2 (slot 0 is "
                              "reserved)")

@@ -17,7 +17,15 @@ copies leave on the steps that follow a request's end, and an eviction (a prefix
 usually finds the content already here and copies nothing: the restore's batch carries its host -> device
 copies only (evicting at restore time put as many device -> host copies in front of them on PCIe: a 16k
 restore waited for 1025 offloads). The price is copying pages that never get evicted (PCIe and host memory,
-off the critical path); a waiting page taken for reuse is copied by its eviction as before.
+off the critical path); a waiting page taken for reuse is copied by its eviction as before. A write-back
+takes a free slot, or else evicts only a slot whose content HBM holds too (`in_hbm`, among the oldest
+`WRITE_BACK_SCAN`), and enters the LRU as its oldest entry, until HBM evicts the page (its offload then
+finds it here and makes it the freshest). Evicting the only copy of some content, or keeping a second copy
+of a page still in HBM fresh, shrank the two tiers' capacity from HBM + host towards the larger of the two:
+random access to 6-12 prefixes of 8 pages, 16-64 HBM pages and 16-64 slots, hit rates 0.43-0.70 with
+write-back evicting any slot and entering it as the freshest, 0.55-0.82 without write-back, 0.55-0.86 now
+(`test_write_back_keeps_the_two_tiers_capacity`). With no such slot the page is left to its eviction-time
+offload.
 The runner applies a batch's offloads first, then its restores. So that this order is always right,
 a slot that a batch reads or writes is pinned until the batch is taken: it is not reassigned inside
 the batch (a restore never sees a slot rewritten after it was looked up). An offload that finds every
@@ -27,7 +35,9 @@ slot pinned is dropped (the content is simply lost, as without the tier).
 from __future__ import annotations
 
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from itertools import islice
 
 
 @dataclass
@@ -42,16 +52,20 @@ class KVTransfers:
 
 
 WRITE_BACK_PAGES = 64  # freed cached pages waiting for a write-back before the batch copies them (one block)
+WRITE_BACK_SCAN = 64  # how many of the least recently used slots a write-back looks at for one it may evict
 
 
 class HostTier:
-    def __init__(self, num_slots: int, write_back_pages: int = WRITE_BACK_PAGES):
+    def __init__(self, num_slots: int, write_back_pages: int = WRITE_BACK_PAGES,
+                 in_hbm: Callable[[bytes], bool] | None = None):
+        """`in_hbm(digest)`: whether HBM holds that content too (a write-back may evict such a slot only)."""
         if not isinstance(num_slots, int) or num_slots < 1:
             raise ValueError(f"num_slots={num_slots!r} must be an integer >= 1")
         if not isinstance(write_back_pages, int) or write_back_pages < 0:
             raise ValueError(f"write_back_pages={write_back_pages!r} must be an integer >= 0 (0: no write-back)")
         self.num_slots = num_slots
         self.write_back_pages = write_back_pages
+        self._in_hbm = in_hbm
         self._waiting: OrderedDict[int, bytes] = OrderedDict()  # HBM page -> digest: freed, not yet written back
         self._lru: OrderedDict[bytes, int] = OrderedDict()  # digest -> slot, least recently used first
         self._free: list[int] = list(range(num_slots - 1, -1, -1))  # pop() takes the lowest
@@ -75,16 +89,20 @@ class HostTier:
     def pin(self, slot: int) -> None:
         self._pinned.add(slot)
 
-    def offload(self, page: int, digest: bytes) -> None:
-        """HBM page `page` holding `digest` is about to be overwritten: keep its content here."""
+    def offload(self, page: int, digest: bytes, write_back: bool = False) -> None:
+        """HBM page `page` holding `digest` is about to be overwritten (or, `write_back`, has no user left):
+        keep its content here."""
         if digest in self._lru:  # already here (restored from here, or offloaded before): just fresher now
             self._lru.move_to_end(digest)
             return
-        slot = self._free.pop() if self._free else self._evict()
+        slot = self._free.pop() if self._free else self._evict_duplicate() if write_back else self._evict()
         if slot is None:
-            self.num_dropped_offloads += 1
+            if not write_back:
+                self.num_dropped_offloads += 1
             return
         self._lru[digest] = slot
+        if write_back:  # a copy of content HBM still holds: first to go until HBM evicts it (then it is fresh)
+            self._lru.move_to_end(digest, last=False)
         self._pinned.add(slot)
         self._batch.offloads.append((page, slot))
         self.num_offloaded_pages += 1
@@ -102,6 +120,16 @@ class HostTier:
         """Free the least recently used slot that the pending batch does not touch."""
         for digest, slot in self._lru.items():
             if slot not in self._pinned:
+                del self._lru[digest]
+                return slot
+        return None
+
+    def _evict_duplicate(self) -> int | None:
+        """Free one of the least recently used slots whose content HBM holds too (module doc), or None."""
+        if self._in_hbm is None:
+            return None
+        for digest, slot in islice(self._lru.items(), WRITE_BACK_SCAN):
+            if slot not in self._pinned and self._in_hbm(digest):
                 del self._lru[digest]
                 return slot
         return None
@@ -127,7 +155,7 @@ class HostTier:
         slots are unpinned."""
         if self._waiting and (flush or len(self._waiting) >= self.write_back_pages):
             for page, digest in self._waiting.items():
-                self.offload(page, digest)
+                self.offload(page, digest, write_back=True)
             self._waiting.clear()
         batch, self._batch = self._batch, KVTransfers()
         self._pinned.clear()

@@ -39,6 +39,7 @@ import os
 import queue
 import threading
 import time
+import weakref
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
@@ -134,9 +135,11 @@ class HostKVPool:
         if self.host_sharding is None:
             return _Block(np.asarray(jax.device_get(on_device)), live)
         block = _Block(on_device, live)  # restores read the HBM copy until the host copy has landed
-        if self._offloader is None:
-            self._offloader = threading.Thread(target=self._offload_loop, name="kv-offload", daemon=True)
+        if self._offloader is None:  # it holds the pool weakly: a discarded engine's pool is freed, its thread ends
+            self._offloader = threading.Thread(target=_offload_worker, args=(weakref.ref(self), self._offloads),
+                                               name="kv-offload", daemon=True)
             self._offloader.start()
+            weakref.finalize(self, self._offloads.put, None)
         self._offloads.put((block, on_device))
         with self._pace:
             self._pace.notify()  # the backlog may have reached MAX_BACKLOG
@@ -173,24 +176,18 @@ class HostKVPool:
         with self._pace:
             self._pace.wait_for(self._turn, timeout=PACE_TIMEOUT_S)
 
-    def _offload_loop(self) -> None:
-        while (item := self._offloads.get()) is not None:
-            block, on_device = item
-            try:
-                if block.array is on_device:
-                    jax.block_until_ready(on_device)  # its gather, queued behind the steps launched before it
-                    self._wait_turn()
-                if block.array is on_device:  # else dropped meanwhile
-                    t0 = time.perf_counter()
-                    on_host = jax.device_put(on_device, self.host_sharding)
-                    on_host.block_until_ready()
-                    self._copy_s = 0.5 * self._copy_s + 0.5 * (time.perf_counter() - t0)
-                    if block.array is on_device:
-                        block.array = on_host
-            except Exception:  # noqa: BLE001 - the block keeps its HBM copy (restores read it); the thread goes on
-                log.exception("KV host tier: a block's copy to host memory failed")
-            finally:
-                self._offloads.task_done()
+    def _copy_to_host(self, block: _Block, on_device: jax.Array) -> None:
+        """The offload thread's work for one block (its turn, then its copy)."""
+        if block.array is on_device:
+            jax.block_until_ready(on_device)  # its gather, queued behind the steps launched before it
+            self._wait_turn()
+        if block.array is on_device:  # else dropped meanwhile
+            t0 = time.perf_counter()
+            on_host = jax.device_put(on_device, self.host_sharding)
+            on_host.block_until_ready()
+            self._copy_s = 0.5 * self._copy_s + 0.5 * (time.perf_counter() - t0)
+            if block.array is on_device:
+                block.array = on_host
 
     def wait_offloads(self) -> None:
         """Block until every queued block's host copy has landed."""
@@ -300,6 +297,23 @@ class HostKVPool:
         log.info("KV host tier: %.1f GiB of %s memory reserved in %.1f s", len(held) * chunk.nbytes / 2**30,
                  self.memory_kind, time.perf_counter() - t0)
         del held
+
+
+def _offload_worker(pool_ref: weakref.ref, offloads: queue.Queue) -> None:
+    """The `kv-offload` thread: each queued (block, its HBM array) copied to host memory, until None (`join`,
+    or the pool collected). Holds the pool only while copying, and no block between copies."""
+    while True:
+        item = offloads.get()
+        try:
+            pool = pool_ref() if item is not None else None
+            if pool is None:
+                return
+            pool._copy_to_host(*item)
+        except Exception:  # noqa: BLE001 - the block keeps its HBM copy (restores read it); the thread goes on
+            log.exception("KV host tier: a block's copy to host memory failed")
+        finally:
+            offloads.task_done()
+            item = pool = None
 
 
 def _bucket(n: int) -> int:

@@ -198,7 +198,7 @@ def test_n_samples_and_request_errors():
         core.add_request("bad", [5, 999], SamplingParams())
     with pytest.raises(ValueError, match="empty"):
         core.add_request("empty", [], SamplingParams())
-    for bad in ([5, -1], [5, 1.5], [5, "6"], [5, 2**63]):  # out of range, not integers, past int64
+    for bad in ([5, -1], [5, 1.5], [5, "6"], [5, 2**63], b"\x05" + bytes(7), "56"):  # range, types, int64
         with pytest.raises(ValueError, match="token ids"):
             core.add_request("bad", bad, SamplingParams())
     core.add_request("numpy", np.array([5, 6]), SamplingParams(max_tokens=1))  # numpy ids become Python ints

@@ -298,3 +298,42 @@ def test_offline_generate_writes_back_when_done():
     assert not host._waiting and host.num_offloaded_pages > 0
     llm.engine.runner.host_pool.wait_offloads()
     assert llm.engine.runner.host_pool.num_used_slots == host.num_used_slots > 0
+
+
+def test_offload_thread_lets_a_discarded_pool_go():
+    # the kv-offload thread holds its pool weakly: a pool nobody uses is freed (its host blocks with it) and the
+    # thread ends; join() leaves wait_offloads() returning; a copy that fails leaves the thread running
+    import gc
+    import threading
+    import weakref
+
+    import jax
+    import jax.numpy as jnp
+
+    from jinfer.engine.kv_transfer import HostKVPool
+
+    on_mesh = jax.sharding.NamedSharding(jax.make_mesh((1,), ("tp",)), jax.sharding.PartitionSpec())
+    cache = tuple(tuple(jax.device_put(jnp.ones((8, 4, 2, 8), jnp.float32), on_mesh) for _ in range(2))
+                  for _ in range(2))
+    pool = HostKVPool(cache, 16)
+    pool.release()
+    pool._offload(pool._gather(cache, np.arange(1, 3, dtype=np.int32)), 2)
+    pool._offload("not an array", 1)  # its copy raises: logged, the thread goes on
+    block = pool._offload(pool._gather(cache, np.arange(3, 5, dtype=np.int32)), 2)
+    pool.wait_offloads()
+    assert block.array.sharding.memory_kind == "pinned_host"
+    pool.join()
+    done = threading.Thread(target=pool.wait_offloads, daemon=True)
+    done.start()
+    done.join(5)
+    assert not done.is_alive()
+    # (a new pool: pytest's log capture keeps the failed copy's traceback, which holds the first one)
+    pool = HostKVPool(cache, 16)
+    pool.release()
+    block = pool._offload(pool._gather(cache, np.arange(1, 3, dtype=np.int32)), 2)
+    pool.wait_offloads()
+    thread, ref = pool._offloader, weakref.ref(pool)
+    del pool, block
+    gc.collect()
+    thread.join(5)
+    assert ref() is None and not thread.is_alive()
