@@ -494,7 +494,7 @@ class EngineCore:
         """Read a launched step's tokens back, advance the scheduler and build the deltas."""
         out = launched.out
         result = self.runner.fetch(launched)
-        if self.runner.host_pool is not None:  # one host-tier copy may go out before the next read-back
+        if self.runner.host_pool is not None:  # host-tier copies may go out until the next read-back is due
             self.runner.host_pool.read_back()
         self._record_prompt_logprobs(launched)
         live = [(b, s) for b, s in enumerate(out.scheduled) if s.needs_sample and not s.request.is_finished]

@@ -95,7 +95,7 @@ class HostTier:
         if digest in self._lru:  # already here (restored from here, or offloaded before): just fresher now
             self._lru.move_to_end(digest)
             return
-        slot = self._free.pop() if self._free else self._evict_duplicate() if write_back else self._evict()
+        slot = self._free.pop() if self._free else self._evict(write_back)
         if slot is None:
             if not write_back:
                 self.num_dropped_offloads += 1
@@ -116,20 +116,14 @@ class HostTier:
         """HBM page `page` is being reused: forget its pending write-back (its eviction offloads it if needed)."""
         self._waiting.pop(page, None)
 
-    def _evict(self) -> int | None:
-        """Free the least recently used slot that the pending batch does not touch."""
-        for digest, slot in self._lru.items():
-            if slot not in self._pinned:
-                del self._lru[digest]
-                return slot
-        return None
-
-    def _evict_duplicate(self) -> int | None:
-        """Free one of the least recently used slots whose content HBM holds too (module doc), or None."""
-        if self._in_hbm is None:
+    def _evict(self, write_back: bool = False) -> int | None:
+        """Free the least recently used slot that the pending batch does not touch; for a write-back, only one
+        among the oldest `WRITE_BACK_SCAN` whose content HBM holds too (module doc). None if there is none."""
+        if write_back and self._in_hbm is None:
             return None
-        for digest, slot in islice(self._lru.items(), WRITE_BACK_SCAN):
-            if slot not in self._pinned and self._in_hbm(digest):
+        candidates = islice(self._lru.items(), WRITE_BACK_SCAN) if write_back else self._lru.items()
+        for digest, slot in candidates:
+            if slot not in self._pinned and (not write_back or self._in_hbm(digest)):
                 del self._lru[digest]
                 return slot
         return None
