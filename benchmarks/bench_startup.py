@@ -84,10 +84,26 @@ def memory(pid: int) -> dict | None:
     except OSError:
         pass
     role = "engine" if "jinfer.engine.core_proc" in cmdline else "other"
-    return {"pid": pid, "role": role, "rss_mb": round(kb("VmRSS") / 1024, 1),
+    return {"largest_mappings": largest_mappings(proc),
+            "pid": pid, "role": role, "rss_mb": round(kb("VmRSS") / 1024, 1),
             "anon_mb": round(kb("RssAnon") / 1024, 1), "file_mb": round(kb("RssFile") / 1024, 1),
             "shmem_mb": round(kb("RssShmem") / 1024, 1), "pss_mb": None if pss is None else round(pss, 1),
             "jaxlib_loaded": "/jaxlib/" in maps, "cmdline": cmdline[:200]}
+
+
+def largest_mappings(proc: Path, top: int = 8) -> list[str]:
+    """The mappings holding the most RSS ("<MB> MB <perms> <name or [anon]>"): where idle memory sits."""
+    out, head = [], None
+    try:
+        for line in (proc / "smaps").read_text().splitlines():
+            fields = line.split()
+            if fields and "-" in fields[0] and ":" not in fields[0]:
+                head = fields[1] + " " + (fields[5] if len(fields) > 5 else "[anon]")
+            elif fields and fields[0] == "Rss:" and head is not None:
+                out.append((int(fields[1]), head))
+    except OSError:
+        return []
+    return [f"{kb / 1024:.0f} MB {head}" for kb, head in sorted(out, reverse=True)[:top]]
 
 
 def parse_phases(log: str, t_launch: float) -> dict[str, float]:

@@ -32,6 +32,8 @@ def main() -> None:
     ap.add_argument("trace")
     ap.add_argument("--skip", type=int, default=2, help="engine steps to skip at the start (prefill, warm-up)")
     ap.add_argument("--top", type=int, default=20)
+    ap.add_argument("--count", type=int, default=0,
+                    help="only this many steps after --skip (e.g. --skip 0 --count 1: the first, a prefill)")
     ap.add_argument("--steps", type=int, default=0,
                     help="a trace without engine steps (bench_parallel's): per device, every kernel's time over "
                          "this many steps")
@@ -41,6 +43,8 @@ def main() -> None:
         return per_device(spans, procs, threads, args.steps, args.top)
     steps = sorted((e for e in spans if e["name"].endswith(" step") and "core.py" in e["name"]),
                    key=lambda e: e["ts"])[args.skip:]
+    if args.count:
+        steps = steps[:args.count + 1]  # the window ends where the step after the last one begins
     if len(steps) < 2:
         raise SystemExit(f"{len(steps)} engine steps after --skip {args.skip}: nothing to summarize")
     gpu = [e for e in spans if procs.get(e["pid"], "").startswith("/device")

@@ -187,9 +187,47 @@ def _release_engines() -> None:
 MEM_FRACTION = "0.95"
 
 
+def _process_age_s() -> float | None:
+    """Seconds since this process started (Linux /proc), or None."""
+    try:
+        start_ticks = int(open("/proc/self/stat").read().rsplit(")", 1)[1].split()[19])
+        uptime = float(open("/proc/uptime").read().split()[0])
+        return uptime - start_ticks / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def _rss_mb() -> float | None:
+    try:
+        for line in open("/proc/self/status"):
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) / 1024
+    except OSError:
+        pass
+    return None
+
+
+class _Phases:
+    """Start-up phases: seconds each, and the process's RSS after it (one log line at the end)."""
+
+    def __init__(self):
+        self.t, self.parts = time.perf_counter(), []
+
+    def __call__(self, name: str) -> None:
+        now = time.perf_counter()
+        rss = _rss_mb()
+        self.parts.append(f"{name} {now - self.t:.2f} s" + ("" if rss is None else f" ({rss:.0f} MB)"))
+        self.t = now
+
+    def __str__(self) -> str:
+        return ", ".join(self.parts)
+
+
 class EngineCore:
     def __init__(self, config: EngineConfig = EngineConfig(), *, tokenizer: Tokenizer | None = None):
         t0 = time.perf_counter()
+        age = _process_age_s()
+        phases = _Phases()
         from jax._src import xla_bridge
 
         if not xla_bridge.backends_are_initialized():
@@ -200,6 +238,7 @@ class EngineCore:
         cache_dir = enable_compilation_cache(config.compilation_cache_dir) if config.compilation_cache_dir != "" \
             else None
         source = resolve_model(config.model, config.load_format)
+        phases("resolve")
         self.model_config: ModelConfig = source.config
         self.model_name = config.model or "SmolLM2-135M-Instruct"
         self.generation_defaults = load_generation_defaults(config.generation_config, source.path)
@@ -211,8 +250,11 @@ class EngineCore:
                 self.tokenizer_path = str(source.path)
             else:
                 log.warning("%s has no tokenizer.json: prompts must be token ids, outputs carry no text", source.path)
+        phases("tokenizer")
         self.dtype = config.dtype if config.dtype != "auto" else (
             "float32" if jax.default_backend() == "cpu" else "bfloat16")
+        jax.devices()
+        phases("backend")
         check_parallel(self.model_config, config.tensor_parallel_size, config.enable_expert_parallel)
         tp, rank = config.tensor_parallel_size, config.data_parallel_rank
         if self.group is not None and tp != jax.device_count():
@@ -226,6 +268,7 @@ class EngineCore:
                                expert_parallel=config.enable_expert_parallel)
         weights = shard_attention_weights(self.model_config, weights, mesh,
                                           expert_parallel=config.enable_expert_parallel)
+        phases("weights")
         # Models with per-sequence state layers (linear attention): one state slot per running sequence, plus
         # the reserved slot 0. Their state summarises a whole prefix, so prefix-cache hits would need it
         # checkpointed at page boundaries: not built; hits are off for such models.
@@ -262,13 +305,17 @@ class EngineCore:
         self.num_generation_tokens_total = 0
         self._inflight: Launched | None = None  # the launched step whose tokens are not read yet
         self.grammar = GrammarEngine(self.tokenizer, self.model_config.vocab_size, self.eos_token_ids)
+        phases("kv cache and runner")
         if config.warmup:
             # every process of a group warms up the same shapes in the same order, all before serving
             self.runner.warmup(first_tokens=config.warmup_first_tokens if self.group is None else None)
         if isinstance(self.group, Leader):
             self.group.wait_for_workers()
             self.runner.on_launch = self.group.send_step
+        phases("warm-up")
         self.startup_seconds = time.perf_counter() - t0
+        log.info("start-up phases: process started %s s before the engine, then %s",
+                 "?" if age is None else f"{age:.2f}", phases)
         _LIVE_ENGINES.add(self)
         log.info("engine ready in %.1f s: %s, %d KV pages of %d tokens, max_model_len %d", self.startup_seconds,
                  self.model_name, num_pages, config.page_size, max_len)
