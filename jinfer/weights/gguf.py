@@ -1,4 +1,5 @@
-"""GGUF checkpoints via the `gguf` package, dequantized to float32 at load time.
+"""GGUF checkpoints, read by gguf_meta (memory-mapped, no copy) and dequantized to float32 at load time
+by the `gguf` package's numpy dequantizers.
 
 llama.cpp's converter permutes the rows of Q and K for llama-architecture files (to interleave
 RoPE pairs); we undo it so the same rotate-half forward serves every source. qwen2/qwen3 GGUFs
@@ -10,12 +11,12 @@ from __future__ import annotations
 from pathlib import Path
 
 import numpy as np
-from gguf import GGMLQuantizationType
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 from gguf.quants import dequantize
 
 from jinfer.config import ModelConfig
 from jinfer.models.spec import ArrayInfo
-from jinfer.weights.gguf_meta import open_gguf
+from jinfer.weights.gguf_meta import GGUFTensor, open_gguf
 
 SUPPORTED_TYPES = {t.name for t in (
     GGMLQuantizationType.F32, GGMLQuantizationType.F16, GGMLQuantizationType.BF16, GGMLQuantizationType.Q8_0,
@@ -27,6 +28,24 @@ SUPPORTED_TYPES = {t.name for t in (
 def unpermute_qk(w: np.ndarray, n_heads: int) -> np.ndarray:
     """Invert llama.cpp's `permute` (rows [n, 2, D/2] -> [n, D/2, 2]) on a [n*D, ...] weight or bias."""
     return w.reshape(n_heads, w.shape[0] // n_heads // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+_CHUNK_BLOCKS = 4096  # quant blocks dequantized per numpy pass (~130k values: cache-sized, few passes)
+
+
+def dequantize_tensor(t: GGUFTensor) -> np.ndarray:
+    """A tensor's values as a flat float32 array. Quantized data goes through gguf.quants in flat chunks
+    of whole blocks (every block decodes on its own): ~1.5x faster than its 16-rows-at-a-time grouping on
+    narrow rows, and the temporaries stay small for any tensor size."""
+    if t.tensor_type in (GGMLQuantizationType.F32, GGMLQuantizationType.F16):
+        return np.asarray(dequantize(t.data, t.tensor_type), dtype=np.float32).reshape(-1)
+    block, type_size = GGML_QUANT_SIZES[t.tensor_type]
+    flat, out = t.data.reshape(-1), np.empty(t.n_elements, np.float32)
+    step = _CHUNK_BLOCKS * type_size
+    for i in range(0, flat.size, step):
+        chunk = flat[i:i + step]
+        out[i // type_size * block:(i + chunk.size) // type_size * block] = dequantize(chunk, t.tensor_type)
+    return out
 
 
 class GGUFTensorSource:
@@ -41,9 +60,8 @@ class GGUFTensorSource:
         if t.tensor_type.name not in SUPPORTED_TYPES:
             raise ValueError(f"tensor {spec.gguf_name!r} has unsupported GGML type {t.tensor_type.name}; "
                              f"supported: {sorted(SUPPORTED_TYPES)}")
-        w = np.asarray(dequantize(t.data, t.tensor_type), dtype=np.float32)
         # GGUF lists dims innermost first; the data is row-major [out, in], like HF.
-        w = w.reshape(tuple(int(d) for d in reversed(t.shape)))
+        w = dequantize_tensor(t).reshape(tuple(reversed(t.shape)))
         if self.cfg.architecture == "llama":
             name = spec.gguf_name.rsplit(".", 2)
             if name[-2] == "attn_q":
