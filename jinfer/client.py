@@ -35,7 +35,7 @@ import zmq
 from zmq.utils.monitor import recv_monitor_message
 
 from jinfer.engine import protocol as proto
-from jinfer.engine.core_proc import default_address, start_engine_process
+from jinfer.engine.spawn import default_address, start_engine_process
 from jinfer.outputs import CompletionOutput, EngineOutput, RequestOutput
 from jinfer.sampling_params import SamplingParams
 
@@ -149,7 +149,7 @@ class EngineClient:
                 return None
             self._tokenizer = Tokenizer.from_pretrained(path)
             gguf_meta = sys.modules.get("jinfer.weights.gguf_meta")
-            if gguf_meta is not None:  # a GGUF's tokenizer: drop the file's parsed metadata (~150 MB)
+            if gguf_meta is not None:  # a GGUF's tokenizer: drop the file's mapping and tensor list
                 gguf_meta.open_gguf.cache_clear()
         return self._tokenizer
 

@@ -114,7 +114,7 @@ class ReplicaClient:
         procs: list = []
         try:
             # start every process first (they load in parallel), then wait for each
-            from jinfer.engine.core_proc import default_address, start_engine_process
+            from jinfer.engine.spawn import default_address, start_engine_process
 
             for env in envs:
                 address = default_address()

@@ -19,12 +19,12 @@ import signal
 import sys
 import threading
 
-import uvicorn
-
-from jinfer.client import EngineClient, EngineDeadError
 from jinfer.engine.args import SERVE_WARMUP_FIRST_TOKENS, add_engine_arguments, engine_config_kwargs
-from jinfer.replicas import ReplicaClient
+from jinfer.engine.spawn import default_address, start_engine_process
 from server.tools import TOOL_PARSERS
+
+# uvicorn, the app, ZeroMQ and numpy are imported once the engine process is started (`run_serve`): its
+# start-up is the long one, and these imports then overlap it instead of delaying it.
 
 log = logging.getLogger("jinfer.server")
 
@@ -58,24 +58,47 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     add_engine_arguments(parser)
 
 
-class _Server(uvicorn.Server):
-    """uvicorn re-raises the signal it caught once it is done; we still have the engine to stop."""
+def _server(config):
+    """A uvicorn server that hands signals back: uvicorn re-raises the signal it caught once it is done,
+    and we still have the engine to stop."""
+    import uvicorn
 
-    @contextlib.contextmanager
-    def capture_signals(self):
-        if threading.current_thread() is not threading.main_thread():
-            yield
-            return
-        previous = {sig: signal.signal(sig, self.handle_exit) for sig in (signal.SIGINT, signal.SIGTERM)}
-        try:
-            yield
-        finally:
-            for sig, handler in previous.items():
-                signal.signal(sig, handler)
+    class Server(uvicorn.Server):
+        @contextlib.contextmanager
+        def capture_signals(self):
+            if threading.current_thread() is not threading.main_thread():
+                yield
+                return
+            previous = {sig: signal.signal(sig, self.handle_exit) for sig in (signal.SIGINT, signal.SIGTERM)}
+            try:
+                yield
+            finally:
+                for sig, handler in previous.items():
+                    signal.signal(sig, handler)
+
+    return Server(config)
 
 
 def _interrupt(signum, frame):
     raise KeyboardInterrupt
+
+
+def _start_engine(args: argparse.Namespace, config: dict, dp: int):
+    """Start the engine process(es) and wait until they are ready. One engine is started before anything
+    heavy is imported here (uvicorn, the app, ZeroMQ, numpy): those imports then overlap its start-up."""
+    core_factory = getattr(args, "core_factory", None)
+    if dp == 1:
+        address = args.engine_address or default_address()
+        ipc_dir = None if args.engine_address else os.path.dirname(address.removeprefix("ipc://"))
+        proc = start_engine_process(config, address, core_factory=core_factory)
+    import server.app  # noqa: F401  (needed once the engine is ready)
+    from jinfer.client import EngineClient
+    from jinfer.replicas import ReplicaClient
+
+    if dp > 1:
+        return ReplicaClient.spawn(config, dp, name="server", startup_timeout=args.startup_timeout,
+                                   core_factory=core_factory)
+    return EngineClient(address, process=proc, startup_timeout=args.startup_timeout, name="server", ipc_dir=ipc_dir)
 
 
 def run_serve(args: argparse.Namespace) -> int:
@@ -97,22 +120,20 @@ def run_serve(args: argparse.Namespace) -> int:
         return 2
     previous_term = signal.signal(signal.SIGTERM, _interrupt)  # SIGTERM during the long start-up
     try:
-        if dp > 1:
-            client = ReplicaClient.spawn(config, dp, name="server", startup_timeout=args.startup_timeout,
-                                         core_factory=getattr(args, "core_factory", None))
-        else:
-            client = EngineClient.spawn(config, address=args.engine_address, name="server",
-                                        startup_timeout=args.startup_timeout,
-                                        core_factory=getattr(args, "core_factory", None))
+        client = _start_engine(args, config, dp)
     except ValueError as e:  # devices missing for the replicas
         log.error("%s", e)
         return 2
-    except EngineDeadError as e:
-        log.error("%s", e)
-        return 2 if _INVALID_CONFIG.search(str(e)) else 1
     except KeyboardInterrupt:
         log.info("interrupted while the engine was starting")
         return 130
+    except Exception as e:
+        from jinfer.client import EngineDeadError
+
+        if not isinstance(e, EngineDeadError):
+            raise
+        log.error("%s", e)
+        return 2 if _INVALID_CONFIG.search(str(e)) else 1
     finally:
         signal.signal(signal.SIGTERM, previous_term)
 
@@ -123,7 +144,9 @@ def run_serve(args: argparse.Namespace) -> int:
         app = build_app(client, served_model_names=args.served_model_name, api_key=args.api_key,
                         max_queued_requests=args.max_queued_requests,
                         tool_parser=args.tool_call_parser if args.enable_auto_tool_choice else None)
-        server = _Server(uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
+        import uvicorn
+
+        server = _server(uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
                                         access_log=False, timeout_graceful_shutdown=5))
 
         def on_engine_death(reason: str) -> None:

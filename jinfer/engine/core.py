@@ -34,6 +34,7 @@ from jinfer.engine.model_runner import (
 from jinfer.engine.request import FinishReason, Request
 from jinfer.engine.sampler import num_logprobs_for, pack_token_mask
 from jinfer.engine.scheduler import Scheduler, SchedulerConfig
+from jinfer.engine.spawn import MEM_FRACTION
 from jinfer.generation_config import check_setting as check_generation_config
 from jinfer.generation_config import load_generation_defaults
 from jinfer.models.ops import BACKENDS, select_ops
@@ -181,10 +182,6 @@ def _release_engines() -> None:
     gc.collect()
 
 
-# JAX's GPU memory pool, as a fraction of the device, when the engine is first to start JAX (its default is 0.75,
-# which left a 61 GB Qwen3-30B-A3B no KV cache on an 80 GB H100); the KV pool then takes
-# gpu_memory_utilization of it, less what the weights use.
-MEM_FRACTION = "0.95"
 
 
 def _process_age_s() -> float | None:

@@ -15,19 +15,16 @@ the loop goes on. Start it with `start_engine_process` (a fresh interpreter, no 
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import importlib
 import json
 import logging
 import os
 import signal
-import subprocess
 import sys
-import tempfile
+import threading
 import time
 from collections import defaultdict
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
 import zmq
@@ -49,6 +46,12 @@ from jinfer.engine.protocol import (
     decode,
     encode,
 )
+from jinfer.engine.spawn import (  # noqa: F401 (re-exported)
+    MEM_FRACTION,
+    config_to_dict,
+    default_address,
+    start_engine_process,
+)
 from jinfer.engine.stats_log import StatsLogger
 from jinfer.outputs import EngineOutput
 from jinfer.sampling_params import SamplingParams
@@ -60,19 +63,21 @@ STATS_INTERVAL_S = 0.5
 MAX_MESSAGES_PER_STEP = 4096  # a flood of requests must not starve the running ones
 
 
-def default_address() -> str:
-    """A fresh ipc:// address in a private temp dir (nothing listens on a network interface)."""
-    return f"ipc://{tempfile.mkdtemp(prefix='jinfer-')}/engine.sock"
+def _start_backend() -> None:
+    import jax
 
-
-def config_to_dict(config: Any) -> dict[str, Any]:
-    """EngineConfig (a flat frozen dataclass) or a plain dict -> JSON-able dict."""
-    if dataclasses.is_dataclass(config):
-        config = {f.name: getattr(config, f.name) for f in dataclasses.fields(config)}
-    return json.loads(json.dumps(config, default=str))
+    try:
+        jax.devices()
+    except RuntimeError:  # reported again, where EngineCore meets it
+        pass
 
 
 def _default_core_factory(config: dict[str, Any]) -> Any:
+    if config.get("nnodes", 1) == 1:  # (several processes join their group before anything starts JAX)
+        # JAX's backend (on a GPU: the CUDA context and memory pool, ~0.7 s on an H100) starts in a thread
+        # while this one imports the engine's modules (~1.5 s there).
+        os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", MEM_FRACTION)
+        threading.Thread(target=_start_backend, name="jinfer-backend", daemon=True).start()
     from jinfer.engine.core import EngineConfig, EngineCore
 
     return EngineCore(EngineConfig(**config))
@@ -339,21 +344,6 @@ def _refuse_waiting_clients(sock: zmq.Socket, reason: str) -> None:
                 sock.send_multipart([frames[0], encode(EngineError(reason))], zmq.NOBLOCK)
             except zmq.ZMQError:
                 pass
-
-
-def start_engine_process(config: Any, address: str, *, core_factory: str | None = None,
-                         env: dict[str, str] | None = None) -> subprocess.Popen:
-    """Start the engine in a fresh interpreter (its own session: a terminal's Ctrl-C goes to the parent,
-    which shuts the engine down in order; the engine exits by itself if the parent dies). `env`: variables
-    set for it on top of ours (a data-parallel replica's CUDA_VISIBLE_DEVICES)."""
-    cmd = [sys.executable, "-m", "jinfer.engine.core_proc", "--address", address,
-           "--config", json.dumps(config_to_dict(config)), "--parent-pid", str(os.getpid())]
-    if core_factory:
-        cmd += ["--core-factory", core_factory]
-    env = dict(os.environ) | (env or {})
-    root = str(Path(__file__).resolve().parents[2])  # so that `-m jinfer...` works from any cwd
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH")) if p)
-    return subprocess.Popen(cmd, env=env, start_new_session=True)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -1,0 +1,46 @@
+"""Starting an engine process, with nothing but the standard library imported: `jinfer serve` starts its
+engine before it imports the HTTP server, ZeroMQ or numpy, so the engine's own (much longer) start-up
+begins as early as it can."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+# JAX's GPU memory pool, as a fraction of the device, when the engine is first to start JAX (its default is 0.75,
+# which left a 61 GB Qwen3-30B-A3B no KV cache on an 80 GB H100); the KV pool then takes
+# gpu_memory_utilization of it, less what the weights use.
+MEM_FRACTION = "0.95"
+
+
+def default_address() -> str:
+    """A fresh ipc:// address in a private temp dir (nothing listens on a network interface)."""
+    return f"ipc://{tempfile.mkdtemp(prefix='jinfer-')}/engine.sock"
+
+
+def config_to_dict(config: Any) -> dict[str, Any]:
+    """EngineConfig (a flat frozen dataclass) or a plain dict -> JSON-able dict."""
+    if dataclasses.is_dataclass(config):
+        config = {f.name: getattr(config, f.name) for f in dataclasses.fields(config)}
+    return json.loads(json.dumps(config, default=str))
+
+
+def start_engine_process(config: Any, address: str, *, core_factory: str | None = None,
+                         env: dict[str, str] | None = None) -> subprocess.Popen:
+    """Start the engine in a fresh interpreter (its own session: a terminal's Ctrl-C goes to the parent,
+    which shuts the engine down in order; the engine exits by itself if the parent dies). `env`: variables
+    set for it on top of ours (a data-parallel replica's CUDA_VISIBLE_DEVICES)."""
+    cmd = [sys.executable, "-m", "jinfer.engine.core_proc", "--address", address,
+           "--config", json.dumps(config_to_dict(config)), "--parent-pid", str(os.getpid())]
+    if core_factory:
+        cmd += ["--core-factory", core_factory]
+    env = dict(os.environ) | (env or {})
+    root = str(Path(__file__).resolve().parents[2])  # so that `-m jinfer...` works from any cwd
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH")) if p)
+    return subprocess.Popen(cmd, env=env, start_new_session=True)
