@@ -24,6 +24,7 @@ from __future__ import annotations
 import ctypes
 import logging
 import math
+import os
 import threading
 import time
 from collections.abc import Sequence
@@ -67,7 +68,13 @@ MIN_PAGES = 4
 # 1k-token prefill executable (it was re-recorded in front of the first prefill after warm-up, on
 # the TTFT path), and large steps hide their launches behind device time anyway.
 COMMAND_BUFFER_MAX_TOKENS = 32
-NO_COMMAND_BUFFER = {"xla_gpu_enable_command_buffer": ""}
+# Large (prefill) steps: no command buffers (above), and no "dot merger". That XLA pass merges two dots of
+# one operand into one over the concatenation of the other operands: it merged the MLP's x @ w_gate and
+# x @ w_up, concatenating the two weights (94 MB for Qwen3.5-4B) anew in every layer of every prefill step:
+# 60 us a layer on an H100, more than the merged dot saved (`benchmarks/hlo_ops.py` names such kernels).
+# JINFER_XLA_DOT_MERGER=1 keeps XLA's default (A/B runs).
+NO_COMMAND_BUFFER = {"xla_gpu_enable_command_buffer": ""} | (
+    {} if os.environ.get("JINFER_XLA_DOT_MERGER") == "1" else {"xla_gpu_dot_merger_threshold_mb": 0})
 
 
 def _trim_host_heap() -> None:

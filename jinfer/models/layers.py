@@ -8,7 +8,6 @@ import jax.numpy as jnp
 import numpy as np
 
 from jinfer.config import ModelConfig, rope_inv_freq
-from pallas_kernels.moe_routing import topk_routing
 
 
 def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
@@ -54,6 +53,8 @@ def moe_mlp(x: jax.Array, logits: jax.Array, w_gate: jax.Array, w_up: jax.Array,
     """
     tokens, hidden = x.shape
     count = w_gate.shape[0]
+    from pallas_kernels.moe_routing import topk_routing  # (not at import: Pallas is only needed to trace)
+
     weights, ids = topk_routing(logits, top_k, renormalize)  # [T, k] each
     flat = ids.reshape(-1)
     if first is not None:

@@ -36,7 +36,6 @@ from jinfer.models.layers import apply_rope, rms_norm, rope_cos_sin, write_kv
 from jinfer.models.llama import Weights
 from jinfer.models.ops import REFERENCE_OPS, ModelOps
 from jinfer.models.spec import ArrayInfo, StateSpec
-from pallas_kernels.gated_delta_rule import token_sequences
 
 __all__ = ["HybridLayer", "assemble_weights", "forward", "fuse_qkv", "state_specs", "weight_specs"]
 
@@ -236,6 +235,8 @@ def forward(
 ) -> tuple[jax.Array, tuple[tuple[jax.Array, jax.Array], ...]]:
     """One step over a flattened ragged batch. `kv_cache[i]` is layer i's (k, v) pages or, for a linear
     layer, its (conv, recurrent) state pools. Returns (logits [N, vocab] float32, the updated cache)."""
+    from pallas_kernels.gated_delta_rule import token_sequences  # (not at import: Pallas is only needed to trace)
+
     x = ops.embed(weights.embed, batch.input_ids, cfg.vocab_size)  # [T, hidden]
     cos, sin = rope_cos_sin(batch.positions, cfg, x.dtype)
     qs = batch.query_start
