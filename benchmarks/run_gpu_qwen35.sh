@@ -13,6 +13,9 @@
 #               the fused kernel: 4 / 8 warps, diagonal-block inverse by products / substitution, bf16 / f32
 #               parts, TF32 / exact dots; time, GB/s of its least HBM traffic, error vs XLA's solve
 #               (gdn_intra_*.json)
+#   decode      one linear layer's decode step: the fused conv + gates + delta rule kernel (block_v, warps) against
+#               the general path (XLA conv + recurrent kernel), batches 1..256, TB/s on state bytes
+#               (gdn_decode_*.json)
 #   latency     engine TPOT / TTFT at batch 1, 1k in / 128 out, against the roofline measured in the same run
 #   long        TTFT of one 16k-token prompt (chunked by max_num_batched_tokens)
 #   throughput  offline $PROMPTS prompts x $IN in / $OUT_LEN out
@@ -21,7 +24,7 @@
 #   OUT=/tmp/q35 SHAPE=tests/data/tiny-qwen3_5 IN=32 OUT_LEN=8 LONG=64 PROMPTS=8 bash benchmarks/run_gpu_qwen35.sh
 set -uo pipefail
 source benchmarks/gpu_env.sh
-PARTS=${PARTS:-tests,kernels,intra,latency,long,throughput}
+PARTS=${PARTS:-tests,kernels,intra,decode,latency,long,throughput}
 TAG=${TAG:-h100}
 SHAPE=${SHAPE:-qwen3.5-4b}
 NAME=$(basename "$SHAPE")
@@ -35,6 +38,7 @@ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader 2>
 if [[ $PARTS == *tests* ]]; then
   JAX_PLATFORMS=${JAX_PLATFORMS:-cuda} timeout 600 python3 -m pytest -q -m gpu tests/kernels/test_gated_delta_rule.py \
       tests/kernels/test_gated_delta_rule_intra.py tests/kernels/test_gated_delta_rule_chunked.py \
+      tests/kernels/test_gated_delta_rule_decode.py \
       tests/kernels/test_gated_rms_norm.py -p no:cacheprovider 2>&1 | tail -4
   # the goldens with the kernels compiled natively (f32 dots may run as TF32 there: informative)
   timeout 600 python3 -m pytest -q tests/models/test_golden_qwen3_5.py -k pallas -p no:cacheprovider 2>&1 | tail -4
@@ -48,6 +52,10 @@ fi
 if [[ $PARTS == *intra* ]]; then
   timeout 900 python3 -m pallas_kernels.gated_delta_rule_intra > "$OUT/gdn_intra_$TAG.json"
   cat "$OUT/gdn_intra_$TAG.json"
+fi
+if [[ $PARTS == *decode* ]]; then
+  timeout 900 python3 -m pallas_kernels.gated_delta_rule_decode > "$OUT/gdn_decode_$TAG.json"
+  cat "$OUT/gdn_decode_$TAG.json"
 fi
 if [[ $PARTS == *latency* ]]; then
   timeout 900 python3 -m benchmarks.bench_latency --shape "$SHAPE" --batch-sizes ${BATCHES:-1} \

@@ -178,6 +178,21 @@ class ModelOps:
         return gated_delta_rule(q, k, v, g, beta, states, slots, fresh, query_start, backend=self.backend,
                                 interpret=self.interpret, chunked=not self.decode_step)
 
+    def gated_delta_decode(self, mixed, b, a, conv_state, conv_w, a_log, dt_bias, states, slots, fresh, *,
+                           num_k_heads: int, key_dim: int, value_dim: int):
+        """A Gated DeltaNet layer's conv, gates and delta rule for a step of one new row per sequence (row b is
+        sequence b's): (o [B, Hv, Dv] float32, conv pool, state pool). Pallas: one fused kernel
+        (pallas_kernels/gated_delta_rule_decode.py); reference: the same formulas in jnp."""
+        from pallas_kernels.gated_delta_rule_decode import decode_reference, fused_decode_step
+
+        dims = dict(num_k_heads=num_k_heads, key_dim=key_dim, value_dim=value_dim)
+        args = (mixed, b, a, conv_state, conv_w, a_log, dt_bias, states, slots, fresh)
+        if self.decode_step and mixed.shape[0] != slots.shape[0]:
+            raise ValueError(f"a decode step has one row per sequence: {mixed.shape[0]} rows, {slots.shape[0]} seqs")
+        if self.backend == "pallas":
+            return fused_decode_step(*args, **dims, interpret=self.interpret)
+        return decode_reference(*args, **dims)
+
     def gated_rms_norm(self, x: jax.Array, gate: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
         """HF's RMSNormGated: weight * rms_norm(x) (rounded to x's dtype), times silu(gate) in float32."""
         from pallas_kernels.gated_rms_norm import gated_rms_norm, gated_rms_norm_reference

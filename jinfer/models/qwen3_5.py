@@ -215,13 +215,18 @@ def _gated_delta_net(layer: HybridLayer, x, state, batch: Batch, info, cfg: Mode
                                                                    layer.lin_a), cfg.rms_norm_eps)
     seq, fresh = info
     slots, qs = batch.state_slots, batch.query_start
-    mixed, conv_state = causal_conv(mixed, conv_state, layer.conv_w, seq, qs[:-1], qs, slots, fresh)
-    q, k, v = jnp.split(mixed, [Hk * Dk, 2 * Hk * Dk], axis=-1)
-    q, k, v = q.reshape(T, Hk, Dk), k.reshape(T, Hk, Dk), v.reshape(T, Hv, Dv)
-    beta = jax.nn.sigmoid(b).astype(jnp.float32)
-    g = -jnp.exp(layer.a_log.astype(jnp.float32)) * jax.nn.softplus(a.astype(jnp.float32)
-                                                                     + layer.dt_bias.astype(jnp.float32))
-    o, rec_state = ops.gated_delta_rule(q, k, v, g, beta, rec_state, slots, fresh, qs)  # o: [T, Hv, Dv] f32
+    if ops.decode_step or (T == 1 and slots.shape[0] == 1):  # one new row per sequence: row b is sequence b's
+        o, conv_state, rec_state = ops.gated_delta_decode(
+            mixed, b, a, conv_state, layer.conv_w, layer.a_log, layer.dt_bias, rec_state, slots, fresh,
+            num_k_heads=Hk, key_dim=Dk, value_dim=Dv)
+    else:
+        from pallas_kernels.gated_delta_rule_decode import gates  # (not at import: Pallas is only needed to trace)
+
+        mixed, conv_state = causal_conv(mixed, conv_state, layer.conv_w, seq, qs[:-1], qs, slots, fresh)
+        q, k, v = jnp.split(mixed, [Hk * Dk, 2 * Hk * Dk], axis=-1)
+        q, k, v = q.reshape(T, Hk, Dk), k.reshape(T, Hk, Dk), v.reshape(T, Hv, Dv)
+        beta, g = gates(b, a, layer.a_log, layer.dt_bias)
+        o, rec_state = ops.gated_delta_rule(q, k, v, g, beta, rec_state, slots, fresh, qs)  # o: [T, Hv, Dv] f32
     o = ops.gated_rms_norm(o.astype(x.dtype), z.reshape(T, Hv, Dv), layer.lin_norm, cfg.rms_norm_eps)
     return ops.out_proj(o.reshape(T, Hv * Dv), layer.lin_out, x), (conv_state, rec_state)
 

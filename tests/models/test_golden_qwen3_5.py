@@ -151,3 +151,37 @@ def test_conditional_generation_layout_loads_the_text_model(tmp_path, gold):
     batch = make_batch([(prompt, 0, pages_for(0, 10))], PAGE, all_logits=True)
     logits, _ = jax.jit(partial(forward, cfg=cfg))(w, batch, empty_cache(cfg))
     np.testing.assert_allclose(np.asarray(logits), gold["prefill_logits_1"], atol=ATOL, rtol=1e-4)
+
+
+def test_one_row_per_sequence_decode_steps_match_hf(model, gold):
+    """Decode steps of one new row per sequence take the fused decode path (pallas: the fused conv + delta
+    rule kernel; ref: its jnp reference): the runner's decode-only executables (B = T, a padding sequence
+    included) and a lone sequence's T = 1 step."""
+    from dataclasses import replace
+
+    cfg, w, step = model
+    ops = OPS["pallas" if w.layers[0].lin_in is not None else "ref"]
+    decode = jax.jit(partial(forward, cfg=cfg, ops=replace(ops, decode_step=True)), donate_argnames=("kv_cache",))
+    prompts = [gold[f"prompt_{i}"].tolist() for i in range(3)]
+    perm = pages_for(9, 75)
+    pages = [perm[0:10], perm[10:30], perm[30:75]]
+    slots = [6, 2, 4]
+    kv = empty_cache(cfg)
+    P = 45
+    for i in range(3):
+        batch = make_batch([(prompts[i], 0, pages[i])], PAGE, num_tokens=128, num_seqs=1, pages_per_seq=P,
+                           state_slots=[slots[i]])
+        _, kv = step(w, batch, kv)
+    for s in range(1, 5):  # all three in a 4-row decode-only step (row 3: a padding sequence)
+        seqs = [([int(gold[f"greedy_{i}"][s - 1])], len(prompts[i]) + s - 1, pages[i]) for i in range(3)]
+        batch = make_batch(seqs, PAGE, num_tokens=4, num_seqs=4, pages_per_seq=P, state_slots=slots)
+        logits, kv = decode(w, batch, kv)
+        for i in range(3):
+            np.testing.assert_allclose(np.asarray(logits[i]), gold[f"decode_logits_{i}"][s], atol=ATOL, rtol=1e-4,
+                                       err_msg=f"sequence {i}, decode step {s}")
+    for s in range(5, 8):  # sequence 1 alone: T = 1, B = 1
+        batch = make_batch([([int(gold["greedy_1"][s - 1])], len(prompts[1]) + s - 1, pages[1])], PAGE,
+                           num_tokens=1, num_seqs=1, pages_per_seq=P, state_slots=[slots[1]])
+        logits, kv = step(w, batch, kv)
+        np.testing.assert_allclose(np.asarray(logits[0]), gold["decode_logits_1"][s], atol=ATOL, rtol=1e-4,
+                                   err_msg=f"T = 1 decode step {s}")
