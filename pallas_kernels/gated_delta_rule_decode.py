@@ -5,7 +5,8 @@ The general path (jinfer/models/qwen3_5.py) runs the conv over a ragged batch in
 K - 1 predecessors, the conv state's update as a scatter), splits q | k | v, computes beta = sigmoid(b) and
 g = -exp(A_log) softplus(a + dt_bias), then the recurrent kernel (gated_delta_rule.py): about ten small
 kernels per layer, ~10 us of a decode step's time per layer on an H100, for a few hundred kB. Here one
-program per (sequence, value head, block of value columns):
+program per (sequence, value head, block of value columns), reading q | k | v, b and a straight from the
+layer's input projection (slices of it were copies) and writing o in the activation dtype:
 
 - reads its q and k channels' conv window (the sequence's K - 1 stored inputs and this row's; zeros where
   the sequence is fresh) and its block of v channels', applies the depthwise conv and SiLU (rounded to the
@@ -41,14 +42,16 @@ def gates(b: jax.Array, a: jax.Array, a_log: jax.Array, dt_bias: jax.Array) -> t
     return beta, g
 
 
-def decode_reference(mixed, b, a, conv_state, conv_w, a_log, dt_bias, states, slots, fresh, *, num_k_heads: int,
-                     key_dim: int, value_dim: int) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """mixed: [B, C] this step's q | k | v inputs before the conv (C = 2 Hk Dk + Hv Dv); b, a: [B, Hv];
-    conv_state: [S, K-1, C] (oldest first); conv_w: [C, 1, K]; a_log, dt_bias: [Hv]; states: [S, Hv, Dk, Dv]
-    float32; slots, fresh: [B]. Returns (o [B, Hv, Dv] float32, conv_state, states)."""
-    B, C = mixed.shape
-    hk, dk, dv = num_k_heads, key_dim, value_dim
-    hv = b.shape[1]
+def decode_reference(proj, conv_state, conv_w, a_log, dt_bias, states, slots, fresh, *, num_k_heads: int,
+                     key_dim: int, value_dim: int, b_col: int, a_col: int) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """proj: [B, W] the layer's input projection: columns [0, C) this step's q | k | v inputs before the conv
+    (C = 2 Hk Dk + Hv Dv), [b_col, b_col + Hv) b and [a_col, a_col + Hv) a; conv_state: [S, K-1, C] (oldest
+    first); conv_w: [C, 1, K]; a_log, dt_bias: [Hv]; states: [S, Hv, Dk, Dv] float32; slots, fresh: [B].
+    Returns (o [B, Hv, Dv] in proj's dtype, conv_state, states)."""
+    B = proj.shape[0]
+    C = conv_w.shape[0]
+    hk, dk, dv, hv = num_k_heads, key_dim, value_dim, a_log.shape[0]
+    mixed, b, a = proj[:, :C], proj[:, b_col:b_col + hv], proj[:, a_col:a_col + hv]
     prev = jnp.where(fresh[:, None, None], 0, conv_state[slots]).astype(mixed.dtype)  # [B, K-1, C]
     window = jnp.concatenate([prev, mixed[:, None, :]], axis=1)  # [B, K, C]
     w = conv_w[:, 0, :].astype(jnp.float32)  # [C, K]
@@ -59,12 +62,14 @@ def decode_reference(mixed, b, a, conv_state, conv_w, a_log, dt_bias, states, sl
     beta, g = gates(b, a, a_log, dt_bias)
     qs = jnp.arange(B + 1, dtype=jnp.int32)
     o, states = recurrent_reference(q, k, v, g, beta, states, slots, fresh, qs)
-    return o, conv_state.at[slots].set(window[:, 1:].astype(conv_state.dtype)), states
+    return o.astype(proj.dtype), conv_state.at[slots].set(window[:, 1:].astype(conv_state.dtype)), states
 
 
-def _decode_kernel(slot_ref, fresh_ref, x_ref, b_ref, a_ref, cs_in_ref, w_ref, alog_ref, dtb_ref, s_in_ref,
-                   o_ref, cs_ref, s_ref, qk_ref, *, hk: int, group: int, dk: int, block_v: int, taps: int):
-    # x_ref [B, C] (q | k | v before the conv); b_ref, a_ref [B, Hv]; cs_ref [S, K-1, C] the conv pool (aliased
+def _decode_kernel(slot_ref, fresh_ref, x_ref, cs_in_ref, w_ref, alog_ref, dtb_ref, s_in_ref,
+                   o_ref, cs_ref, s_ref, qk_ref, *, hk: int, group: int, dk: int, block_v: int, taps: int, b_col: int,
+                   a_col: int):
+    # x_ref [B, W] the projection (q | k | v before the conv at [0, C), b at b_col, a at a_col: read in place, no
+    # slices); cs_ref [S, K-1, C] the conv pool (aliased
     # with cs_in_ref); w_ref [C, K]; alog_ref, dtb_ref [Hv]; s_ref [S, Hv, Dk, Dv] f32 (aliased with s_in_ref);
     # o_ref [B, Hv, Dv] f32; qk_ref [B, K-1, 2 Hk Dk]: the q | k channels' new window.
     del cs_in_ref, s_in_ref
@@ -90,8 +95,8 @@ def _decode_kernel(slot_ref, fresh_ref, x_ref, b_ref, a_ref, cs_in_ref, w_ref, a
     v, v_win = conv(v_off, block_v)
     q = q * jax.lax.rsqrt(jnp.sum(q * q) + L2_EPS) * dk ** -0.5
     k = k * jax.lax.rsqrt(jnp.sum(k * k) + L2_EPS)
-    beta = jax.nn.sigmoid(b_ref[i, h].astype(jnp.float32))
-    a = a_ref[i, h].astype(jnp.float32) + dtb_ref[h].astype(jnp.float32)
+    beta = jax.nn.sigmoid(x_ref[i, b_col + h].astype(jnp.float32))
+    a = x_ref[i, a_col + h].astype(jnp.float32) + dtb_ref[h].astype(jnp.float32)
     softplus = jnp.maximum(a, 0.0) + jnp.log1p(jnp.exp(-jnp.abs(a)))
     decay = jnp.exp(-jnp.exp(alog_ref[h].astype(jnp.float32)) * softplus)
 
@@ -100,7 +105,7 @@ def _decode_kernel(slot_ref, fresh_ref, x_ref, b_ref, a_ref, cs_in_ref, w_ref, a
     state = state * decay
     delta = (v - jnp.sum(k[:, None] * state, axis=0)) * beta
     state = state + k[:, None] * delta[None, :]
-    o_ref[i, h, cols] = jnp.sum(q[:, None] * state, axis=0)
+    o_ref[i, h, cols] = jnp.sum(q[:, None] * state, axis=0).astype(o_ref.dtype)
     s_ref[slot, h, :, cols] = state
     for r in range(taps - 1):  # this program's own v columns: in place
         cs_ref[slot, r, pl.ds(v_off, block_v)] = v_win[r].astype(cs_ref.dtype)
@@ -112,20 +117,21 @@ def _decode_kernel(slot_ref, fresh_ref, x_ref, b_ref, a_ref, cs_in_ref, w_ref, a
             qk_ref[i, r, pl.ds(hk * dk + kh * dk, dk)] = k_win[r].astype(qk_ref.dtype)
 
 
-@functools.partial(jax.jit, static_argnames=("num_k_heads", "key_dim", "value_dim", "block_v", "num_warps",
-                                             "interpret"), donate_argnames=("conv_state", "states"))
-def fused_decode_step(mixed, b, a, conv_state, conv_w, a_log, dt_bias, states, slots, fresh, *, num_k_heads: int,
-                      key_dim: int, value_dim: int, block_v: int | None = None, num_warps: int = 4,
-                      interpret: bool = False) -> tuple[jax.Array, jax.Array, jax.Array]:
+@functools.partial(jax.jit, static_argnames=("num_k_heads", "key_dim", "value_dim", "b_col", "a_col", "block_v",
+                                             "num_warps", "interpret"), donate_argnames=("conv_state", "states"))
+def fused_decode_step(proj, conv_state, conv_w, a_log, dt_bias, states, slots, fresh, *, num_k_heads: int,
+                      key_dim: int, value_dim: int, b_col: int, a_col: int, block_v: int | None = None,
+                      num_warps: int = 4, interpret: bool = False) -> tuple[jax.Array, jax.Array, jax.Array]:
     """`decode_reference` in one kernel (module doc); the two pools are updated in place (donated).
     Dk and Dv powers of two >= 16 (block_v divides Dv, default min(Dv, 32))."""
-    B, C = mixed.shape
-    hk, dk, dv = num_k_heads, key_dim, value_dim
-    hv = b.shape[1]
-    taps = conv_w.shape[-1]
-    if C != 2 * hk * dk + hv * dv or conv_state.shape[1:] != (taps - 1, C) or conv_w.shape != (C, 1, taps):
-        raise ValueError(f"mixed [B, 2 Hk Dk + Hv Dv], conv_state [S, K-1, C], conv_w [C, 1, K]: {mixed.shape=} "
-                         f"{conv_state.shape=} {conv_w.shape=} ({hk=} {dk=} {hv=} {dv=})")
+    B, W = proj.shape
+    C, _, taps = conv_w.shape
+    hk, dk, dv, hv = num_k_heads, key_dim, value_dim, a_log.shape[0]
+    if C != 2 * hk * dk + hv * dv or conv_state.shape[1:] != (taps - 1, C) or conv_w.shape[1] != 1 \
+            or max(b_col, a_col) + hv > W or min(b_col, a_col) < C:
+        raise ValueError(f"conv_w [C, 1, K] with C = 2 Hk Dk + Hv Dv, conv_state [S, K-1, C], b and a columns of "
+                         f"proj past C: {proj.shape=} {conv_state.shape=} {conv_w.shape=} {b_col=} {a_col=} "
+                         f"({hk=} {dk=} {hv=} {dv=})")
     if states.shape[1:] != (hv, dk, dv) or states.dtype != jnp.float32 or hv % hk:
         raise ValueError(f"states must be float32 [S, {hv}, {dk}, {dv}] with Hv a multiple of Hk: {states.shape}")
     if dk & (dk - 1) or dv & (dv - 1) or min(dk, dv) < 16 or taps < 2:
@@ -134,22 +140,22 @@ def fused_decode_step(mixed, b, a, conv_state, conv_w, a_log, dt_bias, states, s
     if dv % block_v or block_v < 16:
         raise ValueError(f"block_v={block_v} must divide value_dim={dv} and be >= 16")
     whole = pl.no_block_spec
-    kernel = functools.partial(_decode_kernel, hk=hk, group=hv // hk, dk=dk, block_v=block_v, taps=taps)
+    kernel = functools.partial(_decode_kernel, hk=hk, group=hv // hk, dk=dk, block_v=block_v, taps=taps,
+                               b_col=b_col, a_col=a_col)
     o, conv_state, states, qk = pl.pallas_call(
         kernel,
         grid=(B, hv, dv // block_v),
-        in_specs=[whole] * 10,
+        in_specs=[whole] * 8,
         out_specs=[whole] * 4,
-        out_shape=[jax.ShapeDtypeStruct((B, hv, dv), jnp.float32),
+        out_shape=[jax.ShapeDtypeStruct((B, hv, dv), proj.dtype),
                    jax.ShapeDtypeStruct(conv_state.shape, conv_state.dtype),
                    jax.ShapeDtypeStruct(states.shape, jnp.float32),
                    jax.ShapeDtypeStruct((B, taps - 1, 2 * hk * dk), conv_state.dtype)],
-        input_output_aliases={5: 1, 9: 2},
+        input_output_aliases={3: 1, 7: 2},
         compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=1),
         interpret=interpret,
         name=f"gated_delta_decode_bv{block_v}",
-    )(slots.astype(jnp.int32), fresh.astype(jnp.int32), mixed, b, a, conv_state, conv_w[:, 0, :], a_log, dt_bias,
-      states)
+    )(slots.astype(jnp.int32), fresh.astype(jnp.int32), proj, conv_state, conv_w[:, 0, :], a_log, dt_bias, states)
     conv_state = conv_state.at[slots, :, :2 * hk * dk].set(qk)
     return o, conv_state, states
 
@@ -165,6 +171,7 @@ def main():
     (read + written), the issue's measure. JSON lines on stdout; tiny shapes on CPU (interpreter) to check it."""
     import argparse
     import json
+    import os
     import time
 
     import numpy as np
@@ -185,6 +192,7 @@ def main():
     C = 2 * hk * dk + hv * dv
     rng = np.random.default_rng(0)
     dev = jax.devices()[0].device_kind
+    commit = os.environ.get("JINFER_COMMIT")  # the tree that ran (set by the GPU scripts' caller)
 
     def timed(step, conv, states):
         """Seconds per step: `reps` steps unrolled in one executable (an XLA while loop costs a host round trip
@@ -205,9 +213,8 @@ def main():
         return (time.perf_counter() - t0) / args.reps
 
     def batch(B: int) -> None:
-        mixed = jnp.asarray(rng.standard_normal((B, C)), jnp.bfloat16)
-        b = jnp.asarray(rng.standard_normal((B, hv)), jnp.bfloat16)
-        a = jnp.asarray(rng.standard_normal((B, hv)), jnp.bfloat16)
+        proj = jnp.asarray(rng.standard_normal((B, C + 2 * hv)), jnp.bfloat16)  # mixed | b | a
+        mixed, b, a = proj[:, :C], proj[:, C:C + hv], proj[:, C + hv:]
         w = jnp.asarray(rng.standard_normal((C, 1, taps)) * 0.3, jnp.bfloat16)
         a_log, dt_bias = jnp.zeros(hv, jnp.float32), jnp.ones(hv, jnp.float32)
         slots, fresh = jnp.arange(1, B + 1, dtype=jnp.int32), jnp.zeros(B, bool)
@@ -215,7 +222,7 @@ def main():
         pools = lambda: (jnp.zeros((B + 1, taps - 1, C), jnp.bfloat16),  # noqa: E731
                          jnp.zeros((B + 1, hv, dk, dv), jnp.float32))
         state_bytes = 2 * B * hv * dk * dv * 4
-        row = {"device": dev, "batch": B, "state_bytes": state_bytes}
+        row = {"device": dev, "commit": commit, "batch": B, "state_bytes": state_bytes}
 
         def general(conv, states):
             y, conv = causal_conv(mixed, conv, w, token_sequences(qs, B), qs[:-1], qs, slots, fresh)
@@ -231,9 +238,9 @@ def main():
         for bv in args.block_v:
             for warps in args.num_warps:
                 def fused(conv, states, bv=bv, warps=warps):
-                    o, conv, states = fused_decode_step(mixed, b, a, conv, w, a_log, dt_bias, states, slots, fresh,
-                                                        num_k_heads=hk, key_dim=dk, value_dim=dv, block_v=bv,
-                                                        num_warps=warps, interpret=not gpu)
+                    o, conv, states = fused_decode_step(proj, conv, w, a_log, dt_bias, states, slots, fresh,
+                                                        num_k_heads=hk, key_dim=dk, value_dim=dv, b_col=C,
+                                                        a_col=C + hv, block_v=bv, num_warps=warps, interpret=not gpu)
                     return conv, states, o
 
                 t = timed(fused, *pools())

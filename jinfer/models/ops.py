@@ -178,17 +178,18 @@ class ModelOps:
         return gated_delta_rule(q, k, v, g, beta, states, slots, fresh, query_start, backend=self.backend,
                                 interpret=self.interpret, chunked=not self.decode_step)
 
-    def gated_delta_decode(self, mixed, b, a, conv_state, conv_w, a_log, dt_bias, states, slots, fresh, *,
-                           num_k_heads: int, key_dim: int, value_dim: int):
+    def gated_delta_decode(self, proj, conv_state, conv_w, a_log, dt_bias, states, slots, fresh, *,
+                           num_k_heads: int, key_dim: int, value_dim: int, b_col: int, a_col: int):
         """A Gated DeltaNet layer's conv, gates and delta rule for a step of one new row per sequence (row b is
-        sequence b's): (o [B, Hv, Dv] float32, conv pool, state pool). Pallas: one fused kernel
+        sequence b's), from its input projection `proj` (q | k | v at [0, conv_dim), b and a at b_col, a_col):
+        (o [B, Hv, Dv] in proj's dtype, conv pool, state pool). Pallas: one fused kernel
         (pallas_kernels/gated_delta_rule_decode.py); reference: the same formulas in jnp."""
         from pallas_kernels.gated_delta_rule_decode import decode_reference, fused_decode_step
 
-        dims = dict(num_k_heads=num_k_heads, key_dim=key_dim, value_dim=value_dim)
-        args = (mixed, b, a, conv_state, conv_w, a_log, dt_bias, states, slots, fresh)
-        if self.decode_step and mixed.shape[0] != slots.shape[0]:
-            raise ValueError(f"a decode step has one row per sequence: {mixed.shape[0]} rows, {slots.shape[0]} seqs")
+        dims = dict(num_k_heads=num_k_heads, key_dim=key_dim, value_dim=value_dim, b_col=b_col, a_col=a_col)
+        args = (proj, conv_state, conv_w, a_log, dt_bias, states, slots, fresh)
+        if self.decode_step and proj.shape[0] != slots.shape[0]:
+            raise ValueError(f"a decode step has one row per sequence: {proj.shape[0]} rows, {slots.shape[0]} seqs")
         if self.backend == "pallas":
             return fused_decode_step(*args, **dims, interpret=self.interpret)
         return decode_reference(*args, **dims)

@@ -206,19 +206,19 @@ def _gated_delta_net(layer: HybridLayer, x, state, batch: Batch, info, cfg: Mode
     Hk, Hv = cfg.linear_num_key_heads, cfg.linear_num_value_heads
     Dk, Dv = cfg.linear_key_head_dim, cfg.linear_value_head_dim
     conv_state, rec_state = state
+    c, vs = cfg.linear_conv_dim, cfg.linear_value_size
     if layer.lin_in is not None:
         (y,) = ops.norm_projections(x, layer.attn_norm, (layer.lin_in,), cfg.rms_norm_eps)
-        c, vs = cfg.linear_conv_dim, cfg.linear_value_size
-        mixed, z, b, a = jnp.split(y, [c, c + vs, c + vs + Hv], axis=-1)
     else:
-        mixed, z, b, a = ops.norm_projections(x, layer.attn_norm, (layer.lin_qkv, layer.lin_z, layer.lin_b,
-                                                                   layer.lin_a), cfg.rms_norm_eps)
+        y = jnp.concatenate(ops.norm_projections(x, layer.attn_norm, (layer.lin_qkv, layer.lin_z, layer.lin_b,
+                                                                      layer.lin_a), cfg.rms_norm_eps), axis=-1)
+    mixed, z, b, a = jnp.split(y, [c, c + vs, c + vs + Hv], axis=-1)  # the kernels below read y in place
     seq, fresh = info
     slots, qs = batch.state_slots, batch.query_start
     if ops.decode_step or (T == 1 and slots.shape[0] == 1):  # one new row per sequence: row b is sequence b's
         o, conv_state, rec_state = ops.gated_delta_decode(
-            mixed, b, a, conv_state, layer.conv_w, layer.a_log, layer.dt_bias, rec_state, slots, fresh,
-            num_k_heads=Hk, key_dim=Dk, value_dim=Dv)
+            y, conv_state, layer.conv_w, layer.a_log, layer.dt_bias, rec_state, slots, fresh,
+            num_k_heads=Hk, key_dim=Dk, value_dim=Dv, b_col=c + vs, a_col=c + vs + Hv)
     else:
         from pallas_kernels.gated_delta_rule_decode import gates  # (not at import: Pallas is only needed to trace)
 
