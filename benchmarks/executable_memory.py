@@ -1,0 +1,91 @@
+"""Host memory of loaded executables: what the idle engine's RSS is made of.
+
+    python -m benchmarks.executable_memory --model dummy:qwen3-4b --dir /tmp/exe-mem --out result.json
+
+Builds an engine with a staged warm-up (the first token buckets, as `jinfer serve` does) so that its
+executables land in `--dir`, then, in a fresh process that has only started JAX's backend, loads each
+executable file in turn and records the RSS it added, its size, and how much of it is GPU code (PTX
+text, cubin images) against the rest (the optimized HLO and XLA's metadata). JSON on stdout (and --out).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+
+def rss_mb() -> float:
+    for line in open("/proc/self/status"):
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) / 1024
+    return 0.0
+
+
+def load_all(directory: Path) -> dict:
+    import ctypes
+    import gc
+
+    import jax
+
+    import jinfer.models.llama  # noqa: F401  (the executables' pytrees name these modules)
+    import jinfer.models.qwen3_5  # noqa: F401
+    import jinfer.models.qwen3_moe  # noqa: F401
+    from jinfer.engine.executable_cache import _load
+
+    try:
+        import jax.experimental.mosaic.gpu  # noqa: F401  (Mosaic kernels' host symbols, as ModelOps does)
+    except ImportError:
+        pass
+    jax.devices()
+    base = rss_mb()
+    rows, keep = [], []
+    for path in sorted(directory.rglob("*.jexe"), key=lambda p: p.stat().st_size, reverse=True):
+        data = path.read_bytes()
+        before = rss_mb()
+        keep.append(_load(path))
+        gc.collect()
+        try:
+            ctypes.CDLL("libc.so.6").malloc_trim(0)
+        except OSError:
+            pass
+        rows.append({"file": path.name[:16], "file_mb": round(len(data) / 2**20, 2),
+                     "rss_added_mb": round(rss_mb() - before, 1), "ptx_modules": data.count(b"\n.version "),
+                     "cubin_images": data.count(b"\x7fELF")})
+    return {"backend_rss_mb": round(base, 1), "loaded": len(rows), "rss_after_mb": round(rss_mb(), 1),
+            "executables": rows}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--model", default="dummy:qwen3-4b")
+    ap.add_argument("--dir", required=True, help="compilation cache directory (built here if empty)")
+    ap.add_argument("--load-only", action="store_true", help=argparse.SUPPRESS)  # the fresh process
+    ap.add_argument("--out")
+    args = ap.parse_args()
+    directory = Path(args.dir)
+    if args.load_only:
+        print(json.dumps(load_all(directory)))
+        return
+    if not any(directory.rglob("*.jexe")):
+        from jinfer.engine.core import EngineConfig, EngineCore
+
+        core = EngineCore(EngineConfig(model=args.model, max_model_len=2048, compilation_cache_dir=str(directory),
+                                       warmup_first_tokens=256))
+        core.runner.wait_warmup()  # every bucket, as an idle server holds them
+        del core
+    env = dict(os.environ)
+    out = subprocess.run([sys.executable, "-m", "benchmarks.executable_memory", "--dir", str(directory), "--load-only"],
+                         capture_output=True, text=True, env=env, check=True).stdout
+    result = json.loads(out.strip().splitlines()[-1]) | {"model": args.model}
+    text = json.dumps(result, indent=1)
+    if args.out:
+        Path(args.out).write_text(text + "\n")
+    print(text)
+
+
+if __name__ == "__main__":
+    main()
