@@ -93,15 +93,19 @@ def test_prefill_and_every_decode_step_match_hf(model, gold, i):
     assert ours == greedy
 
 
+def three_sequences(cfg, gold, seed):
+    """The three golden prompts, their scrambled pages (10 / 20 / 45 of them) and an empty cache."""
+    perm = pages_for(seed, 75)
+    return ([gold[f"prompt_{i}"].tolist() for i in range(3)], [perm[0:10], perm[10:30], perm[30:75]],
+            empty_cache(cfg))
+
+
 def test_batched_chunked_prefill_then_batched_decode_match_hf(model, gold):
     """Three prompts in flattened batches, the 80-token one in chunks of 2 (< the conv window), 65
     (across the 64-row chunk) and 13 rows, next to the others; then all three decode together."""
     cfg, w, step = model
-    prompts = [gold[f"prompt_{i}"].tolist() for i in range(3)]
-    perm = pages_for(7, 75)
-    pages = [perm[0:10], perm[10:30], perm[30:75]]
+    prompts, pages, kv = three_sequences(cfg, gold, 7)
     slots = [3, 7, 1]
-    kv = empty_cache(cfg)
     P = 45
 
     def run(seqs, T):
@@ -162,11 +166,8 @@ def test_one_row_per_sequence_decode_steps_match_hf(model, gold):
     cfg, w, step = model
     ops = OPS["pallas" if w.layers[0].lin_in is not None else "ref"]
     decode = jax.jit(partial(forward, cfg=cfg, ops=replace(ops, decode_step=True)), donate_argnames=("kv_cache",))
-    prompts = [gold[f"prompt_{i}"].tolist() for i in range(3)]
-    perm = pages_for(9, 75)
-    pages = [perm[0:10], perm[10:30], perm[30:75]]
+    prompts, pages, kv = three_sequences(cfg, gold, 9)
     slots = [6, 2, 4]
-    kv = empty_cache(cfg)
     P = 45
     for i in range(3):
         batch = make_batch([(prompts[i], 0, pages[i])], PAGE, num_tokens=128, num_seqs=1, pages_per_seq=P,
