@@ -70,3 +70,15 @@ def test_pallas_backend_long_prefill_runs_chunked():
     recurrent one."""
     llm = LLM(TINY, **BASE, max_num_batched_tokens=128, attention_backend="pallas", warmup=False)
     assert [o[0] for o in generate(llm)] == GREEDY_IDS
+
+
+def test_pallas_decode_only_steps_take_the_fused_decode_kernel():
+    """max_num_seqs = max_num_batched_tokens = 16: steps where every sequence decodes run the bucket's
+    decode-only executable, whose Gated DeltaNet layers are the fused decode kernel (13 of its 16 rows
+    padding, on the reserved slot 0); the greedy ids are still HF's."""
+    llm = LLM(TINY, **(BASE | {"max_num_seqs": 16}), max_num_batched_tokens=16, attention_backend="pallas",
+              warmup=False)
+    runner = llm.engine.runner
+    assert 16 in runner.decode_buckets
+    assert [o[0] for o in generate(llm)] == GREEDY_IDS
+    assert any(key[0] == "forward_decode" for key in runner._compiled)
