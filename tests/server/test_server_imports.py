@@ -33,3 +33,17 @@ def test_running_server_process_does_not_load_jax(tmp_path):
         assert "/jaxlib/" not in Path(f"/proc/{srv.proc.pid}/maps").read_text()
     finally:
         assert srv.stop(signal.SIGTERM) == 0, srv.log()[-3000:]
+
+
+def test_launcher_starts_the_engine_before_its_heavy_imports():
+    """`jinfer serve` starts the engine process first: until then the launcher has imported none of uvicorn,
+    the app, ZeroMQ or numpy (they load while the engine starts, instead of delaying it)."""
+    code = ("import sys\nimport server.launcher as L\n"
+            "heavy = ('uvicorn', 'zmq', 'numpy', 'server.app', 'starlette')\n"
+            "def spawn(*a, **k):\n"
+            "    print(sorted(m for m in heavy if m in sys.modules)); raise SystemExit(0)\n"
+            "L.start_engine_process = spawn\n"
+            "L.main(['--port', '0'])\n")
+    r = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert r.stdout.strip() == "[]", r.stdout
