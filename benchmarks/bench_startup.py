@@ -106,9 +106,20 @@ def largest_mappings(proc: Path, top: int = 8) -> list[str]:
     return [f"{kb / 1024:.0f} MB {head}" for kb, head in sorted(out, reverse=True)[:top]]
 
 
+# The engine's own line: "start-up phases: process started 1.58 s before the engine, then resolve 0.05 s (655 MB), ..."
+ENGINE_PHASES = re.compile(r"start-up phases: process started ([\d.?]+) s before the engine, then (.*)$")
+ENGINE_PHASE = re.compile(r"([a-z -]+?) ([\d.]+) s(?: \((\d+) MB\))?(?:, |$)")
+
+
 def parse_phases(log: str, t_launch: float) -> dict[str, float]:
-    phases: dict[str, float] = {}
+    phases: dict = {}
     for line in log.splitlines():
+        m = ENGINE_PHASES.search(line)
+        if m and "engine_phases" not in phases:  # {phase: [seconds, RSS MB after it]}
+            phases["engine_phases"] = {"imports (process age)": [float(m.group(1)) if m.group(1) != "?" else None,
+                                                                 None]}
+            phases["engine_phases"] |= {p.strip(): [float(t), int(r) if r else None]
+                                        for p, t, r in ENGINE_PHASE.findall(m.group(2))}
         for name, pat in PHASE_PATTERNS.items():
             m = pat.search(line)
             if m is None or name in phases:
