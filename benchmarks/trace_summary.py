@@ -57,7 +57,7 @@ def main() -> None:
     print(f"{n} steps: {(hi - lo) / n / 1e3:.2f} ms per step, GPU busy {busy / n / 1e3:.2f} ms per step, "
           f"{len(in_window) / n:.0f} kernels per step")
 
-    mid = steps[len(steps) // 2]
+    mid = steps[(len(steps) - 1) // 2]  # (a step of the window: with --count 1, the step measured)
     print("\nhost phases of one step (>= 0.1 ms), ms from its start:")
     for e in sorted((e for e in host if mid["ts"] <= e["ts"] < mid["ts"] + mid["dur"] and e["dur"] >= 100),
                     key=lambda e: e["ts"]):

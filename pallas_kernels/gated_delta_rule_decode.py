@@ -36,8 +36,9 @@ from pallas_kernels.gated_delta_rule import L2_EPS, recurrent_reference
 
 
 def gates(b: jax.Array, a: jax.Array, a_log: jax.Array, dt_bias: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """(beta = sigmoid(b), g = -exp(A_log) softplus(a + dt_bias)), float32 [T, Hv]."""
-    beta = jax.nn.sigmoid(b.astype(jnp.float32))
+    """(beta = sigmoid(b), g = -exp(A_log) softplus(a + dt_bias)), float32 [T, Hv]. beta is rounded to b's dtype,
+    as HF computes it (`b.sigmoid()` in the activation dtype); g in float32, as HF."""
+    beta = jax.nn.sigmoid(b.astype(jnp.float32)).astype(b.dtype).astype(jnp.float32)
     g = -jnp.exp(a_log.astype(jnp.float32)) * jax.nn.softplus(a.astype(jnp.float32) + dt_bias.astype(jnp.float32))
     return beta, g
 
@@ -95,7 +96,7 @@ def _decode_kernel(slot_ref, fresh_ref, x_ref, cs_in_ref, w_ref, alog_ref, dtb_r
     v, v_win = conv(v_off, block_v)
     q = q * jax.lax.rsqrt(jnp.sum(q * q) + L2_EPS) * dk ** -0.5
     k = k * jax.lax.rsqrt(jnp.sum(k * k) + L2_EPS)
-    beta = jax.nn.sigmoid(x_ref[i, b_col + h].astype(jnp.float32))
+    beta = jax.nn.sigmoid(x_ref[i, b_col + h].astype(jnp.float32)).astype(x_ref.dtype).astype(jnp.float32)
     a = x_ref[i, a_col + h].astype(jnp.float32) + dtb_ref[h].astype(jnp.float32)
     softplus = jnp.maximum(a, 0.0) + jnp.log1p(jnp.exp(-jnp.abs(a)))
     decay = jnp.exp(-jnp.exp(alog_ref[h].astype(jnp.float32)) * softplus)

@@ -87,18 +87,36 @@ def _start_engine(args: argparse.Namespace, config: dict, dp: int):
     """Start the engine process(es) and wait until they are ready. One engine is started before anything
     heavy is imported here (uvicorn, the app, ZeroMQ, numpy): those imports then overlap its start-up."""
     core_factory = getattr(args, "core_factory", None)
-    if dp == 1:
-        address = args.engine_address or default_address()
-        ipc_dir = None if args.engine_address else os.path.dirname(address.removeprefix("ipc://"))
-        proc = start_engine_process(config, address, core_factory=core_factory)
-    import server.app  # noqa: F401  (needed once the engine is ready)
-    from jinfer.client import EngineClient
-    from jinfer.replicas import ReplicaClient
-
     if dp > 1:
+        from jinfer.replicas import ReplicaClient
+
         return ReplicaClient.spawn(config, dp, name="server", startup_timeout=args.startup_timeout,
                                    core_factory=core_factory)
+    address = args.engine_address or default_address()
+    ipc_dir = None if args.engine_address else os.path.dirname(address.removeprefix("ipc://"))
+    proc = start_engine_process(config, address, core_factory=core_factory)
+    try:
+        import server.app  # noqa: F401  (needed once the engine is ready)
+        from jinfer.client import EngineClient
+    except BaseException:  # SIGTERM / Ctrl-C / a broken install while importing: no engine left behind
+        _discard(proc, ipc_dir)
+        raise
     return EngineClient(address, process=proc, startup_timeout=args.startup_timeout, name="server", ipc_dir=ipc_dir)
+
+
+def _discard(proc, ipc_dir: str | None) -> None:
+    """Stop an engine process no client took over yet (it runs in its own session: a terminal's Ctrl-C does
+    not reach it, and it notices a dead parent only once its model is loaded) and remove its socket dir."""
+    import shutil
+    import subprocess
+
+    proc.kill()
+    try:
+        proc.wait(10)
+    except subprocess.TimeoutExpired:
+        pass
+    if ipc_dir:
+        shutil.rmtree(ipc_dir, ignore_errors=True)
 
 
 def run_serve(args: argparse.Namespace) -> int:
@@ -128,9 +146,8 @@ def run_serve(args: argparse.Namespace) -> int:
         log.info("interrupted while the engine was starting")
         return 130
     except Exception as e:
-        from jinfer.client import EngineDeadError
-
-        if not isinstance(e, EngineDeadError):
+        client = sys.modules.get("jinfer.client")  # (not imported: the failure came before, and is not the engine's)
+        if client is None or not isinstance(e, client.EngineDeadError):
             raise
         log.error("%s", e)
         return 2 if _INVALID_CONFIG.search(str(e)) else 1

@@ -189,8 +189,9 @@ def _release_engines() -> None:
 def _process_age_s() -> float | None:
     """Seconds since this process started (Linux /proc), or None."""
     try:
-        start_ticks = int(open("/proc/self/stat").read().rsplit(")", 1)[1].split()[19])
-        uptime = float(open("/proc/uptime").read().split()[0])
+        with open("/proc/self/stat") as stat, open("/proc/uptime") as up:
+            start_ticks = int(stat.read().rsplit(")", 1)[1].split()[19])
+            uptime = float(up.read().split()[0])
         return uptime - start_ticks / os.sysconf("SC_CLK_TCK")
     except (OSError, ValueError, IndexError):
         return None
@@ -198,9 +199,10 @@ def _process_age_s() -> float | None:
 
 def _rss_mb() -> float | None:
     try:
-        for line in open("/proc/self/status"):
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) / 1024
+        with open("/proc/self/status") as status:
+            for line in status:
+                if line.startswith("VmRSS:"):
+                    return int(line.split()[1]) / 1024
     except OSError:
         pass
     return None

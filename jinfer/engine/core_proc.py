@@ -68,15 +68,18 @@ def _start_backend() -> None:
 
     try:
         jax.devices()
-    except RuntimeError:  # reported again, where EngineCore meets it
+    except Exception:  # reported again, where EngineCore meets it
         pass
 
 
 def _default_core_factory(config: dict[str, Any]) -> Any:
     if config.get("nnodes", 1) == 1:  # (several processes join their group before anything starts JAX)
         # JAX's backend (on a GPU: the CUDA context and memory pool, ~0.7 s on an H100) starts in a thread
-        # while this one imports the engine's modules (~1.5 s there).
+        # while this one imports the engine's modules. JAX itself is imported here first (~1.5 s there; the
+        # engine's modules need it anyway), so the two threads never import the same modules at once.
         os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", MEM_FRACTION)
+        import jax  # noqa: F401
+
         threading.Thread(target=_start_backend, name="jinfer-backend", daemon=True).start()
     from jinfer.engine.core import EngineConfig, EngineCore
 

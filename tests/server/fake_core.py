@@ -92,3 +92,11 @@ def make_fake_core(config: dict[str, Any]) -> FakeCore:
 
 def broken_core(config: dict[str, Any]) -> FakeCore:
     raise RuntimeError("no such model")
+
+
+def slow_core(config: dict[str, Any]) -> FakeCore:
+    """A fake core whose 'model load' takes 30 s (start-up paths that must not wait for it)."""
+    import time
+
+    time.sleep(30)
+    return make_fake_core(config)

@@ -4,9 +4,11 @@ start-up and 150-300 MB of host memory. Checked on its modules, and on a live la
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import httpx
+import pytest
 
 from tests.server.helpers import FAKE_CORE, ROOT, start_server
 
@@ -47,3 +49,37 @@ def test_launcher_starts_the_engine_before_its_heavy_imports():
     r = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr[-2000:]
     assert r.stdout.strip() == "[]", r.stdout
+
+
+DRIVER = """\
+import os, signal, sys, threading
+import server.launcher as L
+orig = L.start_engine_process
+def spawn(config, address, **k):
+    p = orig(config, address, **k)
+    print('ENGINE', p.pid, address, flush=True)
+    {after_spawn}
+    return p
+L.start_engine_process = spawn
+{before}
+sys.exit(L.main(['--port', '0', '--core-factory', 'tests.server.fake_core:slow_core']))
+"""
+
+
+@pytest.mark.parametrize("after_spawn,before,codes", [
+    # SIGTERM while the launcher imports the server (or, at the latest, while its client waits for the engine);
+    # 1 where it interrupted an extension module's import, which then fails as an ImportError
+    ("threading.Timer(0.02, os.kill, (os.getpid(), signal.SIGTERM)).start()", "", (130, 1)),
+    ("", "sys.modules['server.app'] = None  # a broken install: importing the app fails", (1,)),
+], ids=["sigterm", "import-error"])
+def test_interrupted_start_leaves_no_engine_behind(after_spawn, before, codes):
+    """Between starting the engine and a client holding it, the launcher stops: the engine process is stopped
+    at once (not after its 30 s 'model load') and its socket directory removed."""
+    driver = DRIVER.format(after_spawn=after_spawn, before=before)
+    t0 = time.monotonic()
+    r = subprocess.run([sys.executable, "-c", driver], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    pid, address = r.stdout.split("ENGINE")[1].split()[:2]
+    assert r.returncode in codes, r.stderr[-2000:]
+    assert time.monotonic() - t0 < 20  # nobody waited for the engine (its pipes would have kept run() waiting)
+    assert not Path(f"/proc/{pid}").exists() or Path(f"/proc/{pid}/stat").read_text().split(") ")[1][0] == "Z"
+    assert not Path(address.removeprefix("ipc://")).parent.exists()
