@@ -27,6 +27,7 @@ from typing import Any
 from msgspec.structs import replace
 
 from jinfer.client import EngineClient, EngineDeadError
+from jinfer.engine.spawn import default_address, discard_engine_process, start_engine_process
 from jinfer.sampling_params import SamplingParams
 
 log = logging.getLogger(__name__)
@@ -114,7 +115,6 @@ class ReplicaClient:
         procs: list = []
         try:
             # start every process first (they load in parallel), then wait for each
-            from jinfer.engine.spawn import default_address, start_engine_process
 
             for env in envs:
                 address = default_address()
@@ -126,8 +126,8 @@ class ReplicaClient:
         except BaseException:
             for c in clients:
                 c.close()
-            for _, proc in procs[len(clients):]:
-                proc.kill()
+            for address, proc in procs[len(clients):]:
+                discard_engine_process(proc, os.path.dirname(address.removeprefix("ipc://")))
             raise
         return cls(clients)
 

@@ -20,7 +20,7 @@ import sys
 import threading
 
 from jinfer.engine.args import SERVE_WARMUP_FIRST_TOKENS, add_engine_arguments, engine_config_kwargs
-from jinfer.engine.spawn import default_address, start_engine_process
+from jinfer.engine.spawn import default_address, discard_engine_process, start_engine_process
 from server.tools import TOOL_PARSERS
 
 # uvicorn, the app, ZeroMQ and numpy are imported once the engine process is started (`run_serve`): its
@@ -99,24 +99,9 @@ def _start_engine(args: argparse.Namespace, config: dict, dp: int):
         import server.app  # noqa: F401  (needed once the engine is ready)
         from jinfer.client import EngineClient
     except BaseException:  # SIGTERM / Ctrl-C / a broken install while importing: no engine left behind
-        _discard(proc, ipc_dir)
+        discard_engine_process(proc, ipc_dir)
         raise
     return EngineClient(address, process=proc, startup_timeout=args.startup_timeout, name="server", ipc_dir=ipc_dir)
-
-
-def _discard(proc, ipc_dir: str | None) -> None:
-    """Stop an engine process no client took over yet (it runs in its own session: a terminal's Ctrl-C does
-    not reach it, and it notices a dead parent only once its model is loaded) and remove its socket dir."""
-    import shutil
-    import subprocess
-
-    proc.kill()
-    try:
-        proc.wait(10)
-    except subprocess.TimeoutExpired:
-        pass
-    if ipc_dir:
-        shutil.rmtree(ipc_dir, ignore_errors=True)
 
 
 def run_serve(args: argparse.Namespace) -> int:
@@ -146,8 +131,8 @@ def run_serve(args: argparse.Namespace) -> int:
         log.info("interrupted while the engine was starting")
         return 130
     except Exception as e:
-        client = sys.modules.get("jinfer.client")  # (not imported: the failure came before, and is not the engine's)
-        if client is None or not isinstance(e, client.EngineDeadError):
+        client_module = sys.modules.get("jinfer.client")  # (not imported: the failure came first, not the engine's)
+        if client_module is None or not isinstance(e, client_module.EngineDeadError):
             raise
         log.error("%s", e)
         return 2 if _INVALID_CONFIG.search(str(e)) else 1

@@ -184,8 +184,6 @@ def _release_engines() -> None:
     gc.collect()
 
 
-
-
 def _process_age_s() -> float | None:
     """Seconds since this process started (Linux /proc), or None."""
     try:
@@ -254,7 +252,7 @@ class EngineCore:
         phases("tokenizer")
         self.dtype = config.dtype if config.dtype != "auto" else (
             "float32" if jax.default_backend() == "cpu" else "bfloat16")
-        jax.devices()
+        jax.devices()  # (the backend starts here when dtype was given, else above)
         phases("backend")
         check_parallel(self.model_config, config.tensor_parallel_size, config.enable_expert_parallel)
         tp, rank = config.tensor_parallel_size, config.data_parallel_rank

@@ -44,3 +44,17 @@ def start_engine_process(config: Any, address: str, *, core_factory: str | None 
     root = str(Path(__file__).resolve().parents[2])  # so that `-m jinfer...` works from any cwd
     env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH")) if p)
     return subprocess.Popen(cmd, env=env, start_new_session=True)
+
+
+def discard_engine_process(proc: subprocess.Popen, ipc_dir: str | None) -> None:
+    """Stop an engine process no client took over (it runs in its own session: a terminal's Ctrl-C does not
+    reach it, and it notices a dead parent only once its model is loaded) and remove its socket dir."""
+    import shutil
+
+    proc.kill()
+    try:
+        proc.wait(10)
+    except subprocess.TimeoutExpired:
+        pass
+    if ipc_dir:
+        shutil.rmtree(ipc_dir, ignore_errors=True)
