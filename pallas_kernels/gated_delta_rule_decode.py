@@ -124,7 +124,7 @@ def fused_decode_step(proj, conv_state, conv_w, a_log, dt_bias, states, slots, f
                       key_dim: int, value_dim: int, b_col: int, a_col: int, block_v: int | None = None,
                       num_warps: int = 4, interpret: bool = False) -> tuple[jax.Array, jax.Array, jax.Array]:
     """`decode_reference` in one kernel (module doc); the two pools are updated in place (donated).
-    Dk and Dv powers of two >= 16 (block_v divides Dv, default min(Dv, 32))."""
+    Dk and Dv powers of two >= 16 (block_v a power of two >= 8 dividing Dv, default min(Dv, 32))."""
     B, W = proj.shape
     C, _, taps = conv_w.shape
     hk, dk, dv, hv = num_k_heads, key_dim, value_dim, a_log.shape[0]
@@ -138,8 +138,8 @@ def fused_decode_step(proj, conv_state, conv_w, a_log, dt_bias, states, slots, f
     if dk & (dk - 1) or dv & (dv - 1) or min(dk, dv) < 16 or taps < 2:
         raise ValueError(f"key_dim={dk} and value_dim={dv} must be powers of two >= 16, the conv >= 2 taps")
     block_v = block_v or min(dv, 32)
-    if dv % block_v or block_v < 16:
-        raise ValueError(f"block_v={block_v} must divide value_dim={dv} and be >= 16")
+    if dv % block_v or block_v < 8 or block_v & (block_v - 1):
+        raise ValueError(f"block_v={block_v} must be a power of two >= 8 dividing value_dim={dv}")
     whole = pl.no_block_spec
     kernel = functools.partial(_decode_kernel, hk=hk, group=hv // hk, dk=dk, block_v=block_v, taps=taps,
                                b_col=b_col, a_col=a_col)

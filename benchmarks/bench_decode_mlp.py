@@ -1,0 +1,120 @@
+"""The decode step's MLP as the forward runs it: a chain of `--layers` residual MLP blocks (RMSNorm, SwiGLU,
+residual add) over distinct weights in one executable, one token (or `--tokens`) per step, so each layer's
+weights come from HBM and no dispatch is timed. The fused Pallas kernel (`pallas_kernels/fused_mlp.py`) over a
+grid of launch parameters, against XLA's fusion of the same block. TB/s on the weight bytes; the copy rate of
+the same run (`roofline.measure_copy_bandwidth`) for the ratio.
+
+    python -m benchmarks.bench_decode_mlp --shapes qwen3.5-4b qwen3-4b --out benchmarks/results/decode_mlp_h100.json
+
+On CPU (no GPU): tiny shapes through the Pallas interpreter, to check the script.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import itertools
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from benchmarks.common import environment, write_result
+from pallas_kernels.fused_mlp import fused_swiglu_mlp
+from jinfer.models.layers import rms_norm, swiglu_mlp
+
+SHAPES = {"qwen3.5-4b": (2560, 9216), "qwen3-4b": (2560, 9728), "qwen3-8b": (4096, 12288), "tiny": (64, 256)}
+EPS = 1e-6
+
+
+def chain(mlp, layers: int):
+    """x -> x + mlp(x) over `layers` weight sets, unrolled in one executable."""
+    def run(x, weights):
+        for norm, wg, wu, wd in weights:
+            x = x + mlp(x, norm, wg, wu, wd)
+        return x
+    return jax.jit(run)
+
+
+def timed(fn, x, weights, reps: int) -> float:
+    """Median seconds of `reps` calls (each synced)."""
+    jax.block_until_ready(fn(x, weights))
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        jax.block_until_ready(fn(x, weights))
+        times.append(time.perf_counter() - t0)
+    return float(np.median(times))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--shapes", nargs="+", default=["qwen3.5-4b", "qwen3-4b"], choices=sorted(SHAPES))
+    ap.add_argument("--layers", type=int, default=32)
+    ap.add_argument("--tokens", type=int, nargs="+", default=[1])
+    ap.add_argument("--block-i", type=int, nargs="+", default=[32, 64, 128])
+    ap.add_argument("--num-warps", type=int, nargs="+", default=[4, 8])
+    ap.add_argument("--num-stages", type=int, nargs="+", default=[2, 3, 4])
+    ap.add_argument("--reps", type=int, default=20)
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args()
+    gpu = jax.default_backend() == "gpu"
+    if not gpu:
+        args.shapes, args.layers, args.reps = ["tiny"], 2, 1
+        args.block_i, args.num_warps, args.num_stages = [32], [4], [2]
+    copy = {}
+    if gpu:
+        from benchmarks.roofline import measure_copy_bandwidth
+
+        copy = measure_copy_bandwidth()
+    copy_bps = copy.get("best_Bps", 0)
+    rows = []
+    key = jax.random.key(0)
+    for shape in args.shapes:
+        hidden, inter = SHAPES[shape]
+        weights = []
+        for layer in range(args.layers):
+            kg, ku, kd = jax.random.split(jax.random.fold_in(key, layer), 3)
+            weights.append((jnp.ones((hidden,), jnp.bfloat16),
+                            (jax.random.normal(kg, (hidden, inter)) * hidden**-0.5).astype(jnp.bfloat16),
+                            (jax.random.normal(ku, (hidden, inter)) * hidden**-0.5).astype(jnp.bfloat16),
+                            (jax.random.normal(kd, (inter, hidden)) * inter**-0.5).astype(jnp.bfloat16)))
+        layer_bytes = 3 * hidden * inter * 2
+        for tokens in args.tokens:
+            x = jax.random.normal(jax.random.key(1), (tokens, hidden)).astype(jnp.bfloat16)
+            configs = [("xla", None)] + [("pallas", c) for c in itertools.product(args.block_i, args.num_warps,
+                                                                                 args.num_stages)]
+            for impl, cfg in configs:
+                if impl == "xla":
+                    mlp = lambda x, n, g, u, d: swiglu_mlp(rms_norm(x, n, EPS), g, u, d)  # noqa: E731
+                    params = {}
+                else:
+                    bi, warps, stages = cfg
+                    if inter % bi:
+                        continue
+                    params = {"block_i": bi, "num_warps": warps, "num_stages": stages}
+                    mlp = functools.partial(_pallas, interpret=not gpu, **params)
+                try:
+                    t = timed(chain(mlp, args.layers), x, weights, args.reps) / args.layers
+                except Exception as e:  # a launch configuration that does not fit (shared memory): recorded
+                    rows.append({"shape": shape, "tokens": tokens, "impl": impl, **params, "error": str(e)[:200]})
+                    print(rows[-1], flush=True)
+                    continue
+                row = {"shape": shape, "tokens": tokens, "impl": impl, **params, "us_per_layer": round(t * 1e6, 2),
+                       "weight_tb_per_s": round(layer_bytes / t / 1e12, 3)}
+                if copy_bps:
+                    row["fraction_of_copy_rate"] = round(layer_bytes / t / copy_bps, 3)
+                rows.append(row)
+                print(row, flush=True)
+    write_result({"benchmark": "decode_mlp", **environment(), "copy": copy, "layers": args.layers,
+                  "results": rows}, args.out)
+
+
+def _pallas(x, norm, wg, wu, wd, *, block_i, num_warps, num_stages, interpret):
+    return fused_swiglu_mlp(x, wg, wu, wd, norm, eps=EPS, block_i=block_i, num_warps=num_warps,
+                            num_stages=num_stages, interpret=interpret)
+
+
+if __name__ == "__main__":
+    main()
