@@ -35,13 +35,16 @@ def _mlp_kernel(
     block_k: int,
     block_n: int,
     has_norm: bool,
+    has_delta: bool,
     eps: float,
 ):
-    if has_norm:
-        x_ref, n_ref, wg_ref, wu_ref, wd_ref, o_ref = refs
-    else:
-        (x_ref, wg_ref, wu_ref, wd_ref, o_ref), n_ref = refs, None
-    # x_ref [tokens, hidden] (whole; this tile's rows loaded masked); n_ref [hidden]: RMSNorm weight
+    refs = list(refs)
+    x_ref = refs.pop(0)
+    d_ref = refs.pop(0) if has_delta else None
+    n_ref = refs.pop(0) if has_norm else None
+    wg_ref, wu_ref, wd_ref, o_ref = refs
+    # x_ref [tokens, hidden] (whole; this tile's rows loaded masked); d_ref: like x_ref, added to x as it is
+    # read (optional: the residual add before the block); n_ref [hidden]: RMSNorm weight
     # applied to x first (optional); wg_ref/wu_ref [hidden, block_i]: this program's gate/up columns;
     # wd_ref [block_i, hidden]: the matching down-projection rows; o_ref [splits, tokens, hidden] fp32
     # (whole): this intermediate block's partial goes to o_ref[i, tile rows], real rows only.
@@ -51,8 +54,13 @@ def _mlp_kernel(
     rows = pl.ds(t * block_t, block_t)
     real = (t * block_t + jnp.arange(block_t, dtype=jnp.int32)) < tokens  # [block_t]
 
-    def x_cols(cols, width):  # [block_t, width] of x; rows past `tokens` read as 0
-        return plgpu.load(x_ref.at[rows, cols], mask=jnp.broadcast_to(real[:, None], (block_t, width)), other=0)
+    def x_cols(cols, width):  # [block_t, width] of x (+ delta, rounded to x's dtype); rows past `tokens` read as 0
+        mask = jnp.broadcast_to(real[:, None], (block_t, width))
+        x = plgpu.load(x_ref.at[rows, cols], mask=mask, other=0)
+        if has_delta:
+            d = plgpu.load(d_ref.at[rows, cols], mask=mask, other=0)
+            x = (x.astype(jnp.float32) + d.astype(jnp.float32)).astype(x_ref.dtype)
+        return x
 
     if has_norm:  # every program recomputes the row norms: x is tiny next to the weights
         def sumsq(kk, acc):
@@ -101,7 +109,7 @@ def default_block_i(inter: int) -> int:
     return _pow2_divisor(inter, 128)
 
 
-def _mlp_call(x, w_gate, w_up, w_down, norm_weight, *, eps, block_t, block_i, num_warps, num_stages,
+def _mlp_call(x, w_gate, w_up, w_down, norm_weight, delta, *, eps, block_t, block_i, num_warps, num_stages,
               interpret):
     tokens, hidden = x.shape
     inter = w_gate.shape[1]
@@ -116,9 +124,9 @@ def _mlp_call(x, w_gate, w_up, w_down, norm_weight, *, eps, block_t, block_i, nu
     block_k = _pow2_divisor(hidden, 128)
     block_n = _pow2_divisor(hidden, 256)
     t_tiles, splits = pl.cdiv(tokens, block_t), inter // block_i
-    has_norm = norm_weight is not None
+    has_norm, has_delta = norm_weight is not None, delta is not None
     kernel = functools.partial(_mlp_kernel, block_t=block_t, block_k=block_k, block_n=block_n, has_norm=has_norm,
-                               eps=eps)
+                               has_delta=has_delta, eps=eps)
     norm_spec = [pl.BlockSpec((hidden,), lambda t, i: (0,))] if has_norm else []
     whole = pl.no_block_spec  # x and the partials: the tile's rows are picked (masked) in the kernel
     partials = pl.pallas_call(
@@ -126,6 +134,7 @@ def _mlp_call(x, w_gate, w_up, w_down, norm_weight, *, eps, block_t, block_i, nu
         grid=(t_tiles, splits),
         in_specs=[
             whole,
+            *([whole] if has_delta else []),
             *norm_spec,
             pl.BlockSpec((hidden, block_i), lambda t, i: (0, i)),
             pl.BlockSpec((hidden, block_i), lambda t, i: (0, i)),
@@ -136,7 +145,7 @@ def _mlp_call(x, w_gate, w_up, w_down, norm_weight, *, eps, block_t, block_i, nu
         compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),
         interpret=interpret,
         name=f"fused_swiglu_mlp_t{block_t}_i{block_i}" + ("_norm" if has_norm else ""),
-    )(x, *([norm_weight] if has_norm else []), w_gate, w_up, w_down)
+    )(x, *([delta] if has_delta else []), *([norm_weight] if has_norm else []), w_gate, w_up, w_down)
     return partials.sum(axis=0).astype(x.dtype)  # [tokens, hidden]
 
 
@@ -151,6 +160,7 @@ def fused_swiglu_mlp(
     w_down: jax.Array,
     norm_weight: jax.Array | None = None,
     *,
+    delta: jax.Array | None = None,
     eps: float = 1e-6,
     block_t: int | None = None,
     block_i: int | None = None,
@@ -165,6 +175,9 @@ def fused_swiglu_mlp(
       w_gate, w_up: `[hidden, intermediate]`.
       w_down: `[intermediate, hidden]`.
       norm_weight: `[hidden]`: apply RMSNorm (HF rounding) to x first, inside the kernel; None: no norm.
+      delta: like x: the block's input is x + delta (rounded to x's dtype, as XLA's add), added in the kernel
+        as x is read (the residual add before the MLP block, one XLA kernel fewer); the caller adds the
+        residual x + delta to the result.
       eps: RMSNorm epsilon.
       block_t: tokens per tile (power of two >= 16); default min(64, next_pow2(tokens)).
       block_i: intermediate columns per program (power of two dividing intermediate); default 128.
@@ -190,7 +203,9 @@ def fused_swiglu_mlp(
         raise ValueError(f"block_i must be a power of two dividing intermediate, got {block_i=}")
     if norm_weight is not None and norm_weight.shape != (hidden,):
         raise ValueError(f"norm_weight must be [hidden={hidden}], got {norm_weight.shape}")
-    return _mlp_call(x, w_gate, w_up, w_down, norm_weight, eps=eps, block_t=block_t, block_i=block_i,
+    if delta is not None and (delta.shape != x.shape or delta.dtype != x.dtype):
+        raise ValueError(f"delta must match x: {delta.shape} {delta.dtype} vs {x.shape} {x.dtype}")
+    return _mlp_call(x, w_gate, w_up, w_down, norm_weight, delta, eps=eps, block_t=block_t, block_i=block_i,
                      num_warps=num_warps, num_stages=num_stages, interpret=interpret)
 
 

@@ -1,22 +1,24 @@
-"""Gated DeltaNet's decode step in one kernel: the short causal conv's update, SiLU, the gates and the delta
-rule, for steps where every sequence has exactly one new row (row b is sequence b's).
+"""Gated DeltaNet's decode step in one kernel: the short causal conv's update, SiLU, the gates, the delta rule
+and the gated RMSNorm, for steps where every sequence has exactly one new row (row b is sequence b's).
 
 The general path (jinfer/models/qwen3_5.py) runs the conv over a ragged batch in XLA (gathers of each row's
 K - 1 predecessors, the conv state's update as a scatter), splits q | k | v, computes beta = sigmoid(b) and
-g = -exp(A_log) softplus(a + dt_bias), then the recurrent kernel (gated_delta_rule.py): about ten small
-kernels per layer, ~10 us of a decode step's time per layer on an H100, for a few hundred kB. Here one
-program per (sequence, value head, block of value columns), reading q | k | v, b and a straight from the
-layer's input projection (slices of it were copies) and writing o in the activation dtype:
+g = -exp(A_log) softplus(a + dt_bias), then the recurrent kernel (gated_delta_rule.py) and the gated RMSNorm:
+about ten small kernels per layer, ~10 us of a decode step's time per layer on an H100, for a few hundred kB.
+Here one program per (sequence, value head), reading q | k | v, z, b and a straight from the layer's input
+projection (slices of it were copies) and writing the normalised, gated o in the activation dtype:
 
-- reads its q and k channels' conv window (the sequence's K - 1 stored inputs and this row's; zeros where
-  the sequence is fresh) and its block of v channels', applies the depthwise conv and SiLU (rounded to the
-  activation dtype, as the general path stores them), L2-normalises q and k;
-- computes the head's beta and g, and runs the rule on its [Dk, block_v] state slice in registers, writing
-  the slice back to the sequence's slot in place (as the recurrent kernel);
-- shifts the conv window: each program writes its own v columns' K - 1 newest inputs in place; q and k
-  channels are shared by the programs of a key head, so the first of them writes those to a separate
-  [B, K - 1, 2 Hk Dk] output, which `fused_decode_step` scatters into the slots afterwards (writing them in
-  place would race with the other programs still reading the old window).
+- loads its [Dk, Dv] state slice first (the bulk of its bytes: in flight while the rest is computed);
+- reads its q and k channels' conv window (the sequence's K - 1 previous inputs from the conv ring, zeros
+  before position 0, and this row's) and its v channels', applies the depthwise conv and SiLU (rounded to
+  the activation dtype, as the general path stores them), L2-normalises q and k;
+- computes the head's beta and g, and runs the rule on the state slice in registers, writing it back to the
+  sequence's slot in place (as the recurrent kernel);
+- applies the gated RMSNorm to the head's o (HF's RMSNormGated: the whole head is in the program);
+- writes this row's inputs into the conv ring at row `position % K`: its own v channels, and the key head's
+  q and k channels from the key head's first program. The ring (`[S, K, C]`, row r holding the input at the
+  latest position = r mod K; see qwen3_5.causal_conv) has one row more than the window, so the row written
+  is never one that another program of the step still reads: no side output, no scatter afterwards.
 
 Padding rows (past the real sequences) read and write slot 0, the reserved one. `decode_reference` is the
 same step in plain jnp (the general path's formulas restricted to one row per sequence), golden-checked
@@ -33,6 +35,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from pallas_kernels.gated_delta_rule import L2_EPS, recurrent_reference
+from pallas_kernels.gated_rms_norm import gated_rms_norm_reference
 
 
 def gates(b: jax.Array, a: jax.Array, a_log: jax.Array, dt_bias: jax.Array) -> tuple[jax.Array, jax.Array]:
@@ -43,57 +46,80 @@ def gates(b: jax.Array, a: jax.Array, a_log: jax.Array, dt_bias: jax.Array) -> t
     return beta, g
 
 
-def decode_reference(proj, conv_state, conv_w, a_log, dt_bias, states, slots, fresh, *, num_k_heads: int,
-                     key_dim: int, value_dim: int, b_col: int, a_col: int) -> tuple[jax.Array, jax.Array, jax.Array]:
+def decode_reference(proj, conv_state, conv_w, a_log, dt_bias, states, slots, positions, fresh, *,
+                     num_k_heads: int, key_dim: int, value_dim: int, b_col: int, a_col: int,
+                     z_col: int | None = None, norm_weight: jax.Array | None = None,
+                     eps: float = 1e-6) -> tuple[jax.Array, jax.Array, jax.Array]:
     """proj: [B, W] the layer's input projection: columns [0, C) this step's q | k | v inputs before the conv
-    (C = 2 Hk Dk + Hv Dv), [b_col, b_col + Hv) b and [a_col, a_col + Hv) a; conv_state: [S, K-1, C] (oldest
-    first); conv_w: [C, 1, K]; a_log, dt_bias: [Hv]; states: [S, Hv, Dk, Dv] float32; slots, fresh: [B].
-    Returns (o [B, Hv, Dv] in proj's dtype, conv_state, states)."""
+    (C = 2 Hk Dk + Hv Dv), [z_col, z_col + Hv Dv) the output gate z, [b_col, b_col + Hv) b and
+    [a_col, a_col + Hv) a; conv_state: [S, K, C] the conv ring (row r: the input at the latest position = r
+    mod K); conv_w: [C, 1, K]; a_log, dt_bias: [Hv]; states: [S, Hv, Dk, Dv] float32; slots, positions (each
+    row's position in its sequence), fresh (the state starts at zero): [B]. With `norm_weight` ([Dv]) o is
+    normalised and gated (HF's RMSNormGated with z). Returns (o [B, Hv, Dv] in proj's dtype, conv_state,
+    states)."""
     B = proj.shape[0]
     C = conv_w.shape[0]
     hk, dk, dv, hv = num_k_heads, key_dim, value_dim, a_log.shape[0]
     mixed, b, a = proj[:, :C], proj[:, b_col:b_col + hv], proj[:, a_col:a_col + hv]
-    prev = jnp.where(fresh[:, None, None], 0, conv_state[slots]).astype(mixed.dtype)  # [B, K-1, C]
-    window = jnp.concatenate([prev, mixed[:, None, :]], axis=1)  # [B, K, C]
-    w = conv_w[:, 0, :].astype(jnp.float32)  # [C, K]
-    y = jax.nn.silu(jnp.einsum("bkc,ck->bc", window.astype(jnp.float32), w)).astype(mixed.dtype)
+    y, conv_state = conv_step(mixed, conv_state, conv_w, slots, positions)
     q = y[:, :hk * dk].reshape(B, hk, dk)
     k = y[:, hk * dk:2 * hk * dk].reshape(B, hk, dk)
     v = y[:, 2 * hk * dk:].reshape(B, hv, dv)
     beta, g = gates(b, a, a_log, dt_bias)
     qs = jnp.arange(B + 1, dtype=jnp.int32)
     o, states = recurrent_reference(q, k, v, g, beta, states, slots, fresh, qs)
-    return o.astype(proj.dtype), conv_state.at[slots].set(window[:, 1:].astype(conv_state.dtype)), states
+    o = o.astype(proj.dtype)
+    if norm_weight is not None:
+        o = gated_rms_norm_reference(o, proj[:, z_col:z_col + hv * dv].reshape(B, hv, dv), norm_weight, eps)
+    return o, conv_state, states
 
 
-def _decode_kernel(slot_ref, fresh_ref, x_ref, cs_in_ref, w_ref, alog_ref, dtb_ref, s_in_ref,
-                   o_ref, cs_ref, s_ref, qk_ref, *, hk: int, group: int, dk: int, block_v: int, taps: int, b_col: int,
-                   a_col: int):
-    # x_ref [B, W] the projection (q | k | v before the conv at [0, C), b at b_col, a at a_col: read in place, no
-    # slices); cs_ref [S, K-1, C] the conv pool (aliased
-    # with cs_in_ref); w_ref [C, K]; alog_ref, dtb_ref [Hv]; s_ref [S, Hv, Dk, Dv] f32 (aliased with s_in_ref);
-    # o_ref [B, Hv, Dv] f32; qk_ref [B, K-1, 2 Hk Dk]: the q | k channels' new window.
+def conv_step(mixed, conv_state, conv_w, slots, positions) -> tuple[jax.Array, jax.Array]:
+    """The conv + SiLU of one new row per sequence (mixed [B, C], at `positions`) from its ring in the pool
+    conv_state [S, K, C] (inputs before position 0 read as zeros); returns (y [B, C] in mixed's dtype, the pool
+    with each row written to its ring at row position mod K)."""
+    B = mixed.shape[0]
+    K = conv_w.shape[-1]
+    ring = conv_state[slots]  # [B, K, C]
+    w = conv_w[:, 0, :].astype(jnp.float32)  # [C, K]
+    acc = mixed.astype(jnp.float32) * w[:, K - 1]
+    for d in range(1, K):  # tap d: the input d positions back
+        p = positions - d
+        prev = jnp.where((p >= 0)[:, None], ring[jnp.arange(B), p % K].astype(jnp.float32), 0.0)
+        acc = acc + prev * w[:, K - 1 - d]
+    y = jax.nn.silu(acc).astype(mixed.dtype)
+    return y, conv_state.at[slots, positions % K].set(mixed.astype(conv_state.dtype))
+
+
+def _decode_kernel(slot_ref, pos_ref, fresh_ref, x_ref, cs_in_ref, w_ref, alog_ref, dtb_ref, nw_ref, s_in_ref,
+                   o_ref, cs_ref, s_ref, *, hk: int, group: int, dk: int, dv: int, taps: int, b_col: int,
+                   a_col: int, z_col: int | None, eps: float):
+    # x_ref [B, W] the projection (q | k | v before the conv at [0, C), z at z_col, b at b_col, a at a_col: read
+    # in place, no slices); cs_ref [S, K, C] the conv ring (aliased with cs_in_ref); w_ref [C, K]; alog_ref,
+    # dtb_ref [Hv]; nw_ref [Dv] the gated norm's weight (unused without z_col); s_ref [S, Hv, Dk, Dv] f32
+    # (aliased with s_in_ref); o_ref [B, Hv, Dv].
     del cs_in_ref, s_in_ref
-    i, h, j = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    i, h = pl.program_id(0), pl.program_id(1)
     kh = h // group
-    slot = slot_ref[i]
-    fresh = fresh_ref[i] != 0  # a fresh sequence's window and state start at zero (never what its slot holds)
+    slot, pos = slot_ref[i], pos_ref[i]
+    fresh = fresh_ref[i] != 0  # a fresh sequence's state starts at zero (never what its slot holds)
+    state = s_ref[slot, h]  # [Dk, Dv]: issued first, in flight while the conv and gates are computed
+    row = jax.lax.rem(jax.lax.rem(pos, taps) + taps, taps)  # the ring row this position writes
 
     def conv(offset: int | jax.Array, n: int):
-        """This row's conv output for channels [offset, offset + n) and the window's K - 1 newest inputs."""
+        """This row's conv output for channels [offset, offset + n), and its inputs there."""
         cols = pl.ds(offset, n)
-        rows = [jnp.where(fresh, 0.0, cs_ref[slot, r, cols].astype(jnp.float32)) for r in range(taps - 1)]
-        rows.append(x_ref[i, cols].astype(jnp.float32))
-        acc = rows[0] * w_ref[cols, 0].astype(jnp.float32)
-        for r in range(1, taps):
-            acc = acc + rows[r] * w_ref[cols, r].astype(jnp.float32)
-        y = (acc * jax.nn.sigmoid(acc)).astype(x_ref.dtype).astype(jnp.float32)  # SiLU, rounded as stored
-        return y, rows[1:]
+        x = x_ref[i, cols]
+        acc = x.astype(jnp.float32) * w_ref[cols, taps - 1].astype(jnp.float32)
+        for d in range(1, taps):  # d positions back: ring row (pos - d) mod K, zero before position 0
+            prev = cs_ref[slot, jax.lax.rem(pos - d + taps, taps), cols].astype(jnp.float32)
+            acc = acc + jnp.where(pos >= d, prev, 0.0) * w_ref[cols, taps - 1 - d].astype(jnp.float32)
+        return (acc * jax.nn.sigmoid(acc)).astype(x_ref.dtype).astype(jnp.float32), x  # SiLU, rounded as stored
 
-    q, q_win = conv(kh * dk, dk)
-    k, k_win = conv(hk * dk + kh * dk, dk)
-    v_off = 2 * hk * dk + h * (s_ref.shape[-1]) + j * block_v
-    v, v_win = conv(v_off, block_v)
+    q_off, k_off, v_off = kh * dk, hk * dk + kh * dk, 2 * hk * dk + h * dv
+    q, q_x = conv(q_off, dk)
+    k, k_x = conv(k_off, dk)
+    v, v_x = conv(v_off, dv)
     q = q * jax.lax.rsqrt(jnp.sum(q * q) + L2_EPS) * dk ** -0.5
     k = k * jax.lax.rsqrt(jnp.sum(k * k) + L2_EPS)
     beta = jax.nn.sigmoid(x_ref[i, b_col + h].astype(jnp.float32)).astype(x_ref.dtype).astype(jnp.float32)
@@ -101,63 +127,70 @@ def _decode_kernel(slot_ref, fresh_ref, x_ref, cs_in_ref, w_ref, alog_ref, dtb_r
     softplus = jnp.maximum(a, 0.0) + jnp.log1p(jnp.exp(-jnp.abs(a)))
     decay = jnp.exp(-jnp.exp(alog_ref[h].astype(jnp.float32)) * softplus)
 
-    cols = pl.ds(j * block_v, block_v)
-    state = jnp.where(fresh, 0.0, s_ref[slot, h, :, cols])  # [Dk, block_v]
-    state = state * decay
+    state = jnp.where(fresh, 0.0, state) * decay
     delta = (v - jnp.sum(k[:, None] * state, axis=0)) * beta
     state = state + k[:, None] * delta[None, :]
-    o_ref[i, h, cols] = jnp.sum(q[:, None] * state, axis=0).astype(o_ref.dtype)
-    s_ref[slot, h, :, cols] = state
-    for r in range(taps - 1):  # this program's own v columns: in place
-        cs_ref[slot, r, pl.ds(v_off, block_v)] = v_win[r].astype(cs_ref.dtype)
+    o = jnp.sum(q[:, None] * state, axis=0).astype(o_ref.dtype).astype(jnp.float32)  # [Dv], rounded as stored
+    if z_col is not None:  # HF's RMSNormGated (gated_rms_norm_reference's roundings)
+        z = x_ref[i, pl.ds(z_col + h * dv, dv)].astype(jnp.float32)
+        o = (o * jax.lax.rsqrt(jnp.mean(o * o) + eps)).astype(o_ref.dtype).astype(jnp.float32)
+        wdt = jnp.promote_types(nw_ref.dtype, o_ref.dtype)
+        o = (nw_ref[...].astype(jnp.float32) * o).astype(wdt).astype(jnp.float32) * (z * jax.nn.sigmoid(z))
+    o_ref[i, h, :] = o.astype(o_ref.dtype)
+    s_ref[slot, h] = state
+    cs_ref[slot, row, pl.ds(v_off, dv)] = v_x.astype(cs_ref.dtype)  # this program's own v channels
 
-    @pl.when((h % group == 0) & (j == 0))  # the key head's q and k channels: once, to the side output
+    @pl.when(h % group == 0)  # the key head's q and k channels: by its first program
     def _():
-        for r in range(taps - 1):
-            qk_ref[i, r, pl.ds(kh * dk, dk)] = q_win[r].astype(qk_ref.dtype)
-            qk_ref[i, r, pl.ds(hk * dk + kh * dk, dk)] = k_win[r].astype(qk_ref.dtype)
+        cs_ref[slot, row, pl.ds(q_off, dk)] = q_x.astype(cs_ref.dtype)
+        cs_ref[slot, row, pl.ds(k_off, dk)] = k_x.astype(cs_ref.dtype)
 
 
-@functools.partial(jax.jit, static_argnames=("num_k_heads", "key_dim", "value_dim", "b_col", "a_col", "block_v",
-                                             "num_warps", "interpret"), donate_argnames=("conv_state", "states"))
-def fused_decode_step(proj, conv_state, conv_w, a_log, dt_bias, states, slots, fresh, *, num_k_heads: int,
-                      key_dim: int, value_dim: int, b_col: int, a_col: int, block_v: int | None = None,
-                      num_warps: int = 4, interpret: bool = False) -> tuple[jax.Array, jax.Array, jax.Array]:
+@functools.partial(jax.jit, static_argnames=("num_k_heads", "key_dim", "value_dim", "b_col", "a_col", "z_col",
+                                             "eps", "num_warps", "interpret"),
+                   donate_argnames=("conv_state", "states"))
+def fused_decode_step(proj, conv_state, conv_w, a_log, dt_bias, states, slots, positions, fresh, *,
+                      num_k_heads: int, key_dim: int, value_dim: int, b_col: int, a_col: int,
+                      z_col: int | None = None, norm_weight: jax.Array | None = None, eps: float = 1e-6,
+                      num_warps: int | None = None, interpret: bool = False) -> tuple[jax.Array, jax.Array, jax.Array]:
     """`decode_reference` in one kernel (module doc); the two pools are updated in place (donated).
-    Dk and Dv powers of two >= 16 (block_v a power of two >= 8 dividing Dv, default min(Dv, 32))."""
+    Dk and Dv powers of two >= 16; num_warps default 4 (8 past a 128 x 128 state)."""
     B, W = proj.shape
     C, _, taps = conv_w.shape
     hk, dk, dv, hv = num_k_heads, key_dim, value_dim, a_log.shape[0]
-    if C != 2 * hk * dk + hv * dv or conv_state.shape[1:] != (taps - 1, C) or conv_w.shape[1] != 1 \
-            or max(b_col, a_col) + hv > W or min(b_col, a_col) < C:
-        raise ValueError(f"conv_w [C, 1, K] with C = 2 Hk Dk + Hv Dv, conv_state [S, K-1, C], b and a columns of "
+    cols = [b_col, a_col] + ([z_col] if z_col is not None else [])
+    if C != 2 * hk * dk + hv * dv or conv_state.shape[1:] != (taps, C) or conv_w.shape[1] != 1 \
+            or max(b_col, a_col) + hv > W or min(cols) < C or (z_col is not None and z_col + hv * dv > W):
+        raise ValueError(f"conv_w [C, 1, K] with C = 2 Hk Dk + Hv Dv, conv_state [S, K, C], z, b and a columns of "
                          f"proj past C: {proj.shape=} {conv_state.shape=} {conv_w.shape=} {b_col=} {a_col=} "
-                         f"({hk=} {dk=} {hv=} {dv=})")
+                         f"{z_col=} ({hk=} {dk=} {hv=} {dv=})")
     if states.shape[1:] != (hv, dk, dv) or states.dtype != jnp.float32 or hv % hk:
         raise ValueError(f"states must be float32 [S, {hv}, {dk}, {dv}] with Hv a multiple of Hk: {states.shape}")
     if dk & (dk - 1) or dv & (dv - 1) or min(dk, dv) < 16 or taps < 2:
         raise ValueError(f"key_dim={dk} and value_dim={dv} must be powers of two >= 16, the conv >= 2 taps")
-    block_v = block_v or min(dv, 32)
-    if dv % block_v or block_v < 8 or block_v & (block_v - 1):
-        raise ValueError(f"block_v={block_v} must be a power of two >= 8 dividing value_dim={dv}")
+    if (z_col is None) != (norm_weight is None) or (norm_weight is not None and norm_weight.shape != (dv,)):
+        raise ValueError(f"the gated norm needs both z_col and norm_weight [{dv}]: {z_col=} "
+                         f"{None if norm_weight is None else norm_weight.shape}")
+    if num_warps is None:
+        num_warps = 4 if dk * dv <= 128 * 128 else 8
     whole = pl.no_block_spec
-    kernel = functools.partial(_decode_kernel, hk=hk, group=hv // hk, dk=dk, block_v=block_v, taps=taps,
-                               b_col=b_col, a_col=a_col)
-    o, conv_state, states, qk = pl.pallas_call(
+    kernel = functools.partial(_decode_kernel, hk=hk, group=hv // hk, dk=dk, dv=dv, taps=taps, b_col=b_col,
+                               a_col=a_col, z_col=z_col, eps=eps)
+    norm = norm_weight if norm_weight is not None else jnp.ones((dv,), proj.dtype)
+    o, conv_state, states = pl.pallas_call(
         kernel,
-        grid=(B, hv, dv // block_v),
-        in_specs=[whole] * 8,
-        out_specs=[whole] * 4,
+        grid=(B, hv),
+        in_specs=[whole] * 10,
+        out_specs=[whole] * 3,
         out_shape=[jax.ShapeDtypeStruct((B, hv, dv), proj.dtype),
                    jax.ShapeDtypeStruct(conv_state.shape, conv_state.dtype),
-                   jax.ShapeDtypeStruct(states.shape, jnp.float32),
-                   jax.ShapeDtypeStruct((B, taps - 1, 2 * hk * dk), conv_state.dtype)],
-        input_output_aliases={3: 1, 7: 2},
+                   jax.ShapeDtypeStruct(states.shape, jnp.float32)],
+        input_output_aliases={4: 1, 9: 2},
         compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=1),
         interpret=interpret,
-        name=f"gated_delta_decode_bv{block_v}",
-    )(slots.astype(jnp.int32), fresh.astype(jnp.int32), proj, conv_state, conv_w[:, 0, :], a_log, dt_bias, states)
-    conv_state = conv_state.at[slots, :, :2 * hk * dk].set(qk)
+        name="gated_delta_decode" + ("_norm" if z_col is not None else ""),
+    )(slots.astype(jnp.int32), positions.astype(jnp.int32), fresh.astype(jnp.int32), proj, conv_state,
+      conv_w[:, 0, :], a_log, dt_bias, norm, states)
     return o, conv_state, states
 
 
@@ -166,10 +199,11 @@ def fused_decode_step(proj, conv_state, conv_w, a_log, dt_bias, states, slots, f
 # ----------------------------------------------------------------------------------------------
 def main():
     """One Qwen3.5-4B linear layer's decode step (16 q/k heads, 32 v heads, 128 x 128 state, conv of 4 taps over
-    8192 channels) at decode batches: the fused kernel (block_v, warps) against the general path (the conv in
-    XLA, the recurrent kernel). Each figure times `--reps` steps chained in one executable (each step reads the
-    pools the previous one wrote, as decode does), so no dispatch is timed. TB/s on the recurrent state's bytes
-    (read + written), the issue's measure. JSON lines on stdout; tiny shapes on CPU (interpreter) to check it."""
+    8192 channels) at decode batches: the fused kernel (warps; with and without the gated norm) against the
+    general path (the conv in XLA, the recurrent kernel, the gated-norm kernel). Each figure times `--reps` steps
+    chained in one executable (each step reads the pools the previous one wrote, as decode does), so no dispatch
+    is timed. TB/s on the recurrent state's bytes (read + written), the issue's measure. JSON lines on stdout;
+    tiny shapes on CPU (interpreter) to check it."""
     import argparse
     import json
     import os
@@ -179,18 +213,18 @@ def main():
 
     from jinfer.models.qwen3_5 import causal_conv
     from pallas_kernels.gated_delta_rule import recurrent_gated_delta_rule, token_sequences
+    from pallas_kernels.gated_rms_norm import gated_rms_norm
 
     ap = argparse.ArgumentParser()
     ap.add_argument("--batches", type=int, nargs="+", default=[1, 8, 64, 256])
-    ap.add_argument("--block-v", type=int, nargs="+", default=[16, 32, 64])
     ap.add_argument("--num-warps", type=int, nargs="+", default=[4, 8])
     ap.add_argument("--reps", type=int, default=20)
     args = ap.parse_args()
     gpu = jax.default_backend() == "gpu"
     hk, hv, dk, dv, taps = (16, 32, 128, 128, 4) if gpu else (2, 4, 16, 16, 4)
     if not gpu:
-        args.batches, args.block_v, args.num_warps, args.reps = [2], [16], [4], 2
-    C = 2 * hk * dk + hv * dv
+        args.batches, args.num_warps, args.reps = [2], [4], 2
+    C, vs = 2 * hk * dk + hv * dv, hv * dv
     rng = np.random.default_rng(0)
     dev = jax.devices()[0].device_kind
     commit = os.environ.get("JINFER_COMMIT")  # the tree that ran (set by the GPU scripts' caller)
@@ -214,42 +248,49 @@ def main():
         return (time.perf_counter() - t0) / args.reps
 
     def batch(B: int) -> None:
-        proj = jnp.asarray(rng.standard_normal((B, C + 2 * hv)), jnp.bfloat16)  # mixed | b | a
-        mixed, b, a = proj[:, :C], proj[:, C:C + hv], proj[:, C + hv:]
+        proj = jnp.asarray(rng.standard_normal((B, C + vs + 2 * hv)), jnp.bfloat16)  # mixed | z | b | a
+        mixed, z = proj[:, :C], proj[:, C:C + vs].reshape(B, hv, dv)
+        b, a = proj[:, C + vs:C + vs + hv], proj[:, C + vs + hv:]
         w = jnp.asarray(rng.standard_normal((C, 1, taps)) * 0.3, jnp.bfloat16)
         a_log, dt_bias = jnp.zeros(hv, jnp.float32), jnp.ones(hv, jnp.float32)
+        norm_w = jnp.asarray(rng.standard_normal(dv), jnp.bfloat16)
         slots, fresh = jnp.arange(1, B + 1, dtype=jnp.int32), jnp.zeros(B, bool)
+        positions = jnp.full((B,), 1000, jnp.int32)
         qs = jnp.arange(B + 1, dtype=jnp.int32)
-        pools = lambda: (jnp.zeros((B + 1, taps - 1, C), jnp.bfloat16),  # noqa: E731
+        pools = lambda: (jnp.zeros((B + 1, taps, C), jnp.bfloat16),  # noqa: E731
                          jnp.zeros((B + 1, hv, dk, dv), jnp.float32))
         state_bytes = 2 * B * hv * dk * dv * 4
         row = {"device": dev, "commit": commit, "batch": B, "state_bytes": state_bytes}
 
         def general(conv, states):
-            y, conv = causal_conv(mixed, conv, w, token_sequences(qs, B), qs[:-1], qs, slots, fresh)
+            y, conv = causal_conv(mixed, conv, w, token_sequences(qs, B), qs[:-1], qs, slots, positions)
             q, k, v = jnp.split(y, [hk * dk, 2 * hk * dk], axis=-1)
             beta, g = gates(b, a, a_log, dt_bias)
             o, states = recurrent_gated_delta_rule(q.reshape(B, hk, dk), k.reshape(B, hk, dk), v.reshape(B, hv, dv),
                                                    g, beta, states, slots, fresh, qs, interpret=not gpu)
+            o = gated_rms_norm(o.astype(proj.dtype), z, norm_w, eps=1e-6, interpret=not gpu)
             return conv, states, o
 
         t = timed(general, *pools())
-        print(json.dumps(row | {"path": "general (XLA conv + recurrent kernel)", "time_us": t * 1e6,
-                                "tb_per_s": state_bytes / t / 1e12}))
-        for bv in args.block_v:
+        print(json.dumps(row | {"path": "general (XLA conv + recurrent kernel + gated norm kernel)",
+                                "time_us": t * 1e6, "tb_per_s": state_bytes / t / 1e12}))
+        for norm in (True, False):
             for warps in args.num_warps:
-                def fused(conv, states, bv=bv, warps=warps):
-                    o, conv, states = fused_decode_step(proj, conv, w, a_log, dt_bias, states, slots, fresh,
-                                                        num_k_heads=hk, key_dim=dk, value_dim=dv, b_col=C,
-                                                        a_col=C + hv, block_v=bv, num_warps=warps, interpret=not gpu)
+                def fused(conv, states, warps=warps, norm=norm):
+                    kw = dict(z_col=C, norm_weight=norm_w) if norm else {}
+                    o, conv, states = fused_decode_step(proj, conv, w, a_log, dt_bias, states, slots, positions,
+                                                        fresh, num_k_heads=hk, key_dim=dk, value_dim=dv,
+                                                        b_col=C + vs, a_col=C + vs + hv, num_warps=warps,
+                                                        interpret=not gpu, **kw)
                     return conv, states, o
 
                 t = timed(fused, *pools())
-                print(json.dumps(row | {"path": "fused", "block_v": bv, "num_warps": warps, "time_us": t * 1e6,
-                                        "tb_per_s": state_bytes / t / 1e12}))
+                print(json.dumps(row | {"path": "fused" + (" + gated norm" if norm else ""), "num_warps": warps,
+                                        "time_us": t * 1e6, "tb_per_s": state_bytes / t / 1e12}))
 
     for B in args.batches:
         batch(B)
+
 
 if __name__ == "__main__":
     main()

@@ -111,16 +111,19 @@ class ModelOps:
 
     def qkv_rope_write(self, qkv: jax.Array, q_norm: jax.Array | None, k_norm: jax.Array | None, cos: jax.Array,
                        sin: jax.Array, kv: tuple[jax.Array, jax.Array], slot_mapping: jax.Array, num_heads: int,
-                       num_kv_heads: int, eps: float) -> tuple[jax.Array, jax.Array, jax.Array] | None:
-        """The fused q|k|v -> (q, k_cache, v_cache) kernel (q/k norm, RoPE, K/V write), or None where the
-        XLA ops are used: the reference backend, steps over QKV_ROPE_MAX_TOKENS tokens, other shapes."""
+                       num_kv_heads: int, eps: float, gated_q: bool = False
+                       ) -> tuple[jax.Array, jax.Array, jax.Array] | None:
+        """The fused q|k|v -> (q, k_cache, v_cache) kernel (q/k norm, RoPE or partial RoPE, K/V write;
+        `gated_q`: each head's query is followed by its output gate in qkv), or None where the XLA ops are
+        used: the reference backend, steps over QKV_ROPE_MAX_TOKENS tokens, other shapes."""
         from pallas_kernels.qkv_rope import check_supported, qkv_rope_write
 
-        if self.backend != "pallas" or qkv.shape[0] > QKV_ROPE_MAX_TOKENS \
-                or check_supported(qkv.shape[1], num_heads, num_kv_heads, kv[0].shape[-1]) is not None:
+        if self.backend != "pallas" or qkv.shape[0] > QKV_ROPE_MAX_TOKENS or check_supported(
+                qkv.shape[1], num_heads, num_kv_heads, kv[0].shape[-1], gated_q=gated_q,
+                rotary_dim=cos.shape[-1]) is not None:
             return None
         return qkv_rope_write(qkv, cos, sin, slot_mapping, q_norm, k_norm, kv[0], kv[1], num_heads=num_heads,
-                              num_kv_heads=num_kv_heads, eps=eps, interpret=self.interpret)
+                              num_kv_heads=num_kv_heads, eps=eps, gated_q=gated_q, interpret=self.interpret)
 
     def attention(self, q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, batch: Batch,
                   scale: float) -> jax.Array:
@@ -178,16 +181,19 @@ class ModelOps:
         return gated_delta_rule(q, k, v, g, beta, states, slots, fresh, query_start, backend=self.backend,
                                 interpret=self.interpret, chunked=not self.decode_step)
 
-    def gated_delta_decode(self, proj, conv_state, conv_w, a_log, dt_bias, states, slots, fresh, *,
-                           num_k_heads: int, key_dim: int, value_dim: int, b_col: int, a_col: int):
-        """A Gated DeltaNet layer's conv, gates and delta rule for a step of one new row per sequence (row b is
-        sequence b's), from its input projection `proj` (q | k | v at [0, conv_dim), b and a at b_col, a_col):
-        (o [B, Hv, Dv] in proj's dtype, conv pool, state pool). Pallas: one fused kernel
-        (pallas_kernels/gated_delta_rule_decode.py); reference: the same formulas in jnp."""
+    def gated_delta_decode(self, proj, conv_state, conv_w, a_log, dt_bias, states, slots, positions, fresh, *,
+                           num_k_heads: int, key_dim: int, value_dim: int, b_col: int, a_col: int, z_col: int,
+                           norm_weight: jax.Array, eps: float):
+        """A Gated DeltaNet layer's conv, gates, delta rule and gated RMSNorm for a step of one new row per
+        sequence (row b is sequence b's, at `positions[b]`), from its input projection `proj` (q | k | v at
+        [0, conv_dim), z at z_col, b and a at b_col, a_col): (o [B, Hv, Dv] in proj's dtype, normalised and
+        gated; conv pool; state pool). Pallas: one fused kernel (pallas_kernels/gated_delta_rule_decode.py);
+        reference: the same formulas in jnp."""
         from pallas_kernels.gated_delta_rule_decode import decode_reference, fused_decode_step
 
-        dims = dict(num_k_heads=num_k_heads, key_dim=key_dim, value_dim=value_dim, b_col=b_col, a_col=a_col)
-        args = (proj, conv_state, conv_w, a_log, dt_bias, states, slots, fresh)
+        dims = dict(num_k_heads=num_k_heads, key_dim=key_dim, value_dim=value_dim, b_col=b_col, a_col=a_col,
+                    z_col=z_col, norm_weight=norm_weight, eps=eps)
+        args = (proj, conv_state, conv_w, a_log, dt_bias, states, slots, positions, fresh)
         if self.decode_step and proj.shape[0] != slots.shape[0]:
             raise ValueError(f"a decode step has one row per sequence: {proj.shape[0]} rows, {slots.shape[0]} seqs")
         if self.backend == "pallas":
@@ -223,29 +229,35 @@ class ModelOps:
             return logits
         return jax.lax.all_gather(logits, self.axis, axis=1, tiled=True)
 
-    def out_proj(self, attn: jax.Array, wo: jax.Array, residual: jax.Array) -> jax.Array:
-        """residual + attn @ wo."""
-        return residual + self.reduce(project(attn, wo))
+    def out_proj(self, attn: jax.Array, wo: jax.Array) -> jax.Array:
+        """attn @ wo (summed over the devices): the attention block's delta to the residual stream. The add is
+        left to the MLP block (`mlp_block`, `moe_block`), where the fused MLP kernel folds it in."""
+        return self.reduce(project(attn, wo))
 
-    def mlp_block(self, x: jax.Array, norm: jax.Array, w_gate: jax.Array, w_up: jax.Array, w_down: jax.Array,
-                  eps: float) -> jax.Array:
-        """x + mlp(rms_norm(x)); x: [T, hidden] (the residual stream)."""
+    def mlp_block(self, x: jax.Array, delta: jax.Array, norm: jax.Array, w_gate: jax.Array, w_up: jax.Array,
+                  w_down: jax.Array, eps: float) -> jax.Array:
+        """h + mlp(rms_norm(h)) for h = x + delta; x: [T, hidden] the residual stream, delta the attention
+        block's output (`out_proj`). The fused Pallas MLP adds delta itself as it reads x (one XLA add kernel
+        fewer per layer: ~1.5 us of a batch-1 decode step's layer on the H100)."""
         if self.backend == "pallas" and x.shape[0] in PALLAS_MLP_TOKENS and x.shape[1] % 16 == 0 \
                 and w_gate.shape[1] % 16 == 0:
             from pallas_kernels.fused_mlp import fused_swiglu_mlp
 
-            return x + self.reduce(fused_swiglu_mlp(x, w_gate, w_up, w_down, norm, eps=eps,
-                                                    interpret=self.interpret))
-        return x + self.reduce(swiglu_mlp(rms_norm(x, norm, eps), w_gate, w_up, w_down))
+            return (x + delta) + self.reduce(fused_swiglu_mlp(x, w_gate, w_up, w_down, norm, eps=eps, delta=delta,
+                                                              interpret=self.interpret))
+        h = x + delta
+        return h + self.reduce(swiglu_mlp(rms_norm(h, norm, eps), w_gate, w_up, w_down))
 
-    def moe_block(self, x: jax.Array, norm: jax.Array, router: jax.Array, w_gate: jax.Array, w_up: jax.Array,
-                  w_down: jax.Array, *, top_k: int, renormalize: bool, eps: float) -> jax.Array:
-        """x + moe(rms_norm(x)); x: [T, hidden]; router: [hidden, E]; experts stacked [E, ...].
+    def moe_block(self, x: jax.Array, delta: jax.Array, norm: jax.Array, router: jax.Array, w_gate: jax.Array,
+                  w_up: jax.Array, w_down: jax.Array, *, top_k: int, renormalize: bool, eps: float) -> jax.Array:
+        """h + moe(rms_norm(h)) for h = x + delta (as `mlp_block`); x: [T, hidden]; router: [hidden, E]; experts
+        stacked [E, ...].
 
         Sharded (`axis`), the experts here are this device's: their intermediate columns (tensor
         parallel) or, when there are fewer of them than the router's E, experts [e0, e0 + E_local)
         (expert parallel). Every device routes every token; the psum adds the partial outputs.
         """
+        x = x + delta
         h = rms_norm(x, norm, eps)
         # router logits rounded to the activation dtype, as HF's F.linear (and vLLM) produce them
         logits = project(h, router, preferred_element_type=jnp.float32).astype(h.dtype)  # [T, E]

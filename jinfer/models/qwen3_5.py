@@ -14,10 +14,11 @@ Gated DeltaNet (linear attention) layers and gated full-attention layers, as HF 
   kernels apply them unchanged (and dummy weights initialise them to zeros, as HF does).
 
 The cache: full-attention layers keep paged (k, v) like every family; a linear layer keeps one
-fixed-size state per sequence, in a pool of slots (`state_specs`): the last K - 1 conv inputs
-[S, K-1, conv_dim] (activation dtype) and the recurrent state [S, Hv, Dk, Dv] (float32). A sequence
-reads its slot (`Batch.state_slots`) unless its first new token is at position 0 (then it starts from
-zeros: admission, recompute after preemption), and writes its final state back. Slot 0 is reserved for
+fixed-size state per sequence, in a pool of slots (`state_specs`): a ring of its last K conv inputs
+[S, K, conv_dim] (activation dtype; row r holds the input at the latest position = r mod K, see
+`causal_conv`) and the recurrent state [S, Hv, Dk, Dv] (float32). A sequence reads its slot
+(`Batch.state_slots`) unless its first new token is at position 0 (then it starts from zeros: admission,
+recompute after preemption; the conv reads zeros before position 0), and writes its final state back. Slot 0 is reserved for
 padding sequences.
 """
 
@@ -146,7 +147,7 @@ def fuse_qkv(weights: Weights) -> Weights:
 
 def state_specs(cfg: ModelConfig) -> dict[int, tuple[StateSpec, ...]]:
     """The per-sequence state of each linear layer: (conv inputs, recurrent state)."""
-    conv = StateSpec((cfg.linear_conv_kernel_dim - 1, cfg.linear_conv_dim), None)
+    conv = StateSpec((cfg.linear_conv_kernel_dim, cfg.linear_conv_dim), None)  # a ring (see causal_conv)
     rec = StateSpec((cfg.linear_num_value_heads, cfg.linear_key_head_dim, cfg.linear_value_head_dim), "float32")
     return {i: (conv, rec) for i in range(cfg.num_layers) if cfg.is_linear_layer(i)}
 
@@ -156,6 +157,13 @@ def _gated_attention(layer: HybridLayer, x, cos, sin, kv, batch: Batch, cfg: Mod
     H, KVH, D = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
     if layer.wqkv is not None:
         (y,) = ops.norm_projections(x, layer.attn_norm, (layer.wqkv,), cfg.rms_norm_eps)
+        fused = ops.qkv_rope_write(y, layer.q_norm, layer.k_norm, cos, sin, kv, batch.slot_mapping, H, KVH,
+                                   cfg.rms_norm_eps, gated_q=True)
+        if fused is not None:  # q/k norm, partial RoPE and the K/V write in one kernel; the gates stay in y
+            q, k_cache, v_cache = fused
+            gate = y[:, :2 * H * D].reshape(T, H, 2 * D)[..., D:].reshape(T, H * D)
+            out = ops.attention(q, k_cache, v_cache, batch, D**-0.5).reshape(T, H * D)
+            return ops.out_proj(out * jax.nn.sigmoid(gate), layer.wo), (k_cache, v_cache)
         qg, k, v = jnp.split(y, [2 * H * D, (2 * H + KVH) * D], axis=-1)
     else:
         qg, k, v = ops.norm_projections(x, layer.attn_norm, (layer.wq, layer.wk, layer.wv), cfg.rms_norm_eps)
@@ -166,38 +174,43 @@ def _gated_attention(layer: HybridLayer, x, cos, sin, kv, batch: Batch, cfg: Mod
     q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
     k_cache, v_cache = write_kv(kv[0], kv[1], k, v, batch.slot_mapping)
     out = ops.attention(q, k_cache, v_cache, batch, D**-0.5).reshape(T, H * D)
-    return ops.out_proj(out * jax.nn.sigmoid(gate), layer.wo, x), (k_cache, v_cache)
+    return ops.out_proj(out * jax.nn.sigmoid(gate), layer.wo), (k_cache, v_cache)
 
 
 def causal_conv(x: jax.Array, conv_state: jax.Array, weight: jax.Array, seq: jax.Array, starts: jax.Array,
-                query_start: jax.Array, slots: jax.Array, fresh: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """Depthwise causal conv1d + SiLU over a ragged batch, each sequence continuing from its conv state.
+                query_start: jax.Array, slots: jax.Array, positions: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """Depthwise causal conv1d + SiLU over a ragged batch, each sequence continuing from its conv ring.
 
-    x: [T, C] this step's inputs; conv_state: [S, K-1, C] the pool (oldest first); weight: [C, 1, K];
-    seq: [T] each row's sequence (B for padding); starts: [B] rows where each sequence begins (query_start).
-    Returns (y [T, C], the pool with each sequence's last K-1 inputs written to its slot).
+    x: [T, C] this step's inputs; conv_state: [S, K, C] the pool of conv rings: row r of a sequence's ring holds
+    its input at the latest position = r mod K (one row more than the conv reads, so that the decode kernel
+    writes a step's row where no program of the step reads; pallas_kernels/gated_delta_rule_decode.py);
+    weight: [C, 1, K]; seq: [T] each row's sequence (B for padding); starts: [B] rows where each sequence
+    begins (query_start); positions: [T] each row's position in its sequence (inputs before position 0 are
+    zeros, whatever the ring holds). Returns (y [T, C], the pool with each sequence's newest inputs written
+    to its ring).
     """
     T, C = x.shape
     K = weight.shape[-1]
     B = slots.shape[0]
-    prev = jnp.where(fresh[:, None, None], 0, conv_state[slots]).astype(x.dtype)  # [B, K-1, C]
+    ring = conv_state[slots]  # [B, K, C]
     b = jnp.minimum(seq, B - 1)
-    r = jnp.arange(T) - starts[b]  # offset of each row within its sequence's new tokens
+    rows = jnp.arange(T)
+    r = rows - starts[b]  # offset of each row within its sequence's new tokens
     w = weight[:, 0, :].astype(jnp.float32)  # [C, K]
     acc = jnp.zeros((T, C), jnp.float32)
-    for d in range(K):  # tap d looks d rows back: in this step's rows, else in the conv state
-        inside = r >= d
-        from_x = x[jnp.maximum(jnp.arange(T) - d, 0)]
-        from_state = prev[b, jnp.clip(K - 1 + r - d, 0, K - 2)]
-        tap = jnp.where(inside[:, None], from_x, from_state)
+    for d in range(K):  # tap d looks d positions back: in this step's rows, else in the ring
+        p = positions - d
+        from_x = x[jnp.maximum(rows - d, 0)]
+        from_ring = jnp.where((p >= 0)[:, None], ring[b, p % K], 0)
+        tap = jnp.where((r >= d)[:, None], from_x, from_ring)
         acc = acc + tap.astype(jnp.float32) * w[:, K - 1 - d]
     y = jax.nn.silu(acc).astype(x.dtype)
-    # new state: the last K-1 inputs of each sequence (fewer new rows than K-1: the rest from the old state)
+    # each ring row r takes the sequence's latest new input at a position = r mod K, if it has one
     n = query_start[1:] - query_start[:-1]  # [B]
-    i = jnp.arange(K - 1)
-    rr = n[:, None] - (K - 1) + i[None, :]  # [B, K-1] offsets within the new rows
-    new = jnp.where((rr >= 0)[..., None], x[jnp.clip(query_start[:-1, None] + rr, 0, T - 1)],
-                    prev[jnp.arange(B)[:, None], jnp.clip(K - 1 + rr, 0, K - 2)])
+    last = positions[jnp.clip(query_start[1:] - 1, 0, T - 1)]  # [B] the position of each sequence's last row
+    latest = last[:, None] - (last[:, None] - jnp.arange(K)[None, :]) % K  # [B, K]
+    off = latest - (last - n + 1)[:, None]  # offset within the sequence's new rows (< 0: not among them)
+    new = jnp.where((off >= 0)[..., None], x[jnp.clip(query_start[:-1, None] + off, 0, T - 1)], ring)
     return y, conv_state.at[slots].set(new.astype(conv_state.dtype))
 
 
@@ -216,19 +229,20 @@ def _gated_delta_net(layer: HybridLayer, x, state, batch: Batch, info, cfg: Mode
     seq, fresh = info
     slots, qs = batch.state_slots, batch.query_start
     if ops.decode_step or (T == 1 and slots.shape[0] == 1):  # one new row per sequence: row b is sequence b's
-        o, conv_state, rec_state = ops.gated_delta_decode(
-            y, conv_state, layer.conv_w, layer.a_log, layer.dt_bias, rec_state, slots, fresh,
-            num_k_heads=Hk, key_dim=Dk, value_dim=Dv, b_col=c + vs, a_col=c + vs + Hv)
+        o, conv_state, rec_state = ops.gated_delta_decode(  # o normalised and gated
+            y, conv_state, layer.conv_w, layer.a_log, layer.dt_bias, rec_state, slots, batch.positions, fresh,
+            num_k_heads=Hk, key_dim=Dk, value_dim=Dv, b_col=c + vs, a_col=c + vs + Hv, z_col=c,
+            norm_weight=layer.lin_norm, eps=cfg.rms_norm_eps)
     else:
         from pallas_kernels.gated_delta_rule_decode import gates  # (not at import: Pallas is only needed to trace)
 
-        mixed, conv_state = causal_conv(mixed, conv_state, layer.conv_w, seq, qs[:-1], qs, slots, fresh)
+        mixed, conv_state = causal_conv(mixed, conv_state, layer.conv_w, seq, qs[:-1], qs, slots, batch.positions)
         q, k, v = jnp.split(mixed, [Hk * Dk, 2 * Hk * Dk], axis=-1)
         q, k, v = q.reshape(T, Hk, Dk), k.reshape(T, Hk, Dk), v.reshape(T, Hv, Dv)
         beta, g = gates(b, a, layer.a_log, layer.dt_bias)
         o, rec_state = ops.gated_delta_rule(q, k, v, g, beta, rec_state, slots, fresh, qs)  # o: [T, Hv, Dv] f32
-    o = ops.gated_rms_norm(o.astype(x.dtype), z.reshape(T, Hv, Dv), layer.lin_norm, cfg.rms_norm_eps)
-    return ops.out_proj(o.reshape(T, Hv * Dv), layer.lin_out, x), (conv_state, rec_state)
+        o = ops.gated_rms_norm(o.astype(x.dtype), z.reshape(T, Hv, Dv), layer.lin_norm, cfg.rms_norm_eps)
+    return ops.out_proj(o.reshape(T, Hv * Dv), layer.lin_out), (conv_state, rec_state)
 
 
 def forward(
@@ -250,10 +264,10 @@ def forward(
     new_cache = []
     for i, (layer, cache) in enumerate(zip(weights.layers, kv_cache, strict=True)):
         if cfg.is_linear_layer(i):
-            x, cache = _gated_delta_net(layer, x, cache, batch, info, cfg, ops)
+            delta, cache = _gated_delta_net(layer, x, cache, batch, info, cfg, ops)
         else:
-            x, cache = _gated_attention(layer, x, cos, sin, cache, batch, cfg, ops)
-        x = ops.mlp_block(x, layer.mlp_norm, layer.w_gate, layer.w_up, layer.w_down, cfg.rms_norm_eps)
+            delta, cache = _gated_attention(layer, x, cos, sin, cache, batch, cfg, ops)
+        x = ops.mlp_block(x, delta, layer.mlp_norm, layer.w_gate, layer.w_up, layer.w_down, cfg.rms_norm_eps)
         new_cache.append(cache)
     x = rms_norm(x[batch.logits_indices], weights.final_norm, cfg.rms_norm_eps)  # [N, hidden]
     head = weights.embed.T if weights.lm_head is None else weights.lm_head

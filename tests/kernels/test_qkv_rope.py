@@ -9,19 +9,24 @@ import pytest
 from pallas_kernels.qkv_rope import check_supported, qkv_rope_write, qkv_rope_write_reference
 from tests.kernels.conftest import MODES, assert_close
 
-# (tokens, heads, kv_heads, head_dim, page_size, qk_norm, dtype)
+# (tokens, heads, kv_heads, head_dim, page_size, qk_norm, dtype, gated_q, rotary_dim)
 CASES = [
-    pytest.param(1, 8, 2, 64, 16, True, jnp.bfloat16, id="t1-qknorm-bf16"),
-    pytest.param(5, 4, 4, 16, 8, False, jnp.float32, id="t5-norope-norm-f32"),
-    pytest.param(7, 6, 2, 32, 4, True, jnp.float32, id="t7-h6-qknorm-f32"),
-    pytest.param(3, 2, 2, 128, 16, True, jnp.bfloat16, id="t3-kvh-eq-h-bf16"),
+    pytest.param(1, 8, 2, 64, 16, True, jnp.bfloat16, False, None, id="t1-qknorm-bf16"),
+    pytest.param(5, 4, 4, 16, 8, False, jnp.float32, False, None, id="t5-norope-norm-f32"),
+    pytest.param(7, 6, 2, 32, 4, True, jnp.float32, False, None, id="t7-h6-qknorm-f32"),
+    pytest.param(3, 2, 2, 128, 16, True, jnp.bfloat16, False, None, id="t3-kvh-eq-h-bf16"),
+    # Qwen3.5's gated attention: each head's query next to its gate, a quarter of each head rotated
+    pytest.param(3, 4, 2, 64, 8, True, jnp.float32, True, 16, id="t3-gated-partial-f32"),
+    pytest.param(1, 8, 2, 128, 16, True, jnp.bfloat16, True, 32, id="t1-gated-partial-bf16"),
+    pytest.param(4, 2, 1, 32, 4, True, jnp.float32, False, 8, id="t4-partial-f32"),
 ]
 
 
-def _inputs(rng, tokens, heads, kv_heads, dim, page_size, qk_norm, dtype, num_pages=6):
-    qkv = jnp.asarray(rng.standard_normal((tokens, (heads + 2 * kv_heads) * dim)) * 2, dtype)
+def _inputs(rng, tokens, heads, kv_heads, dim, page_size, qk_norm, dtype, num_pages=6, gated_q=False, rotary=None):
+    qkv = jnp.asarray(rng.standard_normal((tokens, ((2 if gated_q else 1) * heads + 2 * kv_heads) * dim)) * 2, dtype)
     pos = rng.integers(0, 500, tokens)
-    inv = 1.0 / (10000 ** (np.arange(0, dim, 2) / dim))
+    rotary = rotary or dim
+    inv = 1.0 / (10000 ** (np.arange(0, rotary, 2) / rotary))
     emb = np.concatenate([pos[:, None] * inv] * 2, axis=-1)
     cos, sin = jnp.asarray(np.cos(emb), dtype), jnp.asarray(np.sin(emb), dtype)
     # distinct slots in pages 1.., the last token padding (slot -1) when there are several
@@ -37,11 +42,11 @@ def _inputs(rng, tokens, heads, kv_heads, dim, page_size, qk_norm, dtype, num_pa
 
 
 @pytest.mark.parametrize("mode", MODES)
-@pytest.mark.parametrize("tokens,heads,kv_heads,dim,page_size,qk_norm,dtype", CASES)
-def test_matches_reference(mode, tokens, heads, kv_heads, dim, page_size, qk_norm, dtype):
+@pytest.mark.parametrize("tokens,heads,kv_heads,dim,page_size,qk_norm,dtype,gated_q,rotary", CASES)
+def test_matches_reference(mode, tokens, heads, kv_heads, dim, page_size, qk_norm, dtype, gated_q, rotary):
     rng = np.random.default_rng(tokens * 100 + heads * 10 + dim)
-    args = _inputs(rng, tokens, heads, kv_heads, dim, page_size, qk_norm, dtype)
-    kw = dict(num_heads=heads, num_kv_heads=kv_heads, eps=1e-6)
+    args = _inputs(rng, tokens, heads, kv_heads, dim, page_size, qk_norm, dtype, gated_q=gated_q, rotary=rotary)
+    kw = dict(num_heads=heads, num_kv_heads=kv_heads, eps=1e-6, gated_q=gated_q)
     before_k, before_v = np.asarray(args[6].astype(jnp.float32)), np.asarray(args[7].astype(jnp.float32))
     q, kc, vc = qkv_rope_write(*args, **kw, interpret=mode == "interpret")
     rq, rk, rv = qkv_rope_write_reference(*args, **kw)
@@ -59,7 +64,7 @@ def test_matches_reference(mode, tokens, heads, kv_heads, dim, page_size, qk_nor
     # v rows are copied bit for bit
     for t, s in enumerate(slots):
         if s >= 0:
-            v_new = args[0][t].reshape(-1, dim)[heads + kv_heads:]
+            v_new = args[0][t].reshape(-1, dim)[(2 if gated_q else 1) * heads + kv_heads:]
             np.testing.assert_array_equal(np.asarray(vc[s // page_size, s % page_size]), np.asarray(v_new))
 
 
@@ -67,6 +72,9 @@ def test_unsupported_shapes():
     assert check_supported(3 * 4 * 24, 4, 4, 24) is not None  # head_dim not a power of two
     assert check_supported(100, 4, 2, 16) is not None
     assert check_supported((8 + 4) * 64, 8, 2, 64) is None
+    assert check_supported((16 + 4) * 64, 8, 2, 64, gated_q=True, rotary_dim=16) is None
+    assert check_supported((8 + 4) * 64, 8, 2, 64, gated_q=True) is not None  # no room for the gates
+    assert check_supported((8 + 4) * 64, 8, 2, 64, rotary_dim=24) is not None  # not a power of two
     with pytest.raises(ValueError, match="head_dim"):
         z = jnp.zeros((1, 3 * 24))
         qkv_rope_write(z, jnp.zeros((1, 24)), jnp.zeros((1, 24)), jnp.zeros((1,), jnp.int32), None, None,
