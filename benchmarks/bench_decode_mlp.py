@@ -1,8 +1,9 @@
 """The decode step's MLP as the forward runs it: a chain of `--layers` residual MLP blocks (RMSNorm, SwiGLU,
 residual add) over distinct weights in one executable, one token (or `--tokens`) per step, so each layer's
-weights come from HBM and no dispatch is timed. The fused Pallas kernel (`pallas_kernels/fused_mlp.py`) over a
-grid of launch parameters, against XLA's fusion of the same block. TB/s on the weight bytes; the copy rate of
-the same run (`roofline.measure_copy_bandwidth`) for the ratio.
+weights come from HBM and no dispatch is timed. The fused Pallas kernel (`pallas_kernels/fused_mlp.py`: its
+norm prologue variants, over a grid of launch parameters) against XLA's fusion of the same block. TB/s on the
+weight bytes; the copy rate of the same run (`roofline.measure_copy_bandwidth`) for the ratio. The chain runs
+without a CUDA graph, so its wall time carries launch gaps; `--profile` adds each config's GPU kernel time.
 
     python -m benchmarks.bench_decode_mlp --shapes qwen3.5-4b qwen3-4b --out benchmarks/results/decode_mlp_h100.json
 
@@ -48,6 +49,24 @@ def timed(fn, x, weights, reps: int) -> float:
     return float(np.median(times))
 
 
+def kernel_times(fn, x, weights, reps: int, trace_dir: str) -> dict:
+    """GPU kernel time per call by kernel name (us), from a profile of `reps` calls: what the chain's kernels
+    take without the launch gaps between them (the forward runs them in a CUDA graph)."""
+    import glob
+
+    from benchmarks.trace_summary import load
+
+    with jax.profiler.trace(trace_dir):
+        for _ in range(reps):
+            jax.block_until_ready(fn(x, weights))
+    spans, procs, threads = load(sorted(glob.glob(f"{trace_dir}/**/*.trace.json.gz", recursive=True))[-1])
+    out: dict[str, float] = {}
+    for e in spans:
+        if procs.get(e["pid"], "").startswith("/device") and "Compute" in threads.get((e["pid"], e["tid"]), ""):
+            out[e["name"]] = out.get(e["name"], 0.0) + e["dur"] / reps
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--shapes", nargs="+", default=["qwen3.5-4b", "qwen3-4b"], choices=sorted(SHAPES))
@@ -57,6 +76,11 @@ def main() -> None:
     ap.add_argument("--num-warps", type=int, nargs="+", default=[4, 8])
     ap.add_argument("--num-stages", type=int, nargs="+", default=[2, 3, 4])
     ap.add_argument("--reps", type=int, default=20)
+    ap.add_argument("--variants", nargs="+", default=["fused", "fused_no_prefetch", "fused_loop_norm", "prenorm"],
+                    help="fused: the kernel with its norm (unrolled sum of squares, x tiles prefetched); "
+                         "fused_no_prefetch: x tiles loaded when used; fused_loop_norm: neither (the sum of squares "
+                         "as a loop); prenorm: XLA's norm, then the kernel without one (x prefetched)")
+    ap.add_argument("--profile", metavar="DIR", help="also the GPU kernel time per layer, from a profile per config")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     gpu = jax.default_backend() == "gpu"
@@ -83,8 +107,8 @@ def main() -> None:
         layer_bytes = 3 * hidden * inter * 2
         for tokens in args.tokens:
             x = jax.random.normal(jax.random.key(1), (tokens, hidden)).astype(jnp.bfloat16)
-            configs = [("xla", None)] + [("pallas", c) for c in itertools.product(args.block_i, args.num_warps,
-                                                                                 args.num_stages)]
+            configs = [("xla", None)] + [(v, c) for v in args.variants
+                                         for c in itertools.product(args.block_i, args.num_warps, args.num_stages)]
             for impl, cfg in configs:
                 if impl == "xla":
                     mlp = lambda x, n, g, u, d: swiglu_mlp(rms_norm(x, n, EPS), g, u, d)  # noqa: E731
@@ -94,15 +118,25 @@ def main() -> None:
                     if inter % bi:
                         continue
                     params = {"block_i": bi, "num_warps": warps, "num_stages": stages}
-                    mlp = functools.partial(_pallas, interpret=not gpu, **params)
+                    mlp = functools.partial(_pallas, interpret=not gpu, variant=impl, **params)
                 try:
-                    t = timed(chain(mlp, args.layers), x, weights, args.reps) / args.layers
+                    fn = chain(mlp, args.layers)
+                    t = timed(fn, x, weights, args.reps) / args.layers
                 except Exception as e:  # a launch configuration that does not fit (shared memory): recorded
                     rows.append({"shape": shape, "tokens": tokens, "impl": impl, **params, "error": str(e)[:200]})
                     print(rows[-1], flush=True)
                     continue
                 row = {"shape": shape, "tokens": tokens, "impl": impl, **params, "us_per_layer": round(t * 1e6, 2),
                        "weight_tb_per_s": round(layer_bytes / t / 1e12, 3)}
+                if args.profile:
+                    name = "_".join([shape, str(tokens), impl] + [str(v) for v in params.values()])
+                    k = kernel_times(fn, x, weights, 5, f"{args.profile}/{name}")
+                    kt = sum(k.values()) / args.layers
+                    row["kernel_us_per_layer"] = round(kt, 2)
+                    if kt:  # (no device kernels in a CPU trace)
+                        row["kernel_tb_per_s"] = round(layer_bytes / (kt * 1e-6) / 1e12, 3)
+                    row["kernels_us_per_layer"] = {n: round(v / args.layers, 2) for n, v in
+                                                   sorted(k.items(), key=lambda kv: -kv[1])[:4]}
                 if copy_bps:
                     row["fraction_of_copy_rate"] = round(layer_bytes / t / copy_bps, 3)
                 rows.append(row)
@@ -111,9 +145,12 @@ def main() -> None:
                   "results": rows}, args.out)
 
 
-def _pallas(x, norm, wg, wu, wd, *, block_i, num_warps, num_stages, interpret):
-    return fused_swiglu_mlp(x, wg, wu, wd, norm, eps=EPS, block_i=block_i, num_warps=num_warps,
-                            num_stages=num_stages, interpret=interpret)
+def _pallas(x, norm, wg, wu, wd, *, variant, block_i, num_warps, num_stages, interpret):
+    kw = dict(block_i=block_i, num_warps=num_warps, num_stages=num_stages, interpret=interpret)
+    if variant == "prenorm":
+        return fused_swiglu_mlp(rms_norm(x, norm, EPS), wg, wu, wd, prefetch_x=True, **kw)
+    return fused_swiglu_mlp(x, wg, wu, wd, norm, eps=EPS, unroll_norm=variant != "fused_loop_norm",
+                            prefetch_x=variant == "fused", **kw)
 
 
 if __name__ == "__main__":

@@ -66,8 +66,8 @@ def variant(name: str):
     elif name.startswith("mlp_i"):
         fused_mlp.fused_swiglu_mlp = functools.partial(saved_block, block_i=int(name.removeprefix("mlp_i")))
     elif name == "o_barrier":
-        def out_proj(self, attn, wo):
-            return self.reduce(ops_module.project(jax.lax.optimization_barrier(attn), wo))
+        def out_proj(self, attn, wo, residual):
+            return residual + self.reduce(ops_module.project(jax.lax.optimization_barrier(attn), wo))
         ops_module.ModelOps.out_proj = out_proj
     elif name != "default":
         raise ValueError(f"unknown variant {name!r}")

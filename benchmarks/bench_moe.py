@@ -182,8 +182,7 @@ def bench_tokens(rows: list, tokens: int, w, sweep: bool, xla_block: bool) -> No
         impls.append(("xla_reference", ModelOps()))
     for name, ops in impls:
         block = functools.partial(ops.moe_block, top_k=K, renormalize=True, eps=1e-6)
-        record(rows, {**base, "what": "block", "impl": name},
-               lambda x, block=block: block(x, jnp.zeros_like(x), norm, router, wg, wu, wd),
+        record(rows, {**base, "what": "block", "impl": name}, lambda x, block=block: block(x, norm, router, wg, wu, wd),
                x, hit_bytes=hit_bytes, flops=flops)
 
 

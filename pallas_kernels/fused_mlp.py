@@ -19,11 +19,19 @@ GPU backend: the Pallas Triton lowering (see `pallas_kernels/__init__.py`).
 from __future__ import annotations
 
 import functools
+import os
 
 import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
+
+
+# The defaults of `unroll_norm` and `prefetch_x`; JINFER_MLP_UNROLL_NORM / JINFER_MLP_PREFETCH_X = 0/1 override
+# them for A/B runs (the executable cache keys on the sources, not the environment: use a separate compilation
+# cache per setting).
+UNROLL_NORM = os.environ.get("JINFER_MLP_UNROLL_NORM", "1") == "1"
+PREFETCH_X = os.environ.get("JINFER_MLP_PREFETCH_X", "1") == "1"
 
 
 # ----------------------------------------------------------------------------------------------
@@ -35,16 +43,15 @@ def _mlp_kernel(
     block_k: int,
     block_n: int,
     has_norm: bool,
-    has_delta: bool,
     eps: float,
+    unroll_norm: bool,
+    prefetch_x: bool,
 ):
-    refs = list(refs)
-    x_ref = refs.pop(0)
-    d_ref = refs.pop(0) if has_delta else None
-    n_ref = refs.pop(0) if has_norm else None
-    wg_ref, wu_ref, wd_ref, o_ref = refs
-    # x_ref [tokens, hidden] (whole; this tile's rows loaded masked); d_ref: like x_ref, added to x as it is
-    # read (optional: the residual add before the block); n_ref [hidden]: RMSNorm weight
+    if has_norm:
+        x_ref, n_ref, wg_ref, wu_ref, wd_ref, o_ref = refs
+    else:
+        (x_ref, wg_ref, wu_ref, wd_ref, o_ref), n_ref = refs, None
+    # x_ref [tokens, hidden] (whole; this tile's rows loaded masked); n_ref [hidden]: RMSNorm weight
     # applied to x first (optional); wg_ref/wu_ref [hidden, block_i]: this program's gate/up columns;
     # wd_ref [block_i, hidden]: the matching down-projection rows; o_ref [splits, tokens, hidden] fp32
     # (whole): this intermediate block's partial goes to o_ref[i, tile rows], real rows only.
@@ -54,33 +61,40 @@ def _mlp_kernel(
     rows = pl.ds(t * block_t, block_t)
     real = (t * block_t + jnp.arange(block_t, dtype=jnp.int32)) < tokens  # [block_t]
 
-    def x_cols(cols, width):  # [block_t, width] of x (+ delta, rounded to x's dtype); rows past `tokens` read as 0
-        mask = jnp.broadcast_to(real[:, None], (block_t, width))
-        x = plgpu.load(x_ref.at[rows, cols], mask=mask, other=0)
-        if has_delta:
-            d = plgpu.load(d_ref.at[rows, cols], mask=mask, other=0)
-            x = (x.astype(jnp.float32) + d.astype(jnp.float32)).astype(x_ref.dtype)
-        return x
+    def x_cols(cols, width):  # [block_t, width] of x; rows past `tokens` read as 0
+        return plgpu.load(x_ref.at[rows, cols], mask=jnp.broadcast_to(real[:, None], (block_t, width)), other=0)
 
     if has_norm:  # every program recomputes the row norms: x is tiny next to the weights
         def sumsq(kk, acc):
             xk = x_cols(pl.ds(kk * block_k, block_k), block_k).astype(jnp.float32)
             return acc + jnp.sum(xk * xk, axis=1)
-        ss = jax.lax.fori_loop(0, hidden // block_k, sumsq, jnp.zeros((block_t,), jnp.float32))
+        ss = jnp.zeros((block_t,), jnp.float32)
+        if unroll_norm:  # straight-line code: the row's loads are all in flight at once (one L2 round trip)
+            for kk in range(hidden // block_k):
+                ss = sumsq(kk, ss)
+        else:
+            ss = jax.lax.fori_loop(0, hidden // block_k, sumsq, ss)
         inv = jax.lax.rsqrt(ss / hidden + eps)  # [block_t]
 
+    steps = hidden // block_k
+
     def up_body(kk, carry):
-        g, u = carry  # [block_t, block_i] fp32 each
+        g, u, x_next = carry  # [block_t, block_i] fp32 each; x_next: this step's x tile when prefetched
         cols = pl.ds(kk * block_k, block_k)
-        xk = x_cols(cols, block_k)  # [block_t, block_k]
+        if prefetch_x:  # the next step's x tile is loaded a step ahead, its latency hidden behind the dots
+            xk = x_next
+            x_next = x_cols(pl.ds(jnp.minimum(kk + 1, steps - 1) * block_k, block_k), block_k)
+        else:
+            xk = x_cols(cols, block_k)  # [block_t, block_k]
         if has_norm:  # HF RMSNorm rounding: normalized value in x's dtype, times the weight in that dtype
             xk = (xk.astype(jnp.float32) * inv[:, None]).astype(x_ref.dtype) * n_ref[cols][None, :]
         g = g + plgpu.dot(xk, wg_ref[cols, :])
         u = u + plgpu.dot(xk, wu_ref[cols, :])
-        return g, u
+        return g, u, x_next
 
     zeros = jnp.zeros((block_t, block_i), jnp.float32)
-    g, u = jax.lax.fori_loop(0, hidden // block_k, up_body, (zeros, zeros))
+    x0 = x_cols(pl.ds(0, block_k), block_k) if prefetch_x else jnp.zeros((), x_ref.dtype)
+    g, u, _ = jax.lax.fori_loop(0, steps, up_body, (zeros, zeros, x0))
     h = (g * jax.nn.sigmoid(g) * u).astype(wd_ref.dtype)  # [block_t, block_i], never leaves the SM
 
     out_mask = jnp.broadcast_to(real[:, None], (block_t, block_n))
@@ -109,8 +123,8 @@ def default_block_i(inter: int) -> int:
     return _pow2_divisor(inter, 128)
 
 
-def _mlp_call(x, w_gate, w_up, w_down, norm_weight, delta, *, eps, block_t, block_i, num_warps, num_stages,
-              interpret):
+def _mlp_call(x, w_gate, w_up, w_down, norm_weight, *, eps, block_t, block_i, num_warps, num_stages,
+              unroll_norm, prefetch_x, interpret):
     tokens, hidden = x.shape
     inter = w_gate.shape[1]
     if block_t is None:
@@ -124,9 +138,9 @@ def _mlp_call(x, w_gate, w_up, w_down, norm_weight, delta, *, eps, block_t, bloc
     block_k = _pow2_divisor(hidden, 128)
     block_n = _pow2_divisor(hidden, 256)
     t_tiles, splits = pl.cdiv(tokens, block_t), inter // block_i
-    has_norm, has_delta = norm_weight is not None, delta is not None
+    has_norm = norm_weight is not None
     kernel = functools.partial(_mlp_kernel, block_t=block_t, block_k=block_k, block_n=block_n, has_norm=has_norm,
-                               has_delta=has_delta, eps=eps)
+                               eps=eps, unroll_norm=unroll_norm, prefetch_x=prefetch_x)
     norm_spec = [pl.BlockSpec((hidden,), lambda t, i: (0,))] if has_norm else []
     whole = pl.no_block_spec  # x and the partials: the tile's rows are picked (masked) in the kernel
     partials = pl.pallas_call(
@@ -134,7 +148,6 @@ def _mlp_call(x, w_gate, w_up, w_down, norm_weight, delta, *, eps, block_t, bloc
         grid=(t_tiles, splits),
         in_specs=[
             whole,
-            *([whole] if has_delta else []),
             *norm_spec,
             pl.BlockSpec((hidden, block_i), lambda t, i: (0, i)),
             pl.BlockSpec((hidden, block_i), lambda t, i: (0, i)),
@@ -145,14 +158,15 @@ def _mlp_call(x, w_gate, w_up, w_down, norm_weight, delta, *, eps, block_t, bloc
         compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),
         interpret=interpret,
         name=f"fused_swiglu_mlp_t{block_t}_i{block_i}" + ("_norm" if has_norm else ""),
-    )(x, *([delta] if has_delta else []), *([norm_weight] if has_norm else []), w_gate, w_up, w_down)
+    )(x, *([norm_weight] if has_norm else []), w_gate, w_up, w_down)
     return partials.sum(axis=0).astype(x.dtype)  # [tokens, hidden]
 
 
 # ----------------------------------------------------------------------------------------------
 # Public API
 # ----------------------------------------------------------------------------------------------
-@functools.partial(jax.jit, static_argnames=("eps", "block_t", "block_i", "num_warps", "num_stages", "interpret"))
+@functools.partial(jax.jit, static_argnames=("eps", "block_t", "block_i", "num_warps", "num_stages", "unroll_norm",
+                                             "prefetch_x", "interpret"))
 def fused_swiglu_mlp(
     x: jax.Array,
     w_gate: jax.Array,
@@ -160,12 +174,13 @@ def fused_swiglu_mlp(
     w_down: jax.Array,
     norm_weight: jax.Array | None = None,
     *,
-    delta: jax.Array | None = None,
     eps: float = 1e-6,
     block_t: int | None = None,
     block_i: int | None = None,
     num_warps: int | None = None,
     num_stages: int | None = None,
+    unroll_norm: bool | None = None,
+    prefetch_x: bool | None = None,
     interpret: bool = False,
 ) -> jax.Array:
     """SwiGLU MLP `(silu(x @ w_gate) * (x @ w_up)) @ w_down` with the intermediate kept on-chip.
@@ -175,13 +190,13 @@ def fused_swiglu_mlp(
       w_gate, w_up: `[hidden, intermediate]`.
       w_down: `[intermediate, hidden]`.
       norm_weight: `[hidden]`: apply RMSNorm (HF rounding) to x first, inside the kernel; None: no norm.
-      delta: like x: the block's input is x + delta (rounded to x's dtype, as XLA's add), added in the kernel
-        as x is read (the residual add before the MLP block, one XLA kernel fewer); the caller adds the
-        residual x + delta to the result.
       eps: RMSNorm epsilon.
       block_t: tokens per tile (power of two >= 16); default min(64, next_pow2(tokens)).
       block_i: intermediate columns per program (power of two dividing intermediate); default 128.
       num_warps, num_stages: Triton launch parameters; None picks (8, 3) for block_t 16, else (4, 2).
+      unroll_norm: the norm's sum of squares as straight-line code (all of the row's loads in flight at once)
+        rather than a loop of hidden / 128 dependent round trips; None: UNROLL_NORM.
+      prefetch_x: each K step's x tile loaded one step ahead (carried through the loop); None: PREFETCH_X.
       interpret: run the Pallas interpreter (CPU tests).
 
     Returns:
@@ -203,10 +218,11 @@ def fused_swiglu_mlp(
         raise ValueError(f"block_i must be a power of two dividing intermediate, got {block_i=}")
     if norm_weight is not None and norm_weight.shape != (hidden,):
         raise ValueError(f"norm_weight must be [hidden={hidden}], got {norm_weight.shape}")
-    if delta is not None and (delta.shape != x.shape or delta.dtype != x.dtype):
-        raise ValueError(f"delta must match x: {delta.shape} {delta.dtype} vs {x.shape} {x.dtype}")
-    return _mlp_call(x, w_gate, w_up, w_down, norm_weight, delta, eps=eps, block_t=block_t, block_i=block_i,
-                     num_warps=num_warps, num_stages=num_stages, interpret=interpret)
+    unroll_norm = UNROLL_NORM if unroll_norm is None else unroll_norm
+    prefetch_x = PREFETCH_X if prefetch_x is None else prefetch_x
+    return _mlp_call(x, w_gate, w_up, w_down, norm_weight, eps=eps, block_t=block_t, block_i=block_i,
+                     num_warps=num_warps, num_stages=num_stages, unroll_norm=unroll_norm, prefetch_x=prefetch_x,
+                     interpret=interpret)
 
 
 # ----------------------------------------------------------------------------------------------

@@ -141,8 +141,7 @@ def fuse_qkv(weights: Weights) -> Weights:
 
 
 def _attention(layer: LayerWeights, x: jax.Array, cos, sin, kv, batch: Batch, cfg: ModelConfig, ops: ModelOps):
-    """attention(rms_norm(x)) after its o projection, the delta to the residual stream x (added by the MLP
-    block); also returns the layer's updated (k, v) cache."""
+    """x + attention(rms_norm(x)); also returns the layer's updated (k, v) cache."""
     T = x.shape[0]
     H, KVH, D = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
     if layer.wqkv is not None:
@@ -153,7 +152,7 @@ def _attention(layer: LayerWeights, x: jax.Array, cos, sin, kv, batch: Batch, cf
         if fused is not None:
             q, k_cache, v_cache = fused
             out = ops.attention(q, k_cache, v_cache, batch, D**-0.5)  # [T, H, D]
-            return ops.out_proj(out.reshape(T, H * D), layer.wo), (k_cache, v_cache)
+            return ops.out_proj(out.reshape(T, H * D), layer.wo, x), (k_cache, v_cache)
         q, k, v = jnp.split(qkv, [H * D, (H + KVH) * D], axis=-1)
     else:
         q, k, v = ops.norm_projections(x, layer.attn_norm, (layer.wq, layer.wk, layer.wv), cfg.rms_norm_eps)
@@ -165,16 +164,15 @@ def _attention(layer: LayerWeights, x: jax.Array, cos, sin, kv, batch: Batch, cf
     q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
     k_cache, v_cache = write_kv(kv[0], kv[1], k, v, batch.slot_mapping)
     out = ops.attention(q, k_cache, v_cache, batch, D**-0.5)  # [T, H, D]
-    return ops.out_proj(out.reshape(T, H * D), layer.wo), (k_cache, v_cache)
+    return ops.out_proj(out.reshape(T, H * D), layer.wo, x), (k_cache, v_cache)
 
 
-def dense_mlp(layer: LayerWeights, i: int, x: jax.Array, delta: jax.Array, cfg: ModelConfig,
-              ops: ModelOps) -> jax.Array:
-    """h + SwiGLU(rms_norm(h)) for h = x + delta: the dense families' MLP block."""
-    return ops.mlp_block(x, delta, layer.mlp_norm, layer.w_gate, layer.w_up, layer.w_down, cfg.rms_norm_eps)
+def dense_mlp(layer: LayerWeights, i: int, x: jax.Array, cfg: ModelConfig, ops: ModelOps) -> jax.Array:
+    """x + SwiGLU(rms_norm(x)): the dense families' MLP block."""
+    return ops.mlp_block(x, layer.mlp_norm, layer.w_gate, layer.w_up, layer.w_down, cfg.rms_norm_eps)
 
 
-MlpFn = Callable[[LayerWeights, int, jax.Array, jax.Array, ModelConfig, ModelOps], jax.Array]
+MlpFn = Callable[[LayerWeights, int, jax.Array, ModelConfig, ModelOps], jax.Array]
 
 
 def forward(
@@ -192,9 +190,7 @@ def decoder_forward(weights: Weights, batch: Batch, kv_cache: tuple[tuple[jax.Ar
                     cfg: ModelConfig, ops: ModelOps, mlp: MlpFn
                     ) -> tuple[jax.Array, tuple[tuple[jax.Array, jax.Array], ...]]:
     """The decoder every family shares: embedding, per layer attention then the family's `mlp` block
-    (`mlp(layer, i, x, delta, cfg, ops) -> h + mlp(norm(h))` for h = x + delta, the attention block's
-    output added to the residual stream there, so that a fused MLP kernel can fold the add), final norm and
-    lm_head.
+    (`mlp(layer, i, x, cfg, ops) -> x + mlp(norm(x))`), final norm and lm_head.
 
     Layers are unrolled in Python (one executable, no scan): measured faster than `lax.scan` over
     stacked weights for decode on the H100.
@@ -206,8 +202,8 @@ def decoder_forward(weights: Weights, batch: Batch, kv_cache: tuple[tuple[jax.Ar
     cos, sin = rope_cos_sin(batch.positions, cfg, x.dtype)
     new_cache = []
     for i, (layer, kv) in enumerate(zip(weights.layers, kv_cache, strict=True)):
-        delta, kv = _attention(layer, x, cos, sin, kv, batch, cfg, ops)
-        x = mlp(layer, i, x, delta, cfg, ops)
+        x, kv = _attention(layer, x, cos, sin, kv, batch, cfg, ops)
+        x = mlp(layer, i, x, cfg, ops)
         new_cache.append(kv)
     x = rms_norm(x[batch.logits_indices], weights.final_norm, cfg.rms_norm_eps)  # [N, hidden]
     head = weights.embed.T if weights.lm_head is None else weights.lm_head

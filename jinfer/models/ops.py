@@ -229,35 +229,34 @@ class ModelOps:
             return logits
         return jax.lax.all_gather(logits, self.axis, axis=1, tiled=True)
 
-    def out_proj(self, attn: jax.Array, wo: jax.Array) -> jax.Array:
-        """attn @ wo (summed over the devices): the attention block's delta to the residual stream. The add is
-        left to the MLP block (`mlp_block`, `moe_block`), where the fused MLP kernel folds it in."""
-        return self.reduce(project(attn, wo))
+    def out_proj(self, attn: jax.Array, wo: jax.Array, residual: jax.Array) -> jax.Array:
+        """residual + attn @ wo."""
+        return residual + self.reduce(project(attn, wo))
 
-    def mlp_block(self, x: jax.Array, delta: jax.Array, norm: jax.Array, w_gate: jax.Array, w_up: jax.Array,
-                  w_down: jax.Array, eps: float) -> jax.Array:
-        """h + mlp(rms_norm(h)) for h = x + delta; x: [T, hidden] the residual stream, delta the attention
-        block's output (`out_proj`). The fused Pallas MLP adds delta itself as it reads x (one XLA add kernel
-        fewer per layer: ~1.5 us of a batch-1 decode step's layer on the H100)."""
+    def mlp_block(self, x: jax.Array, norm: jax.Array, w_gate: jax.Array, w_up: jax.Array, w_down: jax.Array,
+                  eps: float) -> jax.Array:
+        """x + mlp(rms_norm(x)); x: [T, hidden] (the residual stream).
+
+        (Folding the residual add before the block into the fused kernel, x + delta added as the kernel reads
+        x, was measured: it removed one ~1.5 us XLA kernel per layer but slowed the kernel by ~3.7 us per
+        layer at batch-1 decode on the H100, 1885 vs 1767 us per Qwen3.5-4B step: the extra load sits on each
+        K iteration's critical path. See docs/ARCHITECTURE.md.)"""
         if self.backend == "pallas" and x.shape[0] in PALLAS_MLP_TOKENS and x.shape[1] % 16 == 0 \
                 and w_gate.shape[1] % 16 == 0:
             from pallas_kernels.fused_mlp import fused_swiglu_mlp
 
-            return (x + delta) + self.reduce(fused_swiglu_mlp(x, w_gate, w_up, w_down, norm, eps=eps, delta=delta,
-                                                              interpret=self.interpret))
-        h = x + delta
-        return h + self.reduce(swiglu_mlp(rms_norm(h, norm, eps), w_gate, w_up, w_down))
+            return x + self.reduce(fused_swiglu_mlp(x, w_gate, w_up, w_down, norm, eps=eps,
+                                                    interpret=self.interpret))
+        return x + self.reduce(swiglu_mlp(rms_norm(x, norm, eps), w_gate, w_up, w_down))
 
-    def moe_block(self, x: jax.Array, delta: jax.Array, norm: jax.Array, router: jax.Array, w_gate: jax.Array,
-                  w_up: jax.Array, w_down: jax.Array, *, top_k: int, renormalize: bool, eps: float) -> jax.Array:
-        """h + moe(rms_norm(h)) for h = x + delta (as `mlp_block`); x: [T, hidden]; router: [hidden, E]; experts
-        stacked [E, ...].
+    def moe_block(self, x: jax.Array, norm: jax.Array, router: jax.Array, w_gate: jax.Array, w_up: jax.Array,
+                  w_down: jax.Array, *, top_k: int, renormalize: bool, eps: float) -> jax.Array:
+        """x + moe(rms_norm(x)); x: [T, hidden]; router: [hidden, E]; experts stacked [E, ...].
 
         Sharded (`axis`), the experts here are this device's: their intermediate columns (tensor
         parallel) or, when there are fewer of them than the router's E, experts [e0, e0 + E_local)
         (expert parallel). Every device routes every token; the psum adds the partial outputs.
         """
-        x = x + delta
         h = rms_norm(x, norm, eps)
         # router logits rounded to the activation dtype, as HF's F.linear (and vLLM) produce them
         logits = project(h, router, preferred_element_type=jnp.float32).astype(h.dtype)  # [T, E]

@@ -163,7 +163,7 @@ def _gated_attention(layer: HybridLayer, x, cos, sin, kv, batch: Batch, cfg: Mod
             q, k_cache, v_cache = fused
             gate = y[:, :2 * H * D].reshape(T, H, 2 * D)[..., D:].reshape(T, H * D)
             out = ops.attention(q, k_cache, v_cache, batch, D**-0.5).reshape(T, H * D)
-            return ops.out_proj(out * jax.nn.sigmoid(gate), layer.wo), (k_cache, v_cache)
+            return ops.out_proj(out * jax.nn.sigmoid(gate), layer.wo, x), (k_cache, v_cache)
         qg, k, v = jnp.split(y, [2 * H * D, (2 * H + KVH) * D], axis=-1)
     else:
         qg, k, v = ops.norm_projections(x, layer.attn_norm, (layer.wq, layer.wk, layer.wv), cfg.rms_norm_eps)
@@ -174,7 +174,7 @@ def _gated_attention(layer: HybridLayer, x, cos, sin, kv, batch: Batch, cfg: Mod
     q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
     k_cache, v_cache = write_kv(kv[0], kv[1], k, v, batch.slot_mapping)
     out = ops.attention(q, k_cache, v_cache, batch, D**-0.5).reshape(T, H * D)
-    return ops.out_proj(out * jax.nn.sigmoid(gate), layer.wo), (k_cache, v_cache)
+    return ops.out_proj(out * jax.nn.sigmoid(gate), layer.wo, x), (k_cache, v_cache)
 
 
 def causal_conv(x: jax.Array, conv_state: jax.Array, weight: jax.Array, seq: jax.Array, starts: jax.Array,
@@ -242,7 +242,7 @@ def _gated_delta_net(layer: HybridLayer, x, state, batch: Batch, info, cfg: Mode
         beta, g = gates(b, a, layer.a_log, layer.dt_bias)
         o, rec_state = ops.gated_delta_rule(q, k, v, g, beta, rec_state, slots, fresh, qs)  # o: [T, Hv, Dv] f32
         o = ops.gated_rms_norm(o.astype(x.dtype), z.reshape(T, Hv, Dv), layer.lin_norm, cfg.rms_norm_eps)
-    return ops.out_proj(o.reshape(T, Hv * Dv), layer.lin_out), (conv_state, rec_state)
+    return ops.out_proj(o.reshape(T, Hv * Dv), layer.lin_out, x), (conv_state, rec_state)
 
 
 def forward(
@@ -264,10 +264,10 @@ def forward(
     new_cache = []
     for i, (layer, cache) in enumerate(zip(weights.layers, kv_cache, strict=True)):
         if cfg.is_linear_layer(i):
-            delta, cache = _gated_delta_net(layer, x, cache, batch, info, cfg, ops)
+            x, cache = _gated_delta_net(layer, x, cache, batch, info, cfg, ops)
         else:
-            delta, cache = _gated_attention(layer, x, cos, sin, cache, batch, cfg, ops)
-        x = ops.mlp_block(x, delta, layer.mlp_norm, layer.w_gate, layer.w_up, layer.w_down, cfg.rms_norm_eps)
+            x, cache = _gated_attention(layer, x, cos, sin, cache, batch, cfg, ops)
+        x = ops.mlp_block(x, layer.mlp_norm, layer.w_gate, layer.w_up, layer.w_down, cfg.rms_norm_eps)
         new_cache.append(cache)
     x = rms_norm(x[batch.logits_indices], weights.final_norm, cfg.rms_norm_eps)  # [N, hidden]
     head = weights.embed.T if weights.lm_head is None else weights.lm_head

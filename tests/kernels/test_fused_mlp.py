@@ -32,32 +32,17 @@ def test_mlp_matches_reference(mode, tokens, hidden, inter, dtype, block_i):
 
 
 @pytest.mark.parametrize("mode", MODES)
-def test_mlp_with_norm_prologue(mode):
+@pytest.mark.parametrize("unroll_norm,prefetch_x", [(True, True), (False, False)])
+def test_mlp_with_norm_prologue(mode, unroll_norm, prefetch_x):
     rng = np.random.default_rng(3)
     tokens, hidden, inter, dtype = 3, 128, 256, jnp.bfloat16
     x = jnp.asarray(rng.standard_normal((tokens, hidden)) * 4, dtype)
     wg, wu = (jnp.asarray(rng.standard_normal((hidden, inter)) * hidden**-0.5, dtype) for _ in range(2))
     wd = jnp.asarray(rng.standard_normal((inter, hidden)) * inter**-0.5, dtype)
     g = jnp.asarray(1 + 0.2 * rng.standard_normal(hidden), dtype)
-    out = fused_swiglu_mlp(x, wg, wu, wd, g, eps=1e-5, interpret=mode == "interpret")
+    out = fused_swiglu_mlp(x, wg, wu, wd, g, eps=1e-5, unroll_norm=unroll_norm, prefetch_x=prefetch_x,
+                           interpret=mode == "interpret")
     assert_close(out, fused_swiglu_mlp_reference(x, wg, wu, wd, g, eps=1e-5), dtype, mode)
-
-
-@pytest.mark.parametrize("mode", MODES)
-def test_mlp_with_residual_delta(mode):
-    """delta is added to x as the kernel reads it (rounded to x's dtype), before the norm: the block's input is
-    the residual stream x + delta."""
-    rng = np.random.default_rng(4)
-    tokens, hidden, inter, dtype = 2, 128, 256, jnp.bfloat16
-    x = jnp.asarray(rng.standard_normal((tokens, hidden)) * 4, dtype)
-    delta = jnp.asarray(rng.standard_normal((tokens, hidden)), dtype)
-    wg, wu = (jnp.asarray(rng.standard_normal((hidden, inter)) * hidden**-0.5, dtype) for _ in range(2))
-    wd = jnp.asarray(rng.standard_normal((inter, hidden)) * inter**-0.5, dtype)
-    g = jnp.asarray(1 + 0.2 * rng.standard_normal(hidden), dtype)
-    out = fused_swiglu_mlp(x, wg, wu, wd, g, delta=delta, eps=1e-5, interpret=mode == "interpret")
-    assert_close(out, fused_swiglu_mlp_reference(x + delta, wg, wu, wd, g, eps=1e-5), dtype, mode)
-    without = fused_swiglu_mlp(x, wg, wu, wd, g, eps=1e-5, interpret=mode == "interpret")
-    assert float(jnp.max(jnp.abs(out.astype(jnp.float32) - without.astype(jnp.float32)))) > 0.05
 
 
 def test_mlp_argument_checks():
@@ -69,5 +54,3 @@ def test_mlp_argument_checks():
         fused_swiglu_mlp(x, jnp.zeros((32, 128)), w, jnp.zeros((128, 64)), interpret=True)
     with pytest.raises(ValueError, match="block_i"):
         fused_swiglu_mlp(x, w, w, jnp.zeros((128, 64)), block_i=48, interpret=True)
-    with pytest.raises(ValueError, match="delta"):
-        fused_swiglu_mlp(x, w, w, jnp.zeros((128, 64)), delta=jnp.zeros((4, 32)), interpret=True)
