@@ -22,8 +22,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from benchmarks.common import environment, write_result
-from pallas_kernels.fused_mlp import fused_swiglu_mlp
 from jinfer.models.layers import rms_norm, swiglu_mlp
+from pallas_kernels.fused_mlp import fused_swiglu_mlp
 
 SHAPES = {"qwen3.5-4b": (2560, 9216), "qwen3-4b": (2560, 9728), "qwen3-8b": (4096, 12288), "tiny": (64, 256)}
 EPS = 1e-6

@@ -26,7 +26,6 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-
 # The defaults of `unroll_norm` and `prefetch_x`; JINFER_MLP_UNROLL_NORM / JINFER_MLP_PREFETCH_X = 0/1 override
 # them for A/B runs (the executable cache keys on the sources, not the environment: use a separate compilation
 # cache per setting).
