@@ -76,10 +76,9 @@ def main() -> None:
     ap.add_argument("--num-warps", type=int, nargs="+", default=[4, 8])
     ap.add_argument("--num-stages", type=int, nargs="+", default=[2, 3, 4])
     ap.add_argument("--reps", type=int, default=20)
-    ap.add_argument("--variants", nargs="+", default=["fused", "fused_no_prefetch", "fused_loop_norm", "prenorm"],
-                    help="fused: the kernel with its norm (unrolled sum of squares, x tiles prefetched); "
-                         "fused_no_prefetch: x tiles loaded when used; fused_loop_norm: neither (the sum of squares "
-                         "as a loop); prenorm: XLA's norm, then the kernel without one (x prefetched)")
+    ap.add_argument("--variants", nargs="+", default=["fused", "fused_loop_norm", "prenorm"],
+                    help="fused: the kernel with its norm (the sum of squares unrolled); fused_loop_norm: the sum of "
+                         "squares as a loop; prenorm: XLA's norm, then the kernel without one")
     ap.add_argument("--profile", metavar="DIR", help="also the GPU kernel time per layer, from a profile per config")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
@@ -148,9 +147,8 @@ def main() -> None:
 def _pallas(x, norm, wg, wu, wd, *, variant, block_i, num_warps, num_stages, interpret):
     kw = dict(block_i=block_i, num_warps=num_warps, num_stages=num_stages, interpret=interpret)
     if variant == "prenorm":
-        return fused_swiglu_mlp(rms_norm(x, norm, EPS), wg, wu, wd, prefetch_x=True, **kw)
-    return fused_swiglu_mlp(x, wg, wu, wd, norm, eps=EPS, unroll_norm=variant != "fused_loop_norm",
-                            prefetch_x=variant == "fused", **kw)
+        return fused_swiglu_mlp(rms_norm(x, norm, EPS), wg, wu, wd, **kw)
+    return fused_swiglu_mlp(x, wg, wu, wd, norm, eps=EPS, unroll_norm=variant == "fused", **kw)
 
 
 if __name__ == "__main__":

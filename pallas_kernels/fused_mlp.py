@@ -19,18 +19,11 @@ GPU backend: the Pallas Triton lowering (see `pallas_kernels/__init__.py`).
 from __future__ import annotations
 
 import functools
-import os
 
 import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
-
-# The defaults of `unroll_norm` and `prefetch_x`; JINFER_MLP_UNROLL_NORM / JINFER_MLP_PREFETCH_X = 0/1 override
-# them for A/B runs (the executable cache keys on the sources, not the environment: use a separate compilation
-# cache per setting).
-UNROLL_NORM = os.environ.get("JINFER_MLP_UNROLL_NORM", "1") == "1"
-PREFETCH_X = os.environ.get("JINFER_MLP_PREFETCH_X", "1") == "1"
 
 
 # ----------------------------------------------------------------------------------------------
@@ -44,7 +37,6 @@ def _mlp_kernel(
     has_norm: bool,
     eps: float,
     unroll_norm: bool,
-    prefetch_x: bool,
 ):
     if has_norm:
         x_ref, n_ref, wg_ref, wu_ref, wd_ref, o_ref = refs
@@ -78,22 +70,17 @@ def _mlp_kernel(
     steps = hidden // block_k
 
     def up_body(kk, carry):
-        g, u, x_next = carry  # [block_t, block_i] fp32 each; x_next: this step's x tile when prefetched
+        g, u = carry  # [block_t, block_i] fp32 each
         cols = pl.ds(kk * block_k, block_k)
-        if prefetch_x:  # the next step's x tile is loaded a step ahead, its latency hidden behind the dots
-            xk = x_next
-            x_next = x_cols(pl.ds(jnp.minimum(kk + 1, steps - 1) * block_k, block_k), block_k)
-        else:
-            xk = x_cols(cols, block_k)  # [block_t, block_k]
+        xk = x_cols(cols, block_k)  # [block_t, block_k] (loading it a step ahead measured no faster)
         if has_norm:  # HF RMSNorm rounding: normalized value in x's dtype, times the weight in that dtype
             xk = (xk.astype(jnp.float32) * inv[:, None]).astype(x_ref.dtype) * n_ref[cols][None, :]
         g = g + plgpu.dot(xk, wg_ref[cols, :])
         u = u + plgpu.dot(xk, wu_ref[cols, :])
-        return g, u, x_next
+        return g, u
 
     zeros = jnp.zeros((block_t, block_i), jnp.float32)
-    x0 = x_cols(pl.ds(0, block_k), block_k) if prefetch_x else jnp.zeros((), x_ref.dtype)
-    g, u, _ = jax.lax.fori_loop(0, steps, up_body, (zeros, zeros, x0))
+    g, u = jax.lax.fori_loop(0, steps, up_body, (zeros, zeros))
     h = (g * jax.nn.sigmoid(g) * u).astype(wd_ref.dtype)  # [block_t, block_i], never leaves the SM
 
     out_mask = jnp.broadcast_to(real[:, None], (block_t, block_n))
@@ -123,7 +110,7 @@ def default_block_i(inter: int) -> int:
 
 
 def _mlp_call(x, w_gate, w_up, w_down, norm_weight, *, eps, block_t, block_i, num_warps, num_stages,
-              unroll_norm, prefetch_x, interpret):
+              unroll_norm, interpret):
     tokens, hidden = x.shape
     inter = w_gate.shape[1]
     if block_t is None:
@@ -139,7 +126,7 @@ def _mlp_call(x, w_gate, w_up, w_down, norm_weight, *, eps, block_t, block_i, nu
     t_tiles, splits = pl.cdiv(tokens, block_t), inter // block_i
     has_norm = norm_weight is not None
     kernel = functools.partial(_mlp_kernel, block_t=block_t, block_k=block_k, block_n=block_n, has_norm=has_norm,
-                               eps=eps, unroll_norm=unroll_norm, prefetch_x=prefetch_x)
+                               eps=eps, unroll_norm=unroll_norm)
     norm_spec = [pl.BlockSpec((hidden,), lambda t, i: (0,))] if has_norm else []
     whole = pl.no_block_spec  # x and the partials: the tile's rows are picked (masked) in the kernel
     partials = pl.pallas_call(
@@ -165,7 +152,7 @@ def _mlp_call(x, w_gate, w_up, w_down, norm_weight, *, eps, block_t, block_i, nu
 # Public API
 # ----------------------------------------------------------------------------------------------
 @functools.partial(jax.jit, static_argnames=("eps", "block_t", "block_i", "num_warps", "num_stages", "unroll_norm",
-                                             "prefetch_x", "interpret"))
+                                             "interpret"))
 def fused_swiglu_mlp(
     x: jax.Array,
     w_gate: jax.Array,
@@ -178,8 +165,7 @@ def fused_swiglu_mlp(
     block_i: int | None = None,
     num_warps: int | None = None,
     num_stages: int | None = None,
-    unroll_norm: bool | None = None,
-    prefetch_x: bool | None = None,
+    unroll_norm: bool = True,
     interpret: bool = False,
 ) -> jax.Array:
     """SwiGLU MLP `(silu(x @ w_gate) * (x @ w_up)) @ w_down` with the intermediate kept on-chip.
@@ -194,8 +180,8 @@ def fused_swiglu_mlp(
       block_i: intermediate columns per program (power of two dividing intermediate); default 128.
       num_warps, num_stages: Triton launch parameters; None picks (8, 3) for block_t 16, else (4, 2).
       unroll_norm: the norm's sum of squares as straight-line code (all of the row's loads in flight at once)
-        rather than a loop of hidden / 128 dependent round trips; None: UNROLL_NORM.
-      prefetch_x: each K step's x tile loaded one step ahead (carried through the loop); None: PREFETCH_X.
+        rather than a loop of hidden / 128 dependent round trips (51.6 vs 55.2 us per Qwen3.5-4B layer at
+        T = 1 on the H100, decode_mlp_variants_h100.json).
       interpret: run the Pallas interpreter (CPU tests).
 
     Returns:
@@ -217,11 +203,8 @@ def fused_swiglu_mlp(
         raise ValueError(f"block_i must be a power of two dividing intermediate, got {block_i=}")
     if norm_weight is not None and norm_weight.shape != (hidden,):
         raise ValueError(f"norm_weight must be [hidden={hidden}], got {norm_weight.shape}")
-    unroll_norm = UNROLL_NORM if unroll_norm is None else unroll_norm
-    prefetch_x = PREFETCH_X if prefetch_x is None else prefetch_x
     return _mlp_call(x, w_gate, w_up, w_down, norm_weight, eps=eps, block_t=block_t, block_i=block_i,
-                     num_warps=num_warps, num_stages=num_stages, unroll_norm=unroll_norm, prefetch_x=prefetch_x,
-                     interpret=interpret)
+                     num_warps=num_warps, num_stages=num_stages, unroll_norm=unroll_norm, interpret=interpret)
 
 
 # ----------------------------------------------------------------------------------------------
