@@ -13,9 +13,11 @@
 #               the fused kernel: 4 / 8 warps, diagonal-block inverse by products / substitution, bf16 / f32
 #               parts, TF32 / exact dots; time, GB/s of its least HBM traffic, error vs XLA's solve
 #               (gdn_intra_*.json)
-#   decode      one linear layer's decode step: the fused conv + gates + delta rule kernel (block_v, warps) against
-#               the general path (XLA conv + recurrent kernel), batches 1..256, TB/s on state bytes
-#               (gdn_decode_*.json)
+#   decode      one linear layer's decode step: the fused conv + gates + delta rule (+ gated norm) kernel (warps)
+#               against the general path (XLA conv + recurrent kernel + gated norm), batches 1..256, TB/s on state
+#               bytes (gdn_decode_*.json); then the decode MLP over 32 layers at T = 1: the fused kernel's norm
+#               prologue variants against XLA, GPU kernel time from a profile (decode_mlp_variants_*.json)
+#   profile     a profiled batch-1 decode (1k context) and its summary: GPU busy per step, kernels by time
 #   latency     engine TPOT / TTFT at batch 1, 1k in / 128 out, against the roofline measured in the same run
 #   long        TTFT of one 16k-token prompt (chunked by max_num_batched_tokens)
 #   throughput  offline $PROMPTS prompts x $IN in / $OUT_LEN out
@@ -24,7 +26,7 @@
 #   OUT=/tmp/q35 SHAPE=tests/data/tiny-qwen3_5 IN=32 OUT_LEN=8 LONG=64 PROMPTS=8 bash benchmarks/run_gpu_qwen35.sh
 set -uo pipefail
 source benchmarks/gpu_env.sh
-PARTS=${PARTS:-tests,kernels,intra,decode,latency,long,throughput}
+PARTS=${PARTS:-tests,kernels,intra,decode,latency,long,throughput,profile}
 TAG=${TAG:-h100}
 SHAPE=${SHAPE:-qwen3.5-4b}
 NAME=$(basename "$SHAPE")
@@ -56,6 +58,16 @@ fi
 if [[ $PARTS == *decode* ]]; then
   timeout 900 python3 -m pallas_kernels.gated_delta_rule_decode > "$OUT/gdn_decode_$TAG.json"
   cat "$OUT/gdn_decode_$TAG.json"
+  timeout 600 python3 -m benchmarks.bench_decode_mlp --shapes qwen3.5-4b --block-i 128 --num-warps 8 --num-stages 3 \
+      --profile /tmp/decode_mlp_profile --out "$OUT/decode_mlp_variants_$TAG.json" | grep "'shape'"
+fi
+if [[ $PARTS == *profile* ]]; then
+  rm -rf /tmp/decode_profile
+  timeout 900 python3 -m benchmarks.bench_latency --shape "$SHAPE" --batch-sizes 1 --input-len "$IN" --output-len 64 \
+      --profile /tmp/decode_profile --out "$OUT/latency_profiled_${NAME}_$TAG.json" | grep "^batch"
+  trace=$(find /tmp/decode_profile -name "*.trace.json.gz" | head -1)
+  cp "$trace" "$OUT/profile_decode_b1_${NAME}_$TAG.trace.json.gz"
+  python3 -m benchmarks.trace_summary "$trace" --top 30 | sed -n '1p;/GPU time per step/,$p'
 fi
 if [[ $PARTS == *latency* ]]; then
   timeout 900 python3 -m benchmarks.bench_latency --shape "$SHAPE" --batch-sizes ${BATCHES:-1} \
