@@ -6,6 +6,10 @@ Builds an engine with a staged warm-up (the first token buckets, as `jinfer serv
 executables land in `--dir`, then, in a fresh process that has only started JAX's backend, loads each
 executable file in turn and records the RSS it added, its size, and how much of it is GPU code (PTX
 text, cubin images) against the rest (the optimized HLO and XLA's metadata). JSON on stdout (and --out).
+
+Experiments in one call: `--load-env` loads the same files once per environment given (e.g. ""
+CUDA_MODULE_LOADING=EAGER "XLA_FLAGS=--xla_gpu_..."), each in its own fresh process; building with other
+compiler flags is the caller's environment over a fresh `--dir` (e.g. XLA_FLAGS=--xla_gpu_force_compilation_parallelism=1).
 """
 
 from __future__ import annotations
@@ -64,6 +68,8 @@ def main() -> None:
     ap.add_argument("--model", default="dummy:qwen3-4b")
     ap.add_argument("--dir", required=True, help="compilation cache directory (built here if empty)")
     ap.add_argument("--load-only", action="store_true", help=argparse.SUPPRESS)  # the fresh process
+    ap.add_argument("--load-env", nargs="+", default=None, metavar="KEY=VALUE[,KEY=VALUE]",
+                    help="load once per environment (comma-separated settings added to this one; \"\" for none)")
     ap.add_argument("--out")
     args = ap.parse_args()
     directory = Path(args.dir)
@@ -77,10 +83,22 @@ def main() -> None:
                                        warmup_first_tokens=256))
         core.runner.wait_warmup()  # every bucket, as an idle server holds them
         del core
-    env = dict(os.environ)
-    out = subprocess.run([sys.executable, "-m", "benchmarks.executable_memory", "--dir", str(directory), "--load-only"],
-                         capture_output=True, text=True, env=env, check=True).stdout
-    result = json.loads(out.strip().splitlines()[-1]) | {"model": args.model}
+
+    def load(extra: str) -> dict:
+        env = dict(os.environ) | dict(kv.split("=", 1) for kv in extra.split(",") if kv)
+        out = subprocess.run([sys.executable, "-m", "benchmarks.executable_memory", "--dir", str(directory),
+                              "--load-only"], capture_output=True, text=True, env=env, check=True).stdout
+        res = json.loads(out.strip().splitlines()[-1])
+        images = sum(r["cubin_images"] for r in res["executables"])
+        added = res["rss_after_mb"] - res["backend_rss_mb"]
+        return res | {"cubin_images": images, "rss_added_mb": round(added, 1),
+                      "rss_mb_per_image": round(added / images, 3) if images else None}
+
+    if args.load_env is None:
+        result = load("") | {"model": args.model}
+    else:
+        result = {"model": args.model, "xla_flags_at_build": os.environ.get("XLA_FLAGS", ""),
+                  "variants": {extra or "(as is)": load(extra) for extra in args.load_env}}
     text = json.dumps(result, indent=1)
     if args.out:
         Path(args.out).write_text(text + "\n")
