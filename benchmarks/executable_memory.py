@@ -9,7 +9,11 @@ text, cubin images) against the rest (the optimized HLO and XLA's metadata). JSO
 
 Experiments in one call: `--load-env` loads the same files once per environment given (e.g. ""
 CUDA_MODULE_LOADING=EAGER "XLA_FLAGS=--xla_gpu_..."), each in its own fresh process; building with other
-compiler flags is the caller's environment over a fresh `--dir` (e.g. XLA_FLAGS=--xla_gpu_force_compilation_parallelism=1).
+compiler flags is the caller's environment over a fresh `--dir`.
+
+On the CPU backend every XLA fusion is its own object file: the tiny Qwen3.5 checkpoint's 72 executables hold
+5494 ELF images and add 934 MB of RSS (0.17 MB an image), the same with
+XLA_FLAGS=--xla_cpu_parallel_codegen_split_count=1 (the image count does not move).
 """
 
 from __future__ import annotations
