@@ -18,8 +18,8 @@ fixed-size state per sequence, in a pool of slots (`state_specs`): a ring of its
 [S, K, conv_dim] (activation dtype; row r holds the input at the latest position = r mod K, see
 `causal_conv`) and the recurrent state [S, Hv, Dk, Dv] (float32). A sequence reads its slot
 (`Batch.state_slots`) unless its first new token is at position 0 (then it starts from zeros: admission,
-recompute after preemption; the conv reads zeros before position 0), and writes its final state back. Slot 0 is reserved for
-padding sequences.
+recompute after preemption; the conv reads zeros before position 0), and writes its final state back.
+Slot 0 is reserved for padding sequences.
 """
 
 from __future__ import annotations
@@ -155,24 +155,24 @@ def state_specs(cfg: ModelConfig) -> dict[int, tuple[StateSpec, ...]]:
 def _gated_attention(layer: HybridLayer, x, cos, sin, kv, batch: Batch, cfg: ModelConfig, ops: ModelOps):
     T = x.shape[0]
     H, KVH, D = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+    fused = None
     if layer.wqkv is not None:
         (y,) = ops.norm_projections(x, layer.attn_norm, (layer.wqkv,), cfg.rms_norm_eps)
+        qg, k, v = jnp.split(y, [2 * H * D, (2 * H + KVH) * D], axis=-1)
+        # q/k norm, partial RoPE and the K/V write in one kernel (it reads the queries beside their gates in y)
         fused = ops.qkv_rope_write(y, layer.q_norm, layer.k_norm, cos, sin, kv, batch.slot_mapping, H, KVH,
                                    cfg.rms_norm_eps, gated_q=True)
-        if fused is not None:  # q/k norm, partial RoPE and the K/V write in one kernel; the gates stay in y
-            q, k_cache, v_cache = fused
-            gate = y[:, :2 * H * D].reshape(T, H, 2 * D)[..., D:].reshape(T, H * D)
-            out = ops.attention(q, k_cache, v_cache, batch, D**-0.5).reshape(T, H * D)
-            return ops.out_proj(out * jax.nn.sigmoid(gate), layer.wo, x), (k_cache, v_cache)
-        qg, k, v = jnp.split(y, [2 * H * D, (2 * H + KVH) * D], axis=-1)
     else:
         qg, k, v = ops.norm_projections(x, layer.attn_norm, (layer.wq, layer.wk, layer.wv), cfg.rms_norm_eps)
     qg = qg.reshape(T, H, 2 * D)
     q, gate = qg[..., :D], qg[..., D:].reshape(T, H * D)
-    k, v = k.reshape(T, KVH, D), v.reshape(T, KVH, D)
-    q, k = rms_norm(q, layer.q_norm, cfg.rms_norm_eps), rms_norm(k, layer.k_norm, cfg.rms_norm_eps)
-    q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-    k_cache, v_cache = write_kv(kv[0], kv[1], k, v, batch.slot_mapping)
+    if fused is not None:
+        q, k_cache, v_cache = fused
+    else:
+        k, v = k.reshape(T, KVH, D), v.reshape(T, KVH, D)
+        q, k = rms_norm(q, layer.q_norm, cfg.rms_norm_eps), rms_norm(k, layer.k_norm, cfg.rms_norm_eps)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        k_cache, v_cache = write_kv(kv[0], kv[1], k, v, batch.slot_mapping)
     out = ops.attention(q, k_cache, v_cache, batch, D**-0.5).reshape(T, H * D)
     return ops.out_proj(out * jax.nn.sigmoid(gate), layer.wo, x), (k_cache, v_cache)
 
