@@ -36,9 +36,11 @@ def main() -> None:
     ap.add_argument("--decode", action="store_true", help="the decode-only variant of the bucket")
     ap.add_argument("--pattern", required=True, help="regex on instruction names (a profile's kernel names)")
     ap.add_argument("--max-matches", type=int, default=3, help="per distinct instruction name")
+    ap.add_argument("--max-num-seqs", type=int, default=64, help="the engine's (the bucket's sequence count)")
+    ap.add_argument("--max-model-len", type=int, default=4096)
     args = ap.parse_args()
     model = args.shape if "/" in args.shape else f"dummy:{args.shape}"
-    core = EngineCore(EngineConfig(model=model, max_model_len=4096, max_num_seqs=64, warmup=False,
+    core = EngineCore(EngineConfig(model=model, max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs, warmup=False,
                                    executable_cache=False, max_num_batched_tokens=max(args.tokens, 256)))
     runner = core.runner
     T = args.tokens
