@@ -40,8 +40,8 @@ def main() -> None:
     ap.add_argument("--max-model-len", type=int, default=4096)
     args = ap.parse_args()
     model = args.shape if "/" in args.shape else f"dummy:{args.shape}"
-    core = EngineCore(EngineConfig(model=model, max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs, warmup=False,
-                                   executable_cache=False, max_num_batched_tokens=max(args.tokens, 256)))
+    core = EngineCore(EngineConfig(model=model, max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
+                                   warmup=False, executable_cache=False, max_num_batched_tokens=max(args.tokens, 256)))
     runner = core.runner
     T = args.tokens
     compiled = runner.forward_executable(T, runner.seqs_bucket(T), runner.page_buckets[-1], args.decode,
