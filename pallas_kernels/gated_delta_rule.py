@@ -112,11 +112,11 @@ def recurrent_reference(q: jax.Array, k: jax.Array, v: jax.Array, g: jax.Array, 
 # Kernel body
 # ----------------------------------------------------------------------------------------------
 def _recurrent_kernel(qs_ref, slot_ref, fresh_ref, active_ref, q_ref, k_ref, v_ref, g_ref, beta_ref, s_in_ref,
-                      o_ref, s_ref, *, group: int, block_v: int):
+                      o_in_ref, o_ref, s_ref, *, group: int, block_v: int):
     # qs_ref [B + 1]: row ranges; slot_ref, fresh_ref, active_ref [B]; q_ref, k_ref [T, Hk, Dk]; v_ref [T, Hv, Dv];
     # g_ref, beta_ref [T, Hv] f32; s_in_ref / s_ref [S, Hv, Dk, Dv] f32: the pool, aliased (read, then
-    # written in place); o_ref [T, Hv, Dv] f32.
-    del s_in_ref  # the same buffer as s_ref
+    # written in place); o_in_ref / o_ref [T, Hv, Dv]: the output, aliased (only this kernel's rows written).
+    del s_in_ref, o_in_ref  # the same buffers as s_ref, o_ref
     b, h, j = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     kh = h // group
     dk = q_ref.shape[-1]
@@ -133,7 +133,7 @@ def _recurrent_kernel(qs_ref, slot_ref, fresh_ref, active_ref, q_ref, k_ref, v_r
         state = state * jnp.exp(g_ref[t, h])
         delta = (v - jnp.sum(k[:, None] * state, axis=0)) * beta_ref[t, h]  # [block_v]
         state = state + k[:, None] * delta[None, :]
-        o_ref[t, h, cols] = jnp.sum(q[:, None] * state, axis=0)
+        o_ref[t, h, cols] = jnp.sum(q[:, None] * state, axis=0).astype(o_ref.dtype)
         return state
 
     @pl.when(active_ref[b] != 0)  # inactive: left to the chunked kernel (its rows and slot not touched)
@@ -144,7 +144,8 @@ def _recurrent_kernel(qs_ref, slot_ref, fresh_ref, active_ref, q_ref, k_ref, v_r
         s_ref[slot, h, :, cols] = jax.lax.fori_loop(start, end, body, state)
 
 
-def _recurrent_call(q, k, v, g, beta, states, slots, fresh, query_start, active, *, block_v, num_warps, interpret):
+def _recurrent_call(q, k, v, g, beta, states, slots, fresh, query_start, active, out, *, block_v, num_warps,
+                    interpret):
     T, hk, dk = q.shape
     hv, dv = v.shape[1], v.shape[2]
     B = slots.shape[0]
@@ -153,36 +154,32 @@ def _recurrent_call(q, k, v, g, beta, states, slots, fresh, query_start, active,
     o, states = pl.pallas_call(
         kernel,
         grid=(B, hv, dv // block_v),
-        in_specs=[whole] * 10,
+        in_specs=[whole] * 11,
         out_specs=[whole, whole],
-        out_shape=[jax.ShapeDtypeStruct((T, hv, dv), jnp.float32), jax.ShapeDtypeStruct(states.shape, jnp.float32)],
-        input_output_aliases={9: 1},
+        out_shape=[jax.ShapeDtypeStruct(out.shape, out.dtype), jax.ShapeDtypeStruct(states.shape, jnp.float32)],
+        input_output_aliases={10: 0, 9: 1},
         compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=1),
         interpret=interpret,
         name=f"recurrent_gated_delta_rule_bv{block_v}",
     )(query_start.astype(jnp.int32), slots.astype(jnp.int32), fresh.astype(jnp.int32), active.astype(jnp.int32),
-      q, k, v, g.astype(jnp.float32), beta.astype(jnp.float32), states)
-    # rows past the last sequence and inactive sequences' rows are never visited: zeros, not whatever the
-    # buffer held
-    row_seq = token_sequences(query_start, T)
-    visited = (row_seq < B) & (active[jnp.minimum(row_seq, B - 1)] != 0)
-    o = jnp.where(visited[:, None, None], o, 0.0)
+      q, k, v, g.astype(jnp.float32), beta.astype(jnp.float32), states, out)
     return o, states
 
 
 # ----------------------------------------------------------------------------------------------
 # Public API
 # ----------------------------------------------------------------------------------------------
-@functools.partial(jax.jit, static_argnames=("block_v", "num_warps", "interpret"), donate_argnames=("states",))
-def recurrent_gated_delta_rule(q, k, v, g, beta, states, slots, fresh, query_start, active=None, *,
+@functools.partial(jax.jit, static_argnames=("block_v", "num_warps", "interpret"), donate_argnames=("states", "out"))
+def recurrent_gated_delta_rule(q, k, v, g, beta, states, slots, fresh, query_start, active=None, out=None, *,
                                block_v: int | None = None, num_warps: int = 4, interpret: bool = False
                                ) -> tuple[jax.Array, jax.Array]:
     """The rule over a ragged batch (module doc), updating the state pool in place (donated).
 
     q, k: [T, Hk, Dk]; v: [T, Hv, Dv]; g, beta: [T, Hv]; states: [S, Hv, Dk, Dv] float32; slots, fresh:
-    [B]; query_start: [B + 1]; active: [B] bool or None (all): the sequences to run (the others' rows get
-    zeros and their slots are not touched: the chunked kernel runs them). Returns (o [T, Hv, Dv] float32,
-    the pool). Dk and Dv powers of two.
+    [B]; query_start: [B + 1]; active: [B] bool or None (all): the sequences to run (the others' rows and
+    slots are not touched: the chunked kernel runs them); out: [T, Hv, Dv] or None (zeros, float32): the
+    output buffer (donated), of which only the active sequences' rows are written, in its dtype (so two
+    kernels fill one buffer, each its own rows). Returns (o, the pool). Dk and Dv powers of two.
     """
     hv, dk, dv = check_shapes(q, k, v, g, beta, states)
     block_v = block_v or min(dv, 32)
@@ -190,33 +187,47 @@ def recurrent_gated_delta_rule(q, k, v, g, beta, states, slots, fresh, query_sta
         raise ValueError(f"block_v={block_v} must divide value_dim={dv}")
     if active is None:
         active = jnp.ones(slots.shape, bool)
-    return _recurrent_call(q, k, v, g, beta, states, slots, fresh, query_start, active, block_v=block_v,
+    out = check_out(out, q.shape[0], hv, dv)
+    return _recurrent_call(q, k, v, g, beta, states, slots, fresh, query_start, active, out, block_v=block_v,
                            num_warps=num_warps, interpret=interpret)
 
 
+def check_out(out, T: int, hv: int, dv: int) -> jax.Array:
+    """The output buffer the kernels write their rows into: zeros (float32) when None."""
+    if out is None:
+        return jnp.zeros((T, hv, dv), jnp.float32)
+    if out.shape != (T, hv, dv):
+        raise ValueError(f"out must be [T, Hv, Dv] = {(T, hv, dv)}, got {out.shape}")
+    return out
+
+
 def gated_delta_rule(q, k, v, g, beta, states, slots, fresh, query_start, *, backend: str = "reference",
-                     interpret: bool = False, chunked: bool = True) -> tuple[jax.Array, jax.Array]:
-    """The rule over a ragged batch (see the module doc): (o [T, Hv, Dv] float32, updated states pool).
+                     interpret: bool = False, chunked: bool = True, out_dtype=jnp.float32
+                     ) -> tuple[jax.Array, jax.Array]:
+    """The rule over a ragged batch (see the module doc): (o [T, Hv, Dv] in out_dtype, updated states pool).
 
     backend "reference": `recurrent_reference`. "pallas": sequences with >= MIN_LEN (64) new rows run in
     chunks (pallas_kernels/gated_delta_rule_chunked.py: tensor-core matmuls), the others (decode rows, short
     chunks of a chunked prefill) in the recurrent kernel; a step of fewer than MIN_LEN rows only launches
-    the recurrent one. Each kernel skips the other's sequences, so a mixed step costs both their work only.
+    the recurrent one. Each kernel skips the other's sequences and writes its own rows of one zeroed output
+    buffer (in out_dtype: no float32 copy of o goes through HBM), so a mixed step costs both their work only.
     chunked=False (decode-only steps, where no sequence can be long): the recurrent kernel alone, without
     the chunked part's dozen or so small ops per layer.
     """
     if backend != "pallas":
-        return recurrent_reference(q, k, v, g, beta, states, slots, fresh, query_start)
+        o, states = recurrent_reference(q, k, v, g, beta, states, slots, fresh, query_start)
+        return o.astype(out_dtype), states
     from pallas_kernels.gated_delta_rule_chunked import MIN_LEN, chunked_gated_delta_rule
 
+    out = jnp.zeros((q.shape[0], v.shape[1], v.shape[2]), out_dtype)
     if not chunked or q.shape[0] < MIN_LEN:
-        return recurrent_gated_delta_rule(q, k, v, g, beta, states, slots, fresh, query_start, interpret=interpret)
+        return recurrent_gated_delta_rule(q, k, v, g, beta, states, slots, fresh, query_start, out=out,
+                                          interpret=interpret)
     short = query_start[1:] - query_start[:-1] < MIN_LEN
-    o_short, states = recurrent_gated_delta_rule(q, k, v, g, beta, states, slots, fresh, query_start, short,
-                                                 interpret=interpret)
-    o_long, states = chunked_gated_delta_rule(q, k, v, g, beta, states, slots, fresh, query_start, min_len=MIN_LEN,
-                                              interpret=interpret)
-    return o_short + o_long, states  # each is zero on the other's rows
+    out, states = recurrent_gated_delta_rule(q, k, v, g, beta, states, slots, fresh, query_start, short, out,
+                                             interpret=interpret)
+    return chunked_gated_delta_rule(q, k, v, g, beta, states, slots, fresh, query_start, out=out, min_len=MIN_LEN,
+                                    interpret=interpret)
 
 
 # ----------------------------------------------------------------------------------------------

@@ -30,7 +30,9 @@ Two phases:
   (`chunked_gated_delta_rule`, Triton lowering) runs one program per (sequence, value head, block of
   value columns), keeps its [Dk, block_v] slice of the state in registers, walks the sequence's chunks
   with four dots per chunk (W S and Q e^g S: [C, Dk] x [Dk, block_v]; P V': [C, C] x [C, block_v];
-  Kd^T V': [Dk, C] x [C, block_v]), and writes the slice back to the sequence's slot in place.
+  Kd^T V': [Dk, C] x [C, block_v]), stores each chunk's output rows straight into the step's [T, Hv, Dv]
+  output (masked past the sequence's end; the recurrent kernel writes the other sequences' rows of the same
+  buffer) and writes the slice back to the sequence's slot in place.
     `chunked_reference` is the same algorithm with the recurrence as a `lax.scan` over chunk positions (all
   sequences at once); both are tested against the token-by-token
   `recurrent_reference` (which is golden-checked against HF).
@@ -47,7 +49,7 @@ import numpy as np
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from pallas_kernels.gated_delta_rule import check_shapes, initial_states
+from pallas_kernels.gated_delta_rule import check_out, check_shapes, initial_states
 from pallas_kernels.gated_delta_rule_intra import intra_chunk, intra_chunk_pallas, unit_lower_inverse
 
 __all__ = ["intra_chunk", "unit_lower_inverse"]  # phase 1's reference, here since it began here
@@ -136,15 +138,17 @@ def chunked_reference(q, k, v, g, beta, states, slots, fresh, query_start, *, mi
 # ----------------------------------------------------------------------------------------------
 # Kernel body: the inter-chunk recurrence
 # ----------------------------------------------------------------------------------------------
-def _chunk_state_kernel(cs_ref, slot_ref, fresh_ref, w_ref, u_ref, qg_ref, kd_ref, p_ref, dl_ref, s_in_ref,
-                        o_ref, s_ref, *, block_v: int, precision):
-    # cs_ref [B + 1]: each sequence's chunks; slot_ref, fresh_ref [B]; w_ref, qg_ref, kd_ref [NC, Hv, C, Dk];
-    # u_ref [NC, Hv, C, Dv]; p_ref [NC, Hv, C, C] (these five f32 or bf16); dl_ref [NC, Hv] f32; s_in_ref / s_ref
-    # [S, Hv, Dk, Dv] f32: the pool, aliased; o_ref [NC, Hv, C, Dv] f32.
-    del s_in_ref  # the same buffer as s_ref
+def _chunk_state_kernel(qs_ref, cs_ref, slot_ref, fresh_ref, w_ref, u_ref, qg_ref, kd_ref, p_ref, dl_ref, s_in_ref,
+                        o_in_ref, o_ref, s_ref, *, block_v: int, precision):
+    # qs_ref [B + 1]: row ranges; cs_ref [B + 1]: each sequence's chunks; slot_ref, fresh_ref [B]; w_ref, qg_ref,
+    # kd_ref [NC, Hv, C, Dk]; u_ref [NC, Hv, C, Dv]; p_ref [NC, Hv, C, C] (these five f32 or bf16); dl_ref [NC, Hv]
+    # f32; s_in_ref / s_ref [S, Hv, Dk, Dv] f32: the pool, aliased; o_in_ref / o_ref [T, Hv, Dv]: the output rows,
+    # aliased (only the chunked sequences' rows are written, in o_ref's dtype).
+    del s_in_ref, o_in_ref  # the same buffers as s_ref, o_ref
     b, h, j = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     cols = pl.ds(j * block_v, block_v)
     first, last = cs_ref[b], cs_ref[b + 1]
+    C = u_ref.shape[2]
     dot = functools.partial(jnp.dot, precision=precision, preferred_element_type=jnp.float32)
     f32 = jnp.float32  # the parts may be stored in bf16: the dots run on float32 values against the f32 state
 
@@ -153,10 +157,14 @@ def _chunk_state_kernel(cs_ref, slot_ref, fresh_ref, w_ref, u_ref, qg_ref, kd_re
         slot = slot_ref[b]
         state = s_ref[slot, h, :, cols]  # [Dk, block_v]
         state = jnp.where(fresh_ref[b] != 0, 0.0, state)
+        row0, end = qs_ref[b] - first * C, qs_ref[b + 1]  # chunk c's rows: row0 + c C + [0, C), those < end
 
         def body(c, state):
             vn = u_ref[c, h, :, cols].astype(f32) - dot(w_ref[c, h, :, :].astype(f32), state)  # [C, block_v]
-            o_ref[c, h, :, cols] = dot(qg_ref[c, h, :, :].astype(f32), state) + dot(p_ref[c, h, :, :].astype(f32), vn)
+            o = dot(qg_ref[c, h, :, :].astype(f32), state) + dot(p_ref[c, h, :, :].astype(f32), vn)
+            rows = row0 + c * C + jnp.arange(C)
+            plgpu.store(o_ref.at[pl.ds(row0 + c * C, C), h, cols], o.astype(o_ref.dtype),
+                        mask=jnp.broadcast_to((rows < end)[:, None], (C, block_v)))
             kd = kd_ref[c, h, :, :].astype(f32)  # [C, Dk]
             return state * dl_ref[c, h] + jax.lax.dot_general(kd, vn, (((0,), (0,)), ((), ())), precision=precision,
                                                               preferred_element_type=jnp.float32)
@@ -164,26 +172,24 @@ def _chunk_state_kernel(cs_ref, slot_ref, fresh_ref, w_ref, u_ref, qg_ref, kd_re
         s_ref[slot, h, :, cols] = jax.lax.fori_loop(first, last, body, state)
 
 
-def _chunk_state_call(parts, states, slots, fresh, chunk_start, *, block_v, num_warps, num_stages, precision,
-                      interpret):
-    nc, hv, c, dv = parts["u"].shape
+def _chunk_state_call(parts, states, slots, fresh, query_start, chunk_start, out, *, block_v, num_warps, num_stages,
+                      precision, interpret):
+    hv, dv = parts["u"].shape[1], parts["u"].shape[3]
     B = slots.shape[0]
     whole = pl.no_block_spec
     kernel = functools.partial(_chunk_state_kernel, block_v=block_v, precision=precision)
-    o, states = pl.pallas_call(
+    return pl.pallas_call(
         kernel,
         grid=(B, hv, dv // block_v),
-        in_specs=[whole] * 10,
+        in_specs=[whole] * 12,
         out_specs=[whole, whole],
-        out_shape=[jax.ShapeDtypeStruct((nc, hv, c, dv), jnp.float32),
-                   jax.ShapeDtypeStruct(states.shape, jnp.float32)],
-        input_output_aliases={9: 1},
+        out_shape=[jax.ShapeDtypeStruct(out.shape, out.dtype), jax.ShapeDtypeStruct(states.shape, jnp.float32)],
+        input_output_aliases={11: 0, 10: 1},
         compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),
         interpret=interpret,
         name=f"chunked_gated_delta_rule_bv{block_v}",
-    )(chunk_start, slots.astype(jnp.int32), fresh.astype(jnp.int32), parts["w"], parts["u"], parts["qg"],
-      parts["kd"], parts["p"], parts["dl"], states)
-    return o, states
+    )(query_start.astype(jnp.int32), chunk_start, slots.astype(jnp.int32), fresh.astype(jnp.int32), parts["w"],
+      parts["u"], parts["qg"], parts["kd"], parts["p"], parts["dl"], states, out)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -193,8 +199,8 @@ INTRA_WIDE_CHUNKS = 128  # the intra-chunk kernel's warps by chunk count (H100, 
 
 
 @functools.partial(jax.jit, static_argnames=("min_len", "block_v", "num_warps", "num_stages", "exact", "intra",
-                                             "parts_dtype", "interpret"), donate_argnames=("states",))
-def chunked_gated_delta_rule(q, k, v, g, beta, states, slots, fresh, query_start, *, min_len: int = 1,
+                                             "parts_dtype", "interpret"), donate_argnames=("states", "out"))
+def chunked_gated_delta_rule(q, k, v, g, beta, states, slots, fresh, query_start, out=None, *, min_len: int = 1,
                              block_v: int | None = None, num_warps: int = 4, num_stages: int = 2,
                              exact: bool = False, intra: str = "pallas", parts_dtype=None,
                              interpret: bool = False) -> tuple[jax.Array, jax.Array]:
@@ -202,7 +208,9 @@ def chunked_gated_delta_rule(q, k, v, g, beta, states, slots, fresh, query_start
     their state slots in place (the pool is donated); other sequences get zero outputs and keep their slots.
 
     q, k: [T, Hk, Dk]; v: [T, Hv, Dv]; g, beta: [T, Hv]; states: [S, Hv, Dk, Dv] float32; slots, fresh:
-    [B]; query_start: [B + 1]. Returns (o [T, Hv, Dv] float32, the pool). Dk, Dv powers of two >= 16.
+    [B]; query_start: [B + 1]; out: [T, Hv, Dv] or None (zeros, float32): the output buffer (donated), of which
+    only the chunked sequences' rows are written, in its dtype (the recurrent kernel fills the others). Returns
+    (o, the pool). Dk, Dv powers of two >= 16.
     exact: the kernels' dots in full float32 (default: TF32 on the GPU's tensor cores). intra: the
     intra-chunk part by the fused kernel ("pallas") or by XLA ("jnp": `intra_chunk`, float32); parts_dtype:
     the dtype the kernel stores W, U, Qg, Kd, P in (default v's: bf16 in the model, as fla).
@@ -225,10 +233,9 @@ def chunked_gated_delta_rule(q, k, v, g, beta, states, slots, fresh, query_start
     else:
         parts = intra_chunk(q, k, v, g, beta, layout["rows"])
     precision = jax.lax.Precision.HIGHEST if exact else jax.lax.Precision.DEFAULT
-    o_chunks, states = _chunk_state_call(parts, states, slots, fresh, layout["chunk_start"], block_v=block_v,
-                                         num_warps=num_warps, num_stages=num_stages, precision=precision,
-                                         interpret=interpret)
-    return _rows_out(o_chunks, layout), states
+    return _chunk_state_call(parts, states, slots, fresh, query_start, layout["chunk_start"],
+                             check_out(out, T, hv, dv), block_v=block_v, num_warps=num_warps, num_stages=num_stages,
+                             precision=precision, interpret=interpret)
 
 
 # ----------------------------------------------------------------------------------------------

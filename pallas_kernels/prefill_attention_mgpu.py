@@ -382,7 +382,9 @@ def _mgpu_call(q, k_cache, v_cache, query_start, seq_lens, page_table, *, scale,
     use_first = (first >= q0) & (first < q1) & (q0 % ALIGN != 0)
     use_last = (last >= q0) & (last < q1) & (q1 % ALIGN != 0) & ((q1 - 1) // ALIGN * ALIGN >= q0)
     tok = jnp.stack([jnp.where(use_first, first, padded_tokens), jnp.where(use_last, last, padded_tokens)], 1)
-    out = out.at[tok.reshape(-1)].set(edges.reshape(-1, num_heads, head_dim), mode="drop")
+    # the in-bounds rows are distinct (an edge chunk shared by two sequences' tiles is split between them by
+    # use_first / use_last), the rest dropped: plain stores, not XLA's atomic compare-and-swap per element
+    out = out.at[tok.reshape(-1)].set(edges.reshape(-1, num_heads, head_dim), mode="drop", unique_indices=True)
     return out[:num_tokens] if padded_tokens != num_tokens else out
 
 

@@ -71,7 +71,7 @@ def moe_mlp(x: jax.Array, logits: jax.Array, w_gate: jax.Array, w_up: jax.Array,
     y = y * weights.reshape(-1)[order][:, None]
     if first is not None:  # rows past the groups are not defined by ragged_dot
         y = jnp.where(mine[order][:, None], y, 0.0)
-    out = jnp.zeros((tokens * top_k, hidden), jnp.float32).at[order].set(y)
+    out = jnp.zeros((tokens * top_k, hidden), jnp.float32).at[order].set(y, unique_indices=True)  # a permutation
     return out.reshape(tokens, top_k, hidden).sum(axis=1).astype(x.dtype)
 
 
@@ -82,13 +82,15 @@ def write_kv(
 
     k_cache/v_cache: [num_pages, page_size, KVH, D]; k/v: [T, KVH, D]; slot_mapping: [T].
     Page 0 is reserved (never holds a sequence's tokens), so padding writes land there instead of
-    being dropped: every index is in bounds and the scatter needs no bounds handling.
+    being dropped: every index is in bounds and the scatter needs no bounds handling. The other slots are
+    unique (each token its own), and what page 0 holds is never read, so the scatter is declared with unique
+    indices: plain stores instead of XLA's atomic compare-and-swap loop per element.
     """
     num_pages, page_size, kvh, d = k_cache.shape
     num_slots = num_pages * page_size
     slots = jnp.where(slot_mapping < 0, 0, slot_mapping)
     k, v = k.astype(k_cache.dtype), v.astype(v_cache.dtype)
     k_flat, v_flat = k_cache.reshape(num_slots, kvh, d), v_cache.reshape(num_slots, kvh, d)
-    k_flat = k_flat.at[slots].set(k, mode="promise_in_bounds")
-    v_flat = v_flat.at[slots].set(v, mode="promise_in_bounds")
+    k_flat = k_flat.at[slots].set(k, mode="promise_in_bounds", unique_indices=True)
+    v_flat = v_flat.at[slots].set(v, mode="promise_in_bounds", unique_indices=True)
     return k_flat.reshape(k_cache.shape), v_flat.reshape(v_cache.shape)

@@ -211,7 +211,10 @@ def causal_conv(x: jax.Array, conv_state: jax.Array, weight: jax.Array, seq: jax
     latest = last[:, None] - (last[:, None] - jnp.arange(K)[None, :]) % K  # [B, K]
     off = latest - (last - n + 1)[:, None]  # offset within the sequence's new rows (< 0: not among them)
     new = jnp.where((off >= 0)[..., None], x[jnp.clip(query_start[:-1, None] + off, 0, T - 1)], ring)
-    return y, conv_state.at[slots].set(new.astype(conv_state.dtype))
+    # unique_indices: a running sequence's slot is its own; padding sequences all share the scratch slot 0, whose
+    # contents no sequence reads. Without it XLA's GPU scatter writes each element by an atomic compare-and-swap
+    # loop (86 us a layer for 256 rings of 4 x 8192 bf16 in an H100 profile of offline serving).
+    return y, conv_state.at[slots].set(new.astype(conv_state.dtype), unique_indices=True)
 
 
 def _gated_delta_net(layer: HybridLayer, x, state, batch: Batch, info, cfg: ModelConfig, ops: ModelOps):
@@ -240,8 +243,8 @@ def _gated_delta_net(layer: HybridLayer, x, state, batch: Batch, info, cfg: Mode
         q, k, v = jnp.split(mixed, [Hk * Dk, 2 * Hk * Dk], axis=-1)
         q, k, v = q.reshape(T, Hk, Dk), k.reshape(T, Hk, Dk), v.reshape(T, Hv, Dv)
         beta, g = gates(b, a, layer.a_log, layer.dt_bias)
-        o, rec_state = ops.gated_delta_rule(q, k, v, g, beta, rec_state, slots, fresh, qs)  # o: [T, Hv, Dv] f32
-        o = ops.gated_rms_norm(o.astype(x.dtype), z.reshape(T, Hv, Dv), layer.lin_norm, cfg.rms_norm_eps)
+        o, rec_state = ops.gated_delta_rule(q, k, v, g, beta, rec_state, slots, fresh, qs, x.dtype)  # [T, Hv, Dv]
+        o = ops.gated_rms_norm(o, z.reshape(T, Hv, Dv), layer.lin_norm, cfg.rms_norm_eps)
     return ops.out_proj(o.reshape(T, Hv * Dv), layer.lin_out, x), (conv_state, rec_state)
 
 

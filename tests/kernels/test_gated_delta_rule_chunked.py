@@ -109,6 +109,20 @@ def test_pallas_dispatch_matches_reference(mode):
         assert_matches(o, s, o_ref, s_ref, args, before, lens, tol)
 
 
+@pytest.mark.parametrize("mode", MODES)
+def test_pallas_dispatch_bf16_output(mode):
+    """out_dtype=bf16 (the model's): both kernels write their own rows of one bf16 buffer (no float32 o through
+    HBM); the rows as the reference's rounded to bf16, padding rows zeros."""
+    interpret = mode == "interpret"
+    lens, fresh = [1, 100, 1, 63, 64], [0, 1, 0, 0, 0]
+    args = problem(np.random.default_rng(7), lens, fresh, 2, 4, 16, 32, jnp.float32, 240)
+    o_ref, s_ref = recurrent_reference(*args)
+    before = np.asarray(args[5]).copy()
+    o, s = jax.jit(partial(gated_delta_rule, backend="pallas", interpret=interpret, out_dtype=jnp.bfloat16))(*args)
+    assert o.dtype == jnp.bfloat16
+    assert_matches(o.astype(jnp.float32), s, o_ref, s_ref, args, before, lens, 1e-2)
+
+
 def test_chunk_layout():
     qs = jnp.asarray([0, 1, 65, 195, 195], jnp.int32)  # lengths 1, 64, 130, 0
     nc = max_chunks(200, 4, CHUNK, 2)
