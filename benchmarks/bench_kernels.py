@@ -364,7 +364,17 @@ def main() -> None:
                         help="run the selected benchmarks N times; the JSON's summary has each figure's median")
     parser.add_argument("--smoke", action="store_true",
                         help="tiny shapes in interpret mode (checks the script)")
+    parser.add_argument("--attention-shape", default=None, metavar="H,KVH,D",
+                        help="the attention kernels' heads, kv heads, head_dim (default 32,8,128: Qwen3-4B; "
+                             "Qwen3.5-4B's full-attention layers are 16,4,256)")
+    parser.add_argument("--decode-shapes", default=None, metavar="B:CTX,...",
+                        help="the decode benchmark's (batch, context) pairs (default 1:8192,64:2048,256:1024)")
     args = parser.parse_args()
+    global HEADS, KV_HEADS, DIM
+    if args.attention_shape:
+        HEADS, KV_HEADS, DIM = (int(x) for x in args.attention_shape.split(","))
+    if args.decode_shapes:
+        SHAPES["decode"] = tuple(tuple(int(x) for x in p.split(":")) for p in args.decode_shapes.split(","))
     warnings.simplefilter("ignore", DeprecationWarning)
     if args.smoke:
         SHAPES.update(SMOKE_SHAPES)
