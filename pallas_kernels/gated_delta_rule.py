@@ -65,6 +65,42 @@ def token_sequences(query_start: jax.Array, num_tokens: int) -> jax.Array:
     return jnp.searchsorted(query_start[1:], jnp.arange(num_tokens, dtype=jnp.int32), side="right").astype(jnp.int32)
 
 
+def head_views(q, k, v, packed_k_heads: int | None):
+    """q / k / v as the kernels take them, and the head offsets each reads at: as given (offsets 0); or, with
+    packed_k_heads = Hk, q is one [T, 2 Hk + Hv, D] array holding the q heads, then the k heads, then the v heads
+    (Gated DeltaNet's conv output reshaped for free when Dk = Dv) and k, v are None: the one array is passed as
+    all three operands, so no slice of it is copied out before the kernel."""
+    if packed_k_heads is None:
+        return (q, k, v), (0, 0, 0)
+    _check_packed(q, k, v, packed_k_heads)
+    hk = packed_k_heads
+    return (q, q, q), (0, hk, 2 * hk)
+
+
+def _check_packed(q, k, v, hk: int) -> None:
+    if k is not None or v is not None or len(q.shape) != 3 or q.shape[1] <= 2 * hk:
+        raise ValueError(f"packed q|k|v: q must be [T, 2 Hk + Hv, D] with Hk = {hk} heads of q and k first, and "
+                         f"k = v = None; got q {q.shape}, k {None if k is None else k.shape}")
+
+
+def head_shapes(q, k, v, packed_k_heads: int | None):
+    """The shapes of q, k, v ([T, Hk, Dk], [T, Hk, Dk], [T, Hv, Dv]) whether packed (`head_views`) or not."""
+    if packed_k_heads is None:
+        return q, k, v
+    _check_packed(q, k, v, packed_k_heads)
+    (T, H, D), hk = q.shape, packed_k_heads
+    return (jax.ShapeDtypeStruct((T, hk, D), q.dtype), jax.ShapeDtypeStruct((T, hk, D), q.dtype),
+            jax.ShapeDtypeStruct((T, H - 2 * hk, D), q.dtype))
+
+
+def unpack_heads(q, k, v, packed_k_heads: int | None):
+    """q, k, v as three arrays (slices of a packed one: copies; for the jnp references)."""
+    if packed_k_heads is None:
+        return q, k, v
+    hk = packed_k_heads
+    return q[:, :hk], q[:, hk:2 * hk], q[:, 2 * hk:]
+
+
 def prepare_qk(q: jax.Array, k: jax.Array, num_v_heads: int) -> tuple[jax.Array, jax.Array]:
     """L2-normalise q and k (float32), scale q by key_dim^-0.5, repeat each head for its value heads."""
     rep = num_v_heads // q.shape[1]
@@ -112,8 +148,9 @@ def recurrent_reference(q: jax.Array, k: jax.Array, v: jax.Array, g: jax.Array, 
 # Kernel body
 # ----------------------------------------------------------------------------------------------
 def _recurrent_kernel(qs_ref, slot_ref, fresh_ref, active_ref, q_ref, k_ref, v_ref, g_ref, beta_ref, s_in_ref,
-                      o_in_ref, o_ref, s_ref, *, group: int, block_v: int):
-    # qs_ref [B + 1]: row ranges; slot_ref, fresh_ref, active_ref [B]; q_ref, k_ref [T, Hk, Dk]; v_ref [T, Hv, Dv];
+                      o_in_ref, o_ref, s_ref, *, group: int, block_v: int, offsets: tuple[int, int, int]):
+    # qs_ref [B + 1]: row ranges; slot_ref, fresh_ref, active_ref [B]; q_ref, k_ref [T, Hk, Dk]; v_ref [T, Hv, Dv]
+    # (or one packed array: heads read at `offsets`, see head_views);
     # g_ref, beta_ref [T, Hv] f32; s_in_ref / s_ref [S, Hv, Dk, Dv] f32: the pool, aliased (read, then
     # written in place); o_in_ref / o_ref [T, Hv, Dv]: the output, aliased (only this kernel's rows written).
     del s_in_ref, o_in_ref  # the same buffers as s_ref, o_ref
@@ -125,11 +162,11 @@ def _recurrent_kernel(qs_ref, slot_ref, fresh_ref, active_ref, q_ref, k_ref, v_r
     scale = dk ** -0.5
 
     def body(t, state):
-        q = q_ref[t, kh, :].astype(jnp.float32)  # [Dk]
-        k = k_ref[t, kh, :].astype(jnp.float32)
+        q = q_ref[t, offsets[0] + kh, :].astype(jnp.float32)  # [Dk]
+        k = k_ref[t, offsets[1] + kh, :].astype(jnp.float32)
         q = q * jax.lax.rsqrt(jnp.sum(q * q) + L2_EPS) * scale
         k = k * jax.lax.rsqrt(jnp.sum(k * k) + L2_EPS)
-        v = v_ref[t, h, cols].astype(jnp.float32)  # [block_v]
+        v = v_ref[t, offsets[2] + h, cols].astype(jnp.float32)  # [block_v]
         state = state * jnp.exp(g_ref[t, h])
         delta = (v - jnp.sum(k[:, None] * state, axis=0)) * beta_ref[t, h]  # [block_v]
         state = state + k[:, None] * delta[None, :]
@@ -144,13 +181,12 @@ def _recurrent_kernel(qs_ref, slot_ref, fresh_ref, active_ref, q_ref, k_ref, v_r
         s_ref[slot, h, :, cols] = jax.lax.fori_loop(start, end, body, state)
 
 
-def _recurrent_call(q, k, v, g, beta, states, slots, fresh, query_start, active, out, *, block_v, num_warps,
-                    interpret):
-    T, hk, dk = q.shape
-    hv, dv = v.shape[1], v.shape[2]
+def _recurrent_call(q, k, v, g, beta, states, slots, fresh, query_start, active, out, *, hk, block_v, num_warps,
+                    offsets, interpret):
+    T, hv, dv = out.shape
     B = slots.shape[0]
     whole = pl.no_block_spec
-    kernel = functools.partial(_recurrent_kernel, group=hv // hk, block_v=block_v)
+    kernel = functools.partial(_recurrent_kernel, group=hv // hk, block_v=block_v, offsets=offsets)
     o, states = pl.pallas_call(
         kernel,
         grid=(B, hv, dv // block_v),
@@ -169,27 +205,31 @@ def _recurrent_call(q, k, v, g, beta, states, slots, fresh, query_start, active,
 # ----------------------------------------------------------------------------------------------
 # Public API
 # ----------------------------------------------------------------------------------------------
-@functools.partial(jax.jit, static_argnames=("block_v", "num_warps", "interpret"), donate_argnames=("states", "out"))
+@functools.partial(jax.jit, static_argnames=("block_v", "num_warps", "packed_k_heads", "interpret"),
+                   donate_argnames=("states", "out"))
 def recurrent_gated_delta_rule(q, k, v, g, beta, states, slots, fresh, query_start, active=None, out=None, *,
-                               block_v: int | None = None, num_warps: int = 4, interpret: bool = False
-                               ) -> tuple[jax.Array, jax.Array]:
+                               block_v: int | None = None, num_warps: int = 4, packed_k_heads: int | None = None,
+                               interpret: bool = False) -> tuple[jax.Array, jax.Array]:
     """The rule over a ragged batch (module doc), updating the state pool in place (donated).
 
-    q, k: [T, Hk, Dk]; v: [T, Hv, Dv]; g, beta: [T, Hv]; states: [S, Hv, Dk, Dv] float32; slots, fresh:
-    [B]; query_start: [B + 1]; active: [B] bool or None (all): the sequences to run (the others' rows and
-    slots are not touched: the chunked kernel runs them); out: [T, Hv, Dv] or None (zeros, float32): the
-    output buffer (donated), of which only the active sequences' rows are written, in its dtype (so two
-    kernels fill one buffer, each its own rows). Returns (o, the pool). Dk and Dv powers of two.
+    q, k: [T, Hk, Dk]; v: [T, Hv, Dv] (or q|k|v packed in q, k = v = None: `head_views`); g, beta: [T, Hv];
+    states: [S, Hv, Dk, Dv] float32; slots, fresh: [B]; query_start: [B + 1]; active: [B] bool or None (all):
+    the sequences to run (the others' rows and slots are not touched: the chunked kernel runs them); out:
+    [T, Hv, Dv] or None (zeros, float32): the output buffer (donated), of which only the active sequences'
+    rows are written, in its dtype (so two kernels fill one buffer, each its own rows). Returns (o, the
+    pool). Dk and Dv powers of two.
     """
-    hv, dk, dv = check_shapes(q, k, v, g, beta, states)
+    shapes = head_shapes(q, k, v, packed_k_heads)
+    hv, dk, dv = check_shapes(*shapes, g, beta, states)
     block_v = block_v or min(dv, 32)
     if dv % block_v:
         raise ValueError(f"block_v={block_v} must divide value_dim={dv}")
     if active is None:
         active = jnp.ones(slots.shape, bool)
     out = check_out(out, q.shape[0], hv, dv)
-    return _recurrent_call(q, k, v, g, beta, states, slots, fresh, query_start, active, out, block_v=block_v,
-                           num_warps=num_warps, interpret=interpret)
+    (q, k, v), offsets = head_views(q, k, v, packed_k_heads)
+    return _recurrent_call(q, k, v, g, beta, states, slots, fresh, query_start, active, out, hk=shapes[0].shape[1],
+                           block_v=block_v, num_warps=num_warps, offsets=offsets, interpret=interpret)
 
 
 def check_out(out, T: int, hv: int, dv: int) -> jax.Array:
@@ -202,8 +242,8 @@ def check_out(out, T: int, hv: int, dv: int) -> jax.Array:
 
 
 def gated_delta_rule(q, k, v, g, beta, states, slots, fresh, query_start, *, backend: str = "reference",
-                     interpret: bool = False, chunked: bool = True, out_dtype=jnp.float32
-                     ) -> tuple[jax.Array, jax.Array]:
+                     interpret: bool = False, chunked: bool = True, out_dtype=jnp.float32,
+                     packed_k_heads: int | None = None) -> tuple[jax.Array, jax.Array]:
     """The rule over a ragged batch (see the module doc): (o [T, Hv, Dv] in out_dtype, updated states pool).
 
     backend "reference": `recurrent_reference`. "pallas": sequences with >= MIN_LEN (64) new rows run in
@@ -212,22 +252,23 @@ def gated_delta_rule(q, k, v, g, beta, states, slots, fresh, query_start, *, bac
     the recurrent one. Each kernel skips the other's sequences and writes its own rows of one zeroed output
     buffer (in out_dtype: no float32 copy of o goes through HBM), so a mixed step costs both their work only.
     chunked=False (decode-only steps, where no sequence can be long): the recurrent kernel alone, without
-    the chunked part's dozen or so small ops per layer.
+    the chunked part's dozen or so small ops per layer. packed_k_heads: q holds q|k|v (`head_views`).
     """
     if backend != "pallas":
-        o, states = recurrent_reference(q, k, v, g, beta, states, slots, fresh, query_start)
+        o, states = recurrent_reference(*unpack_heads(q, k, v, packed_k_heads), g, beta, states, slots, fresh,
+                                        query_start)
         return o.astype(out_dtype), states
     from pallas_kernels.gated_delta_rule_chunked import MIN_LEN, chunked_gated_delta_rule
 
-    out = jnp.zeros((q.shape[0], v.shape[1], v.shape[2]), out_dtype)
+    hv, dv = head_shapes(q, k, v, packed_k_heads)[2].shape[1:]
+    out = jnp.zeros((q.shape[0], hv, dv), out_dtype)
+    pk = dict(packed_k_heads=packed_k_heads, interpret=interpret)
     if not chunked or q.shape[0] < MIN_LEN:
-        return recurrent_gated_delta_rule(q, k, v, g, beta, states, slots, fresh, query_start, out=out,
-                                          interpret=interpret)
+        return recurrent_gated_delta_rule(q, k, v, g, beta, states, slots, fresh, query_start, out=out, **pk)
     short = query_start[1:] - query_start[:-1] < MIN_LEN
-    out, states = recurrent_gated_delta_rule(q, k, v, g, beta, states, slots, fresh, query_start, short, out,
-                                             interpret=interpret)
+    out, states = recurrent_gated_delta_rule(q, k, v, g, beta, states, slots, fresh, query_start, short, out, **pk)
     return chunked_gated_delta_rule(q, k, v, g, beta, states, slots, fresh, query_start, out=out, min_len=MIN_LEN,
-                                    interpret=interpret)
+                                    **pk)
 
 
 # ----------------------------------------------------------------------------------------------

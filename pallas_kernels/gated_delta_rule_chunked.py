@@ -49,7 +49,7 @@ import numpy as np
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from pallas_kernels.gated_delta_rule import check_out, check_shapes, initial_states
+from pallas_kernels.gated_delta_rule import check_out, check_shapes, head_shapes, initial_states, unpack_heads
 from pallas_kernels.gated_delta_rule_intra import intra_chunk, intra_chunk_pallas, unit_lower_inverse
 
 __all__ = ["intra_chunk", "unit_lower_inverse"]  # phase 1's reference, here since it began here
@@ -199,15 +199,18 @@ INTRA_WIDE_CHUNKS = 128  # the intra-chunk kernel's warps by chunk count (H100, 
 
 
 @functools.partial(jax.jit, static_argnames=("min_len", "block_v", "num_warps", "num_stages", "exact", "intra",
-                                             "parts_dtype", "interpret"), donate_argnames=("states", "out"))
+                                             "parts_dtype", "packed_k_heads", "interpret"),
+                   donate_argnames=("states", "out"))
 def chunked_gated_delta_rule(q, k, v, g, beta, states, slots, fresh, query_start, out=None, *, min_len: int = 1,
                              block_v: int | None = None, num_warps: int = 4, num_stages: int = 2,
                              exact: bool = False, intra: str = "pallas", parts_dtype=None,
-                             interpret: bool = False) -> tuple[jax.Array, jax.Array]:
+                             packed_k_heads: int | None = None, interpret: bool = False
+                             ) -> tuple[jax.Array, jax.Array]:
     """The rule in chunks over the sequences of >= min_len new rows of a ragged batch (module doc), updating
     their state slots in place (the pool is donated); other sequences get zero outputs and keep their slots.
 
-    q, k: [T, Hk, Dk]; v: [T, Hv, Dv]; g, beta: [T, Hv]; states: [S, Hv, Dk, Dv] float32; slots, fresh:
+    q, k: [T, Hk, Dk]; v: [T, Hv, Dv] (or q|k|v packed in q, k = v = None: gated_delta_rule.head_views); g,
+    beta: [T, Hv]; states: [S, Hv, Dk, Dv] float32; slots, fresh:
     [B]; query_start: [B + 1]; out: [T, Hv, Dv] or None (zeros, float32): the output buffer (donated), of which
     only the chunked sequences' rows are written, in its dtype (the recurrent kernel fills the others). Returns
     (o, the pool). Dk, Dv powers of two >= 16.
@@ -215,7 +218,7 @@ def chunked_gated_delta_rule(q, k, v, g, beta, states, slots, fresh, query_start
     intra-chunk part by the fused kernel ("pallas") or by XLA ("jnp": `intra_chunk`, float32); parts_dtype:
     the dtype the kernel stores W, U, Qg, Kd, P in (default v's: bf16 in the model, as fla).
     """
-    hv, dk, dv = check_shapes(q, k, v, g, beta, states, min_dim=16)  # tensor-core dots
+    hv, dk, dv = check_shapes(*head_shapes(q, k, v, packed_k_heads), g, beta, states, min_dim=16)  # tensor cores
     T = q.shape[0]
     block_v = block_v or min(dv, 32)
     if dv % block_v or block_v < 16:
@@ -229,9 +232,10 @@ def chunked_gated_delta_rule(q, k, v, g, beta, states, slots, fresh, query_start
     layout = chunk_layout(query_start, T, nc, CHUNK, min_len)
     if intra == "pallas":  # 8 warps from 128 chunks: 1.82 vs 2.80 ms at 16k tokens, 4: 0.17 vs 0.26 ms at 1k
         parts = intra_chunk_pallas(q, k, v, g, beta, layout["rows"], out_dtype=parts_dtype, exact=exact,
-                                   num_warps=8 if nc >= INTRA_WIDE_CHUNKS else 4, interpret=interpret)
+                                   num_warps=8 if nc >= INTRA_WIDE_CHUNKS else 4, packed_k_heads=packed_k_heads,
+                                   interpret=interpret)
     else:
-        parts = intra_chunk(q, k, v, g, beta, layout["rows"])
+        parts = intra_chunk(*unpack_heads(q, k, v, packed_k_heads), g, beta, layout["rows"])
     precision = jax.lax.Precision.HIGHEST if exact else jax.lax.Precision.DEFAULT
     return _chunk_state_call(parts, states, slots, fresh, query_start, layout["chunk_start"],
                              check_out(out, T, hv, dv), block_v=block_v, num_warps=num_warps, num_stages=num_stages,

@@ -44,7 +44,7 @@ import numpy as np
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from pallas_kernels.gated_delta_rule import L2_EPS, prepare_qk
+from pallas_kernels.gated_delta_rule import L2_EPS, head_shapes, head_views, prepare_qk
 
 BLOCK = 16  # rows of the solve's blocks (the smallest tensor-core dot)
 OUTPUTS = ("w", "u", "qg", "kd", "p", "dl")
@@ -87,13 +87,15 @@ DIAG_INVERSES = {"products": _inverse_by_products, "substitution": _inverse_by_s
 
 
 def _intra_kernel(start_ref, count_ref, q_ref, k_ref, v_ref, g_ref, beta_ref,
-                  w_ref, u_ref, qg_ref, kd_ref, p_ref, dl_ref, *, group: int, precision, diag_inverse: str):
+                  w_ref, u_ref, qg_ref, kd_ref, p_ref, dl_ref, *, group: int, precision, diag_inverse: str,
+                  offsets: tuple[int, int, int]):
     # start_ref, count_ref [NC]: each chunk's first row and row count (0: unused chunk, not written);
-    # q_ref, k_ref [T, Hk, Dk]; v_ref [T, Hv, Dv] (activation dtype); g_ref, beta_ref [T, Hv] f32;
+    # q_ref, k_ref [T, Hk, Dk]; v_ref [T, Hv, Dv] (activation dtype; or one packed array, heads read at `offsets`:
+    # gated_delta_rule.head_views); g_ref, beta_ref [T, Hv] f32;
     # w_ref, qg_ref, kd_ref [NC, Hv, C, Dk]; u_ref [NC, Hv, C, Dv]; p_ref [NC, Hv, C, C] (out dtype);
     # dl_ref [NC, Hv] f32.
     c, h = pl.program_id(0), pl.program_id(1)
-    kh = h // group
+    qh, kh, vh = offsets[0] + h // group, offsets[1] + h // group, offsets[2] + h
     C, dk, dv = p_ref.shape[-1], q_ref.shape[-1], v_ref.shape[-1]
     nb = C // BLOCK
     start, count = start_ref[c], count_ref[c]
@@ -129,7 +131,7 @@ def _intra_kernel(start_ref, count_ref, q_ref, k_ref, v_ref, g_ref, beta_ref,
         # Qg, Kd, P, dl from whole chunk tiles
         gc = cum(0, C)  # [C]
         g_last = jnp.sum(g)
-        q = unit(rows(0, C, q_ref, kh, dk)) * dk ** -0.5  # [C, Dk]
+        q = unit(rows(0, C, q_ref, qh, dk)) * dk ** -0.5  # [C, Dk]
         k = unit(rows(0, C, k_ref, kh, dk))
         qg_ref[c, h, :, :] = (q * jnp.exp(gc)[:, None]).astype(out_dtype)
         rest = jnp.sum(jnp.where(i_c[None, :] > i_c[:, None], g[None, :], 0.0), axis=1)  # gc_last - gc, summed as
@@ -161,7 +163,7 @@ def _intra_kernel(start_ref, count_ref, q_ref, k_ref, v_ref, g_ref, beta_ref,
             return unit(rows(b * BLOCK, BLOCK, k_ref, kh, dk)) * (betas[b] * jnp.exp(gcs[b]))[:, None]
 
         def rhs_v(b):  # [16, Dv] beta v of block b
-            return rows(b * BLOCK, BLOCK, v_ref, h, dv) * betas[b][:, None]
+            return rows(b * BLOCK, BLOCK, v_ref, vh, dv) * betas[b][:, None]
 
         for rhs, out_ref in ((rhs_k, w_ref), (rhs_v, u_ref)):
             xs = []
@@ -176,14 +178,14 @@ def _intra_kernel(start_ref, count_ref, q_ref, k_ref, v_ref, g_ref, beta_ref,
 # ----------------------------------------------------------------------------------------------
 # Wrapper
 # ----------------------------------------------------------------------------------------------
-def _intra_call(q, k, v, g, beta, start, count, *, chunk, out_dtype, precision, diag_inverse, num_warps, num_stages,
-                interpret):
-    T, hk, dk = q.shape
-    hv, dv = v.shape[1], v.shape[2]
+def _intra_call(q, k, v, g, beta, start, count, *, hk, hv, chunk, out_dtype, precision, diag_inverse, num_warps,
+                num_stages, offsets, interpret):
+    dk, dv = q.shape[-1], v.shape[-1]
     nc = start.shape[0]
     whole = pl.no_block_spec
     big = lambda d: jax.ShapeDtypeStruct((nc, hv, chunk, d), out_dtype)  # noqa: E731
-    kernel = functools.partial(_intra_kernel, group=hv // hk, precision=precision, diag_inverse=diag_inverse)
+    kernel = functools.partial(_intra_kernel, group=hv // hk, precision=precision, diag_inverse=diag_inverse,
+                               offsets=offsets)
     out = pl.pallas_call(
         kernel,
         grid=(nc, hv),
@@ -201,12 +203,14 @@ def _intra_call(q, k, v, g, beta, start, count, *, chunk, out_dtype, precision, 
 # Public API
 # ----------------------------------------------------------------------------------------------
 @functools.partial(jax.jit, static_argnames=("out_dtype", "exact", "diag_inverse", "num_warps", "num_stages",
-                                             "interpret"))
+                                             "packed_k_heads", "interpret"))
 def intra_chunk_pallas(q, k, v, g, beta, rows, *, out_dtype=None, exact: bool = False, diag_inverse: str = "products",
-                       num_warps: int = 4, num_stages: int = 1, interpret: bool = False) -> dict[str, jax.Array]:
+                       num_warps: int = 4, num_stages: int = 1, packed_k_heads: int | None = None,
+                       interpret: bool = False) -> dict[str, jax.Array]:
     """`intra_chunk`'s results from the fused kernel (module doc), for the chunks that hold rows.
 
-    q, k: [T, Hk, Dk]; v: [T, Hv, Dv]; g, beta: [T, Hv]; rows: [NC, C] (chunk_layout's: each chunk's rows,
+    q, k: [T, Hk, Dk]; v: [T, Hv, Dv] (or q|k|v packed in q, k = v = None: gated_delta_rule.head_views); g, beta:
+    [T, Hv]; rows: [NC, C] (chunk_layout's: each chunk's rows,
     contiguous, T past its end). Returns {"w", "qg", "kd": [NC, Hv, C, Dk], "u": [NC, Hv, C, Dv], "p":
     [NC, Hv, C, C]} in out_dtype (default: v's dtype, as fla stores W and U) and {"dl": [NC, Hv] float32};
     a chunk without rows is not written (undefined: the recurrence never reads it). exact: dots in full
@@ -214,24 +218,26 @@ def intra_chunk_pallas(q, k, v, g, beta, rows, *, out_dtype=None, exact: bool = 
     (I + L) are inverted ("products": six exact-f32 dots; "substitution": row by row). C a multiple of 16,
     Dk and Dv >= 16.
     """
-    T, hk, dk = q.shape
-    hv, dv = v.shape[1], v.shape[2]
+    qs, ks, vs = head_shapes(q, k, v, packed_k_heads)
+    T, hk, dk = qs.shape
+    hv, dv = vs.shape[1], vs.shape[2]
     C = rows.shape[1]
     if C % BLOCK or C < BLOCK:
         raise ValueError(f"chunk={C} must be a multiple of {BLOCK}")
     if min(dk, dv) < 16 or dk & (dk - 1) or dv & (dv - 1):
         raise ValueError(f"key_dim={dk} and value_dim={dv} must be powers of two >= 16")
-    if hv % hk or k.shape != q.shape or g.shape != (T, hv) or beta.shape != (T, hv) or v.shape[0] != T:
-        raise ValueError(f"q/k must be [T, Hk, Dk], v [T, Hv, Dv], g/beta [T, Hv]: {q.shape=} {k.shape=} "
-                         f"{v.shape=} {g.shape=} {beta.shape=}")
+    if hv % hk or ks.shape != qs.shape or g.shape != (T, hv) or beta.shape != (T, hv) or vs.shape[0] != T:
+        raise ValueError(f"q/k must be [T, Hk, Dk], v [T, Hv, Dv], g/beta [T, Hv]: {qs.shape=} {ks.shape=} "
+                         f"{vs.shape=} {g.shape=} {beta.shape=}")
     if diag_inverse not in DIAG_INVERSES:
         raise ValueError(f"diag_inverse={diag_inverse!r} must be one of {sorted(DIAG_INVERSES)}")
     count = jnp.sum(rows < T, axis=1).astype(jnp.int32)  # [NC]
     start = jnp.where(count > 0, rows[:, 0], 0).astype(jnp.int32)
     precision = jax.lax.Precision.HIGHEST if exact else jax.lax.Precision.DEFAULT
-    return _intra_call(q, k, v, g, beta, start, count, chunk=C, out_dtype=jnp.dtype(out_dtype or v.dtype),
-                       precision=precision, diag_inverse=diag_inverse, num_warps=num_warps, num_stages=num_stages,
-                       interpret=interpret)
+    (q, k, v), offsets = head_views(q, k, v, packed_k_heads)
+    return _intra_call(q, k, v, g, beta, start, count, hk=hk, hv=hv, chunk=C,
+                       out_dtype=jnp.dtype(out_dtype or vs.dtype), precision=precision, diag_inverse=diag_inverse,
+                       num_warps=num_warps, num_stages=num_stages, offsets=offsets, interpret=interpret)
 
 
 # ----------------------------------------------------------------------------------------------

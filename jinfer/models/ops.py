@@ -171,15 +171,19 @@ class ModelOps:
         h = rms_norm(x, norm, eps)
         return tuple(project(h, w) for w in weights)
 
-    def gated_delta_rule(self, q, k, v, g, beta, states, slots, fresh, query_start, out_dtype=jnp.float32):
+    def gated_delta_rule(self, q, k, v, g, beta, states, slots, fresh, query_start, out_dtype=jnp.float32,
+                         packed_k_heads: int | None = None):
         """Gated DeltaNet's recurrence over the ragged batch, each sequence from / to its state slot
         (pallas_kernels/gated_delta_rule.py). Pallas: sequences of >= 64 new rows in chunks (tensor-core
         matmuls), the others on the recurrent kernel, both writing their rows of one output in out_dtype;
-        decode steps the recurrent kernel only. Returns (o [T, Hv, Dv] in out_dtype, the updated state pool)."""
+        decode steps the recurrent kernel only. packed_k_heads: q holds q|k|v, k = v = None (the conv output
+        as is, no slices copied out: gated_delta_rule.head_views). Returns (o [T, Hv, Dv] in out_dtype, the
+        updated state pool)."""
         from pallas_kernels.gated_delta_rule import gated_delta_rule
 
         return gated_delta_rule(q, k, v, g, beta, states, slots, fresh, query_start, backend=self.backend,
-                                interpret=self.interpret, chunked=not self.decode_step, out_dtype=out_dtype)
+                                interpret=self.interpret, chunked=not self.decode_step, out_dtype=out_dtype,
+                                packed_k_heads=packed_k_heads)
 
     def gated_delta_decode(self, proj, conv_state, conv_w, a_log, dt_bias, states, slots, positions, fresh, *,
                            num_k_heads: int, key_dim: int, value_dim: int, b_col: int, a_col: int, z_col: int,

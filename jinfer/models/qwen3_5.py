@@ -240,10 +240,13 @@ def _gated_delta_net(layer: HybridLayer, x, state, batch: Batch, info, cfg: Mode
         from pallas_kernels.gated_delta_rule_decode import gates  # (not at import: Pallas is only needed to trace)
 
         mixed, conv_state = causal_conv(mixed, conv_state, layer.conv_w, seq, qs[:-1], qs, slots, batch.positions)
-        q, k, v = jnp.split(mixed, [Hk * Dk, 2 * Hk * Dk], axis=-1)
-        q, k, v = q.reshape(T, Hk, Dk), k.reshape(T, Hk, Dk), v.reshape(T, Hv, Dv)
+        if Dk == Dv:  # the kernels read q, k, v as heads of the conv output (slicing them out copies 3/4 of it)
+            q, k, v, packed = mixed.reshape(T, 2 * Hk + Hv, Dk), None, None, Hk
+        else:
+            q, k, v = jnp.split(mixed, [Hk * Dk, 2 * Hk * Dk], axis=-1)
+            q, k, v, packed = q.reshape(T, Hk, Dk), k.reshape(T, Hk, Dk), v.reshape(T, Hv, Dv), None
         beta, g = gates(b, a, layer.a_log, layer.dt_bias)
-        o, rec_state = ops.gated_delta_rule(q, k, v, g, beta, rec_state, slots, fresh, qs, x.dtype)  # [T, Hv, Dv]
+        o, rec_state = ops.gated_delta_rule(q, k, v, g, beta, rec_state, slots, fresh, qs, x.dtype, packed)
         o = ops.gated_rms_norm(o, z.reshape(T, Hv, Dv), layer.lin_norm, cfg.rms_norm_eps)
     return ops.out_proj(o.reshape(T, Hv * Dv), layer.lin_out, x), (conv_state, rec_state)
 

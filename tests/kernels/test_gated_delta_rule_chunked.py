@@ -123,6 +123,29 @@ def test_pallas_dispatch_bf16_output(mode):
     assert_matches(o.astype(jnp.float32), s, o_ref, s_ref, args, before, lens, 1e-2)
 
 
+@pytest.mark.parametrize("mode", MODES)
+def test_pallas_dispatch_packed_heads(mode):
+    """q|k|v packed in one [T, 2 Hk + Hv, D] array (the model's conv output, read in place by the recurrent and
+    intra-chunk kernels at head offsets): the same outputs and slots as with three arrays; a wrong packing
+    (k heads first) differs."""
+    interpret = mode == "interpret"
+    lens, fresh = [1, 100, 1, 63, 64], [0, 1, 0, 0, 0]
+    args = problem(np.random.default_rng(5), lens, fresh, 2, 4, 16, 16, jnp.bfloat16, 240)
+    q, k, v, rest = args[0], args[1], args[2], args[3:]
+    run = jax.jit(partial(gated_delta_rule, backend="pallas", interpret=interpret, out_dtype=jnp.bfloat16),
+                  static_argnames="packed_k_heads")
+    o, s = run(q, k, v, *rest[:2], jnp.array(rest[2]), *rest[3:])
+    o_p, s_p = run(jnp.concatenate([q, k, v], axis=1), None, None, *rest[:2], jnp.array(rest[2]), *rest[3:],
+                   packed_k_heads=2)
+    np.testing.assert_array_equal(np.asarray(o_p, np.float32), np.asarray(o, np.float32))
+    np.testing.assert_array_equal(np.asarray(s_p), np.asarray(s))
+    o_w, _ = run(jnp.concatenate([k, q, v], axis=1), None, None, *rest[:2], jnp.array(rest[2]), *rest[3:],
+                 packed_k_heads=2)
+    assert not np.array_equal(np.asarray(o_w, np.float32), np.asarray(o, np.float32))
+    with pytest.raises(ValueError, match="packed"):
+        gated_delta_rule(q, k, None, *rest, backend="pallas", interpret=True, packed_k_heads=2)
+
+
 def test_chunk_layout():
     qs = jnp.asarray([0, 1, 65, 195, 195], jnp.int32)  # lengths 1, 64, 130, 0
     nc = max_chunks(200, 4, CHUNK, 2)
