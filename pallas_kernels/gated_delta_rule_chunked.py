@@ -196,6 +196,7 @@ def _chunk_state_call(parts, states, slots, fresh, query_start, chunk_start, out
 # Public API
 # ----------------------------------------------------------------------------------------------
 INTRA_WIDE_CHUNKS = 128  # the intra-chunk kernel's warps by chunk count (H100, gdn_intra_h100.json)
+INTRA_HEADS_PER_PROGRAM = 1  # value heads per intra-chunk program (2 shares a key head's work; not yet measured)
 
 
 @functools.partial(jax.jit, static_argnames=("min_len", "block_v", "num_warps", "num_stages", "exact", "intra",
@@ -233,7 +234,7 @@ def chunked_gated_delta_rule(q, k, v, g, beta, states, slots, fresh, query_start
     if intra == "pallas":  # 8 warps from 128 chunks: 1.82 vs 2.80 ms at 16k tokens, 4: 0.17 vs 0.26 ms at 1k
         parts = intra_chunk_pallas(q, k, v, g, beta, layout["rows"], out_dtype=parts_dtype, exact=exact,
                                    num_warps=8 if nc >= INTRA_WIDE_CHUNKS else 4, packed_k_heads=packed_k_heads,
-                                   interpret=interpret)
+                                   heads_per_program=INTRA_HEADS_PER_PROGRAM, interpret=interpret)
     else:
         parts = intra_chunk(*unpack_heads(q, k, v, packed_k_heads), g, beta, layout["rows"])
     precision = jax.lax.Precision.HIGHEST if exact else jax.lax.Precision.DEFAULT

@@ -88,14 +88,15 @@ DIAG_INVERSES = {"products": _inverse_by_products, "substitution": _inverse_by_s
 
 def _intra_kernel(start_ref, count_ref, q_ref, k_ref, v_ref, g_ref, beta_ref,
                   w_ref, u_ref, qg_ref, kd_ref, p_ref, dl_ref, *, group: int, precision, diag_inverse: str,
-                  offsets: tuple[int, int, int]):
+                  offsets: tuple[int, int, int], heads: int):
     # start_ref, count_ref [NC]: each chunk's first row and row count (0: unused chunk, not written);
     # q_ref, k_ref [T, Hk, Dk]; v_ref [T, Hv, Dv] (activation dtype; or one packed array, heads read at `offsets`:
     # gated_delta_rule.head_views); g_ref, beta_ref [T, Hv] f32;
     # w_ref, qg_ref, kd_ref [NC, Hv, C, Dk]; u_ref [NC, Hv, C, Dv]; p_ref [NC, Hv, C, C] (out dtype);
-    # dl_ref [NC, Hv] f32.
-    c, h = pl.program_id(0), pl.program_id(1)
-    qh, kh, vh = offsets[0] + h // group, offsets[1] + h // group, offsets[2] + h
+    # dl_ref [NC, Hv] f32. The program's `heads` value heads share one key head (heads divides group): what
+    # only q and k decide (their loads, norms, Q K^T and the K K^T blocks) is computed once for them.
+    c, h0 = pl.program_id(0), pl.program_id(1) * heads
+    qh, kh = offsets[0] + h0 // group, offsets[1] + h0 // group
     C, dk, dv = p_ref.shape[-1], q_ref.shape[-1], v_ref.shape[-1]
     nb = C // BLOCK
     start, count = start_ref[c], count_ref[c]
@@ -115,10 +116,15 @@ def _intra_kernel(start_ref, count_ref, q_ref, k_ref, v_ref, g_ref, beta_ref,
     def unit(x):  # L2-normalised rows
         return x * jax.lax.rsqrt(jnp.sum(x * x, axis=1, keepdims=True) + L2_EPS)
 
-    @pl.when(count > 0)
-    def _():
-        i_c = jnp.arange(C, dtype=jnp.int32)
-        ok = i_c < count
+    memo: dict = {}
+
+    def once(key, fn):  # key-side values: traced at their first use (the one head's order), shared by the others
+        if key not in memo:
+            memo[key] = fn()
+        return memo[key]
+
+    def head(h, i_c, ok):
+        vh = offsets[2] + h
         g = plgpu.load(g_ref.at[pl.ds(start, C), h], mask=ok, other=0).astype(jnp.float32)  # [C]
 
         def cum(first, n):  # [n] gc of rows first..: sums of g over rows <= each (a masked sum, no scan)
@@ -131,12 +137,13 @@ def _intra_kernel(start_ref, count_ref, q_ref, k_ref, v_ref, g_ref, beta_ref,
         # Qg, Kd, P, dl from whole chunk tiles
         gc = cum(0, C)  # [C]
         g_last = jnp.sum(g)
-        q = unit(rows(0, C, q_ref, qh, dk)) * dk ** -0.5  # [C, Dk]
-        k = unit(rows(0, C, k_ref, kh, dk))
+        q = once("q", lambda: unit(rows(0, C, q_ref, qh, dk)) * dk ** -0.5)  # [C, Dk]
+        k = once("k", lambda: unit(rows(0, C, k_ref, kh, dk)))
         qg_ref[c, h, :, :] = (q * jnp.exp(gc)[:, None]).astype(out_dtype)
         rest = jnp.sum(jnp.where(i_c[None, :] > i_c[:, None], g[None, :], 0.0), axis=1)  # gc_last - gc, summed as
         kd_ref[c, h, :, :] = (k * jnp.exp(rest)[:, None]).astype(out_dtype)  # such (no cancellation)
-        p_ref[c, h, :, :] = (dot_t(q, k) * decay(gc, gc, i_c[:, None] >= i_c[None, :])).astype(out_dtype)
+        qk = once("qk", lambda: dot_t(q, k))
+        p_ref[c, h, :, :] = (qk * decay(gc, gc, i_c[:, None] >= i_c[None, :])).astype(out_dtype)
         dl_ref[c, h] = jnp.exp(g_last)
 
         # the WY factors: L in 16-row blocks (kept: 10 x [16, 16]), then block forward substitution on each
@@ -146,13 +153,14 @@ def _intra_kernel(start_ref, count_ref, q_ref, k_ref, v_ref, g_ref, beta_ref,
         strict = i_b[:, None] > i_b[None, :]
         ks, gcs, betas, low, invs = [], [], [], [], []
         for b in range(nb):
-            kb = unit(rows(b * BLOCK, BLOCK, k_ref, kh, dk))  # [16, Dk]
+            kb = once(("kb", b), lambda b=b: unit(rows(b * BLOCK, BLOCK, k_ref, kh, dk)))  # [16, Dk]
             gb = cum(b * BLOCK, BLOCK)  # [16]
             bb = plgpu.load(beta_ref.at[pl.ds(start + b * BLOCK, BLOCK), h], mask=b * BLOCK + i_b < count,
                             other=0).astype(jnp.float32)
             # L_bj, j < b (its rows all after its columns: exponents <= 0)
-            low.append([bb[:, None] * dot_t(kb, ks[j]) * jnp.exp(gb[:, None] - gcs[j][None, :]) for j in range(b)])
-            diag = bb[:, None] * dot_t(kb, kb) * decay(gb, gb, strict)  # L_bb (strictly lower)
+            low.append([bb[:, None] * once(("kk", b, j), lambda kb=kb, kj=ks[j]: dot_t(kb, kj))
+                        * jnp.exp(gb[:, None] - gcs[j][None, :]) for j in range(b)])
+            diag = bb[:, None] * once(("kk", b, b), lambda kb=kb: dot_t(kb, kb)) * decay(gb, gb, strict)  # L_bb
             invs.append(DIAG_INVERSES[diag_inverse](diag))
             ks.append(kb)
             gcs.append(gb)
@@ -174,21 +182,27 @@ def _intra_kernel(start_ref, count_ref, q_ref, k_ref, v_ref, g_ref, beta_ref,
                 xs.append(dot(invs[b], x))
                 out_ref[c, h, pl.ds(b * BLOCK, BLOCK), :] = xs[b].astype(out_dtype)
 
+    @pl.when(count > 0)
+    def _():
+        i_c = jnp.arange(C, dtype=jnp.int32)
+        for i in range(heads):
+            head(h0 + i, i_c, i_c < count)
+
 
 # ----------------------------------------------------------------------------------------------
 # Wrapper
 # ----------------------------------------------------------------------------------------------
 def _intra_call(q, k, v, g, beta, start, count, *, hk, hv, chunk, out_dtype, precision, diag_inverse, num_warps,
-                num_stages, offsets, interpret):
+                num_stages, offsets, heads, interpret):
     dk, dv = q.shape[-1], v.shape[-1]
     nc = start.shape[0]
     whole = pl.no_block_spec
     big = lambda d: jax.ShapeDtypeStruct((nc, hv, chunk, d), out_dtype)  # noqa: E731
     kernel = functools.partial(_intra_kernel, group=hv // hk, precision=precision, diag_inverse=diag_inverse,
-                               offsets=offsets)
+                               offsets=offsets, heads=heads)
     out = pl.pallas_call(
         kernel,
-        grid=(nc, hv),
+        grid=(nc, hv // heads),
         in_specs=[whole] * 7,
         out_specs=[whole] * 6,
         out_shape=[big(dk), big(dv), big(dk), big(dk), big(chunk), jax.ShapeDtypeStruct((nc, hv), jnp.float32)],
@@ -203,10 +217,10 @@ def _intra_call(q, k, v, g, beta, start, count, *, hk, hv, chunk, out_dtype, pre
 # Public API
 # ----------------------------------------------------------------------------------------------
 @functools.partial(jax.jit, static_argnames=("out_dtype", "exact", "diag_inverse", "num_warps", "num_stages",
-                                             "packed_k_heads", "interpret"))
+                                             "packed_k_heads", "heads_per_program", "interpret"))
 def intra_chunk_pallas(q, k, v, g, beta, rows, *, out_dtype=None, exact: bool = False, diag_inverse: str = "products",
                        num_warps: int = 4, num_stages: int = 1, packed_k_heads: int | None = None,
-                       interpret: bool = False) -> dict[str, jax.Array]:
+                       heads_per_program: int = 1, interpret: bool = False) -> dict[str, jax.Array]:
     """`intra_chunk`'s results from the fused kernel (module doc), for the chunks that hold rows.
 
     q, k: [T, Hk, Dk]; v: [T, Hv, Dv] (or q|k|v packed in q, k = v = None: gated_delta_rule.head_views); g, beta:
@@ -215,8 +229,9 @@ def intra_chunk_pallas(q, k, v, g, beta, rows, *, out_dtype=None, exact: bool = 
     [NC, Hv, C, C]} in out_dtype (default: v's dtype, as fla stores W and U) and {"dl": [NC, Hv] float32};
     a chunk without rows is not written (undefined: the recurrence never reads it). exact: dots in full
     float32 (default: TF32 on the GPU's tensor cores). diag_inverse: how the 16 x 16 diagonal blocks of
-    (I + L) are inverted ("products": six exact-f32 dots; "substitution": row by row). C a multiple of 16,
-    Dk and Dv >= 16.
+    (I + L) are inverted ("products": six exact-f32 dots; "substitution": row by row). heads_per_program: value
+    heads per program (a divisor of Hv / Hk: the heads of one key head share its loads, norms and key-side
+    dots; fewer, longer programs). C a multiple of 16, Dk and Dv >= 16.
     """
     qs, ks, vs = head_shapes(q, k, v, packed_k_heads)
     T, hk, dk = qs.shape
@@ -231,13 +246,16 @@ def intra_chunk_pallas(q, k, v, g, beta, rows, *, out_dtype=None, exact: bool = 
                          f"{vs.shape=} {g.shape=} {beta.shape=}")
     if diag_inverse not in DIAG_INVERSES:
         raise ValueError(f"diag_inverse={diag_inverse!r} must be one of {sorted(DIAG_INVERSES)}")
+    if heads_per_program < 1 or (hv // hk) % heads_per_program:
+        raise ValueError(f"heads_per_program={heads_per_program} must divide the value heads per key head ({hv // hk})")
     count = jnp.sum(rows < T, axis=1).astype(jnp.int32)  # [NC]
     start = jnp.where(count > 0, rows[:, 0], 0).astype(jnp.int32)
     precision = jax.lax.Precision.HIGHEST if exact else jax.lax.Precision.DEFAULT
     (q, k, v), offsets = head_views(q, k, v, packed_k_heads)
     return _intra_call(q, k, v, g, beta, start, count, hk=hk, hv=hv, chunk=C,
                        out_dtype=jnp.dtype(out_dtype or vs.dtype), precision=precision, diag_inverse=diag_inverse,
-                       num_warps=num_warps, num_stages=num_stages, offsets=offsets, interpret=interpret)
+                       num_warps=num_warps, num_stages=num_stages, offsets=offsets, heads=heads_per_program,
+                       interpret=interpret)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -319,13 +337,16 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--prefill", type=int, nargs="+", default=[1024, 16384])
     ap.add_argument("--num-warps", type=int, nargs="+", default=[4, 8])
+    ap.add_argument("--heads-per-program", type=int, nargs="+", default=[1, 2],
+                    help="value heads per program (the default settings only, beyond 1)")
     args = ap.parse_args()
     gpu = jax.default_backend() == "gpu"
     hk, hv, dk, dv = (16, 32, 128, 128) if gpu else (2, 4, 16, 32)
     if not gpu:
         args.prefill, args.num_warps = [80], [4]
-    configs = [(w, d, dt, False) for w in args.num_warps for d in DIAG_INVERSES for dt in ("bfloat16", "float32")]
-    configs.append((args.num_warps[0], "products", "bfloat16", True))
+    configs = [(w, d, dt, False, 1) for w in args.num_warps for d in DIAG_INVERSES for dt in ("bfloat16", "float32")]
+    configs.append((args.num_warps[0], "products", "bfloat16", True, 1))
+    configs += [(w, "products", "bfloat16", False, n) for n in args.heads_per_program if n > 1 for w in args.num_warps]
     rng = np.random.default_rng(0)
     dev = jax.devices()[0].device_kind
 
@@ -356,11 +377,11 @@ def main():
         t_trsm, ref = timed(jax.jit(functools.partial(intra_chunk, solve="trsm")), *xs)
         print(json.dumps(base | {"impl": "xla_product", "time_us": t_jnp * 1e6}))
         print(json.dumps(base | {"impl": "xla_trsm", "time_us": t_trsm * 1e6}))
-        for warps, diag, dtype, exact in configs:
+        for warps, diag, dtype, exact, heads in configs:
             rec = base | {"impl": "pallas", "num_warps": warps, "diag_inverse": diag, "parts_dtype": dtype,
-                          "exact_dots": exact}
+                          "exact_dots": exact, "heads_per_program": heads}
             fn = functools.partial(intra_chunk_pallas, out_dtype=jnp.dtype(dtype), exact=exact, diag_inverse=diag,
-                                   num_warps=warps, interpret=not gpu)
+                                   num_warps=warps, heads_per_program=heads, interpret=not gpu)
             try:  # a configuration Triton cannot compile is a record, not the end
                 t, got = timed(fn, *xs)
             except Exception as e:  # noqa: BLE001

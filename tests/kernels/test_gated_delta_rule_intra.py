@@ -57,6 +57,23 @@ def test_intra_kernel_matches_jnp(mode, diag_inverse, lens, hk, hv, dk, dv, dtyp
 
 
 @pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("heads", [2, 4])
+def test_intra_kernel_heads_per_program(mode, heads):
+    """Several value heads of one key head per program (the key-side work shared): the same parts as one head
+    per program, exactly (the same float32 operations), and as the reference."""
+    lens, hk, hv, dk, dv, T = [70, 9], 2, 8, 16, 32, 80
+    q, k, v, g, beta = problem(np.random.default_rng(9), lens, [1, 1], hk, hv, dk, dv, jnp.float32, T)[:5]
+    rows, used = layout_rows(lens, T)
+    run = partial(intra_chunk_pallas, q, k, v, g, beta, rows, exact=True, interpret=mode == "interpret")
+    one, got = run(), run(heads_per_program=heads)
+    for x in OUTPUTS:
+        np.testing.assert_allclose(np.asarray(got[x])[:used], np.asarray(one[x])[:used], rtol=1e-6, atol=1e-6)
+    assert_parts_match(got, intra_chunk(q, k, v, g, beta, rows), used, 1e-5 if mode == "interpret" else 1e-3)
+    with pytest.raises(ValueError, match="heads_per_program"):
+        run(heads_per_program=3)
+
+
+@pytest.mark.parametrize("mode", MODES)
 def test_intra_kernel_hard_cases(mode):
     """Decays up to e^-40 per row (every exponent stays <= 0: nothing overflows) and, separately, correlated keys
     with beta near 1 and almost no decay (L's entries near 1: (I + L)^-1 has huge entries that cancel)."""
@@ -102,8 +119,8 @@ def test_intra_argument_checks():
         intra_chunk_pallas(q8, k8, v, g, beta, rows[:, :32], interpret=True)
 
 
-@pytest.mark.parametrize("diag_inverse", ["products", "substitution"])
-def test_intra_kernel_lowers_for_cuda(diag_inverse):
+@pytest.mark.parametrize("diag_inverse,heads", [("products", 1), ("substitution", 1), ("products", 2)])
+def test_intra_kernel_lowers_for_cuda(diag_inverse, heads):
     """The Triton lowering at Qwen3.5-4B's shapes (bf16 activations, 16 q/k heads, 32 value heads, 128 x 128)
     runs without a GPU: catches what the interpreter accepts but Triton does not (16-row dots, the masked
     loads, the scalar store, reductions along either axis)."""
@@ -113,5 +130,5 @@ def test_intra_kernel_lowers_for_cuda(diag_inverse):
     shapes = [jax.ShapeDtypeStruct(s, d) for s, d in [
         ((T, 16, 128), jnp.bfloat16), ((T, 16, 128), jnp.bfloat16), ((T, 32, 128), jnp.bfloat16),
         ((T, 32), jnp.float32), ((T, 32), jnp.float32), ((NC, CHUNK), jnp.int32)]]
-    text = lower_for_cuda(partial(intra_chunk_pallas, diag_inverse=diag_inverse), *shapes)
+    text = lower_for_cuda(partial(intra_chunk_pallas, diag_inverse=diag_inverse, heads_per_program=heads), *shapes)
     assert f"gated_delta_rule_intra_c{CHUNK}" in text
