@@ -20,7 +20,9 @@
 #   profile     a profiled batch-1 decode (1k context) and its summary: GPU busy per step, kernels by time
 #   latency     engine TPOT / TTFT at batch 1, 1k in / 128 out, against the roofline measured in the same run
 #   long        TTFT of one 16k-token prompt (chunked by max_num_batched_tokens)
-#   throughput  offline $PROMPTS prompts x $IN in / $OUT_LEN out
+#   throughput  offline $PROMPTS prompts x $IN in / $OUT_LEN out, $MNBT tokens a step (default 8192: 2048 leaves the
+#               decode rows of every step to the recurrent kernel and the prefill kernels one or two sequences a
+#               launch, 34.5k vs 40.5k tok/s; README)
 # JSON lands in $OUT (copy to benchmarks/results/); $TAG names the device in the file names (default h100).
 # SHAPE: a named shape (default qwen3.5-4b) or a model directory; on CPU, to check the script:
 #   OUT=/tmp/q35 SHAPE=tests/data/tiny-qwen3_5 IN=32 OUT_LEN=8 LONG=64 PROMPTS=8 bash benchmarks/run_gpu_qwen35.sh
@@ -35,6 +37,7 @@ IN=${IN:-1024}
 OUT_LEN=${OUT_LEN:-128}
 LONG=${LONG:-16384}
 PROMPTS=${PROMPTS:-512}
+MNBT=${MNBT:-8192}
 mkdir -p "$OUT"
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader 2>/dev/null || echo "no GPU"
 if [[ $PARTS == *tests* ]]; then
@@ -79,5 +82,6 @@ if [[ $PARTS == *long* ]]; then
 fi
 if [[ $PARTS == *throughput* ]]; then
   timeout 900 python3 -m benchmarks.bench_throughput --model "$MODEL" --num-prompts "$PROMPTS" --input-len "$IN" \
-      --output-len "$OUT_LEN" --warmup --out "$OUT/throughput_${NAME}_${TAG}_${PROMPTS}x${IN}.json" | grep "^throughput"
+      --output-len "$OUT_LEN" --max-num-batched-tokens "$MNBT" --warmup \
+      --out "$OUT/throughput_${NAME}_${TAG}_${PROMPTS}x${IN}_mnbt${MNBT}.json" | grep "^throughput"
 fi
