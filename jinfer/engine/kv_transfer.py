@@ -78,9 +78,13 @@ def _gather_block(kv_cache, ids):
 
 
 def _scatter_rows(kv_cache, ids, block, rows):
-    """Write block[rows[i]] ([L, 2, ps, h, d]) at page ids[i] of every layer (padding: the null page)."""
+    """Write block[rows[i]] ([L, 2, ps, h, d]) at page ids[i] of every layer (padding: the null page).
+
+    The ids are distinct but for the padding's null page, which nobody reads: declared unique, so XLA stores
+    the pages instead of running an atomic compare-and-swap loop per bf16 element (docs/ARCHITECTURE.md)."""
     x = block[rows]  # [n, L, 2, ps, h, d]
-    return tuple((k.at[ids].set(x[:, i, 0]), v.at[ids].set(x[:, i, 1])) for i, (k, v) in enumerate(kv_cache))
+    return tuple((k.at[ids].set(x[:, i, 0], unique_indices=True), v.at[ids].set(x[:, i, 1], unique_indices=True))
+                 for i, (k, v) in enumerate(kv_cache))
 
 
 @dataclass(eq=False)
