@@ -131,19 +131,22 @@ class SamplingTensors:
         steps = np.zeros(B, np.int32)
         drawn = rng.integers(0, 2**32, size=B, dtype=np.uint32)  # one draw for every unseeded row
         penalized, repeated, biased = [], [], []
+        read: dict[int, _RowParams] = {}  # rows sharing one params object (one generate() call's) read it once
         for b, (params, output_ids, prompt, step) in enumerate(rows):
-            for name, default in _DEFAULTS.items():
-                t[name][b] = _param(params, name, default)
-            top_k[b] = max(int(_param(params, "top_k", -1)), 0)
-            seed = _param(params, "seed", None)
-            seeds[b] = drawn[b] if seed is None else int(seed) % 2**32
+            r = read.get(id(params))
+            if r is None:
+                r = read[id(params)] = _RowParams.of(params)
+            for name, value in zip(_DEFAULTS, r.values, strict=True):
+                t[name][b] = value
+            top_k[b] = r.top_k
+            seeds[b] = drawn[b] if r.seed is None else r.seed
             steps[b] = len(output_ids) if step is None else step
-            if uses_penalties(params):
+            if r.penalized:
                 penalized.append((b, output_ids))
             if t["repetition_penalty"][b] != 1 and prompt is not None:
                 repeated.append((b, prompt))
-            bias = dict(_param(params, "logit_bias", None) or ())
-            if min_tokens_ids is not None and steps[b] < int(_param(params, "min_tokens", 0)):
+            bias = dict(r.logit_bias)
+            if min_tokens_ids is not None and steps[b] < r.min_tokens:
                 bias.update((int(i), -np.inf) for i in min_tokens_ids[b])
             if bias:
                 biased.append((b, bias))
@@ -222,6 +225,27 @@ class PackedTokenMask(np.ndarray):
 
 _DEFAULTS = dict(temperature=1.0, top_p=1.0, min_p=0.0, presence_penalty=0.0, frequency_penalty=0.0,
                  repetition_penalty=1.0)
+
+
+@dataclass(frozen=True)
+class _RowParams:
+    """What `from_params` reads from one request's parameters (the same for every step)."""
+
+    values: tuple  # _DEFAULTS' fields, in its order
+    top_k: int  # 0: off
+    seed: int | None  # mod 2**32; None: drawn per row
+    penalized: bool
+    logit_bias: tuple  # (id, value) pairs as given
+    min_tokens: int
+
+    @classmethod
+    def of(cls, params: Any) -> _RowParams:
+        seed = _param(params, "seed", None)
+        bias = dict(_param(params, "logit_bias", None) or ())
+        return cls(values=tuple(_param(params, name, default) for name, default in _DEFAULTS.items()),
+                   top_k=max(int(_param(params, "top_k", -1)), 0), seed=None if seed is None else int(seed) % 2**32,
+                   penalized=uses_penalties(params), logit_bias=tuple(bias.items()),
+                   min_tokens=int(_param(params, "min_tokens", 0)))
 
 
 def _param(params: Any, name: str, default: Any) -> Any:
