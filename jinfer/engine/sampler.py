@@ -131,22 +131,23 @@ class SamplingTensors:
         steps = np.zeros(B, np.int32)
         drawn = rng.integers(0, 2**32, size=B, dtype=np.uint32)  # one draw for every unseeded row
         penalized, repeated, biased = [], [], []
-        read: dict[int, _RowParams] = {}  # rows sharing one params object (one generate() call's) read it once
+        read: dict[int, tuple] = {}  # rows sharing one params object (one generate() call's) read it once
+        columns = [t[name] for name in _DEFAULTS]
         for b, (params, output_ids, prompt, step) in enumerate(rows):
             r = read.get(id(params))
             if r is None:
-                r = read[id(params)] = _RowParams.of(params)
-            for name, value in zip(_DEFAULTS, r.values, strict=True):
-                t[name][b] = value
-            top_k[b] = r.top_k
-            seeds[b] = drawn[b] if r.seed is None else r.seed
+                r = read[id(params)] = _row_params(params)
+            values, top_k[b], seed, row_penalized, logit_bias, min_tokens = r
+            for column, value in zip(columns, values):
+                column[b] = value
+            seeds[b] = drawn[b] if seed is None else seed
             steps[b] = len(output_ids) if step is None else step
-            if r.penalized:
+            if row_penalized:
                 penalized.append((b, output_ids))
             if t["repetition_penalty"][b] != 1 and prompt is not None:
                 repeated.append((b, prompt))
-            bias = dict(r.logit_bias)
-            if min_tokens_ids is not None and steps[b] < r.min_tokens:
+            bias = dict(logit_bias)
+            if min_tokens_ids is not None and steps[b] < min_tokens:
                 bias.update((int(i), -np.inf) for i in min_tokens_ids[b])
             if bias:
                 biased.append((b, bias))
@@ -227,25 +228,21 @@ _DEFAULTS = dict(temperature=1.0, top_p=1.0, min_p=0.0, presence_penalty=0.0, fr
                  repetition_penalty=1.0)
 
 
-@dataclass(frozen=True)
-class _RowParams:
-    """What `from_params` reads from one request's parameters (the same for every step)."""
+def _row_params(params: Any) -> tuple:
+    """What `from_params` reads from one request's parameters (the same for every step): (the _DEFAULTS fields in
+    their order, top_k (0: off), seed mod 2**32 or None, penalized, logit_bias (id, value) pairs, min_tokens)."""
+    get = params.get if isinstance(params, Mapping) else lambda name: getattr(params, name, None)
 
-    values: tuple  # _DEFAULTS' fields, in its order
-    top_k: int  # 0: off
-    seed: int | None  # mod 2**32; None: drawn per row
-    penalized: bool
-    logit_bias: tuple  # (id, value) pairs as given
-    min_tokens: int
+    def val(name: str, default: Any) -> Any:
+        value = get(name)
+        return default if value is None else value
 
-    @classmethod
-    def of(cls, params: Any) -> _RowParams:
-        seed = _param(params, "seed", None)
-        bias = dict(_param(params, "logit_bias", None) or ())
-        return cls(values=tuple(_param(params, name, default) for name, default in _DEFAULTS.items()),
-                   top_k=max(int(_param(params, "top_k", -1)), 0), seed=None if seed is None else int(seed) % 2**32,
-                   penalized=uses_penalties(params), logit_bias=tuple(bias.items()),
-                   min_tokens=int(_param(params, "min_tokens", 0)))
+    values = tuple(val(name, default) for name, default in _DEFAULTS.items())
+    presence, frequency, repetition = values[3], values[4], values[5]
+    seed = val("seed", None)
+    return (values, max(int(val("top_k", -1)), 0), None if seed is None else int(seed) % 2**32,
+            bool(presence or frequency or repetition != 1), tuple(dict(val("logit_bias", None) or ()).items()),
+            int(val("min_tokens", 0)))
 
 
 def _param(params: Any, name: str, default: Any) -> Any:
