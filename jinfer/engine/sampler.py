@@ -146,7 +146,7 @@ class SamplingTensors:
                 penalized.append((b, output_ids))
             if t["repetition_penalty"][b] != 1 and prompt is not None:
                 repeated.append((b, prompt))
-            bias = dict(logit_bias)
+            bias = dict(logit_bias)  # a copy: rows sharing the params share the dict
             if min_tokens_ids is not None and steps[b] < min_tokens:
                 bias.update((int(i), -np.inf) for i in min_tokens_ids[b])
             if bias:
@@ -226,11 +226,13 @@ class PackedTokenMask(np.ndarray):
 
 _DEFAULTS = dict(temperature=1.0, top_p=1.0, min_p=0.0, presence_penalty=0.0, frequency_penalty=0.0,
                  repetition_penalty=1.0)
+_PENALTIES = ("presence_penalty", "frequency_penalty", "repetition_penalty")  # `_penalized`'s arguments
+_PENALTY_AT = tuple(list(_DEFAULTS).index(name) for name in _PENALTIES)
 
 
 def _row_params(params: Any) -> tuple:
     """What `from_params` reads from one request's parameters (the same for every step): (the _DEFAULTS fields in
-    their order, top_k (0: off), seed mod 2**32 or None, penalized, logit_bias (id, value) pairs, min_tokens)."""
+    their order, top_k (0: off), seed mod 2**32 or None, `uses_penalties`, logit_bias as a dict, min_tokens)."""
     get = params.get if isinstance(params, Mapping) else lambda name: getattr(params, name, None)
 
     def val(name: str, default: Any) -> Any:
@@ -238,10 +240,10 @@ def _row_params(params: Any) -> tuple:
         return default if value is None else value
 
     values = tuple(val(name, default) for name, default in _DEFAULTS.items())
-    presence, frequency, repetition = values[3], values[4], values[5]
     seed = val("seed", None)
     return (values, max(int(val("top_k", -1)), 0), None if seed is None else int(seed) % 2**32,
-            bool(presence or frequency or repetition != 1), tuple(dict(val("logit_bias", None) or ()).items()),
+            _penalized(values[_PENALTY_AT[0]], values[_PENALTY_AT[1]], values[_PENALTY_AT[2]]),
+            dict(val("logit_bias", None) or ()),
             int(val("min_tokens", 0)))
 
 
@@ -252,8 +254,11 @@ def _param(params: Any, name: str, default: Any) -> Any:
 
 def uses_penalties(params: Any) -> bool:
     """Whether a request's parameters ask for any repetition, frequency or presence penalty."""
-    return bool(_param(params, "presence_penalty", 0.0) or _param(params, "frequency_penalty", 0.0)
-                or _param(params, "repetition_penalty", 1.0) != 1)
+    return _penalized(*(_param(params, name, _DEFAULTS[name]) for name in _PENALTIES))
+
+
+def _penalized(presence: float, frequency: float, repetition: float) -> bool:
+    return bool(presence or frequency or repetition != 1)
 
 
 def _num_words(vocab_size: int) -> int:
