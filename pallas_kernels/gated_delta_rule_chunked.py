@@ -196,7 +196,7 @@ def _chunk_state_call(parts, states, slots, fresh, query_start, chunk_start, out
 # Public API
 # ----------------------------------------------------------------------------------------------
 INTRA_WIDE_CHUNKS = 128  # the intra-chunk kernel's warps by chunk count (H100, gdn_intra_h100.json)
-INTRA_HEADS_PER_PROGRAM = 1  # value heads per intra-chunk program (2 shares a key head's work; not yet measured)
+INTRA_HEADS_PER_PROGRAM = 2  # value heads per intra-chunk program (2: a key head's two value heads share its loads and dots)
 
 
 @functools.partial(jax.jit, static_argnames=("min_len", "block_v", "num_warps", "num_stages", "exact", "intra",
