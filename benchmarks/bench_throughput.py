@@ -59,8 +59,12 @@ def main():
         dry_s, _ = run(prompts)
     # Different prompts for the timed run, so no prefix-cache hits flatter it.
     prompts = [{"prompt_token_ids": rng.integers(0, vocab, args.input_len).tolist()} for _ in range(args.num_prompts)]
+    before = llm.engine.stats()
     with profiled(args.profile):
         elapsed, outs = run(prompts)
+    after = llm.engine.stats()
+    steps = after["steps_total"] - before["steps_total"]
+    wait = after["device_wait_seconds_total"] - before["device_wait_seconds_total"]
     n_out = sum(len(o.outputs[0].token_ids) for o in outs)
     n_in = sum(len(o.prompt_token_ids) for o in outs)
     result = {
@@ -74,10 +78,14 @@ def main():
         "startup_s": startup_s, "dry_run_s": dry_s, "elapsed_s": elapsed,
         "requests_per_s": args.num_prompts / elapsed, "output_tokens_per_s": n_out / elapsed,
         "total_tokens_per_s": (n_in + n_out) / elapsed, "output_tokens": n_out,
+        # steps, and the host's share of the run not spent waiting for the device (host-bound when near 1)
+        "steps": steps, "ms_per_step": 1e3 * elapsed / max(steps, 1), "device_wait_s": wait,
+        "host_busy_fraction": 1 - wait / elapsed,
     }
     write_result(result, args.out)
     print(f"throughput: {result['requests_per_s']:.2f} req/s, {result['output_tokens_per_s']:.0f} output tok/s, "
-          f"{result['total_tokens_per_s']:.0f} total tok/s")
+          f"{result['total_tokens_per_s']:.0f} total tok/s, {steps} steps, "
+          f"host busy {result['host_busy_fraction']:.0%}")
 
 
 if __name__ == "__main__":

@@ -196,7 +196,9 @@ def _chunk_state_call(parts, states, slots, fresh, query_start, chunk_start, out
 # Public API
 # ----------------------------------------------------------------------------------------------
 INTRA_WIDE_CHUNKS = 128  # the intra-chunk kernel's warps by chunk count (H100, gdn_intra_h100.json)
-INTRA_HEADS_PER_PROGRAM = 2  # value heads per intra-chunk program (2: a key head's two value heads share its loads and dots)
+# value heads per intra-chunk program (2 shares a key head's loads and dots: no faster on an H100,
+# gdn_intra_hpp_h100_f049656.json, nor end to end)
+INTRA_HEADS_PER_PROGRAM = 1
 
 
 @functools.partial(jax.jit, static_argnames=("min_len", "block_v", "num_warps", "num_stages", "exact", "intra",

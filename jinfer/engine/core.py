@@ -302,6 +302,11 @@ class EngineCore:
         self.eos_token_ids = tuple(self.tokenizer.eos_token_ids) if self.tokenizer else self.model_config.eos_token_ids
         self.num_prompt_tokens_total = 0
         self.num_generation_tokens_total = 0
+        # steps read back, and the host's time blocked reading them (waiting for the device): with async
+        # scheduling a host that keeps ahead of the device waits nearly the whole run; little waiting
+        # means the device idles between steps while the host schedules (benchmarks/bench_throughput.py)
+        self.num_steps_total = 0
+        self.device_wait_seconds_total = 0.0
         self._inflight: Launched | None = None  # the launched step whose tokens are not read yet
         self.grammar = GrammarEngine(self.tokenizer, self.model_config.vocab_size, self.eos_token_ids)
         phases("kv cache and runner")
@@ -539,7 +544,10 @@ class EngineCore:
     def _complete(self, launched: Launched) -> list[EngineOutput]:
         """Read a launched step's tokens back, advance the scheduler and build the deltas."""
         out = launched.out
+        t = time.perf_counter()
         result = self.runner.fetch(launched)
+        self.device_wait_seconds_total += time.perf_counter() - t
+        self.num_steps_total += 1
         if self.runner.host_pool is not None:  # host-tier copies may go out until the next read-back is due
             self.runner.host_pool.read_back()
         self._record_prompt_logprobs(launched)
@@ -644,6 +652,7 @@ class EngineCore:
                 "num_free_pages": self.kv.num_free_pages,
                 "prompt_tokens_total": self.num_prompt_tokens_total,
                 "generation_tokens_total": self.num_generation_tokens_total,
+                "steps_total": self.num_steps_total, "device_wait_seconds_total": self.device_wait_seconds_total,
                 **self._host_tier_stats(),
                 "compiles_after_warmup": self.runner.compiles_after_warmup,
                 "warmup_pending": len(self.runner.token_buckets) - len(self.runner.ready_tokens)
