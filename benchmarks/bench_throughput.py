@@ -60,7 +60,7 @@ def main():
     # Different prompts for the timed run, so no prefix-cache hits flatter it.
     prompts = [{"prompt_token_ids": rng.integers(0, vocab, args.input_len).tolist()} for _ in range(args.num_prompts)]
     before = llm.engine.stats()
-    with profiled(args.profile):
+    with profiled(args.profile, python=not args.profile_no_python):
         elapsed, outs = run(prompts)
     after = llm.engine.stats()
     steps = after["steps_total"] - before["steps_total"]

@@ -38,13 +38,22 @@ def environment() -> dict:
             "source_hash": source_hash(), "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
 
 
-def profiled(trace_dir: str | None):
-    """`with profiled(args.profile):` writes a jax.profiler (Perfetto/TensorBoard) trace when a directory is given."""
-    return jax.profiler.trace(trace_dir) if trace_dir else contextlib.nullcontext()
+def profiled(trace_dir: str | None, python: bool = True):
+    """`with profiled(args.profile):` writes a jax.profiler (Perfetto/TensorBoard) trace when a directory is given.
+    `python=False` leaves out the Python tracer: the host runs at nearly its own speed (the tracer slows a
+    serving step's host work ~2x) and a long run fits the trace, but `trace_summary` then finds no engine
+    steps (use its `--steps`)."""
+    if not trace_dir:
+        return contextlib.nullcontext()
+    options = jax.profiler.ProfileOptions()
+    options.python_tracer_level = 1 if python else 0
+    return jax.profiler.trace(trace_dir, profiler_options=options)
 
 
 def add_profile_argument(ap) -> None:
     ap.add_argument("--profile", metavar="DIR", help="write a jax.profiler (Perfetto) trace of the timed run here")
+    ap.add_argument("--profile-no-python", action="store_true",
+                    help="the trace without the Python tracer (GPU timeline and XLA's host events only)")
 
 
 def write_result(result: dict, out: str | None) -> None:

@@ -72,6 +72,22 @@ def main() -> None:
         print(f"  {t / n:9.1f} us  x{count[name] / n:5.1f}  {name[:90]}")
 
 
+def idle_gaps(evs: list[dict]) -> None:
+    """Where the device waits: the gaps between one kernel's end and the next one's start, by size."""
+    evs = sorted(evs, key=lambda e: e["ts"])
+    end, gaps = evs[0]["ts"] + evs[0]["dur"], []
+    for e in evs[1:]:
+        gaps.append(max(e["ts"] - end, 0))
+        end = max(end, e["ts"] + e["dur"])
+    span = end - evs[0]["ts"]
+    edges = (0, 10, 100, 1000, 10000, float("inf"))  # us
+    parts = []
+    for a, b in zip(edges, edges[1:]):
+        sel = [g for g in gaps if a < g <= b]
+        parts.append(f"({a:g}, {b:g}] us: {len(sel)} gaps, {sum(sel) / 1e3:.1f} ms")
+    print(f"  idle {sum(gaps) / 1e3:.1f} ms of {span / 1e3:.1f} ms ({sum(gaps) / span:.1%}); " + "; ".join(parts))
+
+
 def per_device(spans: list[dict], procs: dict, threads: dict, n: int, top: int) -> None:
     """Each device's kernels (all streams) over `n` steps: span, busy time, and the top kernels."""
     for pid in sorted({e["pid"] for e in spans if procs.get(e["pid"], "").startswith("/device")}):
@@ -90,6 +106,7 @@ def per_device(spans: list[dict], procs: dict, threads: dict, n: int, top: int) 
             total[e["name"]] += e["dur"]
         print(f"{procs[pid]}: {(hi - lo) / n / 1e3:.2f} ms per step first to last kernel, busy "
               f"{sum(total.values()) / n / 1e3:.2f} ms, {len(evs) / n:.0f} kernels per step")
+        idle_gaps(evs)
         for name, t in total.most_common(top):
             print(f"  {t / n:9.1f} us  x{count[name] / n:5.1f}  {name[:100]}")
 
