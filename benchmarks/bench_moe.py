@@ -44,6 +44,7 @@ E, H, INTER, K = 128, 2048, 768, 8
 TOKENS = (1, 8, 64, 512, 4096)
 DTYPE = jnp.bfloat16
 KW: dict = {}  # {"interpret": True} under --smoke (CPU check of the script at tiny shapes)
+SWEEP_FUSED: list = []  # --sweep-fused: the one-kernel form's tile grid alone
 SKIP: set = set()  # --skip ragged: no ragged_dot / whole-block rows (each row is a compile: ~20 s on the H100)
 
 
@@ -110,7 +111,7 @@ def sweep_configs(block_m: int) -> list[tuple[int, int, int, int]]:
 FUSED_SWEEP = [(bi, wp, st) for bi in (16, 32, 64) for wp in (4, 8) for st in (3, 4, 5)]  # block_i, warps, stages
 
 
-def bench_tokens(rows: list, tokens: int, w, sweep: bool, xla_block: bool, sweep_fused: bool = False) -> None:
+def bench_tokens(rows: list, tokens: int, w, sweep: bool, xla_block: bool) -> None:
     wg, wu, wd, router = w
     kx, kl = jax.random.split(jax.random.key(tokens))
     x = jax.random.normal(kx, (tokens, H), DTYPE)
@@ -142,7 +143,7 @@ def bench_tokens(rows: list, tokens: int, w, sweep: bool, xla_block: bool, sweep
         err = float(jnp.abs(fused(x).astype(jnp.float32) - ref.astype(jnp.float32)).max())
         record(rows, {**base, "what": "gemm", "impl": "pallas_fused", "block_m": bm, "max_abs_err_vs_ref": err}, fused,
                x, hit_bytes=hit_bytes, flops=flops)
-        for bi, wp, st in FUSED_SWEEP if sweep_fused else ():
+        for bi, wp, st in FUSED_SWEEP if sweep or SWEEP_FUSED else ():
             record(rows, {**base, "what": "sweep", "impl": "pallas_fused", "block_m": bm, "block_i": bi,
                           "num_warps": wp, "num_stages": st},
                    functools.partial(fused, block_i=bi, num_warps=wp, num_stages=st), x, hit_bytes=hit_bytes,
@@ -305,6 +306,7 @@ def main():
             print(json.dumps(row), flush=True)
         return
     SKIP.update(args.skip)
+    SWEEP_FUSED.extend([True] if args.sweep_fused else [])
     if args.smoke:
         global E, H, INTER, K
         E, H, INTER, K = 8, 64, 32, 2
@@ -314,8 +316,8 @@ def main():
     w = weights()
     rows: list[dict] = []
     for tokens in args.tokens:
-        here = not args.sweep_tokens or tokens in args.sweep_tokens
-        bench_tokens(rows, tokens, w, args.sweep and here, args.xla_block, (args.sweep or args.sweep_fused) and here)
+        sweep = args.sweep and (not args.sweep_tokens or tokens in args.sweep_tokens)
+        bench_tokens(rows, tokens, w, sweep, args.xla_block)
     copy = next((r["copy_bytes_per_s"] for r in peer if r.get("impl") == "torch_copy"), None)
     write_result({"benchmark": "moe_kernels", **environment(), "experts": E, "hidden": H, "moe_intermediate": INTER,
                   "top_k": K, "dtype": "bfloat16", "torch_copy_bytes_per_s": copy, "rows": rows + peer}, args.out)
