@@ -37,14 +37,13 @@ from benchmarks.bench_kernels import chained, timeit
 from benchmarks.common import environment, write_result
 from jinfer.models.layers import moe_mlp
 from jinfer.models.ops import ModelOps, moe_block_m
-from pallas_kernels.moe_gemm import FUSED_MAX_PAIRS, moe_combine, moe_down, moe_experts_fused, moe_gate_up
+from pallas_kernels.moe_gemm import moe_combine, moe_down, moe_gate_up
 from pallas_kernels.moe_routing import moe_route, moe_route_reference
 
 E, H, INTER, K = 128, 2048, 768, 8
 TOKENS = (1, 8, 64, 512, 4096)
 DTYPE = jnp.bfloat16
 KW: dict = {}  # {"interpret": True} under --smoke (CPU check of the script at tiny shapes)
-SWEEP_FUSED: list = []  # --sweep-fused: the one-kernel form's tile grid alone
 SKIP: set = set()  # --skip ragged: no ragged_dot / whole-block rows (each row is a compile: ~20 s on the H100)
 
 
@@ -108,9 +107,6 @@ def sweep_configs(block_m: int) -> list[tuple[int, int, int, int]]:
     return [(n, k, wp, st) for n in (64, 128, 256) for k in (32, 64) for wp in (4, 8) for st in (3, 4)]
 
 
-FUSED_SWEEP = [(bi, wp, st) for bi in (16, 32, 64) for wp in (4, 8) for st in (3, 4, 5)]  # block_i, warps, stages
-
-
 def bench_tokens(rows: list, tokens: int, w, sweep: bool, xla_block: bool) -> None:
     wg, wu, wd, router = w
     kx, kl = jax.random.split(jax.random.key(tokens))
@@ -135,19 +131,6 @@ def bench_tokens(rows: list, tokens: int, w, sweep: bool, xla_block: bool) -> No
 
     record(rows, {**base, "what": "gemm", "impl": "pallas_triton", "block_m": bm}, gemm, x, hit_bytes=hit_bytes,
            flops=flops)
-    if tokens * K <= 8 * FUSED_MAX_PAIRS:  # the one-kernel form (the MoE block's up to FUSED_MAX_PAIRS pairs)
-
-        def fused(x, **kw):
-            return moe_combine(moe_experts_fused(x, routing, wg, wu, wd, **{**KW, **kw}), K, x.dtype)
-
-        err = float(jnp.abs(fused(x).astype(jnp.float32) - ref.astype(jnp.float32)).max())
-        record(rows, {**base, "what": "gemm", "impl": "pallas_fused", "block_m": bm, "max_abs_err_vs_ref": err}, fused,
-               x, hit_bytes=hit_bytes, flops=flops)
-        for bi, wp, st in FUSED_SWEEP if sweep or SWEEP_FUSED else ():
-            record(rows, {**base, "what": "sweep", "impl": "pallas_fused", "block_m": bm, "block_i": bi,
-                          "num_warps": wp, "num_stages": st},
-                   functools.partial(fused, block_i=bi, num_warps=wp, num_stages=st), x, hit_bytes=hit_bytes,
-                   flops=flops)
     if sweep:  # per-kernel CUPTI times of each configuration (gate|up and down tuned independently)
         for n, k, wp, st in sweep_configs(bm):
             fn = jax.jit(functools.partial(gemm, block_n=n, block_k=k, num_warps=wp, num_stages=st))
@@ -292,7 +275,6 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--tokens", type=int, nargs="+", default=list(TOKENS))
     ap.add_argument("--sweep", action="store_true", help="also time a grid of Triton tile / launch parameters")
-    ap.add_argument("--sweep-fused", action="store_true", help="time the fused kernel's tile grid (without --sweep's)")
     ap.add_argument("--sweep-tokens", type=int, nargs="*", help="token counts the sweep runs at (default: all)")
     ap.add_argument("--no-torch", action="store_true")
     ap.add_argument("--skip", nargs="*", default=[], choices=["ragged"])
@@ -306,7 +288,6 @@ def main():
             print(json.dumps(row), flush=True)
         return
     SKIP.update(args.skip)
-    SWEEP_FUSED.extend([True] if args.sweep_fused else [])
     if args.smoke:
         global E, H, INTER, K
         E, H, INTER, K = 8, 64, 32, 2

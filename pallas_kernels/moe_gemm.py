@@ -11,13 +11,6 @@ of `moe_routing.MoeRouting`.
   token order (a masked scatter by pair id), so `y.reshape(T, k, H).sum(1)` is the MLP's output (the
   k-sum is left to XLA: deterministic, and it fuses with the residual add).
 
-- `moe_experts_fused`: both in one kernel for decode-sized steps (a few routed rows per expert). One
-  program owns (block, `block_i` intermediate columns): gate|up for its columns, SwiGLU in registers,
-  then those columns' rows of w_down into an fp32 partial per (column block, pair); XLA sums the partials
-  with the k-sum. Every program streams gate, up and down rows at once (the two-kernel form runs the
-  down stream after the gate|up one, each with its own tail), at the cost of writing and summing
-  I / block_i partials of the step's pairs (FUSED_MAX_PAIRS bounds that traffic).
-
 Grid: (blocks, column tiles), blocks fastest, so programs running side by side share the expert's
 column tile (blocks of one expert are consecutive) and reuse it from L2 on large steps.
 
@@ -100,40 +93,6 @@ def _down_kernel(bexp_ref, brows_ref, sorted_ref, w_ref, h_ref, wd_ref, y_ref, *
         plgpu.store(y_ref.at[dest, col_ids], acc.astype(y_ref.dtype), mask=valid[:, None])
 
 
-def _fused_kernel(bexp_ref, brows_ref, sorted_ref, w_ref, x_ref, wg_ref, wu_ref, wd_ref, y_ref, *, top_k, block_m,
-                  block_i, block_k, block_n):
-    # w_ref [T*k] f32 routing weights by pair; x_ref [T, K]; wg_ref / wu_ref [E, K, I]; wd_ref [E, I, N];
-    # y_ref [S * (T*k + 1), N] f32 (out): partial i of pair p at row i * (T*k + 1) + p; each partial's last row
-    # takes the masked-out lanes' addresses and is never written
-    expert, valid, pairs = _block(bexp_ref, brows_ref, sorted_ref, block_m)
-    tokens = pairs // top_k
-    i = pl.program_id(1)
-    icols = pl.ds(i * block_i, block_i)
-    stride = w_ref.shape[0] + 1
-
-    @pl.when(expert >= 0)
-    def _():
-        def up_body(kk, carry):
-            g, u = carry  # [bm, bi] fp32 each
-            ks = pl.ds(kk * block_k, block_k)
-            xk = x_ref[tokens, ks]  # [bm, bk]: the block's token rows, gathered
-            return g + plgpu.dot(xk, wg_ref[expert, ks, icols]), u + plgpu.dot(xk, wu_ref[expert, ks, icols])
-
-        zeros = jnp.zeros((block_m, block_i), jnp.float32)
-        g, u = jax.lax.fori_loop(0, x_ref.shape[1] // block_k, up_body, (zeros, zeros))
-        h = (g * jax.nn.sigmoid(g) * u).astype(wd_ref.dtype)  # [bm, bi]: rounded as the two-kernel form stores it
-        weight = w_ref[pairs][:, None]  # [bm, 1]
-        dest = (i * stride + jnp.where(valid, pairs, stride - 1))[:, None]  # [bm, 1]
-
-        def down_body(n, _):
-            col_ids = (n * block_n + jnp.arange(block_n, dtype=jnp.int32))[None, :]  # [1, bn]
-            acc = plgpu.dot(h, wd_ref[expert, icols, pl.ds(n * block_n, block_n)]) * weight  # [bm, bn]
-            plgpu.store(y_ref.at[dest, col_ids], acc, mask=valid[:, None])
-            return 0
-
-        jax.lax.fori_loop(0, wd_ref.shape[2] // block_n, down_body, 0)
-
-
 # ----------------------------------------------------------------------------------------------
 # Wrappers
 # ----------------------------------------------------------------------------------------------
@@ -195,32 +154,6 @@ def _down_call(h, routing, w_down, *, block_n, block_k, num_warps, num_stages, i
         name=f"moe_down_m{bm}_n{block_n}_k{block_k}",
     )(routing.block_expert, routing.block_rows, routing.sorted_pairs, routing.topk_weights.reshape(-1), h,
       w_down)[:pairs]  # (the slice fuses into the consumer's k-sum)
-
-
-def _fused_call(x, routing, w_gate, w_up, w_down, *, block_i, block_k, block_n, num_warps, num_stages, interpret):
-    hidden, inter = w_gate.shape[1], w_gate.shape[2]
-    n = w_down.shape[2]
-    bm = routing.block_m
-    block_i = block_i or _pow2_divisor(inter, 32)
-    block_k = block_k or _pow2_divisor(hidden, 128)
-    block_n = block_n or _pow2_divisor(n, 256)
-    num_warps, num_stages = num_warps or 4, num_stages or 4
-    pairs, splits = routing.topk_ids.size, inter // block_i
-    kernel = functools.partial(_fused_kernel, top_k=routing.top_k, block_m=bm, block_i=block_i, block_k=block_k,
-                               block_n=block_n)
-    whole = pl.no_block_spec
-    y = pl.pallas_call(
-        kernel,
-        grid=(routing.block_expert.shape[0], splits),
-        in_specs=[whole] * 8,
-        out_specs=whole,
-        out_shape=jax.ShapeDtypeStruct((splits * (pairs + 1), n), jnp.float32),
-        compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),
-        interpret=interpret,
-        name=f"moe_fused_m{bm}_i{block_i}_k{block_k}_n{block_n}",
-    )(routing.block_expert, routing.block_rows, routing.sorted_pairs, routing.topk_weights.reshape(-1), x,
-      w_gate, w_up, w_down)
-    return y.reshape(splits, pairs + 1, n)[:, :pairs]  # (the slice fuses into the consumer's sums)
 
 
 def _check_routing(routing: MoeRouting):
@@ -293,57 +226,14 @@ def moe_down(h: jax.Array, routing: MoeRouting, w_down: jax.Array, *, block_n: i
                       num_stages=num_stages, interpret=interpret)
 
 
-# Routed pairs (tokens x top_k) up to which the MoE block runs `moe_experts_fused` (decode-sized steps): its
-# partials cost I / block_i x pairs x hidden x 4 bytes written and summed, ~1% of the experts' bytes at 8
-# pairs, ~2% at 64 (Qwen3-30B-A3B); beyond that the two-kernel form.
-FUSED_MAX_PAIRS = 64
-
-
-@functools.partial(jax.jit, static_argnames=("block_i", "block_k", "block_n", "num_warps", "num_stages", "interpret"))
-def moe_experts_fused(x: jax.Array, routing: MoeRouting, w_gate: jax.Array, w_up: jax.Array, w_down: jax.Array, *,
-                      block_i: int | None = None, block_k: int | None = None, block_n: int | None = None,
-                      num_warps: int | None = None, num_stages: int | None = None,
-                      interpret: bool = False) -> jax.Array:
-    """`moe_down(moe_gate_up(x, ...), ...)` in one kernel, as partial sums over intermediate column blocks.
-
-    Args:
-      x: `[tokens, hidden]` (the normed MLP input).
-      routing: `moe_route(...)` of these tokens.
-      w_gate, w_up: `[experts, hidden, intermediate]`; w_down: `[experts, intermediate, hidden]`.
-      block_i: intermediate columns per program (a power of two dividing it; default 32).
-      block_k, block_n: the gate|up loop's K step and the down loop's column step; num_warps, num_stages.
-      interpret: run the Pallas interpreter (CPU tests).
-
-    Returns:
-      `[intermediate / block_i, tokens * top_k, hidden]` float32: the weighted output of pair t * k + j,
-      split by intermediate column block; `moe_combine(y, top_k, dtype)` sums both. Rows of pairs the
-      routing leaves out (another device's experts) are unspecified.
-    """
-    if x.ndim != 2 or w_gate.ndim != 3 or w_gate.shape[1] != x.shape[1] or w_up.shape != w_gate.shape:
-        raise ValueError(f"x must be [tokens, hidden] and w_gate/w_up [experts, hidden, intermediate]: "
-                         f"{x.shape=} {w_gate.shape=} {w_up.shape=}")
-    if w_down.shape != (w_gate.shape[0], w_gate.shape[2], x.shape[1]):
-        raise ValueError(f"w_down must be [experts, intermediate, hidden]: {w_down.shape=} {w_gate.shape=}")
-    if routing.topk_ids.shape[0] != x.shape[0]:
-        raise ValueError(f"routing is for {routing.topk_ids.shape[0]} tokens, x has {x.shape[0]}")
-    _check_routing(routing)
-    if x.shape[1] % 16 or w_gate.shape[2] % 16:
-        raise ValueError(f"hidden and intermediate must be multiples of 16: {w_gate.shape=}")
-    if block_i is not None and (block_i < 16 or block_i & (block_i - 1) or w_gate.shape[2] % block_i):
-        raise ValueError(f"block_i={block_i} must be a power of two >= 16 dividing intermediate {w_gate.shape[2]}")
-    return _fused_call(x, routing, w_gate, w_up, w_down, block_i=block_i, block_k=block_k, block_n=block_n,
-                       num_warps=num_warps, num_stages=num_stages, interpret=interpret)
-
-
 def moe_combine(y: jax.Array, top_k: int, dtype, mine: jax.Array | None = None) -> jax.Array:
-    """[T*k, H] weighted expert outputs by pair (or `moe_experts_fused`'s [S, T*k, H] partials) -> [T, H]: the
-    sum over each token's k slots (fp32). `mine` [T, k]: only these pairs (expert parallelism: the rows of
-    pairs routed to other devices are never written)."""
-    lead = y.shape[:-2]  # () or the fused kernel's splits
-    y = y.reshape(*lead, -1, top_k, y.shape[-1]).astype(jnp.float32)
+    """[T*k, H] weighted expert outputs by pair -> [T, H]: the sum over each token's k slots (fp32).
+    `mine` [T, k]: only these pairs (expert parallelism: the rows of pairs routed to other devices are
+    never written)."""
+    y = y.reshape(-1, top_k, y.shape[-1]).astype(jnp.float32)
     if mine is not None:
         y = jnp.where(mine[:, :, None], y, 0.0)
-    return y.sum(axis=(*range(len(lead)), len(lead) + 1)).astype(dtype)
+    return y.sum(axis=1).astype(dtype)
 
 
 # ----------------------------------------------------------------------------------------------

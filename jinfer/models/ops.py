@@ -270,7 +270,7 @@ class ModelOps:
             first = jax.lax.axis_index(self.axis) * num_experts
         if self.backend == "reference" or hidden % 16 or inter % 16:
             return x + self.reduce(moe_mlp(h, logits, w_gate, w_up, w_down, top_k, renormalize, first))
-        from pallas_kernels.moe_gemm import FUSED_MAX_PAIRS, moe_combine, moe_down, moe_experts_fused, moe_gate_up
+        from pallas_kernels.moe_gemm import moe_combine, moe_down, moe_gate_up
         from pallas_kernels.moe_routing import local_experts, moe_route
 
         if self.mosaic_prefill and x.shape[0] * top_k >= MOSAIC_MOE_MIN_ROWS_PER_EXPERT * logits.shape[1]:
@@ -283,11 +283,8 @@ class ModelOps:
         mine = None
         if first is not None:
             routing, mine = local_experts(routing, first, num_experts)
-        if x.shape[0] * top_k <= FUSED_MAX_PAIRS:  # decode-sized: gate|up, SwiGLU and down in one kernel
-            y = moe_experts_fused(h, routing, w_gate, w_up, w_down, interpret=self.interpret)
-        else:
-            y = moe_down(moe_gate_up(h, routing, w_gate, w_up, interpret=self.interpret), routing, w_down,
-                         interpret=self.interpret)
+        act = moe_gate_up(h, routing, w_gate, w_up, interpret=self.interpret)
+        y = moe_down(act, routing, w_down, interpret=self.interpret)
         return x + self.reduce(moe_combine(y, top_k, x.dtype, mine))
 
     def _moe_mgpu(self, h, logits, w_gate, w_up, w_down, top_k, renormalize, first):

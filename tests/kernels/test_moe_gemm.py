@@ -13,11 +13,10 @@ from pallas_kernels.moe_gemm import (
     moe_combine,
     moe_down,
     moe_down_reference,
-    moe_experts_fused,
     moe_gate_up,
     moe_gate_up_reference,
 )
-from pallas_kernels.moe_routing import local_experts, moe_route_reference
+from pallas_kernels.moe_routing import moe_route_reference
 from tests.kernels.conftest import MODES, assert_close, lower_for_cuda
 
 CASES = [  # tokens, experts, hidden, intermediate, top_k, block_m
@@ -63,49 +62,6 @@ def test_tile_overrides_agree(tiles):
     np.testing.assert_allclose(moe_combine(y, 4, x.dtype), moe_mlp(x, logits, wg, wu, wd, 4, True), atol=2e-5)
 
 
-@pytest.mark.parametrize("mode", MODES)
-@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])
-@pytest.mark.parametrize("tokens,experts,hidden,inter,top_k,block_m", CASES[:3])
-def test_fused_experts_match_reference(mode, dtype, tokens, experts, hidden, inter, top_k, block_m):
-    """gate|up, SwiGLU and down in one kernel: per-pair partials over intermediate blocks, summed by
-    moe_combine, equal the ragged_dot MLP and the two-kernel form."""
-    x, logits, r, wg, wu, wd = setup(tokens, experts, hidden, inter, top_k, block_m, dtype)
-    interpret = mode == "interpret"
-    y = moe_experts_fused(x, r, wg, wu, wd, block_i=16, interpret=interpret)
-    assert y.shape == (inter // 16, tokens * top_k, hidden) and y.dtype == jnp.float32
-    out = moe_combine(y, top_k, dtype)
-    assert out.shape == (tokens, hidden) and out.dtype == dtype
-    assert_close(out, moe_mlp(x, logits, wg, wu, wd, top_k, True), dtype, mode)
-    two = moe_combine(moe_down(moe_gate_up(x, r, wg, wu, interpret=interpret), r, wd, interpret=interpret), top_k,
-                      dtype)
-    assert_close(out, two, dtype, mode)
-
-
-@pytest.mark.parametrize("tiles", [dict(), dict(block_i=32, block_k=32, block_n=64, num_warps=8, num_stages=2)])
-def test_fused_experts_tiles_and_local_experts(tiles):
-    """Tile overrides agree; with expert parallelism (a device holding experts [4, 12)) the pairs routed
-    here sum to the reference restricted to them, the others are masked out by moe_combine."""
-    x, logits, r, wg, wu, wd = setup(8, 16, 128, 64, 4, 16, jnp.float32)
-    y = moe_experts_fused(x, r, wg, wu, wd, interpret=True, **tiles)
-    np.testing.assert_allclose(moe_combine(y, 4, x.dtype), moe_mlp(x, logits, wg, wu, wd, 4, True), atol=2e-5)
-    local, mine = local_experts(r, jnp.int32(4), 8)
-    y = moe_experts_fused(x, local, wg[4:12], wu[4:12], wd[4:12], interpret=True, **tiles)
-    want = moe_mlp(x, logits, wg, wu, wd, 4, True, None) - moe_mlp(x, logits, jnp.where(  # experts 4..11 zeroed
-        (jnp.arange(16)[:, None, None] >= 4) & (jnp.arange(16)[:, None, None] < 12), 0, wg), wu, wd, 4, True)
-    assert 0 < int(mine.sum()) < mine.size
-    np.testing.assert_allclose(moe_combine(y, 4, x.dtype, mine), want, atol=2e-5)
-
-
-def test_fused_experts_argument_errors():
-    x, logits, r, wg, wu, wd = setup(8, 16, 128, 64, 4, 16, jnp.float32)
-    with pytest.raises(ValueError, match="block_i"):
-        moe_experts_fused(x, r, wg, wu, wd, block_i=24, interpret=True)
-    with pytest.raises(ValueError, match="w_down"):
-        moe_experts_fused(x, r, wg, wu, wd[:, :32], interpret=True)
-    with pytest.raises(ValueError, match="routing is for 8 tokens"):
-        moe_experts_fused(x[:4], r, wg, wu, wd, interpret=True)
-
-
 def test_argument_errors():
     x, logits, r, wg, wu, wd = setup(8, 16, 128, 64, 4, 16, jnp.float32)
     with pytest.raises(ValueError, match="w_gate"):
@@ -135,14 +91,6 @@ def test_grouped_gemms_lower_for_cuda():
         text = lower_for_cuda(lambda *a, bm=block_m: mlp(*a, bm), S((tokens, 2048), bf), S((tokens, 128), bf),
                               S((128, 2048, 768), bf), S((128, 2048, 768), bf), S((128, 768, 2048), bf))
         assert f"moe_gate_up_m{block_m}" in text and f"moe_down_m{block_m}" in text
-
-    def fused(x, logits, wg, wu, wd):
-        r = moe_route(logits, top_k=8, block_m=16)
-        return moe_combine(moe_experts_fused(x, r, wg, wu, wd), 8, x.dtype)
-
-    text = lower_for_cuda(fused, S((1, 2048), bf), S((1, 128), bf), S((128, 2048, 768), bf), S((128, 2048, 768), bf),
-                          S((128, 768, 2048), bf))
-    assert "moe_fused_m16_i32_k128_n256" in text
 
 
 def test_model_moe_block_mosaic_path_matches_reference(monkeypatch):
