@@ -28,7 +28,6 @@ against HF through the model.
 from __future__ import annotations
 
 import functools
-import os
 
 import jax
 import jax.numpy as jnp
@@ -37,10 +36,6 @@ from jax.experimental.pallas import triton as plgpu
 
 from pallas_kernels.gated_delta_rule import L2_EPS, recurrent_reference
 from pallas_kernels.gated_rms_norm import gated_rms_norm_reference
-
-# Key rows per block of the decode kernel's two-pass form (None: the whole state in registers, one pass);
-# JINFER_GDN_DECODE_KEY_BLOCK sets it for A/B runs.
-KEY_BLOCK: int | None = int(os.environ.get("JINFER_GDN_DECODE_KEY_BLOCK", 0)) or None
 
 
 def gates(b: jax.Array, a: jax.Array, a_log: jax.Array, dt_bias: jax.Array) -> tuple[jax.Array, jax.Array]:
@@ -98,7 +93,7 @@ def conv_step(mixed, conv_state, conv_w, slots, positions) -> tuple[jax.Array, j
 
 def _decode_kernel(slot_ref, pos_ref, fresh_ref, x_ref, cs_in_ref, w_ref, alog_ref, dtb_ref, nw_ref, s_in_ref,
                    o_ref, cs_ref, s_ref, *, hk: int, group: int, dk: int, dv: int, taps: int, b_col: int,
-                   a_col: int, z_col: int | None, eps: float, key_block: int | None):
+                   a_col: int, z_col: int | None, eps: float):
     # x_ref [B, W] the projection (q | k | v before the conv at [0, C), z at z_col, b at b_col, a at a_col: read
     # in place, no slices); cs_ref [S, K, C] the conv ring (aliased with cs_in_ref); w_ref [C, K]; alog_ref,
     # dtb_ref [Hv]; nw_ref [Dv] the gated norm's weight (unused without z_col); s_ref [S, Hv, Dk, Dv] f32
@@ -108,8 +103,7 @@ def _decode_kernel(slot_ref, pos_ref, fresh_ref, x_ref, cs_in_ref, w_ref, alog_r
     kh = h // group
     slot, pos = slot_ref[i], pos_ref[i]
     fresh = fresh_ref[i] != 0  # a fresh sequence's state starts at zero (never what its slot holds)
-    if key_block is None:
-        state = s_ref[slot, h]  # [Dk, Dv]: issued first, in flight while the conv and gates are computed
+    state = s_ref[slot, h]  # [Dk, Dv]: issued first, in flight while the conv and gates are computed
     row = jax.lax.rem(jax.lax.rem(pos, taps) + taps, taps)  # the ring row this position writes
 
     def conv(offset: int | jax.Array, n: int):
@@ -126,7 +120,6 @@ def _decode_kernel(slot_ref, pos_ref, fresh_ref, x_ref, cs_in_ref, w_ref, alog_r
     q, q_x = conv(q_off, dk)
     k, k_x = conv(k_off, dk)
     v, v_x = conv(v_off, dv)
-    q_raw, k_raw = q, k
     q = q * jax.lax.rsqrt(jnp.sum(q * q) + L2_EPS) * dk ** -0.5
     k = k * jax.lax.rsqrt(jnp.sum(k * k) + L2_EPS)
     beta = jax.nn.sigmoid(x_ref[i, b_col + h].astype(jnp.float32)).astype(x_ref.dtype).astype(jnp.float32)
@@ -134,39 +127,17 @@ def _decode_kernel(slot_ref, pos_ref, fresh_ref, x_ref, cs_in_ref, w_ref, alog_r
     softplus = jnp.maximum(a, 0.0) + jnp.log1p(jnp.exp(-jnp.abs(a)))
     decay = jnp.exp(-jnp.exp(alog_ref[h].astype(jnp.float32)) * softplus)
 
-    if key_block is None:  # the state in registers: read, updated, written
-        state = jnp.where(fresh, 0.0, state) * decay
-        delta = (v - jnp.sum(k[:, None] * state, axis=0)) * beta
-        state = state + k[:, None] * delta[None, :]
-        o = jnp.sum(q[:, None] * state, axis=0)
-    else:  # two passes over blocks of key rows: S^T k and S^T q, then the update (its reads hit L2), with fewer
-        # registers than a whole state (more programs in flight). q's and k's rows are recomputed per block (a
-        # register vector cannot be sliced): their conv from the projection and ring, times the row norms above.
-        q_scale = jax.lax.rsqrt(jnp.sum(q_raw * q_raw) + L2_EPS) * dk ** -0.5
-        k_scale = jax.lax.rsqrt(jnp.sum(k_raw * k_raw) + L2_EPS)
-
-        def block(r):  # (k rows, q rows, state rows) of key rows [r, r + key_block)
-            part = jnp.where(fresh, 0.0, s_ref[slot, h, pl.ds(r, key_block), :])  # [kb, Dv]
-            return conv(k_off + r, key_block)[0] * k_scale, conv(q_off + r, key_block)[0] * q_scale, part
-
-        sk, sq = jnp.zeros((dv,), jnp.float32), jnp.zeros((dv,), jnp.float32)
-        for r in range(0, dk, key_block):
-            kr, qr, part = block(r)
-            sk, sq = sk + jnp.sum(kr[:, None] * part, axis=0), sq + jnp.sum(qr[:, None] * part, axis=0)
-        delta = (v - decay * sk) * beta
-        o = decay * sq + jnp.sum(q * k) * delta  # q . S_new = decay q . S + (q . k) delta
-        for r in range(0, dk, key_block):
-            kr, _, part = block(r)
-            s_ref[slot, h, pl.ds(r, key_block), :] = part * decay + kr[:, None] * delta[None, :]
-    o = o.astype(o_ref.dtype).astype(jnp.float32)  # [Dv], rounded as stored
+    state = jnp.where(fresh, 0.0, state) * decay
+    delta = (v - jnp.sum(k[:, None] * state, axis=0)) * beta
+    state = state + k[:, None] * delta[None, :]
+    o = jnp.sum(q[:, None] * state, axis=0).astype(o_ref.dtype).astype(jnp.float32)  # [Dv], rounded as stored
     if z_col is not None:  # HF's RMSNormGated (gated_rms_norm_reference's roundings)
         z = x_ref[i, pl.ds(z_col + h * dv, dv)].astype(jnp.float32)
         o = (o * jax.lax.rsqrt(jnp.mean(o * o) + eps)).astype(o_ref.dtype).astype(jnp.float32)
         wdt = jnp.promote_types(nw_ref.dtype, o_ref.dtype)
         o = (nw_ref[...].astype(jnp.float32) * o).astype(wdt).astype(jnp.float32) * (z * jax.nn.sigmoid(z))
     o_ref[i, h, :] = o.astype(o_ref.dtype)
-    if key_block is None:
-        s_ref[slot, h] = state
+    s_ref[slot, h] = state
     cs_ref[slot, row, pl.ds(v_off, dv)] = v_x.astype(cs_ref.dtype)  # this program's own v channels
 
     @pl.when(h % group == 0)  # the key head's q and k channels: by its first program
@@ -176,17 +147,14 @@ def _decode_kernel(slot_ref, pos_ref, fresh_ref, x_ref, cs_in_ref, w_ref, alog_r
 
 
 @functools.partial(jax.jit, static_argnames=("num_k_heads", "key_dim", "value_dim", "b_col", "a_col", "z_col",
-                                             "eps", "num_warps", "key_block", "interpret"),
+                                             "eps", "num_warps", "interpret"),
                    donate_argnames=("conv_state", "states"))
 def fused_decode_step(proj, conv_state, conv_w, a_log, dt_bias, states, slots, positions, fresh, *,
                       num_k_heads: int, key_dim: int, value_dim: int, b_col: int, a_col: int,
                       z_col: int | None = None, norm_weight: jax.Array | None = None, eps: float = 1e-6,
-                      num_warps: int | None = None, key_block: int | None = KEY_BLOCK,
-                      interpret: bool = False) -> tuple[jax.Array, jax.Array, jax.Array]:
+                      num_warps: int | None = None, interpret: bool = False) -> tuple[jax.Array, jax.Array, jax.Array]:
     """`decode_reference` in one kernel (module doc); the two pools are updated in place (donated).
-    Dk and Dv powers of two >= 16; num_warps default 4 (8 past a 128 x 128 state). key_block: None keeps the
-    state in registers (one read, one write); a power of two dividing Dk streams it in blocks of key rows twice
-    (S^T k and S^T q, then the update; the second read from L2)."""
+    Dk and Dv powers of two >= 16; num_warps default 4 (8 past a 128 x 128 state)."""
     B, W = proj.shape
     C, _, taps = conv_w.shape
     hk, dk, dv, hv = num_k_heads, key_dim, value_dim, a_log.shape[0]
@@ -203,13 +171,11 @@ def fused_decode_step(proj, conv_state, conv_w, a_log, dt_bias, states, slots, p
     if (z_col is None) != (norm_weight is None) or (norm_weight is not None and norm_weight.shape != (dv,)):
         raise ValueError(f"the gated norm needs both z_col and norm_weight [{dv}]: {z_col=} "
                          f"{None if norm_weight is None else norm_weight.shape}")
-    if key_block is not None and (key_block < 1 or key_block & (key_block - 1) or dk % key_block):
-        raise ValueError(f"key_block={key_block} must be a power of two dividing key_dim={dk}")
     if num_warps is None:
         num_warps = 4 if dk * dv <= 128 * 128 else 8
     whole = pl.no_block_spec
     kernel = functools.partial(_decode_kernel, hk=hk, group=hv // hk, dk=dk, dv=dv, taps=taps, b_col=b_col,
-                               a_col=a_col, z_col=z_col, eps=eps, key_block=key_block)
+                               a_col=a_col, z_col=z_col, eps=eps)
     norm = norm_weight if norm_weight is not None else jnp.ones((dv,), proj.dtype)
     o, conv_state, states = pl.pallas_call(
         kernel,
@@ -222,7 +188,7 @@ def fused_decode_step(proj, conv_state, conv_w, a_log, dt_bias, states, slots, p
         input_output_aliases={4: 1, 9: 2},
         compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=1),
         interpret=interpret,
-        name="gated_delta_decode" + ("_norm" if z_col is not None else "") + (f"_kb{key_block}" if key_block else ""),
+        name="gated_delta_decode" + ("_norm" if z_col is not None else ""),
     )(slots.astype(jnp.int32), positions.astype(jnp.int32), fresh.astype(jnp.int32), proj, conv_state,
       conv_w[:, 0, :], a_log, dt_bias, norm, states)
     return o, conv_state, states
@@ -253,8 +219,6 @@ def main():
     ap.add_argument("--batches", type=int, nargs="+", default=[1, 8, 64, 256])
     ap.add_argument("--num-warps", type=int, nargs="+", default=[4, 8])
     ap.add_argument("--reps", type=int, default=20)
-    ap.add_argument("--key-blocks", type=int, nargs="+", default=[0, 32],
-                    help="the kernel's key_block (0: the state in registers, one pass)")
     args = ap.parse_args()
     gpu = jax.default_backend() == "gpu"
     hk, hv, dk, dv, taps = (16, 32, 128, 128, 4) if gpu else (2, 4, 16, 16, 4)
@@ -312,19 +276,17 @@ def main():
                                 "time_us": t * 1e6, "tb_per_s": state_bytes / t / 1e12}))
         for norm in (True, False):
             for warps in args.num_warps:
-                for kb in args.key_blocks:
-                    def fused(conv, states, warps=warps, norm=norm, kb=kb or None):
-                        kw = dict(z_col=C, norm_weight=norm_w) if norm else {}
-                        o, conv, states = fused_decode_step(proj, conv, w, a_log, dt_bias, states, slots, positions,
-                                                            fresh, num_k_heads=hk, key_dim=dk, value_dim=dv,
-                                                            b_col=C + vs, a_col=C + vs + hv, num_warps=warps,
-                                                            key_block=kb, interpret=not gpu, **kw)
-                        return conv, states, o
+                def fused(conv, states, warps=warps, norm=norm):
+                    kw = dict(z_col=C, norm_weight=norm_w) if norm else {}
+                    o, conv, states = fused_decode_step(proj, conv, w, a_log, dt_bias, states, slots, positions,
+                                                        fresh, num_k_heads=hk, key_dim=dk, value_dim=dv,
+                                                        b_col=C + vs, a_col=C + vs + hv, num_warps=warps,
+                                                        interpret=not gpu, **kw)
+                    return conv, states, o
 
-                    t = timed(fused, *pools())
-                    print(json.dumps(row | {"path": "fused" + (" + gated norm" if norm else ""), "num_warps": warps,
-                                            "key_block": kb or None, "time_us": t * 1e6,
-                                            "tb_per_s": state_bytes / t / 1e12}))
+                t = timed(fused, *pools())
+                print(json.dumps(row | {"path": "fused" + (" + gated norm" if norm else ""), "num_warps": warps,
+                                        "time_us": t * 1e6, "tb_per_s": state_bytes / t / 1e12}))
 
     for B in args.batches:
         batch(B)

@@ -53,10 +53,9 @@ CASES = [
 ]
 
 
-@pytest.mark.parametrize("key_block", [None, 8], ids=["state-in-registers", "two-pass"])
 @pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("B,fresh,hk,hv,dk,dv,dtype,padding,norm", CASES)
-def test_fused_decode_matches_reference(mode, B, fresh, hk, hv, dk, dv, dtype, padding, norm, key_block):
+def test_fused_decode_matches_reference(mode, B, fresh, hk, hv, dk, dv, dtype, padding, norm):
     rng = np.random.default_rng(B * 7 + dk + hv)
     args = problem(rng, B, fresh, hk, hv, dk, dv, dtype, padding=padding)
     dims = dict(num_k_heads=hk, key_dim=dk, value_dim=dv, **columns(hk, hv, dk, dv),
@@ -65,7 +64,7 @@ def test_fused_decode_matches_reference(mode, B, fresh, hk, hv, dk, dv, dtype, p
     untouched = np.setdiff1d(np.arange(args[1].shape[0]), np.asarray(args[6]))
     conv_before, states_before = np.asarray(args[1])[untouched], np.asarray(args[5])[untouched]
     o_ref, conv_ref, s_ref = decode_reference(*args, **dims)
-    o, conv, s = fused_decode_step(*args, **dims, key_block=key_block, interpret=mode == "interpret")
+    o, conv, s = fused_decode_step(*args, **dims, interpret=mode == "interpret")
     tol = 2e-2 if dtype == jnp.bfloat16 else (1e-2 if mode == "gpu" else 2e-5)
     assert o.dtype == dtype
     np.testing.assert_allclose(np.asarray(o.astype(jnp.float32))[:B], np.asarray(o_ref.astype(jnp.float32))[:B],
