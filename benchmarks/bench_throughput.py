@@ -78,7 +78,8 @@ def main():
         "startup_s": startup_s, "dry_run_s": dry_s, "elapsed_s": elapsed,
         "requests_per_s": args.num_prompts / elapsed, "output_tokens_per_s": n_out / elapsed,
         "total_tokens_per_s": (n_in + n_out) / elapsed, "output_tokens": n_out,
-        # steps, and the host's share of the run not spent waiting for the device (host-bound when near 1)
+        # steps, and the share of the run the host spent outside the read-back wait: its own work plus launches
+        # blocked on a full device queue, so near 1 is not proof of a host-bound run (--profile-no-python is)
         "steps": steps, "ms_per_step": 1e3 * elapsed / max(steps, 1), "device_wait_s": wait,
         "host_busy_fraction": 1 - wait / elapsed,
     }

@@ -302,9 +302,9 @@ class EngineCore:
         self.eos_token_ids = tuple(self.tokenizer.eos_token_ids) if self.tokenizer else self.model_config.eos_token_ids
         self.num_prompt_tokens_total = 0
         self.num_generation_tokens_total = 0
-        # steps read back, and the host's time blocked reading them (waiting for the device): with async
-        # scheduling a host that keeps ahead of the device waits nearly the whole run; little waiting
-        # means the device idles between steps while the host schedules (benchmarks/bench_throughput.py)
+        # steps read back, and the host's time blocked reading them (waiting for the device). Time not spent
+        # here is not all host work: a launch also blocks while the device's queue is full, so little waiting
+        # does not by itself mean the device idles (a whole-run profile says; docs/ARCHITECTURE.md)
         self.num_steps_total = 0
         self.device_wait_seconds_total = 0.0
         self._inflight: Launched | None = None  # the launched step whose tokens are not read yet
