@@ -1,0 +1,152 @@
+"""Where the fused Gated DeltaNet decode kernel's time goes: simpler kernels on the same grid and state pool,
+each timed like `python -m pallas_kernels.gated_delta_rule_decode` (`--reps` steps chained in one executable,
+each reading the pool the previous one wrote, donated), TB/s on the state's bytes (read + written).
+
+- `copy`: each program loads its [Dk, Dv] float32 state slice, scales it by a value read from the input row and
+  stores it back: the floor of this access pattern (one 64 KB slice per program).
+- `copy_vsplit`: the same with the value columns split over `--block-v` programs.
+- `rule`: the delta rule with q, k, v, beta and the decay read straight from the input (no conv, no norm).
+- `rule_vsplit`: the same over blocks of value columns (the rule is separable along Dv).
+- `fused`: the engine's kernel (conv, gates, rule; with and without the gated norm).
+
+Qwen3.5-4B's linear layer: 16 key heads, 32 value heads, 128 x 128 state. JSON lines on stdout."""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import os
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+
+from pallas_kernels.gated_delta_rule_decode import fused_decode_step
+
+
+def _copy_kernel(slot_ref, x_ref, s_in_ref, s_ref, *, bv: int):
+    del s_in_ref
+    i, h, j = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    slot = slot_ref[i]
+    cols = pl.ds(j * bv, bv)
+    state = s_ref[slot, h, :, cols]
+    s_ref[slot, h, :, cols] = state * x_ref[i, h].astype(jnp.float32)
+
+
+def _rule_kernel(slot_ref, x_ref, s_in_ref, o_ref, s_ref, *, hk: int, group: int, dk: int, dv: int, bv: int):
+    del s_in_ref
+    i, h, j = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    slot = slot_ref[i]
+    cols = pl.ds(j * bv, bv)
+    state = s_ref[slot, h, :, cols]
+    kh = h // group
+    q = x_ref[i, pl.ds(kh * dk, dk)].astype(jnp.float32)
+    k = x_ref[i, pl.ds(hk * dk + kh * dk, dk)].astype(jnp.float32)
+    v = x_ref[i, pl.ds(2 * hk * dk + h * dv + j * bv, bv)].astype(jnp.float32)
+    beta = jax.nn.sigmoid(x_ref[i, h].astype(jnp.float32))
+    decay = jnp.exp(-jax.nn.softplus(x_ref[i, hk + h].astype(jnp.float32)))
+    state = state * decay
+    delta = (v - jnp.sum(k[:, None] * state, axis=0)) * beta
+    state = state + k[:, None] * delta[None, :]
+    o_ref[i, h, cols] = jnp.sum(q[:, None] * state, axis=0).astype(o_ref.dtype)
+    s_ref[slot, h, :, cols] = state
+
+
+@functools.partial(jax.jit, static_argnames=("kind", "hk", "dk", "dv", "bv", "num_warps"), donate_argnames=("states",))
+def probe(x, states, slots, *, kind: str, hk: int, dk: int, dv: int, bv: int, num_warps: int):
+    B = x.shape[0]
+    hv = states.shape[1]
+    whole = pl.no_block_spec
+    params = plgpu.CompilerParams(num_warps=num_warps, num_stages=1)
+    grid = (B, hv, dv // bv)
+    if kind == "copy":
+        states = pl.pallas_call(functools.partial(_copy_kernel, bv=bv), grid=grid, in_specs=[whole] * 3,
+                                out_specs=whole, out_shape=jax.ShapeDtypeStruct(states.shape, jnp.float32),
+                                input_output_aliases={2: 0}, compiler_params=params, name="probe_copy",
+                                interpret=jax.default_backend() != "gpu",
+                                )(slots, x, states)
+        return jnp.zeros((B, hv, dv), x.dtype), states
+    kernel = functools.partial(_rule_kernel, hk=hk, group=hv // hk, dk=dk, dv=dv, bv=bv)
+    o, states = pl.pallas_call(kernel, grid=grid, in_specs=[whole] * 3, out_specs=[whole] * 2,
+                               out_shape=[jax.ShapeDtypeStruct((B, hv, dv), x.dtype),
+                                          jax.ShapeDtypeStruct(states.shape, jnp.float32)],
+                               input_output_aliases={2: 1}, compiler_params=params, name="probe_rule",
+                               interpret=jax.default_backend() != "gpu",
+                               )(slots, x, states)
+    return o, states
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--batches", type=int, nargs="+", default=[1, 8, 64, 256])
+    ap.add_argument("--reps", type=int, default=20)
+    args = ap.parse_args()
+    hk, hv, dk, dv, taps = 16, 32, 128, 128, 4
+    if jax.default_backend() != "gpu":  # a check that it runs: the interpreter, one small batch
+        args.batches, args.reps = [1], 1
+    C, vs = 2 * hk * dk + hv * dv, hv * dv
+    rng = np.random.default_rng(0)
+    dev = jax.devices()[0].device_kind
+    commit = os.environ.get("JINFER_COMMIT")
+
+    def timed(step, conv, states):
+        def loop(c, s):
+            acc = jnp.zeros((), jnp.float32)
+            for _ in range(args.reps):
+                c, s, o = step(c, s)
+                acc = acc + o[0, 0, 0]
+            return c, s, acc
+
+        loop = jax.jit(loop, donate_argnums=(0, 1))
+        conv, states, _ = loop(conv, states)
+        jax.block_until_ready((conv, states))
+        best = float("inf")
+        for _ in range(3):
+            t0 = time.perf_counter()
+            conv, states, acc = loop(conv, states)
+            jax.block_until_ready((conv, states, acc))
+            best = min(best, (time.perf_counter() - t0) / args.reps)
+        return best
+
+    for B in args.batches:
+        proj = jnp.asarray(rng.standard_normal((B, C + vs + 2 * hv)) * 0.1, jnp.bfloat16)
+        w = jnp.asarray(rng.standard_normal((C, 1, taps)) * 0.3, jnp.bfloat16)
+        a_log, dt_bias = jnp.zeros(hv, jnp.float32), jnp.ones(hv, jnp.float32)
+        norm_w = jnp.asarray(rng.standard_normal(dv), jnp.bfloat16)
+        slots, fresh = jnp.arange(1, B + 1, dtype=jnp.int32), jnp.zeros(B, bool)
+        positions = jnp.full((B,), 1000, jnp.int32)
+        pools = lambda: (jnp.zeros((B + 1, taps, C), jnp.bfloat16),  # noqa: E731
+                         jnp.zeros((B + 1, hv, dk, dv), jnp.float32))
+        state_bytes = 2 * B * hv * dk * dv * 4
+        row = {"device": dev, "commit": commit, "batch": B, "state_bytes": state_bytes}
+
+        def report(name, t, **kw):
+            print(json.dumps(row | {"path": name, **kw, "time_us": t * 1e6, "tb_per_s": state_bytes / t / 1e12}))
+
+        for kind in ("copy", "rule"):
+            for bv in (128, 64, 32):
+                for warps in (4, 8) if bv == 128 else (2, 4):
+                    def step(c, s, kind=kind, bv=bv, warps=warps):
+                        o, s = probe(proj, s, slots, kind=kind, hk=hk, dk=dk, dv=dv, bv=bv, num_warps=warps)
+                        return c, s, o
+                    try:
+                        report(kind, timed(step, *pools()), block_v=bv, num_warps=warps)
+                    except Exception as e:  # noqa: BLE001 (a variant that does not compile is reported)
+                        print(json.dumps(row | {"path": kind, "block_v": bv, "num_warps": warps,
+                                                "error": str(e)[:300]}))
+        for norm in (True, False):
+            def fused(c, s, norm=norm):
+                kw = dict(z_col=C, norm_weight=norm_w) if norm else {}
+                o, c, s = fused_decode_step(proj, c, w, a_log, dt_bias, s, slots, positions, fresh, num_k_heads=hk,
+                                            key_dim=dk, value_dim=dv, b_col=C + vs, a_col=C + vs + hv,
+                                            interpret=jax.default_backend() != "gpu", **kw)
+                return c, s, o
+            report("fused" + (" + gated norm" if norm else ""), timed(fused, *pools()), num_warps=4)
+
+
+if __name__ == "__main__":
+    main()
