@@ -37,6 +37,52 @@ def _copy_kernel(slot_ref, x_ref, s_in_ref, s_ref, *, bv: int):
     s_ref[slot, h, :, cols] = state * x_ref[i, h].astype(jnp.float32)
 
 
+def _copy_pipe_kernel(slot_ref, x_ref, s_in_ref, s_ref, *, n: int, hv: int, evict: bool):
+    """n consecutive heads of one sequence, each head's load issued before the previous head's store."""
+    del s_in_ref
+    p = pl.program_id(0)
+    i, h0 = p // (hv // n), (p % (hv // n)) * n
+    slot = slot_ref[i]
+    kw = dict(eviction_policy="evict_first") if evict else {}
+    cur = plgpu.load(s_ref.at[slot, h0], **kw)
+    for j in range(n):
+        nxt = plgpu.load(s_ref.at[slot, h0 + j + 1], **kw) if j + 1 < n else None
+        plgpu.store(s_ref.at[slot, h0 + j], cur * x_ref[i, h0 + j].astype(jnp.float32), **kw)
+        cur = nxt
+
+
+def _rule_pipe_kernel(slot_ref, x_ref, s_in_ref, o_ref, s_ref, *, n: int, hk: int, hv: int, dk: int, dv: int):
+    """`_rule_kernel` over n consecutive heads of one sequence, each head's state load issued before the previous
+    head's update and store."""
+    del s_in_ref
+    p = pl.program_id(0)
+    i, h0 = p // (hv // n), (p % (hv // n)) * n
+    slot = slot_ref[i]
+    group = hv // hk
+    cur = s_ref[slot, h0]
+    for j in range(n):
+        h = h0 + j
+        nxt = s_ref[slot, h + 1] if j + 1 < n else None
+        kh = h // group
+        q = x_ref[i, pl.ds(kh * dk, dk)].astype(jnp.float32)
+        k = x_ref[i, pl.ds(hk * dk + kh * dk, dk)].astype(jnp.float32)
+        v = x_ref[i, pl.ds(2 * hk * dk + h * dv, dv)].astype(jnp.float32)
+        beta = jax.nn.sigmoid(x_ref[i, h].astype(jnp.float32))
+        decay = jnp.exp(-jax.nn.softplus(x_ref[i, hk + h].astype(jnp.float32)))
+        state = cur * decay
+        delta = (v - jnp.sum(k[:, None] * state, axis=0)) * beta
+        state = state + k[:, None] * delta[None, :]
+        o_ref[i, h, :] = jnp.sum(q[:, None] * state, axis=0).astype(o_ref.dtype)
+        s_ref[slot, h] = state
+        cur = nxt
+
+
+def _copy_out_kernel(slot_ref, x_ref, s_in_ref, s_ref):
+    i, h = pl.program_id(0), pl.program_id(1)
+    slot = slot_ref[i]
+    s_ref[slot, h] = s_in_ref[slot, h] * x_ref[i, h].astype(jnp.float32)
+
+
 def _rule_kernel(slot_ref, x_ref, s_in_ref, o_ref, s_ref, *, hk: int, group: int, dk: int, dv: int, bv: int):
     del s_in_ref
     i, h, j = pl.program_id(0), pl.program_id(1), pl.program_id(2)
@@ -56,13 +102,36 @@ def _rule_kernel(slot_ref, x_ref, s_in_ref, o_ref, s_ref, *, hk: int, group: int
     s_ref[slot, h, :, cols] = state
 
 
-@functools.partial(jax.jit, static_argnames=("kind", "hk", "dk", "dv", "bv", "num_warps"), donate_argnames=("states",))
-def probe(x, states, slots, *, kind: str, hk: int, dk: int, dv: int, bv: int, num_warps: int):
+@functools.partial(jax.jit, static_argnames=("kind", "hk", "dk", "dv", "bv", "num_warps", "n"),
+                   donate_argnames=("states",))
+def probe(x, states, slots, *, kind: str, hk: int, dk: int, dv: int, bv: int, num_warps: int, n: int = 1):
     B = x.shape[0]
     hv = states.shape[1]
     whole = pl.no_block_spec
     params = plgpu.CompilerParams(num_warps=num_warps, num_stages=1)
     grid = (B, hv, dv // bv)
+    interpret = jax.default_backend() != "gpu"
+    out = jax.ShapeDtypeStruct(states.shape, jnp.float32)
+    none = jnp.zeros((B, hv, dv), x.dtype)
+    if kind == "xla":  # XLA's own elementwise op, in place (donated)
+        return none, states * x[0, 0].astype(jnp.float32)
+    if kind in ("copy_pipe", "copy_pipe_evict"):
+        kernel = functools.partial(_copy_pipe_kernel, n=n, hv=hv, evict=kind.endswith("evict"))
+        states = pl.pallas_call(kernel, grid=(B * hv // n,), in_specs=[whole] * 3, out_specs=whole, out_shape=out,
+                                input_output_aliases={2: 0}, compiler_params=params, name="probe_copy_pipe",
+                                interpret=interpret)(slots, x, states)
+        return none, states
+    if kind == "rule_pipe":
+        kernel = functools.partial(_rule_pipe_kernel, n=n, hk=hk, hv=hv, dk=dk, dv=dv)
+        return pl.pallas_call(kernel, grid=(B * hv // n,), in_specs=[whole] * 3, out_specs=[whole] * 2,
+                              out_shape=[jax.ShapeDtypeStruct((B, hv, dv), x.dtype), out],
+                              input_output_aliases={2: 1}, compiler_params=params, name="probe_rule_pipe",
+                              interpret=interpret)(slots, x, states)
+    if kind == "copy_out":  # a fresh output buffer, not in place
+        states = pl.pallas_call(_copy_out_kernel, grid=(B, hv), in_specs=[whole] * 3, out_specs=whole,
+                                out_shape=out, compiler_params=params, name="probe_copy_out",
+                                interpret=interpret)(slots, x, states)
+        return none, states
     if kind == "copy":
         states = pl.pallas_call(functools.partial(_copy_kernel, bv=bv), grid=grid, in_specs=[whole] * 3,
                                 out_specs=whole, out_shape=jax.ShapeDtypeStruct(states.shape, jnp.float32),
@@ -84,10 +153,11 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--batches", type=int, nargs="+", default=[1, 8, 64, 256])
     ap.add_argument("--reps", type=int, default=20)
+    ap.add_argument("--kinds", nargs="*", default=["base", "torch"])
     args = ap.parse_args()
     hk, hv, dk, dv, taps = 16, 32, 128, 128, 4
     if jax.default_backend() != "gpu":  # a check that it runs: the interpreter, one small batch
-        args.batches, args.reps = [1], 1
+        args.batches, args.reps, args.kinds = [1], 1, ["base"]
     C, vs = 2 * hk * dk + hv * dv, hv * dv
     rng = np.random.default_rng(0)
     dev = jax.devices()[0].device_kind
@@ -127,6 +197,33 @@ def main():
         def report(name, t, **kw):
             print(json.dumps(row | {"path": name, **kw, "time_us": t * 1e6, "tb_per_s": state_bytes / t / 1e12}))
 
+        for kind, n, warps in [("xla", 1, 0), ("copy_out", 1, 4)] + [
+                (k, n, w) for k in ("copy_pipe", "copy_pipe_evict", "rule_pipe") for n in (2, 4, 8) for w in (4, 8)]:
+            def step(c, s, kind=kind, n=n, warps=warps):
+                o, s = probe(proj, s, slots, kind=kind, hk=hk, dk=dk, dv=dv, bv=dv, num_warps=warps, n=n)
+                return c, s, o
+            try:
+                report(kind, timed(step, *pools()), n=n, num_warps=warps)
+            except Exception as e:  # noqa: BLE001
+                print(json.dumps(row | {"path": kind, "n": n, "num_warps": warps, "error": str(e)[:300]}))
+        if "torch" in args.kinds:
+            import torch
+            t = torch.zeros(state_bytes // 8, dtype=torch.float32, device="cuda")
+            t2 = torch.empty_like(t)
+            for name, fn in (("torch copy_", lambda: t2.copy_(t)), ("torch mul_ (in place)", lambda: t.mul_(1.0))):
+                fn()
+                torch.cuda.synchronize()
+                best = float("inf")
+                for _ in range(5):
+                    t0 = time.perf_counter()
+                    for _ in range(args.reps):
+                        fn()
+                    torch.cuda.synchronize()
+                    best = min(best, (time.perf_counter() - t0) / args.reps)
+                report(name, best)
+            del t, t2
+        if "base" not in args.kinds:
+            continue
         for kind in ("copy", "rule"):
             for bv in (128, 64, 32):
                 for warps in (4, 8) if bv == 128 else (2, 4):
