@@ -77,6 +77,47 @@ def _rule_pipe_kernel(slot_ref, x_ref, s_in_ref, o_ref, s_ref, *, n: int, hk: in
         cur = nxt
 
 
+def _pipe_kernel(slot_ref, x_ref, s_in_ref, o_ref, s_ref, *, n: int, hk: int, hv: int, dk: int, dv: int, bv: int,
+                 rule: bool):
+    """n consecutive (value head, block of bv value columns) items of one sequence, each item's state load issued
+    before the previous item's work and store. The rule's two reductions are both over the old state (o = decay
+    q S + (q . k) delta), so they do not wait for the update."""
+    del s_in_ref
+    p = pl.program_id(0)
+    per_seq = hv * (dv // bv) // n
+    i, base = p // per_seq, (p % per_seq) * n
+    slot = slot_ref[i]
+    group = hv // hk
+
+    def at(j):
+        h, vb = divmod(base + j, dv // bv)
+        return h, pl.ds(vb * bv, bv)
+
+    h, cols = at(0)
+    cur = s_ref[slot, h, :, cols]
+    for j in range(n):
+        h, cols = at(j)
+        nxt = None
+        if j + 1 < n:
+            h1, cols1 = at(j + 1)
+            nxt = s_ref[slot, h1, :, cols1]
+        if rule:
+            kh = h // group
+            q = x_ref[i, pl.ds(kh * dk, dk)].astype(jnp.float32)
+            k = x_ref[i, pl.ds(hk * dk + kh * dk, dk)].astype(jnp.float32)
+            v = x_ref[i, pl.ds(2 * hk * dk + h * dv + (base + j) % (dv // bv) * bv, bv)].astype(jnp.float32)
+            beta = jax.nn.sigmoid(x_ref[i, h].astype(jnp.float32))
+            decay = jnp.exp(-jax.nn.softplus(x_ref[i, hk + h].astype(jnp.float32)))
+            ks = jnp.sum(k[:, None] * cur, axis=0)
+            qs = jnp.sum(q[:, None] * cur, axis=0)
+            delta = (v - decay * ks) * beta
+            o_ref[i, h, cols] = (decay * qs + jnp.sum(q * k) * delta).astype(o_ref.dtype)
+            s_ref[slot, h, :, cols] = cur * decay + k[:, None] * delta[None, :]
+        else:
+            s_ref[slot, h, :, cols] = cur * x_ref[i, h].astype(jnp.float32)
+        cur = nxt
+
+
 def _copy_out_kernel(slot_ref, x_ref, s_in_ref, s_ref):
     i, h = pl.program_id(0), pl.program_id(1)
     slot = slot_ref[i]
@@ -113,8 +154,6 @@ def probe(x, states, slots, *, kind: str, hk: int, dk: int, dv: int, bv: int, nu
     interpret = jax.default_backend() != "gpu"
     out = jax.ShapeDtypeStruct(states.shape, jnp.float32)
     none = jnp.zeros((B, hv, dv), x.dtype)
-    if kind == "xla":  # XLA's own elementwise op, in place (donated)
-        return none, states * x[0, 0].astype(jnp.float32)
     if kind in ("copy_pipe", "copy_pipe_evict"):
         kernel = functools.partial(_copy_pipe_kernel, n=n, hv=hv, evict=kind.endswith("evict"))
         states = pl.pallas_call(kernel, grid=(B * hv // n,), in_specs=[whole] * 3, out_specs=whole, out_shape=out,
@@ -126,6 +165,12 @@ def probe(x, states, slots, *, kind: str, hk: int, dk: int, dv: int, bv: int, nu
         return pl.pallas_call(kernel, grid=(B * hv // n,), in_specs=[whole] * 3, out_specs=[whole] * 2,
                               out_shape=[jax.ShapeDtypeStruct((B, hv, dv), x.dtype), out],
                               input_output_aliases={2: 1}, compiler_params=params, name="probe_rule_pipe",
+                              interpret=interpret)(slots, x, states)
+    if kind in ("pipe_copy", "pipe_rule"):
+        kernel = functools.partial(_pipe_kernel, n=n, hk=hk, hv=hv, dk=dk, dv=dv, bv=bv, rule=kind == "pipe_rule")
+        return pl.pallas_call(kernel, grid=(B * hv * (dv // bv) // n,), in_specs=[whole] * 3, out_specs=[whole] * 2,
+                              out_shape=[jax.ShapeDtypeStruct((B, hv, dv), x.dtype), out],
+                              input_output_aliases={2: 1}, compiler_params=params, name="probe_" + kind,
                               interpret=interpret)(slots, x, states)
     if kind == "copy_out":  # a fresh output buffer, not in place
         states = pl.pallas_call(_copy_out_kernel, grid=(B, hv), in_specs=[whole] * 3, out_specs=whole,
@@ -197,15 +242,20 @@ def main():
         def report(name, t, **kw):
             print(json.dumps(row | {"path": name, **kw, "time_us": t * 1e6, "tb_per_s": state_bytes / t / 1e12}))
 
-        for kind, n, warps in [("xla", 1, 0), ("copy_out", 1, 4)] + [
-                (k, n, w) for k in ("copy_pipe", "copy_pipe_evict", "rule_pipe") for n in (2, 4, 8) for w in (4, 8)]:
-            def step(c, s, kind=kind, n=n, warps=warps):
-                o, s = probe(proj, s, slots, kind=kind, hk=hk, dk=dk, dv=dv, bv=dv, num_warps=warps, n=n)
+        variants = [("copy_out", 1, 4, dv)] + [
+            (k, n, w, dv) for k in ("copy_pipe", "copy_pipe_evict", "rule_pipe") for n in (2, 4, 8) for w in (4, 8)]
+        if "pipe" in args.kinds:
+            variants = [(k, n, w, bv) for k in ("pipe_copy", "pipe_rule") for bv in (128, 64, 32)
+                        for n in (2, 4, 8) for w in ((4, 8) if bv == 128 else (2, 4))]
+        for kind, n, warps, bv in variants:
+            def step(c, s, kind=kind, n=n, warps=warps, bv=bv):
+                o, s = probe(proj, s, slots, kind=kind, hk=hk, dk=dk, dv=dv, bv=bv, num_warps=warps, n=n)
                 return c, s, o
             try:
-                report(kind, timed(step, *pools()), n=n, num_warps=warps)
+                report(kind, timed(step, *pools()), n=n, num_warps=warps, block_v=bv)
             except Exception as e:  # noqa: BLE001
-                print(json.dumps(row | {"path": kind, "n": n, "num_warps": warps, "error": str(e)[:300]}))
+                print(json.dumps(row | {"path": kind, "n": n, "num_warps": warps, "block_v": bv,
+                                        "error": str(e)[:300]}))
         if "torch" in args.kinds:
             import torch
             t = torch.zeros(state_bytes // 8, dtype=torch.float32, device="cuda")
