@@ -54,8 +54,11 @@ CASES = [
 
 
 @pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("block_v", [None, "whole", 16], ids=["block_v-default", "block_v-whole", "block_v-16"])
 @pytest.mark.parametrize("B,fresh,hk,hv,dk,dv,dtype,padding,norm", CASES)
-def test_fused_decode_matches_reference(mode, B, fresh, hk, hv, dk, dv, dtype, padding, norm):
+def test_fused_decode_matches_reference(mode, block_v, B, fresh, hk, hv, dk, dv, dtype, padding, norm):
+    """Every block size: one block (the whole head), the default two, and 16 columns (up to four blocks, each
+    block's load issued inside the loop over blocks)."""
     rng = np.random.default_rng(B * 7 + dk + hv)
     args = problem(rng, B, fresh, hk, hv, dk, dv, dtype, padding=padding)
     dims = dict(num_k_heads=hk, key_dim=dk, value_dim=dv, **columns(hk, hv, dk, dv),
@@ -64,7 +67,8 @@ def test_fused_decode_matches_reference(mode, B, fresh, hk, hv, dk, dv, dtype, p
     untouched = np.setdiff1d(np.arange(args[1].shape[0]), np.asarray(args[6]))
     conv_before, states_before = np.asarray(args[1])[untouched], np.asarray(args[5])[untouched]
     o_ref, conv_ref, s_ref = decode_reference(*args, **dims)
-    o, conv, s = fused_decode_step(*args, **dims, interpret=mode == "interpret")
+    o, conv, s = fused_decode_step(*args, **dims, block_v=dv if block_v == "whole" else block_v,
+                                   interpret=mode == "interpret")
     tol = 2e-2 if dtype == jnp.bfloat16 else (1e-2 if mode == "gpu" else 2e-5)
     assert o.dtype == dtype
     np.testing.assert_allclose(np.asarray(o.astype(jnp.float32))[:B], np.asarray(o_ref.astype(jnp.float32))[:B],
@@ -157,6 +161,8 @@ def test_fused_decode_argument_checks():
     with pytest.raises(ValueError, match="gated norm"):
         fused_decode_step(*args, num_k_heads=2, key_dim=16, value_dim=16, **cols, z_col=cols["b_col"] - 64,
                           norm_weight=jnp.ones(8), interpret=True)
+    with pytest.raises(ValueError, match="block_v"):
+        fused_decode_step(*args, num_k_heads=2, key_dim=16, value_dim=16, **cols, block_v=8, interpret=True)
     stale = args[1][:, :3]  # a window of K - 1 rows (the layout before the ring): refused
     with pytest.raises(ValueError, match="conv_state"):
         fused_decode_step(args[0], stale, *args[2:], num_k_heads=2, key_dim=16, value_dim=16, **cols, interpret=True)
