@@ -104,38 +104,51 @@ def _decode_kernel(slot_ref, pos_ref, fresh_ref, x_ref, cs_in_ref, w_ref, alog_r
     nb = dv // bv
     slot, pos = slot_ref[i], pos_ref[i]
     fresh = fresh_ref[i] != 0  # a fresh sequence's state starts at zero (never what its slot holds)
-    # the state's first two column blocks (the bulk of the bytes) are issued first, in flight while the conv and
-    # the gates are computed; each later block's load is issued before the previous block's work and store
-    blocks = [s_ref[slot, h, :, pl.ds(j * bv, bv)] for j in range(min(nb, 2))]
     row = jax.lax.rem(jax.lax.rem(pos, taps) + taps, taps)  # the ring row this position writes
 
-    def conv(offset: int | jax.Array, n: int):
-        """This row's conv output for channels [offset, offset + n), and its inputs there."""
+    def window(offset: int | jax.Array, n: int):
+        """Loads this row's conv inputs for channels [offset, offset + n): (x, the K - 1 previous inputs from the
+        ring, the taps' weights)."""
         cols = pl.ds(offset, n)
-        x = x_ref[i, cols]
-        acc = x.astype(jnp.float32) * w_ref[cols, taps - 1].astype(jnp.float32)
-        for d in range(1, taps):  # d positions back: ring row (pos - d) mod K, zero before position 0
-            prev = cs_ref[slot, jax.lax.rem(pos - d + taps, taps), cols].astype(jnp.float32)
-            acc = acc + jnp.where(pos >= d, prev, 0.0) * w_ref[cols, taps - 1 - d].astype(jnp.float32)
-        return (acc * jax.nn.sigmoid(acc)).astype(x_ref.dtype).astype(jnp.float32), x  # SiLU, rounded as stored
+        prev = [cs_ref[slot, jax.lax.rem(pos - d + taps, taps), cols] for d in range(1, taps)]
+        return x_ref[i, cols], prev, [w_ref[cols, t] for t in range(taps)]
 
+    def conv(x, prev, w):
+        """The conv output (SiLU, rounded to the activation dtype as the general path stores it)."""
+        acc = x.astype(jnp.float32) * w[taps - 1].astype(jnp.float32)
+        for d in range(1, taps):  # d positions back: ring row (pos - d) mod K, zero before position 0
+            acc = acc + jnp.where(pos >= d, prev[d - 1].astype(jnp.float32), 0.0) * w[taps - 1 - d].astype(jnp.float32)
+        return (acc * jax.nn.sigmoid(acc)).astype(x_ref.dtype).astype(jnp.float32)
+
+    # Loads in the order they are needed: a warp waits for its loads by counting those still outstanding, in
+    # issue order, so a small load issued after the state would wait for the whole state. The conv windows,
+    # gates' inputs and z first; then the state's first two column blocks (the bulk of the bytes), in flight while
+    # the conv and the gates are computed; each later block's load is issued before the previous block's work.
     q_off, k_off, v_off = kh * dk, hk * dk + kh * dk, 2 * hk * dk + h * dv
-    q, q_x = conv(q_off, dk)
-    k, k_x = conv(k_off, dk)
+    q_win, k_win = window(q_off, dk), window(k_off, dk)
+    v_wins = [window(v_off + j * bv, bv) for j in range(nb)]
+    b_x, a_x = x_ref[i, b_col + h], x_ref[i, a_col + h]
+    a_log, dt_b = alog_ref[h], dtb_ref[h]
+    if z_col is not None:
+        zs = [x_ref[i, pl.ds(z_col + h * dv + j * bv, bv)] for j in range(nb)]
+        nw = [nw_ref[pl.ds(j * bv, bv)] for j in range(nb)]
+    blocks = [s_ref[slot, h, :, pl.ds(j * bv, bv)] for j in range(min(nb, 2))]
+
+    q, k = conv(*q_win), conv(*k_win)
     q = q * jax.lax.rsqrt(jnp.sum(q * q) + L2_EPS) * dk ** -0.5
     k = k * jax.lax.rsqrt(jnp.sum(k * k) + L2_EPS)
     qk = jnp.sum(q * k)
-    beta = jax.nn.sigmoid(x_ref[i, b_col + h].astype(jnp.float32)).astype(x_ref.dtype).astype(jnp.float32)
-    a = x_ref[i, a_col + h].astype(jnp.float32) + dtb_ref[h].astype(jnp.float32)
+    beta = jax.nn.sigmoid(b_x.astype(jnp.float32)).astype(x_ref.dtype).astype(jnp.float32)
+    a = a_x.astype(jnp.float32) + dt_b.astype(jnp.float32)
     softplus = jnp.maximum(a, 0.0) + jnp.log1p(jnp.exp(-jnp.abs(a)))
-    decay = jnp.exp(-jnp.exp(alog_ref[h].astype(jnp.float32)) * softplus)
+    decay = jnp.exp(-jnp.exp(a_log.astype(jnp.float32)) * softplus)
 
     outs, sumsq = [], jnp.zeros((), jnp.float32)
     for j in range(nb):  # blocks of value columns: the rule is separable along them
         if j + 2 < nb:
             blocks.append(s_ref[slot, h, :, pl.ds((j + 2) * bv, bv)])
         cols = pl.ds(j * bv, bv)
-        v, v_x = conv(v_off + j * bv, bv)
+        v = conv(*v_wins[j])
         state = jnp.where(fresh, 0.0, blocks[j])
         # both reductions over the old state (o = q . S_new = decay q . S + (q . k) delta): neither waits on
         # the update
@@ -144,7 +157,7 @@ def _decode_kernel(slot_ref, pos_ref, fresh_ref, x_ref, cs_in_ref, w_ref, alog_r
         delta = (v - decay * ks) * beta
         o = (decay * qs + qk * delta).astype(o_ref.dtype).astype(jnp.float32)  # [bv], rounded as stored
         s_ref[slot, h, :, cols] = state * decay + k[:, None] * delta[None, :]
-        cs_ref[slot, row, pl.ds(v_off + j * bv, bv)] = v_x.astype(cs_ref.dtype)  # this program's own v channels
+        cs_ref[slot, row, pl.ds(v_off + j * bv, bv)] = v_wins[j][0].astype(cs_ref.dtype)  # its own v channels
         if z_col is None:
             o_ref[i, h, cols] = o.astype(o_ref.dtype)
         else:
@@ -155,15 +168,15 @@ def _decode_kernel(slot_ref, pos_ref, fresh_ref, x_ref, cs_in_ref, w_ref, alog_r
         wdt = jnp.promote_types(nw_ref.dtype, o_ref.dtype)
         for j, o in enumerate(outs):
             cols = pl.ds(j * bv, bv)
-            z = x_ref[i, pl.ds(z_col + h * dv + j * bv, bv)].astype(jnp.float32)
+            z = zs[j].astype(jnp.float32)
             o = (o * inv).astype(o_ref.dtype).astype(jnp.float32)
-            o = (nw_ref[cols].astype(jnp.float32) * o).astype(wdt).astype(jnp.float32) * (z * jax.nn.sigmoid(z))
+            o = (nw[j].astype(jnp.float32) * o).astype(wdt).astype(jnp.float32) * (z * jax.nn.sigmoid(z))
             o_ref[i, h, cols] = o.astype(o_ref.dtype)
 
     @pl.when(h % group == 0)  # the key head's q and k channels: by its first program
     def _():
-        cs_ref[slot, row, pl.ds(q_off, dk)] = q_x.astype(cs_ref.dtype)
-        cs_ref[slot, row, pl.ds(k_off, dk)] = k_x.astype(cs_ref.dtype)
+        cs_ref[slot, row, pl.ds(q_off, dk)] = q_win[0].astype(cs_ref.dtype)
+        cs_ref[slot, row, pl.ds(k_off, dk)] = k_win[0].astype(cs_ref.dtype)
 
 
 @functools.partial(jax.jit, static_argnames=("num_k_heads", "key_dim", "value_dim", "b_col", "a_col", "z_col",
