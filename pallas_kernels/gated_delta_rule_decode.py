@@ -91,6 +91,9 @@ def conv_step(mixed, conv_state, conv_w, slots, positions) -> tuple[jax.Array, j
     return y, conv_state.at[slots, positions % K].set(mixed.astype(conv_state.dtype))
 
 
+VOLATILE = __import__("os").environ.get("JINFER_GDN_VOLATILE", "1") == "1"  # (experiment)
+
+
 def _decode_kernel(slot_ref, pos_ref, fresh_ref, x_ref, cs_in_ref, w_ref, alog_ref, dtb_ref, nw_ref, s_in_ref,
                    o_ref, cs_ref, s_ref, *, hk: int, group: int, dk: int, dv: int, bv: int, taps: int, b_col: int,
                    a_col: int, z_col: int | None, eps: float):
@@ -110,7 +113,8 @@ def _decode_kernel(slot_ref, pos_ref, fresh_ref, x_ref, cs_in_ref, w_ref, alog_r
         """Loads this row's conv inputs for channels [offset, offset + n): (x, the K - 1 previous inputs from the
         ring, the taps' weights)."""
         cols = pl.ds(offset, n)
-        prev = [cs_ref[slot, jax.lax.rem(pos - d + taps, taps), cols] for d in range(1, taps)]
+        prev = [plgpu.load(cs_ref.at[slot, jax.lax.rem(pos - d + taps, taps), cols], volatile=VOLATILE)
+                for d in range(1, taps)]
         return x_ref[i, cols], prev, [w_ref[cols, t] for t in range(taps)]
 
     def conv(x, prev, w):
@@ -125,6 +129,7 @@ def _decode_kernel(slot_ref, pos_ref, fresh_ref, x_ref, cs_in_ref, w_ref, alog_r
     # gates' inputs and z first; then the state's first two column blocks (the bulk of the bytes), in flight while
     # the conv and the gates are computed; each later block's load is issued before the previous block's work.
     q_off, k_off, v_off = kh * dk, hk * dk + kh * dk, 2 * hk * dk + h * dv
+    blocks = [plgpu.load(s_ref.at[slot, h, :, pl.ds(j * bv, bv)], volatile=VOLATILE) for j in range(min(nb, 2))]
     q_win, k_win = window(q_off, dk), window(k_off, dk)
     v_wins = [window(v_off + j * bv, bv) for j in range(nb)]
     b_x, a_x = x_ref[i, b_col + h], x_ref[i, a_col + h]
@@ -132,7 +137,6 @@ def _decode_kernel(slot_ref, pos_ref, fresh_ref, x_ref, cs_in_ref, w_ref, alog_r
     if z_col is not None:
         zs = [x_ref[i, pl.ds(z_col + h * dv + j * bv, bv)] for j in range(nb)]
         nw = [nw_ref[pl.ds(j * bv, bv)] for j in range(nb)]
-    blocks = [s_ref[slot, h, :, pl.ds(j * bv, bv)] for j in range(min(nb, 2))]
 
     q, k = conv(*q_win), conv(*k_win)
     q = q * jax.lax.rsqrt(jnp.sum(q * q) + L2_EPS) * dk ** -0.5
@@ -146,7 +150,7 @@ def _decode_kernel(slot_ref, pos_ref, fresh_ref, x_ref, cs_in_ref, w_ref, alog_r
     outs, sumsq = [], jnp.zeros((), jnp.float32)
     for j in range(nb):  # blocks of value columns: the rule is separable along them
         if j + 2 < nb:
-            blocks.append(s_ref[slot, h, :, pl.ds((j + 2) * bv, bv)])
+            blocks.append(plgpu.load(s_ref.at[slot, h, :, pl.ds((j + 2) * bv, bv)], volatile=VOLATILE))
         cols = pl.ds(j * bv, bv)
         v = conv(*v_wins[j])
         state = jnp.where(fresh, 0.0, blocks[j])
