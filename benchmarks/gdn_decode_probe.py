@@ -199,10 +199,11 @@ def main():
     ap.add_argument("--batches", type=int, nargs="+", default=[1, 8, 64, 256])
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--kinds", nargs="*", default=["base", "torch"])
+    ap.add_argument("--rounds", type=int, default=5)
     args = ap.parse_args()
     hk, hv, dk, dv, taps = 16, 32, 128, 128, 4
     if jax.default_backend() != "gpu":  # a check that it runs: the interpreter, one small batch
-        args.batches, args.reps, args.kinds = [1], 1, ["base"]
+        args.batches, args.reps, args.kinds, args.rounds = [1], 1, ["base", "fused_ab"], 2
     C, vs = 2 * hk * dk + hv * dv, hv * dv
     rng = np.random.default_rng(0)
     dev = jax.devices()[0].device_kind
@@ -226,6 +227,27 @@ def main():
             jax.block_until_ready((conv, states, acc))
             best = min(best, (time.perf_counter() - t0) / args.reps)
         return best
+
+    def timer(step, conv, states):
+        """A function timing one run of `reps` chained steps (compiled here)."""
+        def loop(c, s):
+            acc = jnp.zeros((), jnp.float32)
+            for _ in range(args.reps):
+                c, s, o = step(c, s)
+                acc = acc + o[0, 0, 0]
+            return c, s, acc
+
+        loop = jax.jit(loop, donate_argnums=(0, 1))
+        pools = list(loop(conv, states)[:2])
+        jax.block_until_ready(pools)
+
+        def run():
+            t0 = time.perf_counter()
+            out = loop(*pools)
+            pools[:] = out[:2]
+            jax.block_until_ready(out)
+            return (time.perf_counter() - t0) / args.reps
+        return run
 
     def batch(B: int) -> None:
         proj = jnp.asarray(rng.standard_normal((B, C + vs + 2 * hv)) * 0.1, jnp.bfloat16)
@@ -272,6 +294,24 @@ def main():
                     best = min(best, (time.perf_counter() - t0) / args.reps)
                 report(name, best)
             del t, t2
+        if "fused_ab" in args.kinds:  # the fused kernel's options, compiled once, timed in interleaved rounds
+            loops = {}
+            for volatile in (False, True):
+                for bv in (128, 64):
+                    def fused(c, s, volatile=volatile, bv=bv):
+                        o, c, s = fused_decode_step(proj, c, w, a_log, dt_bias, s, slots, positions, fresh,
+                                                    num_k_heads=hk, key_dim=dk, value_dim=dv, b_col=C + vs,
+                                                    a_col=C + vs + hv, z_col=C, norm_weight=norm_w, block_v=bv,
+                                                    volatile=volatile, interpret=jax.default_backend() != "gpu")
+                        return c, s, o
+                    loops[(volatile, bv)] = timer(fused, *pools())
+            times = {key: [] for key in loops}
+            for _ in range(args.rounds):
+                for key, run in loops.items():
+                    times[key].append(run())
+            for (volatile, bv), ts in times.items():
+                report("fused + gated norm", min(ts), volatile=volatile, block_v=bv,
+                       median_us=float(np.median(ts)) * 1e6, rounds=len(ts))
         if "base" not in args.kinds:
             return
         for kind in ("copy", "rule"):

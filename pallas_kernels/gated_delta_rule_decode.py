@@ -91,12 +91,9 @@ def conv_step(mixed, conv_state, conv_w, slots, positions) -> tuple[jax.Array, j
     return y, conv_state.at[slots, positions % K].set(mixed.astype(conv_state.dtype))
 
 
-VOLATILE = __import__("os").environ.get("JINFER_GDN_VOLATILE", "1") == "1"  # (experiment)
-
-
 def _decode_kernel(slot_ref, pos_ref, fresh_ref, x_ref, cs_in_ref, w_ref, alog_ref, dtb_ref, nw_ref, s_in_ref,
                    o_ref, cs_ref, s_ref, *, hk: int, group: int, dk: int, dv: int, bv: int, taps: int, b_col: int,
-                   a_col: int, z_col: int | None, eps: float):
+                   a_col: int, z_col: int | None, eps: float, volatile: bool):
     # x_ref [B, W] the projection (q | k | v before the conv at [0, C), z at z_col, b at b_col, a at a_col: read
     # in place, no slices); cs_ref [S, K, C] the conv ring (aliased with cs_in_ref); w_ref [C, K]; alog_ref,
     # dtb_ref [Hv]; nw_ref [Dv] the gated norm's weight (unused without z_col); s_ref [S, Hv, Dk, Dv] f32
@@ -106,14 +103,19 @@ def _decode_kernel(slot_ref, pos_ref, fresh_ref, x_ref, cs_in_ref, w_ref, alog_r
     kh = h // group
     nb = dv // bv
     slot, pos = slot_ref[i], pos_ref[i]
-    fresh = fresh_ref[i] != 0  # a fresh sequence's state starts at zero (never what its slot holds)
+    live = fresh_ref[i] == 0  # a fresh sequence's state starts at zero (never what its slot holds): not loaded
+
+    def state_block(j: int):
+        return plgpu.load(s_ref.at[slot, h, :, pl.ds(j * bv, bv)], mask=jnp.broadcast_to(live, (dk, bv)), other=0.0,
+                          volatile=volatile)
+
     row = jax.lax.rem(jax.lax.rem(pos, taps) + taps, taps)  # the ring row this position writes
 
     def window(offset: int | jax.Array, n: int):
         """Loads this row's conv inputs for channels [offset, offset + n): (x, the K - 1 previous inputs from the
         ring, the taps' weights)."""
         cols = pl.ds(offset, n)
-        prev = [plgpu.load(cs_ref.at[slot, jax.lax.rem(pos - d + taps, taps), cols], volatile=VOLATILE)
+        prev = [plgpu.load(cs_ref.at[slot, jax.lax.rem(pos - d + taps, taps), cols], volatile=volatile)
                 for d in range(1, taps)]
         return x_ref[i, cols], prev, [w_ref[cols, t] for t in range(taps)]
 
@@ -129,7 +131,7 @@ def _decode_kernel(slot_ref, pos_ref, fresh_ref, x_ref, cs_in_ref, w_ref, alog_r
     # gates' inputs and z first; then the state's first two column blocks (the bulk of the bytes), in flight while
     # the conv and the gates are computed; each later block's load is issued before the previous block's work.
     q_off, k_off, v_off = kh * dk, hk * dk + kh * dk, 2 * hk * dk + h * dv
-    blocks = [plgpu.load(s_ref.at[slot, h, :, pl.ds(j * bv, bv)], volatile=VOLATILE) for j in range(min(nb, 2))]
+    blocks = [state_block(j) for j in range(min(nb, 2))]
     q_win, k_win = window(q_off, dk), window(k_off, dk)
     v_wins = [window(v_off + j * bv, bv) for j in range(nb)]
     b_x, a_x = x_ref[i, b_col + h], x_ref[i, a_col + h]
@@ -150,10 +152,10 @@ def _decode_kernel(slot_ref, pos_ref, fresh_ref, x_ref, cs_in_ref, w_ref, alog_r
     outs, sumsq = [], jnp.zeros((), jnp.float32)
     for j in range(nb):  # blocks of value columns: the rule is separable along them
         if j + 2 < nb:
-            blocks.append(plgpu.load(s_ref.at[slot, h, :, pl.ds((j + 2) * bv, bv)], volatile=VOLATILE))
+            blocks.append(state_block(j + 2))
         cols = pl.ds(j * bv, bv)
         v = conv(*v_wins[j])
-        state = jnp.where(fresh, 0.0, blocks[j])
+        state = blocks[j]
         # both reductions over the old state (o = q . S_new = decay q . S + (q . k) delta): neither waits on
         # the update
         ks = jnp.sum(k[:, None] * state, axis=0)
@@ -184,12 +186,12 @@ def _decode_kernel(slot_ref, pos_ref, fresh_ref, x_ref, cs_in_ref, w_ref, alog_r
 
 
 @functools.partial(jax.jit, static_argnames=("num_k_heads", "key_dim", "value_dim", "b_col", "a_col", "z_col",
-                                             "eps", "block_v", "num_warps", "interpret"),
+                                             "eps", "block_v", "num_warps", "volatile", "interpret"),
                    donate_argnames=("conv_state", "states"))
 def fused_decode_step(proj, conv_state, conv_w, a_log, dt_bias, states, slots, positions, fresh, *,
                       num_k_heads: int, key_dim: int, value_dim: int, b_col: int, a_col: int,
                       z_col: int | None = None, norm_weight: jax.Array | None = None, eps: float = 1e-6,
-                      block_v: int | None = None, num_warps: int | None = None,
+                      block_v: int | None = None, num_warps: int | None = None, volatile: bool = False,
                       interpret: bool = False) -> tuple[jax.Array, jax.Array, jax.Array]:
     """`decode_reference` in one kernel (module doc); the two pools are updated in place (donated).
     Dk and Dv powers of two >= 16. A program walks its state in blocks of `block_v` value columns (default
@@ -218,7 +220,7 @@ def fused_decode_step(proj, conv_state, conv_w, a_log, dt_bias, states, slots, p
         num_warps = 4 if dk * bv <= 128 * 64 else 8
     whole = pl.no_block_spec
     kernel = functools.partial(_decode_kernel, hk=hk, group=hv // hk, dk=dk, dv=dv, bv=bv, taps=taps, b_col=b_col,
-                               a_col=a_col, z_col=z_col, eps=eps)
+                               a_col=a_col, z_col=z_col, eps=eps, volatile=volatile)
     norm = norm_weight if norm_weight is not None else jnp.ones((dv,), proj.dtype)
     o, conv_state, states = pl.pallas_call(
         kernel,
