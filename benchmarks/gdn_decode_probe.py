@@ -198,7 +198,8 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--batches", type=int, nargs="+", default=[1, 8, 64, 256])
     ap.add_argument("--reps", type=int, default=20)
-    ap.add_argument("--kinds", nargs="*", default=["base", "torch"])
+    ap.add_argument("--kinds", nargs="*", default=["base", "torch"],
+                    help="base (copy, rule, fused), copies (pipelined copies), pipe (pipelined blocks), torch, fused_ab")
     ap.add_argument("--rounds", type=int, default=5)
     args = ap.parse_args()
     hk, hv, dk, dv, taps = 16, 32, 128, 128, 4
@@ -264,8 +265,10 @@ def main():
         def report(name, t, **kw):
             print(json.dumps(row | {"path": name, **kw, "time_us": t * 1e6, "tb_per_s": state_bytes / t / 1e12}))
 
-        variants = [("copy_out", 1, 4, dv)] + [
-            (k, n, w, dv) for k in ("copy_pipe", "copy_pipe_evict", "rule_pipe") for n in (2, 4, 8) for w in (4, 8)]
+        variants = []
+        if "copies" in args.kinds:
+            variants = [("copy_out", 1, 4, dv)] + [
+                (k, n, w, dv) for k in ("copy_pipe", "copy_pipe_evict", "rule_pipe") for n in (2, 4, 8) for w in (4, 8)]
         if "pipe" in args.kinds:
             variants = [(k, n, w, bv) for k in ("pipe_copy", "pipe_rule") for bv in (128, 64, 32)
                         for n in (2, 4, 8) for w in ((4, 8) if bv == 128 else (2, 4))]
