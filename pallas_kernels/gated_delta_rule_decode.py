@@ -196,7 +196,7 @@ def fused_decode_step(proj, conv_state, conv_w, a_log, dt_bias, states, slots, p
     """`decode_reference` in one kernel (module doc); the two pools are updated in place (donated).
     Dk and Dv powers of two >= 16. A program walks its state in blocks of `block_v` value columns (default
     Dv / 2, at least 16), each block's load issued before the previous block's work; num_warps default 4 (8
-    past a 128 x 64 block)."""
+    past a 128 x 128 block)."""
     B, W = proj.shape
     C, _, taps = conv_w.shape
     hk, dk, dv, hv = num_k_heads, key_dim, value_dim, a_log.shape[0]
@@ -217,7 +217,7 @@ def fused_decode_step(proj, conv_state, conv_w, a_log, dt_bias, states, slots, p
     if bv & (bv - 1) or not 16 <= bv <= dv:
         raise ValueError(f"block_v={bv} must be a power of two in [16, value_dim={dv}]")
     if num_warps is None:
-        num_warps = 4 if dk * bv <= 128 * 64 else 8
+        num_warps = 4 if dk * bv <= 128 * 128 else 8
     whole = pl.no_block_spec
     kernel = functools.partial(_decode_kernel, hk=hk, group=hv // hk, dk=dk, dv=dv, bv=bv, taps=taps, b_col=b_col,
                                a_col=a_col, z_col=z_col, eps=eps, volatile=volatile)
