@@ -199,7 +199,8 @@ def main():
     ap.add_argument("--batches", type=int, nargs="+", default=[1, 8, 64, 256])
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--kinds", nargs="*", default=["base", "torch"],
-                    help="base (copy, rule, fused), copies (pipelined copies), pipe (pipelined blocks), torch, fused_ab")
+                    help="base (copy, rule, fused), copies (pipelined copies), pipe (pipelined blocks), torch, "
+                         "fused_ab")
     ap.add_argument("--rounds", type=int, default=5)
     args = ap.parse_args()
     hk, hv, dk, dv, taps = 16, 32, 128, 128, 4
@@ -299,21 +300,20 @@ def main():
             del t, t2
         if "fused_ab" in args.kinds:  # the fused kernel's options, compiled once, timed in interleaved rounds
             loops = {}
-            for volatile in (False, True):
-                for bv in (128, 64):
-                    def fused(c, s, volatile=volatile, bv=bv):
-                        o, c, s = fused_decode_step(proj, c, w, a_log, dt_bias, s, slots, positions, fresh,
-                                                    num_k_heads=hk, key_dim=dk, value_dim=dv, b_col=C + vs,
-                                                    a_col=C + vs + hv, z_col=C, norm_weight=norm_w, block_v=bv,
-                                                    volatile=volatile, interpret=jax.default_backend() != "gpu")
-                        return c, s, o
-                    loops[(volatile, bv)] = timer(fused, *pools())
+            for bv in (128, 64, 32):
+                def fused(c, s, bv=bv):
+                    o, c, s = fused_decode_step(proj, c, w, a_log, dt_bias, s, slots, positions, fresh,
+                                                num_k_heads=hk, key_dim=dk, value_dim=dv, b_col=C + vs,
+                                                a_col=C + vs + hv, z_col=C, norm_weight=norm_w, block_v=bv,
+                                                interpret=jax.default_backend() != "gpu")
+                    return c, s, o
+                loops[bv] = timer(fused, *pools())
             times = {key: [] for key in loops}
             for _ in range(args.rounds):
                 for key, run in loops.items():
                     times[key].append(run())
-            for (volatile, bv), ts in times.items():
-                report("fused + gated norm", min(ts), volatile=volatile, block_v=bv,
+            for bv, ts in times.items():
+                report("fused + gated norm", min(ts), block_v=bv,
                        median_us=float(np.median(ts)) * 1e6, rounds=len(ts))
         if "base" not in args.kinds:
             return
