@@ -15,7 +15,8 @@
 #               (gdn_intra_*.json)
 #   decode      one linear layer's decode step: the fused conv + gates + delta rule (+ gated norm) kernel (warps)
 #               against the general path (XLA conv + recurrent kernel + gated norm), batches 1..256, TB/s on state
-#               bytes (gdn_decode_*.json); then the decode MLP over 32 layers at T = 1: the fused kernel's norm
+#               bytes (gdn_decode_*.json); the ragged causal conv kernel against XLA's form over prefill, mixed
+#               and decode steps (gdn_conv_*.json); then the decode MLP over 32 layers at T = 1: the fused kernel's norm
 #               prologue variants against XLA, GPU kernel time from a profile (decode_mlp_variants_*.json)
 #   profile     a profiled batch-1 decode (1k context) and its summary: GPU busy per step, kernels by time
 #   latency     engine TPOT / TTFT at batch 1, 1k in / 128 out, against the roofline measured in the same run
@@ -43,7 +44,7 @@ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader 2>
 if [[ $PARTS == *tests* ]]; then
   JAX_PLATFORMS=${JAX_PLATFORMS:-cuda} timeout 600 python3 -m pytest -q -m gpu tests/kernels/test_gated_delta_rule.py \
       tests/kernels/test_gated_delta_rule_intra.py tests/kernels/test_gated_delta_rule_chunked.py \
-      tests/kernels/test_gated_delta_rule_decode.py \
+      tests/kernels/test_gated_delta_rule_decode.py tests/kernels/test_causal_conv.py \
       tests/kernels/test_gated_rms_norm.py -p no:cacheprovider 2>&1 | tail -4
   # the goldens with the kernels compiled natively (f32 dots may run as TF32 there: informative)
   timeout 600 python3 -m pytest -q tests/models/test_golden_qwen3_5.py -k pallas -p no:cacheprovider 2>&1 | tail -4
@@ -61,6 +62,8 @@ fi
 if [[ $PARTS == *decode* ]]; then
   timeout 900 python3 -m pallas_kernels.gated_delta_rule_decode > "$OUT/gdn_decode_$TAG.json"
   cat "$OUT/gdn_decode_$TAG.json"
+  timeout 600 python3 -m pallas_kernels.causal_conv > "$OUT/gdn_conv_$TAG.json"
+  cat "$OUT/gdn_conv_$TAG.json"
   timeout 600 python3 -m benchmarks.bench_decode_mlp --shapes qwen3.5-4b --block-i 128 --num-warps 8 --num-stages 3 \
       --profile /tmp/decode_mlp_profile --out "$OUT/decode_mlp_variants_$TAG.json" | grep "'shape'"
 fi

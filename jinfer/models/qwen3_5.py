@@ -179,7 +179,7 @@ def _gated_attention(layer: HybridLayer, x, cos, sin, kv, batch: Batch, cfg: Mod
 
 def causal_conv(x: jax.Array, conv_state: jax.Array, weight: jax.Array, seq: jax.Array, starts: jax.Array,
                 query_start: jax.Array, slots: jax.Array, positions: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """Depthwise causal conv1d + SiLU over a ragged batch, each sequence continuing from its conv ring.
+    """Depthwise causal conv1d + SiLU over a ragged batch, each sequence continuing from its conv ring (jnp).
 
     x: [T, C] this step's inputs; conv_state: [S, K, C] the pool of conv rings: row r of a sequence's ring holds
     its input at the latest position = r mod K (one row more than the conv reads, so that the decode kernel
@@ -187,34 +187,12 @@ def causal_conv(x: jax.Array, conv_state: jax.Array, weight: jax.Array, seq: jax
     weight: [C, 1, K]; seq: [T] each row's sequence (B for padding); starts: [B] rows where each sequence
     begins (query_start); positions: [T] each row's position in its sequence (inputs before position 0 are
     zeros, whatever the ring holds). Returns (y [T, C], the pool with each sequence's newest inputs written
-    to its ring).
+    to its ring). `ModelOps.causal_conv` is the same with y from the Pallas kernel (pallas_kernels/causal_conv.py).
     """
-    T, C = x.shape
-    K = weight.shape[-1]
-    B = slots.shape[0]
-    ring = conv_state[slots]  # [B, K, C]
-    b = jnp.minimum(seq, B - 1)
-    rows = jnp.arange(T)
-    r = rows - starts[b]  # offset of each row within its sequence's new tokens
-    w = weight[:, 0, :].astype(jnp.float32)  # [C, K]
-    acc = jnp.zeros((T, C), jnp.float32)
-    for d in range(K):  # tap d looks d positions back: in this step's rows, else in the ring
-        p = positions - d
-        from_x = x[jnp.maximum(rows - d, 0)]
-        from_ring = jnp.where((p >= 0)[:, None], ring[b, p % K], 0)
-        tap = jnp.where((r >= d)[:, None], from_x, from_ring)
-        acc = acc + tap.astype(jnp.float32) * w[:, K - 1 - d]
-    y = jax.nn.silu(acc).astype(x.dtype)
-    # each ring row r takes the sequence's latest new input at a position = r mod K, if it has one
-    n = query_start[1:] - query_start[:-1]  # [B]
-    last = positions[jnp.clip(query_start[1:] - 1, 0, T - 1)]  # [B] the position of each sequence's last row
-    latest = last[:, None] - (last[:, None] - jnp.arange(K)[None, :]) % K  # [B, K]
-    off = latest - (last - n + 1)[:, None]  # offset within the sequence's new rows (< 0: not among them)
-    new = jnp.where((off >= 0)[..., None], x[jnp.clip(query_start[:-1, None] + off, 0, T - 1)], ring)
-    # unique_indices: a running sequence's slot is its own; padding sequences all share the scratch slot 0, whose
-    # contents no sequence reads. Without it XLA's GPU scatter writes each element by an atomic compare-and-swap
-    # loop (86 us a layer for 256 rings of 4 x 8192 bf16 in an H100 profile of offline serving).
-    return y, conv_state.at[slots].set(new.astype(conv_state.dtype), unique_indices=True)
+    from pallas_kernels.causal_conv import conv_reference, ring_update
+
+    y = conv_reference(x, conv_state, weight, seq, starts, slots, positions)
+    return y, ring_update(x, conv_state, slots, query_start, positions)
 
 
 def _gated_delta_net(layer: HybridLayer, x, state, batch: Batch, info, cfg: ModelConfig, ops: ModelOps):
@@ -239,7 +217,7 @@ def _gated_delta_net(layer: HybridLayer, x, state, batch: Batch, info, cfg: Mode
     else:
         from pallas_kernels.gated_delta_rule_decode import gates  # (not at import: Pallas is only needed to trace)
 
-        mixed, conv_state = causal_conv(mixed, conv_state, layer.conv_w, seq, qs[:-1], qs, slots, batch.positions)
+        mixed, conv_state = ops.causal_conv(mixed, conv_state, layer.conv_w, seq, qs[:-1], qs, slots, batch.positions)
         if Dk == Dv:  # the kernels read q, k, v as heads of the conv output (slicing them out copies 3/4 of it)
             q, k, v, packed = mixed.reshape(T, 2 * Hk + Hv, Dk), None, None, Hk
         else:
