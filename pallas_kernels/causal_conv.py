@@ -95,7 +95,7 @@ def _conv_kernel(x_ref, cs_ref, w_ref, seq_ref, starts_ref, slots_ref, pos_ref, 
 
 @functools.partial(jax.jit, static_argnames=("block_t", "block_c", "num_warps", "interpret"))
 def causal_conv(x: jax.Array, conv_state: jax.Array, weight: jax.Array, seq: jax.Array, starts: jax.Array,
-                slots: jax.Array, positions: jax.Array, *, block_t: int = 32, block_c: int = 256,
+                slots: jax.Array, positions: jax.Array, *, block_t: int = 32, block_c: int = 128,
                 num_warps: int = 4, interpret: bool = False) -> jax.Array:
     """`conv_reference` in one kernel (module doc): y [T, C] in x's dtype. C a multiple of block_c (a power of
     two), K >= 1 taps."""
@@ -140,14 +140,15 @@ def main():
 
     ap = argparse.ArgumentParser()
     ap.add_argument("--reps", type=int, default=20)
-    ap.add_argument("--blocks", nargs="+", default=["32x256", "64x128", "16x512", "32x128", "64x256"])
+    ap.add_argument("--blocks", nargs="+", default=["32x128", "16x128", "32x64", "64x64", "16x256"])
+    ap.add_argument("--num-warps", type=int, nargs="+", default=[4, 2, 8])
     args = ap.parse_args()
     gpu = jax.default_backend() == "gpu"
     C, K = (8192, 4) if gpu else (256, 4)
     steps = {"prefill 8 x 1024": [1024] * 8, "mixed 256 x 1 + 8 x 992": [1] * 256 + [992] * 8,
              "decode 256 x 1": [1] * 256} if gpu else {"mixed": [1, 1, 5, 3], "decode": [1, 1]}
     if not gpu:
-        args.blocks, args.reps = ["8x128"], 1
+        args.blocks, args.reps, args.num_warps = ["8x128"], 1, [4]
     rng = np.random.default_rng(0)
     dev = jax.devices()[0].device_kind
     commit = os.environ.get("JINFER_COMMIT")
@@ -183,12 +184,14 @@ def main():
         t = timed(conv_reference)
         print(json.dumps(row | {"impl": "xla", "time_us": t * 1e6, "gb_per_s": nbytes / t / 1e9}), flush=True)
         for blocks in args.blocks:
-            bt, bc = map(int, blocks.split("x"))
-            fn = functools.partial(causal_conv, block_t=bt, block_c=bc, interpret=not gpu)
-            err = float(jnp.max(jnp.abs(fn(*ops).astype(jnp.float32) - want.astype(jnp.float32))))
-            t = timed(fn)
-            print(json.dumps(row | {"impl": "pallas", "block_t": bt, "block_c": bc, "time_us": t * 1e6,
-                                    "gb_per_s": nbytes / t / 1e9, "max_err_vs_xla": err}), flush=True)
+            for warps in args.num_warps:
+                bt, bc = map(int, blocks.split("x"))
+                fn = functools.partial(causal_conv, block_t=bt, block_c=bc, num_warps=warps, interpret=not gpu)
+                err = float(jnp.max(jnp.abs(fn(*ops).astype(jnp.float32) - want.astype(jnp.float32))))
+                t = timed(fn)
+                print(json.dumps(row | {"impl": "pallas", "block_t": bt, "block_c": bc, "num_warps": warps,
+                                        "time_us": t * 1e6, "gb_per_s": nbytes / t / 1e9, "max_err_vs_xla": err}),
+                      flush=True)
 
 
 if __name__ == "__main__":

@@ -167,17 +167,20 @@ def _recurrent_kernel(qs_ref, slot_ref, fresh_ref, active_ref, q_ref, k_ref, v_r
         q = q * jax.lax.rsqrt(jnp.sum(q * q) + L2_EPS) * scale
         k = k * jax.lax.rsqrt(jnp.sum(k * k) + L2_EPS)
         v = v_ref[t, offsets[2] + h, cols].astype(jnp.float32)  # [block_v]
-        state = state * jnp.exp(g_ref[t, h])
-        delta = (v - jnp.sum(k[:, None] * state, axis=0)) * beta_ref[t, h]  # [block_v]
-        state = state + k[:, None] * delta[None, :]
-        o_ref[t, h, cols] = jnp.sum(q[:, None] * state, axis=0).astype(o_ref.dtype)
-        return state
+        decay = jnp.exp(g_ref[t, h])
+        # both reductions over the old state (o = q . S_new = decay q . S + (q . k) delta): neither waits on the
+        # update
+        ks = jnp.sum(k[:, None] * state, axis=0)
+        qs = jnp.sum(q[:, None] * state, axis=0)
+        delta = (v - decay * ks) * beta_ref[t, h]  # [block_v]
+        o_ref[t, h, cols] = (decay * qs + jnp.sum(q * k) * delta).astype(o_ref.dtype)
+        return state * decay + k[:, None] * delta[None, :]
 
     @pl.when(active_ref[b] != 0)  # inactive: left to the chunked kernel (its rows and slot not touched)
     def _():
         slot = slot_ref[b]
-        state = s_ref[slot, h, :, cols]  # [Dk, block_v]
-        state = jnp.where(fresh_ref[b] != 0, 0.0, state)
+        live = fresh_ref[b] == 0  # a fresh sequence starts from zeros: its slot is not read
+        state = plgpu.load(s_ref.at[slot, h, :, cols], mask=jnp.broadcast_to(live, (dk, block_v)), other=0.0)
         s_ref[slot, h, :, cols] = jax.lax.fori_loop(start, end, body, state)
 
 
