@@ -95,10 +95,11 @@ def _conv_kernel(x_ref, cs_ref, w_ref, seq_ref, starts_ref, slots_ref, pos_ref, 
 
 @functools.partial(jax.jit, static_argnames=("block_t", "block_c", "num_warps", "interpret"))
 def causal_conv(x: jax.Array, conv_state: jax.Array, weight: jax.Array, seq: jax.Array, starts: jax.Array,
-                slots: jax.Array, positions: jax.Array, *, block_t: int = 32, block_c: int = 128,
+                slots: jax.Array, positions: jax.Array, *, block_t: int = 16, block_c: int = 128,
                 num_warps: int = 4, interpret: bool = False) -> jax.Array:
     """`conv_reference` in one kernel (module doc): y [T, C] in x's dtype. C a multiple of block_c (a power of
-    two), K >= 1 taps."""
+    two), K >= 1 taps. The default blocks and warps were the fastest of a sweep at Qwen3.5-4B's 8192 channels
+    (H100, gdn_conv_h100_d3496cc.json: 147 us for 8k rows, XLA's form 204 us)."""
     T, C = x.shape
     K = weight.shape[-1]
     if conv_state.shape[1:] != (K, C) or weight.shape != (C, 1, K):
