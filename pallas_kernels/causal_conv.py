@@ -68,7 +68,8 @@ def ring_update(x: jax.Array, conv_state: jax.Array, slots: jax.Array, query_sta
 
 def _conv_kernel(x_ref, cs_ref, w_ref, seq_ref, starts_ref, slots_ref, pos_ref, y_ref, *, taps: int, block_t: int,
                  block_c: int):
-    # x_ref [T, C]; cs_ref [S, K, C]; w_ref [C, K]; seq_ref, pos_ref [T]; starts_ref, slots_ref [B]; y_ref [T, C]
+    # x_ref [T, W]: the inputs in its columns [0, C) (read in place, e.g. a projection's first C columns);
+    # cs_ref [S, K, C]; w_ref [C, K]; seq_ref, pos_ref [T]; starts_ref, slots_ref [B]; y_ref [T, C]
     T = x_ref.shape[0]
     B = slots_ref.shape[0]
     t0, c0 = pl.program_id(0) * block_t, pl.program_id(1) * block_c
@@ -97,14 +98,14 @@ def _conv_kernel(x_ref, cs_ref, w_ref, seq_ref, starts_ref, slots_ref, pos_ref, 
 def causal_conv(x: jax.Array, conv_state: jax.Array, weight: jax.Array, seq: jax.Array, starts: jax.Array,
                 slots: jax.Array, positions: jax.Array, *, block_t: int = 16, block_c: int = 128,
                 num_warps: int = 4, interpret: bool = False) -> jax.Array:
-    """`conv_reference` in one kernel (module doc): y [T, C] in x's dtype. C a multiple of block_c (a power of
-    two), K >= 1 taps. The default blocks and warps were the fastest of a sweep at Qwen3.5-4B's 8192 channels
-    (H100, gdn_conv_h100_d3496cc.json: 147 us for 8k rows, XLA's form 204 us)."""
-    T, C = x.shape
-    K = weight.shape[-1]
-    if conv_state.shape[1:] != (K, C) or weight.shape != (C, 1, K):
-        raise ValueError(f"conv_state [S, K, C] and weight [C, 1, K] for x [T, C]: {x.shape=} {conv_state.shape=} "
-                         f"{weight.shape=}")
+    """`conv_reference` in one kernel (module doc): y [T, C] in x's dtype, for the first C = weight.shape[0]
+    columns of x [T, W >= C] (read in place: a slice of a wider array would be copied out first). C a multiple of
+    block_c (a power of two), K >= 1 taps. The default blocks and warps were the fastest of a sweep at Qwen3.5-4B's
+    8192 channels (H100, gdn_conv_h100_d3496cc.json: 147 us for 8k rows, XLA's form 204 us)."""
+    T, C, K = x.shape[0], weight.shape[0], weight.shape[-1]
+    if conv_state.shape[1:] != (K, C) or weight.shape != (C, 1, K) or x.shape[1] < C:
+        raise ValueError(f"conv_state [S, K, C] and weight [C, 1, K] for x [T, W >= C]: {x.shape=} "
+                         f"{conv_state.shape=} {weight.shape=}")
     block_c = min(block_c, C)
     if C % block_c or block_c & (block_c - 1) or block_t & (block_t - 1):
         raise ValueError(f"C={C} must be a multiple of block_c={block_c}, both blocks powers of two ({block_t=})")

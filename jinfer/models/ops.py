@@ -206,16 +206,18 @@ class ModelOps:
 
     def causal_conv(self, x, conv_state, weight, seq, starts, query_start, slots, positions):
         """Qwen3.5's depthwise causal conv + SiLU over a ragged batch from each sequence's conv ring, and the rings'
-        update: (y [T, C], the pool). Pallas: y from one kernel (pallas_kernels/causal_conv.py; C a multiple of
+        update, for the first C = weight.shape[0] columns of x [T, W] (the layer's input projection: read in
+        place): (y [T, C], the pool). Pallas: y from one kernel (pallas_kernels/causal_conv.py; C a multiple of
         128), the rings' update in XLA; reference: qwen3_5.causal_conv."""
         from pallas_kernels.causal_conv import causal_conv, ring_update
 
-        if self.backend != "pallas" or x.shape[1] % 128:
+        C = weight.shape[0]
+        if self.backend != "pallas" or C % 128:
             from jinfer.models.qwen3_5 import causal_conv as reference
 
-            return reference(x, conv_state, weight, seq, starts, query_start, slots, positions)
+            return reference(x[:, :C], conv_state, weight, seq, starts, query_start, slots, positions)
         y = causal_conv(x, conv_state, weight, seq, starts, slots, positions, interpret=self.interpret)
-        return y, ring_update(x, conv_state, slots, query_start, positions)
+        return y, ring_update(x[:, :C], conv_state, slots, query_start, positions)
 
     def gated_rms_norm(self, x: jax.Array, gate: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
         """HF's RMSNormGated: weight * rms_norm(x) (rounded to x's dtype), times silu(gate) in float32."""

@@ -217,7 +217,8 @@ def _gated_delta_net(layer: HybridLayer, x, state, batch: Batch, info, cfg: Mode
     else:
         from pallas_kernels.gated_delta_rule_decode import gates  # (not at import: Pallas is only needed to trace)
 
-        mixed, conv_state = ops.causal_conv(mixed, conv_state, layer.conv_w, seq, qs[:-1], qs, slots, batch.positions)
+        # y in place: q | k | v are its first conv_dim columns (a slice passed to a kernel is copied out first)
+        mixed, conv_state = ops.causal_conv(y, conv_state, layer.conv_w, seq, qs[:-1], qs, slots, batch.positions)
         if Dk == Dv:  # the kernels read q, k, v as heads of the conv output (slicing them out copies 3/4 of it)
             q, k, v, packed = mixed.reshape(T, 2 * Hk + Hv, Dk), None, None, Hk
         else:

@@ -44,7 +44,9 @@ def test_causal_conv_matches_reference(mode, lens, starts_at, C, dtype, padding,
     rng = np.random.default_rng(len(lens) * 31 + C)
     x, pool, w, seq, starts, qs, slots, positions = problem(rng, lens, starts_at, C, dtype=dtype, padding=padding)
     want = conv_reference(x, pool, w, seq, starts, slots, positions)
-    got = causal_conv(x, pool, w, seq, starts, slots, positions, block_t=bt, block_c=bc, interpret=mode == "interpret")
+    wide = jnp.concatenate([x, jnp.full((x.shape[0], 48), jnp.nan, x.dtype)], axis=1)  # columns past C: not read
+    got = causal_conv(wide, pool, w, seq, starts, slots, positions, block_t=bt, block_c=bc,
+                      interpret=mode == "interpret")
     assert got.shape == want.shape and got.dtype == dtype
     n = sum(lens)  # padding rows' outputs are never read
     tol = 2e-2 if dtype == jnp.bfloat16 else 1e-5
@@ -57,7 +59,9 @@ def test_model_ops_causal_conv_backends_agree():
     rng = np.random.default_rng(3)
     args = problem(rng, [3, 1, 6], [2, 9, 0], 128)
     y_ref, pool_ref = model_conv(*args)
-    y, pool = ModelOps(backend="pallas", interpret=True).causal_conv(*args)
+    x, rest = args[0], args[1:]
+    wide = jnp.concatenate([x, jnp.ones((x.shape[0], 40), x.dtype)], axis=1)  # a projection: q | k | v first
+    y, pool = ModelOps(backend="pallas", interpret=True).causal_conv(wide, *rest)
     np.testing.assert_allclose(np.asarray(y), np.asarray(y_ref), atol=1e-5, rtol=1e-5)
     np.testing.assert_array_equal(np.asarray(pool), np.asarray(pool_ref))
 
