@@ -219,12 +219,17 @@ class ModelOps:
         y = causal_conv(x, conv_state, weight, seq, starts, slots, positions, interpret=self.interpret)
         return y, ring_update(x[:, :C], conv_state, slots, query_start, positions)
 
-    def gated_rms_norm(self, x: jax.Array, gate: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
-        """HF's RMSNormGated: weight * rms_norm(x) (rounded to x's dtype), times silu(gate) in float32."""
+    def gated_rms_norm(self, x: jax.Array, gate: jax.Array, weight: jax.Array, eps: float,
+                       gate_col: int | None = None) -> jax.Array:
+        """HF's RMSNormGated: weight * rms_norm(x) (rounded to x's dtype), times silu(gate) in float32. x [T, H, D];
+        gate [T, H, D], or with gate_col the [T, W] array holding the gates at columns [gate_col, gate_col + H D)
+        (the layer's projection, read in place by the kernel)."""
         from pallas_kernels.gated_rms_norm import gated_rms_norm, gated_rms_norm_reference
 
         if self.backend == "pallas" and not x.shape[-1] & (x.shape[-1] - 1):
-            return gated_rms_norm(x, gate, weight, eps=eps, interpret=self.interpret)
+            return gated_rms_norm(x, gate, weight, eps=eps, gate_col=gate_col, interpret=self.interpret)
+        if gate_col is not None:
+            gate = gate[:, gate_col:gate_col + x.shape[1] * x.shape[2]].reshape(x.shape)
         return gated_rms_norm_reference(x, gate, weight, eps)
 
     def reduce(self, partial: jax.Array) -> jax.Array:

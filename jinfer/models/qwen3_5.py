@@ -206,7 +206,7 @@ def _gated_delta_net(layer: HybridLayer, x, state, batch: Batch, info, cfg: Mode
     else:
         y = jnp.concatenate(ops.norm_projections(x, layer.attn_norm, (layer.lin_qkv, layer.lin_z, layer.lin_b,
                                                                       layer.lin_a), cfg.rms_norm_eps), axis=-1)
-    mixed, z, b, a = jnp.split(y, [c, c + vs, c + vs + Hv], axis=-1)  # the kernels below read y in place
+    b, a = jnp.split(y[:, c + vs:], [Hv], axis=-1)  # q | k | v and z: the kernels below read them in place
     seq, fresh = info
     slots, qs = batch.state_slots, batch.query_start
     if ops.decode_step or (T == 1 and slots.shape[0] == 1):  # one new row per sequence: row b is sequence b's
@@ -226,7 +226,7 @@ def _gated_delta_net(layer: HybridLayer, x, state, batch: Batch, info, cfg: Mode
             q, k, v, packed = q.reshape(T, Hk, Dk), k.reshape(T, Hk, Dk), v.reshape(T, Hv, Dv), None
         beta, g = gates(b, a, layer.a_log, layer.dt_bias)
         o, rec_state = ops.gated_delta_rule(q, k, v, g, beta, rec_state, slots, fresh, qs, x.dtype, packed)
-        o = ops.gated_rms_norm(o, z.reshape(T, Hv, Dv), layer.lin_norm, cfg.rms_norm_eps)
+        o = ops.gated_rms_norm(o, y, layer.lin_norm, cfg.rms_norm_eps, gate_col=c)  # z read in place from y
     return ops.out_proj(o.reshape(T, Hv * Dv), layer.lin_out, x), (conv_state, rec_state)
 
 

@@ -25,6 +25,21 @@ def test_gated_rms_norm_matches_reference(mode, shape, dtype):
     assert_close(out, gated_rms_norm_reference(x, z, w, 1e-6), dtype, mode)
 
 
+@pytest.mark.parametrize("mode", MODES)
+def test_gated_rms_norm_reads_the_gate_in_place(mode):
+    """gate_col: the gates are columns [gate_col, gate_col + H D) of a wider [T, W] array (the projection)."""
+    rng = np.random.default_rng(7)
+    T, H, D, col = 11, 4, 32, 40
+    x = jnp.asarray(rng.standard_normal((T, H, D)), jnp.float32)
+    proj = jnp.asarray(rng.standard_normal((T, col + H * D + 24)), jnp.float32)
+    w = jnp.asarray(1 + 0.1 * rng.standard_normal(D), jnp.float32)
+    out = gated_rms_norm(x, proj, w, eps=1e-6, gate_col=col, interpret=mode == "interpret")
+    z = proj[:, col:col + H * D].reshape(T, H, D)
+    assert_close(out, gated_rms_norm_reference(x, z, w, 1e-6), jnp.float32, mode)
+    with pytest.raises(ValueError, match="gate_col"):
+        gated_rms_norm(x, proj, w, eps=1e-6, gate_col=col + 30, interpret=True)
+
+
 def test_gated_rms_norm_checks_and_lowers_for_cuda():
     with pytest.raises(ValueError, match="power of two"):
         gated_rms_norm(jnp.zeros((2, 12)), jnp.zeros((2, 12)), jnp.zeros(12), eps=1e-6, interpret=True)
