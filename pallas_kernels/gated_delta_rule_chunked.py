@@ -54,7 +54,7 @@ from pallas_kernels.gated_delta_rule_intra import intra_chunk, intra_chunk_palla
 
 __all__ = ["intra_chunk", "unit_lower_inverse"]  # phase 1's reference, here since it began here
 
-CHUNK = int(__import__("os").environ.get("JINFER_GDN_CHUNK", 64))  # rows per chunk (fla and HF use 64) (experiment)
+CHUNK = 64  # rows per chunk (fla and HF use 64)
 MIN_LEN = 64  # sequences with fewer new rows are left to the recurrent kernel
 
 
