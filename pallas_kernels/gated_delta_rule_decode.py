@@ -94,61 +94,6 @@ def conv_step(mixed, conv_state, conv_w, slots, positions) -> tuple[jax.Array, j
     return y, conv_state.at[slots, positions % K].set(mixed.astype(conv_state.dtype))
 
 
-# From this many rows the step runs as two kernels (split=None): the conv of every head first, then the rule,
-# whose programs then wait on nothing but their state (gdn_decode_split_h100_*.json).
-SPLIT_MIN_ROWS = 32
-
-
-def _gates(x_ref, alog_ref, dtb_ref, i, h, b_col: int, a_col: int):
-    """(beta, decay = exp(g)) of row i's value head h, from b and a in the projection."""
-    beta = jax.nn.sigmoid(x_ref[i, b_col + h].astype(jnp.float32)).astype(x_ref.dtype).astype(jnp.float32)
-    a = x_ref[i, a_col + h].astype(jnp.float32) + dtb_ref[h].astype(jnp.float32)
-    softplus = jnp.maximum(a, 0.0) + jnp.log1p(jnp.exp(-jnp.abs(a)))
-    return beta, jnp.exp(-jnp.exp(alog_ref[h].astype(jnp.float32)) * softplus)
-
-
-def _state_block(s_ref, slot, h, live, j: int, dk: int, bv: int):
-    """Column block j of the head's state; zeros, not loaded, for a fresh sequence."""
-    return plgpu.load(s_ref.at[slot, h, :, pl.ds(j * bv, bv)], mask=jnp.broadcast_to(live, (dk, bv)), other=0.0)
-
-
-def _update(blocks, load_block, q, k, vs, beta, decay, zs, nw, o_ref, s_ref, slot, i, h, *, bv: int, eps: float,
-            after_block=None):
-    """The rule on the head's state, block by block of value columns (separable along them), then the gated
-    norm (zs, nw: the gate's and the weight's blocks; None: no norm). blocks: the first blocks, loaded;
-    load_block(j) loads block j (issued before the previous block's work); vs[j]: block j of v (f32)."""
-    nb, dv = len(vs), len(vs) * bv
-    qk = jnp.sum(q * k)
-    outs, sumsq = [], jnp.zeros((), jnp.float32)
-    for j in range(nb):
-        if j + 2 < nb:
-            blocks.append(load_block(j + 2))
-        cols = pl.ds(j * bv, bv)
-        state = blocks[j]
-        # both reductions over the old state (o = q . S_new = decay q . S + (q . k) delta): neither waits on
-        # the update
-        ks = jnp.sum(k[:, None] * state, axis=0)
-        qs = jnp.sum(q[:, None] * state, axis=0)
-        delta = (vs[j] - decay * ks) * beta
-        o = (decay * qs + qk * delta).astype(o_ref.dtype).astype(jnp.float32)  # [bv], rounded as stored
-        s_ref[slot, h, :, cols] = state * decay + k[:, None] * delta[None, :]
-        if after_block is not None:
-            after_block(j)
-        if zs is None:
-            o_ref[i, h, cols] = o.astype(o_ref.dtype)
-        else:
-            outs.append(o)
-            sumsq = sumsq + jnp.sum(o * o)
-    if zs is not None:  # HF's RMSNormGated over the whole head (gated_rms_norm_reference's roundings)
-        inv = jax.lax.rsqrt(sumsq / dv + eps)
-        wdt = jnp.promote_types(nw[0].dtype, o_ref.dtype)
-        for j, o in enumerate(outs):
-            z = zs[j].astype(jnp.float32)
-            o = (o * inv).astype(o_ref.dtype).astype(jnp.float32)
-            o = (nw[j].astype(jnp.float32) * o).astype(wdt).astype(jnp.float32) * (z * jax.nn.sigmoid(z))
-            o_ref[i, h, pl.ds(j * bv, bv)] = o.astype(o_ref.dtype)
-
-
 def _decode_kernel(slot_ref, pos_ref, fresh_ref, x_ref, cs_in_ref, w_ref, alog_ref, dtb_ref, nw_ref, s_in_ref,
                    o_ref, cs_ref, s_ref, *, hk: int, group: int, dk: int, dv: int, bv: int, taps: int, b_col: int,
                    a_col: int, z_col: int | None, eps: float):
@@ -162,6 +107,10 @@ def _decode_kernel(slot_ref, pos_ref, fresh_ref, x_ref, cs_in_ref, w_ref, alog_r
     nb = dv // bv
     slot, pos = slot_ref[i], pos_ref[i]
     live = fresh_ref[i] == 0  # a fresh sequence's state starts at zero (never what its slot holds): not loaded
+
+    def state_block(j: int):
+        return plgpu.load(s_ref.at[slot, h, :, pl.ds(j * bv, bv)], mask=jnp.broadcast_to(live, (dk, bv)), other=0.0)
+
     row = jax.lax.rem(jax.lax.rem(pos, taps) + taps, taps)  # the ring row this position writes
 
     def window(offset: int | jax.Array, n: int):
@@ -183,25 +132,53 @@ def _decode_kernel(slot_ref, pos_ref, fresh_ref, x_ref, cs_in_ref, w_ref, alog_r
     # gates' inputs and z first; then the state's first two column blocks (the bulk of the bytes), in flight while
     # the conv and the gates are computed; each later block's load is issued before the previous block's work.
     q_off, k_off, v_off = kh * dk, hk * dk + kh * dk, 2 * hk * dk + h * dv
+    blocks = [state_block(j) for j in range(min(nb, 2))]
     q_win, k_win = window(q_off, dk), window(k_off, dk)
     v_wins = [window(v_off + j * bv, bv) for j in range(nb)]
-    beta, decay = _gates(x_ref, alog_ref, dtb_ref, i, h, b_col, a_col)
-    zs = nw = None
+    b_x, a_x = x_ref[i, b_col + h], x_ref[i, a_col + h]
+    a_log, dt_b = alog_ref[h], dtb_ref[h]
     if z_col is not None:
         zs = [x_ref[i, pl.ds(z_col + h * dv + j * bv, bv)] for j in range(nb)]
         nw = [nw_ref[pl.ds(j * bv, bv)] for j in range(nb)]
-    load_block = functools.partial(_state_block, s_ref, slot, h, live, dk=dk, bv=bv)
-    blocks = [load_block(j) for j in range(min(nb, 2))]
 
     q, k = conv(*q_win), conv(*k_win)
     q = q * jax.lax.rsqrt(jnp.sum(q * q) + L2_EPS) * dk ** -0.5
     k = k * jax.lax.rsqrt(jnp.sum(k * k) + L2_EPS)
+    qk = jnp.sum(q * k)
+    beta = jax.nn.sigmoid(b_x.astype(jnp.float32)).astype(x_ref.dtype).astype(jnp.float32)
+    a = a_x.astype(jnp.float32) + dt_b.astype(jnp.float32)
+    softplus = jnp.maximum(a, 0.0) + jnp.log1p(jnp.exp(-jnp.abs(a)))
+    decay = jnp.exp(-jnp.exp(a_log.astype(jnp.float32)) * softplus)
 
-    def ring_v(j):  # this program's own v channels into the ring
-        cs_ref[slot, row, pl.ds(v_off + j * bv, bv)] = v_wins[j][0].astype(cs_ref.dtype)
-
-    _update(blocks, load_block, q, k, [conv(*w) for w in v_wins], beta, decay, zs, nw, o_ref, s_ref, slot, i, h,
-            bv=bv, eps=eps, after_block=ring_v)
+    outs, sumsq = [], jnp.zeros((), jnp.float32)
+    for j in range(nb):  # blocks of value columns: the rule is separable along them
+        if j + 2 < nb:
+            blocks.append(state_block(j + 2))
+        cols = pl.ds(j * bv, bv)
+        v = conv(*v_wins[j])
+        state = blocks[j]
+        # both reductions over the old state (o = q . S_new = decay q . S + (q . k) delta): neither waits on
+        # the update
+        ks = jnp.sum(k[:, None] * state, axis=0)
+        qs = jnp.sum(q[:, None] * state, axis=0)
+        delta = (v - decay * ks) * beta
+        o = (decay * qs + qk * delta).astype(o_ref.dtype).astype(jnp.float32)  # [bv], rounded as stored
+        s_ref[slot, h, :, cols] = state * decay + k[:, None] * delta[None, :]
+        cs_ref[slot, row, pl.ds(v_off + j * bv, bv)] = v_wins[j][0].astype(cs_ref.dtype)  # its own v channels
+        if z_col is None:
+            o_ref[i, h, cols] = o.astype(o_ref.dtype)
+        else:
+            outs.append(o)
+            sumsq = sumsq + jnp.sum(o * o)
+    if z_col is not None:  # HF's RMSNormGated over the whole head (gated_rms_norm_reference's roundings)
+        inv = jax.lax.rsqrt(sumsq / dv + eps)
+        wdt = jnp.promote_types(nw_ref.dtype, o_ref.dtype)
+        for j, o in enumerate(outs):
+            cols = pl.ds(j * bv, bv)
+            z = zs[j].astype(jnp.float32)
+            o = (o * inv).astype(o_ref.dtype).astype(jnp.float32)
+            o = (nw[j].astype(jnp.float32) * o).astype(wdt).astype(jnp.float32) * (z * jax.nn.sigmoid(z))
+            o_ref[i, h, cols] = o.astype(o_ref.dtype)
 
     @pl.when(h % group == 0)  # the key head's q and k channels: by its first program
     def _():
@@ -209,66 +186,13 @@ def _decode_kernel(slot_ref, pos_ref, fresh_ref, x_ref, cs_in_ref, w_ref, alog_r
         cs_ref[slot, row, pl.ds(k_off, dk)] = k_win[0].astype(cs_ref.dtype)
 
 
-def _prologue_kernel(slot_ref, pos_ref, x_ref, cs_in_ref, w_ref, qk_ref, v_ref, cs_ref, *, hk: int, dk: int,
-                     dv: int, taps: int):
-    # The split form's first kernel, one program per (row i, head j of q | k | v): the conv + SiLU of the head's
-    # channels, L2-normalised for q and k (q also by Dk^-0.5), into qk_ref [B, 2 Hk, Dk] / v_ref [B, Hv, Dv]
-    # (float32); this row's inputs into the ring (cs_ref, aliased with cs_in_ref).
-    del cs_in_ref
-    i, j = pl.program_id(0), pl.program_id(1)
-    slot, pos = slot_ref[i], pos_ref[i]
-    row = jax.lax.rem(jax.lax.rem(pos, taps) + taps, taps)
-
-    def head(offset, n):
-        cols = pl.ds(offset, n)
-        x = x_ref[i, cols]
-        acc = x.astype(jnp.float32) * w_ref[cols, taps - 1].astype(jnp.float32)
-        for d in range(1, taps):
-            prev = cs_ref[slot, jax.lax.rem(pos - d + taps, taps), cols].astype(jnp.float32)
-            acc = acc + jnp.where(pos >= d, prev, 0.0) * w_ref[cols, taps - 1 - d].astype(jnp.float32)
-        cs_ref[slot, row, cols] = x.astype(cs_ref.dtype)  # a row no program of the step reads
-        return (acc * jax.nn.sigmoid(acc)).astype(x_ref.dtype).astype(jnp.float32)
-
-    @pl.when(j < 2 * hk)
-    def _():
-        y = head(j * dk, dk)
-        y = y * jax.lax.rsqrt(jnp.sum(y * y) + L2_EPS)
-        qk_ref[i, j, :] = jnp.where(j < hk, y * dk ** -0.5, y)
-
-    @pl.when(j >= 2 * hk)
-    def _():
-        v_ref[i, j - 2 * hk, :] = head(2 * hk * dk + (j - 2 * hk) * dv, dv)
-
-
-def _rule_kernel(slot_ref, fresh_ref, x_ref, qk_ref, v_ref, alog_ref, dtb_ref, nw_ref, s_in_ref, o_ref, s_ref, *,
-                 hk: int, group: int, dk: int, dv: int, bv: int, b_col: int, a_col: int, z_col: int | None,
-                 eps: float):
-    # The split form's second kernel, one program per (row i, value head h): the rule and the gated norm from the
-    # first kernel's q, k, v (no conv, no ring: nothing waits on the slot but the state).
-    del s_in_ref
-    i, h = pl.program_id(0), pl.program_id(1)
-    kh = h // group
-    nb = dv // bv
-    q, k = qk_ref[i, kh, :], qk_ref[i, hk + kh, :]
-    vs = [v_ref[i, h, pl.ds(j * bv, bv)] for j in range(nb)]
-    beta, decay = _gates(x_ref, alog_ref, dtb_ref, i, h, b_col, a_col)
-    zs = nw = None
-    if z_col is not None:
-        zs = [x_ref[i, pl.ds(z_col + h * dv + j * bv, bv)] for j in range(nb)]
-        nw = [nw_ref[pl.ds(j * bv, bv)] for j in range(nb)]
-    slot = slot_ref[i]
-    load_block = functools.partial(_state_block, s_ref, slot, h, fresh_ref[i] == 0, dk=dk, bv=bv)
-    blocks = [load_block(j) for j in range(min(nb, 2))]
-    _update(blocks, load_block, q, k, vs, beta, decay, zs, nw, o_ref, s_ref, slot, i, h, bv=bv, eps=eps)
-
-
 @functools.partial(jax.jit, static_argnames=("num_k_heads", "key_dim", "value_dim", "b_col", "a_col", "z_col",
-                                             "eps", "block_v", "num_warps", "split", "interpret"),
+                                             "eps", "block_v", "num_warps", "interpret"),
                    donate_argnames=("conv_state", "states"))
 def fused_decode_step(proj, conv_state, conv_w, a_log, dt_bias, states, slots, positions, fresh, *,
                       num_k_heads: int, key_dim: int, value_dim: int, b_col: int, a_col: int,
                       z_col: int | None = None, norm_weight: jax.Array | None = None, eps: float = 1e-6,
-                      block_v: int | None = None, num_warps: int | None = None, split: bool | None = None,
+                      block_v: int | None = None, num_warps: int | None = None,
                       interpret: bool = False) -> tuple[jax.Array, jax.Array, jax.Array]:
     """`decode_reference` in one kernel (module doc); the two pools are updated in place (donated).
     Dk and Dv powers of two >= 16. A program walks its state in blocks of `block_v` value columns (default:
@@ -297,38 +221,9 @@ def fused_decode_step(proj, conv_state, conv_w, a_log, dt_bias, states, slots, p
     if num_warps is None:
         num_warps = 4 if dk * bv <= 128 * 128 else 8
     whole = pl.no_block_spec
-    norm = norm_weight if norm_weight is not None else jnp.ones((dv,), proj.dtype)
-    slots, positions, fresh = slots.astype(jnp.int32), positions.astype(jnp.int32), fresh.astype(jnp.int32)
-    if split if split is not None else B >= SPLIT_MIN_ROWS:
-        params = plgpu.CompilerParams(num_warps=num_warps, num_stages=1)
-        qk, v, conv_state = pl.pallas_call(
-            functools.partial(_prologue_kernel, hk=hk, dk=dk, dv=dv, taps=taps),
-            grid=(B, 2 * hk + hv),
-            in_specs=[whole] * 5,
-            out_specs=[whole] * 3,
-            out_shape=[jax.ShapeDtypeStruct((B, 2 * hk, dk), jnp.float32),
-                       jax.ShapeDtypeStruct((B, hv, dv), jnp.float32),
-                       jax.ShapeDtypeStruct(conv_state.shape, conv_state.dtype)],
-            input_output_aliases={3: 2},
-            compiler_params=plgpu.CompilerParams(num_warps=1, num_stages=1),
-            interpret=interpret,
-            name="gated_delta_decode_conv",
-        )(slots, positions, proj, conv_state, conv_w[:, 0, :])
-        o, states = pl.pallas_call(
-            functools.partial(_rule_kernel, hk=hk, group=hv // hk, dk=dk, dv=dv, bv=bv, b_col=b_col, a_col=a_col,
-                              z_col=z_col, eps=eps),
-            grid=(B, hv),
-            in_specs=[whole] * 9,
-            out_specs=[whole] * 2,
-            out_shape=[jax.ShapeDtypeStruct((B, hv, dv), proj.dtype), jax.ShapeDtypeStruct(states.shape, jnp.float32)],
-            input_output_aliases={8: 1},
-            compiler_params=params,
-            interpret=interpret,
-            name="gated_delta_decode_rule" + ("_norm" if z_col is not None else ""),
-        )(slots, fresh, proj, qk, v, a_log, dt_bias, norm, states)
-        return o, conv_state, states
     kernel = functools.partial(_decode_kernel, hk=hk, group=hv // hk, dk=dk, dv=dv, bv=bv, taps=taps, b_col=b_col,
                                a_col=a_col, z_col=z_col, eps=eps)
+    norm = norm_weight if norm_weight is not None else jnp.ones((dv,), proj.dtype)
     o, conv_state, states = pl.pallas_call(
         kernel,
         grid=(B, hv),
@@ -341,7 +236,8 @@ def fused_decode_step(proj, conv_state, conv_w, a_log, dt_bias, states, slots, p
         compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=1),
         interpret=interpret,
         name="gated_delta_decode" + ("_norm" if z_col is not None else ""),
-    )(slots, positions, fresh, proj, conv_state, conv_w[:, 0, :], a_log, dt_bias, norm, states)
+    )(slots.astype(jnp.int32), positions.astype(jnp.int32), fresh.astype(jnp.int32), proj, conv_state,
+      conv_w[:, 0, :], a_log, dt_bias, norm, states)
     return o, conv_state, states
 
 

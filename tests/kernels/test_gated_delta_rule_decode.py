@@ -54,12 +54,11 @@ CASES = [
 
 
 @pytest.mark.parametrize("mode", MODES)
-@pytest.mark.parametrize("split", [False, True], ids=["one-kernel", "split"])
 @pytest.mark.parametrize("block_v", [None, "whole", 16], ids=["block_v-default", "block_v-whole", "block_v-16"])
 @pytest.mark.parametrize("B,fresh,hk,hv,dk,dv,dtype,padding,norm", CASES)
-def test_fused_decode_matches_reference(mode, split, block_v, B, fresh, hk, hv, dk, dv, dtype, padding, norm):
-    """Both forms (one kernel; the conv kernel then the rule kernel) at every block size: one block (the whole
-    head), the default, and 16 columns (up to four blocks, each block's load issued inside the loop)."""
+def test_fused_decode_matches_reference(mode, block_v, B, fresh, hk, hv, dk, dv, dtype, padding, norm):
+    """Every block size: one block (the whole head), the default two, and 16 columns (up to four blocks, each
+    block's load issued inside the loop over blocks)."""
     rng = np.random.default_rng(B * 7 + dk + hv)
     args = problem(rng, B, fresh, hk, hv, dk, dv, dtype, padding=padding)
     dims = dict(num_k_heads=hk, key_dim=dk, value_dim=dv, **columns(hk, hv, dk, dv),
@@ -68,7 +67,7 @@ def test_fused_decode_matches_reference(mode, split, block_v, B, fresh, hk, hv, 
     untouched = np.setdiff1d(np.arange(args[1].shape[0]), np.asarray(args[6]))
     conv_before, states_before = np.asarray(args[1])[untouched], np.asarray(args[5])[untouched]
     o_ref, conv_ref, s_ref = decode_reference(*args, **dims)
-    o, conv, s = fused_decode_step(*args, **dims, block_v=dv if block_v == "whole" else block_v, split=split,
+    o, conv, s = fused_decode_step(*args, **dims, block_v=dv if block_v == "whole" else block_v,
                                    interpret=mode == "interpret")
     tol = 2e-2 if dtype == jnp.bfloat16 else (1e-2 if mode == "gpu" else 2e-5)
     assert o.dtype == dtype
