@@ -211,25 +211,6 @@ def main():
     dev = jax.devices()[0].device_kind
     commit = os.environ.get("JINFER_COMMIT")
 
-    def timed(step, conv, states):
-        def loop(c, s):
-            acc = jnp.zeros((), jnp.float32)
-            for _ in range(args.reps):
-                c, s, o = step(c, s)
-                acc = acc + o[0, 0, 0]
-            return c, s, acc
-
-        loop = jax.jit(loop, donate_argnums=(0, 1))
-        conv, states, _ = loop(conv, states)
-        jax.block_until_ready((conv, states))
-        best = float("inf")
-        for _ in range(3):
-            t0 = time.perf_counter()
-            conv, states, acc = loop(conv, states)
-            jax.block_until_ready((conv, states, acc))
-            best = min(best, (time.perf_counter() - t0) / args.reps)
-        return best
-
     def timer(step, conv, states):
         """A function timing one run of `reps` chained steps (compiled here)."""
         def loop(c, s):
@@ -250,6 +231,11 @@ def main():
             jax.block_until_ready(out)
             return (time.perf_counter() - t0) / args.reps
         return run
+
+    def timed(step, conv, states):
+        """The best of three timed runs (seconds per step)."""
+        run = timer(step, conv, states)
+        return min(run() for _ in range(3))
 
     def batch(B: int) -> None:
         proj = jnp.asarray(rng.standard_normal((B, C + vs + 2 * hv)) * 0.1, jnp.bfloat16)
