@@ -96,13 +96,15 @@ def conv_step(mixed, conv_state, conv_w, slots, positions) -> tuple[jax.Array, j
 
 def _decode_kernel(slot_ref, pos_ref, fresh_ref, x_ref, cs_in_ref, w_ref, alog_ref, dtb_ref, nw_ref, s_in_ref,
                    o_ref, cs_ref, s_ref, *, hk: int, group: int, dk: int, dv: int, bv: int, taps: int, b_col: int,
-                   a_col: int, z_col: int | None, eps: float):
+                   a_col: int, z_col: int | None, eps: float, heads_first: bool):
     # x_ref [B, W] the projection (q | k | v before the conv at [0, C), z at z_col, b at b_col, a at a_col: read
     # in place, no slices); cs_ref [S, K, C] the conv ring (aliased with cs_in_ref); w_ref [C, K]; alog_ref,
     # dtb_ref [Hv]; nw_ref [Dv] the gated norm's weight (unused without z_col); s_ref [S, Hv, Dk, Dv] f32
     # (aliased with s_in_ref); o_ref [B, Hv, Dv].
     del cs_in_ref, s_in_ref
     i, h = pl.program_id(0), pl.program_id(1)
+    if heads_first:  # (experiment) consecutive programs: one sequence's consecutive heads (adjacent 64 KB states)
+        i, h = h, i
     kh = h // group
     nb = dv // bv
     slot, pos = slot_ref[i], pos_ref[i]
@@ -187,12 +189,12 @@ def _decode_kernel(slot_ref, pos_ref, fresh_ref, x_ref, cs_in_ref, w_ref, alog_r
 
 
 @functools.partial(jax.jit, static_argnames=("num_k_heads", "key_dim", "value_dim", "b_col", "a_col", "z_col",
-                                             "eps", "block_v", "num_warps", "interpret"),
+                                             "eps", "block_v", "num_warps", "heads_first", "interpret"),
                    donate_argnames=("conv_state", "states"))
 def fused_decode_step(proj, conv_state, conv_w, a_log, dt_bias, states, slots, positions, fresh, *,
                       num_k_heads: int, key_dim: int, value_dim: int, b_col: int, a_col: int,
                       z_col: int | None = None, norm_weight: jax.Array | None = None, eps: float = 1e-6,
-                      block_v: int | None = None, num_warps: int | None = None,
+                      block_v: int | None = None, num_warps: int | None = None, heads_first: bool = False,
                       interpret: bool = False) -> tuple[jax.Array, jax.Array, jax.Array]:
     """`decode_reference` in one kernel (module doc); the two pools are updated in place (donated).
     Dk and Dv powers of two >= 16. A program walks its state in blocks of `block_v` value columns (default:
@@ -222,11 +224,11 @@ def fused_decode_step(proj, conv_state, conv_w, a_log, dt_bias, states, slots, p
         num_warps = 4 if dk * bv <= 128 * 128 else 8
     whole = pl.no_block_spec
     kernel = functools.partial(_decode_kernel, hk=hk, group=hv // hk, dk=dk, dv=dv, bv=bv, taps=taps, b_col=b_col,
-                               a_col=a_col, z_col=z_col, eps=eps)
+                               a_col=a_col, z_col=z_col, eps=eps, heads_first=heads_first)
     norm = norm_weight if norm_weight is not None else jnp.ones((dv,), proj.dtype)
     o, conv_state, states = pl.pallas_call(
         kernel,
-        grid=(B, hv),
+        grid=(hv, B) if heads_first else (B, hv),
         in_specs=[whole] * 10,
         out_specs=[whole] * 3,
         out_shape=[jax.ShapeDtypeStruct((B, hv, dv), proj.dtype),
