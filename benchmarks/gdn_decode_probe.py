@@ -286,20 +286,20 @@ def main():
             del t, t2
         if "fused_ab" in args.kinds:  # the fused kernel's options, compiled once, timed in interleaved rounds
             loops = {}
-            for bv, heads_first in ((128, False), (128, True), (64, False), (64, True)):
-                def fused(c, s, bv=bv, heads_first=heads_first):
+            for bv in (128, 64, 32):
+                def fused(c, s, bv=bv):
                     o, c, s = fused_decode_step(proj, c, w, a_log, dt_bias, s, slots, positions, fresh,
                                                 num_k_heads=hk, key_dim=dk, value_dim=dv, b_col=C + vs,
                                                 a_col=C + vs + hv, z_col=C, norm_weight=norm_w, block_v=bv,
-                                                heads_first=heads_first, interpret=jax.default_backend() != "gpu")
+                                                interpret=jax.default_backend() != "gpu")
                     return c, s, o
-                loops[(bv, heads_first)] = timer(fused, *pools())
+                loops[bv] = timer(fused, *pools())
             times = {key: [] for key in loops}
             for _ in range(args.rounds):
                 for key, run in loops.items():
                     times[key].append(run())
-            for (bv, heads_first), ts in times.items():
-                report("fused + gated norm", min(ts), block_v=bv, heads_first=heads_first,
+            for bv, ts in times.items():
+                report("fused + gated norm", min(ts), block_v=bv,
                        median_us=float(np.median(ts)) * 1e6, rounds=len(ts))
         if "base" not in args.kinds:
             return

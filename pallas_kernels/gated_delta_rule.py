@@ -154,7 +154,9 @@ def _recurrent_kernel(qs_ref, slot_ref, fresh_ref, active_ref, q_ref, k_ref, v_r
     # g_ref, beta_ref [T, Hv] f32; s_in_ref / s_ref [S, Hv, Dk, Dv] f32: the pool, aliased (read, then
     # written in place); o_in_ref / o_ref [T, Hv, Dv]: the output, aliased (only this kernel's rows written).
     del s_in_ref, o_in_ref  # the same buffers as s_ref, o_ref
-    b, h, j = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    # the grid is (Dv / block_v, Hv, B): consecutive programs share a sequence's head, then its next heads
+    # (adjacent state in its slot), as the decode kernel (gated_delta_rule_decode.py)
+    j, h, b = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     kh = h // group
     dk = q_ref.shape[-1]
     cols = pl.ds(j * block_v, block_v)
@@ -192,7 +194,7 @@ def _recurrent_call(q, k, v, g, beta, states, slots, fresh, query_start, active,
     kernel = functools.partial(_recurrent_kernel, group=hv // hk, block_v=block_v, offsets=offsets)
     o, states = pl.pallas_call(
         kernel,
-        grid=(B, hv, dv // block_v),
+        grid=(dv // block_v, hv, B),
         in_specs=[whole] * 11,
         out_specs=[whole, whole],
         out_shape=[jax.ShapeDtypeStruct(out.shape, out.dtype), jax.ShapeDtypeStruct(states.shape, jnp.float32)],
