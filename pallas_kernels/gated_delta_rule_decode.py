@@ -9,10 +9,11 @@ Here one program per (value head, sequence) (a sequence's heads in consecutive p
 b and a straight from the layer's input projection (slices of it were copies) and writing the normalised, gated o
 in the activation dtype:
 
-- loads its q and k channels' conv window (the sequence's K - 1 previous inputs from the conv ring, zeros
-  before position 0, and this row's) and its v channels', the gates' inputs and z, then its [Dk, Dv] state
-  slice (the bulk of its bytes; not at all for a fresh sequence, whose state is zeros) in blocks of value
-  columns. Loads are issued in the order they are needed; each later block's before the previous block's work;
+- loads its [Dk, Dv] state slice in blocks of value columns (the bulk of its bytes; not at all for a fresh
+  sequence, whose state is zeros), its q and k channels' conv window (the sequence's K - 1 previous inputs
+  from the conv ring, zeros before position 0, and this row's) and its v channels', the gates' inputs and z,
+  all before any of them is used (ptxas schedules them: the order in the source, state first or last, measured
+  the same); each block past the second is loaded before the previous block's work;
 - applies the depthwise conv and SiLU (rounded to the activation dtype, as the general path stores them),
   L2-normalises q and k, computes the head's beta and g;
 - runs the rule on each block in registers: both reductions over the old state (k S and q S; o = q S_new =
@@ -131,10 +132,11 @@ def _decode_kernel(slot_ref, pos_ref, fresh_ref, x_ref, cs_in_ref, w_ref, alog_r
             acc = acc + jnp.where(pos >= d, prev[d - 1].astype(jnp.float32), 0.0) * w[taps - 1 - d].astype(jnp.float32)
         return (acc * jax.nn.sigmoid(acc)).astype(x_ref.dtype).astype(jnp.float32)
 
-    # Loads in the order they are needed: a warp waits for its loads by counting those still outstanding, in
-    # issue order, so a small load issued after the state would wait for the whole state. The conv windows,
-    # gates' inputs and z first; then the state's first two column blocks (the bulk of the bytes), in flight while
-    # the conv and the gates are computed; each later block's load is issued before the previous block's work.
+    # Every load before any use: the state's first two column blocks (the bulk of the bytes), the conv windows,
+    # the gates' inputs and z, in flight while the conv and the gates are computed; each later block's load is
+    # issued before the previous block's work. ptxas schedules them (the SASS had the conv's loads and the q / k
+    # norms ahead of the state's); the source's order, state first or last, measured the same (115.9 / 115.6 us
+    # at batch 64: gdn_decode_ab_h100_cae9e15.jsonl, gdn_decode_blocks_h100_e8b5162.json).
     q_off, k_off, v_off = kh * dk, hk * dk + kh * dk, 2 * hk * dk + h * dv
     blocks = [state_block(j) for j in range(min(nb, 2))]
     q_win, k_win = window(q_off, dk), window(k_off, dk)
@@ -251,11 +253,10 @@ def fused_decode_step(proj, conv_state, conv_w, a_log, dt_bias, states, slots, p
 def main():
     """One Qwen3.5-4B linear layer's decode step (16 q/k heads, 32 v heads, 128 x 128 state, conv of 4 taps over
     8192 channels) at decode batches: the fused kernel (blocks of value columns, warps; with and without the gated
-    norm) against the
-    general path (the conv in XLA, the recurrent kernel, the gated-norm kernel). Each figure times `--reps` steps
-    chained in one executable (each step reads the pools the previous one wrote, as decode does), so no dispatch
-    is timed. TB/s on the recurrent state's bytes (read + written), the issue's measure. JSON lines on stdout;
-    tiny shapes on CPU (interpreter) to check it."""
+    norm) against the general path (the conv in XLA, the recurrent kernel, the gated-norm kernel). Each figure
+    times `--reps` steps chained in one executable (each step reads the pools the previous one wrote, as decode
+    does), so no dispatch is timed. TB/s on the recurrent state's bytes (read + written), the issue's measure.
+    JSON lines on stdout; tiny shapes on CPU (interpreter) to check it."""
     import argparse
     import json
     import os
