@@ -208,15 +208,14 @@ class ModelOps:
         """Qwen3.5's depthwise causal conv + SiLU over a ragged batch from each sequence's conv ring, and the rings'
         update, for the first C = weight.shape[0] columns of x [T, W] (the layer's input projection: read in
         place): (y [T, C], the pool). Pallas: y from one kernel (pallas_kernels/causal_conv.py; C a multiple of
-        128), the rings' update in XLA; reference: qwen3_5.causal_conv."""
-        from pallas_kernels.causal_conv import causal_conv, ring_update
+        128); reference: the kernel's jnp reference. The rings' update in XLA either way."""
+        from pallas_kernels.causal_conv import causal_conv, conv_reference, ring_update
 
         C = weight.shape[0]
-        if self.backend != "pallas" or C % 128:
-            from jinfer.models.qwen3_5 import causal_conv as reference
-
-            return reference(x[:, :C], conv_state, weight, seq, starts, query_start, slots, positions)
-        y = causal_conv(x, conv_state, weight, seq, starts, slots, positions, interpret=self.interpret)
+        if self.backend == "pallas" and C % 128 == 0:
+            y = causal_conv(x, conv_state, weight, seq, starts, slots, positions, interpret=self.interpret)
+        else:
+            y = conv_reference(x[:, :C], conv_state, weight, seq, starts, slots, positions)
         return y, ring_update(x[:, :C], conv_state, slots, query_start, positions)
 
     def gated_rms_norm(self, x: jax.Array, gate: jax.Array, weight: jax.Array, eps: float,
