@@ -342,6 +342,8 @@ class EngineClient:
                     os.write(self._wake_w, b"x")
                 except BlockingIOError:  # pipe full: a wake-up is pending anyway
                     pass
+                except BrokenPipeError:  # the I/O thread has exited and closed its end: none to wake
+                    pass
 
     def _io_loop(self) -> None:
         poller = zmq.Poller()
