@@ -33,6 +33,21 @@ def rss_mb() -> float:
     return 0.0
 
 
+def rss_by_mapping(top: int = 12) -> dict:
+    """RSS (MB) per mapped file, anonymous memory as "[anon]", the largest `top` of them."""
+    sizes: dict[str, int] = {}
+    name = "[anon]"
+    for line in open("/proc/self/smaps"):
+        parts = line.split()
+        if parts and "-" in parts[0] and len(parts) >= 5 and not parts[0].endswith(":"):
+            name = parts[5] if len(parts) > 5 else "[anon]"
+            name = name if name.startswith("[") else os.path.basename(name)
+        elif parts and parts[0] == "Rss:":
+            sizes[name] = sizes.get(name, 0) + int(parts[1])
+    rows = sorted(sizes.items(), key=lambda kv: -kv[1])[:top]
+    return {k: round(v / 1024, 1) for k, v in rows}
+
+
 def load_all(directory: Path) -> dict:
     import ctypes
     import gc
@@ -50,6 +65,7 @@ def load_all(directory: Path) -> dict:
         pass
     jax.devices()
     base = rss_mb()
+    base_maps = rss_by_mapping()
     rows, keep = [], []
     for path in sorted(directory.rglob("*.jexe"), key=lambda p: p.stat().st_size, reverse=True):
         data = path.read_bytes()
@@ -64,6 +80,7 @@ def load_all(directory: Path) -> dict:
                      "rss_added_mb": round(rss_mb() - before, 1), "ptx_modules": data.count(b"\n.version "),
                      "cubin_images": data.count(b"\x7fELF")})
     return {"backend_rss_mb": round(base, 1), "loaded": len(rows), "rss_after_mb": round(rss_mb(), 1),
+            "rss_by_mapping_backend_mb": base_maps, "rss_by_mapping_after_mb": rss_by_mapping(),
             "executables": rows}
 
 
