@@ -3,7 +3,12 @@
     loop:  receive (non-blocking while requests run, up to IDLE_POLL_MS when idle)
            -> dispatch by message type (handler table)
            -> core.step() -> send each client the deltas of its own requests
-           -> every STATS_INTERVAL_S: push stats to clients, check that the parent process lives
+           -> every STATS_INTERVAL_S: push stats to clients
+
+A watchdog thread checks that the parent process lives from the start (model load and warm-up
+included); when it is gone the engine stops as on SIGTERM, and exits hard if that has not ended the
+process within PARENT_GONE_GRACE_S. A process whose loop has ended does not wait for background
+compiles still running (each can take seconds): it exits at once (the cache writes are atomic).
 
 One ROUTER socket carries both directions, so several clients (the HTTP server, internal services)
 can share one engine: each request's deltas go back to the client that sent it. A request the core
@@ -60,6 +65,8 @@ log = logging.getLogger("jinfer.engine")
 
 IDLE_POLL_MS = 100
 STATS_INTERVAL_S = 0.5
+PARENT_POLL_S = 0.5
+PARENT_GONE_GRACE_S = 5.0  # after the SIGTERM the parent's loss sends: then os._exit
 MAX_MESSAGES_PER_STEP = 4096  # a flood of requests must not starve the running ones
 
 
@@ -104,12 +111,11 @@ def _ready_message(core: Any) -> EngineReady:
 
 
 class EngineCoreProc:
-    """The loop around one core; `run()` returns when told to shut down or when the parent is gone."""
+    """The loop around one core; `run()` returns when told to shut down (Shutdown, SIGTERM, the parent gone)."""
 
-    def __init__(self, core: Any, sock: zmq.Socket, *, parent_pid: int | None = None,
-                 stats_interval: float = STATS_INTERVAL_S):
+    def __init__(self, core: Any, sock: zmq.Socket, *, stats_interval: float = STATS_INTERVAL_S):
         self.core, self.sock = core, sock
-        self.parent_pid, self.stats_interval = parent_pid, stats_interval
+        self.stats_interval = stats_interval
         self.ready = _ready_message(core)
         self.handlers: dict[type, Callable[[bytes, Any], None]] = {
             Hello: self._on_hello, AddRequest: self._on_add, Abort: self._on_abort,
@@ -288,12 +294,53 @@ class EngineCoreProc:
             self._last_stats = stats
             for identity in list(self.clients):
                 self._send(identity, Stats(stats))
-        if self.parent_pid is not None and os.getppid() != self.parent_pid:
-            log.warning("parent process %d is gone: exiting", self.parent_pid)
-            self.running = False
 
 
-def run_engine_core(config: Any, address: str, *, parent_pid: int | None = None,
+def watch_parent(parent_pid: int, address: str | None = None, *, poll_s: float = PARENT_POLL_S,
+                 grace_s: float = PARENT_GONE_GRACE_S) -> None:
+    """Stop this process when `parent_pid` is no longer its parent: SIGTERM to itself (the loop's handler
+    shuts down cleanly; before the handler exists, e.g. during the model load, the default action ends the
+    process), then `os._exit` if the process still lives `grace_s` later."""
+
+    def watch() -> None:
+        while os.getppid() == parent_pid:
+            time.sleep(poll_s)
+        log.warning("parent process %d is gone: exiting", parent_pid)
+        if address is not None:  # the parent made the socket's private directory and can no longer remove it
+            _remove_ipc_dir(address)
+        os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(grace_s)
+        log.warning("still running %.0f s after the parent was gone: exiting now", grace_s)
+        _exit_now(1)
+
+    threading.Thread(target=watch, name="jinfer-parent-watch", daemon=True).start()
+
+
+def _remove_ipc_dir(address: str) -> None:
+    """Remove an ipc:// address's directory when it is one of `spawn.default_address`'s (jinfer-*)."""
+    import shutil
+
+    if address.startswith("ipc://"):
+        directory = os.path.dirname(address.removeprefix("ipc://"))
+        if os.path.basename(directory).startswith("jinfer-"):
+            shutil.rmtree(directory, ignore_errors=True)
+
+
+def _exit_now(code: int) -> None:
+    logging.shutdown()
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):
+            pass
+    os._exit(code)
+
+
+def _compiling_threads() -> list[threading.Thread]:
+    return [t for t in threading.enumerate() if t.name.startswith("jinfer-warmup") and t.is_alive()]
+
+
+def run_engine_core(config: Any, address: str, *,
                     core_factory: Callable[[dict[str, Any]], Any] | str | None = None) -> int:
     """Bind `address`, build the core, serve until shut down; returns the process exit code.
 
@@ -316,7 +363,7 @@ def run_engine_core(config: Any, address: str, *, parent_pid: int | None = None,
             log.exception("engine start-up failed")
             _refuse_waiting_clients(sock, f"engine start-up failed: {type(e).__name__}: {e}")
             return 1
-        proc = EngineCoreProc(core, sock, parent_pid=parent_pid)
+        proc = EngineCoreProc(core, sock)
 
         def stop(signum, frame):
             log.info("received signal %d: shutting down", signum)
@@ -362,8 +409,13 @@ def main(argv: list[str] | None = None) -> int:
     # stream-ordered pool (cudaMallocAsync) has none and measured as fast (batch-1 TPOT 6.41 vs 6.44 ms,
     # throughput 37.1k vs 37.0k tok/s on one H100). Set the variable to choose another allocator.
     os.environ.setdefault("XLA_PYTHON_CLIENT_ALLOCATOR", "cuda_async")
-    return run_engine_core(json.loads(args.config), args.address, parent_pid=args.parent_pid,
-                           core_factory=args.core_factory)
+    if args.parent_pid is not None:
+        watch_parent(args.parent_pid, args.address)
+    code = run_engine_core(json.loads(args.config), args.address, core_factory=args.core_factory)
+    if busy := _compiling_threads():  # interpreter exit would join them: up to a compile's length
+        log.info("exiting without waiting for %d background compile thread(s)", len(busy))
+        _exit_now(code)
+    return code
 
 
 if __name__ == "__main__":

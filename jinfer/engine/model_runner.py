@@ -717,6 +717,8 @@ class ModelRunner:
                 return
             B = self.seqs_bucket(T)
             for P in self.page_buckets:
+                if self._stop_background.is_set():  # a bucket is several compiles: stop between them
+                    return
                 self.forward_executable(T, B, P, decode, background=True)
             if not decode:
                 for flags in SamplerFlags.warm():

@@ -48,7 +48,7 @@ def start_engine_process(config: Any, address: str, *, core_factory: str | None 
 
 def discard_engine_process(proc: subprocess.Popen, ipc_dir: str | None) -> None:
     """Stop an engine process no client took over (it runs in its own session: a terminal's Ctrl-C does not
-    reach it, and it notices a dead parent only once its model is loaded) and remove its socket dir."""
+    reach it; it would notice its parent's exit, but not while the parent lives on) and remove its socket dir."""
     import shutil
 
     proc.kill()

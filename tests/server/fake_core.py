@@ -100,3 +100,16 @@ def slow_core(config: dict[str, Any]) -> FakeCore:
 
     time.sleep(30)
     return make_fake_core(config)
+
+
+def compiling_core(config: dict[str, Any]) -> FakeCore:
+    """A fake core that, like a staged warm-up, leaves a 'compile' of 60 s running in a pool thread named as
+    the model runner's are (interpreter exit would wait for it)."""
+    import time
+    from concurrent.futures import ThreadPoolExecutor
+
+    pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="jinfer-warmup")
+    pool.submit(time.sleep, 60)
+    core = make_fake_core(config)
+    core.background = pool  # type: ignore[attr-defined]
+    return core
