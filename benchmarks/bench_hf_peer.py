@@ -2,8 +2,10 @@
 
 Runs where torch + transformers are installed (the H100 machine); never imported by jinfer.
     python3 -m benchmarks.bench_hf_peer --shape qwen3-4b --input-len 1024 --output-len 128 --batch-sizes 1 32
-Random weights at the named shape (bf16, SDPA attention), greedy, no EOS stop. TTFT = one forward
-over the prompt batch; TPOT = (generate time - TTFT) / (output_len - 1).
+    python3 -m benchmarks.bench_hf_peer --shape qwen3-30b-a3b --batch-sizes 1 8    # Qwen3MoeForCausalLM
+Random weights at one of jinfer's named shapes (`jinfer.config.NAMED_SHAPES`; the HF config is derived from
+it: Qwen3 / Qwen3-MoE / Qwen3.5 text), built directly in bf16 on the GPU (SDPA attention), greedy, no EOS stop.
+TTFT = one forward over the prompt batch; TPOT = (generate time - TTFT) / (output_len - 1).
 """
 
 from __future__ import annotations
@@ -12,29 +14,50 @@ import argparse
 import time
 
 from benchmarks.common import write_result
+from jinfer.config import NAMED_SHAPES
 
-SHAPES = {  # the HF configs of jinfer's NAMED_SHAPES
-    "qwen3-4b": dict(vocab_size=151936, hidden_size=2560, intermediate_size=9728, num_hidden_layers=36,
-                     num_attention_heads=32, num_key_value_heads=8, head_dim=128, tie_word_embeddings=True,
-                     rope_theta=1e6, max_position_embeddings=40960),
-}
+HF_CLASSES = {"qwen3": ("Qwen3Config", "Qwen3ForCausalLM"), "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM"),
+              "qwen3_5": ("Qwen3_5TextConfig", "Qwen3_5ForCausalLM")}
+SHAPES = sorted(name for name, cfg in NAMED_SHAPES.items() if cfg.architecture in HF_CLASSES)
+
+
+def hf_config_kwargs(shape: str) -> dict:
+    """The HF config (keyword arguments) of a named shape: the fields HF's Qwen3 families read."""
+    c = NAMED_SHAPES[shape]
+    kw = dict(vocab_size=c.vocab_size, hidden_size=c.hidden_size, intermediate_size=c.intermediate_size,
+              num_hidden_layers=c.num_layers, num_attention_heads=c.num_heads, num_key_value_heads=c.num_kv_heads,
+              head_dim=c.head_dim, tie_word_embeddings=c.tie_word_embeddings, rms_norm_eps=c.rms_norm_eps,
+              max_position_embeddings=c.max_position_embeddings,
+              rope_parameters={"rope_type": "default", "rope_theta": c.rope_theta})
+    if c.architecture == "qwen3_moe":
+        kw |= dict(num_experts=c.num_experts, num_experts_per_tok=c.num_experts_per_tok,
+                   moe_intermediate_size=c.moe_intermediate_size, norm_topk_prob=c.norm_topk_prob,
+                   decoder_sparse_step=c.decoder_sparse_step, mlp_only_layers=list(c.mlp_only_layers))
+    if c.architecture == "qwen3_5":
+        kw["rope_parameters"] |= {"partial_rotary_factor": c.partial_rotary_factor}
+        kw |= dict(layer_types=list(c.layer_types), linear_num_key_heads=c.linear_num_key_heads,
+                   linear_num_value_heads=c.linear_num_value_heads, linear_key_head_dim=c.linear_key_head_dim,
+                   linear_value_head_dim=c.linear_value_head_dim, linear_conv_kernel_dim=c.linear_conv_kernel_dim)
+    return kw
 
 
 def main():
     import torch
-    from transformers import Qwen3Config, Qwen3ForCausalLM
+    import transformers
 
     ap = argparse.ArgumentParser()
-    ap.add_argument("--shape", default="qwen3-4b", choices=sorted(SHAPES))
+    ap.add_argument("--shape", default="qwen3-4b", choices=SHAPES)
     ap.add_argument("--input-len", type=int, default=1024)
     ap.add_argument("--output-len", type=int, default=128)
     ap.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 32])
     ap.add_argument("--out")
     args = ap.parse_args()
     torch.manual_seed(0)
-    cfg = Qwen3Config(**SHAPES[args.shape], attn_implementation="sdpa")
+    config_cls, model_cls = (getattr(transformers, n) for n in HF_CLASSES[NAMED_SHAPES[args.shape].architecture])
+    cfg = config_cls(**hf_config_kwargs(args.shape), attn_implementation="sdpa")
+    torch.set_default_dtype(torch.bfloat16)  # built in bf16: a 30B model in fp32 would not fit
     with torch.device("cuda"):
-        model = Qwen3ForCausalLM(cfg).to(torch.bfloat16).eval()
+        model = model_cls(cfg).eval()
     rows = []
     for bs in args.batch_sizes:
         ids = torch.randint(0, cfg.vocab_size, (bs, args.input_len), device="cuda")

@@ -5,10 +5,11 @@
 #               then the Mosaic GPU grouped GEMM at 512 / 1024 / 4096 tokens (moe_mgpu_$TAG.json)
 #   latency     engine TTFT / TPOT on dummy:qwen3-30b-a3b, batch $BATCHES (default "1 8 32"), 1k in / 128 out
 #   throughput  offline 512 prompts x 1k in / 128 out
+#   hfpeer      the HF transformers peer (Qwen3MoeForCausalLM, random bf16 weights) at batch 1 and 8, 1k in / 128 out
 # JSON lands in $OUT (copy to benchmarks/results/); $TAG names the device in the file names (default h100).
 set -uo pipefail
 source benchmarks/gpu_env.sh
-PARTS=${PARTS:-tests,kernels,latency,throughput}
+PARTS=${PARTS:-tests,kernels,latency,throughput,hfpeer}
 TAG=${TAG:-h100}
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
 if [[ $PARTS == *tests* ]]; then
@@ -36,4 +37,8 @@ fi
 if [[ $PARTS == *throughput* ]]; then
   timeout 900 python3 -m benchmarks.bench_throughput --model dummy:qwen3-30b-a3b --num-prompts 512 --input-len 1024 \
       --output-len 128 --warmup --out "$OUT/throughput_qwen3-30b-a3b_${TAG}_512x1k.json" | grep "^throughput"
+fi
+if [[ $PARTS == *hfpeer* ]]; then
+  timeout 900 python3 -m benchmarks.bench_hf_peer --shape qwen3-30b-a3b --input-len 1024 --output-len 128 \
+      --batch-sizes 1 8 --out "$OUT/hf_peer_qwen3-30b-a3b_$TAG.json" 2>&1 | grep -E "^HF|Error"
 fi
