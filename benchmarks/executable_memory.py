@@ -78,7 +78,11 @@ def load_all(directory: Path) -> dict:
             pass
         rows.append({"file": path.name[:16], "file_mb": round(len(data) / 2**20, 2),
                      "rss_added_mb": round(rss_mb() - before, 1), "ptx_modules": data.count(b"\n.version "),
-                     "cubin_images": data.count(b"\x7fELF")})
+                     "cubin_images": data.count(b"\x7fELF"),
+                     # call sites of the two Pallas GPU lowerings in the stored HLO: a Mosaic GPU call carries its
+                     # kernel's MLIR in its backend config (compiled when loaded, cached by hash), a Triton call
+                     # its Triton IR
+                     "mosaic_calls": data.count(b"mosaic_gpu_v2"), "triton_calls": data.count(b"__gpu$xla.gpu.triton")})
     return {"backend_rss_mb": round(base, 1), "loaded": len(rows), "rss_after_mb": round(rss_mb(), 1),
             "rss_by_mapping_backend_mb": base_maps, "rss_by_mapping_after_mb": rss_by_mapping(),
             "executables": rows}
