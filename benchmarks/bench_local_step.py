@@ -15,7 +15,10 @@ kernels keep their speed at the narrower shapes, apart from communication. Varia
   become a multiply + reduce);
 - no_qkv_rope: q/k norm, RoPE and the K/V write as XLA ops instead of the qkv_rope kernel;
 - no_merge: the decode kernel's split-K partials merged by XLA instead of the merge kernel;
-- unfused: both of the above.
+- unfused: both of the above;
+- router_kernel: a MoE block's norm + router projection as one Pallas kernel (`ops.MOE_ROUTER_KERNEL_TOKENS`);
+- route_w{N}: the MoE routing kernel at N warps (default 4 for decode steps);
+- router_kernel_w{N}: both.
 
 Each variant is run once untimed first (clocks, autotuning), then timed `--runs` times (the best kept).
 """
@@ -32,6 +35,7 @@ import jax
 import numpy as np
 
 import pallas_kernels.fused_mlp as fused_mlp
+import pallas_kernels.moe_routing as moe_routing
 import pallas_kernels.paged_attention as paged_attention
 from benchmarks.common import add_profile_argument, environment, profiled, write_result
 from jinfer.engine.model_runner import init_kv_cache
@@ -55,11 +59,16 @@ def variant(name: str):
     saved_block, saved_out = fused_mlp.fused_swiglu_mlp, ops_module.ModelOps.out_proj
     saved_pad, saved_rope = ops_module.PAD_VECTOR_DOTS, ops_module.QKV_ROPE_MAX_TOKENS
     saved_attn = paged_attention.paged_decode_attention
+    saved_router, saved_route = ops_module.MOE_ROUTER_KERNEL_TOKENS, moe_routing.moe_route
+    if name.startswith("router_kernel"):
+        ops_module.MOE_ROUTER_KERNEL_TOKENS = 64
+    if name.startswith(("route_w", "router_kernel_w")):
+        moe_routing.moe_route = functools.partial(saved_route, num_warps=int(name.rsplit("_w", 1)[1]))
     if name in ("no_qkv_rope", "unfused"):
         ops_module.QKV_ROPE_MAX_TOKENS = 0
     if name in ("no_merge", "unfused"):
         paged_attention.paged_decode_attention = functools.partial(saved_attn, merge_kernel=False)
-    if name in ("no_qkv_rope", "no_merge", "unfused"):
+    if name in ("no_qkv_rope", "no_merge", "unfused") or name.startswith(("router_kernel", "route_w")):
         pass
     elif name == "vector_dots":
         ops_module.PAD_VECTOR_DOTS = False
@@ -77,6 +86,7 @@ def variant(name: str):
         fused_mlp.fused_swiglu_mlp, ops_module.ModelOps.out_proj = saved_block, saved_out
         ops_module.PAD_VECTOR_DOTS, ops_module.QKV_ROPE_MAX_TOKENS = saved_pad, saved_rope
         paged_attention.paged_decode_attention = saved_attn
+        ops_module.MOE_ROUTER_KERNEL_TOKENS, moe_routing.moe_route = saved_router, saved_route
 
 
 def main():

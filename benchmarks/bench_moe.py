@@ -10,7 +10,10 @@
   and torch's device copy bandwidth (the roofline's rate).
 
 "gemm" figures time the two grouped matmuls with the routing given (what torch._grouped_mm is given);
-"block" figures time the whole MoE MLP from router logits (routing included). Our times are the sum of
+"block" figures time the whole MoE MLP from router logits (routing included); "front" figures (`--front`,
+steps of <= 64 tokens) time the block's front end from its input x to the routing: XLA's norm + router dot +
+the routing kernel (at 1 / 2 / 4 warps), against the `moe_norm_router` kernel + the routing kernel
+(block_e 8 / 16 / 32); bandwidth there counts the router's bytes. Our times are the sum of
 the call's kernel times from CUPTI (`jax.experimental.mosaic.gpu.profiler.measure`, median of 20 calls,
 split by kernel); torch's are CUDA-event times of a CUDA graph of 10 chained calls (gaps between its
 kernels included, a few us).
@@ -35,9 +38,11 @@ import numpy as np
 
 from benchmarks.bench_kernels import chained, timeit
 from benchmarks.common import environment, write_result
-from jinfer.models.layers import moe_mlp
-from jinfer.models.ops import ModelOps, moe_block_m
+from jinfer.models.layers import moe_mlp, rms_norm
+from jinfer.models.ops import ModelOps, moe_block_m, project
 from pallas_kernels.moe_gemm import moe_combine, moe_down, moe_gate_up
+from pallas_kernels.moe_router import MAX_TOKENS as ROUTER_MAX_TOKENS
+from pallas_kernels.moe_router import moe_norm_router
 from pallas_kernels.moe_routing import moe_route, moe_route_reference
 
 E, H, INTER, K = 128, 2048, 768, 8
@@ -186,6 +191,42 @@ def bench_tokens(rows: list, tokens: int, w, sweep: bool, xla_block: bool) -> No
                x, hit_bytes=hit_bytes, flops=flops)
 
 
+def bench_front(rows: list, tokens: int, router) -> None:
+    """The MoE block's front end, x -> (h, routing): XLA's norm and router dot, or the moe_norm_router kernel,
+    each followed by the routing kernel; CUPTI kernel times per variant."""
+    x = (3 * jax.random.normal(jax.random.key(tokens + 7), (tokens, H))).astype(DTYPE)
+    norm = jnp.ones((H,), DTYPE)
+    bm = moe_block_m(tokens * K, E)
+    base = {"what": "front", "tokens": tokens, "hit_bytes": H * E * 2, "flops": 2 * tokens * H * E}
+
+    def xla(x, warps=None):
+        h = rms_norm(x, norm, 1e-6)
+        logits = project(h, router, preferred_element_type=jnp.float32).astype(h.dtype)
+        return h, moe_route(logits, top_k=K, block_m=bm, num_warps=warps, **KW)
+
+    def kernel(x, warps=None, block_e=None):
+        h, logits = moe_norm_router(x, norm, router, eps=1e-6, block_e=block_e, **KW)
+        return h, moe_route(logits, top_k=K, block_m=bm, num_warps=warps, **KW)
+
+    ref_ids = np.asarray(xla(x)[1].topk_ids)
+    variants = [("xla", {"warps": w}) for w in (None, 1, 2, 4)]
+    variants += [("router_kernel", {"warps": w, "block_e": be}) for w in (None, 1) for be in (8, 16, 32) if E % be == 0]
+    for impl, kw in variants:
+        fn = functools.partial(xla if impl == "xla" else kernel, **kw)
+        entry = {**base, "impl": impl, **{k: v for k, v in kw.items() if v is not None}}
+        try:
+            entry["same_experts_as_xla"] = bool((np.asarray(fn(x)[1].topk_ids) == ref_ids).all())
+        except Exception as e:
+            entry["error"] = f"{type(e).__name__}: {str(e)[:300]}"
+            rows.append(entry)
+            print(json.dumps(entry), flush=True)
+            continue
+        if KW:  # the CPU smoke check times a chain of calls: x -> x-shaped, the routing kept alive
+            fn = functools.partial(lambda x, fn: (lambda h, r: h + 0 * r.topk_weights[:, :1].astype(h.dtype))(*fn(x)),
+                                   fn=fn)
+        record(rows, entry, fn, x, hit_bytes=base["hit_bytes"], flops=base["flops"])
+
+
 # ----------------------------------------------------------------------------------------------
 # torch peer (subprocess)
 # ----------------------------------------------------------------------------------------------
@@ -279,6 +320,8 @@ def main():
     ap.add_argument("--no-torch", action="store_true")
     ap.add_argument("--skip", nargs="*", default=[], choices=["ragged"])
     ap.add_argument("--xla-block", action="store_true", help="also time the whole MoE block through XLA (ragged_dot)")
+    ap.add_argument("--front", action="store_true", help="also time the block's front end (norm + router + routing)")
+    ap.add_argument("--front-only", action="store_true", help="only the front-end rows (no torch peer, no GEMMs)")
     ap.add_argument("--smoke", action="store_true", help="tiny shapes, kernels interpreted (CPU check)")
     ap.add_argument("--torch-peer", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--out")
@@ -293,10 +336,14 @@ def main():
         E, H, INTER, K = 8, 64, 32, 2
         KW["interpret"] = True
         args.tokens, args.no_torch = [1, 64], True
-    peer = [] if args.no_torch else run_torch_peer(args.tokens)
+    peer = [] if args.no_torch or args.front_only else run_torch_peer(args.tokens)
     w = weights()
     rows: list[dict] = []
     for tokens in args.tokens:
+        if (args.front or args.front_only) and tokens <= ROUTER_MAX_TOKENS:
+            bench_front(rows, tokens, w[3])
+        if args.front_only:
+            continue
         sweep = args.sweep and (not args.sweep_tokens or tokens in args.sweep_tokens)
         bench_tokens(rows, tokens, w, sweep, args.xla_block)
     copy = next((r["copy_bytes_per_s"] for r in peer if r.get("impl") == "torch_copy"), None)

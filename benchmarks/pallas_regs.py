@@ -110,13 +110,22 @@ def cases(spec: str):
                                           jnp.zeros((C, 1, taps), bf16), jnp.zeros(T, jnp.int32),
                                           jnp.zeros(8, jnp.int32), jnp.arange(1, 9, dtype=jnp.int32),
                                           jnp.arange(T, dtype=jnp.int32), block_t=bt, block_c=bc, num_warps=warps)
-    raise SystemExit(f"unknown kernel {spec!r}: decode, recurrent, intra or conv")
+    if kind == "route":  # route:TOKENS:WARPS at Qwen3-30B-A3B's routing (128 experts, top-8)
+        from pallas_kernels.moe_routing import moe_route
+        tokens, warps = int(opts[0]), int(opts[1])
+        return warps, lambda: moe_route(jnp.zeros((tokens, 128)), top_k=8, block_m=16, num_warps=warps)
+    if kind == "router":  # router:TOKENS:BLOCK_E:WARPS: Qwen3-30B-A3B's norm + router projection (2048 -> 128)
+        from pallas_kernels.moe_router import moe_norm_router
+        tokens, be, warps = int(opts[0]), int(opts[1]), int(opts[2])
+        return warps, lambda: moe_norm_router(jnp.zeros((tokens, 2048), bf16), jnp.ones(2048, bf16),
+                                              jnp.zeros((2048, 128), bf16), eps=1e-6, block_e=be, num_warps=warps)
+    raise SystemExit(f"unknown kernel {spec!r}: decode, recurrent, intra, conv, route or router")
 
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("kernels", nargs="+", help="decode:BLOCK_V:WARPS, recurrent:BLOCK_V:WARPS, intra:WARPS, "
-                                               "conv:BTxBC:WARPS")
+                                               "conv:BTxBC:WARPS, route:TOKENS:WARPS, router:TOKENS:BLOCK_E:WARPS")
     ap.add_argument("--triton-python", default=os.environ.get("TRITON_PY", "/tmp/tvenv/bin/python"))
     ap.add_argument("--sass", help="a directory for each kernel's SASS")
     ap.add_argument("--work", default="/tmp/pallas_regs")

@@ -5,6 +5,9 @@
 #               then the Mosaic GPU grouped GEMM at 512 / 1024 / 4096 tokens (moe_mgpu_$TAG.json)
 #   latency     engine TTFT / TPOT on dummy:qwen3-30b-a3b, batch $BATCHES (default "1 8 32"), 1k in / 128 out
 #   throughput  offline 512 prompts x 1k in / 128 out
+#   front       the MoE block's front end at 1 / 8 / 64 tokens: XLA's norm + router dot + routing (routing kernel at
+#               1 / 2 / 4 warps) vs the moe_norm_router kernel + routing (moe_front_$TAG.json); the decode step with
+#               each (bench_local_step variants, batch 1 and 8); engine TPOT with the kernel on (own compile cache)
 #   hfpeer      the HF transformers peer (Qwen3MoeForCausalLM, random bf16 weights) at batch 1 and 8, 1k in / 128 out
 # JSON lands in $OUT (copy to benchmarks/results/); $TAG names the device in the file names (default h100).
 set -uo pipefail
@@ -13,7 +16,7 @@ PARTS=${PARTS:-tests,kernels,latency,throughput,hfpeer}
 TAG=${TAG:-h100}
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
 if [[ $PARTS == *tests* ]]; then
-  JAX_PLATFORMS=cuda timeout 400 python3 -m pytest -q -m gpu tests/kernels/test_moe_routing.py \
+  JAX_PLATFORMS=cuda timeout 400 python3 -m pytest -q -m gpu tests/kernels/test_moe_routing.py tests/kernels/test_moe_router.py \
       tests/kernels/test_moe_gemm.py $(ls tests/kernels/test_moe_gemm_mgpu.py 2>/dev/null) -p no:cacheprovider 2>&1 | tail -4
 fi
 if [[ $PARTS == *kernels* ]]; then
@@ -41,4 +44,14 @@ fi
 if [[ $PARTS == *hfpeer* ]]; then
   timeout 900 python3 -m benchmarks.bench_hf_peer --shape qwen3-30b-a3b --input-len 1024 --output-len 128 \
       --batch-sizes 1 8 --out "$OUT/hf_peer_qwen3-30b-a3b_$TAG.json" 2>&1 | grep -E "^HF|Error"
+fi
+if [[ $PARTS == *front* ]]; then
+  timeout 600 python3 -m benchmarks.bench_moe --front-only --tokens 1 8 64 --out "$OUT/moe_front_$TAG.json" \
+      | grep '^{"what' | cut -c1-400
+  timeout 900 python3 -m benchmarks.bench_local_step --shape qwen3-30b-a3b --tp 1 --batch-sizes 1 8 \
+      --variants default router_kernel route_w1 router_kernel_w1 --out "$OUT/local_step_router_qwen3-30b-a3b_$TAG.json" \
+      | grep "^{'tp'"
+  JINFER_MOE_ROUTER_KERNEL_TOKENS=64 JINFER_COMPILATION_CACHE=/tmp/jinfer-xla-router timeout 900 python3 -m \
+      benchmarks.bench_latency --shape qwen3-30b-a3b --batch-sizes 1 8 --input-len 1024 --output-len 128 \
+      --out "$OUT/latency_qwen3-30b-a3b_router_kernel_$TAG.json" | grep "^batch"
 fi

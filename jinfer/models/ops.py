@@ -76,8 +76,21 @@ QKV_ROPE_MAX_TOKENS = 256
 # GEMM (moe_gemm_mgpu.py: 482 TFLOP/s at 4096 tokens x top-8 on the H100, against 251 for the Triton
 # kernels; at 512 and 1024 tokens it was weight-bound at 84-167 TFLOP/s and the Triton kernels were not
 # measured there, so they keep those steps). kernels: moe_kernels_h100.json, moe_mgpu_h100.json.
+# Steps of at most this many tokens compute a MoE block's RMSNorm and router logits in one Pallas kernel
+# (pallas_kernels/moe_router.py) instead of XLA's ~5 kernels (norm reduce + multiply, the batch-1 dot's
+# padding row, the dot, the logits' conversion: ~7.5 us a Qwen3-30B-A3B layer at batch 1 on the H100). Off
+# until measured on the GPU against XLA's (bench_moe's "front" rows, bench_local_step's `router_kernel`
+# variant); JINFER_MOE_ROUTER_KERNEL_TOKENS=64 turns it on for such measurements (a different compilation cache
+# dir per setting, as for JINFER_PALLAS_MLP_TOKENS).
+MOE_ROUTER_KERNEL_TOKENS = int(os.environ.get("JINFER_MOE_ROUTER_KERNEL_TOKENS", "0"))
 MOSAIC_MOE_MIN_ROWS_PER_EXPERT = 128
 MOSAIC_MOE_BLOCK_M = 128
+
+
+def use_router_kernel(tokens: int, router: jax.Array) -> bool:
+    """Whether a step's MoE front end takes `moe_norm_router`: at most MOE_ROUTER_KERNEL_TOKENS tokens (and the
+    kernel's 64), hidden a multiple of 16, experts a multiple of 8."""
+    return tokens <= min(MOE_ROUTER_KERNEL_TOKENS, 64) and router.shape[0] % 16 == 0 and router.shape[1] % 8 == 0
 
 
 def moe_block_m(num_pairs: int, num_experts: int) -> int:
@@ -280,10 +293,15 @@ class ModelOps:
         parallel) or, when there are fewer of them than the router's E, experts [e0, e0 + E_local)
         (expert parallel). Every device routes every token; the psum adds the partial outputs.
         """
-        h = rms_norm(x, norm, eps)
-        # router logits rounded to the activation dtype, as HF's F.linear (and vLLM) produce them
-        logits = project(h, router, preferred_element_type=jnp.float32).astype(h.dtype)  # [T, E]
         num_experts, hidden, inter = w_gate.shape
+        if self.backend == "pallas" and use_router_kernel(x.shape[0], router):
+            from pallas_kernels.moe_router import moe_norm_router
+
+            h, logits = moe_norm_router(x, norm, router, eps=eps, interpret=self.interpret)  # logits: f32 [T, E]
+        else:
+            h = rms_norm(x, norm, eps)
+            # router logits rounded to the activation dtype, as HF's F.linear (and vLLM) produce them
+            logits = project(h, router, preferred_element_type=jnp.float32).astype(h.dtype)  # [T, E]
         first = None  # expert parallel: the id of this device's first expert
         if num_experts != logits.shape[1]:
             first = jax.lax.axis_index(self.axis) * num_experts
