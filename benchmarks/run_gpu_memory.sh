@@ -14,10 +14,10 @@ source benchmarks/gpu_env.sh
 MODEL=${MODEL:-dummy:qwen3-4b}; TAG=${TAG:-h100}; WORK=${WORK:-/tmp/jinfer-exe-mem}
 mkdir -p "$OUT"; rm -rf "$WORK"; mkdir -p "$WORK"
 build() {  # $1 = name, $2 = XLA_FLAGS for the build; prints the build's wall seconds
-  local t0; t0=$(date +%s.%N)
+  local t0; t0=$(python3 -c 'import time; print(time.time())')
   XLA_FLAGS="$2" python3 -m benchmarks.executable_memory --model "$MODEL" --dir "$WORK/$1" --load-env "" \
       > /dev/null 2> "$WORK/$1.build.log" || { tail -20 "$WORK/$1.build.log" >&2; return 1; }
-  echo "$(date +%s.%N) - $t0" | bc
+  python3 -c "import time; print(round(time.time() - $t0, 1))"
 }
 t_default=$(build default "") || exit 1
 t_single=$(build single "--xla_gpu_force_compilation_parallelism=1") || t_single=null

@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# On the GPU machine (device tool, carrying .whl): Qwen3-MoE on one GPU. PARTS (comma list, default all):
+# On the GPU machine (device tool, carrying .whl): Qwen3-MoE on one GPU. PARTS (comma list; default
+# tests,kernels,latency,throughput; front and hfpeer on request):
 #   tests       the MoE kernel tests compiled for the GPU, and the MoE model goldens with the kernels
 #   kernels     bench_moe: routing + grouped GEMMs vs torch._grouped_mm and lax.ragged_dot ($SWEEP: tile grid),
 #               then the Mosaic GPU grouped GEMM at 512 / 1024 / 4096 tokens (moe_mgpu_$TAG.json)
@@ -12,7 +13,7 @@
 # JSON lands in $OUT (copy to benchmarks/results/); $TAG names the device in the file names (default h100).
 set -uo pipefail
 source benchmarks/gpu_env.sh
-PARTS=${PARTS:-tests,kernels,latency,throughput,hfpeer}
+PARTS=${PARTS:-tests,kernels,latency,throughput}
 TAG=${TAG:-h100}
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
 if [[ $PARTS == *tests* ]]; then

@@ -111,7 +111,8 @@ class EngineClient:
         if address is None:
             address = default_address()
             ipc_dir = os.path.dirname(address.removeprefix("ipc://"))
-        proc = start_engine_process(config if config is not None else {}, address, core_factory=core_factory)
+        proc = start_engine_process(config if config is not None else {}, address, core_factory=core_factory,
+                                    owned_ipc_dir=ipc_dir)
         return cls(address, process=proc, startup_timeout=startup_timeout, name=name, ipc_dir=ipc_dir)
 
     @classmethod

@@ -118,7 +118,8 @@ class ReplicaClient:
 
             for env in envs:
                 address = default_address()
-                procs.append((address, start_engine_process(config, address, core_factory=core_factory, env=env)))
+                procs.append((address, start_engine_process(config, address, core_factory=core_factory, env=env,
+                                                            owned_ipc_dir=os.path.dirname(address.removeprefix("ipc://")))))
             for i, (address, proc) in enumerate(procs):
                 clients.append(EngineClient(address, process=proc, startup_timeout=startup_timeout,
                                             name=f"{name}-dp{i}",

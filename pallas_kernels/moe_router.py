@@ -94,6 +94,9 @@ def moe_norm_router(x: jax.Array, norm_weight: jax.Array, router: jax.Array, *, 
                          f"{norm_weight.shape=} {router.shape=}")
     tokens, hidden = x.shape
     experts = router.shape[1]
+    if norm_weight.dtype != x.dtype or router.dtype != x.dtype:
+        raise ValueError(f"x, norm_weight and router must share a dtype: {x.dtype}, {norm_weight.dtype}, "
+                         f"{router.dtype}")
     if not 1 <= tokens <= MAX_TOKENS:
         raise ValueError(f"tokens={tokens} must be in [1, {MAX_TOKENS}]")
     if hidden % 16 or experts % 8:

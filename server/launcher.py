@@ -94,7 +94,7 @@ def _start_engine(args: argparse.Namespace, config: dict, dp: int):
                                    core_factory=core_factory)
     address = args.engine_address or default_address()
     ipc_dir = None if args.engine_address else os.path.dirname(address.removeprefix("ipc://"))
-    proc = start_engine_process(config, address, core_factory=core_factory)
+    proc = start_engine_process(config, address, core_factory=core_factory, owned_ipc_dir=ipc_dir)
     try:
         import server.app  # noqa: F401  (needed once the engine is ready)
         from jinfer.client import EngineClient

@@ -6,9 +6,12 @@
            -> every STATS_INTERVAL_S: push stats to clients
 
 A watchdog thread checks that the parent process lives from the start (model load and warm-up
-included); when it is gone the engine stops as on SIGTERM, and exits hard if that has not ended the
-process within PARENT_GONE_GRACE_S. A process whose loop has ended does not wait for background
-compiles still running (each can take seconds): it exits at once (the cache writes are atomic).
+included); when it is gone a serving engine stops as on SIGTERM (and exits hard if that has not ended
+the process within PARENT_GONE_GRACE_S), a loading one exits at once. A process whose loop has ended
+does not wait for background compiles still running (each can take seconds): it exits at once. The
+executable cache writes atomically (a temp file renamed into place; a stray temp file is removed at the
+next start); a JAX persistent-cache entry being written at that instant can be cut short, and JAX then
+recompiles that module (warning) at each start whose executable cache misses, until its cache is cleared.
 
 One ROUTER socket carries both directions, so several clients (the HTTP server, internal services)
 can share one engine: each request's deltas go back to the client that sent it. A request the core
@@ -296,38 +299,56 @@ class EngineCoreProc:
                 self._send(identity, Stats(stats))
 
 
-def watch_parent(parent_pid: int, address: str | None = None, *, poll_s: float = PARENT_POLL_S,
+# Set once run_engine_core has installed its SIGTERM handler (the loop then shuts down in order on SIGTERM).
+# Before that a SIGTERM may not end the process: `jax.distributed.initialize` (multi-node start-up) installs
+# XLA's preemption notifier, which catches SIGTERM and goes on.
+_STOP_HANDLER_INSTALLED = threading.Event()
+
+
+def watch_parent(parent_pid: int, owned_ipc_dir: str | None = None, *, poll_s: float = PARENT_POLL_S,
                  grace_s: float = PARENT_GONE_GRACE_S) -> None:
-    """Stop this process when `parent_pid` is no longer its parent: SIGTERM to itself (the loop's handler
-    shuts down cleanly; before the handler exists, e.g. during the model load, the default action ends the
-    process), then `os._exit` if the process still lives `grace_s` later."""
+    """End this process when `parent_pid` is no longer its parent. Serving: SIGTERM to itself (the loop's
+    handler shuts down in order), then `os._exit` if the process still lives `grace_s` later. Still loading
+    (no handler yet): `os._exit` at once, as there is nothing to shut down. `owned_ipc_dir`: the socket's private
+    directory, which the parent made and can no longer remove (only the socket file and the empty directory go)."""
 
     def watch() -> None:
         while os.getppid() == parent_pid:
             time.sleep(poll_s)
-        log.warning("parent process %d is gone: exiting", parent_pid)
-        if address is not None:  # the parent made the socket's private directory and can no longer remove it
-            _remove_ipc_dir(address)
+        _say(f"parent process {parent_pid} is gone: exiting")
+        if owned_ipc_dir:
+            _remove_ipc_dir(owned_ipc_dir)
+        if not _STOP_HANDLER_INSTALLED.is_set():
+            _exit_now(1)
         os.kill(os.getpid(), signal.SIGTERM)
         time.sleep(grace_s)
-        log.warning("still running %.0f s after the parent was gone: exiting now", grace_s)
+        _say(f"still running {grace_s:.0f} s after the parent was gone: exiting now")
         _exit_now(1)
 
     threading.Thread(target=watch, name="jinfer-parent-watch", daemon=True).start()
 
 
-def _remove_ipc_dir(address: str) -> None:
-    """Remove an ipc:// address's directory when it is one of `spawn.default_address`'s (jinfer-*)."""
-    import shutil
+def _say(message: str) -> None:
+    """A warning written straight to stderr: the exit paths must not wait on a logging handler's lock."""
+    try:
+        os.write(2, f"{time.strftime('%Y-%m-%d %H:%M:%S')} WARNING jinfer.engine: {message}\n".encode())
+    except OSError:
+        pass
 
-    if address.startswith("ipc://"):
-        directory = os.path.dirname(address.removeprefix("ipc://"))
-        if os.path.basename(directory).startswith("jinfer-"):
-            shutil.rmtree(directory, ignore_errors=True)
+
+def _remove_ipc_dir(directory: str) -> None:
+    """Remove the engine's socket file(s) and then the directory, if that leaves it empty."""
+    try:
+        for name in os.listdir(directory):
+            if name.endswith(".sock"):
+                os.unlink(os.path.join(directory, name))
+        os.rmdir(directory)
+    except OSError:
+        pass
 
 
 def _exit_now(code: int) -> None:
-    logging.shutdown()
+    """os._exit after a best-effort flush of stdout / stderr (no logging.shutdown: it takes handler locks)."""
     for stream in (sys.stdout, sys.stderr):
         try:
             stream.flush()
@@ -371,6 +392,7 @@ def run_engine_core(config: Any, address: str, *,
 
         signal.signal(signal.SIGTERM, stop)
         signal.signal(signal.SIGINT, stop)
+        _STOP_HANDLER_INSTALLED.set()
         proc.run()
         proc.close("engine shut down")
         if hasattr(core, "close"):
@@ -401,6 +423,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--address", required=True, help="ipc:///path or tcp://127.0.0.1:PORT to bind")
     parser.add_argument("--config", default="{}", help="EngineConfig fields as JSON")
     parser.add_argument("--parent-pid", type=int, default=None, help="exit when this parent process is gone")
+    parser.add_argument("--owned-ipc-dir", default=None,
+                        help="the socket's private directory, removed if the parent is gone (spawn's default address)")
     parser.add_argument("--core-factory", default=None, help="module:callable building the core (tests)")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -410,10 +434,10 @@ def main(argv: list[str] | None = None) -> int:
     # throughput 37.1k vs 37.0k tok/s on one H100). Set the variable to choose another allocator.
     os.environ.setdefault("XLA_PYTHON_CLIENT_ALLOCATOR", "cuda_async")
     if args.parent_pid is not None:
-        watch_parent(args.parent_pid, args.address)
+        watch_parent(args.parent_pid, args.owned_ipc_dir)
     code = run_engine_core(json.loads(args.config), args.address, core_factory=args.core_factory)
     if busy := _compiling_threads():  # interpreter exit would join them: up to a compile's length
-        log.info("exiting without waiting for %d background compile thread(s)", len(busy))
+        _say(f"exiting without waiting for {len(busy)} background compile thread(s)")
         _exit_now(code)
     return code
 

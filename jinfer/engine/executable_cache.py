@@ -80,7 +80,10 @@ log = logging.getLogger(__name__)
 MAGIC = b"JINFER-EXECUTABLE-1\n"
 _HEADER_LEN = struct.Struct("<Q")
 _PACKAGES = ("jinfer", "pallas_kernels")
-_ENV_VARS = ("XLA_FLAGS", "LIBTPU_INIT_ARGS")
+# Environment that changes what is traced or compiled: XLA's flags, and jinfer's measurement switches (kernel
+# choices read at import by jinfer.models.ops).
+_ENV_VARS = ("XLA_FLAGS", "LIBTPU_INIT_ARGS", "JINFER_PALLAS_MLP_TOKENS", "JINFER_MOE_ROUTER_KERNEL_TOKENS")
+STALE_TEMP_FILE_S = 600
 # jax config flags that cannot change the executable: caches, logging, transfer guards, networking.
 _CONFIG_IGNORED = re.compile(
     r"jax_(compilation_cache|persistent_cache|enable_compilation_cache|raise_persistent_cache|log|explain_cache"
@@ -108,6 +111,20 @@ class ExecutableCache:
         self.namespace = namespace
         self.hits = self.misses = 0
         self._count_lock = threading.Lock()  # compile() may run in several threads (warm-up)
+        self._remove_stale_temp_files()
+
+    def _remove_stale_temp_files(self) -> None:
+        """Temp files of writes cut short (a process exiting mid-write: the engine does not wait for background
+        compiles at shutdown). Only old ones: a young one may be another process's write in progress."""
+        if self.directory is None or not self.directory.is_dir():
+            return
+        cutoff = time.time() - STALE_TEMP_FILE_S
+        for tmp in self.directory.glob("*.jexe*.tmp"):
+            try:
+                if tmp.stat().st_mtime < cutoff:
+                    tmp.unlink()
+            except OSError:
+                pass
 
     def compile(self, name: str, jitted, /, *args, **kwargs) -> jax.stages.Compiled:
         """Return the compiled executable of jitted(*args, **kwargs) (arrays, numpy arrays or

@@ -734,6 +734,8 @@ class ModelRunner:
                 with ThreadPoolExecutor(max_workers=WARMUP_THREADS, thread_name_prefix="jinfer-warmup") as pool:
                     for _ in pool.map(lambda job: bucket(*job), self._rest):
                         pass
+                if self._stop_background.is_set():
+                    return
                 _trim_host_heap()  # compile-time host memory back to the OS, as after a full warm-up
                 self.background_seconds = time.perf_counter() - self._t0
                 log.info("warm-up: all %d token buckets ready %.1f s after start-up began",

@@ -32,14 +32,18 @@ def config_to_dict(config: Any) -> dict[str, Any]:
 
 
 def start_engine_process(config: Any, address: str, *, core_factory: str | None = None,
-                         env: dict[str, str] | None = None) -> subprocess.Popen:
+                         env: dict[str, str] | None = None, owned_ipc_dir: str | None = None) -> subprocess.Popen:
     """Start the engine in a fresh interpreter (its own session: a terminal's Ctrl-C goes to the parent,
     which shuts the engine down in order; the engine exits by itself if the parent dies). `env`: variables
-    set for it on top of ours (a data-parallel replica's CUDA_VISIBLE_DEVICES)."""
+    set for it on top of ours (a data-parallel replica's CUDA_VISIBLE_DEVICES). `owned_ipc_dir`: the private
+    directory `default_address()` made for the socket, which the engine removes if it outlives its parent
+    (never a directory the user named)."""
     cmd = [sys.executable, "-m", "jinfer.engine.core_proc", "--address", address,
            "--config", json.dumps(config_to_dict(config)), "--parent-pid", str(os.getpid())]
     if core_factory:
         cmd += ["--core-factory", core_factory]
+    if owned_ipc_dir:
+        cmd += ["--owned-ipc-dir", owned_ipc_dir]
     env = dict(os.environ) | (env or {})
     root = str(Path(__file__).resolve().parents[2])  # so that `-m jinfer...` works from any cwd
     env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH")) if p)

@@ -46,8 +46,7 @@ MOSAIC_MIN_STEP_TOKENS = 512
 # Token counts at which the fused Pallas MLP measured faster than XLA on the H100 (63.7 vs 77.5 us at T=1).
 # With the partials' padding gone it was still slower at decode batches 8 / 16 / 32 (TPOT 4.44 / 5.13 /
 # 7.62 ms against XLA's 4.30 / 4.96 / 6.05; latency_mlp_tokens_*_qwen3-4b_h100.json).
-# JINFER_PALLAS_MLP_TOKENS="1,8" overrides it for measurements (a different compilation cache dir per
-# setting: the executable cache does not key on the environment).
+# JINFER_PALLAS_MLP_TOKENS="1,8" overrides it for measurements (part of the executable cache's key).
 PALLAS_MLP_TOKENS = frozenset(int(t) for t in os.environ.get("JINFER_PALLAS_MLP_TOKENS", "1").split(",") if t)
 
 # XLA's GPU pipeline rewrites a dot whose left side is one row (a vector once the unit dimension is
@@ -80,8 +79,8 @@ QKV_ROPE_MAX_TOKENS = 256
 # (pallas_kernels/moe_router.py) instead of XLA's ~5 kernels (norm reduce + multiply, the batch-1 dot's
 # padding row, the dot, the logits' conversion: ~7.5 us a Qwen3-30B-A3B layer at batch 1 on the H100). Off
 # until measured on the GPU against XLA's (bench_moe's "front" rows, bench_local_step's `router_kernel`
-# variant); JINFER_MOE_ROUTER_KERNEL_TOKENS=64 turns it on for such measurements (a different compilation cache
-# dir per setting, as for JINFER_PALLAS_MLP_TOKENS).
+# variant); JINFER_MOE_ROUTER_KERNEL_TOKENS=64 turns it on for such measurements (part of the executable
+# cache's key, as JINFER_PALLAS_MLP_TOKENS).
 MOE_ROUTER_KERNEL_TOKENS = int(os.environ.get("JINFER_MOE_ROUTER_KERNEL_TOKENS", "0"))
 MOSAIC_MOE_MIN_ROWS_PER_EXPERT = 128
 MOSAIC_MOE_BLOCK_M = 128

@@ -14,6 +14,7 @@ CASES = [  # tokens, hidden, experts, dtype
     pytest.param(1, 2048, 128, jnp.bfloat16, id="qwen3-30b-a3b-b1"),
     pytest.param(16, 2048, 128, jnp.bfloat16, id="qwen3-30b-a3b-b16"),
     pytest.param(37, 256, 64, jnp.bfloat16, id="t37"),
+    pytest.param(5, 256, 24, jnp.bfloat16, id="e24-block-e8"),
     pytest.param(MAX_TOKENS, 64, 8, jnp.float32, id="f32-max-tokens"),
     pytest.param(3, 48, 24, jnp.float32, id="f32-not-pow2"),
 ]
@@ -62,6 +63,8 @@ def test_bad_arguments_are_value_errors():
         moe_norm_router(x, norm, router.T, eps=1e-6, interpret=True)
     with pytest.raises(ValueError, match="block_e"):
         moe_norm_router(x, norm, router, eps=1e-6, block_e=3, interpret=True)
+    with pytest.raises(ValueError, match="dtype"):
+        moe_norm_router(x, norm.astype(jnp.bfloat16), router, eps=1e-6, interpret=True)
 
 
 def test_lowers_for_the_gpu():

@@ -113,3 +113,14 @@ def compiling_core(config: dict[str, Any]) -> FakeCore:
     core = make_fake_core(config)
     core.background = pool  # type: ignore[attr-defined]
     return core
+
+
+def deaf_slow_core(config: dict[str, Any]) -> FakeCore:
+    """A 30 s 'model load' that ignores SIGTERM meanwhile, as a process does once `jax.distributed.initialize`
+    has installed XLA's preemption notifier."""
+    import signal
+    import time
+
+    signal.signal(signal.SIGTERM, lambda *_: None)
+    time.sleep(30)
+    return make_fake_core(config)

@@ -100,6 +100,35 @@ def test_keys_separate_what_changes_the_executable(tmp_path):
     assert len({base, *variants}) == len(variants) + 1
 
 
+@pytest.mark.parametrize("var", ["XLA_FLAGS", "JINFER_MOE_ROUTER_KERNEL_TOKENS", "JINFER_PALLAS_MLP_TOKENS"])
+def test_environment_switches_are_part_of_the_key(tmp_path, monkeypatch, var):
+    """A kernel switch read from the environment at import changes the traced program: other entries."""
+    cache = ExecutableCache(tmp_path, namespace="a")
+    jitted = make_step([0])
+    monkeypatch.delenv(var, raising=False)
+    base = cache.key("step", jitted, *inputs(), scale=3)
+    monkeypatch.setenv(var, "64" if var != "XLA_FLAGS" else "--xla_dump_to=/dev/null")
+    assert cache.key("step", jitted, *inputs(), scale=3) != base
+
+
+def test_stale_temp_files_are_removed_at_start(tmp_path):
+    """A write cut short (a process exiting mid-write) leaves its temp file: an old one is removed when a cache
+    opens the directory, a young one (maybe another process's write in progress) is kept."""
+    import os
+    import time
+
+    from jinfer.engine.executable_cache import STALE_TEMP_FILE_S
+
+    old, young, entry = (tmp_path / n for n in ("k1.jexeab12.tmp", "k2.jexecd34.tmp", "k3.jexe"))
+    for f in (old, young, entry):
+        f.write_bytes(b"x")
+    stamp = time.time() - STALE_TEMP_FILE_S - 60
+    os.utime(old, (stamp, stamp))
+    os.utime(entry, (stamp, stamp))
+    ExecutableCache(tmp_path, namespace="a")
+    assert not old.exists() and young.exists() and entry.exists()
+
+
 @pytest.mark.skipif(len(jax.devices()) < 4, reason="needs 4 devices")
 def test_mesh_device_order_is_part_of_the_key(tmp_path):
     devices = np.array(jax.devices()[:4])
