@@ -18,7 +18,10 @@ kernels keep their speed at the narrower shapes, apart from communication. Varia
 - unfused: both of the above;
 - router_kernel: a MoE block's norm + router projection as one Pallas kernel (`ops.MOE_ROUTER_KERNEL_TOKENS`);
 - route_w{N}: the MoE routing kernel at N warps (default 4 for decode steps);
-- router_kernel_w{N}: both.
+- router_kernel_w{N}: both;
+- skinny_o: the o projection of steps of <= 32 tokens on the Pallas skinny GEMM (pallas_kernels/skinny_gemm.py,
+  ahead of XLA on o in its own benchmark: 27.4 vs 31.2 us, skinny_gemm_h100.json), its split-K sum and the
+  residual add left to XLA.
 
 Each variant is run once untimed first (clocks, autotuning), then timed `--runs` times (the best kept).
 """
@@ -74,6 +77,14 @@ def variant(name: str):
         ops_module.PAD_VECTOR_DOTS = False
     elif name.startswith("mlp_i"):
         fused_mlp.fused_swiglu_mlp = functools.partial(saved_block, block_i=int(name.removeprefix("mlp_i")))
+    elif name == "skinny_o":
+        from pallas_kernels.skinny_gemm import MAX_TOKENS, skinny_gemm
+
+        def out_proj(self, attn, wo, residual):
+            if attn.shape[0] > MAX_TOKENS:
+                return saved_out(self, attn, wo, residual)
+            return residual + self.reduce(skinny_gemm(attn, wo, interpret=self.interpret).astype(attn.dtype))
+        ops_module.ModelOps.out_proj = out_proj
     elif name == "o_barrier":
         def out_proj(self, attn, wo, residual):
             return residual + self.reduce(ops_module.project(jax.lax.optimization_barrier(attn), wo))

@@ -5,7 +5,9 @@
 #           decode-only steps at the runner's buckets, decode kernel vs ragged -> kernels_h100_route.json;
 #   forward the raw Qwen3-4B forward's decode step, decode-only executable vs the ragged kernel's
 #           attention (bench_forward, alternating passes) at batch 64 x 2k and 32 x 1k;
-#   engine  the engine's TTFT/TPOT and offline throughput (run_gpu_prefill.sh, backend pallas).
+#   engine  the engine's TTFT/TPOT and offline throughput (run_gpu_prefill.sh, backend pallas);
+#   local   (on request) Qwen3-4B's decode step at batch 1 / 8 / 32 with op variants (bench_local_step: $VARIANTS,
+#           default "default skinny_o") -> local_step_variants_qwen3-4b_h100.json.
 set -uo pipefail
 source benchmarks/gpu_env.sh
 PARTS=${PARTS:-tests kernels forward engine}
@@ -26,4 +28,8 @@ if [[ $PARTS == *forward* ]]; then
 fi
 if [[ $PARTS == *engine* ]]; then
   BACKENDS=pallas bash benchmarks/run_gpu_prefill.sh
+fi
+if [[ $PARTS == *local* ]]; then
+  timeout 900 python3 -m benchmarks.bench_local_step --shape qwen3-4b --tp 1 --batch-sizes 1 8 32 \
+      --variants ${VARIANTS:-default skinny_o} --out "$OUT/local_step_variants_qwen3-4b_h100.json" | grep "^{'tp'"
 fi
