@@ -328,10 +328,10 @@ def watch_parent(parent_pid: int, owned_ipc_dir: str | None = None, *, poll_s: f
     threading.Thread(target=watch, name="jinfer-parent-watch", daemon=True).start()
 
 
-def _say(message: str) -> None:
-    """A warning written straight to stderr: the exit paths must not wait on a logging handler's lock."""
+def _say(message: str, level: str = "WARNING") -> None:
+    """A log line written straight to stderr: the exit paths must not wait on a logging handler's lock."""
     try:
-        os.write(2, f"{time.strftime('%Y-%m-%d %H:%M:%S')} WARNING jinfer.engine: {message}\n".encode())
+        os.write(2, f"{time.strftime('%Y-%m-%d %H:%M:%S')} {level} jinfer.engine: {message}\n".encode())
     except OSError:
         pass
 
@@ -437,7 +437,7 @@ def main(argv: list[str] | None = None) -> int:
         watch_parent(args.parent_pid, args.owned_ipc_dir)
     code = run_engine_core(json.loads(args.config), args.address, core_factory=args.core_factory)
     if busy := _compiling_threads():  # interpreter exit would join them: up to a compile's length
-        _say(f"exiting without waiting for {len(busy)} background compile thread(s)")
+        _say(f"exiting without waiting for {len(busy)} background compile thread(s)", "INFO")
         _exit_now(code)
     return code
 
