@@ -104,12 +104,19 @@ def sorted_rows(x, ids):
     return x[order // K], jnp.bincount(flat, length=E).astype(jnp.int32)
 
 
+SWEEP_GRID: dict[str, tuple[int, ...]] = {}  # --sweep-n / --sweep-k / --sweep-warps / --sweep-stages overrides
+
+
 def sweep_configs(block_m: int) -> list[tuple[int, int, int, int]]:
     """(block_n, block_k, num_warps, num_stages) grid: weight-streaming tiles for decode-sized blocks,
-    tensor-core tiles for prefill-sized ones."""
+    tensor-core tiles for prefill-sized ones; any axis replaced by SWEEP_GRID's. (At one token the gate|up
+    kernel has experts x I / block_n programs: 96 at block_n 64 for 132 SMs, one partial wave; 16 gives 384.)"""
     if block_m <= 16:
-        return [(n, k, wp, st) for n in (32, 64, 128) for k in (128, 256) for wp in (4, 8) for st in (3, 5)]
-    return [(n, k, wp, st) for n in (64, 128, 256) for k in (32, 64) for wp in (4, 8) for st in (3, 4)]
+        grid = {"n": (32, 64, 128), "k": (128, 256), "warps": (4, 8), "stages": (3, 5)}
+    else:
+        grid = {"n": (64, 128, 256), "k": (32, 64), "warps": (4, 8), "stages": (3, 4)}
+    grid |= SWEEP_GRID
+    return [(n, k, wp, st) for n in grid["n"] for k in grid["k"] for wp in grid["warps"] for st in grid["stages"]]
 
 
 def bench_tokens(rows: list, tokens: int, w, sweep: bool, xla_block: bool) -> None:
@@ -317,6 +324,8 @@ def main():
     ap.add_argument("--tokens", type=int, nargs="+", default=list(TOKENS))
     ap.add_argument("--sweep", action="store_true", help="also time a grid of Triton tile / launch parameters")
     ap.add_argument("--sweep-tokens", type=int, nargs="*", help="token counts the sweep runs at (default: all)")
+    for axis in ("n", "k", "warps", "stages"):
+        ap.add_argument(f"--sweep-{axis}", type=int, nargs="+", help=f"the sweep's {axis} values (default: by block_m)")
     ap.add_argument("--no-torch", action="store_true")
     ap.add_argument("--skip", nargs="*", default=[], choices=["ragged"])
     ap.add_argument("--xla-block", action="store_true", help="also time the whole MoE block through XLA (ragged_dot)")
@@ -331,6 +340,8 @@ def main():
             print(json.dumps(row), flush=True)
         return
     SKIP.update(args.skip)
+    SWEEP_GRID.update({axis: tuple(v) for axis in ("n", "k", "warps", "stages")
+                       if (v := getattr(args, f"sweep_{axis}")) is not None})
     if args.smoke:
         global E, H, INTER, K
         E, H, INTER, K = 8, 64, 32, 2
