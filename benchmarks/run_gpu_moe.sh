@@ -2,7 +2,9 @@
 # On the GPU machine (device tool, carrying .whl): Qwen3-MoE on one GPU. PARTS (comma list; default
 # tests,kernels,latency,throughput; front and hfpeer on request):
 #   tests       the MoE kernel tests compiled for the GPU, and the MoE model goldens with the kernels
-#   kernels     bench_moe: routing + grouped GEMMs vs torch._grouped_mm and lax.ragged_dot ($SWEEP: tile grid),
+#   kernels     bench_moe: routing + grouped GEMMs vs torch._grouped_mm and lax.ragged_dot ($SWEEP: tile grid;
+#               $BENCH_ARGS passed on, e.g. SWEEP=1 TOKENS=1 BENCH_ARGS="--no-torch --skip ragged --sweep-n 16 32 64
+#               --sweep-warps 4"),
 #               then the Mosaic GPU grouped GEMM at 512 / 1024 / 4096 tokens (moe_mgpu_$TAG.json)
 #   latency     engine TTFT / TPOT on dummy:qwen3-30b-a3b, batch $BATCHES (default "1 8 32"), 1k in / 128 out
 #   throughput  offline 512 prompts x 1k in / 128 out
@@ -21,7 +23,7 @@ if [[ $PARTS == *tests* ]]; then
       tests/kernels/test_moe_gemm.py $(ls tests/kernels/test_moe_gemm_mgpu.py 2>/dev/null) -p no:cacheprovider 2>&1 | tail -4
 fi
 if [[ $PARTS == *kernels* ]]; then
-  timeout 900 python3 -m benchmarks.bench_moe ${SWEEP:+--sweep} ${TOKENS:+--tokens $TOKENS} \
+  timeout 900 python3 -m benchmarks.bench_moe ${SWEEP:+--sweep} ${TOKENS:+--tokens $TOKENS} ${BENCH_ARGS:-} \
       --out "$OUT/moe_kernels_$TAG.json" | grep '^{"' | python3 -c '
 import json, sys
 for line in sys.stdin:
