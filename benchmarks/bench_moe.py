@@ -13,7 +13,8 @@
 "block" figures time the whole MoE MLP from router logits (routing included); "front" figures (`--front`,
 steps of <= 64 tokens) time the block's front end from its input x to the routing: XLA's norm + router dot +
 the routing kernel (at 1 / 2 / 4 warps), against the `moe_norm_router` kernel + the routing kernel
-(block_e 8 / 16 / 32); bandwidth there counts the router's bytes. Our times are the sum of
+(block_e 8 / 16 / 32, block_k 256 / 512, routing at its default or 1 warp); bandwidth there counts the router's
+bytes. Our times are the sum of
 the call's kernel times from CUPTI (`jax.experimental.mosaic.gpu.profiler.measure`, median of 20 calls,
 split by kernel); torch's are CUDA-event times of a CUDA graph of 10 chained calls (gaps between its
 kernels included, a few us).
@@ -211,13 +212,16 @@ def bench_front(rows: list, tokens: int, router) -> None:
         logits = project(h, router, preferred_element_type=jnp.float32).astype(h.dtype)
         return h, moe_route(logits, top_k=K, block_m=bm, num_warps=warps, **KW)
 
-    def kernel(x, warps=None, block_e=None):
-        h, logits = moe_norm_router(x, norm, router, eps=1e-6, block_e=block_e, **KW)
+    def kernel(x, warps=None, block_e=None, block_k=None):
+        h, logits = moe_norm_router(x, norm, router, eps=1e-6, block_e=block_e, block_k=block_k, **KW)
         return h, moe_route(logits, top_k=K, block_m=bm, num_warps=warps, **KW)
 
     ref_ids = np.asarray(xla(x)[1].topk_ids)
     variants = [("xla", {"warps": w}) for w in (None, 1, 2, 4)]
-    variants += [("router_kernel", {"warps": w, "block_e": be}) for w in (None, 1) for be in (8, 16, 32) if E % be == 0]
+    variants += [("router_kernel", {"warps": w, "block_e": be, "block_k": bk})
+                 for w, be, bk in ((None, 8, None), (None, 16, None), (None, 32, None), (None, 8, 512), (None, 16, 512),
+                                   (1, 16, None), (1, 8, None))
+                 if E % be == 0 and (bk is None or H % bk == 0)]
     for impl, kw in variants:
         fn = functools.partial(xla if impl == "xla" else kernel, **kw)
         entry = {**base, "impl": impl, **{k: v for k, v in kw.items() if v is not None}}
