@@ -48,6 +48,18 @@ def conv_reference(x: jax.Array, conv_state: jax.Array, weight: jax.Array, seq: 
     return jax.nn.silu(acc).astype(x.dtype)
 
 
+def causal_conv_reference(x: jax.Array, conv_state: jax.Array, weight: jax.Array, seq: jax.Array, starts: jax.Array,
+                          query_start: jax.Array, slots: jax.Array,
+                          positions: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """The whole conv step in jnp: (y [T, C], the pool with each sequence's newest inputs written to its ring)
+    for the first C = weight.shape[0] columns of x [T, >= C] (`conv_reference`, then `ring_update`). The ring
+    has one row more than the conv reads, so that the decode kernel (gated_delta_rule_decode.py) writes a step's
+    row where no program of the step reads; inputs before position 0 are zeros, whatever the ring holds."""
+    x = x[:, :weight.shape[0]]
+    return (conv_reference(x, conv_state, weight, seq, starts, slots, positions),
+            ring_update(x, conv_state, slots, query_start, positions))
+
+
 def ring_update(x: jax.Array, conv_state: jax.Array, slots: jax.Array, query_start: jax.Array,
                 positions: jax.Array) -> jax.Array:
     """The pool with each sequence's newest inputs written to its ring: ring row r takes the sequence's latest

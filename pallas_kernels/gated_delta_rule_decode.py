@@ -22,7 +22,7 @@ in the activation dtype:
 - applies the gated RMSNorm to the head's o (HF's RMSNormGated: the whole head is in the program);
 - writes this row's inputs into the conv ring at row `position % K`: its own v channels, and the key head's
   q and k channels from the key head's first program. The ring (`[S, K, C]`, row r holding the input at the
-  latest position = r mod K; see qwen3_5.causal_conv) has one row more than the window, so the row written
+  latest position = r mod K; see causal_conv.py) has one row more than the window, so the row written
   is never one that another program of the step still reads: no side output, no scatter afterwards.
 
 Padding rows (past the real sequences) read and write slot 0, the reserved one. `decode_reference` is the
@@ -264,7 +264,7 @@ def main():
 
     import numpy as np
 
-    from jinfer.models.qwen3_5 import causal_conv
+    from pallas_kernels.causal_conv import causal_conv_reference
     from pallas_kernels.gated_delta_rule import recurrent_gated_delta_rule, token_sequences
     from pallas_kernels.gated_rms_norm import gated_rms_norm
 
@@ -320,7 +320,7 @@ def main():
         row = {"device": dev, "commit": commit, "batch": B, "state_bytes": state_bytes}
 
         def general(conv, states):
-            y, conv = causal_conv(mixed, conv, w, token_sequences(qs, B), qs[:-1], qs, slots, positions)
+            y, conv = causal_conv_reference(mixed, conv, w, token_sequences(qs, B), qs[:-1], qs, slots, positions)
             q, k, v = jnp.split(y, [hk * dk, 2 * hk * dk], axis=-1)
             beta, g = gates(b, a, a_log, dt_bias)
             o, states = recurrent_gated_delta_rule(q.reshape(B, hk, dk), k.reshape(B, hk, dk), v.reshape(B, hv, dv),

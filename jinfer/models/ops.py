@@ -221,13 +221,12 @@ class ModelOps:
         update, for the first C = weight.shape[0] columns of x [T, W] (the layer's input projection: read in
         place): (y [T, C], the pool). Pallas: y from one kernel (pallas_kernels/causal_conv.py; C a multiple of
         128); reference: the kernel's jnp reference. The rings' update in XLA either way."""
-        from pallas_kernels.causal_conv import causal_conv, conv_reference, ring_update
+        from pallas_kernels.causal_conv import causal_conv, causal_conv_reference, ring_update
 
         C = weight.shape[0]
-        if self.backend == "pallas" and C % 128 == 0:
-            y = causal_conv(x, conv_state, weight, seq, starts, slots, positions, interpret=self.interpret)
-        else:
-            y = conv_reference(x[:, :C], conv_state, weight, seq, starts, slots, positions)
+        if self.backend != "pallas" or C % 128:
+            return causal_conv_reference(x, conv_state, weight, seq, starts, query_start, slots, positions)
+        y = causal_conv(x, conv_state, weight, seq, starts, slots, positions, interpret=self.interpret)
         return y, ring_update(x[:, :C], conv_state, slots, query_start, positions)
 
     def gated_rms_norm(self, x: jax.Array, gate: jax.Array, weight: jax.Array, eps: float,

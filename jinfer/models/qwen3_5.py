@@ -16,7 +16,7 @@ Gated DeltaNet (linear attention) layers and gated full-attention layers, as HF 
 The cache: full-attention layers keep paged (k, v) like every family; a linear layer keeps one
 fixed-size state per sequence, in a pool of slots (`state_specs`): a ring of its last K conv inputs
 [S, K, conv_dim] (activation dtype; row r holds the input at the latest position = r mod K, see
-`causal_conv`) and the recurrent state [S, Hv, Dk, Dv] (float32). A sequence reads its slot
+pallas_kernels/causal_conv.py) and the recurrent state [S, Hv, Dk, Dv] (float32). A sequence reads its slot
 (`Batch.state_slots`) unless its first new token is at position 0 (then it starts from zeros: admission,
 recompute after preemption; the conv reads zeros before position 0), and writes its final state back.
 Slot 0 is reserved for padding sequences.
@@ -147,7 +147,7 @@ def fuse_qkv(weights: Weights) -> Weights:
 
 def state_specs(cfg: ModelConfig) -> dict[int, tuple[StateSpec, ...]]:
     """The per-sequence state of each linear layer: (conv inputs, recurrent state)."""
-    conv = StateSpec((cfg.linear_conv_kernel_dim, cfg.linear_conv_dim), None)  # a ring (see causal_conv)
+    conv = StateSpec((cfg.linear_conv_kernel_dim, cfg.linear_conv_dim), None)  # a ring (see pallas_kernels/causal_conv.py)
     rec = StateSpec((cfg.linear_num_value_heads, cfg.linear_key_head_dim, cfg.linear_value_head_dim), "float32")
     return {i: (conv, rec) for i in range(cfg.num_layers) if cfg.is_linear_layer(i)}
 
@@ -175,24 +175,6 @@ def _gated_attention(layer: HybridLayer, x, cos, sin, kv, batch: Batch, cfg: Mod
         k_cache, v_cache = write_kv(kv[0], kv[1], k, v, batch.slot_mapping)
     out = ops.attention(q, k_cache, v_cache, batch, D**-0.5).reshape(T, H * D)
     return ops.out_proj(out * jax.nn.sigmoid(gate), layer.wo, x), (k_cache, v_cache)
-
-
-def causal_conv(x: jax.Array, conv_state: jax.Array, weight: jax.Array, seq: jax.Array, starts: jax.Array,
-                query_start: jax.Array, slots: jax.Array, positions: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """Depthwise causal conv1d + SiLU over a ragged batch, each sequence continuing from its conv ring (jnp).
-
-    x: [T, C] this step's inputs; conv_state: [S, K, C] the pool of conv rings: row r of a sequence's ring holds
-    its input at the latest position = r mod K (one row more than the conv reads, so that the decode kernel
-    writes a step's row where no program of the step reads; pallas_kernels/gated_delta_rule_decode.py);
-    weight: [C, 1, K]; seq: [T] each row's sequence (B for padding); starts: [B] rows where each sequence
-    begins (query_start); positions: [T] each row's position in its sequence (inputs before position 0 are
-    zeros, whatever the ring holds). Returns (y [T, C], the pool with each sequence's newest inputs written
-    to its ring). `ModelOps.causal_conv` is the same with y from the Pallas kernel (pallas_kernels/causal_conv.py).
-    """
-    from pallas_kernels.causal_conv import conv_reference, ring_update
-
-    y = conv_reference(x, conv_state, weight, seq, starts, slots, positions)
-    return y, ring_update(x, conv_state, slots, query_start, positions)
 
 
 def _gated_delta_net(layer: HybridLayer, x, state, batch: Batch, info, cfg: ModelConfig, ops: ModelOps):

@@ -8,8 +8,7 @@ import numpy as np
 import pytest
 
 from jinfer.models.ops import ModelOps
-from jinfer.models.qwen3_5 import causal_conv as model_conv
-from pallas_kernels.causal_conv import causal_conv, conv_reference
+from pallas_kernels.causal_conv import causal_conv, causal_conv_reference, conv_reference
 from tests.kernels.conftest import MODES
 
 
@@ -58,7 +57,7 @@ def test_model_ops_causal_conv_backends_agree():
     """ModelOps.causal_conv: the Pallas backend (the kernel's y, XLA's ring update) gives the reference's y and pool."""
     rng = np.random.default_rng(3)
     args = problem(rng, [3, 1, 6], [2, 9, 0], 128)
-    y_ref, pool_ref = model_conv(*args)
+    y_ref, pool_ref = causal_conv_reference(*args)
     x, rest = args[0], args[1:]
     wide = jnp.concatenate([x, jnp.ones((x.shape[0], 40), x.dtype)], axis=1)  # a projection: q | k | v first
     y, pool = ModelOps(backend="pallas", interpret=True).causal_conv(wide, *rest)

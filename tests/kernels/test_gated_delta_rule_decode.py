@@ -1,5 +1,5 @@
 """The fused decode step (conv update + gates + delta rule + gated norm) vs its jnp reference, the reference vs the
-general path's pieces (qwen3_5.causal_conv over one row per sequence, the recurrent reference, the gated norm),
+general path's pieces (causal_conv_reference over one row per sequence, the recurrent reference, the gated norm),
 and the conv ring carried across chunks and decode steps vs one conv over the whole sequence."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jinfer.models.qwen3_5 import causal_conv
+from pallas_kernels.causal_conv import causal_conv_reference
 from pallas_kernels.gated_delta_rule import recurrent_reference, token_sequences
 from pallas_kernels.gated_delta_rule_decode import conv_step, decode_reference, fused_decode_step, gates
 from pallas_kernels.gated_rms_norm import gated_rms_norm_reference
@@ -81,7 +81,7 @@ def test_fused_decode_matches_reference(mode, block_v, B, fresh, hk, hv, dk, dv,
 
 
 def test_decode_reference_is_the_general_path_on_one_row_per_sequence():
-    """The general path: causal_conv over a ragged batch of one-row sequences, split, gates, recurrent rule,
+    """The general path: causal_conv_reference over a ragged batch of one-row sequences, split, gates, recurrent rule,
     gated norm."""
     rng = np.random.default_rng(5)
     hk, hv, dk, dv, B = 2, 4, 16, 16, 3
@@ -94,7 +94,7 @@ def test_decode_reference_is_the_general_path_on_one_row_per_sequence():
     mixed, b, a = proj[:, :C], proj[:, cols["b_col"]:cols["b_col"] + hv], proj[:, cols["a_col"]:cols["a_col"] + hv]
     z = proj[:, nargs["z_col"]:nargs["z_col"] + hv * dv].reshape(B, hv, dv)
     qs = jnp.arange(B + 1, dtype=jnp.int32)
-    y, conv = causal_conv(mixed, conv_state, conv_w, token_sequences(qs, B), qs[:-1], qs, slots, positions)
+    y, conv = causal_conv_reference(mixed, conv_state, conv_w, token_sequences(qs, B), qs[:-1], qs, slots, positions)
     q, k, v = jnp.split(y, [hk * dk, 2 * hk * dk], axis=-1)
     beta, g = gates(b, a, a_log, dt_bias)
     o, s = recurrent_reference(q.reshape(B, hk, dk), k.reshape(B, hk, dk), v.reshape(B, hv, dv), g, beta, states,
@@ -107,8 +107,8 @@ def test_decode_reference_is_the_general_path_on_one_row_per_sequence():
 
 @pytest.mark.parametrize("chunks", [[11], [3, 1, 5, 1, 1], [1, 1, 1, 1, 7], [2, 9]])
 def test_conv_ring_across_chunks_and_decode_steps(chunks):
-    """Two sequences fed in chunks (ragged steps through causal_conv; a one-row step of both through the decode
-    reference's conv) give the conv of each whole sequence from zeros, whatever the slots held before."""
+    """Two sequences fed in chunks (ragged steps through causal_conv_reference; a one-row step of both through the
+    decode reference's conv) give the conv of each whole sequence from zeros, whatever the slots held before."""
     rng = np.random.default_rng(len(chunks))
     C, K, L = 8, 4, sum(chunks)
     x = [jnp.asarray(rng.standard_normal((L, C)), jnp.float32) for _ in range(2)]
@@ -118,7 +118,7 @@ def test_conv_ring_across_chunks_and_decode_steps(chunks):
     whole = []
     for xs in x:
         qs = jnp.asarray([0, L], jnp.int32)
-        y, _ = causal_conv(xs, conv_state, w, jnp.zeros(L, jnp.int32), qs[:-1], qs, slots[:1], jnp.arange(L))
+        y, _ = causal_conv_reference(xs, conv_state, w, jnp.zeros(L, jnp.int32), qs[:-1], qs, slots[:1], jnp.arange(L))
         whole.append(y)
     # a causal conv + SiLU from zeros, computed directly
     for xs, y in zip(x, whole, strict=True):
@@ -138,7 +138,7 @@ def test_conv_ring_across_chunks_and_decode_steps(chunks):
             qs = jnp.asarray([0, n, 2 * n], jnp.int32)
             seq = jnp.repeat(jnp.arange(2, dtype=jnp.int32), n)
             positions = jnp.tile(jnp.arange(start, start + n, dtype=jnp.int32), 2)
-            y, conv_state = causal_conv(rows, conv_state, w, seq, qs[:-1], qs, slots, positions)
+            y, conv_state = causal_conv_reference(rows, conv_state, w, seq, qs[:-1], qs, slots, positions)
             got[0].append(y[:n])
             got[1].append(y[n:])
         start += n
