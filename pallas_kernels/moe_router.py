@@ -128,4 +128,7 @@ def moe_norm_router_reference(x: jax.Array, norm_weight: jax.Array, router: jax.
     from jinfer.models.layers import rms_norm
 
     h = rms_norm(x, norm_weight, eps)
-    return h, jnp.dot(h, router, preferred_element_type=jnp.float32).astype(x.dtype).astype(jnp.float32)
+    # float32: exact products as the kernel takes them (XLA's default on a GPU is TF32, ~1e-3 relative)
+    precision = jax.lax.Precision.HIGHEST if x.dtype == jnp.float32 else None
+    return h, jnp.dot(h, router, precision=precision,
+                      preferred_element_type=jnp.float32).astype(x.dtype).astype(jnp.float32)
