@@ -79,15 +79,14 @@ def cases(spec: str):
     B, T, hk, hv, dk, dv, taps = 64, 1024, 16, 32, 128, 128, 4
     C, vs = 2 * hk * dk + hv * dv, hv * dv
     bf16 = jnp.bfloat16
-    if kind == "decode":  # decode:BLOCK_V:WARPS[:HEADS]
+    if kind == "decode":  # decode:BLOCK_V:WARPS
         from pallas_kernels.gated_delta_rule_decode import fused_decode_step
-        bv, warps, heads = int(opts[0]), int(opts[1]), int(opts[2]) if len(opts) > 2 else 1
+        bv, warps = int(opts[0]), int(opts[1])
         return warps, lambda: fused_decode_step(
             jnp.zeros((B, C + vs + 2 * hv), bf16), jnp.zeros((B + 1, taps, C), bf16), jnp.zeros((C, 1, taps), bf16),
             jnp.zeros(hv), jnp.ones(hv), jnp.zeros((B + 1, hv, dk, dv)), jnp.arange(1, B + 1, dtype=jnp.int32),
             jnp.full((B,), 5, jnp.int32), jnp.zeros(B, bool), num_k_heads=hk, key_dim=dk, value_dim=dv,
-            b_col=C + vs, a_col=C + vs + hv, z_col=C, norm_weight=jnp.ones(dv, bf16), block_v=bv, num_warps=warps,
-            heads=heads)
+            b_col=C + vs, a_col=C + vs + hv, z_col=C, norm_weight=jnp.ones(dv, bf16), block_v=bv, num_warps=warps)
     if kind == "recurrent":  # recurrent:BLOCK_V:WARPS (decode rows)
         from pallas_kernels.gated_delta_rule import recurrent_gated_delta_rule
         bv, warps = int(opts[0]), int(opts[1])
@@ -125,7 +124,7 @@ def cases(spec: str):
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("kernels", nargs="+", help="decode:BLOCK_V:WARPS[:HEADS], recurrent:BLOCK_V:WARPS, intra:WARPS, "
+    ap.add_argument("kernels", nargs="+", help="decode:BLOCK_V:WARPS, recurrent:BLOCK_V:WARPS, intra:WARPS, "
                                                "conv:BTxBC:WARPS, route:TOKENS:WARPS, router:TOKENS:BLOCK_E:WARPS")
     ap.add_argument("--triton-python", default=os.environ.get("TRITON_PY", "/tmp/tvenv/bin/python"))
     ap.add_argument("--sass", help="a directory for each kernel's SASS")

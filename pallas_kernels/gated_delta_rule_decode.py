@@ -97,30 +97,24 @@ def conv_step(mixed, conv_state, conv_w, slots, positions) -> tuple[jax.Array, j
 
 
 def _decode_kernel(slot_ref, pos_ref, fresh_ref, x_ref, cs_in_ref, w_ref, alog_ref, dtb_ref, nw_ref, s_in_ref,
-                   o_ref, cs_ref, s_ref, *, hk: int, group: int, hp: int, dk: int, dv: int, bv: int, taps: int,
-                   b_col: int, a_col: int, z_col: int | None, eps: float):
+                   o_ref, cs_ref, s_ref, *, hk: int, group: int, dk: int, dv: int, bv: int, taps: int, b_col: int,
+                   a_col: int, z_col: int | None, eps: float):
     # x_ref [B, W] the projection (q | k | v before the conv at [0, C), z at z_col, b at b_col, a at a_col: read
     # in place, no slices); cs_ref [S, K, C] the conv ring (aliased with cs_in_ref); w_ref [C, K]; alog_ref,
     # dtb_ref [Hv]; nw_ref [Dv] the gated norm's weight (unused without z_col); s_ref [S, Hv, Dk, Dv] f32
     # (aliased with s_in_ref); o_ref [B, Hv, Dv].
     del cs_in_ref, s_in_ref
-    # the grid is (Hv / hp, B): consecutive programs take one sequence's consecutive heads, adjacent 64 KB states
-    # in its slot and the same conv ring rows (batch 64: 113 vs 117 us, 256: 408 vs 429 us with (B, Hv);
-    # gdn_decode_order_h100_f34832e.jsonl). A program takes hp consecutive value heads of one key head: q and k
-    # (their conv and norms) once for all of them, and its state blocks one stream (each block's load issued
-    # two blocks ahead, across the heads).
-    hb, i = pl.program_id(0), pl.program_id(1)
-    h0 = hb * hp
-    kh = h0 // group
+    # the grid is (Hv, B): consecutive programs take one sequence's consecutive heads, adjacent 64 KB states in
+    # its slot and the same conv ring rows (batch 64: 113 vs 117 us, 256: 408 vs 429 us with (B, Hv);
+    # gdn_decode_order_h100_f34832e.jsonl)
+    h, i = pl.program_id(0), pl.program_id(1)
+    kh = h // group
     nb = dv // bv
-    items = [(hh, j) for hh in range(hp) for j in range(nb)]  # (head of the program, block of value columns)
     slot, pos = slot_ref[i], pos_ref[i]
     live = fresh_ref[i] == 0  # a fresh sequence's state starts at zero (never what its slot holds): not loaded
 
-    def state_block(n: int):
-        hh, j = items[n]
-        return plgpu.load(s_ref.at[slot, h0 + hh, :, pl.ds(j * bv, bv)], mask=jnp.broadcast_to(live, (dk, bv)),
-                          other=0.0)
+    def state_block(j: int):
+        return plgpu.load(s_ref.at[slot, h, :, pl.ds(j * bv, bv)], mask=jnp.broadcast_to(live, (dk, bv)), other=0.0)
 
     row = jax.lax.rem(jax.lax.rem(pos, taps) + taps, taps)  # the ring row this position writes
 
@@ -143,88 +137,68 @@ def _decode_kernel(slot_ref, pos_ref, fresh_ref, x_ref, cs_in_ref, w_ref, alog_r
     # issued before the previous block's work. ptxas schedules them (the SASS had the conv's loads and the q / k
     # norms ahead of the state's); the source's order, state first or last, measured the same (115.9 / 115.6 us
     # at batch 64: gdn_decode_ab_h100_cae9e15.jsonl, gdn_decode_blocks_h100_e8b5162.json).
-    q_off, k_off = kh * dk, hk * dk + kh * dk
-    v_off = [2 * hk * dk + (h0 + hh) * dv for hh in range(hp)]
-    v_wins, zs = {}, {}
-
-    def head_inputs(hh: int):
-        """Head hh's v conv windows and z blocks: loaded with its first state block (a later head's are not
-        held in registers while an earlier head runs)."""
-        for j in range(nb):
-            v_wins[hh, j] = window(v_off[hh] + j * bv, bv)
-            if z_col is not None:
-                zs[hh, j] = x_ref[i, pl.ds(z_col + (h0 + hh) * dv + j * bv, bv)]
-
-    def issue(n: int):  # state block n's load, and its head's other inputs with the head's first block
-        if items[n][1] == 0:
-            head_inputs(items[n][0])
-        blocks.append(state_block(n))
-
-    blocks = []
-    for n in range(min(len(items), 2)):
-        issue(n)
+    q_off, k_off, v_off = kh * dk, hk * dk + kh * dk, 2 * hk * dk + h * dv
+    blocks = [state_block(j) for j in range(min(nb, 2))]
     q_win, k_win = window(q_off, dk), window(k_off, dk)
-    b_x = [x_ref[i, b_col + h0 + hh] for hh in range(hp)]
-    a_x = [x_ref[i, a_col + h0 + hh] for hh in range(hp)]
-    a_log = [alog_ref[h0 + hh] for hh in range(hp)]
-    dt_b = [dtb_ref[h0 + hh] for hh in range(hp)]
+    v_wins = [window(v_off + j * bv, bv) for j in range(nb)]
+    b_x, a_x = x_ref[i, b_col + h], x_ref[i, a_col + h]
+    a_log, dt_b = alog_ref[h], dtb_ref[h]
     if z_col is not None:
+        zs = [x_ref[i, pl.ds(z_col + h * dv + j * bv, bv)] for j in range(nb)]
         nw = [nw_ref[pl.ds(j * bv, bv)] for j in range(nb)]
 
     q, k = conv(*q_win), conv(*k_win)
     q = q * jax.lax.rsqrt(jnp.sum(q * q) + L2_EPS) * dk ** -0.5
     k = k * jax.lax.rsqrt(jnp.sum(k * k) + L2_EPS)
     qk = jnp.sum(q * k)
-    beta, decay = [], []
-    for hh in range(hp):
-        beta.append(jax.nn.sigmoid(b_x[hh].astype(jnp.float32)).astype(x_ref.dtype).astype(jnp.float32))
-        a = a_x[hh].astype(jnp.float32) + dt_b[hh].astype(jnp.float32)
-        softplus = jnp.maximum(a, 0.0) + jnp.log1p(jnp.exp(-jnp.abs(a)))
-        decay.append(jnp.exp(-jnp.exp(a_log[hh].astype(jnp.float32)) * softplus))
+    beta = jax.nn.sigmoid(b_x.astype(jnp.float32)).astype(x_ref.dtype).astype(jnp.float32)
+    a = a_x.astype(jnp.float32) + dt_b.astype(jnp.float32)
+    softplus = jnp.maximum(a, 0.0) + jnp.log1p(jnp.exp(-jnp.abs(a)))
+    decay = jnp.exp(-jnp.exp(a_log.astype(jnp.float32)) * softplus)
 
     outs, sumsq = [], jnp.zeros((), jnp.float32)
-    for n, (hh, j) in enumerate(items):  # blocks of value columns: the rule is separable along them
-        if n + 2 < len(items):
-            issue(n + 2)
-        h, cols = h0 + hh, pl.ds(j * bv, bv)
-        v = conv(*v_wins[hh, j])
-        state = blocks[n]
+    for j in range(nb):  # blocks of value columns: the rule is separable along them
+        if j + 2 < nb:
+            blocks.append(state_block(j + 2))
+        cols = pl.ds(j * bv, bv)
+        v = conv(*v_wins[j])
+        state = blocks[j]
         # both reductions over the old state (o = q . S_new = decay q . S + (q . k) delta): neither waits on
         # the update
         ks = jnp.sum(k[:, None] * state, axis=0)
         qs = jnp.sum(q[:, None] * state, axis=0)
-        delta = (v - decay[hh] * ks) * beta[hh]
-        o = (decay[hh] * qs + qk * delta).astype(o_ref.dtype).astype(jnp.float32)  # [bv], rounded as stored
-        s_ref[slot, h, :, cols] = state * decay[hh] + k[:, None] * delta[None, :]
-        cs_ref[slot, row, pl.ds(v_off[hh] + j * bv, bv)] = v_wins[hh, j][0].astype(cs_ref.dtype)  # its v channels
+        delta = (v - decay * ks) * beta
+        o = (decay * qs + qk * delta).astype(o_ref.dtype).astype(jnp.float32)  # [bv], rounded as stored
+        s_ref[slot, h, :, cols] = state * decay + k[:, None] * delta[None, :]
+        cs_ref[slot, row, pl.ds(v_off + j * bv, bv)] = v_wins[j][0].astype(cs_ref.dtype)  # its own v channels
         if z_col is None:
             o_ref[i, h, cols] = o.astype(o_ref.dtype)
-            continue
-        outs.append(o)
-        sumsq = sumsq + jnp.sum(o * o)
-        if j == nb - 1:  # HF's RMSNormGated over the whole head (gated_rms_norm_reference's roundings)
-            inv = jax.lax.rsqrt(sumsq / dv + eps)
-            wdt = jnp.promote_types(nw_ref.dtype, o_ref.dtype)
-            for jj, o in enumerate(outs):
-                z = zs[hh, jj].astype(jnp.float32)
-                o = (o * inv).astype(o_ref.dtype).astype(jnp.float32)
-                o = (nw[jj].astype(jnp.float32) * o).astype(wdt).astype(jnp.float32) * (z * jax.nn.sigmoid(z))
-                o_ref[i, h, pl.ds(jj * bv, bv)] = o.astype(o_ref.dtype)
-            outs, sumsq = [], jnp.zeros((), jnp.float32)
+        else:
+            outs.append(o)
+            sumsq = sumsq + jnp.sum(o * o)
+    if z_col is not None:  # HF's RMSNormGated over the whole head (gated_rms_norm_reference's roundings)
+        inv = jax.lax.rsqrt(sumsq / dv + eps)
+        wdt = jnp.promote_types(nw_ref.dtype, o_ref.dtype)
+        for j, o in enumerate(outs):
+            cols = pl.ds(j * bv, bv)
+            z = zs[j].astype(jnp.float32)
+            o = (o * inv).astype(o_ref.dtype).astype(jnp.float32)
+            o = (nw[j].astype(jnp.float32) * o).astype(wdt).astype(jnp.float32) * (z * jax.nn.sigmoid(z))
+            o_ref[i, h, cols] = o.astype(o_ref.dtype)
 
-    @pl.when(h0 % group == 0)  # the key head's q and k channels: by its first program
+    @pl.when(h % group == 0)  # the key head's q and k channels: by its first program
     def _():
         cs_ref[slot, row, pl.ds(q_off, dk)] = q_win[0].astype(cs_ref.dtype)
         cs_ref[slot, row, pl.ds(k_off, dk)] = k_win[0].astype(cs_ref.dtype)
 
 
 @functools.partial(jax.jit, static_argnames=("num_k_heads", "key_dim", "value_dim", "b_col", "a_col", "z_col",
-                                             "eps", "block_v", "num_warps", "heads", "interpret"),
+                                             "eps", "block_v", "num_warps", "interpret"),
                    donate_argnames=("conv_state", "states"))
 def fused_decode_step(proj, conv_state, conv_w, a_log, dt_bias, states, slots, positions, fresh, *,
                       num_k_heads: int, key_dim: int, value_dim: int, b_col: int, a_col: int,
                       z_col: int | None = None, norm_weight: jax.Array | None = None, eps: float = 1e-6,
-                      block_v: int | None = None, num_warps: int | None = None, heads: int = 1,
+                      block_v: int | None = None, num_warps: int | None = None,
                       interpret: bool = False) -> tuple[jax.Array, jax.Array, jax.Array]:
     """`decode_reference` in one kernel (module doc); the two pools are updated in place (donated).
     Dk and Dv powers of two >= 16. A program walks its state in blocks of `block_v` value columns (default:
@@ -250,17 +224,15 @@ def fused_decode_step(proj, conv_state, conv_w, a_log, dt_bias, states, slots, p
     bv = block_v or min(dv, max(16, 128 * 128 // dk))
     if bv & (bv - 1) or not 16 <= bv <= dv:
         raise ValueError(f"block_v={bv} must be a power of two in [16, value_dim={dv}]")
-    if heads < 1 or (hv // hk) % heads:
-        raise ValueError(f"heads={heads} (value heads per program) must divide a key head's {hv // hk} value heads")
     if num_warps is None:
         num_warps = 4 if dk * bv <= 128 * 128 else 8
     whole = pl.no_block_spec
-    kernel = functools.partial(_decode_kernel, hk=hk, group=hv // hk, hp=heads, dk=dk, dv=dv, bv=bv, taps=taps,
-                               b_col=b_col, a_col=a_col, z_col=z_col, eps=eps)
+    kernel = functools.partial(_decode_kernel, hk=hk, group=hv // hk, dk=dk, dv=dv, bv=bv, taps=taps, b_col=b_col,
+                               a_col=a_col, z_col=z_col, eps=eps)
     norm = norm_weight if norm_weight is not None else jnp.ones((dv,), proj.dtype)
     o, conv_state, states = pl.pallas_call(
         kernel,
-        grid=(hv // heads, B),
+        grid=(hv, B),
         in_specs=[whole] * 10,
         out_specs=[whole] * 3,
         out_shape=[jax.ShapeDtypeStruct((B, hv, dv), proj.dtype),
@@ -300,7 +272,6 @@ def main():
     ap.add_argument("--batches", type=int, nargs="+", default=[1, 8, 64, 256])
     ap.add_argument("--num-warps", type=int, nargs="+", default=[4, 8])
     ap.add_argument("--block-v", type=int, nargs="+", default=[128, 64, 32])
-    ap.add_argument("--heads", type=int, nargs="+", default=[1, 2], help="value heads per program")
     ap.add_argument("--no-plain", dest="plain", action="store_false", help="only the kernel with the gated norm")
     ap.add_argument("--rounds", type=int, default=1, help="interleaved rounds of every variant (median reported)")
     ap.add_argument("--reps", type=int, default=20)
@@ -376,26 +347,26 @@ def main():
         t = timed(general, *pools())
         print(json.dumps(row | {"path": "general (XLA conv + recurrent kernel + gated norm kernel)",
                                 "time_us": t * 1e6, "tb_per_s": state_bytes / t / 1e12}))
-        variants = [(norm, bv, warps, heads) for norm in (True, False)[:2 if args.plain else 1] for heads in args.heads
-                    for bv in args.block_v for warps in args.num_warps if (hv // hk) % heads == 0]
+        variants = [(norm, bv, warps) for norm in (True, False)[:2 if args.plain else 1]
+                    for bv in args.block_v for warps in args.num_warps]
         times: dict = {}
         for r in range(args.rounds):  # interleaved rounds: a variant's median is over machine states
-            for norm, bv, warps, heads in variants:
-                def fused(conv, states, warps=warps, norm=norm, bv=bv, heads=heads):
+            for norm, bv, warps in variants:
+                def fused(conv, states, warps=warps, norm=norm, bv=bv):
                     kw = dict(z_col=C, norm_weight=norm_w) if norm else {}
                     o, conv, states = fused_decode_step(proj, conv, w, a_log, dt_bias, states, slots, positions,
                                                         fresh, num_k_heads=hk, key_dim=dk, value_dim=dv,
-                                                        b_col=C + vs, a_col=C + vs + hv, block_v=bv, heads=heads,
+                                                        b_col=C + vs, a_col=C + vs + hv, block_v=bv,
                                                         num_warps=warps, interpret=not gpu, **kw)
                     return conv, states, o
 
-                t = timed(fused, *pools(), key=(B, norm, bv, warps, heads))
-                times.setdefault((norm, bv, warps, heads), []).append(t)
+                t = timed(fused, *pools(), key=(B, norm, bv, warps))
+                times.setdefault((norm, bv, warps), []).append(t)
                 if r == args.rounds - 1:
-                    ts = sorted(times[(norm, bv, warps, heads)])
+                    ts = sorted(times[(norm, bv, warps)])
                     med = ts[len(ts) // 2]
                     print(json.dumps(row | {"path": "fused" + (" + gated norm" if norm else ""), "block_v": bv,
-                                            "num_warps": warps, "heads": heads, "rounds": len(ts),
+                                            "num_warps": warps, "rounds": len(ts),
                                             "time_us": med * 1e6, "time_us_rounds": [x * 1e6 for x in ts],
                                             "tb_per_s": state_bytes / med / 1e12}), flush=True)
 

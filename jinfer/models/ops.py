@@ -83,12 +83,6 @@ QKV_ROPE_MAX_TOKENS = 256
 # cache's key, as JINFER_PALLAS_MLP_TOKENS).
 MOE_ROUTER_KERNEL_TOKENS = int(os.environ.get("JINFER_MOE_ROUTER_KERNEL_TOKENS", "0"))
 MOSAIC_MOE_MIN_ROWS_PER_EXPERT = 128
-# Gated DeltaNet decode steps: value heads per program of the fused kernel (1, or the value heads of a key head,
-# whose q and k it then reads and normalises once), its block of value columns and warps (0: the kernel's
-# defaults). JINFER_GDN_DECODE="heads,block_v,warps" overrides them for measurements (part of the executable
-# cache's key).
-GDN_DECODE_HEADS, GDN_DECODE_BLOCK_V, GDN_DECODE_WARPS = (
-    int(v) for v in os.environ.get("JINFER_GDN_DECODE", "1,0,0").split(","))
 MOSAIC_MOE_BLOCK_M = 128
 
 
@@ -219,9 +213,7 @@ class ModelOps:
         if self.decode_step and proj.shape[0] != slots.shape[0]:
             raise ValueError(f"a decode step has one row per sequence: {proj.shape[0]} rows, {slots.shape[0]} seqs")
         if self.backend == "pallas":
-            heads = GDN_DECODE_HEADS if (a_log.shape[0] // num_k_heads) % GDN_DECODE_HEADS == 0 else 1
-            return fused_decode_step(*args, **dims, heads=heads, block_v=GDN_DECODE_BLOCK_V or None,
-                                     num_warps=GDN_DECODE_WARPS or None, interpret=self.interpret)
+            return fused_decode_step(*args, **dims, interpret=self.interpret)
         return decode_reference(*args, **dims)
 
     def causal_conv(self, x, conv_state, weight, seq, starts, query_start, slots, positions):

@@ -54,15 +54,11 @@ CASES = [
 
 
 @pytest.mark.parametrize("mode", MODES)
-@pytest.mark.parametrize("heads", [1, "group"], ids=["heads-1", "heads-group"])
 @pytest.mark.parametrize("block_v", [None, "whole", 16], ids=["block_v-default", "block_v-whole", "block_v-16"])
 @pytest.mark.parametrize("B,fresh,hk,hv,dk,dv,dtype,padding,norm", CASES)
-def test_fused_decode_matches_reference(mode, heads, block_v, B, fresh, hk, hv, dk, dv, dtype, padding, norm):
+def test_fused_decode_matches_reference(mode, block_v, B, fresh, hk, hv, dk, dv, dtype, padding, norm):
     """Every block size: one block (the whole head), the default two, and 16 columns (up to four blocks, each
-    block's load issued inside the loop over blocks); one value head per program, or all of a key head's
-    (their blocks one stream, each load two blocks ahead across the heads)."""
-    if heads == "group" and hv == hk:
-        pytest.skip("one value head per key head: the same as heads=1")
+    block's load issued inside the loop over blocks)."""
     rng = np.random.default_rng(B * 7 + dk + hv)
     args = problem(rng, B, fresh, hk, hv, dk, dv, dtype, padding=padding)
     dims = dict(num_k_heads=hk, key_dim=dk, value_dim=dv, **columns(hk, hv, dk, dv),
@@ -72,7 +68,7 @@ def test_fused_decode_matches_reference(mode, heads, block_v, B, fresh, hk, hv, 
     conv_before, states_before = np.asarray(args[1])[untouched], np.asarray(args[5])[untouched]
     o_ref, conv_ref, s_ref = decode_reference(*args, **dims)
     o, conv, s = fused_decode_step(*args, **dims, block_v=dv if block_v == "whole" else block_v,
-                                   heads=hv // hk if heads == "group" else 1, interpret=mode == "interpret")
+                                   interpret=mode == "interpret")
     tol = 2e-2 if dtype == jnp.bfloat16 else (1e-2 if mode == "gpu" else 2e-5)
     assert o.dtype == dtype
     np.testing.assert_allclose(np.asarray(o.astype(jnp.float32))[:B], np.asarray(o_ref.astype(jnp.float32))[:B],
@@ -167,8 +163,6 @@ def test_fused_decode_argument_checks():
                           norm_weight=jnp.ones(8), interpret=True)
     with pytest.raises(ValueError, match="block_v"):
         fused_decode_step(*args, num_k_heads=2, key_dim=16, value_dim=16, **cols, block_v=8, interpret=True)
-    with pytest.raises(ValueError, match="heads"):  # 2 value heads per key head
-        fused_decode_step(*args, num_k_heads=2, key_dim=16, value_dim=16, **cols, heads=4, interpret=True)
     stale = args[1][:, :3]  # a window of K - 1 rows (the layout before the ring): refused
     with pytest.raises(ValueError, match="conv_state"):
         fused_decode_step(args[0], stale, *args[2:], num_k_heads=2, key_dim=16, value_dim=16, **cols, interpret=True)
