@@ -393,11 +393,17 @@ class EngineCore:
         # Structured outputs: the grammar compiles (or comes from the cache) before anything is queued.
         matcher = self.grammar.matcher(params.structured_outputs) if params.structured_outputs else None
         added = []
+        # n > 1 on a model with per-sequence states (no prefix cache to share the prompt): the other samples fork
+        # from the first once it has computed all but the prompt's last token (scheduler.py). Not with prompt
+        # logprobs (every sample scores the whole prompt) nor in a multi-process group (whose other processes
+        # replay steps, not the fork's copies).
+        fork = (params.n > 1 and self.num_state_slots and params.prompt_logprobs is None and len(ids) > 1
+                and self.group is None)
         try:
             for i, sid in enumerate(seq_ids):
                 seed = params.seed + i if params.seed is not None else int(self._rng.integers(0, 2**31))
                 request = Request(sid, ids, params, self.eos_token_ids)
-                self.scheduler.add_request(request)
+                self.scheduler.add_request(request, fork_of=seq_ids[0] if fork and i else None)
                 added.append(sid)
                 detok = IncrementalDetokenizer(self.tokenizer, skip_special_tokens=params.skip_special_tokens,
                                                prompt_ids=ids) if self.tokenizer else None
@@ -456,6 +462,8 @@ class EngineCore:
             pool.hold()
         if out.kv_transfers:  # copies between the HBM and host tiers go to the device ahead of the step
             self._transfer(out.kv_transfers)
+        if out.fork_pages or out.fork_slots:  # forked samples' pages and states, ahead of the step too
+            self.runner.fork(out.fork_pages, out.fork_slots)
         launched = None
         if not out.is_empty:
             rows = []

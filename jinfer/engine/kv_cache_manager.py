@@ -258,6 +258,30 @@ class KVCacheManager:
                 self._num_registered[request.request_id] = len(computed)
         return True
 
+    def fork(self, parent: Request, child: Request, num_tokens: int
+             ) -> tuple[tuple[int, int] | None, tuple[int, int] | None] | None:
+        """Admit `child` holding `parent`'s first `num_tokens` computed tokens (n > 1 samples of one prompt): the
+        parent's full pages among them are shared (reference counted: nobody writes them again), the page holding
+        the rest and the state slot (models with one) are fresh. Returns the copies the runner makes before the
+        next step, (parent page, child page) or None, (parent slot, child slot) or None; None if the pool is
+        short of a page or a slot (nothing changed)."""
+        assert not child.page_ids and child.num_computed_tokens == 0 and parent.num_computed_tokens >= num_tokens
+        full, part = divmod(num_tokens, self.page_size)
+        if (part and not self.num_free_pages) or (self.num_state_slots and not self._free_slots):
+            return None
+        shared = parent.page_ids[:full]
+        for page in shared:  # held by the parent: not in the free queue
+            self._ref_cnt[page] += 1
+        child.page_ids = list(shared)
+        page_copy = slot_copy = None
+        if part:
+            child.page_ids.append(self._take_free_page())
+            page_copy = (parent.page_ids[full], child.page_ids[-1])
+        if self.num_state_slots:
+            child.state_slot = self._free_slots.pop()
+            slot_copy = (parent.state_slot, child.state_slot)
+        return page_copy, slot_copy
+
     def _restore(self, digest: bytes) -> int:
         """A fresh page receiving `digest`'s content from the host tier, entered in the HBM cache at once."""
         page = self._take_free_page()

@@ -265,6 +265,22 @@ def _forward_step(weights, buf, kv_cache, prev_tokens, *, dims, cfg, ops, mesh, 
     return mesh_forward(forward, cfg, ops, mesh, *specs)(weights, batch, kv_cache)
 
 
+# Forked samples' copies go to the device in calls of at most this many (page, slot) pairs, padded to a power of
+# two (no-op copies of the null page and the reserved slot onto themselves): FORK_CHUNK.bit_length() executables.
+FORK_CHUNK = 16
+
+
+def _fork_step(kv_cache, pairs, *, state_layers: frozenset[int]):
+    """pairs i32[4, N]: (source, destination) pages, then (source, destination) state slots. Each attention
+    layer's destination pages get the source pages' K and V, each state layer's destination slots the source
+    slots' states."""
+    out = []
+    for i, layer in enumerate(kv_cache):
+        src, dst = (pairs[2], pairs[3]) if i in state_layers else (pairs[0], pairs[1])
+        out.append(tuple(a.at[dst].set(a[src]) for a in layer))
+    return tuple(out)
+
+
 def _sample_step(logits, buf, prev_tokens, *, dims, num_logprobs, flags, max_seqs):
     B, V = logits.shape
     t = unpack_sampling(buf, dims, mask_words(V) if flags.grammar else 0)
@@ -357,6 +373,9 @@ class ModelRunner:
                                out_shardings=(self._replicated, self._replicated))
         self._prompt_logprobs = jax.jit(_prompt_logprobs_step, static_argnames=("num_seqs", "k"),
                                         out_shardings=(self._replicated, self._replicated))
+        self._state_layers = frozenset(state_specs(cfg))
+        self._fork = jax.jit(partial(_fork_step, state_layers=self._state_layers), donate_argnames=("kv_cache",),
+                             out_shardings=kv_shardings)
         self._no_prev = put(np.zeros(self.max_seqs_bucket, np.int32), self._replicated)
         # Compiled executables per shape, loaded from / stored to disk when `executable_dir` is set: a
         # warm start then neither traces nor lowers (see executable_cache.py).
@@ -392,6 +411,22 @@ class ModelRunner:
         forgets them)."""
         self.kv_cache, dropped = self.host_pool.apply(self.kv_cache, transfers)
         return dropped
+
+    def fork_executable(self, N: int) -> jax.stages.Compiled:
+        key = ("fork", N)
+        if (hit := self._compiled.get(key)) is None:
+            hit = self._add_executable(key, self._fork, (self.kv_cache, jax.ShapeDtypeStruct((4, N), jnp.int32)))
+        return hit
+
+    def fork(self, pages: list[tuple[int, int]], slots: list[tuple[int, int]]) -> None:
+        """Launch a schedule's fork copies (scheduler.py: a forked sample's partial page and state slot); call
+        it before launching the step, which reads them."""
+        for c in range(0, max(len(pages), len(slots)), FORK_CHUNK):
+            p, sl = pages[c:c + FORK_CHUNK], slots[c:c + FORK_CHUNK]
+            pairs = np.zeros((4, 1 << (max(len(p), len(sl)) - 1).bit_length()), np.int32)  # padding: 0 -> 0
+            pairs[:2, :len(p)] = np.asarray(p, np.int32).reshape(-1, 2).T
+            pairs[2:, :len(sl)] = np.asarray(sl, np.int32).reshape(-1, 2).T
+            self.kv_cache = self.fork_executable(pairs.shape[1])(self.kv_cache, self._put(pairs))
 
     def batch_rows(self, out: SchedulerOutput) -> int:
         """B, the padded number of sequences of the step `out` (build_batch's)."""
@@ -685,6 +720,10 @@ class ModelRunner:
                                                  self._last_tokens))
         if self.host_pool is not None:  # the host tier's gathers and scatters, every chunk size
             self.kv_cache = self.host_pool.warmup(self.kv_cache)
+        if self._state_layers:  # forked samples' copies (n > 1 on models with states), every chunk size
+            for b in range(FORK_CHUNK.bit_length()):
+                self.kv_cache = self.fork_executable(1 << b)(self.kv_cache,
+                                                             self._put(np.zeros((4, 1 << b), np.int32)))
         # A first sampler output, so the very first step passes the same kind of array as all others.
         B = self.seqs_bucket(now[0])
         sample = self.sampler_executable(B, 0, 0, -1, SamplerFlags.warm()[0])

@@ -23,6 +23,14 @@ step, waiting requests join in FIFO order while budget, `max_num_seqs` and pages
 cached prefix pages. A request that could not run alone in an empty pool is refused at
 `add_request`, so the engine never fails for lack of KV space.
 
+Forks (n > 1 samples of a prompt on models with a per-sequence state, which have no prefix cache): the first
+sample leads; the others wait beside the queue (`add_request(..., fork_of=leader)`) while the leader's prefill
+stops one token short of the prompt's end. At the next schedule each follower is admitted holding the
+leader's computed tokens (full pages shared, the last partial page and the state slot copied:
+`SchedulerOutput.fork_pages` / `fork_slots`, which the runner copies before the step), and every sample then
+computes the last prompt token itself and samples its own first token. A follower that cannot fork (no page,
+slot or sequence room then, or its leader gone) joins the front of the waiting queue as a plain request.
+
 Stop conditions (`update`): once `min_tokens` tokens exist, an EOS id (unless `ignore_eos`) or a
 `stop_token_ids` id finishes with "stop" (stop_reason = the id, None for EOS); then `max_tokens`
 or reaching `max_model_len` tokens finishes with "length". Stop strings are the engine core's job
@@ -92,6 +100,10 @@ class SchedulerOutput:
     # Copies between the HBM and host tiers this schedule decided (evicted pages out, host hits in): the
     # runner launches them before the step's forward.
     kv_transfers: KVTransfers | None = None
+    # Forks admitted by this schedule: (source, destination) KV pages and state slots the runner copies
+    # before the step's forward.
+    fork_pages: list[tuple[int, int]] = field(default_factory=list)
+    fork_slots: list[tuple[int, int]] = field(default_factory=list)
 
     @property
     def num_scheduled_tokens(self) -> int:
@@ -110,11 +122,14 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []  # admission order: the last one is the newest
         self._finished_ids: list[str] = []
+        self._forks: dict[str, list[Request]] = {}  # leader id -> its followers, not yet admitted
 
     # ---- requests in and out -------------------------------------------------------------------
 
-    def add_request(self, request: Request) -> None:
-        """Queue a request; ValueError if it could never run (too long for the model or the pool)."""
+    def add_request(self, request: Request, fork_of: str | None = None) -> None:
+        """Queue a request; ValueError if it could never run (too long for the model or the pool).
+        `fork_of`: a queued request with the same prompt (not yet computing) that this one forks from once
+        the leader has computed all but the prompt's last token (module doc)."""
         rid, n, cfg = request.request_id, request.num_prompt_tokens, self.config
         if rid in self.requests:
             raise ValueError(f"request_id={rid!r} is already in use")
@@ -134,6 +149,15 @@ class Scheduler:
         if pages > self.kv.num_usable_pages:
             raise ValueError(f"request {rid!r}: {n} prompt + {max_tokens} output tokens need {pages} KV "
                              f"pages but the cache has {self.kv.num_usable_pages}")
+        if fork_of is not None:
+            leader = self.requests.get(fork_of)
+            if leader is None or leader.status != RequestStatus.WAITING or leader.num_computed_tokens \
+                    or leader.prompt_token_ids != request.prompt_token_ids or n < 2:
+                raise ValueError(f"request {rid!r} cannot fork from {fork_of!r}: not a queued request with the same "
+                                 f"prompt of at least 2 tokens")
+            self.requests[rid] = request
+            self._forks.setdefault(fork_of, []).append(request)
+            return
         self.requests[rid] = request
         self.waiting.append(request)
 
@@ -145,8 +169,13 @@ class Scheduler:
             return None
         if request.status == RequestStatus.RUNNING:
             self.running.remove(request)
-        else:
+        elif request in self.waiting:
             self.waiting.remove(request)
+        else:  # a follower not yet forked
+            for followers in self._forks.values():
+                if request in followers:
+                    followers.remove(request)
+                    break
         self._finish(request, reason, stop_reason)
         return request
 
@@ -204,6 +233,8 @@ class Scheduler:
         budget = min(self.config.max_num_batched_tokens, max_tokens or self.config.max_num_batched_tokens)
         max_seqs = max_seqs or self.config.max_num_seqs
 
+        if self._forks:
+            self._fork(out)
         i = 0
         while i < len(self.running) and budget > 0 and len(out.scheduled) < max_seqs:
             request = self.running[i]
@@ -213,6 +244,8 @@ class Scheduler:
                 continue
             num_new = self._clamp(request.num_tokens + request.num_pending_tokens - request.num_computed_tokens,
                                   budget)
+            if request.request_id in self._forks:  # a leader stops one token short of its prompt's end
+                num_new = min(num_new, request.num_prompt_tokens - 1 - request.num_computed_tokens)
             if num_new == 0:
                 i += 1
                 continue
@@ -238,6 +271,8 @@ class Scheduler:
             computed, num_cached = (([], 0) if request.sampling_params.prompt_logprobs is not None
                                     else self.kv.get_computed_pages(request))
             num_new = self._clamp(request.num_tokens - num_cached, budget)
+            if request.request_id in self._forks:
+                num_new = min(num_new, request.num_prompt_tokens - 1 - num_cached)
             if num_new == 0 or not self.kv.allocate_slots(request, num_new, computed):
                 break  # FIFO: nobody overtakes the head of the queue
             self.waiting.popleft()
@@ -249,6 +284,32 @@ class Scheduler:
             budget -= num_new
         out.kv_transfers = self.kv.take_transfers()
         return out
+
+    def _fork(self, out: SchedulerOutput) -> None:
+        """Admit the followers of each leader that has computed all but its prompt's last token (module doc);
+        release those of a leader that is gone, or that cannot fork, to the front of the waiting queue."""
+        for leader_id in list(self._forks):
+            leader = self.requests.get(leader_id)
+            point = leader.num_prompt_tokens - 1 if leader is not None else 0
+            if leader is not None and not (leader.status == RequestStatus.RUNNING
+                                           and leader.num_computed_tokens == point):
+                continue  # still computing (or preempted, recomputing): wait
+            released = []
+            for follower in self._forks.pop(leader_id):
+                copies = (self.kv.fork(leader, follower, point)
+                          if leader is not None and len(self.running) < self.config.max_num_seqs else None)
+                if copies is None:
+                    released.append(follower)
+                    continue
+                page_copy, slot_copy = copies
+                if page_copy is not None:
+                    out.fork_pages.append(page_copy)
+                if slot_copy is not None:
+                    out.fork_slots.append(slot_copy)
+                follower.status = RequestStatus.RUNNING
+                follower.num_computed_tokens = follower.num_cached_tokens = point
+                self.running.append(follower)
+            self.waiting.extendleft(reversed(released))
 
     def update(self, out: SchedulerOutput, sampled: dict[str, int]) -> list[Request]:
         """Apply a step's results: append each sampled token (required for every `s.needs_sample` of a
@@ -299,7 +360,7 @@ class Scheduler:
 
     @property
     def num_waiting(self) -> int:
-        return len(self.waiting)
+        return len(self.waiting) + sum(map(len, self._forks.values()))
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests)

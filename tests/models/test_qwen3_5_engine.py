@@ -57,10 +57,54 @@ def test_n_samples_and_sync_scheduling():
     assert generate(llm, params) == [[g, g] for g in GREEDY_IDS]
 
 
+@pytest.mark.parametrize("async_scheduling", [True, False])
+def test_n_samples_fork_from_the_first(async_scheduling):
+    """n = 3: the first sample computes all but the prompt's last token, the others fork from it (its full pages
+    shared, the partial page and the state slot copied) and compute only the last token: every sample matches
+    HF's greedy ids, seeded samples match n = 1 requests with the same seeds, and nothing leaks."""
+    llm = LLM(TINY, **(BASE | {"max_num_seqs": 9}), max_num_batched_tokens=32, warmup=False,
+              async_scheduling=async_scheduling)
+    runner, kv = llm.engine.runner, llm.engine.kv
+    forks = []
+    original = runner.fork
+    runner.fork = lambda pages, slots: (forks.append((list(pages), list(slots))), original(pages, slots))
+    outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], SamplingParams(n=3, temperature=0.0,
+                        max_tokens=32, ignore_eos=True), use_tqdm=False)
+    assert [[list(c.token_ids) for c in o.outputs] for o in outs] == [[g] * 3 for g in GREEDY_IDS]
+    # two followers of each prompt forked: a state slot each, a page copy where the shared prefix (5, 37, 80
+    # tokens less the last: 4, 36, 79) ends inside a page of 4 tokens
+    assert sum(len(sl) for _, sl in forks) == 6 and sum(len(p) for p, _ in forks) == 2
+    assert kv.num_free_state_slots == kv.num_state_slots - 1 and kv.num_free_pages == kv.num_usable_pages
+
+    forks.clear()
+    sampled = SamplingParams(n=3, temperature=1.0, seed=7, max_tokens=16, ignore_eos=True)
+    got = [list(c.token_ids) for c in llm.generate([{"prompt_token_ids": PROMPTS[2]}], sampled,
+                                                   use_tqdm=False)[0].outputs]
+    assert forks and len(set(map(tuple, got))) > 1
+    alone = [list(llm.generate([{"prompt_token_ids": PROMPTS[2]}],
+                               SamplingParams(temperature=1.0, seed=7 + i, max_tokens=16, ignore_eos=True),
+                               use_tqdm=False)[0].outputs[0].token_ids) for i in range(3)]
+    assert got == alone
+    assert kv.num_free_state_slots == kv.num_state_slots - 1 and kv.num_free_pages == kv.num_usable_pages
+
+
+def test_n_samples_that_cannot_fork_run_alone():
+    """Sequence room for two: the followers that find no room when the leader reaches its fork point queue as
+    plain requests and compute the prompt themselves."""
+    llm = LLM(TINY, **(BASE | {"max_num_seqs": 2}), max_num_batched_tokens=32, warmup=False)
+    params = SamplingParams(n=4, temperature=0.0, max_tokens=8, ignore_eos=True)
+    assert generate(llm, params, PROMPTS[1:2]) == [[GREEDY_IDS[1][:8]] * 4]
+    kv = llm.engine.kv
+    assert kv.num_free_state_slots == kv.num_state_slots - 1 and kv.num_free_pages == kv.num_usable_pages
+
+
 def test_pallas_backend_warm_buckets_and_async():
-    """Pallas kernels (interpreted on CPU), every bucket compiled at warm-up: no compile while serving."""
+    """Pallas kernels (interpreted on CPU), every bucket compiled at warm-up (the forks' copies too): no compile
+    while serving."""
     llm = LLM(TINY, **BASE, max_num_batched_tokens=16, attention_backend="pallas")
     assert [o[0] for o in generate(llm)] == GREEDY_IDS
+    params = SamplingParams(n=3, temperature=0.0, max_tokens=4, ignore_eos=True)
+    assert generate(llm, params, PROMPTS[1:2]) == [[GREEDY_IDS[1][:4]] * 3]
     assert llm.engine.runner.compiles_after_warmup == 0
 
 

@@ -388,3 +388,73 @@ def test_preempted_with_a_token_in_flight():
     sched.update(out2, {"a": TOK})
     sched.update(out3, {"a": TOK})
     assert len(a.output_token_ids) == 3
+
+
+def make_state_sched(num_pages: int = 17, slots: int = 5, **cfg) -> Scheduler:
+    kv = KVCacheManager(num_pages, PS, enable_prefix_caching=False, num_state_slots=slots)
+    return Scheduler(SchedulerConfig(max_model_len=64, **cfg), kv)
+
+
+def add_forked(sched: Scheduler, n: int = 3, prompt: int = 10) -> list[Request]:
+    reqs = [make_req(r, prompt, max_tokens=3) for r in "abcdefgh"[:n]]
+    sched.add_request(reqs[0])
+    for r in reqs[1:]:
+        sched.add_request(r, fork_of="a")
+    return reqs
+
+
+def test_fork_followers_share_the_leaders_full_pages_and_copy_the_rest():
+    sched = make_state_sched()
+    a, b, c = add_forked(sched)
+    assert sched.num_waiting == 3
+    summary, out, _ = step(sched)  # the leader stops one token short of its prompt's end
+    assert summary == [("a", 0, 9, [1, 2, 3])] and not out.scheduled[0].needs_sample and not out.fork_slots
+    summary, out, _ = step(sched)
+    # b and c hold a's 9 tokens: pages 1 and 2 shared, page 3 (token 8) copied to a page of their own, and the
+    # state slot copied; each sample computes the last prompt token and samples its own first token
+    assert summary == [("a", 9, 1, [1, 2, 3]), ("b", 9, 1, [1, 2, 4]), ("c", 9, 1, [1, 2, 5])]
+    assert out.fork_pages == [(3, 4), (3, 5)] and out.fork_slots == [(1, 2), (1, 3)]
+    assert [sched.kv.ref_count(p) for p in (1, 2, 3, 4, 5)] == [3, 3, 1, 1, 1]
+    assert all(s.needs_sample for s in out.scheduled) and (b.num_cached_tokens, c.num_cached_tokens) == (9, 9)
+    while sched.has_unfinished_requests():
+        step(sched)
+    assert [r.num_output_tokens for r in (a, b, c)] == [3, 3, 3]
+    assert sched.kv.num_free_pages == 16 and sched.kv.num_free_state_slots == 4
+
+
+def test_fork_at_a_page_boundary_copies_no_page():
+    sched = make_state_sched()
+    add_forked(sched, n=2, prompt=9)
+    step(sched)
+    summary, out, _ = step(sched)
+    assert summary == [("a", 8, 1, [1, 2, 3]), ("b", 8, 1, [1, 2, 4])]
+    assert out.fork_pages == [] and out.fork_slots == [(1, 2)]
+
+
+def test_fork_followers_without_room_or_leader_run_alone():
+    sched = make_state_sched(max_num_seqs=2)
+    a, b, c = add_forked(sched)
+    step(sched)
+    summary, out, _ = step(sched)  # room for one follower: c queues as a plain request
+    assert [s[0] for s in summary] == ["a", "b"] and out.fork_slots == [(1, 2)] and list(sched.waiting) == [c]
+
+    sched = make_state_sched()
+    a, b, c, d = add_forked(sched, n=4)
+    step(sched)
+    sched.abort("c")  # a follower not yet forked
+    sched.abort("a")  # the leader: its followers queue as plain requests, in order
+    summary, out, _ = step(sched)
+    assert summary == [("b", 0, 10, [1, 2, 3]), ("d", 0, 10, [4, 5, 6])] and not out.fork_slots
+    assert c.finish_reason == FinishReason.ABORT and sched.num_waiting == 0
+
+
+def test_fork_of_must_name_a_queued_request_with_the_same_prompt():
+    sched = make_state_sched()
+    sched.add_request(make_req("a", 10))
+    with pytest.raises(ValueError, match="cannot fork"):
+        sched.add_request(make_req("b", 10, base=5), fork_of="a")
+    with pytest.raises(ValueError, match="cannot fork"):
+        sched.add_request(make_req("c", 10), fork_of="nobody")
+    step(sched)
+    with pytest.raises(ValueError, match="cannot fork"):  # already computing
+        sched.add_request(make_req("d", 10), fork_of="a")
