@@ -98,7 +98,7 @@ def conv_step(mixed, conv_state, conv_w, slots, positions) -> tuple[jax.Array, j
 
 def _decode_kernel(slot_ref, pos_ref, fresh_ref, x_ref, cs_in_ref, w_ref, alog_ref, dtb_ref, nw_ref, s_in_ref,
                    o_ref, cs_ref, s_ref, *, hk: int, group: int, dk: int, dv: int, bv: int, taps: int, b_col: int,
-                   a_col: int, z_col: int | None, eps: float):
+                   a_col: int, z_col: int | None, eps: float, evict: str | None):
     # x_ref [B, W] the projection (q | k | v before the conv at [0, C), z at z_col, b at b_col, a at a_col: read
     # in place, no slices); cs_ref [S, K, C] the conv ring (aliased with cs_in_ref); w_ref [C, K]; alog_ref,
     # dtb_ref [Hv]; nw_ref [Dv] the gated norm's weight (unused without z_col); s_ref [S, Hv, Dk, Dv] f32
@@ -114,7 +114,8 @@ def _decode_kernel(slot_ref, pos_ref, fresh_ref, x_ref, cs_in_ref, w_ref, alog_r
     live = fresh_ref[i] == 0  # a fresh sequence's state starts at zero (never what its slot holds): not loaded
 
     def state_block(j: int):
-        return plgpu.load(s_ref.at[slot, h, :, pl.ds(j * bv, bv)], mask=jnp.broadcast_to(live, (dk, bv)), other=0.0)
+        return plgpu.load(s_ref.at[slot, h, :, pl.ds(j * bv, bv)], mask=jnp.broadcast_to(live, (dk, bv)), other=0.0,
+                          eviction_policy=evict)
 
     row = jax.lax.rem(jax.lax.rem(pos, taps) + taps, taps)  # the ring row this position writes
 
@@ -169,7 +170,7 @@ def _decode_kernel(slot_ref, pos_ref, fresh_ref, x_ref, cs_in_ref, w_ref, alog_r
         qs = jnp.sum(q[:, None] * state, axis=0)
         delta = (v - decay * ks) * beta
         o = (decay * qs + qk * delta).astype(o_ref.dtype).astype(jnp.float32)  # [bv], rounded as stored
-        s_ref[slot, h, :, cols] = state * decay + k[:, None] * delta[None, :]
+        plgpu.store(s_ref.at[slot, h, :, cols], state * decay + k[:, None] * delta[None, :], eviction_policy=evict)
         cs_ref[slot, row, pl.ds(v_off + j * bv, bv)] = v_wins[j][0].astype(cs_ref.dtype)  # its own v channels
         if z_col is None:
             o_ref[i, h, cols] = o.astype(o_ref.dtype)
@@ -193,12 +194,12 @@ def _decode_kernel(slot_ref, pos_ref, fresh_ref, x_ref, cs_in_ref, w_ref, alog_r
 
 
 @functools.partial(jax.jit, static_argnames=("num_k_heads", "key_dim", "value_dim", "b_col", "a_col", "z_col",
-                                             "eps", "block_v", "num_warps", "interpret"),
+                                             "eps", "block_v", "num_warps", "evict", "interpret"),
                    donate_argnames=("conv_state", "states"))
 def fused_decode_step(proj, conv_state, conv_w, a_log, dt_bias, states, slots, positions, fresh, *,
                       num_k_heads: int, key_dim: int, value_dim: int, b_col: int, a_col: int,
                       z_col: int | None = None, norm_weight: jax.Array | None = None, eps: float = 1e-6,
-                      block_v: int | None = None, num_warps: int | None = None,
+                      block_v: int | None = None, num_warps: int | None = None, evict: str | None = None,
                       interpret: bool = False) -> tuple[jax.Array, jax.Array, jax.Array]:
     """`decode_reference` in one kernel (module doc); the two pools are updated in place (donated).
     Dk and Dv powers of two >= 16. A program walks its state in blocks of `block_v` value columns (default:
@@ -228,7 +229,7 @@ def fused_decode_step(proj, conv_state, conv_w, a_log, dt_bias, states, slots, p
         num_warps = 4 if dk * bv <= 128 * 128 else 8
     whole = pl.no_block_spec
     kernel = functools.partial(_decode_kernel, hk=hk, group=hv // hk, dk=dk, dv=dv, bv=bv, taps=taps, b_col=b_col,
-                               a_col=a_col, z_col=z_col, eps=eps)
+                               a_col=a_col, z_col=z_col, eps=eps, evict=evict)
     norm = norm_weight if norm_weight is not None else jnp.ones((dv,), proj.dtype)
     o, conv_state, states = pl.pallas_call(
         kernel,
@@ -272,6 +273,8 @@ def main():
     ap.add_argument("--batches", type=int, nargs="+", default=[1, 8, 64, 256])
     ap.add_argument("--num-warps", type=int, nargs="+", default=[4, 8])
     ap.add_argument("--block-v", type=int, nargs="+", default=[128, 64, 32])
+    ap.add_argument("--evict", nargs="+", default=["none"], help="the state's eviction policy: none evict_first "
+                    "evict_last")
     ap.add_argument("--no-plain", dest="plain", action="store_false", help="only the kernel with the gated norm")
     ap.add_argument("--rounds", type=int, default=1, help="interleaved rounds of every variant (median reported)")
     ap.add_argument("--reps", type=int, default=20)
@@ -347,26 +350,27 @@ def main():
         t = timed(general, *pools())
         print(json.dumps(row | {"path": "general (XLA conv + recurrent kernel + gated norm kernel)",
                                 "time_us": t * 1e6, "tb_per_s": state_bytes / t / 1e12}))
-        variants = [(norm, bv, warps) for norm in (True, False)[:2 if args.plain else 1]
-                    for bv in args.block_v for warps in args.num_warps]
+        variants = [(norm, bv, warps, ev) for norm in (True, False)[:2 if args.plain else 1]
+                    for bv in args.block_v for warps in args.num_warps for ev in args.evict]
         times: dict = {}
         for r in range(args.rounds):  # interleaved rounds: a variant's median is over machine states
-            for norm, bv, warps in variants:
-                def fused(conv, states, warps=warps, norm=norm, bv=bv):
+            for norm, bv, warps, ev in variants:
+                def fused(conv, states, warps=warps, norm=norm, bv=bv, ev=ev):
                     kw = dict(z_col=C, norm_weight=norm_w) if norm else {}
                     o, conv, states = fused_decode_step(proj, conv, w, a_log, dt_bias, states, slots, positions,
                                                         fresh, num_k_heads=hk, key_dim=dk, value_dim=dv,
                                                         b_col=C + vs, a_col=C + vs + hv, block_v=bv,
+                                                        evict=None if ev == "none" else ev,
                                                         num_warps=warps, interpret=not gpu, **kw)
                     return conv, states, o
 
-                t = timed(fused, *pools(), key=(B, norm, bv, warps))
-                times.setdefault((norm, bv, warps), []).append(t)
+                t = timed(fused, *pools(), key=(B, norm, bv, warps, ev))
+                times.setdefault((norm, bv, warps, ev), []).append(t)
                 if r == args.rounds - 1:
-                    ts = sorted(times[(norm, bv, warps)])
+                    ts = sorted(times[(norm, bv, warps, ev)])
                     med = ts[len(ts) // 2]
                     print(json.dumps(row | {"path": "fused" + (" + gated norm" if norm else ""), "block_v": bv,
-                                            "num_warps": warps, "rounds": len(ts),
+                                            "num_warps": warps, "evict": ev, "rounds": len(ts),
                                             "time_us": med * 1e6, "time_us_rounds": [x * 1e6 for x in ts],
                                             "tb_per_s": state_bytes / med / 1e12}), flush=True)
 
