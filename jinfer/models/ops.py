@@ -77,10 +77,10 @@ QKV_ROPE_MAX_TOKENS = 256
 # measured there, so they keep those steps). kernels: moe_kernels_h100.json, moe_mgpu_h100.json.
 # Steps of at most this many tokens compute a MoE block's RMSNorm and router logits in one Pallas kernel
 # (pallas_kernels/moe_router.py) instead of XLA's ~5 kernels (norm reduce + multiply, the batch-1 dot's
-# padding row, the dot, the logits' conversion: ~7.5 us a Qwen3-30B-A3B layer at batch 1 on the H100). Off
-# until measured on the GPU against XLA's (bench_moe's "front" rows, bench_local_step's `router_kernel`
-# variant); JINFER_MOE_ROUTER_KERNEL_TOKENS=64 turns it on for such measurements (part of the executable
-# cache's key, as JINFER_PALLAS_MLP_TOKENS).
+# padding row, the dot, the logits' conversion: ~7.5 us a Qwen3-30B-A3B layer at batch 1 on the H100). Off:
+# measured on the H100 it made the front end no faster (12.0 vs 11.8 us a layer; the decode step 3.898 vs 3.895
+# ms: moe_front_sweep_h100_5cfb2c2.txt). JINFER_MOE_ROUTER_KERNEL_TOKENS=64 turns it on for measurements (part of
+# the executable cache's key, as JINFER_PALLAS_MLP_TOKENS).
 MOE_ROUTER_KERNEL_TOKENS = int(os.environ.get("JINFER_MOE_ROUTER_KERNEL_TOKENS", "0"))
 MOSAIC_MOE_MIN_ROWS_PER_EXPERT = 128
 MOSAIC_MOE_BLOCK_M = 128
