@@ -264,8 +264,10 @@ class KVCacheManager:
         parent's full pages among them are shared (reference counted: nobody writes them again), the page holding
         the rest and the state slot (models with one) are fresh. Returns the copies the runner makes before the
         next step, (parent page, child page) or None, (parent slot, child slot) or None; None if the pool is
-        short of a page or a slot (nothing changed)."""
+        short of a page or a slot (nothing changed). Not with a host tier: its restores, launched first, could
+        overwrite the parent's page before the copy reads it (a page the parent freed in the same schedule)."""
         assert not child.page_ids and child.num_computed_tokens == 0 and parent.num_computed_tokens >= num_tokens
+        assert self.host is None, "forks are not combined with the host tier"
         full, part = divmod(num_tokens, self.page_size)
         if (part and not self.num_free_pages) or (self.num_state_slots and not self._free_slots):
             return None
