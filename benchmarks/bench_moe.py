@@ -28,6 +28,7 @@ from __future__ import annotations
 import argparse
 import functools
 import json
+import signal
 import statistics
 import subprocess
 import sys
@@ -359,16 +360,24 @@ def main():
     peer = [] if args.no_torch or args.front_only else run_torch_peer(args.tokens)
     w = weights()
     rows: list[dict] = []
-    for tokens in args.tokens:
-        if (args.front or args.front_only) and tokens <= ROUTER_MAX_TOKENS:
-            bench_front(rows, tokens, w[3])
-        if args.front_only:
-            continue
-        sweep = args.sweep and (not args.sweep_tokens or tokens in args.sweep_tokens)
-        bench_tokens(rows, tokens, w, sweep, args.xla_block)
-    copy = next((r["copy_bytes_per_s"] for r in peer if r.get("impl") == "torch_copy"), None)
-    write_result({"benchmark": "moe_kernels", **environment(), "experts": E, "hidden": H, "moe_intermediate": INTER,
-                  "top_k": K, "dtype": "bfloat16", "torch_copy_bytes_per_s": copy, "rows": rows + peer}, args.out)
+    # A run ended by `timeout` (SIGTERM) still writes the rows it has, marked incomplete (the handler runs once
+    # the call in progress, e.g. a compile, returns).
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+    complete = False
+    try:
+        for tokens in args.tokens:
+            if (args.front or args.front_only) and tokens <= ROUTER_MAX_TOKENS:
+                bench_front(rows, tokens, w[3])
+            if args.front_only:
+                continue
+            sweep = args.sweep and (not args.sweep_tokens or tokens in args.sweep_tokens)
+            bench_tokens(rows, tokens, w, sweep, args.xla_block)
+        complete = True
+    finally:
+        copy = next((r["copy_bytes_per_s"] for r in peer if r.get("impl") == "torch_copy"), None)
+        write_result({"benchmark": "moe_kernels", **environment(), "experts": E, "hidden": H,
+                      "moe_intermediate": INTER, "top_k": K, "dtype": "bfloat16", "torch_copy_bytes_per_s": copy,
+                      "complete": complete, "rows": rows + peer}, args.out)
 
 
 if __name__ == "__main__":
