@@ -281,8 +281,8 @@ def main():
     ap.add_argument("--batches", type=int, nargs="+", default=[1, 8, 64, 256])
     ap.add_argument("--num-warps", type=int, nargs="+", default=[4, 8])
     ap.add_argument("--block-v", type=int, nargs="+", default=[128, 64, 32])
-    ap.add_argument("--evict", nargs="+", default=["none"], help="the state's eviction policy: none evict_first "
-                    "evict_last auto")
+    ap.add_argument("--evict", nargs="+", default=["auto"], help="the state's eviction policy: auto (the kernel's "
+                    "default) none evict_first evict_last")
     ap.add_argument("--no-plain", dest="plain", action="store_false", help="only the kernel with the gated norm")
     ap.add_argument("--rounds", type=int, default=1, help="interleaved rounds of every variant (median reported)")
     ap.add_argument("--reps", type=int, default=20)

@@ -374,6 +374,7 @@ class ModelRunner:
         self._prompt_logprobs = jax.jit(_prompt_logprobs_step, static_argnames=("num_seqs", "k"),
                                         out_shardings=(self._replicated, self._replicated))
         self._state_layers = frozenset(state_specs(cfg))
+        self._fork_sizes = [1 << b for b in range(FORK_CHUNK.bit_length())] if self._state_layers else []
         self._fork = jax.jit(partial(_fork_step, state_layers=self._state_layers), donate_argnames=("kv_cache",),
                              out_shardings=kv_shardings)
         self._no_prev = put(np.zeros(self.max_seqs_bucket, np.int32), self._replicated)
@@ -701,6 +702,7 @@ class ModelRunner:
             jobs = [partial(self.forward_executable, *shape) for shape in shapes]
             jobs += [partial(self.sampler_executable, B, 0, 0, -1, flags)
                      for B in sorted({shape[1] for shape in shapes}) for flags in SamplerFlags.warm()]
+            jobs += [partial(self.fork_executable, N) for N in self._fork_sizes]
             with ThreadPoolExecutor(max_workers=WARMUP_THREADS) as pool:
                 for _ in pool.map(lambda job: job(), jobs):  # re-raises a job's exception
                     pass
@@ -720,10 +722,8 @@ class ModelRunner:
                                                  self._last_tokens))
         if self.host_pool is not None:  # the host tier's gathers and scatters, every chunk size
             self.kv_cache = self.host_pool.warmup(self.kv_cache)
-        if self._state_layers:  # forked samples' copies (n > 1 on models with states), every chunk size
-            for b in range(FORK_CHUNK.bit_length()):
-                self.kv_cache = self.fork_executable(1 << b)(self.kv_cache,
-                                                             self._put(np.zeros((4, 1 << b), np.int32)))
+        for N in self._fork_sizes:  # forked samples' copies (n > 1 on models with states), every chunk size
+            self.kv_cache = self.fork_executable(N)(self.kv_cache, self._put(np.zeros((4, N), np.int32)))
         # A first sampler output, so the very first step passes the same kind of array as all others.
         B = self.seqs_bucket(now[0])
         sample = self.sampler_executable(B, 0, 0, -1, SamplerFlags.warm()[0])

@@ -199,8 +199,11 @@ class Scheduler:
 
     # ---- one step ------------------------------------------------------------------------------
 
-    def _clamp(self, num_new: int, budget: int) -> int:
-        """Tokens to compute this step out of `num_new` remaining; 0 = cannot run this step."""
+    def _clamp(self, request: Request, start: int, num_new: int, budget: int) -> int:
+        """Tokens to compute this step out of `num_new` remaining from `start`; 0 = cannot run this step. A fork's
+        leader stops one token short of its prompt's end (module doc)."""
+        if request.request_id in self._forks:
+            num_new = min(num_new, request.num_prompt_tokens - 1 - start)
         t = self.config.long_prefill_token_threshold
         if t is not None:
             num_new = min(num_new, t)
@@ -242,10 +245,8 @@ class Scheduler:
             if request.num_pending_tokens and self._reaches_length(request, request.num_pending_tokens):
                 i += 1
                 continue
-            num_new = self._clamp(request.num_tokens + request.num_pending_tokens - request.num_computed_tokens,
-                                  budget)
-            if request.request_id in self._forks:  # a leader stops one token short of its prompt's end
-                num_new = min(num_new, request.num_prompt_tokens - 1 - request.num_computed_tokens)
+            start = request.num_computed_tokens
+            num_new = self._clamp(request, start, request.num_tokens + request.num_pending_tokens - start, budget)
             if num_new == 0:
                 i += 1
                 continue
@@ -270,9 +271,7 @@ class Scheduler:
             # A cached prefix has no logits: prompt logprobs compute the whole prompt (as vLLM does).
             computed, num_cached = (([], 0) if request.sampling_params.prompt_logprobs is not None
                                     else self.kv.get_computed_pages(request))
-            num_new = self._clamp(request.num_tokens - num_cached, budget)
-            if request.request_id in self._forks:
-                num_new = min(num_new, request.num_prompt_tokens - 1 - num_cached)
+            num_new = self._clamp(request, num_cached, request.num_tokens - num_cached, budget)
             if num_new == 0 or not self.kv.allocate_slots(request, num_new, computed):
                 break  # FIFO: nobody overtakes the head of the queue
             self.waiting.popleft()
@@ -289,13 +288,13 @@ class Scheduler:
         """Admit the followers of each leader that has computed all but its prompt's last token (module doc);
         release those of a leader that is gone, or that cannot fork, to the front of the waiting queue."""
         for leader_id in list(self._forks):
-            leader = self.requests.get(leader_id)
-            point = leader.num_prompt_tokens - 1 if leader is not None else 0
+            leader = self.requests.get(leader_id)  # None: finished or aborted
             if leader is not None and not (leader.status == RequestStatus.RUNNING
-                                           and leader.num_computed_tokens == point):
+                                           and leader.num_computed_tokens == leader.num_prompt_tokens - 1):
                 continue  # still computing (or preempted, recomputing): wait
             released = []
             for follower in self._forks.pop(leader_id):
+                point = follower.num_prompt_tokens - 1
                 copies = (self.kv.fork(leader, follower, point)
                           if leader is not None and len(self.running) < self.config.max_num_seqs else None)
                 if copies is None:
