@@ -23,6 +23,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 
@@ -67,24 +68,49 @@ def load_all(directory: Path) -> dict:
     base = rss_mb()
     base_maps = rss_by_mapping()
     rows, keep = [], []
-    for path in sorted(directory.rglob("*.jexe"), key=lambda p: p.stat().st_size, reverse=True):
-        data = path.read_bytes()
-        before = rss_mb()
-        keep.append(_load(path))
+
+    def trim() -> None:
         gc.collect()
         try:
             ctypes.CDLL("libc.so.6").malloc_trim(0)
         except OSError:
             pass
-        rows.append({"file": path.name[:16], "file_mb": round(len(data) / 2**20, 2),
+
+    paths = sorted(directory.rglob("*.jexe"), key=lambda p: p.stat().st_size, reverse=True)
+    for path in paths:
+        data = path.read_bytes()
+        before = rss_mb()
+        t0 = time.perf_counter()
+        keep.append(_load(path))
+        load_s = time.perf_counter() - t0
+        trim()
+        rows.append({"file": path.name[:16], "file_mb": round(len(data) / 2**20, 2), "load_s": round(load_s, 3),
                      "rss_added_mb": round(rss_mb() - before, 1), "ptx_modules": data.count(b"\n.version "),
                      "cubin_images": data.count(b"\x7fELF"),
                      # call sites of the two Pallas GPU lowerings in the stored HLO: a Mosaic GPU call carries its
                      # kernel's MLIR in its backend config (compiled when loaded, cached by hash), a Triton call
                      # its Triton IR
                      "mosaic_calls": data.count(b"mosaic_gpu_v2"), "triton_calls": data.count(b"__gpu$xla.gpu.triton")})
-    return {"backend_rss_mb": round(base, 1), "loaded": len(rows), "rss_after_mb": round(rss_mb(), 1),
-            "rss_by_mapping_backend_mb": base_maps, "rss_by_mapping_after_mb": rss_by_mapping(),
+    after, after_maps = rss_mb(), rss_by_mapping()
+    # Dropped and loaded again, twice (what an engine that unloads idle executables does): is the memory given
+    # back, does a second load cost the same time, and does the process grow over cycles?
+    cycles = []
+    for _ in range(2):
+        keep.clear()
+        trim()
+        dropped = rss_mb()
+        t0 = time.perf_counter()
+        keep.extend(_load(path) for path in paths)
+        reload_s = time.perf_counter() - t0
+        trim()
+        cycles.append({"rss_after_drop_mb": round(dropped, 1), "reload_s": round(reload_s, 2),
+                       "rss_after_reload_mb": round(rss_mb(), 1)})
+    keep.clear()
+    trim()
+    return {"backend_rss_mb": round(base, 1), "loaded": len(rows), "rss_after_mb": round(after, 1),
+            "load_s": round(sum(r["load_s"] for r in rows), 2), "unload_cycles": cycles,
+            "rss_after_final_drop_mb": round(rss_mb(), 1),
+            "rss_by_mapping_backend_mb": base_maps, "rss_by_mapping_after_mb": after_maps,
             "executables": rows}
 
 
