@@ -4,11 +4,14 @@
     python -m benchmarks.bench_startup --runs 2 --fresh-cache      # the embedded default model
 
 Each run starts `python -m server.launcher MODEL --port P ARGS...` (ARGS: everything after `--`),
-measures the seconds until GET /health answers 200, waits `--idle-s`, reads the RSS of the launcher
-and of every process below it from /proc (role from the command line: "server" is the launcher,
-which runs the HTTP server itself; "engine" is jinfer.engine.core_proc), then stops it with SIGTERM
-(SIGKILL after `--stop-timeout`). With `--fresh-cache` the runs share a new, empty JAX compilation
-cache: the first run is cold, the others warm. Phase timings come from the engine's log lines.
+measures the seconds until GET /health answers 200, waits for a staged warm-up's background loads and then
+`--idle-s`, reads the RSS of the launcher and of every process below it from /proc (role from the command
+line: "server" is the launcher, which runs the HTTP server itself; "engine" is jinfer.engine.core_proc):
+`rss_mb_total_loaded`, every executable loaded. Then it waits (up to `--unload-wait-s`) for the engine to
+drop the executables unused for their keep-alive (serve's `--executable-keep-alive`) and reads the RSS again:
+`rss_mb_total`, the idle server's memory (the same as loaded when nothing was dropped in that time). Then it
+stops the server with SIGTERM (SIGKILL after `--stop-timeout`). With `--fresh-cache` the runs share a new,
+empty JAX compilation cache: the first run is cold, the others warm. Phase timings come from the engine's log lines.
 `startup_s` is the median of the runs after the first (the only run if there is one).
 """
 
@@ -40,6 +43,8 @@ PHASE_PATTERNS = {
     "serving_at": re.compile(r"^(\S+ \S+) INFO jinfer\.server: serving "),
     # a staged warm-up (serve's default) compiles the other shapes while serving: full speed from here
     "full_speed_at": re.compile(r"^(\S+ \S+) INFO jinfer\.engine\.model_runner: warm-up: all \d+ token buckets ready"),
+    # ... and drops the executables no step used for its keep-alive (serve's default --executable-keep-alive)
+    "unloaded_at": re.compile(r"^(\S+ \S+) INFO jinfer\.engine\.model_runner: unloaded the executables of"),
 }
 MB = 1 << 20
 
@@ -132,6 +137,24 @@ def parse_phases(log: str, t_launch: float) -> dict[str, float]:
     return phases
 
 
+def probe_requests(port: int, num_tokens: int, max_tokens: int = 16) -> dict:
+    """Seconds for a completion of a `num_tokens`-token prompt (token ids) on the idle server, then for another
+    one 2 s later: what the first request after the idle executables were dropped pays (its prefill runs in the
+    loaded buckets while the larger ones load again) against a warm one."""
+    base = f"http://127.0.0.1:{port}"
+    model = httpx.get(f"{base}/v1/models", timeout=10).json()["data"][0]["id"]
+    times = []
+    for i in range(2):
+        prompt = [(7 + 13 * (j + 1000 * i)) % 30000 + 10 for j in range(num_tokens)]  # distinct: no prefix hits
+        t0 = time.perf_counter()
+        r = httpx.post(f"{base}/v1/completions", timeout=120, json={
+            "model": model, "prompt": prompt, "max_tokens": max_tokens, "ignore_eos": True, "temperature": 0})
+        r.raise_for_status()
+        times.append(round(time.perf_counter() - t0, 3))
+        time.sleep(2.0)
+    return {"prompt_tokens": num_tokens, "max_tokens": max_tokens, "first_after_idle_s": times[0], "warm_s": times[1]}
+
+
 def stop(proc: subprocess.Popen, pids: list[int], timeout: float) -> tuple[float, int | None]:
     """SIGTERM the launcher (it shuts its engine down), SIGKILL whatever is left after `timeout`."""
     t0 = time.perf_counter()
@@ -186,16 +209,35 @@ def one_run(i: int, args: argparse.Namespace, server_args: list[str], env: dict[
             time.sleep(0.25)  # the background compiles of a staged warm-up (idle RSS counts them)
         time.sleep(args.idle_s)
         pids = descendants(proc.pid)
-        procs = [m for m in map(memory, [proc.pid, *pids]) if m is not None]
+        loaded = [m for m in map(memory, [proc.pid, *pids]) if m is not None]
+        procs = loaded
+        deadline = time.perf_counter() + args.unload_wait_s
+        unloads, quiet_since = 0, None
+        while time.perf_counter() < deadline and proc.poll() is None:
+            n = log_path.read_text(errors="replace").count("model_runner: unloaded the executables of")
+            if n != unloads:
+                unloads, quiet_since = n, time.perf_counter()
+            elif unloads and time.perf_counter() - quiet_since >= 3.0:  # no further unload for 3 s
+                procs = [m for m in map(memory, [proc.pid, *pids]) if m is not None]
+                break
+            time.sleep(0.25)
+        probe = probe_requests(port, args.probe_tokens) if args.probe_tokens else None
     finally:
         pids = pids or descendants(proc.pid)
         stop_s, code = stop(proc, pids, args.stop_timeout)
-    procs[0]["role"] = "server"
-    rss = {}
-    for p in procs:
-        rss[p["role"] if p["role"] not in rss else f"{p['role']}-{p['pid']}"] = p["rss_mb"]
+
+    def by_role(procs: list[dict]) -> dict[str, float]:
+        procs[0]["role"] = "server"
+        rss = {}
+        for p in procs:
+            rss[p["role"] if p["role"] not in rss else f"{p['role']}-{p['pid']}"] = p["rss_mb"]
+        return rss
+
+    rss, rss_loaded = by_role(procs), by_role(loaded)
     return {"run": i, "startup_s": round(startup, 2), "rss_mb_total": round(sum(rss.values()), 1), "rss_mb": rss,
-            "processes": procs, "phases": parse_phases(log_path.read_text(errors="replace"), t_launch),
+            "rss_mb_total_loaded": round(sum(rss_loaded.values()), 1), "rss_mb_loaded": rss_loaded,
+            "unloaded": procs is not loaded, "probe": probe, "processes": procs, "processes_loaded": loaded,
+            "phases": parse_phases(log_path.read_text(errors="replace"), t_launch),
             "stop_s": round(stop_s, 2), "exit_code": code, "log": str(log_path)}
 
 
@@ -207,6 +249,11 @@ def main() -> None:
     ap.add_argument("--model", default=None, help="model argument of jinfer serve (default: the embedded model)")
     ap.add_argument("--runs", type=int, default=1, help="start-ups to measure (the first may be cold-cache)")
     ap.add_argument("--idle-s", type=float, default=3.0, help="seconds idle after /health before reading RSS")
+    ap.add_argument("--unload-wait-s", type=float, default=90.0,
+                    help="seconds to wait, after the loaded RSS is read, for the engine to drop idle executables "
+                         "(serve's --executable-keep-alive, 60 s by default; 0: do not wait)")
+    ap.add_argument("--probe-tokens", type=int, default=0,
+                    help="after the idle RSS, time two completions of this many prompt tokens (0: none)")
     ap.add_argument("--timeout", type=float, default=900.0, help="seconds to wait for /health")
     ap.add_argument("--stop-timeout", type=float, default=30.0, help="seconds after SIGTERM before SIGKILL")
     ap.add_argument("--fresh-cache", action="store_true", help="a new empty compilation cache for these runs")
@@ -229,7 +276,8 @@ def main() -> None:
             runs.append(one_run(i, args, server_args, env, log_dir))
             r = runs[-1]
             print(f"run {i}: ready in {r['startup_s']:.2f} s, full speed after "
-                  f"{r['phases'].get('full_speed_after_s')} s, idle RSS {r['rss_mb_total']:.0f} MB {r['rss_mb']}, "
+                  f"{r['phases'].get('full_speed_after_s')} s, idle RSS {r['rss_mb_total']:.0f} MB {r['rss_mb']} "
+                  f"({r['rss_mb_total_loaded']:.0f} MB with every executable loaded), "
                   f"phases {r['phases']}", file=sys.stderr)
         if not args.log_dir:
             for r in runs:
@@ -246,11 +294,14 @@ def main() -> None:
     roles = ", ".join(f"{k} {v:.0f}" for k, v in last["rss_mb"].items())
     summary = (f"jinfer serve {shape}: ready in {startup:.2f} s (runs: "
                f"{', '.join(f'{r['startup_s']:.2f}' for r in runs)}), idle RSS {last['rss_mb_total']:.0f} MB "
-               f"({roles})")
+               f"({roles}{'; idle executables unloaded' if last['unloaded'] else ''}), "
+               f"{last['rss_mb_total_loaded']:.0f} MB with every executable loaded")
     result = {**environment(), "benchmark": "startup", "shape": shape, "model": args.model,
               "server_args": server_args, "fresh_cache": args.fresh_cache, "idle_s": args.idle_s,
               "startup_s": startup, "startup_s_first": runs[0]["startup_s"],
-              "rss_mb_total": last["rss_mb_total"], "rss_mb": last["rss_mb"], "phases": last["phases"],
+              "rss_mb_total": last["rss_mb_total"], "rss_mb": last["rss_mb"],
+              "rss_mb_total_loaded": last["rss_mb_total_loaded"], "unloaded": last["unloaded"],
+              "phases": last["phases"],
               "runs": runs, "summary": summary}
     write_result(result, args.out)
     print(summary)

@@ -19,7 +19,12 @@ import signal
 import sys
 import threading
 
-from jinfer.engine.args import SERVE_WARMUP_FIRST_TOKENS, add_engine_arguments, engine_config_kwargs
+from jinfer.engine.args import (
+    SERVE_EXECUTABLE_KEEP_ALIVE_S,
+    SERVE_WARMUP_FIRST_TOKENS,
+    add_engine_arguments,
+    engine_config_kwargs,
+)
 from jinfer.engine.spawn import default_address, discard_engine_process, start_engine_process
 from server.tools import TOOL_PARSERS
 
@@ -112,6 +117,7 @@ def run_serve(args: argparse.Namespace) -> int:
     config = engine_config_kwargs(args)
     if getattr(args, "warmup_first_tokens", None) is None and not args.no_warmup:
         config["warmup_first_tokens"] = SERVE_WARMUP_FIRST_TOKENS  # ready sooner; the rest compiles while serving
+    config.setdefault("executable_keep_alive", SERVE_EXECUTABLE_KEEP_ALIVE_S)  # idle memory back
     if getattr(args, "enable_auto_tool_choice", False) and not getattr(args, "tool_call_parser", None):
         log.error("--enable-auto-tool-choice needs --tool-call-parser (one of %s)", ", ".join(sorted(TOOL_PARSERS)))
         return 2

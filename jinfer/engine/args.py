@@ -10,12 +10,14 @@ import argparse
 
 # `jinfer serve` is ready once these steps compile; the other shapes follow in the background.
 SERVE_WARMUP_FIRST_TOKENS = 256
+# ... and drops the executables of the other shapes after this many seconds unused (they load again on demand).
+SERVE_EXECUTABLE_KEEP_ALIVE_S = 60.0
 
 # CLI flag -> EngineConfig field.
 _ENGINE_OPTIONS = ("dtype", "load_format", "max_model_len", "max_num_seqs", "max_num_batched_tokens", "num_pages",
                    "page_size", "gpu_memory_utilization", "tensor_parallel_size", "seed", "attention_backend",
                    "compilation_cache_dir", "nnodes", "node_rank", "master_addr", "master_port",
-                   "log_stats_interval", "generation_config", "kv_offload_gb")
+                   "log_stats_interval", "generation_config", "kv_offload_gb", "executable_keep_alive")
 
 
 def _non_negative_int(text: str) -> int:
@@ -62,6 +64,11 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
                    help="staged warm-up: compile the 1-token and N-token steps before serving and the other shapes "
                         f"in the background while serving (serve's default: {SERVE_WARMUP_FIRST_TOKENS}; 0: every "
                         "shape before serving)")
+    e.add_argument("--executable-keep-alive", type=float, default=None, metavar="SECONDS",
+                   help="with a staged warm-up: drop the executables of the shapes beyond the first ones after this "
+                        "many seconds unused (their host memory goes back; a step that wants one again runs padded "
+                        "into a loaded shape while it loads from the executable cache, ~0.2-0.7 s); serve's default "
+                        f"{SERVE_EXECUTABLE_KEEP_ALIVE_S:g}, 0: never")
     e.add_argument("--log-stats-interval", type=float, default=None,
                    help="seconds between the engine's stats log lines (throughput, running/waiting, KV usage, "
                         "prefix-cache hit rate); default 10, 0 turns them off")

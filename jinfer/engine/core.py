@@ -94,6 +94,10 @@ class EngineConfig:
     # Staged warm-up: compile only T = 1 and the bucket of this many tokens before serving, the rest in the
     # background while serving (steps padded into ready buckets meanwhile). None: everything first.
     warmup_first_tokens: int | None = None
+    # With a staged warm-up and the executable cache: the other buckets' executables are dropped after this many
+    # seconds in which no step used them (their host memory goes back) and loaded again from the cache, in the
+    # background, when a step wants them (steps are padded into loaded buckets meanwhile). 0: never.
+    executable_keep_alive: float = 0.0
     async_scheduling: bool = True  # launch step N+1 before reading step N's tokens (one step in flight)
     executable_cache: bool = True  # keep compiled executables on disk (warm starts skip tracing); False: plain jit
     compilation_cache_dir: str | None = None  # default $JINFER_COMPILATION_CACHE or ~/.cache/jinfer/xla; "" off
@@ -128,6 +132,9 @@ class EngineConfig:
         if self.attention_backend not in BACKENDS:
             raise ValueError(f"attention_backend={self.attention_backend!r} must be one of {BACKENDS}")
         check_generation_config(self.generation_config)
+        v = self.executable_keep_alive
+        if not isinstance(v, int | float) or isinstance(v, bool) or not 0 <= v < float("inf"):
+            raise ValueError(f"executable_keep_alive={v!r} must be a number of seconds >= 0 (0: never unload)")
         v = self.log_stats_interval
         if not isinstance(v, int | float) or isinstance(v, bool) or not 0 <= v < float("inf"):
             raise ValueError(f"log_stats_interval={v!r} must be a number of seconds >= 0")
@@ -293,7 +300,7 @@ class EngineCore:
                                   kv_dtype=DTYPES[self.dtype], max_num_batched_tokens=config.max_num_batched_tokens,
                                   max_num_seqs=config.max_num_seqs, max_model_len=max_len,
                                   ops=select_ops(config.attention_backend), num_state_slots=self.num_state_slots,
-                                  num_host_pages=num_host_pages,
+                                  num_host_pages=num_host_pages, keep_alive=config.executable_keep_alive,
                                   executable_dir=os.path.join(cache_dir, "executables")
                                   if cache_dir and config.executable_cache and self.group is None else None)
         self._seqs: dict[str, _Seq] = {}  # sequence id -> state
@@ -501,6 +508,11 @@ class EngineCore:
         if self.runner.host_pool is not None:
             self.runner.host_pool.release()
 
+    def unload_idle(self) -> int:
+        """Drop the executables no step used for `executable_keep_alive` seconds (the engine loop calls this while
+        idle); returns how many buckets were dropped."""
+        return self.runner.unload_idle()
+
     def _prompt_logprobs_wanted(self, out) -> tuple[int, list[bool]] | None:
         """(top k, which scheduled sequences) for the prompt logprobs of this step's prefill chunks."""
         wants = []
@@ -663,5 +675,5 @@ class EngineCore:
                 "steps_total": self.num_steps_total, "device_wait_seconds_total": self.device_wait_seconds_total,
                 **self._host_tier_stats(),
                 "compiles_after_warmup": self.runner.compiles_after_warmup,
-                "warmup_pending": len(self.runner.token_buckets) - len(self.runner.ready_tokens)
-                + len(self.runner.decode_buckets) - len(self.runner.ready_decode)}
+                "warmup_pending": self.runner.warmup_pending(),
+                "executable_unloads_total": self.runner.unloads, "executable_reloads_total": self.runner.reloads}

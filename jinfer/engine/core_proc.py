@@ -68,6 +68,7 @@ log = logging.getLogger("jinfer.engine")
 
 IDLE_POLL_MS = 100
 STATS_INTERVAL_S = 0.5
+UNLOAD_CHECK_S = 1.0  # how often an idle engine looks for executables past their keep-alive
 PARENT_POLL_S = 0.5
 PARENT_GONE_GRACE_S = 5.0  # after the SIGTERM the parent's loss sends: then os._exit
 MAX_MESSAGES_PER_STEP = 4096  # a flood of requests must not starve the running ones
@@ -129,6 +130,7 @@ class EngineCoreProc:
         self.clients: set[bytes] = set()
         self.running = True
         self._next_tick = 0.0
+        self._next_unload = 0.0
         self._last_stats: dict[str, float] | None = None
         config = getattr(core, "config", None)
         self.stats_logger = StatsLogger(float(getattr(config, "log_stats_interval", 10.0) or 0.0),
@@ -146,6 +148,9 @@ class EngineCoreProc:
             elif not went_idle:  # the last request finished or was aborted: the engine's idle work, once
                 went_idle = True
                 self._idle()
+            elif time.monotonic() >= self._next_unload:  # idle: drop executables unused for their keep-alive
+                self._next_unload = time.monotonic() + UNLOAD_CHECK_S
+                self._unload_idle()
             if time.monotonic() >= self._next_tick:
                 self._tick()
 
@@ -156,6 +161,14 @@ class EngineCoreProc:
             self.core.idle()
         except Exception:
             log.exception("the engine's idle work failed (the host tier's write-backs): serving goes on")
+
+    def _unload_idle(self) -> None:
+        if not hasattr(self.core, "unload_idle"):
+            return
+        try:
+            self.core.unload_idle()
+        except Exception:
+            log.exception("unloading idle executables failed: serving goes on")
 
     def close(self, reason: str) -> None:
         """Tell every client the engine is going away (their requests are lost)."""

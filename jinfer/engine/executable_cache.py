@@ -149,7 +149,7 @@ class ExecutableCache:
         with self._count_lock:
             self.misses += 1
         with _fresh_compile() as from_persistent_cache:
-            compiled = jitted.lower(*args, **kwargs).compile()
+            compiled = _compile_unretained(jitted.lower(*args, **kwargs))
         t1 = time.perf_counter()
         try:
             if from_persistent_cache:
@@ -182,6 +182,23 @@ class ExecutableCache:
         if _ADDRESS.search(material):
             log.warning("executable cache: the key of %s contains a memory address; it will never hit", name)
         return hashlib.sha256(material.encode()).hexdigest()
+
+
+def _compile_unretained(lowered: jax.stages.Lowered) -> jax.stages.Compiled:
+    """`lowered.compile()`, but not also kept alive by JAX's in-memory caches. Plainly, the lowering (cached as long as
+    the jit's trace is) stores its executable, and `pxla._cached_compilation` maps the module to it: the executable
+    then outlives every reference its caller drops, and an engine that drops an idle bucket's executables
+    (model_runner.unload_idle) got none of their memory back after a cold start. Explicit (empty) compiler options
+    keep the lowering from storing it (the jit's own options still apply); the compilation cache is cleared after
+    (it only ever served a second compile of the same module, which the callers here never make)."""
+    compiled = lowered.compile({})
+    try:
+        from jax._src.interpreters import pxla
+
+        pxla.clear_in_memory_compilation_cache()
+    except (ImportError, AttributeError):  # another jax: at worst the memory stays, as before
+        pass
+    return compiled
 
 
 @contextmanager

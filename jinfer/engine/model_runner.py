@@ -332,7 +332,7 @@ class ModelRunner:
     def __init__(self, cfg: ModelConfig, weights: Weights, mesh: Mesh, *, num_pages: int, page_size: int,
                  kv_dtype, max_num_batched_tokens: int, max_num_seqs: int, max_model_len: int,
                  ops: ModelOps = REFERENCE_OPS, executable_dir: str | None = None, num_state_slots: int = 0,
-                 num_host_pages: int = 0):
+                 num_host_pages: int = 0, keep_alive: float = 0.0):
         self.cfg, self.weights, self.mesh = cfg, weights, mesh
         self.page_size = page_size
         self.kv_cache = init_kv_cache(cfg, num_pages, page_size, kv_dtype, mesh, num_state_slots)
@@ -392,6 +392,16 @@ class ModelRunner:
         self._stop_background = threading.Event()
         self._ready_lock = threading.Lock()
         self.background_seconds = 0.0  # start-up to the last background compile
+        # Idle unloading (`unload_idle`): a bucket beyond the staged warm-up's first ones whose forward executables
+        # no step used for `keep_alive` seconds is dropped (its host memory, ~1 MB per GPU code image, goes back),
+        # and loaded again from the executable cache in the background when a step wants it (`_want`).
+        self.keep_alive = float(keep_alive) if executable_dir else 0.0
+        self._pinned: frozenset[tuple[int, bool]] = frozenset()  # (T, decode) buckets never unloaded
+        self._last_used: dict[tuple[int, bool], float] = {}
+        self._unloaded: set[tuple[int, bool]] = set()
+        self._loading: set[tuple[int, bool]] = set()
+        self._loader: ThreadPoolExecutor | None = None
+        self.unloads = self.reloads = 0  # buckets dropped as idle / loaded again
         self.compiles_after_warmup = 0  # shapes first needed after warm-up (each one stalls a step)
         # The forward's `prev_tokens` argument is always the latest sampler output (even when no row
         # reads it), so every call of an executable sees arguments of identical type and sharding and
@@ -496,8 +506,11 @@ class ModelRunner:
                 st.seeds[b] = r.seed % 2**32
         if token_mask is not None:  # rows past the scheduled ones (padding) allow everything
             G = mask_words(self.cfg.vocab_size)
-            if token_mask.shape[0] > B or token_mask.shape[1] != G:
+            if token_mask.shape[1] != G:
                 raise ValueError(f"token_mask of shape {token_mask.shape} for {B} rows of {self.cfg.vocab_size} tokens")
+            # Sized by `batch_rows` before the step's batch was built: a bucket loaded in between (background
+            # warm-up or reload) can make B smaller; the rows past len(rows) <= B are padding either way.
+            token_mask = token_mask[:B]
             if token_mask.shape[0] < B:
                 token_mask = np.concatenate([token_mask, np.full((B - len(token_mask), G), -1, token_mask.dtype)])
             st.token_mask = token_mask.view(np.uint32)
@@ -597,8 +610,25 @@ class ModelRunner:
         if prev is None and any(s.input_from_device for s in out.scheduled):
             raise ValueError("decodes of pending tokens need the previous step")
         batch, prev_index = self.build_batch(out, prev)
-        decode = batch.num_tokens in self.ready_decode and out.num_scheduled_tokens == len(out.scheduled)
+        T, n = batch.num_tokens, out.num_scheduled_tokens
+        decode_only = n == len(out.scheduled)
+        decode = T in self.ready_decode and decode_only
+        if self._unloaded:
+            self._want_unloaded(n, decode_only)
+        self._last_used[(T, decode)] = time.monotonic()
         return batch, prev_index, decode
+
+    def _want_unloaded(self, n: int, decode_only: bool) -> None:
+        """Load again the unloaded buckets a step of n tokens wanted: its own, and every larger one when the step
+        filled the scheduler's budget (the budget is the largest ready bucket: the scheduler wanted more)."""
+        T = pick(self.token_buckets, n)
+        self._want(T, False)
+        if decode_only and T in self.decode_buckets:
+            self._want(T, True)
+        if n >= self.ready_limits()[0]:
+            for U in self.token_buckets:
+                if U > T:
+                    self._want(U, False)
 
     @staticmethod
     def _prompt_positions(out: SchedulerOutput, batch: Batch, wants: list[bool]
@@ -737,6 +767,7 @@ class ModelRunner:
                  len(shapes), self.compile_seconds, self.executables.hits,
                  self.executables.misses)
         if first_tokens is not None:
+            self._pinned = frozenset((T, False) for T in now)
             self.ready_tokens, self.ready_decode = now, frozenset()
             self._rest = [(T, False) for T in self.token_buckets if T not in now] \
                 + [(T, True) for T in sorted(self.decode_buckets)]
@@ -762,11 +793,7 @@ class ModelRunner:
             if not decode:
                 for flags in SamplerFlags.warm():
                     self.sampler_executable(B, 0, 0, -1, flags, background=True)
-            with self._ready_lock:
-                if decode:
-                    self.ready_decode = self.ready_decode | {T}
-                else:
-                    self.ready_tokens = tuple(sorted({*self.ready_tokens, T}))
+            self._make_ready(T, decode)
 
         def work():
             try:  # smallest buckets first, WARMUP_THREADS at a time (compiles release the GIL)
@@ -775,6 +802,10 @@ class ModelRunner:
                         pass
                 if self._stop_background.is_set():
                     return
+                with self._ready_lock:  # the buckets loaded here count as used now: they unload together
+                    done = time.monotonic()
+                    for b in self._rest:
+                        self._last_used[b] = max(self._last_used.get(b, done), done)
                 _trim_host_heap()  # compile-time host memory back to the OS, as after a full warm-up
                 self.background_seconds = time.perf_counter() - self._t0
                 log.info("warm-up: all %d token buckets ready %.1f s after start-up began",
@@ -786,6 +817,78 @@ class ModelRunner:
         self._background = threading.Thread(target=work, name="jinfer-warmup", daemon=True)
         self._background.start()
 
+    def _make_ready(self, T: int, decode: bool) -> None:
+        with self._ready_lock:
+            if decode:
+                self.ready_decode = self.ready_decode | {T}
+            else:
+                self.ready_tokens = tuple(sorted({*self.ready_tokens, T}))
+            self._last_used[(T, decode)] = time.monotonic()  # an unused bucket unloads keep_alive after this
+
+    def warmup_pending(self) -> int:
+        """Buckets a staged warm-up has not made ready yet (unloaded ones not counted)."""
+        with self._ready_lock:
+            return (len(self.token_buckets) - len(self.ready_tokens) + len(self.decode_buckets)
+                    - len(self.ready_decode) - len(self._unloaded))
+
+    def _warming(self) -> bool:
+        return self._background is not None and self._background.is_alive()
+
+    def unload_idle(self, now: float | None = None) -> int:
+        """Drop the forward executables of every bucket (but the warm-up's first ones) that no step used for
+        `keep_alive` seconds; returns how many buckets. Call it from the thread that launches steps, between
+        steps (the engine loop does, while idle): a step picks its bucket from the ready ones."""
+        if not self.keep_alive or self._warming():
+            return 0
+        now = time.monotonic() if now is None else now
+        with self._ready_lock:
+            idle = [b for b, t in self._last_used.items()
+                    if b not in self._pinned and b not in self._unloaded and b not in self._loading
+                    and now - t >= self.keep_alive]
+            if not idle:
+                return 0
+            drop_tokens = {T for T, decode in idle if not decode}
+            drop_decode = {T for T, decode in idle if decode}
+            self.ready_tokens = tuple(T for T in self.ready_tokens if T not in drop_tokens)
+            self.ready_decode = self.ready_decode - drop_decode
+            self._unloaded.update(idle)
+            for key in [k for k in self._compiled if k[0] in ("forward", "forward_decode")
+                        and (k[1], k[0] == "forward_decode") in idle]:
+                del self._compiled[key]
+        self.unloads += len(idle)
+        _trim_host_heap()
+        log.info("unloaded the executables of %d bucket(s) idle for %.0f s: %s", len(idle), self.keep_alive,
+                 ", ".join(f"{T}{' decode' if d else ''}" for T, d in sorted(idle)))
+        return len(idle)
+
+    def _want(self, T: int, decode: bool) -> None:
+        """A step wanted bucket T (decode-only or not) and it is unloaded: load it again in the background (the
+        step itself runs padded into a ready bucket)."""
+        b = (T, decode)
+        with self._ready_lock:
+            if b not in self._unloaded or b in self._loading:
+                return
+            self._loading.add(b)
+        if self._loader is None:
+            self._loader = ThreadPoolExecutor(max_workers=2, thread_name_prefix="jinfer-reload")
+
+        def load():
+            try:
+                for P in self.page_buckets:
+                    self.forward_executable(T, self.seqs_bucket(T), P, decode, background=True)
+                with self._ready_lock:
+                    self._unloaded.discard(b)
+                self._make_ready(T, decode)
+                self.reloads += 1
+                log.info("loaded the executables of bucket %d%s again", T, " decode" if decode else "")
+            except Exception:  # the step path goes on padded; a later step asks again
+                log.exception("loading bucket %s again failed", b)
+            finally:
+                with self._ready_lock:
+                    self._loading.discard(b)
+
+        self._loader.submit(load)
+
     def wait_warmup(self, timeout: float | None = None) -> bool:
         """Wait for a staged warm-up's background compiles; True once every bucket is ready."""
         if self._background is not None:
@@ -794,6 +897,8 @@ class ModelRunner:
 
     def stop_background(self) -> None:
         self._stop_background.set()
+        if self._loader is not None:
+            self._loader.shutdown(wait=False, cancel_futures=True)
 
     def ready_limits(self) -> tuple[int, int]:
         """(tokens, sequences) a step may hold now: the largest ready bucket and its sequence bucket."""

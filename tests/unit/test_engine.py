@@ -2,6 +2,10 @@
 prefix caching must be invisible in the outputs; nothing compiles after warm-up."""
 
 import contextlib
+import gc
+import logging
+import sys
+import time
 
 import jax
 import numpy as np
@@ -112,6 +116,53 @@ def test_staged_warmup_serves_before_every_bucket_is_ready(alone):
     assert {k[1:]: v for k, v in out.items()} == alone
     assert max(widths) > 8
     assert core.stats()["compiles_after_warmup"] == 0
+
+
+def test_idle_buckets_unload_and_load_again_on_demand(alone, tmp_path, caplog):
+    """With a keep-alive, a bucket beyond the staged warm-up's first one that no step used for that long is dropped
+    (its executables released); steps meanwhile run within the loaded buckets with the same tokens, and a step that
+    wants the dropped bucket has it loaded again from the executable cache in the background (not compiled)."""
+    core = EngineCore(EngineConfig(TINY, **{**BASE, "max_num_batched_tokens": 16, "executable_keep_alive": 30.0,
+                                            "compilation_cache_dir": str(tmp_path)}))  # buckets 8, 16
+    runner = core.runner
+    runner.warmup(first_tokens=8)
+    assert runner.wait_warmup(timeout=300) and runner.ready_tokens == (8, 16)
+    reqs = [(str(i), p, GREEDY) for i, p in enumerate(prompts(16))]
+    assert run_all(core, reqs)[0] == alone
+    assert core.unload_idle() == 0  # all used just now
+    dropped = [c._executable.xla_executable for k, c in runner._compiled.items()
+               if k[0].startswith("forward") and k[1] == 16]
+    assert runner.unload_idle(now=time.monotonic() + 31) == 1  # 16; 8 is the warm-up's first bucket: kept
+    assert runner.ready_tokens == (8,) and runner.ready_limits() == (8, 8)
+    assert not any(k[1] == 16 for k in runner._compiled if k[0].startswith("forward"))
+    gc.collect()  # nothing (the engine, JAX's caches) holds the dropped executables: their memory is freed
+    assert dropped and [sys.getrefcount(dropped[i]) for i in range(len(dropped))] == [2] * len(dropped)
+    del dropped
+    stats = core.stats()
+    assert stats["executable_unloads_total"] == 1 and stats["warmup_pending"] == 0
+    hits, misses = runner.executables.hits, runner.executables.misses
+    widths = []
+    schedule = core.scheduler.schedule
+    core.scheduler.schedule = lambda *a: (lambda o: (widths.append(o.num_scheduled_tokens), o)[1])(schedule(*a))
+    with caplog.at_level(logging.INFO, logger="jinfer.engine.model_runner"):
+        out, _ = run_all(core, [(f"b{r}", p, s) for r, p, s in reqs])
+        assert {k[1:]: v for k, v in out.items()} == alone
+        assert widths[0] == 8  # the first step, at the budget of the loaded bucket, asked for the larger one
+        deadline = time.monotonic() + 300
+        while runner.ready_tokens != (8, 16) and time.monotonic() < deadline:
+            time.sleep(0.05)
+    assert runner.ready_tokens == (8, 16) and runner.reloads == 1
+    assert "loaded the executables of bucket 16 again" in caplog.text
+    assert runner.executables.hits > hits and runner.executables.misses == misses  # from disk, not compiled
+    assert core.stats()["compiles_after_warmup"] == 0
+    widths.clear()
+    out, _ = run_all(core, [(f"c{r}", p, s) for r, p, s in reqs])
+    assert {k[1:]: v for k, v in out.items()} == alone and max(widths) > 8
+
+
+def test_keep_alive_validated():
+    with pytest.raises(ValueError, match="executable_keep_alive"):
+        EngineConfig(TINY, executable_keep_alive=-1)
 
 
 def test_warmup_first_tokens_validated():

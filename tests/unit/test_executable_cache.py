@@ -1,9 +1,11 @@
 """ExecutableCache: a warm start loads without tracing, keys separate what differs, bad entries recompile."""
 
+import gc
 import hashlib
 import json
 import logging
 import struct
+import sys
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -75,6 +77,21 @@ def test_warm_start_loads_without_tracing(tmp_path, expected):
     loaded = warm.compile("step", make_step(traces), params, x, kv, scale=3)
     assert traces == [0] and (warm.hits, warm.misses) == (1, 0)
     assert_same(loaded(params, x, jnp.zeros_like(kv)), expected)
+
+
+def test_compiled_and_loaded_executables_are_only_the_callers(tmp_path):
+    """Neither a miss (compiled) nor a hit (loaded) is kept alive by JAX's in-memory caches: once the caller drops
+    it, its executable (host and device code) is freed, which an engine unloading idle buckets counts on. (A plain
+    `jitted.lower().compile()` is held by the cached lowering and JAX's compilation cache.)"""
+    params, x, kv = inputs()
+    jitted = make_step([0])
+    for cache in (ExecutableCache(tmp_path, namespace="t"), ExecutableCache(tmp_path, namespace="t")):
+        compiled = cache.compile("step", jitted, params, x, kv, scale=3)
+        executable = compiled._executable.xla_executable
+        del compiled
+        gc.collect()
+        assert sys.getrefcount(executable) == 2  # this name and the call's argument
+    assert (cache.hits, cache.misses) == (1, 0)
 
 
 def test_keys_separate_what_changes_the_executable(tmp_path):
