@@ -114,6 +114,49 @@ def load_all(directory: Path) -> dict:
             "executables": rows}
 
 
+def engine_cycle(model: str, directory: Path, cycles: int = 2) -> dict:
+    """RSS of an engine (in this process) through what an idle server does: a staged warm-up's first buckets only,
+    every bucket loaded, then dropping the idle ones (`ModelRunner.unload_idle`), loading them again and dropping
+    them again `cycles` times. What the drop leaves above the first buckets' RSS is what unloading cannot give back."""
+    import ctypes
+    import gc
+    import time
+
+    from jinfer.engine.core import EngineConfig, EngineCore
+
+    def point(name: str) -> None:
+        gc.collect()
+        try:
+            ctypes.CDLL("libc.so.6").malloc_trim(0)
+        except OSError:
+            pass
+        points.append({"point": name, "rss_mb": round(rss_mb(), 1), "executables": len(runner._compiled),
+                       "mappings_mb": rss_by_mapping(8)})
+
+    points: list[dict] = []
+    core = EngineCore(EngineConfig(model=model, max_model_len=2048, compilation_cache_dir=str(directory),
+                                   warmup=False, executable_keep_alive=1.0))
+    runner = core.runner
+    runner.warmup(first_tokens=256, background=False)
+    point("first buckets")
+    runner.start_background()
+    runner.wait_warmup()
+    point("every bucket")
+    for c in range(cycles):
+        time.sleep(1.1)
+        runner.unload_idle()
+        point(f"unloaded {c}")
+        for T, decode in sorted(runner._unloaded):
+            runner._want(T, decode)
+        while runner._unloaded or runner._loading:
+            time.sleep(0.05)
+        point(f"loaded again {c}")
+    time.sleep(1.1)
+    runner.unload_idle()
+    point("unloaded last")
+    return {"model": model, "hits": runner.executables.hits, "misses": runner.executables.misses, "points": points}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", default="dummy:qwen3-4b")
@@ -121,9 +164,17 @@ def main() -> None:
     ap.add_argument("--load-only", action="store_true", help=argparse.SUPPRESS)  # the fresh process
     ap.add_argument("--load-env", nargs="+", default=None, metavar="KEY=VALUE[,KEY=VALUE]",
                     help="load once per environment (comma-separated settings added to this one; \"\" for none)")
+    ap.add_argument("--engine-cycle", action="store_true",
+                    help="instead: an engine's RSS through unload / reload cycles (engine_cycle), in this process")
     ap.add_argument("--out")
     args = ap.parse_args()
     directory = Path(args.dir)
+    if args.engine_cycle:
+        text = json.dumps(engine_cycle(args.model, directory), indent=1)
+        if args.out:
+            Path(args.out).write_text(text + "\n")
+        print(text)
+        return
     if args.load_only:
         print(json.dumps(load_all(directory)))
         return

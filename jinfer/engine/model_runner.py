@@ -852,14 +852,22 @@ class ModelRunner:
             self.ready_tokens = tuple(T for T in self.ready_tokens if T not in drop_tokens)
             self.ready_decode = self.ready_decode - drop_decode
             self._unloaded.update(idle)
-            for key in [k for k in self._compiled if k[0] in ("forward", "forward_decode")
-                        and (k[1], k[0] == "forward_decode") in idle]:
+            # ... and the warm sampler variants of every sequence bucket no loaded bucket has any more
+            kept = {self.seqs_bucket(T) for T in (*self.ready_tokens, *self.ready_decode, *self._loading_T())}
+            warm = SamplerFlags.warm()
+            for key in [k for k in list(self._compiled)  # (a snapshot: a reload may be adding keys)
+                        if (k[0] in ("forward", "forward_decode") and (k[1], k[0] == "forward_decode") in idle)
+                        or (k[0] == "sample" and k[1] not in kept and k[2:5] == (0, 0, 0) and k[5] == -1
+                            and k[6] in warm)]:
                 del self._compiled[key]
         self.unloads += len(idle)
         _trim_host_heap()
         log.info("unloaded the executables of %d bucket(s) idle for %.0f s: %s", len(idle), self.keep_alive,
                  ", ".join(f"{T}{' decode' if d else ''}" for T, d in sorted(idle)))
         return len(idle)
+
+    def _loading_T(self) -> set[int]:
+        return {T for T, _ in self._loading}
 
     def _want(self, T: int, decode: bool) -> None:
         """A step wanted bucket T (decode-only or not) and it is unloaded: load it again in the background (the
@@ -874,8 +882,11 @@ class ModelRunner:
 
         def load():
             try:
+                B = self.seqs_bucket(T)
                 for P in self.page_buckets:
-                    self.forward_executable(T, self.seqs_bucket(T), P, decode, background=True)
+                    self.forward_executable(T, B, P, decode, background=True)
+                for flags in SamplerFlags.warm():  # (unloaded with the last bucket of B)
+                    self.sampler_executable(B, 0, 0, -1, flags, background=True)
                 with self._ready_lock:
                     self._unloaded.discard(b)
                 self._make_ready(T, decode)

@@ -130,11 +130,11 @@ def test_idle_buckets_unload_and_load_again_on_demand(alone, tmp_path, caplog):
     reqs = [(str(i), p, GREEDY) for i, p in enumerate(prompts(16))]
     assert run_all(core, reqs)[0] == alone
     assert core.unload_idle() == 0  # all used just now
-    dropped = [c._executable.xla_executable for k, c in runner._compiled.items()
-               if k[0].startswith("forward") and k[1] == 16]
+    dropped = [c._executable.xla_executable for k, c in runner._compiled.items() if k[1] == 16]
     assert runner.unload_idle(now=time.monotonic() + 31) == 1  # 16; 8 is the warm-up's first bucket: kept
     assert runner.ready_tokens == (8,) and runner.ready_limits() == (8, 8)
     assert not any(k[1] == 16 for k in runner._compiled if k[0].startswith("forward"))
+    assert not any(k[1] == 16 for k in runner._compiled if k[0] == "sample")  # the samplers of 16 sequences too
     gc.collect()  # nothing (the engine, JAX's caches) holds the dropped executables: their memory is freed
     assert dropped and [sys.getrefcount(dropped[i]) for i in range(len(dropped))] == [2] * len(dropped)
     del dropped
@@ -152,6 +152,7 @@ def test_idle_buckets_unload_and_load_again_on_demand(alone, tmp_path, caplog):
         while runner.ready_tokens != (8, 16) and time.monotonic() < deadline:
             time.sleep(0.05)
     assert runner.ready_tokens == (8, 16) and runner.reloads == 1
+    assert any(k[1] == 16 for k in runner._compiled if k[0] == "sample")
     assert "loaded the executables of bucket 16 again" in caplog.text
     assert runner.executables.hits > hits and runner.executables.misses == misses  # from disk, not compiled
     assert core.stats()["compiles_after_warmup"] == 0
