@@ -114,7 +114,7 @@ def load_all(directory: Path) -> dict:
             "executables": rows}
 
 
-def engine_cycle(model: str, directory: Path, cycles: int = 2) -> dict:
+def engine_cycle(model: str, directory: Path, cycles: int = 2, warmup_threads: int | None = None) -> dict:
     """RSS of an engine (in this process) through what an idle server does: a staged warm-up's first buckets only,
     every bucket loaded, then dropping the idle ones (`ModelRunner.unload_idle`), loading them again and dropping
     them again `cycles` times. What the drop leaves above the first buckets' RSS is what unloading cannot give back."""
@@ -122,7 +122,11 @@ def engine_cycle(model: str, directory: Path, cycles: int = 2) -> dict:
     import gc
     import time
 
+    from jinfer.engine import model_runner
     from jinfer.engine.core import EngineConfig, EngineCore
+
+    if warmup_threads:
+        model_runner.WARMUP_THREADS = warmup_threads
 
     def point(name: str) -> None:
         gc.collect()
@@ -154,7 +158,9 @@ def engine_cycle(model: str, directory: Path, cycles: int = 2) -> dict:
     time.sleep(1.1)
     runner.unload_idle()
     point("unloaded last")
-    return {"model": model, "hits": runner.executables.hits, "misses": runner.executables.misses, "points": points}
+    return {"model": model, "warmup_threads": model_runner.WARMUP_THREADS,
+            "malloc_env": {k: v for k, v in os.environ.items() if k.startswith("MALLOC_")},
+            "hits": runner.executables.hits, "misses": runner.executables.misses, "points": points}
 
 
 def main() -> None:
@@ -166,11 +172,12 @@ def main() -> None:
                     help="load once per environment (comma-separated settings added to this one; \"\" for none)")
     ap.add_argument("--engine-cycle", action="store_true",
                     help="instead: an engine's RSS through unload / reload cycles (engine_cycle), in this process")
+    ap.add_argument("--warmup-threads", type=int, default=None, help="engine_cycle: WARMUP_THREADS")
     ap.add_argument("--out")
     args = ap.parse_args()
     directory = Path(args.dir)
     if args.engine_cycle:
-        text = json.dumps(engine_cycle(args.model, directory), indent=1)
+        text = json.dumps(engine_cycle(args.model, directory, warmup_threads=args.warmup_threads), indent=1)
         if args.out:
             Path(args.out).write_text(text + "\n")
         print(text)
