@@ -23,7 +23,6 @@ the loop goes on. Start it with `start_engine_process` (a fresh interpreter, no 
 from __future__ import annotations
 
 import argparse
-import ctypes
 import importlib
 import json
 import logging
@@ -432,25 +431,7 @@ def _refuse_waiting_clients(sock: zmq.Socket, reason: str) -> None:
                 pass
 
 
-ENGINE_MALLOC_ARENAS = 2  # glibc malloc arenas in the engine process (see _limit_malloc_arenas)
-
-
-def _limit_malloc_arenas(arenas: int = ENGINE_MALLOC_ARENAS) -> None:
-    """Few glibc malloc arenas, before the process starts threads. By default each thread that allocates may get an
-    arena of its own (up to 8 per core), and memory freed into one can rarely go back to the OS: an engine whose
-    warm-up loaded executables in 8 threads kept 120-140 MB of freed arena memory after dropping its idle buckets'
-    executables, ~22 MB with one arena (`executable_memory --engine-cycle`, engine_cycle_*_h100 results). A
-    MALLOC_ARENA_MAX in the environment wins (glibc reads it at start); a no-op off glibc."""
-    if "MALLOC_ARENA_MAX" in os.environ:
-        return
-    try:
-        ctypes.CDLL("libc.so.6").mallopt(-8, arenas)  # M_ARENA_MAX
-    except (OSError, AttributeError):
-        pass
-
-
 def main(argv: list[str] | None = None) -> int:
-    _limit_malloc_arenas()
     parser = argparse.ArgumentParser(description="jinfer engine process (EngineCore behind ZeroMQ)")
     parser.add_argument("--address", required=True, help="ipc:///path or tcp://127.0.0.1:PORT to bind")
     parser.add_argument("--config", default="{}", help="EngineConfig fields as JSON")

@@ -159,6 +159,11 @@ def test_idle_buckets_unload_and_load_again_on_demand(alone, tmp_path, caplog):
     widths.clear()
     out, _ = run_all(core, [(f"c{r}", p, s) for r, p, s in reqs])
     assert {k[1:]: v for k, v in out.items()} == alone and max(widths) > 8
+    warm = EngineCore(core.config)  # a warm start: the background loads the rest one at a time, in its thread
+    warm.runner.warmup(first_tokens=8)
+    assert warm.runner.wait_warmup(timeout=300) and warm.runner.ready_tokens == (8, 16)
+    assert warm.runner.executables.misses == 0
+    assert {k[1:]: v for k, v in run_all(warm, [(f"d{r}", p, s) for r, p, s in reqs])[0].items()} == alone
 
 
 def test_keep_alive_validated():
