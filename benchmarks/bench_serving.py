@@ -109,15 +109,15 @@ async def run(args) -> dict:
 
 
 def server_gauge(base_url: str, name: str) -> float | None:
-    """A gauge from the server's Prometheus /metrics (None if the server does not export it)."""
+    """A gauge from the server's Prometheus /metrics, summed over its labels (replicas); None if the server does not
+    export it."""
     try:
         text = httpx.get(f"{base_url}/metrics", timeout=10).text
     except httpx.HTTPError:
         return None
-    for line in text.splitlines():
-        if line.startswith(name + " "):
-            return float(line.split()[1])
-    return None
+    values = [float(line.split()[-1]) for line in text.splitlines()
+              if line.startswith(name + " ") or line.startswith(name + "{")]
+    return sum(values) if values else None
 
 
 def main():

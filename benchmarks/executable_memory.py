@@ -151,7 +151,8 @@ def engine_cycle(model: str, directory: Path, cycles: int = 2, warmup_threads: i
         runner.unload_idle()
         point(f"unloaded {c}")
         for T, decode in sorted(runner._unloaded):
-            runner._want(T, decode)
+            for _ in range(model_runner.RELOAD_AFTER_STEPS):
+                runner._want(T, decode)
         while runner._unloaded or runner._loading:
             time.sleep(0.05)
         point(f"loaded again {c}")

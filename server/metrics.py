@@ -49,6 +49,9 @@ class Metrics:
                                    "(each stalled a step)", **per)
         self.warmup_pending = Gauge("jinfer_warmup_pending_shapes", "Step shapes a staged warm-up is still "
                                     "compiling in the background (0: serving at full speed)", **per)
+        self.unloads = Gauge("jinfer_executable_unloads", "Step shapes dropped as idle since start "
+                             "(--executable-keep-alive)", **per)
+        self.reloads = Gauge("jinfer_executable_reloads", "Dropped step shapes loaded again since start", **per)
 
     def set_engine_stats(self, stats: dict[str, float], alive: bool, replica: int = 0) -> None:
         label = str(replica)
@@ -57,7 +60,8 @@ class Metrics:
                            (self.kv_usage, "kv_usage"), (self.free_pages, "num_free_pages"),
                            (self.prefix_hit_rate, "prefix_cache_hit_rate"),
                            (self.late_compiles, "compiles_after_warmup"),
-                           (self.warmup_pending, "warmup_pending")):
+                           (self.warmup_pending, "warmup_pending"),
+                           (self.unloads, "executable_unloads_total"), (self.reloads, "executable_reloads_total")):
             if key in stats:
                 gauge.labels(label).set(stats[key])
         if "kv_host_pages" in stats:  # the host tier is on

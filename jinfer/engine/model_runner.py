@@ -68,6 +68,10 @@ MIN_PAGES = 4
 # 1k-token prefill executable (it was re-recorded in front of the first prefill after warm-up, on
 # the TTFT path), and large steps hide their launches behind device time anyway.
 COMMAND_BUFFER_MAX_TOKENS = 32
+# An unloaded bucket (ModelRunner.unload_idle) is loaded again once this many steps wanted it: sustained demand, not
+# one request's few prefill chunks (a lone 1k-token prompt after an idle minute ran 0.15-0.2 s slower while the
+# 512-2048 buckets its first chunk asked for loaded beside it; it needs none of them).
+RELOAD_AFTER_STEPS = 16
 # Large (prefill) steps: no command buffers (above), and no "dot merger". That XLA pass merges two dots of
 # one operand into one over the concatenation of the other operands: it merged the MLP's x @ w_gate and
 # x @ w_up, concatenating the two weights (94 MB for Qwen3.5-4B) anew in every layer of every prefill step:
@@ -400,6 +404,7 @@ class ModelRunner:
         self._last_used: dict[tuple[int, bool], float] = {}
         self._unloaded: set[tuple[int, bool]] = set()
         self._loading: set[tuple[int, bool]] = set()
+        self._demand: dict[tuple[int, bool], int] = {}  # unloaded bucket -> steps that wanted it since
         self._loader: ThreadPoolExecutor | None = None
         self.unloads = self.reloads = 0  # buckets dropped as idle / loaded again
         self.compiles_after_warmup = 0  # shapes first needed after warm-up (each one stalls a step)
@@ -800,8 +805,10 @@ class ModelRunner:
                 if self.executables.misses == 0 and self.executables.directory is not None:
                     # A warm start (the first buckets all loaded from disk): the rest are loads too, one at a time
                     # in this thread. Loaded in 8 threads, their memory, once dropped as idle, stayed in those
-                    # threads' malloc arenas (120-140 MB of an idle engine's RSS; ~45 MB this way) for ~3 s
-                    # sooner to full speed (`executable_memory --engine-cycle`, engine_cycle_*_h100 results).
+                    # threads' malloc arenas: 120-140 MB of the idle engine's RSS (`executable_memory
+                    # --engine-cycle`); this way ~10 MB, for full speed 5.4 s after launch instead of 3.7-4.5
+                    # (Qwen3-4B on an H100; startup_qwen3-4b_h100.json). (Fewer arenas for the whole process,
+                    # MALLOC_ARENA_MAX=2, did as well for memory but doubled a cold start's compile times.)
                     for job in self._rest:
                         bucket(*job)
                 else:
@@ -860,6 +867,8 @@ class ModelRunner:
             self.ready_tokens = tuple(T for T in self.ready_tokens if T not in drop_tokens)
             self.ready_decode = self.ready_decode - drop_decode
             self._unloaded.update(idle)
+            for b in idle:
+                self._demand.pop(b, None)
             # ... and the warm sampler variants of every sequence bucket no loaded bucket has any more
             kept = {self.seqs_bucket(T) for T in (*self.ready_tokens, *self.ready_decode, *self._loading_T())}
             warm = SamplerFlags.warm()
@@ -878,12 +887,16 @@ class ModelRunner:
         return {T for T, _ in self._loading}
 
     def _want(self, T: int, decode: bool) -> None:
-        """A step wanted bucket T (decode-only or not) and it is unloaded: load it again in the background (the
-        step itself runs padded into a ready bucket)."""
+        """A step wanted bucket T (decode-only or not) and it is unloaded: the RELOAD_AFTER_STEPS-th such step loads
+        it again in the background (steps run padded into a ready bucket meanwhile)."""
         b = (T, decode)
         with self._ready_lock:
             if b not in self._unloaded or b in self._loading:
                 return
+            self._demand[b] = self._demand.get(b, 0) + 1
+            if self._demand[b] < RELOAD_AFTER_STEPS:
+                return
+            del self._demand[b]
             self._loading.add(b)
         if self._loader is None:
             self._loader = ThreadPoolExecutor(max_workers=1, thread_name_prefix="jinfer-reload")  # one arena

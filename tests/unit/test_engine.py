@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 
 from jinfer.engine.core import EngineConfig, EngineCore
+from jinfer.engine.model_runner import RELOAD_AFTER_STEPS
 from jinfer.llm import LLM
 from jinfer.sampling_params import SamplingParams
 
@@ -141,13 +142,16 @@ def test_idle_buckets_unload_and_load_again_on_demand(alone, tmp_path, caplog):
     stats = core.stats()
     assert stats["executable_unloads_total"] == 1 and stats["warmup_pending"] == 0
     hits, misses = runner.executables.hits, runner.executables.misses
+    i = max(range(16), key=lambda i: len(prompts(16)[i]))  # one lone request, its prompt in several chunks of 8:
+    assert run_all(core, [("lone", prompts(16)[i], GREEDY)])[0] == {"lone/0": alone[f"{i}/0"]}
+    assert not runner._loading and runner.ready_tokens == (8,)  # too few steps wanted 16 to load it again
     widths = []
     schedule = core.scheduler.schedule
     core.scheduler.schedule = lambda *a: (lambda o: (widths.append(o.num_scheduled_tokens), o)[1])(schedule(*a))
     with caplog.at_level(logging.INFO, logger="jinfer.engine.model_runner"):
         out, _ = run_all(core, [(f"b{r}", p, s) for r, p, s in reqs])
         assert {k[1:]: v for k, v in out.items()} == alone
-        assert widths[0] == 8  # the first step, at the budget of the loaded bucket, asked for the larger one
+        assert widths[:RELOAD_AFTER_STEPS] == [8] * RELOAD_AFTER_STEPS  # steps at the budget: they want 16
         deadline = time.monotonic() + 300
         while runner.ready_tokens != (8, 16) and time.monotonic() < deadline:
             time.sleep(0.05)
