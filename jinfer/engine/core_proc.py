@@ -147,28 +147,22 @@ class EngineCoreProc:
                 went_idle = False
             elif not went_idle:  # the last request finished or was aborted: the engine's idle work, once
                 went_idle = True
-                self._idle()
+                self._core_hook("idle", "the engine's idle work (the host tier's write-backs)")
             elif time.monotonic() >= self._next_unload:  # idle: drop executables unused for their keep-alive
                 self._next_unload = time.monotonic() + UNLOAD_CHECK_S
-                self._unload_idle()
+                self._core_hook("unload_idle", "unloading idle executables")
             if time.monotonic() >= self._next_tick:
                 self._tick()
 
-    def _idle(self) -> None:
-        if not hasattr(self.core, "idle"):
+    def _core_hook(self, name: str, what: str) -> None:
+        """Call the core's optional method `name` (idle work); a failure is logged and serving goes on."""
+        hook = getattr(self.core, name, None)
+        if hook is None:
             return
         try:
-            self.core.idle()
+            hook()
         except Exception:
-            log.exception("the engine's idle work failed (the host tier's write-backs): serving goes on")
-
-    def _unload_idle(self) -> None:
-        if not hasattr(self.core, "unload_idle"):
-            return
-        try:
-            self.core.unload_idle()
-        except Exception:
-            log.exception("unloading idle executables failed: serving goes on")
+            log.exception("%s failed: serving goes on", what)
 
     def close(self, reason: str) -> None:
         """Tell every client the engine is going away (their requests are lost)."""
