@@ -853,7 +853,7 @@ class ModelRunner:
         """Drop the forward executables of every bucket (but the warm-up's first ones) that no step used for
         `keep_alive` seconds; returns how many buckets. Call it from the thread that launches steps, between
         steps (the engine loop does, while idle): a step picks its bucket from the ready ones."""
-        if not self.keep_alive or self._warming():
+        if not self.keep_alive or not self._pinned or self._warming():  # (only after a staged warm-up)
             return 0
         now = time.monotonic() if now is None else now
         with self._ready_lock:

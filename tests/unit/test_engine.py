@@ -170,9 +170,15 @@ def test_idle_buckets_unload_and_load_again_on_demand(alone, tmp_path, caplog):
     assert {k[1:]: v for k, v in run_all(warm, [(f"d{r}", p, s) for r, p, s in reqs])[0].items()} == alone
 
 
-def test_keep_alive_validated():
+def test_keep_alive_validated(tmp_path):
     with pytest.raises(ValueError, match="executable_keep_alive"):
         EngineConfig(TINY, executable_keep_alive=-1)
+    # without a staged warm-up nothing is unloaded: no bucket is known to stay loaded for the steps to pad into
+    core = EngineCore(EngineConfig(TINY, **{**BASE, "max_num_batched_tokens": 16, "executable_keep_alive": 1.0,
+                                            "compilation_cache_dir": str(tmp_path)}))
+    core.runner.warmup()
+    assert run_all(core, [("a", prompts(1)[0], GREEDY)])[0]
+    assert core.runner.unload_idle(now=time.monotonic() + 100) == 0 and core.runner.ready_tokens == (8, 16)
 
 
 def test_warmup_first_tokens_validated():
