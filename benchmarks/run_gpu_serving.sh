@@ -2,7 +2,8 @@
 # On the H100 machine (device tool, carrying .whl): `jinfer serve` with a Qwen3-4B-shaped dummy model:
 # start-up (first run cold, then warm executable/compilation caches) and idle RSS per process
 # (bench_startup), then the serving benchmark at 16 req/s (1k in / 128 out) against a warm server.
-# HF_PEER=1 also runs the HF transformers peer. Results in $OUT.
+# HF_PEER=1 also runs the HF transformers peers (generate(), and the StaticCache + torch.compile decode loop).
+# Results in $OUT.
 set -uo pipefail
 source benchmarks/gpu_env.sh
 ARGS="--max-model-len 2048 --max-num-seqs 256 --max-num-batched-tokens 2048"
@@ -11,6 +12,9 @@ DEVICE=$(nvidia-smi --query-gpu=name --format=csv,noheader)
 if [ "${HF_PEER:-0}" = 1 ]; then
   python3 -m benchmarks.bench_hf_peer --shape qwen3-4b --input-len 1024 --output-len 128 --batch-sizes 1 32 \
       --out "$OUT/hf_peer_qwen3-4b_h100.json" 2>&1 | grep -E "^HF|Error"
+  # #17's decode peer: StaticCache + torch.compile(mode="reduce-overhead") decode loop, gpt-fast style
+  python3 -m benchmarks.bench_hf_peer --shape qwen3-4b --input-len 1024 --output-len 128 --batch-sizes 1 8 32 \
+      --static-compile --out "$OUT/hf_peer_static_compile_qwen3-4b_h100.json" 2>&1 | grep -E "^HF|Error|fullgraph"
 fi
 
 python3 -m benchmarks.bench_startup --model dummy:qwen3-4b --runs 3 --out "$OUT/startup_qwen3-4b_h100.json" \
