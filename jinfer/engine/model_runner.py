@@ -360,27 +360,12 @@ class ModelRunner:
         # replicated) differ from the pool's logical ones even on one device: each new combination
         # took the Python path once more (~30 ms, measured as a slow first prefill after warm-up).
         self._replicated = NamedSharding(mesh, PartitionSpec())
-        kv_shardings = jax.tree.map(lambda a: a.sharding, self.kv_cache)
-        specs = (array_specs(weights), array_specs(self.kv_cache))
-        forward_jit = lambda ops, **kw: jax.jit(  # noqa: E731
-            partial(_forward_step, cfg=cfg, ops=ops, mesh=mesh, specs=specs), static_argnames=("dims",),
-            donate_argnames=("kv_cache",),
-            out_shardings=(self._replicated, kv_shardings), **kw)
-        # Indexed by "decode step": small steps run with command buffers (XLA's default), large without.
-        self._forward = {d: (forward_jit(o), forward_jit(o, compiler_options=NO_COMMAND_BUFFER))
-                         for d, o in ((False, ops), (True, replace(ops, decode_step=True)))}
         # Buckets whose decode-only steps get their own executable (see the module doc).
         self.decode_buckets = (frozenset(T for T in self.token_buckets if T > 1 and self.seqs_bucket(T) == T)
                                if ops.backend == "pallas" else frozenset())
-        self._sample = jax.jit(partial(_sample_step, max_seqs=self.max_seqs_bucket),
-                               static_argnames=("dims", "num_logprobs", "flags"),
-                               out_shardings=(self._replicated, self._replicated))
-        self._prompt_logprobs = jax.jit(_prompt_logprobs_step, static_argnames=("num_seqs", "k"),
-                                        out_shardings=(self._replicated, self._replicated))
         self._state_layers = frozenset(state_specs(cfg))
         self._fork_sizes = [1 << b for b in range(FORK_CHUNK.bit_length())] if self._state_layers else []
-        self._fork = jax.jit(partial(_fork_step, state_layers=self._state_layers), donate_argnames=("kv_cache",),
-                             out_shardings=kv_shardings)
+        self._make_jits()
         self._no_prev = put(np.zeros(self.max_seqs_bucket, np.int32), self._replicated)
         # Compiled executables per shape, loaded from / stored to disk when `executable_dir` is set: a
         # warm start then neither traces nor lowers (see executable_cache.py).
@@ -416,6 +401,33 @@ class ModelRunner:
         # several processes each one puts its (identical) copy on its own devices of the mesh.
         self._input_sharding = self._replicated if jax.process_count() > 1 else None
         self.on_launch = None  # process 0 of a group: called with each step's StepInputs before launching
+
+    def _make_jits(self) -> None:
+        """The jitted step functions that executables are lowered from. Made anew (`_drop_traces`) once a cold
+        start's compiles are done: JAX caches each jit's traces and lowerings for as long as its function lives
+        (the forwards' held ~1 GB of a cold-started Qwen3-4B engine's idle RSS)."""
+        kv_shardings = jax.tree.map(lambda a: a.sharding, self.kv_cache)
+        specs = (array_specs(self.weights), array_specs(self.kv_cache))
+        forward_jit = lambda ops, **kw: jax.jit(  # noqa: E731
+            partial(_forward_step, cfg=self.cfg, ops=ops, mesh=self.mesh, specs=specs), static_argnames=("dims",),
+            donate_argnames=("kv_cache",),
+            out_shardings=(self._replicated, kv_shardings), **kw)
+        # Indexed by "decode step": small steps run with command buffers (XLA's default), large without.
+        self._forward = {d: (forward_jit(o), forward_jit(o, compiler_options=NO_COMMAND_BUFFER))
+                         for d, o in ((False, self.ops), (True, replace(self.ops, decode_step=True)))}
+        self._sample = jax.jit(partial(_sample_step, max_seqs=self.max_seqs_bucket),
+                               static_argnames=("dims", "num_logprobs", "flags"),
+                               out_shardings=(self._replicated, self._replicated))
+        self._prompt_logprobs = jax.jit(_prompt_logprobs_step, static_argnames=("num_seqs", "k"),
+                                        out_shardings=(self._replicated, self._replicated))
+        self._fork = jax.jit(partial(_fork_step, state_layers=self._state_layers), donate_argnames=("kv_cache",),
+                             out_shardings=kv_shardings)
+
+    def _drop_traces(self) -> None:
+        """After compiles whose executables went to the executable cache (so none is the plain jit's own): new jit
+        objects, so JAX frees the old ones' traces and lowerings. Later misses trace again, as they would anyway."""
+        if self.executables.directory is not None and self.executables.misses:
+            self._make_jits()
 
     def _put(self, x):
         return put(x, self._input_sharding)
@@ -766,6 +778,8 @@ class ModelRunner:
         self._last_tokens = sample(logits, self._put(pack_sampling(self.sampling_tensors([None] * B, B))),
                                    self._last_tokens)[1]
         self.warmed_up = True
+        if first_tokens is None:  # (a staged warm-up does this once its background compiles are done)
+            self._drop_traces()
         _trim_host_heap()
         self.compile_seconds = time.perf_counter() - t0
         log.info("warm-up: %d forward shapes ready in %.1f s (executable cache: %d loaded, %d compiled)",
@@ -821,6 +835,7 @@ class ModelRunner:
                     done = time.monotonic()
                     for b in self._rest:
                         self._last_used[b] = max(self._last_used.get(b, done), done)
+                self._drop_traces()
                 _trim_host_heap()  # compile-time host memory back to the OS, as after a full warm-up
                 self.background_seconds = time.perf_counter() - self._t0
                 log.info("warm-up: all %d token buckets ready %.1f s after start-up began",

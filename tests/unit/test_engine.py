@@ -6,6 +6,7 @@ import gc
 import logging
 import sys
 import time
+import weakref
 
 import jax
 import numpy as np
@@ -126,8 +127,11 @@ def test_idle_buckets_unload_and_load_again_on_demand(alone, tmp_path, caplog):
     core = EngineCore(EngineConfig(TINY, **{**BASE, "max_num_batched_tokens": 16, "executable_keep_alive": 30.0,
                                             "compilation_cache_dir": str(tmp_path)}))  # buckets 8, 16
     runner = core.runner
+    traced = weakref.ref(runner._forward[False][0])
     runner.warmup(first_tokens=8)
     assert runner.wait_warmup(timeout=300) and runner.ready_tokens == (8, 16)
+    gc.collect()  # the compiles done (all stored on disk), the jits that traced them are gone, with their traces
+    assert traced() is None and runner.executables.misses > 0
     reqs = [(str(i), p, GREEDY) for i, p in enumerate(prompts(16))]
     assert run_all(core, reqs)[0] == alone
     assert core.unload_idle() == 0  # all used just now
