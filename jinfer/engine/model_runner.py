@@ -405,7 +405,7 @@ class ModelRunner:
     def _make_jits(self) -> None:
         """The jitted step functions that executables are lowered from. Made anew (`_drop_traces`) once a cold
         start's compiles are done: JAX caches each jit's traces and lowerings for as long as its function lives
-        (the forwards' held ~1 GB of a cold-started Qwen3-4B engine's idle RSS)."""
+        (a cold-started Qwen3-4B server idled at 1.83 GB, against 854 MB after a warm start)."""
         kv_shardings = jax.tree.map(lambda a: a.sharding, self.kv_cache)
         specs = (array_specs(self.weights), array_specs(self.kv_cache))
         forward_jit = lambda ops, **kw: jax.jit(  # noqa: E731
