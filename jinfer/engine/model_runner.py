@@ -849,6 +849,7 @@ class ModelRunner:
 
     def _make_ready(self, T: int, decode: bool) -> None:
         with self._ready_lock:
+            self._unloaded.discard((T, decode))
             if decode:
                 self.ready_decode = self.ready_decode | {T}
             else:
@@ -923,8 +924,6 @@ class ModelRunner:
                     self.forward_executable(T, B, P, decode, background=True)
                 for flags in SamplerFlags.warm():  # (unloaded with the last bucket of B)
                     self.sampler_executable(B, 0, 0, -1, flags, background=True)
-                with self._ready_lock:
-                    self._unloaded.discard(b)
                 self._make_ready(T, decode)
                 self.reloads += 1
                 log.info("loaded the executables of bucket %d%s again", T, " decode" if decode else "")
