@@ -132,15 +132,12 @@ class EngineConfig:
         if self.attention_backend not in BACKENDS:
             raise ValueError(f"attention_backend={self.attention_backend!r} must be one of {BACKENDS}")
         check_generation_config(self.generation_config)
-        v = self.executable_keep_alive
-        if not isinstance(v, int | float) or isinstance(v, bool) or not 0 <= v < float("inf"):
-            raise ValueError(f"executable_keep_alive={v!r} must be a number of seconds >= 0 (0: never unload)")
-        v = self.log_stats_interval
-        if not isinstance(v, int | float) or isinstance(v, bool) or not 0 <= v < float("inf"):
-            raise ValueError(f"log_stats_interval={v!r} must be a number of seconds >= 0")
+        for name, what in (("executable_keep_alive", "seconds >= 0 (0: never unload)"),
+                           ("log_stats_interval", "seconds >= 0"), ("kv_offload_gb", "GiB >= 0 (0: no host tier)")):
+            v = getattr(self, name)
+            if not isinstance(v, int | float) or isinstance(v, bool) or not 0 <= v < float("inf"):
+                raise ValueError(f"{name}={v!r} must be a number of {what}")
         v = self.kv_offload_gb
-        if not isinstance(v, int | float) or isinstance(v, bool) or not 0 <= v < float("inf"):
-            raise ValueError(f"kv_offload_gb={v!r} must be a number of GiB >= 0 (0: no host tier)")
         if v and not self.enable_prefix_caching:
             raise ValueError(f"kv_offload_gb={v} needs enable_prefix_caching=True: the host tier holds pages "
                              "evicted from the prefix cache")

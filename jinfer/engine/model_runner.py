@@ -318,6 +318,10 @@ def unpack_result(packed: np.ndarray) -> StepResult:
     return StepResult(packed[:, 0], f32(packed[:, 1]), packed[:, 2:2 + n], f32(packed[:, 2 + n:]))
 
 
+def _sampler_key(B: int, M: int, W: int, K: int, num_logprobs: int, flags: SamplerFlags) -> tuple:
+    return ("sample", B, M, W, K, num_logprobs, flags)
+
+
 def _with_pending_output(row: StepRow | None, s, prev: Launched | None) -> StepRow | None:
     """A penalized row whose last output token is still being sampled by `prev` (async scheduling): its
     output ids end with the marker -2 - (that token's row in prev's samples), which the sampler resolves on
@@ -573,12 +577,13 @@ class ModelRunner:
 
     def sampler_executable(self, B: int, M: int, W: int, num_logprobs: int, flags: SamplerFlags,
                            K: int = 0, background: bool = False) -> jax.stages.Compiled:
-        if (hit := self._compiled.get(("sample", B, M, W, K, num_logprobs, flags))) is not None:
+        key = _sampler_key(B, M, W, K, num_logprobs, flags)
+        if (hit := self._compiled.get(key)) is not None:
             return hit
         logits = jax.ShapeDtypeStruct((B, self.cfg.vocab_size), jnp.float32, sharding=self._replicated)
         G = mask_words(self.cfg.vocab_size) if flags.grammar else 0
         buf = jax.ShapeDtypeStruct((B * (len(_FLOAT_FIELDS) + len(_INT_FIELDS) + M + W + 2 * K + G),), jnp.int32)
-        return self._add_executable(("sample", B, M, W, K, num_logprobs, flags), self._sample,
+        return self._add_executable(key, self._sample,
                                     (logits, buf, self._no_prev), background, dims=(B, M, W, K),
                                     num_logprobs=num_logprobs, flags=flags)
 
@@ -630,9 +635,10 @@ class ModelRunner:
         T, n = batch.num_tokens, out.num_scheduled_tokens
         decode_only = n == len(out.scheduled)
         decode = T in self.ready_decode and decode_only
-        if self._unloaded:
-            self._want_unloaded(n, decode_only)
-        self._last_used[(T, decode)] = time.monotonic()
+        if self.keep_alive:  # (idle unloading's bookkeeping)
+            if self._unloaded:
+                self._want_unloaded(n, decode_only)
+            self._last_used[(T, decode)] = time.monotonic()
         return batch, prev_index, decode
 
     def _want_unloaded(self, n: int, decode_only: bool) -> None:
@@ -886,21 +892,20 @@ class ModelRunner:
             for b in idle:
                 self._demand.pop(b, None)
             # ... and the warm sampler variants of every sequence bucket no loaded bucket has any more
-            kept = {self.seqs_bucket(T) for T in (*self.ready_tokens, *self.ready_decode, *self._loading_T())}
-            warm = SamplerFlags.warm()
+            kept = {self.seqs_bucket(T) for T in (*self.ready_tokens, *self.ready_decode)}
+            kept |= {self.seqs_bucket(T) for T, _ in self._loading}
+            samplers = {_sampler_key(self.seqs_bucket(T), 0, 0, 0, -1, flags) for T, _ in idle
+                        for flags in SamplerFlags.warm()} - {_sampler_key(B, 0, 0, 0, -1, flags) for B in kept
+                                                             for flags in SamplerFlags.warm()}
             for key in [k for k in list(self._compiled)  # (a snapshot: a reload may be adding keys)
                         if (k[0] in ("forward", "forward_decode") and (k[1], k[0] == "forward_decode") in idle)
-                        or (k[0] == "sample" and k[1] not in kept and k[2:5] == (0, 0, 0) and k[5] == -1
-                            and k[6] in warm)]:
+                        or k in samplers]:
                 del self._compiled[key]
         self.unloads += len(idle)
         _trim_host_heap()
         log.info("unloaded the executables of %d bucket(s) idle for %.0f s: %s", len(idle), self.keep_alive,
                  ", ".join(f"{T}{' decode' if d else ''}" for T, d in sorted(idle)))
         return len(idle)
-
-    def _loading_T(self) -> set[int]:
-        return {T for T, _ in self._loading}
 
     def _want(self, T: int, decode: bool) -> None:
         """A step wanted bucket T (decode-only or not) and it is unloaded: the RELOAD_AFTER_STEPS-th such step loads
