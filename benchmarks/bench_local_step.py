@@ -19,6 +19,10 @@ kernels keep their speed at the narrower shapes, apart from communication. Varia
 - router_kernel: a MoE block's norm + router projection as one Pallas kernel (`ops.MOE_ROUTER_KERNEL_TOKENS`);
 - route_w{N}: the MoE routing kernel at N warps (default 4 for decode steps);
 - router_kernel_w{N}: both;
+- no_norm_qkv: the input norm and q|k|v projection as XLA ops, then the qkv_rope kernel, instead of the
+  norm_qkv_rope kernel (`ops.NORM_QKV_MAX_TOKENS` 0);
+- nqkv_k{K}_w{W}_s{S}: the norm_qkv_rope kernel at block_k K, W warps, S pipeline stages;
+- nqkv_split{N}: the norm_qkv_rope kernel with N K splits per head (default: `default_k_splits`);
 - skinny_o: the o projection of steps of <= 32 tokens on the Pallas skinny GEMM (pallas_kernels/skinny_gemm.py,
   ahead of XLA on o in its own benchmark: 27.4 vs 31.2 us, skinny_gemm_h100.json), its split-K sum and the
   residual add left to XLA.
@@ -39,6 +43,7 @@ import numpy as np
 
 import pallas_kernels.fused_mlp as fused_mlp
 import pallas_kernels.moe_routing as moe_routing
+import pallas_kernels.norm_qkv_rope as norm_qkv_rope
 import pallas_kernels.paged_attention as paged_attention
 from benchmarks.common import add_profile_argument, environment, profiled, write_result
 from jinfer.engine.model_runner import init_kv_cache
@@ -62,6 +67,8 @@ def variant(name: str):
     saved_block, saved_out = fused_mlp.fused_swiglu_mlp, ops_module.ModelOps.out_proj
     saved_pad, saved_rope = ops_module.PAD_VECTOR_DOTS, ops_module.QKV_ROPE_MAX_TOKENS
     saved_attn = paged_attention.paged_decode_attention
+    saved_nqkv, saved_nqkv_tokens = norm_qkv_rope.norm_qkv_rope_write, ops_module.NORM_QKV_MAX_TOKENS
+    saved_nqkv_splits = ops_module.NORM_QKV_K_SPLITS
     saved_router, saved_route = ops_module.MOE_ROUTER_KERNEL_TOKENS, moe_routing.moe_route
     if name.startswith("router_kernel"):
         ops_module.MOE_ROUTER_KERNEL_TOKENS = 64
@@ -73,6 +80,13 @@ def variant(name: str):
         paged_attention.paged_decode_attention = functools.partial(saved_attn, merge_kernel=False)
     if name in ("no_qkv_rope", "no_merge", "unfused") or name.startswith(("router_kernel", "route_w")):
         pass
+    elif name == "no_norm_qkv":
+        ops_module.NORM_QKV_MAX_TOKENS = 0
+    elif name.startswith("nqkv_split"):
+        ops_module.NORM_QKV_K_SPLITS = int(name.removeprefix("nqkv_split"))
+    elif name.startswith("nqkv_"):
+        k, w, st = (int(p[1:]) for p in name.split("_")[1:])
+        norm_qkv_rope.norm_qkv_rope_write = functools.partial(saved_nqkv, block_k=k, num_warps=w, num_stages=st)
     elif name == "vector_dots":
         ops_module.PAD_VECTOR_DOTS = False
     elif name.startswith("mlp_i"):
@@ -97,7 +111,26 @@ def variant(name: str):
         fused_mlp.fused_swiglu_mlp, ops_module.ModelOps.out_proj = saved_block, saved_out
         ops_module.PAD_VECTOR_DOTS, ops_module.QKV_ROPE_MAX_TOKENS = saved_pad, saved_rope
         paged_attention.paged_decode_attention = saved_attn
+        norm_qkv_rope.norm_qkv_rope_write, ops_module.NORM_QKV_MAX_TOKENS = saved_nqkv, saved_nqkv_tokens
+        ops_module.NORM_QKV_K_SPLITS = saved_nqkv_splits
         ops_module.MOE_ROUTER_KERNEL_TOKENS, moe_routing.moe_route = saved_router, saved_route
+
+
+def kernel_summary(trace_dir: str, steps: int, top: int = 16) -> dict:
+    """GPU busy time per step and the `top` kernels' time per step (us), from the profile of one timed run."""
+    import glob
+
+    from benchmarks.trace_summary import load
+
+    spans, procs, threads = load(sorted(glob.glob(f"{trace_dir}/**/*.trace.json.gz", recursive=True))[-1])
+    per: dict[str, float] = {}
+    count = 0
+    for e in spans:
+        if procs.get(e["pid"], "").startswith("/device") and "Compute" in threads.get((e["pid"], e["tid"]), ""):
+            per[e["name"]] = per.get(e["name"], 0.0) + e["dur"] / steps
+            count += 1
+    ranked = sorted(per.items(), key=lambda kv: -kv[1])[:top]
+    return {"gpu_busy_us": sum(per.values()), "kernels_per_step": count / steps, "kernels_us": dict(ranked)}
 
 
 def main():
@@ -147,6 +180,8 @@ def main():
                 runs = runs[1:]  # the first pass is the warm-up
                 row = {"tp": tp, "batch_size": bs, "variant": name, "step_ms": float(np.min(runs)),
                        "step_ms_runs": runs}
+                if args.profile:
+                    row.update(kernel_summary(f"{args.profile}/tp{tp}_b{bs}_{name}", args.iters))
                 rows.append(row)
                 print({k: v for k, v in row.items() if k != "step_ms_runs"}, flush=True)
         del w, kv

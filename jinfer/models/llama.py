@@ -140,19 +140,27 @@ def fuse_qkv(weights: Weights) -> Weights:
     return dataclasses.replace(weights, layers=layers)
 
 
-def _attention(layer: LayerWeights, x: jax.Array, cos, sin, kv, batch: Batch, cfg: ModelConfig, ops: ModelOps):
-    """x + attention(rms_norm(x)); also returns the layer's updated (k, v) cache."""
+def _attention(layer: LayerWeights, x: jax.Array, cos, sin, kv, batch: Batch, cfg: ModelConfig, ops: ModelOps,
+               counters: jax.Array | None = None):
+    """x + attention(rms_norm(x)); also returns the layer's updated (k, v) cache and `counters` (the step's
+    zeroed kernel counters, `ModelOps.step_counters`, passed from kernel to kernel)."""
     T = x.shape[0]
     H, KVH, D = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
     if layer.wqkv is not None:
-        (qkv,) = ops.norm_projections(x, layer.attn_norm, (layer.wqkv,), cfg.rms_norm_eps)
-        fused = None if cfg.attention_bias else ops.qkv_rope_write(
-            qkv, layer.q_norm if cfg.qk_norm else None, layer.k_norm if cfg.qk_norm else None, cos, sin, kv,
-            batch.slot_mapping, H, KVH, cfg.rms_norm_eps)
+        q_norm, k_norm = (layer.q_norm, layer.k_norm) if cfg.qk_norm else (None, None)
+        fused = None if cfg.attention_bias else ops.norm_qkv_rope_write(
+            x, layer.attn_norm, layer.wqkv, q_norm, k_norm, cos, sin, kv, batch.slot_mapping, H, KVH, cfg.rms_norm_eps,
+            counters)
+        if fused is not None:
+            *fused, counters = fused
+        else:
+            (qkv,) = ops.norm_projections(x, layer.attn_norm, (layer.wqkv,), cfg.rms_norm_eps)
+            fused = None if cfg.attention_bias else ops.qkv_rope_write(
+                qkv, q_norm, k_norm, cos, sin, kv, batch.slot_mapping, H, KVH, cfg.rms_norm_eps)
         if fused is not None:
             q, k_cache, v_cache = fused
             out = ops.attention(q, k_cache, v_cache, batch, D**-0.5)  # [T, H, D]
-            return ops.out_proj(out.reshape(T, H * D), layer.wo, x), (k_cache, v_cache)
+            return ops.out_proj(out.reshape(T, H * D), layer.wo, x), (k_cache, v_cache), counters
         q, k, v = jnp.split(qkv, [H * D, (H + KVH) * D], axis=-1)
     else:
         q, k, v = ops.norm_projections(x, layer.attn_norm, (layer.wq, layer.wk, layer.wv), cfg.rms_norm_eps)
@@ -164,7 +172,7 @@ def _attention(layer: LayerWeights, x: jax.Array, cos, sin, kv, batch: Batch, cf
     q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
     k_cache, v_cache = write_kv(kv[0], kv[1], k, v, batch.slot_mapping)
     out = ops.attention(q, k_cache, v_cache, batch, D**-0.5)  # [T, H, D]
-    return ops.out_proj(out.reshape(T, H * D), layer.wo, x), (k_cache, v_cache)
+    return ops.out_proj(out.reshape(T, H * D), layer.wo, x), (k_cache, v_cache), counters
 
 
 def dense_mlp(layer: LayerWeights, i: int, x: jax.Array, cfg: ModelConfig, ops: ModelOps) -> jax.Array:
@@ -201,8 +209,9 @@ def decoder_forward(weights: Weights, batch: Batch, kv_cache: tuple[tuple[jax.Ar
     x = ops.embed(weights.embed, batch.input_ids, cfg.vocab_size)  # [T, hidden]
     cos, sin = rope_cos_sin(batch.positions, cfg, x.dtype)
     new_cache = []
+    counters = ops.step_counters(x.shape[0])
     for i, (layer, kv) in enumerate(zip(weights.layers, kv_cache, strict=True)):
-        x, kv = _attention(layer, x, cos, sin, kv, batch, cfg, ops)
+        x, kv, counters = _attention(layer, x, cos, sin, kv, batch, cfg, ops, counters)
         x = mlp(layer, i, x, cfg, ops)
         new_cache.append(kv)
     x = rms_norm(x[batch.logits_indices], weights.final_norm, cfg.rms_norm_eps)  # [N, hidden]

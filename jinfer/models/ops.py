@@ -69,6 +69,12 @@ def project(x: jax.Array, w: jax.Array, **kw) -> jax.Array:
 # decode they are ~8 XLA kernels per layer of ~1.3 us launch latency each. Prefill-sized steps keep XLA's
 # fusions, which stream large inputs well.
 QKV_ROPE_MAX_TOKENS = 256
+# Steps of at most this many tokens (and the kernel's MAX_TOKENS) run the input RMSNorm, the q|k|v projection
+# and the above as one kernel (pallas_kernels/norm_qkv_rope.py), where the layer's q|k|v weight is fused (one
+# device). JINFER_NORM_QKV_TOKENS overrides it for measurements (part of the executable cache's key).
+NORM_QKV_MAX_TOKENS = int(os.environ.get("JINFER_NORM_QKV_TOKENS", "64"))
+NORM_QKV_K_SPLITS: int | None = None  # None: the kernel's default_k_splits (measurements patch it)
+STEP_COUNTERS = 1024  # ModelOps.step_counters: one per program group (a head of the q|k|v kernel)
 
 
 # Steps routing at least this many rows per expert (on average) run the experts on the Mosaic GPU grouped
@@ -136,6 +142,35 @@ class ModelOps:
             return None
         return qkv_rope_write(qkv, cos, sin, slot_mapping, q_norm, k_norm, kv[0], kv[1], num_heads=num_heads,
                               num_kv_heads=num_kv_heads, eps=eps, gated_q=gated_q, interpret=self.interpret)
+
+    def step_counters(self, tokens: int) -> jax.Array | None:
+        """A step's zeroed int32 counters for the split-K kernels that finish in their last program
+        (`norm_qkv_rope_write`): made once per step (one memset), passed from layer to layer, each kernel
+        leaving them zero. None where no kernel takes them."""
+        if self.backend != "pallas" or tokens > NORM_QKV_MAX_TOKENS:
+            return None
+        return jnp.zeros((STEP_COUNTERS,), jnp.int32)
+
+    def norm_qkv_rope_write(self, x: jax.Array, norm: jax.Array, wqkv: jax.Array, q_norm: jax.Array | None,
+                            k_norm: jax.Array | None, cos: jax.Array, sin: jax.Array, kv: tuple[jax.Array, jax.Array],
+                            slot_mapping: jax.Array, num_heads: int, num_kv_heads: int, eps: float,
+                            counters: jax.Array | None = None
+                            ) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array | None] | None:
+        """rms_norm(x) @ wqkv, then what `qkv_rope_write` does, in one kernel -> (q, k_cache, v_cache, counters);
+        None where the separate ops are used: the reference backend, steps over NORM_QKV_MAX_TOKENS tokens, other
+        shapes (partial RoPE, ...). With `counters` (`step_counters`) each head's K range is split over programs."""
+        from pallas_kernels.norm_qkv_rope import check_supported, norm_qkv_rope_write
+
+        heads = num_heads + 2 * num_kv_heads
+        if self.backend != "pallas" or x.shape[0] > NORM_QKV_MAX_TOKENS or check_supported(
+                x.shape[0], x.shape[1], wqkv.shape[1], num_heads, num_kv_heads, kv[0].shape[-1],
+                cos.shape[-1]) is not None:
+            return None
+        if counters is not None and counters.shape[0] < heads:
+            counters = None
+        return norm_qkv_rope_write(x, norm, wqkv, cos, sin, slot_mapping, q_norm, k_norm, kv[0], kv[1], counters,
+                                   num_heads=num_heads, num_kv_heads=num_kv_heads, eps=eps,
+                                   k_splits=NORM_QKV_K_SPLITS, interpret=self.interpret)
 
     def attention(self, q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, batch: Batch,
                   scale: float) -> jax.Array:

@@ -1,0 +1,263 @@
+"""A decode step's attention front end in one kernel: the input RMSNorm, the q|k|v projection, q/k norm,
+RoPE, and the new K/V rows written into the paged cache.
+
+At decode the q|k|v projection is a matrix-vector product that streams the fused `[hidden, (H + 2 KVH) D]`
+weight, and around it XLA runs the norm (a reduce fusion) and `qkv_rope_write` (one more kernel): three
+launches per layer, each with its ramp-up and tail, and the projection's output making a round trip through
+HBM. Here one program owns one head's `D` output columns (a q head, a k head or a v head) for a tile of
+tokens: it recomputes the tokens' RMSNorm from x (x is a few KB next to the weights; the row sums of
+squares as straight-line loads, all in flight at once), streams its `[hidden, D]` slab of the weight in
+`block_k`-row tiles into two fp32 accumulators (the head's two rotate-half halves), then finishes the head
+in registers: q heads are normed, rotated and stored; k heads normed, rotated and written to the cache slot
+of each token; v heads written as they are. No split-K: a head's whole dot product is in one program, which
+is what lets the epilogue norm and rotate it.
+
+Numerics are HF's (as `qkv_rope.py` and `fused_mlp.py`): the normed input rounded to the activation dtype
+before the weight multiply, the projection rounded to the activation dtype before the q/k norm, the q/k norm
+rounded before its weight.
+
+Scope: full rotate-half RoPE (rotary dim = head_dim), no gated queries, no q/k/v bias; head_dim a power of two
+>= 32; `check_supported` says why not otherwise (the caller keeps the XLA projection + `qkv_rope_write`).
+
+GPU backend: the Pallas Triton lowering (see `pallas_kernels/__init__.py`).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+
+from pallas_kernels.qkv_rope import qkv_rope_write_reference
+
+MAX_TOKENS = 64  # one token tile holds the whole step: the weights are read once
+ONE_WAVE = 132  # the H100's SMs
+
+
+def _kernel(x_ref, n_ref, w_ref, cos_ref, sin_ref, slot_ref, qn_ref, kn_ref, _k_in, _v_in, *refs,
+            block_k: int, k_splits: int, num_heads: int, num_kv_heads: int, eps: float, qk_norm: bool,
+            interpret: bool):
+    # x_ref [T, hidden] (whole: rows past T read as 0); n_ref [hidden]; w_ref [hidden, D]: this head's columns;
+    # cos/sin [T, D]; slot_ref [T]; q_ref [T, H, D]; k_ref / v_ref [num_slots, KVH, D] (the caches, in place).
+    # Split-K (k_splits > 1): part_ref [S, T, heads * D] fp32 partials; cnt_ref [>= heads] int32, zero on entry
+    # and left zero: the split that arrives last at a head's counter sums the partials and finishes the head.
+    if k_splits > 1:
+        _cnt_in, q_ref, k_ref, v_ref, cnt_ref, part_ref = refs
+    else:
+        q_ref, k_ref, v_ref = refs
+    tokens, hidden = x_ref.shape
+    head_dim = w_ref.shape[1]
+    half = head_dim // 2
+    block_t = _block_t(tokens)
+    h, split = pl.program_id(0), pl.program_id(1)
+    f32, dtype = jnp.float32, x_ref.dtype
+    rows = pl.ds(0, block_t)
+    real = jnp.arange(block_t, dtype=jnp.int32) < tokens  # [block_t]
+    lo, hi = pl.ds(0, half), pl.ds(half, half)
+    mask = jnp.broadcast_to(real[:, None], (block_t, half))
+
+    def x_cols(cols, width):
+        return plgpu.load(x_ref.at[rows, cols], mask=jnp.broadcast_to(real[:, None], (block_t, width)), other=0)
+
+    ss = jnp.zeros((block_t,), f32)
+    for kk in range(hidden // block_k):  # straight-line: the row's loads all in flight at once
+        xk = x_cols(pl.ds(kk * block_k, block_k), block_k).astype(f32)
+        ss = ss + jnp.sum(xk * xk, axis=1)
+    inv = jax.lax.rsqrt(ss / hidden + eps)  # [block_t]
+    steps = hidden // k_splits // block_k
+
+    def body(kk, carry):
+        a1, a2 = carry  # [block_t, half] fp32 each: the head's two rotate-half halves
+        cols = pl.ds((split * steps + kk) * block_k, block_k)
+        xk = (x_cols(cols, block_k).astype(f32) * inv[:, None]).astype(dtype) * n_ref[cols][None, :]
+        a1 = a1 + plgpu.dot(xk, w_ref[cols, lo])
+        a2 = a2 + plgpu.dot(xk, w_ref[cols, hi])
+        return a1, a2
+
+    zeros = jnp.zeros((block_t, half), f32)
+    a1, a2 = jax.lax.fori_loop(0, steps, body, (zeros, zeros))
+
+    def finish(a1, a2):
+        a1, a2 = a1.astype(dtype).astype(f32), a2.astype(dtype).astype(f32)  # the projection's output, rounded
+
+        def norm_rope(w_ref_):
+            x1, x2 = a1, a2
+            if qk_norm:
+                r = jax.lax.rsqrt((jnp.sum(x1 * x1, axis=1) + jnp.sum(x2 * x2, axis=1)) / head_dim + eps)[:, None]
+                x1 = (x1 * r).astype(dtype).astype(f32) * w_ref_[lo][None, :].astype(f32)
+                x2 = (x2 * r).astype(dtype).astype(f32) * w_ref_[hi][None, :].astype(f32)
+            cos1 = plgpu.load(cos_ref.at[rows, lo], mask=mask, other=0).astype(f32)
+            cos2 = plgpu.load(cos_ref.at[rows, hi], mask=mask, other=0).astype(f32)
+            sin1 = plgpu.load(sin_ref.at[rows, lo], mask=mask, other=0).astype(f32)
+            sin2 = plgpu.load(sin_ref.at[rows, hi], mask=mask, other=0).astype(f32)
+            return (x1 * cos1 - x2 * sin1).astype(dtype), (x2 * cos2 + x1 * sin2).astype(dtype)
+
+        @pl.when(h < num_heads)
+        def _q():
+            o1, o2 = norm_rope(qn_ref)
+            plgpu.store(q_ref.at[rows, h, lo], o1.astype(q_ref.dtype), mask=mask)
+            plgpu.store(q_ref.at[rows, h, hi], o2.astype(q_ref.dtype), mask=mask)
+
+        slots = plgpu.load(slot_ref.at[rows], mask=real, other=-1)  # [block_t]; < 0: padding, nothing written
+        keep = jnp.broadcast_to((slots >= 0)[:, None], (block_t, half))
+        # the rows' cache addresses as full index arrays (a scatter: each token row goes to its own slot)
+        at = jnp.broadcast_to(jnp.maximum(slots, 0)[:, None], (block_t, half))
+        col = jnp.broadcast_to(jnp.arange(half, dtype=jnp.int32)[None, :], (block_t, half))
+
+        @pl.when((h >= num_heads) & (h < num_heads + num_kv_heads))
+        def _k():
+            o1, o2 = norm_rope(kn_ref)
+            j = h - num_heads
+            plgpu.store(k_ref.at[at, j, col], o1.astype(k_ref.dtype), mask=keep)
+            plgpu.store(k_ref.at[at, j, col + half], o2.astype(k_ref.dtype), mask=keep)
+
+        @pl.when(h >= num_heads + num_kv_heads)
+        def _v():
+            j = h - num_heads - num_kv_heads
+            plgpu.store(v_ref.at[at, j, col], a1.astype(v_ref.dtype), mask=keep)
+            plgpu.store(v_ref.at[at, j, col + half], a2.astype(v_ref.dtype), mask=keep)
+
+    if k_splits == 1:
+        finish(a1, a2)
+        return
+    c1, c2 = pl.ds(h * head_dim, half), pl.ds(h * head_dim + half, half)
+    plgpu.store(part_ref.at[split, rows, c1], a1, mask=mask)
+    plgpu.store(part_ref.at[split, rows, c2], a2, mask=mask)
+    if not interpret:  # every thread's partial stored before the (one-thread, acq_rel) counter increment
+        plgpu.debug_barrier()
+    ticket = plgpu.atomic_add(cnt_ref, h, jnp.ones((), jnp.int32))
+
+    @pl.when(ticket == k_splits - 1)
+    def _last():  # the splits' partials summed in split order (deterministic), read past L1 (volatile)
+        b1, b2 = zeros, zeros
+        for s_ in range(k_splits):
+            s_ = jnp.int32(s_)  # an array index (the interpreter's discharge rules want one)
+            b1 = b1 + plgpu.load(part_ref.at[s_, rows, c1], mask=mask, other=0, volatile=True)
+            b2 = b2 + plgpu.load(part_ref.at[s_, rows, c2], mask=mask, other=0, volatile=True)
+        cnt_ref[h] = 0  # left zero for the next call that shares the buffer
+        finish(b1, b2)
+
+
+def _block_t(tokens: int) -> int:
+    return max(16, 1 << (tokens - 1).bit_length())
+
+
+def check_supported(tokens: int, hidden: int, qkv_width: int, num_heads: int, num_kv_heads: int, head_dim: int,
+                    rotary_dim: int) -> str | None:
+    """Why the kernel cannot take these shapes, or None."""
+    if tokens > MAX_TOKENS:
+        return f"{tokens} tokens > {MAX_TOKENS}"
+    if qkv_width != (num_heads + 2 * num_kv_heads) * head_dim:
+        return f"q|k|v width {qkv_width} is not (heads + 2 kv heads) x head_dim"
+    if head_dim < 32 or head_dim & (head_dim - 1):
+        return f"head_dim {head_dim} is not a power of two >= 32"
+    if rotary_dim != head_dim:
+        return f"partial RoPE (rotary dim {rotary_dim} of {head_dim})"
+    if hidden % 64:
+        return f"hidden {hidden} is not a multiple of 64"
+    return None
+
+
+def default_block_k(hidden: int) -> int:
+    return 128 if hidden % 128 == 0 else 64
+
+
+def default_k_splits(heads: int, hidden: int, block_k: int) -> int:
+    """The most K splits (1, 2, 4) that keep `heads x splits` programs within one wave of ONE_WAVE and each
+    split a whole number of K tiles: a program streams a head's weight at a per-SM rate (~37 GB/s measured on
+    the H100 for these Triton loops), so the 48 heads of Qwen3-4B alone reach ~1.8 TB/s."""
+    splits = 1
+    while heads * splits * 2 <= ONE_WAVE and hidden % (splits * 2 * block_k) == 0:
+        splits *= 2
+    return min(splits, 4)
+
+
+@functools.partial(jax.jit, static_argnames=("num_heads", "num_kv_heads", "eps", "block_k", "k_splits", "num_warps",
+                                             "num_stages", "interpret"))
+def norm_qkv_rope_write(x: jax.Array, norm_weight: jax.Array, wqkv: jax.Array, cos: jax.Array, sin: jax.Array,
+                        slot_mapping: jax.Array, q_norm: jax.Array | None, k_norm: jax.Array | None,
+                        k_cache: jax.Array, v_cache: jax.Array, counters: jax.Array | None = None, *, num_heads: int,
+                        num_kv_heads: int, eps: float = 1e-6, block_k: int | None = None, k_splits: int | None = None,
+                        num_warps: int = 8, num_stages: int = 4, interpret: bool = False
+                        ) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array | None]:
+    """x -> (q [T, H, D] normed and rotated, k_cache, v_cache with the new rows written, counters).
+
+    x: [T, hidden] (the residual stream); norm_weight: [hidden] (the layer's input RMSNorm); wqkv:
+    [hidden, (H + 2 KVH) * D] (q heads, then k heads, then v heads); cos/sin: [T, D] rotate-half tables;
+    slot_mapping: int32 [T], < 0 for padding; q_norm/k_norm: [D] or both None; caches
+    [num_pages, page_size, KVH, D] (aliased to the outputs: in place under jit with a donated cache).
+    counters: int32 [>= H + 2 KVH], all zero, or None. With them the head's K range is split over `k_splits`
+    programs (default `default_k_splits`) whose last to finish sums the partials and finishes the head; they are
+    returned all zero again (aliased: pass them on to the next call). None: one program per head.
+    """
+    tokens, hidden = x.shape
+    head_dim = k_cache.shape[-1]
+    heads = num_heads + 2 * num_kv_heads
+    why = check_supported(tokens, hidden, wqkv.shape[1], num_heads, num_kv_heads, head_dim, cos.shape[-1])
+    if why is not None:
+        raise ValueError(why)
+    if wqkv.shape[0] != hidden or norm_weight.shape != (hidden,) or k_cache.shape[2] != num_kv_heads:
+        raise ValueError(f"shapes disagree: {x.shape=} {norm_weight.shape=} {wqkv.shape=} {k_cache.shape=}")
+    block_k = default_block_k(hidden) if block_k is None else block_k
+    if counters is None:
+        k_splits = 1
+    elif k_splits is None:
+        k_splits = default_k_splits(heads, hidden, block_k)
+    if hidden % (block_k * k_splits):
+        raise ValueError(f"block_k {block_k} x k_splits {k_splits} must divide hidden {hidden}")
+    if counters is not None and (counters.dtype != jnp.int32 or counters.ndim != 1 or counters.shape[0] < heads):
+        raise ValueError(f"counters must be int32 [>= {heads}], got {counters.dtype} {counters.shape}")
+    qk_norm = q_norm is not None
+    if not qk_norm:
+        q_norm = k_norm = jnp.ones((head_dim,), x.dtype)
+    cache_shape = k_cache.shape
+    flat = (cache_shape[0] * cache_shape[1], num_kv_heads, head_dim)  # slot-major: a free reshape
+    kernel = functools.partial(_kernel, block_k=block_k, k_splits=k_splits, num_heads=num_heads,
+                               num_kv_heads=num_kv_heads, eps=eps, qk_norm=qk_norm, interpret=interpret)
+    whole = pl.no_block_spec
+    outs = [
+        jax.ShapeDtypeStruct((tokens, num_heads, head_dim), x.dtype),
+        jax.ShapeDtypeStruct(flat, k_cache.dtype),
+        jax.ShapeDtypeStruct(flat, v_cache.dtype),
+    ]
+    split_args = []
+    if k_splits > 1:
+        outs += [jax.ShapeDtypeStruct(counters.shape, jnp.int32),
+                 jax.ShapeDtypeStruct((k_splits, tokens, heads * head_dim), jnp.float32)]
+        split_args = [counters]
+    res = pl.pallas_call(
+        kernel,
+        grid=(heads, k_splits),
+        in_specs=[
+            whole,
+            pl.BlockSpec((hidden,), lambda h, s: (0,)),
+            pl.BlockSpec((hidden, head_dim), lambda h, s: (0, h)),
+            whole, whole, whole,
+            pl.BlockSpec((head_dim,), lambda h, s: (0,)),
+            pl.BlockSpec((head_dim,), lambda h, s: (0,)),
+            whole, whole, *([whole] * len(split_args)),
+        ],
+        out_specs=[whole] * len(outs),
+        out_shape=outs,
+        input_output_aliases={8: 1, 9: 2, **({10: 3} if split_args else {})},
+        compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),
+        interpret=interpret,
+        name=f"norm_qkv_rope_write_k{block_k}_s{k_splits}",
+    )(x, norm_weight, wqkv, cos, sin, slot_mapping.astype(jnp.int32), q_norm, k_norm, k_cache.reshape(flat),
+      v_cache.reshape(flat), *split_args)
+    q, k_out, v_out = res[:3]
+    return q, k_out.reshape(cache_shape), v_out.reshape(cache_shape), res[3] if split_args else counters
+
+
+def norm_qkv_rope_write_reference(x, norm_weight, wqkv, cos, sin, slot_mapping, q_norm, k_norm, k_cache, v_cache,
+                                  counters=None, *, num_heads: int, num_kv_heads: int, eps: float = 1e-6):
+    """Plain jnp, the same contract: HF's RMSNorm, the projection rounded to x's dtype, then `qkv_rope_write`'s
+    reference."""
+    xf = x.astype(jnp.float32)
+    h = norm_weight * (xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)).astype(x.dtype)
+    qkv = jnp.dot(h, wqkv, preferred_element_type=jnp.float32).astype(x.dtype)
+    return (*qkv_rope_write_reference(qkv, cos, sin, slot_mapping, q_norm, k_norm, k_cache, v_cache,
+                                      num_heads=num_heads, num_kv_heads=num_kv_heads, eps=eps), counters)
