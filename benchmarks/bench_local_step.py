@@ -22,8 +22,6 @@ kernels keep their speed at the narrower shapes, apart from communication. Varia
 - no_norm_qkv: the input norm and q|k|v projection as XLA ops, then the qkv_rope kernel, instead of the
   norm_qkv_rope kernel (`ops.NORM_QKV_MAX_TOKENS` 0);
 - nqkv_k{K}_w{W}_s{S}: the norm_qkv_rope kernel at block_k K, W warps, S pipeline stages;
-- merge_kernel: split-K decode attention merged by the separate merge kernel, not in the attention kernel's
-  last split (`ops.DECODE_MERGE_IN_KERNEL` off);
 - nqkv_split{N}: the norm_qkv_rope kernel with N K splits per head (default: `default_k_splits`);
 - skinny_o: the o projection of steps of <= 32 tokens on the Pallas skinny GEMM (pallas_kernels/skinny_gemm.py,
   ahead of XLA on o in its own benchmark: 27.4 vs 31.2 us, skinny_gemm_h100.json), its split-K sum and the
@@ -70,7 +68,7 @@ def variant(name: str):
     saved_pad, saved_rope = ops_module.PAD_VECTOR_DOTS, ops_module.QKV_ROPE_MAX_TOKENS
     saved_attn = paged_attention.paged_decode_attention
     saved_nqkv, saved_nqkv_tokens = norm_qkv_rope.norm_qkv_rope_write, ops_module.NORM_QKV_MAX_TOKENS
-    saved_nqkv_splits, saved_merge = ops_module.NORM_QKV_K_SPLITS, ops_module.DECODE_MERGE_IN_KERNEL
+    saved_nqkv_splits = ops_module.NORM_QKV_K_SPLITS
     saved_router, saved_route = ops_module.MOE_ROUTER_KERNEL_TOKENS, moe_routing.moe_route
     if name.startswith("router_kernel"):
         ops_module.MOE_ROUTER_KERNEL_TOKENS = 64
@@ -84,8 +82,6 @@ def variant(name: str):
         pass
     elif name == "no_norm_qkv":
         ops_module.NORM_QKV_MAX_TOKENS = 0
-    elif name == "merge_kernel":
-        ops_module.DECODE_MERGE_IN_KERNEL = False
     elif name.startswith("nqkv_split"):
         ops_module.NORM_QKV_K_SPLITS = int(name.removeprefix("nqkv_split"))
     elif name.startswith("nqkv_"):
@@ -116,7 +112,7 @@ def variant(name: str):
         ops_module.PAD_VECTOR_DOTS, ops_module.QKV_ROPE_MAX_TOKENS = saved_pad, saved_rope
         paged_attention.paged_decode_attention = saved_attn
         norm_qkv_rope.norm_qkv_rope_write, ops_module.NORM_QKV_MAX_TOKENS = saved_nqkv, saved_nqkv_tokens
-        ops_module.NORM_QKV_K_SPLITS, ops_module.DECODE_MERGE_IN_KERNEL = saved_nqkv_splits, saved_merge
+        ops_module.NORM_QKV_K_SPLITS = saved_nqkv_splits
         ops_module.MOE_ROUTER_KERNEL_TOKENS, moe_routing.moe_route = saved_router, saved_route
 
 

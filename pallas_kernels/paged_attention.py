@@ -51,12 +51,7 @@ def _decode_kernel(
     group: int,
     rows: int,
     kv_heads_fastest: bool,
-    fused_merge: bool = False,
-    interpret: bool = False,
 ):
-    if fused_merge:  # split-K finished in the kernel: counters in, then (output, counters, partials) out
-        _cnt_in = o_ref
-        o_ref, cnt_ref, acc_ref, *ml_refs = ml_refs
     h, b = (pl.program_id(0), pl.program_id(1)) if kv_heads_fastest else (pl.program_id(1), pl.program_id(0))
     split = pl.program_id(2)
     head_dim = q_ref.shape[1]
@@ -95,10 +90,7 @@ def _decode_kernel(
     l = jnp.zeros((rows,), jnp.float32)
     acc, m, l = jax.lax.fori_loop(0, n_blocks, body, (acc, m, l))
 
-    if fused_merge:
-        _store_and_merge(acc, m, l, acc_ref, *ml_refs, cnt_ref, o_ref, b=b, h=h, split=split,
-                         q_base=b * num_heads + h * group, group=group, interpret=interpret)
-    elif ml_refs:
+    if ml_refs:
         m_ref, l_ref = ml_refs
         o_ref[...] = acc
         m_ref[...] = m
@@ -106,41 +98,6 @@ def _decode_kernel(
     else:
         l_safe = jnp.where(l == 0.0, 1.0, l)  # seq_len 0 (padding) -> zeros, not NaN
         plgpu.store(o_ref.at[q_rows], (acc / l_safe[:, None]).astype(o_ref.dtype), mask=q_mask)
-
-
-def _merge_rows(acc_ref, m_ref, l_ref, b, h, g, splits: int, load):
-    """Row g of (sequence b, kv head h) merged over its splits' partials -> [D] float32."""
-    padded = _next_pow2(splits)
-    valid = jnp.arange(padded, dtype=jnp.int32) < splits
-    s = pl.ds(0, padded)
-    m = load(m_ref.at[s, b, h, g], mask=valid, other=jnp.finfo(jnp.float32).min)  # [S]
-    l = load(l_ref.at[s, b, h, g], mask=valid, other=0.0)
-    acc = load(acc_ref.at[s, b, h, g, :], mask=valid[:, None], other=0.0)  # [S, D]
-    w = jnp.exp2(m - jnp.max(m))
-    l_tot = jnp.sum(w * l)
-    return jnp.sum(w[:, None] * acc, axis=0) / jnp.where(l_tot == 0.0, 1.0, l_tot)
-
-
-def _store_and_merge(acc, m, l, acc_ref, m_ref, l_ref, cnt_ref, o_ref, *, b, h, split, q_base, group: int,
-                     interpret: bool):
-    """Split-K finished in the kernel: each program stores its partial, then counts itself in at (b, h)'s counter;
-    the split that arrives last merges every split's partial into the output rows and leaves the counter zero."""
-    acc_ref[split, b, h] = acc
-    m_ref[split, b, h] = m
-    l_ref[split, b, h] = l
-    if not interpret:  # every thread's partial stored before the (one-thread, acq_rel) counter increment
-        plgpu.debug_barrier()
-    counter = b * acc_ref.shape[2] + h
-    ticket = plgpu.atomic_add(cnt_ref, counter, jnp.ones((), jnp.int32))
-    n = acc_ref.shape[0]  # the splits (the grid's last axis)
-
-    @pl.when(ticket == n - 1)
-    def _last():
-        load = functools.partial(plgpu.load, volatile=True)  # the other programs' partials: read past L1
-        for g in range(group):
-            out = _merge_rows(acc_ref, m_ref, l_ref, b, h, jnp.int32(g), n, load)
-            o_ref[q_base + g] = out.astype(o_ref.dtype)
-        cnt_ref[counter] = 0
 
 
 # ----------------------------------------------------------------------------------------------
@@ -159,7 +116,7 @@ def _plan_splits(batch: int, num_kv_heads: int, num_blocks: int, num_splits: int
     return pl.cdiv(num_blocks, blocks_per_split), blocks_per_split
 
 
-def _decode_call(q, k_cache, v_cache, page_table, seq_lens, counters, *, scale, pages_per_block, num_splits,
+def _decode_call(q, k_cache, v_cache, page_table, seq_lens, *, scale, pages_per_block, num_splits,
                  num_warps, num_stages, kv_heads_fastest, merge_kernel, interpret):
     batch, num_heads, head_dim = q.shape
     num_pages, page_size, num_kv_heads, _ = k_cache.shape
@@ -177,11 +134,8 @@ def _decode_call(q, k_cache, v_cache, page_table, seq_lens, counters, *, scale, 
     table = jnp.pad(page_table.astype(jnp.int32), ((0, 0), (0, padded_pages - max_pages)))  # [B, Pp]
     lens = seq_lens.astype(jnp.int32).reshape(batch, 1)  # [B, 1]
 
-    fused = (splits > 1 and merge_kernel and splits <= MERGE_KERNEL_MAX_SPLITS and counters is not None
-             and counters.shape[0] >= batch * num_kv_heads)
     kernel = functools.partial(_decode_kernel, scale=scale, pages_per_block=ppb, blocks_per_split=bps,
-                               num_heads=num_heads, group=group, rows=rows, kv_heads_fastest=kv_heads_fastest,
-                               fused_merge=fused, interpret=interpret)
+                               num_heads=num_heads, group=group, rows=rows, kv_heads_fastest=kv_heads_fastest)
     # Grid dim 0 is the fastest-varying launch index (CUDA x). With kv heads there, the programs
     # running side by side read the same pages (different heads' slices of each row).
     if kv_heads_fastest:
@@ -198,23 +152,15 @@ def _decode_call(q, k_cache, v_cache, page_table, seq_lens, counters, *, scale, 
         pl.BlockSpec((None, padded_pages), bhs(lambda b, h, s: (b, 0))),
         pl.BlockSpec((None, 1), bhs(lambda b, h, s: (b, 0))),
     ]
-    partials = [
-        jax.ShapeDtypeStruct((splits, batch, num_kv_heads, rows, head_dim), jnp.float32),
-        jax.ShapeDtypeStruct((splits, batch, num_kv_heads, rows), jnp.float32),
-        jax.ShapeDtypeStruct((splits, batch, num_kv_heads, rows), jnp.float32),
-    ]
-    extra, aliases = [], {}
     if splits == 1:
         out_shape = jax.ShapeDtypeStruct((batch * num_heads, head_dim), q.dtype)
         out_specs = whole
-    elif fused:  # the last split of each (sequence, kv head) merges: every partial is read whole
-        out_shape = [jax.ShapeDtypeStruct((batch * num_heads, head_dim), q.dtype),
-                     jax.ShapeDtypeStruct(counters.shape, jnp.int32), *partials]
-        out_specs = [whole] * 5
-        in_specs.append(whole)
-        extra, aliases = [counters], {5: 1}
     else:
-        out_shape = partials
+        out_shape = [
+            jax.ShapeDtypeStruct((splits, batch, num_kv_heads, rows, head_dim), jnp.float32),
+            jax.ShapeDtypeStruct((splits, batch, num_kv_heads, rows), jnp.float32),
+            jax.ShapeDtypeStruct((splits, batch, num_kv_heads, rows), jnp.float32),
+        ]
         out_specs = [
             pl.BlockSpec((None, None, None, rows, head_dim), bhs(lambda b, h, s: (s, b, h, 0, 0))),
             pl.BlockSpec((None, None, None, rows), bhs(lambda b, h, s: (s, b, h, 0))),
@@ -226,22 +172,19 @@ def _decode_call(q, k_cache, v_cache, page_table, seq_lens, counters, *, scale, 
         in_specs=in_specs,
         out_specs=out_specs,
         out_shape=out_shape,
-        input_output_aliases=aliases,
         compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),
         interpret=interpret,
-        name=f"paged_decode_attention_ppb{ppb}_s{splits}" + ("_merged" if fused else ""),
-    )(q2, k_cache, v_cache, table, lens, *extra)
+        name=f"paged_decode_attention_ppb{ppb}_s{splits}",
+    )(q2, k_cache, v_cache, table, lens)
 
-    if fused:
-        out, counters = out[:2]
-    elif splits > 1:  # flash-decoding epilogue: merge the per-split partial softmaxes
+    if splits > 1:  # flash-decoding epilogue: merge the per-split partial softmaxes
         acc, m, l = out  # [S, B, KVH, Gp, D], [S, B, KVH, Gp] x2
         if merge_kernel and splits <= MERGE_KERNEL_MAX_SPLITS:
             out = _merge_call(acc, m, l, num_heads=num_heads, group=group, dtype=q.dtype,
                               kv_heads_fastest=kv_heads_fastest, interpret=interpret)
         else:
             out = merge_splits_reference(acc, m, l, group).astype(q.dtype)
-    return out.reshape(batch, num_heads, head_dim), counters
+    return out.reshape(batch, num_heads, head_dim)
 
 
 def merge_splits_reference(acc, m, l, group: int) -> jax.Array:
@@ -264,7 +207,16 @@ def _merge_kernel(acc_ref, m_ref, l_ref, o_ref, *, splits: int, kv_heads_fastest
     divide) of ~1.3 us launch latency each at decode."""
     h, b = (pl.program_id(0), pl.program_id(1)) if kv_heads_fastest else (pl.program_id(1), pl.program_id(0))
     g = pl.program_id(2)
-    o_ref[...] = _merge_rows(acc_ref, m_ref, l_ref, b, h, g, splits, plgpu.load).astype(o_ref.dtype)
+    padded = _next_pow2(splits)
+    valid = jnp.arange(padded, dtype=jnp.int32) < splits
+    s = pl.ds(0, padded)
+    m = plgpu.load(m_ref.at[s, b, h, g], mask=valid, other=jnp.finfo(jnp.float32).min)  # [S]
+    l = plgpu.load(l_ref.at[s, b, h, g], mask=valid, other=0.0)
+    acc = plgpu.load(acc_ref.at[s, b, h, g, :], mask=valid[:, None], other=0.0)  # [S, D]
+    w = jnp.exp2(m - jnp.max(m))
+    l_tot = jnp.sum(w * l)
+    out = jnp.sum(w[:, None] * acc, axis=0) / jnp.where(l_tot == 0.0, 1.0, l_tot)
+    o_ref[...] = out.astype(o_ref.dtype)
 
 
 def _merge_call(acc, m, l, *, num_heads, group, dtype, kv_heads_fastest, interpret):
@@ -335,8 +287,7 @@ def paged_decode_attention(
     kv_heads_fastest: bool = True,
     merge_kernel: bool = True,
     interpret: bool = False,
-    counters: jax.Array | None = None,
-) -> jax.Array | tuple[jax.Array, jax.Array]:
+) -> jax.Array:
     """Decode attention of one query token per sequence over a paged KV cache.
 
     Args:
@@ -355,13 +306,9 @@ def paged_decode_attention(
       kv_heads_fastest: launch order; True runs a sequence's kv heads side by side (page locality).
       merge_kernel: merge split-K partials in one Pallas kernel (else XLA's fusions of the same math).
       interpret: run the Pallas interpreter (CPU tests).
-      counters: int32 `[>= batch * num_kv_heads]`, all zero (`ModelOps.step_counters`), or None. With them a
-        split-K launch merges in the kernel itself: the split that finishes last for a (sequence, kv head)
-        merges its partials (no merge kernel); they come back all zero.
 
     Returns:
-      `[batch, num_heads, head_dim]` in q's dtype (softmax and accumulation in fp32); with `counters`, the
-      pair (that, counters).
+      `[batch, num_heads, head_dim]` in q's dtype (softmax and accumulation in fp32).
     """
     page_size = k_cache.shape[1]
     if pages_per_block is None:  # H100 sweep: 64-token blocks; 32 once the batch alone fills the GPU
@@ -369,13 +316,10 @@ def paged_decode_attention(
         pages_per_block = max(1, block_tokens // page_size)
     _check_args(q, k_cache, v_cache, page_table, seq_lens, pages_per_block, num_splits)
     scale = q.shape[-1] ** -0.5 if scale is None else scale
-    if counters is not None and (counters.dtype != jnp.int32 or counters.ndim != 1):
-        raise ValueError(f"counters must be int32 [n], got {counters.dtype} {counters.shape}")
-    out, counters_out = _decode_call(q, k_cache, v_cache, page_table, seq_lens, counters, scale=scale,
-                                     pages_per_block=pages_per_block, num_splits=num_splits, num_warps=num_warps,
-                                     num_stages=num_stages, kv_heads_fastest=kv_heads_fastest,
-                                     merge_kernel=merge_kernel, interpret=interpret)
-    return out if counters is None else (out, counters_out)
+    return _decode_call(q, k_cache, v_cache, page_table, seq_lens, scale=scale,
+                        pages_per_block=pages_per_block, num_splits=num_splits, num_warps=num_warps,
+                        num_stages=num_stages, kv_heads_fastest=kv_heads_fastest, merge_kernel=merge_kernel,
+                        interpret=interpret)
 
 
 # ----------------------------------------------------------------------------------------------

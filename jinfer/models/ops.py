@@ -74,12 +74,7 @@ QKV_ROPE_MAX_TOKENS = 256
 # device). JINFER_NORM_QKV_TOKENS overrides it for measurements (part of the executable cache's key).
 NORM_QKV_MAX_TOKENS = int(os.environ.get("JINFER_NORM_QKV_TOKENS", "64"))
 NORM_QKV_K_SPLITS: int | None = None  # None: the kernel's default_k_splits (measurements patch it)
-# ModelOps.step_counters: one per program group (a head of the q|k|v kernel; a (sequence, kv head) of the
-# decode attention kernel: 512 sequences x 8 kv heads)
-STEP_COUNTERS = 4096
-# A split-K decode attention launch merges its splits in the kernel (its last split per (sequence, kv head)),
-# given the step's counters, instead of in a second, merge kernel.
-DECODE_MERGE_IN_KERNEL = True
+STEP_COUNTERS = 1024  # ModelOps.step_counters: one per program group (a head of the q|k|v kernel)
 
 
 # Steps routing at least this many rows per expert (on average) run the experts on the Mosaic GPU grouped
@@ -150,9 +145,9 @@ class ModelOps:
 
     def step_counters(self, tokens: int) -> jax.Array | None:
         """A step's zeroed int32 counters for the split-K kernels that finish in their last program
-        (`norm_qkv_rope_write`, the decode attention kernel): made once per step (one memset), passed from
-        kernel to kernel, each leaving them zero. None where no kernel takes them."""
-        if self.backend != "pallas" or (tokens > NORM_QKV_MAX_TOKENS and not self.decode_step):
+        (`norm_qkv_rope_write`): made once per step (one memset), passed from layer to layer, each kernel
+        leaving them zero. None where no kernel takes them."""
+        if self.backend != "pallas" or tokens > NORM_QKV_MAX_TOKENS:
             return None
         return jnp.zeros((STEP_COUNTERS,), jnp.int32)
 
@@ -180,33 +175,19 @@ class ModelOps:
     def attention(self, q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, batch: Batch,
                   scale: float) -> jax.Array:
         """q: [T, H, D] -> [T, H, D], each token over its sequence's pages (K/V already written)."""
-        return self.attention_counted(q, k_cache, v_cache, batch, scale, None)[0]
-
-    def attention_counted(self, q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, batch: Batch, scale: float,
-                          counters: jax.Array | None) -> tuple[jax.Array, jax.Array | None]:
-        """`attention`, passing the step's counters (`step_counters`) on: with them a split-K decode kernel
-        merges its splits itself (DECODE_MERGE_IN_KERNEL) instead of launching the merge kernel."""
-        from pallas_kernels.prefill_attention import ragged_prefill_attention_reference
+        from pallas_kernels.prefill_attention import ragged_prefill_attention, ragged_prefill_attention_reference
 
         if self.backend == "reference":
             return ragged_prefill_attention_reference(q, k_cache, v_cache, batch.query_start, batch.seq_lens,
-                                                      batch.page_table, scale=scale), counters
+                                                      batch.page_table, scale=scale)
         from pallas_kernels.paged_attention import paged_decode_attention
 
         if self.decode_step and q.shape[0] != batch.num_seqs:
             raise ValueError(f"a decode step needs one token per sequence: {q.shape[0]} tokens, "
                              f"{batch.num_seqs} sequences")
         if self.decode_step or (q.shape[0] == 1 and batch.num_seqs == 1):
-            args = (q, k_cache, v_cache, batch.page_table, batch.seq_lens)
-            if counters is None or not DECODE_MERGE_IN_KERNEL:
-                return paged_decode_attention(*args, scale=scale, interpret=self.interpret), counters
-            return paged_decode_attention(*args, scale=scale, interpret=self.interpret, counters=counters)
-        return self._prefill_attention(q, k_cache, v_cache, batch, scale), counters
-
-    def _prefill_attention(self, q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, batch: Batch,
-                           scale: float) -> jax.Array:
-        from pallas_kernels.prefill_attention import ragged_prefill_attention
-
+            return paged_decode_attention(q, k_cache, v_cache, batch.page_table, batch.seq_lens, scale=scale,
+                                          interpret=self.interpret)
         args = (q, k_cache, v_cache, batch.query_start, batch.seq_lens, batch.page_table)
         if not self.mosaic_prefill or q.shape[0] < MOSAIC_MIN_STEP_TOKENS:
             return ragged_prefill_attention(*args, scale=scale, interpret=self.interpret)

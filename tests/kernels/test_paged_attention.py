@@ -97,29 +97,3 @@ def test_split_merge_kernel_matches_xla_merge(mode, kv_heads_fastest):
     assert_close(fused, xla, jnp.float32, mode)
     assert_close(fused, paged_decode_attention_reference(q, k, v, table, seq_lens), jnp.float32, mode)
     assert not np.asarray(fused[3]).any()
-
-
-@pytest.mark.parametrize("mode", MODES)
-@pytest.mark.parametrize("kv_heads_fastest", [True, False])
-@pytest.mark.parametrize("splits", [2, 5])
-def test_split_k_merged_in_kernel(mode, kv_heads_fastest, splits):
-    """With step counters the split that finishes last merges in the kernel: the same output as the merge
-    kernel, padding sequences zero, and the counters come back all zero (they are shared by a step's calls)."""
-    rng = np.random.default_rng(13)
-    lens = [1, 33, 130, 0, 77]
-    k, v, table = paged_kv(rng, lens, 16, 2, 64, jnp.bfloat16, pages_per_seq=10)
-    q = jnp.asarray(rng.standard_normal((len(lens), 8, 64)), jnp.bfloat16)
-    seq_lens = jnp.asarray(lens, jnp.int32)
-    kw = dict(num_splits=splits, pages_per_block=1, kv_heads_fastest=kv_heads_fastest, interpret=mode == "interpret")
-    counters = jnp.zeros((len(lens) * 2 + 5,), jnp.int32)
-    merged, cnt = paged_decode_attention(q, k, v, table, seq_lens, counters=counters, **kw)
-    np.testing.assert_array_equal(np.asarray(cnt), 0)
-    separate = paged_decode_attention(q, k, v, table, seq_lens, **kw)
-    assert merged.dtype == q.dtype
-    assert_close(merged, separate, jnp.bfloat16, mode)
-    assert_close(merged, paged_decode_attention_reference(q, k, v, table, seq_lens), jnp.bfloat16, mode)
-    assert not np.asarray(merged[3].astype(jnp.float32)).any()
-    # too few counters for batch x kv heads: the merge kernel, counters returned untouched
-    few = jnp.zeros((3,), jnp.int32)
-    out, cnt = paged_decode_attention(q, k, v, table, seq_lens, counters=few, **kw)
-    assert_close(out, separate, jnp.bfloat16, mode)
