@@ -22,6 +22,7 @@ kernels keep their speed at the narrower shapes, apart from communication. Varia
 - no_norm_qkv: the input norm and q|k|v projection as XLA ops, then the qkv_rope kernel, instead of the
   norm_qkv_rope kernel (`ops.NORM_QKV_MAX_TOKENS` 0);
 - nqkv_k{K}_w{W}_s{S}: the norm_qkv_rope kernel at block_k K, W warps, S pipeline stages;
+- attn_target{N}: split-K decode attention planned for N programs (`paged_attention.TARGET_PROGRAMS`);
 - nqkv_split{N}: the norm_qkv_rope kernel with N K splits per head (default: `default_k_splits`);
 - skinny_o: the o projection of steps of <= 32 tokens on the Pallas skinny GEMM (pallas_kernels/skinny_gemm.py,
   ahead of XLA on o in its own benchmark: 27.4 vs 31.2 us, skinny_gemm_h100.json), its split-K sum and the
@@ -69,6 +70,7 @@ def variant(name: str):
     saved_attn = paged_attention.paged_decode_attention
     saved_nqkv, saved_nqkv_tokens = norm_qkv_rope.norm_qkv_rope_write, ops_module.NORM_QKV_MAX_TOKENS
     saved_nqkv_splits = ops_module.NORM_QKV_K_SPLITS
+    saved_target = paged_attention.TARGET_PROGRAMS
     saved_router, saved_route = ops_module.MOE_ROUTER_KERNEL_TOKENS, moe_routing.moe_route
     if name.startswith("router_kernel"):
         ops_module.MOE_ROUTER_KERNEL_TOKENS = 64
@@ -82,6 +84,8 @@ def variant(name: str):
         pass
     elif name == "no_norm_qkv":
         ops_module.NORM_QKV_MAX_TOKENS = 0
+    elif name.startswith("attn_target"):
+        paged_attention.TARGET_PROGRAMS = int(name.removeprefix("attn_target"))
     elif name.startswith("nqkv_split"):
         ops_module.NORM_QKV_K_SPLITS = int(name.removeprefix("nqkv_split"))
     elif name.startswith("nqkv_"):
@@ -105,14 +109,17 @@ def variant(name: str):
         ops_module.ModelOps.out_proj = out_proj
     elif name != "default":
         raise ValueError(f"unknown variant {name!r}")
+    jax.clear_caches()  # the kernels' own jits read some switches at trace time: trace them again
     try:
         yield
     finally:
+        jax.clear_caches()
         fused_mlp.fused_swiglu_mlp, ops_module.ModelOps.out_proj = saved_block, saved_out
         ops_module.PAD_VECTOR_DOTS, ops_module.QKV_ROPE_MAX_TOKENS = saved_pad, saved_rope
         paged_attention.paged_decode_attention = saved_attn
         norm_qkv_rope.norm_qkv_rope_write, ops_module.NORM_QKV_MAX_TOKENS = saved_nqkv, saved_nqkv_tokens
         ops_module.NORM_QKV_K_SPLITS = saved_nqkv_splits
+        paged_attention.TARGET_PROGRAMS = saved_target
         ops_module.MOE_ROUTER_KERNEL_TOKENS, moe_routing.moe_route = saved_router, saved_route
 
 
@@ -141,6 +148,9 @@ def main():
     ap.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 16])
     ap.add_argument("--context", type=int, default=1024)
     ap.add_argument("--page-size", type=int, default=16)
+    ap.add_argument("--table-pages", type=int, default=0,
+                    help="page-table width per sequence (the engine's is max_model_len / page_size); default: the "
+                         "context's pages")
     ap.add_argument("--iters", type=int, default=30)
     ap.add_argument("--runs", type=int, default=5)
     ap.add_argument("--variants", nargs="+", default=["default"])
@@ -157,7 +167,7 @@ def main():
         cfg = local_shapes(full, tp)
         w = shard_attention_weights(cfg, load_weights(ModelSource("dummy", None, cfg), args.dtype, mesh,
                                                       progress=False), mesh)
-        pages_per_seq = (args.context + args.iters + 2) // args.page_size + 1
+        pages_per_seq = max((args.context + args.iters + 2) // args.page_size + 1, args.table_pages)
         kv = init_kv_cache(cfg, pages_per_seq * max(args.batch_sizes) + 1, args.page_size, dtype, mesh)
         for bs in args.batch_sizes:
             pages = [list(range(1 + b * pages_per_seq, 1 + (b + 1) * pages_per_seq)) for b in range(bs)]

@@ -40,13 +40,12 @@ def _decode_kernel(
     q_ref,  # [B * H, D]: every query (rows of one sequence's kv head are contiguous)
     k_ref,  # [num_pages, page_size, D]: this kv head's slice of the whole K cache
     v_ref,  # [num_pages, page_size, D]
-    pt_ref,  # [Pp]: this sequence's page ids (padded to num_splits * blocks_per_split * ppb)
+    pt_ref,  # [Pp]: this sequence's page ids (padded to whole blocks of ppb)
     len_ref,  # [1]: this sequence's context length
     o_ref,  # one split: [B * H, D] like q_ref; split-K: [Gp, D] unnormalised fp32 partial
     *ml_refs,  # split-K only: m_ref [Gp], l_ref [Gp] fp32 (running max in log2 units, sum)
     scale: float,
     pages_per_block: int,
-    blocks_per_split: int,
     num_heads: int,
     group: int,
     rows: int,
@@ -58,8 +57,13 @@ def _decode_kernel(
     page_size = k_ref.shape[1]
     block_k = pages_per_block * page_size
     seq_len = len_ref[0]
-    first_block = split * blocks_per_split
-    n_blocks = jnp.clip(pl.cdiv(seq_len - first_block * block_k, block_k), 0, blocks_per_split)
+    # The splits share this sequence's actual blocks, not the page table's width (max_model_len): sized by the
+    # table, a 1k context in a 2k table left most splits empty and put its work in a few programs (batch 8 / 32
+    # decode steps of Qwen3-4B 7% / 14% slower on the H100, local_step_splits_qwen3-4b_h100.json).
+    seq_blocks = pl.cdiv(seq_len, block_k)
+    per_split = pl.cdiv(seq_blocks, pl.num_programs(2))
+    first_block = split * per_split
+    n_blocks = jnp.clip(seq_blocks - first_block, 0, per_split)
 
     # The G query heads of kv head h, padded to Gp rows in registers (masked loads, no padded copy of q
     # in HBM). The rows past G belong to the next kv head (or past the end): never stored.
@@ -107,13 +111,11 @@ def _next_pow2(n: int) -> int:
     return 1 << max(0, (n - 1).bit_length())
 
 
-def _plan_splits(batch: int, num_kv_heads: int, num_blocks: int, num_splits: int | None) -> tuple[int, int]:
-    """(num_splits, blocks_per_split) covering num_blocks blocks with no empty trailing split."""
+def _plan_splits(batch: int, num_kv_heads: int, num_blocks: int, num_splits: int | None) -> int:
+    """Split-K factor: enough programs for TARGET_PROGRAMS, at most one split per block of the table."""
     if num_splits is None:
         num_splits = max(1, pl.cdiv(TARGET_PROGRAMS, batch * num_kv_heads))
-    num_splits = max(1, min(num_splits, num_blocks))
-    blocks_per_split = pl.cdiv(num_blocks, num_splits)
-    return pl.cdiv(num_blocks, blocks_per_split), blocks_per_split
+    return max(1, min(num_splits, num_blocks))
 
 
 def _decode_call(q, k_cache, v_cache, page_table, seq_lens, *, scale, pages_per_block, num_splits,
@@ -125,16 +127,16 @@ def _decode_call(q, k_cache, v_cache, page_table, seq_lens, *, scale, pages_per_
     max_pages = page_table.shape[1]
     ppb = min(pages_per_block, _next_pow2(max_pages))
     num_blocks = pl.cdiv(max_pages, ppb)
-    splits, bps = _plan_splits(batch, num_kv_heads, num_blocks, num_splits)
+    splits = _plan_splits(batch, num_kv_heads, num_blocks, num_splits)
     if num_warps is None:  # H100 sweep: 2 warps when batch x kv heads fill the GPU, 4 with split-K
         num_warps = 2 if splits == 1 else 4
-    padded_pages = splits * bps * ppb
+    padded_pages = num_blocks * ppb
 
     q2 = q.reshape(batch * num_heads, head_dim)  # [B * H, D], a free reshape
     table = jnp.pad(page_table.astype(jnp.int32), ((0, 0), (0, padded_pages - max_pages)))  # [B, Pp]
     lens = seq_lens.astype(jnp.int32).reshape(batch, 1)  # [B, 1]
 
-    kernel = functools.partial(_decode_kernel, scale=scale, pages_per_block=ppb, blocks_per_split=bps,
+    kernel = functools.partial(_decode_kernel, scale=scale, pages_per_block=ppb,
                                num_heads=num_heads, group=group, rows=rows, kv_heads_fastest=kv_heads_fastest)
     # Grid dim 0 is the fastest-varying launch index (CUDA x). With kv heads there, the programs
     # running side by side read the same pages (different heads' slices of each row).

@@ -97,3 +97,19 @@ def test_split_merge_kernel_matches_xla_merge(mode, kv_heads_fastest):
     assert_close(fused, xla, jnp.float32, mode)
     assert_close(fused, paged_decode_attention_reference(q, k, v, table, seq_lens), jnp.float32, mode)
     assert not np.asarray(fused[3]).any()
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_split_k_sized_by_the_context_not_the_table(mode):
+    """A wide page table (the engine's is max_model_len / page_size) holding short contexts: the splits divide
+    each sequence's own blocks, so every split of a long-enough sequence has work, and the result is exact."""
+    rng = np.random.default_rng(17)
+    lens = [1, 40, 0, 300, 17]
+    k, v, table = paged_kv(rng, lens, 16, 2, 64, jnp.bfloat16, pages_per_seq=64)
+    q = jnp.asarray(rng.standard_normal((len(lens), 8, 64)), jnp.bfloat16)
+    seq_lens = jnp.asarray(lens, jnp.int32)
+    for splits in (3, 8, None):
+        out = paged_decode_attention(q, k, v, table, seq_lens, num_splits=splits, pages_per_block=1,
+                                     interpret=mode == "interpret")
+        assert_close(out, paged_decode_attention_reference(q, k, v, table, seq_lens), jnp.bfloat16, mode)
+        assert not np.asarray(out[2].astype(jnp.float32)).any()
