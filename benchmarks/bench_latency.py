@@ -64,6 +64,8 @@ def main():
     ap.add_argument("--output-len", type=int, default=128)
     ap.add_argument("--attention-backend", default="auto")
     ap.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    ap.add_argument("--max-model-len", type=int, default=0,
+                    help="the engine's max_model_len (its page tables' width); default input + output len")
     ap.add_argument("--no-async-scheduling", action="store_true")
     ap.add_argument("--no-executable-cache", action="store_true")
     ap.add_argument("--tensor-parallel-size", "-tp", type=int, default=1)
@@ -80,7 +82,8 @@ def main():
     follower = args.node_rank > 0
     torch_copy = None if follower else measure_torch_copy()  # before the engine's JAX holds the GPU's memory
     t0 = time.perf_counter()
-    core = EngineCore(EngineConfig(model=model, dtype=args.dtype, max_model_len=args.input_len + args.output_len,
+    max_model_len = args.max_model_len or args.input_len + args.output_len
+    core = EngineCore(EngineConfig(model=model, dtype=args.dtype, max_model_len=max_model_len,
                                    max_num_seqs=max(args.batch_sizes),
                                    max_num_batched_tokens=args.max_num_batched_tokens,
                                    attention_backend=args.attention_backend, warmup=False,
@@ -138,7 +141,7 @@ def main():
               "tensor_parallel_size": args.tensor_parallel_size, "expert_parallel": args.enable_expert_parallel,
               "processes": args.nnodes,
               "num_pages": core.kv.num_usable_pages,
-              "input_len": args.input_len, "output_len": args.output_len,
+              "input_len": args.input_len, "output_len": args.output_len, "max_model_len": max_model_len,
               "attention_backend": core.runner.ops.backend, "mosaic_prefill": core.runner.ops.mosaic_prefill,
               "async_scheduling": core.config.async_scheduling,
               "executable_cache": core.config.executable_cache,

@@ -22,6 +22,7 @@ kernels keep their speed at the narrower shapes, apart from communication. Varia
 - no_norm_qkv: the input norm and q|k|v projection as XLA ops, then the qkv_rope kernel, instead of the
   norm_qkv_rope kernel (`ops.NORM_QKV_MAX_TOKENS` 0);
 - nqkv_k{K}_w{W}_s{S}: the norm_qkv_rope kernel at block_k K, W warps, S pipeline stages;
+- attn_ppb{P}_w{W}_st{S}: the decode attention kernel at P pages per block, W warps, S pipeline stages;
 - attn_target{N}: split-K decode attention planned for N programs (`paged_attention.TARGET_PROGRAMS`);
 - nqkv_split{N}: the norm_qkv_rope kernel with N K splits per head (default: `default_k_splits`);
 - skinny_o: the o projection of steps of <= 32 tokens on the Pallas skinny GEMM (pallas_kernels/skinny_gemm.py,
@@ -37,6 +38,7 @@ import argparse
 import contextlib
 import dataclasses
 import functools
+import re
 import time
 
 import jax
@@ -84,6 +86,10 @@ def variant(name: str):
         pass
     elif name == "no_norm_qkv":
         ops_module.NORM_QKV_MAX_TOKENS = 0
+    elif name.startswith("attn_ppb"):
+        p, w, st = (int(x) for x in re.fullmatch(r"attn_ppb(\d+)_w(\d+)_st(\d+)", name).groups())
+        paged_attention.paged_decode_attention = functools.partial(saved_attn, pages_per_block=p, num_warps=w,
+                                                                   num_stages=st)
     elif name.startswith("attn_target"):
         paged_attention.TARGET_PROGRAMS = int(name.removeprefix("attn_target"))
     elif name.startswith("nqkv_split"):

@@ -31,6 +31,10 @@ TARGET_PROGRAMS = 264  # ~2 waves of the H100's 132 SMs, used to pick num_splits
 # batch x kv heads from which 32-token K/V blocks measured faster (H100 sweep: 2.49 vs 2.46 TB/s at
 # batch 256 x 1k; 64-token blocks stay best at batch 64)
 LARGE_BATCH_PROGRAMS = 1024
+# ... and below which (a lone sequence's 8 kv heads): a batch-1 step is a chain of latencies per split, shorter
+# with 32-token blocks and 3 stages (Qwen3-4B at 1k context: attention + merge 284 vs 341 us a step on the H100;
+# at batch 8 the 64-token blocks stay ahead, 804 vs 879 us; local_step_attn_sweep_qwen3-4b_h100.json)
+SMALL_BATCH_PROGRAMS = 64
 
 
 # ----------------------------------------------------------------------------------------------
@@ -285,7 +289,7 @@ def paged_decode_attention(
     pages_per_block: int | None = None,
     num_splits: int | None = None,
     num_warps: int | None = None,
-    num_stages: int = 2,
+    num_stages: int | None = None,
     kv_heads_fastest: bool = True,
     merge_kernel: bool = True,
     interpret: bool = False,
@@ -304,7 +308,8 @@ def paged_decode_attention(
       pages_per_block: pages gathered per inner step (power of two); default: 64 tokens' worth.
       num_splits: flash-decoding splits of the context; None picks enough to fill the GPU
         (1 when batch * num_kv_heads already does).
-      num_warps, num_stages: Triton launch parameters (num_warps None: 2 without split-K, else 4).
+      num_warps, num_stages: Triton launch parameters (None: 2 warps without split-K, else 4; 3 stages for
+        small batches, else 2).
       kv_heads_fastest: launch order; True runs a sequence's kv heads side by side (page locality).
       merge_kernel: merge split-K partials in one Pallas kernel (else XLA's fusions of the same math).
       interpret: run the Pallas interpreter (CPU tests).
@@ -313,9 +318,13 @@ def paged_decode_attention(
       `[batch, num_heads, head_dim]` in q's dtype (softmax and accumulation in fp32).
     """
     page_size = k_cache.shape[1]
-    if pages_per_block is None:  # H100 sweep: 64-token blocks; 32 once the batch alone fills the GPU
-        block_tokens = 32 if q.shape[0] * k_cache.shape[2] >= LARGE_BATCH_PROGRAMS else 64
+    programs = q.shape[0] * k_cache.shape[2]
+    small = programs < SMALL_BATCH_PROGRAMS
+    if pages_per_block is None:  # H100 sweeps: 64-token blocks; 32 once the batch alone fills the GPU, or is tiny
+        block_tokens = 32 if programs >= LARGE_BATCH_PROGRAMS or small else 64
         pages_per_block = max(1, block_tokens // page_size)
+    if num_stages is None:
+        num_stages = 3 if small else 2
     _check_args(q, k_cache, v_cache, page_table, seq_lens, pages_per_block, num_splits)
     scale = q.shape[-1] ** -0.5 if scale is None else scale
     return _decode_call(q, k_cache, v_cache, page_table, seq_lens, scale=scale,
