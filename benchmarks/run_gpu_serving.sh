@@ -17,7 +17,7 @@ if [ "${HF_PEER:-0}" = 1 ]; then
       --static-compile --out "$OUT/hf_peer_static_compile_qwen3-4b_h100.json" 2>&1 | grep -E "^HF|Error|fullgraph"
 fi
 
-python3 -m benchmarks.bench_startup --model dummy:qwen3-4b --runs 3 --out "$OUT/startup_qwen3-4b_h100.json" \
+python3 -m benchmarks.bench_startup --model dummy:qwen3-4b --runs 3 --probe-tokens 1000 --out "$OUT/startup_qwen3-4b_h100.json" \
     -- $ARGS | tail -1
 
 python3 -m server.launcher dummy:qwen3-4b --port 8000 $ARGS --log-level warning > "$OUT/serve.log" 2>&1 &
