@@ -17,7 +17,8 @@ benchmarks/results/kernels_h100.json:
   random pages; `kernels_h100_repeat3.json`), hence the decode-only executables. A step of fewer than
   `MOSAIC_MIN_STEP_TOKENS` tokens never launches the Mosaic kernel;
 - MLP: the fused Pallas kernel only where it beat XLA (`PALLAS_MLP_TOKENS`); XLA's fusion elsewhere;
-- projections around attention: XLA (see `qkv`).
+- projections around attention: on one device, steps of <= NORM_QKV_MAX_TOKENS tokens run norm + q|k|v + q/k
+  norm + RoPE + the K/V write as one kernel (`norm_qkv_rope_write`); XLA's GEMMs otherwise, and for o.
 - mixture-of-experts MLP (`moe_block`): the router matmul in XLA, then the routing kernel and the
   two grouped GEMMs of pallas_kernels/moe_routing.py and moe_gemm.py over the expert-grouped layout,
   with `moe_block_m` rows per block; the reference is `layers.moe_mlp` (`lax.ragged_dot`).
@@ -210,10 +211,9 @@ class ModelOps:
                          eps: float) -> tuple[jax.Array, ...]:
         """rms_norm(x) @ w for each w; x: [T, hidden] (the residual stream).
 
-        XLA's kernels. A Pallas kernel doing norm + q/k/v in one launch (and o + residual) was tried: it
-        ran at ~1 TB/s at T=1 on the H100 (30 us per layer for q/k/v, 32-column tiles) and made the
-        decode step slower (bench_forward pipelined decode 5.64 vs 5.14 ms, an exploratory run whose
-        JSON was not kept), so it was dropped.
+        XLA's kernels (decode-sized steps with a fused q|k|v weight take `norm_qkv_rope_write` instead). An
+        earlier norm + q/k/v kernel with 32-column tiles ran at ~1 TB/s at T=1 on the H100; the one kept
+        owns whole heads and splits K (see `pallas_kernels/norm_qkv_rope.py`).
         """
         h = rms_norm(x, norm, eps)
         return tuple(project(h, w) for w in weights)
