@@ -12,9 +12,13 @@ in registers: q heads are normed, rotated and stored; k heads normed, rotated an
 of each token; v heads written as they are. No split-K: a head's whole dot product is in one program, which
 is what lets the epilogue norm and rotate it.
 
-Numerics are HF's (as `qkv_rope.py` and `fused_mlp.py`): the normed input rounded to the activation dtype
-before the weight multiply, the projection rounded to the activation dtype before the q/k norm, the q/k norm
-rounded before its weight.
+Numerics: the input norm and the projection are HF's (the normed input rounded to the activation dtype before
+the weight multiply, the projection rounded before the q/k norm: the V rows match HF's bit for bit); the q/k
+norm's weight multiply and RoPE run in fp32 with one rounding at the end, where HF rounds each product to bf16
+(up to 1 ulp apart on some elements), bit-identical to the XLA projection + `qkv_rope.py` path it replaces.
+
+Split-K counters must be zero on entry (a dirty counter leaves its head unfinished, silently); the step's
+counters are made zero once and every launch leaves them zero, launches being ordered by the stream.
 
 Scope: full rotate-half RoPE (rotary dim = head_dim), no gated queries, no q/k/v bias; head_dim a power of two
 >= 32; `check_supported` says why not otherwise (the caller keeps the XLA projection + `qkv_rope_write`).

@@ -64,7 +64,7 @@ def _decode_kernel(
     # The splits share this sequence's actual blocks, not the page table's width (max_model_len): sized by the
     # table, a 1k context in a 2k table left most splits empty and put its work in a few programs (batch 8 / 32
     # decode steps of Qwen3-4B 7% / 14% slower on the H100, local_step_splits_qwen3-4b_h100.json).
-    seq_blocks = pl.cdiv(seq_len, block_k)
+    seq_blocks = jnp.minimum(pl.cdiv(seq_len, block_k), pt_ref.shape[0] // pages_per_block)  # never past the table
     per_split = pl.cdiv(seq_blocks, pl.num_programs(2))
     first_block = split * per_split
     n_blocks = jnp.clip(seq_blocks - first_block, 0, per_split)

@@ -113,3 +113,17 @@ def test_split_k_sized_by_the_context_not_the_table(mode):
                                      interpret=mode == "interpret")
         assert_close(out, paged_decode_attention_reference(q, k, v, table, seq_lens), jnp.bfloat16, mode)
         assert not np.asarray(out[2].astype(jnp.float32)).any()
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("batch", [1, 3])
+def test_default_launch_for_small_batches(mode, batch):
+    """The defaults a decode step gets (no pages_per_block / stages given): 32-token blocks and 3 stages below 64
+    programs, in a wide table, bf16."""
+    rng = np.random.default_rng(19 + batch)
+    lens = [1000, 17, 300][:batch]
+    k, v, table = paged_kv(rng, lens, 16, 8, 128, jnp.bfloat16, pages_per_seq=128)
+    q = jnp.asarray(rng.standard_normal((batch, 32, 128)), jnp.bfloat16)
+    seq_lens = jnp.asarray(lens, jnp.int32)
+    out = paged_decode_attention(q, k, v, table, seq_lens, interpret=mode == "interpret")
+    assert_close(out, paged_decode_attention_reference(q, k, v, table, seq_lens), jnp.bfloat16, mode)
