@@ -52,19 +52,12 @@ def timed(fn, x, weights, reps: int) -> float:
 def kernel_times(fn, x, weights, reps: int, trace_dir: str) -> dict:
     """GPU kernel time per call by kernel name (us), from a profile of `reps` calls: what the chain's kernels
     take without the launch gaps between them (the forward runs them in a CUDA graph)."""
-    import glob
-
-    from benchmarks.trace_summary import load
+    from benchmarks.trace_summary import gpu_kernel_times
 
     with jax.profiler.trace(trace_dir):
         for _ in range(reps):
             jax.block_until_ready(fn(x, weights))
-    spans, procs, threads = load(sorted(glob.glob(f"{trace_dir}/**/*.trace.json.gz", recursive=True))[-1])
-    out: dict[str, float] = {}
-    for e in spans:
-        if procs.get(e["pid"], "").startswith("/device") and "Compute" in threads.get((e["pid"], e["tid"]), ""):
-            out[e["name"]] = out.get(e["name"], 0.0) + e["dur"] / reps
-    return out
+    return gpu_kernel_times(trace_dir, reps)[0]
 
 
 def main() -> None:

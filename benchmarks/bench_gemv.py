@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import functools
-import glob
 import tempfile
 
 import jax
@@ -29,19 +28,14 @@ SHAPES = {"qkv": (2560, 6144), "o": (4096, 2560), "gate": (2560, 9728), "down": 
 
 def kernel_us(fn, args, reps: int) -> dict[str, float]:
     """GPU kernel time per call by kernel name (us), from a profile of `reps` calls."""
-    from benchmarks.trace_summary import load
+    from benchmarks.trace_summary import gpu_kernel_times
 
     jax.block_until_ready(fn(*args))
     with tempfile.TemporaryDirectory() as d:
         with jax.profiler.trace(d):
             for _ in range(reps):
                 jax.block_until_ready(fn(*args))
-        spans, procs, threads = load(sorted(glob.glob(f"{d}/**/*.trace.json.gz", recursive=True))[-1])
-    out: dict[str, float] = {}
-    for e in spans:
-        if procs.get(e["pid"], "").startswith("/device") and "Compute" in threads.get((e["pid"], e["tid"]), ""):
-            out[e["name"]] = out.get(e["name"], 0.0) + e["dur"] / reps
-    return out
+        return gpu_kernel_times(d, reps)[0]
 
 
 def impls(interpret: bool):

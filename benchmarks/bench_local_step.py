@@ -131,17 +131,9 @@ def variant(name: str):
 
 def kernel_summary(trace_dir: str, steps: int, top: int = 16) -> dict:
     """GPU busy time per step and the `top` kernels' time per step (us), from the profile of one timed run."""
-    import glob
+    from benchmarks.trace_summary import gpu_kernel_times
 
-    from benchmarks.trace_summary import load
-
-    spans, procs, threads = load(sorted(glob.glob(f"{trace_dir}/**/*.trace.json.gz", recursive=True))[-1])
-    per: dict[str, float] = {}
-    count = 0
-    for e in spans:
-        if procs.get(e["pid"], "").startswith("/device") and "Compute" in threads.get((e["pid"], e["tid"]), ""):
-            per[e["name"]] = per.get(e["name"], 0.0) + e["dur"] / steps
-            count += 1
+    per, count = gpu_kernel_times(trace_dir, steps)
     ranked = sorted(per.items(), key=lambda kv: -kv[1])[:top]
     return {"gpu_busy_us": sum(per.values()), "kernels_per_step": count / steps, "kernels_us": dict(ranked)}
 

@@ -27,6 +27,21 @@ def load(path: str) -> tuple[list[dict], dict, dict]:
     return [e for e in events if e.get("ph") == "X"], procs, threads
 
 
+def gpu_kernel_times(trace_dir: str, per: float = 1.0) -> tuple[dict[str, float], int]:
+    """GPU kernel time by kernel name (us, divided by `per`: calls or steps) and the number of kernels, from the
+    newest trace a `jax.profiler.trace(trace_dir)` wrote."""
+    import glob
+
+    spans, procs, threads = load(sorted(glob.glob(f"{trace_dir}/**/*.trace.json.gz", recursive=True))[-1])
+    out: dict[str, float] = {}
+    count = 0
+    for e in spans:
+        if procs.get(e["pid"], "").startswith("/device") and "Compute" in threads.get((e["pid"], e["tid"]), ""):
+            out[e["name"]] = out.get(e["name"], 0.0) + e["dur"] / per
+            count += 1
+    return out, count
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("trace")

@@ -10,6 +10,7 @@ import pytest
 
 from pallas_kernels.norm_qkv_rope import check_supported, norm_qkv_rope_write, norm_qkv_rope_write_reference
 from tests.kernels.conftest import HAS_GPU, MODES, assert_close
+from tests.kernels.test_qkv_rope import _inputs as qkv_rope_inputs
 
 # (tokens, hidden, heads, kv_heads, head_dim, page_size, qk_norm, dtype)
 CASES = [
@@ -21,23 +22,13 @@ CASES = [
 
 
 def _inputs(rng, tokens, hidden, heads, kv_heads, dim, page_size, qk_norm, dtype, num_pages=8):
+    """x, its norm weight and a q|k|v weight, then qkv_rope's test inputs (positions' cos/sin, slots with padding,
+    q/k norms, caches)."""
     x = jnp.asarray(rng.standard_normal((tokens, hidden)) * 2, dtype)
     norm = jnp.asarray(1 + 0.1 * rng.standard_normal(hidden), dtype)
     w = jnp.asarray(rng.standard_normal((hidden, (heads + 2 * kv_heads) * dim)) * hidden**-0.5, dtype)
-    pos = rng.integers(0, 500, tokens)
-    inv = 1.0 / (10000 ** (np.arange(0, dim, 2) / dim))
-    emb = np.concatenate([pos[:, None] * inv] * 2, axis=-1)
-    cos, sin = jnp.asarray(np.cos(emb), dtype), jnp.asarray(np.sin(emb), dtype)
-    # distinct slots in pages 1.., the last token padding (slot -1) when there are several
-    slots = rng.permutation(np.arange(page_size, num_pages * page_size))[:tokens].astype(np.int32)
-    if tokens > 1:
-        slots[-1] = -1
-    qn = jnp.asarray(1 + 0.1 * rng.standard_normal(dim), dtype) if qk_norm else None
-    kn = jnp.asarray(1 + 0.1 * rng.standard_normal(dim), dtype) if qk_norm else None
-    shape = (num_pages, page_size, kv_heads, dim)
-    k_cache = jnp.asarray(rng.standard_normal(shape), dtype)
-    v_cache = jnp.asarray(rng.standard_normal(shape), dtype)
-    return x, norm, w, cos, sin, jnp.asarray(slots), qn, kn, k_cache, v_cache
+    _, *rest = qkv_rope_inputs(rng, tokens, heads, kv_heads, dim, page_size, qk_norm, dtype, num_pages=num_pages)
+    return x, norm, w, *rest
 
 
 @pytest.mark.parametrize("mode", MODES)
