@@ -137,22 +137,44 @@ def parse_phases(log: str, t_launch: float) -> dict[str, float]:
     return phases
 
 
+UNLOAD_LINE = "model_runner: unloaded the executables of"
+
+
+def wait_for_unloads(log_path: Path, proc: subprocess.Popen, wait_s: float, seen: int) -> bool:
+    """Wait up to `wait_s` for the engine to log unloads beyond the `seen` ones and then none for 3 s."""
+    deadline = time.perf_counter() + wait_s
+    unloads, quiet_since = seen, None
+    while time.perf_counter() < deadline and proc.poll() is None:
+        n = log_path.read_text(errors="replace").count(UNLOAD_LINE)
+        if n != unloads:
+            unloads, quiet_since = n, time.perf_counter()
+        elif unloads > seen and time.perf_counter() - quiet_since >= 3.0:
+            return True
+        time.sleep(0.25)
+    return False
+
+
+def timed_completion(port: int, num_tokens: int, max_tokens: int, salt: int) -> float:
+    """Seconds for one completion of a `num_tokens`-token prompt (token ids, distinct per `salt`: no prefix hits)."""
+    base = f"http://127.0.0.1:{port}"
+    model = httpx.get(f"{base}/v1/models", timeout=10).json()["data"][0]["id"]
+    prompt = [(7 + 13 * (j + 1000 * salt)) % 30000 + 10 for j in range(num_tokens)]
+    t0 = time.perf_counter()
+    r = httpx.post(f"{base}/v1/completions", timeout=120, json={
+        "model": model, "prompt": prompt, "max_tokens": max_tokens, "ignore_eos": True, "temperature": 0})
+    r.raise_for_status()
+    return round(time.perf_counter() - t0, 3)
+
+
 def probe_requests(port: int, num_tokens: int, max_tokens: int = 16) -> dict:
     """Seconds for a completion of a `num_tokens`-token prompt (token ids) on the idle server, then for another
     one 2 s later: what the first request after the idle executables were dropped pays (its prefill runs in the
-    loaded buckets while the larger ones load again) against a warm one."""
-    base = f"http://127.0.0.1:{port}"
-    model = httpx.get(f"{base}/v1/models", timeout=10).json()["data"][0]["id"]
-    times = []
-    for i in range(2):
-        prompt = [(7 + 13 * (j + 1000 * i)) % 30000 + 10 for j in range(num_tokens)]  # distinct: no prefix hits
-        t0 = time.perf_counter()
-        r = httpx.post(f"{base}/v1/completions", timeout=120, json={
-            "model": model, "prompt": prompt, "max_tokens": max_tokens, "ignore_eos": True, "temperature": 0})
-        r.raise_for_status()
-        times.append(round(time.perf_counter() - t0, 3))
-        time.sleep(2.0)
-    return {"prompt_tokens": num_tokens, "max_tokens": max_tokens, "first_after_idle_s": times[0], "warm_s": times[1]}
+    loaded buckets while the larger ones load again) against a warm one. The first is also the server's first
+    request (`again_after_idle_s`, measured after the next unload, is not)."""
+    first = timed_completion(port, num_tokens, max_tokens, 0)
+    time.sleep(2.0)
+    warm = timed_completion(port, num_tokens, max_tokens, 1)
+    return {"prompt_tokens": num_tokens, "max_tokens": max_tokens, "first_after_idle_s": first, "warm_s": warm}
 
 
 def stop(proc: subprocess.Popen, pids: list[int], timeout: float) -> tuple[float, int | None]:
@@ -211,17 +233,15 @@ def one_run(i: int, args: argparse.Namespace, server_args: list[str], env: dict[
         pids = descendants(proc.pid)
         loaded = [m for m in map(memory, [proc.pid, *pids]) if m is not None]
         procs = loaded
-        deadline = time.perf_counter() + args.unload_wait_s
-        unloads, quiet_since = 0, None
-        while time.perf_counter() < deadline and proc.poll() is None:
-            n = log_path.read_text(errors="replace").count("model_runner: unloaded the executables of")
-            if n != unloads:
-                unloads, quiet_since = n, time.perf_counter()
-            elif unloads and time.perf_counter() - quiet_since >= 3.0:  # no further unload for 3 s
-                procs = [m for m in map(memory, [proc.pid, *pids]) if m is not None]
-                break
-            time.sleep(0.25)
+        if wait_for_unloads(log_path, proc, args.unload_wait_s, 0):
+            procs = [m for m in map(memory, [proc.pid, *pids]) if m is not None]
         probe = probe_requests(port, args.probe_tokens) if args.probe_tokens else None
+        if probe and args.unload_wait_s:
+            # The first probe is also the server's first request ever: once the warm one has loaded shapes
+            # again and they are dropped again, one more after an idle minute, without first-request costs.
+            done = log_path.read_text(errors="replace").count(UNLOAD_LINE)
+            if wait_for_unloads(log_path, proc, args.unload_wait_s, done):
+                probe["again_after_idle_s"] = timed_completion(port, args.probe_tokens, probe["max_tokens"], 2)
     finally:
         pids = pids or descendants(proc.pid)
         stop_s, code = stop(proc, pids, args.stop_timeout)
