@@ -7,7 +7,9 @@
 #           attention (bench_forward, alternating passes) at batch 64 x 2k and 32 x 1k;
 #   engine  the engine's TTFT/TPOT and offline throughput (run_gpu_prefill.sh, backend pallas);
 #   local   (on request) Qwen3-4B's decode step at batch 1 / 8 / 32 with op variants (bench_local_step: $VARIANTS,
-#           default "default skinny_o") -> local_step_variants_qwen3-4b_h100.json.
+#           default "default no_norm_qkv skinny_o"), the engine's 128-page table (max_model_len 2048) and each
+#           kernel's GPU time from a profile -> local_step_variants_qwen3-4b_h100.json;
+#   gemv    (on request) one-token projections as kernel time, XLA / Triton / Mosaic GPU -> gemv_h100.json.
 set -uo pipefail
 source benchmarks/gpu_env.sh
 PARTS=${PARTS:-tests kernels forward engine}
@@ -30,6 +32,10 @@ if [[ $PARTS == *engine* ]]; then
   BACKENDS=pallas bash benchmarks/run_gpu_prefill.sh
 fi
 if [[ $PARTS == *local* ]]; then
-  timeout 900 python3 -m benchmarks.bench_local_step --shape qwen3-4b --tp 1 --batch-sizes 1 8 32 \
-      --variants ${VARIANTS:-default skinny_o} --out "$OUT/local_step_variants_qwen3-4b_h100.json" | grep "^{'tp'"
+  timeout 900 python3 -m benchmarks.bench_local_step --shape qwen3-4b --tp 1 --batch-sizes 1 8 32 --table-pages 128 \
+      --variants ${VARIANTS:-default no_norm_qkv skinny_o} --profile /tmp/jinfer-local-step \
+      --out "$OUT/local_step_variants_qwen3-4b_h100.json" | grep "^{'tp'" | cut -c1-200
+fi
+if [[ $PARTS == *gemv* ]]; then
+  timeout 300 python3 -m benchmarks.bench_gemv --out "$OUT/gemv_h100.json" | grep "^{'shape'"
 fi
