@@ -162,13 +162,10 @@ class ModelOps:
         shapes (partial RoPE, ...). With `counters` (`step_counters`) each head's K range is split over programs."""
         from pallas_kernels.norm_qkv_rope import check_supported, norm_qkv_rope_write
 
-        heads = num_heads + 2 * num_kv_heads
         if self.backend != "pallas" or x.shape[0] > NORM_QKV_MAX_TOKENS or check_supported(
                 x.shape[0], x.shape[1], wqkv.shape[1], num_heads, num_kv_heads, kv[0].shape[-1],
                 cos.shape[-1]) is not None:
             return None
-        if counters is not None and counters.shape[0] < heads:
-            counters = None
         return norm_qkv_rope_write(x, norm, wqkv, cos, sin, slot_mapping, q_norm, k_norm, kv[0], kv[1], counters,
                                    num_heads=num_heads, num_kv_heads=num_kv_heads, eps=eps,
                                    k_splits=NORM_QKV_K_SPLITS, interpret=self.interpret)
