@@ -27,6 +27,41 @@ from jax.experimental.pallas import triton as plgpu
 
 
 # ----------------------------------------------------------------------------------------------
+# The RMSNorm prologue of a decode-sized tile (shared with norm_qkv_rope.py)
+# ----------------------------------------------------------------------------------------------
+def tile_rows(x_ref, t, block_t: int):
+    """Token tile t of x [tokens, hidden]: (its rows, which are real [block_t], `x_cols(cols, width)` loading
+    [block_t, width] of x with the rows past `tokens` read as 0)."""
+    rows = pl.ds(t * block_t, block_t)
+    real = (t * block_t + jnp.arange(block_t, dtype=jnp.int32)) < x_ref.shape[0]  # [block_t]
+
+    def x_cols(cols, width):
+        return plgpu.load(x_ref.at[rows, cols], mask=jnp.broadcast_to(real[:, None], (block_t, width)), other=0)
+
+    return rows, real, x_cols
+
+
+def rms_inverse(x_cols, hidden: int, block_t: int, block_k: int, eps: float, unroll: bool = True) -> jax.Array:
+    """1 / RMS of the tile's rows [block_t] (every program recomputes it: x is tiny next to the weights). Unrolled:
+    straight-line code, the row's loads all in flight at once (one L2 round trip)."""
+    def sumsq(kk, acc):
+        xk = x_cols(pl.ds(kk * block_k, block_k), block_k).astype(jnp.float32)
+        return acc + jnp.sum(xk * xk, axis=1)
+    ss = jnp.zeros((block_t,), jnp.float32)
+    if unroll:
+        for kk in range(hidden // block_k):
+            ss = sumsq(kk, ss)
+    else:
+        ss = jax.lax.fori_loop(0, hidden // block_k, sumsq, ss)
+    return jax.lax.rsqrt(ss / hidden + eps)
+
+
+def rms_normed(xk: jax.Array, inv: jax.Array, weight: jax.Array) -> jax.Array:
+    """HF RMSNorm rounding: the normalized value in x's dtype, times the weight in that dtype."""
+    return (xk.astype(jnp.float32) * inv[:, None]).astype(xk.dtype) * weight[None, :]
+
+
+# ----------------------------------------------------------------------------------------------
 # Kernel body
 # ----------------------------------------------------------------------------------------------
 def _mlp_kernel(
@@ -46,26 +81,12 @@ def _mlp_kernel(
     # applied to x first (optional); wg_ref/wu_ref [hidden, block_i]: this program's gate/up columns;
     # wd_ref [block_i, hidden]: the matching down-projection rows; o_ref [splits, tokens, hidden] fp32
     # (whole): this intermediate block's partial goes to o_ref[i, tile rows], real rows only.
-    tokens, hidden = x_ref.shape
+    hidden = x_ref.shape[1]
     block_i = wg_ref.shape[1]
     t, i = pl.program_id(0), pl.program_id(1)
-    rows = pl.ds(t * block_t, block_t)
-    real = (t * block_t + jnp.arange(block_t, dtype=jnp.int32)) < tokens  # [block_t]
-
-    def x_cols(cols, width):  # [block_t, width] of x; rows past `tokens` read as 0
-        return plgpu.load(x_ref.at[rows, cols], mask=jnp.broadcast_to(real[:, None], (block_t, width)), other=0)
-
-    if has_norm:  # every program recomputes the row norms: x is tiny next to the weights
-        def sumsq(kk, acc):
-            xk = x_cols(pl.ds(kk * block_k, block_k), block_k).astype(jnp.float32)
-            return acc + jnp.sum(xk * xk, axis=1)
-        ss = jnp.zeros((block_t,), jnp.float32)
-        if unroll_norm:  # straight-line code: the row's loads are all in flight at once (one L2 round trip)
-            for kk in range(hidden // block_k):
-                ss = sumsq(kk, ss)
-        else:
-            ss = jax.lax.fori_loop(0, hidden // block_k, sumsq, ss)
-        inv = jax.lax.rsqrt(ss / hidden + eps)  # [block_t]
+    rows, real, x_cols = tile_rows(x_ref, t, block_t)
+    if has_norm:
+        inv = rms_inverse(x_cols, hidden, block_t, block_k, eps, unroll_norm)  # [block_t]
 
     steps = hidden // block_k
 
@@ -73,8 +94,8 @@ def _mlp_kernel(
         g, u = carry  # [block_t, block_i] fp32 each
         cols = pl.ds(kk * block_k, block_k)
         xk = x_cols(cols, block_k)  # [block_t, block_k] (loading it a step ahead measured no faster)
-        if has_norm:  # HF RMSNorm rounding: normalized value in x's dtype, times the weight in that dtype
-            xk = (xk.astype(jnp.float32) * inv[:, None]).astype(x_ref.dtype) * n_ref[cols][None, :]
+        if has_norm:
+            xk = rms_normed(xk, inv, n_ref[cols])
         g = g + plgpu.dot(xk, wg_ref[cols, :])
         u = u + plgpu.dot(xk, wu_ref[cols, :])
         return g, u

@@ -35,6 +35,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
+from pallas_kernels.fused_mlp import rms_inverse, rms_normed, tile_rows
 from pallas_kernels.qkv_rope import qkv_rope_write_reference
 
 MAX_TOKENS = 64  # one token tile holds the whole step: the weights are read once
@@ -58,25 +59,16 @@ def _kernel(x_ref, n_ref, w_ref, cos_ref, sin_ref, slot_ref, qn_ref, kn_ref, _k_
     block_t = _block_t(tokens)
     h, split = pl.program_id(0), pl.program_id(1)
     f32, dtype = jnp.float32, x_ref.dtype
-    rows = pl.ds(0, block_t)
-    real = jnp.arange(block_t, dtype=jnp.int32) < tokens  # [block_t]
+    rows, real, x_cols = tile_rows(x_ref, 0, block_t)  # one tile: the whole step
     lo, hi = pl.ds(0, half), pl.ds(half, half)
     mask = jnp.broadcast_to(real[:, None], (block_t, half))
-
-    def x_cols(cols, width):
-        return plgpu.load(x_ref.at[rows, cols], mask=jnp.broadcast_to(real[:, None], (block_t, width)), other=0)
-
-    ss = jnp.zeros((block_t,), f32)
-    for kk in range(hidden // block_k):  # straight-line: the row's loads all in flight at once
-        xk = x_cols(pl.ds(kk * block_k, block_k), block_k).astype(f32)
-        ss = ss + jnp.sum(xk * xk, axis=1)
-    inv = jax.lax.rsqrt(ss / hidden + eps)  # [block_t]
+    inv = rms_inverse(x_cols, hidden, block_t, block_k, eps)  # [block_t]
     steps = hidden // k_splits // block_k
 
     def body(kk, carry):
         a1, a2 = carry  # [block_t, half] fp32 each: the head's two rotate-half halves
         cols = pl.ds((split * steps + kk) * block_k, block_k)
-        xk = (x_cols(cols, block_k).astype(f32) * inv[:, None]).astype(dtype) * n_ref[cols][None, :]
+        xk = rms_normed(x_cols(cols, block_k), inv, n_ref[cols])
         a1 = a1 + plgpu.dot(xk, w_ref[cols, lo])
         a2 = a2 + plgpu.dot(xk, w_ref[cols, hi])
         return a1, a2
