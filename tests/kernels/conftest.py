@@ -55,6 +55,18 @@ def assert_close(out, ref, dtype, mode: str) -> None:
     np.testing.assert_allclose(out, ref, atol=tol, rtol=tol)
 
 
+def assert_unwritten_rows_kept(slots, *caches) -> None:
+    """Cache rows ([pages, page_size, ...]) no token wrote (slot < 0 writes nothing) keep their contents exactly:
+    each (cache after the call, float32 numpy copy from before it)."""
+    slots = np.asarray(slots)
+    shape = caches[0][1].shape[:2]
+    written = np.zeros(shape, bool).reshape(-1)
+    written[slots[slots >= 0]] = True
+    kept = ~written.reshape(shape)
+    for after, before in caches:
+        np.testing.assert_array_equal(np.asarray(after.astype(jnp.float32))[kept], before[kept])
+
+
 def lower_for_cuda(fn, *shapes) -> str:
     """Lower `fn` for CUDA on a machine without a GPU and return the module text: the Pallas Triton
     lowering (our kernel -> Triton IR) runs, against an abstract H100. (PTX compilation happens on the

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from pallas_kernels.norm_qkv_rope import check_supported, norm_qkv_rope_write, norm_qkv_rope_write_reference
-from tests.kernels.conftest import HAS_GPU, MODES, assert_close
+from tests.kernels.conftest import HAS_GPU, MODES, assert_close, assert_unwritten_rows_kept
 from tests.kernels.test_qkv_rope import _inputs as qkv_rope_inputs
 
 # (tokens, hidden, heads, kv_heads, head_dim, page_size, qk_norm, dtype)
@@ -52,12 +52,7 @@ def test_matches_reference(mode, splits, tokens, hidden, heads, kv_heads, dim, p
     assert_close(q, rq, dtype, mode)
     assert_close(kc, rk, dtype, mode)
     assert_close(vc, rv, dtype, mode)
-    # rows not written keep their contents exactly (padding wrote nothing)
-    slots = np.asarray(args[5])
-    written = np.zeros(before_k.shape[:2], bool).reshape(-1)
-    written[slots[slots >= 0]] = True
-    kept = ~written.reshape(before_k.shape[:2])
-    np.testing.assert_array_equal(np.asarray(kc.astype(jnp.float32))[kept], before_k[kept])
+    assert_unwritten_rows_kept(args[5], (kc, before_k))  # padding wrote nothing
 
 
 def test_default_k_splits():
