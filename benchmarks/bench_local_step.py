@@ -16,7 +16,12 @@ kernels keep their speed at the narrower shapes, apart from communication. Varia
 - no_qkv_rope: q/k norm, RoPE and the K/V write as XLA ops instead of the qkv_rope kernel;
 - no_merge: the decode kernel's split-K partials merged by XLA instead of the merge kernel;
 - unfused: both of the above;
-- router_kernel: a MoE block's norm + router projection as one Pallas kernel (`ops.MOE_ROUTER_KERNEL_TOKENS`);
+- no_front: a MoE block's norm + router + routing as XLA ops and the routing kernel instead of one kernel
+  (`ops.MOE_FRONT_MAX_TOKENS` 0);
+- front{N}_w{W}_s{S}: that kernel (`moe_router.moe_norm_route`) for steps of up to N tokens (`ops.MOE_FRONT_MAX_TOKENS`;
+  N omitted: the default) at W warps and S K splits (the `_w{W}_s{S}` omitted or S 0: its defaults);
+- router_kernel: a MoE block's norm + router projection as one Pallas kernel (`ops.MOE_ROUTER_KERNEL_TOKENS`,
+  with no_front's routing);
 - route_w{N}: the MoE routing kernel at N warps (default 4 for decode steps);
 - router_kernel_w{N}: both;
 - no_norm_qkv: the input norm and q|k|v projection as XLA ops, then the qkv_rope kernel, instead of the
@@ -45,6 +50,7 @@ import jax
 import numpy as np
 
 import pallas_kernels.fused_mlp as fused_mlp
+import pallas_kernels.moe_router as moe_router
 import pallas_kernels.moe_routing as moe_routing
 import pallas_kernels.norm_qkv_rope as norm_qkv_rope
 import pallas_kernels.paged_attention as paged_attention
@@ -74,6 +80,9 @@ def variant(name: str):
     saved_nqkv_splits = ops_module.NORM_QKV_K_SPLITS
     saved_target = paged_attention.TARGET_PROGRAMS
     saved_router, saved_route = ops_module.MOE_ROUTER_KERNEL_TOKENS, moe_routing.moe_route
+    saved_front, saved_front_tokens = moe_router.moe_norm_route, ops_module.MOE_FRONT_MAX_TOKENS
+    if name.startswith(("router_kernel", "route_w", "no_front")):
+        ops_module.MOE_FRONT_MAX_TOKENS = 0
     if name.startswith("router_kernel"):
         ops_module.MOE_ROUTER_KERNEL_TOKENS = 64
     if name.startswith(("route_w", "router_kernel_w")):
@@ -82,8 +91,14 @@ def variant(name: str):
         ops_module.QKV_ROPE_MAX_TOKENS = 0
     if name in ("no_merge", "unfused"):
         paged_attention.paged_decode_attention = functools.partial(saved_attn, merge_kernel=False)
-    if name in ("no_qkv_rope", "no_merge", "unfused") or name.startswith(("router_kernel", "route_w")):
+    if name in ("no_qkv_rope", "no_merge", "unfused", "no_front") or name.startswith(("router_kernel", "route_w")):
         pass
+    elif m := re.fullmatch(r"front(\d*)(?:_w(\d+)_s(\d+))?", name):
+        n, w, sp = m.groups()
+        if n:
+            ops_module.MOE_FRONT_MAX_TOKENS = int(n)
+        if w:
+            moe_router.moe_norm_route = functools.partial(saved_front, num_warps=int(w), k_splits=int(sp) or None)
     elif name == "no_norm_qkv":
         ops_module.NORM_QKV_MAX_TOKENS = 0
     elif name.startswith("attn_ppb"):
@@ -127,6 +142,7 @@ def variant(name: str):
         ops_module.NORM_QKV_K_SPLITS = saved_nqkv_splits
         paged_attention.TARGET_PROGRAMS = saved_target
         ops_module.MOE_ROUTER_KERNEL_TOKENS, moe_routing.moe_route = saved_router, saved_route
+        moe_router.moe_norm_route, ops_module.MOE_FRONT_MAX_TOKENS = saved_front, saved_front_tokens
 
 
 def kernel_summary(trace_dir: str, steps: int, top: int = 16) -> dict:
@@ -153,6 +169,7 @@ def main():
     ap.add_argument("--runs", type=int, default=5)
     ap.add_argument("--variants", nargs="+", default=["default"])
     add_profile_argument(ap)
+    ap.add_argument("--top", type=int, default=16, help="kernels listed per profiled row")
     ap.add_argument("--out")
     args = ap.parse_args()
 
@@ -189,7 +206,7 @@ def main():
                 row = {"tp": tp, "batch_size": bs, "variant": name, "step_ms": float(np.min(runs)),
                        "step_ms_runs": runs}
                 if args.profile:
-                    row.update(kernel_summary(f"{args.profile}/tp{tp}_b{bs}_{name}", args.iters))
+                    row.update(kernel_summary(f"{args.profile}/tp{tp}_b{bs}_{name}", args.iters, args.top))
                 rows.append(row)
                 print({k: v for k, v in row.items() if k != "step_ms_runs"}, flush=True)
         del w, kv

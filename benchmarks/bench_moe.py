@@ -195,9 +195,11 @@ def bench_tokens(rows: list, tokens: int, w, sweep: bool, xla_block: bool) -> No
     if xla_block:  # (slow to compile on the H100: XLA autotunes the ragged_dot fusions of the chain)
         impls.append(("xla_reference", ModelOps()))
     for name, ops in impls:
-        block = functools.partial(ops.moe_block, top_k=K, renormalize=True, eps=1e-6)
-        record(rows, {**base, "what": "block", "impl": name}, lambda x, block=block: block(x, norm, router, wg, wu, wd),
-               x, hit_bytes=hit_bytes, flops=flops)
+        def block(x, ops=ops):  # with the step's counters, as the model runs it (small steps: one front-end kernel)
+            return ops.moe_block(x, norm, router, wg, wu, wd, top_k=K, renormalize=True, eps=1e-6,
+                                 counters=ops.step_counters(x.shape[0]))[0]
+
+        record(rows, {**base, "what": "block", "impl": name}, block, x, hit_bytes=hit_bytes, flops=flops)
 
 
 def bench_front(rows: list, tokens: int, router) -> None:

@@ -1,4 +1,8 @@
-"""The MoE block's front end for decode-sized steps: RMSNorm + router projection in one kernel.
+"""The MoE block's front end for decode-sized steps, as one kernel.
+
+`moe_norm_route` (used by the engine for steps of <= 8 tokens, ops.MOE_FRONT_MAX_TOKENS): the RMSNorm, the router
+projection and the routing (moe_routing.route_body) in one launch; see its docstring. `moe_norm_router` (below,
+off by default: measured no faster) does the first two only:
 
     h = rms_norm(x) * norm_weight                 (HF rounding: normalised in fp32, cast, times the weight)
     logits = round_to_x_dtype(h @ router)         (fp32 accumulation; HF's F.linear output dtype)
@@ -23,6 +27,9 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
+from pallas_kernels.fused_mlp import rms_inverse, rms_normed, tile_rows
+from pallas_kernels.moe_routing import MoeRouting, next_pow2, num_blocks, route_body
+
 # Largest step this kernel takes (rows held in registers; larger steps keep XLA's fusions and GEMM).
 MAX_TOKENS = 64
 
@@ -32,6 +39,12 @@ def _pow2_divisor(n: int, cap: int) -> int:
     while d * 2 <= cap and n % (d * 2) == 0:
         d *= 2
     return d
+
+
+def _check_blocks(block_e: int, experts: int, block_k: int, hidden: int) -> None:
+    for name, b, n in (("block_e", block_e, experts), ("block_k", block_k, hidden)):
+        if b & (b - 1) or n % b or b < (8 if name == "block_e" else 16):
+            raise ValueError(f"{name}={b} must be a power of two dividing {n} (>= {8 if name == 'block_e' else 16})")
 
 
 def _router_kernel(x_ref, n_ref, w_ref, h_ref, l_ref, *, block_t, block_k, eps):
@@ -103,9 +116,7 @@ def moe_norm_router(x: jax.Array, norm_weight: jax.Array, router: jax.Array, *, 
         raise ValueError(f"hidden={hidden} must be a multiple of 16 and experts={experts} of 8")
     block_e = block_e or _pow2_divisor(experts, 16)
     block_k = block_k or _pow2_divisor(hidden, 256)
-    for name, b, n in (("block_e", block_e, experts), ("block_k", block_k, hidden)):
-        if b & (b - 1) or n % b or b < (8 if name == "block_e" else 16):
-            raise ValueError(f"{name}={b} must be a power of two dividing {n} (>= {8 if name == 'block_e' else 16})")
+    _check_blocks(block_e, experts, block_k, hidden)
     block_t = max(16, 1 << (tokens - 1).bit_length())
     kernel = functools.partial(_router_kernel, block_t=block_t, block_k=block_k, eps=eps)
     whole = pl.no_block_spec
@@ -120,6 +131,151 @@ def moe_norm_router(x: jax.Array, norm_weight: jax.Array, router: jax.Array, *, 
         interpret=interpret,
         name=f"moe_norm_router_t{block_t}_e{block_e}_k{block_k}",
     )(x, norm_weight, router)
+
+
+# ----------------------------------------------------------------------------------------------
+# The whole front end: norm, router, routing
+# ----------------------------------------------------------------------------------------------
+def _front_kernel(x_ref, n_ref, w_ref, _cnt_in, h_ref, ids_ref, wts_ref, rows_ref, sorted_ref, bexp_ref, brows_ref,
+                  cnt_ref, part_ref, *, block_t, block_k, k_splits, top_k, block_m, renormalize, eps, interpret):
+    # x_ref [T, H] (whole); n_ref [H]; w_ref [H, block_e]: this program's router columns, of which it reads K split
+    # `split`; h_ref [T, H] (whole, written by the programs of expert block 0, each its K split); the routing
+    # outputs as moe_routing.route_body's; cnt_ref [>= 1] int32 (counter 0: zero on entry, left zero);
+    # part_ref [S, T, E] fp32: each program's partial logits, summed by the program that arrives last.
+    tokens, hidden = x_ref.shape
+    experts = part_ref.shape[2]
+    block_e = w_ref.shape[1]
+    eb, split = pl.program_id(0), pl.program_id(1)
+    rows, real, x_cols = tile_rows(x_ref, 0, block_t)
+    inv = rms_inverse(x_cols, hidden, block_t, block_k, eps)  # [block_t]
+    steps = hidden // k_splits // block_k
+    # float32 weights (the goldens): exact products, not TF32 (bf16 inputs are exact either way)
+    precision = jax.lax.Precision.HIGHEST if x_ref.dtype == jnp.float32 else None
+
+    def body(kk, acc):
+        cols = pl.ds((split * steps + kk) * block_k, block_k)
+        hk = rms_normed(x_cols(cols, block_k), inv, n_ref[cols])
+
+        @pl.when(eb == 0)
+        def _():
+            plgpu.store(h_ref.at[rows, cols], hk, mask=jnp.broadcast_to(real[:, None], (block_t, block_k)))
+
+        return acc + plgpu.dot(hk, w_ref[cols, :], precision=precision)
+
+    acc = jax.lax.fori_loop(0, steps, body, jnp.zeros((block_t, block_e), jnp.float32))
+    plgpu.store(part_ref.at[split, rows, pl.ds(eb * block_e, block_e)], acc,
+                mask=jnp.broadcast_to(real[:, None], (block_t, block_e)))
+    if not interpret:  # every thread's partial stored before the (one-thread, acq_rel) counter increment
+        plgpu.debug_barrier()
+    ticket = plgpu.atomic_add(cnt_ref, jnp.int32(0), jnp.ones((), jnp.int32))
+
+    @pl.when(ticket == pl.num_programs(0) * k_splits - 1)
+    def _last():  # the splits summed in split order (deterministic), read past L1 (volatile), then routed
+        tp, ep = ids_ref.shape[0], next_pow2(experts)
+        t = jax.lax.broadcasted_iota(jnp.int32, (tp, ep), 0)
+        e = jax.lax.broadcasted_iota(jnp.int32, (tp, ep), 1)
+        ok = (t < tokens) & (e < experts)
+        logits = jnp.zeros((tp, ep), jnp.float32)
+        for s_ in range(k_splits):
+            s_ = jnp.int32(s_)  # an array index (the interpreter's discharge rules want one)
+            logits = logits + plgpu.load(part_ref.at[s_, pl.ds(0, tp), pl.ds(0, ep)], mask=ok, other=0,
+                                         volatile=True)
+        logits = logits.astype(x_ref.dtype).astype(jnp.float32)  # F.linear's output dtype, as the XLA path
+        logits = jnp.where(e < experts, logits, jnp.where(t < tokens, -jnp.inf, 0.0))  # padding rows finite
+        cnt_ref[0] = 0  # left zero for the next call that shares the buffer
+        route_body(logits, ids_ref, wts_ref, rows_ref, sorted_ref, bexp_ref, brows_ref, tokens=tokens,
+                   experts=experts, top_k=top_k, block_m=block_m, renormalize=renormalize)
+
+
+def front_supported(tokens: int, hidden: int, experts: int) -> str | None:
+    """Why `moe_norm_route` cannot take these shapes, or None."""
+    if not 1 <= tokens <= MAX_TOKENS:
+        return f"{tokens} tokens not in [1, {MAX_TOKENS}]"
+    if hidden % 16 or experts % 8:
+        return f"hidden {hidden} must be a multiple of 16 and experts {experts} of 8"
+    return None
+
+
+def default_front_tiling(tokens: int, hidden: int, experts: int) -> tuple[int, int, int]:
+    """(block_e, block_k, k_splits): 16 experts a program (the smallest tensor-core tile) and the K range split
+    while the step is small, so ~32 programs stream the router (at one token 8 expert blocks alone would each
+    read 64 KB in a chain of loads); at 16+ tokens the last program's partials would outweigh that."""
+    block_e = _pow2_divisor(experts, 16)
+    block_k = _pow2_divisor(hidden, 256)
+    k_splits = 1
+    while tokens <= 8 and (experts // block_e) * k_splits * 2 <= 32 and hidden % (2 * k_splits * block_k) == 0:
+        k_splits *= 2
+    return block_e, block_k, k_splits
+
+
+@functools.partial(jax.jit, static_argnames=("top_k", "renormalize", "block_m", "eps", "block_e", "block_k",
+                                             "k_splits", "num_warps", "num_stages", "interpret"))
+def moe_norm_route(x: jax.Array, norm_weight: jax.Array, router: jax.Array, counters: jax.Array, *, top_k: int,
+                   renormalize: bool, block_m: int, eps: float, block_e: int | None = None,
+                   block_k: int | None = None, k_splits: int | None = None, num_warps: int | None = None,
+                   num_stages: int = 3, interpret: bool = False) -> tuple[jax.Array, MoeRouting, jax.Array]:
+    """A decode step's MoE front end in one kernel: (h, routing, counters) where `h = rms_norm(x) * norm_weight`,
+    the router logits `h @ router` are rounded to x's dtype (HF's F.linear) and routed as `moe_routing.moe_route`
+    does (softmax in fp32, top-k, renormalised when `renormalize`, grouped by expert in blocks of `block_m`).
+
+    One program per (16 experts, K split) computes its partial logits; the program that arrives last at
+    `counters[0]` sums them in split order and routes (moe_routing.route_body). So the norm, the router's dot and
+    the routing are one launch where XLA makes ~7 kernels and the routing program an 8th.
+
+    Args:
+      x: `[tokens, hidden]`, tokens <= MAX_TOKENS; norm_weight `[hidden]`; router `[hidden, experts]`.
+      counters: int32 `[>= 1]`, counter 0 zero on entry (`ModelOps.step_counters`); returned zero again (aliased).
+      block_e, block_k, k_splits: tiling (default `default_front_tiling`); num_warps (default 4), num_stages.
+      interpret: run the Pallas interpreter (CPU tests).
+    """
+    tokens, hidden = x.shape
+    experts = router.shape[1]
+    if norm_weight.shape != (hidden,) or router.shape[0] != hidden:
+        raise ValueError(f"norm_weight must be [hidden] and router [hidden, experts]: {x.shape=} "
+                         f"{norm_weight.shape=} {router.shape=}")
+    if norm_weight.dtype != x.dtype or router.dtype != x.dtype:
+        raise ValueError(f"x, norm_weight and router must share a dtype: {x.dtype}, {norm_weight.dtype}, "
+                         f"{router.dtype}")
+    why = front_supported(tokens, hidden, experts)
+    if why is not None:
+        raise ValueError(why)
+    if not 1 <= top_k <= experts:
+        raise ValueError(f"top_k={top_k} must be in [1, experts={experts}]")
+    if block_m < 16 or block_m & (block_m - 1):
+        raise ValueError(f"block_m={block_m} must be a power of two >= 16")
+    if counters.dtype != jnp.int32 or counters.ndim != 1 or counters.shape[0] < 1:
+        raise ValueError(f"counters must be int32 [>= 1], got {counters.dtype} {counters.shape}")
+    d_e, d_k, d_s = default_front_tiling(tokens, hidden, experts)
+    block_e, block_k, k_splits = block_e or d_e, block_k or d_k, k_splits or d_s
+    _check_blocks(block_e, experts, block_k, hidden)
+    if hidden % (block_k * k_splits):
+        raise ValueError(f"block_k {block_k} x k_splits {k_splits} must divide hidden {hidden}")
+    tp, kp = next_pow2(tokens), next_pow2(top_k)
+    nb = num_blocks(tokens * top_k, experts, block_m)
+    block_t = max(16, tp)
+    kernel = functools.partial(_front_kernel, block_t=block_t, block_k=block_k, k_splits=k_splits, top_k=top_k,
+                               block_m=block_m, renormalize=renormalize, eps=eps, interpret=interpret)
+    i32, f32 = jnp.int32, jnp.float32
+    whole = pl.no_block_spec
+    h, ids, ws, rows, sorted_pairs, bexp, brows, counters, _ = pl.pallas_call(
+        kernel,
+        grid=(experts // block_e, k_splits),
+        in_specs=[whole, pl.BlockSpec((hidden,), lambda e, s: (0,)),
+                  pl.BlockSpec((hidden, block_e), lambda e, s: (0, e)), whole],
+        out_specs=[whole] * 9,
+        out_shape=[jax.ShapeDtypeStruct((tokens, hidden), x.dtype), jax.ShapeDtypeStruct((tp, kp), i32),
+                   jax.ShapeDtypeStruct((tp, kp), f32), jax.ShapeDtypeStruct((tp, kp), i32),
+                   jax.ShapeDtypeStruct((nb * block_m,), i32), jax.ShapeDtypeStruct((nb,), i32),
+                   jax.ShapeDtypeStruct((nb,), i32), jax.ShapeDtypeStruct(counters.shape, i32),
+                   jax.ShapeDtypeStruct((k_splits, tokens, experts), f32)],
+        input_output_aliases={3: 7},
+        compiler_params=plgpu.CompilerParams(num_warps=num_warps or 4, num_stages=num_stages),
+        interpret=interpret,
+        name=f"moe_norm_route_t{block_t}_e{block_e}_k{block_k}_s{k_splits}",
+    )(x, norm_weight, router, counters)
+    if (tp, kp) != (tokens, top_k):
+        ids, ws, rows = ids[:tokens, :top_k], ws[:tokens, :top_k], rows[:tokens, :top_k]
+    return h, MoeRouting(ids, ws, rows, sorted_pairs, bexp, brows), counters
 
 
 def moe_norm_router_reference(x: jax.Array, norm_weight: jax.Array, router: jax.Array, *, eps: float

@@ -64,27 +64,31 @@ def num_blocks(num_pairs: int, num_experts: int, block_m: int) -> int:
     return pl.cdiv(num_pairs, block_m) + min(num_experts, num_pairs)
 
 
-def _next_pow2(n: int) -> int:
+def next_pow2(n: int) -> int:
     return 1 << max(0, (n - 1).bit_length())
 
 
 # ----------------------------------------------------------------------------------------------
 # Kernel body
 # ----------------------------------------------------------------------------------------------
-def _route_kernel(logits_ref, ids_ref, w_ref, rows_ref, sorted_ref, bexp_ref, brows_ref, *, tokens, experts,
-                  top_k, block_m, renormalize):
-    # logits_ref [Tp, Ep] f32 (padding columns -inf); ids_ref / w_ref / rows_ref [Tp, Kp] (out);
-    # sorted_ref [M] (out, scattered); bexp_ref / brows_ref [NB] (out, NB <= NBp, stored masked). Every
-    # dim of a value here is a power of two.
-    tp, ep = logits_ref.shape
+def _route_kernel(logits_ref, *out_refs, **kw):
+    # logits_ref [Tp, Ep] f32 (padding columns -inf, padding rows finite)
+    route_body(logits_ref[...], *out_refs, **kw)
+
+
+def route_body(logits, ids_ref, w_ref, rows_ref, sorted_ref, bexp_ref, brows_ref, *, tokens, experts, top_k,
+               block_m, renormalize):
+    """The routing program's work on its logits [Tp, Ep] f32 (padding columns -inf, padding rows finite), also the
+    tail of moe_router.moe_norm_route. ids_ref / w_ref / rows_ref [Tp, Kp] (out); sorted_ref [M] (out, scattered);
+    bexp_ref / brows_ref [NB] (out, NB <= NBp, stored masked). Every dim of a value here is a power of two."""
+    tp, ep = logits.shape
     kp = ids_ref.shape[1]
     nb = bexp_ref.shape[0]
-    nbp = _next_pow2(nb)
+    nbp = next_pow2(nb)
     t = lax.broadcasted_iota(jnp.int32, (tp, ep), 0)  # [Tp, Ep]
     e = lax.broadcasted_iota(jnp.int32, (tp, ep), 1)  # [Tp, Ep]
     slot = lax.broadcasted_iota(jnp.int32, (tp, kp), 1)  # [Tp, Kp]
     live = t < tokens  # [Tp, Ep]
-    logits = logits_ref[...]
     m = jnp.max(logits, axis=1, keepdims=True)
     p = jnp.exp(logits - m)
     p = p / jnp.sum(p, axis=1, keepdims=True)  # [Tp, Ep] softmax (padding experts: 0)
@@ -125,13 +129,26 @@ def _route_kernel(logits_ref, ids_ref, w_ref, rows_ref, sorted_ref, bexp_ref, br
     w_ref[...] = ws
     rows_ref[...] = rows
 
+    b1 = lax.broadcasted_iota(jnp.int32, (nbp,), 0)
+    if tokens <= block_m:
+        # every expert's rows fit one block (a token picks an expert once): expert e, when hit, owns block
+        # blk_start[e], and the blocks from the used count on are unused. Scattered: [Ep] values, where the general
+        # table below takes [NBp, Ep] tiles (at 8 tokens, 128 x 128: most of the program's time).
+        hit_e = counts > 0  # [Ep]
+        at = jnp.where(hit_e, blk_start, nb - 1)  # masked lanes aim at the spare last block, stored after
+        plgpu.store(bexp_ref.at[at], lax.broadcasted_iota(jnp.int32, (ep,), 0), mask=hit_e)
+        plgpu.store(brows_ref.at[at], counts, mask=hit_e)
+        tail = (b1 >= jnp.sum(nblk)) & (b1 < nb)
+        plgpu.store(bexp_ref.at[pl.ds(0, nbp)], jnp.full((nbp,), -1, jnp.int32), mask=tail)
+        plgpu.store(brows_ref.at[pl.ds(0, nbp)], jnp.zeros((nbp,), jnp.int32), mask=tail)
+        return
     # block table: block b belongs to the first expert whose blocks end after b
     b = lax.broadcasted_iota(jnp.int32, (nbp, ep), 0)  # [NBp, Ep]
     eb = jnp.sum((blk_end[None, :] <= b).astype(jnp.int32), axis=1, keepdims=True)  # [NBp, 1]
     hit = lax.broadcasted_iota(jnp.int32, (nbp, ep), 1) == eb
     cnt_b = jnp.sum(jnp.where(hit, counts[None, :], 0), axis=1, keepdims=True)
     start_b = jnp.sum(jnp.where(hit, blk_start[None, :], 0), axis=1, keepdims=True)
-    b1 = lax.broadcasted_iota(jnp.int32, (nbp, 1), 0)
+    b1 = b1[:, None]
     used = eb < experts
     keep = b1[:, 0] < nb  # (outputs are exactly [NB]: a padded one cost a copy kernel to slice)
     plgpu.store(bexp_ref.at[pl.ds(0, nbp)], jnp.where(used, eb, -1)[:, 0], mask=keep)
@@ -144,7 +161,7 @@ def _route_kernel(logits_ref, ids_ref, w_ref, rows_ref, sorted_ref, bexp_ref, br
 # ----------------------------------------------------------------------------------------------
 def _route_call(logits, top_k, renormalize, block_m, num_warps, interpret):
     tokens, experts = logits.shape
-    tp, ep, kp = _next_pow2(tokens), _next_pow2(experts), _next_pow2(top_k)
+    tp, ep, kp = next_pow2(tokens), next_pow2(experts), next_pow2(top_k)
     nb = num_blocks(tokens * top_k, experts, block_m)
     x = logits.astype(jnp.float32)
     if (tp, ep) != (tokens, experts):

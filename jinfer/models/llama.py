@@ -175,12 +175,14 @@ def _attention(layer: LayerWeights, x: jax.Array, cos, sin, kv, batch: Batch, cf
     return ops.out_proj(out.reshape(T, H * D), layer.wo, x), (k_cache, v_cache), counters
 
 
-def dense_mlp(layer: LayerWeights, i: int, x: jax.Array, cfg: ModelConfig, ops: ModelOps) -> jax.Array:
-    """x + SwiGLU(rms_norm(x)): the dense families' MLP block."""
-    return ops.mlp_block(x, layer.mlp_norm, layer.w_gate, layer.w_up, layer.w_down, cfg.rms_norm_eps)
+def dense_mlp(layer: LayerWeights, i: int, x: jax.Array, cfg: ModelConfig, ops: ModelOps,
+              counters: jax.Array | None = None) -> tuple[jax.Array, jax.Array | None]:
+    """x + SwiGLU(rms_norm(x)): the dense families' MLP block (the step's counters passed on)."""
+    return ops.mlp_block(x, layer.mlp_norm, layer.w_gate, layer.w_up, layer.w_down, cfg.rms_norm_eps), counters
 
 
-MlpFn = Callable[[LayerWeights, int, jax.Array, ModelConfig, ModelOps], jax.Array]
+MlpFn = Callable[[LayerWeights, int, jax.Array, ModelConfig, ModelOps, jax.Array | None],
+                 tuple[jax.Array, jax.Array | None]]
 
 
 def forward(
@@ -198,7 +200,7 @@ def decoder_forward(weights: Weights, batch: Batch, kv_cache: tuple[tuple[jax.Ar
                     cfg: ModelConfig, ops: ModelOps, mlp: MlpFn
                     ) -> tuple[jax.Array, tuple[tuple[jax.Array, jax.Array], ...]]:
     """The decoder every family shares: embedding, per layer attention then the family's `mlp` block
-    (`mlp(layer, i, x, cfg, ops) -> x + mlp(norm(x))`), final norm and lm_head.
+    (`mlp(layer, i, x, cfg, ops, counters) -> (x + mlp(norm(x)), counters)`), final norm and lm_head.
 
     Layers are unrolled in Python (one executable, no scan): measured faster than `lax.scan` over
     stacked weights for decode on the H100.
@@ -212,7 +214,7 @@ def decoder_forward(weights: Weights, batch: Batch, kv_cache: tuple[tuple[jax.Ar
     counters = ops.step_counters(x.shape[0])
     for i, (layer, kv) in enumerate(zip(weights.layers, kv_cache, strict=True)):
         x, kv, counters = _attention(layer, x, cos, sin, kv, batch, cfg, ops, counters)
-        x = mlp(layer, i, x, cfg, ops)
+        x, counters = mlp(layer, i, x, cfg, ops, counters)
         new_cache.append(kv)
     x = rms_norm(x[batch.logits_indices], weights.final_norm, cfg.rms_norm_eps)  # [N, hidden]
     head = weights.embed.T if weights.lm_head is None else weights.lm_head

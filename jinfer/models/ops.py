@@ -19,7 +19,8 @@ benchmarks/results/kernels_h100.json:
 - MLP: the fused Pallas kernel only where it beat XLA (`PALLAS_MLP_TOKENS`); XLA's fusion elsewhere;
 - projections around attention: on one device, steps of <= NORM_QKV_MAX_TOKENS tokens run norm + q|k|v + q/k
   norm + RoPE + the K/V write as one kernel (`norm_qkv_rope_write`); XLA's GEMMs otherwise, and for o.
-- mixture-of-experts MLP (`moe_block`): the router matmul in XLA, then the routing kernel and the
+- mixture-of-experts MLP (`moe_block`): the norm, router matmul and routing as one kernel in small steps
+  (pallas_kernels/moe_router.py: `moe_norm_route`), else the router matmul in XLA and the routing kernel; then the
   two grouped GEMMs of pallas_kernels/moe_routing.py and moe_gemm.py over the expert-grouped layout,
   with `moe_block_m` rows per block; the reference is `layers.moe_mlp` (`lax.ragged_dot`).
 The layer's norms and residual adds belong to these ops (`qkv`, `out_proj`, `mlp_block`, `moe_block`),
@@ -89,6 +90,12 @@ STEP_COUNTERS = 1024  # ModelOps.step_counters: one per program group (a head of
 # ms: moe_front_sweep_h100_5cfb2c2.txt). JINFER_MOE_ROUTER_KERNEL_TOKENS=64 turns it on for measurements (part of
 # the executable cache's key, as JINFER_PALLAS_MLP_TOKENS).
 MOE_ROUTER_KERNEL_TOKENS = int(os.environ.get("JINFER_MOE_ROUTER_KERNEL_TOKENS", "0"))
+# Steps of at most this many tokens run a MoE block's whole front end, RMSNorm + router + routing, as one kernel
+# (moe_router.moe_norm_route, its last program routing: one launch for XLA's ~7 kernels and the routing program).
+# Qwen3-30B-A3B decode steps on the H100 (bench_local_step, local_step_front*_qwen3-30b-a3b_h100.json): 3.60-3.63 vs
+# 3.89 ms at batch 1, 4.19-4.28 vs 4.31 at 8; slower at 16 (5.23 vs 4.83: one K split there, 8 programs) and 32.
+# JINFER_MOE_FRONT_TOKENS overrides it for measurements (part of the executable cache's key).
+MOE_FRONT_MAX_TOKENS = int(os.environ.get("JINFER_MOE_FRONT_TOKENS", "8"))
 MOSAIC_MOE_MIN_ROWS_PER_EXPERT = 128
 MOSAIC_MOE_BLOCK_M = 128
 
@@ -146,9 +153,9 @@ class ModelOps:
 
     def step_counters(self, tokens: int) -> jax.Array | None:
         """A step's zeroed int32 counters for the split-K kernels that finish in their last program
-        (`norm_qkv_rope_write`): made once per step (one memset), passed from layer to layer, each kernel
+        (`norm_qkv_rope_write`, `moe_norm_route`): made once per step (one memset), passed from layer to layer, each kernel
         leaving them zero. None where no kernel takes them."""
-        if self.backend != "pallas" or tokens > NORM_QKV_MAX_TOKENS:
+        if self.backend != "pallas" or tokens > max(NORM_QKV_MAX_TOKENS, MOE_FRONT_MAX_TOKENS):
             return None
         return jnp.zeros((STEP_COUNTERS,), jnp.int32)
 
@@ -316,15 +323,33 @@ class ModelOps:
         return x + self.reduce(swiglu_mlp(rms_norm(x, norm, eps), w_gate, w_up, w_down))
 
     def moe_block(self, x: jax.Array, norm: jax.Array, router: jax.Array, w_gate: jax.Array, w_up: jax.Array,
-                  w_down: jax.Array, *, top_k: int, renormalize: bool, eps: float) -> jax.Array:
-        """x + moe(rms_norm(x)); x: [T, hidden]; router: [hidden, E]; experts stacked [E, ...].
+                  w_down: jax.Array, *, top_k: int, renormalize: bool, eps: float, counters: jax.Array | None = None
+                  ) -> tuple[jax.Array, jax.Array | None]:
+        """(x + moe(rms_norm(x)), counters); x: [T, hidden]; router: [hidden, E]; experts stacked [E, ...].
+        counters: the step's (`step_counters`), passed on; with them a small step's norm, router and routing are
+        one kernel (`moe_norm_route`).
 
         Sharded (`axis`), the experts here are this device's: their intermediate columns (tensor
         parallel) or, when there are fewer of them than the router's E, experts [e0, e0 + E_local)
         (expert parallel). Every device routes every token; the psum adds the partial outputs.
         """
+        from pallas_kernels.moe_router import front_supported
+
         num_experts, hidden, inter = w_gate.shape
-        if self.backend == "pallas" and use_router_kernel(x.shape[0], router):
+        tokens = x.shape[0]
+        first = None  # expert parallel: the id of this device's first expert
+        if num_experts != router.shape[1]:
+            first = jax.lax.axis_index(self.axis) * num_experts
+        kernels = self.backend == "pallas" and hidden % 16 == 0 and inter % 16 == 0
+        routing = None
+        if kernels and counters is not None and tokens <= MOE_FRONT_MAX_TOKENS \
+                and front_supported(tokens, hidden, router.shape[1]) is None:
+            from pallas_kernels.moe_router import moe_norm_route
+
+            h, routing, counters = moe_norm_route(x, norm, router, counters, top_k=top_k, renormalize=renormalize,
+                                                  block_m=moe_block_m(tokens * top_k, router.shape[1]), eps=eps,
+                                                  interpret=self.interpret)
+        elif self.backend == "pallas" and use_router_kernel(tokens, router):
             from pallas_kernels.moe_router import moe_norm_router
 
             h, logits = moe_norm_router(x, norm, router, eps=eps, interpret=self.interpret)  # logits: f32 [T, E]
@@ -332,27 +357,24 @@ class ModelOps:
             h = rms_norm(x, norm, eps)
             # router logits rounded to the activation dtype, as HF's F.linear (and vLLM) produce them
             logits = project(h, router, preferred_element_type=jnp.float32).astype(h.dtype)  # [T, E]
-        first = None  # expert parallel: the id of this device's first expert
-        if num_experts != logits.shape[1]:
-            first = jax.lax.axis_index(self.axis) * num_experts
-        if self.backend == "reference" or hidden % 16 or inter % 16:
-            return x + self.reduce(moe_mlp(h, logits, w_gate, w_up, w_down, top_k, renormalize, first))
+        if not kernels:
+            return x + self.reduce(moe_mlp(h, logits, w_gate, w_up, w_down, top_k, renormalize, first)), counters
         from pallas_kernels.moe_gemm import moe_combine, moe_down, moe_gate_up
         from pallas_kernels.moe_routing import local_experts, moe_route
 
-        if self.mosaic_prefill and x.shape[0] * top_k >= MOSAIC_MOE_MIN_ROWS_PER_EXPERT * logits.shape[1]:
+        if routing is None and self.mosaic_prefill and tokens * top_k >= MOSAIC_MOE_MIN_ROWS_PER_EXPERT * logits.shape[1]:
             out = self._moe_mgpu(h, logits, w_gate, w_up, w_down, top_k, renormalize, first)
             if out is not None:
-                return x + self.reduce(out)
-        block_m = moe_block_m(x.shape[0] * top_k, logits.shape[1])
-        routing = moe_route(logits, top_k=top_k, renormalize=renormalize, block_m=block_m,
-                            interpret=self.interpret)
+                return x + self.reduce(out), counters
+        if routing is None:
+            routing = moe_route(logits, top_k=top_k, renormalize=renormalize,
+                                block_m=moe_block_m(tokens * top_k, logits.shape[1]), interpret=self.interpret)
         mine = None
         if first is not None:
             routing, mine = local_experts(routing, first, num_experts)
         act = moe_gate_up(h, routing, w_gate, w_up, interpret=self.interpret)
         y = moe_down(act, routing, w_down, interpret=self.interpret)
-        return x + self.reduce(moe_combine(y, top_k, x.dtype, mine))
+        return x + self.reduce(moe_combine(y, top_k, x.dtype, mine)), counters
 
     def _moe_mgpu(self, h, logits, w_gate, w_up, w_down, top_k, renormalize, first):
         """The experts on the Mosaic GPU grouped GEMM (`moe_experts_mgpu`); None where the kernel does not

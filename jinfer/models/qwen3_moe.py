@@ -48,11 +48,13 @@ def weight_specs(cfg: ModelConfig) -> dict[str, ArrayInfo]:
     return llama.weight_specs(cfg, layer_specs)
 
 
-def moe_or_dense_mlp(layer: LayerWeights, i: int, x: jax.Array, cfg: ModelConfig, ops: ModelOps) -> jax.Array:
+def moe_or_dense_mlp(layer: LayerWeights, i: int, x: jax.Array, cfg: ModelConfig, ops: ModelOps,
+                     counters: jax.Array | None = None) -> tuple[jax.Array, jax.Array | None]:
     if not cfg.is_moe_layer(i):
-        return llama.dense_mlp(layer, i, x, cfg, ops)
+        return llama.dense_mlp(layer, i, x, cfg, ops, counters)
     return ops.moe_block(x, layer.mlp_norm, layer.router, layer.w_gate, layer.w_up, layer.w_down,
-                         top_k=cfg.num_experts_per_tok, renormalize=cfg.norm_topk_prob, eps=cfg.rms_norm_eps)
+                         top_k=cfg.num_experts_per_tok, renormalize=cfg.norm_topk_prob, eps=cfg.rms_norm_eps,
+                         counters=counters)
 
 
 def forward(

@@ -137,3 +137,22 @@ def test_moe_router_kernel_matches_hf(monkeypatch):
     check_prompt_and_decodes(step, w, empty_cache(cfg), gold, 0)
     check_batched_chunked_prefill(step, w, empty_cache(cfg), gold)
     assert traced and all(traced), traced  # every MoE layer of every step took the kernel
+
+
+def test_moe_front_kernel_matches_hf(monkeypatch):
+    """A MoE block's norm + router + routing as one Pallas kernel (`moe_norm_route`, for steps of up to
+    `ops.MOE_FRONT_MAX_TOKENS` tokens: here every step it takes, prefill chunks too): prefill, every decode step and
+    batched chunked prefill still match HF, and the kernel ran."""
+    import pallas_kernels.moe_router as moe_router
+    from jinfer.models import ops as ops_module
+
+    monkeypatch.setattr(ops_module, "MOE_FRONT_MAX_TOKENS", moe_router.MAX_TOKENS)
+    cfg, w, gold = load("qwen3_moe")
+    w = fuse_qkv(cfg, w)
+    traced = []
+    real = moe_router.moe_norm_route
+    monkeypatch.setattr(moe_router, "moe_norm_route", lambda x, *a, **k: traced.append(x.shape[0]) or real(x, *a, **k))
+    step = jax.jit(partial(forward, cfg=cfg, ops=OPS["pallas"]), donate_argnames=("kv_cache",))
+    check_prompt_and_decodes(step, w, empty_cache(cfg), gold, 0)
+    check_batched_chunked_prefill(step, w, empty_cache(cfg), gold)
+    assert 1 in traced and max(traced) > 1, traced  # decode steps and prefill chunks took the kernel
