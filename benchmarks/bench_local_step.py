@@ -81,7 +81,6 @@ def variant(name: str):
     saved_target = paged_attention.TARGET_PROGRAMS
     saved_router, saved_route = ops_module.MOE_ROUTER_KERNEL_TOKENS, moe_routing.moe_route
     saved_front, saved_front_tokens = moe_router.moe_norm_route, ops_module.MOE_FRONT_MAX_TOKENS
-    saved_combine = ops_module.MOE_DOWN_COMBINE_MAX_TOKENS
     if name.startswith(("router_kernel", "route_w", "no_front")):
         ops_module.MOE_FRONT_MAX_TOKENS = 0
     if name.startswith("router_kernel"):
@@ -94,8 +93,6 @@ def variant(name: str):
         paged_attention.paged_decode_attention = functools.partial(saved_attn, merge_kernel=False)
     if name in ("no_qkv_rope", "no_merge", "unfused", "no_front") or name.startswith(("router_kernel", "route_w")):
         pass
-    elif name == "no_combine":
-        ops_module.MOE_DOWN_COMBINE_MAX_TOKENS = 0
     elif m := re.fullmatch(r"front(\d*)(?:_w(\d+)_s(\d+))?", name):
         n, w, sp = m.groups()
         if n:
@@ -146,7 +143,6 @@ def variant(name: str):
         paged_attention.TARGET_PROGRAMS = saved_target
         ops_module.MOE_ROUTER_KERNEL_TOKENS, moe_routing.moe_route = saved_router, saved_route
         moe_router.moe_norm_route, ops_module.MOE_FRONT_MAX_TOKENS = saved_front, saved_front_tokens
-        ops_module.MOE_DOWN_COMBINE_MAX_TOKENS = saved_combine
 
 
 def kernel_summary(trace_dir: str, steps: int, top: int = 16) -> dict:

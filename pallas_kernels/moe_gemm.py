@@ -70,16 +70,9 @@ def _gate_up_kernel(bexp_ref, brows_ref, sorted_ref, x_ref, wg_ref, wu_ref, h_re
         h_ref[pl.ds(b * block_m, block_m), cols] = (g * jax.nn.sigmoid(g) * u).astype(h_ref.dtype)
 
 
-def _down_kernel(bexp_ref, brows_ref, sorted_ref, w_ref, h_ref, wd_ref, *refs, block_m, block_n, block_k,
-                 top_k=0, interpret=False):
+def _down_kernel(bexp_ref, brows_ref, sorted_ref, w_ref, h_ref, wd_ref, y_ref, *, block_m, block_n, block_k):
     # w_ref [T*k] fp32 routing weights by pair; h_ref [M, I]; wd_ref [E, I, N];
-    # y_ref [T*k + 1, N] (out, by pair; the last row takes the masked-out lanes' addresses, never written).
-    # With top_k (the combine): x_ref [T, N] the residual, cnt_ref [>= N / block_n] int32 (zero on entry, left zero),
-    # o_ref [T, N] = x + the k-sum, written by the program that arrives last at its column tile's counter.
-    if top_k:
-        x_ref, _cnt_in, y_ref, o_ref, cnt_ref = refs
-    else:
-        (y_ref,) = refs
+    # y_ref [T*k + 1, N] (out, by pair; the last row takes the masked-out lanes' addresses, never written)
     expert, valid, pairs = _block(bexp_ref, brows_ref, sorted_ref, block_m)
     b, n = pl.program_id(0), pl.program_id(1)
     cols = pl.ds(n * block_n, block_n)
@@ -98,31 +91,6 @@ def _down_kernel(bexp_ref, brows_ref, sorted_ref, w_ref, h_ref, wd_ref, *refs, b
         dest = jnp.where(valid, pairs, y_ref.shape[0] - 1)[:, None]  # [bm, 1]
         col_ids = (n * block_n + jnp.arange(block_n, dtype=jnp.int32))[None, :]  # [1, bn]
         plgpu.store(y_ref.at[dest, col_ids], acc.astype(y_ref.dtype), mask=valid[:, None])
-
-    if not top_k:
-        return
-    if not interpret:  # every thread's rows stored before the (one-thread, acq_rel) counter increment
-        plgpu.debug_barrier()
-    ticket = plgpu.atomic_add(cnt_ref, n, jnp.ones((), jnp.int32))  # unused blocks count too: all arrive
-
-    @pl.when(ticket == pl.num_programs(0) - 1)
-    def _last():  # this column tile of every token: its k slots summed in slot order (read past L1), plus x
-        tokens = o_ref.shape[0]
-        tp = max(1, 1 << (tokens - 1).bit_length())
-        t = jnp.arange(tp, dtype=jnp.int32)
-        real = jnp.broadcast_to((t < tokens)[:, None], (tp, block_n))
-        col_ids = (n * block_n + jnp.arange(block_n, dtype=jnp.int32))[None, :]
-        t_ids = jnp.minimum(t, tokens - 1)[:, None]  # [tp, 1] (padding rows read token T-1, masked)
-        acc = jnp.zeros((tp, block_n), jnp.float32)
-        for j in range(top_k):
-            acc = acc + plgpu.load(y_ref.at[t_ids * top_k + j, col_ids], mask=real, other=0,
-                                   volatile=True).astype(jnp.float32)
-        rows, cols = pl.ds(0, tp), pl.ds(n * block_n, block_n)  # (slices: masked rows past T write nothing)
-        x = plgpu.load(x_ref.at[rows, cols], mask=real, other=0).astype(jnp.float32)
-        # the k-sum rounded to the output dtype, then the residual add rounded: what XLA's combine + add do
-        plgpu.store(o_ref.at[rows, cols], (x + acc.astype(o_ref.dtype).astype(jnp.float32)).astype(o_ref.dtype),
-                    mask=real)
-        cnt_ref[n] = 0  # left zero for the next call that shares the buffer
 
 
 # ----------------------------------------------------------------------------------------------
@@ -186,32 +154,6 @@ def _down_call(h, routing, w_down, *, block_n, block_k, num_warps, num_stages, i
         name=f"moe_down_m{bm}_n{block_n}_k{block_k}",
     )(routing.block_expert, routing.block_rows, routing.sorted_pairs, routing.topk_weights.reshape(-1), h,
       w_down)[:pairs]  # (the slice fuses into the consumer's k-sum)
-
-
-def _down_combine_call(h, routing, w_down, residual, counters, *, block_n, block_k, num_warps, num_stages,
-                       interpret):
-    _, k = h.shape
-    n = w_down.shape[2]
-    bm = routing.block_m
-    block_n, block_k, num_warps, num_stages = _launch(bm, k, n, block_n, block_k, num_warps, num_stages)
-    pairs = routing.topk_ids.size
-    kernel = functools.partial(_down_kernel, block_m=bm, block_n=block_n, block_k=block_k, top_k=routing.top_k,
-                               interpret=interpret)
-    whole = pl.no_block_spec
-    _, out, counters = pl.pallas_call(
-        kernel,
-        grid=(routing.block_expert.shape[0], n // block_n),
-        in_specs=[whole] * 8,
-        out_specs=[whole] * 3,
-        out_shape=[jax.ShapeDtypeStruct((pairs + 1, n), h.dtype), jax.ShapeDtypeStruct(residual.shape, residual.dtype),
-                   jax.ShapeDtypeStruct(counters.shape, jnp.int32)],
-        input_output_aliases={7: 2},
-        compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),
-        interpret=interpret,
-        name=f"moe_down_combine_m{bm}_n{block_n}_k{block_k}",
-    )(routing.block_expert, routing.block_rows, routing.sorted_pairs, routing.topk_weights.reshape(-1), h,
-      w_down, residual, counters)
-    return out, counters
 
 
 def _check_routing(routing: MoeRouting):
@@ -282,19 +224,6 @@ def moe_down(h: jax.Array, routing: MoeRouting, w_down: jax.Array, *, block_n: i
         raise ValueError(f"intermediate and hidden must be multiples of 16: {w_down.shape=}")
     return _down_call(h, routing, w_down, block_n=block_n, block_k=block_k, num_warps=num_warps,
                       num_stages=num_stages, interpret=interpret)
-
-
-@functools.partial(jax.jit, static_argnames=_TUNING)
-def moe_down_combine(h: jax.Array, routing: MoeRouting, w_down: jax.Array, residual: jax.Array, counters: jax.Array,
-                     *, block_n: int | None = None, block_k: int | None = None, num_warps: int | None = None,
-                     num_stages: int | None = None, interpret: bool = False) -> tuple[jax.Array, jax.Array]:
-    """`residual + moe_combine(moe_down(h, routing, w_down))` in one kernel -> (out [T, hidden], counters)."""
-    tiles = w_down.shape[2] // _launch(routing.block_m, h.shape[1], w_down.shape[2], block_n, block_k, num_warps,
-                                       num_stages)[0]
-    if counters.dtype != jnp.int32 or counters.ndim != 1 or counters.shape[0] < tiles:
-        raise ValueError(f"counters must be int32 [>= {tiles}], got {counters.dtype} {counters.shape}")
-    return _down_combine_call(h, routing, w_down, residual, counters, block_n=block_n, block_k=block_k,
-                              num_warps=num_warps, num_stages=num_stages, interpret=interpret)
 
 
 def moe_combine(y: jax.Array, top_k: int, dtype, mine: jax.Array | None = None) -> jax.Array:

@@ -96,7 +96,6 @@ MOE_ROUTER_KERNEL_TOKENS = int(os.environ.get("JINFER_MOE_ROUTER_KERNEL_TOKENS",
 # 3.89 ms at batch 1, 4.19-4.28 vs 4.31 at 8; slower at 16 (5.23 vs 4.83: one K split there, 8 programs) and 32.
 # JINFER_MOE_FRONT_TOKENS overrides it for measurements (part of the executable cache's key).
 MOE_FRONT_MAX_TOKENS = int(os.environ.get("JINFER_MOE_FRONT_TOKENS", "8"))
-MOE_DOWN_COMBINE_MAX_TOKENS = int(os.environ.get("JINFER_MOE_COMBINE_TOKENS", "64"))
 MOSAIC_MOE_MIN_ROWS_PER_EXPERT = 128
 MOSAIC_MOE_BLOCK_M = 128
 
@@ -374,10 +373,6 @@ class ModelOps:
         if first is not None:
             routing, mine = local_experts(routing, first, num_experts)
         act = moe_gate_up(h, routing, w_gate, w_up, interpret=self.interpret)
-        if counters is not None and self.axis is None and tokens <= MOE_DOWN_COMBINE_MAX_TOKENS:
-            from pallas_kernels.moe_gemm import moe_down_combine
-
-            return moe_down_combine(act, routing, w_down, x, counters, interpret=self.interpret)
         y = moe_down(act, routing, w_down, interpret=self.interpret)
         return x + self.reduce(moe_combine(y, top_k, x.dtype, mine)), counters
 
