@@ -20,10 +20,7 @@ kernels keep their speed at the narrower shapes, apart from communication. Varia
   (`ops.MOE_FRONT_MAX_TOKENS` 0);
 - front{N}_w{W}_s{S}: that kernel (`moe_router.moe_norm_route`) for steps of up to N tokens (`ops.MOE_FRONT_MAX_TOKENS`;
   N omitted: the default) at W warps and S K splits (the `_w{W}_s{S}` omitted or S 0: its defaults);
-- router_kernel: a MoE block's norm + router projection as one Pallas kernel (`ops.MOE_ROUTER_KERNEL_TOKENS`,
-  with no_front's routing);
-- route_w{N}: the MoE routing kernel at N warps (default 4 for decode steps);
-- router_kernel_w{N}: both;
+- route_w{N}: no_front, with the MoE routing kernel at N warps (default 4 for decode steps);
 - no_norm_qkv: the input norm and q|k|v projection as XLA ops, then the qkv_rope kernel, instead of the
   norm_qkv_rope kernel (`ops.NORM_QKV_MAX_TOKENS` 0);
 - nqkv_k{K}_w{W}_s{S}: the norm_qkv_rope kernel at block_k K, W warps, S pipeline stages;
@@ -79,19 +76,17 @@ def variant(name: str):
     saved_nqkv, saved_nqkv_tokens = norm_qkv_rope.norm_qkv_rope_write, ops_module.NORM_QKV_MAX_TOKENS
     saved_nqkv_splits = ops_module.NORM_QKV_K_SPLITS
     saved_target = paged_attention.TARGET_PROGRAMS
-    saved_router, saved_route = ops_module.MOE_ROUTER_KERNEL_TOKENS, moe_routing.moe_route
+    saved_route = moe_routing.moe_route
     saved_front, saved_front_tokens = moe_router.moe_norm_route, ops_module.MOE_FRONT_MAX_TOKENS
-    if name.startswith(("router_kernel", "route_w", "no_front")):
+    if name.startswith(("route_w", "no_front")):
         ops_module.MOE_FRONT_MAX_TOKENS = 0
-    if name.startswith("router_kernel"):
-        ops_module.MOE_ROUTER_KERNEL_TOKENS = 64
-    if name.startswith(("route_w", "router_kernel_w")):
-        moe_routing.moe_route = functools.partial(saved_route, num_warps=int(name.rsplit("_w", 1)[1]))
+    if name.startswith("route_w"):
+        moe_routing.moe_route = functools.partial(saved_route, num_warps=int(name.removeprefix("route_w")))
     if name in ("no_qkv_rope", "unfused"):
         ops_module.QKV_ROPE_MAX_TOKENS = 0
     if name in ("no_merge", "unfused"):
         paged_attention.paged_decode_attention = functools.partial(saved_attn, merge_kernel=False)
-    if name in ("no_qkv_rope", "no_merge", "unfused", "no_front") or name.startswith(("router_kernel", "route_w")):
+    if name in ("no_qkv_rope", "no_merge", "unfused", "no_front") or name.startswith("route_w"):
         pass
     elif m := re.fullmatch(r"front(\d*)(?:_w(\d+)_s(\d+))?", name):
         n, w, sp = m.groups()
@@ -141,7 +136,7 @@ def variant(name: str):
         norm_qkv_rope.norm_qkv_rope_write, ops_module.NORM_QKV_MAX_TOKENS = saved_nqkv, saved_nqkv_tokens
         ops_module.NORM_QKV_K_SPLITS = saved_nqkv_splits
         paged_attention.TARGET_PROGRAMS = saved_target
-        ops_module.MOE_ROUTER_KERNEL_TOKENS, moe_routing.moe_route = saved_router, saved_route
+        moe_routing.moe_route = saved_route
         moe_router.moe_norm_route, ops_module.MOE_FRONT_MAX_TOKENS = saved_front, saved_front_tokens
 
 

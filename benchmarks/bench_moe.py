@@ -12,9 +12,8 @@
 "gemm" figures time the two grouped matmuls with the routing given (what torch._grouped_mm is given);
 "block" figures time the whole MoE MLP from router logits (routing included); "front" figures (`--front`,
 steps of <= 64 tokens) time the block's front end from its input x to the routing: XLA's norm + router dot +
-the routing kernel (at 1 / 2 / 4 warps), against the `moe_norm_router` kernel + the routing kernel
-(block_e 8 / 16 / 32, block_k 256 / 512, routing at its default or 1 warp); bandwidth there counts the router's
-bytes. Our times are the sum of
+the routing kernel (at 1 / 2 / 4 warps), against the `moe_norm_route` kernel (all three in one; 1 / 2 / 4 warps,
+its default K splits, 1 and 8); bandwidth there counts the router's bytes. Our times are the sum of
 the call's kernel times from CUPTI (`jax.experimental.mosaic.gpu.profiler.measure`, median of 20 calls,
 split by kernel); torch's are CUDA-event times of a CUDA graph of 10 chained calls (gaps between its
 kernels included, a few us).
@@ -44,7 +43,7 @@ from jinfer.models.layers import moe_mlp, rms_norm
 from jinfer.models.ops import ModelOps, moe_block_m, project
 from pallas_kernels.moe_gemm import moe_combine, moe_down, moe_gate_up
 from pallas_kernels.moe_router import MAX_TOKENS as ROUTER_MAX_TOKENS
-from pallas_kernels.moe_router import moe_norm_router
+from pallas_kernels.moe_router import moe_norm_route
 from pallas_kernels.moe_routing import moe_route, moe_route_reference
 
 E, H, INTER, K = 128, 2048, 768, 8
@@ -203,8 +202,8 @@ def bench_tokens(rows: list, tokens: int, w, sweep: bool, xla_block: bool) -> No
 
 
 def bench_front(rows: list, tokens: int, router) -> None:
-    """The MoE block's front end, x -> (h, routing): XLA's norm and router dot, or the moe_norm_router kernel,
-    each followed by the routing kernel; CUPTI kernel times per variant."""
+    """The MoE block's front end, x -> (h, routing): XLA's norm and router dot then the routing kernel, or the
+    moe_norm_route kernel; CUPTI kernel times per variant."""
     x = (3 * jax.random.normal(jax.random.key(tokens + 7), (tokens, H))).astype(DTYPE)
     norm = jnp.ones((H,), DTYPE)
     bm = moe_block_m(tokens * K, E)
@@ -215,16 +214,15 @@ def bench_front(rows: list, tokens: int, router) -> None:
         logits = project(h, router, preferred_element_type=jnp.float32).astype(h.dtype)
         return h, moe_route(logits, top_k=K, block_m=bm, num_warps=warps, **KW)
 
-    def kernel(x, warps=None, block_e=None, block_k=None):
-        h, logits = moe_norm_router(x, norm, router, eps=1e-6, block_e=block_e, block_k=block_k, **KW)
-        return h, moe_route(logits, top_k=K, block_m=bm, num_warps=warps, **KW)
+    def kernel(x, warps=None, k_splits=None):
+        h, routing, _ = moe_norm_route(x, norm, router, jnp.zeros((16,), jnp.int32), top_k=K, renormalize=True,
+                                       block_m=bm, eps=1e-6, num_warps=warps, k_splits=k_splits, **KW)
+        return h, routing
 
     ref_ids = np.asarray(xla(x)[1].topk_ids)
     variants = [("xla", {"warps": w}) for w in (None, 1, 2, 4)]
-    variants += [("router_kernel", {"warps": w, "block_e": be, "block_k": bk})
-                 for w, be, bk in ((None, 8, None), (None, 16, None), (None, 32, None), (None, 8, 512), (None, 16, 512),
-                                   (1, 16, None), (1, 8, None))
-                 if E % be == 0 and (bk is None or H % bk == 0)]
+    variants += [("front_kernel", {"warps": w, "k_splits": s}) for w, s in
+                 ((None, None), (1, None), (2, None), (None, 1), (None, 8)) if s is None or H % (s * 16) == 0]
     for impl, kw in variants:
         fn = functools.partial(xla if impl == "xla" else kernel, **kw)
         entry = {**base, "impl": impl, **{k: v for k, v in kw.items() if v is not None}}

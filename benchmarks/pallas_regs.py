@@ -114,18 +114,19 @@ def cases(spec: str):
         from pallas_kernels.moe_routing import moe_route
         tokens, warps = int(opts[0]), int(opts[1])
         return warps, lambda: moe_route(jnp.zeros((tokens, 128)), top_k=8, block_m=16, num_warps=warps)
-    if kind == "router":  # router:TOKENS:BLOCK_E:WARPS: Qwen3-30B-A3B's norm + router projection (2048 -> 128)
-        from pallas_kernels.moe_router import moe_norm_router
-        tokens, be, warps = int(opts[0]), int(opts[1]), int(opts[2])
-        return warps, lambda: moe_norm_router(jnp.zeros((tokens, 2048), bf16), jnp.ones(2048, bf16),
-                                              jnp.zeros((2048, 128), bf16), eps=1e-6, block_e=be, num_warps=warps)
-    raise SystemExit(f"unknown kernel {spec!r}: decode, recurrent, intra, conv, route or router")
+    if kind == "front":  # front:TOKENS:WARPS: Qwen3-30B-A3B's norm + router projection (2048 -> 128) + routing
+        from pallas_kernels.moe_router import moe_norm_route
+        tokens, warps = int(opts[0]), int(opts[1])
+        return warps, lambda: moe_norm_route(jnp.zeros((tokens, 2048), bf16), jnp.ones(2048, bf16),
+                                             jnp.zeros((2048, 128), bf16), jnp.zeros(16, jnp.int32), top_k=8,
+                                             renormalize=True, block_m=16, eps=1e-6, num_warps=warps)
+    raise SystemExit(f"unknown kernel {spec!r}: decode, recurrent, intra, conv, route or front")
 
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("kernels", nargs="+", help="decode:BLOCK_V:WARPS, recurrent:BLOCK_V:WARPS, intra:WARPS, "
-                                               "conv:BTxBC:WARPS, route:TOKENS:WARPS, router:TOKENS:BLOCK_E:WARPS")
+                                               "conv:BTxBC:WARPS, route:TOKENS:WARPS, front:TOKENS:WARPS")
     ap.add_argument("--triton-python", default=os.environ.get("TRITON_PY", "/tmp/tvenv/bin/python"))
     ap.add_argument("--sass", help="a directory for each kernel's SASS")
     ap.add_argument("--work", default="/tmp/pallas_regs")

@@ -9,8 +9,8 @@
 #   latency     engine TTFT / TPOT on dummy:qwen3-30b-a3b, batch $BATCHES (default "1 8 32"), 1k in / 128 out
 #   throughput  offline 512 prompts x 1k in / 128 out
 #   front       the MoE block's front end at 1 / 8 / 64 tokens: XLA's norm + router dot + routing (routing kernel at
-#               1 / 2 / 4 warps) vs the moe_norm_router kernel + routing (moe_front_$TAG.json); the decode step with
-#               each (bench_local_step variants, batch 1 and 8); engine TPOT with the kernel on (own compile cache)
+#               1 / 2 / 4 warps) vs the moe_norm_route kernel (moe_front_$TAG.json); the decode step with each
+#               (bench_local_step variants, batch 1 / 8 / 16) and its per-kernel times
 #   hfpeer      the HF transformers peer (Qwen3MoeForCausalLM, random bf16 weights) at batch 1 and 8, 1k in / 128 out
 # JSON lands in $OUT (copy to benchmarks/results/); $TAG names the device in the file names (default h100).
 set -uo pipefail
@@ -51,10 +51,10 @@ fi
 if [[ $PARTS == *front* ]]; then
   timeout 600 python3 -m benchmarks.bench_moe --front-only --tokens 1 8 64 --out "$OUT/moe_front_$TAG.json" \
       | grep '^{"what' | cut -c1-400
-  timeout 900 python3 -m benchmarks.bench_local_step --shape qwen3-30b-a3b --tp 1 --batch-sizes 1 8 \
-      --variants default router_kernel route_w1 router_kernel_w1 --out "$OUT/local_step_router_qwen3-30b-a3b_$TAG.json" \
-      | grep "^{'tp'"
-  JINFER_MOE_ROUTER_KERNEL_TOKENS=64 JINFER_COMPILATION_CACHE=/tmp/jinfer-xla-router timeout 900 python3 -m \
-      benchmarks.bench_latency --shape qwen3-30b-a3b --batch-sizes 1 8 --input-len 1024 --output-len 128 \
-      --out "$OUT/latency_qwen3-30b-a3b_router_kernel_$TAG.json" | grep "^batch"
+  XLA_PYTHON_CLIENT_MEM_FRACTION=0.97 timeout 900 python3 -m benchmarks.bench_local_step --shape qwen3-30b-a3b \
+      --tp 1 --batch-sizes 1 8 16 --table-pages 128 --variants default no_front route_w1 front16 \
+      --out "$OUT/local_step_front_qwen3-30b-a3b_$TAG.json" | grep "^{'tp'"
+  XLA_PYTHON_CLIENT_MEM_FRACTION=0.97 timeout 300 python3 -m benchmarks.bench_local_step --shape qwen3-30b-a3b \
+      --tp 1 --batch-sizes 1 8 --table-pages 128 --profile /tmp/jinfer-local-step --top 30 \
+      --out "$OUT/local_step_front_profile_qwen3-30b-a3b_$TAG.json" | grep "^{'tp'" | cut -c1-600
 fi

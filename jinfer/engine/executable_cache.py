@@ -82,8 +82,8 @@ _HEADER_LEN = struct.Struct("<Q")
 _PACKAGES = ("jinfer", "pallas_kernels")
 # Environment that changes what is traced or compiled: XLA's flags, and jinfer's measurement switches (kernel
 # choices read at import by jinfer.models.ops).
-_ENV_VARS = ("XLA_FLAGS", "LIBTPU_INIT_ARGS", "JINFER_PALLAS_MLP_TOKENS", "JINFER_MOE_ROUTER_KERNEL_TOKENS",
-             "JINFER_NORM_QKV_TOKENS", "JINFER_MOE_FRONT_TOKENS")
+_ENV_VARS = ("XLA_FLAGS", "LIBTPU_INIT_ARGS", "JINFER_PALLAS_MLP_TOKENS", "JINFER_NORM_QKV_TOKENS",
+             "JINFER_MOE_FRONT_TOKENS")
 STALE_TEMP_FILE_S = 600
 # jax config flags that cannot change the executable: caches, logging, transfer guards, networking.
 _CONFIG_IGNORED = re.compile(

@@ -79,31 +79,18 @@ NORM_QKV_K_SPLITS: int | None = None  # None: the kernel's default_k_splits (mea
 STEP_COUNTERS = 1024  # ModelOps.step_counters: one per program group (a head of the q|k|v kernel)
 
 
-# Steps routing at least this many rows per expert (on average) run the experts on the Mosaic GPU grouped
-# GEMM (moe_gemm_mgpu.py: 482 TFLOP/s at 4096 tokens x top-8 on the H100, against 251 for the Triton
-# kernels; at 512 and 1024 tokens it was weight-bound at 84-167 TFLOP/s and the Triton kernels were not
-# measured there, so they keep those steps). kernels: moe_kernels_h100.json, moe_mgpu_h100.json.
-# Steps of at most this many tokens compute a MoE block's RMSNorm and router logits in one Pallas kernel
-# (pallas_kernels/moe_router.py) instead of XLA's ~5 kernels (norm reduce + multiply, the batch-1 dot's
-# padding row, the dot, the logits' conversion: ~7.5 us a Qwen3-30B-A3B layer at batch 1 on the H100). Off:
-# measured on the H100 it made the front end no faster (12.0 vs 11.8 us a layer; the decode step 3.898 vs 3.895
-# ms: moe_front_sweep_h100_5cfb2c2.txt). JINFER_MOE_ROUTER_KERNEL_TOKENS=64 turns it on for measurements (part of
-# the executable cache's key, as JINFER_PALLAS_MLP_TOKENS).
-MOE_ROUTER_KERNEL_TOKENS = int(os.environ.get("JINFER_MOE_ROUTER_KERNEL_TOKENS", "0"))
 # Steps of at most this many tokens run a MoE block's whole front end, RMSNorm + router + routing, as one kernel
 # (moe_router.moe_norm_route, its last program routing: one launch for XLA's ~7 kernels and the routing program).
 # Qwen3-30B-A3B decode steps on the H100 (bench_local_step, local_step_front*_qwen3-30b-a3b_h100.json): 3.60-3.63 vs
 # 3.89 ms at batch 1, 4.19-4.28 vs 4.31 at 8; slower at 16 (5.23 vs 4.83: one K split there, 8 programs) and 32.
 # JINFER_MOE_FRONT_TOKENS overrides it for measurements (part of the executable cache's key).
 MOE_FRONT_MAX_TOKENS = int(os.environ.get("JINFER_MOE_FRONT_TOKENS", "8"))
+# Steps routing at least this many rows per expert (on average) run the experts on the Mosaic GPU grouped
+# GEMM (moe_gemm_mgpu.py: 482 TFLOP/s at 4096 tokens x top-8 on the H100, against 251 for the Triton
+# kernels; at 512 and 1024 tokens it was weight-bound at 84-167 TFLOP/s and the Triton kernels were not
+# measured there, so they keep those steps). kernels: moe_kernels_h100.json, moe_mgpu_h100.json.
 MOSAIC_MOE_MIN_ROWS_PER_EXPERT = 128
 MOSAIC_MOE_BLOCK_M = 128
-
-
-def use_router_kernel(tokens: int, router: jax.Array) -> bool:
-    """Whether a step's MoE front end takes `moe_norm_router`: at most MOE_ROUTER_KERNEL_TOKENS tokens (and the
-    kernel's 64), hidden a multiple of 16, experts a multiple of 8."""
-    return tokens <= min(MOE_ROUTER_KERNEL_TOKENS, 64) and router.shape[0] % 16 == 0 and router.shape[1] % 8 == 0
 
 
 def moe_block_m(num_pairs: int, num_experts: int) -> int:
@@ -349,10 +336,6 @@ class ModelOps:
             h, routing, counters = moe_norm_route(x, norm, router, counters, top_k=top_k, renormalize=renormalize,
                                                   block_m=moe_block_m(tokens * top_k, router.shape[1]), eps=eps,
                                                   interpret=self.interpret)
-        elif self.backend == "pallas" and use_router_kernel(tokens, router):
-            from pallas_kernels.moe_router import moe_norm_router
-
-            h, logits = moe_norm_router(x, norm, router, eps=eps, interpret=self.interpret)  # logits: f32 [T, E]
         else:
             h = rms_norm(x, norm, eps)
             # router logits rounded to the activation dtype, as HF's F.linear (and vLLM) produce them

@@ -122,23 +122,6 @@ def check_batched_chunked_prefill(step, w, kv, gold):
     np.testing.assert_allclose(np.asarray(logits2[:n1]), gold["prefill_logits_1"], atol=ATOL, rtol=1e-4)
 
 
-def test_moe_router_kernel_matches_hf(monkeypatch):
-    """The MoE front end as one Pallas kernel (norm + router, `ops.MOE_ROUTER_KERNEL_TOKENS`, off by default
-    until measured on the GPU): prefill, every decode step and batched chunked prefill still match HF."""
-    from jinfer.models import ops as ops_module
-
-    monkeypatch.setattr(ops_module, "MOE_ROUTER_KERNEL_TOKENS", 64)
-    cfg, w, gold = load("qwen3_moe")
-    w = fuse_qkv(cfg, w)
-    traced = []
-    real = ops_module.use_router_kernel
-    monkeypatch.setattr(ops_module, "use_router_kernel", lambda *a: traced.append(real(*a)) or traced[-1])
-    step = jax.jit(partial(forward, cfg=cfg, ops=OPS["pallas"]), donate_argnames=("kv_cache",))
-    check_prompt_and_decodes(step, w, empty_cache(cfg), gold, 0)
-    check_batched_chunked_prefill(step, w, empty_cache(cfg), gold)
-    assert traced and all(traced), traced  # every MoE layer of every step took the kernel
-
-
 def test_moe_front_kernel_matches_hf(monkeypatch):
     """A MoE block's norm + router + routing as one Pallas kernel (`moe_norm_route`, for steps of up to
     `ops.MOE_FRONT_MAX_TOKENS` tokens: here every step it takes, prefill chunks too): prefill, every decode step and

@@ -117,7 +117,7 @@ def test_keys_separate_what_changes_the_executable(tmp_path):
     assert len({base, *variants}) == len(variants) + 1
 
 
-@pytest.mark.parametrize("var", ["XLA_FLAGS", "JINFER_MOE_ROUTER_KERNEL_TOKENS", "JINFER_PALLAS_MLP_TOKENS"])
+@pytest.mark.parametrize("var", ["XLA_FLAGS", "JINFER_MOE_FRONT_TOKENS", "JINFER_PALLAS_MLP_TOKENS"])
 def test_environment_switches_are_part_of_the_key(tmp_path, monkeypatch, var):
     """A kernel switch read from the environment at import changes the traced program: other entries."""
     cache = ExecutableCache(tmp_path, namespace="a")
