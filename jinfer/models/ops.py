@@ -93,6 +93,12 @@ MOSAIC_MOE_MIN_ROWS_PER_EXPERT = 128
 MOSAIC_MOE_BLOCK_M = 128
 
 
+def _front_supported(tokens: int, hidden: int, experts: int) -> bool:
+    from pallas_kernels.moe_router import front_supported
+
+    return front_supported(tokens, hidden, experts) is None
+
+
 def moe_block_m(num_pairs: int, num_experts: int) -> int:
     """Rows per block of the expert-grouped layout (the grouped GEMMs' M tile): 16 (the smallest
     tensor-core tile) while experts get a few rows each (decode), larger tiles as they fill."""
@@ -140,8 +146,8 @@ class ModelOps:
 
     def step_counters(self, tokens: int) -> jax.Array | None:
         """A step's zeroed int32 counters for the split-K kernels that finish in their last program
-        (`norm_qkv_rope_write`, `moe_norm_route`): made once per step (one memset), passed from layer to layer, each kernel
-        leaving them zero. None where no kernel takes them."""
+        (`norm_qkv_rope_write`, `moe_norm_route`): made once per step (one memset), passed from layer to layer,
+        each kernel leaving them zero. None where no kernel takes them."""
         if self.backend != "pallas" or tokens > max(NORM_QKV_MAX_TOKENS, MOE_FRONT_MAX_TOKENS):
             return None
         return jnp.zeros((STEP_COUNTERS,), jnp.int32)
@@ -332,8 +338,6 @@ class ModelOps:
         parallel) or, when there are fewer of them than the router's E, experts [e0, e0 + E_local)
         (expert parallel). Every device routes every token; the psum adds the partial outputs.
         """
-        from pallas_kernels.moe_router import front_supported
-
         num_experts, hidden, inter = w_gate.shape
         tokens = x.shape[0]
         first = None  # expert parallel: the id of this device's first expert
@@ -342,7 +346,7 @@ class ModelOps:
         kernels = self.backend == "pallas" and hidden % 16 == 0 and inter % 16 == 0
         routing = None
         if kernels and counters is not None and tokens <= MOE_FRONT_MAX_TOKENS \
-                and front_supported(tokens, hidden, router.shape[1]) is None:
+                and _front_supported(tokens, hidden, router.shape[1]):
             from pallas_kernels.moe_router import moe_norm_route
 
             h, routing, counters = moe_norm_route(x, norm, router, counters, top_k=top_k, renormalize=renormalize,
