@@ -117,7 +117,7 @@ def _mlp_kernel(
 # ----------------------------------------------------------------------------------------------
 # Wrapper: grid and block specs
 # ----------------------------------------------------------------------------------------------
-def _pow2_divisor(n: int, cap: int) -> int:
+def pow2_divisor(n: int, cap: int) -> int:
     """Largest power of two <= cap dividing n."""
     d = 1
     while d * 2 <= cap and n % (d * 2) == 0:
@@ -127,7 +127,7 @@ def _pow2_divisor(n: int, cap: int) -> int:
 
 def default_block_i(inter: int) -> int:
     """Intermediate columns per program: 128, the H100 sweep's best at Qwen3-4B's width."""
-    return _pow2_divisor(inter, 128)
+    return pow2_divisor(inter, 128)
 
 
 def _mlp_call(x, w_gate, w_up, w_down, norm_weight, *, eps, block_t, block_i, num_warps, num_stages,
@@ -142,8 +142,8 @@ def _mlp_call(x, w_gate, w_up, w_down, norm_weight, *, eps, block_t, block_i, nu
         num_warps = 8 if block_t <= 16 else 4
     if num_stages is None:
         num_stages = 3 if block_t <= 16 else 2
-    block_k = _pow2_divisor(hidden, 128)
-    block_n = _pow2_divisor(hidden, 256)
+    block_k = pow2_divisor(hidden, 128)
+    block_n = pow2_divisor(hidden, 256)
     t_tiles, splits = pl.cdiv(tokens, block_t), inter // block_i
     has_norm = norm_weight is not None
     kernel = functools.partial(_mlp_kernel, block_t=block_t, block_k=block_k, block_n=block_n, has_norm=has_norm,

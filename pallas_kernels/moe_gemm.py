@@ -31,6 +31,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
+from pallas_kernels.fused_mlp import pow2_divisor
 from pallas_kernels.moe_routing import MoeRouting
 
 
@@ -96,20 +97,12 @@ def _down_kernel(bexp_ref, brows_ref, sorted_ref, w_ref, h_ref, wd_ref, y_ref, *
 # ----------------------------------------------------------------------------------------------
 # Wrappers
 # ----------------------------------------------------------------------------------------------
-def _pow2_divisor(n: int, cap: int) -> int:
-    """Largest power of two <= cap dividing n."""
-    d = 1
-    while d * 2 <= cap and n % (d * 2) == 0:
-        d *= 2
-    return d
-
-
 def _launch(block_m, k, n, block_n, block_k, num_warps, num_stages):
     """Defaults: decode-sized blocks (16 rows) are weight streams: narrow column tiles for more programs in
     flight, deep pipelines; prefill-sized ones are tensor-core tiles."""
     small = block_m <= 32
-    block_n = block_n or _pow2_divisor(n, 64 if small else 128)
-    block_k = block_k or _pow2_divisor(k, 128 if small else 64)
+    block_n = block_n or pow2_divisor(n, 64 if small else 128)
+    block_k = block_k or pow2_divisor(k, 128 if small else 64)
     num_warps = num_warps or (4 if small else 8)
     num_stages = num_stages or (4 if small else 3)
     return block_n, block_k, num_warps, num_stages

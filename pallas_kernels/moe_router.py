@@ -25,18 +25,11 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from pallas_kernels.fused_mlp import rms_inverse, rms_normed, tile_rows
+from pallas_kernels.fused_mlp import pow2_divisor, rms_inverse, rms_normed, tile_rows
 from pallas_kernels.moe_routing import MoeRouting, next_pow2, num_blocks, route_body
 
 # Largest step the kernel takes (rows held in registers; larger steps keep XLA's fusions and GEMM).
 MAX_TOKENS = 64
-
-
-def _pow2_divisor(n: int, cap: int) -> int:
-    d = 1
-    while d * 2 <= cap and n % (d * 2) == 0:
-        d *= 2
-    return d
 
 
 def _check_blocks(block_e: int, experts: int, block_k: int, hidden: int) -> None:
@@ -112,8 +105,8 @@ def default_front_tiling(tokens: int, hidden: int, experts: int) -> tuple[int, i
     """(block_e, block_k, k_splits): 16 experts a program (the smallest tensor-core tile) and the K range split
     while the step is small, so ~32 programs stream the router (at one token 8 expert blocks alone would each
     read 64 KB in a chain of loads); at 16+ tokens the last program's partials would outweigh that."""
-    block_e = _pow2_divisor(experts, 16)
-    block_k = _pow2_divisor(hidden, 256)
+    block_e = pow2_divisor(experts, 16)
+    block_k = pow2_divisor(hidden, 256)
     k_splits = 1
     while tokens <= 8 and (experts // block_e) * k_splits * 2 <= 32 and hidden % (2 * k_splits * block_k) == 0:
         k_splits *= 2

@@ -22,6 +22,8 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
+from pallas_kernels.fused_mlp import pow2_divisor
+
 MAX_TOKENS = 32
 
 
@@ -71,8 +73,8 @@ def _gemm_call(x, w, *, block_n, block_k, k_splits, num_warps, num_stages, inter
 
 def default_config(k: int, n: int) -> dict:
     """Launch parameters (block_n, block_k, k_splits, num_warps, num_stages) for a [K, N] weight."""
-    block_n = 64 if n % 64 == 0 else 32
-    block_k = 128 if k % 128 == 0 else 64
+    block_n = pow2_divisor(n, 64)  # (K and N are multiples of 16: tiles of 16 at least)
+    block_k = pow2_divisor(k, 128)
     # enough programs for ~2 waves of 132 SMs; each split keeps >= 8 tiles to pipeline
     k_splits = 1
     while (n // block_n) * k_splits < 264 and k % (k_splits * 2 * block_k) == 0 and k // (k_splits * 2) >= 8 * block_k:

@@ -15,6 +15,7 @@ CASES = [
     pytest.param(5, 512, 192, jnp.bfloat16, {"block_n": 64, "k_splits": 2, "block_k": 64}, id="t5-bf16-split2"),
     pytest.param(17, 256, 256, jnp.bfloat16, {"block_n": 128, "k_splits": 4, "block_k": 32}, id="t17-bf16-split4"),
     pytest.param(32, 128, 64, jnp.float32, {"block_n": 32}, id="t32-f32"),
+    pytest.param(1, 16, 48, jnp.float32, {}, id="t1-k16-n48-defaults"),  # tiles shrink to the dims (16)
 ]
 
 
