@@ -18,7 +18,8 @@ benchmarks/results/kernels_h100.json:
   `MOSAIC_MIN_STEP_TOKENS` tokens never launches the Mosaic kernel;
 - MLP: the fused Pallas kernel only where it beat XLA (`PALLAS_MLP_TOKENS`); XLA's fusion elsewhere;
 - projections around attention: on one device, steps of <= NORM_QKV_MAX_TOKENS tokens run norm + q|k|v + q/k
-  norm + RoPE + the K/V write as one kernel (`norm_qkv_rope_write`); XLA's GEMMs otherwise, and for o.
+  norm + RoPE + the K/V write as one kernel (`norm_qkv_rope_write`); XLA's GEMMs otherwise, and for o (but
+  one-token o projections under XLA's strength-reduction size: the skinny GEMM, see `out_proj`).
 - mixture-of-experts MLP (`moe_block`): the norm, router matmul and routing as one kernel in small steps
   (pallas_kernels/moe_router.py: `moe_norm_route`), else the router matmul in XLA and the routing kernel; then the
   two grouped GEMMs of pallas_kernels/moe_routing.py and moe_gemm.py over the expert-grouped layout,
