@@ -26,7 +26,14 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from pallas_kernels.fused_mlp import pow2_divisor, rms_inverse, rms_normed, tile_rows
-from pallas_kernels.moe_routing import MoeRouting, next_pow2, num_blocks, route_body
+from pallas_kernels.moe_routing import (
+    MoeRouting,
+    check_route_args,
+    next_pow2,
+    route_body,
+    route_out_shapes,
+    routing_from_outputs,
+)
 
 # Largest step the kernel takes (rows held in registers; larger steps keep XLA's fusions and GEMM).
 MAX_TOKENS = 64
@@ -133,21 +140,20 @@ def moe_norm_route(x: jax.Array, norm_weight: jax.Array, router: jax.Array, coun
       block_e, block_k, k_splits: tiling (default `default_front_tiling`); num_warps (default 4), num_stages.
       interpret: run the Pallas interpreter (CPU tests).
     """
+    if x.ndim != 2 or norm_weight.shape != (x.shape[1],) or router.ndim != 2 or router.shape[0] != x.shape[1]:
+        raise ValueError(f"x must be [tokens, hidden], norm_weight [hidden], router [hidden, experts]: {x.shape=} "
+                         f"{norm_weight.shape=} {router.shape=}")
     tokens, hidden = x.shape
     experts = router.shape[1]
-    if norm_weight.shape != (hidden,) or router.shape[0] != hidden:
-        raise ValueError(f"norm_weight must be [hidden] and router [hidden, experts]: {x.shape=} "
-                         f"{norm_weight.shape=} {router.shape=}")
     if norm_weight.dtype != x.dtype or router.dtype != x.dtype:
         raise ValueError(f"x, norm_weight and router must share a dtype: {x.dtype}, {norm_weight.dtype}, "
                          f"{router.dtype}")
     why = front_supported(tokens, hidden, experts)
     if why is not None:
         raise ValueError(why)
-    if not 1 <= top_k <= experts:
-        raise ValueError(f"top_k={top_k} must be in [1, experts={experts}]")
-    if block_m < 16 or block_m & (block_m - 1):
-        raise ValueError(f"block_m={block_m} must be a power of two >= 16")
+    check_route_args(experts, top_k, block_m)
+    if block_m < 16:  # the grouped GEMMs' smallest tile
+        raise ValueError(f"block_m={block_m} must be >= 16")
     if counters.dtype != jnp.int32 or counters.ndim != 1 or counters.shape[0] < 1:
         raise ValueError(f"counters must be int32 [>= 1], got {counters.dtype} {counters.shape}")
     d_e, d_k, d_s = default_front_tiling(tokens, hidden, experts)
@@ -155,32 +161,25 @@ def moe_norm_route(x: jax.Array, norm_weight: jax.Array, router: jax.Array, coun
     _check_blocks(block_e, experts, block_k, hidden)
     if hidden % (block_k * k_splits):
         raise ValueError(f"block_k {block_k} x k_splits {k_splits} must divide hidden {hidden}")
-    tp, kp = next_pow2(tokens), next_pow2(top_k)
-    nb = num_blocks(tokens * top_k, experts, block_m)
-    block_t = max(16, tp)
+    block_t = max(16, next_pow2(tokens))
     kernel = functools.partial(_front_kernel, block_t=block_t, block_k=block_k, k_splits=k_splits, top_k=top_k,
                                block_m=block_m, renormalize=renormalize, eps=eps, interpret=interpret)
-    i32, f32 = jnp.int32, jnp.float32
     whole = pl.no_block_spec
-    h, ids, ws, rows, sorted_pairs, bexp, brows, counters, _ = pl.pallas_call(
+    h, *routed, counters, _ = pl.pallas_call(
         kernel,
         grid=(experts // block_e, k_splits),
         in_specs=[whole, pl.BlockSpec((hidden,), lambda e, s: (0,)),
                   pl.BlockSpec((hidden, block_e), lambda e, s: (0, e)), whole],
         out_specs=[whole] * 9,
-        out_shape=[jax.ShapeDtypeStruct((tokens, hidden), x.dtype), jax.ShapeDtypeStruct((tp, kp), i32),
-                   jax.ShapeDtypeStruct((tp, kp), f32), jax.ShapeDtypeStruct((tp, kp), i32),
-                   jax.ShapeDtypeStruct((nb * block_m,), i32), jax.ShapeDtypeStruct((nb,), i32),
-                   jax.ShapeDtypeStruct((nb,), i32), jax.ShapeDtypeStruct(counters.shape, i32),
-                   jax.ShapeDtypeStruct((k_splits, tokens, experts), f32)],
+        out_shape=[jax.ShapeDtypeStruct((tokens, hidden), x.dtype), *route_out_shapes(tokens, experts, top_k, block_m),
+                   jax.ShapeDtypeStruct(counters.shape, jnp.int32),
+                   jax.ShapeDtypeStruct((k_splits, tokens, experts), jnp.float32)],
         input_output_aliases={3: 7},
         compiler_params=plgpu.CompilerParams(num_warps=num_warps or 4, num_stages=num_stages),
         interpret=interpret,
         name=f"moe_norm_route_t{block_t}_e{block_e}_k{block_k}_s{k_splits}",
     )(x, norm_weight, router, counters)
-    if (tp, kp) != (tokens, top_k):
-        ids, ws, rows = ids[:tokens, :top_k], ws[:tokens, :top_k], rows[:tokens, :top_k]
-    return h, MoeRouting(ids, ws, rows, sorted_pairs, bexp, brows), counters
+    return h, routing_from_outputs(tokens, top_k, *routed), counters
 
 
 def moe_norm_router_reference(x: jax.Array, norm_weight: jax.Array, router: jax.Array, *, eps: float

@@ -159,10 +159,27 @@ def route_body(logits, ids_ref, w_ref, rows_ref, sorted_ref, bexp_ref, brows_ref
 # ----------------------------------------------------------------------------------------------
 # Wrapper
 # ----------------------------------------------------------------------------------------------
+def route_out_shapes(tokens: int, experts: int, top_k: int, block_m: int) -> list[jax.ShapeDtypeStruct]:
+    """`route_body`'s outputs: ids, weights, rows [Tp, Kp] (powers of two), sorted pairs [M], block experts and
+    block rows [NB]."""
+    tp, kp = next_pow2(tokens), next_pow2(top_k)
+    nb = num_blocks(tokens * top_k, experts, block_m)
+    i32 = jnp.int32
+    return [jax.ShapeDtypeStruct((tp, kp), i32), jax.ShapeDtypeStruct((tp, kp), jnp.float32),
+            jax.ShapeDtypeStruct((tp, kp), i32), jax.ShapeDtypeStruct((nb * block_m,), i32),
+            jax.ShapeDtypeStruct((nb,), i32), jax.ShapeDtypeStruct((nb,), i32)]
+
+
+def routing_from_outputs(tokens: int, top_k: int, ids, ws, rows, sorted_pairs, bexp, brows) -> MoeRouting:
+    """The `MoeRouting` of `route_body`'s outputs (the [Tp, Kp] ones cut to [tokens, top_k])."""
+    if ids.shape != (tokens, top_k):
+        ids, ws, rows = ids[:tokens, :top_k], ws[:tokens, :top_k], rows[:tokens, :top_k]
+    return MoeRouting(ids, ws, rows, sorted_pairs, bexp, brows)
+
+
 def _route_call(logits, top_k, renormalize, block_m, num_warps, interpret):
     tokens, experts = logits.shape
-    tp, ep, kp = next_pow2(tokens), next_pow2(experts), next_pow2(top_k)
-    nb = num_blocks(tokens * top_k, experts, block_m)
+    tp, ep = next_pow2(tokens), next_pow2(experts)
     x = logits.astype(jnp.float32)
     if (tp, ep) != (tokens, experts):
         x = jnp.pad(x, ((0, tp - tokens), (0, ep - experts)), constant_values=-jnp.inf)
@@ -170,31 +187,31 @@ def _route_call(logits, top_k, renormalize, block_m, num_warps, interpret):
     whole = pl.no_block_spec
     kernel = functools.partial(_route_kernel, tokens=tokens, experts=experts, top_k=top_k, block_m=block_m,
                                renormalize=renormalize)
-    i32 = jnp.int32
-    ids, ws, rows, sorted_pairs, bexp, brows = pl.pallas_call(
+    outs = pl.pallas_call(
         kernel,
         grid=(1,),
         in_specs=[whole],
         out_specs=[whole] * 6,
-        out_shape=[jax.ShapeDtypeStruct((tp, kp), i32), jax.ShapeDtypeStruct((tp, kp), jnp.float32),
-                   jax.ShapeDtypeStruct((tp, kp), i32), jax.ShapeDtypeStruct((nb * block_m,), i32),
-                   jax.ShapeDtypeStruct((nb,), i32), jax.ShapeDtypeStruct((nb,), i32)],
+        out_shape=route_out_shapes(tokens, experts, top_k, block_m),
         compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=1),
         interpret=interpret,
         name=f"moe_route_t{tp}_e{ep}_k{top_k}_m{block_m}",
     )(x)
-    if (tp, kp) != (tokens, top_k):
-        ids, ws, rows = ids[:tokens, :top_k], ws[:tokens, :top_k], rows[:tokens, :top_k]
-    return MoeRouting(ids, ws, rows, sorted_pairs, bexp, brows)
+    return routing_from_outputs(tokens, top_k, *outs)
+
+
+def check_route_args(experts: int, top_k: int, block_m: int) -> None:
+    """ValueError unless 1 <= top_k <= experts and block_m is a power of two."""
+    if not 1 <= top_k <= experts:
+        raise ValueError(f"top_k={top_k} must be in [1, experts={experts}]")
+    if block_m < 1 or block_m & (block_m - 1):
+        raise ValueError(f"block_m={block_m} must be a power of two")
 
 
 def _check_args(logits, top_k, block_m):
     if logits.ndim != 2:
         raise ValueError(f"logits must be [tokens, experts], got {logits.shape=}")
-    if not 1 <= top_k <= logits.shape[1]:
-        raise ValueError(f"top_k={top_k} must be in [1, experts={logits.shape[1]}]")
-    if block_m < 1 or block_m & (block_m - 1):
-        raise ValueError(f"block_m={block_m} must be a power of two")
+    check_route_args(logits.shape[1], top_k, block_m)
 
 
 # ----------------------------------------------------------------------------------------------

@@ -114,6 +114,8 @@ def test_norm_route_bad_arguments_are_value_errors():
     kw = dict(top_k=2, renormalize=True, block_m=16, eps=1e-6, interpret=True)
     with pytest.raises(ValueError, match="tokens"):
         moe_norm_route(jnp.zeros((MAX_TOKENS + 1, 64)), norm, router, c, **kw)
+    with pytest.raises(ValueError, match="x must be"):
+        moe_norm_route(x[0], norm, router, c, **kw)
     with pytest.raises(ValueError, match="top_k"):
         moe_norm_route(x, norm, router, c, **{**kw, "top_k": 9})
     with pytest.raises(ValueError, match="block_m"):
