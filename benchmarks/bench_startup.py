@@ -170,7 +170,7 @@ def probe_requests(port: int, num_tokens: int, max_tokens: int = 16) -> dict:
     """Seconds for a completion of a `num_tokens`-token prompt (token ids) on the idle server, then for another
     one 2 s later: what the first request after the idle executables were dropped pays (its prefill runs in the
     loaded buckets while the larger ones load again) against a warm one. The first is also the server's first
-    request (`again_after_idle_s`, measured after the next unload, is not)."""
+    request (`again_after_idle_s`, measured after another idle spell, is not)."""
     first = timed_completion(port, num_tokens, max_tokens, 0)
     time.sleep(2.0)
     warm = timed_completion(port, num_tokens, max_tokens, 1)
