@@ -54,6 +54,7 @@ def _decode_kernel(
     group: int,
     rows: int,
     kv_heads_fastest: bool,
+    mma: bool = True,
 ):
     h, b = (pl.program_id(0), pl.program_id(1)) if kv_heads_fastest else (pl.program_id(1), pl.program_id(0))
     split = pl.program_id(2)
@@ -83,14 +84,21 @@ def _decode_kernel(
         pages = pt_ref[pl.ds(blk * pages_per_block, pages_per_block)]  # [ppb]
         k = k_ref[pages].reshape(block_k, head_dim)  # [block_k, D] gathered pages
         v = v_ref[pages].reshape(block_k, head_dim)  # [block_k, D]
-        s = plgpu.dot(q, k, trans_b=True) * qk_scale  # [Gp, block_k] fp32
+        if mma:
+            s = plgpu.dot(q, k, trans_b=True) * qk_scale  # [Gp, block_k] fp32
+        else:  # CUDA cores: no tensor-core tile, so no padding of the group to 16 rows
+            s = jnp.sum(q.astype(jnp.float32)[:, None, :] * k.astype(jnp.float32)[None, :, :], axis=2) * qk_scale
         pos = blk * block_k + jnp.arange(block_k, dtype=jnp.int32)  # [block_k]
         s = jnp.where((pos < seq_len)[None, :], s, MASK_VALUE)
         m_next = jnp.maximum(m_prev, s.max(axis=1))  # [Gp]
         alpha = jnp.exp2(m_prev - m_next)  # [Gp]
         p = jnp.exp2(s - m_next[:, None])  # [Gp, block_k]
         l_next = alpha * l_prev + p.sum(axis=1)
-        acc = acc * alpha[:, None] + plgpu.dot(p.astype(v.dtype), v)  # [Gp, D]
+        if mma:
+            pv = plgpu.dot(p.astype(v.dtype), v)  # [Gp, D]
+        else:
+            pv = jnp.sum(p[:, :, None] * v.astype(jnp.float32)[None, :, :], axis=1)
+        acc = acc * alpha[:, None] + pv
         return acc, m_next, l_next
 
     acc = jnp.zeros((rows, head_dim), jnp.float32)
@@ -123,11 +131,14 @@ def _plan_splits(batch: int, num_kv_heads: int, num_blocks: int, num_splits: int
 
 
 def _decode_call(q, k_cache, v_cache, page_table, seq_lens, *, scale, pages_per_block, num_splits,
-                 num_warps, num_stages, kv_heads_fastest, merge_kernel, interpret):
+                 num_warps, num_stages, kv_heads_fastest, merge_kernel, layout, mma, interpret):
     batch, num_heads, head_dim = q.shape
-    num_pages, page_size, num_kv_heads, _ = k_cache.shape
+    if layout == "hnd":
+        num_pages, num_kv_heads, page_size, _ = k_cache.shape
+    else:
+        num_pages, page_size, num_kv_heads, _ = k_cache.shape
     group = num_heads // num_kv_heads
-    rows = max(MIN_ROWS, _next_pow2(group))
+    rows = max(MIN_ROWS if mma else 1, _next_pow2(group))
     max_pages = page_table.shape[1]
     ppb = min(pages_per_block, _next_pow2(max_pages))
     num_blocks = pl.cdiv(max_pages, ppb)
@@ -141,7 +152,8 @@ def _decode_call(q, k_cache, v_cache, page_table, seq_lens, *, scale, pages_per_
     lens = seq_lens.astype(jnp.int32).reshape(batch, 1)  # [B, 1]
 
     kernel = functools.partial(_decode_kernel, scale=scale, pages_per_block=ppb,
-                               num_heads=num_heads, group=group, rows=rows, kv_heads_fastest=kv_heads_fastest)
+                               num_heads=num_heads, group=group, rows=rows, kv_heads_fastest=kv_heads_fastest,
+                               mma=mma)
     # Grid dim 0 is the fastest-varying launch index (CUDA x). With kv heads there, the programs
     # running side by side read the same pages (different heads' slices of each row).
     if kv_heads_fastest:
@@ -151,10 +163,14 @@ def _decode_call(q, k_cache, v_cache, page_table, seq_lens, *, scale, pages_per_
         grid = (batch, num_kv_heads, splits)
         bhs = lambda f: f  # noqa: E731
     whole = pl.no_block_spec  # q (and the one-split output): rows picked in the kernel
+    if layout == "hnd":  # a page's rows of one kv head are contiguous
+        kv_spec = pl.BlockSpec((num_pages, None, page_size, head_dim), bhs(lambda b, h, s: (0, h, 0, 0)))
+    else:
+        kv_spec = pl.BlockSpec((num_pages, page_size, None, head_dim), bhs(lambda b, h, s: (0, 0, h, 0)))
     in_specs = [
         whole,
-        pl.BlockSpec((num_pages, page_size, None, head_dim), bhs(lambda b, h, s: (0, 0, h, 0))),
-        pl.BlockSpec((num_pages, page_size, None, head_dim), bhs(lambda b, h, s: (0, 0, h, 0))),
+        kv_spec,
+        kv_spec,
         pl.BlockSpec((None, padded_pages), bhs(lambda b, h, s: (b, 0))),
         pl.BlockSpec((None, 1), bhs(lambda b, h, s: (b, 0))),
     ]
@@ -250,14 +266,16 @@ def _merge_call(acc, m, l, *, num_heads, group, dtype, kv_heads_fastest, interpr
 # ----------------------------------------------------------------------------------------------
 # Public API
 # ----------------------------------------------------------------------------------------------
-def _check_args(q, k_cache, v_cache, page_table, seq_lens, pages_per_block, num_splits):
+def _check_args(q, k_cache, v_cache, page_table, seq_lens, pages_per_block, num_splits, layout):
+    if layout not in ("nhd", "hnd"):
+        raise ValueError(f"layout must be 'nhd' or 'hnd', got {layout!r}")
     if q.ndim != 3:
         raise ValueError(f"q must be [batch, num_heads, head_dim], got {q.shape=}")
     if k_cache.ndim != 4 or k_cache.shape != v_cache.shape:
         raise ValueError(f"k_cache/v_cache must be equal [pages, page_size, kv_heads, head_dim]: "
                          f"{k_cache.shape=} {v_cache.shape=}")
     batch, num_heads, head_dim = q.shape
-    _, page_size, num_kv_heads, kv_dim = k_cache.shape
+    _, page_size, num_kv_heads, kv_dim = _nhd_shape(k_cache.shape, layout)
     if kv_dim != head_dim:
         raise ValueError(f"k_cache head_dim must match q: {k_cache.shape=} {q.shape=}")
     if num_heads % num_kv_heads:
@@ -275,9 +293,14 @@ def _check_args(q, k_cache, v_cache, page_table, seq_lens, pages_per_block, num_
         raise ValueError(f"num_splits must be >= 1 or None, got {num_splits=}")
 
 
+def _nhd_shape(shape, layout):
+    """A cache shape as [pages, page_size, kv heads, head_dim] whatever the layout."""
+    return (shape[0], shape[2], shape[1], shape[3]) if layout == "hnd" and len(shape) == 4 else shape
+
+
 @functools.partial(jax.jit, static_argnames=(
     "scale", "pages_per_block", "num_splits", "num_warps", "num_stages", "kv_heads_fastest", "merge_kernel",
-    "interpret"))
+    "layout", "mma", "interpret"))
 def paged_decode_attention(
     q: jax.Array,
     k_cache: jax.Array,
@@ -292,6 +315,8 @@ def paged_decode_attention(
     num_stages: int | None = None,
     kv_heads_fastest: bool = True,
     merge_kernel: bool = True,
+    layout: str = "nhd",
+    mma: bool = True,
     interpret: bool = False,
 ) -> jax.Array:
     """Decode attention of one query token per sequence over a paged KV cache.
@@ -317,20 +342,20 @@ def paged_decode_attention(
     Returns:
       `[batch, num_heads, head_dim]` in q's dtype (softmax and accumulation in fp32).
     """
-    page_size = k_cache.shape[1]
-    programs = q.shape[0] * k_cache.shape[2]
+    _, page_size, num_kv_heads, _ = _nhd_shape(k_cache.shape, layout)
+    programs = q.shape[0] * num_kv_heads
     small = programs < SMALL_BATCH_PROGRAMS
     if pages_per_block is None:  # H100 sweeps: 64-token blocks; 32 once the batch alone fills the GPU, or is tiny
         block_tokens = 32 if programs >= LARGE_BATCH_PROGRAMS or small else 64
         pages_per_block = max(1, block_tokens // page_size)
     if num_stages is None:
         num_stages = 3 if small else 2
-    _check_args(q, k_cache, v_cache, page_table, seq_lens, pages_per_block, num_splits)
+    _check_args(q, k_cache, v_cache, page_table, seq_lens, pages_per_block, num_splits, layout)
     scale = q.shape[-1] ** -0.5 if scale is None else scale
     return _decode_call(q, k_cache, v_cache, page_table, seq_lens, scale=scale,
                         pages_per_block=pages_per_block, num_splits=num_splits, num_warps=num_warps,
                         num_stages=num_stages, kv_heads_fastest=kv_heads_fastest, merge_kernel=merge_kernel,
-                        interpret=interpret)
+                        layout=layout, mma=mma, interpret=interpret)
 
 
 # ----------------------------------------------------------------------------------------------
