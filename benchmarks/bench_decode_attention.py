@@ -31,7 +31,8 @@ CHAIN = 8  # calls per timed jit, each on its own pages
 
 def variants(batch: int, sweep: bool) -> list[dict]:
     """Keyword sets for paged_decode_attention ({} = its defaults)."""
-    out: list[dict] = [{}, {"layout": "hnd"}]
+    out: list[dict] = [{}, {"layout": "hnd"}, {"layout": "nhd", "pages_per_block": 4, "num_stages": 3, "num_warps": 4},
+                       {"layout": "hnd", "pages_per_block": 4, "num_stages": 4, "num_warps": 4}]
     if not sweep:
         return out
     for layout in ("nhd", "hnd"):
@@ -50,16 +51,26 @@ def variants(batch: int, sweep: bool) -> list[dict]:
     return out
 
 
-def inputs(batch, context, heads, kv_heads, dim, page, chain, dtype=jnp.bfloat16):
-    """q, K/V caches holding `chain` disjoint sets of the batch's pages at random places, and one page table
-    per set [chain, batch, pages per seq]."""
+PLACEMENTS = ("contiguous", "shuffled", "random")
+
+
+def inputs(batch, context, heads, kv_heads, dim, page, chain, placement, dtype=jnp.bfloat16):
+    """q, K/V caches holding `chain` disjoint sets of the batch's pages, and one page table per set
+    [chain, batch, pages per seq]. Placement of a sequence's pages: `contiguous` (a fresh engine's prefill),
+    `shuffled` (its own contiguous range in random order), `random` (anywhere in the cache: a long-running
+    server's free queue)."""
     per_seq = -(-context // page)
     pages = chain * batch * per_seq
     kq, kk, kv, kp = jax.random.split(jax.random.key(batch), 4)
     q = jax.random.normal(kq, (batch, heads, dim), dtype)
     k = jax.random.normal(kk, (pages, page, kv_heads, dim), dtype)
     v = jax.random.normal(kv, (pages, page, kv_heads, dim), dtype)
-    tables = jax.random.permutation(kp, pages).reshape(chain, batch, per_seq).astype(jnp.int32)
+    ids = jnp.arange(pages, dtype=jnp.int32).reshape(chain, batch, per_seq)
+    if placement == "random":
+        ids = jax.random.permutation(kp, pages).reshape(chain, batch, per_seq)
+    elif placement == "shuffled":
+        ids = jax.random.permutation(kp, ids, axis=2, independent=True)
+    tables = ids.astype(jnp.int32)
     lens = jnp.full((batch,), context, jnp.int32)
     return q, k, v, tables, lens
 
@@ -88,6 +99,8 @@ def main():
     ap.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 8, 32])
     ap.add_argument("--context", type=int, default=1088, help="tokens per sequence (1k prompt + half of 128 out)")
     ap.add_argument("--page-size", type=int, default=16)
+    ap.add_argument("--placement", nargs="+", default=["contiguous"], choices=PLACEMENTS,
+                    help="where each sequence's pages lie in the cache (see `inputs`)")
     ap.add_argument("--sweep", action="store_true", help="a grid of launch parameters, layouts and dot kinds")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--smoke", action="store_true", help="tiny sizes in interpret mode (checks the script)")
@@ -104,14 +117,14 @@ def main():
               "copy_bandwidth": copy, "chain": chain,
               "timing": "device time per call: a jit of `chain` dependent calls, each on its own pages, "
                         "timed back to back; median over rounds (variants interleaved)", "rows": []}
-    for batch in args.batch_sizes:
-        q, k, v, tables, lens = inputs(batch, args.context, heads, kv_heads, dim, args.page_size, chain)
+    for batch, placement in ((b, p) for b in args.batch_sizes for p in args.placement):
+        q, k, v, tables, lens = inputs(batch, args.context, heads, kv_heads, dim, args.page_size, chain, placement)
         k_hnd, v_hnd = jnp.transpose(k, (0, 2, 1, 3)), jnp.transpose(v, (0, 2, 1, 3))
         kv_bytes = 2 * batch * args.context * kv_heads * dim * k.dtype.itemsize
         ref = paged_decode_attention_reference(q, k, v, tables[0], lens).astype(jnp.float32)
         rows = []
         for kw in variants(batch, args.sweep):
-            row = {"batch_size": batch, "variant": kw, "kv_bytes": kv_bytes, "us_runs": []}
+            row = {"batch_size": batch, "placement": placement, "variant": kw, "kv_bytes": kv_bytes, "us_runs": []}
             hnd = kw.get("layout") == "hnd"
             try:
                 fn = functools.partial(paged_decode_attention, interpret=interpret, **kw)
