@@ -93,6 +93,21 @@ def time_once(run, args, iters) -> float:
     return (time.perf_counter() - t0) / iters
 
 
+def kernel_times(run, args, chain) -> dict:
+    """Per-call device time of each kernel of one profiled chain (no launch gaps, unlike `us`)."""
+    import tempfile
+
+    from benchmarks.trace_summary import gpu_kernel_times
+
+    with tempfile.TemporaryDirectory() as trace_dir:
+        with jax.profiler.trace(trace_dir):
+            jax.block_until_ready(run(*args))
+        per, _ = gpu_kernel_times(trace_dir, chain)
+    attn = sum(v for k, v in per.items() if k.startswith("paged_decode_attention"))
+    return {"kernels_us": {k: round(v, 2) for k, v in per.items()}, "kernel_us": round(sum(per.values()), 2),
+            "attention_kernel_us": round(attn, 2)}
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--shape", default="qwen3-4b", choices=sorted(NAMED_SHAPES))
@@ -103,6 +118,8 @@ def main():
                     help="where each sequence's pages lie in the cache (see `inputs`)")
     ap.add_argument("--sweep", action="store_true", help="a grid of launch parameters, layouts and dot kinds")
     ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--kernel-times", action="store_true",
+                    help="also profile one chain per variant: device time per kernel (launch gaps excluded)")
     ap.add_argument("--smoke", action="store_true", help="tiny sizes in interpret mode (checks the script)")
     ap.add_argument("--out")
     args = ap.parse_args()
@@ -144,6 +161,8 @@ def main():
                 if "run" in row:
                     row["us_runs"].append(time_once(row["run"], row["args"], row["iters"]) / chain * 1e6)
         for row in rows:
+            if args.kernel_times and "run" in row:
+                row.update(kernel_times(row["run"], row["args"], chain))
             row.pop("run", None), row.pop("args", None)
             if row["us_runs"]:
                 us = statistics.median(row["us_runs"])
@@ -151,6 +170,8 @@ def main():
                 row["tb_per_s"] = round(kv_bytes / us / 1e6, 3)
                 row["frac_of_copy_rate"] = round(kv_bytes / us / 1e-6 / copy["best_Bps"], 3) if not args.smoke \
                     else None
+            if row.get("attention_kernel_us"):
+                row["attention_kernel_tb_per_s"] = round(kv_bytes / row["attention_kernel_us"] / 1e6, 3)
             print(json.dumps(row), flush=True)
             result["rows"].append(row)
         del k, v, k_hnd, v_hnd
