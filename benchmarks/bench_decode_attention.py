@@ -117,6 +117,8 @@ def main():
     ap.add_argument("--placement", nargs="+", default=["contiguous"], choices=PLACEMENTS,
                     help="where each sequence's pages lie in the cache (see `inputs`)")
     ap.add_argument("--sweep", action="store_true", help="a grid of launch parameters, layouts and dot kinds")
+    ap.add_argument("--variants", type=json.loads, metavar="JSON",
+                    help='the variants to time instead, a JSON list of keyword sets, e.g. \'[{}, {"gather": "rows"}]\'')
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--kernel-times", action="store_true",
                     help="also profile one chain per variant: device time per kernel (launch gaps excluded)")
@@ -140,7 +142,7 @@ def main():
         kv_bytes = 2 * batch * args.context * kv_heads * dim * k.dtype.itemsize
         ref = paged_decode_attention_reference(q, k, v, tables[0], lens).astype(jnp.float32)
         rows = []
-        for kw in variants(batch, args.sweep):
+        for kw in args.variants if args.variants is not None else variants(batch, args.sweep):
             row = {"batch_size": batch, "placement": placement, "variant": kw, "kv_bytes": kv_bytes, "us_runs": []}
             hnd = kw.get("layout") == "hnd"
             try:

@@ -55,11 +55,13 @@ def _decode_kernel(
     rows: int,
     kv_heads_fastest: bool,
     mma: bool = True,
+    page_size: int = 0,
 ):
     h, b = (pl.program_id(0), pl.program_id(1)) if kv_heads_fastest else (pl.program_id(1), pl.program_id(0))
     split = pl.program_id(2)
     head_dim = q_ref.shape[1]
-    page_size = k_ref.shape[1]
+    rows_gather = page_size > 0  # k_ref [num_pages * page_size, D]: one row index per token
+    page_size = page_size or k_ref.shape[1]
     block_k = pages_per_block * page_size
     seq_len = len_ref[0]
     # The splits share this sequence's actual blocks, not the page table's width (max_model_len): sized by the
@@ -81,9 +83,16 @@ def _decode_kernel(
     def body(i, carry):
         acc, m_prev, l_prev = carry  # [Gp, D], [Gp], [Gp] fp32
         blk = first_block + i
-        pages = pt_ref[pl.ds(blk * pages_per_block, pages_per_block)]  # [ppb]
-        k = k_ref[pages].reshape(block_k, head_dim)  # [block_k, D] gathered pages
-        v = v_ref[pages].reshape(block_k, head_dim)  # [block_k, D]
+        if rows_gather:  # a [block_k] row gather feeds the dots directly (no reshape between load and dot)
+            tok = jnp.arange(block_k, dtype=jnp.int32)
+            tok_pages = pt_ref[blk * pages_per_block + tok // page_size]  # [block_k] page of each token
+            kv_rows = tok_pages * page_size + tok % page_size
+            k = k_ref[kv_rows]  # [block_k, D]
+            v = v_ref[kv_rows]
+        else:
+            pages = pt_ref[pl.ds(blk * pages_per_block, pages_per_block)]  # [ppb]
+            k = k_ref[pages].reshape(block_k, head_dim)  # [block_k, D] gathered pages
+            v = v_ref[pages].reshape(block_k, head_dim)  # [block_k, D]
         if mma:
             s = plgpu.dot(q, k, trans_b=True) * qk_scale  # [Gp, block_k] fp32
         else:  # CUDA cores: no tensor-core tile, so no padding of the group to 16 rows
@@ -131,7 +140,7 @@ def _plan_splits(batch: int, num_kv_heads: int, num_blocks: int, num_splits: int
 
 
 def _decode_call(q, k_cache, v_cache, page_table, seq_lens, *, scale, pages_per_block, num_splits,
-                 num_warps, num_stages, kv_heads_fastest, merge_kernel, layout, mma, interpret):
+                 num_warps, num_stages, kv_heads_fastest, merge_kernel, layout, mma, gather, interpret):
     batch, num_heads, head_dim = q.shape
     if layout == "hnd":
         num_pages, num_kv_heads, page_size, _ = k_cache.shape
@@ -147,13 +156,14 @@ def _decode_call(q, k_cache, v_cache, page_table, seq_lens, *, scale, pages_per_
         num_warps = 2 if splits == 1 else 4
     padded_pages = num_blocks * ppb
 
+    rows_gather = gather == "rows" and layout == "nhd"
     q2 = q.reshape(batch * num_heads, head_dim)  # [B * H, D], a free reshape
     table = jnp.pad(page_table.astype(jnp.int32), ((0, 0), (0, padded_pages - max_pages)))  # [B, Pp]
     lens = seq_lens.astype(jnp.int32).reshape(batch, 1)  # [B, 1]
 
     kernel = functools.partial(_decode_kernel, scale=scale, pages_per_block=ppb,
                                num_heads=num_heads, group=group, rows=rows, kv_heads_fastest=kv_heads_fastest,
-                               mma=mma)
+                               mma=mma, page_size=page_size if rows_gather else 0)
     # Grid dim 0 is the fastest-varying launch index (CUDA x). With kv heads there, the programs
     # running side by side read the same pages (different heads' slices of each row).
     if kv_heads_fastest:
@@ -163,7 +173,11 @@ def _decode_call(q, k_cache, v_cache, page_table, seq_lens, *, scale, pages_per_
         grid = (batch, num_kv_heads, splits)
         bhs = lambda f: f  # noqa: E731
     whole = pl.no_block_spec  # q (and the one-split output): rows picked in the kernel
-    if layout == "hnd":  # a page's rows of one kv head are contiguous
+    if rows_gather:  # [pages * page_size, kv heads, D]: a free reshape
+        k_cache = k_cache.reshape(num_pages * page_size, num_kv_heads, head_dim)
+        v_cache = v_cache.reshape(num_pages * page_size, num_kv_heads, head_dim)
+        kv_spec = pl.BlockSpec((num_pages * page_size, None, head_dim), bhs(lambda b, h, s: (0, h, 0)))
+    elif layout == "hnd":  # a page's rows of one kv head are contiguous
         kv_spec = pl.BlockSpec((num_pages, None, page_size, head_dim), bhs(lambda b, h, s: (0, h, 0, 0)))
     else:
         kv_spec = pl.BlockSpec((num_pages, page_size, None, head_dim), bhs(lambda b, h, s: (0, 0, h, 0)))
@@ -300,7 +314,7 @@ def _nhd_shape(shape, layout):
 
 @functools.partial(jax.jit, static_argnames=(
     "scale", "pages_per_block", "num_splits", "num_warps", "num_stages", "kv_heads_fastest", "merge_kernel",
-    "layout", "mma", "interpret"))
+    "layout", "mma", "gather", "interpret"))
 def paged_decode_attention(
     q: jax.Array,
     k_cache: jax.Array,
@@ -317,6 +331,7 @@ def paged_decode_attention(
     merge_kernel: bool = True,
     layout: str = "nhd",
     mma: bool = True,
+    gather: str = "pages",
     interpret: bool = False,
 ) -> jax.Array:
     """Decode attention of one query token per sequence over a paged KV cache.
@@ -355,7 +370,7 @@ def paged_decode_attention(
     return _decode_call(q, k_cache, v_cache, page_table, seq_lens, scale=scale,
                         pages_per_block=pages_per_block, num_splits=num_splits, num_warps=num_warps,
                         num_stages=num_stages, kv_heads_fastest=kv_heads_fastest, merge_kernel=merge_kernel,
-                        layout=layout, mma=mma, interpret=interpret)
+                        layout=layout, mma=mma, gather=gather, interpret=interpret)
 
 
 # ----------------------------------------------------------------------------------------------
