@@ -2,7 +2,7 @@
 no help from L2: each call of a timed chain reads its own copy of the batch's pages (a decode step reads
 a layer's K/V once, after the weights have flushed L2; `bench_kernels`' chain rereads one set).
 
-Variants (launch parameters, cache layout, tensor-core vs CUDA-core dots) are timed round-robin in one
+Variants (launch parameters, the gather's form) are timed round-robin in one
 process, `--rounds` times each, so drifting memory clocks hit them alike; the JSON keeps every round and
 the median. Bandwidth is K+V bytes over the device time, against the copy rate measured in the same run.
 
@@ -30,24 +30,16 @@ CHAIN = 8  # calls per timed jit, each on its own pages
 
 
 def variants(batch: int, sweep: bool) -> list[dict]:
-    """Keyword sets for paged_decode_attention ({} = its defaults)."""
-    out: list[dict] = [{}, {"layout": "hnd"}, {"layout": "nhd", "pages_per_block": 4, "num_stages": 3, "num_warps": 4},
-                       {"layout": "hnd", "pages_per_block": 4, "num_stages": 4, "num_warps": 4}]
+    """Keyword sets for paged_decode_attention ({} = its defaults; gather "pages" = the older whole-page loads)."""
+    out: list[dict] = [{}, {"gather": "pages"}]
     if not sweep:
         return out
-    for layout in ("nhd", "hnd"):
-        for ppb in (1, 2, 4):
-            for stages in (2, 3, 4):
-                out.append({"layout": layout, "pages_per_block": ppb, "num_stages": stages, "num_warps": 4})
-        splits = (8, 16, 32, 48) if batch == 1 else (2, 3, 5, 8) if batch <= 8 else (1, 2, 3, 4)
-        for s in splits:
-            for ppb, stages in ((2, 3), (4, 2)):
-                out.append({"layout": layout, "pages_per_block": ppb, "num_stages": stages, "num_splits": s})
-        for ppb in (1, 2):
-            for stages in (2, 3):
-                for warps in (4, 8):
-                    out.append({"layout": layout, "mma": False, "pages_per_block": ppb, "num_stages": stages,
-                                "num_warps": warps})
+    for ppb, stages in ((2, 3), (2, 4), (4, 2), (4, 3), (4, 4), (8, 2), (8, 3)):
+        out.append({"pages_per_block": ppb, "num_stages": stages})
+    splits = (8, 16, 32) if batch == 1 else (3, 5, 8) if batch <= 8 else (1, 2, 3)
+    for s in splits:
+        for ppb, stages in ((4, 3), (8, 2)):
+            out.append({"pages_per_block": ppb, "num_stages": stages, "num_splits": s})
     return out
 
 
@@ -116,7 +108,7 @@ def main():
     ap.add_argument("--page-size", type=int, default=16)
     ap.add_argument("--placement", nargs="+", default=["contiguous"], choices=PLACEMENTS,
                     help="where each sequence's pages lie in the cache (see `inputs`)")
-    ap.add_argument("--sweep", action="store_true", help="a grid of launch parameters, layouts and dot kinds")
+    ap.add_argument("--sweep", action="store_true", help="a grid of launch parameters")
     ap.add_argument("--variants", type=json.loads, metavar="JSON",
                     help='the variants to time instead, a JSON list of keyword sets, e.g. \'[{}, {"gather": "rows"}]\'')
     ap.add_argument("--rounds", type=int, default=3)
@@ -138,20 +130,17 @@ def main():
                         "timed back to back; median over rounds (variants interleaved)", "rows": []}
     for batch, placement in ((b, p) for b in args.batch_sizes for p in args.placement):
         q, k, v, tables, lens = inputs(batch, args.context, heads, kv_heads, dim, args.page_size, chain, placement)
-        k_hnd, v_hnd = jnp.transpose(k, (0, 2, 1, 3)), jnp.transpose(v, (0, 2, 1, 3))
         kv_bytes = 2 * batch * args.context * kv_heads * dim * k.dtype.itemsize
         ref = paged_decode_attention_reference(q, k, v, tables[0], lens).astype(jnp.float32)
         rows = []
         for kw in args.variants if args.variants is not None else variants(batch, args.sweep):
             row = {"batch_size": batch, "placement": placement, "variant": kw, "kv_bytes": kv_bytes, "us_runs": []}
-            hnd = kw.get("layout") == "hnd"
             try:
                 fn = functools.partial(paged_decode_attention, interpret=interpret, **kw)
-                kc, vc = (k_hnd, v_hnd) if hnd else (k, v)
-                out = fn(q, kc, vc, tables[0], lens).astype(jnp.float32)
+                out = fn(q, k, v, tables[0], lens).astype(jnp.float32)
                 row["max_abs_err"] = float(jnp.abs(out - ref).max())
                 row["run"] = chained(fn, chain)
-                row["args"] = (q, kc, vc, tables, lens)
+                row["args"] = (q, k, v, tables, lens)
                 single = time_once(row["run"], row["args"], 1)
                 time_once(row["run"], row["args"], 1)
                 row["iters"] = max(2, min(200, int(0.03 / max(single, 1e-6))))
@@ -176,7 +165,7 @@ def main():
                 row["attention_kernel_tb_per_s"] = round(kv_bytes / row["attention_kernel_us"] / 1e6, 3)
             print(json.dumps(row), flush=True)
             result["rows"].append(row)
-        del k, v, k_hnd, v_hnd
+        del k, v
     write_result(result, args.out)
 
 

@@ -6,9 +6,16 @@ The query of sequence b is at position `seq_lens[b] - 1` and attends to position
 
 One program handles (sequence, kv head, split): the G query heads sharing that kv head are one
 `[G, head_dim]` matrix (padded to 16 rows, the smallest tensor-core tile), so each K/V byte is read
-once. A program walks its split of the sequence in blocks of `pages_per_block` pages, gathering
-the pages by id, with an fp32 online softmax. With `num_splits > 1` (flash-decoding) every split writes
-an unnormalised fp32 partial plus its running max / sum and a small XLA epilogue merges them; this
+once. A program walks its split of the sequence in blocks of `pages_per_block` pages with an fp32 online
+softmax. A block is gathered as `block_k` rows of the cache viewed as `[num_pages * page_size, D]` (one row
+index per token, from the page table), so the load feeds the dots with nothing between them and Triton's
+pipeliner can stage it `num_stages` deep. Gathering whole pages (`[ppb, page_size, D]` reshaped to
+`[block_k, D]`, `gather="pages"`, the older form) held 39 KB of shared memory a program and had 67% of its
+shared-memory wavefronts in excess (bank conflicts, ncu: decode_attention_ncu_b8_pages_qwen3-4b_h100.txt):
+2.2 vs 2.8 TB/s at batch 32 on the H100 (decode_attention_rows_b32_qwen3-4b_h100.json).
+
+With `num_splits > 1` (flash-decoding) every split writes an unnormalised fp32 partial plus its running
+max / sum and a small merge kernel combines them; this
 keeps the GPU busy when the batch is small and the contexts are long.
 
 GPU backend: the Pallas Triton lowering (see `pallas_kernels/__init__.py` for why).
@@ -28,13 +35,13 @@ LOG2E = math.log2(math.e)
 MASK_VALUE = -0.7 * float(jnp.finfo(jnp.float32).max)  # finite: masked rows never make NaN
 MIN_ROWS = 16  # tensor-core dots want M >= 16
 TARGET_PROGRAMS = 264  # ~2 waves of the H100's 132 SMs, used to pick num_splits
-# batch x kv heads from which 32-token K/V blocks measured faster (H100 sweep: 2.49 vs 2.46 TB/s at
-# batch 256 x 1k; 64-token blocks stay best at batch 64)
-LARGE_BATCH_PROGRAMS = 1024
-# ... and below which (a lone sequence's 8 kv heads): a batch-1 step is a chain of latencies per split, shorter
-# with 32-token blocks and 3 stages (Qwen3-4B at 1k context: attention + merge 284 vs 341 us a step on the H100;
-# at batch 8 the 64-token blocks stay ahead, 804 vs 879 us; local_step_attn_sweep_qwen3-4b_h100.json)
+# batch x kv heads from which one split fills the GPU: no split-K, no merge (Qwen3-4B batch 32 x 1k, 256 programs:
+# 50.3 us at 2.84 TB/s vs 52.8 + 1.9 us merge with 2 splits on the H100, decode_attention_rows_b32_qwen3-4b_h100.json)
+ONE_SPLIT_PROGRAMS = 192
+# ... and below which (a lone sequence's kv heads) 128-token blocks and 2 stages are fastest (batch 1 at 1k:
+# 4.2 vs 4.8 us with 64-token blocks); 64-token blocks and 3 stages elsewhere (batch 8: 16.0 vs 16.8 us with 2)
 SMALL_BATCH_PROGRAMS = 64
+SMEM_BUDGET = 160 * 1024  # bytes of K+V stage buffers a program may hold (the H100 has 227 KB a block)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -54,14 +61,12 @@ def _decode_kernel(
     group: int,
     rows: int,
     kv_heads_fastest: bool,
-    mma: bool = True,
-    page_size: int = 0,
+    page_size: int,
+    rows_gather: bool,
 ):
     h, b = (pl.program_id(0), pl.program_id(1)) if kv_heads_fastest else (pl.program_id(1), pl.program_id(0))
     split = pl.program_id(2)
     head_dim = q_ref.shape[1]
-    rows_gather = page_size > 0  # k_ref [num_pages * page_size, D]: one row index per token
-    page_size = page_size or k_ref.shape[1]
     block_k = pages_per_block * page_size
     seq_len = len_ref[0]
     # The splits share this sequence's actual blocks, not the page table's width (max_model_len): sized by the
@@ -83,31 +88,23 @@ def _decode_kernel(
     def body(i, carry):
         acc, m_prev, l_prev = carry  # [Gp, D], [Gp], [Gp] fp32
         blk = first_block + i
-        if rows_gather:  # a [block_k] row gather feeds the dots directly (no reshape between load and dot)
+        if rows_gather:  # k_ref [num_pages * page_size, D]: one row per token, straight into the dots
             tok = jnp.arange(block_k, dtype=jnp.int32)
-            tok_pages = pt_ref[blk * pages_per_block + tok // page_size]  # [block_k] page of each token
-            kv_rows = tok_pages * page_size + tok % page_size
+            kv_rows = pt_ref[blk * pages_per_block + tok // page_size] * page_size + tok % page_size  # [block_k]
             k = k_ref[kv_rows]  # [block_k, D]
             v = v_ref[kv_rows]
-        else:
+        else:  # k_ref [num_pages, page_size, D]: whole pages
             pages = pt_ref[pl.ds(blk * pages_per_block, pages_per_block)]  # [ppb]
-            k = k_ref[pages].reshape(block_k, head_dim)  # [block_k, D] gathered pages
-            v = v_ref[pages].reshape(block_k, head_dim)  # [block_k, D]
-        if mma:
-            s = plgpu.dot(q, k, trans_b=True) * qk_scale  # [Gp, block_k] fp32
-        else:  # CUDA cores: no tensor-core tile, so no padding of the group to 16 rows
-            s = jnp.sum(q.astype(jnp.float32)[:, None, :] * k.astype(jnp.float32)[None, :, :], axis=2) * qk_scale
+            k = k_ref[pages].reshape(block_k, head_dim)  # [block_k, D]
+            v = v_ref[pages].reshape(block_k, head_dim)
+        s = plgpu.dot(q, k, trans_b=True) * qk_scale  # [Gp, block_k] fp32
         pos = blk * block_k + jnp.arange(block_k, dtype=jnp.int32)  # [block_k]
         s = jnp.where((pos < seq_len)[None, :], s, MASK_VALUE)
         m_next = jnp.maximum(m_prev, s.max(axis=1))  # [Gp]
         alpha = jnp.exp2(m_prev - m_next)  # [Gp]
         p = jnp.exp2(s - m_next[:, None])  # [Gp, block_k]
         l_next = alpha * l_prev + p.sum(axis=1)
-        if mma:
-            pv = plgpu.dot(p.astype(v.dtype), v)  # [Gp, D]
-        else:
-            pv = jnp.sum(p[:, :, None] * v.astype(jnp.float32)[None, :, :], axis=1)
-        acc = acc * alpha[:, None] + pv
+        acc = acc * alpha[:, None] + plgpu.dot(p.astype(v.dtype), v)  # [Gp, D]
         return acc, m_next, l_next
 
     acc = jnp.zeros((rows, head_dim), jnp.float32)
@@ -133,21 +130,20 @@ def _next_pow2(n: int) -> int:
 
 
 def _plan_splits(batch: int, num_kv_heads: int, num_blocks: int, num_splits: int | None) -> int:
-    """Split-K factor: enough programs for TARGET_PROGRAMS, at most one split per block of the table."""
+    """Split-K factor: enough programs for TARGET_PROGRAMS (none once ONE_SPLIT_PROGRAMS fill the GPU), at most one
+    split per block of the table."""
     if num_splits is None:
-        num_splits = max(1, pl.cdiv(TARGET_PROGRAMS, batch * num_kv_heads))
+        programs = batch * num_kv_heads
+        num_splits = 1 if programs >= ONE_SPLIT_PROGRAMS else pl.cdiv(TARGET_PROGRAMS, programs)
     return max(1, min(num_splits, num_blocks))
 
 
 def _decode_call(q, k_cache, v_cache, page_table, seq_lens, *, scale, pages_per_block, num_splits,
-                 num_warps, num_stages, kv_heads_fastest, merge_kernel, layout, mma, gather, interpret):
+                 num_warps, num_stages, kv_heads_fastest, merge_kernel, gather, interpret):
     batch, num_heads, head_dim = q.shape
-    if layout == "hnd":
-        num_pages, num_kv_heads, page_size, _ = k_cache.shape
-    else:
-        num_pages, page_size, num_kv_heads, _ = k_cache.shape
+    num_pages, page_size, num_kv_heads, _ = k_cache.shape
     group = num_heads // num_kv_heads
-    rows = max(MIN_ROWS if mma else 1, _next_pow2(group))
+    rows = max(MIN_ROWS, _next_pow2(group))
     max_pages = page_table.shape[1]
     ppb = min(pages_per_block, _next_pow2(max_pages))
     num_blocks = pl.cdiv(max_pages, ppb)
@@ -156,14 +152,14 @@ def _decode_call(q, k_cache, v_cache, page_table, seq_lens, *, scale, pages_per_
         num_warps = 2 if splits == 1 else 4
     padded_pages = num_blocks * ppb
 
-    rows_gather = gather == "rows" and layout == "nhd"
     q2 = q.reshape(batch * num_heads, head_dim)  # [B * H, D], a free reshape
     table = jnp.pad(page_table.astype(jnp.int32), ((0, 0), (0, padded_pages - max_pages)))  # [B, Pp]
     lens = seq_lens.astype(jnp.int32).reshape(batch, 1)  # [B, 1]
 
-    kernel = functools.partial(_decode_kernel, scale=scale, pages_per_block=ppb,
-                               num_heads=num_heads, group=group, rows=rows, kv_heads_fastest=kv_heads_fastest,
-                               mma=mma, page_size=page_size if rows_gather else 0)
+    rows_gather = gather == "rows"
+    kernel = functools.partial(_decode_kernel, scale=scale, pages_per_block=ppb, num_heads=num_heads, group=group,
+                               rows=rows, kv_heads_fastest=kv_heads_fastest, page_size=page_size,
+                               rows_gather=rows_gather)
     # Grid dim 0 is the fastest-varying launch index (CUDA x). With kv heads there, the programs
     # running side by side read the same pages (different heads' slices of each row).
     if kv_heads_fastest:
@@ -173,12 +169,10 @@ def _decode_call(q, k_cache, v_cache, page_table, seq_lens, *, scale, pages_per_
         grid = (batch, num_kv_heads, splits)
         bhs = lambda f: f  # noqa: E731
     whole = pl.no_block_spec  # q (and the one-split output): rows picked in the kernel
-    if rows_gather:  # [pages * page_size, kv heads, D]: a free reshape
+    if rows_gather:  # [num_pages * page_size, kv heads, D]: a free reshape
         k_cache = k_cache.reshape(num_pages * page_size, num_kv_heads, head_dim)
         v_cache = v_cache.reshape(num_pages * page_size, num_kv_heads, head_dim)
         kv_spec = pl.BlockSpec((num_pages * page_size, None, head_dim), bhs(lambda b, h, s: (0, h, 0)))
-    elif layout == "hnd":  # a page's rows of one kv head are contiguous
-        kv_spec = pl.BlockSpec((num_pages, None, page_size, head_dim), bhs(lambda b, h, s: (0, h, 0, 0)))
     else:
         kv_spec = pl.BlockSpec((num_pages, page_size, None, head_dim), bhs(lambda b, h, s: (0, 0, h, 0)))
     in_specs = [
@@ -280,16 +274,16 @@ def _merge_call(acc, m, l, *, num_heads, group, dtype, kv_heads_fastest, interpr
 # ----------------------------------------------------------------------------------------------
 # Public API
 # ----------------------------------------------------------------------------------------------
-def _check_args(q, k_cache, v_cache, page_table, seq_lens, pages_per_block, num_splits, layout):
-    if layout not in ("nhd", "hnd"):
-        raise ValueError(f"layout must be 'nhd' or 'hnd', got {layout!r}")
+def _check_args(q, k_cache, v_cache, page_table, seq_lens, pages_per_block, num_splits, gather):
+    if gather not in ("rows", "pages"):
+        raise ValueError(f"gather must be 'rows' or 'pages', got {gather!r}")
     if q.ndim != 3:
         raise ValueError(f"q must be [batch, num_heads, head_dim], got {q.shape=}")
     if k_cache.ndim != 4 or k_cache.shape != v_cache.shape:
         raise ValueError(f"k_cache/v_cache must be equal [pages, page_size, kv_heads, head_dim]: "
                          f"{k_cache.shape=} {v_cache.shape=}")
     batch, num_heads, head_dim = q.shape
-    _, page_size, num_kv_heads, kv_dim = _nhd_shape(k_cache.shape, layout)
+    _, page_size, num_kv_heads, kv_dim = k_cache.shape
     if kv_dim != head_dim:
         raise ValueError(f"k_cache head_dim must match q: {k_cache.shape=} {q.shape=}")
     if num_heads % num_kv_heads:
@@ -307,14 +301,9 @@ def _check_args(q, k_cache, v_cache, page_table, seq_lens, pages_per_block, num_
         raise ValueError(f"num_splits must be >= 1 or None, got {num_splits=}")
 
 
-def _nhd_shape(shape, layout):
-    """A cache shape as [pages, page_size, kv heads, head_dim] whatever the layout."""
-    return (shape[0], shape[2], shape[1], shape[3]) if layout == "hnd" and len(shape) == 4 else shape
-
-
 @functools.partial(jax.jit, static_argnames=(
     "scale", "pages_per_block", "num_splits", "num_warps", "num_stages", "kv_heads_fastest", "merge_kernel",
-    "layout", "mma", "gather", "interpret"))
+    "gather", "interpret"))
 def paged_decode_attention(
     q: jax.Array,
     k_cache: jax.Array,
@@ -329,9 +318,7 @@ def paged_decode_attention(
     num_stages: int | None = None,
     kv_heads_fastest: bool = True,
     merge_kernel: bool = True,
-    layout: str = "nhd",
-    mma: bool = True,
-    gather: str = "pages",
+    gather: str = "rows",
     interpret: bool = False,
 ) -> jax.Array:
     """Decode attention of one query token per sequence over a paged KV cache.
@@ -345,32 +332,38 @@ def paged_decode_attention(
       seq_lens: int32 `[batch]`, context length including the new token; 0 marks a padding
         sequence, whose output is zeros.
       scale: softmax scale, default `head_dim ** -0.5`.
-      pages_per_block: pages gathered per inner step (power of two); default: 64 tokens' worth.
+      pages_per_block: pages gathered per inner step (power of two); default: 64 tokens' worth (128 for a batch
+        of a few sequences), fewer where the stage buffers would not fit SMEM_BUDGET.
       num_splits: flash-decoding splits of the context; None picks enough to fill the GPU
         (1 when batch * num_kv_heads already does).
-      num_warps, num_stages: Triton launch parameters (None: 2 warps without split-K, else 4; 3 stages for
-        small batches, else 2).
+      num_warps, num_stages: Triton launch parameters (None: 2 warps without split-K, else 4; 2 stages for
+        small batches, else 3).
       kv_heads_fastest: launch order; True runs a sequence's kv heads side by side (page locality).
       merge_kernel: merge split-K partials in one Pallas kernel (else XLA's fusions of the same math).
+      gather: "rows" (a row index per token, pipelined) or "pages" (whole pages reshaped: the older, slower
+        form, kept for comparison).
       interpret: run the Pallas interpreter (CPU tests).
 
     Returns:
       `[batch, num_heads, head_dim]` in q's dtype (softmax and accumulation in fp32).
     """
-    _, page_size, num_kv_heads, _ = _nhd_shape(k_cache.shape, layout)
-    programs = q.shape[0] * num_kv_heads
+    page_size, head_dim = k_cache.shape[1], k_cache.shape[-1]
+    programs = q.shape[0] * k_cache.shape[2]
     small = programs < SMALL_BATCH_PROGRAMS
-    if pages_per_block is None:  # H100 sweeps: 64-token blocks; 32 once the batch alone fills the GPU, or is tiny
-        block_tokens = 32 if programs >= LARGE_BATCH_PROGRAMS or small else 64
-        pages_per_block = max(1, block_tokens // page_size)
     if num_stages is None:
-        num_stages = 3 if small else 2
-    _check_args(q, k_cache, v_cache, page_table, seq_lens, pages_per_block, num_splits, layout)
+        num_stages = 2 if small else 3
+    if pages_per_block is None:  # H100 sweeps (see SMALL_BATCH_PROGRAMS)
+        block_tokens = 128 if small else 64
+        stage_bytes = lambda t: 2 * t * head_dim * k_cache.dtype.itemsize  # noqa: E731  K + V
+        while block_tokens > page_size and num_stages * stage_bytes(block_tokens) > SMEM_BUDGET:
+            block_tokens //= 2
+        pages_per_block = max(1, block_tokens // page_size)
+    _check_args(q, k_cache, v_cache, page_table, seq_lens, pages_per_block, num_splits, gather)
     scale = q.shape[-1] ** -0.5 if scale is None else scale
     return _decode_call(q, k_cache, v_cache, page_table, seq_lens, scale=scale,
                         pages_per_block=pages_per_block, num_splits=num_splits, num_warps=num_warps,
                         num_stages=num_stages, kv_heads_fastest=kv_heads_fastest, merge_kernel=merge_kernel,
-                        layout=layout, mma=mma, gather=gather, interpret=interpret)
+                        gather=gather, interpret=interpret)
 
 
 # ----------------------------------------------------------------------------------------------
