@@ -40,9 +40,9 @@ TARGET_PROGRAMS = 264  # ~2 waves of the H100's 132 SMs, used to pick num_splits
 ONE_SPLIT_PROGRAMS = 192
 # ... and below which (a lone sequence's kv heads) a step is latency-bound: 2 stages, and 128-token blocks where
 # 8+ kv heads x the blocks of the context still make enough programs (Qwen3-4B batch 1 at 1k: 4.0 + 1.6 us merge
-# vs 4.8 + 1.9 with 32-token blocks), else 32 (Qwen3-30B-A3B's 4 kv heads: 3.2 + 1.8 vs 3.9 + 1.5 us with 128,
-# decode_attention_rows_qwen3-30b-a3b_h100.json). 64-token blocks and 3 stages elsewhere (batch 8: 16.0 vs 16.8 us
-# with 2 stages)
+# vs 4.8 + 1.9 with 32-token blocks), else 64 (Qwen3-30B-A3B's 4 kv heads: 3.1 + 1.8 us vs 3.3 + 1.8 with 32 and
+# 3.9 + 1.5 with 128, decode_attention_rows_b1_qwen3-30b-a3b_h100.json). 64-token blocks and 3 stages elsewhere
+# (batch 8: 16.0 vs 16.8 us with 2 stages)
 SMALL_BATCH_PROGRAMS = 64
 SMEM_BUDGET = 160 * 1024  # bytes of K+V stage buffers a program may hold (the H100 has 227 KB a block)
 
@@ -356,7 +356,7 @@ def paged_decode_attention(
     if num_stages is None:
         num_stages = 2 if small else 3
     if pages_per_block is None:  # H100 sweeps (see SMALL_BATCH_PROGRAMS)
-        block_tokens = (128 if programs >= 8 else 32) if small else 64
+        block_tokens = 128 if small and programs >= 8 else 64
         stage_bytes = lambda t: 2 * t * head_dim * k_cache.dtype.itemsize  # noqa: E731  K + V
         while block_tokens > page_size and num_stages * stage_bytes(block_tokens) > SMEM_BUDGET:
             block_tokens //= 2
