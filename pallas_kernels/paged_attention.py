@@ -50,6 +50,22 @@ SMEM_BUDGET = 160 * 1024  # bytes of K+V stage buffers a program may hold (the H
 # ----------------------------------------------------------------------------------------------
 # Kernel body
 # ----------------------------------------------------------------------------------------------
+def token_rows(pt_ref, first_page, block_k: int, page_size: int) -> jax.Array:
+    """[block_k] row indices, into a cache viewed as `[num_pages * page_size, D]` (`row_view`), of the block_k
+    consecutive tokens from page slot `first_page` of the page-table row `pt_ref` [pages per sequence]."""
+    tok = jnp.arange(block_k, dtype=jnp.int32)
+    return pt_ref[first_page + tok // page_size] * page_size + tok % page_size
+
+
+def row_view(k_cache: jax.Array, v_cache: jax.Array, index_map) -> tuple[jax.Array, jax.Array, pl.BlockSpec]:
+    """The caches `[num_pages, page_size, KVH, D]` as `[num_pages * page_size, KVH, D]` (a free reshape) and the
+    BlockSpec of one kv head's rows; `index_map(*grid_ids)` names the kv head."""
+    num_pages, page_size, num_kv_heads, head_dim = k_cache.shape
+    shape = (num_pages * page_size, num_kv_heads, head_dim)
+    spec = pl.BlockSpec((shape[0], None, head_dim), lambda *ids: (0, index_map(*ids), 0))
+    return k_cache.reshape(shape), v_cache.reshape(shape), spec
+
+
 def _decode_kernel(
     q_ref,  # [B * H, D]: every query (rows of one sequence's kv head are contiguous)
     k_ref,  # [num_pages, page_size, D]: this kv head's slice of the whole K cache
@@ -92,8 +108,7 @@ def _decode_kernel(
         acc, m_prev, l_prev = carry  # [Gp, D], [Gp], [Gp] fp32
         blk = first_block + i
         if rows_gather:  # k_ref [num_pages * page_size, D]: one row per token, straight into the dots
-            tok = jnp.arange(block_k, dtype=jnp.int32)
-            kv_rows = pt_ref[blk * pages_per_block + tok // page_size] * page_size + tok % page_size  # [block_k]
+            kv_rows = token_rows(pt_ref, blk * pages_per_block, block_k, page_size)  # [block_k]
             k = k_ref[kv_rows]  # [block_k, D]
             v = v_ref[kv_rows]
         else:  # k_ref [num_pages, page_size, D]: whole pages
@@ -172,10 +187,8 @@ def _decode_call(q, k_cache, v_cache, page_table, seq_lens, *, scale, pages_per_
         grid = (batch, num_kv_heads, splits)
         bhs = lambda f: f  # noqa: E731
     whole = pl.no_block_spec  # q (and the one-split output): rows picked in the kernel
-    if rows_gather:  # [num_pages * page_size, kv heads, D]: a free reshape
-        k_cache = k_cache.reshape(num_pages * page_size, num_kv_heads, head_dim)
-        v_cache = v_cache.reshape(num_pages * page_size, num_kv_heads, head_dim)
-        kv_spec = pl.BlockSpec((num_pages * page_size, None, head_dim), bhs(lambda b, h, s: (0, h, 0)))
+    if rows_gather:
+        k_cache, v_cache, kv_spec = row_view(k_cache, v_cache, bhs(lambda b, h, s: h))
     else:
         kv_spec = pl.BlockSpec((num_pages, page_size, None, head_dim), bhs(lambda b, h, s: (0, 0, h, 0)))
     in_specs = [

@@ -26,6 +26,8 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
+from pallas_kernels.paged_attention import row_view, token_rows
+
 LOG2E = math.log2(math.e)
 MASK_VALUE = -0.7 * float(jnp.finfo(jnp.float32).max)
 # columns of the per-tile table
@@ -38,17 +40,17 @@ _Q0, _Q1, _WIN, _SHIFT, _SEQ, _CTX = range(6)
 def _prefill_kernel(
     tile_ref,  # [8] int32: q0, q1 (valid tokens), window start, position shift, seq, ctx len
     q_ref,  # [T, Gp, D]: every token's query heads of this kv head
-    k_ref,  # [num_pages, page_size, D]: this kv head's slice of the K cache
-    v_ref,  # [num_pages, page_size, D]
+    k_ref,  # [num_pages * page_size, D]: this kv head's rows of the K cache (`paged_attention.row_view`)
+    v_ref,  # [num_pages * page_size, D]
     pt_ref,  # [B + 1, Pp]: page table (last row: the padding pseudo-sequence)
     *refs,  # [prev_ref [T, Gp, D] (aliased to o_ref: rows this call does not compute keep it),] o_ref [T, Gp, D]
     scale: float,
     block_q: int,
     pages_per_block: int,
+    page_size: int,
 ):
     o_ref = refs[-1]
     _, group, head_dim = q_ref.shape
-    page_size = k_ref.shape[1]
     block_k = pages_per_block * page_size
     rows = block_q * group
     q0, q1, win = tile_ref[_Q0], tile_ref[_Q1], tile_ref[_WIN]
@@ -69,9 +71,9 @@ def _prefill_kernel(
         def make_body(masked: bool):
             def body(j, carry):
                 acc, m_prev, l_prev = carry  # [rows, D], [rows], [rows] fp32
-                pages = pt_ref[seq, pl.ds(j * pages_per_block, pages_per_block)]  # [ppb]
-                k = k_ref[pages].reshape(block_k, head_dim)  # [block_k, D]
-                v = v_ref[pages].reshape(block_k, head_dim)  # [block_k, D]
+                kv_rows = token_rows(pt_ref.at[seq], j * pages_per_block, block_k, page_size)  # [block_k]
+                k = k_ref[kv_rows]  # [block_k, D]: one row per token, straight into the dots (pipelined)
+                v = v_ref[kv_rows]
                 s = plgpu.dot(q, k, trans_b=True) * qk_scale  # [rows, block_k] fp32
                 if masked:
                     kv_pos = j * block_k + jnp.arange(block_k, dtype=jnp.int32)  # [block_k]
@@ -163,7 +165,8 @@ def _prefill_call(q, k_cache, v_cache, query_start, seq_lens, page_table, seq_ma
     seg_mask = None if seq_mask is None else jnp.concatenate([seq_mask, jnp.ones((1,), bool)])
     tiles = _tile_table(query_start, seq_lens, padded_tokens, block_q, num_tiles, seg_mask)
 
-    kernel = functools.partial(_prefill_kernel, scale=scale, block_q=block_q, pages_per_block=ppb)
+    kernel = functools.partial(_prefill_kernel, scale=scale, block_q=block_q, pages_per_block=ppb,
+                               page_size=page_size)
     # Grid dim 0 is the fastest-varying launch index (CUDA x): with kv heads there, a tile's heads
     # run side by side on the same pages and the (reversed) tile order is the launch order.
     if kv_heads_fastest:
@@ -173,14 +176,15 @@ def _prefill_call(q, k_cache, v_cache, query_start, seq_lens, page_table, seq_ma
         grid = (num_tiles, num_kv_heads)
         th = lambda f: f  # noqa: E731
     token_spec = pl.BlockSpec((padded_tokens, None, gp, head_dim), th(lambda t, h: (0, h, 0, 0)))
+    k_rows, v_rows, kv_spec = row_view(k_cache, v_cache, th(lambda t, h: h))
     in_specs = [
         pl.BlockSpec((None, 8), th(lambda t, h: (t, 0))),
         token_spec,
-        pl.BlockSpec((num_pages, page_size, None, head_dim), th(lambda t, h: (0, 0, h, 0))),
-        pl.BlockSpec((num_pages, page_size, None, head_dim), th(lambda t, h: (0, 0, h, 0))),
+        kv_spec,
+        kv_spec,
         pl.BlockSpec((batch + 1, padded_pages), th(lambda t, h: (0, 0))),
     ]
-    args = [tiles, q4, k_cache, v_cache, table]
+    args = [tiles, q4, k_rows, v_rows, table]
     # Write into `out` in place when its layout is the kernel's (no head / token padding).
     alias = out is not None and gp == group and padded_tokens == num_tokens
     if alias:
