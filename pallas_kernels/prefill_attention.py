@@ -42,12 +42,13 @@ def _prefill_kernel(
     q_ref,  # [T, Gp, D]: every token's query heads of this kv head
     k_ref,  # [num_pages * page_size, D]: this kv head's rows of the K cache (`paged_attention.row_view`)
     v_ref,  # [num_pages * page_size, D]
-    pt_ref,  # [B + 1, Pp]: page table (last row: the padding pseudo-sequence)
+    pt_ref,  # [(B + 1) * Pp]: page table, flat (last row: the padding pseudo-sequence)
     *refs,  # [prev_ref [T, Gp, D] (aliased to o_ref: rows this call does not compute keep it),] o_ref [T, Gp, D]
     scale: float,
     block_q: int,
     pages_per_block: int,
     page_size: int,
+    table_width: int,
 ):
     o_ref = refs[-1]
     _, group, head_dim = q_ref.shape
@@ -71,7 +72,8 @@ def _prefill_kernel(
         def make_body(masked: bool):
             def body(j, carry):
                 acc, m_prev, l_prev = carry  # [rows, D], [rows], [rows] fp32
-                kv_rows = token_rows(pt_ref.at[seq], j * pages_per_block, block_k, page_size)  # [block_k]
+                first = seq * table_width + j * pages_per_block  # the flat table's slot of this block's first page
+                kv_rows = token_rows(pt_ref, first, block_k, page_size)  # [block_k]
                 k = k_ref[kv_rows]  # [block_k, D]: one row per token, straight into the dots (pipelined)
                 v = v_ref[kv_rows]
                 s = plgpu.dot(q, k, trans_b=True) * qk_scale  # [rows, block_k] fp32
@@ -166,7 +168,7 @@ def _prefill_call(q, k_cache, v_cache, query_start, seq_lens, page_table, seq_ma
     tiles = _tile_table(query_start, seq_lens, padded_tokens, block_q, num_tiles, seg_mask)
 
     kernel = functools.partial(_prefill_kernel, scale=scale, block_q=block_q, pages_per_block=ppb,
-                               page_size=page_size)
+                               page_size=page_size, table_width=padded_pages)
     # Grid dim 0 is the fastest-varying launch index (CUDA x): with kv heads there, a tile's heads
     # run side by side on the same pages and the (reversed) tile order is the launch order.
     if kv_heads_fastest:
@@ -182,9 +184,10 @@ def _prefill_call(q, k_cache, v_cache, query_start, seq_lens, page_table, seq_ma
         token_spec,
         kv_spec,
         kv_spec,
-        pl.BlockSpec((batch + 1, padded_pages), th(lambda t, h: (0, 0))),
+        pl.BlockSpec(((batch + 1) * padded_pages,), th(lambda t, h: (0,))),
     ]
-    args = [tiles, q4, k_rows, v_rows, table]
+    args = [tiles, q4, k_rows, v_rows, table.reshape(-1)]  # flat: one array index per token (Triton's lowering
+    # takes no second indexer on a row view)
     # Write into `out` in place when its layout is the kernel's (no head / token padding).
     alias = out is not None and gp == group and padded_tokens == num_tokens
     if alias:
