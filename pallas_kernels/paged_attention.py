@@ -290,6 +290,18 @@ def _merge_call(acc, m, l, *, num_heads, group, dtype, kv_heads_fastest, interpr
 # ----------------------------------------------------------------------------------------------
 # Public API
 # ----------------------------------------------------------------------------------------------
+def plan_blocks(programs: int, page_size: int, head_dim: int, itemsize: int,
+                num_stages: int | None = None) -> tuple[int, int]:
+    """(pages_per_block, num_stages) for `programs` = batch x kv heads (H100 sweeps, see SMALL_BATCH_PROGRAMS):
+    the block shrinks until `num_stages` K+V stage buffers fit SMEM_BUDGET."""
+    small = programs < SMALL_BATCH_PROGRAMS
+    num_stages = num_stages or (2 if small else 3)
+    block_tokens = 128 if small and programs >= 8 else 64
+    while block_tokens > page_size and num_stages * 2 * block_tokens * head_dim * itemsize > SMEM_BUDGET:
+        block_tokens //= 2
+    return max(1, block_tokens // page_size), num_stages
+
+
 def _check_args(q, k_cache, v_cache, page_table, seq_lens, pages_per_block, num_splits, gather):
     if gather not in ("rows", "pages"):
         raise ValueError(f"gather must be 'rows' or 'pages', got {gather!r}")
@@ -363,17 +375,11 @@ def paged_decode_attention(
     Returns:
       `[batch, num_heads, head_dim]` in q's dtype (softmax and accumulation in fp32).
     """
-    page_size, head_dim = k_cache.shape[1], k_cache.shape[-1]
-    programs = q.shape[0] * k_cache.shape[2]
-    small = programs < SMALL_BATCH_PROGRAMS
-    if num_stages is None:
-        num_stages = 2 if small else 3
-    if pages_per_block is None:  # H100 sweeps (see SMALL_BATCH_PROGRAMS)
-        block_tokens = 128 if small and programs >= 8 else 64
-        stage_bytes = lambda t: 2 * t * head_dim * k_cache.dtype.itemsize  # noqa: E731  K + V
-        while block_tokens > page_size and num_stages * stage_bytes(block_tokens) > SMEM_BUDGET:
-            block_tokens //= 2
-        pages_per_block = max(1, block_tokens // page_size)
+    _, page_size, num_kv_heads, head_dim = k_cache.shape
+    plan_ppb, plan_stages = plan_blocks(q.shape[0] * num_kv_heads, page_size, head_dim, k_cache.dtype.itemsize,
+                                        num_stages)
+    num_stages = plan_stages if num_stages is None else num_stages
+    pages_per_block = plan_ppb if pages_per_block is None else pages_per_block
     _check_args(q, k_cache, v_cache, page_table, seq_lens, pages_per_block, num_splits, gather)
     scale = q.shape[-1] ** -0.5 if scale is None else scale
     return _decode_call(q, k_cache, v_cache, page_table, seq_lens, scale=scale,

@@ -6,7 +6,12 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from pallas_kernels.paged_attention import paged_decode_attention, paged_decode_attention_reference
+from pallas_kernels.paged_attention import (
+    _plan_splits,
+    paged_decode_attention,
+    paged_decode_attention_reference,
+    plan_blocks,
+)
 from tests.kernels.conftest import MODES, assert_close, paged_kv
 
 # (page_size, num_heads, num_kv_heads, head_dim, dtype, seq_lens, num_splits, pages_per_block)
@@ -18,6 +23,7 @@ CASES = [
     pytest.param(16, 8, 1, 256, jnp.bfloat16, [1, 16, 17, 100], 2, 2, id="p16-g8-d256-bf16-split2"),
     pytest.param(16, 32, 2, 64, jnp.bfloat16, [1, 33, 200], 1, 2, id="p16-g16-d64-bf16-nosplit"),
     pytest.param(16, 8, 2, 128, jnp.float32, [0, 0], None, 4, id="all-padding"),
+    pytest.param(16, 8, 2, 128, jnp.bfloat16, [1, 130, 300], None, None, id="p16-g4-d128-bf16-defaults"),
 ]
 
 
@@ -51,6 +57,35 @@ def test_decode_long_context_split_k(mode):
     assert_close(out, paged_decode_attention_reference(q, k, v, table, seq_lens), jnp.bfloat16, mode)
 
 
+@pytest.mark.parametrize("mode", MODES)
+def test_page_gather_matches_row_gather(mode):
+    """The older whole-page gather (kept for comparison) and the default row gather agree."""
+    rng = np.random.default_rng(5)
+    lens = [3, 70, 129]
+    k, v, table = paged_kv(rng, lens, 16, 2, 64, jnp.bfloat16)
+    q = jnp.asarray(rng.standard_normal((3, 8, 64)), jnp.bfloat16)
+    seq_lens = jnp.asarray(lens, jnp.int32)
+    kw = dict(num_splits=2, pages_per_block=2, interpret=mode == "interpret")
+    rows = paged_decode_attention(q, k, v, table, seq_lens, **kw)
+    pages = paged_decode_attention(q, k, v, table, seq_lens, gather="pages", **kw)
+    assert_close(rows, pages, jnp.bfloat16, mode)
+    assert_close(rows, paged_decode_attention_reference(q, k, v, table, seq_lens), jnp.bfloat16, mode)
+
+
+def test_launch_plan():
+    """The measured defaults: 128-token blocks and 2 stages for a few sequences (64 under 8 kv-head programs),
+    64 and 3 stages otherwise, shrunk to fit the shared-memory budget; no split-K once the batch fills the GPU."""
+    assert plan_blocks(8, 16, 128, 2) == (8, 2)  # Qwen3-4B batch 1
+    assert plan_blocks(4, 16, 128, 2) == (4, 2)  # Qwen3-30B-A3B batch 1
+    assert plan_blocks(64, 16, 128, 2) == (4, 3)  # Qwen3-4B batch 8
+    assert plan_blocks(4, 16, 256, 2) == (4, 2)  # head_dim 256: 64 tokens x 2 stages = 128 KB
+    assert plan_blocks(64, 16, 256, 2) == (2, 3)  # ... 3 stages of 64 would be 192 KB
+    assert plan_blocks(64, 64, 256, 2) == (1, 3)  # never below one page
+    assert _plan_splits(32, 8, 16, None) == 1  # 256 programs: one split, no merge
+    assert _plan_splits(8, 8, 16, None) == 5
+    assert _plan_splits(1, 8, 9, None) == 9  # capped at the table's blocks
+
+
 def test_decode_argument_checks():
     q = jnp.zeros((2, 8, 64))
     k = jnp.zeros((4, 16, 2, 64))
@@ -66,6 +101,8 @@ def test_decode_argument_checks():
         paged_decode_attention(jnp.zeros((2, 8, 32)), k, k, table, lens, interpret=True)
     with pytest.raises(ValueError, match="pages_per_block"):
         paged_decode_attention(q, k, k, table, lens, pages_per_block=3, interpret=True)
+    with pytest.raises(ValueError, match="gather"):
+        paged_decode_attention(q, k, k, table, lens, gather="tokens", interpret=True)
 
 
 @pytest.mark.parametrize("mode", MODES)
