@@ -3,6 +3,8 @@
 #   tests   every GPU kernel test;
 #   kernels the decode kernel benchmark (medians of 3 passes) -> $OUT/kernels_h100_decode.json, and
 #           decode-only steps at the runner's buckets, decode kernel vs ragged -> kernels_h100_route.json;
+#           decode attention alone at Qwen3-4B / 30B-A3B / 3.5-4B shapes, 1k context, kernel time from a profile,
+#           row vs page gather -> decode_attention_<shape>_h100.json;
 #   forward the raw Qwen3-4B forward's decode step, decode-only executable vs the ragged kernel's
 #           attention (bench_forward, alternating passes) at batch 64 x 2k and 32 x 1k;
 #   engine  the engine's TTFT/TPOT and offline throughput (run_gpu_prefill.sh, backend pallas);
@@ -20,6 +22,10 @@ fi
 if [[ $PARTS == *kernels* ]]; then
   python3 benchmarks/bench_kernels.py --only decode --repeat 3 --out "$OUT/kernels_h100_decode.json" | grep -v '^{'
   python3 benchmarks/bench_kernels.py --only route --out "$OUT/kernels_h100_route.json" | tail -1
+  for shape in qwen3-4b qwen3-30b-a3b qwen3.5-4b; do
+    python3 -m benchmarks.bench_decode_attention --shape $shape --kernel-times --batch-sizes 1 8 32 \
+        --out "$OUT/decode_attention_${shape}_h100.json" > /dev/null && echo "decode attention $shape: done"
+  done
 fi
 if [[ $PARTS == *forward* ]]; then
   for bp in "64 2048" "32 1024"; do
