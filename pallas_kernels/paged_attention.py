@@ -68,8 +68,8 @@ def row_view(k_cache: jax.Array, v_cache: jax.Array, index_map) -> tuple[jax.Arr
 
 def _decode_kernel(
     q_ref,  # [B * H, D]: every query (rows of one sequence's kv head are contiguous)
-    k_ref,  # [num_pages, page_size, D]: this kv head's slice of the whole K cache
-    v_ref,  # [num_pages, page_size, D]
+    k_ref,  # this kv head's slice of the whole K cache: [num_pages * page_size, D] (rows_gather, `row_view`),
+    v_ref,  # else [num_pages, page_size, D]
     pt_ref,  # [Pp]: this sequence's page ids (padded to whole blocks of ppb)
     len_ref,  # [1]: this sequence's context length
     o_ref,  # one split: [B * H, D] like q_ref; split-K: [Gp, D] unnormalised fp32 partial
@@ -323,7 +323,7 @@ def _check_args(q, k_cache, v_cache, page_table, seq_lens, pages_per_block, num_
         raise ValueError(f"page_table must be [batch, pages_per_seq]: {page_table.shape=} {q.shape=}")
     if seq_lens.shape != (batch,):
         raise ValueError(f"seq_lens must be [batch]: {seq_lens.shape=} {q.shape=}")
-    if pages_per_block < 1 or pages_per_block & (pages_per_block - 1):
+    if pages_per_block is not None and (pages_per_block < 1 or pages_per_block & (pages_per_block - 1)):
         raise ValueError(f"pages_per_block must be a power of two >= 1, got {pages_per_block=}")
     if num_splits is not None and num_splits < 1:
         raise ValueError(f"num_splits must be >= 1 or None, got {num_splits=}")
@@ -375,12 +375,12 @@ def paged_decode_attention(
     Returns:
       `[batch, num_heads, head_dim]` in q's dtype (softmax and accumulation in fp32).
     """
+    _check_args(q, k_cache, v_cache, page_table, seq_lens, pages_per_block, num_splits, gather)
     _, page_size, num_kv_heads, head_dim = k_cache.shape
     plan_ppb, plan_stages = plan_blocks(q.shape[0] * num_kv_heads, page_size, head_dim, k_cache.dtype.itemsize,
                                         num_stages)
     num_stages = plan_stages if num_stages is None else num_stages
     pages_per_block = plan_ppb if pages_per_block is None else pages_per_block
-    _check_args(q, k_cache, v_cache, page_table, seq_lens, pages_per_block, num_splits, gather)
     scale = q.shape[-1] ** -0.5 if scale is None else scale
     return _decode_call(q, k_cache, v_cache, page_table, seq_lens, scale=scale,
                         pages_per_block=pages_per_block, num_splits=num_splits, num_warps=num_warps,
