@@ -148,7 +148,7 @@ def _tile_table(query_start, seq_lens, num_tokens: int, block_q: int, num_tiles:
 def _prefill_call(q, k_cache, v_cache, query_start, seq_lens, page_table, seq_mask, out, *, scale, block_q,
                   pages_per_block, num_warps, num_stages, kv_heads_fastest, interpret):
     num_tokens, num_heads, head_dim = q.shape
-    num_pages, page_size, num_kv_heads, _ = k_cache.shape
+    _, page_size, num_kv_heads, _ = k_cache.shape
     batch, max_pages = page_table.shape
     group = num_heads // num_kv_heads
     gp = _next_pow2(group)
