@@ -25,6 +25,8 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
+from pallas_kernels.split_k import finish_last, residual_add
+
 
 # ----------------------------------------------------------------------------------------------
 # The RMSNorm prologue of a decode-sized tile (shared with norm_qkv_rope.py)
@@ -72,8 +74,13 @@ def _mlp_kernel(
     has_norm: bool,
     eps: float,
     unroll_norm: bool,
+    splits: int = 0,
+    fused_tail: bool = False,
+    interpret: bool = False,
 ):
-    if has_norm:
+    if fused_tail:  # (x + the block) out [T, hidden], the counters and the partials [splits, T, hidden] fp32
+        x_ref, n_ref, wg_ref, wu_ref, wd_ref, _cnt_in, y_ref, cnt_ref, o_ref = refs
+    elif has_norm:
         x_ref, n_ref, wg_ref, wu_ref, wd_ref, o_ref = refs
     else:
         (x_ref, wg_ref, wu_ref, wd_ref, o_ref), n_ref = refs, None
@@ -105,13 +112,25 @@ def _mlp_kernel(
     h = (g * jax.nn.sigmoid(g) * u).astype(wd_ref.dtype)  # [block_t, block_i], never leaves the SM
 
     out_mask = jnp.broadcast_to(real[:, None], (block_t, block_n))
+    n_blocks = hidden // block_n
 
     def down_body(n, _):
+        if fused_tail:  # each program starts at its own column block: the tiles' last arrivals spread over SMs
+            n = (n + i) % n_blocks
         cols = pl.ds(n * block_n, block_n)
-        plgpu.store(o_ref.at[i, rows, cols], plgpu.dot(h, wd_ref[:, cols]), mask=out_mask)  # [block_t, block_n] fp32
+        y = plgpu.dot(h, wd_ref[:, cols])  # [block_t, block_n] fp32
+        if not fused_tail:
+            plgpu.store(o_ref.at[i, rows, cols], y, mask=out_mask)
+            return 0
+
+        def epilogue(total):
+            plgpu.store(y_ref.at[rows, cols], residual_add(x_cols(cols, block_n), total), mask=out_mask)
+
+        finish_last(o_ref, cnt_ref, n, i, splits, lambda s: (s, rows, cols), y, out_mask, epilogue,
+                    interpret)
         return 0
 
-    jax.lax.fori_loop(0, hidden // block_n, down_body, 0)
+    jax.lax.fori_loop(0, n_blocks, down_body, 0)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -131,7 +150,7 @@ def default_block_i(inter: int) -> int:
 
 
 def _mlp_call(x, w_gate, w_up, w_down, norm_weight, *, eps, block_t, block_i, num_warps, num_stages,
-              unroll_norm, interpret):
+              unroll_norm, interpret, counters=None):
     tokens, hidden = x.shape
     inter = w_gate.shape[1]
     if block_t is None:
@@ -146,11 +165,24 @@ def _mlp_call(x, w_gate, w_up, w_down, norm_weight, *, eps, block_t, block_i, nu
     block_n = pow2_divisor(hidden, 256)
     t_tiles, splits = pl.cdiv(tokens, block_t), inter // block_i
     has_norm = norm_weight is not None
+    fused_tail = counters is not None
     kernel = functools.partial(_mlp_kernel, block_t=block_t, block_k=block_k, block_n=block_n, has_norm=has_norm,
-                               eps=eps, unroll_norm=unroll_norm)
+                               eps=eps, unroll_norm=unroll_norm, splits=splits, fused_tail=fused_tail,
+                               interpret=interpret)
     norm_spec = [pl.BlockSpec((hidden,), lambda t, i: (0,))] if has_norm else []
     whole = pl.no_block_spec  # x and the partials: the tile's rows are picked (masked) in the kernel
-    partials = pl.pallas_call(
+    partials = jax.ShapeDtypeStruct((splits, tokens, hidden), jnp.float32)
+    if fused_tail:
+        if t_tiles != 1:
+            raise ValueError(f"the fused residual tail takes one token tile: {tokens=} > {block_t=}")
+        if counters.dtype != jnp.int32 or counters.ndim != 1 or counters.shape[0] < hidden // block_n:
+            raise ValueError(f"counters must be int32 [>= {hidden // block_n}], got {counters.dtype} {counters.shape}")
+        out_shape = [jax.ShapeDtypeStruct(x.shape, x.dtype), jax.ShapeDtypeStruct(counters.shape, jnp.int32),
+                     partials]
+        extra, aliases = [counters], {len(norm_spec) + 4: 1}
+    else:
+        out_shape, extra, aliases = partials, [], {}
+    out = pl.pallas_call(
         kernel,
         grid=(t_tiles, splits),
         in_specs=[
@@ -159,14 +191,18 @@ def _mlp_call(x, w_gate, w_up, w_down, norm_weight, *, eps, block_t, block_i, nu
             pl.BlockSpec((hidden, block_i), lambda t, i: (0, i)),
             pl.BlockSpec((hidden, block_i), lambda t, i: (0, i)),
             pl.BlockSpec((block_i, hidden), lambda t, i: (i, 0)),
+            *([whole] * len(extra)),
         ],
-        out_specs=whole,
-        out_shape=jax.ShapeDtypeStruct((splits, tokens, hidden), jnp.float32),
+        out_specs=[whole] * 3 if fused_tail else whole,
+        out_shape=out_shape,
+        input_output_aliases=aliases,
         compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),
         interpret=interpret,
-        name=f"fused_swiglu_mlp_t{block_t}_i{block_i}" + ("_norm" if has_norm else ""),
-    )(x, *([norm_weight] if has_norm else []), w_gate, w_up, w_down)
-    return partials.sum(axis=0).astype(x.dtype)  # [tokens, hidden]
+        name=f"fused_swiglu_mlp_t{block_t}_i{block_i}" + ("_norm" if has_norm else "") + ("_res" if fused_tail else ""),
+    )(x, *([norm_weight] if has_norm else []), w_gate, w_up, w_down, *extra)
+    if fused_tail:
+        return out[0], out[1]
+    return out.sum(axis=0).astype(x.dtype)  # [tokens, hidden]
 
 
 # ----------------------------------------------------------------------------------------------
@@ -208,6 +244,34 @@ def fused_swiglu_mlp(
     Returns:
       `[tokens, hidden]` in x's dtype (fp32 accumulation).
     """
+    _check_args(x, w_gate, w_up, w_down, norm_weight, block_t, block_i)
+    return _mlp_call(x, w_gate, w_up, w_down, norm_weight, eps=eps, block_t=block_t, block_i=block_i,
+                     num_warps=num_warps, num_stages=num_stages, unroll_norm=unroll_norm, interpret=interpret)
+
+
+@functools.partial(jax.jit, static_argnames=("eps", "block_i", "num_warps", "num_stages", "interpret"))
+def fused_swiglu_mlp_block(x: jax.Array, norm_weight: jax.Array, w_gate: jax.Array, w_up: jax.Array,
+                           w_down: jax.Array, counters: jax.Array, *, eps: float = 1e-6, block_i: int | None = None,
+                           num_warps: int | None = None, num_stages: int | None = None, interpret: bool = False
+                           ) -> tuple[jax.Array, jax.Array]:
+    """A decoder's whole MLP block for a decode step of <= 64 tokens: `(x + mlp(rms_norm(x)), counters)`.
+
+    `fused_swiglu_mlp` with its split-K sum and the residual add inside the kernel (`pallas_kernels/split_k.py`):
+    the last program to store its partial of a `block_n`-column tile of the output sums the tile's `I / block_i`
+    partials in split order and adds x; each program walks the column tiles starting at its own, so the tiles'
+    last arrivals land on different SMs. No XLA sum and add kernels after it.
+
+    counters: int32 `[>= hidden / block_n]`, zero on entry (`ModelOps.step_counters`); returned zero (aliased).
+    """
+    _check_args(x, w_gate, w_up, w_down, norm_weight, None, block_i)
+    if norm_weight is None:
+        raise ValueError("fused_swiglu_mlp_block needs the block's norm_weight")
+    return _mlp_call(x, w_gate, w_up, w_down, norm_weight, eps=eps, block_t=None, block_i=block_i,
+                     num_warps=num_warps, num_stages=num_stages, unroll_norm=True, interpret=interpret,
+                     counters=counters)
+
+
+def _check_args(x, w_gate, w_up, w_down, norm_weight, block_t, block_i):
     if x.ndim != 2:
         raise ValueError(f"x must be [tokens, hidden], got {x.shape=}")
     hidden = x.shape[1]
@@ -224,8 +288,6 @@ def fused_swiglu_mlp(
         raise ValueError(f"block_i must be a power of two dividing intermediate, got {block_i=}")
     if norm_weight is not None and norm_weight.shape != (hidden,):
         raise ValueError(f"norm_weight must be [hidden={hidden}], got {norm_weight.shape}")
-    return _mlp_call(x, w_gate, w_up, w_down, norm_weight, eps=eps, block_t=block_t, block_i=block_i,
-                     num_warps=num_warps, num_stages=num_stages, unroll_norm=unroll_norm, interpret=interpret)
 
 
 # ----------------------------------------------------------------------------------------------

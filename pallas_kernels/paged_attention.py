@@ -31,6 +31,8 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
+from pallas_kernels.split_k import take_ticket
+
 LOG2E = math.log2(math.e)
 MASK_VALUE = -0.7 * float(jnp.finfo(jnp.float32).max)  # finite: masked rows never make NaN
 MIN_ROWS = 16  # tensor-core dots want M >= 16
@@ -72,8 +74,9 @@ def _decode_kernel(
     v_ref,  # else [num_pages, page_size, D]
     pt_ref,  # [Pp]: this sequence's page ids (padded to whole blocks of ppb)
     len_ref,  # [1]: this sequence's context length
-    o_ref,  # one split: [B * H, D] like q_ref; split-K: [Gp, D] unnormalised fp32 partial
-    *ml_refs,  # split-K only: m_ref [Gp], l_ref [Gp] fp32 (running max in log2 units, sum)
+    *refs,  # one split: o_ref [B * H, D] like q_ref. split-K: o_ref [Gp, D] unnormalised fp32 partial, m_ref [Gp],
+    # l_ref [Gp] fp32 (running max in log2 units, sum). Split-K merged here (`fused_merge`): the counters in, then
+    # o_ref [B * H, D], the counters out, and every split's partials [S, B, KVH, Gp, D], [S, B, KVH, Gp] x2 (whole)
     scale: float,
     pages_per_block: int,
     num_heads: int,
@@ -82,7 +85,14 @@ def _decode_kernel(
     kv_heads_fastest: bool,
     page_size: int,
     rows_gather: bool,
+    fused_merge: bool = False,
+    splits: int = 1,
+    interpret: bool = False,
 ):
+    if fused_merge:
+        _cnt_in, o_ref, cnt_ref, *ml_refs = refs
+    else:
+        o_ref, *ml_refs = refs
     h, b = (pl.program_id(0), pl.program_id(1)) if kv_heads_fastest else (pl.program_id(1), pl.program_id(0))
     split = pl.program_id(2)
     head_dim = q_ref.shape[1]
@@ -130,7 +140,32 @@ def _decode_kernel(
     l = jnp.zeros((rows,), jnp.float32)
     acc, m, l = jax.lax.fori_loop(0, n_blocks, body, (acc, m, l))
 
-    if ml_refs:
+    if fused_merge:
+        acc_ref, m_ref, l_ref = ml_refs
+        plgpu.store(acc_ref.at[split, b, h, pl.ds(0, rows), pl.ds(0, head_dim)], acc)
+        plgpu.store(m_ref.at[split, b, h, pl.ds(0, rows)], m)
+        plgpu.store(l_ref.at[split, b, h, pl.ds(0, rows)], l)
+        counter = b * pl.num_programs(0 if kv_heads_fastest else 1) + h
+        ticket = take_ticket(cnt_ref, counter, interpret)
+
+        @pl.when(ticket == splits - 1)
+        def _merge():  # the splits' partials merged in split order, read past L1 (volatile)
+            real = row < group
+            ms = [plgpu.load(m_ref.at[jnp.int32(i), b, h, pl.ds(0, rows)], mask=real, volatile=True,
+                             other=jnp.finfo(jnp.float32).min) for i in range(splits)]
+            m_max = functools.reduce(jnp.maximum, ms)
+            l_tot, out = jnp.zeros((rows,), jnp.float32), jnp.zeros((rows, head_dim), jnp.float32)
+            for i, m_i in enumerate(ms):
+                w = jnp.exp2(m_i - m_max)  # [Gp]
+                l_i = plgpu.load(l_ref.at[jnp.int32(i), b, h, pl.ds(0, rows)], mask=real, other=0.0, volatile=True)
+                a_i = plgpu.load(acc_ref.at[jnp.int32(i), b, h, pl.ds(0, rows), pl.ds(0, head_dim)], mask=q_mask,
+                                 other=0.0, volatile=True)
+                l_tot = l_tot + w * l_i
+                out = out + w[:, None] * a_i
+            cnt_ref[counter] = 0
+            l_safe = jnp.where(l_tot == 0.0, 1.0, l_tot)
+            plgpu.store(o_ref.at[q_rows], (out / l_safe[:, None]).astype(o_ref.dtype), mask=q_mask)
+    elif ml_refs:
         m_ref, l_ref = ml_refs
         o_ref[...] = acc
         m_ref[...] = m
@@ -157,7 +192,7 @@ def _plan_splits(batch: int, num_kv_heads: int, num_blocks: int, num_splits: int
 
 
 def _decode_call(q, k_cache, v_cache, page_table, seq_lens, *, scale, pages_per_block, num_splits,
-                 num_warps, num_stages, kv_heads_fastest, merge_kernel, gather, interpret):
+                 num_warps, num_stages, kv_heads_fastest, merge_kernel, gather, interpret, counters=None):
     batch, num_heads, head_dim = q.shape
     num_pages, page_size, num_kv_heads, _ = k_cache.shape
     group = num_heads // num_kv_heads
@@ -175,9 +210,13 @@ def _decode_call(q, k_cache, v_cache, page_table, seq_lens, *, scale, pages_per_
     lens = seq_lens.astype(jnp.int32).reshape(batch, 1)  # [B, 1]
 
     rows_gather = gather == "rows"
+    fused_merge = counters is not None and splits > 1
+    if fused_merge and counters.shape[0] < batch * num_kv_heads:
+        raise ValueError(f"counters must be int32 [>= batch x kv heads = {batch * num_kv_heads}] to merge "
+                         f"{splits} splits in the kernel, got {counters.shape}")
     kernel = functools.partial(_decode_kernel, scale=scale, pages_per_block=ppb, num_heads=num_heads, group=group,
                                rows=rows, kv_heads_fastest=kv_heads_fastest, page_size=page_size,
-                               rows_gather=rows_gather)
+                               rows_gather=rows_gather, fused_merge=fused_merge, splits=splits, interpret=interpret)
     # Grid dim 0 is the fastest-varying launch index (CUDA x). With kv heads there, the programs
     # running side by side read the same pages (different heads' slices of each row).
     if kv_heads_fastest:
@@ -198,15 +237,23 @@ def _decode_call(q, k_cache, v_cache, page_table, seq_lens, *, scale, pages_per_
         pl.BlockSpec((None, padded_pages), bhs(lambda b, h, s: (b, 0))),
         pl.BlockSpec((None, 1), bhs(lambda b, h, s: (b, 0))),
     ]
+    partials = [
+        jax.ShapeDtypeStruct((splits, batch, num_kv_heads, rows, head_dim), jnp.float32),
+        jax.ShapeDtypeStruct((splits, batch, num_kv_heads, rows), jnp.float32),
+        jax.ShapeDtypeStruct((splits, batch, num_kv_heads, rows), jnp.float32),
+    ]
+    extra, aliases = [], {}
     if splits == 1:
         out_shape = jax.ShapeDtypeStruct((batch * num_heads, head_dim), q.dtype)
         out_specs = whole
+    elif fused_merge:
+        out_shape = [jax.ShapeDtypeStruct((batch * num_heads, head_dim), q.dtype),
+                     jax.ShapeDtypeStruct(counters.shape, jnp.int32), *partials]
+        out_specs = [whole] * len(out_shape)
+        in_specs.append(whole)
+        extra, aliases = [counters], {len(in_specs) - 1: 1}
     else:
-        out_shape = [
-            jax.ShapeDtypeStruct((splits, batch, num_kv_heads, rows, head_dim), jnp.float32),
-            jax.ShapeDtypeStruct((splits, batch, num_kv_heads, rows), jnp.float32),
-            jax.ShapeDtypeStruct((splits, batch, num_kv_heads, rows), jnp.float32),
-        ]
+        out_shape = partials
         out_specs = [
             pl.BlockSpec((None, None, None, rows, head_dim), bhs(lambda b, h, s: (s, b, h, 0, 0))),
             pl.BlockSpec((None, None, None, rows), bhs(lambda b, h, s: (s, b, h, 0))),
@@ -218,19 +265,23 @@ def _decode_call(q, k_cache, v_cache, page_table, seq_lens, *, scale, pages_per_
         in_specs=in_specs,
         out_specs=out_specs,
         out_shape=out_shape,
+        input_output_aliases=aliases,
         compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),
         interpret=interpret,
-        name=f"paged_decode_attention_ppb{ppb}_s{splits}",
-    )(q2, k_cache, v_cache, table, lens)
+        name=f"paged_decode_attention_ppb{ppb}_s{splits}" + ("_merged" if fused_merge else ""),
+    )(q2, k_cache, v_cache, table, lens, *extra)
 
-    if splits > 1:  # flash-decoding epilogue: merge the per-split partial softmaxes
+    if fused_merge:
+        out, counters = out[:2]
+    elif splits > 1:  # flash-decoding epilogue: merge the per-split partial softmaxes
         acc, m, l = out  # [S, B, KVH, Gp, D], [S, B, KVH, Gp] x2
         if merge_kernel and splits <= MERGE_KERNEL_MAX_SPLITS:
             out = _merge_call(acc, m, l, num_heads=num_heads, group=group, dtype=q.dtype,
                               kv_heads_fastest=kv_heads_fastest, interpret=interpret)
         else:
             out = merge_splits_reference(acc, m, l, group).astype(q.dtype)
-    return out.reshape(batch, num_heads, head_dim)
+    out = out.reshape(batch, num_heads, head_dim)
+    return out if counters is None else (out, counters)
 
 
 def merge_splits_reference(acc, m, l, group: int) -> jax.Array:
@@ -338,6 +389,7 @@ def paged_decode_attention(
     v_cache: jax.Array,
     page_table: jax.Array,
     seq_lens: jax.Array,
+    counters: jax.Array | None = None,
     *,
     scale: float | None = None,
     pages_per_block: int | None = None,
@@ -371,11 +423,16 @@ def paged_decode_attention(
       gather: "rows" (a row index per token, pipelined) or "pages" (whole pages reshaped: the older, slower
         form, kept for comparison).
       interpret: run the Pallas interpreter (CPU tests).
+      counters: int32 `[>= batch x kv heads]`, zero on entry (`ModelOps.step_counters`), or None. With them the
+        split-K partials are merged in the kernel, by the last split of each (sequence, kv head) to finish
+        (`pallas_kernels/split_k.py`; no merge kernel), and `(out, counters)` is returned, the counters zero.
 
     Returns:
       `[batch, num_heads, head_dim]` in q's dtype (softmax and accumulation in fp32).
     """
     _check_args(q, k_cache, v_cache, page_table, seq_lens, pages_per_block, num_splits, gather)
+    if counters is not None and (counters.dtype != jnp.int32 or counters.ndim != 1):
+        raise ValueError(f"counters must be int32 [n], got {counters.dtype} {counters.shape}")
     _, page_size, num_kv_heads, head_dim = k_cache.shape
     plan_ppb, plan_stages = plan_blocks(q.shape[0] * num_kv_heads, page_size, head_dim, k_cache.dtype.itemsize,
                                         num_stages)
@@ -385,7 +442,7 @@ def paged_decode_attention(
     return _decode_call(q, k_cache, v_cache, page_table, seq_lens, scale=scale,
                         pages_per_block=pages_per_block, num_splits=num_splits, num_warps=num_warps,
                         num_stages=num_stages, kv_heads_fastest=kv_heads_fastest, merge_kernel=merge_kernel,
-                        gather=gather, interpret=interpret)
+                        gather=gather, interpret=interpret, counters=counters)
 
 
 # ----------------------------------------------------------------------------------------------

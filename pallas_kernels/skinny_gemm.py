@@ -23,6 +23,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from pallas_kernels.fused_mlp import pow2_divisor
+from pallas_kernels.split_k import finish_last, residual_add
 
 MAX_TOKENS = 32
 
@@ -30,9 +31,15 @@ MAX_TOKENS = 32
 # ----------------------------------------------------------------------------------------------
 # Kernel body
 # ----------------------------------------------------------------------------------------------
-def _gemm_kernel(x_ref, w_ref, o_ref, *, block_t: int, block_k: int, k_per_split: int):
+def _gemm_kernel(x_ref, w_ref, *refs, block_t: int, block_k: int, k_per_split: int, k_splits: int,
+                 fused_tail: bool, interpret: bool):
     # x_ref [T, K] (whole: the real rows are loaded masked); w_ref [K, block_n]: this program's column
-    # block, all K rows (the split picks its range); o_ref [k_splits, T, N] fp32 (whole).
+    # block, all K rows (the split picks its range); o_ref [k_splits, T, N] fp32 (whole). Fused tail: the
+    # residual [T, N] and counters in, (residual + x @ w) [T, N] and the counters out, o_ref the partials.
+    if fused_tail:
+        r_ref, _cnt_in, y_ref, cnt_ref, o_ref = refs
+    else:
+        (o_ref,) = refs
     tokens = x_ref.shape[0]
     block_n = w_ref.shape[1]
     n, s = pl.program_id(0), pl.program_id(1)
@@ -45,30 +52,51 @@ def _gemm_kernel(x_ref, w_ref, o_ref, *, block_t: int, block_k: int, k_per_split
         return acc + plgpu.dot(xk, w_ref[ks, :])
 
     acc = jax.lax.fori_loop(0, k_per_split // block_k, body, jnp.zeros((block_t, block_n), jnp.float32))
-    plgpu.store(o_ref.at[s, rows, pl.ds(n * block_n, block_n)], acc,
-                mask=jnp.broadcast_to(real[:, None], (block_t, block_n)))
+    cols = pl.ds(n * block_n, block_n)
+    mask = jnp.broadcast_to(real[:, None], (block_t, block_n))
+    if not fused_tail:
+        plgpu.store(o_ref.at[s, rows, cols], acc, mask=mask)
+        return
+
+    def epilogue(total):
+        residual = plgpu.load(r_ref.at[rows, cols], mask=mask, other=0)
+        plgpu.store(y_ref.at[rows, cols], residual_add(residual, total), mask=mask)
+
+    finish_last(o_ref, cnt_ref, n, s, k_splits, lambda s_: (s_, rows, cols), acc, mask, epilogue, interpret)
 
 
 # ----------------------------------------------------------------------------------------------
 # Wrapper
 # ----------------------------------------------------------------------------------------------
-def _gemm_call(x, w, *, block_n, block_k, k_splits, num_warps, num_stages, interpret):
+def _gemm_call(x, w, *, block_n, block_k, k_splits, num_warps, num_stages, interpret, residual=None, counters=None):
     tokens, k = x.shape
     n = w.shape[1]
     block_t = max(16, 1 << (tokens - 1).bit_length())
-    kernel = functools.partial(_gemm_kernel, block_t=block_t, block_k=block_k, k_per_split=k // k_splits)
+    fused_tail = counters is not None
+    kernel = functools.partial(_gemm_kernel, block_t=block_t, block_k=block_k, k_per_split=k // k_splits,
+                               k_splits=k_splits, fused_tail=fused_tail, interpret=interpret)
     whole = pl.no_block_spec
-    partials = pl.pallas_call(
+    partials = jax.ShapeDtypeStruct((k_splits, tokens, n), jnp.float32)
+    if fused_tail:
+        out_shape = [jax.ShapeDtypeStruct(residual.shape, residual.dtype),
+                     jax.ShapeDtypeStruct(counters.shape, jnp.int32), partials]
+        extra, aliases = [residual, counters], {3: 1}
+    else:
+        out_shape, extra, aliases = partials, [], {}
+    out = pl.pallas_call(
         kernel,
         grid=(n // block_n, k_splits),
-        in_specs=[whole, pl.BlockSpec((k, block_n), lambda i, s: (0, i))],
-        out_specs=whole,
-        out_shape=jax.ShapeDtypeStruct((k_splits, tokens, n), jnp.float32),
+        in_specs=[whole, pl.BlockSpec((k, block_n), lambda i, s: (0, i)), *([whole] * len(extra))],
+        out_specs=[whole] * 3 if fused_tail else whole,
+        out_shape=out_shape,
+        input_output_aliases=aliases,
         compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),
         interpret=interpret,
-        name=f"skinny_gemm_n{block_n}_k{block_k}_s{k_splits}",
-    )(x, w)
-    return partials[0] if k_splits == 1 else partials.sum(axis=0)
+        name=f"skinny_gemm_n{block_n}_k{block_k}_s{k_splits}" + ("_res" if fused_tail else ""),
+    )(x, w, *extra)
+    if fused_tail:
+        return out[0], out[1]
+    return out[0] if k_splits == 1 else out.sum(axis=0)
 
 
 def default_config(k: int, n: int) -> dict:
@@ -102,6 +130,34 @@ def skinny_gemm(x: jax.Array, w: jax.Array, *, block_n: int | None = None, block
     Returns:
       `[T, N]` float32 (the caller adds, casts or reduces across devices).
     """
+    launch = _launch(x, w, block_n, block_k, k_splits, num_warps, num_stages)
+    return _gemm_call(x, w, **launch, interpret=interpret)
+
+
+@functools.partial(jax.jit, static_argnames=("block_n", "block_k", "k_splits", "num_warps", "num_stages",
+                                             "interpret"))
+def skinny_gemm_residual(x: jax.Array, w: jax.Array, residual: jax.Array, counters: jax.Array, *,
+                         block_n: int | None = None, block_k: int | None = None, k_splits: int | None = None,
+                         num_warps: int | None = None, num_stages: int | None = None, interpret: bool = False
+                         ) -> tuple[jax.Array, jax.Array]:
+    """`(residual + x @ w, counters)`: `skinny_gemm` with its split-K sum and the residual add inside the kernel
+    (the last program of each column block finishes it, `pallas_kernels/split_k.py`), e.g. a decode step's o
+    projection and the residual stream around attention, in one launch.
+
+    residual: `[T, N]` (the output's dtype); counters: int32 `[>= N / block_n]`, zero on entry
+    (`ModelOps.step_counters`), returned zero (aliased).
+    """
+    launch = _launch(x, w, block_n, block_k, k_splits, num_warps, num_stages)
+    if residual.shape != (x.shape[0], w.shape[1]):
+        raise ValueError(f"residual must be [T, N] = {(x.shape[0], w.shape[1])}, got {residual.shape}")
+    blocks = w.shape[1] // launch["block_n"]
+    if counters.dtype != jnp.int32 or counters.ndim != 1 or counters.shape[0] < blocks:
+        raise ValueError(f"counters must be int32 [>= {blocks}], got {counters.dtype} {counters.shape}")
+    return _gemm_call(x, w, **launch, interpret=interpret, residual=residual, counters=counters)
+
+
+def _launch(x, w, block_n, block_k, k_splits, num_warps, num_stages) -> dict:
+    """The checked launch parameters (None: `default_config`)."""
     if x.ndim != 2 or w.ndim != 2 or x.shape[1] != w.shape[0]:
         raise ValueError(f"x must be [T, K] and w [K, N]: {x.shape=} {w.shape=}")
     tokens, k = x.shape
@@ -118,9 +174,8 @@ def skinny_gemm(x: jax.Array, w: jax.Array, *, block_n: int | None = None, block
         raise ValueError(f"block_n={block_n} must divide N={n}")
     if k % (k_splits * block_k):
         raise ValueError(f"k_splits * block_k = {k_splits} * {block_k} must divide K={k}")
-    return _gemm_call(x, w, block_n=block_n, block_k=block_k, k_splits=k_splits,
-                      num_warps=num_warps or cfg["num_warps"], num_stages=num_stages or cfg["num_stages"],
-                      interpret=interpret)
+    return {"block_n": block_n, "block_k": block_k, "k_splits": k_splits,
+            "num_warps": num_warps or cfg["num_warps"], "num_stages": num_stages or cfg["num_stages"]}
 
 
 # ----------------------------------------------------------------------------------------------

@@ -159,8 +159,9 @@ def _attention(layer: LayerWeights, x: jax.Array, cos, sin, kv, batch: Batch, cf
                 qkv, q_norm, k_norm, cos, sin, kv, batch.slot_mapping, H, KVH, cfg.rms_norm_eps)
         if fused is not None:
             q, k_cache, v_cache = fused
-            out = ops.attention(q, k_cache, v_cache, batch, D**-0.5)  # [T, H, D]
-            return ops.out_proj(out.reshape(T, H * D), layer.wo, x), (k_cache, v_cache), counters
+            out, counters = ops.attention_counted(q, k_cache, v_cache, batch, D**-0.5, counters)  # [T, H, D]
+            out, counters = ops.out_proj_counted(out.reshape(T, H * D), layer.wo, x, counters)
+            return out, (k_cache, v_cache), counters
         q, k, v = jnp.split(qkv, [H * D, (H + KVH) * D], axis=-1)
     else:
         q, k, v = ops.norm_projections(x, layer.attn_norm, (layer.wq, layer.wk, layer.wv), cfg.rms_norm_eps)
@@ -171,14 +172,16 @@ def _attention(layer: LayerWeights, x: jax.Array, cos, sin, kv, batch: Batch, cf
         q, k = rms_norm(q, layer.q_norm, cfg.rms_norm_eps), rms_norm(k, layer.k_norm, cfg.rms_norm_eps)
     q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
     k_cache, v_cache = write_kv(kv[0], kv[1], k, v, batch.slot_mapping)
-    out = ops.attention(q, k_cache, v_cache, batch, D**-0.5)  # [T, H, D]
-    return ops.out_proj(out.reshape(T, H * D), layer.wo, x), (k_cache, v_cache), counters
+    out, counters = ops.attention_counted(q, k_cache, v_cache, batch, D**-0.5, counters)  # [T, H, D]
+    out, counters = ops.out_proj_counted(out.reshape(T, H * D), layer.wo, x, counters)
+    return out, (k_cache, v_cache), counters
 
 
 def dense_mlp(layer: LayerWeights, i: int, x: jax.Array, cfg: ModelConfig, ops: ModelOps,
               counters: jax.Array | None = None) -> tuple[jax.Array, jax.Array | None]:
     """x + SwiGLU(rms_norm(x)): the dense families' MLP block (the step's counters passed on)."""
-    return ops.mlp_block(x, layer.mlp_norm, layer.w_gate, layer.w_up, layer.w_down, cfg.rms_norm_eps), counters
+    return ops.mlp_block_counted(x, layer.mlp_norm, layer.w_gate, layer.w_up, layer.w_down, cfg.rms_norm_eps,
+                                 counters)
 
 
 MlpFn = Callable[[LayerWeights, int, jax.Array, ModelConfig, ModelOps, jax.Array | None],

@@ -78,6 +78,14 @@ QKV_ROPE_MAX_TOKENS = 256
 NORM_QKV_MAX_TOKENS = int(os.environ.get("JINFER_NORM_QKV_TOKENS", "64"))
 NORM_QKV_K_SPLITS: int | None = None  # None: the kernel's default_k_splits (measurements patch it)
 STEP_COUNTERS = 1024  # ModelOps.step_counters: one per program group (a head of the q|k|v kernel)
+# Split-K finished in the kernels' last programs (pallas_kernels/split_k.py) where the step's counters reach them:
+# the decode attention's merge, the o projection's split sum + residual add (steps of <= FUSED_O_MAX_TOKENS
+# tokens: pallas_kernels/skinny_gemm.py's `skinny_gemm_residual`) and the fused MLP's split sum + residual add.
+# JINFER_FUSED_TAILS names the ones taken ("merge,o,mlp", the default; "none": XLA's sum and add kernels and the
+# merge kernel as before), JINFER_FUSED_O_TOKENS the o projection's step sizes (measurements; part of the executable
+# cache's key).
+FUSED_TAILS = frozenset(os.environ.get("JINFER_FUSED_TAILS", "merge,o,mlp").split(","))
+FUSED_O_MAX_TOKENS = int(os.environ.get("JINFER_FUSED_O_TOKENS", "32"))
 
 
 # Steps of at most this many tokens run a MoE block's whole front end, RMSNorm + router + routing, as one kernel
@@ -205,6 +213,23 @@ class ModelOps:
         rest = ~long_sequences(batch.query_start, MOSAIC_MIN_QUERY_LEN)
         return ragged_prefill_attention(*args, rest, out, scale=scale, interpret=self.interpret)
 
+    def _paged_decode(self, q: jax.Array, batch: Batch) -> bool:
+        """Whether `attention` takes the paged decode kernel for this step."""
+        return self.backend == "pallas" and (self.decode_step or (q.shape[0] == 1 and batch.num_seqs == 1))
+
+    def attention_counted(self, q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, batch: Batch, scale: float,
+                          counters: jax.Array | None) -> tuple[jax.Array, jax.Array | None]:
+        """`attention`, passing the step's counters (`step_counters`) on: (out, counters). With them a decode step's
+        split-K partials are merged in the attention kernel, by each (sequence, kv head)'s last split (no merge
+        kernel)."""
+        if counters is not None and "merge" in FUSED_TAILS and self._paged_decode(q, batch) \
+                and q.shape[0] == batch.num_seqs and counters.shape[0] >= batch.num_seqs * k_cache.shape[2]:
+            from pallas_kernels.paged_attention import paged_decode_attention
+
+            return paged_decode_attention(q, k_cache, v_cache, batch.page_table, batch.seq_lens, counters,
+                                          scale=scale, interpret=self.interpret)
+        return self.attention(q, k_cache, v_cache, batch, scale), counters
+
     def norm_projections(self, x: jax.Array, norm: jax.Array, weights: tuple[jax.Array, ...],
                          eps: float) -> tuple[jax.Array, ...]:
         """rms_norm(x) @ w for each w; x: [T, hidden] (the residual stream).
@@ -312,6 +337,37 @@ class ModelOps:
             return residual + self.reduce(skinny_gemm(attn, wo, interpret=self.interpret).astype(attn.dtype))
         return residual + self.reduce(project(attn, wo))
 
+    def out_proj_counted(self, attn: jax.Array, wo: jax.Array, residual: jax.Array, counters: jax.Array | None
+                         ) -> tuple[jax.Array, jax.Array | None]:
+        """`out_proj`, passing the step's counters on: (residual + attn @ wo, counters). With them a step of <=
+        FUSED_O_MAX_TOKENS tokens on one device runs as one kernel, the skinny GEMM whose last program per column
+        block sums the K splits and adds the residual (no XLA sum and add kernels after it)."""
+        if counters is not None and "o" in FUSED_TAILS and self.backend == "pallas" and self.axis is None \
+                and attn.shape[0] <= FUSED_O_MAX_TOKENS and wo.shape[0] % 16 == 0 and wo.shape[1] % 16 == 0:
+            from pallas_kernels.skinny_gemm import MAX_TOKENS, default_config, skinny_gemm_residual
+
+            if attn.shape[0] <= MAX_TOKENS and wo.shape[1] // default_config(*wo.shape)["block_n"] <= counters.shape[0]:
+                return skinny_gemm_residual(attn, wo, residual, counters, interpret=self.interpret)
+        return self.out_proj(attn, wo, residual), counters
+
+    def mlp_block_counted(self, x: jax.Array, norm: jax.Array, w_gate: jax.Array, w_up: jax.Array,
+                          w_down: jax.Array, eps: float, counters: jax.Array | None
+                          ) -> tuple[jax.Array, jax.Array | None]:
+        """`mlp_block`, passing the step's counters on: (x + mlp(rms_norm(x)), counters). With them, where the fused
+        Pallas MLP runs (one device), its split-K sum and the residual add happen in the kernel's last programs."""
+        if counters is not None and "mlp" in FUSED_TAILS and self.axis is None and self._pallas_mlp(x, w_gate) \
+                and x.shape[0] <= 64:
+            from pallas_kernels.fused_mlp import fused_swiglu_mlp_block, pow2_divisor
+
+            if x.shape[1] // pow2_divisor(x.shape[1], 256) <= counters.shape[0]:
+                return fused_swiglu_mlp_block(x, norm, w_gate, w_up, w_down, counters, eps=eps,
+                                              interpret=self.interpret)
+        return self.mlp_block(x, norm, w_gate, w_up, w_down, eps), counters
+
+    def _pallas_mlp(self, x: jax.Array, w_gate: jax.Array) -> bool:
+        return self.backend == "pallas" and x.shape[0] in PALLAS_MLP_TOKENS and x.shape[1] % 16 == 0 \
+            and w_gate.shape[1] % 16 == 0
+
     def mlp_block(self, x: jax.Array, norm: jax.Array, w_gate: jax.Array, w_up: jax.Array, w_down: jax.Array,
                   eps: float) -> jax.Array:
         """x + mlp(rms_norm(x)); x: [T, hidden] (the residual stream).
@@ -320,8 +376,7 @@ class ModelOps:
         x, was measured: it removed one ~1.5 us XLA kernel per layer but slowed the kernel by ~3.7 us per
         layer at batch-1 decode on the H100, 1885 vs 1767 us per Qwen3.5-4B step: the extra load sits on each
         K iteration's critical path. See docs/ARCHITECTURE.md.)"""
-        if self.backend == "pallas" and x.shape[0] in PALLAS_MLP_TOKENS and x.shape[1] % 16 == 0 \
-                and w_gate.shape[1] % 16 == 0:
+        if self._pallas_mlp(x, w_gate):
             from pallas_kernels.fused_mlp import fused_swiglu_mlp
 
             return x + self.reduce(fused_swiglu_mlp(x, w_gate, w_up, w_down, norm, eps=eps,

@@ -134,6 +134,16 @@ def test_split_merge_kernel_matches_xla_merge(mode, kv_heads_fastest):
     assert_close(fused, xla, jnp.float32, mode)
     assert_close(fused, paged_decode_attention_reference(q, k, v, table, seq_lens), jnp.float32, mode)
     assert not np.asarray(fused[3]).any()
+    # merged in the attention kernel by each (sequence, kv head)'s last split; the counters come back zero, so
+    # the second call (on them) is the same
+    counters = jnp.zeros((len(lens) * 2,), jnp.int32)
+    for _ in range(2):
+        merged, counters = paged_decode_attention(q, k, v, table, seq_lens, counters, **kw)
+        assert_close(merged, xla, jnp.float32, mode)
+        assert not np.asarray(merged[3]).any()
+        np.testing.assert_array_equal(np.asarray(counters), 0)
+    with pytest.raises(ValueError, match="counters"):
+        paged_decode_attention(q, k, v, table, seq_lens, jnp.zeros((3,), jnp.int32), **kw)
 
 
 @pytest.mark.parametrize("mode", MODES)
@@ -163,4 +173,9 @@ def test_default_launch_for_small_batches(mode, batch):
     q = jnp.asarray(rng.standard_normal((batch, 32, 128)), jnp.bfloat16)
     seq_lens = jnp.asarray(lens, jnp.int32)
     out = paged_decode_attention(q, k, v, table, seq_lens, interpret=mode == "interpret")
-    assert_close(out, paged_decode_attention_reference(q, k, v, table, seq_lens), jnp.bfloat16, mode)
+    want = paged_decode_attention_reference(q, k, v, table, seq_lens)
+    assert_close(out, want, jnp.bfloat16, mode)
+    merged, counters = paged_decode_attention(q, k, v, table, seq_lens, jnp.zeros((64,), jnp.int32),
+                                              interpret=mode == "interpret")  # the engine's form: merged in-kernel
+    assert_close(merged, want, jnp.bfloat16, mode)
+    np.testing.assert_array_equal(np.asarray(counters), 0)
