@@ -23,7 +23,7 @@ kernels keep their speed at the narrower shapes, apart from communication. Varia
 - route_w{N}: no_front, with the MoE routing kernel at N warps (default 4 for decode steps);
 - no_norm_qkv: the input norm and q|k|v projection as XLA ops, then the qkv_rope kernel, instead of the
   norm_qkv_rope kernel (`ops.NORM_QKV_MAX_TOKENS` 0);
-- nqkv_k{K}_w{W}_s{S}: the norm_qkv_rope kernel at block_k K, W warps, S pipeline stages;
+- nqkv_k{K}_w{W}_s{S}[_x{N}]: the norm_qkv_rope kernel at block_k K, W warps, S pipeline stages [, N K splits];
 - attn_ppb{P}_w{W}_st{S}: the decode attention kernel at P pages per block, W warps, S pipeline stages;
 - attn_target{N}: split-K decode attention planned for N programs (`paged_attention.TARGET_PROGRAMS`);
 - nqkv_split{N}: the norm_qkv_rope kernel with N K splits per head (default: `default_k_splits`);
@@ -110,8 +110,10 @@ def variant(name: str):
     elif name.startswith("nqkv_split"):
         ops_module.NORM_QKV_K_SPLITS = int(name.removeprefix("nqkv_split"))
     elif name.startswith("nqkv_"):
-        k, w, st = (int(p[1:]) for p in name.split("_")[1:])
+        k, w, st, *splits = (int(p[1:]) for p in name.split("_")[1:])
         norm_qkv_rope.norm_qkv_rope_write = functools.partial(saved_nqkv, block_k=k, num_warps=w, num_stages=st)
+        if splits:
+            ops_module.NORM_QKV_K_SPLITS = splits[0]
     elif name == "vector_dots":
         ops_module.PAD_VECTOR_DOTS = False
     elif name.startswith("mlp_i"):

@@ -81,10 +81,14 @@ STEP_COUNTERS = 1024  # ModelOps.step_counters: one per program group (a head of
 # Split-K finished in the kernels' last programs (pallas_kernels/split_k.py) where the step's counters reach them:
 # the decode attention's merge, the o projection's split sum + residual add (steps of <= FUSED_O_MAX_TOKENS
 # tokens: pallas_kernels/skinny_gemm.py's `skinny_gemm_residual`) and the fused MLP's split sum + residual add.
-# JINFER_FUSED_TAILS names the ones taken ("merge,o,mlp", the default; "none": XLA's sum and add kernels and the
-# merge kernel as before), JINFER_FUSED_O_TOKENS the o projection's step sizes (measurements; part of the executable
-# cache's key).
-FUSED_TAILS = frozenset(os.environ.get("JINFER_FUSED_TAILS", "merge,o,mlp").split(","))
+# Off by default: measured no faster on the H100 (Qwen3-4B decode steps, `local_step_tails_qwen3-4b_h100.json`):
+# batch 1 3.99 ms with all three against 3.58 without (the MLP's tail 2419 us a step against 1951 + 76 + 50 us of
+# kernel, the merged attention 297 against 204 + 63, o 386 against 334 + 49); batch 8 4.06 against 4.04 (merged
+# attention 635 against 577 + 66). The last program's chain, barrier -> atomic ticket -> volatile loads of the
+# partials, is two L2 round trips on the critical path, what the XLA kernel it replaces costs; the MLP took one
+# per column tile. JINFER_FUSED_TAILS names the ones taken ("merge,o,mlp"; default "none"), JINFER_FUSED_O_TOKENS
+# the o projection's step sizes (measurements; part of the executable cache's key).
+FUSED_TAILS = frozenset(os.environ.get("JINFER_FUSED_TAILS", "none").split(","))
 FUSED_O_MAX_TOKENS = int(os.environ.get("JINFER_FUSED_O_TOKENS", "32"))
 
 
