@@ -44,20 +44,63 @@ ONE_WAVE = 132  # the H100's SMs
 
 def _kernel(x_ref, n_ref, w_ref, cos_ref, sin_ref, slot_ref, qn_ref, kn_ref, _k_in, _v_in, *refs,
             block_k: int, k_splits: int, num_heads: int, num_kv_heads: int, eps: float, qk_norm: bool,
-            interpret: bool):
+            interpret: bool, prefetch_programs: int = 0, prefetch_tile: int = 0):
     # x_ref [T, hidden] (whole: rows past T read as 0); n_ref [hidden]; w_ref [hidden, D]: this head's columns;
     # cos/sin [T, D]; slot_ref [T]; q_ref [T, H, D]; k_ref / v_ref [num_slots, KVH, D] (the caches, in place).
     # Split-K (k_splits > 1): part_ref [S, T, heads * D] fp32 partials; cnt_ref [>= heads] int32, zero on entry
     # and left zero: the split that arrives last at a head's counter sums the partials and finishes the head.
+    # Prefetch (prefetch_programs > 0): pf_ref [rows, 256], the array read into L2; pf_out [programs] fp32 (unused).
+    refs = list(refs)
+    if prefetch_programs:
+        pf_out = refs.pop()
+    _cnt_in = refs.pop(0) if k_splits > 1 else None
+    pf_ref = refs.pop(0) if prefetch_programs else None
     if k_splits > 1:
-        _cnt_in, q_ref, k_ref, v_ref, cnt_ref, part_ref = refs
+        q_ref, k_ref, v_ref, cnt_ref, part_ref = refs
     else:
-        q_ref, k_ref, v_ref = refs
+        (q_ref, k_ref, v_ref), cnt_ref, part_ref = refs, None, None
+    heads = num_heads + 2 * num_kv_heads
+    h, split = pl.program_id(0), pl.program_id(1)  # (read here: the interpreter has no program ids in a branch)
+    head = functools.partial(_head, x_ref, n_ref, w_ref, cos_ref, sin_ref, slot_ref, qn_ref, kn_ref, q_ref, k_ref,
+                             v_ref, cnt_ref, part_ref, h, split, block_k=block_k, k_splits=k_splits,
+                             num_heads=num_heads, num_kv_heads=num_kv_heads, eps=eps, qk_norm=qk_norm,
+                             interpret=interpret)
+    if not prefetch_programs:
+        head()
+        return
+    pl.when(h < heads)(head)
+
+    @pl.when(h >= heads)
+    def _prefetch():
+        _prefetch_rows(pf_ref, pf_out, (h - heads) * k_splits + split, prefetch_programs, prefetch_tile)
+
+
+def _prefetch_rows(pf_ref, pf_out, p, programs: int, tile: int):
+    """Program p of `programs` reads its share of pf_ref's rows in `tile`-row tiles, marked to stay in L2
+    (evict_last), and stores their max (the loads must feed something)."""
+    rows, width = pf_ref.shape
+    per = pl.cdiv(pl.cdiv(rows, programs), tile) * tile
+    idx = jnp.arange(tile, dtype=jnp.int32)
+
+    def body(i, acc):
+        first = p * per + i * tile
+        mask = jnp.broadcast_to(((first + idx) < rows)[:, None], (tile, width))
+        t = plgpu.load(pf_ref.at[pl.ds(first, tile), :], mask=mask, other=0, eviction_policy="evict_last")
+        return jnp.maximum(acc, t.astype(jnp.float32))
+
+    acc = jax.lax.fori_loop(0, per // tile, body, jnp.zeros((tile, width), jnp.float32))
+    pf_out[p] = jnp.max(acc)
+
+
+def _head(x_ref, n_ref, w_ref, cos_ref, sin_ref, slot_ref, qn_ref, kn_ref, q_ref, k_ref, v_ref, cnt_ref, part_ref,
+          h, split, *,
+          block_k: int, k_splits: int, num_heads: int, num_kv_heads: int, eps: float, qk_norm: bool,
+          interpret: bool):
+    """One (head, K split) program: the head's normed, projected, rotated rows (see the module doc)."""
     tokens, hidden = x_ref.shape
     head_dim = w_ref.shape[1]
     half = head_dim // 2
     block_t = _block_t(tokens)
-    h, split = pl.program_id(0), pl.program_id(1)
     f32, dtype = jnp.float32, x_ref.dtype
     rows, real, x_cols = tile_rows(x_ref, 0, block_t)  # one tile: the whole step
     lo, hi = pl.ds(0, half), pl.ds(half, half)
@@ -171,13 +214,28 @@ def default_k_splits(heads: int, hidden: int, block_k: int) -> int:
     return min(splits, 4)
 
 
+PREFETCH_WIDTH = 256  # columns of the [rows, width] view a prefetch program reads a tile of
+PREFETCH_TILE = 64  # rows of a prefetch tile (32 KB of bf16)
+
+
+def prefetch_view(a: jax.Array) -> jax.Array | None:
+    """`a` as [rows, PREFETCH_WIDTH] (a free reshape), or None where its size does not divide."""
+    return None if a.size % PREFETCH_WIDTH else a.reshape(-1, PREFETCH_WIDTH)
+
+
+def idle_programs(heads: int, k_splits: int, sms: int = ONE_WAVE) -> int:
+    """Programs a one-wave launch of `heads x k_splits` leaves room for (whole rows of k_splits)."""
+    return max(0, (sms - heads * k_splits) // k_splits * k_splits)
+
+
 @functools.partial(jax.jit, static_argnames=("num_heads", "num_kv_heads", "eps", "block_k", "k_splits", "num_warps",
-                                             "num_stages", "interpret"))
+                                             "num_stages", "prefetch_programs", "interpret"))
 def norm_qkv_rope_write(x: jax.Array, norm_weight: jax.Array, wqkv: jax.Array, cos: jax.Array, sin: jax.Array,
                         slot_mapping: jax.Array, q_norm: jax.Array | None, k_norm: jax.Array | None,
                         k_cache: jax.Array, v_cache: jax.Array, counters: jax.Array | None = None, *, num_heads: int,
                         num_kv_heads: int, eps: float = 1e-6, block_k: int | None = None, k_splits: int | None = None,
-                        num_warps: int = 8, num_stages: int = 4, interpret: bool = False
+                        num_warps: int = 8, num_stages: int = 4, prefetch: jax.Array | None = None,
+                        prefetch_programs: int | None = None, interpret: bool = False
                         ) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array | None]:
     """x -> (q [T, H, D] normed and rotated, k_cache, v_cache with the new rows written, counters).
 
@@ -188,6 +246,10 @@ def norm_qkv_rope_write(x: jax.Array, norm_weight: jax.Array, wqkv: jax.Array, c
     counters: int32 [>= H + 2 KVH], all zero, or None. With them the head's K range is split over `k_splits`
     programs (default `default_k_splits`) whose last to finish sums the partials and finishes the head; they are
     returned all zero again (aliased: pass them on to the next call). None: one program per head.
+
+    prefetch: an array the next kernels read (a decode step's o projection weight), or None. The launch leaves SMs
+    idle (Qwen3-4B: 96 programs on 132 SMs) and the weight stream short of HBM's rate; `prefetch_programs` (default
+    `idle_programs`) extra programs read it meanwhile, marked evict-last, so it is in L2 when its GEMM runs.
     """
     tokens, hidden = x.shape
     head_dim = k_cache.shape[-1]
@@ -211,8 +273,17 @@ def norm_qkv_rope_write(x: jax.Array, norm_weight: jax.Array, wqkv: jax.Array, c
         q_norm = k_norm = jnp.ones((head_dim,), x.dtype)
     cache_shape = k_cache.shape
     flat = (cache_shape[0] * cache_shape[1], num_kv_heads, head_dim)  # slot-major: a free reshape
+    pf = None if prefetch is None else prefetch_view(prefetch)
+    if prefetch is not None and pf is None:
+        raise ValueError(f"prefetch must hold a multiple of {PREFETCH_WIDTH} elements, got {prefetch.shape}")
+    if pf is not None and prefetch_programs is None:
+        prefetch_programs = idle_programs(heads, k_splits)
+    prefetch_programs = 0 if pf is None else prefetch_programs
+    if prefetch_programs % k_splits:
+        raise ValueError(f"prefetch_programs {prefetch_programs} must be a multiple of k_splits {k_splits}")
     kernel = functools.partial(_kernel, block_k=block_k, k_splits=k_splits, num_heads=num_heads,
-                               num_kv_heads=num_kv_heads, eps=eps, qk_norm=qk_norm, interpret=interpret)
+                               num_kv_heads=num_kv_heads, eps=eps, qk_norm=qk_norm, interpret=interpret,
+                               prefetch_programs=prefetch_programs, prefetch_tile=PREFETCH_TILE)
     whole = pl.no_block_spec
     outs = [
         jax.ShapeDtypeStruct((tokens, num_heads, head_dim), x.dtype),
@@ -224,26 +295,30 @@ def norm_qkv_rope_write(x: jax.Array, norm_weight: jax.Array, wqkv: jax.Array, c
         outs += [jax.ShapeDtypeStruct(counters.shape, jnp.int32),
                  jax.ShapeDtypeStruct((k_splits, tokens, heads * head_dim), jnp.float32)]
         split_args = [counters]
+    pf_args = []
+    if prefetch_programs:
+        outs.append(jax.ShapeDtypeStruct((prefetch_programs,), jnp.float32))
+        pf_args = [pf]
     res = pl.pallas_call(
         kernel,
-        grid=(heads, k_splits),
+        grid=(heads + prefetch_programs // k_splits, k_splits),
         in_specs=[
             whole,
             pl.BlockSpec((hidden,), lambda h, s: (0,)),
-            pl.BlockSpec((hidden, head_dim), lambda h, s: (0, h)),
+            pl.BlockSpec((hidden, head_dim), lambda h, s: (0, jnp.minimum(h, heads - 1))),  # prefetchers: unused
             whole, whole, whole,
             pl.BlockSpec((head_dim,), lambda h, s: (0,)),
             pl.BlockSpec((head_dim,), lambda h, s: (0,)),
-            whole, whole, *([whole] * len(split_args)),
+            whole, whole, *([whole] * (len(split_args) + len(pf_args))),
         ],
         out_specs=[whole] * len(outs),
         out_shape=outs,
         input_output_aliases={8: 1, 9: 2, **({10: 3} if split_args else {})},
         compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),
         interpret=interpret,
-        name=f"norm_qkv_rope_write_k{block_k}_s{k_splits}",
+        name=f"norm_qkv_rope_write_k{block_k}_s{k_splits}" + (f"_pf{prefetch_programs}" if prefetch_programs else ""),
     )(x, norm_weight, wqkv, cos, sin, slot_mapping.astype(jnp.int32), q_norm, k_norm, k_cache.reshape(flat),
-      v_cache.reshape(flat), *split_args)
+      v_cache.reshape(flat), *split_args, *pf_args)
     q, k_out, v_out = res[:3]
     return q, k_out.reshape(cache_shape), v_out.reshape(cache_shape), res[3] if split_args else counters
 

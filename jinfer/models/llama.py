@@ -150,7 +150,7 @@ def _attention(layer: LayerWeights, x: jax.Array, cos, sin, kv, batch: Batch, cf
         q_norm, k_norm = (layer.q_norm, layer.k_norm) if cfg.qk_norm else (None, None)
         fused = None if cfg.attention_bias else ops.norm_qkv_rope_write(
             x, layer.attn_norm, layer.wqkv, q_norm, k_norm, cos, sin, kv, batch.slot_mapping, H, KVH, cfg.rms_norm_eps,
-            counters)
+            counters, prefetch=layer.wo)
         if fused is not None:
             *fused, counters = fused
         else:

@@ -88,6 +88,10 @@ STEP_COUNTERS = 1024  # ModelOps.step_counters: one per program group (a head of
 # partials, is two L2 round trips on the critical path, what the XLA kernel it replaces costs; the MLP took one
 # per column tile. JINFER_FUSED_TAILS names the ones taken ("merge,o,mlp"; default "none"), JINFER_FUSED_O_TOKENS
 # the o projection's step sizes (measurements; part of the executable cache's key).
+# The norm_qkv_rope kernel's idle SMs read the layer's o projection weight into L2 (evict-last) while it runs, so
+# the o GEMM after attention reads it from L2 (`norm_qkv_rope_write`'s `prefetch`). JINFER_PREFETCH_O=0 turns it
+# off (measurements; part of the executable cache's key).
+PREFETCH_O = os.environ.get("JINFER_PREFETCH_O", "0") != "0"
 FUSED_TAILS = frozenset(os.environ.get("JINFER_FUSED_TAILS", "none").split(","))
 FUSED_O_MAX_TOKENS = int(os.environ.get("JINFER_FUSED_O_TOKENS", "32"))
 
@@ -168,20 +172,23 @@ class ModelOps:
     def norm_qkv_rope_write(self, x: jax.Array, norm: jax.Array, wqkv: jax.Array, q_norm: jax.Array | None,
                             k_norm: jax.Array | None, cos: jax.Array, sin: jax.Array, kv: tuple[jax.Array, jax.Array],
                             slot_mapping: jax.Array, num_heads: int, num_kv_heads: int, eps: float,
-                            counters: jax.Array | None = None
+                            counters: jax.Array | None = None, prefetch: jax.Array | None = None
                             ) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array | None] | None:
         """rms_norm(x) @ wqkv, then what `qkv_rope_write` does, in one kernel -> (q, k_cache, v_cache, counters);
         None where the separate ops are used: the reference backend, steps over NORM_QKV_MAX_TOKENS tokens, other
-        shapes (partial RoPE, ...). With `counters` (`step_counters`) each head's K range is split over programs."""
-        from pallas_kernels.norm_qkv_rope import check_supported, norm_qkv_rope_write
+        shapes (partial RoPE, ...). With `counters` (`step_counters`) each head's K range is split over programs.
+        `prefetch` (the layer's o weight) is read into L2 by the launch's idle SMs where PREFETCH_O is on."""
+        from pallas_kernels.norm_qkv_rope import check_supported, norm_qkv_rope_write, prefetch_view
 
         if self.backend != "pallas" or x.shape[0] > NORM_QKV_MAX_TOKENS or check_supported(
                 x.shape[0], x.shape[1], wqkv.shape[1], num_heads, num_kv_heads, kv[0].shape[-1],
                 cos.shape[-1]) is not None:
             return None
+        if not PREFETCH_O or self.axis is not None or prefetch is None or prefetch_view(prefetch) is None:
+            prefetch = None
         return norm_qkv_rope_write(x, norm, wqkv, cos, sin, slot_mapping, q_norm, k_norm, kv[0], kv[1], counters,
                                    num_heads=num_heads, num_kv_heads=num_kv_heads, eps=eps,
-                                   k_splits=NORM_QKV_K_SPLITS, interpret=self.interpret)
+                                   k_splits=NORM_QKV_K_SPLITS, prefetch=prefetch, interpret=self.interpret)
 
     def attention(self, q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, batch: Batch,
                   scale: float) -> jax.Array:

@@ -131,3 +131,24 @@ def test_split_k_is_deterministic_on_gpu(splits):
     np.testing.assert_array_equal(np.asarray(first[3]), 0)
     one = _chain(args, 36, None, None, False)
     assert_close(first[0], one[0], jnp.bfloat16, "gpu")
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("programs", [2, 6])
+def test_prefetch_programs_change_nothing(mode, programs):
+    """Extra programs reading another array into L2 (a layer's o weight): the outputs are those of the plain launch,
+    bit for bit, whatever the prefetched array's size against the programs' shares."""
+    rng = np.random.default_rng(5)
+    args = _inputs(rng, 3, 256, 4, 1, 128, 16, True, jnp.bfloat16)
+    kw = dict(num_heads=4, num_kv_heads=1, eps=1e-6, block_k=64, k_splits=2, interpret=mode == "interpret")
+    counters = jnp.zeros((8,), jnp.int32)
+    plain = norm_qkv_rope_write(*args, counters, **kw)
+    wo = jnp.asarray(rng.standard_normal((4 * 128, 320)), jnp.bfloat16)  # 640 rows of 256: not a whole number of tiles
+    fetched = norm_qkv_rope_write(*args, counters, **kw, prefetch=wo, prefetch_programs=programs)
+    for a, b in zip(plain[:3], fetched[:3], strict=True):
+        np.testing.assert_array_equal(np.asarray(a.astype(jnp.float32)), np.asarray(b.astype(jnp.float32)))
+    np.testing.assert_array_equal(np.asarray(fetched[3]), 0)
+    with pytest.raises(ValueError, match="prefetch"):
+        norm_qkv_rope_write(*args, counters, **kw, prefetch=jnp.zeros((3, 5), jnp.bfloat16))
+    with pytest.raises(ValueError, match="prefetch_programs"):
+        norm_qkv_rope_write(*args, counters, **kw, prefetch=wo, prefetch_programs=3)
