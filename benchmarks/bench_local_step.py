@@ -29,8 +29,8 @@ kernels keep their speed at the narrower shapes, apart from communication. Varia
 - nqkv_split{N}: the norm_qkv_rope kernel with N K splits per head (default: `default_k_splits`);
 - tails_{A}_{B}..: the split-K tails finished in the kernels (`ops.FUSED_TAILS`) limited to those named: merge
   (decode attention), o (o projection + residual), mlp (fused MLP sum + residual); tails_none: none of them;
-- prefetch_o / no_prefetch_o: the norm_qkv_rope kernel's idle SMs reading the o weight into L2 (`ops.PREFETCH_O`)
-  on / off;
+- prefetch_o[{P}] / no_prefetch_o: the norm_qkv_rope kernel's idle SMs reading the o weight (its first P%, default
+  100) into L2 (`ops.PREFETCH_O`) / not;
 - skinny_o: the o projection of steps of <= 32 tokens on the Pallas skinny GEMM (pallas_kernels/skinny_gemm.py,
   ahead of XLA on o in its own benchmark: 27.4 vs 31.2 us, skinny_gemm_h100.json), its split-K sum and the
   residual add left to XLA.
@@ -83,8 +83,8 @@ def variant(name: str):
     saved_route = moe_routing.moe_route
     saved_front, saved_front_tokens = moe_router.moe_norm_route, ops_module.MOE_FRONT_MAX_TOKENS
     saved_tails, saved_prefetch = ops_module.FUSED_TAILS, ops_module.PREFETCH_O
-    if name in ("prefetch_o", "no_prefetch_o"):
-        ops_module.PREFETCH_O = name == "prefetch_o"
+    if name.startswith(("prefetch_o", "no_prefetch_o")):
+        ops_module.PREFETCH_O = 0.0 if name == "no_prefetch_o" else int(name.removeprefix("prefetch_o") or 100) / 100
     if name in ("no_merge", "unfused", "skinny_o", "o_barrier") or name.startswith("tails_"):
         ops_module.FUSED_TAILS = frozenset(name.split("_")[1:]) if name.startswith("tails_") else frozenset()
     if name.startswith(("route_w", "no_front")):
@@ -95,8 +95,8 @@ def variant(name: str):
         ops_module.QKV_ROPE_MAX_TOKENS = 0
     if name in ("no_merge", "unfused"):
         paged_attention.paged_decode_attention = functools.partial(saved_attn, merge_kernel=False)
-    if name in ("no_qkv_rope", "no_merge", "unfused", "no_front", "prefetch_o", "no_prefetch_o") \
-            or name.startswith(("route_w", "tails_")):
+    if name in ("no_qkv_rope", "no_merge", "unfused", "no_front") \
+            or name.startswith(("route_w", "tails_", "prefetch_o", "no_prefetch_o")):
         pass
     elif m := re.fullmatch(r"front(\d*)(?:_w(\d+)_s(\d+))?", name):
         n, w, sp = m.groups()

@@ -44,7 +44,7 @@ ONE_WAVE = 132  # the H100's SMs
 
 def _kernel(x_ref, n_ref, w_ref, cos_ref, sin_ref, slot_ref, qn_ref, kn_ref, _k_in, _v_in, *refs,
             block_k: int, k_splits: int, num_heads: int, num_kv_heads: int, eps: float, qk_norm: bool,
-            interpret: bool, prefetch_programs: int = 0, prefetch_tile: int = 0):
+            interpret: bool, prefetch_programs: int = 0, prefetch_tile: int = 0, prefetch_rows: int = 0):
     # x_ref [T, hidden] (whole: rows past T read as 0); n_ref [hidden]; w_ref [hidden, D]: this head's columns;
     # cos/sin [T, D]; slot_ref [T]; q_ref [T, H, D]; k_ref / v_ref [num_slots, KVH, D] (the caches, in place).
     # Split-K (k_splits > 1): part_ref [S, T, heads * D] fp32 partials; cnt_ref [>= heads] int32, zero on entry
@@ -72,13 +72,14 @@ def _kernel(x_ref, n_ref, w_ref, cos_ref, sin_ref, slot_ref, qn_ref, kn_ref, _k_
 
     @pl.when(h >= heads)
     def _prefetch():
-        _prefetch_rows(pf_ref, pf_out, (h - heads) * k_splits + split, prefetch_programs, prefetch_tile)
+        _prefetch_rows(pf_ref, pf_out, (h - heads) * k_splits + split, prefetch_programs, prefetch_tile,
+                       prefetch_rows)
 
 
-def _prefetch_rows(pf_ref, pf_out, p, programs: int, tile: int):
-    """Program p of `programs` reads its share of pf_ref's rows in `tile`-row tiles, marked to stay in L2
-    (evict_last), and stores their max (the loads must feed something)."""
-    rows, width = pf_ref.shape
+def _prefetch_rows(pf_ref, pf_out, p, programs: int, tile: int, rows: int):
+    """Program p of `programs` reads its share of pf_ref's first `rows` rows in `tile`-row tiles, marked to stay in
+    L2 (evict_last), and stores their max (the loads must feed something)."""
+    width = pf_ref.shape[1]
     per = pl.cdiv(pl.cdiv(rows, programs), tile) * tile
     idx = jnp.arange(tile, dtype=jnp.int32)
 
@@ -229,13 +230,14 @@ def idle_programs(heads: int, k_splits: int, sms: int = ONE_WAVE) -> int:
 
 
 @functools.partial(jax.jit, static_argnames=("num_heads", "num_kv_heads", "eps", "block_k", "k_splits", "num_warps",
-                                             "num_stages", "prefetch_programs", "interpret"))
+                                             "num_stages", "prefetch_programs", "prefetch_fraction", "interpret"))
 def norm_qkv_rope_write(x: jax.Array, norm_weight: jax.Array, wqkv: jax.Array, cos: jax.Array, sin: jax.Array,
                         slot_mapping: jax.Array, q_norm: jax.Array | None, k_norm: jax.Array | None,
                         k_cache: jax.Array, v_cache: jax.Array, counters: jax.Array | None = None, *, num_heads: int,
                         num_kv_heads: int, eps: float = 1e-6, block_k: int | None = None, k_splits: int | None = None,
                         num_warps: int = 8, num_stages: int = 4, prefetch: jax.Array | None = None,
-                        prefetch_programs: int | None = None, interpret: bool = False
+                        prefetch_programs: int | None = None, prefetch_fraction: float = 1.0,
+                        interpret: bool = False
                         ) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array | None]:
     """x -> (q [T, H, D] normed and rotated, k_cache, v_cache with the new rows written, counters).
 
@@ -249,7 +251,8 @@ def norm_qkv_rope_write(x: jax.Array, norm_weight: jax.Array, wqkv: jax.Array, c
 
     prefetch: an array the next kernels read (a decode step's o projection weight), or None. The launch leaves SMs
     idle (Qwen3-4B: 96 programs on 132 SMs) and the weight stream short of HBM's rate; `prefetch_programs` (default
-    `idle_programs`) extra programs read it meanwhile, marked evict-last, so it is in L2 when its GEMM runs.
+    `idle_programs`) extra programs read it (its first `prefetch_fraction`) meanwhile, marked evict-last, so it is
+    in L2 when its GEMM runs.
     """
     tokens, hidden = x.shape
     head_dim = k_cache.shape[-1]
@@ -283,7 +286,8 @@ def norm_qkv_rope_write(x: jax.Array, norm_weight: jax.Array, wqkv: jax.Array, c
         raise ValueError(f"prefetch_programs {prefetch_programs} must be a multiple of k_splits {k_splits}")
     kernel = functools.partial(_kernel, block_k=block_k, k_splits=k_splits, num_heads=num_heads,
                                num_kv_heads=num_kv_heads, eps=eps, qk_norm=qk_norm, interpret=interpret,
-                               prefetch_programs=prefetch_programs, prefetch_tile=PREFETCH_TILE)
+                               prefetch_programs=prefetch_programs, prefetch_tile=PREFETCH_TILE,
+                               prefetch_rows=0 if pf is None else max(1, int(pf.shape[0] * prefetch_fraction)))
     whole = pl.no_block_spec
     outs = [
         jax.ShapeDtypeStruct((tokens, num_heads, head_dim), x.dtype),

@@ -90,8 +90,8 @@ STEP_COUNTERS = 1024  # ModelOps.step_counters: one per program group (a head of
 # the o projection's step sizes (measurements; part of the executable cache's key).
 # The norm_qkv_rope kernel's idle SMs read the layer's o projection weight into L2 (evict-last) while it runs, so
 # the o GEMM after attention reads it from L2 (`norm_qkv_rope_write`'s `prefetch`). JINFER_PREFETCH_O=0 turns it
-# off (measurements; part of the executable cache's key).
-PREFETCH_O = os.environ.get("JINFER_PREFETCH_O", "0") != "0"
+# off (measurements; part of the executable cache's key). The value is the fraction of the weight read (0: off).
+PREFETCH_O = float(os.environ.get("JINFER_PREFETCH_O", "0"))
 FUSED_TAILS = frozenset(os.environ.get("JINFER_FUSED_TAILS", "none").split(","))
 FUSED_O_MAX_TOKENS = int(os.environ.get("JINFER_FUSED_O_TOKENS", "32"))
 
@@ -188,7 +188,8 @@ class ModelOps:
             prefetch = None
         return norm_qkv_rope_write(x, norm, wqkv, cos, sin, slot_mapping, q_norm, k_norm, kv[0], kv[1], counters,
                                    num_heads=num_heads, num_kv_heads=num_kv_heads, eps=eps,
-                                   k_splits=NORM_QKV_K_SPLITS, prefetch=prefetch, interpret=self.interpret)
+                                   k_splits=NORM_QKV_K_SPLITS, prefetch=prefetch,
+                                   prefetch_fraction=PREFETCH_O or 1.0, interpret=self.interpret)
 
     def attention(self, q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, batch: Batch,
                   scale: float) -> jax.Array:
