@@ -36,6 +36,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from pallas_kernels.fused_mlp import rms_inverse, rms_normed, tile_rows
+from pallas_kernels.prefetch import WIDTH, prefetch_rows, prefetch_rows_count, prefetch_view
 from pallas_kernels.qkv_rope import qkv_rope_write_reference
 
 MAX_TOKENS = 64  # one token tile holds the whole step: the weights are read once
@@ -44,7 +45,7 @@ ONE_WAVE = 132  # the H100's SMs
 
 def _kernel(x_ref, n_ref, w_ref, cos_ref, sin_ref, slot_ref, qn_ref, kn_ref, _k_in, _v_in, *refs,
             block_k: int, k_splits: int, num_heads: int, num_kv_heads: int, eps: float, qk_norm: bool,
-            interpret: bool, prefetch_programs: int = 0, prefetch_tile: int = 0, prefetch_rows: int = 0):
+            interpret: bool, prefetch_programs: int = 0, prefetch_row_count: int = 0):
     # x_ref [T, hidden] (whole: rows past T read as 0); n_ref [hidden]; w_ref [hidden, D]: this head's columns;
     # cos/sin [T, D]; slot_ref [T]; q_ref [T, H, D]; k_ref / v_ref [num_slots, KVH, D] (the caches, in place).
     # Split-K (k_splits > 1): part_ref [S, T, heads * D] fp32 partials; cnt_ref [>= heads] int32, zero on entry
@@ -72,25 +73,7 @@ def _kernel(x_ref, n_ref, w_ref, cos_ref, sin_ref, slot_ref, qn_ref, kn_ref, _k_
 
     @pl.when(h >= heads)
     def _prefetch():
-        _prefetch_rows(pf_ref, pf_out, (h - heads) * k_splits + split, prefetch_programs, prefetch_tile,
-                       prefetch_rows)
-
-
-def _prefetch_rows(pf_ref, pf_out, p, programs: int, tile: int, rows: int):
-    """Program p of `programs` reads its share of pf_ref's first `rows` rows in `tile`-row tiles, marked to stay in
-    L2 (evict_last), and stores their max (the loads must feed something)."""
-    width = pf_ref.shape[1]
-    per = pl.cdiv(pl.cdiv(rows, programs), tile) * tile
-    idx = jnp.arange(tile, dtype=jnp.int32)
-
-    def body(i, acc):
-        first = p * per + i * tile
-        mask = jnp.broadcast_to(((first + idx) < rows)[:, None], (tile, width))
-        t = plgpu.load(pf_ref.at[pl.ds(first, tile), :], mask=mask, other=0, eviction_policy="evict_last")
-        return jnp.maximum(acc, t.astype(jnp.float32))
-
-    acc = jax.lax.fori_loop(0, per // tile, body, jnp.zeros((tile, width), jnp.float32))
-    pf_out[p] = jnp.max(acc)
+        prefetch_rows(pf_ref, pf_out, (h - heads) * k_splits + split, prefetch_programs, prefetch_row_count)
 
 
 def _head(x_ref, n_ref, w_ref, cos_ref, sin_ref, slot_ref, qn_ref, kn_ref, q_ref, k_ref, v_ref, cnt_ref, part_ref,
@@ -215,15 +198,6 @@ def default_k_splits(heads: int, hidden: int, block_k: int) -> int:
     return min(splits, 4)
 
 
-PREFETCH_WIDTH = 256  # columns of the [rows, width] view a prefetch program reads a tile of
-PREFETCH_TILE = 64  # rows of a prefetch tile (32 KB of bf16)
-
-
-def prefetch_view(a: jax.Array) -> jax.Array | None:
-    """`a` as [rows, PREFETCH_WIDTH] (a free reshape), or None where its size does not divide."""
-    return None if a.size % PREFETCH_WIDTH else a.reshape(-1, PREFETCH_WIDTH)
-
-
 def idle_programs(heads: int, k_splits: int, sms: int = ONE_WAVE) -> int:
     """Programs a one-wave launch of `heads x k_splits` leaves room for (whole rows of k_splits)."""
     return max(0, (sms - heads * k_splits) // k_splits * k_splits)
@@ -278,7 +252,7 @@ def norm_qkv_rope_write(x: jax.Array, norm_weight: jax.Array, wqkv: jax.Array, c
     flat = (cache_shape[0] * cache_shape[1], num_kv_heads, head_dim)  # slot-major: a free reshape
     pf = None if prefetch is None else prefetch_view(prefetch)
     if prefetch is not None and pf is None:
-        raise ValueError(f"prefetch must hold a multiple of {PREFETCH_WIDTH} elements, got {prefetch.shape}")
+        raise ValueError(f"prefetch must hold a multiple of {WIDTH} elements, got {prefetch.shape}")
     if pf is not None and prefetch_programs is None:
         prefetch_programs = idle_programs(heads, k_splits)
     prefetch_programs = 0 if pf is None else prefetch_programs
@@ -286,8 +260,8 @@ def norm_qkv_rope_write(x: jax.Array, norm_weight: jax.Array, wqkv: jax.Array, c
         raise ValueError(f"prefetch_programs {prefetch_programs} must be a multiple of k_splits {k_splits}")
     kernel = functools.partial(_kernel, block_k=block_k, k_splits=k_splits, num_heads=num_heads,
                                num_kv_heads=num_kv_heads, eps=eps, qk_norm=qk_norm, interpret=interpret,
-                               prefetch_programs=prefetch_programs, prefetch_tile=PREFETCH_TILE,
-                               prefetch_rows=0 if pf is None else max(1, int(pf.shape[0] * prefetch_fraction)))
+                               prefetch_programs=prefetch_programs,
+                               prefetch_row_count=0 if pf is None else prefetch_rows_count(pf, prefetch_fraction))
     whole = pl.no_block_spec
     outs = [
         jax.ShapeDtypeStruct((tokens, num_heads, head_dim), x.dtype),

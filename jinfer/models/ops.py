@@ -92,6 +92,9 @@ STEP_COUNTERS = 1024  # ModelOps.step_counters: one per program group (a head of
 # the o GEMM after attention reads it from L2 (`norm_qkv_rope_write`'s `prefetch`). JINFER_PREFETCH_O=0 turns it
 # off (measurements; part of the executable cache's key). The value is the fraction of the weight read (0: off).
 PREFETCH_O = float(os.environ.get("JINFER_PREFETCH_O", "0"))
+# The same from extra programs of the decode attention kernel, in steps of few sequences (batch x kv heads <
+# paged_attention.SMALL_BATCH_PROGRAMS: the attention leaves HBM mostly idle). JINFER_ATTN_PREFETCH_O: the fraction.
+ATTN_PREFETCH_O = float(os.environ.get("JINFER_ATTN_PREFETCH_O", "0"))
 FUSED_TAILS = frozenset(os.environ.get("JINFER_FUSED_TAILS", "none").split(","))
 FUSED_O_MAX_TOKENS = int(os.environ.get("JINFER_FUSED_O_TOKENS", "32"))
 
@@ -178,7 +181,8 @@ class ModelOps:
         None where the separate ops are used: the reference backend, steps over NORM_QKV_MAX_TOKENS tokens, other
         shapes (partial RoPE, ...). With `counters` (`step_counters`) each head's K range is split over programs.
         `prefetch` (the layer's o weight) is read into L2 by the launch's idle SMs where PREFETCH_O is on."""
-        from pallas_kernels.norm_qkv_rope import check_supported, norm_qkv_rope_write, prefetch_view
+        from pallas_kernels.norm_qkv_rope import check_supported, norm_qkv_rope_write
+        from pallas_kernels.prefetch import prefetch_view
 
         if self.backend != "pallas" or x.shape[0] > NORM_QKV_MAX_TOKENS or check_supported(
                 x.shape[0], x.shape[1], wqkv.shape[1], num_heads, num_kv_heads, kv[0].shape[-1],
@@ -192,8 +196,10 @@ class ModelOps:
                                    prefetch_fraction=PREFETCH_O or 1.0, interpret=self.interpret)
 
     def attention(self, q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, batch: Batch,
-                  scale: float) -> jax.Array:
-        """q: [T, H, D] -> [T, H, D], each token over its sequence's pages (K/V already written)."""
+                  scale: float, prefetch: jax.Array | None = None) -> jax.Array:
+        """q: [T, H, D] -> [T, H, D], each token over its sequence's pages (K/V already written). `prefetch` (the
+        layer's o weight): read into L2 by extra programs of a small decode step's kernel where ATTN_PREFETCH_O
+        is on."""
         from pallas_kernels.prefill_attention import ragged_prefill_attention, ragged_prefill_attention_reference
 
         if self.backend == "reference":
@@ -205,7 +211,14 @@ class ModelOps:
             raise ValueError(f"a decode step needs one token per sequence: {q.shape[0]} tokens, "
                              f"{batch.num_seqs} sequences")
         if self.decode_step or (q.shape[0] == 1 and batch.num_seqs == 1):
+            from pallas_kernels.paged_attention import SMALL_BATCH_PROGRAMS
+            from pallas_kernels.prefetch import prefetch_view
+
+            if not ATTN_PREFETCH_O or self.axis is not None or prefetch is None or prefetch_view(prefetch) is None \
+                    or batch.num_seqs * k_cache.shape[2] >= SMALL_BATCH_PROGRAMS:
+                prefetch = None
             return paged_decode_attention(q, k_cache, v_cache, batch.page_table, batch.seq_lens, scale=scale,
+                                          prefetch=prefetch, prefetch_fraction=ATTN_PREFETCH_O or 1.0,
                                           interpret=self.interpret)
         args = (q, k_cache, v_cache, batch.query_start, batch.seq_lens, batch.page_table)
         if not self.mosaic_prefill or q.shape[0] < MOSAIC_MIN_STEP_TOKENS:
@@ -230,7 +243,8 @@ class ModelOps:
         return self.backend == "pallas" and (self.decode_step or (q.shape[0] == 1 and batch.num_seqs == 1))
 
     def attention_counted(self, q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, batch: Batch, scale: float,
-                          counters: jax.Array | None) -> tuple[jax.Array, jax.Array | None]:
+                          counters: jax.Array | None, prefetch: jax.Array | None = None
+                          ) -> tuple[jax.Array, jax.Array | None]:
         """`attention`, passing the step's counters (`step_counters`) on: (out, counters). With them a decode step's
         split-K partials are merged in the attention kernel, by each (sequence, kv head)'s last split (no merge
         kernel)."""
@@ -240,7 +254,7 @@ class ModelOps:
 
             return paged_decode_attention(q, k_cache, v_cache, batch.page_table, batch.seq_lens, counters,
                                           scale=scale, interpret=self.interpret)
-        return self.attention(q, k_cache, v_cache, batch, scale), counters
+        return self.attention(q, k_cache, v_cache, batch, scale, prefetch), counters
 
     def norm_projections(self, x: jax.Array, norm: jax.Array, weights: tuple[jax.Array, ...],
                          eps: float) -> tuple[jax.Array, ...]:

@@ -1,0 +1,44 @@
+"""Reading a weight into L2 from programs a kernel's launch would leave idle.
+
+A decode step's small kernels (the norm + q|k|v kernel, the attention of a few sequences) leave SMs and HBM
+bandwidth unused, and the o projection after them streams a weight from HBM with a GEMM's ramp-up. Extra programs in
+those launches read (a part of) that weight, marked evict-last, so the GEMM finds it in L2. See
+`norm_qkv_rope_write(prefetch=...)` and `paged_decode_attention(prefetch=...)`.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+
+WIDTH = 256  # columns of the [rows, WIDTH] view a prefetch program reads a tile of
+TILE = 64  # rows of a prefetch tile (32 KB of bf16)
+
+
+def prefetch_view(a: jax.Array) -> jax.Array | None:
+    """`a` as [rows, WIDTH] (a free reshape), or None where its size does not divide."""
+    return None if a.size % WIDTH else a.reshape(-1, WIDTH)
+
+
+def prefetch_rows(pf_ref, pf_out, p, programs: int, rows: int, tile: int = TILE):
+    """Program p of `programs` reads its share of pf_ref's first `rows` rows in `tile`-row tiles, marked to stay in
+    L2 (evict_last), and stores their max at pf_out[p] (the loads must feed something)."""
+    width = pf_ref.shape[1]
+    per = pl.cdiv(pl.cdiv(rows, programs), tile) * tile
+    idx = jnp.arange(tile, dtype=jnp.int32)
+
+    def body(i, acc):
+        first = p * per + i * tile
+        mask = jnp.broadcast_to(((first + idx) < rows)[:, None], (tile, width))
+        t = plgpu.load(pf_ref.at[pl.ds(first, tile), :], mask=mask, other=0, eviction_policy="evict_last")
+        return jnp.maximum(acc, t.astype(jnp.float32))
+
+    acc = jax.lax.fori_loop(0, per // tile, body, jnp.zeros((tile, width), jnp.float32))
+    pf_out[p] = jnp.max(acc)
+
+
+def prefetch_rows_count(view: jax.Array, fraction: float) -> int:
+    """Rows of a prefetch view that `fraction` of it covers (at least one)."""
+    return max(1, int(view.shape[0] * fraction))
