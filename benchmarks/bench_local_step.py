@@ -30,8 +30,8 @@ kernels keep their speed at the narrower shapes, apart from communication. Varia
 - tails_{A}_{B}..: the split-K tails finished in the kernels (`ops.FUSED_TAILS`) limited to those named: merge
   (decode attention), o (o projection + residual), mlp (fused MLP sum + residual); tails_none: none of them;
 - prefetch_o[{P}] / no_prefetch_o: the norm_qkv_rope kernel's idle SMs reading the o weight (its first P%, default
-  100) into L2 (`ops.PREFETCH_O`) / not; attn_prefetch_o[{P}]: the same from the decode attention kernel's extra
-  programs (`ops.ATTN_PREFETCH_O`, steps of few sequences);
+  100) into L2 (`ops.PREFETCH_O`) / not (the same from extra programs of the decode attention kernel was measured
+  at b3b0fad: slower, `local_step_attn_prefetch_o_qwen3-4b_h100.json`);
 - skinny_o: the o projection of steps of <= 32 tokens on the Pallas skinny GEMM (pallas_kernels/skinny_gemm.py,
   ahead of XLA on o in its own benchmark: 27.4 vs 31.2 us, skinny_gemm_h100.json), its split-K sum and the
   residual add left to XLA.
@@ -91,11 +91,8 @@ def variant(name: str):
     saved_route = moe_routing.moe_route
     saved_front, saved_front_tokens = moe_router.moe_norm_route, ops_module.MOE_FRONT_MAX_TOKENS
     saved_tails, saved_prefetch = ops_module.FUSED_TAILS, ops_module.PREFETCH_O
-    saved_attn_prefetch = ops_module.ATTN_PREFETCH_O
     if name.startswith(("prefetch_o", "no_prefetch_o")):
         ops_module.PREFETCH_O = 0.0 if name == "no_prefetch_o" else int(name.removeprefix("prefetch_o") or 100) / 100
-    if name.startswith("attn_prefetch_o"):
-        ops_module.ATTN_PREFETCH_O = int(name.removeprefix("attn_prefetch_o") or 100) / 100
     if name in ("no_merge", "unfused", "skinny_o", "o_barrier") or name.startswith("tails_"):
         ops_module.FUSED_TAILS = frozenset(name.split("_")[1:]) if name.startswith("tails_") else frozenset()
     if name.startswith(("route_w", "no_front")):
@@ -107,7 +104,7 @@ def variant(name: str):
     if name in ("no_merge", "unfused"):
         paged_attention.paged_decode_attention = functools.partial(saved_attn, merge_kernel=False)
     if name in ("no_qkv_rope", "no_merge", "unfused", "no_front") \
-            or name.startswith(("route_w", "tails_", "prefetch_o", "no_prefetch_o", "attn_prefetch_o")):
+            or name.startswith(("route_w", "tails_", "prefetch_o", "no_prefetch_o")):
         pass
     elif m := re.fullmatch(r"front(\d*)(?:_w(\d+)_s(\d+))?", name):
         n, w, sp = m.groups()
@@ -162,7 +159,6 @@ def variant(name: str):
         moe_routing.moe_route = saved_route
         moe_router.moe_norm_route, ops_module.MOE_FRONT_MAX_TOKENS = saved_front, saved_front_tokens
         ops_module.FUSED_TAILS, ops_module.PREFETCH_O = saved_tails, saved_prefetch
-        ops_module.ATTN_PREFETCH_O = saved_attn_prefetch
 
 
 def kernel_summary(trace_dir: str, steps: int, top: int = 16) -> dict:

@@ -31,7 +31,6 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from pallas_kernels.prefetch import WIDTH, prefetch_rows, prefetch_rows_count, prefetch_view
 from pallas_kernels.split_k import take_ticket
 
 LOG2E = math.log2(math.e)
@@ -47,8 +46,6 @@ ONE_SPLIT_PROGRAMS = 192
 # 3.9 + 1.5 with 128, decode_attention_rows_b1_qwen3-30b-a3b_h100.json). 64-token blocks and 3 stages elsewhere
 # (batch 8: 16.0 vs 16.8 us with 2 stages)
 SMALL_BATCH_PROGRAMS = 64
-# Programs that read a `prefetch` array into L2 (extra splits of the grid, pallas_kernels/prefetch.py)
-PREFETCH_PROGRAMS = 64
 SMEM_BUDGET = 160 * 1024  # bytes of K+V stage buffers a program may hold (the H100 has 227 KB a block)
 
 
@@ -91,42 +88,13 @@ def _decode_kernel(
     fused_merge: bool = False,
     splits: int = 1,
     interpret: bool = False,
-    prefetch_row_count: int = 0,
 ):
-    # Prefetch (`prefetch_row_count` > 0): pf_ref [rows, 256] first among `refs`, pf_out [programs] fp32 last; the
-    # programs of grid index >= splits on the split axis read pf_ref into L2 (pallas_kernels/prefetch.py).
-    refs = list(refs)
-    pf_ref = refs.pop(0) if prefetch_row_count else None
-    pf_out = refs.pop() if prefetch_row_count else None
-    h, b = (pl.program_id(0), pl.program_id(1)) if kv_heads_fastest else (pl.program_id(1), pl.program_id(0))
-    split = pl.program_id(2)  # (read here: the interpreter has no program ids in a branch)
-    num_kv_heads = num_heads // group
-    kvh_count = pl.num_programs(0 if kv_heads_fastest else 1)
-    attend = functools.partial(_attend, q_ref, k_ref, v_ref, pt_ref, len_ref, refs, h, b, split, kvh_count,
-                               scale=scale, pages_per_block=pages_per_block, num_heads=num_heads, group=group,
-                               rows=rows, page_size=page_size, rows_gather=rows_gather, fused_merge=fused_merge,
-                               splits=splits, interpret=interpret)
-    if not prefetch_row_count:
-        attend()
-        return
-    pl.when(split < splits)(attend)
-    batch = q_ref.shape[0] // num_heads
-
-    @pl.when(split >= splits)
-    def _prefetch():
-        programs = (pl.num_programs(2) - splits) * batch * num_kv_heads
-        prefetch_rows(pf_ref, pf_out, ((split - splits) * batch + b) * num_kv_heads + h, programs,
-                      prefetch_row_count)
-
-
-def _attend(q_ref, k_ref, v_ref, pt_ref, len_ref, refs, h, b, split, kvh_count, *, scale: float,
-            pages_per_block: int, num_heads: int, group: int, rows: int, page_size: int, rows_gather: bool,
-            fused_merge: bool, splits: int, interpret: bool):
-    """One (sequence, kv head, split) program's attention (see `_decode_kernel`)."""
     if fused_merge:
         _cnt_in, o_ref, cnt_ref, *ml_refs = refs
     else:
         o_ref, *ml_refs = refs
+    h, b = (pl.program_id(0), pl.program_id(1)) if kv_heads_fastest else (pl.program_id(1), pl.program_id(0))
+    split = pl.program_id(2)
     head_dim = q_ref.shape[1]
     block_k = pages_per_block * page_size
     seq_len = len_ref[0]
@@ -177,7 +145,7 @@ def _attend(q_ref, k_ref, v_ref, pt_ref, len_ref, refs, h, b, split, kvh_count, 
         plgpu.store(acc_ref.at[split, b, h, pl.ds(0, rows), pl.ds(0, head_dim)], acc)
         plgpu.store(m_ref.at[split, b, h, pl.ds(0, rows)], m)
         plgpu.store(l_ref.at[split, b, h, pl.ds(0, rows)], l)
-        counter = b * kvh_count + h
+        counter = b * pl.num_programs(0 if kv_heads_fastest else 1) + h
         ticket = take_ticket(cnt_ref, counter, interpret)
 
         @pl.when(ticket == splits - 1)
@@ -224,8 +192,7 @@ def _plan_splits(batch: int, num_kv_heads: int, num_blocks: int, num_splits: int
 
 
 def _decode_call(q, k_cache, v_cache, page_table, seq_lens, *, scale, pages_per_block, num_splits,
-                 num_warps, num_stages, kv_heads_fastest, merge_kernel, gather, interpret, counters=None,
-                 prefetch=None, prefetch_fraction=1.0, prefetch_splits=None):
+                 num_warps, num_stages, kv_heads_fastest, merge_kernel, gather, interpret, counters=None):
     batch, num_heads, head_dim = q.shape
     num_pages, page_size, num_kv_heads, _ = k_cache.shape
     group = num_heads // num_kv_heads
@@ -247,25 +214,16 @@ def _decode_call(q, k_cache, v_cache, page_table, seq_lens, *, scale, pages_per_
     if fused_merge and counters.shape[0] < batch * num_kv_heads:
         raise ValueError(f"counters must be int32 [>= batch x kv heads = {batch * num_kv_heads}] to merge "
                          f"{splits} splits in the kernel, got {counters.shape}")
-    pf = None if prefetch is None else prefetch_view(prefetch)
-    if prefetch is not None and pf is None:
-        raise ValueError(f"prefetch must hold a multiple of {WIDTH} elements, got {prefetch.shape}")
-    if pf is not None and prefetch_splits is None:
-        prefetch_splits = pl.cdiv(PREFETCH_PROGRAMS, batch * num_kv_heads)
-    prefetch_splits = 0 if pf is None else prefetch_splits
-    row_count = prefetch_rows_count(pf, prefetch_fraction) if prefetch_splits else 0
     kernel = functools.partial(_decode_kernel, scale=scale, pages_per_block=ppb, num_heads=num_heads, group=group,
                                rows=rows, kv_heads_fastest=kv_heads_fastest, page_size=page_size,
-                               rows_gather=rows_gather, fused_merge=fused_merge, splits=splits, interpret=interpret,
-                               prefetch_row_count=row_count)
+                               rows_gather=rows_gather, fused_merge=fused_merge, splits=splits, interpret=interpret)
     # Grid dim 0 is the fastest-varying launch index (CUDA x). With kv heads there, the programs
     # running side by side read the same pages (different heads' slices of each row).
-    last = splits - 1  # the prefetch programs (split axis >= splits) map to the last split's blocks, unused
     if kv_heads_fastest:
-        grid = (num_kv_heads, batch, splits + prefetch_splits)
+        grid = (num_kv_heads, batch, splits)
         bhs = lambda f: lambda h, b, s: f(b, h, s)  # noqa: E731
     else:
-        grid = (batch, num_kv_heads, splits + prefetch_splits)
+        grid = (batch, num_kv_heads, splits)
         bhs = lambda f: f  # noqa: E731
     whole = pl.no_block_spec  # q (and the one-split output): rows picked in the kernel
     if rows_gather:
@@ -285,9 +243,6 @@ def _decode_call(q, k_cache, v_cache, page_table, seq_lens, *, scale, pages_per_
         jax.ShapeDtypeStruct((splits, batch, num_kv_heads, rows), jnp.float32),
     ]
     extra, aliases = [], {}
-    if prefetch_splits:
-        in_specs.append(whole)
-        extra.append(pf)
     if splits == 1:
         out_shape = jax.ShapeDtypeStruct((batch * num_heads, head_dim), q.dtype)
         out_specs = whole
@@ -296,19 +251,14 @@ def _decode_call(q, k_cache, v_cache, page_table, seq_lens, *, scale, pages_per_
                      jax.ShapeDtypeStruct(counters.shape, jnp.int32), *partials]
         out_specs = [whole] * len(out_shape)
         in_specs.append(whole)
-        extra, aliases = [*extra, counters], {len(in_specs) - 1: 1}
+        extra, aliases = [counters], {len(in_specs) - 1: 1}
     else:
         out_shape = partials
         out_specs = [
-            pl.BlockSpec((None, None, None, rows, head_dim), bhs(lambda b, h, s: (jnp.minimum(s, last), b, h, 0, 0))),
-            pl.BlockSpec((None, None, None, rows), bhs(lambda b, h, s: (jnp.minimum(s, last), b, h, 0))),
-            pl.BlockSpec((None, None, None, rows), bhs(lambda b, h, s: (jnp.minimum(s, last), b, h, 0))),
+            pl.BlockSpec((None, None, None, rows, head_dim), bhs(lambda b, h, s: (s, b, h, 0, 0))),
+            pl.BlockSpec((None, None, None, rows), bhs(lambda b, h, s: (s, b, h, 0))),
+            pl.BlockSpec((None, None, None, rows), bhs(lambda b, h, s: (s, b, h, 0))),
         ]
-    if prefetch_splits:
-        out_shape = [*out_shape] if isinstance(out_shape, list) else [out_shape]
-        out_specs = [*out_specs] if isinstance(out_specs, list) else [out_specs]
-        out_shape.append(jax.ShapeDtypeStruct((prefetch_splits * batch * num_kv_heads,), jnp.float32))
-        out_specs.append(whole)
     out = pl.pallas_call(
         kernel,
         grid=grid,
@@ -318,12 +268,9 @@ def _decode_call(q, k_cache, v_cache, page_table, seq_lens, *, scale, pages_per_
         input_output_aliases=aliases,
         compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),
         interpret=interpret,
-        name=f"paged_decode_attention_ppb{ppb}_s{splits}" + ("_merged" if fused_merge else "")
-        + (f"_pf{prefetch_splits}" if prefetch_splits else ""),
+        name=f"paged_decode_attention_ppb{ppb}_s{splits}" + ("_merged" if fused_merge else ""),
     )(q2, k_cache, v_cache, table, lens, *extra)
 
-    if prefetch_splits:
-        out = out[:-1] if len(out) > 2 else out[0]
     if fused_merge:
         out, counters = out[:2]
     elif splits > 1:  # flash-decoding epilogue: merge the per-split partial softmaxes
@@ -435,7 +382,7 @@ def _check_args(q, k_cache, v_cache, page_table, seq_lens, pages_per_block, num_
 
 @functools.partial(jax.jit, static_argnames=(
     "scale", "pages_per_block", "num_splits", "num_warps", "num_stages", "kv_heads_fastest", "merge_kernel",
-    "gather", "prefetch_fraction", "prefetch_splits", "interpret"))
+    "gather", "interpret"))
 def paged_decode_attention(
     q: jax.Array,
     k_cache: jax.Array,
@@ -452,11 +399,8 @@ def paged_decode_attention(
     kv_heads_fastest: bool = True,
     merge_kernel: bool = True,
     gather: str = "rows",
-    prefetch: jax.Array | None = None,
-    prefetch_fraction: float = 1.0,
-    prefetch_splits: int | None = None,
     interpret: bool = False,
-):
+) -> jax.Array | tuple[jax.Array, jax.Array]:
     """Decode attention of one query token per sequence over a paged KV cache.
 
     Args:
@@ -482,9 +426,6 @@ def paged_decode_attention(
       counters: int32 `[>= batch x kv heads]`, zero on entry (`ModelOps.step_counters`), or None. With them the
         split-K partials are merged in the kernel, by the last split of each (sequence, kv head) to finish
         (`pallas_kernels/split_k.py`; no merge kernel), and `(out, counters)` is returned, the counters zero.
-      prefetch: an array the next kernel reads (a decode step's o projection weight), or None: `prefetch_splits`
-        extra splits of programs (default: PREFETCH_PROGRAMS programs) read its first `prefetch_fraction` into L2
-        while the attention runs (a few sequences' attention leaves HBM mostly idle).
 
     Returns:
       `[batch, num_heads, head_dim]` in q's dtype (softmax and accumulation in fp32).
@@ -501,8 +442,7 @@ def paged_decode_attention(
     return _decode_call(q, k_cache, v_cache, page_table, seq_lens, scale=scale,
                         pages_per_block=pages_per_block, num_splits=num_splits, num_warps=num_warps,
                         num_stages=num_stages, kv_heads_fastest=kv_heads_fastest, merge_kernel=merge_kernel,
-                        gather=gather, interpret=interpret, counters=counters, prefetch=prefetch,
-                        prefetch_fraction=prefetch_fraction, prefetch_splits=prefetch_splits)
+                        gather=gather, interpret=interpret, counters=counters)
 
 
 # ----------------------------------------------------------------------------------------------

@@ -3,7 +3,9 @@
 A decode step's small kernels (the norm + q|k|v kernel, the attention of a few sequences) leave SMs and HBM
 bandwidth unused, and the o projection after them streams a weight from HBM with a GEMM's ramp-up. Extra programs in
 those launches read (a part of) that weight, marked evict-last, so the GEMM finds it in L2. See
-`norm_qkv_rope_write(prefetch=...)` and `paged_decode_attention(prefetch=...)`.
+`norm_qkv_rope_write(prefetch=...)`. (The same from extra programs of the decode attention kernel, whose launch
+at batch 1 leaves HBM mostly idle, was measured slower: the prefetch programs, a few tiles each, are latency-bound
+and outlast the attention; `local_step_attn_prefetch_o_qwen3-4b_h100.json`, at b3b0fad.)
 """
 
 from __future__ import annotations

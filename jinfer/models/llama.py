@@ -159,7 +159,7 @@ def _attention(layer: LayerWeights, x: jax.Array, cos, sin, kv, batch: Batch, cf
                 qkv, q_norm, k_norm, cos, sin, kv, batch.slot_mapping, H, KVH, cfg.rms_norm_eps)
         if fused is not None:
             q, k_cache, v_cache = fused
-            out, counters = ops.attention_counted(q, k_cache, v_cache, batch, D**-0.5, counters, layer.wo)  # [T, H, D]
+            out, counters = ops.attention_counted(q, k_cache, v_cache, batch, D**-0.5, counters)  # [T, H, D]
             out, counters = ops.out_proj_counted(out.reshape(T, H * D), layer.wo, x, counters)
             return out, (k_cache, v_cache), counters
         q, k, v = jnp.split(qkv, [H * D, (H + KVH) * D], axis=-1)
@@ -172,7 +172,7 @@ def _attention(layer: LayerWeights, x: jax.Array, cos, sin, kv, batch: Batch, cf
         q, k = rms_norm(q, layer.q_norm, cfg.rms_norm_eps), rms_norm(k, layer.k_norm, cfg.rms_norm_eps)
     q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
     k_cache, v_cache = write_kv(kv[0], kv[1], k, v, batch.slot_mapping)
-    out, counters = ops.attention_counted(q, k_cache, v_cache, batch, D**-0.5, counters, layer.wo)  # [T, H, D]
+    out, counters = ops.attention_counted(q, k_cache, v_cache, batch, D**-0.5, counters)  # [T, H, D]
     out, counters = ops.out_proj_counted(out.reshape(T, H * D), layer.wo, x, counters)
     return out, (k_cache, v_cache), counters
 

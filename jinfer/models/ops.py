@@ -88,13 +88,13 @@ STEP_COUNTERS = 1024  # ModelOps.step_counters: one per program group (a head of
 # partials, is two L2 round trips on the critical path, what the XLA kernel it replaces costs; the MLP took one
 # per column tile. JINFER_FUSED_TAILS names the ones taken ("merge,o,mlp"; default "none"), JINFER_FUSED_O_TOKENS
 # the o projection's step sizes (measurements; part of the executable cache's key).
-# The norm_qkv_rope kernel's idle SMs read the layer's o projection weight into L2 (evict-last) while it runs, so
-# the o GEMM after attention reads it from L2 (`norm_qkv_rope_write`'s `prefetch`). JINFER_PREFETCH_O=0 turns it
-# off (measurements; part of the executable cache's key). The value is the fraction of the weight read (0: off).
-PREFETCH_O = float(os.environ.get("JINFER_PREFETCH_O", "0"))
-# The same from extra programs of the decode attention kernel, in steps of few sequences (batch x kv heads <
-# paged_attention.SMALL_BATCH_PROGRAMS: the attention leaves HBM mostly idle). JINFER_ATTN_PREFETCH_O: the fraction.
-ATTN_PREFETCH_O = float(os.environ.get("JINFER_ATTN_PREFETCH_O", "0"))
+# The norm_qkv_rope kernel's idle SMs (Qwen3-4B: 96 programs on 132) read the first PREFETCH_O of the layer's o
+# projection weight into L2 (evict-last) while it runs, so the o GEMM after attention finds that part in L2
+# (`norm_qkv_rope_write`'s `prefetch`). Qwen3-4B decode steps on the H100: 20% saves 11-21 us a step at batch 1 and
+# 36-51 at batch 8 (o 9.5 -> 8.2 us a layer, the q|k|v kernel 16.0 -> 17.1); the whole weight made o 6.6 us but the
+# q|k|v kernel 35 us (the prefetch programs stream at a fraction of an SM's rate): local_step_prefetch_o*.json.
+# JINFER_PREFETCH_O: the fraction (0: off; measurements; part of the executable cache's key).
+PREFETCH_O = float(os.environ.get("JINFER_PREFETCH_O", "0.2"))
 FUSED_TAILS = frozenset(os.environ.get("JINFER_FUSED_TAILS", "none").split(","))
 FUSED_O_MAX_TOKENS = int(os.environ.get("JINFER_FUSED_O_TOKENS", "32"))
 
@@ -196,10 +196,8 @@ class ModelOps:
                                    prefetch_fraction=PREFETCH_O or 1.0, interpret=self.interpret)
 
     def attention(self, q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, batch: Batch,
-                  scale: float, prefetch: jax.Array | None = None) -> jax.Array:
-        """q: [T, H, D] -> [T, H, D], each token over its sequence's pages (K/V already written). `prefetch` (the
-        layer's o weight): read into L2 by extra programs of a small decode step's kernel where ATTN_PREFETCH_O
-        is on."""
+                  scale: float) -> jax.Array:
+        """q: [T, H, D] -> [T, H, D], each token over its sequence's pages (K/V already written)."""
         from pallas_kernels.prefill_attention import ragged_prefill_attention, ragged_prefill_attention_reference
 
         if self.backend == "reference":
@@ -211,14 +209,7 @@ class ModelOps:
             raise ValueError(f"a decode step needs one token per sequence: {q.shape[0]} tokens, "
                              f"{batch.num_seqs} sequences")
         if self.decode_step or (q.shape[0] == 1 and batch.num_seqs == 1):
-            from pallas_kernels.paged_attention import SMALL_BATCH_PROGRAMS
-            from pallas_kernels.prefetch import prefetch_view
-
-            if not ATTN_PREFETCH_O or self.axis is not None or prefetch is None or prefetch_view(prefetch) is None \
-                    or batch.num_seqs * k_cache.shape[2] >= SMALL_BATCH_PROGRAMS:
-                prefetch = None
             return paged_decode_attention(q, k_cache, v_cache, batch.page_table, batch.seq_lens, scale=scale,
-                                          prefetch=prefetch, prefetch_fraction=ATTN_PREFETCH_O or 1.0,
                                           interpret=self.interpret)
         args = (q, k_cache, v_cache, batch.query_start, batch.seq_lens, batch.page_table)
         if not self.mosaic_prefill or q.shape[0] < MOSAIC_MIN_STEP_TOKENS:
@@ -243,8 +234,7 @@ class ModelOps:
         return self.backend == "pallas" and (self.decode_step or (q.shape[0] == 1 and batch.num_seqs == 1))
 
     def attention_counted(self, q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, batch: Batch, scale: float,
-                          counters: jax.Array | None, prefetch: jax.Array | None = None
-                          ) -> tuple[jax.Array, jax.Array | None]:
+                          counters: jax.Array | None) -> tuple[jax.Array, jax.Array | None]:
         """`attention`, passing the step's counters (`step_counters`) on: (out, counters). With them a decode step's
         split-K partials are merged in the attention kernel, by each (sequence, kv head)'s last split (no merge
         kernel)."""
@@ -254,7 +244,7 @@ class ModelOps:
 
             return paged_decode_attention(q, k_cache, v_cache, batch.page_table, batch.seq_lens, counters,
                                           scale=scale, interpret=self.interpret)
-        return self.attention(q, k_cache, v_cache, batch, scale, prefetch), counters
+        return self.attention(q, k_cache, v_cache, batch, scale), counters
 
     def norm_projections(self, x: jax.Array, norm: jax.Array, weights: tuple[jax.Array, ...],
                          eps: float) -> tuple[jax.Array, ...]:

@@ -180,26 +180,3 @@ def test_default_launch_for_small_batches(mode, batch):
     assert_close(merged, want, jnp.bfloat16, mode)
     np.testing.assert_array_equal(np.asarray(counters), 0)
 
-
-@pytest.mark.parametrize("mode", MODES)
-@pytest.mark.parametrize("splits,merged", [(1, False), (3, False), (3, True)])
-def test_prefetch_programs_change_nothing(mode, splits, merged):
-    """Extra splits of programs reading another array into L2 (the o weight): the attention is that of the plain
-    launch, bit for bit, with one split, split-K merged after, or merged in the kernel."""
-    rng = np.random.default_rng(23)
-    lens = [1, 40, 130]
-    k, v, table = paged_kv(rng, lens, 16, 2, 64, jnp.bfloat16, pages_per_seq=12)
-    q = jnp.asarray(rng.standard_normal((len(lens), 8, 64)), jnp.bfloat16)
-    seq_lens = jnp.asarray(lens, jnp.int32)
-    wo = jnp.asarray(rng.standard_normal((512, 96)), jnp.bfloat16)  # 192 rows of 256
-    counters = jnp.zeros((8,), jnp.int32) if merged else None
-    kw = dict(num_splits=splits, pages_per_block=1, interpret=mode == "interpret")
-    plain = paged_decode_attention(q, k, v, table, seq_lens, counters, **kw)
-    fetched = paged_decode_attention(q, k, v, table, seq_lens, counters, prefetch=wo, prefetch_fraction=0.7,
-                                     prefetch_splits=2, **kw)
-    if merged:
-        (plain, _), (fetched, cnt) = plain, fetched
-        np.testing.assert_array_equal(np.asarray(cnt), 0)
-    np.testing.assert_array_equal(np.asarray(plain.astype(jnp.float32)), np.asarray(fetched.astype(jnp.float32)))
-    with pytest.raises(ValueError, match="prefetch"):
-        paged_decode_attention(q, k, v, table, seq_lens, prefetch=jnp.zeros((3,), jnp.bfloat16), **kw)
