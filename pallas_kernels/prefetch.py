@@ -10,11 +10,16 @@ and outlast the attention; `local_step_attn_prefetch_o_qwen3-4b_h100.json`, at b
 
 from __future__ import annotations
 
+import os
+
 import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
+# The prefetch loads' L2 eviction policy: "evict_last" (kept over normal lines) or "normal"
+# (JINFER_PREFETCH_EVICTION, read at trace time; measurements)
+EVICTION = os.environ.get("JINFER_PREFETCH_EVICTION", "evict_last")
 WIDTH = 256  # columns of the [rows, WIDTH] view a prefetch program reads a tile of
 TILE = 64  # rows of a prefetch tile (32 KB of bf16)
 
@@ -34,7 +39,8 @@ def prefetch_rows(pf_ref, pf_out, p, programs: int, rows: int, tile: int = TILE)
     def body(i, acc):
         first = p * per + i * tile
         mask = jnp.broadcast_to(((first + idx) < rows)[:, None], (tile, width))
-        t = plgpu.load(pf_ref.at[pl.ds(first, tile), :], mask=mask, other=0, eviction_policy="evict_last")
+        t = plgpu.load(pf_ref.at[pl.ds(first, tile), :], mask=mask, other=0,
+                       eviction_policy=None if EVICTION == "normal" else EVICTION)
         return jnp.maximum(acc, t.astype(jnp.float32))
 
     acc = jax.lax.fori_loop(0, per // tile, body, jnp.zeros((tile, width), jnp.float32))
