@@ -11,7 +11,9 @@ only the real rows of a partial are stored (a batch-1 step padded in HBM wrote a
 partials it needed, 12 MB per Qwen3-4B layer against 149 MB of weights). The runner picks it per
 token count from the measured table (benchmarks/results/kernels_*.json). (fp32 atomic adds into one `[T,
 hidden]` buffer instead of
-partials measured 1.6-10x slower on the H100; see kernels_h100_sweep_v0.json.)
+partials measured 1.6-10x slower on the H100; see kernels_h100_sweep_v0.json.) `fused_swiglu_mlp_block` sums the
+partials and adds the residual in the kernel instead (each column tile's last program; pallas_kernels/split_k.py):
+measured slower at batch 1, so the model keeps XLA's sum (ops.FUSED_TAILS).
 
 GPU backend: the Pallas Triton lowering (see `pallas_kernels/__init__.py`).
 """

@@ -20,6 +20,9 @@ norm's weight multiply and RoPE run in fp32 with one rounding at the end, where 
 Split-K counters must be zero on entry (a dirty counter leaves its head unfinished, silently); the step's
 counters are made zero once and every launch leaves them zero, launches being ordered by the stream.
 
+Prefetch (`prefetch=`, the layer's o projection weight; `ops.PREFETCH_O`): extra programs on the launch's idle SMs
+read the first part of another array into L2 (evict-last) while the heads stream (pallas_kernels/prefetch.py).
+
 Scope: full rotate-half RoPE (rotary dim = head_dim), no gated queries, no q/k/v bias; head_dim a power of two
 >= 32; `check_supported` says why not otherwise (the caller keeps the XLA projection + `qkv_rope_write`).
 

@@ -7,7 +7,9 @@ against ~3.0 TB/s the memory copies. Here one program owns (column block, K spli
 `[K / k_splits, block_n]` slab of w in `block_k`-row tiles (Triton pipelines `num_stages` of them in
 flight), multiplies the token tile (padded to 16 rows in registers, never in HBM) in, and stores the
 real rows of its fp32 partial `[k_splits, T, N]`; XLA sums the splits (and fuses what follows: a
-residual add, the cast). Splitting K puts enough programs in flight when N is narrow.
+residual add, the cast). Splitting K puts enough programs in flight when N is narrow. `skinny_gemm_residual` sums
+the splits and adds the residual in each column block's last program instead (pallas_kernels/split_k.py; even with
+XLA's GEMM + add for Qwen3-4B's o at batch 1, so off by default: ops.FUSED_TAILS).
 
 GPU backend: the Pallas Triton lowering (see `pallas_kernels/__init__.py`).
 """
