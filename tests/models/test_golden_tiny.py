@@ -139,3 +139,26 @@ def test_moe_front_kernel_matches_hf(monkeypatch):
     check_prompt_and_decodes(step, w, empty_cache(cfg), gold, 0)
     check_batched_chunked_prefill(step, w, empty_cache(cfg), gold)
     assert 1 in traced and max(traced) > 1, traced  # decode steps and prefill chunks took the kernel
+
+
+def test_fused_split_k_tails_match_hf(monkeypatch):
+    """The split-K tails finished in the kernels (`ops.FUSED_TAILS`: the attention merge in its last split, o + residual
+    in one skinny GEMM, the fused MLP's sum + residual add) and the o weight's L2 prefetch: every decode step still
+    matches HF, and the fused kernels ran (the tiny model's decode attention runs several splits: one page per block)."""
+    import pallas_kernels.paged_attention as paged_attention
+    from jinfer.models import ops as ops_module
+
+    monkeypatch.setattr(ops_module, "FUSED_TAILS", frozenset({"merge", "o", "mlp"}))
+    monkeypatch.setattr(ops_module, "PREFETCH_O", 0.5)
+    real = paged_attention.paged_decode_attention
+    monkeypatch.setattr(paged_attention, "paged_decode_attention",
+                        partial(real, pages_per_block=1))  # more splits than the tiny context's one block
+    cfg, w, gold = load("qwen3")
+    w = fuse_qkv(cfg, w)
+    step = jax.jit(partial(forward, cfg=cfg, ops=OPS["pallas"]), donate_argnames=("kv_cache",))
+    batch = make_batch([([1], 20, scrambled_pages(0, 8))], PAGE, pages_per_seq=8)
+    kernels = str(jax.make_jaxpr(step)(w, batch, empty_cache(cfg)))
+    for name in ("_merged", "skinny_gemm_residual", "fused_swiglu_mlp_block", "norm_qkv_rope_write_k"):
+        assert name in kernels, name
+    assert "_pf" in kernels.split("norm_qkv_rope_write_k", 1)[1][:20]
+    check_prompt_and_decodes(step, w, empty_cache(cfg), gold, 1)
