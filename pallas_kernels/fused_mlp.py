@@ -27,7 +27,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from pallas_kernels.split_k import finish_last, residual_add
+from pallas_kernels.split_k import check_counters, finish_last, residual_add
 
 
 # ----------------------------------------------------------------------------------------------
@@ -177,8 +177,7 @@ def _mlp_call(x, w_gate, w_up, w_down, norm_weight, *, eps, block_t, block_i, nu
     if fused_tail:
         if t_tiles != 1:
             raise ValueError(f"the fused residual tail takes one token tile: {tokens=} > {block_t=}")
-        if counters.dtype != jnp.int32 or counters.ndim != 1 or counters.shape[0] < hidden // block_n:
-            raise ValueError(f"counters must be int32 [>= {hidden // block_n}], got {counters.dtype} {counters.shape}")
+        check_counters(counters, hidden // block_n)
         out_shape = [jax.ShapeDtypeStruct(x.shape, x.dtype), jax.ShapeDtypeStruct(counters.shape, jnp.int32),
                      partials]
         extra, aliases = [counters], {len(norm_spec) + 4: 1}

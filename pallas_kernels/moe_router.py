@@ -34,6 +34,7 @@ from pallas_kernels.moe_routing import (
     route_out_shapes,
     routing_from_outputs,
 )
+from pallas_kernels.split_k import check_counters
 
 # Largest step the kernel takes (rows held in registers; larger steps keep XLA's fusions and GEMM).
 MAX_TOKENS = 64
@@ -154,8 +155,7 @@ def moe_norm_route(x: jax.Array, norm_weight: jax.Array, router: jax.Array, coun
     check_route_args(experts, top_k, block_m)
     if block_m < 16:  # the grouped GEMMs' smallest tile
         raise ValueError(f"block_m={block_m} must be >= 16")
-    if counters.dtype != jnp.int32 or counters.ndim != 1 or counters.shape[0] < 1:
-        raise ValueError(f"counters must be int32 [>= 1], got {counters.dtype} {counters.shape}")
+    check_counters(counters, 1)
     d_e, d_k, d_s = default_front_tiling(tokens, hidden, experts)
     block_e, block_k, k_splits = block_e or d_e, block_k or d_k, k_splits or d_s
     _check_blocks(block_e, experts, block_k, hidden)

@@ -41,6 +41,7 @@ from jax.experimental.pallas import triton as plgpu
 from pallas_kernels.fused_mlp import rms_inverse, rms_normed, tile_rows
 from pallas_kernels.prefetch import WIDTH, prefetch_rows, prefetch_rows_count, prefetch_view
 from pallas_kernels.qkv_rope import qkv_rope_write_reference
+from pallas_kernels.split_k import check_counters
 
 MAX_TOKENS = 64  # one token tile holds the whole step: the weights are read once
 ONE_WAVE = 132  # the H100's SMs
@@ -246,8 +247,8 @@ def norm_qkv_rope_write(x: jax.Array, norm_weight: jax.Array, wqkv: jax.Array, c
         k_splits = default_k_splits(heads, hidden, block_k)
     if hidden % (block_k * k_splits):
         raise ValueError(f"block_k {block_k} x k_splits {k_splits} must divide hidden {hidden}")
-    if counters is not None and (counters.dtype != jnp.int32 or counters.ndim != 1 or counters.shape[0] < heads):
-        raise ValueError(f"counters must be int32 [>= {heads}], got {counters.dtype} {counters.shape}")
+    if counters is not None:
+        check_counters(counters, heads)
     qk_norm = q_norm is not None
     if not qk_norm:
         q_norm = k_norm = jnp.ones((head_dim,), x.dtype)

@@ -31,7 +31,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from pallas_kernels.split_k import take_ticket
+from pallas_kernels.split_k import check_counters, take_ticket
 
 LOG2E = math.log2(math.e)
 MASK_VALUE = -0.7 * float(jnp.finfo(jnp.float32).max)  # finite: masked rows never make NaN
@@ -211,9 +211,8 @@ def _decode_call(q, k_cache, v_cache, page_table, seq_lens, *, scale, pages_per_
 
     rows_gather = gather == "rows"
     fused_merge = counters is not None and splits > 1
-    if fused_merge and counters.shape[0] < batch * num_kv_heads:
-        raise ValueError(f"counters must be int32 [>= batch x kv heads = {batch * num_kv_heads}] to merge "
-                         f"{splits} splits in the kernel, got {counters.shape}")
+    if fused_merge:
+        check_counters(counters, batch * num_kv_heads, f" (batch x kv heads, to merge {splits} splits in the kernel)")
     kernel = functools.partial(_decode_kernel, scale=scale, pages_per_block=ppb, num_heads=num_heads, group=group,
                                rows=rows, kv_heads_fastest=kv_heads_fastest, page_size=page_size,
                                rows_gather=rows_gather, fused_merge=fused_merge, splits=splits, interpret=interpret)
@@ -431,8 +430,8 @@ def paged_decode_attention(
       `[batch, num_heads, head_dim]` in q's dtype (softmax and accumulation in fp32).
     """
     _check_args(q, k_cache, v_cache, page_table, seq_lens, pages_per_block, num_splits, gather)
-    if counters is not None and (counters.dtype != jnp.int32 or counters.ndim != 1):
-        raise ValueError(f"counters must be int32 [n], got {counters.dtype} {counters.shape}")
+    if counters is not None:
+        check_counters(counters, 0)
     _, page_size, num_kv_heads, head_dim = k_cache.shape
     plan_ppb, plan_stages = plan_blocks(q.shape[0] * num_kv_heads, page_size, head_dim, k_cache.dtype.itemsize,
                                         num_stages)

@@ -25,7 +25,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from pallas_kernels.fused_mlp import pow2_divisor
-from pallas_kernels.split_k import finish_last, residual_add
+from pallas_kernels.split_k import check_counters, finish_last, residual_add
 
 MAX_TOKENS = 32
 
@@ -153,8 +153,7 @@ def skinny_gemm_residual(x: jax.Array, w: jax.Array, residual: jax.Array, counte
     if residual.shape != (x.shape[0], w.shape[1]):
         raise ValueError(f"residual must be [T, N] = {(x.shape[0], w.shape[1])}, got {residual.shape}")
     blocks = w.shape[1] // launch["block_n"]
-    if counters.dtype != jnp.int32 or counters.ndim != 1 or counters.shape[0] < blocks:
-        raise ValueError(f"counters must be int32 [>= {blocks}], got {counters.dtype} {counters.shape}")
+    check_counters(counters, blocks)
     return _gemm_call(x, w, **launch, interpret=interpret, residual=residual, counters=counters)
 
 

@@ -20,6 +20,12 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 
+def check_counters(counters: jax.Array, need: int, what: str = "") -> None:
+    """ValueError naming `counters` unless they are int32 [>= need] (`what`: why that many)."""
+    if counters.dtype != jnp.int32 or counters.ndim != 1 or counters.shape[0] < need:
+        raise ValueError(f"counters must be int32 [>= {need}]{what}, got {counters.dtype} {counters.shape}")
+
+
 def take_ticket(cnt_ref, counter, interpret: bool) -> jax.Array:
     """This program's arrival number at `cnt_ref[counter]` (0 first), once its partials are stored."""
     if not interpret:  # every thread's partial stored before the (one-thread, acq_rel) counter increment
