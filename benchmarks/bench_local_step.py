@@ -32,6 +32,9 @@ kernels keep their speed at the narrower shapes, apart from communication. Varia
 - prefetch_o[{P}] / no_prefetch_o: the norm_qkv_rope kernel's idle SMs reading the o weight (its first P%, default
   100) into L2 (`ops.PREFETCH_O`) / not (the same from extra programs of the decode attention kernel was measured
   at b3b0fad: slower, `local_step_attn_prefetch_o_qwen3-4b_h100.json`);
+- persist[_o{N}_p{P}_i{I}_w{W}_s{S}]: the o projection, its residual add and the dense MLP block as one dataflow
+  launch for steps of <= 16 tokens (pallas_kernels/persistent.py; `ops.PERSISTENT_O_MLP_TOKENS`), at o column tile
+  N, P preloaded gate|up tiles, I intermediate columns per MLP program, W warps, S stages (each part optional);
 - skinny_o: the o projection of steps of <= 32 tokens on the Pallas skinny GEMM (pallas_kernels/skinny_gemm.py,
   ahead of XLA on o in its own benchmark: 27.4 vs 31.2 us, skinny_gemm_h100.json), its split-K sum and the
   residual add left to XLA.
@@ -57,6 +60,7 @@ import pallas_kernels.moe_router as moe_router
 import pallas_kernels.moe_routing as moe_routing
 import pallas_kernels.norm_qkv_rope as norm_qkv_rope
 import pallas_kernels.paged_attention as paged_attention
+import pallas_kernels.persistent as persistent
 from benchmarks.common import add_profile_argument, environment, profiled, write_result
 from jinfer.engine.model_runner import init_kv_cache
 from jinfer.models import ops as ops_module
@@ -91,6 +95,7 @@ def variant(name: str):
     saved_route = moe_routing.moe_route
     saved_front, saved_front_tokens = moe_router.moe_norm_route, ops_module.MOE_FRONT_MAX_TOKENS
     saved_tails, saved_prefetch = ops_module.FUSED_TAILS, ops_module.PREFETCH_O
+    saved_persist, saved_persist_tokens = persistent.o_proj_mlp_block, ops_module.PERSISTENT_O_MLP_TOKENS
     if name.startswith(("prefetch_o", "no_prefetch_o")):
         ops_module.PREFETCH_O = 0.0 if name == "no_prefetch_o" else int(name.removeprefix("prefetch_o") or 100) / 100
     if name in ("no_merge", "unfused", "skinny_o", "o_barrier") or name.startswith("tails_"):
@@ -112,6 +117,11 @@ def variant(name: str):
             ops_module.MOE_FRONT_MAX_TOKENS = int(n)
         if w:
             moe_router.moe_norm_route = functools.partial(saved_front, num_warps=int(w), k_splits=int(sp) or None)
+    elif name.startswith("persist"):
+        ops_module.PERSISTENT_O_MLP_TOKENS = frozenset(range(1, persistent.MAX_TOKENS + 1))
+        keys = {"o": "o_block_n", "p": "preload", "i": "block_i", "w": "num_warps", "s": "num_stages"}
+        kw = {keys[p[0]]: int(p[1:]) for p in name.split("_")[1:]}
+        persistent.o_proj_mlp_block = functools.partial(saved_persist, **kw)
     elif name == "no_norm_qkv":
         ops_module.NORM_QKV_MAX_TOKENS = 0
     elif name.startswith("attn_ppb"):
@@ -159,6 +169,7 @@ def variant(name: str):
         moe_routing.moe_route = saved_route
         moe_router.moe_norm_route, ops_module.MOE_FRONT_MAX_TOKENS = saved_front, saved_front_tokens
         ops_module.FUSED_TAILS, ops_module.PREFETCH_O = saved_tails, saved_prefetch
+        persistent.o_proj_mlp_block, ops_module.PERSISTENT_O_MLP_TOKENS = saved_persist, saved_persist_tokens
 
 
 def kernel_summary(trace_dir: str, steps: int, top: int = 16) -> dict:

@@ -141,11 +141,19 @@ def fuse_qkv(weights: Weights) -> Weights:
 
 
 def _attention(layer: LayerWeights, x: jax.Array, cos, sin, kv, batch: Batch, cfg: ModelConfig, ops: ModelOps,
-               counters: jax.Array | None = None):
+               counters: jax.Array | None = None, with_mlp: bool = False):
     """x + attention(rms_norm(x)); also returns the layer's updated (k, v) cache and `counters` (the step's
-    zeroed kernel counters, `ModelOps.step_counters`, passed from kernel to kernel)."""
+    zeroed kernel counters, `ModelOps.step_counters`, passed from kernel to kernel). with_mlp: the dense MLP block
+    too, in the o projection's launch (`ModelOps.out_proj_mlp_block`)."""
     T = x.shape[0]
     H, KVH, D = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+
+    def out_proj(out, counters):
+        if with_mlp:
+            return ops.out_proj_mlp_block(out.reshape(T, H * D), layer.wo, x, layer.mlp_norm, layer.w_gate,
+                                          layer.w_up, layer.w_down, cfg.rms_norm_eps, counters)
+        return ops.out_proj_counted(out.reshape(T, H * D), layer.wo, x, counters)
+
     if layer.wqkv is not None:
         q_norm, k_norm = (layer.q_norm, layer.k_norm) if cfg.qk_norm else (None, None)
         fused = None if cfg.attention_bias else ops.norm_qkv_rope_write(
@@ -160,7 +168,7 @@ def _attention(layer: LayerWeights, x: jax.Array, cos, sin, kv, batch: Batch, cf
         if fused is not None:
             q, k_cache, v_cache = fused
             out, counters = ops.attention_counted(q, k_cache, v_cache, batch, D**-0.5, counters)  # [T, H, D]
-            out, counters = ops.out_proj_counted(out.reshape(T, H * D), layer.wo, x, counters)
+            out, counters = out_proj(out, counters)
             return out, (k_cache, v_cache), counters
         q, k, v = jnp.split(qkv, [H * D, (H + KVH) * D], axis=-1)
     else:
@@ -173,7 +181,7 @@ def _attention(layer: LayerWeights, x: jax.Array, cos, sin, kv, batch: Batch, cf
     q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
     k_cache, v_cache = write_kv(kv[0], kv[1], k, v, batch.slot_mapping)
     out, counters = ops.attention_counted(q, k_cache, v_cache, batch, D**-0.5, counters)  # [T, H, D]
-    out, counters = ops.out_proj_counted(out.reshape(T, H * D), layer.wo, x, counters)
+    out, counters = out_proj(out, counters)
     return out, (k_cache, v_cache), counters
 
 
@@ -216,8 +224,11 @@ def decoder_forward(weights: Weights, batch: Batch, kv_cache: tuple[tuple[jax.Ar
     new_cache = []
     counters = ops.step_counters(x.shape[0])
     for i, (layer, kv) in enumerate(zip(weights.layers, kv_cache, strict=True)):
-        x, kv, counters = _attention(layer, x, cos, sin, kv, batch, cfg, ops, counters)
-        x, counters = mlp(layer, i, x, cfg, ops, counters)
+        with_mlp = mlp is dense_mlp and ops.persistent_o_mlp(x.shape[0], layer.wo.shape[0], x.shape[1],
+                                                             layer.w_gate.shape[-1], counters)
+        x, kv, counters = _attention(layer, x, cos, sin, kv, batch, cfg, ops, counters, with_mlp)
+        if not with_mlp:
+            x, counters = mlp(layer, i, x, cfg, ops, counters)
         new_cache.append(kv)
     x = rms_norm(x[batch.logits_indices], weights.final_norm, cfg.rms_norm_eps)  # [N, hidden]
     head = weights.embed.T if weights.lm_head is None else weights.lm_head

@@ -97,6 +97,11 @@ STEP_COUNTERS = 1024  # ModelOps.step_counters: one per program group (a head of
 PREFETCH_O = float(os.environ.get("JINFER_PREFETCH_O", "0.2"))
 FUSED_TAILS = frozenset(os.environ.get("JINFER_FUSED_TAILS", "none").split(","))
 FUSED_O_MAX_TOKENS = int(os.environ.get("JINFER_FUSED_O_TOKENS", "32"))
+# Decode steps of these token counts run the o projection, its residual add and the dense MLP block as one dataflow
+# launch (pallas_kernels/persistent.py: the MLP's programs resident and loading weights while the o programs
+# finish). JINFER_PERSISTENT_O_MLP_TOKENS="1,8" (measurements; part of the executable cache's key); default none.
+PERSISTENT_O_MLP_TOKENS = frozenset(
+    int(t) for t in os.environ.get("JINFER_PERSISTENT_O_MLP_TOKENS", "").split(",") if t)
 
 
 # Steps of at most this many tokens run a MoE block's whole front end, RMSNorm + router + routing, as one kernel
@@ -379,6 +384,24 @@ class ModelOps:
                 return fused_swiglu_mlp_block(x, norm, w_gate, w_up, w_down, counters, eps=eps,
                                               interpret=self.interpret)
         return self.mlp_block(x, norm, w_gate, w_up, w_down, eps), counters
+
+    def persistent_o_mlp(self, tokens: int, ko: int, hidden: int, inter: int, counters: jax.Array | None) -> bool:
+        """Whether a dense layer's o projection + MLP block run as `out_proj_mlp_block` in this step."""
+        from pallas_kernels.persistent import COUNTERS, check_supported
+
+        return self.backend == "pallas" and self.axis is None and tokens in PERSISTENT_O_MLP_TOKENS \
+            and counters is not None and counters.shape[0] >= COUNTERS \
+            and check_supported(tokens, ko, hidden, inter) is None
+
+    def out_proj_mlp_block(self, attn: jax.Array, wo: jax.Array, residual: jax.Array, norm: jax.Array,
+                           w_gate: jax.Array, w_up: jax.Array, w_down: jax.Array, eps: float, counters: jax.Array
+                           ) -> tuple[jax.Array, jax.Array]:
+        """x1 = residual + attn @ wo; (x1 + mlp(rms_norm(x1)), counters) as one launch (`persistent_o_mlp` says
+        where)."""
+        from pallas_kernels.persistent import o_proj_mlp_block
+
+        return o_proj_mlp_block(attn, wo, residual, norm, w_gate, w_up, w_down, counters, eps=eps,
+                                interpret=self.interpret)
 
     def _pallas_mlp(self, x: jax.Array, w_gate: jax.Array) -> bool:
         return self.backend == "pallas" and x.shape[0] in PALLAS_MLP_TOKENS and x.shape[1] % 16 == 0 \

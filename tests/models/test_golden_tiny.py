@@ -162,3 +162,18 @@ def test_fused_split_k_tails_match_hf(monkeypatch):
         assert name in kernels, name
     assert "_pf" in kernels.split("norm_qkv_rope_write_k", 1)[1][:20]
     check_prompt_and_decodes(step, w, empty_cache(cfg), gold, 1)
+
+
+def test_persistent_o_mlp_matches_hf(monkeypatch):
+    """The o projection, its residual add and the MLP block as one dataflow launch (pallas_kernels/persistent.py) for
+    one-token steps: every decode step still matches HF, and the launch ran (with the batch-1 fused MLP's place)."""
+    from jinfer.models import ops as ops_module
+
+    monkeypatch.setattr(ops_module, "PERSISTENT_O_MLP_TOKENS", frozenset({1}))
+    cfg, w, gold = load("qwen3")
+    w = fuse_qkv(cfg, w)
+    step = jax.jit(partial(forward, cfg=cfg, ops=OPS["pallas"]), donate_argnames=("kv_cache",))
+    batch = make_batch([([1], 20, scrambled_pages(0, 8))], PAGE, pages_per_seq=8)
+    kernels = str(jax.make_jaxpr(step)(w, batch, empty_cache(cfg)))
+    assert "o_proj_mlp_o" in kernels and "fused_swiglu_mlp" not in kernels
+    check_prompt_and_decodes(step, w, empty_cache(cfg), gold, 1)
