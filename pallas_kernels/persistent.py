@@ -86,14 +86,19 @@ def _kernel(attn_ref, wo_ref, r_ref, n_ref, wg_ref, wu_ref, wd_ref, _cnt_in, x1_
         first = [(wg_ref[pl.ds(k * block_k, block_k), icols], wu_ref[pl.ds(k * block_k, block_k), icols])
                  for k in range(preload)]
         if not interpret:  # (interpreted, every lower id has run to completion: nothing to wait for)
-            jax.lax.while_loop(lambda done: done < o_programs,
-                               lambda _: plgpu.atomic_add(cnt_ref, jnp.int32(_O_DONE), jnp.zeros((), jnp.int32)),
+            # poll with plain loads past L1 (no read-modify-write traffic on the counter's L2 line), then one
+            # acquiring atomic orders this program's reads of x1 after the o programs' stores
+            count = cnt_ref.at[jnp.int32(_O_DONE)]
+            jax.lax.while_loop(lambda done: done < o_programs, lambda _: plgpu.load(count, volatile=True),
                                jnp.int32(0))
+            plgpu.atomic_add(cnt_ref, jnp.int32(_O_DONE), jnp.zeros((), jnp.int32))
 
-        def x_cols(cols, width):  # x1, written by other programs of this launch: read past L1
-            return plgpu.load(x1_ref.at[rows, cols], mask=row_mask(width), other=0, volatile=True)
+        def x_cols(cols, width, volatile=False):
+            # x1 was written by other programs of this launch; this SM's L1 holds none of it (its first read,
+            # the norm's pass, goes past L1), so the K loop's reads may be plain (pipelined) loads
+            return plgpu.load(x1_ref.at[rows, cols], mask=row_mask(width), other=0, volatile=volatile)
 
-        inv = rms_inverse(x_cols, hidden, block_t, block_k, eps)
+        inv = rms_inverse(functools.partial(x_cols, volatile=True), hidden, block_t, block_k, eps)
 
         def up(kk, g, u, wg, wu):
             cols = pl.ds(kk * block_k, block_k)
