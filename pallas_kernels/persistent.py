@@ -19,6 +19,11 @@ program waits only on programs that started before it:
   past L1 (volatile), norms it and runs the rest. XLA sums the partials and adds x1, as after the fused MLP;
 - the last program to finish (a third counter) resets the three counters to zero for the next launch.
 
+With `slot` (a layer's own entry of the step's counters, zeroed once per step) the launch skips both the id
+ticket and the reset: ids are the block indices and the phase count is left in the slot. The hardware starts
+blocks in index order, and even where it did not, the waiting programs fill fewer SMs than the GPU has
+(`MAX_WAITING`), so the o programs always find SMs: no deadlock either way.
+
 In the Pallas interpreter programs run one after another in grid order: the ids are the grid order and the o
 programs have all counted in before the first MLP program starts, so there is no spin (the interpreter cannot
 discharge an atomic inside a while loop either).
@@ -44,12 +49,13 @@ from pallas_kernels.split_k import check_counters, residual_add, take_ticket
 
 MAX_TOKENS = 16  # one 16-row token tile
 COUNTERS = 3  # virtual ids, o programs done, programs done
+MAX_WAITING = 120  # MLP programs a `slot` launch may have (they wait on the o programs; an H100 has 132 SMs)
 _VID, _O_DONE, _DONE = 0, 1, 2  # (made arrays where used: the interpreter's atomics want array indices)
 
 
 def _kernel(attn_ref, wo_ref, r_ref, n_ref, wg_ref, wu_ref, wd_ref, _cnt_in, x1_ref, cnt_ref, part_ref, *,
             o_programs: int, mlp_programs: int, block_t: int, o_block_n: int, o_block_k: int, block_k: int,
-            block_i: int, block_n: int, preload: int, eps: float, interpret: bool):
+            block_i: int, block_n: int, preload: int, eps: float, interpret: bool, slot: int | None):
     # attn_ref [T, Ko]; wo_ref [Ko, hidden]; r_ref [T, hidden] the residual; n_ref [hidden] the MLP's norm; wg/wu
     # [hidden, I]; wd [I, hidden]; cnt_ref int32 [>= COUNTERS]; x1_ref [T, hidden] out; part_ref [I / block_i, T,
     # hidden] fp32 out. All whole: a program picks its tiles by its virtual id.
@@ -61,8 +67,11 @@ def _kernel(attn_ref, wo_ref, r_ref, n_ref, wg_ref, wu_ref, wd_ref, _cnt_in, x1_
     def row_mask(width):
         return jnp.broadcast_to(real[:, None], (block_t, width))
 
-    one = jnp.ones((), jnp.int32)
-    vid = plgpu.atomic_add(cnt_ref, jnp.int32(_VID), one)
+    phase = jnp.int32(_O_DONE if slot is None else slot)
+    if slot is None:
+        vid = plgpu.atomic_add(cnt_ref, jnp.int32(_VID), jnp.ones((), jnp.int32))
+    else:
+        vid = pl.program_id(0)
 
     @pl.when(vid < o_programs)
     def _o():
@@ -76,7 +85,7 @@ def _kernel(attn_ref, wo_ref, r_ref, n_ref, wg_ref, wu_ref, wd_ref, _cnt_in, x1_
         acc = jax.lax.fori_loop(0, attn_ref.shape[1] // o_block_k, body, jnp.zeros((block_t, o_block_n), f32))
         residual = plgpu.load(r_ref.at[rows, cols], mask=row_mask(o_block_n), other=0)
         plgpu.store(x1_ref.at[rows, cols], residual_add(residual, acc), mask=row_mask(o_block_n))
-        take_ticket(cnt_ref, jnp.int32(_O_DONE), interpret)
+        take_ticket(cnt_ref, phase, interpret)
 
     @pl.when(vid >= o_programs)
     def _mlp():
@@ -88,10 +97,10 @@ def _kernel(attn_ref, wo_ref, r_ref, n_ref, wg_ref, wu_ref, wd_ref, _cnt_in, x1_
         if not interpret:  # (interpreted, every lower id has run to completion: nothing to wait for)
             # poll with plain loads past L1 (no read-modify-write traffic on the counter's L2 line), then one
             # acquiring atomic orders this program's reads of x1 after the o programs' stores
-            count = cnt_ref.at[jnp.int32(_O_DONE)]
+            count = cnt_ref.at[phase]
             jax.lax.while_loop(lambda done: done < o_programs, lambda _: plgpu.load(count, volatile=True),
                                jnp.int32(0))
-            plgpu.atomic_add(cnt_ref, jnp.int32(_O_DONE), jnp.zeros((), jnp.int32))
+            plgpu.atomic_add(cnt_ref, phase, jnp.zeros((), jnp.int32))
 
         def x_cols(cols, width, volatile=False):
             # x1 was written by other programs of this launch; this SM's L1 holds none of it (its first read,
@@ -123,6 +132,8 @@ def _kernel(attn_ref, wo_ref, r_ref, n_ref, wg_ref, wu_ref, wd_ref, _cnt_in, x1_
 
         jax.lax.fori_loop(0, hidden // block_n, down_body, 0)
 
+    if slot is not None:
+        return
     done = take_ticket(cnt_ref, jnp.int32(_DONE), interpret)
 
     @pl.when(done == o_programs + mlp_programs - 1)
@@ -143,11 +154,11 @@ def check_supported(tokens: int, ko: int, hidden: int, inter: int) -> str | None
 
 
 @functools.partial(jax.jit, static_argnames=("eps", "o_block_n", "o_block_k", "block_i", "preload", "num_warps",
-                                             "num_stages", "interpret"))
+                                             "num_stages", "slot", "interpret"))
 def o_proj_mlp_block(attn: jax.Array, wo: jax.Array, residual: jax.Array, norm_weight: jax.Array, w_gate: jax.Array,
                      w_up: jax.Array, w_down: jax.Array, counters: jax.Array, *, eps: float = 1e-6,
                      o_block_n: int = 32, o_block_k: int = 256, block_i: int | None = None, preload: int = 1,
-                     num_warps: int = 8, num_stages: int = 3, interpret: bool = False
+                     num_warps: int = 8, num_stages: int = 3, slot: int | None = None, interpret: bool = False
                      ) -> tuple[jax.Array, jax.Array]:
     """x1 = residual + attn @ wo, then x1 + swiglu_mlp(rms_norm(x1)), in one launch: (out [T, hidden], counters).
 
@@ -155,7 +166,8 @@ def o_proj_mlp_block(attn: jax.Array, wo: jax.Array, residual: jax.Array, norm_w
     w_up [hidden, I]; w_down [I, hidden]; counters int32 [>= COUNTERS], zero (`ModelOps.step_counters`), returned
     zero (aliased). o_block_n: the o programs' column tile (hidden / o_block_n programs, whole K each); block_i:
     intermediate columns per MLP program (default `fused_mlp.default_block_i`); preload: gate|up K tiles each MLP
-    program loads before it waits for x1.
+    program loads before it waits for x1. slot: this launch's own counter (`counters[slot]` zero, left at the o
+    programs' count; see the module doc), or None: counters[:COUNTERS], left zero.
     """
     tokens, ko = attn.shape
     hidden = residual.shape[1]
@@ -167,7 +179,7 @@ def o_proj_mlp_block(attn: jax.Array, wo: jax.Array, residual: jax.Array, norm_w
             or w_gate.shape != (hidden, inter) or w_up.shape != w_gate.shape or w_down.shape != (inter, hidden):
         raise ValueError(f"shapes disagree: {attn.shape=} {wo.shape=} {residual.shape=} {norm_weight.shape=} "
                          f"{w_gate.shape=} {w_up.shape=} {w_down.shape=}")
-    check_counters(counters, COUNTERS)
+    check_counters(counters, COUNTERS if slot is None else slot + 1)
     block_i = pow2_divisor(inter, 128) if block_i is None else block_i
     block_k = pow2_divisor(hidden, 128)
     block_n = pow2_divisor(hidden, 256)
@@ -176,9 +188,12 @@ def o_proj_mlp_block(attn: jax.Array, wo: jax.Array, residual: jax.Array, norm_w
         raise ValueError(f"{o_block_n=} must divide hidden {hidden}, {block_i=} intermediate {inter}, "
                          f"{preload=} <= {hidden // block_k} K tiles")
     o_programs, mlp_programs = hidden // o_block_n, inter // block_i
+    if slot is not None and mlp_programs > MAX_WAITING:
+        raise ValueError(f"{mlp_programs} MLP programs > {MAX_WAITING} (block_i {block_i}): a slot launch's waiting "
+                         f"programs must leave SMs to the o programs")
     kernel = functools.partial(_kernel, o_programs=o_programs, mlp_programs=mlp_programs, block_t=16,
                                o_block_n=o_block_n, o_block_k=o_block_k, block_k=block_k, block_i=block_i,
-                               block_n=block_n, preload=preload, eps=eps, interpret=interpret)
+                               block_n=block_n, preload=preload, eps=eps, interpret=interpret, slot=slot)
     whole = pl.no_block_spec
     x1, counters, partials = pl.pallas_call(
         kernel,

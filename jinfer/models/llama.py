@@ -141,17 +141,17 @@ def fuse_qkv(weights: Weights) -> Weights:
 
 
 def _attention(layer: LayerWeights, x: jax.Array, cos, sin, kv, batch: Batch, cfg: ModelConfig, ops: ModelOps,
-               counters: jax.Array | None = None, with_mlp: bool = False):
+               counters: jax.Array | None = None, mlp_layer: int | None = None):
     """x + attention(rms_norm(x)); also returns the layer's updated (k, v) cache and `counters` (the step's
-    zeroed kernel counters, `ModelOps.step_counters`, passed from kernel to kernel). with_mlp: the dense MLP block
-    too, in the o projection's launch (`ModelOps.out_proj_mlp_block`)."""
+    zeroed kernel counters, `ModelOps.step_counters`, passed from kernel to kernel). mlp_layer: the layer's index,
+    where its dense MLP block runs in the o projection's launch (`ModelOps.out_proj_mlp_block`)."""
     T = x.shape[0]
     H, KVH, D = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
 
     def out_proj(out, counters):
-        if with_mlp:
+        if mlp_layer is not None:
             return ops.out_proj_mlp_block(out.reshape(T, H * D), layer.wo, x, layer.mlp_norm, layer.w_gate,
-                                          layer.w_up, layer.w_down, cfg.rms_norm_eps, counters)
+                                          layer.w_up, layer.w_down, cfg.rms_norm_eps, counters, mlp_layer)
         return ops.out_proj_counted(out.reshape(T, H * D), layer.wo, x, counters)
 
     if layer.wqkv is not None:
@@ -225,8 +225,8 @@ def decoder_forward(weights: Weights, batch: Batch, kv_cache: tuple[tuple[jax.Ar
     counters = ops.step_counters(x.shape[0])
     for i, (layer, kv) in enumerate(zip(weights.layers, kv_cache, strict=True)):
         with_mlp = mlp is dense_mlp and ops.persistent_o_mlp(x.shape[0], layer.wo.shape[0], x.shape[1],
-                                                             layer.w_gate.shape[-1], counters)
-        x, kv, counters = _attention(layer, x, cos, sin, kv, batch, cfg, ops, counters, with_mlp)
+                                                             layer.w_gate.shape[-1], counters, i)
+        x, kv, counters = _attention(layer, x, cos, sin, kv, batch, cfg, ops, counters, i if with_mlp else None)
         if not with_mlp:
             x, counters = mlp(layer, i, x, cfg, ops, counters)
         new_cache.append(kv)

@@ -385,23 +385,26 @@ class ModelOps:
                                               interpret=self.interpret)
         return self.mlp_block(x, norm, w_gate, w_up, w_down, eps), counters
 
-    def persistent_o_mlp(self, tokens: int, ko: int, hidden: int, inter: int, counters: jax.Array | None) -> bool:
+    def persistent_o_mlp(self, tokens: int, ko: int, hidden: int, inter: int, counters: jax.Array | None,
+                         layer: int) -> bool:
         """Whether a dense layer's o projection + MLP block run as `out_proj_mlp_block` in this step."""
-        from pallas_kernels.persistent import COUNTERS, check_supported
+        from pallas_kernels.fused_mlp import pow2_divisor
+        from pallas_kernels.persistent import MAX_WAITING, check_supported
 
         return self.backend == "pallas" and self.axis is None and tokens in PERSISTENT_O_MLP_TOKENS \
-            and counters is not None and counters.shape[0] >= COUNTERS \
-            and check_supported(tokens, ko, hidden, inter) is None
+            and counters is not None and counters.shape[0] - 1 - layer >= STEP_COUNTERS // 2 \
+            and check_supported(tokens, ko, hidden, inter) is None \
+            and inter // pow2_divisor(inter, 128) <= MAX_WAITING
 
     def out_proj_mlp_block(self, attn: jax.Array, wo: jax.Array, residual: jax.Array, norm: jax.Array,
-                           w_gate: jax.Array, w_up: jax.Array, w_down: jax.Array, eps: float, counters: jax.Array
-                           ) -> tuple[jax.Array, jax.Array]:
+                           w_gate: jax.Array, w_up: jax.Array, w_down: jax.Array, eps: float, counters: jax.Array,
+                           layer: int) -> tuple[jax.Array, jax.Array]:
         """x1 = residual + attn @ wo; (x1 + mlp(rms_norm(x1)), counters) as one launch (`persistent_o_mlp` says
-        where)."""
+        where); layer i uses the step's counter STEP_COUNTERS - 1 - i (each launch its own: no reset)."""
         from pallas_kernels.persistent import o_proj_mlp_block
 
         return o_proj_mlp_block(attn, wo, residual, norm, w_gate, w_up, w_down, counters, eps=eps,
-                                interpret=self.interpret)
+                                slot=counters.shape[0] - 1 - layer, interpret=self.interpret)
 
     def _pallas_mlp(self, x: jax.Array, w_gate: jax.Array) -> bool:
         return self.backend == "pallas" and x.shape[0] in PALLAS_MLP_TOKENS and x.shape[1] % 16 == 0 \

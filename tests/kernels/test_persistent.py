@@ -33,6 +33,11 @@ def test_o_proj_mlp_block_matches_reference(mode, tokens, ko, hidden, inter, kw)
         assert out.shape == (tokens, hidden) and out.dtype == dtype
         assert_close(out, want, dtype, mode)
         np.testing.assert_array_equal(np.asarray(counters), 0)
+    # a layer's own slot (block indices as ids, the phase count left in the slot: hidden / o_block_n programs)
+    for slot in (5, 6):
+        out, counters = o_proj_mlp_block(*args, counters, slot=slot, interpret=mode == "interpret", **kw)
+        assert_close(out, want, dtype, mode)
+    assert counters[5] == counters[6] == hidden // kw.get("o_block_n", 32) and not np.asarray(counters)[:5].any()
 
 
 def test_o_proj_mlp_block_checks():
