@@ -49,6 +49,7 @@ from pallas_kernels.split_k import check_counters, residual_add, take_ticket
 
 MAX_TOKENS = 16  # one 16-row token tile
 COUNTERS = 3  # virtual ids, o programs done, programs done
+LOOP_VOLATILE = False  # (debug)
 MAX_WAITING = 120  # MLP programs a `slot` launch may have (they wait on the o programs; an H100 has 132 SMs)
 _VID, _O_DONE, _DONE = 0, 1, 2  # (made arrays where used: the interpreter's atomics want array indices)
 
@@ -94,18 +95,22 @@ def _kernel(attn_ref, wo_ref, r_ref, n_ref, wg_ref, wu_ref, wd_ref, _cnt_in, x1_
         # this program's first weight tiles, in flight while it waits (they do not depend on x1)
         first = [(wg_ref[pl.ds(k * block_k, block_k), icols], wu_ref[pl.ds(k * block_k, block_k), icols])
                  for k in range(preload)]
-        if not interpret:  # (interpreted, every lower id has run to completion: nothing to wait for)
+        ready = jnp.bool_(True)  # (interpreted, every lower id has run to completion: nothing to wait for)
+        if not interpret:
             # poll with plain loads past L1 (no read-modify-write traffic on the counter's L2 line), then one
-            # acquiring atomic orders this program's reads of x1 after the o programs' stores
+            # acquiring atomic orders this program's reads of x1 after the o programs' stores. The x1 loads' masks
+            # take the loop's result: a spin whose result is unused is dead code to JAX (it was removed), and
+            # the dependency keeps the compiler from hoisting the loads above it.
             count = cnt_ref.at[phase]
-            jax.lax.while_loop(lambda done: done < o_programs, lambda _: plgpu.load(count, volatile=True),
-                               jnp.int32(0))
-            plgpu.atomic_add(cnt_ref, phase, jnp.zeros((), jnp.int32))
+            done = jax.lax.while_loop(lambda done: done < o_programs, lambda _: plgpu.load(count, volatile=True),
+                                      jnp.int32(0))
+            done = jnp.maximum(done, plgpu.atomic_add(cnt_ref, phase, jnp.zeros((), jnp.int32)))
+            ready = done >= o_programs
 
-        def x_cols(cols, width, volatile=False):
+        def x_cols(cols, width, volatile=LOOP_VOLATILE):
             # x1 was written by other programs of this launch; this SM's L1 holds none of it (its first read,
             # the norm's pass, goes past L1), so the K loop's reads may be plain (pipelined) loads
-            return plgpu.load(x1_ref.at[rows, cols], mask=row_mask(width), other=0, volatile=volatile)
+            return plgpu.load(x1_ref.at[rows, cols], mask=row_mask(width) & ready, other=0, volatile=volatile)
 
         inv = rms_inverse(functools.partial(x_cols, volatile=True), hidden, block_t, block_k, eps)
 
