@@ -8,8 +8,8 @@ tokens per sequence, dispatched back to back and synced once. `tp` devices each 
 the collectives is what bench_parallel times; so the ratio step(tp) / step(1) here says how well the
 kernels keep their speed at the narrower shapes, apart from communication. Variants patch one op:
 
-- mlp_i{N}: the fused MLP kernel with N intermediate columns per program (default 128: at tp 2 an 8B
-  layer gives it 48 programs for 132 SMs);
+- mlp_i{N}[_w{W}][_s{S}]: the fused MLP kernel with N intermediate columns per program (default 128: at tp 2 an 8B
+  layer gives it 48 programs for 132 SMs) [, W warps, S pipeline stages];
 - o_barrier: an optimization barrier between attention and the o projection;
 - vector_dots: batch-1 projections left as XLA makes them (`ops.PAD_VECTOR_DOTS` off: the small ones
   become a multiply + reduce);
@@ -140,7 +140,9 @@ def variant(name: str):
     elif name == "vector_dots":
         ops_module.PAD_VECTOR_DOTS = False
     elif name.startswith("mlp_i"):
-        fused_mlp.fused_swiglu_mlp = functools.partial(saved_block, block_i=int(name.removeprefix("mlp_i")))
+        i, *rest = name.removeprefix("mlp_i").split("_")
+        kw = {{"w": "num_warps", "s": "num_stages"}[p[0]]: int(p[1:]) for p in rest}
+        fused_mlp.fused_swiglu_mlp = functools.partial(saved_block, block_i=int(i), **kw)
     elif name == "skinny_o":
         from pallas_kernels.skinny_gemm import MAX_TOKENS, skinny_gemm
 
