@@ -35,6 +35,8 @@ kernels keep their speed at the narrower shapes, apart from communication. Varia
 - persist[_o{N}_p{P}_i{I}_w{W}_s{S}]: the o projection, its residual add and the dense MLP block as one dataflow
   launch for steps of <= 16 tokens (pallas_kernels/persistent.py; `ops.PERSISTENT_O_MLP_TOKENS`), at o column tile
   N, P preloaded gate|up tiles, I intermediate columns per MLP program, W warps, S stages (each part optional);
+- gemv_o{N} / gemv_down{N}: the o projection / the XLA MLP's down projection of steps of <= 32 tokens with the
+  residual add as one Pallas GEMV of N-column programs over the whole K (`ops.GEMV_O_TOKENS` / `GEMV_DOWN_TOKENS`);
 - skinny_o: the o projection of steps of <= 32 tokens on the Pallas skinny GEMM (pallas_kernels/skinny_gemm.py,
   ahead of XLA on o in its own benchmark: 27.4 vs 31.2 us, skinny_gemm_h100.json), its split-K sum and the
   residual add left to XLA.
@@ -96,6 +98,7 @@ def variant(name: str):
     saved_front, saved_front_tokens = moe_router.moe_norm_route, ops_module.MOE_FRONT_MAX_TOKENS
     saved_tails, saved_prefetch = ops_module.FUSED_TAILS, ops_module.PREFETCH_O
     saved_persist, saved_persist_tokens = persistent.o_proj_mlp_block, ops_module.PERSISTENT_O_MLP_TOKENS
+    saved_gemv = ops_module.GEMV_O_TOKENS, ops_module.GEMV_DOWN_TOKENS, ops_module.GEMV_BLOCK_N
     if name.startswith(("prefetch_o", "no_prefetch_o")):
         ops_module.PREFETCH_O = 0.0 if name == "no_prefetch_o" else int(name.removeprefix("prefetch_o") or 100) / 100
     if name in ("no_merge", "unfused", "skinny_o", "o_barrier") or name.startswith("tails_"):
@@ -117,6 +120,9 @@ def variant(name: str):
             ops_module.MOE_FRONT_MAX_TOKENS = int(n)
         if w:
             moe_router.moe_norm_route = functools.partial(saved_front, num_warps=int(w), k_splits=int(sp) or None)
+    elif m := re.fullmatch(r"gemv_(o|down)(\d+)", name):
+        setattr(ops_module, f"GEMV_{m[1].upper()}_TOKENS", frozenset(range(1, 33)))
+        ops_module.GEMV_BLOCK_N = int(m[2])
     elif name.startswith("persist"):
         ops_module.PERSISTENT_O_MLP_TOKENS = frozenset(range(1, persistent.MAX_TOKENS + 1))
         keys = {"o": "o_block_n", "p": "preload", "i": "block_i", "w": "num_warps", "s": "num_stages"}
@@ -172,6 +178,7 @@ def variant(name: str):
         moe_router.moe_norm_route, ops_module.MOE_FRONT_MAX_TOKENS = saved_front, saved_front_tokens
         ops_module.FUSED_TAILS, ops_module.PREFETCH_O = saved_tails, saved_prefetch
         persistent.o_proj_mlp_block, ops_module.PERSISTENT_O_MLP_TOKENS = saved_persist, saved_persist_tokens
+        ops_module.GEMV_O_TOKENS, ops_module.GEMV_DOWN_TOKENS, ops_module.GEMV_BLOCK_N = saved_gemv
 
 
 def kernel_summary(trace_dir: str, steps: int, top: int = 16) -> dict:

@@ -38,8 +38,11 @@ def _gemm_kernel(x_ref, w_ref, *refs, block_t: int, block_k: int, k_per_split: i
     # x_ref [T, K] (whole: the real rows are loaded masked); w_ref [K, block_n]: this program's column
     # block, all K rows (the split picks its range); o_ref [k_splits, T, N] fp32 (whole). Fused tail: the
     # residual [T, N] and counters in, (residual + x @ w) [T, N] and the counters out, o_ref the partials.
+    # One split with a residual (no counters): residual [T, N] in, residual + x @ w out (the program's own columns).
     if fused_tail:
         r_ref, _cnt_in, y_ref, cnt_ref, o_ref = refs
+    elif len(refs) == 2:
+        r_ref, y_ref = refs
     else:
         (o_ref,) = refs
     tokens = x_ref.shape[0]
@@ -56,13 +59,17 @@ def _gemm_kernel(x_ref, w_ref, *refs, block_t: int, block_k: int, k_per_split: i
     acc = jax.lax.fori_loop(0, k_per_split // block_k, body, jnp.zeros((block_t, block_n), jnp.float32))
     cols = pl.ds(n * block_n, block_n)
     mask = jnp.broadcast_to(real[:, None], (block_t, block_n))
-    if not fused_tail:
-        plgpu.store(o_ref.at[s, rows, cols], acc, mask=mask)
-        return
 
     def epilogue(total):
         residual = plgpu.load(r_ref.at[rows, cols], mask=mask, other=0)
         plgpu.store(y_ref.at[rows, cols], residual_add(residual, total), mask=mask)
+
+    if len(refs) == 2:
+        epilogue(acc)
+        return
+    if not fused_tail:
+        plgpu.store(o_ref.at[s, rows, cols], acc, mask=mask)
+        return
 
     finish_last(o_ref, cnt_ref, n, s, k_splits, lambda s_: (s_, rows, cols), acc, mask, epilogue, interpret)
 
@@ -79,7 +86,9 @@ def _gemm_call(x, w, *, block_n, block_k, k_splits, num_warps, num_stages, inter
                                k_splits=k_splits, fused_tail=fused_tail, interpret=interpret)
     whole = pl.no_block_spec
     partials = jax.ShapeDtypeStruct((k_splits, tokens, n), jnp.float32)
-    if fused_tail:
+    if residual is not None and not fused_tail:  # one split: the residual added in the program's epilogue
+        out_shape, extra, aliases = jax.ShapeDtypeStruct(residual.shape, residual.dtype), [residual], {}
+    elif fused_tail:
         out_shape = [jax.ShapeDtypeStruct(residual.shape, residual.dtype),
                      jax.ShapeDtypeStruct(counters.shape, jnp.int32), partials]
         extra, aliases = [residual, counters], {3: 1}
@@ -94,10 +103,12 @@ def _gemm_call(x, w, *, block_n, block_k, k_splits, num_warps, num_stages, inter
         input_output_aliases=aliases,
         compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),
         interpret=interpret,
-        name=f"skinny_gemm_n{block_n}_k{block_k}_s{k_splits}" + ("_res" if fused_tail else ""),
+        name=f"skinny_gemm_n{block_n}_k{block_k}_s{k_splits}" + ("_res" if residual is not None else ""),
     )(x, w, *extra)
     if fused_tail:
         return out[0], out[1]
+    if residual is not None:
+        return out
     return out[0] if k_splits == 1 else out.sum(axis=0)
 
 
@@ -155,6 +166,18 @@ def skinny_gemm_residual(x: jax.Array, w: jax.Array, residual: jax.Array, counte
     blocks = w.shape[1] // launch["block_n"]
     check_counters(counters, blocks)
     return _gemm_call(x, w, **launch, interpret=interpret, residual=residual, counters=counters)
+
+
+@functools.partial(jax.jit, static_argnames=("block_n", "block_k", "num_warps", "num_stages", "interpret"))
+def gemv_residual(x: jax.Array, w: jax.Array, residual: jax.Array, *, block_n: int = 32, block_k: int | None = None,
+                  num_warps: int | None = None, num_stages: int | None = None, interpret: bool = False) -> jax.Array:
+    """`residual + x @ w` with no split-K: each program owns `block_n` output columns over the whole K range and adds
+    the residual as it stores them (no partials, no counters, no XLA add after it). Narrow column blocks put the
+    programs in flight that split-K would otherwise provide: N / block_n of them."""
+    launch = _launch(x, w, block_n, block_k, 1, num_warps, num_stages)
+    if residual.shape != (x.shape[0], w.shape[1]):
+        raise ValueError(f"residual must be [T, N] = {(x.shape[0], w.shape[1])}, got {residual.shape}")
+    return _gemm_call(x, w, **launch, interpret=interpret, residual=residual)
 
 
 def _launch(x, w, block_n, block_k, k_splits, num_warps, num_stages) -> dict:

@@ -97,6 +97,13 @@ STEP_COUNTERS = 1024  # ModelOps.step_counters: one per program group (a head of
 PREFETCH_O = float(os.environ.get("JINFER_PREFETCH_O", "0.2"))
 FUSED_TAILS = frozenset(os.environ.get("JINFER_FUSED_TAILS", "none").split(","))
 FUSED_O_MAX_TOKENS = int(os.environ.get("JINFER_FUSED_O_TOKENS", "32"))
+# Steps of these token counts run the o projection (GEMV_O_TOKENS) / an XLA MLP's down projection (GEMV_DOWN_TOKENS)
+# with its residual add as one Pallas GEMV of GEMV_BLOCK_N-column programs over the whole K range
+# (pallas_kernels/skinny_gemm.py's `gemv_residual`: no split-K, no XLA add after it). JINFER_GEMV_O_TOKENS /
+# JINFER_GEMV_DOWN_TOKENS ("1,8"; default none) and JINFER_GEMV_BLOCK_N (measurements; part of the cache's key).
+GEMV_O_TOKENS = frozenset(int(t) for t in os.environ.get("JINFER_GEMV_O_TOKENS", "").split(",") if t)
+GEMV_DOWN_TOKENS = frozenset(int(t) for t in os.environ.get("JINFER_GEMV_DOWN_TOKENS", "").split(",") if t)
+GEMV_BLOCK_N = int(os.environ.get("JINFER_GEMV_BLOCK_N", "32"))
 # Decode steps of these token counts run the o projection, its residual add and the dense MLP block as one dataflow
 # launch (pallas_kernels/persistent.py: the MLP's programs resident and loading weights while the o programs
 # finish). JINFER_PERSISTENT_O_MLP_TOKENS="1,8" (measurements; part of the executable cache's key); default none.
@@ -350,6 +357,10 @@ class ModelOps:
         GEMM instead. Qwen3-30B-A3B's 4096 x 2048 o at batch 1 on the H100: decode step 3.535 / 3.556 vs 3.615 /
         3.588 ms in interleaved rounds (`local_step_skinny_o_qwen3-30b-a3b_h100.json`); on Qwen3-4B's unpadded
         4096 x 2560 o, and at batch 8, the two were even, so those keep XLA's GEMM."""
+        if self._gemv_residual(attn, wo, GEMV_O_TOKENS):
+            from pallas_kernels.skinny_gemm import gemv_residual
+
+            return gemv_residual(attn, wo, residual, block_n=GEMV_BLOCK_N, interpret=self.interpret)
         if self.backend == "pallas" and attn.shape[0] == 1 and PAD_VECTOR_DOTS \
                 and wo.shape[0] * wo.shape[1] < STRENGTH_REDUCED_DOT_ELEMENTS and wo.shape[0] % 16 == 0 \
                 and wo.shape[1] % 16 == 0:
@@ -406,6 +417,13 @@ class ModelOps:
         return o_proj_mlp_block(attn, wo, residual, norm, w_gate, w_up, w_down, counters, eps=eps,
                                 slot=counters.shape[0] - 1 - layer, interpret=self.interpret)
 
+    def _gemv_residual(self, x: jax.Array, w: jax.Array, tokens: frozenset) -> bool:
+        """Whether x @ w + a residual runs as `gemv_residual` (one device, the token count in `tokens`)."""
+        from pallas_kernels.skinny_gemm import MAX_TOKENS
+
+        return self.backend == "pallas" and self.axis is None and x.shape[0] in tokens \
+            and x.shape[0] <= MAX_TOKENS and x.shape[1] % 16 == 0 and w.shape[1] % GEMV_BLOCK_N == 0
+
     def _pallas_mlp(self, x: jax.Array, w_gate: jax.Array) -> bool:
         return self.backend == "pallas" and x.shape[0] in PALLAS_MLP_TOKENS and x.shape[1] % 16 == 0 \
             and w_gate.shape[1] % 16 == 0
@@ -423,6 +441,12 @@ class ModelOps:
 
             return x + self.reduce(fused_swiglu_mlp(x, w_gate, w_up, w_down, norm, eps=eps,
                                                     interpret=self.interpret))
+        if self._gemv_residual(x, w_down, GEMV_DOWN_TOKENS):
+            from pallas_kernels.skinny_gemm import gemv_residual
+
+            h = rms_norm(x, norm, eps)
+            return gemv_residual(jax.nn.silu(h @ w_gate) * (h @ w_up), w_down, x, block_n=GEMV_BLOCK_N,
+                                 interpret=self.interpret)
         return x + self.reduce(swiglu_mlp(rms_norm(x, norm, eps), w_gate, w_up, w_down))
 
     def moe_block(self, x: jax.Array, norm: jax.Array, router: jax.Array, w_gate: jax.Array, w_up: jax.Array,

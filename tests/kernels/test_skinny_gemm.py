@@ -76,3 +76,21 @@ def test_skinny_gemm_residual_checks():
     with pytest.raises(ValueError, match="counters"):
         skinny_gemm_residual(x, w, jnp.zeros((2, 128), jnp.bfloat16), jnp.zeros((1,), jnp.int32), block_n=32,
                              interpret=True)
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("tokens,kw", [(1, {"block_n": 32, "block_k": 64}), (8, {"block_n": 16}), (32, {})])
+def test_gemv_residual(mode, tokens, kw):
+    """residual + x @ w, one split, the add in each program's epilogue."""
+    from pallas_kernels.skinny_gemm import gemv_residual
+
+    rng = np.random.default_rng(tokens)
+    k, n, dtype = 512, 192, jnp.bfloat16
+    x = jnp.asarray(rng.standard_normal((tokens, k)), dtype)
+    w = jnp.asarray(rng.standard_normal((k, n)) * k**-0.5, dtype)
+    r = jnp.asarray(rng.standard_normal((tokens, n)) * 3, dtype)
+    out = gemv_residual(x, w, r, interpret=mode == "interpret", **kw)
+    assert out.shape == (tokens, n) and out.dtype == dtype
+    assert_close(out, r + skinny_gemm_reference(x, w).astype(dtype), dtype, mode)
+    with pytest.raises(ValueError, match="residual"):
+        gemv_residual(x, w, r[:, :64], interpret=True)

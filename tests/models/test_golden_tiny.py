@@ -177,3 +177,20 @@ def test_persistent_o_mlp_matches_hf(monkeypatch):
     kernels = str(jax.make_jaxpr(step)(w, batch, empty_cache(cfg)))
     assert "o_proj_mlp_o" in kernels and "fused_swiglu_mlp" not in kernels
     check_prompt_and_decodes(step, w, empty_cache(cfg), gold, 1)
+
+
+@pytest.mark.parametrize("which", ["o", "down"])
+def test_gemv_residual_matches_hf(monkeypatch, which):
+    """The o projection / the XLA MLP's down projection with the residual add as one no-split GEMV (`ops.GEMV_*`):
+    every decode step still matches HF, and the GEMV ran."""
+    from jinfer.models import ops as ops_module
+
+    monkeypatch.setattr(ops_module, f"GEMV_{which.upper()}_TOKENS", frozenset({1}))
+    monkeypatch.setattr(ops_module, "GEMV_BLOCK_N", 16)
+    monkeypatch.setattr(ops_module, "PALLAS_MLP_TOKENS", frozenset())  # the MLP in XLA: the down GEMV's place
+    cfg, w, gold = load("qwen3")
+    w = fuse_qkv(cfg, w)
+    step = jax.jit(partial(forward, cfg=cfg, ops=OPS["pallas"]), donate_argnames=("kv_cache",))
+    batch = make_batch([([1], 20, scrambled_pages(0, 8))], PAGE, pages_per_seq=8)
+    assert "_res" in str(jax.make_jaxpr(step)(w, batch, empty_cache(cfg)))
+    check_prompt_and_decodes(step, w, empty_cache(cfg), gold, 1)
