@@ -34,7 +34,7 @@ from pallas_kernels.moe_routing import (
     route_out_shapes,
     routing_from_outputs,
 )
-from pallas_kernels.split_k import check_counters
+from pallas_kernels.split_k import check_counters, sum_splits, take_ticket
 
 # Largest step the kernel takes (rows held in registers; larger steps keep XLA's fusions and GEMM).
 MAX_TOKENS = 64
@@ -78,9 +78,7 @@ def _front_kernel(x_ref, n_ref, w_ref, _cnt_in, h_ref, ids_ref, wts_ref, rows_re
     acc = jax.lax.fori_loop(0, steps, body, jnp.zeros((block_t, block_e), jnp.float32))
     plgpu.store(part_ref.at[split, rows, pl.ds(eb * block_e, block_e)], acc,
                 mask=jnp.broadcast_to(real[:, None], (block_t, block_e)))
-    if not interpret:  # every thread's partial stored before the (one-thread, acq_rel) counter increment
-        plgpu.debug_barrier()
-    ticket = plgpu.atomic_add(cnt_ref, jnp.int32(0), jnp.ones((), jnp.int32))
+    ticket = take_ticket(cnt_ref, jnp.int32(0), interpret)
 
     @pl.when(ticket == pl.num_programs(0) * k_splits - 1)
     def _last():  # the splits summed in split order (deterministic), read past L1 (volatile), then routed
@@ -88,11 +86,7 @@ def _front_kernel(x_ref, n_ref, w_ref, _cnt_in, h_ref, ids_ref, wts_ref, rows_re
         t = jax.lax.broadcasted_iota(jnp.int32, (tp, ep), 0)
         e = jax.lax.broadcasted_iota(jnp.int32, (tp, ep), 1)
         ok = (t < tokens) & (e < experts)
-        logits = jnp.zeros((tp, ep), jnp.float32)
-        for s_ in range(k_splits):
-            s_ = jnp.int32(s_)  # an array index (the interpreter's discharge rules want one)
-            logits = logits + plgpu.load(part_ref.at[s_, pl.ds(0, tp), pl.ds(0, ep)], mask=ok, other=0,
-                                         volatile=True)
+        logits = sum_splits(part_ref, k_splits, lambda s_: (s_, pl.ds(0, tp), pl.ds(0, ep)), ok)
         logits = logits.astype(x_ref.dtype).astype(jnp.float32)  # F.linear's output dtype, as the XLA path
         logits = jnp.where(e < experts, logits, jnp.where(t < tokens, -jnp.inf, 0.0))  # padding rows finite
         cnt_ref[0] = 0  # left zero for the next call that shares the buffer

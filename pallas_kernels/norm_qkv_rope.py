@@ -41,7 +41,7 @@ from jax.experimental.pallas import triton as plgpu
 from pallas_kernels.fused_mlp import rms_inverse, rms_normed, tile_rows
 from pallas_kernels.prefetch import WIDTH, prefetch_rows, prefetch_rows_count, prefetch_view
 from pallas_kernels.qkv_rope import qkv_rope_write_reference
-from pallas_kernels.split_k import check_counters
+from pallas_kernels.split_k import check_counters, sum_splits, take_ticket
 
 MAX_TOKENS = 64  # one token tile holds the whole step: the weights are read once
 ONE_WAVE = 132  # the H100's SMs
@@ -153,17 +153,12 @@ def _head(x_ref, n_ref, w_ref, cos_ref, sin_ref, slot_ref, qn_ref, kn_ref, q_ref
     c1, c2 = pl.ds(h * head_dim, half), pl.ds(h * head_dim + half, half)
     plgpu.store(part_ref.at[split, rows, c1], a1, mask=mask)
     plgpu.store(part_ref.at[split, rows, c2], a2, mask=mask)
-    if not interpret:  # every thread's partial stored before the (one-thread, acq_rel) counter increment
-        plgpu.debug_barrier()
-    ticket = plgpu.atomic_add(cnt_ref, h, jnp.ones((), jnp.int32))
+    ticket = take_ticket(cnt_ref, h, interpret)
 
     @pl.when(ticket == k_splits - 1)
     def _last():  # the splits' partials summed in split order (deterministic), read past L1 (volatile)
-        b1, b2 = zeros, zeros
-        for s_ in range(k_splits):
-            s_ = jnp.int32(s_)  # an array index (the interpreter's discharge rules want one)
-            b1 = b1 + plgpu.load(part_ref.at[s_, rows, c1], mask=mask, other=0, volatile=True)
-            b2 = b2 + plgpu.load(part_ref.at[s_, rows, c2], mask=mask, other=0, volatile=True)
+        b1 = sum_splits(part_ref, k_splits, lambda s_: (s_, rows, c1), mask)
+        b2 = sum_splits(part_ref, k_splits, lambda s_: (s_, rows, c2), mask)
         cnt_ref[h] = 0  # left zero for the next call that shares the buffer
         finish(b1, b2)
 

@@ -49,7 +49,6 @@ from pallas_kernels.split_k import check_counters, residual_add, take_ticket
 
 MAX_TOKENS = 16  # one 16-row token tile
 COUNTERS = 3  # virtual ids, o programs done, programs done
-LOOP_VOLATILE = False  # (debug)
 MAX_WAITING = 120  # MLP programs a `slot` launch may have (they wait on the o programs; an H100 has 132 SMs)
 _VID, _O_DONE, _DONE = 0, 1, 2  # (made arrays where used: the interpreter's atomics want array indices)
 
@@ -107,7 +106,7 @@ def _kernel(attn_ref, wo_ref, r_ref, n_ref, wg_ref, wu_ref, wd_ref, _cnt_in, x1_
             done = jnp.maximum(done, plgpu.atomic_add(cnt_ref, phase, jnp.zeros((), jnp.int32)))
             ready = done >= o_programs
 
-        def x_cols(cols, width, volatile=LOOP_VOLATILE):
+        def x_cols(cols, width, volatile=False):
             # x1 was written by other programs of this launch; this SM's L1 holds none of it (its first read,
             # the norm's pass, goes past L1), so the K loop's reads may be plain (pipelined) loads
             return plgpu.load(x1_ref.at[rows, cols], mask=row_mask(width) & ready, other=0, volatile=volatile)
