@@ -22,7 +22,7 @@ program waits only on programs that started before it:
 With `slot` (a layer's own entry of the step's counters, zeroed once per step) the launch skips both the id
 ticket and the reset: ids are the block indices and the phase count is left in the slot. The hardware starts
 blocks in index order, and even where it did not, the waiting programs fill fewer SMs than the GPU has
-(`MAX_WAITING`), so the o programs always find SMs: no deadlock either way.
+(`max_waiting`: the device's SMs less 12), so the o programs always find SMs: no deadlock either way.
 
 In the Pallas interpreter programs run one after another in grid order: the ids are the grid order and the o
 programs have all counted in before the first MLP program starts, so there is no spin (the interpreter cannot
@@ -49,7 +49,12 @@ from pallas_kernels.split_k import check_counters, residual_add, take_ticket
 
 MAX_TOKENS = 16  # one 16-row token tile
 COUNTERS = 3  # virtual ids, o programs done, programs done
-MAX_WAITING = 120  # MLP programs a `slot` launch may have (they wait on the o programs; an H100 has 132 SMs)
+
+
+def max_waiting() -> int:
+    """MLP programs a `slot` launch may have: they wait on the o programs, so they must leave SMs free (the device's
+    SMs less 12; an H100's 132 where the device does not say)."""
+    return (getattr(jax.devices()[0], "core_count", None) or 132) - 12
 _VID, _O_DONE, _DONE = 0, 1, 2  # (made arrays where used: the interpreter's atomics want array indices)
 
 
@@ -192,8 +197,8 @@ def o_proj_mlp_block(attn: jax.Array, wo: jax.Array, residual: jax.Array, norm_w
         raise ValueError(f"{o_block_n=} must divide hidden {hidden}, {block_i=} intermediate {inter}, "
                          f"{preload=} <= {hidden // block_k} K tiles")
     o_programs, mlp_programs = hidden // o_block_n, inter // block_i
-    if slot is not None and mlp_programs > MAX_WAITING:
-        raise ValueError(f"{mlp_programs} MLP programs > {MAX_WAITING} (block_i {block_i}): a slot launch's waiting "
+    if slot is not None and not interpret and mlp_programs > max_waiting():
+        raise ValueError(f"{mlp_programs} MLP programs > {max_waiting()} (block_i {block_i}): a slot launch's waiting "
                          f"programs must leave SMs to the o programs")
     kernel = functools.partial(_kernel, o_programs=o_programs, mlp_programs=mlp_programs, block_t=16,
                                o_block_n=o_block_n, o_block_k=o_block_k, block_k=block_k, block_i=block_i,

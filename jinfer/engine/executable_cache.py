@@ -84,7 +84,8 @@ _PACKAGES = ("jinfer", "pallas_kernels")
 # choices read at import by jinfer.models.ops).
 _ENV_VARS = ("XLA_FLAGS", "LIBTPU_INIT_ARGS", "JINFER_PALLAS_MLP_TOKENS", "JINFER_NORM_QKV_TOKENS",
              "JINFER_MOE_FRONT_TOKENS", "JINFER_FUSED_TAILS", "JINFER_FUSED_O_TOKENS", "JINFER_PREFETCH_O",
-             "JINFER_PREFETCH_EVICTION")
+             "JINFER_PREFETCH_EVICTION", "JINFER_GEMV_O_TOKENS", "JINFER_GEMV_DOWN_TOKENS", "JINFER_GEMV_BLOCK_N",
+             "JINFER_PERSISTENT_O_MLP_TOKENS")
 STALE_TEMP_FILE_S = 600
 # jax config flags that cannot change the executable: caches, logging, transfer guards, networking.
 _CONFIG_IGNORED = re.compile(

@@ -400,12 +400,12 @@ class ModelOps:
                          layer: int) -> bool:
         """Whether a dense layer's o projection + MLP block run as `out_proj_mlp_block` in this step."""
         from pallas_kernels.fused_mlp import pow2_divisor
-        from pallas_kernels.persistent import MAX_WAITING, check_supported
+        from pallas_kernels.persistent import check_supported, max_waiting
 
         return self.backend == "pallas" and self.axis is None and tokens in PERSISTENT_O_MLP_TOKENS \
             and counters is not None and counters.shape[0] - 1 - layer >= STEP_COUNTERS // 2 \
             and check_supported(tokens, ko, hidden, inter) is None \
-            and inter // pow2_divisor(inter, 128) <= MAX_WAITING
+            and (self.interpret or inter // pow2_divisor(inter, 128) <= max_waiting())
 
     def out_proj_mlp_block(self, attn: jax.Array, wo: jax.Array, residual: jax.Array, norm: jax.Array,
                            w_gate: jax.Array, w_up: jax.Array, w_down: jax.Array, eps: float, counters: jax.Array,
