@@ -399,12 +399,13 @@ class ModelOps:
     def persistent_o_mlp(self, tokens: int, ko: int, hidden: int, inter: int, counters: jax.Array | None,
                          layer: int) -> bool:
         """Whether a dense layer's o projection + MLP block run as `out_proj_mlp_block` in this step."""
+        if not (self.backend == "pallas" and self.axis is None and tokens in PERSISTENT_O_MLP_TOKENS
+                and counters is not None and counters.shape[0] - 1 - layer >= STEP_COUNTERS // 2):
+            return False
         from pallas_kernels.fused_mlp import pow2_divisor
         from pallas_kernels.persistent import check_supported, max_waiting
 
-        return self.backend == "pallas" and self.axis is None and tokens in PERSISTENT_O_MLP_TOKENS \
-            and counters is not None and counters.shape[0] - 1 - layer >= STEP_COUNTERS // 2 \
-            and check_supported(tokens, ko, hidden, inter) is None \
+        return check_supported(tokens, ko, hidden, inter) is None \
             and (self.interpret or inter // pow2_divisor(inter, 128) <= max_waiting())
 
     def out_proj_mlp_block(self, attn: jax.Array, wo: jax.Array, residual: jax.Array, norm: jax.Array,
@@ -419,10 +420,11 @@ class ModelOps:
 
     def _gemv_residual(self, x: jax.Array, w: jax.Array, tokens: frozenset) -> bool:
         """Whether x @ w + a residual runs as `gemv_residual` (one device, the token count in `tokens`)."""
+        if not (self.backend == "pallas" and self.axis is None and x.shape[0] in tokens):
+            return False
         from pallas_kernels.skinny_gemm import MAX_TOKENS
 
-        return self.backend == "pallas" and self.axis is None and x.shape[0] in tokens \
-            and x.shape[0] <= MAX_TOKENS and x.shape[1] % 16 == 0 and w.shape[1] % GEMV_BLOCK_N == 0
+        return x.shape[0] <= MAX_TOKENS and x.shape[1] % 16 == 0 and w.shape[1] % GEMV_BLOCK_N == 0
 
     def _pallas_mlp(self, x: jax.Array, w_gate: jax.Array) -> bool:
         return self.backend == "pallas" and x.shape[0] in PALLAS_MLP_TOKENS and x.shape[1] % 16 == 0 \
