@@ -44,18 +44,18 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from pallas_kernels.fused_mlp import pow2_divisor, rms_inverse, rms_normed
+from pallas_kernels.fused_mlp import pow2_divisor, rms_inverse, rms_normed, tile_rows
 from pallas_kernels.split_k import check_counters, residual_add, take_ticket
 
 MAX_TOKENS = 16  # one 16-row token tile
 COUNTERS = 3  # virtual ids, o programs done, programs done
+_VID, _O_DONE, _DONE = 0, 1, 2  # (made arrays where used: the interpreter's atomics want array indices)
 
 
 def max_waiting() -> int:
     """MLP programs a `slot` launch may have: they wait on the o programs, so they must leave SMs free (the device's
     SMs less 12; an H100's 132 where the device does not say)."""
     return (getattr(jax.devices()[0], "core_count", None) or 132) - 12
-_VID, _O_DONE, _DONE = 0, 1, 2  # (made arrays where used: the interpreter's atomics want array indices)
 
 
 def _kernel(attn_ref, wo_ref, r_ref, n_ref, wg_ref, wu_ref, wd_ref, _cnt_in, x1_ref, cnt_ref, part_ref, *,
@@ -64,10 +64,9 @@ def _kernel(attn_ref, wo_ref, r_ref, n_ref, wg_ref, wu_ref, wd_ref, _cnt_in, x1_
     # attn_ref [T, Ko]; wo_ref [Ko, hidden]; r_ref [T, hidden] the residual; n_ref [hidden] the MLP's norm; wg/wu
     # [hidden, I]; wd [I, hidden]; cnt_ref int32 [>= COUNTERS]; x1_ref [T, hidden] out; part_ref [I / block_i, T,
     # hidden] fp32 out. All whole: a program picks its tiles by its virtual id.
-    tokens, hidden = r_ref.shape
+    hidden = r_ref.shape[1]
     f32 = jnp.float32
-    rows = pl.ds(0, block_t)
-    real = jnp.arange(block_t, dtype=jnp.int32) < tokens
+    rows, real, residual_cols = tile_rows(r_ref, 0, block_t)  # one tile: the whole step
 
     def row_mask(width):
         return jnp.broadcast_to(real[:, None], (block_t, width))
@@ -88,8 +87,7 @@ def _kernel(attn_ref, wo_ref, r_ref, n_ref, wg_ref, wu_ref, wd_ref, _cnt_in, x1_
             return acc + plgpu.dot(a, wo_ref[ks, cols])
 
         acc = jax.lax.fori_loop(0, attn_ref.shape[1] // o_block_k, body, jnp.zeros((block_t, o_block_n), f32))
-        residual = plgpu.load(r_ref.at[rows, cols], mask=row_mask(o_block_n), other=0)
-        plgpu.store(x1_ref.at[rows, cols], residual_add(residual, acc), mask=row_mask(o_block_n))
+        plgpu.store(x1_ref.at[rows, cols], residual_add(residual_cols(cols, o_block_n), acc), mask=row_mask(o_block_n))
         take_ticket(cnt_ref, phase, interpret)
 
     @pl.when(vid >= o_programs)

@@ -161,8 +161,7 @@ def skinny_gemm_residual(x: jax.Array, w: jax.Array, residual: jax.Array, counte
     (`ModelOps.step_counters`), returned zero (aliased).
     """
     launch = _launch(x, w, block_n, block_k, k_splits, num_warps, num_stages)
-    if residual.shape != (x.shape[0], w.shape[1]):
-        raise ValueError(f"residual must be [T, N] = {(x.shape[0], w.shape[1])}, got {residual.shape}")
+    _check_residual(x, w, residual)
     blocks = w.shape[1] // launch["block_n"]
     check_counters(counters, blocks)
     return _gemm_call(x, w, **launch, interpret=interpret, residual=residual, counters=counters)
@@ -175,9 +174,13 @@ def gemv_residual(x: jax.Array, w: jax.Array, residual: jax.Array, *, block_n: i
     the residual as it stores them (no partials, no counters, no XLA add after it). Narrow column blocks put the
     programs in flight that split-K would otherwise provide: N / block_n of them."""
     launch = _launch(x, w, block_n, block_k, 1, num_warps, num_stages)
+    _check_residual(x, w, residual)
+    return _gemm_call(x, w, **launch, interpret=interpret, residual=residual)
+
+
+def _check_residual(x: jax.Array, w: jax.Array, residual: jax.Array) -> None:
     if residual.shape != (x.shape[0], w.shape[1]):
         raise ValueError(f"residual must be [T, N] = {(x.shape[0], w.shape[1])}, got {residual.shape}")
-    return _gemm_call(x, w, **launch, interpret=interpret, residual=residual)
 
 
 def _launch(x, w, block_n, block_k, k_splits, num_warps, num_stages) -> dict:

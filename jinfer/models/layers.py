@@ -37,9 +37,14 @@ def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
     return x * cos[:, None, :] + rotated * sin[:, None, :]
 
 
+def swiglu(x: jax.Array, w_gate: jax.Array, w_up: jax.Array) -> jax.Array:
+    """silu(x @ gate) * (x @ up): the SwiGLU MLP's activation [T, I]."""
+    return jax.nn.silu(x @ w_gate) * (x @ w_up)
+
+
 def swiglu_mlp(x: jax.Array, w_gate: jax.Array, w_up: jax.Array, w_down: jax.Array) -> jax.Array:
     """down(silu(x @ gate) * (x @ up)). x: [T, hidden]; w_gate/w_up: [hidden, I]; w_down: [I, hidden]."""
-    return (jax.nn.silu(x @ w_gate) * (x @ w_up)) @ w_down
+    return swiglu(x, w_gate, w_up) @ w_down
 
 
 def moe_mlp(x: jax.Array, logits: jax.Array, w_gate: jax.Array, w_up: jax.Array, w_down: jax.Array, top_k: int,

@@ -37,7 +37,7 @@ import jax
 import jax.numpy as jnp
 
 from jinfer.models.batch import Batch
-from jinfer.models.layers import moe_mlp, rms_norm, swiglu_mlp
+from jinfer.models.layers import moe_mlp, rms_norm, swiglu, swiglu_mlp
 
 BACKENDS = ("auto", "reference", "pallas", "pallas-triton")  # pallas-triton: no Mosaic GPU kernel
 # Sequences with at least this many new tokens in a step take the Mosaic GPU prefill kernel: a full
@@ -446,8 +446,7 @@ class ModelOps:
         if self._gemv_residual(x, w_down, GEMV_DOWN_TOKENS):
             from pallas_kernels.skinny_gemm import gemv_residual
 
-            h = rms_norm(x, norm, eps)
-            return gemv_residual(jax.nn.silu(h @ w_gate) * (h @ w_up), w_down, x, block_n=GEMV_BLOCK_N,
+            return gemv_residual(swiglu(rms_norm(x, norm, eps), w_gate, w_up), w_down, x, block_n=GEMV_BLOCK_N,
                                  interpret=self.interpret)
         return x + self.reduce(swiglu_mlp(rms_norm(x, norm, eps), w_gate, w_up, w_down))
 
