@@ -20,7 +20,7 @@ import argparse
 import time
 
 from benchmarks.common import write_result
-from jinfer.config import NAMED_SHAPES
+from jinfer.config.model import NAMED_SHAPES
 
 HF_CLASSES = {"qwen3": ("Qwen3Config", "Qwen3ForCausalLM"), "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM"),
               "qwen3_5": ("Qwen3_5TextConfig", "Qwen3_5ForCausalLM")}

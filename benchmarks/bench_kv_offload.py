@@ -27,8 +27,8 @@ import numpy as np
 from jax.sharding import SingleDeviceSharding
 
 from benchmarks.common import add_profile_argument, environment, profiled, write_result
+from jinfer.cache.transfer import BLOCK_PAGES, host_memory_kind
 from jinfer.engine.core import EngineConfig, EngineCore
-from jinfer.engine.kv_transfer import BLOCK_PAGES, host_memory_kind
 from jinfer.engine.request import Request
 from jinfer.sampling_params import SamplingParams
 

@@ -70,7 +70,7 @@ def main():
     ap.add_argument("--no-executable-cache", action="store_true")
     ap.add_argument("--tensor-parallel-size", "-tp", type=int, default=1)
     ap.add_argument("--enable-expert-parallel", action="store_true")
-    ap.add_argument("--nnodes", type=int, default=1, help="processes the mesh spans (jinfer/distributed.py)")
+    ap.add_argument("--nnodes", type=int, default=1, help="processes the mesh spans (jinfer/parallel/multihost.py)")
     ap.add_argument("--node-rank", type=int, default=0, help="> 0: follow process 0's steps, measure nothing")
     ap.add_argument("--master-port", type=int, default=29500)
     ap.add_argument("--repeat", type=int, default=3, help="timed runs per batch size (the median-TPOT run is kept)")

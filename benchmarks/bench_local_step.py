@@ -64,12 +64,12 @@ import pallas_kernels.norm_qkv_rope as norm_qkv_rope
 import pallas_kernels.paged_attention as paged_attention
 import pallas_kernels.persistent as persistent
 from benchmarks.common import add_profile_argument, environment, profiled, write_result
-from jinfer.engine.model_runner import init_kv_cache
+from jinfer.engine.runner import init_kv_cache
 from jinfer.models import ops as ops_module
 from jinfer.models.batch import make_batch
 from jinfer.models.ops import select_ops
 from jinfer.models.registry import forward
-from jinfer.parallel import make_mesh, shard_attention_weights
+from jinfer.parallel.mesh import make_mesh, shard_attention_weights
 from jinfer.weights.loader import DTYPES, ModelSource, load_weights, resolve_model
 
 

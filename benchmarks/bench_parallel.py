@@ -23,11 +23,11 @@ import numpy as np
 from jax.sharding import PartitionSpec as P
 
 from benchmarks.common import add_profile_argument, environment, profiled, write_result
-from jinfer.engine.model_runner import init_kv_cache
+from jinfer.engine.runner import init_kv_cache
 from jinfer.models.batch import make_batch
 from jinfer.models.ops import select_ops
 from jinfer.models.registry import forward
-from jinfer.parallel import TP_AXIS, array_specs, check_parallel, make_mesh, mesh_forward, shard_attention_weights
+from jinfer.parallel.mesh import TP_AXIS, array_specs, check_parallel, make_mesh, mesh_forward, shard_attention_weights
 from jinfer.weights.loader import DTYPES, load_weights, resolve_model
 
 # XLA options for the step's collectives (per executable, `compiler_options`).

@@ -259,7 +259,7 @@ def main() -> None:
     import llguidance
 
     from benchmarks.common import environment, write_result
-    from jinfer.config import NAMED_SHAPES
+    from jinfer.config.model import NAMED_SHAPES
     from jinfer.tokenizer import Tokenizer
 
     tokenizer = Tokenizer.from_pretrained(args.tokenizer)

@@ -18,7 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from benchmarks.common import environment, write_result
-from jinfer.config import NAMED_SHAPES, ModelConfig
+from jinfer.config.model import NAMED_SHAPES, ModelConfig
 
 
 def _best_of(fn, *args, iters=10) -> float:
@@ -136,12 +136,12 @@ def busiest_device_experts(cfg: ModelConfig, tokens: int, devices: int, seed: in
 
 def decode_bytes_per_device(cfg: ModelConfig, batch: int, context: int, tp: int, expert_parallel: bool = False,
                             dtype_bytes: int = 2) -> dict:
-    """What the busiest of `tp` devices reads in one decode step under jinfer's layout (jinfer/parallel.py):
+    """What the busiest of `tp` devices reads in one decode step under jinfer's layout (jinfer/parallel/mesh.py):
     q / o, dense MLPs and the lm_head split tp ways; kv heads split, or one per device past num_kv_heads
     devices (their weights and cache then stored on several); the router on every device; each hit expert's
     columns split tp ways, or (expert parallel) whole experts on their device, counted on the device the
     most hit experts land on (`busiest_device_experts`). At tp=1 it is `decode_bytes`."""
-    from jinfer.parallel import kv_heads_total
+    from jinfer.parallel.mesh import kv_heads_total
 
     if cfg.num_layers != len(cfg.attention_layers):
         raise ValueError(f"{cfg.architecture}: per-device bytes are for attention-only models")

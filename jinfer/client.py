@@ -132,7 +132,7 @@ class EngineClient:
 
     @property
     def replicas(self) -> list[EngineClient]:
-        """The engines behind this client (one; `jinfer.replicas.ReplicaClient` has several)."""
+        """The engines behind this client (one; `jinfer.parallel.replicas.ReplicaClient` has several)."""
         return [self]
 
     def add_death_callback(self, fn: Callable[[str], None]) -> None:

@@ -93,7 +93,7 @@ def _start_engine(args: argparse.Namespace, config: dict, dp: int):
     heavy is imported here (uvicorn, the app, ZeroMQ, numpy): those imports then overlap its start-up."""
     core_factory = getattr(args, "core_factory", None)
     if dp > 1:
-        from jinfer.replicas import ReplicaClient
+        from jinfer.parallel.replicas import ReplicaClient
 
         return ReplicaClient.spawn(config, dp, name="server", startup_timeout=args.startup_timeout,
                                    core_factory=core_factory)
@@ -185,9 +185,9 @@ def run_serve(args: argparse.Namespace) -> int:
 
 def _run_headless(config: dict) -> int:
     """A process of rank > 0 of a multi-process group: no HTTP server; it follows process 0 until process 0
-    stops the group (exit 0) or a process of the group is lost (exit 3, jinfer/distributed.py)."""
-    from jinfer.distributed import run_worker
+    stops the group (exit 0) or a process of the group is lost (exit 3, jinfer/parallel/multihost.py)."""
     from jinfer.engine.core import EngineConfig
+    from jinfer.parallel.multihost import run_worker
 
     try:
         engine_config = EngineConfig(**config)

@@ -20,18 +20,17 @@ from dataclasses import dataclass, field
 import jax
 import numpy as np
 
-from jinfer.config import ModelConfig
-from jinfer.distributed import Leader, check_group, join
+from jinfer.cache.manager import KVCacheManager, cdiv
+from jinfer.config.model import ModelConfig
 from jinfer.engine.grammar import GrammarEngine
-from jinfer.engine.kv_cache_manager import KVCacheManager, cdiv
-from jinfer.engine.model_runner import (
+from jinfer.engine.request import FinishReason, Request
+from jinfer.engine.runner import (
     Launched,
     ModelRunner,
     StepRow,
     kv_cache_bytes_per_page,
     state_bytes_per_slot,
 )
-from jinfer.engine.request import FinishReason, Request
 from jinfer.engine.sampler import num_logprobs_for, pack_token_mask
 from jinfer.engine.scheduler import Scheduler, SchedulerConfig
 from jinfer.engine.spawn import MEM_FRACTION
@@ -40,7 +39,8 @@ from jinfer.generation_config import load_generation_defaults
 from jinfer.models.ops import BACKENDS, select_ops
 from jinfer.models.registry import state_specs
 from jinfer.outputs import EngineOutput
-from jinfer.parallel import check_parallel, make_mesh, shard_attention_weights
+from jinfer.parallel.mesh import check_parallel, make_mesh, shard_attention_weights
+from jinfer.parallel.multihost import Leader, check_group, join
 from jinfer.sampling_params import SamplingParams
 from jinfer.tokenizer import IncrementalDetokenizer, Tokenizer
 from jinfer.weights.loader import DTYPES, load_weights, resolve_model
@@ -82,7 +82,7 @@ class EngineConfig:
     # on devices [rank * tp, (rank + 1) * tp). (The server runs each replica in its own process instead.)
     data_parallel_size: int = 1
     data_parallel_rank: int = 0
-    # Several processes (hosts), one mesh over all their devices (jinfer/distributed.py): this process is
+    # Several processes (hosts), one mesh over all their devices (jinfer/parallel/multihost.py): this process is
     # `node_rank` of `nnodes`; process 0 hosts JAX's coordinator at master_addr:master_port and schedules.
     nnodes: int = 1
     node_rank: int = 0
@@ -448,7 +448,7 @@ class EngineCore:
         device's work; the outputs returned are one step behind (penalties too: the sampler takes a
         pending output token from the previous step's samples on the device).
         A step that fails in a multi-process group ends the process: the group's collectives are out of
-        step for good (jinfer/distributed.py).
+        step for good (jinfer/parallel/multihost.py).
         """
         if self.group is None:
             return self._step()

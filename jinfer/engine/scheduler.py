@@ -42,8 +42,8 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field
 
-from jinfer.engine.kv_cache_manager import KVCacheManager
-from jinfer.engine.kv_host_tier import KVTransfers
+from jinfer.cache.host_tier import KVTransfers
+from jinfer.cache.manager import KVCacheManager
 from jinfer.engine.request import FinishReason, Request, RequestStatus
 
 

@@ -7,7 +7,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jinfer.config import ModelConfig, rope_inv_freq
+from jinfer.config.model import ModelConfig, rope_inv_freq
 
 
 def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:

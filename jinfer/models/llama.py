@@ -18,7 +18,7 @@ from dataclasses import dataclass, fields
 import jax
 import jax.numpy as jnp
 
-from jinfer.config import ModelConfig
+from jinfer.config.model import ModelConfig
 from jinfer.models.batch import Batch
 from jinfer.models.layers import apply_rope, rms_norm, rope_cos_sin, write_kv
 from jinfer.models.ops import REFERENCE_OPS, ModelOps
@@ -216,7 +216,7 @@ def decoder_forward(weights: Weights, batch: Batch, kv_cache: tuple[tuple[jax.Ar
     Layers are unrolled in Python (one executable, no scan): measured faster than `lax.scan` over
     stacked weights for decode on the H100.
 
-    Under `jax.shard_map` (jinfer/parallel.py) this runs on each device's shards: `cfg` then holds the
+    Under `jax.shard_map` (jinfer/parallel/mesh.py) this runs on each device's shards: `cfg` then holds the
     device's q / kv head counts (`parallel.local_config`) and `ops` the collectives.
     """
     x = ops.embed(weights.embed, batch.input_ids, cfg.vocab_size)  # [T, hidden]

@@ -146,7 +146,7 @@ class ModelOps:
     # Set by the runner on the executables of decode-only steps: sequence b's one new token is row b
     # (T == B; padding sequences have seq_len 0), so attention is the paged decode kernel.
     decode_step: bool = False
-    # The mesh axis this forward is sharded over (inside `jax.shard_map`, see jinfer/parallel.py): the
+    # The mesh axis this forward is sharded over (inside `jax.shard_map`, see jinfer/parallel/mesh.py): the
     # ops then hold their device's shards and reduce partial sums across it. None: one device.
     axis: str | None = None
 

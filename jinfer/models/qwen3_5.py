@@ -30,7 +30,7 @@ from dataclasses import dataclass
 import jax
 import jax.numpy as jnp
 
-from jinfer.config import ModelConfig
+from jinfer.config.model import ModelConfig
 from jinfer.models import llama
 from jinfer.models.batch import Batch
 from jinfer.models.layers import apply_rope, rms_norm, rope_cos_sin, write_kv

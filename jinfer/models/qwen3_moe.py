@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import jax
 
-from jinfer.config import ModelConfig
+from jinfer.config.model import ModelConfig
 from jinfer.models import llama
 from jinfer.models.batch import Batch
 from jinfer.models.llama import LayerWeights, Weights, assemble_weights, fuse_qkv

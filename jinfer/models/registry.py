@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from types import ModuleType
 
-from jinfer.config import ARCHITECTURES, ModelConfig
+from jinfer.config.model import ARCHITECTURES, ModelConfig
 from jinfer.models import llama, qwen3_5, qwen3_moe
 from jinfer.models.ops import REFERENCE_OPS, ModelOps
 from jinfer.models.spec import StateSpec

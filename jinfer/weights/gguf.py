@@ -14,7 +14,7 @@ import numpy as np
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 from gguf.quants import dequantize
 
-from jinfer.config import ModelConfig
+from jinfer.config.model import ModelConfig
 from jinfer.models.spec import ArrayInfo
 from jinfer.weights.gguf_meta import GGUFTensor, open_gguf
 

@@ -19,11 +19,11 @@ import numpy as np
 from jax.sharding import Mesh
 from tqdm.auto import tqdm
 
-from jinfer.config import NAMED_SHAPES, ModelConfig
+from jinfer.config.model import NAMED_SHAPES, ModelConfig
 from jinfer.models.llama import Weights
 from jinfer.models.registry import assemble_weights, weight_specs
 from jinfer.models.spec import ArrayInfo
-from jinfer.parallel import logical_sharding, make_mesh, put
+from jinfer.parallel.mesh import logical_sharding, make_mesh, put
 from jinfer.weights.gguf_meta import open_gguf, read_metadata, tensor_names
 
 log = logging.getLogger(__name__)
@@ -105,7 +105,7 @@ def dummy_config(name: str) -> ModelConfig:
 def load_weights(source: ModelSource, dtype: str = "bfloat16", mesh: Mesh | None = None,
                  seed: int = 0, progress: bool = True, expert_parallel: bool = False) -> Weights:
     """The model's weights, each placed on `mesh` by its logical axes (`expert_parallel`: MoE experts
-    split whole over the mesh, see jinfer/parallel.py)."""
+    split whole over the mesh, see jinfer/parallel/mesh.py)."""
     if dtype not in DTYPES:
         raise ValueError(f"dtype={dtype!r} must be one of {sorted(DTYPES)}")
     t0 = time.perf_counter()

@@ -1,4 +1,4 @@
-"""Several processes, one mesh (jinfer/distributed.py), on CPU with gloo collectives: each process is a
+"""Several processes, one mesh (jinfer/parallel/multihost.py), on CPU with gloo collectives: each process is a
 fresh interpreter with its own fake CPU devices, joined by `jax.distributed`. The group gives HF's greedy
 tokens (what one process gives too, tests/models/test_parallel_engine.py), stops cleanly, and a process
 that dies takes the group down at once: the server's client fails the request in flight and no process
@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 
 from jinfer.client import EngineClient
-from jinfer.distributed import EXIT_PEER_LOST, StepInputs, check_group
+from jinfer.parallel.multihost import EXIT_PEER_LOST, StepInputs, check_group
 from jinfer.engine.args import add_engine_arguments, engine_config_kwargs
 from jinfer.engine.core import EngineConfig
 from jinfer.sampling_params import SamplingParams
@@ -52,7 +52,7 @@ def process_env(devices: int) -> dict:
 
 
 def start_follower(config: dict, rank: int, devices: int) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-m", "jinfer.distributed", "--config",
+    return subprocess.Popen([sys.executable, "-m", "jinfer.parallel.multihost", "--config",
                              json.dumps(config | {"node_rank": rank})], env=process_env(devices),
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
 

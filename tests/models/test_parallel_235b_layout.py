@@ -10,11 +10,11 @@ import jax
 import numpy as np
 import pytest
 
-from jinfer.config import NAMED_SHAPES
-from jinfer.engine.model_runner import init_kv_cache
+from jinfer.config.model import NAMED_SHAPES
+from jinfer.engine.runner import init_kv_cache
 from jinfer.models.batch import make_batch
 from jinfer.models.registry import forward
-from jinfer.parallel import array_specs, check_parallel, make_mesh, mesh_forward, shard_attention_weights
+from jinfer.parallel.mesh import array_specs, check_parallel, make_mesh, mesh_forward, shard_attention_weights
 from jinfer.weights.loader import ModelSource, load_weights
 
 from .test_golden_tiny import OPS

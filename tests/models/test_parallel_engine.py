@@ -5,10 +5,10 @@ scheduling, warm-up buckets, the executable cache's warm start); and the checks 
 import numpy as np
 import pytest
 
-from jinfer.config import ModelConfig
+from jinfer.config.model import ModelConfig
 from jinfer.engine.args import add_engine_arguments, engine_config_kwargs
 from jinfer.llm import LLM
-from jinfer.parallel import check_parallel
+from jinfer.parallel.mesh import check_parallel
 from jinfer.sampling_params import SamplingParams
 
 from ..conftest import DATA

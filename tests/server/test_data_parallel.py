@@ -15,7 +15,7 @@ import pytest
 
 from jinfer.client import EngineDeadError
 from jinfer.engine.protocol import EngineReady
-from jinfer.replicas import BALANCE_SLACK, BLOCK, PrefixTracker, ReplicaClient, replica_devices
+from jinfer.parallel.replicas import BALANCE_SLACK, BLOCK, PrefixTracker, ReplicaClient, replica_devices
 from tests.server.helpers import FAKE_CORE, child_pids, start_server, wait_for
 
 ENV = {"JINFER_FAKE_STEP_DELAY": "0.02"}

@@ -2,7 +2,7 @@ import json
 
 import pytest
 
-from jinfer.config import NAMED_SHAPES, ModelConfig, RopeScaling, rope_inv_freq
+from jinfer.config.model import NAMED_SHAPES, ModelConfig, RopeScaling, rope_inv_freq
 from jinfer.engine.core import EngineConfig
 
 LLAMA = {

@@ -5,7 +5,7 @@ import json
 import jax
 import numpy as np
 
-from jinfer.parallel import make_mesh
+from jinfer.parallel.mesh import make_mesh
 from jinfer.weights import dummy
 from jinfer.weights.loader import load_weights, resolve_model
 

@@ -17,7 +17,7 @@ from jax.experimental.compilation_cache import compilation_cache
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jinfer.engine.executable_cache import MAGIC, ExecutableCache
+from jinfer.engine.executables import MAGIC, ExecutableCache
 
 
 @jax.tree_util.register_dataclass
@@ -134,7 +134,7 @@ def test_stale_temp_files_are_removed_at_start(tmp_path):
     import os
     import time
 
-    from jinfer.engine.executable_cache import STALE_TEMP_FILE_S
+    from jinfer.engine.executables import STALE_TEMP_FILE_S
 
     old, young, entry = (tmp_path / n for n in ("k1.jexeab12.tmp", "k2.jexecd34.tmp", "k3.jexe"))
     for f in (old, young, entry):
@@ -209,7 +209,7 @@ def test_persistent_cache_hit_is_never_stored(tmp_path, persistent_cache, monkey
     params, x, kv = inputs()
     make_step([0]).lower(params, x, kv, scale=3).compile()
     monkeypatch.setattr(compilation_cache, "reset_cache", lambda: None)
-    with caplog.at_level(logging.WARNING, logger="jinfer.engine.executable_cache"):
+    with caplog.at_level(logging.WARNING, logger="jinfer.engine.executables"):
         compiled = ExecutableCache(tmp_path / "exe", namespace="t").compile("step", make_step([0]), params, x, kv,
                                                                             scale=3)
     assert "persistent cache" in caplog.text and not (tmp_path / "exe").exists()
@@ -229,7 +229,7 @@ def test_corrupt_entry_is_dropped_and_recompiled(tmp_path, caplog, expected, dam
 
     traces = [0]
     cache = ExecutableCache(tmp_path, namespace="t")
-    with caplog.at_level(logging.WARNING, logger="jinfer.engine.executable_cache"):
+    with caplog.at_level(logging.WARNING, logger="jinfer.engine.executables"):
         compiled = cache.compile("step", make_step(traces), params, x, kv, scale=3)
     assert "dropping unloadable entry" in caplog.text
     assert traces == [1] and cache.misses == 1
@@ -272,7 +272,7 @@ def test_executable_with_host_callback_is_compiled_but_not_stored(tmp_path, capl
         jax.debug.print("a={a}", a=a)
         return a + 1
 
-    with caplog.at_level(logging.WARNING, logger="jinfer.engine.executable_cache"):
+    with caplog.at_level(logging.WARNING, logger="jinfer.engine.executables"):
         compiled = ExecutableCache(tmp_path, namespace="t").compile("noisy", jax.jit(noisy), jnp.ones(2))
     assert "not cached" in caplog.text and list(tmp_path.glob("*.jexe")) == []
     np.testing.assert_array_equal(np.asarray(compiled(jnp.ones(2))), [2.0, 2.0])

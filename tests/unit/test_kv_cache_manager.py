@@ -2,7 +2,7 @@
 
 import pytest
 
-from jinfer.engine.kv_cache_manager import NULL_PAGE, KVCacheManager, hash_page
+from jinfer.cache.manager import NULL_PAGE, KVCacheManager, hash_page
 from jinfer.engine.request import Request
 
 PS = 4  # page size

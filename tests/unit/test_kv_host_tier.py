@@ -2,8 +2,8 @@
 
 import pytest
 
-from jinfer.engine.kv_cache_manager import KVCacheManager
-from jinfer.engine.kv_host_tier import HostTier, KVTransfers
+from jinfer.cache.host_tier import HostTier, KVTransfers
+from jinfer.cache.manager import KVCacheManager
 from jinfer.engine.request import Request
 
 from .test_kv_cache_manager import PS, admit, compute_all, make_req

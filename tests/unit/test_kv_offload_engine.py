@@ -197,8 +197,8 @@ def test_host_blocks_restore_rows_and_stay_bounded():
     import jax
     import jax.numpy as jnp
 
-    from jinfer.engine.kv_host_tier import HostTier
-    from jinfer.engine.kv_transfer import BLOCK_PAGES, MAX_HELD_RATIO, HostKVPool
+    from jinfer.cache.host_tier import HostTier
+    from jinfer.cache.transfer import BLOCK_PAGES, MAX_HELD_RATIO, HostKVPool
 
     rng = np.random.default_rng(0)
     pages, layers = 64, 2
@@ -246,8 +246,8 @@ def test_host_copies_wait_for_read_backs_while_the_engine_runs(monkeypatch):
     import jax
     import jax.numpy as jnp
 
-    from jinfer.engine import kv_transfer
-    from jinfer.engine.kv_transfer import HostKVPool
+    from jinfer.cache import transfer as kv_transfer
+    from jinfer.cache.transfer import HostKVPool
 
     monkeypatch.setattr(kv_transfer, "PACE_TIMEOUT_S", 30.0)  # no fallback turn within the test
     monkeypatch.setattr(kv_transfer, "PACED", True)
@@ -310,7 +310,7 @@ def test_offload_thread_lets_a_discarded_pool_go():
     import jax
     import jax.numpy as jnp
 
-    from jinfer.engine.kv_transfer import HostKVPool
+    from jinfer.cache.transfer import HostKVPool
 
     on_mesh = jax.sharding.NamedSharding(jax.make_mesh((1,), ("tp",)), jax.sharding.PartitionSpec())
     cache = tuple(tuple(jax.device_put(jnp.ones((8, 4, 2, 8), jnp.float32), on_mesh) for _ in range(2))

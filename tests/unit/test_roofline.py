@@ -3,7 +3,7 @@
 import pytest
 
 from benchmarks.roofline import busiest_device_experts, decode_bytes, decode_bytes_per_device
-from jinfer.config import NAMED_SHAPES
+from jinfer.config.model import NAMED_SHAPES
 
 
 @pytest.mark.parametrize("shape", ["qwen3-4b", "qwen3-8b", "qwen3-30b-a3b", "qwen3-235b-a22b"])

@@ -5,7 +5,7 @@ from collections import Counter
 
 import pytest
 
-from jinfer.engine.kv_cache_manager import KVCacheManager
+from jinfer.cache.manager import KVCacheManager
 from jinfer.engine.request import FinishReason, Request, RequestStatus
 from jinfer.engine.scheduler import Scheduler, SchedulerConfig
 from jinfer.sampling_params import SamplingParams

@@ -12,7 +12,7 @@ from safetensors.numpy import save_file
 
 from jinfer.models.batch import make_batch
 from jinfer.models.llama import forward, weight_specs
-from jinfer.parallel import make_mesh
+from jinfer.parallel.mesh import make_mesh
 from jinfer.weights.loader import load_weights, resolve_model
 
 HF_CFG = {
@@ -34,7 +34,7 @@ def hf_tensors(seed=0) -> dict[str, np.ndarray]:
 
 
 def resolve_model_from_dict(d):
-    from jinfer.config import ModelConfig
+    from jinfer.config.model import ModelConfig
     return ModelConfig.from_hf_config(d)
 
 

@@ -328,8 +328,10 @@ def main(argv: list[str] | None = None) -> int:
     import argparse
     import json
 
-    from jinfer import distributed  # not this `__main__` module: the engine's classes are that one's
     from jinfer.engine.core import EngineConfig
+    from jinfer.parallel import (
+        multihost as distributed,  # not this `__main__` module: the engine's classes are that one's
+    )
 
     parser = argparse.ArgumentParser(description="jinfer: a process of rank > 0 in a multi-process group")
     parser.add_argument("--config", required=True, help="EngineConfig fields as JSON (nnodes, node_rank, ...)")

@@ -49,7 +49,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
-from jinfer.engine.kv_host_tier import KVTransfers
+from jinfer.cache.host_tier import KVTransfers
 
 log = logging.getLogger(__name__)
 

@@ -36,7 +36,7 @@ import hashlib
 from array import array
 from collections import OrderedDict
 
-from jinfer.engine.kv_host_tier import HostTier, KVTransfers
+from jinfer.cache.host_tier import HostTier, KVTransfers
 from jinfer.engine.request import Request
 
 NULL_PAGE = 0

@@ -37,12 +37,11 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from jinfer.config import ModelConfig
-from jinfer.distributed import StepInputs
-from jinfer.engine.executable_cache import ExecutableCache
-from jinfer.engine.kv_cache_manager import NULL_PAGE, cdiv
-from jinfer.engine.kv_host_tier import KVTransfers
-from jinfer.engine.kv_transfer import HostKVPool
+from jinfer.cache.host_tier import KVTransfers
+from jinfer.cache.manager import NULL_PAGE, cdiv
+from jinfer.cache.transfer import HostKVPool
+from jinfer.config.model import ModelConfig
+from jinfer.engine.executables import ExecutableCache
 from jinfer.engine.sampler import (
     SamplerFlags,
     SamplingTensors,
@@ -56,7 +55,8 @@ from jinfer.models.batch import Batch
 from jinfer.models.llama import Weights
 from jinfer.models.ops import REFERENCE_OPS, ModelOps
 from jinfer.models.registry import forward, state_specs
-from jinfer.parallel import KV_AXES, array_specs, kv_heads_total, logical_sharding, mesh_forward, put
+from jinfer.parallel.mesh import KV_AXES, array_specs, kv_heads_total, logical_sharding, mesh_forward, put
+from jinfer.parallel.multihost import StepInputs
 
 log = logging.getLogger(__name__)
 

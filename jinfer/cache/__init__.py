@@ -1,0 +1,1 @@
+"""The KV cache: page allocator and prefix cache, the host tier, transfers."""

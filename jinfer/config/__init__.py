@@ -1,0 +1,1 @@
+"""Configuration: JAX-free, validated where arguments are parsed."""
