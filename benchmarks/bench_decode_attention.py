@@ -24,7 +24,7 @@ import jax.numpy as jnp
 from benchmarks.common import environment, write_result
 from benchmarks.roofline import measure_copy_bandwidth
 from jinfer.config.model import NAMED_SHAPES
-from pallas_kernels.paged_attention import paged_decode_attention, paged_decode_attention_reference
+from pallas_kernels.attention.paged_attention import paged_decode_attention, paged_decode_attention_reference
 
 CHAIN = 8  # calls per timed jit, each on its own pages
 

@@ -1,6 +1,6 @@
 """The decode step's MLP as the forward runs it: a chain of `--layers` residual MLP blocks (RMSNorm, SwiGLU,
 residual add) over distinct weights in one executable, one token (or `--tokens`) per step, so each layer's
-weights come from HBM and no dispatch is timed. The fused Pallas kernel (`pallas_kernels/fused_mlp.py`: its
+weights come from HBM and no dispatch is timed. The fused Pallas kernel (`pallas_kernels/dense/fused_mlp.py`: its
 norm prologue variants, over a grid of launch parameters) against XLA's fusion of the same block. TB/s on the
 weight bytes; the copy rate of the same run (`roofline.measure_copy_bandwidth`) for the ratio. The chain runs
 without a CUDA graph, so its wall time carries launch gaps; `--profile` adds each config's GPU kernel time.
@@ -23,7 +23,7 @@ import numpy as np
 
 from benchmarks.common import environment, write_result
 from jinfer.models.layers import rms_norm, swiglu_mlp
-from pallas_kernels.fused_mlp import fused_swiglu_mlp
+from pallas_kernels.dense.fused_mlp import fused_swiglu_mlp
 
 SHAPES = {"qwen3.5-4b": (2560, 9216), "qwen3-4b": (2560, 9728), "qwen3-8b": (4096, 12288), "tiny": (64, 256)}
 EPS = 1e-6

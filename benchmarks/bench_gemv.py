@@ -39,8 +39,8 @@ def kernel_us(fn, args, reps: int) -> dict[str, float]:
 
 
 def impls(interpret: bool):
-    from pallas_kernels.moe_gemm_mgpu import moe_grouped_matmul_mgpu
-    from pallas_kernels.skinny_gemm import skinny_gemm
+    from pallas_kernels.dense.skinny_gemm import skinny_gemm
+    from pallas_kernels.moe.moe_gemm_mgpu import moe_grouped_matmul_mgpu
 
     def xla(x, w):
         return jnp.dot(jnp.pad(x, ((0, 1), (0, 0))), w)[:1]  # ops.project's padded row: a GEMM, not a reduce

@@ -36,13 +36,13 @@ import jax.numpy as jnp
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from pallas_kernels.fused_mlp import fused_swiglu_mlp, fused_swiglu_mlp_reference  # noqa: E402
-from pallas_kernels.paged_attention import (  # noqa: E402
+from pallas_kernels.attention.paged_attention import (  # noqa: E402
     paged_decode_attention,
     paged_decode_attention_reference,
 )
-from pallas_kernels.prefill_attention import ragged_prefill_attention  # noqa: E402
-from pallas_kernels.prefill_attention_mgpu import ragged_prefill_attention_mgpu  # noqa: E402
+from pallas_kernels.attention.prefill_attention import ragged_prefill_attention  # noqa: E402
+from pallas_kernels.attention.prefill_attention_mgpu import ragged_prefill_attention_mgpu  # noqa: E402
+from pallas_kernels.dense.fused_mlp import fused_swiglu_mlp, fused_swiglu_mlp_reference  # noqa: E402
 
 HEADS, KV_HEADS, DIM, PAGE = 32, 8, 128, 16
 DTYPE = jnp.bfloat16

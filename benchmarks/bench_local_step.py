@@ -37,7 +37,7 @@ kernels keep their speed at the narrower shapes, apart from communication. Varia
   N, P preloaded gate|up tiles, I intermediate columns per MLP program, W warps, S stages (each part optional);
 - gemv_o{N} / gemv_down{N}: the o projection / the XLA MLP's down projection of steps of <= 32 tokens with the
   residual add as one Pallas GEMV of N-column programs over the whole K (`ops.GEMV_O_TOKENS` / `GEMV_DOWN_TOKENS`);
-- skinny_o: the o projection of steps of <= 32 tokens on the Pallas skinny GEMM (pallas_kernels/skinny_gemm.py,
+- skinny_o: the o projection of steps of <= 32 tokens on the Pallas skinny GEMM (pallas_kernels/dense/skinny_gemm.py,
   ahead of XLA on o in its own benchmark: 27.4 vs 31.2 us, skinny_gemm_h100.json), its split-K sum and the
   residual add left to XLA.
 
@@ -57,11 +57,11 @@ import time
 import jax
 import numpy as np
 
-import pallas_kernels.fused_mlp as fused_mlp
-import pallas_kernels.moe_router as moe_router
-import pallas_kernels.moe_routing as moe_routing
-import pallas_kernels.norm_qkv_rope as norm_qkv_rope
-import pallas_kernels.paged_attention as paged_attention
+import pallas_kernels.attention.paged_attention as paged_attention
+import pallas_kernels.dense.fused_mlp as fused_mlp
+import pallas_kernels.dense.norm_qkv_rope as norm_qkv_rope
+import pallas_kernels.moe.moe_router as moe_router
+import pallas_kernels.moe.moe_routing as moe_routing
 import pallas_kernels.persistent as persistent
 from benchmarks.common import add_profile_argument, environment, profiled, write_result
 from jinfer.engine.runner import init_kv_cache
@@ -150,7 +150,7 @@ def variant(name: str):
         kw = {{"w": "num_warps", "s": "num_stages"}[p[0]]: int(p[1:]) for p in rest}
         fused_mlp.fused_swiglu_mlp = functools.partial(saved_block, block_i=int(i), **kw)
     elif name == "skinny_o":
-        from pallas_kernels.skinny_gemm import MAX_TOKENS, skinny_gemm
+        from pallas_kernels.dense.skinny_gemm import MAX_TOKENS, skinny_gemm
 
         def out_proj(self, attn, wo, residual):
             if attn.shape[0] > MAX_TOKENS:

@@ -1,7 +1,7 @@
 """Mixture-of-experts kernels on the GPU at Qwen3-30B-A3B expert shapes (128 experts, top-8, hidden
 2048, moe_intermediate 768, bf16), with the peers measured in the same run:
 
-- ours: routing kernel + grouped GEMMs (`pallas_kernels/moe_routing.py`, `moe_gemm.py`: gate|up with
+- ours: routing kernel + grouped GEMMs (`pallas_kernels/moe/moe_routing.py`, `moe_gemm.py`: gate|up with
   the SwiGLU epilogue, down with the weighted scatter back to token order, then the k-sum), and the
   Mosaic GPU grouped GEMM (`moe_gemm_mgpu.py`) where it is present, on expert-sorted rows;
 - `jax.lax.ragged_dot` (XLA) on the same expert-sorted rows;
@@ -41,10 +41,10 @@ from benchmarks.bench_kernels import chained, timeit
 from benchmarks.common import environment, write_result
 from jinfer.models.layers import moe_mlp, rms_norm
 from jinfer.models.ops import ModelOps, moe_block_m, project
-from pallas_kernels.moe_gemm import moe_combine, moe_down, moe_gate_up
-from pallas_kernels.moe_router import MAX_TOKENS as ROUTER_MAX_TOKENS
-from pallas_kernels.moe_router import moe_norm_route
-from pallas_kernels.moe_routing import moe_route, moe_route_reference
+from pallas_kernels.moe.moe_gemm import moe_combine, moe_down, moe_gate_up
+from pallas_kernels.moe.moe_router import MAX_TOKENS as ROUTER_MAX_TOKENS
+from pallas_kernels.moe.moe_router import moe_norm_route
+from pallas_kernels.moe.moe_routing import moe_route, moe_route_reference
 
 E, H, INTER, K = 128, 2048, 768, 8
 TOKENS = (1, 8, 64, 512, 4096)
@@ -159,7 +159,7 @@ def bench_tokens(rows: list, tokens: int, w, sweep: bool, xla_block: bool) -> No
                    functools.partial(gemm, routing=r2), x, hit_bytes=hit_bytes, flops=flops, split=False)
 
     try:
-        from pallas_kernels import moe_gemm_mgpu
+        from pallas_kernels.moe import moe_gemm_mgpu
     except ImportError:
         moe_gemm_mgpu = None
     if moe_gemm_mgpu is not None and tokens * K >= 512:

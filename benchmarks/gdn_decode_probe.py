@@ -1,5 +1,6 @@
 """Where the fused Gated DeltaNet decode kernel's time goes: simpler kernels on the same grid and state pool,
-each timed like `python -m pallas_kernels.gated_delta_rule_decode` (`--reps` steps chained in one executable,
+each timed like `python -m pallas_kernels.linear_attention.gated_delta_rule_decode` (`--reps` steps chained in one
+executable,
 each reading the pool the previous one wrote, donated), TB/s on the state's bytes (read + written).
 
 - `copy`: each program loads its [Dk, Dv] float32 state slice, scales it by a value read from the input row and
@@ -25,7 +26,7 @@ import numpy as np
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from pallas_kernels.gated_delta_rule_decode import fused_decode_step
+from pallas_kernels.linear_attention.gated_delta_rule_decode import fused_decode_step
 
 
 def _copy_kernel(slot_ref, x_ref, s_in_ref, s_ref, *, bv: int):

@@ -80,7 +80,7 @@ def cases(spec: str):
     C, vs = 2 * hk * dk + hv * dv, hv * dv
     bf16 = jnp.bfloat16
     if kind == "decode":  # decode:BLOCK_V:WARPS
-        from pallas_kernels.gated_delta_rule_decode import fused_decode_step
+        from pallas_kernels.linear_attention.gated_delta_rule_decode import fused_decode_step
         bv, warps = int(opts[0]), int(opts[1])
         return warps, lambda: fused_decode_step(
             jnp.zeros((B, C + vs + 2 * hv), bf16), jnp.zeros((B + 1, taps, C), bf16), jnp.zeros((C, 1, taps), bf16),
@@ -88,7 +88,7 @@ def cases(spec: str):
             jnp.full((B,), 5, jnp.int32), jnp.zeros(B, bool), num_k_heads=hk, key_dim=dk, value_dim=dv,
             b_col=C + vs, a_col=C + vs + hv, z_col=C, norm_weight=jnp.ones(dv, bf16), block_v=bv, num_warps=warps)
     if kind == "recurrent":  # recurrent:BLOCK_V:WARPS (decode rows)
-        from pallas_kernels.gated_delta_rule import recurrent_gated_delta_rule
+        from pallas_kernels.linear_attention.gated_delta_rule import recurrent_gated_delta_rule
         bv, warps = int(opts[0]), int(opts[1])
         g = jnp.zeros((B, hv))
         return warps, lambda: recurrent_gated_delta_rule(
@@ -96,14 +96,14 @@ def cases(spec: str):
             jnp.arange(1, B + 1, dtype=jnp.int32), jnp.zeros(B, bool), jnp.arange(B + 1, dtype=jnp.int32),
             packed_k_heads=hk, block_v=bv, num_warps=warps)
     if kind == "intra":  # intra:WARPS
-        from pallas_kernels.gated_delta_rule_intra import intra_chunk_pallas
+        from pallas_kernels.linear_attention.gated_delta_rule_intra import intra_chunk_pallas
         warps = int(opts[0])
         g = jnp.zeros((T, hv))
         return warps, lambda: intra_chunk_pallas(jnp.zeros((T, 2 * hk + hv, dk), bf16), None, None, g, g,
                                                  jnp.arange(T, dtype=jnp.int32).reshape(-1, 64), num_warps=warps,
                                                  packed_k_heads=hk)
     if kind == "conv":  # conv:BTxBC:WARPS
-        from pallas_kernels.causal_conv import causal_conv
+        from pallas_kernels.linear_attention.causal_conv import causal_conv
         bt, bc = map(int, opts[0].split("x"))
         warps = int(opts[1])
         return warps, lambda: causal_conv(jnp.zeros((T, C), bf16), jnp.zeros((9, taps, C), bf16),
@@ -111,11 +111,11 @@ def cases(spec: str):
                                           jnp.zeros(8, jnp.int32), jnp.arange(1, 9, dtype=jnp.int32),
                                           jnp.arange(T, dtype=jnp.int32), block_t=bt, block_c=bc, num_warps=warps)
     if kind == "route":  # route:TOKENS:WARPS at Qwen3-30B-A3B's routing (128 experts, top-8)
-        from pallas_kernels.moe_routing import moe_route
+        from pallas_kernels.moe.moe_routing import moe_route
         tokens, warps = int(opts[0]), int(opts[1])
         return warps, lambda: moe_route(jnp.zeros((tokens, 128)), top_k=8, block_m=16, num_warps=warps)
     if kind == "front":  # front:TOKENS:WARPS: Qwen3-30B-A3B's norm + router projection (2048 -> 128) + routing
-        from pallas_kernels.moe_router import moe_norm_route
+        from pallas_kernels.moe.moe_router import moe_norm_route
         tokens, warps = int(opts[0]), int(opts[1])
         return warps, lambda: moe_norm_route(jnp.zeros((tokens, 2048), bf16), jnp.ones(2048, bf16),
                                              jnp.zeros((2048, 128), bf16), jnp.zeros(16, jnp.int32), top_k=8,

@@ -1,6 +1,6 @@
 """Pallas GPU kernels: paged decode attention, ragged prefill attention, fused SwiGLU MLP.
 
-Import from the modules (`pallas_kernels.paged_attention`, `.prefill_attention`,
+Import from the modules (`pallas_kernels.attention.paged_attention`, `.prefill_attention`,
 `.prefill_attention_mgpu`, `.fused_mlp`);
 nothing is imported here, so `python -m pallas_kernels.<module>` runs a module's benchmark cleanly.
 Each module: kernel body -> wrapper (grid, block specs) -> public jitted function -> jnp reference

@@ -44,7 +44,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from pallas_kernels.fused_mlp import pow2_divisor, rms_inverse, rms_normed, tile_rows
+from pallas_kernels.dense.fused_mlp import pow2_divisor, rms_inverse, rms_normed, tile_rows
 from pallas_kernels.split_k import check_counters, residual_add, take_ticket
 
 MAX_TOKENS = 16  # one 16-row token tile
@@ -221,7 +221,7 @@ def o_proj_mlp_block(attn: jax.Array, wo: jax.Array, residual: jax.Array, norm_w
 def o_proj_mlp_block_reference(attn, wo, residual, norm_weight, w_gate, w_up, w_down, counters=None, *,
                                eps: float = 1e-6):
     """Plain jnp, the model's ops: residual + o, then the MLP block with HF's RMSNorm rounding."""
-    from pallas_kernels.fused_mlp import fused_swiglu_mlp_reference
+    from pallas_kernels.dense.fused_mlp import fused_swiglu_mlp_reference
 
     x1 = residual + jnp.dot(attn, wo, preferred_element_type=jnp.float32).astype(residual.dtype)
     return x1 + fused_swiglu_mlp_reference(x1, w_gate, w_up, w_down, norm_weight, eps=eps), counters

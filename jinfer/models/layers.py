@@ -58,7 +58,7 @@ def moe_mlp(x: jax.Array, logits: jax.Array, w_gate: jax.Array, w_up: jax.Array,
     """
     tokens, hidden = x.shape
     count = w_gate.shape[0]
-    from pallas_kernels.moe_routing import topk_routing  # (not at import: Pallas is only needed to trace)
+    from pallas_kernels.moe.moe_routing import topk_routing  # (not at import: Pallas is only needed to trace)
 
     weights, ids = topk_routing(logits, top_k, renormalize)  # [T, k] each
     flat = ids.reshape(-1)

@@ -21,8 +21,8 @@ benchmarks/results/kernels_h100.json:
   norm + RoPE + the K/V write as one kernel (`norm_qkv_rope_write`); XLA's GEMMs otherwise, and for o (but
   one-token o projections under XLA's strength-reduction size: the skinny GEMM, see `out_proj`).
 - mixture-of-experts MLP (`moe_block`): the norm, router matmul and routing as one kernel in small steps
-  (pallas_kernels/moe_router.py: `moe_norm_route`), else the router matmul in XLA and the routing kernel; then the
-  two grouped GEMMs of pallas_kernels/moe_routing.py and moe_gemm.py over the expert-grouped layout,
+  (pallas_kernels/moe/moe_router.py: `moe_norm_route`), else the router matmul in XLA and the routing kernel; then the
+  two grouped GEMMs of pallas_kernels/moe/moe_routing.py and moe_gemm.py over the expert-grouped layout,
   with `moe_block_m` rows per block; the reference is `layers.moe_mlp` (`lax.ragged_dot`).
 The layer's norms and residual adds belong to these ops (`qkv`, `out_proj`, `mlp_block`, `moe_block`),
 so a fused kernel can take them in; the reference ops are the plain jnp model.
@@ -73,14 +73,14 @@ def project(x: jax.Array, w: jax.Array, **kw) -> jax.Array:
 # fusions, which stream large inputs well.
 QKV_ROPE_MAX_TOKENS = 256
 # Steps of at most this many tokens (and the kernel's MAX_TOKENS) run the input RMSNorm, the q|k|v projection
-# and the above as one kernel (pallas_kernels/norm_qkv_rope.py), where the layer's q|k|v weight is fused (one
+# and the above as one kernel (pallas_kernels/dense/norm_qkv_rope.py), where the layer's q|k|v weight is fused (one
 # device). JINFER_NORM_QKV_TOKENS overrides it for measurements (part of the executable cache's key).
 NORM_QKV_MAX_TOKENS = int(os.environ.get("JINFER_NORM_QKV_TOKENS", "64"))
 NORM_QKV_K_SPLITS: int | None = None  # None: the kernel's default_k_splits (measurements patch it)
 STEP_COUNTERS = 1024  # ModelOps.step_counters: one per program group (a head of the q|k|v kernel)
 # Split-K finished in the kernels' last programs (pallas_kernels/split_k.py) where the step's counters reach them:
 # the decode attention's merge, the o projection's split sum + residual add (steps of <= FUSED_O_MAX_TOKENS
-# tokens: pallas_kernels/skinny_gemm.py's `skinny_gemm_residual`) and the fused MLP's split sum + residual add.
+# tokens: pallas_kernels/dense/skinny_gemm.py's `skinny_gemm_residual`) and the fused MLP's split sum + residual add.
 # Off by default: measured no faster on the H100 (Qwen3-4B decode steps, `local_step_tails_qwen3-4b_h100.json`):
 # batch 1 3.99 ms with all three against 3.58 without (the MLP's tail 2419 us a step against 1951 + 76 + 50 us of
 # kernel, the merged attention 297 against 204 + 63, o 386 against 334 + 49); batch 8 4.06 against 4.04 (merged
@@ -99,7 +99,7 @@ FUSED_TAILS = frozenset(os.environ.get("JINFER_FUSED_TAILS", "none").split(","))
 FUSED_O_MAX_TOKENS = int(os.environ.get("JINFER_FUSED_O_TOKENS", "32"))
 # Steps of these token counts run the o projection (GEMV_O_TOKENS) / an XLA MLP's down projection (GEMV_DOWN_TOKENS)
 # with its residual add as one Pallas GEMV of GEMV_BLOCK_N-column programs over the whole K range
-# (pallas_kernels/skinny_gemm.py's `gemv_residual`: no split-K, no XLA add after it). JINFER_GEMV_O_TOKENS /
+# (pallas_kernels/dense/skinny_gemm.py's `gemv_residual`: no split-K, no XLA add after it). JINFER_GEMV_O_TOKENS /
 # JINFER_GEMV_DOWN_TOKENS ("1,8"; default none) and JINFER_GEMV_BLOCK_N (measurements; part of the cache's key).
 GEMV_O_TOKENS = frozenset(int(t) for t in os.environ.get("JINFER_GEMV_O_TOKENS", "").split(",") if t)
 GEMV_DOWN_TOKENS = frozenset(int(t) for t in os.environ.get("JINFER_GEMV_DOWN_TOKENS", "").split(",") if t)
@@ -126,7 +126,7 @@ MOSAIC_MOE_BLOCK_M = 128
 
 
 def _front_supported(tokens: int, hidden: int, experts: int) -> bool:
-    from pallas_kernels.moe_router import front_supported
+    from pallas_kernels.moe.moe_router import front_supported
 
     return front_supported(tokens, hidden, experts) is None
 
@@ -167,7 +167,7 @@ class ModelOps:
         """The fused q|k|v -> (q, k_cache, v_cache) kernel (q/k norm, RoPE or partial RoPE, K/V write;
         `gated_q`: each head's query is followed by its output gate in qkv), or None where the XLA ops are
         used: the reference backend, steps over QKV_ROPE_MAX_TOKENS tokens, other shapes."""
-        from pallas_kernels.qkv_rope import check_supported, qkv_rope_write
+        from pallas_kernels.dense.qkv_rope import check_supported, qkv_rope_write
 
         if self.backend != "pallas" or qkv.shape[0] > QKV_ROPE_MAX_TOKENS or check_supported(
                 qkv.shape[1], num_heads, num_kv_heads, kv[0].shape[-1], gated_q=gated_q,
@@ -193,8 +193,8 @@ class ModelOps:
         None where the separate ops are used: the reference backend, steps over NORM_QKV_MAX_TOKENS tokens, other
         shapes (partial RoPE, ...). With `counters` (`step_counters`) each head's K range is split over programs.
         `prefetch` (the layer's o weight) is read into L2 by the launch's idle SMs where PREFETCH_O is on."""
-        from pallas_kernels.norm_qkv_rope import check_supported, norm_qkv_rope_write
-        from pallas_kernels.prefetch import prefetch_view
+        from pallas_kernels.dense.norm_qkv_rope import check_supported, norm_qkv_rope_write
+        from pallas_kernels.dense.prefetch import prefetch_view
 
         if self.backend != "pallas" or x.shape[0] > NORM_QKV_MAX_TOKENS or check_supported(
                 x.shape[0], x.shape[1], wqkv.shape[1], num_heads, num_kv_heads, kv[0].shape[-1],
@@ -210,12 +210,12 @@ class ModelOps:
     def attention(self, q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, batch: Batch,
                   scale: float) -> jax.Array:
         """q: [T, H, D] -> [T, H, D], each token over its sequence's pages (K/V already written)."""
-        from pallas_kernels.prefill_attention import ragged_prefill_attention, ragged_prefill_attention_reference
+        from pallas_kernels.attention.prefill_attention import ragged_prefill_attention, ragged_prefill_attention_reference
 
         if self.backend == "reference":
             return ragged_prefill_attention_reference(q, k_cache, v_cache, batch.query_start, batch.seq_lens,
                                                       batch.page_table, scale=scale)
-        from pallas_kernels.paged_attention import paged_decode_attention
+        from pallas_kernels.attention.paged_attention import paged_decode_attention
 
         if self.decode_step and q.shape[0] != batch.num_seqs:
             raise ValueError(f"a decode step needs one token per sequence: {q.shape[0]} tokens, "
@@ -226,7 +226,7 @@ class ModelOps:
         args = (q, k_cache, v_cache, batch.query_start, batch.seq_lens, batch.page_table)
         if not self.mosaic_prefill or q.shape[0] < MOSAIC_MIN_STEP_TOKENS:
             return ragged_prefill_attention(*args, scale=scale, interpret=self.interpret)
-        from pallas_kernels.prefill_attention_mgpu import (
+        from pallas_kernels.attention.prefill_attention_mgpu import (
             check_supported,
             long_sequences,
             ragged_prefill_attention_mgpu,
@@ -252,7 +252,7 @@ class ModelOps:
         kernel)."""
         if counters is not None and "merge" in FUSED_TAILS and self._paged_decode(q, batch) \
                 and q.shape[0] == batch.num_seqs and counters.shape[0] >= batch.num_seqs * k_cache.shape[2]:
-            from pallas_kernels.paged_attention import paged_decode_attention
+            from pallas_kernels.attention.paged_attention import paged_decode_attention
 
             return paged_decode_attention(q, k_cache, v_cache, batch.page_table, batch.seq_lens, counters,
                                           scale=scale, interpret=self.interpret)
@@ -264,7 +264,7 @@ class ModelOps:
 
         XLA's kernels (decode-sized steps with a fused q|k|v weight take `norm_qkv_rope_write` instead). An
         earlier norm + q/k/v kernel with 32-column tiles ran at ~1 TB/s at T=1 on the H100; the one kept
-        owns whole heads and splits K (see `pallas_kernels/norm_qkv_rope.py`).
+        owns whole heads and splits K (see `pallas_kernels/dense/norm_qkv_rope.py`).
         """
         h = rms_norm(x, norm, eps)
         return tuple(project(h, w) for w in weights)
@@ -272,12 +272,12 @@ class ModelOps:
     def gated_delta_rule(self, q, k, v, g, beta, states, slots, fresh, query_start, out_dtype=jnp.float32,
                          packed_k_heads: int | None = None):
         """Gated DeltaNet's recurrence over the ragged batch, each sequence from / to its state slot
-        (pallas_kernels/gated_delta_rule.py). Pallas: sequences of >= 64 new rows in chunks (tensor-core
+        (pallas_kernels/linear_attention/gated_delta_rule.py). Pallas: sequences of >= 64 new rows in chunks (tensor-core
         matmuls), the others on the recurrent kernel, both writing their rows of one output in out_dtype;
         decode steps the recurrent kernel only. packed_k_heads: q holds q|k|v, k = v = None (the conv output
         as is, no slices copied out: gated_delta_rule.head_views). Returns (o [T, Hv, Dv] in out_dtype, the
         updated state pool)."""
-        from pallas_kernels.gated_delta_rule import gated_delta_rule
+        from pallas_kernels.linear_attention.gated_delta_rule import gated_delta_rule
 
         return gated_delta_rule(q, k, v, g, beta, states, slots, fresh, query_start, backend=self.backend,
                                 interpret=self.interpret, chunked=not self.decode_step, out_dtype=out_dtype,
@@ -289,9 +289,9 @@ class ModelOps:
         """A Gated DeltaNet layer's conv, gates, delta rule and gated RMSNorm for a step of one new row per
         sequence (row b is sequence b's, at `positions[b]`), from its input projection `proj` (q | k | v at
         [0, conv_dim), z at z_col, b and a at b_col, a_col): (o [B, Hv, Dv] in proj's dtype, normalised and
-        gated; conv pool; state pool). Pallas: one fused kernel (pallas_kernels/gated_delta_rule_decode.py);
+        gated; conv pool; state pool). Pallas: one fused kernel (pallas_kernels/linear_attention/gated_delta_rule_decode.py);
         reference: the same formulas in jnp."""
-        from pallas_kernels.gated_delta_rule_decode import decode_reference, fused_decode_step
+        from pallas_kernels.linear_attention.gated_delta_rule_decode import decode_reference, fused_decode_step
 
         dims = dict(num_k_heads=num_k_heads, key_dim=key_dim, value_dim=value_dim, b_col=b_col, a_col=a_col,
                     z_col=z_col, norm_weight=norm_weight, eps=eps)
@@ -305,9 +305,9 @@ class ModelOps:
     def causal_conv(self, x, conv_state, weight, seq, starts, query_start, slots, positions):
         """Qwen3.5's depthwise causal conv + SiLU over a ragged batch from each sequence's conv ring, and the rings'
         update, for the first C = weight.shape[0] columns of x [T, W] (the layer's input projection: read in
-        place): (y [T, C], the pool). Pallas: y from one kernel (pallas_kernels/causal_conv.py; C a multiple of
+        place): (y [T, C], the pool). Pallas: y from one kernel (pallas_kernels/linear_attention/causal_conv.py; C a multiple of
         128); reference: the kernel's jnp reference. The rings' update in XLA either way."""
-        from pallas_kernels.causal_conv import causal_conv, causal_conv_reference, ring_update
+        from pallas_kernels.linear_attention.causal_conv import causal_conv, causal_conv_reference, ring_update
 
         C = weight.shape[0]
         if self.backend != "pallas" or C % 128:
@@ -320,7 +320,7 @@ class ModelOps:
         """HF's RMSNormGated: weight * rms_norm(x) (rounded to x's dtype), times silu(gate) in float32. x [T, H, D];
         gate [T, H, D], or with gate_col the [T, W] array holding the gates at columns [gate_col, gate_col + H D)
         (the layer's projection, read in place by the kernel)."""
-        from pallas_kernels.gated_rms_norm import gated_rms_norm, gated_rms_norm_reference
+        from pallas_kernels.linear_attention.gated_rms_norm import gated_rms_norm, gated_rms_norm_reference
 
         if self.backend == "pallas" and not x.shape[-1] & (x.shape[-1] - 1):
             return gated_rms_norm(x, gate, weight, eps=eps, gate_col=gate_col, interpret=self.interpret)
@@ -358,13 +358,13 @@ class ModelOps:
         3.588 ms in interleaved rounds (`local_step_skinny_o_qwen3-30b-a3b_h100.json`); on Qwen3-4B's unpadded
         4096 x 2560 o, and at batch 8, the two were even, so those keep XLA's GEMM."""
         if self._gemv_residual(attn, wo, GEMV_O_TOKENS):
-            from pallas_kernels.skinny_gemm import gemv_residual
+            from pallas_kernels.dense.skinny_gemm import gemv_residual
 
             return gemv_residual(attn, wo, residual, block_n=GEMV_BLOCK_N, interpret=self.interpret)
         if self.backend == "pallas" and attn.shape[0] == 1 and PAD_VECTOR_DOTS \
                 and wo.shape[0] * wo.shape[1] < STRENGTH_REDUCED_DOT_ELEMENTS and wo.shape[0] % 16 == 0 \
                 and wo.shape[1] % 16 == 0:
-            from pallas_kernels.skinny_gemm import skinny_gemm
+            from pallas_kernels.dense.skinny_gemm import skinny_gemm
 
             return residual + self.reduce(skinny_gemm(attn, wo, interpret=self.interpret).astype(attn.dtype))
         return residual + self.reduce(project(attn, wo))
@@ -376,7 +376,7 @@ class ModelOps:
         block sums the K splits and adds the residual (no XLA sum and add kernels after it)."""
         if counters is not None and "o" in FUSED_TAILS and self.backend == "pallas" and self.axis is None \
                 and attn.shape[0] <= FUSED_O_MAX_TOKENS and wo.shape[0] % 16 == 0 and wo.shape[1] % 16 == 0:
-            from pallas_kernels.skinny_gemm import MAX_TOKENS, default_config, skinny_gemm_residual
+            from pallas_kernels.dense.skinny_gemm import MAX_TOKENS, default_config, skinny_gemm_residual
 
             if attn.shape[0] <= MAX_TOKENS and wo.shape[1] // default_config(*wo.shape)["block_n"] <= counters.shape[0]:
                 return skinny_gemm_residual(attn, wo, residual, counters, interpret=self.interpret)
@@ -389,7 +389,7 @@ class ModelOps:
         Pallas MLP runs (one device), its split-K sum and the residual add happen in the kernel's last programs."""
         if counters is not None and "mlp" in FUSED_TAILS and self.axis is None and self._pallas_mlp(x, w_gate) \
                 and x.shape[0] <= 64:
-            from pallas_kernels.fused_mlp import fused_swiglu_mlp_block, pow2_divisor
+            from pallas_kernels.dense.fused_mlp import fused_swiglu_mlp_block, pow2_divisor
 
             if x.shape[1] // pow2_divisor(x.shape[1], 256) <= counters.shape[0]:
                 return fused_swiglu_mlp_block(x, norm, w_gate, w_up, w_down, counters, eps=eps,
@@ -402,7 +402,7 @@ class ModelOps:
         if not (self.backend == "pallas" and self.axis is None and tokens in PERSISTENT_O_MLP_TOKENS
                 and counters is not None and counters.shape[0] - 1 - layer >= STEP_COUNTERS // 2):
             return False
-        from pallas_kernels.fused_mlp import pow2_divisor
+        from pallas_kernels.dense.fused_mlp import pow2_divisor
         from pallas_kernels.persistent import check_supported, max_waiting
 
         return check_supported(tokens, ko, hidden, inter) is None \
@@ -422,7 +422,7 @@ class ModelOps:
         """Whether x @ w + a residual runs as `gemv_residual` (one device, the token count in `tokens`)."""
         if not (self.backend == "pallas" and self.axis is None and x.shape[0] in tokens):
             return False
-        from pallas_kernels.skinny_gemm import MAX_TOKENS
+        from pallas_kernels.dense.skinny_gemm import MAX_TOKENS
 
         return x.shape[0] <= MAX_TOKENS and x.shape[1] % 16 == 0 and w.shape[1] % GEMV_BLOCK_N == 0
 
@@ -439,12 +439,12 @@ class ModelOps:
         layer at batch-1 decode on the H100, 1885 vs 1767 us per Qwen3.5-4B step: the extra load sits on each
         K iteration's critical path. See docs/ARCHITECTURE.md.)"""
         if self._pallas_mlp(x, w_gate):
-            from pallas_kernels.fused_mlp import fused_swiglu_mlp
+            from pallas_kernels.dense.fused_mlp import fused_swiglu_mlp
 
             return x + self.reduce(fused_swiglu_mlp(x, w_gate, w_up, w_down, norm, eps=eps,
                                                     interpret=self.interpret))
         if self._gemv_residual(x, w_down, GEMV_DOWN_TOKENS):
-            from pallas_kernels.skinny_gemm import gemv_residual
+            from pallas_kernels.dense.skinny_gemm import gemv_residual
 
             return gemv_residual(swiglu(rms_norm(x, norm, eps), w_gate, w_up), w_down, x, block_n=GEMV_BLOCK_N,
                                  interpret=self.interpret)
@@ -470,7 +470,7 @@ class ModelOps:
         routing = None
         if kernels and counters is not None and tokens <= MOE_FRONT_MAX_TOKENS \
                 and _front_supported(tokens, hidden, router.shape[1]):
-            from pallas_kernels.moe_router import moe_norm_route
+            from pallas_kernels.moe.moe_router import moe_norm_route
 
             h, routing, counters = moe_norm_route(x, norm, router, counters, top_k=top_k, renormalize=renormalize,
                                                   block_m=moe_block_m(tokens * top_k, router.shape[1]), eps=eps,
@@ -481,8 +481,8 @@ class ModelOps:
             logits = project(h, router, preferred_element_type=jnp.float32).astype(h.dtype)  # [T, E]
         if not kernels:
             return x + self.reduce(moe_mlp(h, logits, w_gate, w_up, w_down, top_k, renormalize, first)), counters
-        from pallas_kernels.moe_gemm import moe_combine, moe_down, moe_gate_up
-        from pallas_kernels.moe_routing import local_experts, moe_route
+        from pallas_kernels.moe.moe_gemm import moe_combine, moe_down, moe_gate_up
+        from pallas_kernels.moe.moe_routing import local_experts, moe_route
 
         if routing is None and self.mosaic_prefill and tokens * top_k >= MOSAIC_MOE_MIN_ROWS_PER_EXPERT * logits.shape[1]:
             out = self._moe_mgpu(h, logits, w_gate, w_up, w_down, top_k, renormalize, first)
@@ -501,8 +501,8 @@ class ModelOps:
     def _moe_mgpu(self, h, logits, w_gate, w_up, w_down, top_k, renormalize, first):
         """The experts on the Mosaic GPU grouped GEMM (`moe_experts_mgpu`); None where the kernel does not
         take the shapes."""
-        from pallas_kernels.moe_gemm_mgpu import check_supported, moe_experts_mgpu
-        from pallas_kernels.moe_routing import local_experts, moe_route
+        from pallas_kernels.moe.moe_gemm_mgpu import check_supported, moe_experts_mgpu
+        from pallas_kernels.moe.moe_routing import local_experts, moe_route
 
         bm = MOSAIC_MOE_BLOCK_M
         up_spec = jax.ShapeDtypeStruct((bm, h.shape[1]), h.dtype)

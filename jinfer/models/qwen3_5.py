@@ -7,7 +7,7 @@ Gated DeltaNet (linear attention) layers and gated full-attention layers, as HF 
   attention over the paged KV cache, output times sigmoid(gate), o_proj.
 - Gated DeltaNet ("linear_attention"): in_proj_qkv -> a depthwise causal conv1d (kernel K, no bias) and
   SiLU -> q | k | v; in_proj_z (the output gate), in_proj_b (beta = sigmoid), in_proj_a (the decay
-  g = -exp(A_log) * softplus(a + dt_bias)); the gated delta rule (pallas_kernels/gated_delta_rule.py)
+  g = -exp(A_log) * softplus(a + dt_bias)); the gated delta rule (pallas_kernels/linear_attention/gated_delta_rule.py)
   with L2-normalised q and k; a per-head RMSNorm gated by silu(z); out_proj.
 - Every other RMSNorm (input, post-attention, q/k, final) is zero-centred: HF multiplies by
   (1 + weight). `assemble_weights` adds the 1 once at load time, so the shared `rms_norm` and the MLP
@@ -16,7 +16,7 @@ Gated DeltaNet (linear attention) layers and gated full-attention layers, as HF 
 The cache: full-attention layers keep paged (k, v) like every family; a linear layer keeps one
 fixed-size state per sequence, in a pool of slots (`state_specs`): a ring of its last K conv inputs
 [S, K, conv_dim] (activation dtype; row r holds the input at the latest position = r mod K, see
-pallas_kernels/causal_conv.py) and the recurrent state [S, Hv, Dk, Dv] (float32). A sequence reads its slot
+pallas_kernels/linear_attention/causal_conv.py) and the recurrent state [S, Hv, Dk, Dv] (float32). A sequence reads its slot
 (`Batch.state_slots`) unless its first new token is at position 0 (then it starts from zeros: admission,
 recompute after preemption; the conv reads zeros before position 0), and writes its final state back.
 Slot 0 is reserved for padding sequences.
@@ -147,7 +147,7 @@ def fuse_qkv(weights: Weights) -> Weights:
 
 def state_specs(cfg: ModelConfig) -> dict[int, tuple[StateSpec, ...]]:
     """The per-sequence state of each linear layer: (conv inputs, recurrent state)."""
-    conv = StateSpec((cfg.linear_conv_kernel_dim, cfg.linear_conv_dim), None)  # a ring (see pallas_kernels/causal_conv.py)
+    conv = StateSpec((cfg.linear_conv_kernel_dim, cfg.linear_conv_dim), None)  # a ring (see pallas_kernels/linear_attention/causal_conv.py)
     rec = StateSpec((cfg.linear_num_value_heads, cfg.linear_key_head_dim, cfg.linear_value_head_dim), "float32")
     return {i: (conv, rec) for i in range(cfg.num_layers) if cfg.is_linear_layer(i)}
 
@@ -197,7 +197,7 @@ def _gated_delta_net(layer: HybridLayer, x, state, batch: Batch, info, cfg: Mode
             num_k_heads=Hk, key_dim=Dk, value_dim=Dv, b_col=c + vs, a_col=c + vs + Hv, z_col=c,
             norm_weight=layer.lin_norm, eps=cfg.rms_norm_eps)
     else:
-        from pallas_kernels.gated_delta_rule_decode import gates  # (not at import: Pallas is only needed to trace)
+        from pallas_kernels.linear_attention.gated_delta_rule_decode import gates  # (not at import: Pallas is only needed to trace)
 
         # y in place: q | k | v are its first conv_dim columns (a slice passed to a kernel is copied out first)
         mixed, conv_state = ops.causal_conv(y, conv_state, layer.conv_w, seq, qs[:-1], qs, slots, batch.positions)
@@ -221,7 +221,7 @@ def forward(
 ) -> tuple[jax.Array, tuple[tuple[jax.Array, jax.Array], ...]]:
     """One step over a flattened ragged batch. `kv_cache[i]` is layer i's (k, v) pages or, for a linear
     layer, its (conv, recurrent) state pools. Returns (logits [N, vocab] float32, the updated cache)."""
-    from pallas_kernels.gated_delta_rule import token_sequences  # (not at import: Pallas is only needed to trace)
+    from pallas_kernels.linear_attention.gated_delta_rule import token_sequences  # (not at import: Pallas is only needed to trace)
 
     x = ops.embed(weights.embed, batch.input_ids, cfg.vocab_size)  # [T, hidden]
     cos, sin = rope_cos_sin(batch.positions, cfg, x.dtype)

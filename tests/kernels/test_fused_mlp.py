@@ -6,7 +6,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from pallas_kernels.fused_mlp import fused_swiglu_mlp, fused_swiglu_mlp_block, fused_swiglu_mlp_reference
+from pallas_kernels.dense.fused_mlp import fused_swiglu_mlp, fused_swiglu_mlp_block, fused_swiglu_mlp_reference
 from tests.kernels.conftest import MODES, assert_close
 
 # (tokens, hidden, intermediate, dtype, block_i)

@@ -9,10 +9,15 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from pallas_kernels.causal_conv import causal_conv_reference
-from pallas_kernels.gated_delta_rule import recurrent_reference, token_sequences
-from pallas_kernels.gated_delta_rule_decode import conv_step, decode_reference, fused_decode_step, gates
-from pallas_kernels.gated_rms_norm import gated_rms_norm_reference
+from pallas_kernels.linear_attention.causal_conv import causal_conv_reference
+from pallas_kernels.linear_attention.gated_delta_rule import recurrent_reference, token_sequences
+from pallas_kernels.linear_attention.gated_delta_rule_decode import (
+    conv_step,
+    decode_reference,
+    fused_decode_step,
+    gates,
+)
+from pallas_kernels.linear_attention.gated_rms_norm import gated_rms_norm_reference
 from tests.kernels.conftest import MODES
 
 

@@ -13,8 +13,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from pallas_kernels.gated_delta_rule_chunked import CHUNK, chunk_layout, max_chunks
-from pallas_kernels.gated_delta_rule_intra import OUTPUTS, intra_chunk, intra_chunk_pallas
+from pallas_kernels.linear_attention.gated_delta_rule_chunked import CHUNK, chunk_layout, max_chunks
+from pallas_kernels.linear_attention.gated_delta_rule_intra import OUTPUTS, intra_chunk, intra_chunk_pallas
 from tests.kernels.conftest import MODES
 from tests.kernels.test_gated_delta_rule import problem
 

@@ -9,7 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from pallas_kernels.gated_rms_norm import gated_rms_norm, gated_rms_norm_reference
+from pallas_kernels.linear_attention.gated_rms_norm import gated_rms_norm, gated_rms_norm_reference
 from tests.kernels.conftest import MODES, assert_close, lower_for_cuda
 
 

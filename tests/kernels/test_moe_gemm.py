@@ -9,14 +9,14 @@ import numpy as np
 import pytest
 
 from jinfer.models.layers import moe_mlp
-from pallas_kernels.moe_gemm import (
+from pallas_kernels.moe.moe_gemm import (
     moe_combine,
     moe_down,
     moe_down_reference,
     moe_gate_up,
     moe_gate_up_reference,
 )
-from pallas_kernels.moe_routing import moe_route_reference
+from pallas_kernels.moe.moe_routing import moe_route_reference
 from tests.kernels.conftest import MODES, assert_close, lower_for_cuda
 
 CASES = [  # tokens, experts, hidden, intermediate, top_k, block_m
@@ -78,7 +78,7 @@ def test_argument_errors():
 
 def test_grouped_gemms_lower_for_cuda():
     """Qwen3-30B-A3B's expert shapes, decode-sized and prefill-sized layouts."""
-    from pallas_kernels.moe_routing import moe_route
+    from pallas_kernels.moe.moe_routing import moe_route
 
     S = jax.ShapeDtypeStruct
     bf = jnp.bfloat16
@@ -96,7 +96,7 @@ def test_grouped_gemms_lower_for_cuda():
 def test_model_moe_block_mosaic_path_matches_reference(monkeypatch):
     """ModelOps.moe_block with the Mosaic GPU grouped GEMM (steps with >= 128 rows per expert; Mosaic GPU
     interpreter here): the same output as the XLA reference block."""
-    import pallas_kernels.moe_gemm_mgpu as mgpu
+    import pallas_kernels.moe.moe_gemm_mgpu as mgpu
     from jinfer.models.ops import ModelOps
 
     calls = []

@@ -12,7 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from pallas_kernels.moe_gemm_mgpu import (
+from pallas_kernels.moe.moe_gemm_mgpu import (
     check_supported,
     default_config,
     moe_grouped_matmul_mgpu,

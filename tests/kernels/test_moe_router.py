@@ -8,8 +8,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from pallas_kernels.moe_router import MAX_TOKENS, moe_norm_route, moe_norm_router_reference
-from pallas_kernels.moe_routing import moe_route_reference
+from pallas_kernels.moe.moe_router import MAX_TOKENS, moe_norm_route, moe_norm_router_reference
+from pallas_kernels.moe.moe_routing import moe_route_reference
 from tests.kernels.conftest import MODES, lower_for_cuda
 from tests.kernels.test_moe_routing import check_layout
 

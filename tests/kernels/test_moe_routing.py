@@ -7,7 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from pallas_kernels.moe_routing import (
+from pallas_kernels.moe.moe_routing import (
     ROUTE_KERNEL_MAX_TOKENS,
     moe_route,
     moe_route_reference,

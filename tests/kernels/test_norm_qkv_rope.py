@@ -8,7 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from pallas_kernels.norm_qkv_rope import check_supported, norm_qkv_rope_write, norm_qkv_rope_write_reference
+from pallas_kernels.dense.norm_qkv_rope import check_supported, norm_qkv_rope_write, norm_qkv_rope_write_reference
 from tests.kernels.conftest import HAS_GPU, MODES, assert_close, assert_unwritten_rows_kept
 from tests.kernels.test_qkv_rope import _inputs as qkv_rope_inputs
 
@@ -56,7 +56,7 @@ def test_matches_reference(mode, splits, tokens, hidden, heads, kv_heads, dim, p
 
 
 def test_default_k_splits():
-    from pallas_kernels.norm_qkv_rope import default_k_splits
+    from pallas_kernels.dense.norm_qkv_rope import default_k_splits
 
     assert default_k_splits(48, 2560, 128) == 2  # Qwen3-4B: 96 programs
     assert default_k_splits(40, 2048, 128) == 2  # Qwen3-30B-A3B

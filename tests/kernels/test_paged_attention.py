@@ -6,7 +6,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from pallas_kernels.paged_attention import (
+from pallas_kernels.attention.paged_attention import (
     _plan_splits,
     paged_decode_attention,
     paged_decode_attention_reference,

@@ -6,7 +6,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from pallas_kernels.prefill_attention import ragged_prefill_attention, ragged_prefill_attention_reference
+from pallas_kernels.attention.prefill_attention import ragged_prefill_attention, ragged_prefill_attention_reference
 from tests.kernels.conftest import MODES, assert_close, paged_kv
 
 # seqs: (new tokens, context length incl. them); (0, 0) is a padding sequence

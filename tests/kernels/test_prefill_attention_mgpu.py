@@ -10,8 +10,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from pallas_kernels.prefill_attention import ragged_prefill_attention_reference
-from pallas_kernels.prefill_attention_mgpu import check_supported, ragged_prefill_attention_mgpu
+from pallas_kernels.attention.prefill_attention import ragged_prefill_attention_reference
+from pallas_kernels.attention.prefill_attention_mgpu import check_supported, ragged_prefill_attention_mgpu
 from tests.kernels.conftest import MODES, assert_close, paged_kv
 from tests.kernels.test_prefill_attention import _batch
 

@@ -6,7 +6,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from pallas_kernels.qkv_rope import check_supported, qkv_rope_write, qkv_rope_write_reference
+from pallas_kernels.dense.qkv_rope import check_supported, qkv_rope_write, qkv_rope_write_reference
 from tests.kernels.conftest import MODES, assert_close, assert_unwritten_rows_kept
 
 # (tokens, heads, kv_heads, head_dim, page_size, qk_norm, dtype, gated_q, rotary_dim)

@@ -6,7 +6,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from pallas_kernels.skinny_gemm import default_config, skinny_gemm, skinny_gemm_reference, skinny_gemm_residual
+from pallas_kernels.dense.skinny_gemm import default_config, skinny_gemm, skinny_gemm_reference, skinny_gemm_residual
 from tests.kernels.conftest import MODES, assert_close
 
 # (tokens, K, N, dtype, launch overrides)
@@ -82,7 +82,7 @@ def test_skinny_gemm_residual_checks():
 @pytest.mark.parametrize("tokens,kw", [(1, {"block_n": 32, "block_k": 64}), (8, {"block_n": 16}), (32, {})])
 def test_gemv_residual(mode, tokens, kw):
     """residual + x @ w, one split, the add in each program's epilogue."""
-    from pallas_kernels.skinny_gemm import gemv_residual
+    from pallas_kernels.dense.skinny_gemm import gemv_residual
 
     rng = np.random.default_rng(tokens)
     k, n, dtype = 512, 192, jnp.bfloat16

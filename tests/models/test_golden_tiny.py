@@ -126,7 +126,7 @@ def test_moe_front_kernel_matches_hf(monkeypatch):
     """A MoE block's norm + router + routing as one Pallas kernel (`moe_norm_route`, for steps of up to
     `ops.MOE_FRONT_MAX_TOKENS` tokens: here every step it takes, prefill chunks too): prefill, every decode step and
     batched chunked prefill still match HF, and the kernel ran."""
-    import pallas_kernels.moe_router as moe_router
+    import pallas_kernels.moe.moe_router as moe_router
     from jinfer.models import ops as ops_module
 
     monkeypatch.setattr(ops_module, "MOE_FRONT_MAX_TOKENS", moe_router.MAX_TOKENS)
@@ -145,7 +145,7 @@ def test_fused_split_k_tails_match_hf(monkeypatch):
     """The split-K tails finished in the kernels (`ops.FUSED_TAILS`: the attention merge in its last split, o + residual
     in one skinny GEMM, the fused MLP's sum + residual add) and the o weight's L2 prefetch: every decode step still
     matches HF, and the fused kernels ran (the tiny model's decode attention runs several splits: one page per block)."""
-    import pallas_kernels.paged_attention as paged_attention
+    import pallas_kernels.attention.paged_attention as paged_attention
     from jinfer.models import ops as ops_module
 
     monkeypatch.setattr(ops_module, "FUSED_TAILS", frozenset({"merge", "o", "mlp"}))

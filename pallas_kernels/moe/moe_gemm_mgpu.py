@@ -458,7 +458,7 @@ def moe_experts_mgpu(x: jax.Array, routing, w_gate: jax.Array, w_up: jax.Array, 
     let all-padding half blocks skip their wgmmas. `mine` [T, k]: the pairs whose experts are here
     (expert parallelism, `moe_routing.local_experts`); the others are left out of the sum.
     """
-    from pallas_kernels.moe_gemm import moe_combine
+    from pallas_kernels.moe.moe_gemm import moe_combine
 
     bm, top_k = routing.block_m, routing.top_k
     m = routing.sorted_pairs.shape[0]
@@ -559,7 +559,7 @@ def _check_subset(out, x, w, block_expert, w2, block_rows, block_m, num_blocks=2
 
 
 def main(argv: list[str] | None = None) -> None:
-    """`python -m pallas_kernels.moe_gemm_mgpu [--sweep]`: Qwen3-30B-A3B's expert GEMMs (E = 128,
+    """`python -m pallas_kernels.moe.moe_gemm_mgpu [--sweep]`: Qwen3-30B-A3B's expert GEMMs (E = 128,
     hidden 2048, moe_intermediate 768, top-8, bf16, uniform random routing) at 4096 tokens (and 1024,
     512) x top-8: (a) gate|up with the SwiGLU epilogue, (b) down. Default config, and the default
     with `block_rows`; with `--sweep` a grid of the knobs at 4096 tokens (~25 configs). Per config:

@@ -26,7 +26,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from pallas_kernels.paged_attention import row_view, token_rows
+from pallas_kernels.attention.paged_attention import row_view, token_rows
 
 LOG2E = math.log2(math.e)
 MASK_VALUE = -0.7 * float(jnp.finfo(jnp.float32).max)

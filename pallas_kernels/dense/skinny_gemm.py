@@ -24,7 +24,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from pallas_kernels.fused_mlp import pow2_divisor
+from pallas_kernels.dense.fused_mlp import pow2_divisor
 from pallas_kernels.split_k import check_counters, finish_last, residual_add
 
 MAX_TOKENS = 32

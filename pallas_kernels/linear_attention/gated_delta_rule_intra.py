@@ -1,6 +1,6 @@
 """The intra-chunk part of the chunked gated delta rule: one fused Pallas kernel, and its jnp reference.
 
-Phase 1 of pallas_kernels/gated_delta_rule_chunked.py (read its doc first): for every chunk of C rows of a
+Phase 1 of gated_delta_rule_chunked.py (read its doc first): for every chunk of C rows of a
 sequence and every value head, everything that does not depend on the state (gc the cumulative log-decay
 from the chunk's start, k and q L2-normalised, q also by Dk^-0.5):
 
@@ -44,7 +44,7 @@ import numpy as np
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from pallas_kernels.gated_delta_rule import L2_EPS, head_shapes, head_views, prepare_qk
+from pallas_kernels.linear_attention.gated_delta_rule import L2_EPS, head_shapes, head_views, prepare_qk
 
 BLOCK = 16  # rows of the solve's blocks (the smallest tensor-core dot)
 OUTPUTS = ("w", "u", "qg", "kd", "p", "dl")
@@ -332,7 +332,7 @@ def main():
     import json
     import time
 
-    from pallas_kernels.gated_delta_rule_chunked import CHUNK, MIN_LEN, chunk_layout, max_chunks
+    from pallas_kernels.linear_attention.gated_delta_rule_chunked import CHUNK, MIN_LEN, chunk_layout, max_chunks
 
     ap = argparse.ArgumentParser()
     ap.add_argument("--prefill", type=int, nargs="+", default=[1024, 16384])

@@ -25,8 +25,8 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from pallas_kernels.fused_mlp import pow2_divisor, rms_inverse, rms_normed, tile_rows
-from pallas_kernels.moe_routing import (
+from pallas_kernels.dense.fused_mlp import pow2_divisor, rms_inverse, rms_normed, tile_rows
+from pallas_kernels.moe.moe_routing import (
     MoeRouting,
     check_route_args,
     next_pow2,

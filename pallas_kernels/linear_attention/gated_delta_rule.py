@@ -253,7 +253,7 @@ def gated_delta_rule(q, k, v, g, beta, states, slots, fresh, query_start, *, bac
     """The rule over a ragged batch (see the module doc): (o [T, Hv, Dv] in out_dtype, updated states pool).
 
     backend "reference": `recurrent_reference`. "pallas": sequences with >= MIN_LEN (64) new rows run in
-    chunks (pallas_kernels/gated_delta_rule_chunked.py: tensor-core matmuls), the others (decode rows, short
+    chunks (linear_attention/gated_delta_rule_chunked.py: tensor-core matmuls), the others (decode rows, short
     chunks of a chunked prefill) in the recurrent kernel; a step of fewer than MIN_LEN rows only launches
     the recurrent one. Each kernel skips the other's sequences and writes its own rows of one zeroed output
     buffer (in out_dtype: no float32 copy of o goes through HBM), so a mixed step costs both their work only.
@@ -264,7 +264,7 @@ def gated_delta_rule(q, k, v, g, beta, states, slots, fresh, query_start, *, bac
         o, states = recurrent_reference(*unpack_heads(q, k, v, packed_k_heads), g, beta, states, slots, fresh,
                                         query_start)
         return o.astype(out_dtype), states
-    from pallas_kernels.gated_delta_rule_chunked import MIN_LEN, chunked_gated_delta_rule
+    from pallas_kernels.linear_attention.gated_delta_rule_chunked import MIN_LEN, chunked_gated_delta_rule
 
     hv, dv = head_shapes(q, k, v, packed_k_heads)[2].shape[1:]
     out = jnp.zeros((q.shape[0], hv, dv), out_dtype)

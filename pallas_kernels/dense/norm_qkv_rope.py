@@ -21,7 +21,7 @@ Split-K counters must be zero on entry (a dirty counter leaves its head unfinish
 counters are made zero once and every launch leaves them zero, launches being ordered by the stream.
 
 Prefetch (`prefetch=`, the layer's o projection weight; `ops.PREFETCH_O`): extra programs on the launch's idle SMs
-read the first part of another array into L2 (evict-last) while the heads stream (pallas_kernels/prefetch.py).
+read the first part of another array into L2 (evict-last) while the heads stream (pallas_kernels/dense/prefetch.py).
 
 Scope: full rotate-half RoPE (rotary dim = head_dim), no gated queries, no q/k/v bias; head_dim a power of two
 >= 32; `check_supported` says why not otherwise (the caller keeps the XLA projection + `qkv_rope_write`).
@@ -38,9 +38,9 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from pallas_kernels.fused_mlp import rms_inverse, rms_normed, tile_rows
-from pallas_kernels.prefetch import WIDTH, prefetch_rows, prefetch_rows_count, prefetch_view
-from pallas_kernels.qkv_rope import qkv_rope_write_reference
+from pallas_kernels.dense.fused_mlp import rms_inverse, rms_normed, tile_rows
+from pallas_kernels.dense.prefetch import WIDTH, prefetch_rows, prefetch_rows_count, prefetch_view
+from pallas_kernels.dense.qkv_rope import qkv_rope_write_reference
 from pallas_kernels.split_k import check_counters, sum_splits, take_ticket
 
 MAX_TOKENS = 64  # one token tile holds the whole step: the weights are read once

@@ -31,8 +31,8 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from pallas_kernels.fused_mlp import pow2_divisor
-from pallas_kernels.moe_routing import MoeRouting
+from pallas_kernels.dense.fused_mlp import pow2_divisor
+from pallas_kernels.moe.moe_routing import MoeRouting
 
 
 # ----------------------------------------------------------------------------------------------
@@ -261,7 +261,7 @@ def main() -> None:
     """Quick timing at Qwen3-30B-A3B expert shapes; the full comparison is benchmarks/bench_moe.py."""
     import time
 
-    from pallas_kernels.moe_routing import moe_route
+    from pallas_kernels.moe.moe_routing import moe_route
 
     interpret = jax.default_backend() != "gpu"
     e, hidden, inter, k = (128, 2048, 768, 8) if not interpret else (8, 128, 64, 2)

@@ -39,8 +39,8 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from pallas_kernels.gated_delta_rule import L2_EPS, recurrent_reference
-from pallas_kernels.gated_rms_norm import gated_rms_norm_reference
+from pallas_kernels.linear_attention.gated_delta_rule import L2_EPS, recurrent_reference
+from pallas_kernels.linear_attention.gated_rms_norm import gated_rms_norm_reference
 
 
 def gates(b: jax.Array, a: jax.Array, a_log: jax.Array, dt_bias: jax.Array) -> tuple[jax.Array, jax.Array]:
@@ -273,9 +273,9 @@ def main():
 
     import numpy as np
 
-    from pallas_kernels.causal_conv import causal_conv_reference
-    from pallas_kernels.gated_delta_rule import recurrent_gated_delta_rule, token_sequences
-    from pallas_kernels.gated_rms_norm import gated_rms_norm
+    from pallas_kernels.linear_attention.causal_conv import causal_conv_reference
+    from pallas_kernels.linear_attention.gated_delta_rule import recurrent_gated_delta_rule, token_sequences
+    from pallas_kernels.linear_attention.gated_rms_norm import gated_rms_norm
 
     ap = argparse.ArgumentParser()
     ap.add_argument("--batches", type=int, nargs="+", default=[1, 8, 64, 256])

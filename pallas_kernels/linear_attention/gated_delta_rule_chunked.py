@@ -1,6 +1,6 @@
 """The gated delta rule in chunks (flash-linear-attention's chunked WY form) over a ragged batch: prefill.
 
-Same rule, layout and state pool as pallas_kernels/gated_delta_rule.py (read its doc first). Token by
+Same rule, layout and state pool as pallas_kernels/linear_attention/gated_delta_rule.py (read its doc first). Token by
 token, the rule is a chain of rank-1 updates; in chunks of C = 64 rows it becomes matmuls. Within one
 chunk of a sequence (rows i, j; gc the cumulative log-decay from the chunk's start, S the state entering
 the chunk):
@@ -23,7 +23,7 @@ rows' outputs are zeros and their slots are left alone.
 
 Two phases:
 - The intra-chunk part: everything that does not depend on the state, for all chunks at once
-  (pallas_kernels/gated_delta_rule_intra.py: the fused kernel `intra_chunk_pallas`, one program per
+  (pallas_kernels/linear_attention/gated_delta_rule_intra.py: the fused kernel `intra_chunk_pallas`, one program per
   chunk and value head, reading the activations and writing W, U, Qg, Kd, P in their dtype; its jnp
   reference `intra_chunk`, re-exported here, all float32 through HBM).
 - The inter-chunk recurrence, sequential along each sequence: the Pallas kernel
@@ -49,8 +49,14 @@ import numpy as np
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from pallas_kernels.gated_delta_rule import check_out, check_shapes, head_shapes, initial_states, unpack_heads
-from pallas_kernels.gated_delta_rule_intra import intra_chunk, intra_chunk_pallas, unit_lower_inverse
+from pallas_kernels.linear_attention.gated_delta_rule import (
+    check_out,
+    check_shapes,
+    head_shapes,
+    initial_states,
+    unpack_heads,
+)
+from pallas_kernels.linear_attention.gated_delta_rule_intra import intra_chunk, intra_chunk_pallas, unit_lower_inverse
 
 __all__ = ["intra_chunk", "unit_lower_inverse"]  # phase 1's reference, here since it began here
 
@@ -324,7 +330,7 @@ def main():
     the recurrence kernel; for the first configuration also with XLA's intra-chunk part: time_jnp_intra_us),
     and each part alone (intra_chunk_us: XLA's, product-form inverse; intra_chunk_trsm_us: with XLA's
     triangular solve; intra_pallas_us: the kernel, default settings; recurrence_kernel_us: fed the kernel's
-    bf16 parts). pallas_kernels.gated_delta_rule_intra times the intra-chunk kernel's settings. tflop_per_s
+    bf16 parts). gated_delta_rule_intra times the intra-chunk kernel's settings. tflop_per_s
     counts the rule's 6 Hv Dk Dv FLOPs per token (the recurrent form's useful work, as the recurrent kernel's
     benchmark does: comparable); chunked_form_tflop_per_s the chunked form's own FLOPs. JSON lines on stdout.
     Small shapes on CPU (interpreter), to check the script."""

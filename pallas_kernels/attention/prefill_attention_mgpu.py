@@ -48,7 +48,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from pallas_kernels.prefill_attention import (
+from pallas_kernels.attention.prefill_attention import (
     _Q0,
     _Q1,
     _SEQ,
