@@ -61,6 +61,7 @@ from jinfer.engine.spawn import (  # noqa: F401 (re-exported)
     start_engine_process,
 )
 from jinfer.engine.stats_log import StatsLogger
+from jinfer.errors import InvalidParam
 from jinfer.outputs import EngineOutput
 from jinfer.sampling_params import SamplingParams
 
@@ -226,9 +227,12 @@ class EngineCoreProc:
             self._send(identity, Rejected(rid, f"request_id={rid!r} is already in use"))
             return
         try:
-            params = SamplingParams(**msg.params)
+            params = SamplingParams(**msg.params)  # checked again here: the frame came from another process
             self.core.add_request(rid, msg.prompt_token_ids, params)
-        except (ValueError, TypeError) as e:
+        except InvalidParam as e:
+            self._send(identity, Rejected(rid, e.message, e.param, e.code))
+            return
+        except (ValueError, TypeError) as e:  # TypeError: a field SamplingParams does not know
             self._send(identity, Rejected(rid, str(e)))
             return
         except Exception as e:
