@@ -93,7 +93,8 @@ def _default_core_factory(config: dict[str, Any]) -> Any:
         import jax  # noqa: F401
 
         threading.Thread(target=_start_backend, name="jinfer-backend", daemon=True).start()
-    from jinfer.engine.core import EngineConfig, EngineCore
+    from jinfer.config.engine import EngineConfig
+    from jinfer.engine.core import EngineCore
 
     return EngineCore(EngineConfig(**config))
 

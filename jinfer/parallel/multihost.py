@@ -328,7 +328,7 @@ def main(argv: list[str] | None = None) -> int:
     import argparse
     import json
 
-    from jinfer.engine.core import EngineConfig
+    from jinfer.config.engine import EngineConfig
     from jinfer.parallel import (
         multihost as distributed,  # not this `__main__` module: the engine's classes are that one's
     )

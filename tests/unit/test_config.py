@@ -2,8 +2,8 @@ import json
 
 import pytest
 
+from jinfer.config.engine import EngineConfig
 from jinfer.config.model import NAMED_SHAPES, ModelConfig, RopeScaling, rope_inv_freq
-from jinfer.engine.core import EngineConfig
 
 LLAMA = {
     "architectures": ["LlamaForCausalLM"], "vocab_size": 100, "hidden_size": 64, "intermediate_size": 128,
