@@ -85,6 +85,15 @@ def check_length(num_prompt_tokens: int, max_tokens: int | None, max_model_len: 
                                                   f"({max_tokens}) exceeds it")
 
 
+def check_request(prompt_token_ids, params: SamplingParams, vocab_size: int, max_model_len: int) -> list[int]:
+    """A request's checks against the model (what SamplingParams cannot know); the prompt's ids as a list."""
+    ids = check_prompt(prompt_token_ids, vocab_size)
+    check_length(len(ids), params.max_tokens, max_model_len)
+    if params.logit_bias and params.logit_bias[-1][0] >= vocab_size:  # sorted by id
+        raise InvalidParam("logit_bias", f"logit_bias= keys must be token ids in [0, {vocab_size})")
+    return ids
+
+
 class InputProcessor:
     def __init__(self, *, vocab_size: int, max_model_len: int, tokenizer: Tokenizer | None,
                  eos_token_ids: tuple[int, ...], grammar: GrammarEngine, can_fork: bool, seed: int):
@@ -98,10 +107,7 @@ class InputProcessor:
         """Check a request and build its sequences; InvalidParam, naming the field, if it can never run."""
         if not isinstance(request_id, str) or not request_id:
             raise InvalidParam("request_id", f"request_id={request_id!r} must be a non-empty string")
-        ids = check_prompt(prompt_token_ids, self.vocab_size)
-        check_length(len(ids), params.max_tokens, self.max_model_len)
-        if params.logit_bias and params.logit_bias[-1][0] >= self.vocab_size:  # sorted by id
-            raise InvalidParam("logit_bias", f"logit_bias= keys must be token ids in [0, {self.vocab_size})")
+        ids = check_request(prompt_token_ids, params, self.vocab_size, self.max_model_len)
         seq_ids = [request_id] if params.n == 1 else [f"{request_id}#{i}" for i in range(params.n)]
         mask = pack_token_mask(ids, self.vocab_size) if params.repetition_penalty != 1.0 else None
         # n > 1 on a model with per-sequence states (no prefix cache to share the prompt): the other samples fork
