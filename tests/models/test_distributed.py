@@ -52,7 +52,7 @@ def process_env(devices: int) -> dict:
 
 
 def start_follower(config: dict, rank: int, devices: int) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-m", "jinfer.parallel.multihost", "--config",
+    return subprocess.Popen([sys.executable, "-m", "jinfer.engine.worker_proc", "--config",
                              json.dumps(config | {"node_rank": rank})], env=process_env(devices),
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
 
