@@ -3,14 +3,18 @@
 In order: JAX's settings (memory fraction, persistent compilation cache), the multi-process group (joined before
 anything starts JAX's backends), the model and its tokenizer, the dtype, the mesh of this data-parallel replica,
 the weights, the KV pool's size (from free device memory, agreed over a group), the host tier, the scheduler and
-the model runner, then the warm-up. Each phase's seconds and the process's RSS go to one log line.
+the model runner, then the warm-up. Each phase's seconds and the process's RSS go to one log line. An engine
+built is released at interpreter exit, on the main thread (`release_at_exit`).
 """
 
 from __future__ import annotations
 
+import atexit
+import gc
 import logging
 import os
 import time
+import weakref
 from dataclasses import dataclass
 from typing import Any
 
@@ -64,6 +68,29 @@ class EngineParts:
     scheduler: Scheduler
     runner: ModelRunner
     eos_token_ids: tuple[int, ...]
+
+
+_LIVE_ENGINES: weakref.WeakSet = weakref.WeakSet()
+
+
+def release_at_exit(core) -> None:
+    """Have `core`'s device state freed on the main thread at interpreter exit (`_release_engines`)."""
+    _LIVE_ENGINES.add(core)
+
+
+@atexit.register
+def _release_engines() -> None:
+    """Free every engine's device state on the main thread before the interpreter shuts down. Left to
+    the final garbage collection, its XLA objects could be freed on a daemon thread (tqdm's monitor),
+    which aborted the process ("terminate called without an active exception") about half the time."""
+    for core in list(_LIVE_ENGINES):
+        if isinstance(core.group, Leader):
+            core.close()
+        if core.runner is not None and core.runner.host_pool is not None:
+            core.runner.host_pool.join()  # its reservation and offload threads hold XLA buffers
+        core.runner = None
+        core._inflight = None
+    gc.collect()
 
 
 def _process_age_s() -> float | None:

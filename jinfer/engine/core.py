@@ -9,13 +9,10 @@ detokenizing, stop strings and logprobs output_processor.py's.
 
 from __future__ import annotations
 
-import atexit
-import gc
 import time
-import weakref
 
 from jinfer.config.engine import EngineConfig
-from jinfer.engine.builder import build_engine
+from jinfer.engine.builder import build_engine, release_at_exit
 from jinfer.engine.grammar import GrammarEngine
 from jinfer.engine.input_processor import InputProcessor, SequenceState, prompt_logprobs_wanted, step_rows
 from jinfer.engine.output_processor import emit, record_prompt_logprobs, token_logprobs
@@ -24,26 +21,8 @@ from jinfer.engine.runner import Launched
 from jinfer.engine.sampler import num_logprobs_for
 from jinfer.errors import InvalidParam
 from jinfer.outputs import EngineOutput
-from jinfer.parallel.multihost import Leader
 from jinfer.sampling_params import SamplingParams
 from jinfer.tokenizer import Tokenizer
-
-_LIVE_ENGINES: weakref.WeakSet = weakref.WeakSet()
-
-
-@atexit.register
-def _release_engines() -> None:
-    """Free every engine's device state on the main thread before the interpreter shuts down. Left to
-    the final garbage collection, its XLA objects could be freed on a daemon thread (tqdm's monitor),
-    which aborted the process ("terminate called without an active exception") about half the time."""
-    for core in list(_LIVE_ENGINES):
-        if isinstance(core.group, Leader):
-            core.close()
-        if core.runner is not None and core.runner.host_pool is not None:
-            core.runner.host_pool.join()  # its reservation and offload threads hold XLA buffers
-        core.runner = None
-        core._inflight = None
-    gc.collect()
 
 
 class EngineCore:
@@ -73,7 +52,7 @@ class EngineCore:
         self.device_wait_seconds_total = 0.0
         self._inflight: Launched | None = None  # the launched step whose tokens are not read yet
         self.startup_seconds = time.perf_counter() - t0
-        _LIVE_ENGINES.add(self)
+        release_at_exit(self)
 
     # ---- requests -----------------------------------------------------------------------------
 
