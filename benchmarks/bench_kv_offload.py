@@ -28,7 +28,8 @@ from jax.sharding import SingleDeviceSharding
 
 from benchmarks.common import add_profile_argument, environment, profiled, write_result
 from jinfer.cache.transfer import BLOCK_PAGES, host_memory_kind
-from jinfer.engine.core import EngineConfig, EngineCore
+from jinfer.config.engine import EngineConfig
+from jinfer.engine.core import EngineCore
 from jinfer.engine.request import Request
 from jinfer.sampling_params import SamplingParams
 

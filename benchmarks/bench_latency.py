@@ -27,7 +27,8 @@ from benchmarks.roofline import (
     measure_matmul,
     measure_torch_copy,
 )
-from jinfer.engine.core import EngineConfig, EngineCore
+from jinfer.config.engine import EngineConfig
+from jinfer.engine.core import EngineCore
 from jinfer.sampling_params import SamplingParams
 
 

@@ -196,7 +196,8 @@ def run_batch(core, prompts, params, tag: str, timer: _HostTimer) -> dict:
 
 def bench_tpot(args, tokenizer) -> tuple[list[dict], dict]:
     from benchmarks.common import profiled
-    from jinfer.engine.core import EngineConfig, EngineCore
+    from jinfer.config.engine import EngineConfig
+    from jinfer.engine.core import EngineCore
     from jinfer.sampling_params import SamplingParams
     from jinfer.structured_outputs import StructuredOutputsParams
 

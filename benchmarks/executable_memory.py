@@ -122,8 +122,9 @@ def engine_cycle(model: str, directory: Path, cycles: int = 2, warmup_threads: i
     import gc
     import time
 
+    from jinfer.config.engine import EngineConfig
     from jinfer.engine import runner as model_runner
-    from jinfer.engine.core import EngineConfig, EngineCore
+    from jinfer.engine.core import EngineCore
 
     if warmup_threads:
         model_runner.WARMUP_THREADS = warmup_threads
@@ -187,7 +188,8 @@ def main() -> None:
         print(json.dumps(load_all(directory)))
         return
     if not any(directory.rglob("*.jexe")):
-        from jinfer.engine.core import EngineConfig, EngineCore
+        from jinfer.config.engine import EngineConfig
+        from jinfer.engine.core import EngineCore
 
         core = EngineCore(EngineConfig(model=args.model, max_model_len=2048, compilation_cache_dir=str(directory),
                                        warmup_first_tokens=256))

@@ -11,7 +11,8 @@ from __future__ import annotations
 import argparse
 import re
 
-from jinfer.engine.core import EngineConfig, EngineCore
+from jinfer.config.engine import EngineConfig
+from jinfer.engine.core import EngineCore
 
 
 def computations(text: str) -> dict[str, str]:

@@ -36,6 +36,7 @@ from zmq.utils.monitor import recv_monitor_message
 
 from jinfer.engine import protocol as proto
 from jinfer.engine.spawn import default_address, start_engine_process
+from jinfer.errors import invalid_param
 from jinfer.outputs import CompletionOutput, EngineOutput, RequestOutput
 from jinfer.sampling_params import SamplingParams
 
@@ -404,7 +405,7 @@ class EngineClient:
             with self._lock:
                 p = self._pending.pop(msg.request_id, None)
             if p is not None:
-                self._deliver([(p, [(p.tag, ValueError(msg.message)), (p.tag, _DONE)])])
+                self._deliver([(p, [(p.tag, invalid_param(msg.param, msg.message, msg.code)), (p.tag, _DONE)])])
         elif isinstance(msg, proto.EngineReady):
             if msg.protocol_version != proto.PROTOCOL_VERSION:
                 self._on_dead(f"the engine speaks protocol {msg.protocol_version}, "

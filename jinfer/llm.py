@@ -20,7 +20,9 @@ from typing import Any
 
 from tqdm.auto import tqdm
 
-from jinfer.engine.core import EngineConfig, EngineCore
+from jinfer.config.engine import EngineConfig
+from jinfer.engine.args import compilation_cache_dir_from_env
+from jinfer.engine.core import EngineCore
 from jinfer.outputs import CompletionOutput, RequestOutput
 from jinfer.sampling_params import SamplingParams
 from jinfer.tokenizer import Tokenizer
@@ -34,7 +36,7 @@ class LLM:
         unknown = sorted(set(engine_args) - known)
         if unknown:
             raise ValueError(f"unknown engine arguments {unknown}; known: {sorted(known - {'model'})}")
-        config = EngineConfig(model=model, **engine_args)
+        config = EngineConfig(model=model, **compilation_cache_dir_from_env(engine_args))
         self.engines = [EngineCore(dataclasses.replace(config, data_parallel_rank=i))
                         for i in range(config.data_parallel_size)]
         self.engine = self.engines[0]

@@ -1,7 +1,7 @@
 """Per-request sampling parameters, field-compatible with vLLM's `SamplingParams` (the subset we serve).
 
-Frozen and validated once in `__post_init__`: every bad value raises `ValueError` naming the field, so
-the server can turn it into a 400 without knowing the rules. Normalization done here:
+Frozen and validated once in `__post_init__`: every bad value raises `InvalidParam` (a ValueError, jinfer/errors.py)
+naming the field, so the server can turn it into a 400 without knowing the rules. Normalization done here:
 - `stop` (str | list[str] | None) -> tuple[str, ...]; `stop_token_ids` -> tuple[int, ...];
 - `top_k` 0 -> -1 (both mean "off"); ints given for float fields become floats;
 - `logit_bias` ({token id (int or decimal string): bias} or [[id, bias], ...]) -> tuple of (id, bias) pairs.
@@ -18,6 +18,7 @@ import math
 from dataclasses import dataclass, fields
 from typing import Any
 
+from jinfer.errors import InvalidParam
 from jinfer.structured_outputs import StructuredOutputsParams
 
 MAX_LOGPROBS = 20
@@ -92,55 +93,57 @@ class SamplingParams:
                      "repetition_penalty"):
             value = getattr(self, name)
             if not _finite32(value):
-                raise ValueError(f"{name}={_show(value)} must be a finite number")
+                raise InvalidParam(name, f"{name}={_show(value)} must be a finite number")
             set_(name, float(value))
         for name in ("n", "top_k", "min_tokens"):
             value = getattr(self, name)
             if not _is_int(value):
-                raise ValueError(f"{name}={_show(value)} must be an integer")
+                raise InvalidParam(name, f"{name}={_show(value)} must be an integer")
         for name in ("seed", "max_tokens", "logprobs", "prompt_logprobs"):
             value = getattr(self, name)
             if value is not None and not _is_int(value):
-                raise ValueError(f"{name}={_show(value)} must be an integer or None")
+                raise InvalidParam(name, f"{name}={_show(value)} must be an integer or None")
         for name in ("n", "top_k", "min_tokens", "max_tokens"):  # int32 on the device
             value = getattr(self, name)
             if value is not None and abs(value) > INT32_MAX:
-                raise ValueError(f"{name}={_show(value)} must be at most {INT32_MAX} in magnitude")
+                raise InvalidParam(name, f"{name}={_show(value)} must be at most {INT32_MAX} in magnitude")
         if self.seed is not None and not INT64_MIN <= self.seed <= INT64_MAX:
-            raise ValueError(f"seed={_show(self.seed)} must be a 64-bit signed integer [{INT64_MIN}, {INT64_MAX}]")
+            raise InvalidParam("seed",
+                               f"seed={_show(self.seed)} must be a 64-bit signed integer [{INT64_MIN}, {INT64_MAX}]")
         for name in ("ignore_eos", "skip_special_tokens", "include_stop_str_in_output"):
             value = getattr(self, name)
             if not isinstance(value, bool):
-                raise ValueError(f"{name}={_show(value)} must be a bool")
+                raise InvalidParam(name, f"{name}={_show(value)} must be a bool")
 
         if not 1 <= self.n <= MAX_N:
-            raise ValueError(f"n={self.n} must be in [1, {MAX_N}]")
+            raise InvalidParam("n", f"n={self.n} must be in [1, {MAX_N}]")
         if self.temperature < 0:
-            raise ValueError(f"temperature={self.temperature} must be >= 0")
+            raise InvalidParam("temperature", f"temperature={self.temperature} must be >= 0")
         if not 0 < self.top_p <= 1:
-            raise ValueError(f"top_p={self.top_p} must be in (0, 1]")
+            raise InvalidParam("top_p", f"top_p={self.top_p} must be in (0, 1]")
         if self.top_k < -1:
-            raise ValueError(f"top_k={self.top_k} must be -1 or 0 (off) or >= 1")
+            raise InvalidParam("top_k", f"top_k={self.top_k} must be -1 or 0 (off) or >= 1")
         if self.top_k == 0:
             set_("top_k", -1)
         if not 0 <= self.min_p <= 1:
-            raise ValueError(f"min_p={self.min_p} must be in [0, 1]")
+            raise InvalidParam("min_p", f"min_p={self.min_p} must be in [0, 1]")
         if not -2 <= self.presence_penalty <= 2:
-            raise ValueError(f"presence_penalty={self.presence_penalty} must be in [-2, 2]")
+            raise InvalidParam("presence_penalty", f"presence_penalty={self.presence_penalty} must be in [-2, 2]")
         if not -2 <= self.frequency_penalty <= 2:
-            raise ValueError(f"frequency_penalty={self.frequency_penalty} must be in [-2, 2]")
+            raise InvalidParam("frequency_penalty", f"frequency_penalty={self.frequency_penalty} must be in [-2, 2]")
         if self.repetition_penalty <= 0:
-            raise ValueError(f"repetition_penalty={self.repetition_penalty} must be > 0")
+            raise InvalidParam("repetition_penalty", f"repetition_penalty={self.repetition_penalty} must be > 0")
         if self.max_tokens is not None and self.max_tokens < 1:
-            raise ValueError(f"max_tokens={self.max_tokens} must be >= 1")
+            raise InvalidParam("max_tokens", f"max_tokens={self.max_tokens} must be >= 1")
         if self.min_tokens < 0:
-            raise ValueError(f"min_tokens={self.min_tokens} must be >= 0")
+            raise InvalidParam("min_tokens", f"min_tokens={self.min_tokens} must be >= 0")
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
-            raise ValueError(f"min_tokens={self.min_tokens} must be <= max_tokens={self.max_tokens}")
+            raise InvalidParam("min_tokens", f"min_tokens={self.min_tokens} must be <= max_tokens={self.max_tokens}")
         if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
-            raise ValueError(f"logprobs={_show(self.logprobs)} must be in [0, {MAX_LOGPROBS}]")
+            raise InvalidParam("logprobs", f"logprobs={_show(self.logprobs)} must be in [0, {MAX_LOGPROBS}]")
         if self.prompt_logprobs is not None and not 0 <= self.prompt_logprobs <= MAX_LOGPROBS:
-            raise ValueError(f"prompt_logprobs={_show(self.prompt_logprobs)} must be in [0, {MAX_LOGPROBS}]")
+            raise InvalidParam("prompt_logprobs",
+                               f"prompt_logprobs={_show(self.prompt_logprobs)} must be in [0, {MAX_LOGPROBS}]")
 
         stop = self.stop
         if stop is None:
@@ -150,13 +153,13 @@ class SamplingParams:
         elif isinstance(stop, list | tuple):
             stop = tuple(stop)
         else:
-            raise ValueError(f"stop={_show(stop)} must be a string, a list of strings or None")
+            raise InvalidParam("stop", f"stop={_show(stop)} must be a string, a list of strings or None")
         if not all(isinstance(s, str) and s for s in stop):
-            raise ValueError(f"stop={_show(self.stop)} must contain only non-empty strings")
+            raise InvalidParam("stop", f"stop={_show(self.stop)} must contain only non-empty strings")
         if len(stop) > MAX_STOP_STRINGS:
-            raise ValueError(f"stop= has {len(stop)} strings; at most {MAX_STOP_STRINGS} are allowed")
+            raise InvalidParam("stop", f"stop= has {len(stop)} strings; at most {MAX_STOP_STRINGS} are allowed")
         if any(len(s) > MAX_STOP_STRING_CHARS for s in stop):
-            raise ValueError(f"stop= strings must be at most {MAX_STOP_STRING_CHARS} characters long")
+            raise InvalidParam("stop", f"stop= strings must be at most {MAX_STOP_STRING_CHARS} characters long")
         set_("stop", stop)
 
         ids = self.stop_token_ids
@@ -165,15 +168,22 @@ class SamplingParams:
         elif isinstance(ids, list | tuple):
             ids = tuple(ids)
         else:
-            raise ValueError(f"stop_token_ids={_show(ids)} must be a list of integers or None")
+            raise InvalidParam("stop_token_ids", f"stop_token_ids={_show(ids)} must be a list of integers or None")
         if not all(_is_int(t) and 0 <= t <= INT32_MAX for t in ids):
-            raise ValueError(f"stop_token_ids={_show(self.stop_token_ids)} must contain only integers in "
+            raise InvalidParam("stop_token_ids",
+                               f"stop_token_ids={_show(self.stop_token_ids)} must contain only integers in "
                              f"[0, {INT32_MAX}]")
         if len(ids) > MAX_STOP_TOKEN_IDS:
-            raise ValueError(f"stop_token_ids= has {len(ids)} ids; at most {MAX_STOP_TOKEN_IDS} are allowed")
+            raise InvalidParam("stop_token_ids",
+                               f"stop_token_ids= has {len(ids)} ids; at most {MAX_STOP_TOKEN_IDS} are allowed")
         set_("stop_token_ids", ids)
         set_("logit_bias", _logit_bias(self.logit_bias))
-        set_("structured_outputs", StructuredOutputsParams.of(self.structured_outputs))
+        try:
+            set_("structured_outputs", StructuredOutputsParams.of(self.structured_outputs))
+        except InvalidParam:
+            raise
+        except ValueError as e:
+            raise InvalidParam("structured_outputs", str(e)) from None
 
     @property
     def is_greedy(self) -> bool:
@@ -199,16 +209,16 @@ def _logit_bias(bias: Any) -> tuple[tuple[int, float], ...] | None:
     elif isinstance(bias, list | tuple) and all(isinstance(p, list | tuple) and len(p) == 2 for p in bias):
         items = [tuple(p) for p in bias]
     else:
-        raise ValueError("logit_bias= must be a map of token id to bias")
+        raise InvalidParam("logit_bias", "logit_bias= must be a map of token id to bias")
     if len(items) > MAX_LOGIT_BIAS:
-        raise ValueError(f"logit_bias= has {len(items)} entries; at most {MAX_LOGIT_BIAS} are allowed")
+        raise InvalidParam("logit_bias", f"logit_bias= has {len(items)} entries; at most {MAX_LOGIT_BIAS} are allowed")
     out = {}
     for key, value in items:
         if isinstance(key, str) and key.isascii() and key.isdecimal() and len(key) <= 10:
             key = int(key)
         if not _is_int(key) or not 0 <= key <= INT32_MAX:
-            raise ValueError(f"logit_bias= keys must be token ids (integers >= 0), got {_show(key)}")
+            raise InvalidParam("logit_bias", f"logit_bias= keys must be token ids (integers >= 0), got {_show(key)}")
         if not _finite32(value) or not -LOGIT_BIAS_RANGE <= value <= LOGIT_BIAS_RANGE:
-            raise ValueError(f"logit_bias= values must be numbers in [-100, 100], got {_show(value)}")
+            raise InvalidParam("logit_bias", f"logit_bias= values must be numbers in [-100, 100], got {_show(value)}")
         out[key] = float(value)
     return tuple(sorted(out.items())) or None

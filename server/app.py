@@ -28,10 +28,11 @@ from starlette.routing import Route
 import jinfer
 from jinfer.client import EngineClient
 from server import schemas
+from server.errors import InvalidRequest
 from server.generation import Generation
 from server.metrics import Metrics
 from server.tokenization import detokenize, tokenize, tokenizer_info
-from server.validation import InvalidRequest, ServingContext, parse_chat, parse_completion
+from server.validation import ServingContext, parse_chat, parse_completion
 
 RETRY_AFTER_S = 1
 MAX_BODY_BYTES = 32 << 20

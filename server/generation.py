@@ -7,33 +7,35 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-import re
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 from jinfer.client import EngineDeadError, RequestError
+from jinfer.errors import InvalidParam
 from jinfer.outputs import EngineOutput
 from server import schemas
+from server.errors import InvalidRequest, from_invalid_param
 from server.tools import ToolStream
-from server.validation import GenerationRequest, InvalidRequest
+from server.validation import GenerationRequest
 
 log = logging.getLogger("jinfer.server")
 
 
-def to_http_error(e: BaseException) -> InvalidRequest:
+def to_http_error(e: BaseException, param_names: Mapping[str, str] | None = None) -> InvalidRequest:
+    """The HTTP error for what a generation raised; `param_names`: the request's names of the engine's fields."""
     if isinstance(e, InvalidRequest):
         return e
+    if isinstance(e, InvalidParam):  # refused by the engine, naming the field
+        return from_invalid_param(e, param_names)
     if isinstance(e, EngineDeadError):
         return InvalidRequest(f"the engine is unavailable: {e}", None, "engine_unavailable", 503, "server_error")
     if isinstance(e, RequestError):
         return InvalidRequest(f"generation failed: {e}", None, "internal_error", 500, "server_error")
-    if isinstance(e, ValueError):  # the engine refused the request
-        m = re.match(r"(\w+)=", str(e))
-        param = m.group(1) if m else "max_tokens" if "max_tokens" in str(e) else None
-        return InvalidRequest(str(e), param)
+    if isinstance(e, ValueError):  # refused without a field named
+        return InvalidRequest(str(e), None)
     log.exception("unexpected error", exc_info=e)
     return InvalidRequest(f"internal error: {type(e).__name__}: {e}", None, "internal_error", 500, "server_error")
 
@@ -78,9 +80,9 @@ class Generation:
         except StopAsyncIteration:
             pass
         except BaseException as e:
-            await self.close("invalid" if type(e) is ValueError else "error" if isinstance(e, Exception)
+            await self.close("invalid" if isinstance(e, ValueError) else "error" if isinstance(e, Exception)
                              else "aborted")
-            raise to_http_error(e) if isinstance(e, Exception) else e from None
+            raise to_http_error(e, self.req.param_names) if isinstance(e, Exception) else e from None
 
     async def deltas(self) -> AsyncIterator[tuple[_Choice, EngineOutput]]:
         while self._buffer:
@@ -160,7 +162,7 @@ class Generation:
                 pass
         except BaseException as e:
             await self.close("aborted" if isinstance(e, asyncio.CancelledError) else "error")
-            raise to_http_error(e) if isinstance(e, Exception) else e from None
+            raise to_http_error(e, self.req.param_names) if isinstance(e, Exception) else e from None
         await self.close("success")
         r, tok = self.req, self.state.tokenizer
         choices = []
@@ -241,7 +243,7 @@ class Generation:
             status = "aborted"  # the client went away: close() aborts the engine request
             raise
         except Exception as e:
-            err = to_http_error(e)
+            err = to_http_error(e, r.param_names)
             yield f"data: {json.dumps(err.body())}\n\n"
         finally:
             await self.close(status)

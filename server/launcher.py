@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import logging
 import os
 import re
@@ -19,6 +20,7 @@ import signal
 import sys
 import threading
 
+from jinfer.config.engine import EngineConfig
 from jinfer.engine.args import (
     SERVE_EXECUTABLE_KEEP_ALIVE_S,
     SERVE_WARMUP_FIRST_TOKENS,
@@ -112,17 +114,24 @@ def _start_engine(args: argparse.Namespace, config: dict, dp: int):
 def run_serve(args: argparse.Namespace) -> int:
     """Serve until SIGINT/SIGTERM (returns 0) or until the engine dies (returns 1)."""
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    # The options go to the engine process as given; EngineConfig validates them there. This process
-    # never imports JAX (jinfer.engine.core does): it would cost start-up time and host memory for nothing.
-    config = engine_config_kwargs(args)
+    # The options are validated here (EngineConfig is JAX-free) and go to the engine process as its fields, where
+    # the same EngineConfig is built again. This process never imports JAX (jinfer.engine.core does): it would
+    # cost start-up time and host memory for nothing.
+    kwargs = engine_config_kwargs(args)
     if getattr(args, "warmup_first_tokens", None) is None and not args.no_warmup:
-        config["warmup_first_tokens"] = SERVE_WARMUP_FIRST_TOKENS  # ready sooner; the rest compiles while serving
-    config.setdefault("executable_keep_alive", SERVE_EXECUTABLE_KEEP_ALIVE_S)  # idle memory back
+        kwargs["warmup_first_tokens"] = SERVE_WARMUP_FIRST_TOKENS  # ready sooner; the rest compiles while serving
+    kwargs.setdefault("executable_keep_alive", SERVE_EXECUTABLE_KEEP_ALIVE_S)  # idle memory back
     if getattr(args, "enable_auto_tool_choice", False) and not getattr(args, "tool_call_parser", None):
         log.error("--enable-auto-tool-choice needs --tool-call-parser (one of %s)", ", ".join(sorted(TOOL_PARSERS)))
         return 2
-    if config.get("node_rank", 0) > 0:
-        return _run_headless(config)
+    try:
+        engine_config = EngineConfig(**kwargs)
+    except ValueError as e:
+        log.error("%s", e)
+        return 2
+    if engine_config.node_rank > 0:
+        return _run_headless(engine_config)
+    config = dataclasses.asdict(engine_config)
     dp = getattr(args, "data_parallel_size", 1)
     if dp < 1 or (dp > 1 and args.engine_address):
         log.error("--data-parallel-size=%d must be >= 1, and > 1 only without --engine-address", dp)
@@ -183,17 +192,11 @@ def run_serve(args: argparse.Namespace) -> int:
     return 0
 
 
-def _run_headless(config: dict) -> int:
+def _run_headless(engine_config: EngineConfig) -> int:
     """A process of rank > 0 of a multi-process group: no HTTP server; it follows process 0 until process 0
     stops the group (exit 0) or a process of the group is lost (exit 3, jinfer/parallel/multihost.py)."""
-    from jinfer.engine.core import EngineConfig
-    from jinfer.parallel.multihost import run_worker
+    from jinfer.engine.worker_proc import run_worker
 
-    try:
-        engine_config = EngineConfig(**config)
-    except ValueError as e:
-        log.error("%s", e)
-        return 2
     log.info("headless: process %d of %d, following process 0 at %s", engine_config.node_rank,
              engine_config.nnodes, engine_config.master_addr)
     return run_worker(engine_config)

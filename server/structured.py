@@ -12,7 +12,7 @@ from __future__ import annotations
 from typing import Any
 
 from jinfer.structured_outputs import StructuredOutputsParams, check_grammar
-from server.validation import InvalidRequest
+from server.errors import InvalidRequest
 
 GUIDED = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice", "guided_grammar": "grammar"}
 # vLLM extras that only tune how the constraint is enforced; accepted with the constraint they go with

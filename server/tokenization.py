@@ -16,7 +16,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from server.validation import InvalidRequest, ServingContext, _message_text, _require_tokenizer
+from server.errors import InvalidRequest
+from server.validation import ServingContext, _message_text, _require_tokenizer
 
 
 def _flag(body: dict[str, Any], name: str, default: bool) -> bool:

@@ -28,7 +28,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from jinfer.structured_outputs import StructuredOutputsParams, check_grammar
-from server.validation import InvalidRequest
+from server.errors import InvalidRequest
 
 TOOL_PARSERS = {"hermes": "hermes", "qwen": "hermes", "llama3_json": "llama3_json"}
 _NAME = re.compile(r"^[A-Za-z0-9_.:-]{1,64}$")

@@ -1,32 +1,23 @@
 """OpenAI request bodies -> a checked `GenerationRequest`, or `InvalidRequest` naming the bad field.
 
-Everything a request can get wrong is caught here, before the engine sees it: JSON types, value
-ranges (via SamplingParams, whose ValueError names the field), the prompt forms, the chat messages,
-the model name, and prompt + max_tokens against the context length.
+What the body itself can get wrong is caught here: JSON types, the prompt forms, the chat messages, the model
+name. Value ranges are SamplingParams' (built once per request, here: its `InvalidParam` names the field), and
+what depends on the model (token ids in the vocabulary, prompt + max_tokens within the context) is the engine's
+input processor's: its refusal comes back as an `InvalidParam` too, which `GenerationRequest.param_names` maps
+onto this endpoint's field names (server/generation.py).
 """
 
 from __future__ import annotations
 
-import dataclasses
-import re
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from jinfer.sampling_params import SamplingParams
-
-
-class InvalidRequest(Exception):
-    """Becomes an HTTP error with an OpenAI error body."""
-
-    def __init__(self, message: str, param: str | None = None, code: str | None = None, status: int = 400,
-                 type: str = "invalid_request_error", headers: dict[str, str] | None = None):
-        super().__init__(message)
-        self.message, self.param, self.code, self.status, self.type = message, param, code, status, type
-        self.headers = headers
-
-    def body(self) -> dict[str, Any]:
-        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+from jinfer.errors import InvalidParam
+from jinfer.sampling_params import INT32_MAX, SamplingParams
+from server.errors import InvalidRequest, from_invalid_param
+from server.structured import parse_structured_outputs
+from server.tools import history_fields, parse_tools
 
 
 @dataclass(frozen=True)
@@ -53,6 +44,8 @@ class GenerationRequest:
     extra: dict[str, Any] = field(default_factory=dict)
     echo_only: bool = False  # completions echo + max_tokens 0: the prompt (and its logprobs), nothing generated
     tools: Any = None  # server.tools.ToolPlan: how to read tool calls out of the output (None: plain text)
+    # the engine's field names -> this endpoint's (an engine refusal's "param": chat's "messages" for "prompt")
+    param_names: dict[str, str] = field(default_factory=dict)
 
 
 # name -> (JSON types accepted, description for the error message)
@@ -93,8 +86,9 @@ def _check_common(body: Any, ctx: ServingContext) -> str:
     return model
 
 
-def _sampling_params(body: dict[str, Any], max_tokens: int | None, logprobs: int | None,
-                     rename: dict[str, str], structured_outputs: Any = None) -> SamplingParams:
+def _sampling_kwargs(body: dict[str, Any], max_tokens: int | None, logprobs: int | None,
+                     structured_outputs: Any = None) -> dict[str, Any]:
+    """SamplingParams' keyword arguments from the body, their JSON types checked (their values are its)."""
     kw: dict[str, Any] = {name: body[name] for name in _SAMPLING_FIELDS if body.get(name) is not None}
     for name, spec in _SAMPLING_FIELDS.items():
         _typed(body, name, spec)
@@ -110,38 +104,34 @@ def _sampling_params(body: dict[str, Any], max_tokens: int | None, logprobs: int
     ids = body.get("stop_token_ids")
     if ids is not None and not (isinstance(ids, list) and all(_is_int(t) for t in ids)):
         raise InvalidRequest("'stop_token_ids' must be a list of integers", "stop_token_ids")
-    try:
-        return SamplingParams(**kw, stop=stop, stop_token_ids=ids, max_tokens=max_tokens, logprobs=logprobs,
-                              structured_outputs=structured_outputs)
-    except ValueError as e:  # "field=value must be ..." : the message starts with the field's name
-        m = re.match(r"(\w+)=", str(e))
-        name = m.group(1) if m else None
-        raise InvalidRequest(str(e), rename.get(name, name)) from None
+    return kw | dict(stop=stop, stop_token_ids=ids, max_tokens=max_tokens, logprobs=logprobs,
+                     structured_outputs=structured_outputs)
 
 
-def _generation_defaults(body: dict[str, Any], params: SamplingParams, ctx: ServingContext,
-                         prompts: list[list[int]], mt_name: str) -> SamplingParams:
+def _with_generation_defaults(body: dict[str, Any], kw: dict[str, Any], ctx: ServingContext,
+                              prompts: list[list[int]]) -> dict[str, Any]:
     """The model's generation_config defaults for the fields the request left out; its max_new_tokens caps
     max_tokens (within the context left by the longest prompt), as in vLLM."""
     d = ctx.generation_defaults
     if not d:
-        return params
-    kw = {k: v for k, v in d.items() if k != "max_tokens" and body.get(k) is None}
+        return kw
+    kw = {k: v for k, v in d.items() if k != "max_tokens" and body.get(k) is None} | kw
     if "max_tokens" in d:
         room = ctx.max_model_len - max(len(p) for p in prompts)
         cap = int(d["max_tokens"]) if room < 1 else min(int(d["max_tokens"]), room)
-        kw["max_tokens"] = cap if params.max_tokens is None else min(params.max_tokens, cap)
-        kw["min_tokens"] = min(params.min_tokens, kw["max_tokens"])
+        max_tokens, min_tokens = kw.get("max_tokens"), kw.get("min_tokens", 0)
+        kw["max_tokens"] = cap if max_tokens is None else min(max_tokens, cap)
+        if _is_int(min_tokens):
+            kw["min_tokens"] = min(min_tokens, kw["max_tokens"])
+    return kw
+
+
+def _build_params(kw: dict[str, Any], param_names: dict[str, str]) -> SamplingParams:
+    """The request's one SamplingParams; its InvalidParam becomes a 400 naming the request's field."""
     try:
-        return dataclasses.replace(params, **kw)
-    except ValueError as e:
-        raise InvalidRequest(f"with the model's generation_config defaults: {e}", mt_name) from None
-
-
-def _check_vocab(params: SamplingParams, ctx: ServingContext) -> None:
-    """Token ids in the parameters must exist in the model's vocabulary."""
-    if params.logit_bias and params.logit_bias[-1][0] >= ctx.vocab_size:  # sorted by id
-        raise InvalidRequest(f"'logit_bias' keys must be token ids in [0, {ctx.vocab_size})", "logit_bias")
+        return SamplingParams(**kw)
+    except InvalidParam as e:
+        raise from_invalid_param(e, param_names) from None
 
 
 def _is_int(x: Any) -> bool:
@@ -170,23 +160,12 @@ def _max_tokens(body: dict[str, Any], names: Sequence[str], default: int | None)
     return default, names[0]
 
 
-def _check_length(prompts: list[list[int]], max_tokens: int | None, mt_name: str, prompt_name: str,
-                  ctx: ServingContext) -> None:
-    for ids in prompts:
-        if len(ids) >= ctx.max_model_len:
-            raise InvalidRequest(f"This model's maximum context length is {ctx.max_model_len} tokens, but the "
-                                 f"prompt has {len(ids)} tokens", prompt_name, "context_length_exceeded")
-        if max_tokens is not None and len(ids) + max_tokens > ctx.max_model_len:
-            raise InvalidRequest(f"This model's maximum context length is {ctx.max_model_len} tokens; the prompt "
-                                 f"({len(ids)} tokens) + {mt_name} ({max_tokens}) exceeds it", mt_name,
-                                 "context_length_exceeded")
-
-
-def _token_ids(ids: list[Any], ctx: ServingContext) -> list[int]:
+def _token_ids(ids: list[Any]) -> list[int]:
+    """A prompt of token ids: a non-empty list of token-id-sized integers (the engine checks the vocabulary)."""
     if not ids:
         raise InvalidRequest("'prompt' must not be empty", "prompt")
-    if not all(_is_int(t) and 0 <= t < ctx.vocab_size for t in ids):
-        raise InvalidRequest(f"'prompt' token ids must be integers in [0, {ctx.vocab_size})", "prompt")
+    if not all(_is_int(t) and 0 <= t <= INT32_MAX for t in ids):
+        raise InvalidRequest("'prompt' token ids must be integers >= 0", "prompt")
     return ids
 
 
@@ -214,10 +193,10 @@ def parse_completion(body: Any, ctx: ServingContext) -> GenerationRequest:
         if any(not i for i in ids):
             raise InvalidRequest("'prompt' must not be empty", "prompt")
     elif all(_is_int(t) for t in prompt):
-        ids = [_token_ids(prompt, ctx)]
+        ids = [_token_ids(prompt)]
         texts = [decode(ids[0])]
     elif all(isinstance(p, list) for p in prompt):
-        ids = [_token_ids(p, ctx) for p in prompt]
+        ids = [_token_ids(p) for p in prompt]
         texts = [decode(i) for i in ids]
     else:
         raise InvalidRequest("'prompt' must be a string, a list of strings, a list of token ids or a list of "
@@ -229,18 +208,15 @@ def parse_completion(body: Any, ctx: ServingContext) -> GenerationRequest:
     for name in ("tools", "tool_choice"):  # chat only
         if body.get(name) is not None:
             raise InvalidRequest(f"'{name}' is only supported on /v1/chat/completions", name, "unsupported_parameter")
-    from server.structured import parse_structured_outputs
-
     # echo + max_tokens 0 (how evaluation harnesses score a prompt): generate one token, then drop it (vLLM)
     echo_only = echo and max_tokens == 0
-    params = _sampling_params(body, 1 if echo_only else max_tokens, logprobs, {}, parse_structured_outputs(body))
+    kw = _sampling_kwargs(body, 1 if echo_only else max_tokens, logprobs, parse_structured_outputs(body))
     if echo and logprobs is not None:  # the echoed prompt tokens' logprobs (the first one null)
-        params = dataclasses.replace(params, prompt_logprobs=logprobs)
-    params = _generation_defaults(body, params, ctx, ids, mt_name)
-    _check_vocab(params, ctx)
-    _check_length(ids, params.max_tokens, mt_name, "prompt", ctx)
+        kw["prompt_logprobs"] = logprobs
+    names = {"prompt_logprobs": "logprobs"}
+    params = _build_params(_with_generation_defaults(body, kw, ctx, ids), names)
     return GenerationRequest(False, model, ids, list(texts), params, stream, include_usage, echo, logprobs,
-                             echo_only=echo_only)
+                             echo_only=echo_only, param_names=names)
 
 
 MEDIA_PARTS = frozenset({"image_url", "image", "input_image", "video", "video_url", "input_audio", "audio_url",
@@ -273,8 +249,6 @@ def _message_text(i: int, m: Any) -> dict[str, Any]:
     if not isinstance(content, str):
         raise InvalidRequest(f"'messages[{i}].content' must be a string or a list of text parts",
                              f"messages[{i}].content")
-    from server.tools import history_fields
-
     return {"role": "system" if role == "developer" else role, "content": content, **history_fields(i, m)}
 
 
@@ -286,9 +260,6 @@ def parse_chat(body: Any, ctx: ServingContext) -> GenerationRequest:
                              None if isinstance(messages, list) else "missing_required_parameter")
     msgs = [_message_text(i, m) for i, m in enumerate(messages)]
     _require_tokenizer(ctx, "messages")
-    from server.structured import parse_structured_outputs
-    from server.tools import parse_tools
-
     tools, tool_plan, forced = parse_tools(body, ctx.tool_parser)
     structured = parse_structured_outputs(body)
     if forced is not None and structured is not None:
@@ -308,9 +279,8 @@ def parse_chat(body: Any, ctx: ServingContext) -> GenerationRequest:
     max_tokens, mt_name = _max_tokens(body, ("max_completion_tokens", "max_tokens"), None)
     if body.get("max_completion_tokens") is None and body.get("max_tokens") is not None:
         mt_name = "max_tokens"
-    params = _sampling_params(body, max_tokens, top, {"max_tokens": mt_name, "logprobs": "top_logprobs"},
-                              forced or structured)
-    params = _generation_defaults(body, params, ctx, [ids], mt_name)
-    _check_vocab(params, ctx)
-    _check_length([ids], params.max_tokens, mt_name, "messages", ctx)
-    return GenerationRequest(True, model, [ids], [text], params, stream, include_usage, False, top, tools=tool_plan)
+    names = {"prompt": "messages", "max_tokens": mt_name, "logprobs": "top_logprobs"}
+    kw = _sampling_kwargs(body, max_tokens, top, forced or structured)
+    params = _build_params(_with_generation_defaults(body, kw, ctx, [ids]), names)
+    return GenerationRequest(True, model, [ids], [text], params, stream, include_usage, False, top, tools=tool_plan,
+                             param_names=names)

@@ -1,12 +1,16 @@
 """Engine options on the command line, shared by `jinfer generate` and `jinfer serve`.
 
 Every flag defaults to None, meaning "EngineConfig's default", so the defaults live in one place
-(`jinfer/engine/core.py:EngineConfig`).
+(`jinfer/config/engine.py:EngineConfig`). The environment variables that set a default are read here, where the
+arguments are parsed, never below (JINFER_COMPILATION_CACHE: `compilation_cache_dir_from_env`).
 """
 
 from __future__ import annotations
 
 import argparse
+import os
+
+from jinfer.config.engine import ATTENTION_BACKENDS
 
 # `jinfer serve` is ready once these steps compile; the other shapes follow in the background.
 SERVE_WARMUP_FIRST_TOKENS = 256
@@ -50,10 +54,11 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     e.add_argument("--master-addr", default=None, help="host of process 0 (JAX's coordinator), default 127.0.0.1")
     e.add_argument("--master-port", type=int, default=None, help="port of JAX's coordinator on process 0 (29500)")
     e.add_argument("--seed", type=int, default=None)
-    e.add_argument("--attention-backend", default=None, choices=["auto", "reference", "pallas", "pallas-triton"],
+    e.add_argument("--attention-backend", default=None, choices=list(ATTENTION_BACKENDS),
                    help="pallas: Pallas kernels (Mosaic GPU for long prefills, Triton elsewhere); "
                         "pallas-triton: Triton kernels only; auto: pallas on GPU, reference elsewhere")
-    e.add_argument("--compilation-cache-dir", default=None, help="JAX compilation cache ('' = off)")
+    e.add_argument("--compilation-cache-dir", default=None,
+                   help="JAX compilation cache ('' = off; default $JINFER_COMPILATION_CACHE, else ~/.cache/jinfer/xla)")
     e.add_argument("--no-prefix-caching", action="store_true")
     e.add_argument("--kv-offload-gb", type=float, default=None, metavar="GIB",
                    help="host memory (GiB, pinned) for KV pages evicted from the HBM prefix cache: a prefix found "
@@ -99,4 +104,12 @@ def engine_config_kwargs(args: argparse.Namespace) -> dict:
         kw["async_scheduling"] = False
     if getattr(args, "disable_log_stats", False):
         kw["log_stats_interval"] = 0.0
+    return compilation_cache_dir_from_env(kw)
+
+
+def compilation_cache_dir_from_env(kw: dict) -> dict:
+    """`kw` with compilation_cache_dir from $JINFER_COMPILATION_CACHE when it names none (CLI and LLM(...))."""
+    env = os.environ.get("JINFER_COMPILATION_CACHE")
+    if kw.get("compilation_cache_dir") is None and env:
+        return {**kw, "compilation_cache_dir": env}
     return kw

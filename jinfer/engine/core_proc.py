@@ -61,6 +61,7 @@ from jinfer.engine.spawn import (  # noqa: F401 (re-exported)
     start_engine_process,
 )
 from jinfer.engine.stats_log import StatsLogger
+from jinfer.errors import InvalidParam
 from jinfer.outputs import EngineOutput
 from jinfer.sampling_params import SamplingParams
 
@@ -92,7 +93,8 @@ def _default_core_factory(config: dict[str, Any]) -> Any:
         import jax  # noqa: F401
 
         threading.Thread(target=_start_backend, name="jinfer-backend", daemon=True).start()
-    from jinfer.engine.core import EngineConfig, EngineCore
+    from jinfer.config.engine import EngineConfig
+    from jinfer.engine.core import EngineCore
 
     return EngineCore(EngineConfig(**config))
 
@@ -226,9 +228,12 @@ class EngineCoreProc:
             self._send(identity, Rejected(rid, f"request_id={rid!r} is already in use"))
             return
         try:
-            params = SamplingParams(**msg.params)
+            params = SamplingParams(**msg.params)  # checked again here: the frame came from another process
             self.core.add_request(rid, msg.prompt_token_ids, params)
-        except (ValueError, TypeError) as e:
+        except InvalidParam as e:
+            self._send(identity, Rejected(rid, e.message, e.param, e.code))
+            return
+        except (ValueError, TypeError) as e:  # TypeError: a field SamplingParams does not know
             self._send(identity, Rejected(rid, str(e)))
             return
         except Exception as e:

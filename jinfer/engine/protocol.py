@@ -24,7 +24,7 @@ import numpy as np
 
 from jinfer.outputs import EngineOutput
 
-PROTOCOL_VERSION = 3  # 3: msgspec Structs, maps with a "type" tag, token ids as msgpack int arrays
+PROTOCOL_VERSION = 4  # 3: msgspec Structs, maps with a "type" tag, token ids as msgpack int arrays; 4: Rejected.param
 MAX_FRAME_BYTES = 256 << 20
 
 Scalar = bool | int | float | str | None
@@ -73,10 +73,13 @@ class Abort(_Message, tag="abort"):
 
 
 class Rejected(_Message, tag="rejected"):
-    """Engine -> client: the request was not added (bad parameters, too long...); nothing ran."""
+    """Engine -> client: the request was not added (bad parameters, too long...); nothing ran. `param` and `code`
+    are those of the engine's `jinfer.errors.InvalidParam`, which the client raises again (the HTTP body's)."""
 
     request_id: str
     message: str
+    param: str | None = None  # the request field at fault
+    code: str | None = None  # e.g. "context_length_exceeded"
 
 
 class Outputs(_Message, tag="outputs"):

@@ -44,28 +44,8 @@ from dataclasses import dataclass, field
 
 from jinfer.cache.host_tier import KVTransfers
 from jinfer.cache.manager import KVCacheManager
+from jinfer.config.engine import SchedulerConfig
 from jinfer.engine.request import FinishReason, Request, RequestStatus
-
-
-@dataclass(frozen=True, kw_only=True)
-class SchedulerConfig:
-    max_model_len: int  # max tokens per sequence, prompt + output
-    max_num_seqs: int = 256  # cap on running requests
-    max_num_batched_tokens: int = 2048  # token budget per step
-    enable_chunked_prefill: bool = True
-    long_prefill_token_threshold: int | None = None  # cap on one request's tokens per step
-
-    def __post_init__(self):
-        for name in ("max_model_len", "max_num_seqs", "max_num_batched_tokens"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise ValueError(f"{name}={value!r} must be an integer >= 1")
-        t = self.long_prefill_token_threshold
-        if t is not None and (not isinstance(t, int) or isinstance(t, bool) or t < 1):
-            raise ValueError(f"long_prefill_token_threshold={t!r} must be an integer >= 1 or None")
-        if not self.enable_chunked_prefill and self.max_num_batched_tokens < self.max_model_len:
-            raise ValueError(f"max_num_batched_tokens={self.max_num_batched_tokens} must be >= "
-                             f"max_model_len={self.max_model_len} when chunked prefill is off")
 
 
 @dataclass

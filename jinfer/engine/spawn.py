@@ -25,9 +25,9 @@ def default_address() -> str:
 
 
 def config_to_dict(config: Any) -> dict[str, Any]:
-    """EngineConfig (a flat frozen dataclass) or a plain dict -> JSON-able dict."""
+    """EngineConfig (a frozen dataclass, nested ones as dicts) or a plain dict -> JSON-able dict."""
     if dataclasses.is_dataclass(config):
-        config = {f.name: getattr(config, f.name) for f in dataclasses.fields(config)}
+        config = dataclasses.asdict(config)
     return json.loads(json.dumps(config, default=str))
 
 

@@ -312,33 +312,3 @@ class Follower(_Member):
         self.steps.close(linger=0)
         self.ctx.term()
         _leave_jax()
-
-
-def run_worker(config) -> int:
-    """A process of rank > 0 (`jinfer serve --node-rank R`, headless): build the engine, follow process 0."""
-    from jinfer.engine.core import EngineCore
-
-    core = EngineCore(config)
-    if not isinstance(core.group, Follower):
-        raise ValueError(f"node_rank={config.node_rank}: only processes of rank > 0 follow process 0")
-    return core.group.serve(core.runner)
-
-
-def main(argv: list[str] | None = None) -> int:
-    import argparse
-    import json
-
-    from jinfer.engine.core import EngineConfig
-    from jinfer.parallel import (
-        multihost as distributed,  # not this `__main__` module: the engine's classes are that one's
-    )
-
-    parser = argparse.ArgumentParser(description="jinfer: a process of rank > 0 in a multi-process group")
-    parser.add_argument("--config", required=True, help="EngineConfig fields as JSON (nnodes, node_rank, ...)")
-    args = parser.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    return distributed.run_worker(EngineConfig(**json.loads(args.config)))
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

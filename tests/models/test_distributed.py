@@ -19,7 +19,7 @@ import pytest
 from jinfer.client import EngineClient
 from jinfer.parallel.multihost import EXIT_PEER_LOST, StepInputs, check_group
 from jinfer.engine.args import add_engine_arguments, engine_config_kwargs
-from jinfer.engine.core import EngineConfig
+from jinfer.config.engine import EngineConfig
 from jinfer.sampling_params import SamplingParams
 
 from ..conftest import DATA, ROOT
@@ -52,7 +52,7 @@ def process_env(devices: int) -> dict:
 
 
 def start_follower(config: dict, rank: int, devices: int) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-m", "jinfer.parallel.multihost", "--config",
+    return subprocess.Popen([sys.executable, "-m", "jinfer.engine.worker_proc", "--config",
                              json.dumps(config | {"node_rank": rank})], env=process_env(devices),
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
 

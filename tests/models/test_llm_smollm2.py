@@ -62,7 +62,7 @@ def test_mixed_prompts_batch(llm):
 
 
 def test_cli_generate_chat(default_gguf):
-    proc = subprocess.run([sys.executable, "-m", "jinfer.cli", "generate", "--chat", "--dtype", "float32",
+    proc = subprocess.run([sys.executable, "-m", "server.cli", "generate", "--chat", "--dtype", "float32",
                            "--max-model-len", "256", "--prompt", "What is the capital of France?"],
                           capture_output=True, text=True, timeout=600)
     log = "\n".join(line for line in proc.stderr.replace("\r", "\n").splitlines() if "loading " not in line)

@@ -11,6 +11,8 @@ import time
 from types import SimpleNamespace
 from typing import Any
 
+from jinfer.engine.input_processor import check_request
+from jinfer.errors import InvalidParam
 from jinfer.outputs import EngineOutput
 from jinfer.sampling_params import SamplingParams
 from jinfer.weights.loader import default_model_path
@@ -34,13 +36,9 @@ class FakeCore:
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> None:
         if any(rid == request_id for rid, _ in self.seqs):
-            raise ValueError(f"request_id={request_id!r} is already in use")
-        if not prompt_token_ids:
-            raise ValueError("prompt must not be empty")
+            raise InvalidParam("request_id", f"request_id={request_id!r} is already in use")
+        prompt_token_ids = check_request(prompt_token_ids, params, VOCAB, self.max_model_len)  # the engine's checks
         max_tokens = params.max_tokens or self.max_model_len - len(prompt_token_ids)
-        if len(prompt_token_ids) + max_tokens > self.max_model_len:
-            raise ValueError(f"prompt ({len(prompt_token_ids)} tokens) + max_tokens ({max_tokens}) exceeds "
-                             f"the context length of {self.max_model_len} tokens")
         for i in range(params.n):
             self.seqs[(request_id, i)] = dict(next=prompt_token_ids[-1] + 1 + i, left=max_tokens,
                                               prompt=len(prompt_token_ids), params=params,

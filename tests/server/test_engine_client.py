@@ -11,6 +11,7 @@ import zmq
 
 from jinfer.client import EngineClient, EngineDeadError, RequestError
 from jinfer.engine.protocol import AddRequest, Hello, Rejected, decode, encode
+from jinfer.errors import ContextLengthExceeded, InvalidParam
 from jinfer.sampling_params import SamplingParams
 from tests.server.fake_core import FAIL_TOKEN
 from tests.server.helpers import wait_for
@@ -62,6 +63,20 @@ def test_rejected_request_raises_value_error(client):
     with pytest.raises(ValueError, match="max_tokens"):
         client.generate([1] * 60, SamplingParams(max_tokens=10))
     assert client.generate([1], SamplingParams(max_tokens=1)).finished
+
+
+@pytest.mark.parametrize("prompt,params,param,code", [
+    ([1] * 60, SamplingParams(max_tokens=10), "max_tokens", "context_length_exceeded"),
+    ([1] * 64, SamplingParams(max_tokens=None), "prompt", "context_length_exceeded"),
+    ([10**6], SamplingParams(max_tokens=1), "prompt", None),  # outside the vocabulary
+    ([1], SamplingParams(max_tokens=1, logit_bias={10**6: 1.0}), "logit_bias", None),
+])
+def test_rejection_carries_the_field(client, prompt, params, param, code):
+    """The engine's InvalidParam crosses the socket (Rejected.param / code) and is raised again by the client."""
+    with pytest.raises(InvalidParam) as e:
+        client.generate(prompt, params)
+    assert (e.value.param, e.value.code) == (param, code)
+    assert isinstance(e.value, ContextLengthExceeded) == (code is not None)
 
 
 def test_abort_frees_the_request(client):

@@ -94,6 +94,32 @@ def test_invalid_request_is_400_naming_the_field(server, path, body, param):
     assert httpx.get(f"{server.url}/health").status_code == 200
 
 
+@pytest.mark.parametrize("path,body,param,code", [
+    (C, {"prompt": "hi", "max_tokens": 64}, "max_tokens", "context_length_exceeded"),
+    (C, {"prompt": [7] * 64, "max_tokens": 1}, "prompt", "context_length_exceeded"),
+    (C, {"prompt": [[1], [10**6]], "max_tokens": 1}, "prompt", None),  # the second prompt: not in the vocabulary
+    (C, {"prompt": "hi", "logit_bias": {"999999": 1}}, "logit_bias", None),
+    (CHAT, {"messages": MSG, "max_completion_tokens": 60}, "max_completion_tokens", "context_length_exceeded"),
+    (CHAT, {"messages": [{"role": "user", "content": "hello " * 70}], "max_tokens": 1}, "messages",
+     "context_length_exceeded"),
+])
+def test_engine_refusal_is_400_naming_the_request_field(server, path, body, param, code):
+    """The engine checks prompts against the model (vocabulary, context length); its InvalidParam reaches the
+    body with the endpoint's own name for the field and OpenAI's code."""
+    r = post(server, path, body)
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert (err["param"], err["code"], err["type"]) == (param, code, "invalid_request_error"), err
+    assert err["message"]
+
+
+def test_bad_max_tokens_is_400_with_its_param(server):
+    """SamplingParams' InvalidParam (built once, in the server) names max_tokens; no message parsing."""
+    r = post(server, C, {"prompt": "hi", "max_tokens": -3})
+    assert r.status_code == 400
+    assert r.json()["error"]["param"] == "max_tokens" and "max_tokens=-3" in r.json()["error"]["message"]
+
+
 def test_image_in_chat_is_a_clear_400(server):
     part = {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}
     r = post(server, CHAT, {"messages": [{"role": "user", "content": [{"type": "text", "text": "what?"}, part]}]})

@@ -31,6 +31,7 @@ MESSAGES = [
     AddRequest("r1", [1, 2, 3, 2**31 - 1], SamplingParams(n=2, stop=["\n"], seed=3, logprobs=2).to_dict()),
     Abort(["a", "b"]),
     Rejected("r1", "max_tokens=0 must be >= 1"),
+    Rejected("r1", "the prompt (9 tokens) + max_tokens (60) exceeds it", "max_tokens", "context_length_exceeded"),
     Outputs([EngineOutput("r1", 0, [5, 6], "hé", new_logprobs=[{5: -0.1, 7: -2.5}, {6: -0.0}],
                           num_prompt_tokens=3, num_cached_tokens=16),
              EngineOutput("r1", 1, [], "", finished=True, finish_reason="stop", stop_reason="\n"),

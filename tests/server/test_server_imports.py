@@ -12,7 +12,7 @@ import pytest
 
 from tests.server.helpers import FAKE_CORE, ROOT, start_server
 
-SERVER_MODULES = ("server.launcher", "server.app", "jinfer.cli", "jinfer.client", "jinfer.tokenizer",
+SERVER_MODULES = ("server.launcher", "server.app", "server.cli", "jinfer.client", "jinfer.tokenizer",
                   "jinfer.weights.gguf_meta")
 
 

@@ -1,9 +1,10 @@
+import dataclasses
 import json
 
 import pytest
 
+from jinfer.config.engine import EngineConfig
 from jinfer.config.model import NAMED_SHAPES, ModelConfig, RopeScaling, rope_inv_freq
-from jinfer.engine.core import EngineConfig
 
 LLAMA = {
     "architectures": ["LlamaForCausalLM"], "vocab_size": 100, "hidden_size": 64, "intermediate_size": 128,
@@ -170,3 +171,53 @@ def test_malformed_qwen3_5_config_names_field(change, field):
         ModelConfig.from_hf_config({**QWEN3_5, **change})
     with pytest.raises(ValueError, match="linear_key_head_dim"):
         ModelConfig.from_hf_config({k: v for k, v in QWEN3_5.items() if k != "linear_key_head_dim"})
+
+
+@pytest.mark.parametrize("kw,field", [
+    ({"dtype": "int8"}, "dtype"), ({"load_format": "pt"}, "load_format"), ({"max_num_seqs": 0}, "max_num_seqs"),
+    ({"max_num_batched_tokens": True}, "max_num_batched_tokens"), ({"page_size": 0}, "page_size"),
+    ({"max_model_len": -1}, "max_model_len"), ({"num_pages": 1.5}, "num_pages"),
+    ({"gpu_memory_utilization": 0}, "gpu_memory_utilization"), ({"tensor_parallel_size": 0}, "tensor_parallel_size"),
+    ({"data_parallel_size": 2, "data_parallel_rank": 2}, "data_parallel_rank"),
+    ({"attention_backend": "cuda"}, "attention_backend"), ({"warmup_first_tokens": 0}, "warmup_first_tokens"),
+    ({"executable_keep_alive": float("inf")}, "executable_keep_alive"), ({"log_stats_interval": -1},
+                                                                        "log_stats_interval"),
+    ({"kv_offload_gb": 1, "enable_prefix_caching": False}, "kv_offload_gb"),
+    ({"compilation_cache_dir": None}, "compilation_cache_dir"), ({"generation_config": ""}, "generation_config"),
+])
+def test_engine_config_names_the_field(kw, field):
+    with pytest.raises(ValueError, match=f"^{field}="):
+        EngineConfig(**kw)
+
+
+def test_engine_config_travels_as_its_fields():
+    """The server validates the config and sends its fields; the engine process builds the same config again."""
+    cfg = EngineConfig(model="dummy:tiny", max_num_seqs=8, warmup_first_tokens=256, kv_offload_gb=0.5)
+    assert EngineConfig(**json.loads(json.dumps(dataclasses.asdict(cfg)))) == cfg
+    sched = cfg.scheduler_config(max_model_len=512)
+    assert (sched.max_model_len, sched.max_num_seqs, sched.max_num_batched_tokens) == (512, 8, 2048)
+    with pytest.raises(ValueError, match="max_num_batched_tokens=2048 must be >= max_model_len=4096"):
+        dataclasses.replace(cfg, enable_chunked_prefill=False).scheduler_config(max_model_len=4096)
+
+
+def test_engine_config_is_jax_free_and_reads_no_environment(monkeypatch):
+    """jinfer.config.engine imports no JAX (the HTTP server validates with it); JINFER_COMPILATION_CACHE is read
+    where the arguments are parsed (the CLI), not by EngineConfig."""
+    import argparse
+    import subprocess
+    import sys
+
+    from jinfer.engine.args import add_engine_arguments, engine_config_kwargs
+    from tests.conftest import ROOT
+
+    code = "import sys, jinfer.config.engine\nassert not [m for m in sys.modules if m.startswith('jax')]\n"
+    r = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr[-2000:]
+    monkeypatch.setenv("JINFER_COMPILATION_CACHE", "/tmp/from-env")
+    assert EngineConfig().compilation_cache_dir == "~/.cache/jinfer/xla"
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--model")
+    add_engine_arguments(parser)
+    assert engine_config_kwargs(parser.parse_args([]))["compilation_cache_dir"] == "/tmp/from-env"
+    given = engine_config_kwargs(parser.parse_args(["--compilation-cache-dir", ""]))
+    assert given["compilation_cache_dir"] == ""

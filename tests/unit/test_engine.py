@@ -12,7 +12,8 @@ import jax
 import numpy as np
 import pytest
 
-from jinfer.engine.core import EngineConfig, EngineCore
+from jinfer.config.engine import EngineConfig
+from jinfer.engine.core import EngineCore
 from jinfer.engine.runner import RELOAD_AFTER_STEPS
 from jinfer.llm import LLM
 from jinfer.sampling_params import SamplingParams

@@ -8,7 +8,8 @@ import pytest
 from jinfer.generation_config import load_generation_defaults
 from jinfer.llm import LLM
 from jinfer.sampling_params import SamplingParams
-from server.validation import InvalidRequest, ServingContext, parse_completion
+from server.errors import InvalidRequest
+from server.validation import ServingContext, parse_completion
 
 from ..conftest import DATA
 

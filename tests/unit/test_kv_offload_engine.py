@@ -4,7 +4,8 @@ the working set come back from host memory with their exact contents, under pree
 import numpy as np
 import pytest
 
-from jinfer.engine.core import EngineConfig, EngineCore
+from jinfer.config.engine import EngineConfig
+from jinfer.engine.core import EngineCore
 from jinfer.engine.request import Request
 from jinfer.sampling_params import SamplingParams
 

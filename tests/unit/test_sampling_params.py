@@ -2,6 +2,7 @@ import dataclasses
 
 import pytest
 
+from jinfer.errors import InvalidParam
 from jinfer.sampling_params import SamplingParams
 
 
@@ -65,8 +66,20 @@ def test_frozen():
     ({"skip_special_tokens": None}, "skip_special_tokens"),
 ])
 def test_invalid(kwargs, field):
-    with pytest.raises(ValueError, match=f"^{field}="):
+    with pytest.raises(InvalidParam, match=f"^{field}=") as e:  # an InvalidParam is a ValueError
         SamplingParams(**kwargs)
+    assert e.value.param == field and isinstance(e.value, ValueError)
+
+
+@pytest.mark.parametrize("kwargs, field", [
+    ({"logit_bias": {"x": 1}}, "logit_bias"), ({"logit_bias": 5}, "logit_bias"),
+    ({"stop": ["x"] * 100}, "stop"), ({"structured_outputs": {"regex": "a", "choice": ["b"]}}, "structured_outputs"),
+])
+def test_invalid_names_the_field_whatever_the_message(kwargs, field):
+    """The field travels as InvalidParam.param (to the HTTP body), not parsed out of the message."""
+    with pytest.raises(InvalidParam) as e:
+        SamplingParams(**kwargs)
+    assert e.value.param == field
 
 
 def test_valid_edges():

@@ -6,8 +6,9 @@ from collections import Counter
 import pytest
 
 from jinfer.cache.manager import KVCacheManager
+from jinfer.config.engine import SchedulerConfig
 from jinfer.engine.request import FinishReason, Request, RequestStatus
-from jinfer.engine.scheduler import Scheduler, SchedulerConfig
+from jinfer.engine.scheduler import Scheduler
 from jinfer.sampling_params import SamplingParams
 
 PS = 4  # page size

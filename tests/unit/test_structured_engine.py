@@ -12,7 +12,8 @@ import pytest
 from tokenizers import AddedToken, decoders, models, pre_tokenizers
 from tokenizers import Tokenizer as HFTokenizer
 
-from jinfer.engine.core import EngineConfig, EngineCore
+from jinfer.config.engine import EngineConfig
+from jinfer.engine.core import EngineCore
 from jinfer.sampling_params import SamplingParams
 from jinfer.structured_outputs import StructuredOutputsParams
 from jinfer.tokenizer import Tokenizer, _byte_alphabet

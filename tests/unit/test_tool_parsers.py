@@ -6,8 +6,8 @@ import json
 
 import pytest
 
+from server.errors import InvalidRequest
 from server.tools import ToolPlan, ToolStream, _partial_suffix, parse_tools
-from server.validation import InvalidRequest
 
 HERMES = ToolPlan("auto", parser="hermes")
 LLAMA = ToolPlan("auto", parser="llama3_json")

@@ -1,4 +1,7 @@
-"""`jinfer` command line: `jinfer generate ...` (offline) and `jinfer serve ...` (OpenAI server)."""
+"""`jinfer` command line: `jinfer generate ...` (offline) and `jinfer serve ...` (OpenAI server).
+
+The console entry point lives in the server package, which may import the engine library (never the other way
+round). `jinfer serve` imports nothing heavy before it starts the engine process (server/launcher.py)."""
 
 from __future__ import annotations
 
@@ -8,6 +11,7 @@ import sys
 import time
 
 from jinfer.engine.args import add_engine_arguments, engine_config_kwargs
+from server.launcher import add_serve_arguments, run_serve
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
@@ -48,14 +52,9 @@ def main(argv: list[str] | None = None) -> int:
     g.add_argument("--temperature", type=float, default=0.0)
     add_engine_arguments(g)
     g.set_defaults(func=cmd_generate)
-    try:
-        from server.launcher import add_serve_arguments, run_serve
-    except ImportError:
-        pass
-    else:
-        s = sub.add_parser("serve", help="serve a model over the OpenAI API")
-        add_serve_arguments(s)
-        s.set_defaults(func=run_serve)
+    s = sub.add_parser("serve", help="serve a model over the OpenAI API")
+    add_serve_arguments(s)
+    s.set_defaults(func=run_serve)
     args = parser.parse_args(argv)
     try:
         return args.func(args)

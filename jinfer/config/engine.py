@@ -1,0 +1,140 @@
+"""Engine and scheduler options: frozen dataclasses, validated once in `__post_init__` (ValueError naming the
+field) where the arguments are parsed: `jinfer serve` / `jinfer generate` (server/cli.py, jinfer/engine/args.py)
+or `LLM(...)`. JAX-free, so the HTTP server's process validates the options before it starts the engine; the
+engine process gets the fields (`dataclasses.asdict`) and builds the same config again, which checks them again.
+
+No environment reads here: the ones that set a default (JINFER_COMPILATION_CACHE) are read where the
+arguments are parsed (`jinfer.engine.args.compilation_cache_dir_from_env`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from jinfer.generation_config import check_setting as check_generation_config
+
+DTYPE_NAMES = ("float32", "bfloat16", "float16")
+# "auto": Pallas on GPU, jnp elsewhere; "pallas-triton": no Mosaic GPU kernel. jinfer.models.ops.BACKENDS is the
+# same list (the ops check it where they are chosen; tests/unit/test_config.py keeps the two in step).
+ATTENTION_BACKENDS = ("auto", "reference", "pallas", "pallas-triton")
+DEFAULT_COMPILATION_CACHE_DIR = "~/.cache/jinfer/xla"
+
+
+def _is_int(v: object) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _check_positive_ints(obj: object, names: tuple[str, ...], *, optional: bool = False) -> None:
+    for name in names:
+        v = getattr(obj, name)
+        if optional and v is None:
+            continue
+        if not _is_int(v) or v < 1:
+            raise ValueError(f"{name}={v!r} must be an integer >= 1" + (" or None" if optional else ""))
+
+
+@dataclass(frozen=True, kw_only=True)
+class SchedulerConfig:
+    max_model_len: int  # max tokens per sequence, prompt + output
+    max_num_seqs: int = 256  # cap on running requests
+    max_num_batched_tokens: int = 2048  # token budget per step
+    enable_chunked_prefill: bool = True
+    long_prefill_token_threshold: int | None = None  # cap on one request's tokens per step
+
+    def __post_init__(self):
+        _check_positive_ints(self, ("max_model_len", "max_num_seqs", "max_num_batched_tokens"))
+        _check_positive_ints(self, ("long_prefill_token_threshold",), optional=True)
+        if not self.enable_chunked_prefill and self.max_num_batched_tokens < self.max_model_len:
+            raise ValueError(f"max_num_batched_tokens={self.max_num_batched_tokens} must be >= "
+                             f"max_model_len={self.max_model_len} when chunked prefill is off")
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    model: str | None = None  # None: the embedded default model
+    dtype: str = "auto"  # "auto": bfloat16 on accelerators, float32 on CPU (faster there)
+    load_format: str = "auto"  # "dummy": random weights at the model's config
+    max_model_len: int | None = None  # default: the model's context, capped by the KV pool
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 2048
+    page_size: int = 16
+    num_pages: int | None = None  # default: from gpu_memory_utilization (GPU) or 1 GiB (CPU)
+    gpu_memory_utilization: float = 0.9
+    enable_prefix_caching: bool = True
+    # GiB of host memory for KV pages evicted from the HBM prefix cache (the host tier); 0: none
+    kv_offload_gb: float = 0.0
+    enable_chunked_prefill: bool = True
+    tensor_parallel_size: int = 1
+    enable_expert_parallel: bool = False  # MoE: whole experts split over the devices (else their columns)
+    # Offline data parallelism (`LLM(data_parallel_size=N)`): this engine is replica `data_parallel_rank`,
+    # on devices [rank * tp, (rank + 1) * tp). (The server runs each replica in its own process instead.)
+    data_parallel_size: int = 1
+    data_parallel_rank: int = 0
+    # Several processes (hosts), one mesh over all their devices (jinfer/parallel/multihost.py): this process is
+    # `node_rank` of `nnodes`; process 0 hosts JAX's coordinator at master_addr:master_port and schedules.
+    nnodes: int = 1
+    node_rank: int = 0
+    master_addr: str = "127.0.0.1"
+    master_port: int = 29500
+    seed: int = 0
+    attention_backend: str = "auto"  # one of ATTENTION_BACKENDS
+    warmup: bool = True  # compile every bucket at start-up
+    # Staged warm-up: compile only T = 1 and the bucket of this many tokens before serving, the rest in the
+    # background while serving (steps padded into ready buckets meanwhile). None: everything first.
+    warmup_first_tokens: int | None = None
+    # With a staged warm-up and the executable cache: the other buckets' executables are dropped after this many
+    # seconds in which no step used them (their host memory goes back) and loaded again from the cache, in the
+    # background, when a step wants them (steps are padded into loaded buckets meanwhile). 0: never.
+    executable_keep_alive: float = 0.0
+    async_scheduling: bool = True  # launch step N+1 before reading step N's tokens (one step in flight)
+    executable_cache: bool = True  # keep compiled executables on disk (warm starts skip tracing); False: plain jit
+    # JAX's persistent compilation cache ("" off). The CLI and LLM(...) take $JINFER_COMPILATION_CACHE over this.
+    compilation_cache_dir: str = DEFAULT_COMPILATION_CACHE_DIR
+    log_stats_interval: float = 10.0  # seconds between the engine process's stats lines (0: none)
+    generation_config: str = "auto"  # default sampling parameters: "auto" (the model's), "vllm" (none) or a dir
+
+    def __post_init__(self):
+        if self.dtype != "auto" and self.dtype not in DTYPE_NAMES:
+            raise ValueError(f"dtype={self.dtype!r} must be 'auto' or one of {sorted(DTYPE_NAMES)}")
+        if self.load_format not in ("auto", "dummy"):
+            raise ValueError(f"load_format={self.load_format!r} must be 'auto' or 'dummy'")
+        _check_positive_ints(self, ("max_num_seqs", "max_num_batched_tokens", "page_size", "tensor_parallel_size",
+                                    "data_parallel_size", "nnodes"))
+        _check_positive_ints(self, ("max_model_len", "num_pages", "warmup_first_tokens"), optional=True)
+        if not _is_int(self.data_parallel_rank) or not 0 <= self.data_parallel_rank < self.data_parallel_size:
+            raise ValueError(f"data_parallel_rank={self.data_parallel_rank!r} must be in "
+                             f"[0, data_parallel_size={self.data_parallel_size})")
+        if not _is_int(self.node_rank) or not 0 <= self.node_rank < self.nnodes:
+            raise ValueError(f"node_rank={self.node_rank!r} must be in [0, nnodes={self.nnodes})")
+        if not _is_int(self.master_port) or not 0 < self.master_port < 65536:
+            raise ValueError(f"master_port={self.master_port!r} must be a TCP port in [1, 65535]")
+        if self.nnodes > 1 and self.data_parallel_size > 1:
+            raise ValueError(f"data_parallel_size={self.data_parallel_size} with nnodes={self.nnodes}: data-parallel "
+                             "replicas of a multi-process group are not supported (run one server per group)")
+        if self.page_size & (self.page_size - 1):
+            raise ValueError(f"page_size={self.page_size} must be a power of two")
+        if self.attention_backend not in ATTENTION_BACKENDS:
+            raise ValueError(f"attention_backend={self.attention_backend!r} must be one of {ATTENTION_BACKENDS}")
+        if not isinstance(self.compilation_cache_dir, str):
+            raise ValueError(f"compilation_cache_dir={self.compilation_cache_dir!r} must be a directory ('' = off)")
+        check_generation_config(self.generation_config)
+        for name, what in (("executable_keep_alive", "seconds >= 0 (0: never unload)"),
+                           ("log_stats_interval", "seconds >= 0"), ("kv_offload_gb", "GiB >= 0 (0: no host tier)")):
+            v = getattr(self, name)
+            if not isinstance(v, int | float) or isinstance(v, bool) or not 0 <= v < float("inf"):
+                raise ValueError(f"{name}={v!r} must be a number of {what}")
+        v = self.kv_offload_gb
+        if v and not self.enable_prefix_caching:
+            raise ValueError(f"kv_offload_gb={v} needs enable_prefix_caching=True: the host tier holds pages "
+                             "evicted from the prefix cache")
+        if v and self.nnodes > 1:
+            raise ValueError(f"kv_offload_gb={v} with nnodes={self.nnodes}: the host tier is not supported "
+                             "across several processes")
+        if not isinstance(self.gpu_memory_utilization, int | float) or not 0 < self.gpu_memory_utilization <= 1:
+            raise ValueError(f"gpu_memory_utilization={self.gpu_memory_utilization} must be in (0, 1]")
+
+    def scheduler_config(self, max_model_len: int) -> SchedulerConfig:
+        """The scheduler's options, once the context length is known (it depends on the KV pool's size)."""
+        return SchedulerConfig(max_model_len=max_model_len, max_num_seqs=self.max_num_seqs,
+                               max_num_batched_tokens=self.max_num_batched_tokens,
+                               enable_chunked_prefill=self.enable_chunked_prefill)

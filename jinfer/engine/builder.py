@@ -1,0 +1,255 @@
+"""Engine start-up: from a validated `EngineConfig` to the parts `EngineCore` runs (`build_engine`).
+
+In order: JAX's settings (memory fraction, persistent compilation cache), the multi-process group (joined before
+anything starts JAX's backends), the model and its tokenizer, the dtype, the mesh of this data-parallel replica,
+the weights, the KV pool's size (from free device memory, agreed over a group), the host tier, the scheduler and
+the model runner, then the warm-up. Each phase's seconds and the process's RSS go to one log line. An engine
+built is released at interpreter exit, on the main thread (`release_at_exit`).
+"""
+
+from __future__ import annotations
+
+import atexit
+import gc
+import logging
+import os
+import time
+import weakref
+from dataclasses import dataclass
+from typing import Any
+
+import jax
+
+from jinfer.cache.manager import KVCacheManager, cdiv
+from jinfer.config.engine import EngineConfig
+from jinfer.config.model import ModelConfig
+from jinfer.engine.runner import ModelRunner, kv_cache_bytes_per_page, state_bytes_per_slot
+from jinfer.engine.scheduler import Scheduler
+from jinfer.engine.spawn import MEM_FRACTION
+from jinfer.generation_config import load_generation_defaults
+from jinfer.models.ops import select_ops
+from jinfer.models.registry import state_specs
+from jinfer.parallel.mesh import check_parallel, make_mesh, shard_attention_weights
+from jinfer.parallel.multihost import Follower, Leader, join
+from jinfer.tokenizer import Tokenizer
+from jinfer.weights.loader import DTYPES, load_weights, resolve_model
+
+log = logging.getLogger("jinfer.engine.core")
+
+CPU_KV_CACHE_BYTES = 1 << 30  # default KV pool on CPU, where free memory is not reported
+DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
+
+
+def enable_compilation_cache(path: str) -> str:
+    """Keep compiled executables on disk (JAX persistent cache): a restart skips the compiles."""
+    path = os.path.expanduser(path)
+    jax.config.update("jax_compilation_cache_dir", path)
+    # every compile, the small ones too: the dummy weights' two init programs (~0.2 s each on an H100) were
+    # compiled again at every start below the default threshold
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
+    jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+    return path
+
+
+@dataclass
+class EngineParts:
+    """What start-up built, for EngineCore to hold."""
+
+    group: Leader | Follower | None  # the multi-process group (None: one process)
+    model_config: ModelConfig
+    model_name: str
+    generation_defaults: dict[str, Any]
+    tokenizer: Tokenizer | None
+    tokenizer_path: str | None  # where another process on this host can load the tokenizer
+    dtype: str
+    num_state_slots: int
+    max_model_len: int
+    kv: KVCacheManager
+    scheduler: Scheduler
+    runner: ModelRunner
+    eos_token_ids: tuple[int, ...]
+
+
+_LIVE_ENGINES: weakref.WeakSet = weakref.WeakSet()
+
+
+def release_at_exit(core) -> None:
+    """Have `core`'s device state freed on the main thread at interpreter exit (`_release_engines`)."""
+    _LIVE_ENGINES.add(core)
+
+
+@atexit.register
+def _release_engines() -> None:
+    """Free every engine's device state on the main thread before the interpreter shuts down. Left to
+    the final garbage collection, its XLA objects could be freed on a daemon thread (tqdm's monitor),
+    which aborted the process ("terminate called without an active exception") about half the time."""
+    for core in list(_LIVE_ENGINES):
+        if isinstance(core.group, Leader):
+            core.close()
+        if core.runner is not None and core.runner.host_pool is not None:
+            core.runner.host_pool.join()  # its reservation and offload threads hold XLA buffers
+        core.runner = None
+        core._inflight = None
+    gc.collect()
+
+
+def _process_age_s() -> float | None:
+    """Seconds since this process started (Linux /proc), or None."""
+    try:
+        with open("/proc/self/stat") as stat, open("/proc/uptime") as up:
+            start_ticks = int(stat.read().rsplit(")", 1)[1].split()[19])
+            uptime = float(up.read().split()[0])
+        return uptime - start_ticks / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def _rss_mb() -> float | None:
+    try:
+        with open("/proc/self/status") as status:
+            for line in status:
+                if line.startswith("VmRSS:"):
+                    return int(line.split()[1]) / 1024
+    except OSError:
+        pass
+    return None
+
+
+class _Phases:
+    """Start-up phases: seconds each, and the process's RSS after it (one log line at the end)."""
+
+    def __init__(self):
+        self.t, self.parts = time.perf_counter(), []
+
+    def __call__(self, name: str) -> None:
+        now = time.perf_counter()
+        rss = _rss_mb()
+        self.parts.append(f"{name} {now - self.t:.2f} s" + ("" if rss is None else f" ({rss:.0f} MB)"))
+        self.t = now
+
+    def __str__(self) -> str:
+        return ", ".join(self.parts)
+
+
+def _load_tokenizer(source_path, tokenizer: Tokenizer | None) -> tuple[Tokenizer | None, str | None]:
+    if tokenizer is not None or source_path is None:
+        return tokenizer, None
+    if source_path.is_file() or (source_path / "tokenizer.json").exists():
+        return Tokenizer.from_pretrained(source_path), str(source_path)
+    log.warning("%s has no tokenizer.json: prompts must be token ids, outputs carry no text", source_path)
+    return None, None
+
+
+def _num_host_pages(config: EngineConfig, model_config: ModelConfig, dtype: str, prefix_caching: bool) -> int:
+    """Pages the host tier holds: kv_offload_gb GiB at one page's KV over all layers and devices."""
+    if not config.kv_offload_gb:
+        return 0
+    if not prefix_caching:
+        log.info("no KV host tier: prefix caching is off for %s", model_config.architecture)
+        return 0
+    tp = config.tensor_parallel_size
+    per_page = tp * kv_cache_bytes_per_page(model_config, config.page_size, DTYPES[dtype], tp)
+    num = int(config.kv_offload_gb * 2**30 // per_page)
+    if num < 1:
+        raise ValueError(f"kv_offload_gb={config.kv_offload_gb} holds no page ({per_page} bytes each)")
+    log.info("KV host tier: %d pages (%.2f GiB)", num, num * per_page / 2**30)
+    return num
+
+
+def _auto_num_pages(config: EngineConfig, model_config: ModelConfig, dtype: str, num_state_slots: int,
+                    device) -> int:
+    """KV pages that fit gpu_memory_utilization of the device's free memory (1 GiB on CPU)."""
+    per_page = kv_cache_bytes_per_page(model_config, config.page_size, DTYPES[dtype],
+                                       config.tensor_parallel_size)  # on each device
+    stats = device.memory_stats() or {}
+    if "bytes_limit" in stats:
+        budget = int(stats["bytes_limit"] * config.gpu_memory_utilization - stats.get("bytes_in_use", 0))
+    else:
+        budget = CPU_KV_CACHE_BYTES
+    budget -= num_state_slots * state_bytes_per_slot(model_config, DTYPES[dtype])
+    # never more than max_num_seqs full-length sequences would need
+    cap = config.max_num_seqs * cdiv(config.max_model_len or model_config.max_position_embeddings,
+                                     config.page_size) + 1
+    num_pages = min(budget // per_page, cap)
+    if num_pages < 2:
+        raise ValueError(f"not enough memory for the KV cache ({budget} bytes, {per_page} per page)")
+    return int(num_pages)
+
+
+def _mesh(config: EngineConfig, model_config: ModelConfig, group):
+    check_parallel(model_config, config.tensor_parallel_size, config.enable_expert_parallel)
+    tp, rank = config.tensor_parallel_size, config.data_parallel_rank
+    if group is not None and tp != jax.device_count():
+        raise ValueError(f"tensor_parallel_size={tp} must be the group's {jax.device_count()} devices "
+                         f"({config.nnodes} processes): one mesh spans them all")
+    if config.data_parallel_size * tp > len(jax.devices()):
+        raise ValueError(f"data_parallel_size={config.data_parallel_size} x tensor_parallel_size={tp} needs "
+                         f"{config.data_parallel_size * tp} devices; {len(jax.devices())} are available")
+    return make_mesh(tp, jax.devices()[rank * tp:(rank + 1) * tp])
+
+
+def build_engine(config: EngineConfig, tokenizer: Tokenizer | None = None) -> EngineParts:
+    """Everything an EngineCore needs, built and warmed up (see the module's docstring for the order)."""
+    t0 = time.perf_counter()
+    age = _process_age_s()
+    phases = _Phases()
+    from jax._src import xla_bridge
+
+    if not xla_bridge.backends_are_initialized():
+        os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", MEM_FRACTION)
+    # Several processes: join the group before anything starts JAX's backends (jinfer/parallel/multihost.py).
+    group = join(config.nnodes, config.node_rank, config.master_addr, config.master_port)
+    cache_dir = enable_compilation_cache(config.compilation_cache_dir) if config.compilation_cache_dir else None
+    source = resolve_model(config.model, config.load_format)
+    phases("resolve")
+    model_config: ModelConfig = source.config
+    generation_defaults = load_generation_defaults(config.generation_config, source.path)
+    tokenizer, tokenizer_path = _load_tokenizer(source.path, tokenizer)
+    phases("tokenizer")
+    dtype = config.dtype if config.dtype != "auto" else ("float32" if jax.default_backend() == "cpu" else "bfloat16")
+    jax.devices()  # (the backend starts here when dtype was given, else above)
+    phases("backend")
+    mesh = _mesh(config, model_config, group)
+    weights = load_weights(source, dtype, mesh, seed=config.seed, expert_parallel=config.enable_expert_parallel)
+    weights = shard_attention_weights(model_config, weights, mesh, expert_parallel=config.enable_expert_parallel)
+    phases("weights")
+    # Models with per-sequence state layers (linear attention): one state slot per running sequence, plus
+    # the reserved slot 0. Their state summarises a whole prefix, so prefix-cache hits would need it
+    # checkpointed at page boundaries: not built; hits are off for such models.
+    num_state_slots = config.max_num_seqs + 1 if state_specs(model_config) else 0
+    prefix_caching = config.enable_prefix_caching and not num_state_slots
+    if config.enable_prefix_caching and not prefix_caching:
+        log.info("prefix caching is off: %s keeps a per-sequence state in its linear-attention layers, "
+                 "which a cached prefix's pages cannot restore", model_config.architecture)
+    num_pages = config.num_pages or _auto_num_pages(
+        config, model_config, dtype, num_state_slots,
+        next(d for d in mesh.devices.flat if d.process_index == jax.process_index()))
+    if group is not None:  # the same pool (and executables) in every process
+        num_pages = group.agree_min("num_pages", num_pages)
+    max_len = min(config.max_model_len or model_config.max_position_embeddings, (num_pages - 1) * config.page_size)
+    num_host_pages = _num_host_pages(config, model_config, dtype, prefix_caching)
+    kv = KVCacheManager(num_pages, config.page_size, prefix_caching, num_state_slots, num_host_pages)
+    scheduler = Scheduler(config.scheduler_config(max_len), kv)
+    runner = ModelRunner(model_config, weights, mesh, num_pages=num_pages, page_size=config.page_size,
+                         kv_dtype=DTYPES[dtype], max_num_batched_tokens=config.max_num_batched_tokens,
+                         max_num_seqs=config.max_num_seqs, max_model_len=max_len,
+                         ops=select_ops(config.attention_backend), num_state_slots=num_state_slots,
+                         num_host_pages=num_host_pages, keep_alive=config.executable_keep_alive,
+                         executable_dir=os.path.join(cache_dir, "executables")
+                         if cache_dir and config.executable_cache and group is None else None)
+    eos_token_ids = tuple(tokenizer.eos_token_ids) if tokenizer else model_config.eos_token_ids
+    phases("kv cache and runner")
+    if config.warmup:
+        # every process of a group warms up the same shapes in the same order, all before serving
+        runner.warmup(first_tokens=config.warmup_first_tokens if group is None else None)
+    if isinstance(group, Leader):
+        group.wait_for_workers()
+        runner.on_launch = group.send_step
+    phases("warm-up")
+    log.info("start-up phases: process started %s s before the engine, then %s",
+             "?" if age is None else f"{age:.2f}", phases)
+    model_name = config.model or DEFAULT_MODEL_NAME
+    log.info("engine ready in %.1f s: %s, %d KV pages of %d tokens, max_model_len %d", time.perf_counter() - t0,
+             model_name, num_pages, config.page_size, max_len)
+    return EngineParts(group, model_config, model_name, generation_defaults, tokenizer, tokenizer_path, dtype,
+                       num_state_slots, max_len, kv, scheduler, runner, eos_token_ids)
