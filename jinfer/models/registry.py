@@ -5,16 +5,16 @@ A family module provides `weight_specs(cfg)` (every weight described once), `ass
 arrays)` (the loaders' flat dict -> its pytree), `forward(weights, batch, kv_cache, cfg, ops)` (pure,
 jit-compiled by the runner), `fuse_qkv(weights)` (the single-device fused q|k|v projection) and, if some
 layers keep a fixed-size state per sequence instead of paged KV, `state_specs(cfg)` ({layer: its state
-arrays}; the engine sizes a pool of state slots from it), and `cache_spec(cfg)` (one `jinfer.cache.spec.LayerCacheSpec`
-per layer: what the device cache holds for it).
+arrays}; the engine sizes a pool of state slots from it), and `cache_spec(cfg)` (one
+`jinfer.cache.spec.LayerCacheSpec` per layer: what the device cache holds for it).
 """
 
 from __future__ import annotations
 
 from types import ModuleType
 
-from jinfer.config.model import ARCHITECTURES, ModelConfig
 from jinfer.cache.spec import LayerCacheSpec
+from jinfer.config.model import ARCHITECTURES, ModelConfig
 from jinfer.models import llama, qwen3_5, qwen3_moe
 from jinfer.models.ops import REFERENCE_OPS, ModelOps
 from jinfer.models.spec import StateSpec
