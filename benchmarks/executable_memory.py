@@ -58,7 +58,7 @@ def load_all(directory: Path) -> dict:
     import jinfer.models.llama  # noqa: F401  (the executables' pytrees name these modules)
     import jinfer.models.qwen3_5  # noqa: F401
     import jinfer.models.qwen3_moe  # noqa: F401
-    from jinfer.engine.executables import _load
+    from jinfer.engine.executable_cache import _load
 
     try:
         import jax.experimental.mosaic.gpu  # noqa: F401  (Mosaic kernels' host symbols, as ModelOps does)
