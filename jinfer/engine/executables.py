@@ -1,0 +1,397 @@
+"""The step's compiled executables: one per shape bucket, loaded from the on-disk cache (`executable_cache.py`) or
+compiled, made ready in the background during a staged warm-up, dropped when idle and loaded again on demand.
+
+Shapes come from a small fixed set of buckets so serving never stalls on a compile:
+- T (tokens in the step): 1 (GPU only), then powers of two from `MIN_TOKENS` up to `max_num_batched_tokens`;
+- B (sequences): min(T, the max_num_seqs bucket): a step never has more sequences than tokens;
+- P (pages per sequence in the page table): powers of two up to the longest sequence allowed;
+- R (logits rows the sampler takes): B, or T in steps whose sequences return more rows than B (drafts);
+  for T up to the max_num_seqs bucket the two are the same.
+With the Pallas kernels, a bucket with B = T (T > 1) has a second forward for decode-only steps (every
+sequence one new token), whose attention is the paged decode kernel instead of the ragged one
+(`ModelOps.decode_step`).
+
+`StepExecutables` is the registry part of `ModelRunner` (a base class: the engine, tests and benchmarks reach the
+buckets, the ready sets and the executables through the runner).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import os
+import threading
+import time
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import replace
+from functools import partial
+
+import jax
+import jax.numpy as jnp
+
+from jinfer.engine.device_step import fork_step, forward_step, prompt_logprobs_step, sample_step
+from jinfer.engine.sampler import SamplerFlags, mask_words
+from jinfer.engine.step_inputs import batch_sizes, sampling_size
+from jinfer.parallel.mesh import array_specs
+
+log = logging.getLogger(__name__)
+
+MIN_TOKENS = 8
+MIN_PAGES = 4
+WARMUP_THREADS = 8  # forward executables loaded / compiled at once during warm-up
+# XLA command buffers (CUDA graphs) only for steps of at most this many tokens. They save the
+# per-kernel launch cost that dominates small decode steps, but recording a graph costs ~16 ms for a
+# 1k-token prefill executable (it was re-recorded in front of the first prefill after warm-up, on
+# the TTFT path), and large steps hide their launches behind device time anyway.
+COMMAND_BUFFER_MAX_TOKENS = 32
+# An unloaded bucket (`unload_idle`) is loaded again once this many steps wanted it: sustained demand, not
+# one request's few prefill chunks (a lone 1k-token prompt after an idle minute ran 0.15-0.2 s slower while the
+# 512-2048 buckets its first chunk asked for loaded beside it; it needs none of them).
+RELOAD_AFTER_STEPS = 16
+# Large (prefill) steps: no command buffers (above), and no "dot merger". That XLA pass merges two dots of
+# one operand into one over the concatenation of the other operands: it merged the MLP's x @ w_gate and
+# x @ w_up, concatenating the two weights (94 MB for Qwen3.5-4B) anew in every layer of every prefill step:
+# 60 us a layer on an H100, more than the merged dot saved (`benchmarks/hlo_ops.py` names such kernels).
+# JINFER_XLA_DOT_MERGER=1 keeps XLA's default (A/B runs).
+NO_COMMAND_BUFFER = {"xla_gpu_enable_command_buffer": ""} | (
+    {} if os.environ.get("JINFER_XLA_DOT_MERGER") == "1" else {"xla_gpu_dot_merger_threshold_mb": 0})
+
+
+def trim_host_heap() -> None:
+    """Hand the heap's free pages back to the OS (glibc only; a no-op elsewhere). Warm-up frees a lot
+    (executable payloads read from disk, lowering and compile temporaries), spread over the arenas of
+    its threads; glibc keeps such memory mapped, and it counted as the idle engine's RSS."""
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
+
+
+def pow2_buckets(lo: int, hi: int) -> tuple[int, ...]:
+    """lo, 2lo, 4lo, ... and finally hi itself (so the largest bucket is exactly the limit)."""
+    out, b = [], lo
+    while b < hi:
+        out.append(b)
+        b *= 2
+    out.append(hi)
+    return tuple(out)
+
+
+def pick(buckets: Sequence[int], n: int) -> int:
+    for b in buckets:
+        if n <= b:
+            return b
+    raise ValueError(f"{n} exceeds the largest bucket {buckets[-1]}")
+
+
+def sampler_key(R: int, M: int, W: int, K: int, num_logprobs: int, flags: SamplerFlags) -> tuple:
+    return ("sample", R, M, W, K, num_logprobs, flags)
+
+
+class StepExecutables:
+    """Buckets and the executables compiled for them (the registry half of `ModelRunner`). Needs of its subclass:
+    cfg, mesh, ops, weights, kv_cache, `_replicated` (the sharding of logits and tokens), `_no_prev` (a tokens
+    buffer), `executables` (the on-disk cache) and `_slot_layers` (the cache's layers indexed by state slot)."""
+
+    def _init_registry(self, max_num_batched_tokens: int, max_num_seqs: int, max_pages: int,
+                       keep_alive: float) -> None:
+        # On GPU, T=1 is its own bucket: batch-1 decode is the latency-critical case and has its own
+        # kernels. Not on CPU: there XLA copies the whole KV cache when a one-token update is followed
+        # by a read of the cache in the same executable (step time grew with the pool: 4 s at 4096 pages).
+        one = (1,) if jax.default_backend() == "gpu" else ()
+        self.token_buckets = one + pow2_buckets(MIN_TOKENS, max(max_num_batched_tokens, MIN_TOKENS))
+        self.max_seqs_bucket = pick(pow2_buckets(1, 1 << (max_num_seqs - 1).bit_length()), max_num_seqs)
+        self.max_rows = self.token_buckets[-1]  # the sampled-token buffer: a row per logits row of any step
+        # The reference attention gathers all P pages of every token, so P is bucketed; the Pallas
+        # kernels stop at each sequence's length, so one full-width page table costs nothing there.
+        self.page_buckets = ((max_pages,) if self.ops.backend == "pallas"
+                             else pow2_buckets(min(MIN_PAGES, max_pages), max_pages))
+        # Buckets whose decode-only steps get their own executable (see the module doc).
+        self.decode_buckets = (frozenset(T for T in self.token_buckets if T > 1 and self.seqs_bucket(T) == T)
+                               if self.ops.backend == "pallas" else frozenset())
+        self._compiled: dict[tuple, jax.stages.Compiled] = {}
+        self.compile_seconds = 0.0
+        self.warmed_up = False
+        # Buckets steps may use now: all of them (compiled on first use) unless a staged warm-up
+        # (`warmup(first_tokens=...)`) is still compiling the rest in the background.
+        self.ready_tokens: tuple[int, ...] = self.token_buckets
+        self.ready_decode: frozenset[int] = self.decode_buckets
+        self._background: threading.Thread | None = None
+        self._stop_background = threading.Event()
+        self._ready_lock = threading.Lock()
+        self.background_seconds = 0.0  # start-up to the last background compile
+        # Idle unloading (`unload_idle`): a bucket beyond the staged warm-up's first ones whose forward executables
+        # no step used for `keep_alive` seconds is dropped (its host memory, ~1 MB per GPU code image, goes back),
+        # and loaded again from the executable cache in the background when a step wants it (`_want`).
+        self.keep_alive = float(keep_alive)
+        self._pinned: frozenset[tuple[int, bool]] = frozenset()  # (T, decode) buckets never unloaded
+        self._last_used: dict[tuple[int, bool], float] = {}
+        self._unloaded: set[tuple[int, bool]] = set()
+        self._loading: set[tuple[int, bool]] = set()
+        self._demand: dict[tuple[int, bool], int] = {}  # unloaded bucket -> steps that wanted it since
+        self._loader: ThreadPoolExecutor | None = None
+        self._rest: list[tuple[int, bool]] = []  # buckets a staged warm-up left to the background
+        self.unloads = self.reloads = 0  # buckets dropped as idle / loaded again
+        self.compiles_after_warmup = 0  # shapes first needed after warm-up (each one stalls a step)
+
+    def seqs_bucket(self, num_tokens_bucket: int) -> int:
+        return min(num_tokens_bucket, self.max_seqs_bucket)
+
+    def ready_limits(self) -> tuple[int, int]:
+        """(tokens, sequences) a step may hold now: the largest ready bucket and its sequence bucket."""
+        T = self.ready_tokens[-1]
+        return T, self.seqs_bucket(T)
+
+    # ---- the jitted functions and their executables -------------------------------------------------------------
+
+    def _make_jits(self) -> None:
+        """The jitted step functions that executables are lowered from. Made anew (`_drop_traces`) once a cold
+        start's compiles are done: JAX caches each jit's traces and lowerings for as long as its function lives
+        (a cold-started Qwen3-4B server idled at 1.83 GB, against 854 MB after a warm start)."""
+        kv_shardings = jax.tree.map(lambda a: a.sharding, self.kv_cache)
+        specs = (array_specs(self.weights), array_specs(self.kv_cache))
+        forward_jit = lambda ops, **kw: jax.jit(  # noqa: E731
+            partial(forward_step, cfg=self.cfg, ops=ops, mesh=self.mesh, specs=specs), static_argnames=("dims",),
+            donate_argnames=("kv_cache",),
+            out_shardings=(self._replicated, kv_shardings), **kw)
+        # Indexed by "decode step": small steps run with command buffers (XLA's default), large without.
+        self._forward = {d: (forward_jit(o), forward_jit(o, compiler_options=NO_COMMAND_BUFFER))
+                         for d, o in ((False, self.ops), (True, replace(self.ops, decode_step=True)))}
+        self._sample = jax.jit(partial(sample_step, max_rows=self.max_rows),
+                               static_argnames=("dims", "num_logprobs", "flags"),
+                               out_shardings=(self._replicated, self._replicated))
+        self._prompt_logprobs = jax.jit(prompt_logprobs_step, static_argnames=("num_rows", "k"),
+                                        out_shardings=(self._replicated, self._replicated))
+        self._fork = jax.jit(partial(fork_step, slot_layers=self._slot_layers), donate_argnames=("kv_cache",),
+                             out_shardings=kv_shardings)
+
+    def _drop_traces(self) -> None:
+        """After compiles whose executables went to the executable cache (so none is the plain jit's own): new jit
+        objects, so JAX frees the old ones' traces and lowerings. Later misses trace again, as they would anyway."""
+        if self.executables.directory is not None and self.executables.misses:
+            self._make_jits()
+
+    def _add_executable(self, key: tuple, jitted, args: tuple, background: bool = False,
+                        **static) -> jax.stages.Compiled:
+        """A shape seen for the first time: load it from the executable cache or compile it (with no
+        cache directory and not `background`, the plain jit, which compiles on its first call); kept under
+        `key`. `background`: the staged warm-up's thread, whose compiles are not stalls."""
+        if self.warmed_up and not background:
+            self.compiles_after_warmup += 1
+            log.warning("compiling %s after warm-up", key)
+        self._compiled[key] = (partial(jitted, **static) if self.executables.directory is None and not background
+                               else self.executables.compile(key[0], jitted, *args, **static))
+        return self._compiled[key]
+
+    def forward_executable(self, T: int, B: int, P: int, decode: bool = False, R: int | None = None,
+                           prompt_logits: bool = False, background: bool = False) -> jax.stages.Compiled:
+        """R: the sampler's logits rows (None: B). `prompt_logits`: the variant that also returns the logits of
+        every token (R + T rows), for steps with prompt logprobs; compiled on first use, not at warm-up."""
+        R = B if R is None else R
+        kind = "forward_decode" if decode else "forward_prompt_logits" if prompt_logits else "forward"
+        key = (kind, T, B, P) if R == B else (kind, T, B, P, R)
+        if (hit := self._compiled.get(key)) is not None:  # the per-step path
+            return hit
+        if decode and T not in self.decode_buckets:
+            raise ValueError(f"no decode-only executable for T={T} (decode buckets: {sorted(self.decode_buckets)})")
+        # XLA command buffers only for small steps (see COMMAND_BUFFER_MAX_TOKENS).
+        jitted = self._forward[decode][T > COMMAND_BUFFER_MAX_TOKENS]
+        dims = (T, B, P, R + T if prompt_logits else R)
+        buf = jax.ShapeDtypeStruct((sum(batch_sizes(*dims)),), jnp.int32)
+        return self._add_executable(key, jitted, (self.weights, buf, self.kv_cache, self._no_prev), background,
+                                    dims=dims)
+
+    def prompt_logprobs_executable(self, T: int, R: int, k: int) -> jax.stages.Compiled:
+        if (hit := self._compiled.get(("prompt_logprobs", T, R, k))) is not None:
+            return hit
+        logits = jax.ShapeDtypeStruct((R + T, self.cfg.vocab_size), jnp.float32, sharding=self._replicated)
+        targets = jax.ShapeDtypeStruct((T,), jnp.int32)
+        return self._add_executable(("prompt_logprobs", T, R, k), self._prompt_logprobs, (logits, targets),
+                                    num_rows=R, k=k)
+
+    def sampler_executable(self, R: int, M: int, W: int, num_logprobs: int, flags: SamplerFlags,
+                           K: int = 0, background: bool = False) -> jax.stages.Compiled:
+        key = sampler_key(R, M, W, K, num_logprobs, flags)
+        if (hit := self._compiled.get(key)) is not None:
+            return hit
+        logits = jax.ShapeDtypeStruct((R, self.cfg.vocab_size), jnp.float32, sharding=self._replicated)
+        G = mask_words(self.cfg.vocab_size) if flags.grammar else 0
+        buf = jax.ShapeDtypeStruct((sampling_size(R, M, W, K, G),), jnp.int32)
+        return self._add_executable(key, self._sample, (logits, buf, self._no_prev), background, dims=(R, M, W, K),
+                                    num_logprobs=num_logprobs, flags=flags)
+
+    def fork_executable(self, N: int) -> jax.stages.Compiled:
+        key = ("fork", N)
+        if (hit := self._compiled.get(key)) is None:
+            hit = self._add_executable(key, self._fork, (self.kv_cache, jax.ShapeDtypeStruct((4, N), jnp.int32)))
+        return hit
+
+    def _bucket_executables(self, T: int, decode: bool, background: bool = False) -> None:
+        """Every executable of one bucket: its forwards (every P), and its sampler's warm variants."""
+        B = self.seqs_bucket(T)
+        for P in self.page_buckets:
+            if self._stop_background.is_set() and background:  # a bucket is several compiles: stop between them
+                return
+            self.forward_executable(T, B, P, decode, background=background)
+        for flags in SamplerFlags.warm():
+            self.sampler_executable(B, 0, 0, -1, flags, background=background)
+
+    # ---- staged warm-up: the rest in the background -----------------------------------------------------------
+
+    def start_background(self) -> None:
+        """Compile the buckets a staged warm-up left, one at a time in a daemon thread; each becomes usable
+        as soon as it is compiled (loads and XLA compiles release the GIL, so steps go on meanwhile)."""
+        if self._background is not None or not self._rest:
+            return
+
+        def bucket(T: int, decode: bool) -> None:
+            if self._stop_background.is_set():
+                return
+            self._bucket_executables(T, decode, background=True)
+            if not self._stop_background.is_set():
+                self._make_ready(T, decode)
+
+        def work():
+            try:  # smallest buckets first, WARMUP_THREADS at a time (compiles release the GIL)
+                if self.executables.misses == 0 and self.executables.directory is not None:
+                    # A warm start (the first buckets all loaded from disk): the rest are loads too, one at a time
+                    # in this thread. Loaded in 8 threads, their memory, once dropped as idle, stayed in those
+                    # threads' malloc arenas: 120-140 MB of the idle engine's RSS (`executable_memory
+                    # --engine-cycle`); this way ~10 MB, for full speed 5.4 s after launch instead of 3.7-4.5
+                    # (Qwen3-4B on an H100; startup_qwen3-4b_h100.json). (Fewer arenas for the whole process,
+                    # MALLOC_ARENA_MAX=2, did as well for memory but doubled a cold start's compile times.)
+                    for job in self._rest:
+                        bucket(*job)
+                else:
+                    with ThreadPoolExecutor(max_workers=WARMUP_THREADS, thread_name_prefix="jinfer-warmup") as pool:
+                        for _ in pool.map(lambda job: bucket(*job), self._rest):
+                            pass
+                if self._stop_background.is_set():
+                    return
+                with self._ready_lock:  # the buckets loaded here count as used now: they unload together
+                    done = time.monotonic()
+                    for b in self._rest:
+                        self._last_used[b] = max(self._last_used.get(b, done), done)
+                self._drop_traces()
+                trim_host_heap()  # compile-time host memory back to the OS, as after a full warm-up
+                self.background_seconds = time.perf_counter() - self._t0
+                log.info("warm-up: all %d token buckets ready %.1f s after start-up began",
+                         len(self.token_buckets), self.background_seconds)
+            except Exception:  # the buckets compiled so far stay usable; the rest compile on first use
+                log.exception("background warm-up failed")
+                self.ready_tokens, self.ready_decode = self.token_buckets, self.decode_buckets
+
+        self._background = threading.Thread(target=work, name="jinfer-warmup", daemon=True)
+        self._background.start()
+
+    def _make_ready(self, T: int, decode: bool) -> None:
+        with self._ready_lock:
+            self._unloaded.discard((T, decode))
+            if decode:
+                self.ready_decode = self.ready_decode | {T}
+            else:
+                self.ready_tokens = tuple(sorted({*self.ready_tokens, T}))
+            self._last_used[(T, decode)] = time.monotonic()  # an unused bucket unloads keep_alive after this
+
+    def warmup_pending(self) -> int:
+        """Buckets a staged warm-up has not made ready yet (unloaded ones not counted)."""
+        with self._ready_lock:
+            return (len(self.token_buckets) - len(self.ready_tokens) + len(self.decode_buckets)
+                    - len(self.ready_decode) - len(self._unloaded))
+
+    def wait_warmup(self, timeout: float | None = None) -> bool:
+        """Wait for a staged warm-up's background compiles; True once every bucket is ready."""
+        if self._background is not None:
+            self._background.join(timeout)
+        return self.ready_tokens == self.token_buckets and self.ready_decode == self.decode_buckets
+
+    def stop_background(self) -> None:
+        self._stop_background.set()
+        if self._loader is not None:
+            self._loader.shutdown(wait=False, cancel_futures=True)
+
+    # ---- idle unloading and reloading ---------------------------------------------------------------------------
+
+    def unload_idle(self, now: float | None = None) -> int:
+        """Drop the forward executables of every bucket (but the warm-up's first ones) that no step used for
+        `keep_alive` seconds; returns how many buckets. Call it from the thread that launches steps, between
+        steps (the engine loop does, while idle): a step picks its bucket from the ready ones."""
+        warming = self._background is not None and self._background.is_alive()
+        if not self.keep_alive or not self._pinned or warming:  # (only after a staged warm-up)
+            return 0
+        now = time.monotonic() if now is None else now
+        with self._ready_lock:
+            idle = [b for b, t in self._last_used.items()
+                    if b not in self._pinned and b not in self._unloaded and b not in self._loading
+                    and now - t >= self.keep_alive]
+            if not idle:
+                return 0
+            drop_tokens = {T for T, decode in idle if not decode}
+            drop_decode = {T for T, decode in idle if decode}
+            self.ready_tokens = tuple(T for T in self.ready_tokens if T not in drop_tokens)
+            self.ready_decode = self.ready_decode - drop_decode
+            self._unloaded.update(idle)
+            for b in idle:
+                self._demand.pop(b, None)
+            # ... and the warm sampler variants of every sequence bucket no loaded bucket has any more
+            kept = {self.seqs_bucket(T) for T in (*self.ready_tokens, *self.ready_decode)}
+            kept |= {self.seqs_bucket(T) for T, _ in self._loading}
+            samplers = {sampler_key(self.seqs_bucket(T), 0, 0, 0, -1, flags) for T, _ in idle
+                        for flags in SamplerFlags.warm()} - {sampler_key(B, 0, 0, 0, -1, flags) for B in kept
+                                                             for flags in SamplerFlags.warm()}
+            for key in [k for k in list(self._compiled)  # (a snapshot: a reload may be adding keys)
+                        if (k[0] in ("forward", "forward_decode") and (k[1], k[0] == "forward_decode") in idle)
+                        or k in samplers]:
+                del self._compiled[key]
+        self.unloads += len(idle)
+        trim_host_heap()
+        log.info("unloaded the executables of %d bucket(s) idle for %.0f s: %s", len(idle), self.keep_alive,
+                 ", ".join(f"{T}{' decode' if d else ''}" for T, d in sorted(idle)))
+        return len(idle)
+
+    def _note_use(self, T: int, decode: bool, num_tokens: int, decode_only: bool) -> None:
+        """Idle unloading's bookkeeping for a step of bucket T: it was used now, and the unloaded buckets a step of
+        `num_tokens` wanted (its own, and every larger one when it filled the scheduler's budget: the budget is the
+        largest ready bucket, so the scheduler wanted more) count one more step towards their reload."""
+        if not self.keep_alive:
+            return
+        if self._unloaded:
+            wanted = pick(self.token_buckets, num_tokens)
+            self._want(wanted, False)
+            if decode_only and wanted in self.decode_buckets:
+                self._want(wanted, True)
+            if num_tokens >= self.ready_limits()[0]:
+                for U in self.token_buckets:
+                    if U > wanted:
+                        self._want(U, False)
+        self._last_used[(T, decode)] = time.monotonic()
+
+    def _want(self, T: int, decode: bool) -> None:
+        """A step wanted bucket T (decode-only or not) and it is unloaded: the RELOAD_AFTER_STEPS-th such step loads
+        it again in the background (steps run padded into a ready bucket meanwhile)."""
+        b = (T, decode)
+        with self._ready_lock:
+            if b not in self._unloaded or b in self._loading:
+                return
+            self._demand[b] = self._demand.get(b, 0) + 1
+            if self._demand[b] < RELOAD_AFTER_STEPS:
+                return
+            del self._demand[b]
+            self._loading.add(b)
+        if self._loader is None:
+            self._loader = ThreadPoolExecutor(max_workers=1, thread_name_prefix="jinfer-reload")  # one arena
+
+        def load():
+            try:
+                self._bucket_executables(T, decode, background=True)  # (samplers unloaded with the last B bucket)
+                self._make_ready(T, decode)
+                self.reloads += 1
+                log.info("loaded the executables of bucket %d%s again", T, " decode" if decode else "")
+            except Exception:  # the step path goes on padded; a later step asks again
+                log.exception("loading bucket %s again failed", b)
+            finally:
+                with self._ready_lock:
+                    self._loading.discard(b)
+
+        self._loader.submit(load)
