@@ -122,7 +122,7 @@ def engine_cycle(model: str, directory: Path, cycles: int = 2, warmup_threads: i
     import gc
     import time
 
-    from jinfer.engine import runner as model_runner
+    from jinfer.engine import executables as model_runner
     from jinfer.engine.core import EngineConfig, EngineCore
 
     if warmup_threads:

@@ -15,7 +15,7 @@ from dataclasses import dataclass, replace
 import numpy as np
 
 from jinfer.cache.manager import NULL_PAGE
-from jinfer.engine.sampler import SamplingTensors, mask_words, uses_penalties
+from jinfer.engine.sampling_tensors import SamplingTensors, mask_words, uses_penalties
 from jinfer.engine.scheduler import SchedulerOutput
 from jinfer.models.batch import Batch
 

@@ -26,7 +26,7 @@ from jinfer.config.model import ModelConfig
 from jinfer.engine.grammar import GrammarEngine
 from jinfer.engine.request import FinishReason, Request, accept_draft_tokens
 from jinfer.engine.runner import Launched, ModelRunner, StepRow
-from jinfer.engine.sampler import num_logprobs_for, pack_token_mask
+from jinfer.engine.sampling_tensors import num_logprobs_for, pack_token_mask
 from jinfer.engine.scheduler import Scheduler, SchedulerConfig
 from jinfer.engine.spawn import MEM_FRACTION
 from jinfer.generation_config import check_setting as check_generation_config

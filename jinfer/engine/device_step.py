@@ -9,7 +9,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from jinfer.engine.sampler import mask_words, sample_traced, token_logprobs
+from jinfer.engine.sampler import sample_traced, token_logprobs
+from jinfer.engine.sampling_tensors import mask_words
 from jinfer.engine.step_inputs import pack_samples, unpack_batch, unpack_sampling
 from jinfer.models.registry import forward
 from jinfer.parallel.mesh import mesh_forward

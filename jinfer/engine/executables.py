@@ -31,7 +31,7 @@ import jax
 import jax.numpy as jnp
 
 from jinfer.engine.device_step import fork_step, forward_step, prompt_logprobs_step, sample_step
-from jinfer.engine.sampler import SamplerFlags, mask_words
+from jinfer.engine.sampling_tensors import SamplerFlags, mask_words
 from jinfer.engine.step_inputs import batch_sizes, sampling_size
 from jinfer.parallel.mesh import array_specs
 
@@ -226,6 +226,17 @@ class StepExecutables:
         if (hit := self._compiled.get(key)) is None:
             hit = self._add_executable(key, self._fork, (self.kv_cache, jax.ShapeDtypeStruct((4, N), jnp.int32)))
         return hit
+
+    def _load_all(self, shapes: list[tuple[int, int, int, bool]], fork_sizes: list[int]) -> None:
+        """Load (or trace + compile) the forwards of `shapes` ((T, B, P, decode) each), the warm samplers of their
+        sequence buckets and the fork copies of `fork_sizes`, in parallel: loads and XLA compiles release the GIL."""
+        jobs = [partial(self.forward_executable, *shape) for shape in shapes]
+        jobs += [partial(self.sampler_executable, B, 0, 0, -1, flags)
+                 for B in sorted({shape[1] for shape in shapes}) for flags in SamplerFlags.warm()]
+        jobs += [partial(self.fork_executable, N) for N in fork_sizes]
+        with ThreadPoolExecutor(max_workers=WARMUP_THREADS) as pool:
+            for _ in pool.map(lambda job: job(), jobs):  # re-raises a job's exception
+                pass
 
     def _bucket_executables(self, T: int, decode: bool, background: bool = False) -> None:
         """Every executable of one bucket: its forwards (every P), and its sampler's warm variants."""

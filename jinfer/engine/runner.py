@@ -20,9 +20,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import astuple, dataclass, field
-from functools import partial
 
 import jax
 import numpy as np
@@ -44,8 +42,8 @@ from jinfer.engine.batch_builder import (
 )
 from jinfer.engine.device_step import FORK_CHUNK
 from jinfer.engine.executable_cache import ExecutableCache
-from jinfer.engine.executables import WARMUP_THREADS, StepExecutables, pick, trim_host_heap
-from jinfer.engine.sampler import SamplerFlags
+from jinfer.engine.executables import StepExecutables, pick, trim_host_heap
+from jinfer.engine.sampling_tensors import SamplerFlags
 from jinfer.engine.scheduler import SchedulerOutput
 from jinfer.engine.step_inputs import (
     PromptLogprobs,
@@ -293,14 +291,8 @@ class ModelRunner(StepExecutables):
             now = tuple(T for T in self.token_buckets if T in (1, cut))
         shapes = [(T, self.seqs_bucket(T), P, decode) for T in now for P in self.page_buckets
                   for decode in ((False, True) if T in self.decode_buckets and first_tokens is None else (False,))]
-        if not run:  # load (or trace + compile) everything in parallel: loads and XLA compiles release the GIL
-            jobs = [partial(self.forward_executable, *shape) for shape in shapes]
-            jobs += [partial(self.sampler_executable, B, 0, 0, -1, flags)
-                     for B in sorted({shape[1] for shape in shapes}) for flags in SamplerFlags.warm()]
-            jobs += [partial(self.fork_executable, N) for N in self._fork_sizes]
-            with ThreadPoolExecutor(max_workers=WARMUP_THREADS) as pool:
-                for _ in pool.map(lambda job: job(), jobs):  # re-raises a job's exception
-                    pass
+        if not run:
+            self._load_all(shapes, self._fork_sizes)
         for T in now:
             B = self.seqs_bucket(T)
             for _, _, P, decode in (shape for shape in shapes if shape[0] == T):

@@ -19,7 +19,7 @@ import jax.numpy as jnp
 import msgpack
 import numpy as np
 
-from jinfer.engine.sampler import SamplingTensors
+from jinfer.engine.sampling_tensors import SamplingTensors
 from jinfer.models.batch import Batch
 
 
