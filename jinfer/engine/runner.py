@@ -77,11 +77,10 @@ class Launched:
     # rows (request id, prompt position whose token it scores).
     prompt_packed: jax.Array | None = None
     prompt_rows: list[tuple[str, int]] = field(default_factory=list)
+    row_of: dict[str, int] = field(init=False)  # request id -> the row of its last sample (its next decode's input)
 
-    @property
-    def row_of(self) -> dict[str, int]:
-        """request id -> the row of its last sample (the token its next decode reads)."""
-        return {rid: first + count - 1 for rid, (first, count) in self.rows.items()}
+    def __post_init__(self):
+        self.row_of = {rid: first + count - 1 for rid, (first, count) in self.rows.items()}
 
 
 class ModelRunner(StepExecutables):
@@ -216,7 +215,8 @@ class ModelRunner(StepExecutables):
         if callable(token_mask):
             token_mask = token_mask()
         if pending_outputs and prev is not None:
-            rows = [with_pending_output(r, s, prev.row_of) for r, s in zip(rows, out.scheduled, strict=True)]
+            prev_rows = prev.row_of
+            rows = [with_pending_output(r, s, prev_rows) for r, s in zip(rows, out.scheduled, strict=True)]
         st = sampling_tensors(logits_rows(rows, out, built.counts), R, self.cfg.vocab_size, token_mask,
                               built.counts)
         step = StepInputs(T, B, P, decode, st.output_tokens.shape[1], st.prompt_mask.shape[1], num_logprobs,
