@@ -532,8 +532,8 @@ class EngineCore:
         """Launch a step with grammar-constrained rows. Their masks need the grammars advanced by the step
         in flight: the forward goes first, then that step is read back and the masks computed while the
         device runs the forward, then the sampler follows (async scheduling stays on). A multi-process group
-        replays whole steps, so there (and in steps with prompt logprobs) the step in flight is read back
-        before the launch."""
+        replays whole steps, so there the step in flight is read back before the launch (the runner calls
+        `masks` first)."""
         prev = self._inflight
 
         def masks():  # called by the runner once the forward is dispatched (a group: before)
