@@ -64,7 +64,7 @@ import pallas_kernels.moe.moe_router as moe_router
 import pallas_kernels.moe.moe_routing as moe_routing
 import pallas_kernels.persistent as persistent
 from benchmarks.common import add_profile_argument, environment, profiled, write_result
-from jinfer.engine.runner import init_kv_cache
+from jinfer.cache.layout import init_kv_cache
 from jinfer.models import ops as ops_module
 from jinfer.models.batch import make_batch
 from jinfer.models.ops import select_ops

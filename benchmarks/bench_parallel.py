@@ -23,7 +23,7 @@ import numpy as np
 from jax.sharding import PartitionSpec as P
 
 from benchmarks.common import add_profile_argument, environment, profiled, write_result
-from jinfer.engine.runner import init_kv_cache
+from jinfer.cache.layout import init_kv_cache
 from jinfer.models.batch import make_batch
 from jinfer.models.ops import select_ops
 from jinfer.models.registry import forward

@@ -14,7 +14,7 @@ import statistics
 import time
 
 from jinfer import SamplingParams
-from jinfer.engine.sampler import SamplingTensors
+from jinfer.engine.sampling_tensors import SamplingTensors
 
 
 def main() -> None:

@@ -94,7 +94,7 @@ def bench_masks(tokenizer, vocab_size: int, batch_sizes: list[int], steps: int, 
     from llguidance.numpy import fill_next_token_bitmask
 
     from jinfer.engine.grammar import GrammarEngine
-    from jinfer.engine.sampler import mask_words
+    from jinfer.engine.sampling_tensors import mask_words
     from jinfer.structured_outputs import StructuredOutputsParams
 
     rng = np.random.default_rng(0)

@@ -58,7 +58,7 @@ def load_all(directory: Path) -> dict:
     import jinfer.models.llama  # noqa: F401  (the executables' pytrees name these modules)
     import jinfer.models.qwen3_5  # noqa: F401
     import jinfer.models.qwen3_moe  # noqa: F401
-    from jinfer.engine.executables import _load
+    from jinfer.engine.executable_cache import _load
 
     try:
         import jax.experimental.mosaic.gpu  # noqa: F401  (Mosaic kernels' host symbols, as ModelOps does)
@@ -123,7 +123,7 @@ def engine_cycle(model: str, directory: Path, cycles: int = 2, warmup_threads: i
     import time
 
     from jinfer.config.engine import EngineConfig
-    from jinfer.engine import runner as model_runner
+    from jinfer.engine import executables as model_runner
     from jinfer.engine.core import EngineCore
 
     if warmup_threads:

@@ -20,10 +20,11 @@ from typing import Any
 
 import jax
 
+from jinfer.cache.layout import kv_cache_bytes_per_page, state_bytes_per_slot
 from jinfer.cache.manager import KVCacheManager, cdiv
 from jinfer.config.engine import EngineConfig
 from jinfer.config.model import ModelConfig
-from jinfer.engine.runner import ModelRunner, kv_cache_bytes_per_page, state_bytes_per_slot
+from jinfer.engine.runner import ModelRunner
 from jinfer.engine.scheduler import Scheduler
 from jinfer.engine.spawn import MEM_FRACTION
 from jinfer.generation_config import load_generation_defaults
@@ -86,8 +87,8 @@ def _release_engines() -> None:
     for core in list(_LIVE_ENGINES):
         if isinstance(core.group, Leader):
             core.close()
-        if core.runner is not None and core.runner.host_pool is not None:
-            core.runner.host_pool.join()  # its reservation and offload threads hold XLA buffers
+        if core.runner is not None:
+            core.runner.host_tier_join()  # its reservation and offload threads hold XLA buffers
         core.runner = None
         core._inflight = None
     gc.collect()

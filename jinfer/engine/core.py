@@ -16,9 +16,9 @@ from jinfer.engine.builder import build_engine, release_at_exit
 from jinfer.engine.grammar import GrammarEngine
 from jinfer.engine.input_processor import InputProcessor, SequenceState, prompt_logprobs_wanted, step_rows
 from jinfer.engine.output_processor import emit, record_prompt_logprobs, token_logprobs
-from jinfer.engine.request import FinishReason
+from jinfer.engine.request import FinishReason, accept_draft_tokens
 from jinfer.engine.runner import Launched
-from jinfer.engine.sampler import num_logprobs_for
+from jinfer.engine.sampling_tensors import num_logprobs_for
 from jinfer.errors import InvalidParam
 from jinfer.outputs import EngineOutput
 from jinfer.sampling_params import SamplingParams
@@ -112,9 +112,8 @@ class EngineCore:
     def _step(self) -> list[EngineOutput]:
         outputs = []
         out = self.scheduler.schedule(*self.runner.ready_limits())
-        pool = self.runner.host_pool
-        if pool is not None and not out.is_empty:  # the host tier's copies now wait for read-backs
-            pool.hold()
+        if not out.is_empty:  # the host tier's copies now wait for read-backs
+            self.runner.host_tier_hold()
         if out.kv_transfers:  # copies between the HBM and host tiers go to the device ahead of the step
             self._transfer(out.kv_transfers)
         if out.fork_pages or out.fork_slots:  # forked samples' pages and states, ahead of the step too
@@ -148,8 +147,7 @@ class EngineCore:
         would wait for them on PCIe)."""
         if self.kv.host is not None and (transfers := self.kv.take_transfers(flush=True)):
             self._transfer(transfers)
-        if self.runner.host_pool is not None:
-            self.runner.host_pool.release()
+        self.runner.host_tier_release()
 
     def unload_idle(self) -> int:
         """Drop the executables no step used for `executable_keep_alive` seconds (the engine loop calls this while
@@ -161,18 +159,17 @@ class EngineCore:
         """Launch a step with grammar-constrained rows. Their masks need the grammars advanced by the step
         in flight: the forward goes first, then that step is read back and the masks computed while the
         device runs the forward, then the sampler follows (async scheduling stays on). A multi-process group
-        replays whole steps, so there (and in steps with prompt logprobs) the step in flight is read back
-        before the launch."""
+        replays whole steps, so there the step in flight is read back before the launch (the runner calls
+        `masks` first)."""
         prev = self._inflight
-        if prev is not None and self.runner.on_launch is None and prompt_logprobs is None:
-            fwd = self.runner.launch_forward(out, prev)
-            outputs += self._complete(prev)
-            self._inflight = None
-            return self.runner.launch_sample(fwd, rows, num_logprobs, self._grammar_masks(out, guided)), outputs
-        if prev is not None:
-            outputs += self._complete(prev)
-            self._inflight = None
-        return self.runner.launch(out, rows, num_logprobs, prev, prompt_logprobs, self._grammar_masks(out, guided),
+
+        def masks():  # called by the runner once the forward is dispatched (a group: before)
+            if prev is not None:
+                outputs.extend(self._complete(prev))
+                self._inflight = None
+            return self._grammar_masks(out, guided)
+
+        return self.runner.launch(out, rows, num_logprobs, prev, prompt_logprobs, token_mask=masks,
                                   pending_outputs=False), outputs
 
     def _grammar_masks(self, out, guided: list[int]):
@@ -187,20 +184,21 @@ class EngineCore:
         result = self.runner.fetch(launched)
         self.device_wait_seconds_total += time.perf_counter() - t
         self.num_steps_total += 1
-        if self.runner.host_pool is not None:  # host-tier copies may go out until the next read-back is due
-            self.runner.host_pool.read_back()
+        self.runner.host_tier_read_back()  # host-tier copies may go out until the next read-back is due
         record_prompt_logprobs(self.runner.fetch_prompt_logprobs(launched), launched.prompt_rows, self._seqs)
         live = [(b, s) for b, s in enumerate(out.scheduled) if s.needs_sample and not s.request.is_finished]
-        sampled = {s.request_id: int(result.tokens[b]) for b, s in live}
+        sampled = {s.request_id: accept_draft_tokens(s.draft_token_ids, result.tokens_of(s.request_id))
+                   for _, s in live}
         finished = {r.request_id: r for r in self.scheduler.update(out, sampled)}
         for _, s in live:  # structured outputs: a grammar that can go no further ends its sequence
             matcher = self._seqs[s.request_id].matcher
-            if matcher is not None and self.grammar.advance(matcher, sampled[s.request_id]) \
+            if matcher is not None and self.grammar.advance(matcher, sampled[s.request_id][-1]) \
                     and s.request_id not in finished:
                 finished[s.request_id] = self.scheduler.finish_request(s.request_id, FinishReason.STOP)
         outputs = []
-        for b, s in live:
-            rid, seq, token = s.request_id, self._seqs[s.request_id], sampled[s.request_id]
+        for _, s in live:  # (the last accepted token; several only once drafts are proposed)
+            rid, seq, accepted = s.request_id, self._seqs[s.request_id], sampled[s.request_id]
+            token, b = accepted[-1], result.rows_of(rid)[len(accepted) - 1]
             self.num_generation_tokens_total += 1
             delta, stop_hit = emit(s.request, seq, token, token_logprobs(result, b, token, seq.params),
                                    finished.get(rid))
@@ -227,13 +225,13 @@ class EngineCore:
             self.group.close()
 
     def _host_tier_stats(self) -> dict:
-        host, pool = self.kv.host, self.runner.host_pool
+        host, page_bytes = self.kv.host, self.runner.host_page_bytes
         if host is None:
             return {}
         return {"kv_host_pages": host.num_slots, "kv_host_used_pages": host.num_used_slots,
                 "kv_host_usage": host.num_used_slots / host.num_slots,
-                "kv_offload_bytes_total": host.num_offloaded_pages * pool.page_bytes,
-                "kv_restore_bytes_total": host.num_restored_pages * pool.page_bytes,
+                "kv_offload_bytes_total": host.num_offloaded_pages * page_bytes,
+                "kv_restore_bytes_total": host.num_restored_pages * page_bytes,
                 "kv_offload_dropped_pages": host.num_dropped_offloads}
 
     def stats(self) -> dict:

@@ -1,400 +1,408 @@
-"""On-disk cache of compiled XLA executables, so that a warm start neither traces nor lowers.
+"""The step's compiled executables: one per shape bucket, loaded from the on-disk cache (`executable_cache.py`) or
+compiled, made ready in the background during a staged warm-up, dropped when idle and loaded again on demand.
 
-Why: start-up compiles ~10 bucket shapes of a model whose layers are unrolled in Python. JAX's
-persistent compilation cache only skips the XLA compile; every shape is still traced and lowered
-to StableHLO in Python first, which is what a warm start of a 36-layer model spends its time on. This cache
-stores the *compiled executable* (`jax.experimental.serialize_executable`) under a key computed
-from the call's abstract signature alone, so a hit costs a tree flatten, a file read and an
-executable load: the model function is never called.
+Shapes come from a small fixed set of buckets so serving never stalls on a compile:
+- T (tokens in the step): 1 (GPU only), then powers of two from `MIN_TOKENS` up to `max_num_batched_tokens`;
+- B (sequences): min(T, the max_num_seqs bucket): a step never has more sequences than tokens;
+- P (pages per sequence in the page table): powers of two up to the longest sequence allowed;
+- R (logits rows the sampler takes): B, or T in steps whose sequences return more rows than B (drafts);
+  for T up to the max_num_seqs bucket the two are the same.
+With the Pallas kernels, a bucket with B = T (T > 1) has a second forward for decode-only steps (every
+sequence one new token), whose attention is the paged decode kernel instead of the ragged one
+(`ModelOps.decode_step`).
 
-    cache = ExecutableCache("~/.cache/jinfer/executables", namespace=repr((cfg, ops)))
-    step = cache.compile("forward", forward_jit, weights, batch, kv_cache)  # a jax.stages.Compiled
-    logits, kv_cache = step(weights, batch, kv_cache)                         # donation still applies
-
-The returned object is exactly what `jitted.lower(*args, **kwargs).compile()` returns; call it
-like one, i.e. without the static arguments.
-
-The key (sha256, also the file name) covers: the caller's `namespace` (whatever `jitted` closes
-over: model config, ops...), `name`, the jit options (static/donated arguments, shardings), the
-argument tree with every array leaf's shape, dtype, weak_type and sharding (including the mesh's
-device ids and order), the repr of every non-array leaf (static arguments), the jax and jaxlib
-versions, backend platform and platform version, device kind and count, process count, the jax
-config flags (all but cache, logging and networking ones), `XLA_FLAGS` / `LIBTPU_INIT_ARGS`, and a
-hash of every .py file of the `jinfer` and `pallas_kernels` packages (computed once per process:
-any edit there invalidates every entry).
-
-The input and output PyTreeDefs, which `deserialize_and_load` needs and which cannot be derived
-without tracing, are stored as JSON (node type by module:qualname, aux data as tagged JSON); the
-types are looked up among already-imported modules at load time, nothing is imported. The
-executable's device ids are stored too: loading it on other devices aborts the process.
-
-A file is: MAGIC, an 8-byte header length, a JSON header (trees, device ids, payload size and
-sha256), then JAX's payload. A truncated, corrupt or unloadable entry is logged, deleted and
-recompiled. Writes go to a temporary file and `os.replace`, so processes can share a directory.
-
-On CPU (jaxlib 0.11.2) an executable that JAX loaded from its persistent compilation cache
-re-serializes without its compiled functions: it loads, then fails at its first call ("Function
-... not found"). So on CPU a miss compiles with the persistent cache switched off for that compile
-(globally, under a lock), and a compile that the persistent cache served anyway is not stored.
-
-Limits:
-- JAX's payload is itself a pickle (of its executable wrapper, avals and shardings), unpickled by
-  `deserialize_and_load`. Only load directories that this user's processes write, as with JAX's
-  persistent compilation cache or __pycache__; never a cache that came from elsewhere.
-- Not cached (compiled normally, a warning says why): executables with host callbacks
-  (`jax.debug.print`, `pure_callback`), with constants JAX passes as arguments, and trees with
-  node types or aux data that are not JSON-representable (e.g. classes defined inside functions).
-- A non-array leaf enters the key by its repr: a dynamic Python scalar makes one entry per value,
-  and a repr that contains a memory address never hits (a warning says so).
-- The key does not see code outside `jinfer`/`pallas_kernels` that `jitted` calls, nor explicit
-  layouts of the arguments; the caller's namespace must cover what the function closes over.
-- Single-process, default-backend executables only (loaded on this process's default-backend devices).
-- A hit still pays the backend's executable load (on CPU about what a persistent-cache hit costs);
-  what the cache removes is tracing and lowering.
+`StepExecutables` is the registry part of `ModelRunner` (a base class: the engine, tests and benchmarks reach the
+buckets, the ready sets and the executables through the runner).
 """
 
 from __future__ import annotations
 
-import functools
-import hashlib
-import json
+import ctypes
 import logging
 import os
-import re
-import struct
-import sys
-import tempfile
 import threading
 import time
-from contextlib import contextmanager
-from pathlib import Path
-from typing import Any
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import replace
+from functools import partial
 
 import jax
-import jaxlib
-from jax.experimental.compilation_cache import compilation_cache
-from jax.experimental.serialize_executable import deserialize_and_load, serialize
+import jax.numpy as jnp
+
+from jinfer.engine.device_step import fork_step, forward_step, prompt_logprobs_step, sample_step
+from jinfer.engine.sampling_tensors import SamplerFlags, mask_words
+from jinfer.engine.step_inputs import batch_sizes, sampling_size
+from jinfer.parallel.mesh import array_specs
 
 log = logging.getLogger(__name__)
 
-MAGIC = b"JINFER-EXECUTABLE-1\n"
-_HEADER_LEN = struct.Struct("<Q")
-_PACKAGES = ("jinfer", "pallas_kernels")
-# Environment that changes what is traced or compiled: XLA's flags, and jinfer's measurement switches (kernel
-# choices read at import by jinfer.models.ops).
-_ENV_VARS = ("XLA_FLAGS", "LIBTPU_INIT_ARGS", "JINFER_PALLAS_MLP_TOKENS", "JINFER_NORM_QKV_TOKENS",
-             "JINFER_MOE_FRONT_TOKENS", "JINFER_FUSED_TAILS", "JINFER_FUSED_O_TOKENS", "JINFER_PREFETCH_O",
-             "JINFER_PREFETCH_EVICTION", "JINFER_GEMV_O_TOKENS", "JINFER_GEMV_DOWN_TOKENS", "JINFER_GEMV_BLOCK_N",
-             "JINFER_PERSISTENT_O_MLP_TOKENS")
-STALE_TEMP_FILE_S = 600
-# jax config flags that cannot change the executable: caches, logging, transfer guards, networking.
-_CONFIG_IGNORED = re.compile(
-    r"jax_(compilation_cache|persistent_cache|enable_compilation_cache|raise_persistent_cache|log|explain_cache"
-    r"|pprint|traceback|tracer_error|transfer_guard|mtls|cross_host|distributed|dump_ir|debug_log_modules"
-    r"|check_proxy_envs|source_url_schema|captured_constants|compiler_detailed_logging|cpu_get_"
-    r"|share_binary_between_hosts_timeout|array_garbage_collection_guard|thread_guard|debug_leaked_clients)")
-_ADDRESS = re.compile(r" at 0x[0-9a-fA-F]+")
-# XLA:CPU (jaxlib 0.11.2): an executable that JAX loaded from its persistent compilation cache serializes
-# without its compiled functions, and the reloaded copy fails at its first call ("Function ... not found").
-# On these platforms a miss compiles with that cache off. (On an H100 the same round trip works.)
-_RESERIALIZE_LOSSY_PLATFORMS = frozenset({"cpu"})
-_PERSISTENT_CACHE_HIT = "/jax/compilation_cache/cache_hits"
-_persistent_cache_lock = threading.Lock()
+MIN_TOKENS = 8
+MIN_PAGES = 4
+WARMUP_THREADS = 8  # forward executables loaded / compiled at once during warm-up
+# XLA command buffers (CUDA graphs) only for steps of at most this many tokens. They save the
+# per-kernel launch cost that dominates small decode steps, but recording a graph costs ~16 ms for a
+# 1k-token prefill executable (it was re-recorded in front of the first prefill after warm-up, on
+# the TTFT path), and large steps hide their launches behind device time anyway.
+COMMAND_BUFFER_MAX_TOKENS = 32
+# An unloaded bucket (`unload_idle`) is loaded again once this many steps wanted it: sustained demand, not
+# one request's few prefill chunks (a lone 1k-token prompt after an idle minute ran 0.15-0.2 s slower while the
+# 512-2048 buckets its first chunk asked for loaded beside it; it needs none of them).
+RELOAD_AFTER_STEPS = 16
+# Large (prefill) steps: no command buffers (above), and no "dot merger". That XLA pass merges two dots of
+# one operand into one over the concatenation of the other operands: it merged the MLP's x @ w_gate and
+# x @ w_up, concatenating the two weights (94 MB for Qwen3.5-4B) anew in every layer of every prefill step:
+# 60 us a layer on an H100, more than the merged dot saved (`benchmarks/hlo_ops.py` names such kernels).
+# JINFER_XLA_DOT_MERGER=1 keeps XLA's default (A/B runs).
+NO_COMMAND_BUFFER = {"xla_gpu_enable_command_buffer": ""} | (
+    {} if os.environ.get("JINFER_XLA_DOT_MERGER") == "1" else {"xla_gpu_dot_merger_threshold_mb": 0})
 
 
-class _Unsupported(Exception):
-    """A tree or value that the JSON codec cannot represent faithfully."""
+def trim_host_heap() -> None:
+    """Hand the heap's free pages back to the OS (glibc only; a no-op elsewhere). Warm-up frees a lot
+    (executable payloads read from disk, lowering and compile temporaries), spread over the arenas of
+    its threads; glibc keeps such memory mapped, and it counted as the idle engine's RSS."""
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
 
 
-class ExecutableCache:
-    """Compiled executables on disk, keyed by everything that changes them; `directory` None or "" disables."""
+def pow2_buckets(lo: int, hi: int) -> tuple[int, ...]:
+    """lo, 2lo, 4lo, ... and finally hi itself (so the largest bucket is exactly the limit)."""
+    out, b = [], lo
+    while b < hi:
+        out.append(b)
+        b *= 2
+    out.append(hi)
+    return tuple(out)
 
-    def __init__(self, directory: str | os.PathLike | None, *, namespace: str):
-        self.directory = Path(directory).expanduser() if directory else None
-        self.namespace = namespace
-        self.hits = self.misses = 0
-        self._count_lock = threading.Lock()  # compile() may run in several threads (warm-up)
-        self._remove_stale_temp_files()
 
-    def _remove_stale_temp_files(self) -> None:
-        """Temp files of writes cut short (a process exiting mid-write: the engine does not wait for background
-        compiles at shutdown). Only old ones: a young one may be another process's write in progress."""
-        if self.directory is None or not self.directory.is_dir():
-            return
-        cutoff = time.time() - STALE_TEMP_FILE_S
-        for tmp in self.directory.glob("*.jexe*.tmp"):
-            try:
-                if tmp.stat().st_mtime < cutoff:
-                    tmp.unlink()
-            except OSError:
+def pick(buckets: Sequence[int], n: int) -> int:
+    for b in buckets:
+        if n <= b:
+            return b
+    raise ValueError(f"{n} exceeds the largest bucket {buckets[-1]}")
+
+
+def sampler_key(R: int, M: int, W: int, K: int, num_logprobs: int, flags: SamplerFlags) -> tuple:
+    return ("sample", R, M, W, K, num_logprobs, flags)
+
+
+class StepExecutables:
+    """Buckets and the executables compiled for them (the registry half of `ModelRunner`). Needs of its subclass:
+    cfg, mesh, ops, weights, kv_cache, `_replicated` (the sharding of logits and tokens), `_no_prev` (a tokens
+    buffer), `executables` (the on-disk cache) and `_slot_layers` (the cache's layers indexed by state slot)."""
+
+    def _init_registry(self, max_num_batched_tokens: int, max_num_seqs: int, max_pages: int,
+                       keep_alive: float) -> None:
+        # On GPU, T=1 is its own bucket: batch-1 decode is the latency-critical case and has its own
+        # kernels. Not on CPU: there XLA copies the whole KV cache when a one-token update is followed
+        # by a read of the cache in the same executable (step time grew with the pool: 4 s at 4096 pages).
+        one = (1,) if jax.default_backend() == "gpu" else ()
+        self.token_buckets = one + pow2_buckets(MIN_TOKENS, max(max_num_batched_tokens, MIN_TOKENS))
+        self.max_seqs_bucket = pick(pow2_buckets(1, 1 << (max_num_seqs - 1).bit_length()), max_num_seqs)
+        self.max_rows = self.token_buckets[-1]  # the sampled-token buffer: a row per logits row of any step
+        # The reference attention gathers all P pages of every token, so P is bucketed; the Pallas
+        # kernels stop at each sequence's length, so one full-width page table costs nothing there.
+        self.page_buckets = ((max_pages,) if self.ops.backend == "pallas"
+                             else pow2_buckets(min(MIN_PAGES, max_pages), max_pages))
+        # Buckets whose decode-only steps get their own executable (see the module doc).
+        self.decode_buckets = (frozenset(T for T in self.token_buckets if T > 1 and self.seqs_bucket(T) == T)
+                               if self.ops.backend == "pallas" else frozenset())
+        self._compiled: dict[tuple, jax.stages.Compiled] = {}
+        self.compile_seconds = 0.0
+        self.warmed_up = False
+        # Buckets steps may use now: all of them (compiled on first use) unless a staged warm-up
+        # (`warmup(first_tokens=...)`) is still compiling the rest in the background.
+        self.ready_tokens: tuple[int, ...] = self.token_buckets
+        self.ready_decode: frozenset[int] = self.decode_buckets
+        self._background: threading.Thread | None = None
+        self._stop_background = threading.Event()
+        self._ready_lock = threading.Lock()
+        self.background_seconds = 0.0  # start-up to the last background compile
+        # Idle unloading (`unload_idle`): a bucket beyond the staged warm-up's first ones whose forward executables
+        # no step used for `keep_alive` seconds is dropped (its host memory, ~1 MB per GPU code image, goes back),
+        # and loaded again from the executable cache in the background when a step wants it (`_want`).
+        self.keep_alive = float(keep_alive)
+        self._pinned: frozenset[tuple[int, bool]] = frozenset()  # (T, decode) buckets never unloaded
+        self._last_used: dict[tuple[int, bool], float] = {}
+        self._unloaded: set[tuple[int, bool]] = set()
+        self._loading: set[tuple[int, bool]] = set()
+        self._demand: dict[tuple[int, bool], int] = {}  # unloaded bucket -> steps that wanted it since
+        self._loader: ThreadPoolExecutor | None = None
+        self._rest: list[tuple[int, bool]] = []  # buckets a staged warm-up left to the background
+        self.unloads = self.reloads = 0  # buckets dropped as idle / loaded again
+        self.compiles_after_warmup = 0  # shapes first needed after warm-up (each one stalls a step)
+
+    def seqs_bucket(self, num_tokens_bucket: int) -> int:
+        return min(num_tokens_bucket, self.max_seqs_bucket)
+
+    def ready_limits(self) -> tuple[int, int]:
+        """(tokens, sequences) a step may hold now: the largest ready bucket and its sequence bucket."""
+        T = self.ready_tokens[-1]
+        return T, self.seqs_bucket(T)
+
+    # ---- the jitted functions and their executables -------------------------------------------------------------
+
+    def _make_jits(self) -> None:
+        """The jitted step functions that executables are lowered from. Made anew (`_drop_traces`) once a cold
+        start's compiles are done: JAX caches each jit's traces and lowerings for as long as its function lives
+        (a cold-started Qwen3-4B server idled at 1.83 GB, against 854 MB after a warm start)."""
+        kv_shardings = jax.tree.map(lambda a: a.sharding, self.kv_cache)
+        specs = (array_specs(self.weights), array_specs(self.kv_cache))
+        forward_jit = lambda ops, **kw: jax.jit(  # noqa: E731
+            partial(forward_step, cfg=self.cfg, ops=ops, mesh=self.mesh, specs=specs), static_argnames=("dims",),
+            donate_argnames=("kv_cache",),
+            out_shardings=(self._replicated, kv_shardings), **kw)
+        # Indexed by "decode step": small steps run with command buffers (XLA's default), large without.
+        self._forward = {d: (forward_jit(o), forward_jit(o, compiler_options=NO_COMMAND_BUFFER))
+                         for d, o in ((False, self.ops), (True, replace(self.ops, decode_step=True)))}
+        self._sample = jax.jit(partial(sample_step, max_rows=self.max_rows),
+                               static_argnames=("dims", "num_logprobs", "flags"),
+                               out_shardings=(self._replicated, self._replicated))
+        self._prompt_logprobs = jax.jit(prompt_logprobs_step, static_argnames=("num_rows", "k"),
+                                        out_shardings=(self._replicated, self._replicated))
+        self._fork = jax.jit(partial(fork_step, slot_layers=self._slot_layers), donate_argnames=("kv_cache",),
+                             out_shardings=kv_shardings)
+
+    def _drop_traces(self) -> None:
+        """After compiles whose executables went to the executable cache (so none is the plain jit's own): new jit
+        objects, so JAX frees the old ones' traces and lowerings. Later misses trace again, as they would anyway."""
+        if self.executables.directory is not None and self.executables.misses:
+            self._make_jits()
+
+    def _add_executable(self, key: tuple, jitted, args: tuple, background: bool = False,
+                        **static) -> jax.stages.Compiled:
+        """A shape seen for the first time: load it from the executable cache or compile it (with no
+        cache directory and not `background`, the plain jit, which compiles on its first call); kept under
+        `key`. `background`: the staged warm-up's thread, whose compiles are not stalls."""
+        if self.warmed_up and not background:
+            self.compiles_after_warmup += 1
+            log.warning("compiling %s after warm-up", key)
+        self._compiled[key] = (partial(jitted, **static) if self.executables.directory is None and not background
+                               else self.executables.compile(key[0], jitted, *args, **static))
+        return self._compiled[key]
+
+    def forward_executable(self, T: int, B: int, P: int, decode: bool = False, R: int | None = None,
+                           prompt_logits: bool = False, background: bool = False) -> jax.stages.Compiled:
+        """R: the sampler's logits rows (None: B). `prompt_logits`: the variant that also returns the logits of
+        every token (R + T rows), for steps with prompt logprobs; compiled on first use, not at warm-up."""
+        R = B if R is None else R
+        kind = "forward_decode" if decode else "forward_prompt_logits" if prompt_logits else "forward"
+        key = (kind, T, B, P) if R == B else (kind, T, B, P, R)
+        if (hit := self._compiled.get(key)) is not None:  # the per-step path
+            return hit
+        if decode and T not in self.decode_buckets:
+            raise ValueError(f"no decode-only executable for T={T} (decode buckets: {sorted(self.decode_buckets)})")
+        # XLA command buffers only for small steps (see COMMAND_BUFFER_MAX_TOKENS).
+        jitted = self._forward[decode][T > COMMAND_BUFFER_MAX_TOKENS]
+        dims = (T, B, P, R + T if prompt_logits else R)
+        buf = jax.ShapeDtypeStruct((sum(batch_sizes(*dims)),), jnp.int32)
+        return self._add_executable(key, jitted, (self.weights, buf, self.kv_cache, self._no_prev), background,
+                                    dims=dims)
+
+    def prompt_logprobs_executable(self, T: int, R: int, k: int) -> jax.stages.Compiled:
+        if (hit := self._compiled.get(("prompt_logprobs", T, R, k))) is not None:
+            return hit
+        logits = jax.ShapeDtypeStruct((R + T, self.cfg.vocab_size), jnp.float32, sharding=self._replicated)
+        targets = jax.ShapeDtypeStruct((T,), jnp.int32)
+        return self._add_executable(("prompt_logprobs", T, R, k), self._prompt_logprobs, (logits, targets),
+                                    num_rows=R, k=k)
+
+    def sampler_executable(self, R: int, M: int, W: int, num_logprobs: int, flags: SamplerFlags,
+                           K: int = 0, background: bool = False) -> jax.stages.Compiled:
+        key = sampler_key(R, M, W, K, num_logprobs, flags)
+        if (hit := self._compiled.get(key)) is not None:
+            return hit
+        logits = jax.ShapeDtypeStruct((R, self.cfg.vocab_size), jnp.float32, sharding=self._replicated)
+        G = mask_words(self.cfg.vocab_size) if flags.grammar else 0
+        buf = jax.ShapeDtypeStruct((sampling_size(R, M, W, K, G),), jnp.int32)
+        return self._add_executable(key, self._sample, (logits, buf, self._no_prev), background, dims=(R, M, W, K),
+                                    num_logprobs=num_logprobs, flags=flags)
+
+    def fork_executable(self, N: int) -> jax.stages.Compiled:
+        key = ("fork", N)
+        if (hit := self._compiled.get(key)) is None:
+            hit = self._add_executable(key, self._fork, (self.kv_cache, jax.ShapeDtypeStruct((4, N), jnp.int32)))
+        return hit
+
+    def _load_all(self, shapes: list[tuple[int, int, int, bool]], fork_sizes: list[int]) -> None:
+        """Load (or trace + compile) the forwards of `shapes` ((T, B, P, decode) each), the warm samplers of their
+        sequence buckets and the fork copies of `fork_sizes`, in parallel: loads and XLA compiles release the GIL."""
+        jobs = [partial(self.forward_executable, *shape) for shape in shapes]
+        jobs += [partial(self.sampler_executable, B, 0, 0, -1, flags)
+                 for B in sorted({shape[1] for shape in shapes}) for flags in SamplerFlags.warm()]
+        jobs += [partial(self.fork_executable, N) for N in fork_sizes]
+        with ThreadPoolExecutor(max_workers=WARMUP_THREADS) as pool:
+            for _ in pool.map(lambda job: job(), jobs):  # re-raises a job's exception
                 pass
 
-    def compile(self, name: str, jitted, /, *args, **kwargs) -> jax.stages.Compiled:
-        """Return the compiled executable of jitted(*args, **kwargs) (arrays, numpy arrays or
-        ShapeDtypeStructs): loaded from disk when an entry with the same key exists, else lowered,
-        compiled, and written atomically."""
-        if self.directory is None:
-            return jitted.lower(*args, **kwargs).compile()
-        key = self.key(name, jitted, *args, **kwargs)
-        path = self.directory / f"{key}.jexe"
-        t0 = time.perf_counter()
-        if path.exists():
-            try:
-                compiled = _load(path)
-            except Exception as e:  # any failure to load means: recompile
-                log.warning("executable cache: dropping unloadable entry %s (%s: %s)", path, type(e).__name__, e)
-                _remove(path)
+    def _bucket_executables(self, T: int, decode: bool, background: bool = False) -> None:
+        """Every executable of one bucket: its forwards (every P), and its sampler's warm variants."""
+        B = self.seqs_bucket(T)
+        for P in self.page_buckets:
+            if self._stop_background.is_set() and background:  # a bucket is several compiles: stop between them
+                return
+            self.forward_executable(T, B, P, decode, background=background)
+        for flags in SamplerFlags.warm():
+            self.sampler_executable(B, 0, 0, -1, flags, background=background)
+
+    # ---- staged warm-up: the rest in the background -----------------------------------------------------------
+
+    def start_background(self) -> None:
+        """Compile the buckets a staged warm-up left, one at a time in a daemon thread; each becomes usable
+        as soon as it is compiled (loads and XLA compiles release the GIL, so steps go on meanwhile)."""
+        if self._background is not None or not self._rest:
+            return
+
+        def bucket(T: int, decode: bool) -> None:
+            if self._stop_background.is_set():
+                return
+            self._bucket_executables(T, decode, background=True)
+            if not self._stop_background.is_set():
+                self._make_ready(T, decode)
+
+        def work():
+            try:  # smallest buckets first, WARMUP_THREADS at a time (compiles release the GIL)
+                if self.executables.misses == 0 and self.executables.directory is not None:
+                    # A warm start (the first buckets all loaded from disk): the rest are loads too, one at a time
+                    # in this thread. Loaded in 8 threads, their memory, once dropped as idle, stayed in those
+                    # threads' malloc arenas: 120-140 MB of the idle engine's RSS (`executable_memory
+                    # --engine-cycle`); this way ~10 MB, for full speed 5.4 s after launch instead of 3.7-4.5
+                    # (Qwen3-4B on an H100; startup_qwen3-4b_h100.json). (Fewer arenas for the whole process,
+                    # MALLOC_ARENA_MAX=2, did as well for memory but doubled a cold start's compile times.)
+                    for job in self._rest:
+                        bucket(*job)
+                else:
+                    with ThreadPoolExecutor(max_workers=WARMUP_THREADS, thread_name_prefix="jinfer-warmup") as pool:
+                        for _ in pool.map(lambda job: bucket(*job), self._rest):
+                            pass
+                if self._stop_background.is_set():
+                    return
+                with self._ready_lock:  # the buckets loaded here count as used now: they unload together
+                    done = time.monotonic()
+                    for b in self._rest:
+                        self._last_used[b] = max(self._last_used.get(b, done), done)
+                self._drop_traces()
+                trim_host_heap()  # compile-time host memory back to the OS, as after a full warm-up
+                self.background_seconds = time.perf_counter() - self._t0
+                log.info("warm-up: all %d token buckets ready %.1f s after start-up began",
+                         len(self.token_buckets), self.background_seconds)
+            except Exception:  # the buckets compiled so far stay usable; the rest compile on first use
+                log.exception("background warm-up failed")
+                self.ready_tokens, self.ready_decode = self.token_buckets, self.decode_buckets
+
+        self._background = threading.Thread(target=work, name="jinfer-warmup", daemon=True)
+        self._background.start()
+
+    def _make_ready(self, T: int, decode: bool) -> None:
+        with self._ready_lock:
+            self._unloaded.discard((T, decode))
+            if decode:
+                self.ready_decode = self.ready_decode | {T}
             else:
-                with self._count_lock:
-                    self.hits += 1
-                log.info("executable cache: %s loaded in %.3f s", name, time.perf_counter() - t0)
-                return compiled
-        with self._count_lock:
-            self.misses += 1
-        with _fresh_compile() as from_persistent_cache:
-            compiled = _compile_unretained(jitted.lower(*args, **kwargs))
-        t1 = time.perf_counter()
-        try:
-            if from_persistent_cache:
-                raise _Unsupported("it came from JAX's persistent cache, whose executables re-serialize "
-                                   f"without their code on {jax.default_backend()}")
-            data = _dump(compiled)
-        except Exception as e:  # an executable JAX cannot serialize is still usable
-            log.warning("executable cache: %s not cached (%s: %s)", name, type(e).__name__, e)
-            return compiled
-        _write_atomic(path, data)
-        log.info("executable cache: %s compiled in %.2f s, stored in %.3f s", name, t1 - t0,
-                 time.perf_counter() - t1)
-        return compiled
+                self.ready_tokens = tuple(sorted({*self.ready_tokens, T}))
+            self._last_used[(T, decode)] = time.monotonic()  # an unused bucket unloads keep_alive after this
 
-    def key(self, name: str, jitted, /, *args, **kwargs) -> str:
-        """The sha256 (hex) that names the entry of jitted(*args, **kwargs)."""
-        leaves, treedef = jax.tree.flatten((args, kwargs))
-        try:
-            tree = json.dumps(_tree_to_json(treedef))
-        except _Unsupported:
-            tree = "str:" + str(treedef)
-        material = json.dumps({
-            "namespace": self.namespace,
-            "name": name,
-            "jit": repr(getattr(jitted, "_jit_info", None)),
-            "tree": tree,
-            "leaves": [_leaf_signature(x) for x in leaves],
-            "environment": _environment(),
-        }, sort_keys=True)
-        if _ADDRESS.search(material):
-            log.warning("executable cache: the key of %s contains a memory address; it will never hit", name)
-        return hashlib.sha256(material.encode()).hexdigest()
+    def warmup_pending(self) -> int:
+        """Buckets a staged warm-up has not made ready yet (unloaded ones not counted)."""
+        with self._ready_lock:
+            return (len(self.token_buckets) - len(self.ready_tokens) + len(self.decode_buckets)
+                    - len(self.ready_decode) - len(self._unloaded))
 
+    def wait_warmup(self, timeout: float | None = None) -> bool:
+        """Wait for a staged warm-up's background compiles; True once every bucket is ready."""
+        if self._background is not None:
+            self._background.join(timeout)
+        return self.ready_tokens == self.token_buckets and self.ready_decode == self.decode_buckets
 
-def _compile_unretained(lowered: jax.stages.Lowered) -> jax.stages.Compiled:
-    """`lowered.compile()`, but not also kept alive by JAX's in-memory caches. Plainly, the lowering (cached as long as
-    the jit's trace is) stores its executable, and `pxla._cached_compilation` maps the module to it: the executable
-    then outlives every reference its caller drops, and an engine that drops an idle bucket's executables
-    (model_runner.unload_idle) got none of their memory back after a cold start. Explicit (empty) compiler options
-    keep the lowering from storing it (the jit's own options still apply); the compilation cache is cleared after
-    (it only ever served a second compile of the same module, which the callers here never make)."""
-    compiled = lowered.compile({})
-    try:
-        from jax._src.interpreters import pxla
+    def stop_background(self) -> None:
+        self._stop_background.set()
+        if self._loader is not None:
+            self._loader.shutdown(wait=False, cancel_futures=True)
 
-        pxla.clear_in_memory_compilation_cache()
-    except (ImportError, AttributeError):  # another jax: at worst the memory stays, as before
-        pass
-    return compiled
+    # ---- idle unloading and reloading ---------------------------------------------------------------------------
 
+    def unload_idle(self, now: float | None = None) -> int:
+        """Drop the forward executables of every bucket (but the warm-up's first ones) that no step used for
+        `keep_alive` seconds; returns how many buckets. Call it from the thread that launches steps, between
+        steps (the engine loop does, while idle): a step picks its bucket from the ready ones."""
+        warming = self._background is not None and self._background.is_alive()
+        if not self.keep_alive or not self._pinned or warming:  # (only after a staged warm-up)
+            return 0
+        now = time.monotonic() if now is None else now
+        with self._ready_lock:
+            idle = [b for b, t in self._last_used.items()
+                    if b not in self._pinned and b not in self._unloaded and b not in self._loading
+                    and now - t >= self.keep_alive]
+            if not idle:
+                return 0
+            drop_tokens = {T for T, decode in idle if not decode}
+            drop_decode = {T for T, decode in idle if decode}
+            self.ready_tokens = tuple(T for T in self.ready_tokens if T not in drop_tokens)
+            self.ready_decode = self.ready_decode - drop_decode
+            self._unloaded.update(idle)
+            for b in idle:
+                self._demand.pop(b, None)
+            # ... and the warm sampler variants of every sequence bucket no loaded bucket has any more
+            kept = {self.seqs_bucket(T) for T in (*self.ready_tokens, *self.ready_decode)}
+            kept |= {self.seqs_bucket(T) for T, _ in self._loading}
+            samplers = {sampler_key(self.seqs_bucket(T), 0, 0, 0, -1, flags) for T, _ in idle
+                        for flags in SamplerFlags.warm()} - {sampler_key(B, 0, 0, 0, -1, flags) for B in kept
+                                                             for flags in SamplerFlags.warm()}
+            for key in [k for k in list(self._compiled)  # (a snapshot: a reload may be adding keys)
+                        if (k[0] in ("forward", "forward_decode") and (k[1], k[0] == "forward_decode") in idle)
+                        or k in samplers]:
+                del self._compiled[key]
+        self.unloads += len(idle)
+        trim_host_heap()
+        log.info("unloaded the executables of %d bucket(s) idle for %.0f s: %s", len(idle), self.keep_alive,
+                 ", ".join(f"{T}{' decode' if d else ''}" for T, d in sorted(idle)))
+        return len(idle)
 
-@contextmanager
-def _fresh_compile():
-    """On platforms where re-serializing a persistent-cache hit is lossy, compile with that cache off.
+    def _note_use(self, T: int, decode: bool, num_tokens: int, decode_only: bool) -> None:
+        """Idle unloading's bookkeeping for a step of bucket T: it was used now, and the unloaded buckets a step of
+        `num_tokens` wanted (its own, and every larger one when it filled the scheduler's budget: the budget is the
+        largest ready bucket, so the scheduler wanted more) count one more step towards their reload."""
+        if not self.keep_alive:
+            return
+        if self._unloaded:
+            wanted = pick(self.token_buckets, num_tokens)
+            self._want(wanted, False)
+            if decode_only and wanted in self.decode_buckets:
+                self._want(wanted, True)
+            if num_tokens >= self.ready_limits()[0]:
+                for U in self.token_buckets:
+                    if U > wanted:
+                        self._want(U, False)
+        self._last_used[(T, decode)] = time.monotonic()
 
-    Yields a list that is non-empty if the persistent cache served the compile anyway (another thread
-    turned it back on): such an executable must not be stored. Turning the cache off is global, so
-    another thread compiling meanwhile only misses it; it is back on (and re-read) afterwards.
-    """
-    hits: list[str] = []
-    if jax.default_backend() not in _RESERIALIZE_LOSSY_PLATFORMS:
-        yield hits
-        return
+    def _want(self, T: int, decode: bool) -> None:
+        """A step wanted bucket T (decode-only or not) and it is unloaded: the RELOAD_AFTER_STEPS-th such step loads
+        it again in the background (steps run padded into a ready bucket meanwhile)."""
+        b = (T, decode)
+        with self._ready_lock:
+            if b not in self._unloaded or b in self._loading:
+                return
+            self._demand[b] = self._demand.get(b, 0) + 1
+            if self._demand[b] < RELOAD_AFTER_STEPS:
+                return
+            del self._demand[b]
+            self._loading.add(b)
+        if self._loader is None:
+            self._loader = ThreadPoolExecutor(max_workers=1, thread_name_prefix="jinfer-reload")  # one arena
 
-    def listener(event: str, **_):
-        if event == _PERSISTENT_CACHE_HIT:
-            hits.append(event)
+        def load():
+            try:
+                self._bucket_executables(T, decode, background=True)  # (samplers unloaded with the last B bucket)
+                self._make_ready(T, decode)
+                self.reloads += 1
+                log.info("loaded the executables of bucket %d%s again", T, " decode" if decode else "")
+            except Exception:  # the step path goes on padded; a later step asks again
+                log.exception("loading bucket %s again failed", b)
+            finally:
+                with self._ready_lock:
+                    self._loading.discard(b)
 
-    with _persistent_cache_lock:
-        enabled = jax.config.jax_enable_compilation_cache
-        jax.config.update("jax_enable_compilation_cache", False)
-        compilation_cache.reset_cache()  # the cache memoizes whether it is on
-        jax.monitoring.register_event_listener(listener)
-        try:
-            yield hits
-        finally:
-            jax.monitoring.unregister_event_listener(listener)
-            jax.config.update("jax_enable_compilation_cache", enabled)
-            compilation_cache.reset_cache()
-
-
-# ---- key material -------------------------------------------------------------------------------
-
-
-def _leaf_signature(x) -> list:
-    if hasattr(x, "shape") and hasattr(x, "dtype"):
-        return ["array", list(x.shape), str(x.dtype), bool(getattr(x, "weak_type", False)),
-                _sharding_signature(getattr(x, "sharding", None))]
-    return ["value", f"{type(x).__module__}:{type(x).__qualname__}", repr(x)]
-
-
-def _sharding_signature(s) -> list | None:
-    if s is None:
-        return None
-    try:  # the device order matters: a mesh over devices [3, 2, 1, 0] is another executable
-        device_ids = [d.id for d in s._device_assignment]
-    except Exception:  # abstract meshes have no devices
-        device_ids = None
-    return [type(s).__qualname__, repr(s), device_ids]
-
-
-def _environment() -> dict:
-    """Per-process part of the key (the config and env are read on every call: tests change them)."""
-    backend = jax.devices()[0].client
-    config = {k: repr(v) for k, v in jax.config.values.items() if not _CONFIG_IGNORED.match(k)}
-    return {
-        "jax": jax.__version__,
-        "jaxlib": jaxlib.__version__,
-        "platform": backend.platform,
-        "platform_version": backend.platform_version,
-        "device_kind": jax.devices()[0].device_kind,
-        "device_count": jax.device_count(),
-        "process_count": jax.process_count(),
-        "config": config,
-        "env": {k: os.environ.get(k) for k in _ENV_VARS},
-        "source": source_digest(),
-    }
-
-
-@functools.cache
-def source_digest() -> str:
-    """sha256 over the path and bytes of every .py file of the jinfer and pallas_kernels packages."""
-    root = Path(__file__).resolve().parents[2]
-    h = hashlib.sha256()
-    for package in _PACKAGES:
-        for path in sorted((root / package).rglob("*.py")):
-            h.update(str(path.relative_to(root)).encode() + b"\0")
-            h.update(path.read_bytes() + b"\0")
-    return h.hexdigest()
-
-
-# ---- PyTreeDef <-> JSON ---------------------------------------------------------------------------
-# A leaf is null; a node is [module:qualname, aux data, children]. Aux data keeps tuple/list/dict
-# apart ({"tuple": [...]}...), because PyTreeDef equality compares it exactly.
-
-_BUILTIN_TYPES = {f"builtins:{t.__qualname__}": t for t in (tuple, list, dict, type(None))}
-
-
-def _tree_to_json(treedef) -> Any:
-    node = treedef.node_data()
-    if node is None:
-        return None
-    typ, aux = node
-    name = f"{typ.__module__}:{typ.__qualname__}"
-    if "<locals>" in name:
-        raise _Unsupported(f"node type {name} is not importable")
-    return [name, _value_to_json(aux), [_tree_to_json(c) for c in treedef.children()]]
-
-
-def _tree_from_json(obj) -> jax.tree_util.PyTreeDef:
-    registry = jax.tree_util.default_registry
-    if obj is None:
-        return jax.tree_util.PyTreeDef.from_node_data_and_children(registry, None, [])
-    name, aux, children = obj
-    node_data = (_resolve_type(name), _value_from_json(aux))
-    return jax.tree_util.PyTreeDef.from_node_data_and_children(registry, node_data,
-                                                               [_tree_from_json(c) for c in children])
-
-
-def _resolve_type(name: str) -> type:
-    if name in _BUILTIN_TYPES:
-        return _BUILTIN_TYPES[name]
-    module_name, qualname = name.split(":")
-    obj = sys.modules.get(module_name)  # only modules this process has imported: nothing runs from the file
-    if obj is None:
-        raise _Unsupported(f"module {module_name} is not imported")
-    for part in qualname.split("."):
-        obj = getattr(obj, part)
-    if not isinstance(obj, type):
-        raise _Unsupported(f"{name} is not a type")
-    return obj
-
-
-def _value_to_json(v) -> Any:
-    if v is None or isinstance(v, bool | int | float | str):
-        return v
-    if isinstance(v, tuple | list):
-        return {type(v).__name__: [_value_to_json(x) for x in v]}
-    if isinstance(v, dict):
-        return {"dict": [[_value_to_json(k), _value_to_json(x)] for k, x in v.items()]}
-    raise _Unsupported(f"aux data of type {type(v).__name__}")
-
-
-def _value_from_json(v) -> Any:
-    if not isinstance(v, dict):
-        return v
-    (tag, items), = v.items()
-    if tag == "dict":
-        return {_value_from_json(k): _value_from_json(x) for k, x in items}
-    return {"tuple": tuple, "list": list}[tag](_value_from_json(x) for x in items)
-
-
-# ---- file format --------------------------------------------------------------------------------
-
-
-def _dump(compiled: jax.stages.Compiled) -> bytes:
-    payload, in_tree, out_tree = serialize(compiled)
-    trees = {"in_tree": _tree_to_json(in_tree), "out_tree": _tree_to_json(out_tree)}
-    if _tree_from_json(trees["in_tree"]) != in_tree or _tree_from_json(trees["out_tree"]) != out_tree:
-        raise _Unsupported("a tree does not survive its JSON round trip")
-    header = json.dumps({
-        **trees,
-        # deserialize_and_load must get the executable's own devices, in order (others abort the process)
-        "device_ids": [d.id for d in compiled.runtime_executable().local_devices()],
-        "payload_size": len(payload),
-        "payload_sha256": hashlib.sha256(payload).hexdigest(),
-    }).encode()
-    return MAGIC + _HEADER_LEN.pack(len(header)) + header + payload
-
-
-def _load(path: Path) -> jax.stages.Compiled:
-    data = path.read_bytes()
-    if not data.startswith(MAGIC):
-        raise ValueError("bad magic")
-    start = len(MAGIC) + _HEADER_LEN.size
-    (header_len,) = _HEADER_LEN.unpack_from(data, len(MAGIC))
-    header = json.loads(data[start:start + header_len])
-    payload = data[start + header_len:]
-    if len(payload) != header["payload_size"] or hashlib.sha256(payload).hexdigest() != header["payload_sha256"]:
-        raise ValueError("truncated or corrupt payload")
-    devices = {d.id: d for d in jax.devices()}
-    execution_devices = [devices[i] for i in header["device_ids"]]
-    return deserialize_and_load(payload, _tree_from_json(header["in_tree"]), _tree_from_json(header["out_tree"]),
-                                execution_devices=execution_devices)
-
-
-def _write_atomic(path: Path, data: bytes) -> None:
-    tmp = None
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name, suffix=".tmp")
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-        os.replace(tmp, path)
-    except OSError as e:  # a cache that cannot be written only costs the next start its compile
-        log.warning("executable cache: cannot write %s (%s)", path, e)
-        if tmp is not None:
-            _remove(Path(tmp))
-
-
-def _remove(path: Path) -> None:
-    try:
-        path.unlink()
-    except OSError:
-        pass
+        self._loader.submit(load)

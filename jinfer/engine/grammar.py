@@ -27,7 +27,7 @@ from typing import Any
 
 import numpy as np
 
-from jinfer.engine.sampler import mask_words
+from jinfer.engine.sampling_tensors import mask_words
 from jinfer.structured_outputs import StructuredOutputsParams
 
 log = logging.getLogger(__name__)

@@ -19,7 +19,7 @@ import numpy as np
 from jinfer.engine.grammar import GrammarEngine
 from jinfer.engine.request import Request
 from jinfer.engine.runner import StepRow
-from jinfer.engine.sampler import pack_token_mask
+from jinfer.engine.sampling_tensors import pack_token_mask
 from jinfer.errors import ContextLengthExceeded, InvalidParam
 from jinfer.sampling_params import SamplingParams
 from jinfer.tokenizer import IncrementalDetokenizer, Tokenizer

@@ -1,20 +1,27 @@
 """One generation request as the scheduler sees it: tokens, progress, pages, and how it ended.
 
-Token-count model: `all_token_ids` = prompt + generated tokens; `num_computed_tokens` counts the
-leading tokens whose KV is in the cache or is being written by a launched step. A step computes
-the next `num_new_tokens` of them; when it reaches the end of `all_token_ids` a token is sampled
-and appended. Prefill, chunked prefill, decode and recompute after preemption are all this one loop.
-A request is one sequence: the engine fans
-`SamplingParams.n > 1` out into n Requests.
+Token-count model: `all_token_ids` = prompt + accepted generated tokens, followed by
+`pending_token_ids`: tokens a step consumes before they are accepted outputs. A pending entry is
+`DEVICE_TOKEN` for a token that a launched step is sampling (its value is on the device: async
+scheduling feeds it to the next step there), or a known id: a draft token (speculative decoding) that
+the step computing it verifies. `num_computed_tokens` counts the leading tokens (pending ones too)
+whose KV is in the cache or is being written by a launched step. A step computes the next
+`num_new_tokens` of them; when it reaches the end, it samples a token at each of its last positions
+that verify (the last accepted token and every draft after it) and the scheduler's update appends
+the accepted ones. Prefill, chunked prefill, decode, verification and recompute after preemption are
+all this one loop. A request is one sequence: the engine fans `SamplingParams.n > 1` out into n Requests.
 """
 
 from __future__ import annotations
 
 import enum
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from jinfer.sampling_params import SamplingParams
+
+DEVICE_TOKEN = -1  # a pending token whose value a launched step is sampling (it stays on the device)
 
 
 class RequestStatus(enum.Enum):
@@ -60,9 +67,10 @@ class Request:
     all_token_ids: list[int] = field(init=False)  # prompt + output, the tokens the model consumes
     status: RequestStatus = field(default=RequestStatus.WAITING, init=False)
     num_computed_tokens: int = field(default=0, init=False)
-    # Tokens sampled by a launched step but not yet read back (0 or 1): with one step in flight the
-    # scheduler schedules their decode before their value is known (the device feeds it in).
-    num_pending_tokens: int = field(default=0, init=False)
+    # Tokens after all_token_ids that steps consume before they are accepted (module doc): DEVICE_TOKEN for one
+    # a launched step samples (with one step in flight the scheduler schedules its decode before its value is
+    # known: the device feeds it in), or a draft token's id. Drafts always follow the last DEVICE_TOKEN.
+    pending_token_ids: list[int] = field(default_factory=list, init=False)
     num_cached_tokens: int = field(default=0, init=False)  # prefix-cache hit at first admission
     num_preemptions: int = field(default=0, init=False)
     finish_reason: FinishReason | None = field(default=None, init=False)
@@ -97,6 +105,43 @@ class Request:
     def is_finished(self) -> bool:
         return self.status.is_finished
 
+    @property
+    def num_pending_tokens(self) -> int:
+        return len(self.pending_token_ids)
+
+    @property
+    def num_sampling_tokens(self) -> int:
+        """Pending tokens that launched steps are sampling (not yet read back)."""
+        return self.pending_token_ids.count(DEVICE_TOKEN)
+
+    @property
+    def num_draft_tokens(self) -> int:
+        """Draft tokens after the last token being sampled: no launched step covers them yet."""
+        n = 0
+        for token in reversed(self.pending_token_ids):
+            if token == DEVICE_TOKEN:
+                break
+            n += 1
+        return n
+
+    def add_draft_tokens(self, token_ids: Sequence[int]) -> None:
+        """Propose tokens to verify after the request's last one (speculative decoding): the next step that
+        reaches them computes them and samples at each of their positions (`accept_draft_tokens`)."""
+        if any(t < 0 for t in token_ids):
+            raise ValueError(f"request {self.request_id!r}: draft token ids must be >= 0, got {list(token_ids)}")
+        self.pending_token_ids.extend(token_ids)
+
+    def drop_draft_tokens(self, keep: int = 0) -> None:
+        """Forget the uncovered draft tokens past the first `keep` (budget, length, preemption)."""
+        n = self.num_draft_tokens
+        if n > keep:
+            del self.pending_token_ids[len(self.pending_token_ids) - n + keep:]
+
+    def token_at(self, index: int) -> int:
+        """Token `index` of the sequence, pending ones included (DEVICE_TOKEN: on the device)."""
+        n = len(self.all_token_ids)
+        return self.all_token_ids[index] if index < n else self.pending_token_ids[index - n]
+
     def append_output_token(self, token_id: int) -> None:
         self.output_token_ids.append(token_id)
         self.all_token_ids.append(token_id)
@@ -106,3 +151,19 @@ class Request:
         sp = self.sampling_params
         eos = () if sp.ignore_eos else self.eos_token_ids
         return tuple(dict.fromkeys(eos + sp.stop_token_ids))
+
+
+def accept_draft_tokens(draft_ids: Sequence[int], sampled_ids: Sequence[int]) -> list[int]:
+    """The tokens a verifying step accepts: `sampled_ids[i]` is the token sampled at the position whose next token
+    `draft_ids[i]` proposes (len(sampled_ids) == len(draft_ids) + 1). Drafts are accepted while they equal the
+    sampled token, then the first sampled token that differs (or the bonus one) ends the list. Each accepted token
+    is a sample of the target distribution at its position, so the output is distributed as without drafts."""
+    if len(sampled_ids) != len(draft_ids) + 1:
+        raise ValueError(f"{len(sampled_ids)} sampled ids for {len(draft_ids)} drafts: need one more")
+    out = []
+    for draft, token in zip(draft_ids, sampled_ids):
+        out.append(int(token))
+        if token != draft:
+            return out
+    out.append(int(sampled_ids[-1]))
+    return out

@@ -2,16 +2,23 @@
 
 One step, as the engine core drives it:
 
-    out = scheduler.schedule()                  # SchedulerOutput: the batch, in order
-    sampled = runner.step(out)                  # {request_id: token} for each s with s.needs_sample
-    finished = scheduler.update(out, sampled)   # append tokens, check stops, free pages
+    out = scheduler.schedule()                   # SchedulerOutput: the batch, in order
+    accepted = ...                               # {request_id: [token, ...]} for each s with s.needs_sample
+    finished = scheduler.update(out, accepted)   # append tokens, check stops, free pages
 
-`schedule` advances `num_computed_tokens` at once and counts each token it will sample as pending
-(`Request.num_pending_tokens`), so the engine may schedule step N+1 before step N's tokens are read
-back (async scheduling): a request with a pending token gets a one-token decode whose input the
+`schedule` advances `num_computed_tokens` at once and enters each token it will sample as pending
+(`Request.pending_token_ids`, `DEVICE_TOKEN`), so the engine may schedule step N+1 before step N's tokens are
+read back (async scheduling): a request with a pending token gets a decode whose first input the
 device takes from step N's samples (`ScheduledRequest.input_from_device`). A request whose pending
 token is certainly its last (max_tokens, max_model_len) is not scheduled again; one that turns out to
 stop on EOS or a stop string has computed one extra token, which `update` drops.
+
+Multi-token steps (speculative decoding): a request's draft tokens (`Request.add_draft_tokens`) are pending
+tokens with known ids. The step that reaches the end of a request computes its last accepted token and every
+draft in one row and returns `ScheduledRequest.num_logits` = 1 + drafts logits rows, the last positions of the
+row; `update` takes the accepted tokens (1 to num_logits of them, `request.accept_draft_tokens`) and rolls
+`num_computed_tokens` back over the rejected drafts (their KV is overwritten later). Drafts that the budget or the
+length limit leaves no room for are dropped, so a row never verifies only some of them.
 
 Policy (vLLM v1 style, token-count model): each step has a budget of `max_num_batched_tokens`.
 Running requests go first, in admission order: a decode takes 1 token, an unfinished prefill the
@@ -45,7 +52,7 @@ from dataclasses import dataclass, field
 from jinfer.cache.host_tier import KVTransfers
 from jinfer.cache.manager import KVCacheManager
 from jinfer.config.engine import SchedulerConfig
-from jinfer.engine.request import FinishReason, Request, RequestStatus
+from jinfer.engine.request import DEVICE_TOKEN, FinishReason, Request, RequestStatus
 
 
 @dataclass
@@ -57,7 +64,11 @@ class ScheduledRequest:
     start: int  # == request.num_computed_tokens when scheduled: position of the first new token
     page_ids: list[int]  # the request's whole page table (live list; read it before the next schedule)
     needs_sample: bool  # this step reaches the end of the request's tokens: sample its next token
-    input_from_device: bool = False  # a one-token decode of the token the previous (in-flight) step samples
+    input_from_device: bool = False  # its first token is the one the previous (in-flight) step samples
+    # Logits rows this sequence returns: its last num_logits tokens (0 without a sample; 1 + the draft tokens
+    # it verifies), and those drafts' ids.
+    num_logits: int = 0
+    draft_token_ids: list[int] = field(default_factory=list)
 
     @property
     def request_id(self) -> str:
@@ -65,7 +76,22 @@ class ScheduledRequest:
 
     @property
     def token_ids(self) -> list[int]:
-        return self.request.all_token_ids[self.start:self.start + self.num_new_tokens]
+        """The row's input ids; DEVICE_TOKEN where the device feeds in the previous step's sample. Read it before
+        the next update (which turns pending tokens into outputs)."""
+        r, end = self.request, self.start + self.num_new_tokens
+        known = r.all_token_ids[self.start:end]
+        if len(known) == self.num_new_tokens:
+            return known
+        first = max(self.start, r.num_tokens) - r.num_tokens
+        return known + r.pending_token_ids[first:first + self.num_new_tokens - len(known)]
+
+    @property
+    def state_slot(self) -> int:
+        return self.request.state_slot
+
+    @property
+    def prompt_token_ids(self) -> list[int]:
+        return self.request.prompt_token_ids
 
     @property
     def is_last_chunk(self) -> bool:
@@ -172,6 +198,7 @@ class Scheduler:
 
     def _preempt(self, request: Request) -> None:
         self.kv.free(request)
+        request.drop_draft_tokens()
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
         request.num_preemptions += 1
@@ -191,15 +218,36 @@ class Scheduler:
             return 0
         return min(num_new, budget)
 
+    def _fit_drafts(self, request: Request, start: int, budget: int) -> int:
+        """Drop the draft tokens this step cannot verify whole (budget, length limit); the tokens left to compute."""
+        drafts = request.num_draft_tokens
+        remaining = request.num_tokens + request.num_pending_tokens - start
+        if drafts:
+            without = remaining - drafts
+            fits = self._clamp(request, start, remaining, budget) - without  # drafts the step's row can take
+            max_tokens = request.sampling_params.max_tokens
+            limit = min(self.config.max_model_len, request.num_prompt_tokens + max_tokens
+                        if max_tokens is not None else self.config.max_model_len)
+            room = limit - 1 - request.num_tokens - request.num_sampling_tokens  # positions a draft may take
+            request.drop_draft_tokens(max(0, min(drafts, fits, room)))
+            remaining = request.num_tokens + request.num_pending_tokens - start
+        return self._clamp(request, start, remaining, budget)
+
     @staticmethod
     def _scheduled(request: Request, num_new: int, start: int) -> ScheduledRequest:
-        """The batch entry; advances the request as if the step had run (its token pending)."""
+        """The batch entry; advances the request as if the step had run (its sample pending)."""
         end = request.num_tokens + request.num_pending_tokens
-        s = ScheduledRequest(request, num_new, start, request.page_ids, needs_sample=start + num_new == end,
-                             input_from_device=start >= request.num_tokens)
-        assert not s.input_from_device or num_new == 1, request.request_id
+        needs_sample = start + num_new == end
+        drafts = request.num_draft_tokens if needs_sample else 0
+        assert not request.num_draft_tokens or (needs_sample and start < end - drafts), request.request_id
+        s = ScheduledRequest(request, num_new, start, request.page_ids, needs_sample=needs_sample,
+                             input_from_device=start >= request.num_tokens and request.token_at(start) == DEVICE_TOKEN,
+                             num_logits=1 + drafts if needs_sample else 0,
+                             draft_token_ids=request.pending_token_ids[len(request.pending_token_ids) - drafts:]
+                             if drafts else [])
         request.num_computed_tokens = start + num_new
-        request.num_pending_tokens += s.needs_sample
+        if needs_sample:
+            request.pending_token_ids.append(DEVICE_TOKEN)
         return s
 
     def _reaches_length(self, request: Request, pending: int = 0) -> bool:
@@ -222,11 +270,13 @@ class Scheduler:
         while i < len(self.running) and budget > 0 and len(out.scheduled) < max_seqs:
             request = self.running[i]
             # A pending token that certainly ends the request (length) needs no decode.
-            if request.num_pending_tokens and self._reaches_length(request, request.num_pending_tokens):
+            sampling = request.num_sampling_tokens
+            if sampling and self._reaches_length(request, sampling):
+                request.drop_draft_tokens()
                 i += 1
                 continue
             start = request.num_computed_tokens
-            num_new = self._clamp(request, start, request.num_tokens + request.num_pending_tokens - start, budget)
+            num_new = self._fit_drafts(request, start, budget)
             if num_new == 0:
                 i += 1
                 continue
@@ -246,12 +296,12 @@ class Scheduler:
         while (not out.preempted_ids and self.waiting and budget > 0
                and len(self.running) < self.config.max_num_seqs and len(out.scheduled) < max_seqs):
             request = self.waiting[0]
-            if request.num_pending_tokens:  # preempted with a token in flight: wait until it is read
+            if request.num_sampling_tokens:  # preempted with a token in flight: wait until it is read
                 break
             # A cached prefix has no logits: prompt logprobs compute the whole prompt (as vLLM does).
             computed, num_cached = (([], 0) if request.sampling_params.prompt_logprobs is not None
                                     else self.kv.get_computed_pages(request))
-            num_new = self._clamp(request, num_cached, request.num_tokens - num_cached, budget)
+            num_new = self._fit_drafts(request, num_cached, budget)
             if num_new == 0 or not self.kv.allocate_slots(request, num_new, computed):
                 break  # FIFO: nobody overtakes the head of the queue
             self.waiting.popleft()
@@ -290,25 +340,40 @@ class Scheduler:
                 self.running.append(follower)
             self.waiting.extendleft(reversed(released))
 
-    def update(self, out: SchedulerOutput, sampled: dict[str, int]) -> list[Request]:
-        """Apply a step's results: append each sampled token (required for every `s.needs_sample` of a
-        request still unfinished), enter newly full pages in the prefix cache, finish requests that hit
-        a stop condition. Returns those. Requests finished meanwhile (abort, stop string, a stop in the
-        previous step) are skipped: their token is dropped."""
+    def update(self, out: SchedulerOutput, accepted: dict[str, list[int]]) -> list[Request]:
+        """Apply a step's results: append each sequence's accepted tokens (1 to `s.num_logits` of them, required
+        for every `s.needs_sample` of a request still unfinished), roll back over rejected drafts, enter newly full
+        pages in the prefix cache, finish requests that hit a stop condition (tokens after the stop are dropped).
+        Returns those. Requests finished meanwhile (abort, stop string, a stop in the previous step) are skipped:
+        their tokens are dropped."""
         finished = []
         for s in out.scheduled:
             request = s.request
-            request.num_pending_tokens -= s.needs_sample
+            if s.needs_sample:  # this row's drafts and its sample lead the pending tokens (steps apply in order)
+                assert request.pending_token_ids[s.num_logits - 1] == DEVICE_TOKEN, request.request_id
+                del request.pending_token_ids[:s.num_logits]
             if request.is_finished:
                 continue
+            stop = None
             if s.needs_sample:
                 try:
-                    token = sampled[request.request_id]
+                    tokens = accepted[request.request_id]
                 except KeyError:
-                    raise KeyError(f"no sampled token for request {request.request_id!r}") from None
-                request.append_output_token(token)
+                    raise KeyError(f"no accepted tokens for request {request.request_id!r}") from None
+                if not 1 <= len(tokens) <= s.num_logits:
+                    raise ValueError(f"request {request.request_id!r}: {len(tokens)} accepted tokens from a row of "
+                                     f"{s.num_logits} logits (must be 1 to {s.num_logits})")
+                rejected = s.num_logits - len(tokens)
+                if rejected and request.status == RequestStatus.RUNNING:  # their KV is garbage: recompute from there
+                    if request.num_sampling_tokens:
+                        raise RuntimeError(f"request {request.request_id!r}: a step in flight computes past "
+                                           f"{rejected} rejected draft tokens")
+                    request.num_computed_tokens -= rejected
+                for token in tokens:
+                    request.append_output_token(token)
+                    if (stop := self._check_stop(request)) is not None:
+                        break
             self.kv.cache_full_pages(request)
-            stop = self._check_stop(request) if s.needs_sample else None
             if stop is not None:
                 if request.status != RequestStatus.RUNNING:  # preempted while its token was in flight
                     self.waiting.remove(request)

@@ -28,7 +28,9 @@ class Batch:
     query_start: jax.Array  # [B+1] int32, cumulative new-token counts; padding seqs repeat the last value
     seq_lens: jax.Array  # [B] int32, context length after this step; 0 for padding seqs
     page_table: jax.Array  # [B, P] int32, page ids of each sequence (unused entries: any valid id, e.g. 0)
-    logits_indices: jax.Array  # [N] int32, rows of the flattened tokens whose logits are returned
+    # [N] int32, rows of the flattened tokens whose logits are returned: in the engine, each sequence's last token, or
+    # its last few (the drafts it verifies), then padding
+    logits_indices: jax.Array
     # [B] int32, each sequence's slot in the per-sequence state pools of linear-attention layers (slot 0:
     # reserved, padding sequences); unused by models without such layers
     state_slots: jax.Array | None = None

@@ -18,14 +18,20 @@ from dataclasses import dataclass, fields
 import jax
 import jax.numpy as jnp
 
+from jinfer.cache.spec import AttentionKV, LayerCacheSpec
 from jinfer.config.model import ModelConfig
 from jinfer.models.batch import Batch
 from jinfer.models.layers import apply_rope, rms_norm, rope_cos_sin, write_kv
 from jinfer.models.ops import REFERENCE_OPS, ModelOps
 from jinfer.models.spec import ArrayInfo
 
-__all__ = ["ArrayInfo", "LayerWeights", "Weights", "assemble_weights", "decoder_forward", "forward", "fuse_qkv",
-           "weight_specs"]
+__all__ = ["ArrayInfo", "LayerWeights", "Weights", "assemble_weights", "cache_spec", "decoder_forward", "forward",
+           "fuse_qkv", "weight_specs"]
+
+
+def cache_spec(cfg: ModelConfig) -> list[LayerCacheSpec]:
+    """Every layer keeps paged K and V."""
+    return [AttentionKV(cfg.num_kv_heads, cfg.head_dim)] * cfg.num_layers
 
 
 @jax.tree_util.register_dataclass

@@ -30,6 +30,7 @@ from dataclasses import dataclass
 import jax
 import jax.numpy as jnp
 
+from jinfer.cache.spec import AttentionKV, LayerCacheSpec, StateArray, StateSlots
 from jinfer.config.model import ModelConfig
 from jinfer.models import llama
 from jinfer.models.batch import Batch
@@ -38,7 +39,7 @@ from jinfer.models.llama import Weights
 from jinfer.models.ops import REFERENCE_OPS, ModelOps
 from jinfer.models.spec import ArrayInfo, StateSpec
 
-__all__ = ["HybridLayer", "assemble_weights", "forward", "fuse_qkv", "state_specs", "weight_specs"]
+__all__ = ["HybridLayer", "assemble_weights", "cache_spec", "forward", "fuse_qkv", "state_specs", "weight_specs"]
 
 # Norms stored zero-centred in checkpoints (HF multiplies by 1 + weight); the gated norm is not.
 ZERO_CENTRED = ("attn_norm", "mlp_norm", "q_norm", "k_norm")
@@ -150,6 +151,13 @@ def state_specs(cfg: ModelConfig) -> dict[int, tuple[StateSpec, ...]]:
     conv = StateSpec((cfg.linear_conv_kernel_dim, cfg.linear_conv_dim), None)  # a ring (see pallas_kernels/linear_attention/causal_conv.py)
     rec = StateSpec((cfg.linear_num_value_heads, cfg.linear_key_head_dim, cfg.linear_value_head_dim), "float32")
     return {i: (conv, rec) for i in range(cfg.num_layers) if cfg.is_linear_layer(i)}
+
+
+def cache_spec(cfg: ModelConfig) -> list[LayerCacheSpec]:
+    """Linear layers: their state slots (`state_specs`); full-attention layers: paged K and V."""
+    states = state_specs(cfg)
+    return [StateSlots(tuple(StateArray(s.shape, s.dtype) for s in states[i])) if i in states
+            else AttentionKV(cfg.num_kv_heads, cfg.head_dim) for i in range(cfg.num_layers)]
 
 
 def _gated_attention(layer: HybridLayer, x, cos, sin, kv, batch: Batch, cfg: ModelConfig, ops: ModelOps):

@@ -15,11 +15,11 @@ import jax
 from jinfer.config.model import ModelConfig
 from jinfer.models import llama
 from jinfer.models.batch import Batch
-from jinfer.models.llama import LayerWeights, Weights, assemble_weights, fuse_qkv
+from jinfer.models.llama import LayerWeights, Weights, assemble_weights, cache_spec, fuse_qkv
 from jinfer.models.ops import REFERENCE_OPS, ModelOps
 from jinfer.models.spec import EXPERT, ArrayInfo
 
-__all__ = ["assemble_weights", "forward", "fuse_qkv", "moe_specs", "weight_specs"]
+__all__ = ["assemble_weights", "cache_spec", "forward", "fuse_qkv", "moe_specs", "weight_specs"]
 
 
 def moe_specs(cfg: ModelConfig, i: int) -> dict[str, ArrayInfo]:

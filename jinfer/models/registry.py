@@ -5,13 +5,15 @@ A family module provides `weight_specs(cfg)` (every weight described once), `ass
 arrays)` (the loaders' flat dict -> its pytree), `forward(weights, batch, kv_cache, cfg, ops)` (pure,
 jit-compiled by the runner), `fuse_qkv(weights)` (the single-device fused q|k|v projection) and, if some
 layers keep a fixed-size state per sequence instead of paged KV, `state_specs(cfg)` ({layer: its state
-arrays}; the engine sizes a pool of state slots from it).
+arrays}; the engine sizes a pool of state slots from it), and `cache_spec(cfg)` (one
+`jinfer.cache.spec.LayerCacheSpec` per layer: what the device cache holds for it).
 """
 
 from __future__ import annotations
 
 from types import ModuleType
 
+from jinfer.cache.spec import LayerCacheSpec
 from jinfer.config.model import ARCHITECTURES, ModelConfig
 from jinfer.models import llama, qwen3_5, qwen3_moe
 from jinfer.models.ops import REFERENCE_OPS, ModelOps
@@ -40,6 +42,11 @@ def forward(weights, batch, kv_cache, cfg: ModelConfig, ops: ModelOps = REFERENC
 
 def fuse_qkv(cfg: ModelConfig, weights):
     return family(cfg).fuse_qkv(weights)
+
+
+def cache_spec(cfg: ModelConfig) -> list[LayerCacheSpec]:
+    """One cache description per layer (jinfer/cache/spec.py): paged KV, state slots, ..."""
+    return family(cfg).cache_spec(cfg)
 
 
 def state_specs(cfg: ModelConfig) -> dict[int, tuple[StateSpec, ...]]:

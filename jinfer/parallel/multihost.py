@@ -31,11 +31,10 @@ import os
 import socket
 import threading
 import time
-from dataclasses import dataclass
 
-import msgpack
-import numpy as np
 import zmq
+
+from jinfer.engine.step_inputs import StepInputs
 
 log = logging.getLogger(__name__)
 
@@ -49,38 +48,6 @@ EXIT_PEER_LOST = 3
 STOP = b"stop"
 PING, PONG = b"ping", b"pong"
 _STEPS_KEY, _HEARTBEAT_KEY = "jinfer/steps", "jinfer/heartbeat"
-
-
-@dataclass(frozen=True)
-class StepInputs:
-    """Everything a process needs to launch one step: the executables' key and their two input buffers."""
-
-    T: int  # tokens bucket
-    B: int  # sequences bucket
-    P: int  # pages bucket
-    decode: bool  # the decode-only forward
-    M: int  # output tokens per row given to the sampler (penalties)
-    W: int  # words of the packed prompt-token mask per row
-    num_logprobs: int
-    flags: tuple[bool, ...]  # SamplerFlags fields, in order
-    batch: np.ndarray  # int32, `model_runner.pack_batch`
-    sampling: np.ndarray  # int32, `model_runner.pack_sampling`
-    K: int = 0  # sparse logit biases per row (logit_bias, min_tokens)
-    plp_k: int = -1  # prompt logprobs: top-k per prompt position (-1: none in this step)
-    plp_targets: np.ndarray | None = None  # int32 [T]: the token each prompt position scores (-1 padding)
-
-    def to_wire(self) -> bytes:
-        targets = None if self.plp_targets is None else self.plp_targets.astype(np.int32).tobytes()
-        return msgpack.packb([self.T, self.B, self.P, self.decode, self.M, self.W, self.num_logprobs,
-                              list(self.flags), self.batch.astype(np.int32).tobytes(),
-                              self.sampling.astype(np.int32).tobytes(), self.K, self.plp_k, targets])
-
-    @classmethod
-    def from_wire(cls, frame: bytes) -> StepInputs:
-        T, B, P, decode, M, W, n, flags, batch, sampling, K, plp_k, targets = msgpack.unpackb(frame)
-        return cls(int(T), int(B), int(P), bool(decode), int(M), int(W), int(n), tuple(bool(f) for f in flags),
-                   np.frombuffer(batch, np.int32), np.frombuffer(sampling, np.int32), int(K), int(plp_k),
-                   None if targets is None else np.frombuffer(targets, np.int32))
 
 
 def check_group(nnodes: int, node_rank: int, master_port: int) -> None:

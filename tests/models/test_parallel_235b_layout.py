@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from jinfer.config.model import NAMED_SHAPES
-from jinfer.engine.runner import init_kv_cache
+from jinfer.cache.layout import init_kv_cache
 from jinfer.models.batch import make_batch
 from jinfer.models.registry import forward
 from jinfer.parallel.mesh import array_specs, check_parallel, make_mesh, mesh_forward, shard_attention_weights

@@ -10,7 +10,7 @@ from functools import partial
 import jax
 import pytest
 
-from jinfer.engine.runner import init_kv_cache
+from jinfer.cache.layout import init_kv_cache
 from jinfer.models.registry import forward
 from jinfer.parallel.mesh import array_specs, check_parallel, make_mesh, mesh_forward, shard_attention_weights
 from jinfer.weights.loader import load_weights, resolve_model

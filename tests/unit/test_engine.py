@@ -14,7 +14,7 @@ import pytest
 
 from jinfer.config.engine import EngineConfig
 from jinfer.engine.core import EngineCore
-from jinfer.engine.runner import RELOAD_AFTER_STEPS
+from jinfer.engine.executables import RELOAD_AFTER_STEPS
 from jinfer.llm import LLM
 from jinfer.sampling_params import SamplingParams
 
@@ -153,7 +153,7 @@ def test_idle_buckets_unload_and_load_again_on_demand(alone, tmp_path, caplog):
     widths = []
     schedule = core.scheduler.schedule
     core.scheduler.schedule = lambda *a: (lambda o: (widths.append(o.num_scheduled_tokens), o)[1])(schedule(*a))
-    with caplog.at_level(logging.INFO, logger="jinfer.engine.runner"):
+    with caplog.at_level(logging.INFO, logger="jinfer.engine.executables"):
         out, _ = run_all(core, [(f"b{r}", p, s) for r, p, s in reqs])
         assert {k[1:]: v for k, v in out.items()} == alone
         assert widths[:RELOAD_AFTER_STEPS] == [8] * RELOAD_AFTER_STEPS  # steps at the budget: they want 16

@@ -17,7 +17,7 @@ from jax.experimental.compilation_cache import compilation_cache
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jinfer.engine.executables import MAGIC, ExecutableCache
+from jinfer.engine.executable_cache import MAGIC, ExecutableCache
 
 
 @jax.tree_util.register_dataclass
@@ -134,7 +134,7 @@ def test_stale_temp_files_are_removed_at_start(tmp_path):
     import os
     import time
 
-    from jinfer.engine.executables import STALE_TEMP_FILE_S
+    from jinfer.engine.executable_cache import STALE_TEMP_FILE_S
 
     old, young, entry = (tmp_path / n for n in ("k1.jexeab12.tmp", "k2.jexecd34.tmp", "k3.jexe"))
     for f in (old, young, entry):

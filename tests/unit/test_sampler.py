@@ -7,18 +7,14 @@ import numpy as np
 import pytest
 
 from jinfer.engine.sampler import (
-    GROUP_SIZE,
-    NUM_GROUPS,
-    SamplingTensors,
     _candidates,
     _thresholds,
     _unpack_token_mask,
     apply_penalties,
-    num_logprobs_for,
-    pack_token_mask,
     processed_logits,
     sample,
 )
+from jinfer.engine.sampling_tensors import GROUP_SIZE, NUM_GROUPS, SamplingTensors, num_logprobs_for, pack_token_mask
 
 V = 64
 jit_processed_logits = jax.jit(processed_logits)
@@ -371,7 +367,7 @@ def test_logit_bias_and_min_tokens_mask_match_numpy():
 def test_grammar_mask_restricts_every_row_and_leaves_others_bit_identical():
     """Structured outputs: rows sample only allowed tokens (greedy and random, logprobs renormalized over
     them); an all-ones row gives bit for bit what the variant without the grammar flag gives."""
-    from jinfer.engine.sampler import SamplerFlags
+    from jinfer.engine.sampling_tensors import SamplerFlags
 
     rng = np.random.default_rng(3)
     B, Vb = 4, 300

@@ -34,7 +34,7 @@ def step(sched: Scheduler, tokens: dict[str, int] | None = None):
     """One engine step; returns (batch summary, output, finished requests)."""
     out = sched.schedule()
     summary = [(s.request_id, s.start, s.num_new_tokens, list(s.page_ids)) for s in out.scheduled]
-    sampled = {s.request_id: (tokens or {}).get(s.request_id, TOK) for s in out.scheduled if s.needs_sample}
+    sampled = {s.request_id: [(tokens or {}).get(s.request_id, TOK)] for s in out.scheduled if s.needs_sample}
     return summary, out, sched.update(out, sampled)
 
 
@@ -329,7 +329,7 @@ def test_random_workload_always_completes(seed):
         assert len({s.request_id for s in out.scheduled}) == len(out.scheduled)
         for s in out.scheduled:
             assert s.start + s.num_new_tokens <= len(s.page_ids) * PS
-        sampled = {s.request_id: rng.choice([TOK, TOK, TOK, EOS]) for s in out.scheduled if s.needs_sample}
+        sampled = {s.request_id: [rng.choice([TOK, TOK, TOK, EOS])] for s in out.scheduled if s.needs_sample}
         sched.update(out, sampled)
         refs = Counter(p for r in sched.running for p in r.page_ids)
         assert all(sched.kv.ref_count(p) == c for p, c in refs.items())
@@ -360,14 +360,14 @@ def test_one_step_in_flight():
     assert [(s.request_id, s.start, s.num_new_tokens, s.needs_sample, s.input_from_device)
             for s in out2.scheduled] == [("a", 6, 1, True, True), ("b", 5, 1, True, True)]
     assert a.page_ids == [1, 2] and b.page_ids == [3, 4]  # position 6 of a needs its second page
-    assert sched.update(out1, {"a": TOK, "b": EOS}) == [b]  # b stops: its in-flight token is dropped
+    assert sched.update(out1, {"a": [TOK], "b": [EOS]}) == [b]  # b stops: its in-flight token is dropped
     assert a.output_token_ids == [TOK] and a.num_pending_tokens == 1 and b.page_ids == []
     out3 = sched.schedule()
     assert [(s.request_id, s.start, s.input_from_device) for s in out3.scheduled] == [("a", 7, True)]
-    assert sched.update(out2, {"a": 11, "b": 12}) == [] and b.output_token_ids == [EOS]
+    assert sched.update(out2, {"a": [11], "b": [12]}) == [] and b.output_token_ids == [EOS]
     # a's third token (max_tokens=3) is pending: it is certainly the last, so nothing is scheduled
     assert sched.schedule().is_empty
-    assert sched.update(out3, {"a": 13}) == [a] and a.output_token_ids == [TOK, 11, 13]
+    assert sched.update(out3, {"a": [13]}) == [a] and a.output_token_ids == [TOK, 11, 13]
     assert a.finish_reason == FinishReason.LENGTH and not sched.has_unfinished_requests()
     assert sched.kv.num_free_pages == sched.kv.num_usable_pages
 
@@ -384,10 +384,10 @@ def test_preempted_with_a_token_in_flight():
     assert b.status == RequestStatus.PREEMPTED and b.num_pending_tokens == 1
     out3 = sched.schedule()  # b may not be readmitted while its token is in flight
     assert [s.request_id for s in out3.scheduled] == ["a"] and b.status == RequestStatus.PREEMPTED
-    sched.update(out1, {"a": TOK, "b": 33})
+    sched.update(out1, {"a": [TOK], "b": [33]})
     assert b.output_token_ids == [33] and b.num_pending_tokens == 0 and b.num_computed_tokens == 0
-    sched.update(out2, {"a": TOK})
-    sched.update(out3, {"a": TOK})
+    sched.update(out2, {"a": [TOK]})
+    sched.update(out3, {"a": [TOK]})
     assert len(a.output_token_ids) == 3
 
 

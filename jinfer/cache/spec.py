@@ -1,0 +1,102 @@
+"""What each layer keeps in the device cache, described once per layer (`registry.cache_spec(cfg)`).
+
+A model family states one `LayerCacheSpec` per layer; the cache's bytes, its device arrays and which pool
+(pages or state slots) a layer's entries live in all follow from these descriptions (`jinfer/cache/layout.py`),
+so the engine never asks which family it runs. Two kinds today:
+- `AttentionKV`: K and V pages, `[num_pages, page_size, kv_heads, head_dim]` each, indexed by the paged
+  allocator (`manager.py`); the kv heads are split over the tensor-parallel devices;
+- `StateSlots`: fixed-size per-sequence state arrays (linear-attention layers), one pool `[num_slots, *shape]`
+  per array, indexed by a sequence's state slot, replicated over the devices.
+Another cache (latent KV, FP8 KV with per-page scales) is a new subclass: its arrays per layer (`arrays`), its
+bytes per page and per slot, and `paged` (which pool indexes it).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from jinfer.parallel.mesh import KV_AXES, kv_heads_total, logical_sharding
+
+
+@dataclass(frozen=True)
+class StateArray:
+    """One array of a layer's per-sequence state: the cache holds `[num_slots, *shape]` of it. `dtype` None: the
+    cache's dtype."""
+
+    shape: tuple[int, ...]
+    dtype: str | None = None
+
+    def __post_init__(self):
+        if not self.shape or any(not isinstance(n, int) or n < 1 for n in self.shape):
+            raise ValueError(f"shape={self.shape!r} must be a non-empty tuple of integers >= 1")
+
+
+@dataclass(frozen=True)
+class LayerCacheSpec:
+    """One layer's cache. `paged`: its entries are indexed by KV page (else by state slot)."""
+
+    paged = True
+
+    def page_bytes(self, page_size: int, dtype, tp: int) -> int:
+        """Bytes one page takes on each device of a `tp`-way mesh."""
+        return 0
+
+    def slot_bytes(self, dtype) -> int:
+        """Bytes one sequence's state slot takes (on every device: slots are replicated)."""
+        return 0
+
+    def arrays(self, num_pages: int, page_size: int, num_slots: int, dtype, mesh: Mesh) -> tuple[jax.Array, ...]:
+        """The layer's zero-filled device arrays."""
+        raise NotImplementedError
+
+
+@dataclass(frozen=True)
+class AttentionKV(LayerCacheSpec):
+    """Paged K and V of an attention layer."""
+
+    num_kv_heads: int
+    head_dim: int
+
+    def __post_init__(self):
+        for name in ("num_kv_heads", "head_dim"):
+            if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
+                raise ValueError(f"{name}={getattr(self, name)!r} must be an integer >= 1")
+
+    def page_bytes(self, page_size: int, dtype, tp: int) -> int:
+        # each device holds its share of the kv heads (all of them replicated past one head per device)
+        return 2 * page_size * (kv_heads_total(self, tp) // tp) * self.head_dim * jnp.dtype(dtype).itemsize
+
+    def arrays(self, num_pages, page_size, num_slots, dtype, mesh):
+        shape = (num_pages, page_size, kv_heads_total(self, mesh.size), self.head_dim)
+        zeros = jax.jit(lambda: jnp.zeros(shape, dtype), out_shardings=logical_sharding(mesh, KV_AXES, shape))
+        return zeros(), zeros()
+
+
+@dataclass(frozen=True)
+class StateSlots(LayerCacheSpec):
+    """A linear-attention layer's fixed-size state per sequence (e.g. conv inputs and recurrent state)."""
+
+    states: tuple[StateArray, ...]
+    paged = False
+
+    def __post_init__(self):
+        if not self.states:
+            raise ValueError("states=() must name at least one state array")
+
+    def slot_bytes(self, dtype) -> int:
+        total = 0
+        for s in self.states:
+            n = 1
+            for d in s.shape:
+                n *= d
+            total += n * jnp.dtype(s.dtype or dtype).itemsize
+        return total
+
+    def arrays(self, num_pages, page_size, num_slots, dtype, mesh):
+        replicated = NamedSharding(mesh, PartitionSpec())
+        return tuple(jax.jit(lambda s=s: jnp.zeros((num_slots, *s.shape), s.dtype or dtype),
+                             out_shardings=replicated)() for s in self.states)

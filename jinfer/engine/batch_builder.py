@@ -1,0 +1,171 @@
+"""Host-side batch building: a schedule's sequences padded into one `Batch` of bucketed shapes, and the sampler's
+parameters per logits row (numpy; `step_inputs.py` packs both for the device).
+
+A sequence contributes its new tokens (ragged: a prefill chunk, a one-token decode, or a decode of its last token
+and the drafts it verifies) and `max(1, ScheduledRequest.num_logits)` logits rows, its last positions, in batch
+order: one row per sequence in plain steps (row b = sequence b). The sampler gets one parameter row per logits
+row: a sequence's rows share its parameters, each with its own step (the noise key, min_tokens) and the drafts
+before it counted as outputs (penalties). It reads only the `ScheduledRequest` interface, never a `Request`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+import numpy as np
+
+from jinfer.cache.manager import NULL_PAGE
+from jinfer.engine.sampling_tensors import SamplingTensors, mask_words, uses_penalties
+from jinfer.engine.scheduler import SchedulerOutput
+from jinfer.models.batch import Batch
+
+
+@dataclass
+class StepRow:
+    """Sampling inputs of one scheduled sequence that needs a token."""
+
+    params: object  # SamplingParams-like
+    output_ids: list[int]  # generated ids known on the host (penalties read them)
+    prompt: object  # packed prompt token set (repetition penalty) or None
+    seed: int
+    step: int  # index of the token being sampled among the request's outputs (keys the noise); the last row's
+    min_tokens_ids: tuple[int, ...] = ()  # masked while step < min_tokens (EOS, stop ids)
+
+
+@dataclass
+class BuiltBatch:
+    batch: Batch  # numpy arrays, padded to (T, B, P) and R logits rows
+    prev_index: np.ndarray  # [T] the row of the previous step's samples a token takes as input (-1: its own id)
+    R: int  # logits rows the sampler takes: B, or T when the sequences return more than B rows
+    counts: np.ndarray  # [len(scheduled)] logits rows per sequence (>= 1: a sequence that samples nothing has a
+    #                     padding row)
+    rows: dict[str, tuple[int, int]]  # request id -> (first logits row, count), the sequences that sample
+
+
+def build_batch(out: SchedulerOutput, prev_rows: dict[str, int] | None, T: int, B: int, P: int,
+                page_size: int) -> BuiltBatch:
+    """Pad the scheduled sequences into one Batch. `prev_rows`: request id -> the row of the previous (in-flight)
+    step's samples holding its sampled token, for the rows whose first input is that token."""
+    n_seqs = len(out.scheduled)
+    if n_seqs > B:
+        raise ValueError(f"{n_seqs} sequences exceed the bucket of {B}")
+    ps = page_size
+    counts = np.fromiter((s.num_new_tokens for s in out.scheduled), np.int32, n_seqs)
+    starts = np.fromiter((s.start for s in out.scheduled), np.int32, n_seqs)
+    total = int(counts.sum())
+    query_start = np.full(B + 1, total, np.int32)
+    query_start[0] = 0
+    np.cumsum(counts, out=query_start[1:n_seqs + 1])
+    page_table = np.full((B, P), NULL_PAGE, np.int32)
+    for b, s in enumerate(out.scheduled):
+        page_table[b, :len(s.page_ids)] = s.page_ids
+    seq_of_token = np.repeat(np.arange(n_seqs, dtype=np.int32), counts)  # [total]
+    pos = starts[seq_of_token] + np.arange(total, dtype=np.int32) - query_start[seq_of_token]
+    input_ids = np.zeros(T, np.int32)
+    prev_index = np.full(T, -1, np.int32)
+    ids = []
+    for b, s in enumerate(out.scheduled):
+        tokens = s.token_ids
+        if s.input_from_device:  # its first token is the one `prev` is sampling
+            prev_index[query_start[b]] = prev_rows[s.request_id]
+            tokens = [0, *tokens[1:]]
+        ids.extend(tokens)
+    input_ids[:total] = ids
+    if (input_ids[:total] < 0).any():
+        raise ValueError("a pending token past a row's first one comes from the device: one step in flight at most")
+    positions = np.zeros(T, np.int32)
+    positions[:total] = pos
+    slots = np.full(T, -1, np.int32)
+    slots[:total] = page_table[seq_of_token, pos // ps] * ps + pos % ps
+    seq_lens = np.zeros(B, np.int32)
+    seq_lens[:n_seqs] = starts + counts
+    logit_counts = np.fromiter((max(1, s.num_logits) for s in out.scheduled), np.int32, n_seqs)
+    num_rows = int(logit_counts.sum())
+    R = B if num_rows <= B else T  # (every row is a token: num_rows <= T)
+    first_row = np.zeros(n_seqs, np.int32)
+    np.cumsum(logit_counts[:-1], out=first_row[1:])
+    logits_idx = np.zeros(R, np.int32)
+    if num_rows == n_seqs:  # one row per sequence: its last token
+        logits_idx[:n_seqs] = query_start[1:n_seqs + 1] - 1
+    else:  # each sequence's last logit_counts[b] tokens
+        row_seq = np.repeat(np.arange(n_seqs), logit_counts)
+        logits_idx[:num_rows] = (query_start[1:n_seqs + 1][row_seq] - logit_counts[row_seq]
+                                 + np.arange(num_rows) - first_row[row_seq])
+    state_slots = np.zeros(B, np.int32)  # padding sequences: the reserved slot 0
+    state_slots[:n_seqs] = [s.state_slot for s in out.scheduled]
+    rows = {s.request_id: (int(first_row[b]), int(logit_counts[b]))
+            for b, s in enumerate(out.scheduled) if s.needs_sample}
+    return BuiltBatch(Batch(input_ids, positions, slots, query_start, seq_lens, page_table, logits_idx, state_slots),
+                      prev_index, R, logit_counts, rows)
+
+
+def with_pending_output(row: StepRow | None, s, prev_rows: dict[str, int]) -> StepRow | None:
+    """A penalized row whose last output token is still being sampled by the previous step (async scheduling): its
+    output ids end with the marker -2 - (that token's row in the previous step's samples), which the sampler
+    resolves on the device, so penalties never make the host wait for the previous step."""
+    if row is None or not s.input_from_device or not uses_penalties(row.params):
+        return row
+    return replace(row, output_ids=[*row.output_ids, -2 - prev_rows[s.request_id]])
+
+
+def logits_rows(rows: list[StepRow | None], out: SchedulerOutput, counts: np.ndarray) -> list[StepRow | None]:
+    """The sampler's row per logits row from one per sequence: sequence b's counts[b] rows sample its positions
+    step - counts[b] + 1 ... step, the drafts before each counted as its outputs (penalties)."""
+    if len(counts) == int(counts.sum()):
+        return rows
+    out_rows = []
+    for row, s, n in zip(rows, out.scheduled, counts.tolist(), strict=True):
+        if row is None or n == 1:
+            out_rows += [row] * n
+            continue
+        drafts = s.draft_token_ids
+        out_rows += [replace(row, step=row.step - (n - 1) + i, output_ids=[*row.output_ids, *drafts[:i]])
+                     for i in range(n)]
+    return out_rows
+
+
+def sampling_tensors(rows: list[StepRow | None], R: int, vocab_size: int, token_mask: np.ndarray | None = None,
+                     counts: np.ndarray | None = None) -> SamplingTensors:
+    """Rows align with the logits rows; None (a sequence that samples nothing) is padding. `token_mask`:
+    [<= B, ceil(V/32)] 32-bit grammar masks per sequence (structured outputs; repeated over a sequence's rows by
+    `counts`), or None when no row has one."""
+    dense = [(r.params, r.output_ids, r.prompt, r.step) if r else ({"temperature": 0.0}, [], None, None)
+             for r in rows]
+    st = SamplingTensors.from_params(dense, vocab_size, num_seqs=R,
+                                     min_tokens_ids=[r.min_tokens_ids if r else () for r in rows])
+    for b, r in enumerate(rows):
+        if r is not None:
+            st.seeds[b] = r.seed % 2**32
+    if token_mask is not None:  # rows past the scheduled ones (padding) allow everything
+        G = mask_words(vocab_size)
+        if token_mask.shape[1] != G:
+            raise ValueError(f"token_mask of shape {token_mask.shape} for {R} rows of {vocab_size} tokens")
+        if counts is not None and len(counts) != int(counts.sum()):
+            token_mask = np.repeat(token_mask[:len(counts)], counts, axis=0)
+        # Sized by `batch_rows` before the step's batch was built: a bucket loaded in between (background warm-up
+        # or reload) can make R smaller; the rows past len(rows) <= R are padding either way.
+        token_mask = token_mask[:R]
+        if token_mask.shape[0] < R:
+            token_mask = np.concatenate([token_mask, np.full((R - len(token_mask), G), -1, token_mask.dtype)])
+        st.token_mask = token_mask.view(np.uint32)
+    return st
+
+
+def prompt_positions(out: SchedulerOutput, batch: Batch, wants: list[bool]
+                     ) -> tuple[np.ndarray, np.ndarray, list[tuple[str, int]]]:
+    """For the wanted sequences, the tokens of this step at prompt positions p < prompt length - 1 (their logits
+    score prompt token p + 1): flat token indices and target ids, each padded to T, and the rows' (request id,
+    p + 1)."""
+    T = batch.num_tokens
+    indices, targets = np.zeros(T, np.int32), np.full(T, -1, np.int32)
+    rows = []
+    for b, s in enumerate(out.scheduled):
+        if not wants[b]:
+            continue
+        prompt = s.prompt_token_ids
+        end = min(s.start + s.num_new_tokens, len(prompt) - 1)
+        for p in range(s.start, end):
+            indices[len(rows)] = batch.query_start[b] + p - s.start
+            targets[len(rows)] = prompt[p + 1]
+            rows.append((s.request_id, p + 1))
+    return indices, targets, rows

@@ -1,0 +1,60 @@
+"""The pure functions a step's executables are compiled from (`executables.py` jits them): the forward on the
+packed batch, the sampler on the packed sampling parameters, the split of prompt logprobs, and forks' copies.
+
+Only values with a stable repr are bound to them (`functools.partial`): those key the executable cache.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from jinfer.engine.sampler import sample_traced, token_logprobs
+from jinfer.engine.sampling_tensors import mask_words
+from jinfer.engine.step_inputs import pack_samples, unpack_batch, unpack_sampling
+from jinfer.models.registry import forward
+from jinfer.parallel.mesh import mesh_forward
+
+# Forked samples' copies go to the device in calls of at most this many (page, slot) pairs, padded to a power of
+# two (no-op copies of the null page and the reserved slot onto themselves): FORK_CHUNK.bit_length() executables.
+FORK_CHUNK = 16
+
+
+def forward_step(weights, buf, kv_cache, prev_tokens, *, dims, cfg, ops, mesh, specs):
+    """Unpack the batch (dims = (T, B, P, L)) and run the model's forward on the mesh (`parallel.mesh_forward`;
+    `specs`: the weights' and the cache's PartitionSpecs): (logits [L, V], the cache)."""
+    batch, prev = unpack_batch(buf, dims)
+    # Tokens sampled by the previous step (the first token of its sequences' decodes) are read from its buffer.
+    batch.input_ids = jnp.where(prev >= 0, prev_tokens[jnp.maximum(prev, 0)], batch.input_ids)
+    return mesh_forward(forward, cfg, ops, mesh, *specs)(weights, batch, kv_cache)
+
+
+def fork_step(kv_cache, pairs, *, slot_layers: frozenset[int]):
+    """pairs i32[4, N]: (source, destination) pages, then (source, destination) state slots. Each paged layer's
+    destination pages get the source pages' entries, each slot layer's destination slots the source slots'."""
+    out = []
+    for i, layer in enumerate(kv_cache):
+        src, dst = (pairs[2], pairs[3]) if i in slot_layers else (pairs[0], pairs[1])
+        out.append(tuple(a.at[dst].set(a[src]) for a in layer))
+    return tuple(out)
+
+
+def sample_step(logits, buf, prev_tokens, *, dims, num_logprobs, flags, max_rows):
+    """Sample every logits row (dims = (R, M, W, K)): (packed samples i32[R, 2 + 2N], the sampled ids in a
+    [max_rows] buffer, from which the next step takes the inputs of its decodes)."""
+    R, V = logits.shape
+    t = unpack_sampling(buf, dims, mask_words(V) if flags.grammar else 0)
+    if dims[1]:  # penalties: an output token still pending on the host is -2 - (its row in prev_tokens)
+        ids = t.output_tokens
+        t.output_tokens = jnp.where(ids <= -2, prev_tokens[jnp.clip(-2 - ids, 0, max_rows - 1)], ids)
+    r = sample_traced(logits, t, num_logprobs, flags)
+    packed = pack_samples(r.tokens, r.logprobs, r.top_ids, r.top_logprobs)
+    return packed, jnp.zeros(max_rows, jnp.int32).at[:R].set(r.tokens)
+
+
+def prompt_logprobs_step(logits, targets, *, num_rows, k):
+    """Split the logits of a step with prompt logprobs: the sampler's [R, V], and the packed logprobs of the
+    prompt positions [T, 1 + 2k] (see `Launched.prompt_packed`)."""
+    lp, top_ids, top_lps = token_logprobs(logits[num_rows:], targets, k)
+    bits = lambda x: jax.lax.bitcast_convert_type(x, jnp.int32)
+    return logits[:num_rows], jnp.concatenate([bits(lp)[:, None], top_ids, bits(top_lps)], axis=1)
