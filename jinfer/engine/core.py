@@ -21,6 +21,7 @@ import jax
 import numpy as np
 
 from jinfer.cache.manager import KVCacheManager, cdiv
+from jinfer.config.kernels import BACKENDS
 from jinfer.config.model import ModelConfig
 from jinfer.engine.grammar import GrammarEngine
 from jinfer.engine.request import FinishReason, Request
@@ -36,8 +37,8 @@ from jinfer.engine.scheduler import Scheduler, SchedulerConfig
 from jinfer.engine.spawn import MEM_FRACTION
 from jinfer.generation_config import check_setting as check_generation_config
 from jinfer.generation_config import load_generation_defaults
-from jinfer.models.ops import BACKENDS, select_ops
 from jinfer.models.registry import state_specs
+from jinfer.ops import select_ops
 from jinfer.outputs import EngineOutput
 from jinfer.parallel.mesh import check_parallel, make_mesh, shard_attention_weights
 from jinfer.parallel.multihost import Leader, check_group, join

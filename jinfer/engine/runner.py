@@ -24,7 +24,6 @@ from __future__ import annotations
 import ctypes
 import logging
 import math
-import os
 import threading
 import time
 from collections.abc import Sequence
@@ -53,8 +52,8 @@ from jinfer.engine.sampler import (
 from jinfer.engine.scheduler import SchedulerOutput
 from jinfer.models.batch import Batch
 from jinfer.models.llama import Weights
-from jinfer.models.ops import REFERENCE_OPS, ModelOps
 from jinfer.models.registry import forward, state_specs
+from jinfer.ops import REFERENCE_OPS, ModelOps
 from jinfer.parallel.mesh import KV_AXES, array_specs, kv_heads_total, logical_sharding, mesh_forward, put
 from jinfer.parallel.multihost import StepInputs
 
@@ -75,10 +74,9 @@ RELOAD_AFTER_STEPS = 16
 # Large (prefill) steps: no command buffers (above), and no "dot merger". That XLA pass merges two dots of
 # one operand into one over the concatenation of the other operands: it merged the MLP's x @ w_gate and
 # x @ w_up, concatenating the two weights (94 MB for Qwen3.5-4B) anew in every layer of every prefill step:
-# 60 us a layer on an H100, more than the merged dot saved (`benchmarks/hlo_ops.py` names such kernels).
-# JINFER_XLA_DOT_MERGER=1 keeps XLA's default (A/B runs).
-NO_COMMAND_BUFFER = {"xla_gpu_enable_command_buffer": ""} | (
-    {} if os.environ.get("JINFER_XLA_DOT_MERGER") == "1" else {"xla_gpu_dot_merger_threshold_mb": 0})
+# 60 us a layer on an H100, more than the merged dot saved (`benchmarks/hlo_ops.py` names such kernels). That
+# choice is the KernelPolicy's (`large_step_xla_options`; xla_dot_merger=True keeps XLA's default, for A/B runs).
+NO_COMMAND_BUFFER = {"xla_gpu_enable_command_buffer": ""}
 
 
 def _trim_host_heap() -> None:
@@ -417,7 +415,8 @@ class ModelRunner:
             donate_argnames=("kv_cache",),
             out_shardings=(self._replicated, kv_shardings), **kw)
         # Indexed by "decode step": small steps run with command buffers (XLA's default), large without.
-        self._forward = {d: (forward_jit(o), forward_jit(o, compiler_options=NO_COMMAND_BUFFER))
+        large = NO_COMMAND_BUFFER | self.ops.policy.large_step_xla_options()
+        self._forward = {d: (forward_jit(o), forward_jit(o, compiler_options=large))
                          for d, o in ((False, self.ops), (True, replace(self.ops, decode_step=True)))}
         self._sample = jax.jit(partial(_sample_step, max_seqs=self.max_seqs_bucket),
                                static_argnames=("dims", "num_logprobs", "flags"),

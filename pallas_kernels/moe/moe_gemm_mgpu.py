@@ -43,7 +43,7 @@ Design (after JAX's `ops/gpu/hopper_matmul_mgpu.py` and our `prefill_attention_m
 
 SMEM per CTA: max_steps x (A [block_m, block_k] + one or two B [block_k, block_n]) + the
 [block_m, block_n] output staging, within the 227 KB of an H100 SM (checked in the wrapper;
-`smem_bytes`). Defaults (`default_config`; reasoned, not yet measured: `main --sweep` measures the
+`smem_bytes`). Defaults (`default_config`; reasoned, not yet measured: `bench_moe gemm_mgpu --sweep` measures the
 alternatives): gate|up (SwiGLU, N = I = 768) 128 x 128 tiles with a 4-slot ring (224 KB; two
 [64, 128] fp32 accumulators per warpgroup = 128 registers per thread); down (N = 2048) 128 x 256
 tiles with 3 slots (208 KB; one [64, 256] accumulator per warpgroup, the m64n256k16 wgmma). Both
