@@ -268,8 +268,9 @@ def unit_lower_inverse(a: jax.Array) -> jax.Array:
     (`benchmarks.kernels.bench_linear_attention intra` times both). On the H100 the whole intra-chunk part took
     0.553 / 5.10 ms at 1k / 16k tokens with it and 0.567 / 5.78 ms with the solve
     (gdn_chunked_product_inverse_h100.json): the solve was not where its time goes; its [chunks, heads, 64, 64]
-    float32 intermediates in HBM are. Not stable when L's entries approach 1 (correlated keys, beta near 1, little decay): the powers grow like 2^C and cancel
-    (test_gated_delta_rule_intra.py); the kernel inverts 16 x 16 blocks only."""
+    float32 intermediates in HBM are. Not stable when L's entries approach 1 (correlated keys, beta near 1, little
+    decay): the powers grow like 2^C and cancel (test_gated_delta_rule_intra.py); the kernel inverts 16 x 16
+    blocks only."""
     C = a.shape[-1]
     hp = jax.lax.Precision.HIGHEST
     x = jnp.eye(C, dtype=a.dtype) - a  # -L
