@@ -66,12 +66,12 @@ def test_the_policy_is_part_of_the_ops_key():
 
 def test_kernel_policy_and_pallas_kernels_import_cleanly():
     """The policy is JAX-free (parsed where arguments are), and nothing in pallas_kernels imports jinfer."""
-    code = ("import sys; import jinfer.config.kernels; a = 'jax' in sys.modules; "
-            "import pallas_kernels.moe.moe_router, pallas_kernels.dense.norm_qkv_rope, "
-            "pallas_kernels.attention.prefill_attention_mgpu, pallas_kernels.moe.moe_gemm_mgpu, "
-            "pallas_kernels.linear_attention.gated_delta_rule_chunked, "
-            "pallas_kernels.linear_attention.gated_delta_rule_decode; "
-            "print(a, sorted(m for m in sys.modules if m.startswith('jinfer') and m != 'jinfer.config.kernels' "
-            "and m not in ('jinfer', 'jinfer.config')))")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
-    assert out.strip() == "False []"
+    def run(code):
+        return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.strip()
+
+    assert run("import sys, jinfer.config.kernels; print('jax' in sys.modules)") == "False"
+    kernels = ("moe.moe_router", "moe.moe_gemm_mgpu", "dense.norm_qkv_rope", "dense.skinny_gemm",
+               "attention.prefill_attention_mgpu", "linear_attention.gated_delta_rule_chunked",
+               "linear_attention.gated_delta_rule_decode", "linear_attention.causal_conv")
+    imports = "; ".join(f"import pallas_kernels.{k}" for k in kernels)
+    assert run(f"import sys; {imports}; print([m for m in sys.modules if m.startswith('jinfer')])") == "[]"
