@@ -2,7 +2,7 @@
 no help from L2: each call of a timed chain reads its own copy of the batch's pages (a decode step reads
 a layer's K/V once, after the weights have flushed L2; `bench_kernels`' chain rereads one set).
 
-Variants (launch parameters, the gather's form) are timed round-robin in one
+Variants (launch parameters) are timed round-robin in one
 process, `--rounds` times each, so drifting memory clocks hit them alike; the JSON keeps every round and
 the median. Bandwidth is K+V bytes over the device time, against the copy rate measured in the same run.
 
@@ -30,8 +30,8 @@ CHAIN = 8  # calls per timed jit, each on its own pages
 
 
 def variants(batch: int, sweep: bool) -> list[dict]:
-    """Keyword sets for paged_decode_attention ({} = its defaults; gather "pages" = the older whole-page loads)."""
-    out: list[dict] = [{}, {"gather": "pages"}]
+    """Keyword sets for paged_decode_attention ({} = its defaults)."""
+    out: list[dict] = [{}]
     if not sweep:
         return out
     for ppb, stages in ((2, 3), (2, 4), (4, 2), (4, 3), (4, 4), (8, 2), (8, 3)):
@@ -110,7 +110,7 @@ def main():
                     help="where each sequence's pages lie in the cache (see `inputs`)")
     ap.add_argument("--sweep", action="store_true", help="a grid of launch parameters")
     ap.add_argument("--variants", type=json.loads, metavar="JSON",
-                    help='the variants to time instead, a JSON list of keyword sets, e.g. \'[{}, {"gather": "rows"}]\'')
+                    help='the variants to time instead, a JSON list of keyword sets, e.g. \'[{}, {"num_splits": 4}]\'')
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--kernel-times", action="store_true",
                     help="also profile one chain per variant: device time per kernel (launch gaps excluded)")

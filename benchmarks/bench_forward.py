@@ -25,9 +25,10 @@ import jax.numpy as jnp
 import numpy as np
 
 from benchmarks.common import add_profile_argument, environment, profiled, write_result
+from jinfer.config.kernels import KernelPolicy
 from jinfer.models.batch import make_batch
 from jinfer.models.llama import forward, fuse_qkv
-from jinfer.models.ops import select_ops
+from jinfer.ops import select_ops
 from jinfer.weights.loader import DTYPES, load_weights, resolve_model
 
 
@@ -61,7 +62,7 @@ def main():
     pages = [list(range(1 + b * pages_per_seq, 1 + (b + 1) * pages_per_seq)) for b in range(args.batch)]
     rng = np.random.default_rng(0)
     prompts = [rng.integers(0, cfg.vocab_size, args.prompt_len).tolist() for _ in range(args.batch)]
-    ops = select_ops(args.attention_backend)
+    ops = select_ops(policy=KernelPolicy.from_env(attention_backend=args.attention_backend))
     step = jax.jit(partial(forward, cfg=cfg, ops=ops), donate_argnames=("kv_cache",))
 
     prefill = make_batch([(p, 0, pg) for p, pg in zip(prompts, pages)], args.page_size)

@@ -256,8 +256,9 @@ def bench_mixed(results: list, sweep: str | None) -> None:
     """Engine-shaped steps through ModelOps.attention: Triton-only vs the Mosaic/Triton split."""
     import numpy as np
 
+    from jinfer.config.kernels import KernelPolicy
     from jinfer.models.batch import make_batch
-    from jinfer.models.ops import MOSAIC_MIN_QUERY_LEN, ModelOps
+    from jinfer.ops import ModelOps
 
     interpret = bool(KW.get("interpret"))
     n = 1024 if not interpret else 128
@@ -291,8 +292,8 @@ def bench_mixed(results: list, sweep: str | None) -> None:
             dt = attempt(results, entry, fn, q, k, v, batch)
             if dt:
                 entry["tflop_per_s"] = round(flops / dt / 1e12, 1)
-        entry = {**shape, "impl": "mosaic_long_only", "min_query_len": MOSAIC_MIN_QUERY_LEN}
-        fn = functools.partial(ragged_prefill_attention_mgpu, min_query_len=MOSAIC_MIN_QUERY_LEN, **KW)
+        entry = {**shape, "impl": "mosaic_long_only", "min_query_len": KernelPolicy().mosaic_min_query_len}
+        fn = functools.partial(ragged_prefill_attention_mgpu, min_query_len=KernelPolicy().mosaic_min_query_len, **KW)
         attempt(results, entry, fn, q, k, v, batch.query_start, batch.seq_lens, batch.page_table)
 
 

@@ -28,6 +28,7 @@ from benchmarks.roofline import (
     measure_torch_copy,
 )
 from jinfer.config.engine import EngineConfig
+from jinfer.config.kernels import KernelPolicy
 from jinfer.engine.core import EngineCore
 from jinfer.sampling_params import SamplingParams
 
@@ -88,6 +89,7 @@ def main():
                                    max_num_seqs=max(args.batch_sizes),
                                    max_num_batched_tokens=args.max_num_batched_tokens,
                                    attention_backend=args.attention_backend, warmup=False,
+                                   kernel_policy=KernelPolicy.from_env(),
                                    async_scheduling=not args.no_async_scheduling,
                                    executable_cache=not args.no_executable_cache,
                                    tensor_parallel_size=args.tensor_parallel_size,

@@ -6,37 +6,32 @@ The model's forward runs at the shapes one device of a `tp`-way mesh holds (q an
 intermediate columns and vocabulary divided by tp; dummy weights), as a decode step with `--context`
 tokens per sequence, dispatched back to back and synced once. `tp` devices each doing this share plus
 the collectives is what bench_parallel times; so the ratio step(tp) / step(1) here says how well the
-kernels keep their speed at the narrower shapes, apart from communication. Variants patch one op:
+kernels keep their speed at the narrower shapes, apart from communication. Each variant is a KernelPolicy (the
+environment's `KernelPolicy.from_env` changed in one choice), or for the o projection's experiments a ModelOps
+subclass:
 
 - mlp_i{N}[_w{W}][_s{S}]: the fused MLP kernel with N intermediate columns per program (default 128: at tp 2 an 8B
   layer gives it 48 programs for 132 SMs) [, W warps, S pipeline stages];
 - o_barrier: an optimization barrier between attention and the o projection;
-- vector_dots: batch-1 projections left as XLA makes them (`ops.PAD_VECTOR_DOTS` off: the small ones
+- vector_dots: batch-1 projections left as XLA makes them (`pad_vector_dots` off: the small ones
   become a multiply + reduce);
 - no_qkv_rope: q/k norm, RoPE and the K/V write as XLA ops instead of the qkv_rope kernel;
 - no_merge: the decode kernel's split-K partials merged by XLA instead of the merge kernel;
 - unfused: both of the above;
 - no_front: a MoE block's norm + router + routing as XLA ops and the routing kernel instead of one kernel
-  (`ops.MOE_FRONT_MAX_TOKENS` 0);
-- front{N}_w{W}_s{S}: that kernel (`moe_router.moe_norm_route`) for steps of up to N tokens (`ops.MOE_FRONT_MAX_TOKENS`;
+  (`moe_front_max_tokens` 0);
+- front{N}_w{W}_s{S}: that kernel (`moe_router.moe_norm_route`) for steps of up to N tokens (`moe_front_max_tokens`;
   N omitted: the default) at W warps and S K splits (the `_w{W}_s{S}` omitted or S 0: its defaults);
 - route_w{N}: no_front, with the MoE routing kernel at N warps (default 4 for decode steps);
 - no_norm_qkv: the input norm and q|k|v projection as XLA ops, then the qkv_rope kernel, instead of the
-  norm_qkv_rope kernel (`ops.NORM_QKV_MAX_TOKENS` 0);
+  norm_qkv_rope kernel (`norm_qkv_max_tokens` 0);
 - nqkv_k{K}_w{W}_s{S}[_x{N}]: the norm_qkv_rope kernel at block_k K, W warps, S pipeline stages [, N K splits];
 - attn_ppb{P}_w{W}_st{S}: the decode attention kernel at P pages per block, W warps, S pipeline stages;
-- attn_target{N}: split-K decode attention planned for N programs (`paged_attention.TARGET_PROGRAMS`);
+- attn_target{N}: split-K decode attention planned for N programs (`paged_decode_attention(target_programs=)`);
 - nqkv_split{N}: the norm_qkv_rope kernel with N K splits per head (default: `default_k_splits`);
-- tails_{A}_{B}..: the split-K tails finished in the kernels (`ops.FUSED_TAILS`) limited to those named: merge
-  (decode attention), o (o projection + residual), mlp (fused MLP sum + residual); tails_none: none of them;
 - prefetch_o[{P}] / no_prefetch_o: the norm_qkv_rope kernel's idle SMs reading the o weight (its first P%, default
-  100) into L2 (`ops.PREFETCH_O`) / not (the same from extra programs of the decode attention kernel was measured
-  at b3b0fad: slower, `local_step_attn_prefetch_o_qwen3-4b_h100.json`);
-- persist[_o{N}_p{P}_i{I}_w{W}_s{S}]: the o projection, its residual add and the dense MLP block as one dataflow
-  launch for steps of <= 16 tokens (pallas_kernels/persistent.py; `ops.PERSISTENT_O_MLP_TOKENS`), at o column tile
-  N, P preloaded gate|up tiles, I intermediate columns per MLP program, W warps, S stages (each part optional);
-- gemv_o{N} / gemv_down{N}: the o projection / the XLA MLP's down projection of steps of <= 32 tokens with the
-  residual add as one Pallas GEMV of N-column programs over the whole K (`ops.GEMV_O_TOKENS` / `GEMV_DOWN_TOKENS`);
+  100) into L2 (`prefetch_o`) / not (the same from extra programs of the decode attention kernel was measured
+  slower, `local_step_attn_prefetch_o_qwen3-4b_h100.json`);
 - skinny_o: the o projection of steps of <= 32 tokens on the Pallas skinny GEMM (pallas_kernels/dense/skinny_gemm.py,
   ahead of XLA on o in its own benchmark: 27.4 vs 31.2 us, skinny_gemm_h100.json), its split-K sum and the
   residual add left to XLA.
@@ -48,7 +43,6 @@ timed `--runs` times (the best kept).
 from __future__ import annotations
 
 import argparse
-import contextlib
 import dataclasses
 import functools
 import re
@@ -57,18 +51,12 @@ import time
 import jax
 import numpy as np
 
-import pallas_kernels.attention.paged_attention as paged_attention
-import pallas_kernels.dense.fused_mlp as fused_mlp
-import pallas_kernels.dense.norm_qkv_rope as norm_qkv_rope
-import pallas_kernels.moe.moe_router as moe_router
-import pallas_kernels.moe.moe_routing as moe_routing
-import pallas_kernels.persistent as persistent
 from benchmarks.common import add_profile_argument, environment, profiled, write_result
 from jinfer.cache.layout import init_kv_cache
-from jinfer.models import ops as ops_module
+from jinfer.config.kernels import KernelPolicy
 from jinfer.models.batch import make_batch
-from jinfer.models.ops import select_ops
 from jinfer.models.registry import forward
+from jinfer.ops import ModelOps, select_ops
 from jinfer.parallel.mesh import make_mesh, shard_attention_weights
 from jinfer.weights.loader import DTYPES, ModelSource, load_weights, resolve_model
 
@@ -80,105 +68,82 @@ def local_shapes(cfg, tp: int):
                                intermediate_size=cfg.intermediate_size // tp, vocab_size=cfg.vocab_size // tp)
 
 
-@contextlib.contextmanager
-def variant(name: str):
-    if "+" in name:  # several at once
-        with contextlib.ExitStack() as stack:
-            for part in name.split("+"):
-                stack.enter_context(variant(part))
-            yield
-        return
-    saved_block, saved_out = fused_mlp.fused_swiglu_mlp, ops_module.ModelOps.out_proj
-    saved_pad, saved_rope = ops_module.PAD_VECTOR_DOTS, ops_module.QKV_ROPE_MAX_TOKENS
-    saved_attn = paged_attention.paged_decode_attention
-    saved_nqkv, saved_nqkv_tokens = norm_qkv_rope.norm_qkv_rope_write, ops_module.NORM_QKV_MAX_TOKENS
-    saved_nqkv_splits = ops_module.NORM_QKV_K_SPLITS
-    saved_target = paged_attention.TARGET_PROGRAMS
-    saved_route = moe_routing.moe_route
-    saved_front, saved_front_tokens = moe_router.moe_norm_route, ops_module.MOE_FRONT_MAX_TOKENS
-    saved_tails, saved_prefetch = ops_module.FUSED_TAILS, ops_module.PREFETCH_O
-    saved_persist, saved_persist_tokens = persistent.o_proj_mlp_block, ops_module.PERSISTENT_O_MLP_TOKENS
-    saved_gemv = ops_module.GEMV_O_TOKENS, ops_module.GEMV_DOWN_TOKENS, ops_module.GEMV_BLOCK_N
-    if name.startswith(("prefetch_o", "no_prefetch_o")):
-        ops_module.PREFETCH_O = 0.0 if name == "no_prefetch_o" else int(name.removeprefix("prefetch_o") or 100) / 100
-    if name in ("no_merge", "unfused", "skinny_o", "o_barrier") or name.startswith("tails_"):
-        ops_module.FUSED_TAILS = frozenset(name.split("_")[1:]) if name.startswith("tails_") else frozenset()
-    if name.startswith(("route_w", "no_front")):
-        ops_module.MOE_FRONT_MAX_TOKENS = 0
-    if name.startswith("route_w"):
-        moe_routing.moe_route = functools.partial(saved_route, num_warps=int(name.removeprefix("route_w")))
-    if name in ("no_qkv_rope", "unfused"):
-        ops_module.QKV_ROPE_MAX_TOKENS = 0
-    if name in ("no_merge", "unfused"):
-        paged_attention.paged_decode_attention = functools.partial(saved_attn, merge_kernel=False)
-    if name in ("no_qkv_rope", "no_merge", "unfused", "no_front") \
-            or name.startswith(("route_w", "tails_", "prefetch_o", "no_prefetch_o")):
+@dataclasses.dataclass(frozen=True)
+class SkinnyOOps(ModelOps):
+    """skinny_o: the o projection of steps of <= 32 tokens on the Pallas skinny GEMM."""
+
+    def out_proj(self, attn, wo, residual):
+        from pallas_kernels.dense.skinny_gemm import MAX_TOKENS, skinny_gemm
+
+        if attn.shape[0] > MAX_TOKENS:
+            return super().out_proj(attn, wo, residual)
+        return residual + self.reduce(skinny_gemm(attn, wo, interpret=self.interpret).astype(attn.dtype))
+
+
+@dataclasses.dataclass(frozen=True)
+class BarrierOOps(ModelOps):
+    """o_barrier: an optimization barrier between attention and the o projection."""
+
+    def out_proj(self, attn, wo, residual):
+        return residual + self.reduce(self.project(jax.lax.optimization_barrier(attn), wo))
+
+
+def variant_ops(name: str, ops: ModelOps) -> ModelOps:
+    """`ops` with the variant `name` applied (parts joined with "+" apply in order)."""
+    for part in name.split("+"):
+        ops = _apply(part, ops)
+    return ops
+
+
+def _apply(name: str, ops: ModelOps) -> ModelOps:
+    p = ops.policy
+    if name == "default":
         pass
+    elif name.startswith(("prefetch_o", "no_prefetch_o")):
+        p = dataclasses.replace(p, prefetch_o=0.0 if name == "no_prefetch_o"
+                                else int(name.removeprefix("prefetch_o") or 100) / 100)
+    elif name in ("no_merge", "no_qkv_rope", "unfused"):
+        if name != "no_qkv_rope":
+            p = p.with_launch("paged_decode_attention", merge_kernel=False)
+        if name != "no_merge":
+            p = dataclasses.replace(p, qkv_rope_max_tokens=0)
+    elif name == "no_front":
+        p = dataclasses.replace(p, moe_front_max_tokens=0)
+    elif name.startswith("route_w"):
+        p = dataclasses.replace(p, moe_front_max_tokens=0).with_launch(
+            "moe_route", num_warps=int(name.removeprefix("route_w")))
     elif m := re.fullmatch(r"front(\d*)(?:_w(\d+)_s(\d+))?", name):
         n, w, sp = m.groups()
         if n:
-            ops_module.MOE_FRONT_MAX_TOKENS = int(n)
+            p = dataclasses.replace(p, moe_front_max_tokens=int(n))
         if w:
-            moe_router.moe_norm_route = functools.partial(saved_front, num_warps=int(w), k_splits=int(sp) or None)
-    elif m := re.fullmatch(r"gemv_(o|down)(\d+)", name):
-        setattr(ops_module, f"GEMV_{m[1].upper()}_TOKENS", frozenset(range(1, 33)))
-        ops_module.GEMV_BLOCK_N = int(m[2])
-    elif name.startswith("persist"):
-        ops_module.PERSISTENT_O_MLP_TOKENS = frozenset(range(1, persistent.MAX_TOKENS + 1))
-        keys = {"o": "o_block_n", "p": "preload", "i": "block_i", "w": "num_warps", "s": "num_stages"}
-        kw = {keys[p[0]]: int(p[1:]) for p in name.split("_")[1:]}
-        persistent.o_proj_mlp_block = functools.partial(saved_persist, **kw)
+            p = p.with_launch("moe_norm_route", num_warps=int(w), k_splits=int(sp) or None)
     elif name == "no_norm_qkv":
-        ops_module.NORM_QKV_MAX_TOKENS = 0
-    elif name.startswith("attn_ppb"):
-        p, w, st = (int(x) for x in re.fullmatch(r"attn_ppb(\d+)_w(\d+)_st(\d+)", name).groups())
-        paged_attention.paged_decode_attention = functools.partial(saved_attn, pages_per_block=p, num_warps=w,
-                                                                   num_stages=st)
+        p = dataclasses.replace(p, norm_qkv_max_tokens=0)
+    elif m := re.fullmatch(r"attn_ppb(\d+)_w(\d+)_st(\d+)", name):
+        pp, w, st = (int(x) for x in m.groups())
+        p = p.with_launch("paged_decode_attention", pages_per_block=pp, num_warps=w, num_stages=st)
     elif name.startswith("attn_target"):
-        paged_attention.TARGET_PROGRAMS = int(name.removeprefix("attn_target"))
+        p = p.with_launch("paged_decode_attention", target_programs=int(name.removeprefix("attn_target")))
     elif name.startswith("nqkv_split"):
-        ops_module.NORM_QKV_K_SPLITS = int(name.removeprefix("nqkv_split"))
+        p = dataclasses.replace(p, norm_qkv_k_splits=int(name.removeprefix("nqkv_split")))
     elif name.startswith("nqkv_"):
-        k, w, st, *splits = (int(p[1:]) for p in name.split("_")[1:])
-        norm_qkv_rope.norm_qkv_rope_write = functools.partial(saved_nqkv, block_k=k, num_warps=w, num_stages=st)
+        k, w, st, *splits = (int(x[1:]) for x in name.split("_")[1:])
+        p = p.with_launch("norm_qkv_rope", block_k=k, num_warps=w, num_stages=st)
         if splits:
-            ops_module.NORM_QKV_K_SPLITS = splits[0]
+            p = dataclasses.replace(p, norm_qkv_k_splits=splits[0])
     elif name == "vector_dots":
-        ops_module.PAD_VECTOR_DOTS = False
+        p = dataclasses.replace(p, pad_vector_dots=False)
     elif name.startswith("mlp_i"):
         i, *rest = name.removeprefix("mlp_i").split("_")
-        kw = {{"w": "num_warps", "s": "num_stages"}[p[0]]: int(p[1:]) for p in rest}
-        fused_mlp.fused_swiglu_mlp = functools.partial(saved_block, block_i=int(i), **kw)
-    elif name == "skinny_o":
-        from pallas_kernels.dense.skinny_gemm import MAX_TOKENS, skinny_gemm
-
-        def out_proj(self, attn, wo, residual):
-            if attn.shape[0] > MAX_TOKENS:
-                return saved_out(self, attn, wo, residual)
-            return residual + self.reduce(skinny_gemm(attn, wo, interpret=self.interpret).astype(attn.dtype))
-        ops_module.ModelOps.out_proj = out_proj
-    elif name == "o_barrier":
-        def out_proj(self, attn, wo, residual):
-            return residual + self.reduce(ops_module.project(jax.lax.optimization_barrier(attn), wo))
-        ops_module.ModelOps.out_proj = out_proj
-    elif name != "default":
+        kw = {{"w": "num_warps", "s": "num_stages"}[x[0]]: int(x[1:]) for x in rest}
+        p = p.with_launch("fused_mlp", block_i=int(i), **kw)
+    elif name in ("skinny_o", "o_barrier"):
+        cls = SkinnyOOps if name == "skinny_o" else BarrierOOps
+        return cls(**{f.name: getattr(ops, f.name) for f in dataclasses.fields(ops)})
+    else:
         raise ValueError(f"unknown variant {name!r}")
-    jax.clear_caches()  # the kernels' own jits read some switches at trace time: trace them again
-    try:
-        yield
-    finally:
-        jax.clear_caches()
-        fused_mlp.fused_swiglu_mlp, ops_module.ModelOps.out_proj = saved_block, saved_out
-        ops_module.PAD_VECTOR_DOTS, ops_module.QKV_ROPE_MAX_TOKENS = saved_pad, saved_rope
-        paged_attention.paged_decode_attention = saved_attn
-        norm_qkv_rope.norm_qkv_rope_write, ops_module.NORM_QKV_MAX_TOKENS = saved_nqkv, saved_nqkv_tokens
-        ops_module.NORM_QKV_K_SPLITS = saved_nqkv_splits
-        paged_attention.TARGET_PROGRAMS = saved_target
-        moe_routing.moe_route = saved_route
-        moe_router.moe_norm_route, ops_module.MOE_FRONT_MAX_TOKENS = saved_front, saved_front_tokens
-        ops_module.FUSED_TAILS, ops_module.PREFETCH_O = saved_tails, saved_prefetch
-        persistent.o_proj_mlp_block, ops_module.PERSISTENT_O_MLP_TOKENS = saved_persist, saved_persist_tokens
-        ops_module.GEMV_O_TOKENS, ops_module.GEMV_DOWN_TOKENS, ops_module.GEMV_BLOCK_N = saved_gemv
+    return dataclasses.replace(ops, policy=p)
 
 
 def kernel_summary(trace_dir: str, steps: int, top: int = 16) -> dict:
@@ -211,7 +176,7 @@ def main():
 
     full = resolve_model(f"dummy:{args.shape}").config
     dtype = DTYPES[args.dtype]
-    ops = dataclasses.replace(select_ops("auto"), decode_step=True)
+    ops = dataclasses.replace(select_ops(policy=KernelPolicy.from_env()), decode_step=True)
     mesh = make_mesh(1)
     rows = []
     for tp in args.tp:
@@ -225,19 +190,18 @@ def main():
             batches = [jax.device_put(make_batch([([1], args.context + i, pg) for pg in pages], args.page_size,
                                                  pages_per_seq=pages_per_seq)) for i in range(args.iters)]
             for name in args.variants:
-                with variant(name):
-                    step = jax.jit(functools.partial(forward, cfg=cfg, ops=ops), donate_argnums=(2,))
-                    logits, kv = step(w, batches[0], kv)
-                    runs = []
-                    for r in range(args.runs + 1):
-                        jax.block_until_ready((logits, kv))
-                        trace = args.profile and r == args.runs and f"{args.profile}/tp{tp}_b{bs}_{name}"
-                        with profiled(trace):
-                            t = time.perf_counter()
-                            for b in batches:
-                                logits, kv = step(w, b, kv)
-                            jax.block_until_ready(logits)
-                        runs.append((time.perf_counter() - t) / args.iters * 1e3)
+                step = jax.jit(functools.partial(forward, cfg=cfg, ops=variant_ops(name, ops)), donate_argnums=(2,))
+                logits, kv = step(w, batches[0], kv)
+                runs = []
+                for r in range(args.runs + 1):
+                    jax.block_until_ready((logits, kv))
+                    trace = args.profile and r == args.runs and f"{args.profile}/tp{tp}_b{bs}_{name}"
+                    with profiled(trace):
+                        t = time.perf_counter()
+                        for b in batches:
+                            logits, kv = step(w, b, kv)
+                        jax.block_until_ready(logits)
+                    runs.append((time.perf_counter() - t) / args.iters * 1e3)
                 runs = runs[1:]  # the first pass is the warm-up
                 row = {"tp": tp, "batch_size": bs, "variant": name, "step_ms": float(np.min(runs)),
                        "step_ms_runs": runs}

@@ -40,7 +40,8 @@ import numpy as np
 from benchmarks.bench_kernels import chained, timeit
 from benchmarks.common import environment, write_result
 from jinfer.models.layers import moe_mlp, rms_norm
-from jinfer.models.ops import ModelOps, moe_block_m, project
+from jinfer.ops import ModelOps
+from jinfer.ops.moe import moe_block_m
 from pallas_kernels.moe.moe_gemm import moe_combine, moe_down, moe_gate_up
 from pallas_kernels.moe.moe_router import MAX_TOKENS as ROUTER_MAX_TOKENS
 from pallas_kernels.moe.moe_router import moe_norm_route
@@ -211,7 +212,7 @@ def bench_front(rows: list, tokens: int, router) -> None:
 
     def xla(x, warps=None):
         h = rms_norm(x, norm, 1e-6)
-        logits = project(h, router, preferred_element_type=jnp.float32).astype(h.dtype)
+        logits = ModelOps().project(h, router, preferred_element_type=jnp.float32).astype(h.dtype)
         return h, moe_route(logits, top_k=K, block_m=bm, num_warps=warps, **KW)
 
     def kernel(x, warps=None, k_splits=None):

@@ -24,9 +24,10 @@ from jax.sharding import PartitionSpec as P
 
 from benchmarks.common import add_profile_argument, environment, profiled, write_result
 from jinfer.cache.layout import init_kv_cache
+from jinfer.config.kernels import KernelPolicy
 from jinfer.models.batch import make_batch
-from jinfer.models.ops import select_ops
 from jinfer.models.registry import forward
+from jinfer.ops import select_ops
 from jinfer.parallel.mesh import TP_AXIS, array_specs, check_parallel, make_mesh, mesh_forward, shard_attention_weights
 from jinfer.weights.loader import DTYPES, load_weights, resolve_model
 
@@ -81,7 +82,7 @@ def main():
 
     src = resolve_model(args.shape if "/" in args.shape else f"dummy:{args.shape}")
     cfg, dtype = src.config, DTYPES[args.dtype]
-    ops = replace(select_ops("auto"), decode_step=True)
+    ops = replace(select_ops(policy=KernelPolicy.from_env()), decode_step=True)
     rows = []
     for tp in args.tp:
         check_parallel(cfg, tp, args.expert_parallel)

@@ -16,6 +16,7 @@ import numpy as np
 
 from benchmarks.common import add_profile_argument, environment, profiled, write_result
 from jinfer import LLM, SamplingParams
+from jinfer.config.kernels import KernelPolicy
 
 
 def main():
@@ -42,7 +43,8 @@ def main():
               max_num_batched_tokens=args.max_num_batched_tokens, num_pages=args.num_pages,
               max_model_len=args.input_len + args.output_len, warmup=args.warmup,
               async_scheduling=not args.no_async_scheduling, attention_backend=args.attention_backend,
-              tensor_parallel_size=args.tensor_parallel_size, enable_expert_parallel=args.enable_expert_parallel)
+              tensor_parallel_size=args.tensor_parallel_size, enable_expert_parallel=args.enable_expert_parallel,
+              kernel_policy=KernelPolicy.from_env())
     startup_s = time.perf_counter() - t0
     vocab = llm.engine.model_config.vocab_size
     rng = np.random.default_rng(0)

@@ -1,5 +1,5 @@
 """Where the fused Gated DeltaNet decode kernel's time goes: simpler kernels on the same grid and state pool,
-each timed like `python -m pallas_kernels.linear_attention.gated_delta_rule_decode` (`--reps` steps chained in one
+each timed like `python -m benchmarks.kernels.bench_linear_attention_decode decode` (`--reps` steps chained in one
 executable,
 each reading the pool the previous one wrote, donated), TB/s on the state's bytes (read + written).
 

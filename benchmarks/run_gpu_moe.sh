@@ -34,7 +34,7 @@ for line in sys.stdin:
               r.get("tflop_per_s"), "TFLOP/s", r.get("error", "")[:120], "err", r.get("max_abs_err_vs_ref"))
     else:
         print(r)'
-  timeout 300 python3 -m pallas_kernels.moe.moe_gemm_mgpu > "$OUT/moe_mgpu_$TAG.json"
+  timeout 300 python3 -m benchmarks.kernels.bench_moe gemm_mgpu > "$OUT/moe_mgpu_$TAG.json"
 fi
 if [[ $PARTS == *latency* ]]; then
   timeout 900 python3 -m benchmarks.bench_latency --shape qwen3-30b-a3b --batch-sizes ${BATCHES:-1 8 32} \

@@ -50,19 +50,19 @@ if [[ $PARTS == *tests* ]]; then
   timeout 600 python3 -m pytest -q tests/models/test_golden_qwen3_5.py -k pallas -p no:cacheprovider 2>&1 | tail -4
 fi
 if [[ $PARTS == *kernels* ]]; then
-  timeout 900 python3 -m pallas_kernels.linear_attention.gated_delta_rule > "$OUT/gdn_kernels_$TAG.json"
+  timeout 900 python3 -m benchmarks.kernels.bench_linear_attention recurrent > "$OUT/gdn_kernels_$TAG.json"
   cat "$OUT/gdn_kernels_$TAG.json"
-  timeout 900 python3 -m pallas_kernels.linear_attention.gated_delta_rule_chunked > "$OUT/gdn_chunked_$TAG.json"
+  timeout 900 python3 -m benchmarks.kernels.bench_linear_attention chunked > "$OUT/gdn_chunked_$TAG.json"
   cat "$OUT/gdn_chunked_$TAG.json"
 fi
 if [[ $PARTS == *intra* ]]; then
-  timeout 900 python3 -m pallas_kernels.linear_attention.gated_delta_rule_intra > "$OUT/gdn_intra_$TAG.json"
+  timeout 900 python3 -m benchmarks.kernels.bench_linear_attention intra > "$OUT/gdn_intra_$TAG.json"
   cat "$OUT/gdn_intra_$TAG.json"
 fi
 if [[ $PARTS == *decode* ]]; then
-  timeout 900 python3 -m pallas_kernels.linear_attention.gated_delta_rule_decode > "$OUT/gdn_decode_$TAG.json"
+  timeout 900 python3 -m benchmarks.kernels.bench_linear_attention_decode decode > "$OUT/gdn_decode_$TAG.json"
   cat "$OUT/gdn_decode_$TAG.json"
-  timeout 600 python3 -m pallas_kernels.linear_attention.causal_conv > "$OUT/gdn_conv_$TAG.json"
+  timeout 600 python3 -m benchmarks.kernels.bench_linear_attention_decode conv > "$OUT/gdn_conv_$TAG.json"
   cat "$OUT/gdn_conv_$TAG.json"
   timeout 600 python3 -m benchmarks.bench_decode_mlp --shapes qwen3.5-4b --block-i 128 --num-warps 8 --num-stages 3 \
       --profile /tmp/decode_mlp_profile --out "$OUT/decode_mlp_variants_$TAG.json" | grep "'shape'"

@@ -5,7 +5,9 @@ then need summing, and handing that to XLA costs a kernel (and the residual add 
 ~1.5-2 us each per layer at batch 1 on the H100, mostly launch latency. Here each program stores its partial,
 takes a ticket from the tile's counter (one atomic add after a barrier: every thread's partial stored first), and
 the program that draws the last ticket sums the tile's partials in split order (deterministic, whoever arrives
-last) reading past L1 (volatile), resets the counter to zero and runs the epilogue (residual add, cast, store).
+last) reading past L1 (volatile), resets the counter to zero and runs the epilogue. Used where it measured faster:
+norm_qkv_rope.py (a head's K splits) and moe_router.py (the router's K splits, the last program routing). The same
+tail in the o projection, the fused MLP and the decode attention's merge measured slower on the H100.
 
 Counters are the step's (`ModelOps.step_counters`): zero on entry, left zero, passed from kernel to kernel so the
 stream orders the launches that share them. In the Pallas interpreter programs run one after another: the last
@@ -16,14 +18,13 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
-from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 
-def check_counters(counters: jax.Array, need: int, what: str = "") -> None:
-    """ValueError naming `counters` unless they are int32 [>= need] (`what`: why that many)."""
+def check_counters(counters: jax.Array, need: int) -> None:
+    """ValueError naming `counters` unless they are int32 [>= need]."""
     if counters.dtype != jnp.int32 or counters.ndim != 1 or counters.shape[0] < need:
-        raise ValueError(f"counters must be int32 [>= {need}]{what}, got {counters.dtype} {counters.shape}")
+        raise ValueError(f"counters must be int32 [>= {need}], got {counters.dtype} {counters.shape}")
 
 
 def take_ticket(cnt_ref, counter, interpret: bool) -> jax.Array:
@@ -41,23 +42,3 @@ def sum_splits(part_ref, splits: int, index, mask) -> jax.Array:
         part = plgpu.load(part_ref.at[index(jnp.int32(s))], mask=mask, other=0, volatile=True)
         total = part if total is None else total + part
     return total
-
-
-def finish_last(part_ref, cnt_ref, counter, split, splits: int, index, acc, mask, epilogue, interpret: bool):
-    """Store this program's partial `acc` at `part_ref[index(split)]`, and where it is the tile's last to arrive
-    run `epilogue(sum of the tile's partials)` and leave the counter zero."""
-    plgpu.store(part_ref.at[index(split)], acc, mask=mask)
-    ticket = take_ticket(cnt_ref, counter, interpret)
-
-    @pl.when(ticket == splits - 1)
-    def _last():
-        total = sum_splits(part_ref, splits, index, mask)
-        cnt_ref[counter] = 0
-        epilogue(total)
-
-
-def residual_add(residual: jax.Array, delta: jax.Array) -> jax.Array:
-    """residual + delta rounded as XLA rounds `x + y.astype(x.dtype)`: the fp32 sum cast to x's dtype, added in
-    fp32, rounded once."""
-    f32 = jnp.float32
-    return (residual.astype(f32) + delta.astype(residual.dtype).astype(f32)).astype(residual.dtype)

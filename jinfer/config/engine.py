@@ -9,14 +9,14 @@ arguments are parsed (`jinfer.engine.args.compilation_cache_dir_from_env`).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
+from jinfer.config.kernels import BACKENDS, KernelPolicy
 from jinfer.generation_config import check_setting as check_generation_config
 
 DTYPE_NAMES = ("float32", "bfloat16", "float16")
-# "auto": Pallas on GPU, jnp elsewhere; "pallas-triton": no Mosaic GPU kernel. jinfer.models.ops.BACKENDS is the
-# same list (the ops check it where they are chosen; tests/unit/test_config.py keeps the two in step).
-ATTENTION_BACKENDS = ("auto", "reference", "pallas", "pallas-triton")
+# "auto": Pallas on GPU, jnp elsewhere; "pallas-triton": no Mosaic GPU kernel.
+ATTENTION_BACKENDS = BACKENDS
 DEFAULT_COMPILATION_CACHE_DIR = "~/.cache/jinfer/xla"
 
 
@@ -77,7 +77,13 @@ class EngineConfig:
     master_addr: str = "127.0.0.1"
     master_port: int = 29500
     seed: int = 0
-    attention_backend: str = "auto"  # one of ATTENTION_BACKENDS
+    attention_backend: str = "auto"  # one of ATTENTION_BACKENDS (overrides kernel_policy's)
+    # Every other kernel choice (jinfer/config/kernels.py); part of the compiled step's key. The CLI builds it from
+    # the JINFER_* measurement switches (`KernelPolicy.from_env`); a dict (the fields, as sent) is accepted.
+    kernel_policy: KernelPolicy = field(default_factory=KernelPolicy)
+    # A multi-process group: a peer silent this long once the group is up is lost (a dead process is seen at once
+    # by its closed connection; this covers a host that vanished).
+    peer_timeout_s: float = 5.0
     warmup: bool = True  # compile every bucket at start-up
     # Staged warm-up: compile only T = 1 and the bucket of this many tokens before serving, the rest in the
     # background while serving (steps padded into ready buckets meanwhile). None: everything first.
@@ -94,6 +100,12 @@ class EngineConfig:
     generation_config: str = "auto"  # default sampling parameters: "auto" (the model's), "vllm" (none) or a dir
 
     def __post_init__(self):
+        if isinstance(self.kernel_policy, dict):
+            object.__setattr__(self, "kernel_policy", KernelPolicy(**self.kernel_policy))
+        if not isinstance(self.kernel_policy, KernelPolicy):
+            raise ValueError(f"kernel_policy={self.kernel_policy!r} must be a KernelPolicy")
+        if not isinstance(self.peer_timeout_s, int | float) or not 0 < self.peer_timeout_s < float("inf"):
+            raise ValueError(f"peer_timeout_s={self.peer_timeout_s!r} must be a number of seconds > 0")
         if self.dtype != "auto" and self.dtype not in DTYPE_NAMES:
             raise ValueError(f"dtype={self.dtype!r} must be 'auto' or one of {sorted(DTYPE_NAMES)}")
         if self.load_format not in ("auto", "dummy"):

@@ -11,6 +11,7 @@ import argparse
 import os
 
 from jinfer.config.engine import ATTENTION_BACKENDS
+from jinfer.config.kernels import KernelPolicy
 
 # `jinfer serve` is ready once these steps compile; the other shapes follow in the background.
 SERVE_WARMUP_FIRST_TOKENS = 256
@@ -104,6 +105,7 @@ def engine_config_kwargs(args: argparse.Namespace) -> dict:
         kw["async_scheduling"] = False
     if getattr(args, "disable_log_stats", False):
         kw["log_stats_interval"] = 0.0
+    kw["kernel_policy"] = KernelPolicy.from_env()  # the JINFER_* kernel switches: read here and nowhere below
     return compilation_cache_dir_from_env(kw)
 
 

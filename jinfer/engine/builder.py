@@ -28,8 +28,8 @@ from jinfer.engine.runner import ModelRunner
 from jinfer.engine.scheduler import Scheduler
 from jinfer.engine.spawn import MEM_FRACTION
 from jinfer.generation_config import load_generation_defaults
-from jinfer.models.ops import select_ops
 from jinfer.models.registry import state_specs
+from jinfer.ops import select_ops
 from jinfer.parallel.mesh import check_parallel, make_mesh, shard_attention_weights
 from jinfer.parallel.multihost import Follower, Leader, join
 from jinfer.tokenizer import Tokenizer
@@ -199,7 +199,8 @@ def build_engine(config: EngineConfig, tokenizer: Tokenizer | None = None) -> En
     if not xla_bridge.backends_are_initialized():
         os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", MEM_FRACTION)
     # Several processes: join the group before anything starts JAX's backends (jinfer/parallel/multihost.py).
-    group = join(config.nnodes, config.node_rank, config.master_addr, config.master_port)
+    group = join(config.nnodes, config.node_rank, config.master_addr, config.master_port,
+                 peer_timeout_s=config.peer_timeout_s)
     cache_dir = enable_compilation_cache(config.compilation_cache_dir) if config.compilation_cache_dir else None
     source = resolve_model(config.model, config.load_format)
     phases("resolve")
@@ -234,7 +235,8 @@ def build_engine(config: EngineConfig, tokenizer: Tokenizer | None = None) -> En
     runner = ModelRunner(model_config, weights, mesh, num_pages=num_pages, page_size=config.page_size,
                          kv_dtype=DTYPES[dtype], max_num_batched_tokens=config.max_num_batched_tokens,
                          max_num_seqs=config.max_num_seqs, max_model_len=max_len,
-                         ops=select_ops(config.attention_backend), num_state_slots=num_state_slots,
+                         ops=select_ops(config.attention_backend, policy=config.kernel_policy),
+                         num_state_slots=num_state_slots,
                          num_host_pages=num_host_pages, keep_alive=config.executable_keep_alive,
                          executable_dir=os.path.join(cache_dir, "executables")
                          if cache_dir and config.executable_cache and group is None else None)

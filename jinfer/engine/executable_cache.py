@@ -80,12 +80,9 @@ log = logging.getLogger(__name__)
 MAGIC = b"JINFER-EXECUTABLE-1\n"
 _HEADER_LEN = struct.Struct("<Q")
 _PACKAGES = ("jinfer", "pallas_kernels")
-# Environment that changes what is traced or compiled: XLA's flags, and jinfer's measurement switches (kernel
-# choices read at import by jinfer.models.ops).
-_ENV_VARS = ("XLA_FLAGS", "LIBTPU_INIT_ARGS", "JINFER_PALLAS_MLP_TOKENS", "JINFER_NORM_QKV_TOKENS",
-             "JINFER_MOE_FRONT_TOKENS", "JINFER_FUSED_TAILS", "JINFER_FUSED_O_TOKENS", "JINFER_PREFETCH_O",
-             "JINFER_PREFETCH_EVICTION", "JINFER_GEMV_O_TOKENS", "JINFER_GEMV_DOWN_TOKENS", "JINFER_GEMV_BLOCK_N",
-             "JINFER_PERSISTENT_O_MLP_TOKENS")
+# Environment that changes what is compiled: XLA's flags. (The kernel choices are the `KernelPolicy` that the
+# caller's ModelOps carries, hashed with them in the namespace; nothing under jinfer reads them from the environment.)
+_ENV_VARS = ("XLA_FLAGS", "LIBTPU_INIT_ARGS")
 STALE_TEMP_FILE_S = 600
 # jax config flags that cannot change the executable: caches, logging, transfer guards, networking.
 _CONFIG_IGNORED = re.compile(

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import ctypes
 import logging
-import os
 import threading
 import time
 from collections.abc import Sequence
@@ -53,9 +52,8 @@ RELOAD_AFTER_STEPS = 16
 # one operand into one over the concatenation of the other operands: it merged the MLP's x @ w_gate and
 # x @ w_up, concatenating the two weights (94 MB for Qwen3.5-4B) anew in every layer of every prefill step:
 # 60 us a layer on an H100, more than the merged dot saved (`benchmarks/hlo_ops.py` names such kernels).
-# JINFER_XLA_DOT_MERGER=1 keeps XLA's default (A/B runs).
-NO_COMMAND_BUFFER = {"xla_gpu_enable_command_buffer": ""} | (
-    {} if os.environ.get("JINFER_XLA_DOT_MERGER") == "1" else {"xla_gpu_dot_merger_threshold_mb": 0})
+# That choice is the KernelPolicy's (`large_step_xla_options`; xla_dot_merger=True keeps XLA's default, for A/B runs).
+NO_COMMAND_BUFFER = {"xla_gpu_enable_command_buffer": ""}
 
 
 def trim_host_heap() -> None:
@@ -156,7 +154,8 @@ class StepExecutables:
             donate_argnames=("kv_cache",),
             out_shardings=(self._replicated, kv_shardings), **kw)
         # Indexed by "decode step": small steps run with command buffers (XLA's default), large without.
-        self._forward = {d: (forward_jit(o), forward_jit(o, compiler_options=NO_COMMAND_BUFFER))
+        large = NO_COMMAND_BUFFER | self.ops.policy.large_step_xla_options()
+        self._forward = {d: (forward_jit(o), forward_jit(o, compiler_options=large))
                          for d, o in ((False, self.ops), (True, replace(self.ops, decode_step=True)))}
         self._sample = jax.jit(partial(sample_step, max_rows=self.max_rows),
                                static_argnames=("dims", "num_logprobs", "flags"),

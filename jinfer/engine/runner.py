@@ -56,8 +56,8 @@ from jinfer.engine.step_inputs import (
     unpack_result,
 )
 from jinfer.models.llama import Weights
-from jinfer.models.ops import REFERENCE_OPS, ModelOps
 from jinfer.models.registry import cache_spec
+from jinfer.ops import REFERENCE_OPS, ModelOps
 from jinfer.parallel.mesh import put
 
 log = logging.getLogger(__name__)

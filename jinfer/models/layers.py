@@ -1,5 +1,5 @@
 """Building blocks of the decoders: RMSNorm, RoPE, SwiGLU MLP, the mixture-of-experts MLP and paged KV
-writes. All are pure functions of arrays. (Kernels are chosen in jinfer/models/ops.py.)"""
+writes. All are pure functions of arrays. (Kernels are chosen in jinfer/ops/.)"""
 
 from __future__ import annotations
 

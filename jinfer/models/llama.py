@@ -22,7 +22,7 @@ from jinfer.cache.spec import AttentionKV, LayerCacheSpec
 from jinfer.config.model import ModelConfig
 from jinfer.models.batch import Batch
 from jinfer.models.layers import apply_rope, rms_norm, rope_cos_sin, write_kv
-from jinfer.models.ops import REFERENCE_OPS, ModelOps
+from jinfer.ops import REFERENCE_OPS, ModelOps
 from jinfer.models.spec import ArrayInfo
 
 __all__ = ["ArrayInfo", "LayerWeights", "Weights", "assemble_weights", "cache_spec", "decoder_forward", "forward",
@@ -147,18 +147,11 @@ def fuse_qkv(weights: Weights) -> Weights:
 
 
 def _attention(layer: LayerWeights, x: jax.Array, cos, sin, kv, batch: Batch, cfg: ModelConfig, ops: ModelOps,
-               counters: jax.Array | None = None, mlp_layer: int | None = None):
+               counters: jax.Array | None = None):
     """x + attention(rms_norm(x)); also returns the layer's updated (k, v) cache and `counters` (the step's
-    zeroed kernel counters, `ModelOps.step_counters`, passed from kernel to kernel). mlp_layer: the layer's index,
-    where its dense MLP block runs in the o projection's launch (`ModelOps.out_proj_mlp_block`)."""
+    zeroed kernel counters, `ModelOps.step_counters`, passed from kernel to kernel)."""
     T = x.shape[0]
     H, KVH, D = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-
-    def out_proj(out, counters):
-        if mlp_layer is not None:
-            return ops.out_proj_mlp_block(out.reshape(T, H * D), layer.wo, x, layer.mlp_norm, layer.w_gate,
-                                          layer.w_up, layer.w_down, cfg.rms_norm_eps, counters, mlp_layer)
-        return ops.out_proj_counted(out.reshape(T, H * D), layer.wo, x, counters)
 
     if layer.wqkv is not None:
         q_norm, k_norm = (layer.q_norm, layer.k_norm) if cfg.qk_norm else (None, None)
@@ -173,9 +166,8 @@ def _attention(layer: LayerWeights, x: jax.Array, cos, sin, kv, batch: Batch, cf
                 qkv, q_norm, k_norm, cos, sin, kv, batch.slot_mapping, H, KVH, cfg.rms_norm_eps)
         if fused is not None:
             q, k_cache, v_cache = fused
-            out, counters = ops.attention_counted(q, k_cache, v_cache, batch, D**-0.5, counters)  # [T, H, D]
-            out, counters = out_proj(out, counters)
-            return out, (k_cache, v_cache), counters
+            out = ops.attention(q, k_cache, v_cache, batch, D**-0.5)  # [T, H, D]
+            return ops.out_proj(out.reshape(T, H * D), layer.wo, x), (k_cache, v_cache), counters
         q, k, v = jnp.split(qkv, [H * D, (H + KVH) * D], axis=-1)
     else:
         q, k, v = ops.norm_projections(x, layer.attn_norm, (layer.wq, layer.wk, layer.wv), cfg.rms_norm_eps)
@@ -186,16 +178,14 @@ def _attention(layer: LayerWeights, x: jax.Array, cos, sin, kv, batch: Batch, cf
         q, k = rms_norm(q, layer.q_norm, cfg.rms_norm_eps), rms_norm(k, layer.k_norm, cfg.rms_norm_eps)
     q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
     k_cache, v_cache = write_kv(kv[0], kv[1], k, v, batch.slot_mapping)
-    out, counters = ops.attention_counted(q, k_cache, v_cache, batch, D**-0.5, counters)  # [T, H, D]
-    out, counters = out_proj(out, counters)
-    return out, (k_cache, v_cache), counters
+    out = ops.attention(q, k_cache, v_cache, batch, D**-0.5)  # [T, H, D]
+    return ops.out_proj(out.reshape(T, H * D), layer.wo, x), (k_cache, v_cache), counters
 
 
 def dense_mlp(layer: LayerWeights, i: int, x: jax.Array, cfg: ModelConfig, ops: ModelOps,
               counters: jax.Array | None = None) -> tuple[jax.Array, jax.Array | None]:
     """x + SwiGLU(rms_norm(x)): the dense families' MLP block (the step's counters passed on)."""
-    return ops.mlp_block_counted(x, layer.mlp_norm, layer.w_gate, layer.w_up, layer.w_down, cfg.rms_norm_eps,
-                                 counters)
+    return ops.mlp_block(x, layer.mlp_norm, layer.w_gate, layer.w_up, layer.w_down, cfg.rms_norm_eps), counters
 
 
 MlpFn = Callable[[LayerWeights, int, jax.Array, ModelConfig, ModelOps, jax.Array | None],
@@ -230,11 +220,8 @@ def decoder_forward(weights: Weights, batch: Batch, kv_cache: tuple[tuple[jax.Ar
     new_cache = []
     counters = ops.step_counters(x.shape[0])
     for i, (layer, kv) in enumerate(zip(weights.layers, kv_cache, strict=True)):
-        with_mlp = mlp is dense_mlp and ops.persistent_o_mlp(x.shape[0], layer.wo.shape[0], x.shape[1],
-                                                             layer.w_gate.shape[-1], counters, i)
-        x, kv, counters = _attention(layer, x, cos, sin, kv, batch, cfg, ops, counters, i if with_mlp else None)
-        if not with_mlp:
-            x, counters = mlp(layer, i, x, cfg, ops, counters)
+        x, kv, counters = _attention(layer, x, cos, sin, kv, batch, cfg, ops, counters)
+        x, counters = mlp(layer, i, x, cfg, ops, counters)
         new_cache.append(kv)
     x = rms_norm(x[batch.logits_indices], weights.final_norm, cfg.rms_norm_eps)  # [N, hidden]
     head = weights.embed.T if weights.lm_head is None else weights.lm_head

@@ -36,7 +36,7 @@ from jinfer.models import llama
 from jinfer.models.batch import Batch
 from jinfer.models.layers import apply_rope, rms_norm, rope_cos_sin, write_kv
 from jinfer.models.llama import Weights
-from jinfer.models.ops import REFERENCE_OPS, ModelOps
+from jinfer.ops import REFERENCE_OPS, ModelOps
 from jinfer.models.spec import ArrayInfo, StateSpec
 
 __all__ = ["HybridLayer", "assemble_weights", "cache_spec", "forward", "fuse_qkv", "state_specs", "weight_specs"]
@@ -205,8 +205,6 @@ def _gated_delta_net(layer: HybridLayer, x, state, batch: Batch, info, cfg: Mode
             num_k_heads=Hk, key_dim=Dk, value_dim=Dv, b_col=c + vs, a_col=c + vs + Hv, z_col=c,
             norm_weight=layer.lin_norm, eps=cfg.rms_norm_eps)
     else:
-        from pallas_kernels.linear_attention.gated_delta_rule_decode import gates  # (not at import: Pallas is only needed to trace)
-
         # y in place: q | k | v are its first conv_dim columns (a slice passed to a kernel is copied out first)
         mixed, conv_state = ops.causal_conv(y, conv_state, layer.conv_w, seq, qs[:-1], qs, slots, batch.positions)
         if Dk == Dv:  # the kernels read q, k, v as heads of the conv output (slicing them out copies 3/4 of it)
@@ -214,7 +212,7 @@ def _gated_delta_net(layer: HybridLayer, x, state, batch: Batch, info, cfg: Mode
         else:
             q, k, v = jnp.split(mixed, [Hk * Dk, 2 * Hk * Dk], axis=-1)
             q, k, v, packed = q.reshape(T, Hk, Dk), k.reshape(T, Hk, Dk), v.reshape(T, Hv, Dv), None
-        beta, g = gates(b, a, layer.a_log, layer.dt_bias)
+        beta, g = ops.delta_rule_gates(b, a, layer.a_log, layer.dt_bias)
         o, rec_state = ops.gated_delta_rule(q, k, v, g, beta, rec_state, slots, fresh, qs, x.dtype, packed)
         o = ops.gated_rms_norm(o, y, layer.lin_norm, cfg.rms_norm_eps, gate_col=c)  # z read in place from y
     return ops.out_proj(o.reshape(T, Hv * Dv), layer.lin_out, x), (conv_state, rec_state)
@@ -229,13 +227,11 @@ def forward(
 ) -> tuple[jax.Array, tuple[tuple[jax.Array, jax.Array], ...]]:
     """One step over a flattened ragged batch. `kv_cache[i]` is layer i's (k, v) pages or, for a linear
     layer, its (conv, recurrent) state pools. Returns (logits [N, vocab] float32, the updated cache)."""
-    from pallas_kernels.linear_attention.gated_delta_rule import token_sequences  # (not at import: Pallas is only needed to trace)
-
     x = ops.embed(weights.embed, batch.input_ids, cfg.vocab_size)  # [T, hidden]
     cos, sin = rope_cos_sin(batch.positions, cfg, x.dtype)
     qs = batch.query_start
     fresh = batch.seq_lens - (qs[1:] - qs[:-1]) == 0  # [B] first new token at position 0 (or padding)
-    info = (token_sequences(qs, x.shape[0]), fresh)
+    info = (ops.token_sequences(qs, x.shape[0]), fresh)
     new_cache = []
     for i, (layer, cache) in enumerate(zip(weights.layers, kv_cache, strict=True)):
         if cfg.is_linear_layer(i):

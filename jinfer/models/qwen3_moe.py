@@ -16,7 +16,7 @@ from jinfer.config.model import ModelConfig
 from jinfer.models import llama
 from jinfer.models.batch import Batch
 from jinfer.models.llama import LayerWeights, Weights, assemble_weights, cache_spec, fuse_qkv
-from jinfer.models.ops import REFERENCE_OPS, ModelOps
+from jinfer.ops import REFERENCE_OPS, ModelOps
 from jinfer.models.spec import EXPERT, ArrayInfo
 
 __all__ = ["assemble_weights", "cache_spec", "forward", "fuse_qkv", "moe_specs", "weight_specs"]

@@ -16,7 +16,7 @@ from types import ModuleType
 from jinfer.cache.spec import LayerCacheSpec
 from jinfer.config.model import ARCHITECTURES, ModelConfig
 from jinfer.models import llama, qwen3_5, qwen3_moe
-from jinfer.models.ops import REFERENCE_OPS, ModelOps
+from jinfer.ops import REFERENCE_OPS, ModelOps
 from jinfer.models.spec import StateSpec
 
 FAMILIES: dict[str, ModuleType] = {"llama": llama, "qwen2": llama, "qwen3": llama, "qwen3_moe": qwen3_moe,

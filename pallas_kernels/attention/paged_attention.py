@@ -9,14 +9,14 @@ One program handles (sequence, kv head, split): the G query heads sharing that k
 once. A program walks its split of the sequence in blocks of `pages_per_block` pages with an fp32 online
 softmax. A block is gathered as `block_k` rows of the cache viewed as `[num_pages * page_size, D]` (one row
 index per token, from the page table), so the load feeds the dots with nothing between them and Triton's
-pipeliner can stage it `num_stages` deep. Gathering whole pages (`[ppb, page_size, D]` reshaped to
-`[block_k, D]`, `gather="pages"`, the older form) held 39 KB of shared memory a program and had 67% of its
-shared-memory wavefronts in excess (bank conflicts, ncu: decode_attention_ncu_b8_pages_qwen3-4b_h100.txt):
-2.2 vs 2.8 TB/s at batch 32 on the H100 (decode_attention_rows_b32_qwen3-4b_h100.json).
+pipeliner can stage it `num_stages` deep. (Gathering whole pages, `[ppb, page_size, D]` reshaped to
+`[block_k, D]`, held 39 KB of shared memory a program and had 67% of its shared-memory wavefronts in excess:
+2.2 vs 2.8 TB/s at batch 32 on the H100, decode_attention_rows_b32_qwen3-4b_h100.json.)
 
 With `num_splits > 1` (flash-decoding) every split writes an unnormalised fp32 partial plus its running
-max / sum and a small merge kernel combines them; this
-keeps the GPU busy when the batch is small and the contexts are long.
+max / sum and a small merge kernel combines them; this keeps the GPU busy when the batch is small and the
+contexts are long. (Merging in the attention kernel instead, by each (sequence, kv head)'s last split, measured
+slower: local_step_tails_qwen3-4b_h100.json.)
 
 GPU backend: the Pallas Triton lowering (see `pallas_kernels/__init__.py` for why).
 """
@@ -24,17 +24,14 @@ GPU backend: the Pallas Triton lowering (see `pallas_kernels/__init__.py` for wh
 from __future__ import annotations
 
 import functools
-import math
 
 import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from pallas_kernels.split_k import check_counters, take_ticket
+from pallas_kernels.common import LOG2E, MASK_VALUE, next_pow2
 
-LOG2E = math.log2(math.e)
-MASK_VALUE = -0.7 * float(jnp.finfo(jnp.float32).max)  # finite: masked rows never make NaN
 MIN_ROWS = 16  # tensor-core dots want M >= 16
 TARGET_PROGRAMS = 264  # ~2 waves of the H100's 132 SMs, used to pick num_splits
 # batch x kv heads from which one split fills the GPU: no split-K, no merge (Qwen3-4B batch 32 x 1k, 256 programs:
@@ -70,13 +67,12 @@ def row_view(k_cache: jax.Array, v_cache: jax.Array, index_map) -> tuple[jax.Arr
 
 def _decode_kernel(
     q_ref,  # [B * H, D]: every query (rows of one sequence's kv head are contiguous)
-    k_ref,  # this kv head's slice of the whole K cache: [num_pages * page_size, D] (rows_gather, `row_view`),
-    v_ref,  # else [num_pages, page_size, D]
+    k_ref,  # this kv head's slice of the whole K cache: [num_pages * page_size, D] (`row_view`)
+    v_ref,  # [num_pages * page_size, D]
     pt_ref,  # [Pp]: this sequence's page ids (padded to whole blocks of ppb)
     len_ref,  # [1]: this sequence's context length
-    *refs,  # one split: o_ref [B * H, D] like q_ref. split-K: o_ref [Gp, D] unnormalised fp32 partial, m_ref [Gp],
-    # l_ref [Gp] fp32 (running max in log2 units, sum). Split-K merged here (`fused_merge`): the counters in, then
-    # o_ref [B * H, D], the counters out, and every split's partials [S, B, KVH, Gp, D], [S, B, KVH, Gp] x2 (whole)
+    o_ref,  # one split: [B * H, D] like q_ref. split-K: [Gp, D] unnormalised fp32 partial
+    *ml_refs,  # split-K: m_ref [Gp], l_ref [Gp] fp32 (running max in log2 units, sum)
     scale: float,
     pages_per_block: int,
     num_heads: int,
@@ -84,15 +80,8 @@ def _decode_kernel(
     rows: int,
     kv_heads_fastest: bool,
     page_size: int,
-    rows_gather: bool,
-    fused_merge: bool = False,
-    splits: int = 1,
-    interpret: bool = False,
+    splits: int,
 ):
-    if fused_merge:
-        _cnt_in, o_ref, cnt_ref, *ml_refs = refs
-    else:
-        o_ref, *ml_refs = refs
     h, b = (pl.program_id(0), pl.program_id(1)) if kv_heads_fastest else (pl.program_id(1), pl.program_id(0))
     split = pl.program_id(2)
     head_dim = q_ref.shape[1]
@@ -117,14 +106,9 @@ def _decode_kernel(
     def body(i, carry):
         acc, m_prev, l_prev = carry  # [Gp, D], [Gp], [Gp] fp32
         blk = first_block + i
-        if rows_gather:  # k_ref [num_pages * page_size, D]: one row per token, straight into the dots
-            kv_rows = token_rows(pt_ref, blk * pages_per_block, block_k, page_size)  # [block_k]
-            k = k_ref[kv_rows]  # [block_k, D]
-            v = v_ref[kv_rows]
-        else:  # k_ref [num_pages, page_size, D]: whole pages
-            pages = pt_ref[pl.ds(blk * pages_per_block, pages_per_block)]  # [ppb]
-            k = k_ref[pages].reshape(block_k, head_dim)  # [block_k, D]
-            v = v_ref[pages].reshape(block_k, head_dim)
+        kv_rows = token_rows(pt_ref, blk * pages_per_block, block_k, page_size)  # [block_k]
+        k = k_ref[kv_rows]  # [block_k, D]: one row per token, straight into the dots
+        v = v_ref[kv_rows]
         s = plgpu.dot(q, k, trans_b=True) * qk_scale  # [Gp, block_k] fp32
         pos = blk * block_k + jnp.arange(block_k, dtype=jnp.int32)  # [block_k]
         s = jnp.where((pos < seq_len)[None, :], s, MASK_VALUE)
@@ -140,32 +124,7 @@ def _decode_kernel(
     l = jnp.zeros((rows,), jnp.float32)
     acc, m, l = jax.lax.fori_loop(0, n_blocks, body, (acc, m, l))
 
-    if fused_merge:
-        acc_ref, m_ref, l_ref = ml_refs
-        plgpu.store(acc_ref.at[split, b, h, pl.ds(0, rows), pl.ds(0, head_dim)], acc)
-        plgpu.store(m_ref.at[split, b, h, pl.ds(0, rows)], m)
-        plgpu.store(l_ref.at[split, b, h, pl.ds(0, rows)], l)
-        counter = b * pl.num_programs(0 if kv_heads_fastest else 1) + h
-        ticket = take_ticket(cnt_ref, counter, interpret)
-
-        @pl.when(ticket == splits - 1)
-        def _merge():  # the splits' partials merged in split order, read past L1 (volatile)
-            real = row < group
-            ms = [plgpu.load(m_ref.at[jnp.int32(i), b, h, pl.ds(0, rows)], mask=real, volatile=True,
-                             other=jnp.finfo(jnp.float32).min) for i in range(splits)]
-            m_max = functools.reduce(jnp.maximum, ms)
-            l_tot, out = jnp.zeros((rows,), jnp.float32), jnp.zeros((rows, head_dim), jnp.float32)
-            for i, m_i in enumerate(ms):
-                w = jnp.exp2(m_i - m_max)  # [Gp]
-                l_i = plgpu.load(l_ref.at[jnp.int32(i), b, h, pl.ds(0, rows)], mask=real, other=0.0, volatile=True)
-                a_i = plgpu.load(acc_ref.at[jnp.int32(i), b, h, pl.ds(0, rows), pl.ds(0, head_dim)], mask=q_mask,
-                                 other=0.0, volatile=True)
-                l_tot = l_tot + w * l_i
-                out = out + w[:, None] * a_i
-            cnt_ref[counter] = 0
-            l_safe = jnp.where(l_tot == 0.0, 1.0, l_tot)
-            plgpu.store(o_ref.at[q_rows], (out / l_safe[:, None]).astype(o_ref.dtype), mask=q_mask)
-    elif ml_refs:
+    if ml_refs:
         m_ref, l_ref = ml_refs
         o_ref[...] = acc
         m_ref[...] = m
@@ -178,29 +137,26 @@ def _decode_kernel(
 # ----------------------------------------------------------------------------------------------
 # Wrapper: grid and block specs
 # ----------------------------------------------------------------------------------------------
-def _next_pow2(n: int) -> int:
-    return 1 << max(0, (n - 1).bit_length())
-
-
-def _plan_splits(batch: int, num_kv_heads: int, num_blocks: int, num_splits: int | None) -> int:
-    """Split-K factor: enough programs for TARGET_PROGRAMS (none once ONE_SPLIT_PROGRAMS fill the GPU), at most one
-    split per block of the table."""
+def _plan_splits(batch: int, num_kv_heads: int, num_blocks: int, num_splits: int | None,
+                 target_programs: int = TARGET_PROGRAMS) -> int:
+    """Split-K factor: enough programs for `target_programs` (none once ONE_SPLIT_PROGRAMS fill the GPU), at most
+    one split per block of the table."""
     if num_splits is None:
         programs = batch * num_kv_heads
-        num_splits = 1 if programs >= ONE_SPLIT_PROGRAMS else pl.cdiv(TARGET_PROGRAMS, programs)
+        num_splits = 1 if programs >= ONE_SPLIT_PROGRAMS else pl.cdiv(target_programs, programs)
     return max(1, min(num_splits, num_blocks))
 
 
 def _decode_call(q, k_cache, v_cache, page_table, seq_lens, *, scale, pages_per_block, num_splits,
-                 num_warps, num_stages, kv_heads_fastest, merge_kernel, gather, interpret, counters=None):
+                 num_warps, num_stages, kv_heads_fastest, merge_kernel, target_programs, interpret):
     batch, num_heads, head_dim = q.shape
-    num_pages, page_size, num_kv_heads, _ = k_cache.shape
+    page_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
     group = num_heads // num_kv_heads
-    rows = max(MIN_ROWS, _next_pow2(group))
+    rows = max(MIN_ROWS, next_pow2(group))
     max_pages = page_table.shape[1]
-    ppb = min(pages_per_block, _next_pow2(max_pages))
+    ppb = min(pages_per_block, next_pow2(max_pages))
     num_blocks = pl.cdiv(max_pages, ppb)
-    splits = _plan_splits(batch, num_kv_heads, num_blocks, num_splits)
+    splits = _plan_splits(batch, num_kv_heads, num_blocks, num_splits, target_programs)
     if num_warps is None:  # H100 sweep: 2 warps when batch x kv heads fill the GPU, 4 with split-K
         num_warps = 2 if splits == 1 else 4
     padded_pages = num_blocks * ppb
@@ -209,13 +165,8 @@ def _decode_call(q, k_cache, v_cache, page_table, seq_lens, *, scale, pages_per_
     table = jnp.pad(page_table.astype(jnp.int32), ((0, 0), (0, padded_pages - max_pages)))  # [B, Pp]
     lens = seq_lens.astype(jnp.int32).reshape(batch, 1)  # [B, 1]
 
-    rows_gather = gather == "rows"
-    fused_merge = counters is not None and splits > 1
-    if fused_merge:
-        check_counters(counters, batch * num_kv_heads, f" (batch x kv heads, to merge {splits} splits in the kernel)")
     kernel = functools.partial(_decode_kernel, scale=scale, pages_per_block=ppb, num_heads=num_heads, group=group,
-                               rows=rows, kv_heads_fastest=kv_heads_fastest, page_size=page_size,
-                               rows_gather=rows_gather, fused_merge=fused_merge, splits=splits, interpret=interpret)
+                               rows=rows, kv_heads_fastest=kv_heads_fastest, page_size=page_size, splits=splits)
     # Grid dim 0 is the fastest-varying launch index (CUDA x). With kv heads there, the programs
     # running side by side read the same pages (different heads' slices of each row).
     if kv_heads_fastest:
@@ -225,10 +176,7 @@ def _decode_call(q, k_cache, v_cache, page_table, seq_lens, *, scale, pages_per_
         grid = (batch, num_kv_heads, splits)
         bhs = lambda f: f  # noqa: E731
     whole = pl.no_block_spec  # q (and the one-split output): rows picked in the kernel
-    if rows_gather:
-        k_cache, v_cache, kv_spec = row_view(k_cache, v_cache, bhs(lambda b, h, s: h))
-    else:
-        kv_spec = pl.BlockSpec((num_pages, page_size, None, head_dim), bhs(lambda b, h, s: (0, 0, h, 0)))
+    k_cache, v_cache, kv_spec = row_view(k_cache, v_cache, bhs(lambda b, h, s: h))
     in_specs = [
         whole,
         kv_spec,
@@ -236,23 +184,15 @@ def _decode_call(q, k_cache, v_cache, page_table, seq_lens, *, scale, pages_per_
         pl.BlockSpec((None, padded_pages), bhs(lambda b, h, s: (b, 0))),
         pl.BlockSpec((None, 1), bhs(lambda b, h, s: (b, 0))),
     ]
-    partials = [
-        jax.ShapeDtypeStruct((splits, batch, num_kv_heads, rows, head_dim), jnp.float32),
-        jax.ShapeDtypeStruct((splits, batch, num_kv_heads, rows), jnp.float32),
-        jax.ShapeDtypeStruct((splits, batch, num_kv_heads, rows), jnp.float32),
-    ]
-    extra, aliases = [], {}
     if splits == 1:
         out_shape = jax.ShapeDtypeStruct((batch * num_heads, head_dim), q.dtype)
         out_specs = whole
-    elif fused_merge:
-        out_shape = [jax.ShapeDtypeStruct((batch * num_heads, head_dim), q.dtype),
-                     jax.ShapeDtypeStruct(counters.shape, jnp.int32), *partials]
-        out_specs = [whole] * len(out_shape)
-        in_specs.append(whole)
-        extra, aliases = [counters], {len(in_specs) - 1: 1}
     else:
-        out_shape = partials
+        out_shape = [
+            jax.ShapeDtypeStruct((splits, batch, num_kv_heads, rows, head_dim), jnp.float32),
+            jax.ShapeDtypeStruct((splits, batch, num_kv_heads, rows), jnp.float32),
+            jax.ShapeDtypeStruct((splits, batch, num_kv_heads, rows), jnp.float32),
+        ]
         out_specs = [
             pl.BlockSpec((None, None, None, rows, head_dim), bhs(lambda b, h, s: (s, b, h, 0, 0))),
             pl.BlockSpec((None, None, None, rows), bhs(lambda b, h, s: (s, b, h, 0))),
@@ -264,23 +204,19 @@ def _decode_call(q, k_cache, v_cache, page_table, seq_lens, *, scale, pages_per_
         in_specs=in_specs,
         out_specs=out_specs,
         out_shape=out_shape,
-        input_output_aliases=aliases,
         compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),
         interpret=interpret,
-        name=f"paged_decode_attention_ppb{ppb}_s{splits}" + ("_merged" if fused_merge else ""),
-    )(q2, k_cache, v_cache, table, lens, *extra)
+        name=f"paged_decode_attention_ppb{ppb}_s{splits}",
+    )(q2, k_cache, v_cache, table, lens)
 
-    if fused_merge:
-        out, counters = out[:2]
-    elif splits > 1:  # flash-decoding epilogue: merge the per-split partial softmaxes
+    if splits > 1:  # flash-decoding epilogue: merge the per-split partial softmaxes
         acc, m, l = out  # [S, B, KVH, Gp, D], [S, B, KVH, Gp] x2
         if merge_kernel and splits <= MERGE_KERNEL_MAX_SPLITS:
             out = _merge_call(acc, m, l, num_heads=num_heads, group=group, dtype=q.dtype,
                               kv_heads_fastest=kv_heads_fastest, interpret=interpret)
         else:
             out = merge_splits_reference(acc, m, l, group).astype(q.dtype)
-    out = out.reshape(batch, num_heads, head_dim)
-    return out if counters is None else (out, counters)
+    return out.reshape(batch, num_heads, head_dim)
 
 
 def merge_splits_reference(acc, m, l, group: int) -> jax.Array:
@@ -303,7 +239,7 @@ def _merge_kernel(acc_ref, m_ref, l_ref, o_ref, *, splits: int, kv_heads_fastest
     divide) of ~1.3 us launch latency each at decode."""
     h, b = (pl.program_id(0), pl.program_id(1)) if kv_heads_fastest else (pl.program_id(1), pl.program_id(0))
     g = pl.program_id(2)
-    padded = _next_pow2(splits)
+    padded = next_pow2(splits)
     valid = jnp.arange(padded, dtype=jnp.int32) < splits
     s = pl.ds(0, padded)
     m = plgpu.load(m_ref.at[s, b, h, g], mask=valid, other=jnp.finfo(jnp.float32).min)  # [S]
@@ -352,9 +288,7 @@ def plan_blocks(programs: int, page_size: int, head_dim: int, itemsize: int,
     return max(1, block_tokens // page_size), num_stages
 
 
-def _check_args(q, k_cache, v_cache, page_table, seq_lens, pages_per_block, num_splits, gather):
-    if gather not in ("rows", "pages"):
-        raise ValueError(f"gather must be 'rows' or 'pages', got {gather!r}")
+def _check_args(q, k_cache, v_cache, page_table, seq_lens, pages_per_block, num_splits):
     if q.ndim != 3:
         raise ValueError(f"q must be [batch, num_heads, head_dim], got {q.shape=}")
     if k_cache.ndim != 4 or k_cache.shape != v_cache.shape:
@@ -381,14 +315,13 @@ def _check_args(q, k_cache, v_cache, page_table, seq_lens, pages_per_block, num_
 
 @functools.partial(jax.jit, static_argnames=(
     "scale", "pages_per_block", "num_splits", "num_warps", "num_stages", "kv_heads_fastest", "merge_kernel",
-    "gather", "interpret"))
+    "target_programs", "interpret"))
 def paged_decode_attention(
     q: jax.Array,
     k_cache: jax.Array,
     v_cache: jax.Array,
     page_table: jax.Array,
     seq_lens: jax.Array,
-    counters: jax.Array | None = None,
     *,
     scale: float | None = None,
     pages_per_block: int | None = None,
@@ -397,9 +330,9 @@ def paged_decode_attention(
     num_stages: int | None = None,
     kv_heads_fastest: bool = True,
     merge_kernel: bool = True,
-    gather: str = "rows",
+    target_programs: int = TARGET_PROGRAMS,
     interpret: bool = False,
-) -> jax.Array | tuple[jax.Array, jax.Array]:
+) -> jax.Array:
     """Decode attention of one query token per sequence over a paged KV cache.
 
     Args:
@@ -419,19 +352,13 @@ def paged_decode_attention(
         small batches, else 3).
       kv_heads_fastest: launch order; True runs a sequence's kv heads side by side (page locality).
       merge_kernel: merge split-K partials in one Pallas kernel (else XLA's fusions of the same math).
-      gather: "rows" (a row index per token, pipelined) or "pages" (whole pages reshaped: the older, slower
-        form, kept for comparison).
+      target_programs: the programs split-K aims for (default TARGET_PROGRAMS, ~2 waves of the H100).
       interpret: run the Pallas interpreter (CPU tests).
-      counters: int32 `[>= batch x kv heads]`, zero on entry (`ModelOps.step_counters`), or None. With them the
-        split-K partials are merged in the kernel, by the last split of each (sequence, kv head) to finish
-        (`pallas_kernels/split_k.py`; no merge kernel), and `(out, counters)` is returned, the counters zero.
 
     Returns:
       `[batch, num_heads, head_dim]` in q's dtype (softmax and accumulation in fp32).
     """
-    _check_args(q, k_cache, v_cache, page_table, seq_lens, pages_per_block, num_splits, gather)
-    if counters is not None:
-        check_counters(counters, 0)
+    _check_args(q, k_cache, v_cache, page_table, seq_lens, pages_per_block, num_splits)
     _, page_size, num_kv_heads, head_dim = k_cache.shape
     plan_ppb, plan_stages = plan_blocks(q.shape[0] * num_kv_heads, page_size, head_dim, k_cache.dtype.itemsize,
                                         num_stages)
@@ -441,7 +368,7 @@ def paged_decode_attention(
     return _decode_call(q, k_cache, v_cache, page_table, seq_lens, scale=scale,
                         pages_per_block=pages_per_block, num_splits=num_splits, num_warps=num_warps,
                         num_stages=num_stages, kv_heads_fastest=kv_heads_fastest, merge_kernel=merge_kernel,
-                        gather=gather, interpret=interpret, counters=counters)
+                        target_programs=target_programs, interpret=interpret)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -475,38 +402,3 @@ def paged_decode_attention_reference(
     o = jnp.einsum("bhgs,bshd->bhgd", p.astype(v.dtype), v, preferred_element_type=jnp.float32)
     o = o / jnp.where(l == 0.0, 1.0, l)
     return o.reshape(batch, num_heads, head_dim).astype(q.dtype)
-
-
-# ----------------------------------------------------------------------------------------------
-# Benchmark
-# ----------------------------------------------------------------------------------------------
-def main() -> None:
-    """Quick timing on the default device; the full comparison is benchmarks/bench_kernels.py."""
-    import time
-
-    batch, ctx, heads, kv_heads, dim, page = 64, 2048, 32, 8, 128, 16
-    interpret = jax.default_backend() != "gpu"
-    if interpret:
-        batch, ctx = 2, 256
-    pages = batch * ctx // page
-    key = jax.random.key(0)
-    kq, kk, kv = jax.random.split(key, 3)
-    q = jax.random.normal(kq, (batch, heads, dim), jnp.bfloat16)
-    k = jax.random.normal(kk, (pages, page, kv_heads, dim), jnp.bfloat16)
-    v = jax.random.normal(kv, (pages, page, kv_heads, dim), jnp.bfloat16)
-    table = jax.random.permutation(key, pages).reshape(batch, ctx // page).astype(jnp.int32)
-    lens = jnp.full((batch,), ctx, jnp.int32)
-    fn = functools.partial(paged_decode_attention, interpret=interpret)
-    fn(q, k, v, table, lens).block_until_ready()
-    n = 3 if interpret else 50
-    t0 = time.perf_counter()
-    for _ in range(n):
-        out = fn(q, k, v, table, lens)
-    out.block_until_ready()
-    dt = (time.perf_counter() - t0) / n
-    gb = 2 * k.size * k.dtype.itemsize / 1e9
-    print(f"paged_decode_attention B={batch} ctx={ctx}: {dt * 1e6:.1f} us, {gb / dt / 1e3:.2f} TB/s")
-
-
-if __name__ == "__main__":
-    main()

@@ -19,7 +19,6 @@ GPU backend: the Pallas Triton lowering (see `pallas_kernels/__init__.py`).
 from __future__ import annotations
 
 import functools
-import math
 
 import jax
 import jax.numpy as jnp
@@ -27,9 +26,8 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from pallas_kernels.attention.paged_attention import row_view, token_rows
+from pallas_kernels.common import LOG2E, MASK_VALUE, next_pow2
 
-LOG2E = math.log2(math.e)
-MASK_VALUE = -0.7 * float(jnp.finfo(jnp.float32).max)
 # columns of the per-tile table
 _Q0, _Q1, _WIN, _SHIFT, _SEQ, _CTX = range(6)
 
@@ -104,10 +102,6 @@ def _prefill_kernel(
 # ----------------------------------------------------------------------------------------------
 # Wrapper: tile table, grid and block specs
 # ----------------------------------------------------------------------------------------------
-def _next_pow2(n: int) -> int:
-    return 1 << max(0, (n - 1).bit_length())
-
-
 def _tile_table(query_start, seq_lens, num_tokens: int, block_q: int, num_tiles: int, seg_mask=None,
                 window: int | None = None, align: int = 1):
     """[num_tiles, 8] int32: per tile q0, q1, window start, position shift, seq, ctx (rest 0).
@@ -151,11 +145,11 @@ def _prefill_call(q, k_cache, v_cache, query_start, seq_lens, page_table, seq_ma
     _, page_size, num_kv_heads, _ = k_cache.shape
     batch, max_pages = page_table.shape
     group = num_heads // num_kv_heads
-    gp = _next_pow2(group)
+    gp = next_pow2(group)
     if block_q is None:  # ~128 rows (64 for head_dim 256) of tokens x heads per tile
         block_q = max(1, (128 if head_dim <= 128 else 64) // gp)
     block_q = max(block_q, pl.cdiv(16, gp))  # tensor-core dots want >= 16 rows
-    ppb = min(pages_per_block or max(1, 64 // page_size), _next_pow2(max_pages))
+    ppb = min(pages_per_block or max(1, 64 // page_size), next_pow2(max_pages))
 
     q4 = q.reshape(num_tokens, num_kv_heads, group, head_dim)
     padded_tokens = max(num_tokens, block_q)  # tiny batches: give the window room
@@ -332,40 +326,3 @@ def ragged_prefill_attention_reference(
     o = jnp.einsum("thgs,tshd->thgd", p.astype(v.dtype), v[seq], preferred_element_type=jnp.float32)
     o = o / jnp.where(l == 0.0, 1.0, l)
     return o.reshape(num_tokens, num_heads, head_dim).astype(q.dtype)
-
-
-# ----------------------------------------------------------------------------------------------
-# Benchmark
-# ----------------------------------------------------------------------------------------------
-def time_causal_prefill(fn, name: str, interpret: bool) -> None:
-    """Print the time and TFLOP/s of `fn(q, k, v, query_start, seq_lens, page_table)` on one causal
-    prompt (4096 tokens, Qwen3-4B heads; 128 under the interpreter). Shared by the modules' main()."""
-    import time
-
-    n, heads, kv_heads, dim, page = (128 if interpret else 4096), 32, 8, 128, 16
-    kq, kk, kv = jax.random.split(jax.random.key(0), 3)
-    q = jax.random.normal(kq, (n, heads, dim), jnp.bfloat16)
-    k = jax.random.normal(kk, (n // page, page, kv_heads, dim), jnp.bfloat16)
-    v = jax.random.normal(kv, (n // page, page, kv_heads, dim), jnp.bfloat16)
-    args = (q, k, v, jnp.array([0, n], jnp.int32), jnp.array([n], jnp.int32),
-            jnp.arange(n // page, dtype=jnp.int32)[None])
-    fn(*args).block_until_ready()
-    reps = 2 if interpret else 20
-    t0 = time.perf_counter()
-    for _ in range(reps):
-        out = fn(*args)
-    out.block_until_ready()
-    dt = (time.perf_counter() - t0) / reps
-    flops = 4 * n * n / 2 * heads * dim
-    print(f"{name} causal {n}: {dt * 1e6:.1f} us, {flops / dt / 1e12:.1f} TFLOP/s")
-
-
-def main() -> None:
-    """Quick causal-prefill timing; the full comparison is benchmarks/bench_kernels.py."""
-    interpret = jax.default_backend() != "gpu"
-    time_causal_prefill(functools.partial(ragged_prefill_attention, interpret=interpret),
-                        "ragged_prefill_attention", interpret)
-
-
-if __name__ == "__main__":
-    main()

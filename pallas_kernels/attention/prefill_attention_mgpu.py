@@ -40,7 +40,6 @@ lowers the GPU path for CUDA with `jax.export` (Mosaic GPU's layout inference ru
 from __future__ import annotations
 
 import functools
-import math
 
 import jax
 import jax.numpy as jnp
@@ -57,10 +56,9 @@ from pallas_kernels.attention.prefill_attention import (
     _check_args,
     _tile_table,
     ragged_prefill_attention_reference,
-    time_causal_prefill,
 )
+from pallas_kernels.common import LOG2E
 
-LOG2E = math.log2(math.e)
 COMPUTE_WGS = 2
 # Query windows start at multiples of the SMEM tile's 8 rows (Mosaic GPU's TMA addresses GMEM in
 # tiles), so a tile holds 2 * block_q - 8 tokens and its window of 2 * block_q rows covers them.
@@ -468,17 +466,3 @@ def ragged_prefill_attention_mgpu(
 # Reference: the same contract as the Triton kernel, so the same pure-jnp reference
 # ----------------------------------------------------------------------------------------------
 ragged_prefill_attention_mgpu_reference = ragged_prefill_attention_reference
-
-
-# ----------------------------------------------------------------------------------------------
-# Benchmark
-# ----------------------------------------------------------------------------------------------
-def main() -> None:
-    """Quick causal-prefill timing; the full comparison is benchmarks/bench_kernels.py."""
-    interpret = jax.default_backend() != "gpu"
-    time_causal_prefill(functools.partial(ragged_prefill_attention_mgpu, interpret=interpret),
-                        "ragged_prefill_attention_mgpu", interpret)
-
-
-if __name__ == "__main__":
-    main()

@@ -11,9 +11,8 @@ only the real rows of a partial are stored (a batch-1 step padded in HBM wrote a
 partials it needed, 12 MB per Qwen3-4B layer against 149 MB of weights). The runner picks it per
 token count from the measured table (benchmarks/results/kernels_*.json). (fp32 atomic adds into one `[T,
 hidden]` buffer instead of
-partials measured 1.6-10x slower on the H100; see kernels_h100_sweep_v0.json.) `fused_swiglu_mlp_block` sums the
-partials and adds the residual in the kernel instead (each column tile's last program; pallas_kernels/split_k.py):
-measured slower at batch 1, so the model keeps XLA's sum (ops.FUSED_TAILS).
+partials measured 1.6-10x slower on the H100; see kernels_h100_sweep_v0.json; summing the partials and adding the
+residual in each column tile's last program measured slower at batch 1 too: XLA sums them.)
 
 GPU backend: the Pallas Triton lowering (see `pallas_kernels/__init__.py`).
 """
@@ -27,42 +26,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from pallas_kernels.split_k import check_counters, finish_last, residual_add
-
-
-# ----------------------------------------------------------------------------------------------
-# The RMSNorm prologue of a decode-sized tile (shared with norm_qkv_rope.py)
-# ----------------------------------------------------------------------------------------------
-def tile_rows(x_ref, t, block_t: int):
-    """Token tile t of x [tokens, hidden]: (its rows, which are real [block_t], `x_cols(cols, width)` loading
-    [block_t, width] of x with the rows past `tokens` read as 0)."""
-    rows = pl.ds(t * block_t, block_t)
-    real = (t * block_t + jnp.arange(block_t, dtype=jnp.int32)) < x_ref.shape[0]  # [block_t]
-
-    def x_cols(cols, width):
-        return plgpu.load(x_ref.at[rows, cols], mask=jnp.broadcast_to(real[:, None], (block_t, width)), other=0)
-
-    return rows, real, x_cols
-
-
-def rms_inverse(x_cols, hidden: int, block_t: int, block_k: int, eps: float, unroll: bool = True) -> jax.Array:
-    """1 / RMS of the tile's rows [block_t] (every program recomputes it: x is tiny next to the weights). Unrolled:
-    straight-line code, the row's loads all in flight at once (one L2 round trip)."""
-    def sumsq(kk, acc):
-        xk = x_cols(pl.ds(kk * block_k, block_k), block_k).astype(jnp.float32)
-        return acc + jnp.sum(xk * xk, axis=1)
-    ss = jnp.zeros((block_t,), jnp.float32)
-    if unroll:
-        for kk in range(hidden // block_k):
-            ss = sumsq(kk, ss)
-    else:
-        ss = jax.lax.fori_loop(0, hidden // block_k, sumsq, ss)
-    return jax.lax.rsqrt(ss / hidden + eps)
-
-
-def rms_normed(xk: jax.Array, inv: jax.Array, weight: jax.Array) -> jax.Array:
-    """HF RMSNorm rounding: the normalized value in x's dtype, times the weight in that dtype."""
-    return (xk.astype(jnp.float32) * inv[:, None]).astype(xk.dtype) * weight[None, :]
+from pallas_kernels.common import pow2_divisor, rms_inverse, rms_normed, tile_rows
 
 
 # ----------------------------------------------------------------------------------------------
@@ -76,13 +40,8 @@ def _mlp_kernel(
     has_norm: bool,
     eps: float,
     unroll_norm: bool,
-    splits: int = 0,
-    fused_tail: bool = False,
-    interpret: bool = False,
 ):
-    if fused_tail:  # (x + the block) out [T, hidden], the counters and the partials [splits, T, hidden] fp32
-        x_ref, n_ref, wg_ref, wu_ref, wd_ref, _cnt_in, y_ref, cnt_ref, o_ref = refs
-    elif has_norm:
+    if has_norm:
         x_ref, n_ref, wg_ref, wu_ref, wd_ref, o_ref = refs
     else:
         (x_ref, wg_ref, wu_ref, wd_ref, o_ref), n_ref = refs, None
@@ -117,19 +76,9 @@ def _mlp_kernel(
     n_blocks = hidden // block_n
 
     def down_body(n, _):
-        if fused_tail:  # each program starts at its own column block: the tiles' last arrivals spread over SMs
-            n = (n + i) % n_blocks
         cols = pl.ds(n * block_n, block_n)
         y = plgpu.dot(h, wd_ref[:, cols])  # [block_t, block_n] fp32
-        if not fused_tail:
-            plgpu.store(o_ref.at[i, rows, cols], y, mask=out_mask)
-            return 0
-
-        def epilogue(total):
-            plgpu.store(y_ref.at[rows, cols], residual_add(x_cols(cols, block_n), total), mask=out_mask)
-
-        finish_last(o_ref, cnt_ref, n, i, splits, lambda s: (s, rows, cols), y, out_mask, epilogue,
-                    interpret)
+        plgpu.store(o_ref.at[i, rows, cols], y, mask=out_mask)
         return 0
 
     jax.lax.fori_loop(0, n_blocks, down_body, 0)
@@ -138,21 +87,13 @@ def _mlp_kernel(
 # ----------------------------------------------------------------------------------------------
 # Wrapper: grid and block specs
 # ----------------------------------------------------------------------------------------------
-def pow2_divisor(n: int, cap: int) -> int:
-    """Largest power of two <= cap dividing n."""
-    d = 1
-    while d * 2 <= cap and n % (d * 2) == 0:
-        d *= 2
-    return d
-
-
 def default_block_i(inter: int) -> int:
     """Intermediate columns per program: 128, the H100 sweep's best at Qwen3-4B's width."""
     return pow2_divisor(inter, 128)
 
 
 def _mlp_call(x, w_gate, w_up, w_down, norm_weight, *, eps, block_t, block_i, num_warps, num_stages,
-              unroll_norm, interpret, counters=None):
+              unroll_norm, interpret):
     tokens, hidden = x.shape
     inter = w_gate.shape[1]
     if block_t is None:
@@ -167,22 +108,10 @@ def _mlp_call(x, w_gate, w_up, w_down, norm_weight, *, eps, block_t, block_i, nu
     block_n = pow2_divisor(hidden, 256)
     t_tiles, splits = pl.cdiv(tokens, block_t), inter // block_i
     has_norm = norm_weight is not None
-    fused_tail = counters is not None
     kernel = functools.partial(_mlp_kernel, block_t=block_t, block_k=block_k, block_n=block_n, has_norm=has_norm,
-                               eps=eps, unroll_norm=unroll_norm, splits=splits, fused_tail=fused_tail,
-                               interpret=interpret)
+                               eps=eps, unroll_norm=unroll_norm)
     norm_spec = [pl.BlockSpec((hidden,), lambda t, i: (0,))] if has_norm else []
     whole = pl.no_block_spec  # x and the partials: the tile's rows are picked (masked) in the kernel
-    partials = jax.ShapeDtypeStruct((splits, tokens, hidden), jnp.float32)
-    if fused_tail:
-        if t_tiles != 1:
-            raise ValueError(f"the fused residual tail takes one token tile: {tokens=} > {block_t=}")
-        check_counters(counters, hidden // block_n)
-        out_shape = [jax.ShapeDtypeStruct(x.shape, x.dtype), jax.ShapeDtypeStruct(counters.shape, jnp.int32),
-                     partials]
-        extra, aliases = [counters], {len(norm_spec) + 4: 1}
-    else:
-        out_shape, extra, aliases = partials, [], {}
     out = pl.pallas_call(
         kernel,
         grid=(t_tiles, splits),
@@ -192,17 +121,13 @@ def _mlp_call(x, w_gate, w_up, w_down, norm_weight, *, eps, block_t, block_i, nu
             pl.BlockSpec((hidden, block_i), lambda t, i: (0, i)),
             pl.BlockSpec((hidden, block_i), lambda t, i: (0, i)),
             pl.BlockSpec((block_i, hidden), lambda t, i: (i, 0)),
-            *([whole] * len(extra)),
         ],
-        out_specs=[whole] * 3 if fused_tail else whole,
-        out_shape=out_shape,
-        input_output_aliases=aliases,
+        out_specs=whole,
+        out_shape=jax.ShapeDtypeStruct((splits, tokens, hidden), jnp.float32),
         compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),
         interpret=interpret,
-        name=f"fused_swiglu_mlp_t{block_t}_i{block_i}" + ("_norm" if has_norm else "") + ("_res" if fused_tail else ""),
-    )(x, *([norm_weight] if has_norm else []), w_gate, w_up, w_down, *extra)
-    if fused_tail:
-        return out[0], out[1]
+        name=f"fused_swiglu_mlp_t{block_t}_i{block_i}" + ("_norm" if has_norm else ""),
+    )(x, *([norm_weight] if has_norm else []), w_gate, w_up, w_down)
     return out.sum(axis=0).astype(x.dtype)  # [tokens, hidden]
 
 
@@ -250,28 +175,6 @@ def fused_swiglu_mlp(
                      num_warps=num_warps, num_stages=num_stages, unroll_norm=unroll_norm, interpret=interpret)
 
 
-@functools.partial(jax.jit, static_argnames=("eps", "block_i", "num_warps", "num_stages", "interpret"))
-def fused_swiglu_mlp_block(x: jax.Array, norm_weight: jax.Array, w_gate: jax.Array, w_up: jax.Array,
-                           w_down: jax.Array, counters: jax.Array, *, eps: float = 1e-6, block_i: int | None = None,
-                           num_warps: int | None = None, num_stages: int | None = None, interpret: bool = False
-                           ) -> tuple[jax.Array, jax.Array]:
-    """A decoder's whole MLP block for a decode step of <= 64 tokens: `(x + mlp(rms_norm(x)), counters)`.
-
-    `fused_swiglu_mlp` with its split-K sum and the residual add inside the kernel (`pallas_kernels/split_k.py`):
-    the last program to store its partial of a `block_n`-column tile of the output sums the tile's `I / block_i`
-    partials in split order and adds x; each program walks the column tiles starting at its own, so the tiles'
-    last arrivals land on different SMs. No XLA sum and add kernels after it.
-
-    counters: int32 `[>= hidden / block_n]`, zero on entry (`ModelOps.step_counters`); returned zero (aliased).
-    """
-    _check_args(x, w_gate, w_up, w_down, norm_weight, None, block_i)
-    if norm_weight is None:
-        raise ValueError("fused_swiglu_mlp_block needs the block's norm_weight")
-    return _mlp_call(x, w_gate, w_up, w_down, norm_weight, eps=eps, block_t=None, block_i=block_i,
-                     num_warps=num_warps, num_stages=num_stages, unroll_norm=True, interpret=interpret,
-                     counters=counters)
-
-
 def _check_args(x, w_gate, w_up, w_down, norm_weight, block_t, block_i):
     if x.ndim != 2:
         raise ValueError(f"x must be [tokens, hidden], got {x.shape=}")
@@ -305,36 +208,3 @@ def fused_swiglu_mlp_reference(x: jax.Array, w_gate: jax.Array, w_up: jax.Array,
     u = jnp.dot(x, w_up, preferred_element_type=jnp.float32)
     h = (jax.nn.silu(g) * u).astype(x.dtype)
     return jnp.dot(h, w_down, preferred_element_type=jnp.float32).astype(x.dtype)
-
-
-# ----------------------------------------------------------------------------------------------
-# Benchmark
-# ----------------------------------------------------------------------------------------------
-def main() -> None:
-    """Quick timing at Qwen3-4B shapes; the full comparison is benchmarks/bench_kernels.py."""
-    import time
-
-    hidden, inter = 2560, 9728
-    interpret = jax.default_backend() != "gpu"
-    if interpret:
-        hidden, inter = 256, 512
-    key = jax.random.key(0)
-    kx, kg, ku, kd = jax.random.split(key, 4)
-    wg = jax.random.normal(kg, (hidden, inter), jnp.bfloat16) * hidden**-0.5
-    wu = jax.random.normal(ku, (hidden, inter), jnp.bfloat16) * hidden**-0.5
-    wd = jax.random.normal(kd, (inter, hidden), jnp.bfloat16) * inter**-0.5
-    for tokens in (1, 16, 64):
-        x = jax.random.normal(kx, (tokens, hidden), jnp.bfloat16)
-        fn = functools.partial(fused_swiglu_mlp, interpret=interpret)
-        for name, f in (("pallas", fn), ("xla", fused_swiglu_mlp_reference)):
-            f(x, wg, wu, wd).block_until_ready()
-            reps = 2 if interpret else 50
-            t0 = time.perf_counter()
-            for _ in range(reps):
-                out = f(x, wg, wu, wd)
-            out.block_until_ready()
-            print(f"mlp T={tokens} {name}: {(time.perf_counter() - t0) / reps * 1e6:.1f} us")
-
-
-if __name__ == "__main__":
-    main()

@@ -20,8 +20,8 @@ norm's weight multiply and RoPE run in fp32 with one rounding at the end, where 
 Split-K counters must be zero on entry (a dirty counter leaves its head unfinished, silently); the step's
 counters are made zero once and every launch leaves them zero, launches being ordered by the stream.
 
-Prefetch (`prefetch=`, the layer's o projection weight; `ops.PREFETCH_O`): extra programs on the launch's idle SMs
-read the first part of another array into L2 (evict-last) while the heads stream (pallas_kernels/dense/prefetch.py).
+Prefetch (`prefetch=`, the layer's o projection weight; `KernelPolicy.prefetch_o`): extra programs on the launch's
+idle SMs read the first part of another array into L2 (evict-last) while the heads stream (dense/prefetch.py).
 
 Scope: full rotate-half RoPE (rotary dim = head_dim), no gated queries, no q/k/v bias; head_dim a power of two
 >= 32; `check_supported` says why not otherwise (the caller keeps the XLA projection + `qkv_rope_write`).
@@ -38,7 +38,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from pallas_kernels.dense.fused_mlp import rms_inverse, rms_normed, tile_rows
+from pallas_kernels.common import rms_inverse, rms_normed, tile_rows
 from pallas_kernels.dense.prefetch import WIDTH, prefetch_rows, prefetch_rows_count, prefetch_view
 from pallas_kernels.dense.qkv_rope import qkv_rope_write_reference
 from pallas_kernels.split_k import check_counters, sum_splits, take_ticket
@@ -49,7 +49,8 @@ ONE_WAVE = 132  # the H100's SMs
 
 def _kernel(x_ref, n_ref, w_ref, cos_ref, sin_ref, slot_ref, qn_ref, kn_ref, _k_in, _v_in, *refs,
             block_k: int, k_splits: int, num_heads: int, num_kv_heads: int, eps: float, qk_norm: bool,
-            interpret: bool, prefetch_programs: int = 0, prefetch_row_count: int = 0):
+            interpret: bool, prefetch_programs: int = 0, prefetch_row_count: int = 0,
+            prefetch_eviction: str = "evict_last"):
     # x_ref [T, hidden] (whole: rows past T read as 0); n_ref [hidden]; w_ref [hidden, D]: this head's columns;
     # cos/sin [T, D]; slot_ref [T]; q_ref [T, H, D]; k_ref / v_ref [num_slots, KVH, D] (the caches, in place).
     # Split-K (k_splits > 1): part_ref [S, T, heads * D] fp32 partials; cnt_ref [>= heads] int32, zero on entry
@@ -77,7 +78,8 @@ def _kernel(x_ref, n_ref, w_ref, cos_ref, sin_ref, slot_ref, qn_ref, kn_ref, _k_
 
     @pl.when(h >= heads)
     def _prefetch():
-        prefetch_rows(pf_ref, pf_out, (h - heads) * k_splits + split, prefetch_programs, prefetch_row_count)
+        prefetch_rows(pf_ref, pf_out, (h - heads) * k_splits + split, prefetch_programs, prefetch_row_count,
+                      eviction=prefetch_eviction)
 
 
 def _head(x_ref, n_ref, w_ref, cos_ref, sin_ref, slot_ref, qn_ref, kn_ref, q_ref, k_ref, v_ref, cnt_ref, part_ref,
@@ -203,14 +205,15 @@ def idle_programs(heads: int, k_splits: int, sms: int = ONE_WAVE) -> int:
 
 
 @functools.partial(jax.jit, static_argnames=("num_heads", "num_kv_heads", "eps", "block_k", "k_splits", "num_warps",
-                                             "num_stages", "prefetch_programs", "prefetch_fraction", "interpret"))
+                                             "num_stages", "prefetch_programs", "prefetch_fraction",
+                                             "prefetch_eviction", "interpret"))
 def norm_qkv_rope_write(x: jax.Array, norm_weight: jax.Array, wqkv: jax.Array, cos: jax.Array, sin: jax.Array,
                         slot_mapping: jax.Array, q_norm: jax.Array | None, k_norm: jax.Array | None,
                         k_cache: jax.Array, v_cache: jax.Array, counters: jax.Array | None = None, *, num_heads: int,
                         num_kv_heads: int, eps: float = 1e-6, block_k: int | None = None, k_splits: int | None = None,
                         num_warps: int = 8, num_stages: int = 4, prefetch: jax.Array | None = None,
                         prefetch_programs: int | None = None, prefetch_fraction: float = 1.0,
-                        interpret: bool = False
+                        prefetch_eviction: str = "evict_last", interpret: bool = False
                         ) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array | None]:
     """x -> (q [T, H, D] normed and rotated, k_cache, v_cache with the new rows written, counters).
 
@@ -225,7 +228,7 @@ def norm_qkv_rope_write(x: jax.Array, norm_weight: jax.Array, wqkv: jax.Array, c
     prefetch: an array the next kernels read (a decode step's o projection weight), or None. The launch leaves SMs
     idle (Qwen3-4B: 96 programs on 132 SMs) and the weight stream short of HBM's rate; `prefetch_programs` (default
     `idle_programs`) extra programs read it (its first `prefetch_fraction`) meanwhile, marked evict-last, so it is
-    in L2 when its GEMM runs.
+    in L2 when its GEMM runs. prefetch_eviction: those loads' L2 policy, "evict_last" or "normal".
     """
     tokens, hidden = x.shape
     head_dim = k_cache.shape[-1]
@@ -260,7 +263,8 @@ def norm_qkv_rope_write(x: jax.Array, norm_weight: jax.Array, wqkv: jax.Array, c
     kernel = functools.partial(_kernel, block_k=block_k, k_splits=k_splits, num_heads=num_heads,
                                num_kv_heads=num_kv_heads, eps=eps, qk_norm=qk_norm, interpret=interpret,
                                prefetch_programs=prefetch_programs,
-                               prefetch_row_count=0 if pf is None else prefetch_rows_count(pf, prefetch_fraction))
+                               prefetch_row_count=0 if pf is None else prefetch_rows_count(pf, prefetch_fraction),
+                               prefetch_eviction=prefetch_eviction)
     whole = pl.no_block_spec
     outs = [
         jax.ShapeDtypeStruct((tokens, num_heads, head_dim), x.dtype),

@@ -10,16 +10,12 @@ and outlast the attention; `local_step_attn_prefetch_o_qwen3-4b_h100.json`, at b
 
 from __future__ import annotations
 
-import os
-
 import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-# The prefetch loads' L2 eviction policy: "evict_last" (kept over normal lines) or "normal"
-# (JINFER_PREFETCH_EVICTION, read at trace time; measurements)
-EVICTION = os.environ.get("JINFER_PREFETCH_EVICTION", "evict_last")
+EVICTIONS = ("evict_last", "normal")  # the loads' L2 policy: kept over normal lines, or not
 WIDTH = 256  # columns of the [rows, WIDTH] view a prefetch program reads a tile of
 TILE = 64  # rows of a prefetch tile (32 KB of bf16)
 
@@ -29,9 +25,12 @@ def prefetch_view(a: jax.Array) -> jax.Array | None:
     return None if a.size % WIDTH else a.reshape(-1, WIDTH)
 
 
-def prefetch_rows(pf_ref, pf_out, p, programs: int, rows: int, tile: int = TILE):
+def prefetch_rows(pf_ref, pf_out, p, programs: int, rows: int, tile: int = TILE, eviction: str = "evict_last"):
     """Program p of `programs` reads its share of pf_ref's first `rows` rows in `tile`-row tiles, marked to stay in
-    L2 (evict_last), and stores their max at pf_out[p] (the loads must feed something)."""
+    L2 (`eviction` "evict_last"; "normal": unmarked), and stores their max at pf_out[p] (the loads must feed
+    something)."""
+    if eviction not in EVICTIONS:
+        raise ValueError(f"eviction={eviction!r} must be one of {EVICTIONS}")
     width = pf_ref.shape[1]
     per = pl.cdiv(pl.cdiv(rows, programs), tile) * tile
     idx = jnp.arange(tile, dtype=jnp.int32)
@@ -40,7 +39,7 @@ def prefetch_rows(pf_ref, pf_out, p, programs: int, rows: int, tile: int = TILE)
         first = p * per + i * tile
         mask = jnp.broadcast_to(((first + idx) < rows)[:, None], (tile, width))
         t = plgpu.load(pf_ref.at[pl.ds(first, tile), :], mask=mask, other=0,
-                       eviction_policy=None if EVICTION == "normal" else EVICTION)
+                       eviction_policy=None if eviction == "normal" else eviction)
         return jnp.maximum(acc, t.astype(jnp.float32))
 
     acc = jax.lax.fori_loop(0, per // tile, body, jnp.zeros((tile, width), jnp.float32))

@@ -25,7 +25,7 @@ Two phases:
 - The intra-chunk part: everything that does not depend on the state, for all chunks at once
   (pallas_kernels/linear_attention/gated_delta_rule_intra.py: the fused kernel `intra_chunk_pallas`, one program per
   chunk and value head, reading the activations and writing W, U, Qg, Kd, P in their dtype; its jnp
-  reference `intra_chunk`, re-exported here, all float32 through HBM).
+  reference `intra_chunk` (gated_delta_rule_intra.py), all float32 through HBM).
 - The inter-chunk recurrence, sequential along each sequence: the Pallas kernel
   (`chunked_gated_delta_rule`, Triton lowering) runs one program per (sequence, value head, block of
   value columns), keeps its [Dk, block_v] slice of the state in registers, walks the sequence's chunks
@@ -41,24 +41,20 @@ Two phases:
 from __future__ import annotations
 
 import functools
-import itertools
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from pallas_kernels.linear_attention.gated_delta_rule import (
+from pallas_kernels.linear_attention.gated_delta_rule_common import (
     check_out,
     check_shapes,
     head_shapes,
     initial_states,
     unpack_heads,
 )
-from pallas_kernels.linear_attention.gated_delta_rule_intra import intra_chunk, intra_chunk_pallas, unit_lower_inverse
-
-__all__ = ["intra_chunk", "unit_lower_inverse"]  # phase 1's reference, here since it began here
+from pallas_kernels.linear_attention.gated_delta_rule_intra import intra_chunk, intra_chunk_pallas
 
 CHUNK = 64  # rows per chunk (fla and HF use 64)
 MIN_LEN = 64  # sequences with fewer new rows are left to the recurrent kernel
@@ -249,108 +245,3 @@ def chunked_gated_delta_rule(q, k, v, g, beta, states, slots, fresh, query_start
     return _chunk_state_call(parts, states, slots, fresh, query_start, layout["chunk_start"],
                              check_out(out, T, hv, dv), block_v=block_v, num_warps=num_warps, num_stages=num_stages,
                              precision=precision, interpret=interpret)
-
-
-# ----------------------------------------------------------------------------------------------
-# Benchmark
-# ----------------------------------------------------------------------------------------------
-def _bench_prefill(n, hk, hv, dk, dv, block_vs, warps_list, exacts, gpu, rng):
-    """JSON records of the chunked rule on one fresh sequence of n rows (see `main`)."""
-    import json
-    import time
-
-    C = CHUNK
-    q = jnp.asarray(rng.standard_normal((n, hk, dk)), jnp.bfloat16)
-    k = jnp.asarray(rng.standard_normal((n, hk, dk)), jnp.bfloat16)
-    v = jnp.asarray(rng.standard_normal((n, hv, dv)), jnp.bfloat16)
-    g = jnp.asarray(-rng.uniform(0.01, 1, (n, hv)), jnp.float32)
-    beta = jnp.asarray(rng.uniform(0, 1, (n, hv)), jnp.float32)
-    qs = jnp.asarray([0, n], jnp.int32)
-    slots, fresh = jnp.ones(1, jnp.int32), jnp.ones(1, bool)
-    layout = jax.jit(chunk_layout, static_argnums=(1, 2, 3, 4))(qs, n, max_chunks(n, 1, C, MIN_LEN), C, MIN_LEN)
-    rows, cs = layout["rows"], layout["chunk_start"]
-    intra = jax.jit(intra_chunk)
-    intra_kernel = functools.partial(intra_chunk_pallas, interpret=not gpu)
-    try:  # bf16 parts, as the model's step feeds the recurrence
-        parts = intra_kernel(q, k, v, g, beta, rows)
-    except Exception as e:  # noqa: BLE001  (the records say so; the recurrence is timed on XLA's parts)
-        print(json.dumps({"what": "intra_pallas", "tokens": n, "error": f"{type(e).__name__}: {str(e)[:300]}"}))
-        parts, intra_kernel = intra(q, k, v, g, beta, rows), intra
-
-    def timed(step, states):
-        """Seconds per call of step(states) -> (out, states) (the pool is threaded: it may be donated)."""
-        for _ in range(2):  # compile; the second call may compile again for the returned pool's layout
-            out, states = step(states)
-        jax.block_until_ready(out)
-        reps = 10 if gpu else 1
-        t0 = time.perf_counter()
-        for _ in range(reps):
-            out, states = step(states)
-        jax.block_until_ready((out, states))
-        return (time.perf_counter() - t0) / reps
-
-    t_intra = timed(lambda s: (intra(q, k, v, g, beta, rows), s), None)
-    trsm = jax.jit(functools.partial(intra_chunk, solve="trsm"))
-    t_intra_trsm = timed(lambda s: (trsm(q, k, v, g, beta, rows), s), None)
-    t_intra_pallas = timed(lambda s: (intra_kernel(q, k, v, g, beta, rows), s), None)
-    # per token: QK^T and KK^T (4 C Dk), the triangular solve (C (Dk + Dv)), P V' (2 C Dv), the three state dots
-    # (6 Dk Dv); the recurrent form does 6 Dk Dv
-    useful = 6 * n * hv * dk * dv
-    chunked = n * hv * (4 * C * dk + C * (dk + dv) + 2 * C * dv + 6 * dk * dv)
-    out = []
-    for i, (bv, warps, exact) in enumerate(itertools.product(block_vs, warps_list, exacts)):
-        prec = jax.lax.Precision.HIGHEST if exact else jax.lax.Precision.DEFAULT
-        kern = jax.jit(functools.partial(_chunk_state_call, block_v=bv, num_warps=warps, num_stages=2,
-                                         precision=prec, interpret=not gpu), donate_argnums=(1,))
-        fn = functools.partial(chunked_gated_delta_rule, min_len=MIN_LEN, block_v=bv, num_warps=warps,
-                               exact=bool(exact), interpret=not gpu)
-        rec = {"what": "chunked_prefill", "device": jax.devices()[0].device_kind, "tokens": n, "block_v": bv,
-               "num_warps": warps, "exact_dots": bool(exact)}
-        try:  # a configuration Triton cannot compile (shared memory, registers) is a record, not the end
-            t_kernel = timed(lambda s, kern=kern: kern(parts, s, slots, fresh, cs), jnp.zeros((2, hv, dk, dv)))
-            t = timed(lambda s, fn=fn: fn(q, k, v, g, beta, s, slots, fresh, qs), jnp.zeros((2, hv, dk, dv)))
-            extra = {}
-            if i == 0:  # the whole function as it was: XLA's intra-chunk part (float32 parts)
-                fj = functools.partial(fn, intra="jnp")
-                extra["time_jnp_intra_us"] = timed(lambda s, fj=fj: fj(q, k, v, g, beta, s, slots, fresh, qs),
-                                                   jnp.zeros((2, hv, dk, dv))) * 1e6
-        except Exception as e:  # noqa: BLE001
-            out.append(rec | {"error": f"{type(e).__name__}: {str(e)[:300]}"})
-            continue
-        out.append(rec | extra | {"time_us": t * 1e6, "intra_chunk_us": t_intra * 1e6,
-                                  "intra_chunk_trsm_us": t_intra_trsm * 1e6, "intra_pallas_us": t_intra_pallas * 1e6,
-                                  "recurrence_kernel_us": t_kernel * 1e6, "tflop_per_s": useful / t / 1e12,
-                                  "chunked_form_tflop_per_s": chunked / t / 1e12})
-    return out
-
-
-def main():
-    """Time of the chunked rule at Qwen3.5-4B's linear-layer shapes (16 q/k heads, 32 v heads, 128 x 128
-    state), one layer, one fresh sequence of 1k and 16k tokens: the whole function (the intra-chunk kernel +
-    the recurrence kernel; for the first configuration also with XLA's intra-chunk part: time_jnp_intra_us),
-    and each part alone (intra_chunk_us: XLA's, product-form inverse; intra_chunk_trsm_us: with XLA's
-    triangular solve; intra_pallas_us: the kernel, default settings; recurrence_kernel_us: fed the kernel's
-    bf16 parts). gated_delta_rule_intra times the intra-chunk kernel's settings. tflop_per_s
-    counts the rule's 6 Hv Dk Dv FLOPs per token (the recurrent form's useful work, as the recurrent kernel's
-    benchmark does: comparable); chunked_form_tflop_per_s the chunked form's own FLOPs. JSON lines on stdout.
-    Small shapes on CPU (interpreter), to check the script."""
-    import argparse
-    import json
-
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--prefill", type=int, nargs="+", default=[1024, 16384])
-    ap.add_argument("--block-v", type=int, nargs="+", default=[16, 32, 64])
-    ap.add_argument("--num-warps", type=int, nargs="+", default=[4, 8])
-    ap.add_argument("--exact", type=int, nargs="+", default=[0, 1])
-    args = ap.parse_args()
-    gpu = jax.default_backend() == "gpu"
-    hk, hv, dk, dv = (16, 32, 128, 128) if gpu else (2, 4, 16, 32)
-    if not gpu:
-        args.prefill, args.block_v, args.exact = [80], [16], [0]
-    rng = np.random.default_rng(0)
-    for n in args.prefill:
-        for rec in _bench_prefill(n, hk, hv, dk, dv, args.block_v, args.num_warps, args.exact, gpu, rng):
-            print(json.dumps(rec))
-
-if __name__ == "__main__":
-    main()

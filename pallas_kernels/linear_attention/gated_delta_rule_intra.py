@@ -40,11 +40,10 @@ import functools
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from pallas_kernels.linear_attention.gated_delta_rule import L2_EPS, head_shapes, head_views, prepare_qk
+from pallas_kernels.linear_attention.gated_delta_rule_common import L2_EPS, head_shapes, head_views, prepare_qk
 
 BLOCK = 16  # rows of the solve's blocks (the smallest tensor-core dot)
 OUTPUTS = ("w", "u", "qg", "kd", "p", "dl")
@@ -265,12 +264,13 @@ def unit_lower_inverse(a: jax.Array) -> jax.Array:
     """(I + L)^-1 for [..., C, C] unit lower-triangular `a` (C a power of two), as batched matmuls.
 
     L is nilpotent (L^C = 0), so (I + L)^-1 = sum_k (-L)^k = prod_j (I + (-L)^(2^j)), j < log2 C: 2 log2 C
-    matmuls of [C, C] tiles for the tensor cores instead of XLA's batched triangular solve (`main` times
-    both). On the H100 the whole intra-chunk part took 0.553 / 5.10 ms at 1k / 16k tokens with it and
-    0.567 / 5.78 ms with the solve (gdn_chunked_product_inverse_h100.json): the solve was not where its
-    time goes; its [chunks, heads, 64, 64] float32 intermediates in HBM are. Not stable when L's entries
-    approach 1 (correlated keys, beta near 1, little decay): the powers grow like 2^C and cancel
-    (test_gated_delta_rule_intra.py); the kernel inverts 16 x 16 blocks only."""
+    matmuls of [C, C] tiles for the tensor cores instead of XLA's batched triangular solve
+    (`benchmarks.kernels.bench_linear_attention intra` times both). On the H100 the whole intra-chunk part took
+    0.553 / 5.10 ms at 1k / 16k tokens with it and 0.567 / 5.78 ms with the solve
+    (gdn_chunked_product_inverse_h100.json): the solve was not where its time goes; its [chunks, heads, 64, 64]
+    float32 intermediates in HBM are. Not stable when L's entries approach 1 (correlated keys, beta near 1, little
+    decay): the powers grow like 2^C and cancel (test_gated_delta_rule_intra.py); the kernel inverts 16 x 16
+    blocks only."""
     C = a.shape[-1]
     hp = jax.lax.Precision.HIGHEST
     x = jnp.eye(C, dtype=a.dtype) - a  # -L
@@ -316,85 +316,3 @@ def intra_chunk(q, k, v, g, beta, rows, solve: str = "product") -> dict[str, jax
     return {"w": x[..., :dk], "u": x[..., dk:], "qg": qc * jnp.exp(gc)[..., None],
             "kd": kc * jnp.exp(gc[..., -1:] - gc)[..., None], "p": jnp.where(lower, qk * decay, 0.0),
             "dl": jnp.exp(gc[..., -1])}
-
-
-# ----------------------------------------------------------------------------------------------
-# Benchmark
-# ----------------------------------------------------------------------------------------------
-def main():
-    """Time of the intra-chunk part at Qwen3.5-4B's linear-layer shapes (16 q/k heads, 32 v heads, 128 x 128),
-    one layer, one sequence of 1k and 16k tokens (bf16 activations): XLA's (`intra_chunk`, product-form
-    inverse and triangular solve) and the kernel's settings (warps, diagonal inverse, stored dtype, exact
-    dots). hbm_gb_per_s: the kernel's least traffic (activations read once, outputs written once) over its
-    time; max_rel_err: the largest |kernel - XLA's triangular solve| over each output's largest entry. JSON
-    lines on stdout. Small shapes on CPU (interpreter), to check the script."""
-    import argparse
-    import json
-    import time
-
-    from pallas_kernels.linear_attention.gated_delta_rule_chunked import CHUNK, MIN_LEN, chunk_layout, max_chunks
-
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--prefill", type=int, nargs="+", default=[1024, 16384])
-    ap.add_argument("--num-warps", type=int, nargs="+", default=[4, 8])
-    ap.add_argument("--heads-per-program", type=int, nargs="+", default=[1, 2],
-                    help="value heads per program (the default settings only, beyond 1)")
-    args = ap.parse_args()
-    gpu = jax.default_backend() == "gpu"
-    hk, hv, dk, dv = (16, 32, 128, 128) if gpu else (2, 4, 16, 32)
-    if not gpu:
-        args.prefill, args.num_warps = [80], [4]
-    configs = [(w, d, dt, False, 1) for w in args.num_warps for d in DIAG_INVERSES for dt in ("bfloat16", "float32")]
-    configs.append((args.num_warps[0], "products", "bfloat16", True, 1))
-    configs += [(w, "products", "bfloat16", False, n) for n in args.heads_per_program if n > 1 for w in args.num_warps]
-    rng = np.random.default_rng(0)
-    dev = jax.devices()[0].device_kind
-
-    def timed(fn, *xs):
-        for _ in range(2):  # compile (the interpreter's first call changes the tracing context: a second compile)
-            out = fn(*xs)
-        jax.block_until_ready(out)
-        reps = 20 if gpu else 1
-        t0 = time.perf_counter()
-        for _ in range(reps):
-            out = fn(*xs)
-        jax.block_until_ready(out)
-        return (time.perf_counter() - t0) / reps, out
-
-    for n in args.prefill:
-        q = jnp.asarray(rng.standard_normal((n, hk, dk)), jnp.bfloat16)
-        k = jnp.asarray(rng.standard_normal((n, hk, dk)), jnp.bfloat16)
-        v = jnp.asarray(rng.standard_normal((n, hv, dv)), jnp.bfloat16)
-        g = jnp.asarray(-rng.uniform(0.01, 1, (n, hv)), jnp.float32)
-        beta = jnp.asarray(rng.uniform(0, 1, (n, hv)), jnp.float32)
-        qs = jnp.asarray([0, n], jnp.int32)
-        nc = max_chunks(n, 1, CHUNK, MIN_LEN)
-        rows = jax.jit(chunk_layout, static_argnums=(1, 2, 3, 4))(qs, n, nc, CHUNK, MIN_LEN)["rows"]
-        used = -(-n // CHUNK)
-        base = {"what": "intra_chunk", "device": dev, "tokens": n, "chunks": used}
-        xs = (q, k, v, g, beta, rows)
-        t_jnp, _ = timed(jax.jit(intra_chunk), *xs)
-        t_trsm, ref = timed(jax.jit(functools.partial(intra_chunk, solve="trsm")), *xs)
-        print(json.dumps(base | {"impl": "xla_product", "time_us": t_jnp * 1e6}))
-        print(json.dumps(base | {"impl": "xla_trsm", "time_us": t_trsm * 1e6}))
-        for warps, diag, dtype, exact, heads in configs:
-            rec = base | {"impl": "pallas", "num_warps": warps, "diag_inverse": diag, "parts_dtype": dtype,
-                          "exact_dots": exact, "heads_per_program": heads}
-            fn = functools.partial(intra_chunk_pallas, out_dtype=jnp.dtype(dtype), exact=exact, diag_inverse=diag,
-                                   num_warps=warps, heads_per_program=heads, interpret=not gpu)
-            try:  # a configuration Triton cannot compile is a record, not the end
-                t, got = timed(fn, *xs)
-            except Exception as e:  # noqa: BLE001
-                print(json.dumps(rec | {"error": f"{type(e).__name__}: {str(e)[:300]}"}))
-                continue
-            err = max(float(jnp.abs(got[x][:used].astype(jnp.float32) - ref[x][:used]).max()
-                            / jnp.abs(ref[x][:used]).max()) for x in OUTPUTS)
-            size = jnp.dtype(dtype).itemsize
-            nbytes = n * (2 * hk * dk * 2 + hv * dv * 2 + 2 * hv * 4) + used * hv * CHUNK * (
-                (3 * dk + dv + CHUNK) * size) + used * hv * 4
-            print(json.dumps(rec | {"time_us": t * 1e6, "speedup_vs_xla": t_jnp / t, "hbm_bytes": nbytes,
-                                    "hbm_gb_per_s": nbytes / t / 1e9, "max_rel_err": err}))
-
-
-if __name__ == "__main__":
-    main()

@@ -31,7 +31,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from pallas_kernels.dense.fused_mlp import pow2_divisor
+from pallas_kernels.common import pow2_divisor
 from pallas_kernels.moe.moe_routing import MoeRouting
 
 
@@ -252,44 +252,3 @@ def moe_down_reference(h, routing: MoeRouting, w_down):
     hp = h[routing.pair_rows.reshape(-1)]  # [T*k, I]
     y = jnp.einsum("pi,pih->ph", hp, w_down[e], preferred_element_type=jnp.float32)
     return (y * routing.topk_weights.reshape(-1, 1)).astype(h.dtype)
-
-
-# ----------------------------------------------------------------------------------------------
-# Benchmark
-# ----------------------------------------------------------------------------------------------
-def main() -> None:
-    """Quick timing at Qwen3-30B-A3B expert shapes; the full comparison is benchmarks/bench_moe.py."""
-    import time
-
-    from pallas_kernels.moe.moe_routing import moe_route
-
-    interpret = jax.default_backend() != "gpu"
-    e, hidden, inter, k = (128, 2048, 768, 8) if not interpret else (8, 128, 64, 2)
-    key = jax.random.key(0)
-    kg, ku, kd, kx, kr = jax.random.split(key, 5)
-    wg = (jax.random.normal(kg, (e, hidden, inter), jnp.float32) * 0.02).astype(jnp.bfloat16)
-    wu = (jax.random.normal(ku, (e, hidden, inter), jnp.float32) * 0.02).astype(jnp.bfloat16)
-    wd = (jax.random.normal(kd, (e, inter, hidden), jnp.float32) * 0.02).astype(jnp.bfloat16)
-    for tokens in (1, 8, 64):
-        x = jax.random.normal(kx, (tokens, hidden), jnp.bfloat16)
-        r = moe_route(jax.random.normal(kr, (tokens, e)), top_k=k, block_m=16, interpret=interpret)
-
-        def mlp(x, r):
-            return moe_combine(moe_down(moe_gate_up(x, r, wg, wu, interpret=interpret), r, wd, interpret=interpret),
-                               k, x.dtype)
-
-        f = jax.jit(mlp)
-        f(x, r).block_until_ready()
-        reps = 2 if interpret else 100
-        t0 = time.perf_counter()
-        for _ in range(reps):
-            out = f(x, r)
-        out.block_until_ready()
-        dt = (time.perf_counter() - t0) / reps
-        hit = len(set(jax.device_get(r.topk_ids).ravel().tolist()))
-        gb = hit * 3 * hidden * inter * 2 / 1e9
-        print(f"moe T={tokens}: {dt * 1e6:.1f} us, {hit} experts, {gb / dt / 1e3:.2f} TB/s")
-
-
-if __name__ == "__main__":
-    main()

@@ -1,6 +1,6 @@
 """The MoE block's front end for decode-sized steps as one kernel: `moe_norm_route`, the RMSNorm, the router
 projection and the routing (moe_routing.route_body) in one launch (used by the engine for steps of <= 8 tokens,
-ops.MOE_FRONT_MAX_TOKENS):
+KernelPolicy.moe_front_max_tokens):
 
     h = rms_norm(x) * norm_weight                 (HF rounding: normalised in fp32, cast, times the weight)
     logits = round_to_x_dtype(h @ router)         (fp32 accumulation; HF's F.linear output dtype)
@@ -25,11 +25,10 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from pallas_kernels.dense.fused_mlp import pow2_divisor, rms_inverse, rms_normed, tile_rows
+from pallas_kernels.common import next_pow2, pow2_divisor, rms_inverse, rms_normed, tile_rows
 from pallas_kernels.moe.moe_routing import (
     MoeRouting,
     check_route_args,
-    next_pow2,
     route_body,
     route_out_shapes,
     routing_from_outputs,
@@ -180,9 +179,8 @@ def moe_norm_router_reference(x: jax.Array, norm_weight: jax.Array, router: jax.
                               ) -> tuple[jax.Array, jax.Array]:
     """(h, logits) as `ops.moe_block` computes them with XLA: HF's RMSNorm, then the router's F.linear in x's dtype
     (returned as fp32 holding values of x's dtype, what `moe_route` takes)."""
-    from jinfer.models.layers import rms_norm
-
-    h = rms_norm(x, norm_weight, eps)
+    xf = x.astype(jnp.float32)
+    h = norm_weight * (xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)).astype(x.dtype)
     # float32: exact products as the kernel takes them (XLA's default on a GPU is TF32, ~1e-3 relative)
     precision = jax.lax.Precision.HIGHEST if x.dtype == jnp.float32 else None
     return h, jnp.dot(h, router, precision=precision,

@@ -33,6 +33,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
+from pallas_kernels.common import next_pow2
+
 # Largest token count routed by the Pallas program; larger steps use the jnp version (the program
 # holds [tokens, experts] tiles in registers).
 ROUTE_KERNEL_MAX_TOKENS = 256
@@ -62,10 +64,6 @@ def num_blocks(num_pairs: int, num_experts: int, block_m: int) -> int:
     < R / block_m + n (R pairs, n <= min(E, R) experts hit), so with block_m > 1 the last block is never
     used."""
     return pl.cdiv(num_pairs, block_m) + min(num_experts, num_pairs)
-
-
-def next_pow2(n: int) -> int:
-    return 1 << max(0, (n - 1).bit_length())
 
 
 # ----------------------------------------------------------------------------------------------
@@ -289,29 +287,3 @@ def moe_route_reference(logits: jax.Array, *, top_k: int, renormalize: bool = Tr
     block_rows = jnp.where(used, jnp.clip(counts[ebc] - (b - blk_start[ebc]) * block_m, 0, block_m), 0)
     return MoeRouting(ids, weights, pair_rows.astype(jnp.int32), sorted_pairs, jnp.where(used, eb, -1),
                       block_rows.astype(jnp.int32))
-
-
-# ----------------------------------------------------------------------------------------------
-# Benchmark
-# ----------------------------------------------------------------------------------------------
-def main() -> None:
-    """Routing time at Qwen3-30B-A3B's 128 experts, top-8, kernel vs XLA."""
-    import time
-
-    interpret = jax.default_backend() != "gpu"
-    for tokens in (1, 8, 64, 256):
-        logits = jax.random.normal(jax.random.key(tokens), (tokens, 128), jnp.float32)
-        for name, fn in (("pallas", functools.partial(moe_route, interpret=interpret)),
-                         ("xla", moe_route_reference)):
-            f = jax.jit(functools.partial(fn, top_k=8, block_m=16))
-            jax.block_until_ready(f(logits))
-            reps = 2 if interpret else 200
-            t0 = time.perf_counter()
-            for _ in range(reps):
-                out = f(logits)
-            jax.block_until_ready(out)
-            print(f"route T={tokens} {name}: {(time.perf_counter() - t0) / reps * 1e6:.1f} us")
-
-
-if __name__ == "__main__":
-    main()

@@ -7,7 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jinfer.models.ops import ModelOps
+from jinfer.ops import ModelOps
 from pallas_kernels.linear_attention.causal_conv import causal_conv, causal_conv_reference, conv_reference
 from tests.kernels.conftest import MODES
 

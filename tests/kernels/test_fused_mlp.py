@@ -6,7 +6,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from pallas_kernels.dense.fused_mlp import fused_swiglu_mlp, fused_swiglu_mlp_block, fused_swiglu_mlp_reference
+from pallas_kernels.dense.fused_mlp import fused_swiglu_mlp, fused_swiglu_mlp_reference
 from tests.kernels.conftest import MODES, assert_close
 
 # (tokens, hidden, intermediate, dtype, block_i)
@@ -53,35 +53,3 @@ def test_mlp_argument_checks():
         fused_swiglu_mlp(x, jnp.zeros((32, 128)), w, jnp.zeros((128, 64)), interpret=True)
     with pytest.raises(ValueError, match="block_i"):
         fused_swiglu_mlp(x, w, w, jnp.zeros((128, 64)), block_i=48, interpret=True)
-
-
-@pytest.mark.parametrize("mode", MODES)
-@pytest.mark.parametrize("tokens,hidden,inter,block_i", [(1, 512, 384, 64), (7, 256, 512, None)])
-def test_mlp_block_residual_tail(mode, tokens, hidden, inter, block_i):
-    """The block with its split-K sum and residual add in the kernel: x + mlp(norm(x)), the counters left zero
-    (a second call on the returned counters gives the same result)."""
-    rng = np.random.default_rng(tokens)
-    dtype = jnp.bfloat16
-    x = jnp.asarray(rng.standard_normal((tokens, hidden)) * 4, dtype)
-    wg, wu = (jnp.asarray(rng.standard_normal((hidden, inter)) * hidden**-0.5, dtype) for _ in range(2))
-    wd = jnp.asarray(rng.standard_normal((inter, hidden)) * inter**-0.5, dtype)
-    g = jnp.asarray(1 + 0.2 * rng.standard_normal(hidden), dtype)
-    counters = jnp.zeros((64,), jnp.int32)
-    want = x + fused_swiglu_mlp_reference(x, wg, wu, wd, g, eps=1e-5)
-    for _ in range(2):
-        out, counters = fused_swiglu_mlp_block(x, g, wg, wu, wd, counters, eps=1e-5, block_i=block_i,
-                                               interpret=mode == "interpret")
-        assert out.shape == x.shape and out.dtype == x.dtype
-        assert_close(out, want, dtype, mode)
-        np.testing.assert_array_equal(np.asarray(counters), 0)
-
-
-def test_mlp_block_argument_checks():
-    x = jnp.zeros((4, 512), jnp.bfloat16)
-    w = jnp.zeros((512, 128), jnp.bfloat16)
-    g = jnp.ones((512,), jnp.bfloat16)
-    with pytest.raises(ValueError, match="counters"):  # 512 / 256-column tiles need 2 counters
-        fused_swiglu_mlp_block(x, g, w, w, w.T, jnp.zeros((1,), jnp.int32), interpret=True)
-    with pytest.raises(ValueError, match="one token tile"):
-        fused_swiglu_mlp_block(jnp.zeros((65, 512), jnp.bfloat16), g, w, w, w.T, jnp.zeros((8,), jnp.int32),
-                               interpret=True)

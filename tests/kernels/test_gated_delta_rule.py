@@ -7,7 +7,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from pallas_kernels.linear_attention.gated_delta_rule import recurrent_gated_delta_rule, recurrent_reference
+from pallas_kernels.linear_attention.gated_delta_rule import recurrent_gated_delta_rule
+from pallas_kernels.linear_attention.gated_delta_rule_common import recurrent_reference
 from tests.kernels.conftest import MODES
 
 

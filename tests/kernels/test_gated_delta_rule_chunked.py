@@ -12,7 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from pallas_kernels.linear_attention.gated_delta_rule import gated_delta_rule, recurrent_reference
+from jinfer.ops.linear_attention import gated_delta_rule
 from pallas_kernels.linear_attention.gated_delta_rule_chunked import (
     CHUNK,
     chunk_layout,
@@ -20,6 +20,7 @@ from pallas_kernels.linear_attention.gated_delta_rule_chunked import (
     chunked_reference,
     max_chunks,
 )
+from pallas_kernels.linear_attention.gated_delta_rule_common import recurrent_reference
 from tests.kernels.conftest import MODES
 from tests.kernels.test_gated_delta_rule import problem
 
@@ -200,7 +201,7 @@ def test_strong_decays_stay_finite():
 def test_unit_lower_inverse_matches_numpy(C):
     """The product-form inverse of a unit lower-triangular matrix, entries up to 1 in size (keys that are
     close to parallel, beta near 1: the hard case), against numpy's."""
-    from pallas_kernels.linear_attention.gated_delta_rule_chunked import unit_lower_inverse
+    from pallas_kernels.linear_attention.gated_delta_rule_intra import unit_lower_inverse
 
     rng = np.random.default_rng(C)
     a = np.tril(rng.uniform(-1, 1, (3, C, C)), -1) * rng.uniform(0, 1, (3, C, 1)) + np.eye(C)

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from pallas_kernels.linear_attention.causal_conv import causal_conv_reference
-from pallas_kernels.linear_attention.gated_delta_rule import recurrent_reference, token_sequences
+from pallas_kernels.linear_attention.gated_delta_rule_common import recurrent_reference, token_sequences
 from pallas_kernels.linear_attention.gated_delta_rule_decode import (
     conv_step,
     decode_reference,

@@ -97,7 +97,7 @@ def test_model_moe_block_mosaic_path_matches_reference(monkeypatch):
     """ModelOps.moe_block with the Mosaic GPU grouped GEMM (steps with >= 128 rows per expert; Mosaic GPU
     interpreter here): the same output as the XLA reference block."""
     import pallas_kernels.moe.moe_gemm_mgpu as mgpu
-    from jinfer.models.ops import ModelOps
+    from jinfer.ops import ModelOps
 
     calls = []
     real = mgpu.moe_grouped_matmul_mgpu

@@ -12,12 +12,12 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from benchmarks.kernels.bench_moe import random_layout
 from pallas_kernels.moe.moe_gemm_mgpu import (
     check_supported,
     default_config,
     moe_grouped_matmul_mgpu,
     moe_grouped_matmul_reference,
-    random_layout,
 )
 from tests.kernels.conftest import MODES, assert_close
 

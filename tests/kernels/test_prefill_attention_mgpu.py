@@ -109,11 +109,14 @@ def test_mgpu_prefill_argument_checks():
 @pytest.mark.slow
 @pytest.mark.parametrize("mode", MODES)
 def test_ops_split_sends_long_sequences_to_mosaic(mode):
-    """ModelOps with mosaic_prefill: sequences with >= MOSAIC_MIN_QUERY_LEN new tokens take the Mosaic
+    """ModelOps with mosaic_prefill: sequences with >= mosaic_min_query_len new tokens take the Mosaic
     kernel, decodes / short chunks / padding the Triton kernel; the merged rows match the reference."""
+    from jinfer.config.kernels import KernelPolicy
     from jinfer.models.batch import make_batch
-    from jinfer.models.ops import MOSAIC_MIN_QUERY_LEN, MOSAIC_MIN_STEP_TOKENS, REFERENCE_OPS, ModelOps
+    from jinfer.ops import REFERENCE_OPS, ModelOps
 
+    policy = KernelPolicy()
+    MOSAIC_MIN_QUERY_LEN, MOSAIC_MIN_STEP_TOKENS = policy.mosaic_min_query_len, policy.mosaic_min_step_tokens
     rng = np.random.default_rng(11)
     page, kv_heads, heads, dim = 16, 2, 8, 64
     seqs = [(1, 40), (MOSAIC_MIN_QUERY_LEN + 3, MOSAIC_MIN_QUERY_LEN + 50), (20, 60), (MOSAIC_MIN_QUERY_LEN, 200)]

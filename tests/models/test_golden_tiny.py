@@ -5,6 +5,7 @@ transformers on the same safetensors; nothing here runs PyTorch. Pages are delib
 handed out in scrambled order so every sequence spans several non-contiguous pages.
 """
 
+from dataclasses import replace
 from functools import partial
 
 import jax
@@ -12,9 +13,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from jinfer.config.kernels import KernelPolicy
 from jinfer.models.batch import make_batch
-from jinfer.models.ops import REFERENCE_OPS, ModelOps
 from jinfer.models.registry import forward, fuse_qkv
+from jinfer.ops import REFERENCE_OPS, ModelOps
 from jinfer.weights.loader import load_weights, resolve_model
 
 from ..conftest import DATA
@@ -124,73 +126,31 @@ def check_batched_chunked_prefill(step, w, kv, gold):
 
 def test_moe_front_kernel_matches_hf(monkeypatch):
     """A MoE block's norm + router + routing as one Pallas kernel (`moe_norm_route`, for steps of up to
-    `ops.MOE_FRONT_MAX_TOKENS` tokens: here every step it takes, prefill chunks too): prefill, every decode step and
-    batched chunked prefill still match HF, and the kernel ran."""
+    `KernelPolicy.moe_front_max_tokens` tokens: here every step it takes, prefill chunks too): prefill, every decode
+    step and batched chunked prefill still match HF, and the kernel ran."""
     import pallas_kernels.moe.moe_router as moe_router
-    from jinfer.models import ops as ops_module
 
-    monkeypatch.setattr(ops_module, "MOE_FRONT_MAX_TOKENS", moe_router.MAX_TOKENS)
+    policy = KernelPolicy(moe_front_max_tokens=moe_router.MAX_TOKENS)
     cfg, w, gold = load("qwen3_moe")
     w = fuse_qkv(cfg, w)
     traced = []
     real = moe_router.moe_norm_route
     monkeypatch.setattr(moe_router, "moe_norm_route", lambda x, *a, **k: traced.append(x.shape[0]) or real(x, *a, **k))
-    step = jax.jit(partial(forward, cfg=cfg, ops=OPS["pallas"]), donate_argnames=("kv_cache",))
+    ops = replace(OPS["pallas"], policy=policy)
+    step = jax.jit(partial(forward, cfg=cfg, ops=ops), donate_argnames=("kv_cache",))
     check_prompt_and_decodes(step, w, empty_cache(cfg), gold, 0)
     check_batched_chunked_prefill(step, w, empty_cache(cfg), gold)
     assert 1 in traced and max(traced) > 1, traced  # decode steps and prefill chunks took the kernel
 
 
-def test_fused_split_k_tails_match_hf(monkeypatch):
-    """The split-K tails finished in the kernels (`ops.FUSED_TAILS`: the attention merge in its last split, o + residual
-    in one skinny GEMM, the fused MLP's sum + residual add) and the o weight's L2 prefetch: every decode step still
-    matches HF, and the fused kernels ran (the tiny model's decode attention runs several splits: one page per block)."""
-    import pallas_kernels.attention.paged_attention as paged_attention
-    from jinfer.models import ops as ops_module
-
-    monkeypatch.setattr(ops_module, "FUSED_TAILS", frozenset({"merge", "o", "mlp"}))
-    monkeypatch.setattr(ops_module, "PREFETCH_O", 0.5)
-    real = paged_attention.paged_decode_attention
-    monkeypatch.setattr(paged_attention, "paged_decode_attention",
-                        partial(real, pages_per_block=1))  # more splits than the tiny context's one block
+def test_prefetch_o_matches_hf():
+    """The norm + q|k|v kernel's idle programs reading part of the o weight into L2 (`KernelPolicy.prefetch_o`, half
+    of it here): every decode step still matches HF, and the prefetch ran."""
     cfg, w, gold = load("qwen3")
     w = fuse_qkv(cfg, w)
-    step = jax.jit(partial(forward, cfg=cfg, ops=OPS["pallas"]), donate_argnames=("kv_cache",))
+    ops = replace(OPS["pallas"], policy=KernelPolicy(prefetch_o=0.5))
+    step = jax.jit(partial(forward, cfg=cfg, ops=ops), donate_argnames=("kv_cache",))
     batch = make_batch([([1], 20, scrambled_pages(0, 8))], PAGE, pages_per_seq=8)
     kernels = str(jax.make_jaxpr(step)(w, batch, empty_cache(cfg)))
-    for name in ("_merged", "skinny_gemm_residual", "fused_swiglu_mlp_block", "norm_qkv_rope_write_k"):
-        assert name in kernels, name
     assert "_pf" in kernels.split("norm_qkv_rope_write_k", 1)[1][:20]
-    check_prompt_and_decodes(step, w, empty_cache(cfg), gold, 1)
-
-
-def test_persistent_o_mlp_matches_hf(monkeypatch):
-    """The o projection, its residual add and the MLP block as one dataflow launch (pallas_kernels/persistent.py) for
-    one-token steps: every decode step still matches HF, and the launch ran (with the batch-1 fused MLP's place)."""
-    from jinfer.models import ops as ops_module
-
-    monkeypatch.setattr(ops_module, "PERSISTENT_O_MLP_TOKENS", frozenset({1}))
-    cfg, w, gold = load("qwen3")
-    w = fuse_qkv(cfg, w)
-    step = jax.jit(partial(forward, cfg=cfg, ops=OPS["pallas"]), donate_argnames=("kv_cache",))
-    batch = make_batch([([1], 20, scrambled_pages(0, 8))], PAGE, pages_per_seq=8)
-    kernels = str(jax.make_jaxpr(step)(w, batch, empty_cache(cfg)))
-    assert "o_proj_mlp_o" in kernels and "fused_swiglu_mlp" not in kernels
-    check_prompt_and_decodes(step, w, empty_cache(cfg), gold, 1)
-
-
-@pytest.mark.parametrize("which", ["o", "down"])
-def test_gemv_residual_matches_hf(monkeypatch, which):
-    """The o projection / the XLA MLP's down projection with the residual add as one no-split GEMV (`ops.GEMV_*`):
-    every decode step still matches HF, and the GEMV ran."""
-    from jinfer.models import ops as ops_module
-
-    monkeypatch.setattr(ops_module, f"GEMV_{which.upper()}_TOKENS", frozenset({1}))
-    monkeypatch.setattr(ops_module, "GEMV_BLOCK_N", 16)
-    monkeypatch.setattr(ops_module, "PALLAS_MLP_TOKENS", frozenset())  # the MLP in XLA: the down GEMV's place
-    cfg, w, gold = load("qwen3")
-    w = fuse_qkv(cfg, w)
-    step = jax.jit(partial(forward, cfg=cfg, ops=OPS["pallas"]), donate_argnames=("kv_cache",))
-    batch = make_batch([([1], 20, scrambled_pages(0, 8))], PAGE, pages_per_seq=8)
-    assert "_res" in str(jax.make_jaxpr(step)(w, batch, empty_cache(cfg)))
     check_prompt_and_decodes(step, w, empty_cache(cfg), gold, 1)

@@ -86,8 +86,8 @@ def test_cli_attention_backends_match_the_ops():
     """args.py lists the backends itself (the HTTP launcher must not import JAX); keep it in step."""
     import argparse
 
+    from jinfer.config.kernels import BACKENDS
     from jinfer.engine.args import add_engine_arguments
-    from jinfer.models.ops import BACKENDS
 
     parser = argparse.ArgumentParser()
     add_engine_arguments(parser)
@@ -102,7 +102,7 @@ def test_mosaic_ops_import_the_mosaic_runtime():
     import subprocess
     import sys
 
-    code = ("import sys; from jinfer.models.ops import ModelOps; m = 'jax.experimental.mosaic.gpu'; "
+    code = ("import sys; from jinfer.ops import ModelOps; m = 'jax.experimental.mosaic.gpu'; "
             "ModelOps('pallas'); a = m in sys.modules; ModelOps('pallas', mosaic_prefill=True); "
             "print(a, m in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout

@@ -1,0 +1,139 @@
+"""Quick timings of the dense kernels (the full comparisons: benchmarks/bench_kernels.py, bench_decode_mlp.py).
+
+    python -m benchmarks.kernels.bench_dense mlp                    # fused SwiGLU MLP vs XLA at Qwen3-4B shapes
+    python -m benchmarks.kernels.bench_dense skinny_gemm [OUT.json]  # skinny GEMM launch sweep vs XLA
+
+On CPU: tiny shapes in the interpreter, to check the script.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import sys
+
+import jax
+import jax.numpy as jnp
+
+from pallas_kernels.dense.fused_mlp import fused_swiglu_mlp, fused_swiglu_mlp_reference
+from pallas_kernels.dense.skinny_gemm import skinny_gemm, skinny_gemm_reference
+
+
+def bench_mlp(argv: list[str] | None = None) -> None:
+    """Quick timing at Qwen3-4B shapes; the full comparison is benchmarks/bench_kernels.py."""
+    import time
+
+    hidden, inter = 2560, 9728
+    interpret = jax.default_backend() != "gpu"
+    if interpret:
+        hidden, inter = 256, 512
+    key = jax.random.key(0)
+    kx, kg, ku, kd = jax.random.split(key, 4)
+    wg = jax.random.normal(kg, (hidden, inter), jnp.bfloat16) * hidden**-0.5
+    wu = jax.random.normal(ku, (hidden, inter), jnp.bfloat16) * hidden**-0.5
+    wd = jax.random.normal(kd, (inter, hidden), jnp.bfloat16) * inter**-0.5
+    for tokens in (1, 16, 64):
+        x = jax.random.normal(kx, (tokens, hidden), jnp.bfloat16)
+        fn = functools.partial(fused_swiglu_mlp, interpret=interpret)
+        for name, f in (("pallas", fn), ("xla", fused_swiglu_mlp_reference)):
+            f(x, wg, wu, wd).block_until_ready()
+            reps = 2 if interpret else 50
+            t0 = time.perf_counter()
+            for _ in range(reps):
+                out = f(x, wg, wu, wd)
+            out.block_until_ready()
+            print(f"mlp T={tokens} {name}: {(time.perf_counter() - t0) / reps * 1e6:.1f} us")
+
+
+LAUNCH = ("block_n", "block_k", "k_splits", "num_warps", "num_stages")
+SHAPES = {"qkv": (2560, 6144), "o": (4096, 2560), "gate_up": (2560, 19456), "down": (9728, 2560),
+          "lm_head": (2560, 151936)}
+
+
+def _time_us(fn, x, ws, reps: int = 10) -> float:
+    """Device time of one call: one executable applies `fn` to each of the distinct weights `ws` (more
+    bytes than L2 holds, and no per-call dispatch in the figure), median over `reps` runs."""
+    import time
+
+    import numpy as np
+
+    chain = jax.jit(lambda x, ws: [fn(x, w) for w in ws])
+    jax.block_until_ready(chain(x, ws))
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        jax.block_until_ready(chain(x, ws))
+        times.append((time.perf_counter() - t0) / len(ws) * 1e6)
+    return float(np.median(times))
+
+
+def sweep(tokens_list=(1, 8), shapes=("qkv", "o", "down", "gate_up")) -> list[dict]:
+    import itertools
+
+    interpret = jax.default_backend() != "gpu"
+    rows = []
+    key = jax.random.key(0)
+    for name in shapes:
+        k, n = SHAPES[name]
+        if interpret:
+            k, n = 256, 512
+        copies = 1 if interpret else max(4, -(-400_000_000 // (k * n * 2)))  # >= 400 MB of distinct weights
+        ws = [jax.random.normal(jax.random.fold_in(key, i), (k, n), jnp.bfloat16) for i in range(copies)]
+        swept = None  # the best launch of the full sweep (first token count), tried at the others
+        for tokens in tokens_list:
+            x = jax.random.normal(key, (tokens, k), jnp.bfloat16)
+            nbytes = k * n * 2
+            reps = 2 if interpret else 10
+            t = _time_us(skinny_gemm_reference, x, ws, reps=reps)
+            rows.append({"shape": name, "K": k, "N": n, "tokens": tokens, "impl": "xla", "time_us": t,
+                         "tb_per_s": nbytes / t / 1e6})
+            print(json.dumps(rows[-1]), flush=True)
+            if interpret:
+                configs = [None, (64, 64, 2, 4, 3)]
+            elif swept is None:
+                configs = [None, *itertools.product((32, 64, 128), (128,), (1, 2, 4), (4,), (3, 5))]
+            else:
+                configs = [None, swept]
+            best = None
+            for c in configs:
+                kw = {} if c is None else dict(zip(LAUNCH, c, strict=True))
+                if c is not None and (n % c[0] or k % (c[2] * c[1]) or k // (c[2] * c[1]) < 2):
+                    continue
+                try:
+                    t = _time_us(functools.partial(skinny_gemm, interpret=interpret, **kw), x, ws, reps=reps)
+                except Exception as e:  # noqa: BLE001 (a config Triton cannot compile: shared memory)
+                    rows.append({"shape": name, "tokens": tokens, "impl": "pallas", **kw, "error": str(e)[:200]})
+                    continue
+                row = {"shape": name, "K": k, "N": n, "tokens": tokens, "impl": "pallas" if kw else "pallas(default)",
+                       **kw, "time_us": t, "tb_per_s": nbytes / t / 1e6}
+                rows.append(row)
+                if c is not None and (best is None or t < best["time_us"]):
+                    best = row
+                if c is None:
+                    print(json.dumps(row), flush=True)
+            print("best", json.dumps(best), flush=True)
+            if swept is None and best is not None:
+                swept = tuple(best[f] for f in LAUNCH)
+    return rows
+
+
+def bench_skinny_gemm(argv: list[str] | None = None) -> None:
+    """Qwen3-4B's decode projections: XLA against a sweep of the skinny GEMM's launch parameters (JSON to argv[0])."""
+    argv = argv or []
+    result = {"device": jax.devices()[0].device_kind, "jax": jax.__version__, "results": sweep()}
+    if argv:
+        with open(argv[0], "w") as f:
+            json.dump(result, f, indent=1)
+
+
+BENCHMARKS = {"mlp": bench_mlp, "skinny_gemm": bench_skinny_gemm}
+
+def main(argv: list[str] | None = None) -> None:
+    argv = sys.argv[1:] if argv is None else argv
+    if not argv or argv[0] not in BENCHMARKS:
+        raise SystemExit(f"usage: python -m {__spec__.name} {{{','.join(BENCHMARKS)}}} [options]\n\n{__doc__}")
+    BENCHMARKS[argv[0]](argv[1:])
+
+
+if __name__ == "__main__":
+    main()

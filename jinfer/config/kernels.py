@@ -1,0 +1,167 @@
+"""KernelPolicy: every choice of kernel the forward pass makes, as one frozen value.
+
+The policy travels inside `jinfer.ops.ModelOps` (a static argument of the jitted step), so each policy compiles its
+own executables and the executable cache keys on it. Nothing below the command line reads the environment: the
+`JINFER_*` measurement switches are read once, by `KernelPolicy.from_env`, where arguments are parsed (the engine's
+CLI, the benchmarks). JAX-free: the choices that depend on the device (is there a GPU?) are resolved by
+`jinfer.ops.select_ops`.
+
+The defaults are the measured choices (H100 figures; docs/performance.md has the comparisons):
+- pallas_mlp_tokens: the fused Pallas MLP beat XLA only at T = 1 (63.7 vs 77.5 us). With the partials' padding gone
+  it was still slower at decode batches 8 / 16 / 32 (TPOT 4.44 / 5.13 / 7.62 ms against XLA's 4.30 / 4.96 / 6.05;
+  latency_mlp_tokens_*_qwen3-4b_h100.json).
+- qkv_rope_max_tokens: q/k norm + RoPE + the K/V write as one kernel up to here: at decode they are ~8 XLA kernels a
+  layer of ~1.3 us launch latency each; prefill-sized steps keep XLA's fusions, which stream large inputs well.
+- norm_qkv_max_tokens: the input RMSNorm, the q|k|v projection and the above as one kernel
+  (pallas_kernels/dense/norm_qkv_rope.py) where the layer's q|k|v weight is fused (one device).
+- prefetch_o: the norm_qkv_rope kernel's idle SMs read this fraction of the layer's o weight into L2 while it runs.
+  Qwen3-4B decode steps: 20% saves 11-21 us a step at batch 1 and 36-51 at batch 8 (o 9.5 -> 8.2 us a layer, the
+  q|k|v kernel 16.0 -> 17.1); the whole weight made o 6.6 us but the q|k|v kernel 35 us (local_step_prefetch_o*.json).
+- moe_front_max_tokens: a MoE block's RMSNorm + router + routing as one kernel (moe_router.moe_norm_route) up to
+  here. Qwen3-30B-A3B decode steps: 3.60-3.63 vs 3.89 ms at batch 1, 4.19-4.28 vs 4.31 at 8; slower at 16 (5.23 vs
+  4.83: one K split there) and 32 (local_step_front*_qwen3-30b-a3b_h100.json).
+- mosaic_min_query_len: sequences with at least this many new tokens take the Mosaic GPU prefill kernel: a full tile
+  (2 warpgroups x 64 query rows); shorter ones waste most of its rows. mosaic_min_step_tokens: steps of fewer tokens
+  never launch it (decode batches, small chunks: its tile table and launch, ~0.1 ms a step over 36 layers, buy
+  nothing).
+- mosaic_moe_min_rows_per_expert: steps routing at least this many rows per expert run the experts on the Mosaic
+  GPU grouped GEMM (482 TFLOP/s at 4096 tokens x top-8 against 251 for the Triton kernels; moe_mgpu_h100.json).
+- pad_vector_dots: XLA rewrites a one-row dot with a matrix under 10M elements into a multiply + reduce that streams
+  at ~0.8 TB/s instead of ~3; `ModelOps.project` gives such dots a padding row, which keeps them GEMMs.
+- xla_dot_merger: XLA's dot merger in large (prefill) steps. Off: it merged the MLP's x @ w_gate and x @ w_up by
+  concatenating the two weights anew in every layer of every prefill step (60 us a layer for Qwen3.5-4B).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+BACKENDS = ("auto", "reference", "pallas", "pallas-triton")  # pallas-triton: no Mosaic GPU kernel
+EVICTION_POLICIES = ("evict_last", "normal")
+# Kernels whose launch parameters `KernelPolicy.launch` may set (keyword arguments of their public functions).
+LAUNCH_KERNELS = ("fused_mlp", "paged_decode_attention", "norm_qkv_rope", "moe_route", "moe_norm_route")
+# The environment switches `from_env` reads (measurements): variable -> field.
+ENV_FIELDS = {
+    "JINFER_PALLAS_MLP_TOKENS": "pallas_mlp_tokens",
+    "JINFER_NORM_QKV_TOKENS": "norm_qkv_max_tokens",
+    "JINFER_MOE_FRONT_TOKENS": "moe_front_max_tokens",
+    "JINFER_PREFETCH_O": "prefetch_o",
+    "JINFER_PREFETCH_EVICTION": "prefetch_eviction",
+    "JINFER_XLA_DOT_MERGER": "xla_dot_merger",
+}
+
+LaunchArgs = tuple[tuple[str, tuple[tuple[str, int | bool | None], ...]], ...]
+
+
+@dataclass(frozen=True)
+class KernelPolicy:
+    attention_backend: str = "auto"  # one of BACKENDS; "auto": Pallas on GPU, the jnp reference elsewhere
+    interpret: bool | None = None  # Pallas interpreter; None: where there is no GPU
+    pallas_mlp_tokens: tuple[int, ...] = (1,)  # step sizes that run the fused Pallas MLP (any iterable; sorted)
+    qkv_rope_max_tokens: int = 256
+    norm_qkv_max_tokens: int = 64
+    norm_qkv_k_splits: int | None = None  # None: the kernel's default_k_splits
+    prefetch_o: float = 0.2  # fraction of the o weight read into L2 (0: off)
+    prefetch_eviction: str = "evict_last"  # the prefetch loads' L2 eviction policy (EVICTION_POLICIES)
+    moe_front_max_tokens: int = 8
+    mosaic_min_query_len: int = 128
+    mosaic_min_step_tokens: int = 512
+    mosaic_moe_min_rows_per_expert: int = 128
+    pad_vector_dots: bool = True
+    xla_dot_merger: bool = False
+    # Launch-parameter overrides per kernel (measurements): {kernel: {keyword: value}}, kept as sorted tuples.
+    launch: LaunchArgs = ()
+
+    def __post_init__(self):
+        if self.attention_backend not in BACKENDS:
+            raise ValueError(f"attention_backend={self.attention_backend!r} must be one of {BACKENDS}")
+        if self.interpret not in (None, True, False):
+            raise ValueError(f"interpret={self.interpret!r} must be None, True or False")
+        tokens = self.pallas_mlp_tokens
+        if isinstance(tokens, str | bytes) or not all(_is_int(t) and t >= 1 for t in tokens):
+            raise ValueError(f"pallas_mlp_tokens={tokens!r} must be token counts >= 1")
+        object.__setattr__(self, "pallas_mlp_tokens", tuple(sorted(set(tokens))))
+        for name in ("qkv_rope_max_tokens", "norm_qkv_max_tokens", "moe_front_max_tokens", "mosaic_min_query_len",
+                     "mosaic_min_step_tokens", "mosaic_moe_min_rows_per_expert"):
+            v = getattr(self, name)
+            if not _is_int(v) or v < 0:
+                raise ValueError(f"{name}={v!r} must be an integer >= 0")
+        if self.norm_qkv_k_splits is not None and (not _is_int(self.norm_qkv_k_splits) or self.norm_qkv_k_splits < 1):
+            raise ValueError(f"norm_qkv_k_splits={self.norm_qkv_k_splits!r} must be None or an integer >= 1")
+        if not isinstance(self.prefetch_o, int | float) or isinstance(self.prefetch_o, bool) \
+                or not 0 <= self.prefetch_o <= 1:
+            raise ValueError(f"prefetch_o={self.prefetch_o!r} must be a fraction in [0, 1]")
+        if self.prefetch_eviction not in EVICTION_POLICIES:
+            raise ValueError(f"prefetch_eviction={self.prefetch_eviction!r} must be one of {EVICTION_POLICIES}")
+        for name in ("pad_vector_dots", "xla_dot_merger"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name}={getattr(self, name)!r} must be a bool")
+        object.__setattr__(self, "launch", _launch_tuple(self.launch))
+
+    def launch_args(self, kernel: str) -> dict:
+        """The launch keyword arguments the policy sets for `kernel` (one of LAUNCH_KERNELS; {} for none)."""
+        if kernel not in LAUNCH_KERNELS:
+            raise ValueError(f"kernel={kernel!r} must be one of {LAUNCH_KERNELS}")
+        return dict(dict(self.launch).get(kernel, ()))
+
+    def with_launch(self, kernel: str, **args) -> KernelPolicy:
+        """This policy with `args` added to `kernel`'s launch overrides."""
+        launch = {k: dict(v) for k, v in self.launch}
+        launch[kernel] = launch.get(kernel, {}) | args
+        return dataclasses.replace(self, launch=launch)
+
+    def large_step_xla_options(self) -> dict[str, object]:
+        """XLA compiler options for the executables of large (prefill) steps that the policy decides."""
+        return {} if self.xla_dot_merger else {"xla_gpu_dot_merger_threshold_mb": 0}
+
+    @classmethod
+    def from_env(cls, environ: Mapping[str, str] | None = None, **fields) -> KernelPolicy:
+        """The policy the `JINFER_*` measurement switches (ENV_FIELDS) set, on top of `fields`. For the CLI and the
+        benchmarks only: nothing below them reads the environment.
+
+        JINFER_PALLAS_MLP_TOKENS="1,8" (a list of token counts, "" none); JINFER_XLA_DOT_MERGER=1 (XLA's default);
+        the others take the field's value."""
+        environ = os.environ if environ is None else environ
+        for var, name in ENV_FIELDS.items():
+            text = environ.get(var)
+            if text is None:
+                continue
+            try:
+                if name == "pallas_mlp_tokens":
+                    value = tuple(int(t) for t in text.split(",") if t)
+                elif name == "xla_dot_merger":
+                    value = text == "1"
+                elif name == "prefetch_o":
+                    value = float(text)
+                elif name == "prefetch_eviction":
+                    value = text
+                else:
+                    value = int(text)
+            except ValueError:
+                raise ValueError(f"{var}={text!r} is not a valid {name}") from None
+            fields[name] = value
+        return cls(**fields)
+
+
+def _is_int(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _launch_tuple(launch) -> LaunchArgs:
+    """`launch` ({kernel: {keyword: value}} or its tuple form) as sorted tuples, checked."""
+    items = launch.items() if isinstance(launch, Mapping) else launch
+    out = []
+    for kernel, args in items:
+        if kernel not in LAUNCH_KERNELS:
+            raise ValueError(f"launch: kernel {kernel!r} must be one of {LAUNCH_KERNELS}")
+        pairs = args.items() if isinstance(args, Mapping) else args
+        checked = []
+        for key, value in pairs:
+            if not isinstance(key, str) or not (value is None or isinstance(value, int)):
+                raise ValueError(f"launch[{kernel!r}]: {key!r}={value!r} must be a keyword and an int, bool or None")
+            checked.append((key, value))
+        out.append((kernel, tuple(sorted(checked))))
+    return tuple(sorted(out))

@@ -1,0 +1,61 @@
+"""Attention's kernel choice (H100 measurements, benchmarks/results/kernels_h100.json).
+
+A decode step (every sequence has one new token: batch-1 decode, or an executable the runner compiled with
+`decode_step` for the decode-only steps of a bucket with B = T) takes the paged decode kernel; anything else
+(prefill chunks, mixed steps) the ragged prefill kernels, split by sequence: those with >= mosaic_min_query_len new
+tokens go to the Mosaic GPU kernel (TMA + wgmma, one query head per tile; prefill_attention_mgpu.py), the rest
+(decodes, short chunks) and the padding to the Triton kernel, which packs a kv head's query heads into one tile.
+The ragged kernel reads decode batches at 2.17 TB/s where the decode kernel reaches 2.44 (64 x 2k, random pages;
+`kernels_h100_repeat3.json`), hence the decode-only executables. A step of fewer than mosaic_min_step_tokens tokens
+never launches the Mosaic kernel. The reference is the kernel module's own jnp reference, which gathers every page
+of each token's sequence.
+"""
+
+from __future__ import annotations
+
+import jax
+
+from jinfer.models.batch import Batch
+
+
+class AttentionOps:
+    """ModelOps' attention (mixed into `jinfer.ops.ModelOps`, whose fields it reads)."""
+
+    def attention(self, q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, batch: Batch,
+                  scale: float) -> jax.Array:
+        """q: [T, H, D] -> [T, H, D], each token over its sequence's pages (K/V already written)."""
+        from pallas_kernels.attention.prefill_attention import (
+            ragged_prefill_attention,
+            ragged_prefill_attention_reference,
+        )
+
+        if self.backend == "reference":
+            return ragged_prefill_attention_reference(q, k_cache, v_cache, batch.query_start, batch.seq_lens,
+                                                      batch.page_table, scale=scale)
+        from pallas_kernels.attention.paged_attention import paged_decode_attention
+
+        if self.decode_step and q.shape[0] != batch.num_seqs:
+            raise ValueError(f"a decode step needs one token per sequence: {q.shape[0]} tokens, "
+                             f"{batch.num_seqs} sequences")
+        if self.decode_step or (q.shape[0] == 1 and batch.num_seqs == 1):
+            return paged_decode_attention(q, k_cache, v_cache, batch.page_table, batch.seq_lens, scale=scale,
+                                          interpret=self.interpret,
+                                          **self.policy.launch_args("paged_decode_attention"))
+        args = (q, k_cache, v_cache, batch.query_start, batch.seq_lens, batch.page_table)
+        policy = self.policy
+        if not self.mosaic_prefill or q.shape[0] < policy.mosaic_min_step_tokens:
+            return ragged_prefill_attention(*args, scale=scale, interpret=self.interpret)
+        from pallas_kernels.attention.prefill_attention_mgpu import (
+            check_supported,
+            long_sequences,
+            ragged_prefill_attention_mgpu,
+        )
+
+        if check_supported(q, k_cache) is not None:
+            return ragged_prefill_attention(*args, scale=scale, interpret=self.interpret)
+        # The Mosaic kernel writes the long sequences' rows; the Triton kernel then fills in the rest
+        # of the same buffer (in place).
+        out = ragged_prefill_attention_mgpu(*args, scale=scale, min_query_len=policy.mosaic_min_query_len,
+                                            interpret=self.interpret)
+        rest = ~long_sequences(batch.query_start, policy.mosaic_min_query_len)
+        return ragged_prefill_attention(*args, rest, out, scale=scale, interpret=self.interpret)

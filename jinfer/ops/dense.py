@@ -1,0 +1,157 @@
+"""The dense ops' kernel choices: projections, the attention block's front end (norm + q|k|v + RoPE + K/V write),
+the o projection, the dense MLP block, embedding and lm_head.
+
+- projections around attention: on one device, steps of <= norm_qkv_max_tokens tokens run norm + q|k|v + q/k
+  norm + RoPE + the K/V write as one kernel (`norm_qkv_rope_write`, which also prefetches part of the o weight into
+  L2); otherwise XLA's GEMMs, then q/k norm + RoPE + K/V write as one kernel up to qkv_rope_max_tokens. o runs on
+  XLA's GEMM (but one-token o projections under XLA's strength-reduction size: the skinny GEMM, see `out_proj`).
+- MLP: the fused Pallas kernel at the token counts where it beat XLA (`KernelPolicy.pallas_mlp_tokens`), XLA's
+  fusion elsewhere.
+The layer's norms and residual adds belong to these ops, so a fused kernel can take them in.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from jinfer.models.layers import rms_norm, swiglu_mlp
+
+# XLA's GPU pipeline rewrites a dot whose left side is one row (a vector once the unit dimension is dropped) into a
+# multiply + reduce when the matrix has fewer than 10M elements (its DotStrengthReduction pass), and that streams
+# the weights at ~0.8 TB/s instead of ~3: the o projection of a tp=2 Qwen3-8B shard (2048 x 4096) or of
+# Qwen3-30B-A3B (4096 x 2048) in a batch-1 decode step. `project` gives such dots a second (padding) row.
+STRENGTH_REDUCED_DOT_ELEMENTS = 10_000_000
+STEP_COUNTERS = 1024  # DenseOps.step_counters: one per program group (a head of the q|k|v kernel)
+
+
+def project(x: jax.Array, w: jax.Array, pad_vector_dots: bool = True, **kw) -> jax.Array:
+    """x @ w for x [T, K], w [K, N] (`jnp.dot` keywords pass through), kept a GEMM when T = 1 (pad_vector_dots)."""
+    if pad_vector_dots and x.shape[0] == 1 and w.shape[0] * w.shape[1] < STRENGTH_REDUCED_DOT_ELEMENTS:
+        return jnp.dot(jnp.pad(x, ((0, 1), (0, 0))), w, **kw)[:1]
+    return jnp.dot(x, w, **kw)
+
+
+class DenseOps:
+    """ModelOps' dense ops (mixed into `jinfer.ops.ModelOps`, whose fields they read)."""
+
+    def project(self, x: jax.Array, w: jax.Array, **kw) -> jax.Array:
+        """x @ w, kept a GEMM at T = 1 where the policy pads vector dots (`project`)."""
+        return project(x, w, self.policy.pad_vector_dots, **kw)
+
+    def step_counters(self, tokens: int) -> jax.Array | None:
+        """A step's zeroed int32 counters for the split-K kernels that finish in their last program
+        (`norm_qkv_rope_write`, `moe_norm_route`): made once per step (one memset), passed from layer to layer,
+        each kernel leaving them zero. None where no kernel takes them."""
+        policy = self.policy
+        if self.backend != "pallas" or tokens > max(policy.norm_qkv_max_tokens, policy.moe_front_max_tokens):
+            return None
+        return jnp.zeros((STEP_COUNTERS,), jnp.int32)
+
+    def qkv_rope_write(self, qkv: jax.Array, q_norm: jax.Array | None, k_norm: jax.Array | None, cos: jax.Array,
+                       sin: jax.Array, kv: tuple[jax.Array, jax.Array], slot_mapping: jax.Array, num_heads: int,
+                       num_kv_heads: int, eps: float, gated_q: bool = False
+                       ) -> tuple[jax.Array, jax.Array, jax.Array] | None:
+        """The fused q|k|v -> (q, k_cache, v_cache) kernel (q/k norm, RoPE or partial RoPE, K/V write;
+        `gated_q`: each head's query is followed by its output gate in qkv), or None where the XLA ops are
+        used: the reference backend, steps over qkv_rope_max_tokens tokens, other shapes."""
+        if self.backend != "pallas" or qkv.shape[0] > self.policy.qkv_rope_max_tokens:
+            return None
+        from pallas_kernels.dense.qkv_rope import check_supported, qkv_rope_write
+
+        if check_supported(qkv.shape[1], num_heads, num_kv_heads, kv[0].shape[-1], gated_q=gated_q,
+                           rotary_dim=cos.shape[-1]) is not None:
+            return None
+        return qkv_rope_write(qkv, cos, sin, slot_mapping, q_norm, k_norm, kv[0], kv[1], num_heads=num_heads,
+                              num_kv_heads=num_kv_heads, eps=eps, gated_q=gated_q, interpret=self.interpret)
+
+    def norm_qkv_rope_write(self, x: jax.Array, norm: jax.Array, wqkv: jax.Array, q_norm: jax.Array | None,
+                            k_norm: jax.Array | None, cos: jax.Array, sin: jax.Array, kv: tuple[jax.Array, jax.Array],
+                            slot_mapping: jax.Array, num_heads: int, num_kv_heads: int, eps: float,
+                            counters: jax.Array | None = None, prefetch: jax.Array | None = None
+                            ) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array | None] | None:
+        """rms_norm(x) @ wqkv, then what `qkv_rope_write` does, in one kernel -> (q, k_cache, v_cache, counters);
+        None where the separate ops are used: the reference backend, steps over norm_qkv_max_tokens tokens, other
+        shapes (partial RoPE, ...). With `counters` (`step_counters`) each head's K range is split over programs.
+        `prefetch` (the layer's o weight) is read into L2 by the launch's idle SMs where prefetch_o is on."""
+        policy = self.policy
+        if self.backend != "pallas" or x.shape[0] > policy.norm_qkv_max_tokens:
+            return None
+        from pallas_kernels.dense.norm_qkv_rope import check_supported, norm_qkv_rope_write
+        from pallas_kernels.dense.prefetch import prefetch_view
+
+        if check_supported(x.shape[0], x.shape[1], wqkv.shape[1], num_heads, num_kv_heads, kv[0].shape[-1],
+                           cos.shape[-1]) is not None:
+            return None
+        if not policy.prefetch_o or self.axis is not None or prefetch is None or prefetch_view(prefetch) is None:
+            prefetch = None
+        return norm_qkv_rope_write(x, norm, wqkv, cos, sin, slot_mapping, q_norm, k_norm, kv[0], kv[1], counters,
+                                   num_heads=num_heads, num_kv_heads=num_kv_heads, eps=eps,
+                                   k_splits=policy.norm_qkv_k_splits, prefetch=prefetch,
+                                   prefetch_fraction=policy.prefetch_o or 1.0,
+                                   prefetch_eviction=policy.prefetch_eviction, interpret=self.interpret,
+                                   **policy.launch_args("norm_qkv_rope"))
+
+    def norm_projections(self, x: jax.Array, norm: jax.Array, weights: tuple[jax.Array, ...],
+                         eps: float) -> tuple[jax.Array, ...]:
+        """rms_norm(x) @ w for each w; x: [T, hidden] (the residual stream).
+
+        XLA's kernels (decode-sized steps with a fused q|k|v weight take `norm_qkv_rope_write` instead). An
+        earlier norm + q/k/v kernel with 32-column tiles ran at ~1 TB/s at T=1 on the H100; the one kept
+        owns whole heads and splits K (see `pallas_kernels/dense/norm_qkv_rope.py`).
+        """
+        h = rms_norm(x, norm, eps)
+        return tuple(self.project(h, w) for w in weights)
+
+    def out_proj(self, attn: jax.Array, wo: jax.Array, residual: jax.Array) -> jax.Array:
+        """residual + attn @ wo.
+
+        A one-token step whose o weight is small enough for XLA's strength reduction (which `project` defeats with
+        a padding row: one more kernel, since attention's output comes from a Pallas call) takes the Pallas skinny
+        GEMM instead. Qwen3-30B-A3B's 4096 x 2048 o at batch 1 on the H100: decode step 3.535 / 3.556 vs 3.615 /
+        3.588 ms in interleaved rounds (`local_step_skinny_o_qwen3-30b-a3b_h100.json`); on Qwen3-4B's unpadded
+        4096 x 2560 o, and at batch 8, the two were even, so those keep XLA's GEMM."""
+        if self.backend == "pallas" and attn.shape[0] == 1 and self.policy.pad_vector_dots \
+                and wo.shape[0] * wo.shape[1] < STRENGTH_REDUCED_DOT_ELEMENTS and wo.shape[0] % 16 == 0 \
+                and wo.shape[1] % 16 == 0:
+            from pallas_kernels.dense.skinny_gemm import skinny_gemm
+
+            return residual + self.reduce(skinny_gemm(attn, wo, interpret=self.interpret).astype(attn.dtype))
+        return residual + self.reduce(self.project(attn, wo))
+
+    def mlp_block(self, x: jax.Array, norm: jax.Array, w_gate: jax.Array, w_up: jax.Array, w_down: jax.Array,
+                  eps: float) -> jax.Array:
+        """x + mlp(rms_norm(x)); x: [T, hidden] (the residual stream).
+
+        (Folding the residual add before the block into the fused kernel, x + delta added as the kernel reads
+        x, was measured: it removed one ~1.5 us XLA kernel per layer but slowed the kernel by ~3.7 us per
+        layer at batch-1 decode on the H100, 1885 vs 1767 us per Qwen3.5-4B step: the extra load sits on each
+        K iteration's critical path.)"""
+        if self.backend == "pallas" and x.shape[0] in self.policy.pallas_mlp_tokens and x.shape[1] % 16 == 0 \
+                and w_gate.shape[1] % 16 == 0:
+            from pallas_kernels.dense.fused_mlp import fused_swiglu_mlp
+
+            return x + self.reduce(fused_swiglu_mlp(x, w_gate, w_up, w_down, norm, eps=eps, interpret=self.interpret,
+                                                    **self.policy.launch_args("fused_mlp")))
+        return x + self.reduce(swiglu_mlp(rms_norm(x, norm, eps), w_gate, w_up, w_down))
+
+    def reduce(self, partial: jax.Array) -> jax.Array:
+        """The sum of the devices' partial results of a row-parallel matmul (identity on one device)."""
+        return partial if self.axis is None else jax.lax.psum(partial, self.axis)
+
+    def embed(self, table: jax.Array, ids: jax.Array, vocab_size: int) -> jax.Array:
+        """table[ids]; a vocab-parallel table (this device's rows of `vocab_size`) looks up the ids in its
+        range, zeros elsewhere, and the psum assembles the rows."""
+        if table.shape[0] == vocab_size:
+            return table[ids]
+        rows = table.shape[0]
+        local = ids - jax.lax.axis_index(self.axis) * rows
+        hit = (local >= 0) & (local < rows)
+        return self.reduce(jnp.where(hit[:, None], table[jnp.clip(local, 0, rows - 1)], 0))
+
+    def lm_head(self, x: jax.Array, head: jax.Array, vocab_size: int) -> jax.Array:
+        """x @ head in float32 -> [N, vocab]; a vocab-parallel head's columns are gathered."""
+        logits = self.project(x, head, preferred_element_type=jnp.float32)
+        if head.shape[1] == vocab_size:
+            return logits
+        return jax.lax.all_gather(logits, self.axis, axis=1, tiled=True)

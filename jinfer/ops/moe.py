@@ -1,0 +1,106 @@
+"""The mixture-of-experts block's kernel choice (`MoeOps.moe_block`).
+
+The norm, router matmul and routing run as one kernel in small steps (pallas_kernels/moe/moe_router.py:
+`moe_norm_route`, up to `KernelPolicy.moe_front_max_tokens`), else the router matmul in XLA and the routing kernel;
+then the two grouped GEMMs of pallas_kernels/moe/moe_routing.py and moe_gemm.py over the expert-grouped layout,
+with `moe_block_m` rows per block. Steps routing at least `mosaic_moe_min_rows_per_expert` rows per expert run the
+experts on the Mosaic GPU grouped GEMM instead (moe_gemm_mgpu.py: 482 TFLOP/s at 4096 tokens x top-8 on the H100,
+against 251 for the Triton kernels; at 512 and 1024 tokens it was weight-bound at 84-167 TFLOP/s and the Triton
+kernels were not measured there, so they keep those steps; moe_kernels_h100.json, moe_mgpu_h100.json). The
+reference is `layers.moe_mlp` (`lax.ragged_dot`).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from jinfer.models.layers import moe_mlp, rms_norm
+
+MOSAIC_MOE_BLOCK_M = 128  # the Mosaic GPU grouped GEMM's rows per block
+
+
+def moe_block_m(num_pairs: int, num_experts: int) -> int:
+    """Rows per block of the expert-grouped layout (the grouped GEMMs' M tile): 16 (the smallest
+    tensor-core tile) while experts get a few rows each (decode), larger tiles as they fill."""
+    per_expert = num_pairs / num_experts
+    return 16 if per_expert <= 16 else 64
+
+
+class MoeOps:
+    """ModelOps' mixture-of-experts block (mixed into `jinfer.ops.ModelOps`, whose fields it reads)."""
+
+    def moe_block(self, x: jax.Array, norm: jax.Array, router: jax.Array, w_gate: jax.Array, w_up: jax.Array,
+                  w_down: jax.Array, *, top_k: int, renormalize: bool, eps: float, counters: jax.Array | None = None
+                  ) -> tuple[jax.Array, jax.Array | None]:
+        """(x + moe(rms_norm(x)), counters); x: [T, hidden]; router: [hidden, E]; experts stacked [E, ...].
+        counters: the step's (`step_counters`), passed on; with them a small step's norm, router and routing are
+        one kernel (`moe_norm_route`).
+
+        Sharded (`axis`), the experts here are this device's: their intermediate columns (tensor
+        parallel) or, when there are fewer of them than the router's E, experts [e0, e0 + E_local)
+        (expert parallel). Every device routes every token; the psum adds the partial outputs.
+        """
+        num_experts, hidden, inter = w_gate.shape
+        tokens = x.shape[0]
+        policy = self.policy
+        first = None  # expert parallel: the id of this device's first expert
+        if num_experts != router.shape[1]:
+            first = jax.lax.axis_index(self.axis) * num_experts
+        kernels = self.backend == "pallas" and hidden % 16 == 0 and inter % 16 == 0
+        routing = None
+        if kernels and counters is not None and tokens <= policy.moe_front_max_tokens \
+                and _front_supported(tokens, hidden, router.shape[1]):
+            from pallas_kernels.moe.moe_router import moe_norm_route
+
+            h, routing, counters = moe_norm_route(x, norm, router, counters, top_k=top_k, renormalize=renormalize,
+                                                  block_m=moe_block_m(tokens * top_k, router.shape[1]), eps=eps,
+                                                  interpret=self.interpret, **policy.launch_args("moe_norm_route"))
+        else:
+            h = rms_norm(x, norm, eps)
+            # router logits rounded to the activation dtype, as HF's F.linear (and vLLM) produce them
+            logits = self.project(h, router, preferred_element_type=jnp.float32).astype(h.dtype)  # [T, E]
+        if not kernels:
+            return x + self.reduce(moe_mlp(h, logits, w_gate, w_up, w_down, top_k, renormalize, first)), counters
+        from pallas_kernels.moe.moe_gemm import moe_combine, moe_down, moe_gate_up
+        from pallas_kernels.moe.moe_routing import local_experts, moe_route
+
+        if routing is None and self.mosaic_prefill \
+                and tokens * top_k >= policy.mosaic_moe_min_rows_per_expert * logits.shape[1]:
+            out = self._moe_mgpu(h, logits, w_gate, w_up, w_down, top_k, renormalize, first)
+            if out is not None:
+                return x + self.reduce(out), counters
+        if routing is None:
+            routing = moe_route(logits, top_k=top_k, renormalize=renormalize,
+                                block_m=moe_block_m(tokens * top_k, logits.shape[1]), interpret=self.interpret,
+                                **policy.launch_args("moe_route"))
+        mine = None
+        if first is not None:
+            routing, mine = local_experts(routing, first, num_experts)
+        act = moe_gate_up(h, routing, w_gate, w_up, interpret=self.interpret)
+        y = moe_down(act, routing, w_down, interpret=self.interpret)
+        return x + self.reduce(moe_combine(y, top_k, x.dtype, mine)), counters
+
+    def _moe_mgpu(self, h, logits, w_gate, w_up, w_down, top_k, renormalize, first):
+        """The experts on the Mosaic GPU grouped GEMM (`moe_experts_mgpu`); None where the kernel does not
+        take the shapes."""
+        from pallas_kernels.moe.moe_gemm_mgpu import check_supported, moe_experts_mgpu
+        from pallas_kernels.moe.moe_routing import local_experts, moe_route
+
+        bm = MOSAIC_MOE_BLOCK_M
+        up_spec = jax.ShapeDtypeStruct((bm, h.shape[1]), h.dtype)
+        down_spec = jax.ShapeDtypeStruct((bm, w_down.shape[1]), h.dtype)
+        if check_supported(up_spec, w_gate, w_up, block_m=bm) is not None \
+                or check_supported(down_spec, w_down, block_m=bm) is not None:
+            return None
+        routing = moe_route(logits, top_k=top_k, renormalize=renormalize, block_m=bm, interpret=self.interpret)
+        mine = None
+        if first is not None:
+            routing, mine = local_experts(routing, first, w_gate.shape[0])
+        return moe_experts_mgpu(h, routing, w_gate, w_up, w_down, mine=mine, interpret=self.interpret)
+
+
+def _front_supported(tokens: int, hidden: int, experts: int) -> bool:
+    from pallas_kernels.moe.moe_router import front_supported
+
+    return front_supported(tokens, hidden, experts) is None
