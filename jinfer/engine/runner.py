@@ -51,8 +51,8 @@ from jinfer.engine.sampler import (
     uses_penalties,
 )
 from jinfer.engine.scheduler import SchedulerOutput
+from jinfer.models.base import Weights
 from jinfer.models.batch import Batch
-from jinfer.models.llama import Weights
 from jinfer.models.ops import REFERENCE_OPS, ModelOps
 from jinfer.models.registry import forward, state_specs
 from jinfer.parallel.mesh import KV_AXES, array_specs, kv_heads_total, logical_sharding, mesh_forward, put

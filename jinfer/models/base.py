@@ -1,12 +1,11 @@
-"""The llama-family dense decoder (Llama, Qwen2, Qwen3): weight specs and a pure forward pass.
+"""What every family shares: the weight pytree types, the attention and dense-MLP weight specs, and the
+decoder skeleton (`decoder_forward`: embedding, attention over the paged cache, the family's MLP per
+layer, final norm, lm_head).
 
-The three architectures differ only by switches in `ModelConfig`: `attention_bias` (Qwen2 q/k/v
-bias) and `qk_norm` (Qwen3 per-head RMSNorm on q and k before RoPE). Every weight is described
-once in `weight_specs`; random init, sharding and checkpoint loading are derived from that table.
-
-The decoder skeleton (`decoder_forward`: embedding, attention over the paged cache, final norm,
-lm_head) and the attention weights are shared with the other families (qwen3_moe.py), which bring
-their own MLP per layer.
+The attention is Llama's with two switches in `ModelConfig`: `attention_bias` (Qwen2 q/k/v bias) and
+`qk_norm` (Qwen3 per-head RMSNorm on q and k before RoPE). A family module (llama.py, qwen3_moe.py,
+qwen3_5.py) brings its layer specs and its MLP or its own layers; every weight is described once in its
+specs, and random init, sharding and checkpoint loading are derived from that table.
 """
 
 from __future__ import annotations
@@ -21,16 +20,18 @@ import jax.numpy as jnp
 from jinfer.config.model import ModelConfig
 from jinfer.models.batch import Batch
 from jinfer.models.layers import apply_rope, rms_norm, rope_cos_sin, write_kv
-from jinfer.models.ops import REFERENCE_OPS, ModelOps
+from jinfer.models.ops import ModelOps
 from jinfer.models.spec import ArrayInfo
 
-__all__ = ["ArrayInfo", "LayerWeights", "Weights", "assemble_weights", "decoder_forward", "forward", "fuse_qkv",
-           "weight_specs"]
+__all__ = ["LayerWeights", "Weights", "assemble_weights", "attention_specs", "decoder_forward", "decoder_specs",
+           "dense_mlp", "fuse_qkv", "lm_head_logits", "mlp_specs"]
 
 
 @jax.tree_util.register_dataclass
 @dataclass
 class LayerWeights:
+    """One layer of the attention decoders (llama, qwen3_moe): attention, then a dense or MoE MLP."""
+
     attn_norm: jax.Array  # [hidden]
     wq: jax.Array | None  # [hidden, H*D] (None once fused into wqkv)
     wk: jax.Array | None  # [hidden, KVH*D]
@@ -52,8 +53,10 @@ class LayerWeights:
 @jax.tree_util.register_dataclass
 @dataclass
 class Weights:
+    """Every family's weights: the embedding, its layers (each the family's layer dataclass), the final norm."""
+
     embed: jax.Array  # [vocab, hidden]
-    layers: list[LayerWeights]
+    layers: list  # [LayerWeights] or a family's own layer type (qwen3_5.HybridLayer)
     final_norm: jax.Array  # [hidden]
     lm_head: jax.Array | None = None  # [hidden, vocab]; None when tied to embed
 
@@ -95,14 +98,10 @@ def mlp_specs(cfg: ModelConfig, i: int) -> dict[str, ArrayInfo]:
     }
 
 
-def layer_specs(cfg: ModelConfig, i: int) -> dict[str, ArrayInfo]:
-    return attention_specs(cfg, i) | mlp_specs(cfg, i)
-
-
-def weight_specs(cfg: ModelConfig,
-                 layer_specs: Callable[[ModelConfig, int], dict[str, ArrayInfo]] = layer_specs
-                 ) -> dict[str, ArrayInfo]:
-    """Every weight of the model, keyed by its path in the `Weights` pytree ("layers.3.wq")."""
+def decoder_specs(cfg: ModelConfig, layer_specs: Callable[[ModelConfig, int], dict[str, ArrayInfo]]
+                  ) -> dict[str, ArrayInfo]:
+    """Every weight of the model, keyed by its path in the `Weights` pytree ("layers.3.wq"): the embedding,
+    each layer's (`layer_specs(cfg, i)`, the family's), the final norm and an untied lm_head."""
     h, v = cfg.hidden_size, cfg.vocab_size
     specs = {"embed": ArrayInfo((v, h), ("vocab", "embed"), "model.embed_tokens.weight", "token_embd.weight")}
     for i in range(cfg.num_layers):
@@ -113,15 +112,16 @@ def weight_specs(cfg: ModelConfig,
     return specs
 
 
-def assemble_weights(cfg: ModelConfig, arrays: dict[str, jax.Array]) -> Weights:
-    """Build the `Weights` pytree from a flat {spec path: array} dict (the loaders' output)."""
-    layer_fields = {f.name for f in fields(LayerWeights)}
+def assemble_weights(cfg: ModelConfig, arrays: dict[str, jax.Array], layer_type: type = LayerWeights) -> Weights:
+    """Build the `Weights` pytree from a flat {spec path: array} dict (the loaders' output), each layer a
+    `layer_type` (the family's layer dataclass)."""
+    layer_fields = {f.name for f in fields(layer_type)}
     layers = []
     for i in range(cfg.num_layers):
         prefix = f"layers.{i}."
         kw = {k[len(prefix):]: a for k, a in arrays.items() if k.startswith(prefix)}
         assert set(kw) <= layer_fields, set(kw) - layer_fields
-        layers.append(LayerWeights(**kw))
+        layers.append(layer_type(**kw))
     return Weights(arrays["embed"], layers, arrays["final_norm"], arrays.get("lm_head"))
 
 
@@ -196,17 +196,6 @@ MlpFn = Callable[[LayerWeights, int, jax.Array, ModelConfig, ModelOps, jax.Array
                  tuple[jax.Array, jax.Array | None]]
 
 
-def forward(
-    weights: Weights,
-    batch: Batch,
-    kv_cache: tuple[tuple[jax.Array, jax.Array], ...],
-    cfg: ModelConfig,
-    ops: ModelOps = REFERENCE_OPS,
-) -> tuple[jax.Array, tuple[tuple[jax.Array, jax.Array], ...]]:
-    """One step over a flattened ragged batch. Returns (logits [N, vocab] float32, updated kv_cache)."""
-    return decoder_forward(weights, batch, kv_cache, cfg, ops, dense_mlp)
-
-
 def decoder_forward(weights: Weights, batch: Batch, kv_cache: tuple[tuple[jax.Array, jax.Array], ...],
                     cfg: ModelConfig, ops: ModelOps, mlp: MlpFn
                     ) -> tuple[jax.Array, tuple[tuple[jax.Array, jax.Array], ...]]:
@@ -230,6 +219,12 @@ def decoder_forward(weights: Weights, batch: Batch, kv_cache: tuple[tuple[jax.Ar
         if not with_mlp:
             x, counters = mlp(layer, i, x, cfg, ops, counters)
         new_cache.append(kv)
+    return lm_head_logits(weights, x, batch, cfg, ops), tuple(new_cache)
+
+
+def lm_head_logits(weights: Weights, x: jax.Array, batch: Batch, cfg: ModelConfig, ops: ModelOps) -> jax.Array:
+    """The logits [N, vocab] (float32) of the rows the sampler reads: final norm, then lm_head (the
+    embedding's transpose when tied)."""
     x = rms_norm(x[batch.logits_indices], weights.final_norm, cfg.rms_norm_eps)  # [N, hidden]
     head = weights.embed.T if weights.lm_head is None else weights.lm_head
-    return ops.lm_head(x, head, cfg.vocab_size), tuple(new_cache)
+    return ops.lm_head(x, head, cfg.vocab_size)
