@@ -187,7 +187,7 @@ def _run_headless(config: dict) -> int:
     """A process of rank > 0 of a multi-process group: no HTTP server; it follows process 0 until process 0
     stops the group (exit 0) or a process of the group is lost (exit 3, jinfer/parallel/multihost.py)."""
     from jinfer.engine.core import EngineConfig
-    from jinfer.parallel.multihost import run_worker
+    from jinfer.parallel.worker import run_worker
 
     try:
         engine_config = EngineConfig(**config)
