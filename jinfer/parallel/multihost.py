@@ -48,7 +48,10 @@ from zmq.utils.monitor import recv_monitor_message
 log = logging.getLogger(__name__)
 
 HEARTBEAT_S = 0.1
-PEER_TIMEOUT_S = 0.5  # the default silence that ends the group once it is up (`join`'s peer_timeout_s)
+# The default silence that ends the group once it is up (`join`'s peer_timeout_s): for a host that vanishes
+# without closing its connections (a dead process is seen by its closed connection at once). A serving
+# process's thread can be starved for a second by a compile on a busy host: that is not a death.
+PEER_TIMEOUT_S = 5.0
 STARTUP_PEER_TIMEOUT_S = 120.0  # while processes load weights and compile (threads can starve)
 JAX_HEARTBEAT_TIMEOUT_S = 10  # JAX's own detection, the backstop
 JAX_SHUTDOWN_TIMEOUT_S = 30
