@@ -284,7 +284,7 @@ class _Member:
 
 
 class Leader(_Member):
-    """Process 0's side: the step socket it sends every step on, and the heartbeat it answers."""
+    """Process 0's side: the step socket it sends every step on, and its heartbeat to the others."""
 
     def __init__(self, nnodes: int, master_addr: str, kv, peer_timeout_s: float = PEER_TIMEOUT_S):
         super().__init__(nnodes, 0, kv)
