@@ -55,7 +55,7 @@ def load_all(directory: Path) -> dict:
 
     import jax
 
-    import jinfer.models.llama  # noqa: F401  (the executables' pytrees name these modules)
+    import jinfer.models.base  # noqa: F401  (the executables' pytrees name these modules)
     import jinfer.models.qwen3_5  # noqa: F401
     import jinfer.models.qwen3_moe  # noqa: F401
     from jinfer.engine.executable_cache import _load

@@ -1,4 +1,4 @@
-"""Model and engine configuration.
+"""The model configuration.
 
 `ModelConfig` is static under jit (frozen, hashable): it is built from an HF `config.json` or from
 GGUF metadata and validated once, so the forward pass can branch on it in Python at trace time.
@@ -13,24 +13,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-# HF `architectures` entry -> our architecture name. llama/qwen2/qwen3 are the llama-style dense
-# decoder (jinfer/models/llama.py) with a few switches (QKV bias for qwen2, per-head q/k RMSNorm for
-# qwen3); qwen3_moe is Qwen3 attention with mixture-of-experts MLPs (jinfer/models/qwen3_moe.py).
-# jinfer/models/registry.py maps each architecture to its model module.
-HF_ARCHITECTURES = {
-    "LlamaForCausalLM": "llama",
-    "Qwen2ForCausalLM": "qwen2",
-    "Qwen3ForCausalLM": "qwen3",
-    "Qwen3MoeForCausalLM": "qwen3_moe",
-    "Qwen3_5ForCausalLM": "qwen3_5",
-    # the published (multimodal) checkpoints: text config under `text_config`, text weights under
-    # `model.language_model.`; only the text part is loaded
-    "Qwen3_5ForConditionalGeneration": "qwen3_5",
-}
-ARCHITECTURES = ("llama", "qwen2", "qwen3", "qwen3_moe", "qwen3_5")
+from jinfer.models.architectures import ARCHITECTURES, GGUF_ARCHITECTURES, HF_ARCHITECTURES, Architecture
+
 LAYER_TYPES = ("full_attention", "linear_attention")
-# GGUF `general.architecture` -> ours (llama.cpp spells qwen3_moe without the underscore)
-GGUF_ARCHITECTURES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "qwen3moe": "qwen3_moe"}
 SUPPORTED_ROPE_TYPES = ("default", "llama3", "linear")
 
 
@@ -55,7 +40,7 @@ class RopeScaling:
 
 @dataclass(frozen=True)
 class ModelConfig:
-    architecture: str  # one of ARCHITECTURES
+    architecture: str  # a key of ARCHITECTURES (jinfer/models/architectures.py)
     vocab_size: int
     hidden_size: int
     intermediate_size: int
@@ -93,7 +78,7 @@ class ModelConfig:
 
     def __post_init__(self):
         if self.architecture not in ARCHITECTURES:
-            raise ValueError(f"architecture={self.architecture!r} is not supported; supported: {ARCHITECTURES}")
+            raise ValueError(f"architecture={self.architecture!r} is not supported; supported: {tuple(ARCHITECTURES)}")
         for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads",
                      "num_kv_heads", "head_dim", "max_position_embeddings"):
             value = getattr(self, name)
@@ -113,8 +98,8 @@ class ModelConfig:
             if self.num_experts_per_tok > self.num_experts:
                 raise ValueError(f"num_experts_per_tok={self.num_experts_per_tok} must be <= "
                                  f"num_experts={self.num_experts}")
-        elif self.architecture == "qwen3_moe":
-            raise ValueError(f"num_experts={self.num_experts!r} must be a positive integer for qwen3_moe")
+        elif self.arch.mixture_of_experts:
+            raise ValueError(f"num_experts={self.num_experts!r} must be a positive integer for {self.architecture}")
         self._check_hybrid()
         if not isinstance(self.mlp_only_layers, tuple) or any(
                 not isinstance(i, int) or not 0 <= i < self.num_layers for i in self.mlp_only_layers):
@@ -125,16 +110,17 @@ class ModelConfig:
         if not 0 < self.partial_rotary_factor <= 1 or self.rotary_dim % 2 or self.rotary_dim == 0:
             raise ValueError(f"partial_rotary_factor={self.partial_rotary_factor} must be in (0, 1] and give an even "
                              f"rotary dimension of head_dim={self.head_dim}")
-        if self.architecture == "qwen3_5" and not self.layer_types:
-            raise ValueError("layer_types=() must list every layer's type for qwen3_5")
+        if self.arch.linear_attention and not self.layer_types:
+            raise ValueError(f"layer_types=() must list every layer's type for {self.architecture}")
         if not self.layer_types:
             return
         if (not isinstance(self.layer_types, tuple) or len(self.layer_types) != self.num_layers
                 or any(t not in LAYER_TYPES for t in self.layer_types)):
             raise ValueError(f"layer_types={self.layer_types!r} must be a tuple of num_layers={self.num_layers} "
                              f"entries from {LAYER_TYPES}")
-        if self.architecture != "qwen3_5" and "linear_attention" in self.layer_types:
-            raise ValueError(f"layer_types: linear_attention layers need architecture 'qwen3_5', "
+        if not self.arch.linear_attention and "linear_attention" in self.layer_types:
+            raise ValueError(f"layer_types: linear_attention layers need an architecture that has them "
+                             f"({[a.name for a in ARCHITECTURES.values() if a.linear_attention]}), "
                              f"not {self.architecture!r}")
         if "linear_attention" not in self.layer_types:
             return
@@ -146,6 +132,11 @@ class ModelConfig:
         if self.linear_num_value_heads % self.linear_num_key_heads:
             raise ValueError(f"linear_num_value_heads={self.linear_num_value_heads} must be a multiple of "
                              f"linear_num_key_heads={self.linear_num_key_heads}")
+
+    @property
+    def arch(self) -> Architecture:
+        """The architecture's entry: its names and switches."""
+        return ARCHITECTURES[self.architecture]
 
     @property
     def rotary_dim(self) -> int:
@@ -188,7 +179,7 @@ class ModelConfig:
     def num_params(self, active: bool = False) -> int:
         """Parameter count; `active`: only the experts a token uses (top-k of each MoE layer)."""
         h, i, v = self.hidden_size, self.intermediate_size, self.vocab_size
-        if self.architecture == "qwen3_5":
+        if self.arch.linear_attention:
             return self._hybrid_params()
         attn = h * (self.q_size + 2 * self.kv_size) + self.q_size * h + 2 * h
         if self.attention_bias:
@@ -229,11 +220,12 @@ class ModelConfig:
         if not isinstance(archs, list) or not archs:
             raise ValueError(f"config field 'architectures'={archs!r} must be a non-empty list; "
                              f"supported: {sorted(HF_ARCHITECTURES)}")
-        family = HF_ARCHITECTURES.get(archs[0])
-        if family is None:
+        name = HF_ARCHITECTURES.get(archs[0])
+        if name is None:
             raise ValueError(f"config field 'architectures'={archs!r} is not supported; "
                              f"supported: {sorted(HF_ARCHITECTURES)}")
-        if archs[0].endswith("ForConditionalGeneration"):  # multimodal: the text model's config is nested
+        arch = ARCHITECTURES[name]
+        if archs[0] in arch.hf_multimodal_names:  # the text model's config is nested
             text = cfg.get("text_config")
             if not isinstance(text, dict):
                 raise ValueError(f"config field 'text_config'={text!r} must be an object (architecture {archs[0]})")
@@ -251,7 +243,7 @@ class ModelConfig:
         eos = cfg.get("eos_token_id")
         eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,))
         moe = {}
-        if family == "qwen3_moe":
+        if arch.mixture_of_experts:
             # transformers 5 writes `num_local_experts`; published checkpoints have `num_experts`
             experts = cfg.get("num_experts", cfg.get("num_local_experts"))
             if experts is None:
@@ -267,10 +259,10 @@ class ModelConfig:
                                                          cfg.get("decoder_sparse_step", 1)),
                        mlp_only_layers=tuple(only))
         hybrid = {}
-        if family == "qwen3_5":
+        if arch.linear_attention:
             hybrid = _hybrid_from_hf(cfg, req("num_hidden_layers"), archs[0])
         return cls(
-            architecture=family,
+            architecture=name,
             vocab_size=req("vocab_size"),
             hidden_size=hidden,
             intermediate_size=req("intermediate_size"),
@@ -283,8 +275,8 @@ class ModelConfig:
             rope_theta=float(cfg.get("rope_theta", (cfg.get("rope_parameters") or {}).get("rope_theta", 10000.0))),
             rope_scaling=_rope_scaling_from_hf(cfg.get("rope_scaling") or cfg.get("rope_parameters")),
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-            attention_bias=family == "qwen2" or bool(cfg.get("attention_bias", False)),
-            qk_norm=family in ("qwen3", "qwen3_moe", "qwen3_5"),
+            attention_bias=arch.attention_bias or bool(cfg.get("attention_bias", False)),
+            qk_norm=arch.qk_norm,
             bos_token_id=cfg.get("bos_token_id"),
             eos_token_ids=eos_ids,
             **moe,
@@ -298,7 +290,8 @@ class ModelConfig:
         if arch not in GGUF_ARCHITECTURES:
             raise ValueError(f"GGUF field 'general.architecture'={arch!r} is not supported; "
                              f"supported: {tuple(GGUF_ARCHITECTURES)}")
-        family = GGUF_ARCHITECTURES[arch]
+        name = GGUF_ARCHITECTURES[arch]
+        mixture_of_experts = ARCHITECTURES[name].mixture_of_experts
 
         def req(key: str) -> Any:
             full = f"{arch}.{key}"
@@ -320,7 +313,7 @@ class ModelConfig:
         tied = tensor_names is not None and "output.weight" not in tensor_names
         num_layers = int(req("block_count"))
         moe = {}
-        if family == "qwen3_moe":
+        if mixture_of_experts:
             # llama.cpp has no mlp_only_layers: a layer with a dense ffn_gate and no experts is one
             only = tuple(i for i in range(num_layers) if tensor_names is not None
                          and f"blk.{i}.ffn_gate_exps.weight" not in tensor_names
@@ -329,9 +322,9 @@ class ModelConfig:
                        moe_intermediate_size=req("expert_feed_forward_length"),
                        norm_topk_prob=bool(meta.get(f"{arch}.expert_weights_norm", True)), mlp_only_layers=only)
         # a MoE model without dense layers may omit feed_forward_length
-        inter = meta.get(f"{arch}.feed_forward_length") if family == "qwen3_moe" else None
+        inter = meta.get(f"{arch}.feed_forward_length") if mixture_of_experts else None
         return cls(
-            architecture=family,
+            architecture=name,
             vocab_size=int(vocab),
             hidden_size=hidden,
             intermediate_size=int(inter or moe.get("moe_intermediate_size") or req("feed_forward_length")),
@@ -344,8 +337,8 @@ class ModelConfig:
             rope_theta=float(meta.get(f"{arch}.rope.freq_base", 10000.0)),
             rope_scaling=scaling,
             tie_word_embeddings=tied,
-            attention_bias=family == "qwen2",
-            qk_norm=family in ("qwen3", "qwen3_moe"),
+            attention_bias=ARCHITECTURES[name].attention_bias,
+            qk_norm=ARCHITECTURES[name].qk_norm,
             bos_token_id=meta.get("tokenizer.ggml.bos_token_id"),
             eos_token_ids=() if eos is None else (int(eos),),
             **moe,

@@ -55,7 +55,7 @@ from jinfer.engine.step_inputs import (
     unpack_prompt_logprobs,
     unpack_result,
 )
-from jinfer.models.llama import Weights
+from jinfer.models.base import Weights
 from jinfer.models.registry import cache_spec
 from jinfer.ops import REFERENCE_OPS, ModelOps
 from jinfer.parallel.mesh import put

@@ -1,195 +1,40 @@
-"""The llama-family dense decoder (Llama, Qwen2, Qwen3): weight specs and a pure forward pass.
+"""The llama-family dense decoder (Llama, Qwen2, Qwen3): the shared decoder (base.py) with a dense SwiGLU
+MLP in every layer.
 
-The three architectures differ only by switches in `ModelConfig`: `attention_bias` (Qwen2 q/k/v
-bias) and `qk_norm` (Qwen3 per-head RMSNorm on q and k before RoPE). Every weight is described
-once in `weight_specs`; random init, sharding and checkpoint loading are derived from that table.
-
-The decoder skeleton (`decoder_forward`: embedding, attention over the paged cache, final norm,
-lm_head) and the attention weights are shared with the other families (qwen3_moe.py), which bring
-their own MLP per layer.
+The three architectures differ only by switches in `ModelConfig` that the shared attention reads:
+`attention_bias` (Qwen2 q/k/v bias) and `qk_norm` (Qwen3 per-head RMSNorm on q and k before RoPE).
 """
 
 from __future__ import annotations
 
-import dataclasses
-from collections.abc import Callable
-from dataclasses import dataclass, fields
-
 import jax
-import jax.numpy as jnp
 
-from jinfer.cache.spec import AttentionKV, LayerCacheSpec
 from jinfer.config.model import ModelConfig
+from jinfer.models.base import (
+    Weights,
+    assemble_weights,
+    attention_specs,
+    cache_spec,
+    decoder_forward,
+    decoder_specs,
+    dense_mlp,
+    fuse_qkv,
+    mlp_specs,
+)
 from jinfer.models.batch import Batch
-from jinfer.models.layers import apply_rope, rms_norm, rope_cos_sin, write_kv
 from jinfer.ops import REFERENCE_OPS, ModelOps
 from jinfer.models.spec import ArrayInfo
 
-__all__ = ["ArrayInfo", "LayerWeights", "Weights", "assemble_weights", "cache_spec", "decoder_forward", "forward",
-           "fuse_qkv", "weight_specs"]
-
-
-def cache_spec(cfg: ModelConfig) -> list[LayerCacheSpec]:
-    """Every layer keeps paged K and V."""
-    return [AttentionKV(cfg.num_kv_heads, cfg.head_dim)] * cfg.num_layers
-
-
-@jax.tree_util.register_dataclass
-@dataclass
-class LayerWeights:
-    attn_norm: jax.Array  # [hidden]
-    wq: jax.Array | None  # [hidden, H*D] (None once fused into wqkv)
-    wk: jax.Array | None  # [hidden, KVH*D]
-    wv: jax.Array | None  # [hidden, KVH*D]
-    wo: jax.Array  # [H*D, hidden]
-    mlp_norm: jax.Array  # [hidden]
-    w_gate: jax.Array  # [hidden, I]; MoE layers: [E, hidden, I] (one per expert)
-    w_up: jax.Array  # [hidden, I]; MoE: [E, hidden, I]
-    w_down: jax.Array  # [I, hidden]; MoE: [E, I, hidden]
-    bq: jax.Array | None = None  # [H*D]      qwen2
-    bk: jax.Array | None = None  # [KVH*D]    qwen2
-    bv: jax.Array | None = None  # [KVH*D]    qwen2
-    q_norm: jax.Array | None = None  # [D]    qwen3
-    k_norm: jax.Array | None = None  # [D]    qwen3
-    wqkv: jax.Array | None = None  # [hidden, (H + 2*KVH)*D]: wq|wk|wv side by side (`fuse_qkv`)
-    router: jax.Array | None = None  # [hidden, E]: MoE layers' router (qwen3_moe)
-
-
-@jax.tree_util.register_dataclass
-@dataclass
-class Weights:
-    embed: jax.Array  # [vocab, hidden]
-    layers: list[LayerWeights]
-    final_norm: jax.Array  # [hidden]
-    lm_head: jax.Array | None = None  # [hidden, vocab]; None when tied to embed
-
-
-def attention_specs(cfg: ModelConfig, i: int) -> dict[str, ArrayInfo]:
-    """Layer i's attention weights and the two norms around it."""
-    h, q, kv, d = cfg.hidden_size, cfg.q_size, cfg.kv_size, cfg.head_dim
-    hf, gg = f"model.layers.{i}.", f"blk.{i}."
-    specs = {
-        "attn_norm": ArrayInfo((h,), ("embed",), hf + "input_layernorm.weight", gg + "attn_norm.weight", init="ones"),
-        "wq": ArrayInfo((h, q), ("embed", "q_heads"), hf + "self_attn.q_proj.weight", gg + "attn_q.weight", True),
-        "wk": ArrayInfo((h, kv), ("embed", "kv_heads"), hf + "self_attn.k_proj.weight", gg + "attn_k.weight", True),
-        "wv": ArrayInfo((h, kv), ("embed", "kv_heads"), hf + "self_attn.v_proj.weight", gg + "attn_v.weight", True),
-        "wo": ArrayInfo((q, h), ("q_heads", "embed"), hf + "self_attn.o_proj.weight", gg + "attn_output.weight",
-                        True),
-        "mlp_norm": ArrayInfo((h,), ("embed",), hf + "post_attention_layernorm.weight", gg + "ffn_norm.weight",
-                              init="ones"),
-    }
-    if cfg.attention_bias:
-        specs["bq"] = ArrayInfo((q,), ("q_heads",), hf + "self_attn.q_proj.bias", gg + "attn_q.bias", init="zeros")
-        specs["bk"] = ArrayInfo((kv,), ("kv_heads",), hf + "self_attn.k_proj.bias", gg + "attn_k.bias", init="zeros")
-        specs["bv"] = ArrayInfo((kv,), ("kv_heads",), hf + "self_attn.v_proj.bias", gg + "attn_v.bias", init="zeros")
-    if cfg.qk_norm:
-        specs["q_norm"] = ArrayInfo((d,), ("head_dim",), hf + "self_attn.q_norm.weight", gg + "attn_q_norm.weight",
-                                    init="ones")
-        specs["k_norm"] = ArrayInfo((d,), ("head_dim",), hf + "self_attn.k_norm.weight", gg + "attn_k_norm.weight",
-                                    init="ones")
-    return specs
-
-
-def mlp_specs(cfg: ModelConfig, i: int) -> dict[str, ArrayInfo]:
-    """Layer i's dense SwiGLU MLP."""
-    h, inter = cfg.hidden_size, cfg.intermediate_size
-    hf, gg = f"model.layers.{i}.mlp.", f"blk.{i}."
-    return {
-        "w_gate": ArrayInfo((h, inter), ("embed", "mlp"), hf + "gate_proj.weight", gg + "ffn_gate.weight", True),
-        "w_up": ArrayInfo((h, inter), ("embed", "mlp"), hf + "up_proj.weight", gg + "ffn_up.weight", True),
-        "w_down": ArrayInfo((inter, h), ("mlp", "embed"), hf + "down_proj.weight", gg + "ffn_down.weight", True),
-    }
+__all__ = ["assemble_weights", "cache_spec", "forward", "fuse_qkv", "layer_specs", "weight_specs"]
 
 
 def layer_specs(cfg: ModelConfig, i: int) -> dict[str, ArrayInfo]:
     return attention_specs(cfg, i) | mlp_specs(cfg, i)
 
 
-def weight_specs(cfg: ModelConfig,
-                 layer_specs: Callable[[ModelConfig, int], dict[str, ArrayInfo]] = layer_specs
-                 ) -> dict[str, ArrayInfo]:
+def weight_specs(cfg: ModelConfig) -> dict[str, ArrayInfo]:
     """Every weight of the model, keyed by its path in the `Weights` pytree ("layers.3.wq")."""
-    h, v = cfg.hidden_size, cfg.vocab_size
-    specs = {"embed": ArrayInfo((v, h), ("vocab", "embed"), "model.embed_tokens.weight", "token_embd.weight")}
-    for i in range(cfg.num_layers):
-        specs.update({f"layers.{i}.{k}": s for k, s in layer_specs(cfg, i).items()})
-    specs["final_norm"] = ArrayInfo((h,), ("embed",), "model.norm.weight", "output_norm.weight", init="ones")
-    if not cfg.tie_word_embeddings:
-        specs["lm_head"] = ArrayInfo((h, v), ("embed", "vocab"), "lm_head.weight", "output.weight", True)
-    return specs
-
-
-def assemble_weights(cfg: ModelConfig, arrays: dict[str, jax.Array]) -> Weights:
-    """Build the `Weights` pytree from a flat {spec path: array} dict (the loaders' output)."""
-    layer_fields = {f.name for f in fields(LayerWeights)}
-    layers = []
-    for i in range(cfg.num_layers):
-        prefix = f"layers.{i}."
-        kw = {k[len(prefix):]: a for k, a in arrays.items() if k.startswith(prefix)}
-        assert set(kw) <= layer_fields, set(kw) - layer_fields
-        layers.append(LayerWeights(**kw))
-    return Weights(arrays["embed"], layers, arrays["final_norm"], arrays.get("lm_head"))
-
-
-def fuse_qkv(weights: Weights) -> Weights:
-    """One [hidden, q+k+v] projection per layer instead of three (single device only: a sharded
-    output axis would interleave the three). At batch-1 decode XLA runs each projection as its own
-    matrix-vector kernel and the small k/v ones far below HBM speed; one wider kernel reads the same
-    bytes faster. Same results: each output column is the same dot product."""
-    layers = []
-    for layer in weights.layers:
-        if layer.wqkv is not None:
-            layers.append(layer)
-            continue
-        wqkv = jnp.concatenate([layer.wq, layer.wk, layer.wv], axis=1)
-        layers.append(dataclasses.replace(layer, wq=None, wk=None, wv=None, wqkv=wqkv))
-    return dataclasses.replace(weights, layers=layers)
-
-
-def _attention(layer: LayerWeights, x: jax.Array, cos, sin, kv, batch: Batch, cfg: ModelConfig, ops: ModelOps,
-               counters: jax.Array | None = None):
-    """x + attention(rms_norm(x)); also returns the layer's updated (k, v) cache and `counters` (the step's
-    zeroed kernel counters, `ModelOps.step_counters`, passed from kernel to kernel)."""
-    T = x.shape[0]
-    H, KVH, D = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-
-    if layer.wqkv is not None:
-        q_norm, k_norm = (layer.q_norm, layer.k_norm) if cfg.qk_norm else (None, None)
-        fused = None if cfg.attention_bias else ops.norm_qkv_rope_write(
-            x, layer.attn_norm, layer.wqkv, q_norm, k_norm, cos, sin, kv, batch.slot_mapping, H, KVH, cfg.rms_norm_eps,
-            counters, prefetch=layer.wo)
-        if fused is not None:
-            *fused, counters = fused
-        else:
-            (qkv,) = ops.norm_projections(x, layer.attn_norm, (layer.wqkv,), cfg.rms_norm_eps)
-            fused = None if cfg.attention_bias else ops.qkv_rope_write(
-                qkv, q_norm, k_norm, cos, sin, kv, batch.slot_mapping, H, KVH, cfg.rms_norm_eps)
-        if fused is not None:
-            q, k_cache, v_cache = fused
-            out = ops.attention(q, k_cache, v_cache, batch, D**-0.5)  # [T, H, D]
-            return ops.out_proj(out.reshape(T, H * D), layer.wo, x), (k_cache, v_cache), counters
-        q, k, v = jnp.split(qkv, [H * D, (H + KVH) * D], axis=-1)
-    else:
-        q, k, v = ops.norm_projections(x, layer.attn_norm, (layer.wq, layer.wk, layer.wv), cfg.rms_norm_eps)
-    if cfg.attention_bias:
-        q, k, v = q + layer.bq, k + layer.bk, v + layer.bv
-    q, k, v = q.reshape(T, H, D), k.reshape(T, KVH, D), v.reshape(T, KVH, D)
-    if cfg.qk_norm:
-        q, k = rms_norm(q, layer.q_norm, cfg.rms_norm_eps), rms_norm(k, layer.k_norm, cfg.rms_norm_eps)
-    q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-    k_cache, v_cache = write_kv(kv[0], kv[1], k, v, batch.slot_mapping)
-    out = ops.attention(q, k_cache, v_cache, batch, D**-0.5)  # [T, H, D]
-    return ops.out_proj(out.reshape(T, H * D), layer.wo, x), (k_cache, v_cache), counters
-
-
-def dense_mlp(layer: LayerWeights, i: int, x: jax.Array, cfg: ModelConfig, ops: ModelOps,
-              counters: jax.Array | None = None) -> tuple[jax.Array, jax.Array | None]:
-    """x + SwiGLU(rms_norm(x)): the dense families' MLP block (the step's counters passed on)."""
-    return ops.mlp_block(x, layer.mlp_norm, layer.w_gate, layer.w_up, layer.w_down, cfg.rms_norm_eps), counters
-
-
-MlpFn = Callable[[LayerWeights, int, jax.Array, ModelConfig, ModelOps, jax.Array | None],
-                 tuple[jax.Array, jax.Array | None]]
+    return decoder_specs(cfg, layer_specs)
 
 
 def forward(
@@ -201,28 +46,3 @@ def forward(
 ) -> tuple[jax.Array, tuple[tuple[jax.Array, jax.Array], ...]]:
     """One step over a flattened ragged batch. Returns (logits [N, vocab] float32, updated kv_cache)."""
     return decoder_forward(weights, batch, kv_cache, cfg, ops, dense_mlp)
-
-
-def decoder_forward(weights: Weights, batch: Batch, kv_cache: tuple[tuple[jax.Array, jax.Array], ...],
-                    cfg: ModelConfig, ops: ModelOps, mlp: MlpFn
-                    ) -> tuple[jax.Array, tuple[tuple[jax.Array, jax.Array], ...]]:
-    """The decoder every family shares: embedding, per layer attention then the family's `mlp` block
-    (`mlp(layer, i, x, cfg, ops, counters) -> (x + mlp(norm(x)), counters)`), final norm and lm_head.
-
-    Layers are unrolled in Python (one executable, no scan): measured faster than `lax.scan` over
-    stacked weights for decode on the H100.
-
-    Under `jax.shard_map` (jinfer/parallel/mesh.py) this runs on each device's shards: `cfg` then holds the
-    device's q / kv head counts (`parallel.local_config`) and `ops` the collectives.
-    """
-    x = ops.embed(weights.embed, batch.input_ids, cfg.vocab_size)  # [T, hidden]
-    cos, sin = rope_cos_sin(batch.positions, cfg, x.dtype)
-    new_cache = []
-    counters = ops.step_counters(x.shape[0])
-    for i, (layer, kv) in enumerate(zip(weights.layers, kv_cache, strict=True)):
-        x, kv, counters = _attention(layer, x, cos, sin, kv, batch, cfg, ops, counters)
-        x, counters = mlp(layer, i, x, cfg, ops, counters)
-        new_cache.append(kv)
-    x = rms_norm(x[batch.logits_indices], weights.final_norm, cfg.rms_norm_eps)  # [N, hidden]
-    head = weights.embed.T if weights.lm_head is None else weights.lm_head
-    return ops.lm_head(x, head, cfg.vocab_size), tuple(new_cache)

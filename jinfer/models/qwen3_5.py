@@ -32,10 +32,10 @@ import jax.numpy as jnp
 
 from jinfer.cache.spec import AttentionKV, LayerCacheSpec, StateArray, StateSlots
 from jinfer.config.model import ModelConfig
-from jinfer.models import llama
+from jinfer.models import base
+from jinfer.models.base import Weights, decoder_specs, lm_head_logits, mlp_specs
 from jinfer.models.batch import Batch
 from jinfer.models.layers import apply_rope, rms_norm, rope_cos_sin, write_kv
-from jinfer.models.llama import Weights
 from jinfer.ops import REFERENCE_OPS, ModelOps
 from jinfer.models.spec import ArrayInfo, StateSpec
 
@@ -111,29 +111,27 @@ def layer_specs(cfg: ModelConfig, i: int) -> dict[str, ArrayInfo]:
         "mlp_norm": ArrayInfo((h,), ("embed",), hf + "post_attention_layernorm.weight", "", init="zeros"),
     }
     mixer = linear_attention_specs(cfg, i) if cfg.is_linear_layer(i) else attention_specs(cfg, i)
-    return norms | mixer | llama.mlp_specs(cfg, i)
+    return norms | mixer | mlp_specs(cfg, i)
 
 
 def weight_specs(cfg: ModelConfig) -> dict[str, ArrayInfo]:
-    specs = llama.weight_specs(cfg, layer_specs)
+    specs = decoder_specs(cfg, layer_specs)
     specs["final_norm"] = dataclasses.replace(specs["final_norm"], init="zeros")
     return specs
 
 
 def assemble_weights(cfg: ModelConfig, arrays: dict[str, jax.Array]) -> Weights:
     """The loaders' flat dict -> `Weights` with `HybridLayer`s; zero-centred norms get their 1 added."""
-    layers = []
-    for i in range(cfg.num_layers):
-        prefix = f"layers.{i}."
-        kw = {k[len(prefix):]: a for k, a in arrays.items() if k.startswith(prefix)}
-        kw = {k: (a + 1 if k in ZERO_CENTRED else a) for k, a in kw.items()}
-        layers.append(HybridLayer(**kw))
-    return Weights(arrays["embed"], layers, arrays["final_norm"] + 1, arrays.get("lm_head"))
+    def zero_centred(path: str) -> bool:  # "final_norm", "layers.3.attn_norm"...
+        return path == "final_norm" or (path.startswith("layers.") and path.rsplit(".", 1)[-1] in ZERO_CENTRED)
+
+    arrays = {k: (a + 1 if zero_centred(k) else a) for k, a in arrays.items()}
+    return base.assemble_weights(cfg, arrays, HybridLayer)
 
 
 def fuse_qkv(weights: Weights) -> Weights:
     """One input projection per layer (single device): wq | wk | wv, and qkv | z | b | a in the linear
-    layers (the same reason as llama.fuse_qkv: small matrix-vector products run far below HBM speed)."""
+    layers (the same reason as base.fuse_qkv: small matrix-vector products run far below HBM speed)."""
     layers = []
     for layer in weights.layers:
         if layer.wq is not None:
@@ -240,7 +238,5 @@ def forward(
             x, cache = _gated_attention(layer, x, cos, sin, cache, batch, cfg, ops)
         x = ops.mlp_block(x, layer.mlp_norm, layer.w_gate, layer.w_up, layer.w_down, cfg.rms_norm_eps)
         new_cache.append(cache)
-    x = rms_norm(x[batch.logits_indices], weights.final_norm, cfg.rms_norm_eps)  # [N, hidden]
-    head = weights.embed.T if weights.lm_head is None else weights.lm_head
-    return ops.lm_head(x, head, cfg.vocab_size), tuple(new_cache)
+    return lm_head_logits(weights, x, batch, cfg, ops), tuple(new_cache)
 

@@ -1,7 +1,7 @@
 """Qwen3-MoE (`Qwen3MoeForCausalLM`, GGUF `qwen3moe`): Qwen3 attention with mixture-of-experts MLPs.
 
-Everything but the MLP is the llama-family decoder (llama.py: attention over the paged cache, q/k
-norms, RoPE, embedding, lm_head). A sparse layer (`ModelConfig.is_moe_layer`, HF's rule from
+Everything but the MLP is the shared decoder (base.py: attention over the paged cache, q/k norms, RoPE,
+embedding, lm_head). A sparse layer (`ModelConfig.is_moe_layer`, HF's rule from
 `mlp_only_layers` and `decoder_sparse_step`) has a router `[hidden, E]` and its experts' SwiGLU
 weights stacked per layer (`[E, hidden, I]` gate and up, `[E, I, hidden]` down); the other layers
 keep the dense MLP. Routing is HF's (softmax over the experts in float32, top-k, renormalised when
@@ -13,13 +13,23 @@ from __future__ import annotations
 import jax
 
 from jinfer.config.model import ModelConfig
-from jinfer.models import llama
+from jinfer.models.base import (
+    LayerWeights,
+    Weights,
+    assemble_weights,
+    attention_specs,
+    cache_spec,
+    decoder_forward,
+    decoder_specs,
+    dense_mlp,
+    fuse_qkv,
+    mlp_specs,
+)
 from jinfer.models.batch import Batch
-from jinfer.models.llama import LayerWeights, Weights, assemble_weights, cache_spec, fuse_qkv
 from jinfer.ops import REFERENCE_OPS, ModelOps
 from jinfer.models.spec import EXPERT, ArrayInfo
 
-__all__ = ["assemble_weights", "cache_spec", "forward", "fuse_qkv", "moe_specs", "weight_specs"]
+__all__ = ["assemble_weights", "cache_spec", "forward", "fuse_qkv", "layer_specs", "moe_specs", "weight_specs"]
 
 
 def moe_specs(cfg: ModelConfig, i: int) -> dict[str, ArrayInfo]:
@@ -40,18 +50,18 @@ def moe_specs(cfg: ModelConfig, i: int) -> dict[str, ArrayInfo]:
 
 
 def layer_specs(cfg: ModelConfig, i: int) -> dict[str, ArrayInfo]:
-    mlp = moe_specs(cfg, i) if cfg.is_moe_layer(i) else llama.mlp_specs(cfg, i)
-    return llama.attention_specs(cfg, i) | mlp
+    mlp = moe_specs(cfg, i) if cfg.is_moe_layer(i) else mlp_specs(cfg, i)
+    return attention_specs(cfg, i) | mlp
 
 
 def weight_specs(cfg: ModelConfig) -> dict[str, ArrayInfo]:
-    return llama.weight_specs(cfg, layer_specs)
+    return decoder_specs(cfg, layer_specs)
 
 
 def moe_or_dense_mlp(layer: LayerWeights, i: int, x: jax.Array, cfg: ModelConfig, ops: ModelOps,
                      counters: jax.Array | None = None) -> tuple[jax.Array, jax.Array | None]:
     if not cfg.is_moe_layer(i):
-        return llama.dense_mlp(layer, i, x, cfg, ops, counters)
+        return dense_mlp(layer, i, x, cfg, ops, counters)
     return ops.moe_block(x, layer.mlp_norm, layer.router, layer.w_gate, layer.w_up, layer.w_down,
                          top_k=cfg.num_experts_per_tok, renormalize=cfg.norm_topk_prob, eps=cfg.rms_norm_eps,
                          counters=counters)
@@ -65,4 +75,4 @@ def forward(
     ops: ModelOps = REFERENCE_OPS,
 ) -> tuple[jax.Array, tuple[tuple[jax.Array, jax.Array], ...]]:
     """One step over a flattened ragged batch. Returns (logits [N, vocab] float32, updated kv_cache)."""
-    return llama.decoder_forward(weights, batch, kv_cache, cfg, ops, moe_or_dense_mlp)
+    return decoder_forward(weights, batch, kv_cache, cfg, ops, moe_or_dense_mlp)

@@ -1,30 +1,56 @@
-"""Architecture -> model family module. The engine, the loaders and the benchmarks go through here and
-never ask which family they run.
+"""Architecture -> its family: the one table the engine, the loaders and the benchmarks go through, so that
+none of them asks which family it runs.
 
-A family module provides `weight_specs(cfg)` (every weight described once), `assemble_weights(cfg,
-arrays)` (the loaders' flat dict -> its pytree), `forward(weights, batch, kv_cache, cfg, ops)` (pure,
-jit-compiled by the runner), `fuse_qkv(weights)` (the single-device fused q|k|v projection) and, if some
-layers keep a fixed-size state per sequence instead of paged KV, `state_specs(cfg)` ({layer: its state
-arrays}; the engine sizes a pool of state slots from it), and `cache_spec(cfg)` (one
-`jinfer.cache.spec.LayerCacheSpec` per layer: what the device cache holds for it).
+An entry (`Family`) is the architecture's JAX-free description (`Architecture`: its HF and GGUF names and
+config switches, jinfer/models/architectures.py) and its family module's functions:
+`weight_specs(cfg)` (every weight described once), `assemble_weights(cfg, arrays)` (the loaders' flat dict
+-> its pytree), `forward(weights, batch, kv_cache, cfg, ops)` (pure, jit-compiled by the runner),
+`fuse_qkv(weights)` (the single-device fused q|k|v projection) and, if some layers keep a fixed-size state
+per sequence instead of paged KV, `state_specs(cfg)` ({layer: its state arrays}; the engine sizes a pool of
+state slots from it), and `cache_spec(cfg)` (one `jinfer.cache.spec.LayerCacheSpec` per layer: what the device
+cache holds for it).
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from dataclasses import dataclass
 from types import ModuleType
 
 from jinfer.cache.spec import LayerCacheSpec
-from jinfer.config.model import ARCHITECTURES, ModelConfig
+from jinfer.config.model import ModelConfig
 from jinfer.models import llama, qwen3_5, qwen3_moe
+from jinfer.models.architectures import ARCHITECTURES, Architecture
 from jinfer.ops import REFERENCE_OPS, ModelOps
 from jinfer.models.spec import StateSpec
 
-FAMILIES: dict[str, ModuleType] = {"llama": llama, "qwen2": llama, "qwen3": llama, "qwen3_moe": qwen3_moe,
-                                 "qwen3_5": qwen3_5}
+
+@dataclass(frozen=True)
+class Family:
+    """One architecture as the engine runs it (the functions: see the module's docstring)."""
+
+    arch: Architecture
+    weight_specs: Callable
+    assemble_weights: Callable
+    forward: Callable
+    fuse_qkv: Callable
+    cache_spec: Callable
+    state_specs: Callable | None = None  # None: every layer keeps paged KV
+
+    @classmethod
+    def of(cls, name: str, module: ModuleType) -> Family:
+        """Architecture `name` run by family `module`."""
+        return cls(ARCHITECTURES[name], module.weight_specs, module.assemble_weights, module.forward,
+                   module.fuse_qkv, module.cache_spec, getattr(module, "state_specs", None))
+
+
+# Llama, Qwen2 and Qwen3 are one family: the dense decoder with the config's switches
+FAMILIES: dict[str, Family] = {name: Family.of(name, module) for name, module in (
+    ("llama", llama), ("qwen2", llama), ("qwen3", llama), ("qwen3_moe", qwen3_moe), ("qwen3_5", qwen3_5))}
 assert set(FAMILIES) == set(ARCHITECTURES)
 
 
-def family(cfg: ModelConfig) -> ModuleType:
+def family(cfg: ModelConfig) -> Family:
     return FAMILIES[cfg.architecture]
 
 

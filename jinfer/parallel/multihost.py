@@ -14,12 +14,19 @@ the step meet. Only process 0 reads the sampled tokens back; the others never le
 Liveness. A collective whose peer is gone never returns, and JAX's coordination service aborts every
 process of the group a heartbeat timeout after one of them is lost: a group lives and dies as one. To
 make that fast, each process runs a heartbeat thread on sockets of its own (process 0's step socket can
-be blocked inside a collective): the others ping process 0 every HEARTBEAT_S and process 0 answers. A
-process that hears nothing from a peer for `PEER_TIMEOUT_S` logs why and exits at once with status
-EXIT_PEER_LOST. Process 0 exiting is what the server's engine client sees (the process, or its socket,
-gone): it fails the requests in flight and reports unhealthy; every other process exits by the same
-rule. A clean stop is process 0 sending STOP (also on the heartbeat socket, so that nobody takes the
-quiet that follows for a death) and every process then leaving JAX's coordination service together.
+be blocked inside a collective), from the moment it joins: the others ping process 0 every HEARTBEAT_S
+and process 0 beats back to each of them. A process logs why and exits at once with status
+EXIT_PEER_LOST when
+- a peer's process is gone: its heartbeat connection closed (the follower's socket monitor sees the
+  disconnection; process 0's beat to that peer finds no route), within a heartbeat, at any time;
+- a peer is silent for longer than `peer_timeout_s` once the group is up (process 0 has heard every
+  process's hello and says so in its beats). While the processes start (loading weights, compiling), a
+  thread can be starved for seconds: a slow peer is not a dead one, so silence only counts after
+  STARTUP_PEER_TIMEOUT_S then.
+Process 0 exiting is what the server's engine client sees (the process, or its socket, gone): it fails
+the requests in flight and reports unhealthy; every other process exits by the same rules. A clean stop
+is process 0 sending STOP (also on the heartbeat socket, so that nobody takes the quiet that follows for a
+death) and every process then leaving JAX's coordination service together.
 
 Messages are msgpack lists of ints, bools and bytes: nothing received is executed.
 """
@@ -33,20 +40,24 @@ import threading
 import time
 
 import zmq
+from zmq.utils.monitor import recv_monitor_message
 
 from jinfer.engine.step_inputs import StepInputs
 
 log = logging.getLogger(__name__)
 
 HEARTBEAT_S = 0.1
-PEER_TIMEOUT_S = float(os.environ.get("JINFER_PEER_TIMEOUT_S", "0.5"))  # once the group is up
+# The default silence that ends the group once it is up (`join`'s peer_timeout_s): for a host that vanishes
+# without closing its connections (a dead process is seen by its closed connection at once). A serving
+# process's thread can be starved for a second by a compile on a busy host: that is not a death.
+PEER_TIMEOUT_S = 5.0
 STARTUP_PEER_TIMEOUT_S = 120.0  # while processes load weights and compile (threads can starve)
 JAX_HEARTBEAT_TIMEOUT_S = 10  # JAX's own detection, the backstop
 JAX_SHUTDOWN_TIMEOUT_S = 30
 WORKER_WAIT_S = 600.0  # process 0 waits this long for the others to be ready
 EXIT_PEER_LOST = 3
 STOP = b"stop"
-PING, PONG = b"ping", b"pong"
+PING, PONG, UP = b"ping", b"pong", b"up"  # UP: process 0's beat once the group is up
 _STEPS_KEY, _HEARTBEAT_KEY = "jinfer/steps", "jinfer/heartbeat"
 
 
@@ -60,11 +71,15 @@ def check_group(nnodes: int, node_rank: int, master_port: int) -> None:
         raise ValueError(f"master_port={master_port!r} must be a TCP port in [1, 65535]")
 
 
-def join(nnodes: int, node_rank: int, master_addr: str, master_port: int) -> Leader | Follower | None:
+def join(nnodes: int, node_rank: int, master_addr: str, master_port: int,
+         peer_timeout_s: float = PEER_TIMEOUT_S) -> Leader | Follower | None:
     """Join the group (jax.distributed + this module's sockets); None for a single process. Call it before
-    anything starts JAX's backends."""
+    anything starts JAX's backends. `peer_timeout_s`: the silence after which a peer counts as lost, once
+    the group is up."""
     if nnodes == 1:
         return None
+    if not peer_timeout_s > 0:
+        raise ValueError(f"peer_timeout_s={peer_timeout_s!r} must be > 0")
     import jax
     from jax._src import distributed as jax_distributed
 
@@ -78,7 +93,9 @@ def join(nnodes: int, node_rank: int, master_addr: str, master_port: int) -> Lea
         raise ValueError(f"nnodes={nnodes}, node_rank={node_rank} do not match JAX's distributed setup "
                          f"({jax.process_count()} processes, this one {jax.process_index()})")
     kv = jax_distributed.global_state.client
-    return Leader(nnodes, master_addr, kv) if node_rank == 0 else Follower(nnodes, node_rank, kv)
+    if node_rank == 0:
+        return Leader(nnodes, master_addr, kv, peer_timeout_s)
+    return Follower(nnodes, node_rank, kv, peer_timeout_s)
 
 
 def _bind_ip(host: str) -> str:
@@ -107,51 +124,110 @@ def _leave_jax() -> None:
 
 
 class _Heartbeat(threading.Thread):
-    """Pings (followers) or answers pings (the leader) on a socket of its own; `on_lost` when a peer is quiet
-    for longer than `timeout`."""
+    """One process's side of the heartbeat, on a socket of its own: `on_lost` when a peer's connection
+    closes (its process is gone), or when a peer is silent for longer than `timeout`.
 
-    def __init__(self, sock: zmq.Socket, peers: list[bytes] | None, on_lost=_lost):
+    Process 0 (`peers`: the other processes' identities) beats to each process it has heard from, every
+    HEARTBEAT_S: PONG while the group starts, UP once `up` is set; with ROUTER_MANDATORY a beat to a process
+    whose connection closed fails at once. A follower (`peers` None) pings process 0 every HEARTBEAT_S,
+    watches its connection with a socket monitor, and keeps the start-up timeout until process 0 beats UP.
+    """
+
+    def __init__(self, sock: zmq.Socket, peers: list[bytes] | None, peer_timeout_s: float, on_lost=_lost):
         super().__init__(name="jinfer-heartbeat", daemon=True)
         self.sock, self.peers, self.on_lost = sock, peers, on_lost  # peers: None on a follower
-        self.timeout = STARTUP_PEER_TIMEOUT_S
+        self.peer_timeout_s = peer_timeout_s
+        self.timeout = STARTUP_PEER_TIMEOUT_S  # peer_timeout_s once the group is up
+        self.up = threading.Event()  # process 0: every process said hello
+        # a follower: its one connection (to process 0) closing is process 0 gone
+        self.monitor = sock.get_monitor_socket(zmq.EVENT_DISCONNECTED) if peers is None else None
         self.stopping = threading.Event()
         self.closed = threading.Event()
 
     def run(self) -> None:
         now = time.monotonic()
         last = {p: now for p in self.peers} if self.peers is not None else {b"": now}
-        next_ping = now
+        heard: set[bytes] = set()  # process 0: the peers whose connection is up (beats go to them)
+        next_beat = now
+        poller = zmq.Poller()
+        poller.register(self.sock, zmq.POLLIN)
+        if self.monitor is not None:
+            poller.register(self.monitor, zmq.POLLIN)
         try:
             while not self.stopping.is_set():
-                now = time.monotonic()
-                if self.peers is None and now >= next_ping:
-                    self.sock.send(PING, zmq.NOBLOCK)
-                    next_ping = now + HEARTBEAT_S
-                if self.sock.poll(int(HEARTBEAT_S * 1000 / 2), zmq.POLLIN):
+                if time.monotonic() >= next_beat:
+                    self._beat(heard)
+                    next_beat = time.monotonic() + HEARTBEAT_S
+                ready = dict(poller.poll(int(HEARTBEAT_S * 1000 / 2)))
+                while self.sock.poll(0, zmq.POLLIN):  # what came before a disconnection is read first
                     frames = self.sock.recv_multipart()
                     if frames[-1] == STOP:  # the leader stops the group: silence from here on is expected
                         self.stopping.set()
-                        break
+                        return
                     if self.peers is None:
                         last[b""] = time.monotonic()
+                        if frames[-1] == UP:
+                            self.timeout = self.peer_timeout_s
                     elif frames[0] in last and frames[-1] == PING:
                         last[frames[0]] = time.monotonic()
-                        self.sock.send_multipart([frames[0], PONG], zmq.NOBLOCK)
+                        heard.add(frames[0])
+                if self.monitor is not None and self.monitor in ready:
+                    event = recv_monitor_message(self.monitor)
+                    if event["event"] == zmq.EVENT_DISCONNECTED:
+                        self.on_lost("process 0 closed its connection (its process is gone)")
+                        return
                 quiet = [p for p, t in last.items() if time.monotonic() - t > self.timeout]
                 if quiet and not self.stopping.is_set():
-                    who = "process 0" if self.peers is None else ", ".join(f"process {p.decode()[1:]}" for p in quiet)
+                    who = "process 0" if self.peers is None else ", ".join(_rank_name(p) for p in quiet)
                     self.on_lost(f"no heartbeat from {who} for {self.timeout:.1f} s")
                     return
+        except _PeerGone as e:
+            self.on_lost(f"{_rank_name(e.peer)} closed its connection (its process is gone)")
         except zmq.ZMQError as e:
             if not self.stopping.is_set():
                 self.on_lost(f"heartbeat socket failed: {e}")
         finally:
             self.closed.set()
 
-    def stop(self) -> None:
+    def _beat(self, heard: set[bytes]) -> None:
+        if self.peers is None:
+            _send_unless_full(self.sock, [PING])
+            return
+        beat = UP if self.up.is_set() else PONG
+        for peer in heard:
+            try:
+                _send_unless_full(self.sock, [peer, beat])
+            except zmq.ZMQError as e:
+                if e.errno == zmq.EHOSTUNREACH:  # ROUTER_MANDATORY: no connection to that peer any more
+                    raise _PeerGone(peer) from None
+                raise
+
+    def stop(self, linger_ms: int = 0) -> None:
+        """End the thread and close the socket, still sending for `linger_ms` what is queued."""
         self.stopping.set()
         self.closed.wait(2.0)
-        self.sock.close(linger=0)
+        if self.monitor is not None:
+            self.sock.disable_monitor()
+            self.monitor.close(linger=0)
+        self.sock.close(linger=linger_ms)
+
+
+class _PeerGone(Exception):
+    def __init__(self, peer: bytes):
+        super().__init__(peer)
+        self.peer = peer
+
+
+def _send_unless_full(sock: zmq.Socket, frames: list[bytes]) -> None:
+    """Send without blocking; a full queue (the peer is slow to read: starting, or starved) drops the beat."""
+    try:
+        sock.send_multipart(frames, zmq.NOBLOCK)
+    except zmq.Again:
+        pass
+
+
+def _rank_name(identity: bytes) -> str:
+    return f"process {identity.decode()[1:]}"
 
 
 def _worker_id(rank: int) -> bytes:
@@ -175,9 +251,9 @@ class _Member:
 
 
 class Leader(_Member):
-    """Process 0's side: the step socket it sends every step on, and the heartbeat it answers."""
+    """Process 0's side: the step socket it sends every step on, and its heartbeat to the others."""
 
-    def __init__(self, nnodes: int, master_addr: str, kv):
+    def __init__(self, nnodes: int, master_addr: str, kv, peer_timeout_s: float = PEER_TIMEOUT_S):
         super().__init__(nnodes, 0, kv)
         self.workers = [_worker_id(r) for r in range(1, nnodes)]
         ip = _bind_ip(master_addr)
@@ -185,10 +261,11 @@ class Leader(_Member):
         self.steps.setsockopt(zmq.ROUTER_MANDATORY, 1)
         self.steps.setsockopt(zmq.SNDHWM, 0)
         hb = self.ctx.socket(zmq.ROUTER)
+        hb.setsockopt(zmq.ROUTER_MANDATORY, 1)  # a beat to a process whose connection closed fails
         host = master_addr if ip == "*" else ip
         kv.key_value_set(_STEPS_KEY, f"tcp://{host}:{self.steps.bind_to_random_port(f'tcp://{ip}')}")
         kv.key_value_set(_HEARTBEAT_KEY, f"tcp://{host}:{hb.bind_to_random_port(f'tcp://{ip}')}")
-        self.heartbeat = _Heartbeat(hb, self.workers)
+        self.heartbeat = _Heartbeat(hb, self.workers, peer_timeout_s)
         self.heartbeat.start()
         self.ready = False
         self.closed = False
@@ -203,7 +280,8 @@ class Leader(_Member):
             identity, _ = self.steps.recv_multipart()
             waiting.discard(identity)
         self.ready = True
-        self.heartbeat.timeout = PEER_TIMEOUT_S
+        self.heartbeat.timeout = self.heartbeat.peer_timeout_s
+        self.heartbeat.up.set()  # the others keep their start-up timeout until they hear it
         log.info("all %d processes of the group are ready", len(self.workers) + 1)
 
     def send_step(self, step: StepInputs) -> None:
@@ -230,7 +308,7 @@ class Leader(_Member):
                 self._send(STOP)
             except zmq.ZMQError as e:
                 log.warning("could not tell the group to stop: %s", e)
-        self.heartbeat.stop()
+        self.heartbeat.stop(linger_ms=1000)  # STOP reaches the others before the connection closes
         self.steps.close(linger=1000)
         self.ctx.term()
         _leave_jax()
@@ -239,12 +317,12 @@ class Leader(_Member):
 class Follower(_Member):
     """Process r > 0: replays every step process 0 sends, until STOP."""
 
-    def __init__(self, nnodes: int, rank: int, kv):
+    def __init__(self, nnodes: int, rank: int, kv, peer_timeout_s: float = PEER_TIMEOUT_S):
         super().__init__(nnodes, rank, kv)
         hb = self.ctx.socket(zmq.DEALER)
         hb.setsockopt(zmq.IDENTITY, _worker_id(rank))
+        self.heartbeat = _Heartbeat(hb, None, peer_timeout_s)  # (its monitor watches the connection made next)
         hb.connect(kv.blocking_key_value_get(_HEARTBEAT_KEY, int(WORKER_WAIT_S * 1000)))
-        self.heartbeat = _Heartbeat(hb, None)
         self.heartbeat.start()
         self.steps = self.ctx.socket(zmq.DEALER)
         self.steps.setsockopt(zmq.IDENTITY, _worker_id(rank))
@@ -255,8 +333,7 @@ class Follower(_Member):
         """Say hello, then launch each step process 0 sends on `runner` (a ModelRunner); 0 after STOP."""
         import jax
 
-        self.steps.send(b"hello")
-        self.heartbeat.timeout = PEER_TIMEOUT_S
+        self.steps.send(b"hello")  # process 0's heartbeat says UP once every process has
         in_flight: list = []
         while True:
             frame = self.steps.recv()

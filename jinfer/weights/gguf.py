@@ -2,8 +2,8 @@
 by the `gguf` package's numpy dequantizers.
 
 llama.cpp's converter permutes the rows of Q and K for llama-architecture files (to interleave
-RoPE pairs); we undo it so the same rotate-half forward serves every source. qwen2/qwen3 GGUFs
-are not permuted.
+RoPE pairs; `Architecture.gguf_permuted_qk`); we undo it so the same rotate-half forward serves every
+source. qwen2/qwen3 GGUFs are not permuted.
 """
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 from gguf.quants import dequantize
 
 from jinfer.config.model import ModelConfig
+from jinfer.models.architectures import ARCHITECTURES
 from jinfer.models.spec import ArrayInfo
 from jinfer.weights.gguf_meta import GGUFTensor, open_gguf
 
@@ -62,7 +63,7 @@ class GGUFTensorSource:
                              f"supported: {sorted(SUPPORTED_TYPES)}")
         # GGUF lists dims innermost first; the data is row-major [out, in], like HF.
         w = dequantize_tensor(t).reshape(tuple(reversed(t.shape)))
-        if self.cfg.architecture == "llama":
+        if ARCHITECTURES[self.cfg.architecture].gguf_permuted_qk:
             name = spec.gguf_name.rsplit(".", 2)
             if name[-2] == "attn_q":
                 w = unpermute_qk(w, self.cfg.num_heads)

@@ -20,7 +20,7 @@ from jax.sharding import Mesh
 from tqdm.auto import tqdm
 
 from jinfer.config.model import NAMED_SHAPES, ModelConfig
-from jinfer.models.llama import Weights
+from jinfer.models.base import Weights
 from jinfer.models.registry import assemble_weights, weight_specs
 from jinfer.models.spec import ArrayInfo
 from jinfer.parallel.mesh import logical_sharding, make_mesh, put

@@ -2,10 +2,12 @@
 fresh interpreter with its own fake CPU devices, joined by `jax.distributed`. The group gives HF's greedy
 tokens (what one process gives too, tests/models/test_parallel_engine.py), stops cleanly, and a process
 that dies takes the group down at once: the server's client fails the request in flight and no process
-is left behind."""
+is left behind. A process slow to start is not taken for a dead one; one that dies while the others start
+is seen at once."""
 
 import json
 import os
+import select
 import signal
 import socket
 import subprocess
@@ -158,6 +160,75 @@ def test_served_group_stops_cleanly(monkeypatch):
         follower.kill()
     assert code == 0
     assert client.process.wait(timeout=30) == 0
+
+
+# A bare group (multihost.join, no engine). "hold": libc's sleep called holding the GIL, so that no thread of
+# the process runs (as a long load or compile can starve the heartbeat thread); "sleep": starting, threads free.
+GROUP = """
+import ctypes, sys, time
+from jinfer.parallel import multihost
+rank, port, start, seconds = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], int(sys.argv[4])
+group = multihost.join(2, rank, "127.0.0.1", port, peer_timeout_s=0.5)
+print("JOINED", flush=True)
+if start == "hold":
+    ctypes.PyDLL(None).sleep(seconds)
+else:
+    time.sleep(seconds)
+if rank == 0:
+    group.wait_for_workers()
+    group.close()
+else:
+    sys.exit(group.serve(runner=None))  # no step comes: 0 once process 0 stops the group
+"""
+
+
+def start_member(rank: int, port: int, start: str, seconds: int) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-c", GROUP, str(rank), str(port), start, str(seconds)],
+                            env=process_env(1), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def wait_joined(*procs: subprocess.Popen, timeout: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout
+    for p in procs:
+        ready, _, _ = select.select([p.stdout], [], [], max(0.0, deadline - time.monotonic()))
+        assert ready and p.stdout.readline().strip() == "JOINED", p.stderr.read()[-3000:] if p.poll() else ""
+
+
+def test_a_slow_process_is_not_a_dead_one():
+    """Process 0 stalls for 2 s (four times the peer timeout) before its group is up, with its heartbeat
+    thread starved: process 1, already serving, waits for it; then the group stops cleanly."""
+    port = free_port()
+    leader, follower = start_member(0, port, "hold", 2), start_member(1, port, "sleep", 0)
+    try:
+        assert follower.wait(timeout=60) == 0, follower.stderr.read()[-3000:]
+        assert leader.wait(timeout=30) == 0, leader.stderr.read()[-3000:]
+    finally:
+        leader.kill()
+        follower.kill()
+
+
+@pytest.mark.parametrize("victim", [0, 1])
+def test_a_process_dying_while_the_group_starts_is_seen_at_once(victim):
+    """Both processes still starting (the start-up timeout is minutes): the survivor exits within a
+    second of its peer's death, by the peer's closed connection."""
+    port = free_port()
+    members = [start_member(0, port, "sleep", 60), start_member(1, port, "sleep", 60)]
+    try:
+        wait_joined(*members)
+        time.sleep(0.5)  # the heartbeats have met
+        members[victim].send_signal(signal.SIGKILL)
+        killed = time.monotonic()
+        survivor = members[1 - victim]
+        code = survivor.wait(timeout=10)
+        assert time.monotonic() - killed < 1.5, (time.monotonic() - killed, survivor.stderr.read()[-3000:])
+        # our heartbeat (EXIT_PEER_LOST); process 1 may also be aborted by JAX's coordination client when process
+        # 0, which hosts its service, is gone
+        assert code == EXIT_PEER_LOST if victim == 1 else code != 0, survivor.stderr.read()[-3000:]
+        if code == EXIT_PEER_LOST:
+            assert "closed its connection" in survivor.stderr.read()
+    finally:
+        for p in members:
+            p.kill()
 
 
 def test_step_inputs_round_trip():
