@@ -35,7 +35,6 @@ so reusing a slot never races a copy.
 from __future__ import annotations
 
 import logging
-import os
 import queue
 import threading
 import time
@@ -59,7 +58,6 @@ MAX_HELD_RATIO = 1.5  # host memory held by blocks, at most this times the tier'
 HOST_MEMORY_KINDS = ("pinned_host", "unpinned_host")  # in order of preference
 MAX_BACKLOG = 8  # blocks waiting for their host copy (staged in HBM) past which the copies stop waiting
 PACE_TIMEOUT_S = 0.05  # a copy waits at most this long for a read-back (an engine never told it is idle)
-PACED = os.environ.get("JINFER_KV_OFFLOAD_PACED", "1") != "0"  # 0: copies back to back (to compare)
 
 
 def transfer_buckets() -> tuple[int, ...]:
@@ -154,7 +152,7 @@ class HostKVPool:
     def hold(self) -> None:
         """The engine runs requests: copies wait for their turn after read-backs."""
         with self._pace:
-            if not self._holding and PACED:
+            if not self._holding:
                 self._holding, self._last_read_back, self._deadline = True, None, 0.0
 
     def read_back(self) -> None:

@@ -251,7 +251,6 @@ def test_host_copies_wait_for_read_backs_while_the_engine_runs(monkeypatch):
     from jinfer.cache.transfer import HostKVPool
 
     monkeypatch.setattr(kv_transfer, "PACE_TIMEOUT_S", 30.0)  # no fallback turn within the test
-    monkeypatch.setattr(kv_transfer, "PACED", True)
     on_mesh = jax.sharding.NamedSharding(jax.make_mesh((1,), ("tp",)), jax.sharding.PartitionSpec())
     cache = tuple(tuple(jax.device_put(jnp.ones((8, 4, 2, 8), jnp.float32), on_mesh) for _ in range(2))
                   for _ in range(2))
