@@ -55,9 +55,9 @@ from benchmarks.common import add_profile_argument, environment, profiled, write
 from jinfer.cache.layout import init_kv_cache
 from jinfer.config.kernels import KernelPolicy
 from jinfer.models.batch import make_batch
-from jinfer.models.registry import forward
+from jinfer.models.registry import forward, shard_weights
 from jinfer.ops import ModelOps, select_ops
-from jinfer.parallel.mesh import make_mesh, shard_attention_weights
+from jinfer.parallel.mesh import make_mesh
 from jinfer.weights.loader import DTYPES, ModelSource, load_weights, resolve_model
 
 
@@ -181,7 +181,7 @@ def main():
     rows = []
     for tp in args.tp:
         cfg = local_shapes(full, tp)
-        w = shard_attention_weights(cfg, load_weights(ModelSource("dummy", None, cfg), args.dtype, mesh,
+        w = shard_weights(cfg, load_weights(ModelSource("dummy", None, cfg), args.dtype, mesh,
                                                       progress=False), mesh)
         pages_per_seq = max((args.context + args.iters + 2) // args.page_size + 1, args.table_pages)
         kv = init_kv_cache(cfg, pages_per_seq * max(args.batch_sizes) + 1, args.page_size, dtype, mesh)

@@ -26,9 +26,9 @@ from benchmarks.common import add_profile_argument, environment, profiled, write
 from jinfer.cache.layout import init_kv_cache
 from jinfer.config.kernels import KernelPolicy
 from jinfer.models.batch import make_batch
-from jinfer.models.registry import forward
+from jinfer.models.registry import forward, shard_weights
 from jinfer.ops import select_ops
-from jinfer.parallel.mesh import TP_AXIS, array_specs, check_parallel, make_mesh, mesh_forward, shard_attention_weights
+from jinfer.parallel.mesh import TP_AXIS, array_specs, check_parallel, make_mesh, mesh_forward
 from jinfer.weights.loader import DTYPES, load_weights, resolve_model
 
 # XLA options for the step's collectives (per executable, `compiler_options`).
@@ -88,7 +88,7 @@ def main():
         check_parallel(cfg, tp, args.expert_parallel)
         mesh = make_mesh(tp)
         t0 = time.perf_counter()
-        w = shard_attention_weights(cfg, load_weights(src, args.dtype, mesh, progress=False,
+        w = shard_weights(cfg, load_weights(src, args.dtype, mesh, progress=False,
                                                       expert_parallel=args.expert_parallel), mesh,
                                     expert_parallel=args.expert_parallel)
         jax.block_until_ready(w)

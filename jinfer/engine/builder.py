@@ -28,9 +28,9 @@ from jinfer.engine.runner import ModelRunner
 from jinfer.engine.scheduler import Scheduler
 from jinfer.engine.spawn import MEM_FRACTION
 from jinfer.generation_config import load_generation_defaults
-from jinfer.models.registry import state_specs
+from jinfer.models.registry import shard_weights, state_specs
 from jinfer.ops import select_ops
-from jinfer.parallel.mesh import check_parallel, make_mesh, shard_attention_weights
+from jinfer.parallel.mesh import check_parallel, make_mesh
 from jinfer.parallel.multihost import Follower, Leader, join
 from jinfer.tokenizer import Tokenizer
 from jinfer.weights.loader import DTYPES, load_weights, resolve_model
@@ -213,7 +213,7 @@ def build_engine(config: EngineConfig, tokenizer: Tokenizer | None = None) -> En
     phases("backend")
     mesh = _mesh(config, model_config, group)
     weights = load_weights(source, dtype, mesh, seed=config.seed, expert_parallel=config.enable_expert_parallel)
-    weights = shard_attention_weights(model_config, weights, mesh, expert_parallel=config.enable_expert_parallel)
+    weights = shard_weights(model_config, weights, mesh, expert_parallel=config.enable_expert_parallel)
     phases("weights")
     # Models with per-sequence state layers (linear attention): one state slot per running sequence, plus
     # the reserved slot 0. Their state summarises a whole prefix, so prefix-cache hits would need it

@@ -22,6 +22,7 @@ from jinfer.config.model import ModelConfig
 from jinfer.models import llama, qwen3_5, qwen3_moe
 from jinfer.models.architectures import ARCHITECTURES, Architecture
 from jinfer.ops import REFERENCE_OPS, ModelOps
+from jinfer.parallel.mesh import shard_attention_weights
 from jinfer.models.spec import StateSpec
 
 
@@ -73,6 +74,14 @@ def fuse_qkv(cfg: ModelConfig, weights):
 def cache_spec(cfg: ModelConfig) -> list[LayerCacheSpec]:
     """One cache description per layer (jinfer/cache/spec.py): paged KV, state slots, ..."""
     return family(cfg).cache_spec(cfg)
+
+
+def shard_weights(cfg: ModelConfig, weights, mesh, fuse_qkv: bool = True, expert_parallel: bool = False):
+    """The weights laid out for the mesh (`parallel.mesh.shard_attention_weights`); on one device, with `fuse_qkv`,
+    the family's own fused projections."""
+    if mesh.size == 1:
+        return family(cfg).fuse_qkv(weights) if fuse_qkv else weights
+    return shard_attention_weights(cfg, weights, mesh, fuse_qkv, expert_parallel)
 
 
 def state_specs(cfg: ModelConfig) -> dict[int, tuple[StateSpec, ...]]:

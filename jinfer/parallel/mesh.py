@@ -136,10 +136,8 @@ def shard_attention_weights(cfg, weights, mesh: Mesh, fuse_qkv: bool = True, exp
     then (`fuse_qkv`) one q|k|v projection per layer whose shard on device d is [wq_d | wk_d | wv_d], so
     the per-device forward splits its local columns exactly as one device splits the whole matrix."""
     tp, kvh, d = mesh.size, cfg.num_kv_heads, cfg.head_dim
-    if tp == 1:  # nothing to repeat or split: the family's own fused projections
-        from jinfer.models.registry import fuse_qkv as family_fuse_qkv
-
-        return family_fuse_qkv(cfg, weights) if fuse_qkv else weights
+    if tp == 1:  # nothing to repeat or split (one device fuses the family's own way: `registry.shard_weights`)
+        return weights
     repeat = kv_heads_total(cfg, tp) // kvh
 
     def heads(w):  # [..., kvh * d] -> [..., kvh * repeat * d], each head `repeat` times in a row

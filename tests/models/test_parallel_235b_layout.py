@@ -14,7 +14,8 @@ from jinfer.config.model import NAMED_SHAPES
 from jinfer.cache.layout import init_kv_cache
 from jinfer.models.batch import make_batch
 from jinfer.models.registry import forward
-from jinfer.parallel.mesh import array_specs, check_parallel, make_mesh, mesh_forward, shard_attention_weights
+from jinfer.models.registry import shard_weights
+from jinfer.parallel.mesh import array_specs, check_parallel, make_mesh, mesh_forward
 from jinfer.weights.loader import ModelSource, load_weights
 
 from .test_golden_tiny import OPS
@@ -73,7 +74,7 @@ def test_eight_devices_match_one(one_device, ep, ops):
         pytest.skip(f"8 devices needed, {len(jax.devices())} here")
     check_parallel(CFG, 8, ep)
     mesh = make_mesh(8)
-    w = shard_attention_weights(CFG, weights(mesh, ep), mesh, expert_parallel=ep)
+    w = shard_weights(CFG, weights(mesh, ep), mesh, expert_parallel=ep)
     layer = w.layers[0]
     # each device: 8 q heads and one kv head (each of the 4 stored twice); 16 whole experts (ep) or 16 of
     # every expert's 128 columns (tp; 16 is the Pallas MoE kernels' smallest tile: below it they fall back)

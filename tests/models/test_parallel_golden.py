@@ -12,7 +12,8 @@ import pytest
 
 from jinfer.cache.layout import init_kv_cache
 from jinfer.models.registry import forward
-from jinfer.parallel.mesh import array_specs, check_parallel, make_mesh, mesh_forward, shard_attention_weights
+from jinfer.models.registry import shard_weights
+from jinfer.parallel.mesh import array_specs, check_parallel, make_mesh, mesh_forward
 from jinfer.weights.loader import load_weights, resolve_model
 
 from ..conftest import DATA
@@ -40,7 +41,7 @@ def sharded(request):
     cfg = src.config
     check_parallel(cfg, n, ep)
     mesh = make_mesh(n)
-    w = shard_attention_weights(cfg, load_weights(src, "float32", mesh, progress=False, expert_parallel=ep), mesh,
+    w = shard_weights(cfg, load_weights(src, "float32", mesh, progress=False, expert_parallel=ep), mesh,
                                 expert_parallel=ep)
     kv = init_kv_cache(cfg, NUM_PAGES, PAGE, "float32", mesh)
     step = jax.jit(mesh_forward(forward, cfg, OPS[ops], mesh, array_specs(w), array_specs(kv)),

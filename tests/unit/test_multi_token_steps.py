@@ -12,7 +12,8 @@ from jinfer.cache.manager import KVCacheManager
 from jinfer.engine.request import DEVICE_TOKEN, Request, accept_draft_tokens
 from jinfer.engine.runner import ModelRunner, StepRow
 from jinfer.engine.scheduler import Scheduler, SchedulerConfig
-from jinfer.parallel.mesh import make_mesh, shard_attention_weights
+from jinfer.models.registry import shard_weights
+from jinfer.parallel.mesh import make_mesh
 from jinfer.sampling_params import SamplingParams
 from jinfer.weights.loader import load_weights, resolve_model
 
@@ -32,7 +33,7 @@ def log_softmax(x):
 def model():
     src = resolve_model(DATA / "tiny-qwen3")
     mesh = make_mesh(1, jax.devices()[:1])
-    weights = shard_attention_weights(src.config, load_weights(src, "float32", mesh, progress=False), mesh)
+    weights = shard_weights(src.config, load_weights(src, "float32", mesh, progress=False), mesh)
     gold = np.load(DATA / "golden" / "tiny-qwen3.npz")
     return src.config, weights, mesh, gold
 
