@@ -29,6 +29,7 @@ from benchmarks.roofline import (
 )
 from jinfer.config.engine import EngineConfig
 from jinfer.config.kernels import KernelPolicy
+from jinfer.engine.args import compilation_cache_dir_from_env
 from jinfer.engine.core import EngineCore
 from jinfer.sampling_params import SamplingParams
 
@@ -94,7 +95,8 @@ def main():
                                    executable_cache=not args.no_executable_cache,
                                    tensor_parallel_size=args.tensor_parallel_size,
                                    enable_expert_parallel=args.enable_expert_parallel,
-                                   nnodes=args.nnodes, node_rank=args.node_rank, master_port=args.master_port))
+                                   nnodes=args.nnodes, node_rank=args.node_rank, master_port=args.master_port,
+                                   **compilation_cache_dir_from_env({})))
     if follower:
         raise SystemExit(core.group.serve(core.runner))
     startup_s = time.perf_counter() - t0

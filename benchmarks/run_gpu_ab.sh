@@ -23,6 +23,6 @@ for shape in "$@"; do
           --output-len "$OUTPUT_LEN" --repeat 1 --out "/tmp/ab/${side}_latency_${shape}_$r.json" 2>&1 \
           | grep -E "^batch|Error" ) | sed "s/^/[$shape $side $r] /"
     done
+    python3 benchmarks/ab_summary.py /tmp/ab "$shape" > "$OUT/ab_${shape}.json"  # after every round (time limits)
   done
-  python3 benchmarks/ab_summary.py /tmp/ab "$shape" > "$OUT/ab_${shape}.json"
 done
