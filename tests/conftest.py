@@ -7,7 +7,12 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 from pathlib import Path  # noqa: E402
 
+import jax.experimental.pallas.fuser  # noqa: E402, F401
 import pytest  # noqa: E402
+
+# (The import above: the Pallas interpreter's lowering imports the fuser, which registers a config flag that is
+# part of every jit's cache key. Imported mid-run, it changes the key of everything traced before it, and the next
+# call of each such jitted function traces and compiles it again.)
 
 ROOT = Path(__file__).resolve().parents[1]
 DATA = ROOT / "tests" / "data"
