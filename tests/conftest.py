@@ -55,3 +55,10 @@ def pytest_runtest_setup(item):
         for k, v in CACHE_CONFIG.items():
             jax.config.update(k, v)
         compilation_cache.reset_cache()
+
+
+def pytest_collection_modifyitems(config, items):
+    """Files with a test marked `slow` first (each file's own order kept): xdist hands out whole files in this order,
+    and a long file handed out last would leave the other workers idle at the end."""
+    slow_files = {item.path for item in items if item.get_closest_marker("slow")}
+    items.sort(key=lambda item: item.path not in slow_files)

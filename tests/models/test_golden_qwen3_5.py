@@ -75,7 +75,7 @@ def gold():
     return np.load(DATA / "golden" / "tiny-qwen3_5.npz")
 
 
-@pytest.fixture(scope="module", params=list(OPS))
+@pytest.fixture(scope="module", params=[pytest.param(o, marks=[pytest.mark.slow] * (o == "pallas")) for o in OPS])
 def model(request):
     cfg, w = load()
     if request.param == "pallas":

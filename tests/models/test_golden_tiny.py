@@ -71,8 +71,8 @@ OPS = {"ref": REFERENCE_OPS, "pallas": ModelOps("pallas", interpret=jax.default_
 ARCHS = ("llama", "qwen2", "qwen3", "qwen3_moe")
 
 
-@pytest.fixture(scope="module", params=[(a, o) for a in ARCHS for o in OPS],
-                ids=lambda p: f"{p[0]}-{p[1]}")
+@pytest.fixture(scope="module", params=[pytest.param((a, o), id=f"{a}-{o}", marks=[pytest.mark.slow] * (o == "pallas"))
+                                        for a in ARCHS for o in OPS])
 def model(request):
     arch, ops = request.param
     cfg, w, gold = load(arch)
@@ -145,6 +145,7 @@ def check_batched_chunked_prefill(step, w, kv, gold):
     np.testing.assert_allclose(np.asarray(logits2[:n1]), gold["prefill_logits_1"], atol=ATOL, rtol=1e-4)
 
 
+@pytest.mark.slow
 def test_moe_front_kernel_matches_hf(monkeypatch):
     """A MoE block's norm + router + routing as one Pallas kernel (`moe_norm_route`, for steps of up to
     `ops.MOE_FRONT_MAX_TOKENS` tokens: here every step it takes, prefill chunks too): prefill, every decode step and

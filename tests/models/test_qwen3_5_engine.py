@@ -12,6 +12,8 @@ from jinfer.sampling_params import SamplingParams
 
 from ..conftest import DATA
 
+pytestmark = pytest.mark.slow  # whole engines, each built and compiled for its own configuration
+
 TINY = str(DATA / "tiny-qwen3_5")
 GOLD = np.load(DATA / "golden" / "tiny-qwen3_5.npz")
 PROMPTS = [GOLD[f"prompt_{i}"].tolist() for i in range(3)]  # 5, 37 and 80 tokens
