@@ -51,14 +51,6 @@ def test_preemption_recomputes_the_state():
     assert preempted
 
 
-def test_n_samples_and_sync_scheduling():
-    """n = 2 greedy samples of each prompt (each sample its own sequence and state slot), without async
-    scheduling."""
-    llm = LLM(TINY, **BASE, max_num_batched_tokens=32, warmup=False, async_scheduling=False)
-    params = SamplingParams(n=2, temperature=0.0, max_tokens=32, ignore_eos=True)
-    assert generate(llm, params) == [[g, g] for g in GREEDY_IDS]
-
-
 @pytest.mark.parametrize("async_scheduling", [True, False])
 def test_n_samples_fork_from_the_first(async_scheduling):
     """n = 3: the first sample computes all but the prompt's last token, the others fork from it (its full pages
