@@ -1,5 +1,6 @@
 """Shared fixtures. Tests run on CPU; JAX sees 8 fake devices so sharding code paths are exercised."""
 
+import atexit
 import os
 import shutil
 import tempfile
@@ -10,8 +11,9 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 # alike by different tests load each other's executables instead of compiling them again. Fresh each run, so a run
 # neither reads nor fills ~/.cache/jinfer.
 _OWN_CACHE = "JINFER_COMPILATION_CACHE" not in os.environ and os.environ.get("JINFER_TEST_CACHE") != "0"
-if _OWN_CACHE:
+if _OWN_CACHE:  # (the process that made it removes it at exit; xdist workers and servers only inherit it)
     os.environ["JINFER_COMPILATION_CACHE"] = tempfile.mkdtemp(prefix="jinfer-test-cache-")
+    atexit.register(shutil.rmtree, os.environ["JINFER_COMPILATION_CACHE"], ignore_errors=True)
 
 from pathlib import Path  # noqa: E402
 
@@ -39,11 +41,6 @@ def default_gguf() -> Path:
     if not path.is_file():
         pytest.skip(f"default model not installed at {path} (run `make install`)")
     return path
-
-
-def pytest_unconfigure(config):
-    if _OWN_CACHE and not hasattr(config, "workerinput"):  # the run's owner (not an xdist worker) removes it
-        shutil.rmtree(os.environ["JINFER_COMPILATION_CACHE"], ignore_errors=True)
 
 
 @pytest.hookimpl(tryfirst=True)
