@@ -8,6 +8,10 @@ PYTHON312 ?= $(shell for p in python3.12 $$(ls -d /root/.pyenv/versions/3.12*/bi
 	$$p -c 'import sys; assert sys.version_info[:2] == (3, 12)' 2>/dev/null && { command -v $$p; break; }; done)
 PROMPT ?= What is the capital of France?
 PYTEST_ARGS ?=
+# Test workers (pytest-xdist): one per core, at most 4 (each holds its own JAX and compiles on its own core).
+# Each file runs whole on one worker (its module-scoped engines and models are built once), the files in
+# collection order (tests/conftest.py puts those with slow tests first).
+PYTEST_WORKERS ?= auto
 HOST ?= 127.0.0.1
 PORT ?= 8000
 # CPU-friendly limits for the default model (a laptop); on a GPU pass your own via SERVE_ARGS.
@@ -28,7 +32,7 @@ fetch-model: $(VENV)/.installed
 	$(PY) scripts/fetch_default_model.py
 
 test: install
-	$(PY) -m pytest -q $(PYTEST_ARGS)
+	$(PY) -m pytest -q -n $(PYTEST_WORKERS) --maxprocesses 4 --dist loadfile --no-loadscope-reorder $(PYTEST_ARGS)
 
 lint: $(VENV)/.installed
 	$(VENV)/bin/ruff check .

@@ -1,13 +1,33 @@
 """Shared fixtures. Tests run on CPU; JAX sees 8 fake devices so sharding code paths are exercised."""
 
+import atexit
 import os
+import shutil
+import tempfile
 
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+# One compilation cache for the whole run (xdist workers and spawned servers inherit the variable): engines built
+# alike by different tests load each other's executables instead of compiling them again. Fresh each run, so a run
+# neither reads nor fills ~/.cache/jinfer.
+_OWN_CACHE = "JINFER_COMPILATION_CACHE" not in os.environ and os.environ.get("JINFER_TEST_CACHE") != "0"
+if _OWN_CACHE:  # (the process that made it removes it at exit; xdist workers and servers only inherit it)
+    os.environ["JINFER_COMPILATION_CACHE"] = tempfile.mkdtemp(prefix="jinfer-test-cache-")
+    atexit.register(shutil.rmtree, os.environ["JINFER_COMPILATION_CACHE"], ignore_errors=True)
 
 from pathlib import Path  # noqa: E402
 
+import jax  # noqa: E402
+import jax.experimental.pallas.fuser  # noqa: E402, F401
 import pytest  # noqa: E402
+from jax.experimental.compilation_cache import compilation_cache  # noqa: E402
+
+# (The import above: the Pallas interpreter's lowering imports the fuser, which registers a config flag that is
+# part of every jit's cache key. Imported mid-run, it changes the key of everything traced before it, and the next
+# call of each such jitted function traces and compiles it again.)
+
+CACHE_CONFIG = {"jax_compilation_cache_dir": os.environ.get("JINFER_COMPILATION_CACHE"),
+                "jax_persistent_cache_min_compile_time_secs": 0, "jax_persistent_cache_min_entry_size_bytes": 0}
 
 ROOT = Path(__file__).resolve().parents[1]
 DATA = ROOT / "tests" / "data"
@@ -21,3 +41,21 @@ def default_gguf() -> Path:
     if not path.is_file():
         pytest.skip(f"default model not installed at {path} (run `make install`)")
     return path
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_setup(item):
+    """JAX's persistent cache in the run's directory for every compile (the plain jits and the engines built with
+    compilation_cache_dir="" too), set before the test's fixtures: put back after a test whose engine pointed it at
+    its own directory."""
+    if os.environ.get("JINFER_TEST_CACHE") != "0" and any(jax.config.values[k] != v for k, v in CACHE_CONFIG.items()):
+        for k, v in CACHE_CONFIG.items():
+            jax.config.update(k, v)
+        compilation_cache.reset_cache()
+
+
+def pytest_collection_modifyitems(config, items):
+    """Files with a test marked `slow` first (each file's own order kept): xdist hands out whole files in this order,
+    and a long file handed out last would leave the other workers idle at the end."""
+    slow_files = {item.path for item in items if item.get_closest_marker("slow")}
+    items.sort(key=lambda item: item.path not in slow_files)

@@ -4,9 +4,14 @@ tests/data/golden/tiny-qwen3_5.npz comes from scripts/make_golden.py (HF's Qwen3
 safetensors: chunked delta rule for the prompts, the recurrent one for each decode step). Prompts of 5,
 37 and 80 tokens: the last spans two of HF's 64-token chunks. Sequences sit in non-trivial state slots
 and scrambled pages; chunked prefill cuts through the conv window (K - 1 = 3 rows) and the 64-row chunk.
+
+Steps are padded to a few shapes, as the engine pads to its buckets (SMALL: under the delta rule's 64-row chunk,
+so the recurrent kernel alone; LARGE: both kernels), all PAGES_PER_SEQ pages wide: a compile costs far more than
+a step on CPU, and one per prompt length made this file several times slower.
 """
 
 import json
+from dataclasses import replace
 from functools import partial
 
 import jax
@@ -25,6 +30,8 @@ from ..conftest import DATA
 PAGE = 4
 NUM_PAGES = 80
 NUM_SLOTS = 8
+PAGES_PER_SEQ = 45  # the 80-token prompt and its 32 decodes (or 5 of them in a shared pool) fit
+SMALL, LARGE = dict(num_tokens=8, num_seqs=4), dict(num_tokens=128, num_seqs=4)  # (buckets, as the engine's)
 ATOL = 2e-4
 OPS = {"ref": REFERENCE_OPS, "pallas": ModelOps("pallas", interpret=jax.default_backend() != "gpu")}
 
@@ -49,12 +56,26 @@ def pages_for(seed, n):
     return [int(p) + 1 for p in np.random.default_rng(seed).permutation(NUM_PAGES - 1)[:n]]
 
 
+def bucket_batch(seqs, bucket, state_slots):
+    """(new tokens, cached tokens, pages) per sequence padded to `bucket`, with the logits of every row (padding rows
+    too, so the logits' shape is the bucket's): the caller takes the real ones."""
+    batch = make_batch(seqs, PAGE, **bucket, pages_per_seq=PAGES_PER_SEQ, state_slots=state_slots)
+    return replace(batch, logits_indices=np.arange(bucket["num_tokens"], dtype=np.int32))
+
+
+def placed_as_outputs(kv, w):
+    """The cache placed as the step returns it (replicated over the weights' mesh): a fresh cache would otherwise
+    be another input signature than a returned one, and compile the same step twice."""
+    mesh = jax.tree.leaves(w)[0].sharding.mesh
+    return jax.device_put(kv, jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec()))
+
+
 @pytest.fixture(scope="module")
 def gold():
     return np.load(DATA / "golden" / "tiny-qwen3_5.npz")
 
 
-@pytest.fixture(scope="module", params=list(OPS))
+@pytest.fixture(scope="module", params=[pytest.param(o, marks=[pytest.mark.slow] * (o == "pallas")) for o in OPS])
 def model(request):
     cfg, w = load()
     if request.param == "pallas":
@@ -79,14 +100,14 @@ def test_prefill_and_every_decode_step_match_hf(model, gold, i):
     prompt, greedy = gold[f"prompt_{i}"].tolist(), gold[f"greedy_{i}"].tolist()
     pages = pages_for(i, (len(prompt) + len(greedy)) // PAGE + 1)
     slot = [5]
-    kv = empty_cache(cfg)
-    logits, kv = step(w, make_batch([(prompt, 0, pages)], PAGE, all_logits=True, state_slots=slot), kv)
+    kv = placed_as_outputs(empty_cache(cfg), w)
+    bucket = SMALL if len(prompt) <= SMALL["num_tokens"] else LARGE
+    logits, kv = step(w, bucket_batch([(prompt, 0, pages)], bucket, slot), kv)
+    logits = logits[:len(prompt)]
     np.testing.assert_allclose(np.asarray(logits), gold[f"prefill_logits_{i}"], atol=ATOL, rtol=1e-4)
     ours = [int(np.argmax(logits[-1]))]
     for s in range(1, len(greedy)):
-        batch = make_batch([([ours[-1]], len(prompt) + s - 1, pages)], PAGE, pages_per_seq=len(pages),
-                           num_tokens=8, num_seqs=2, state_slots=slot)
-        logits, kv = step(w, batch, kv)
+        logits, kv = step(w, bucket_batch([([ours[-1]], len(prompt) + s - 1, pages)], SMALL, slot), kv)
         np.testing.assert_allclose(np.asarray(logits[0]), gold[f"decode_logits_{i}"][s], atol=ATOL, rtol=1e-4,
                                    err_msg=f"decode step {s}")
         ours.append(int(np.argmax(logits[0])))
@@ -96,8 +117,7 @@ def test_prefill_and_every_decode_step_match_hf(model, gold, i):
 def three_sequences(cfg, gold, seed):
     """The three golden prompts, their scrambled pages (10 / 20 / 45 of them) and an empty cache."""
     perm = pages_for(seed, 75)
-    return ([gold[f"prompt_{i}"].tolist() for i in range(3)], [perm[0:10], perm[10:30], perm[30:75]],
-            empty_cache(cfg))
+    return [gold[f"prompt_{i}"].tolist() for i in range(3)], [perm[0:10], perm[10:30], perm[30:75]], empty_cache(cfg)
 
 
 def test_batched_chunked_prefill_then_batched_decode_match_hf(model, gold):
@@ -105,29 +125,25 @@ def test_batched_chunked_prefill_then_batched_decode_match_hf(model, gold):
     (across the 64-row chunk) and 13 rows, next to the others; then all three decode together."""
     cfg, w, step = model
     prompts, pages, kv = three_sequences(cfg, gold, 7)
+    kv = placed_as_outputs(kv, w)
     slots = [3, 7, 1]
-    P = 45
 
-    def run(seqs, T):
+    def run(seqs, bucket):
         nonlocal kv
-        batch = make_batch([s[:3] for s in seqs], PAGE, num_tokens=T, num_seqs=4, pages_per_seq=P, all_logits=True,
-                           state_slots=[s[3] for s in seqs])
-        logits, kv = step(w, batch, kv)
+        logits, kv = step(w, bucket_batch([s[:3] for s in seqs], bucket, [s[3] for s in seqs]), kv)
         return np.asarray(logits)
 
-    a = run([(prompts[2][:2], 0, pages[2], slots[2]), (prompts[0], 0, pages[0], slots[0])], 8)
-    b = run([(prompts[1], 0, pages[1], slots[1]), (prompts[2][2:67], 2, pages[2], slots[2])], 128)
-    c = run([(prompts[2][67:], 67, pages[2], slots[2])], 16)
+    a = run([(prompts[2][:2], 0, pages[2], slots[2]), (prompts[0], 0, pages[0], slots[0])], SMALL)
+    b = run([(prompts[1], 0, pages[1], slots[1]), (prompts[2][2:67], 2, pages[2], slots[2])], LARGE)
+    c = run([(prompts[2][67:], 67, pages[2], slots[2])], LARGE)
     n1 = len(prompts[1])
     np.testing.assert_allclose(a[2:7], gold["prefill_logits_0"], atol=ATOL, rtol=1e-4)
     np.testing.assert_allclose(b[:n1], gold["prefill_logits_1"], atol=ATOL, rtol=1e-4)
     np.testing.assert_allclose(np.concatenate([a[:2], b[n1:n1 + 65], c[:13]]), gold["prefill_logits_2"],
                                atol=ATOL, rtol=1e-4)
     for s in range(1, 6):  # every sequence's next greedy token, all three in one step
-        seqs = [([int(gold[f"greedy_{i}"][s - 1])], len(prompts[i]) + s - 1, pages[i], slots[i]) for i in range(3)]
-        batch = make_batch([x[:3] for x in seqs], PAGE, num_tokens=8, num_seqs=4, pages_per_seq=P,
-                           state_slots=slots)
-        logits, kv = step(w, batch, kv)
+        seqs = [([int(gold[f"greedy_{i}"][s - 1])], len(prompts[i]) + s - 1, pages[i]) for i in range(3)]
+        logits, kv = step(w, bucket_batch(seqs, SMALL, slots), kv)
         for i in range(3):
             np.testing.assert_allclose(np.asarray(logits[i]), gold[f"decode_logits_{i}"][s], atol=ATOL, rtol=1e-4,
                                        err_msg=f"sequence {i}, decode step {s}")
@@ -161,18 +177,15 @@ def test_one_row_per_sequence_decode_steps_match_hf(model, gold):
     """Decode steps of one new row per sequence take the fused decode path (pallas: the fused conv + delta
     rule kernel; ref: its jnp reference): the runner's decode-only executables (B = T, a padding sequence
     included) and a lone sequence's T = 1 step."""
-    from dataclasses import replace
-
     cfg, w, step = model
     ops = OPS["pallas" if w.layers[0].lin_in is not None else "ref"]
     decode = jax.jit(partial(forward, cfg=cfg, ops=replace(ops, decode_step=True)), donate_argnames=("kv_cache",))
     prompts, pages, kv = three_sequences(cfg, gold, 9)
+    kv = placed_as_outputs(kv, w)
     slots = [6, 2, 4]
-    P = 45
+    P = PAGES_PER_SEQ
     for i in range(3):
-        batch = make_batch([(prompts[i], 0, pages[i])], PAGE, num_tokens=128, num_seqs=1, pages_per_seq=P,
-                           state_slots=[slots[i]])
-        _, kv = step(w, batch, kv)
+        _, kv = step(w, bucket_batch([(prompts[i], 0, pages[i])], LARGE, [slots[i]]), kv)
     for s in range(1, 5):  # all three in a 4-row decode-only step (row 3: a padding sequence)
         seqs = [([int(gold[f"greedy_{i}"][s - 1])], len(prompts[i]) + s - 1, pages[i]) for i in range(3)]
         batch = make_batch(seqs, PAGE, num_tokens=4, num_seqs=4, pages_per_seq=P, state_slots=slots)

@@ -61,6 +61,7 @@ def test_mixed_prompts_batch(llm):
     assert all(len(o.outputs[0].token_ids) <= 8 and o.outputs[0].text for o in outs)
 
 
+@pytest.mark.slow  # a process of its own: loads and compiles the model again
 def test_cli_generate_chat(default_gguf):
     proc = subprocess.run([sys.executable, "-m", "server.cli", "generate", "--chat", "--dtype", "float32",
                            "--max-model-len", "256", "--prompt", "What is the capital of France?"],

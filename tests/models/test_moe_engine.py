@@ -9,6 +9,8 @@ from jinfer.sampling_params import SamplingParams
 
 from ..conftest import DATA
 
+pytestmark = pytest.mark.slow  # whole engines, each built and compiled for its own configuration
+
 TINY = str(DATA / "tiny-qwen3_moe")
 GOLD = np.load(DATA / "golden" / "tiny-qwen3_moe.npz")
 PROMPTS = [GOLD[f"prompt_{i}"].tolist() for i in range(3)]

@@ -12,6 +12,8 @@ from jinfer.sampling_params import SamplingParams
 
 from ..conftest import DATA
 
+pytestmark = pytest.mark.slow  # whole engines, each built and compiled for its own configuration
+
 TINY = str(DATA / "tiny-qwen3_5")
 GOLD = np.load(DATA / "golden" / "tiny-qwen3_5.npz")
 PROMPTS = [GOLD[f"prompt_{i}"].tolist() for i in range(3)]  # 5, 37 and 80 tokens
@@ -47,14 +49,6 @@ def test_preemption_recomputes_the_state():
     sched._preempt = lambda r: (preempted.append(r.request_id), original(r))
     assert [o[0] for o in generate(llm)] == GREEDY_IDS
     assert preempted
-
-
-def test_n_samples_and_sync_scheduling():
-    """n = 2 greedy samples of each prompt (each sample its own sequence and state slot), without async
-    scheduling."""
-    llm = LLM(TINY, **BASE, max_num_batched_tokens=32, warmup=False, async_scheduling=False)
-    params = SamplingParams(n=2, temperature=0.0, max_tokens=32, ignore_eos=True)
-    assert generate(llm, params) == [[g, g] for g in GREEDY_IDS]
 
 
 @pytest.mark.parametrize("async_scheduling", [True, False])
