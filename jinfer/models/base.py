@@ -21,8 +21,8 @@ from jinfer.cache.spec import AttentionKV, LayerCacheSpec
 from jinfer.config.model import ModelConfig
 from jinfer.models.batch import Batch
 from jinfer.models.layers import apply_rope, rms_norm, rope_cos_sin, write_kv
-from jinfer.ops import ModelOps
 from jinfer.models.spec import ArrayInfo
+from jinfer.ops import ModelOps
 
 __all__ = ["LayerWeights", "Weights", "assemble_weights", "attention_specs", "cache_spec", "decoder_forward",
            "decoder_specs", "dense_mlp", "fuse_qkv", "lm_head_logits", "mlp_specs"]

@@ -22,8 +22,8 @@ from jinfer.models.base import (
     mlp_specs,
 )
 from jinfer.models.batch import Batch
-from jinfer.ops import REFERENCE_OPS, ModelOps
 from jinfer.models.spec import ArrayInfo
+from jinfer.ops import REFERENCE_OPS, ModelOps
 
 __all__ = ["assemble_weights", "cache_spec", "forward", "fuse_qkv", "layer_specs", "weight_specs"]
 

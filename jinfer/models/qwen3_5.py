@@ -16,7 +16,7 @@ Gated DeltaNet (linear attention) layers and gated full-attention layers, as HF 
 The cache: full-attention layers keep paged (k, v) like every family; a linear layer keeps one
 fixed-size state per sequence, in a pool of slots (`state_specs`): a ring of its last K conv inputs
 [S, K, conv_dim] (activation dtype; row r holds the input at the latest position = r mod K, see
-pallas_kernels/linear_attention/causal_conv.py) and the recurrent state [S, Hv, Dk, Dv] (float32). A sequence reads its slot
+linear_attention/causal_conv.py) and the recurrent state [S, Hv, Dk, Dv] (float32). A sequence reads its slot
 (`Batch.state_slots`) unless its first new token is at position 0 (then it starts from zeros: admission,
 recompute after preemption; the conv reads zeros before position 0), and writes its final state back.
 Slot 0 is reserved for padding sequences.
@@ -36,8 +36,8 @@ from jinfer.models import base
 from jinfer.models.base import Weights, decoder_specs, lm_head_logits, mlp_specs
 from jinfer.models.batch import Batch
 from jinfer.models.layers import apply_rope, rms_norm, rope_cos_sin, write_kv
-from jinfer.ops import REFERENCE_OPS, ModelOps
 from jinfer.models.spec import ArrayInfo, StateSpec
+from jinfer.ops import REFERENCE_OPS, ModelOps
 
 __all__ = ["HybridLayer", "assemble_weights", "cache_spec", "forward", "fuse_qkv", "state_specs", "weight_specs"]
 
@@ -146,7 +146,7 @@ def fuse_qkv(weights: Weights) -> Weights:
 
 def state_specs(cfg: ModelConfig) -> dict[int, tuple[StateSpec, ...]]:
     """The per-sequence state of each linear layer: (conv inputs, recurrent state)."""
-    conv = StateSpec((cfg.linear_conv_kernel_dim, cfg.linear_conv_dim), None)  # a ring (see pallas_kernels/linear_attention/causal_conv.py)
+    conv = StateSpec((cfg.linear_conv_kernel_dim, cfg.linear_conv_dim), None)  # a ring (causal_conv.py)
     rec = StateSpec((cfg.linear_num_value_heads, cfg.linear_key_head_dim, cfg.linear_value_head_dim), "float32")
     return {i: (conv, rec) for i in range(cfg.num_layers) if cfg.is_linear_layer(i)}
 

@@ -26,8 +26,8 @@ from jinfer.models.base import (
     mlp_specs,
 )
 from jinfer.models.batch import Batch
-from jinfer.ops import REFERENCE_OPS, ModelOps
 from jinfer.models.spec import EXPERT, ArrayInfo
+from jinfer.ops import REFERENCE_OPS, ModelOps
 
 __all__ = ["assemble_weights", "cache_spec", "forward", "fuse_qkv", "layer_specs", "moe_specs", "weight_specs"]
 

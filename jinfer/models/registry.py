@@ -21,9 +21,9 @@ from jinfer.cache.spec import LayerCacheSpec
 from jinfer.config.model import ModelConfig
 from jinfer.models import llama, qwen3_5, qwen3_moe
 from jinfer.models.architectures import ARCHITECTURES, Architecture
+from jinfer.models.spec import StateSpec
 from jinfer.ops import REFERENCE_OPS, ModelOps
 from jinfer.parallel.mesh import shard_attention_weights
-from jinfer.models.spec import StateSpec
 
 
 @dataclass(frozen=True)

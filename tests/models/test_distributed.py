@@ -19,10 +19,10 @@ import numpy as np
 import pytest
 
 from jinfer.client import EngineClient
+from jinfer.config.engine import EngineConfig
+from jinfer.engine.args import add_engine_arguments, engine_config_kwargs
 from jinfer.engine.step_inputs import StepInputs
 from jinfer.parallel.multihost import EXIT_PEER_LOST, check_group
-from jinfer.engine.args import add_engine_arguments, engine_config_kwargs
-from jinfer.config.engine import EngineConfig
 from jinfer.sampling_params import SamplingParams
 
 from ..conftest import DATA, ROOT

@@ -21,8 +21,8 @@ import pytest
 from safetensors.numpy import load_file, save_file
 
 from jinfer.models.batch import make_batch
-from jinfer.ops import REFERENCE_OPS, ModelOps
 from jinfer.models.registry import forward, fuse_qkv, state_specs
+from jinfer.ops import REFERENCE_OPS, ModelOps
 from jinfer.weights.loader import load_weights, resolve_model
 
 from ..conftest import DATA

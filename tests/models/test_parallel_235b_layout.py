@@ -10,11 +10,10 @@ import jax
 import numpy as np
 import pytest
 
-from jinfer.config.model import NAMED_SHAPES
 from jinfer.cache.layout import init_kv_cache
+from jinfer.config.model import NAMED_SHAPES
 from jinfer.models.batch import make_batch
-from jinfer.models.registry import forward
-from jinfer.models.registry import shard_weights
+from jinfer.models.registry import forward, shard_weights
 from jinfer.parallel.mesh import array_specs, check_parallel, make_mesh, mesh_forward
 from jinfer.weights.loader import ModelSource, load_weights
 

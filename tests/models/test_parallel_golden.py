@@ -11,8 +11,7 @@ import jax
 import pytest
 
 from jinfer.cache.layout import init_kv_cache
-from jinfer.models.registry import forward
-from jinfer.models.registry import shard_weights
+from jinfer.models.registry import forward, shard_weights
 from jinfer.parallel.mesh import array_specs, check_parallel, make_mesh, mesh_forward
 from jinfer.weights.loader import load_weights, resolve_model
 
