@@ -187,8 +187,9 @@ class EngineCore:
         self.runner.host_tier_read_back()  # host-tier copies may go out until the next read-back is due
         record_prompt_logprobs(self.runner.fetch_prompt_logprobs(launched), launched.prompt_rows, self._seqs)
         live = [(b, s) for b, s in enumerate(out.scheduled) if s.needs_sample and not s.request.is_finished]
+        tokens, rows = result.tokens.tolist(), result.rows
         sampled = {s.request_id: accept_draft_tokens(s.draft_token_ids, result.tokens_of(s.request_id))
-                   for _, s in live}
+                   if s.draft_token_ids else [tokens[rows[s.request_id][0]]] for _, s in live}
         finished = {r.request_id: r for r in self.scheduler.update(out, sampled)}
         for _, s in live:  # structured outputs: a grammar that can go no further ends its sequence
             matcher = self._seqs[s.request_id].matcher
@@ -198,7 +199,7 @@ class EngineCore:
         outputs = []
         for _, s in live:  # (the last accepted token; several only once drafts are proposed)
             rid, seq, accepted = s.request_id, self._seqs[s.request_id], sampled[s.request_id]
-            token, b = accepted[-1], result.rows_of(rid)[len(accepted) - 1]
+            token, b = accepted[-1], rows[rid][0] + len(accepted) - 1
             self.num_generation_tokens_total += 1
             delta, stop_hit = emit(s.request, seq, token, token_logprobs(result, b, token, seq.params),
                                    finished.get(rid))

@@ -117,6 +117,9 @@ class Request:
     @property
     def num_draft_tokens(self) -> int:
         """Draft tokens after the last token being sampled: no launched step covers them yet."""
+        pending = self.pending_token_ids
+        if not pending or pending[-1] == DEVICE_TOKEN:  # (every step without drafts)
+            return 0
         n = 0
         for token in reversed(self.pending_token_ids):
             if token == DEVICE_TOKEN:

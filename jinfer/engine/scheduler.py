@@ -236,15 +236,16 @@ class Scheduler:
     @staticmethod
     def _scheduled(request: Request, num_new: int, start: int) -> ScheduledRequest:
         """The batch entry; advances the request as if the step had run (its sample pending)."""
-        end = request.num_tokens + request.num_pending_tokens
+        pending = request.pending_token_ids
+        num_tokens = len(request.all_token_ids)
+        end = num_tokens + len(pending)
         needs_sample = start + num_new == end
-        drafts = request.num_draft_tokens if needs_sample else 0
-        assert not request.num_draft_tokens or (needs_sample and start < end - drafts), request.request_id
+        drafts = request.num_draft_tokens if pending else 0
+        assert not drafts or (needs_sample and start < end - drafts), request.request_id
         s = ScheduledRequest(request, num_new, start, request.page_ids, needs_sample=needs_sample,
-                             input_from_device=start >= request.num_tokens and request.token_at(start) == DEVICE_TOKEN,
+                             input_from_device=start >= num_tokens and pending[start - num_tokens] == DEVICE_TOKEN,
                              num_logits=1 + drafts if needs_sample else 0,
-                             draft_token_ids=request.pending_token_ids[len(request.pending_token_ids) - drafts:]
-                             if drafts else [])
+                             draft_token_ids=pending[len(pending) - drafts:] if drafts else [])
         request.num_computed_tokens = start + num_new
         if needs_sample:
             request.pending_token_ids.append(DEVICE_TOKEN)
