@@ -184,7 +184,8 @@ def main():
         w = shard_weights(cfg, load_weights(ModelSource("dummy", None, cfg), args.dtype, mesh,
                                                       progress=False), mesh)
         pages_per_seq = max((args.context + args.iters + 2) // args.page_size + 1, args.table_pages)
-        kv = init_kv_cache(cfg, pages_per_seq * max(args.batch_sizes) + 1, args.page_size, dtype, mesh)
+        kv = init_kv_cache(cfg, pages_per_seq * max(args.batch_sizes) + 1, args.page_size, dtype, mesh,
+                           num_state_slots=max(args.batch_sizes) + 1)  # linear-attention layers: slot b + 1
         for bs in args.batch_sizes:
             pages = [list(range(1 + b * pages_per_seq, 1 + (b + 1) * pages_per_seq)) for b in range(bs)]
             batches = [jax.device_put(make_batch([([1], args.context + i, pg) for pg in pages], args.page_size,
