@@ -10,11 +10,11 @@ On CPU: tiny shapes in the interpreters, to check the script.
 from __future__ import annotations
 
 import functools
-import sys
 
 import jax
 import jax.numpy as jnp
 
+from benchmarks.kernels import run_subcommand
 from pallas_kernels.attention.paged_attention import paged_decode_attention
 from pallas_kernels.attention.prefill_attention import ragged_prefill_attention
 from pallas_kernels.attention.prefill_attention_mgpu import ragged_prefill_attention_mgpu
@@ -88,10 +88,7 @@ def bench_prefill_mgpu(argv: list[str] | None = None) -> None:
 BENCHMARKS = {"decode": bench_decode, "prefill": bench_prefill, "prefill_mgpu": bench_prefill_mgpu}
 
 def main(argv: list[str] | None = None) -> None:
-    argv = sys.argv[1:] if argv is None else argv
-    if not argv or argv[0] not in BENCHMARKS:
-        raise SystemExit(f"usage: python -m {__spec__.name} {{{','.join(BENCHMARKS)}}} [options]\n\n{__doc__}")
-    BENCHMARKS[argv[0]](argv[1:])
+    run_subcommand(BENCHMARKS, __spec__.name, __doc__, argv)
 
 
 if __name__ == "__main__":

@@ -10,11 +10,11 @@ from __future__ import annotations
 
 import functools
 import json
-import sys
 
 import jax
 import jax.numpy as jnp
 
+from benchmarks.kernels import run_subcommand
 from pallas_kernels.dense.fused_mlp import fused_swiglu_mlp, fused_swiglu_mlp_reference
 from pallas_kernels.dense.skinny_gemm import skinny_gemm, skinny_gemm_reference
 
@@ -129,10 +129,7 @@ def bench_skinny_gemm(argv: list[str] | None = None) -> None:
 BENCHMARKS = {"mlp": bench_mlp, "skinny_gemm": bench_skinny_gemm}
 
 def main(argv: list[str] | None = None) -> None:
-    argv = sys.argv[1:] if argv is None else argv
-    if not argv or argv[0] not in BENCHMARKS:
-        raise SystemExit(f"usage: python -m {__spec__.name} {{{','.join(BENCHMARKS)}}} [options]\n\n{__doc__}")
-    BENCHMARKS[argv[0]](argv[1:])
+    run_subcommand(BENCHMARKS, __spec__.name, __doc__, argv)
 
 
 if __name__ == "__main__":

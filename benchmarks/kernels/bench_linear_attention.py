@@ -12,12 +12,12 @@ from __future__ import annotations
 
 import functools
 import itertools
-import sys
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from benchmarks.kernels import run_subcommand
 from pallas_kernels.linear_attention.gated_delta_rule import recurrent_gated_delta_rule
 from pallas_kernels.linear_attention.gated_delta_rule_chunked import (
     CHUNK,
@@ -266,10 +266,7 @@ def bench_intra(argv: list[str] | None = None) -> None:
 BENCHMARKS = {"recurrent": bench_recurrent, "chunked": bench_chunked, "intra": bench_intra}
 
 def main(argv: list[str] | None = None) -> None:
-    argv = sys.argv[1:] if argv is None else argv
-    if not argv or argv[0] not in BENCHMARKS:
-        raise SystemExit(f"usage: python -m {__spec__.name} {{{','.join(BENCHMARKS)}}} [options]\n\n{__doc__}")
-    BENCHMARKS[argv[0]](argv[1:])
+    run_subcommand(BENCHMARKS, __spec__.name, __doc__, argv)
 
 
 if __name__ == "__main__":

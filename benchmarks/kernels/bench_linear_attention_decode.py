@@ -10,11 +10,11 @@ interpreter, to check the script.
 from __future__ import annotations
 
 import functools
-import sys
 
 import jax
 import jax.numpy as jnp
 
+from benchmarks.kernels import run_subcommand
 from pallas_kernels.linear_attention.causal_conv import causal_conv, conv_reference
 from pallas_kernels.linear_attention.gated_delta_rule_decode import fused_decode_step, gates
 
@@ -218,10 +218,7 @@ def bench_conv(argv: list[str] | None = None) -> None:
 BENCHMARKS = {"decode": bench_decode, "conv": bench_conv}
 
 def main(argv: list[str] | None = None) -> None:
-    argv = sys.argv[1:] if argv is None else argv
-    if not argv or argv[0] not in BENCHMARKS:
-        raise SystemExit(f"usage: python -m {__spec__.name} {{{','.join(BENCHMARKS)}}} [options]\n\n{__doc__}")
-    BENCHMARKS[argv[0]](argv[1:])
+    run_subcommand(BENCHMARKS, __spec__.name, __doc__, argv)
 
 
 if __name__ == "__main__":

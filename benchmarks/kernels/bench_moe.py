@@ -17,6 +17,7 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
+from benchmarks.kernels import run_subcommand
 from pallas_kernels.moe.moe_gemm import moe_combine, moe_down, moe_gate_up
 from pallas_kernels.moe.moe_gemm_mgpu import (
     MAX_ACC_REGISTERS,
@@ -231,10 +232,7 @@ def bench_gemm_mgpu(argv: list[str] | None = None) -> None:
 BENCHMARKS = {"routing": bench_routing, "gemm": bench_gemm, "gemm_mgpu": bench_gemm_mgpu}
 
 def main(argv: list[str] | None = None) -> None:
-    argv = sys.argv[1:] if argv is None else argv
-    if not argv or argv[0] not in BENCHMARKS:
-        raise SystemExit(f"usage: python -m {__spec__.name} {{{','.join(BENCHMARKS)}}} [options]\n\n{__doc__}")
-    BENCHMARKS[argv[0]](argv[1:])
+    run_subcommand(BENCHMARKS, __spec__.name, __doc__, argv)
 
 
 if __name__ == "__main__":
