@@ -11,7 +11,7 @@ def collect(directory: str, shape: str) -> dict:
     out = {"shape": shape, "sides": {}}
     for side in ("base", "new"):
         step, tpot, env = {}, {}, {}
-        for f in sorted(glob.glob(f"{directory}/{side}_local_{shape}_*.json")):
+        for f in sorted(glob.glob(f"{directory}/{side}_local_{shape}_*.json")):  # (a process that failed wrote none)
             d = json.load(open(f))
             env = {k: d.get(k) for k in ("device", "jax_version", "commit", "source_hash")}
             for row in d["rows"]:

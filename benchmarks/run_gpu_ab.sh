@@ -10,6 +10,8 @@ BASE=${BASE:?set BASE to the other tree}
 ROUNDS=${ROUNDS:-3}
 BATCHES=${BATCHES:-1 8 32}
 OUTPUT_LEN=${OUTPUT_LEN:-64}
+LOCAL_TIMEOUT=${LOCAL_TIMEOUT:-300}  # seconds per process
+LATENCY_TIMEOUT=${LATENCY_TIMEOUT:-400}
 NEW=$PWD
 mkdir -p /tmp/ab
 for shape in "$@"; do
@@ -17,12 +19,13 @@ for shape in "$@"; do
     for side in base new; do
       tree=$NEW; [ "$side" = base ] && tree=$(cd "$BASE" && pwd)
       ( cd "$tree" && export PYTHONPATH=/tmp/site:$tree JINFER_COMPILATION_CACHE=/tmp/jinfer-xla-$side &&
-        timeout 300 python3 -m benchmarks.bench_local_step --shape "$shape" --tp 1 --batch-sizes $BATCHES \
+        timeout "$LOCAL_TIMEOUT" python3 -m benchmarks.bench_local_step --shape "$shape" --tp 1 --batch-sizes $BATCHES \
           --table-pages 128 --runs 3 --out "/tmp/ab/${side}_local_${shape}_$r.json" 2>&1 | grep -E "^\{|Error" ;
-        timeout 400 python3 -m benchmarks.bench_latency --shape "$shape" --batch-sizes $BATCHES --input-len 1024 \
+        timeout "$LATENCY_TIMEOUT" python3 -m benchmarks.bench_latency --shape "$shape" --batch-sizes $BATCHES --input-len 1024 \
           --output-len "$OUTPUT_LEN" --repeat 1 --out "/tmp/ab/${side}_latency_${shape}_$r.json" 2>&1 \
           | grep -E "^batch|Error" ) | sed "s/^/[$shape $side $r] /"
     done
     python3 benchmarks/ab_summary.py /tmp/ab "$shape" > "$OUT/ab_${shape}.json"  # after every round (time limits)
+    ls /tmp/ab
   done
 done
