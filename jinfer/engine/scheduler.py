@@ -225,10 +225,8 @@ class Scheduler:
         if drafts:
             without = remaining - drafts
             fits = self._clamp(request, start, remaining, budget) - without  # drafts the step's row can take
-            max_tokens = request.sampling_params.max_tokens
-            limit = min(self.config.max_model_len, request.num_prompt_tokens + max_tokens
-                        if max_tokens is not None else self.config.max_model_len)
-            room = limit - 1 - request.num_tokens - request.num_sampling_tokens  # positions a draft may take
+            # positions a draft may take
+            room = self._length_limit(request) - 1 - request.num_tokens - request.num_sampling_tokens
             request.drop_draft_tokens(max(0, min(drafts, fits, room)))
             remaining = request.num_tokens + request.num_pending_tokens - start
         return self._clamp(request, start, remaining, budget)
@@ -251,11 +249,16 @@ class Scheduler:
             request.pending_token_ids.append(DEVICE_TOKEN)
         return s
 
+    def _length_limit(self, request: Request) -> int:
+        """The most tokens the request may hold: prompt + max_tokens, within max_model_len."""
+        max_tokens = request.sampling_params.max_tokens
+        if max_tokens is None:
+            return self.config.max_model_len
+        return min(self.config.max_model_len, request.num_prompt_tokens + max_tokens)
+
     def _reaches_length(self, request: Request, pending: int = 0) -> bool:
         """max_tokens or max_model_len is reached, counting `pending` tokens not yet read back."""
-        max_tokens = request.sampling_params.max_tokens
-        return (max_tokens is not None and request.num_output_tokens + pending >= max_tokens) \
-            or request.num_tokens + pending >= self.config.max_model_len
+        return request.num_tokens + pending >= self._length_limit(request)
 
     def schedule(self, max_tokens: int | None = None, max_seqs: int | None = None) -> SchedulerOutput:
         """One step's work. `max_tokens` / `max_seqs`: tighter limits for this step (the executables ready
