@@ -10,7 +10,7 @@ import sys
 def collect(directory: str, shape: str) -> dict:
     out = {"shape": shape, "sides": {}}
     for side in ("base", "new"):
-        step, tpot, env = {}, {}, {}
+        step, tpot, p50, env = {}, {}, {}, {}
         for f in sorted(glob.glob(f"{directory}/{side}_local_{shape}_*.json")):  # (a process that failed wrote none)
             d = json.load(open(f))
             env = {k: d.get(k) for k in ("device", "jax_version", "commit", "source_hash")}
@@ -20,7 +20,8 @@ def collect(directory: str, shape: str) -> dict:
         for f in sorted(glob.glob(f"{directory}/{side}_latency_{shape}_*.json")):
             for row in json.load(open(f))["rows"]:
                 tpot.setdefault(row["batch_size"], []).append(row["tpot_ms"])
-        out["sides"][side] = {"env": env, "step_ms": step, "tpot_ms": tpot,
+                p50.setdefault(row["batch_size"], []).append(row["tpot_p50_ms"])  # (a slow mean: spikes or not)
+        out["sides"][side] = {"env": env, "step_ms": step, "tpot_ms": tpot, "tpot_p50_ms": p50,
                               "step_ms_median": {b: statistics.median(v) for b, v in step.items()},
                               "tpot_ms_median": {b: statistics.median(v) for b, v in tpot.items()}}
     base, new = out["sides"]["base"], out["sides"]["new"]

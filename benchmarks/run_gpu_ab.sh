@@ -4,7 +4,7 @@
 #   BASE=.base ROUNDS=3 bash benchmarks/run_gpu_ab.sh qwen3-4b qwen3-30b-a3b
 # BASE is the other tree (e.g. `git archive <commit> | tar -x -C .base`, carried to the device as an ignored path);
 # the current tree is "new". Writes $OUT/ab_<shape>.json (every process's rows, per tree) via benchmarks/ab_summary.py,
-# and each process's whole log under $OUT/ab_logs/.
+# and every process's whole log in $OUT/ab_<shape>_logs.txt.
 set -uo pipefail
 source benchmarks/gpu_env.sh
 BASE=${BASE:?set BASE to the other tree}
@@ -13,22 +13,24 @@ BATCHES=${BATCHES:-1 8 32}
 OUTPUT_LEN=${OUTPUT_LEN:-64}
 LOCAL_TIMEOUT=${LOCAL_TIMEOUT:-300}  # seconds per process
 LATENCY_TIMEOUT=${LATENCY_TIMEOUT:-400}
+BENCHES=${BENCHES:-local latency}  # which of the two to run
 NEW=$PWD
-mkdir -p /tmp/ab "$OUT/ab_logs"
+mkdir -p /tmp/ab /tmp/ab_logs
 for shape in "$@"; do
   for r in $(seq "$ROUNDS"); do
     for side in base new; do
       tree=$NEW; [ "$side" = base ] && tree=$(cd "$BASE" && pwd)
       ( cd "$tree" && export PYTHONPATH=/tmp/site:$tree JINFER_COMPILATION_CACHE=/tmp/jinfer-xla-$side &&
-        timeout "$LOCAL_TIMEOUT" python3 -m benchmarks.bench_local_step --shape "$shape" --tp 1 --batch-sizes $BATCHES \
-          --table-pages 128 --runs 3 --out "/tmp/ab/${side}_local_${shape}_$r.json" > "$OUT/ab_logs/${side}_local_${shape}_$r.log" 2>&1 ;
-        grep -E "^\{|Error" "$OUT/ab_logs/${side}_local_${shape}_$r.log" ;
-        timeout "$LATENCY_TIMEOUT" python3 -m benchmarks.bench_latency --shape "$shape" --batch-sizes $BATCHES --input-len 1024 \
+        [[ " $BENCHES " != *" local "* ]] || { timeout "$LOCAL_TIMEOUT" python3 -m benchmarks.bench_local_step --shape "$shape" --tp 1 --batch-sizes $BATCHES \
+          --table-pages 128 --runs 3 --out "/tmp/ab/${side}_local_${shape}_$r.json" > "/tmp/ab_logs/${side}_local_${shape}_$r.log" 2>&1 ;
+        grep -E "^\{|Error" "/tmp/ab_logs/${side}_local_${shape}_$r.log" ; }
+        [[ " $BENCHES " != *" latency "* ]] || { timeout "$LATENCY_TIMEOUT" python3 -m benchmarks.bench_latency --shape "$shape" --batch-sizes $BATCHES --input-len 1024 \
           --output-len "$OUTPUT_LEN" --repeat 1 --out "/tmp/ab/${side}_latency_${shape}_$r.json" \
-          > "$OUT/ab_logs/${side}_latency_${shape}_$r.log" 2>&1 ;
-        grep -E "^batch|Error" "$OUT/ab_logs/${side}_latency_${shape}_$r.log" ) | sed "s/^/[$shape $side $r] /"
+          > "/tmp/ab_logs/${side}_latency_${shape}_$r.log" 2>&1 ;
+        grep -E "^batch|Error" "/tmp/ab_logs/${side}_latency_${shape}_$r.log" ; } ) | sed "s/^/[$shape $side $r] /"
     done
     python3 benchmarks/ab_summary.py /tmp/ab "$shape" > "$OUT/ab_${shape}.json"  # after every round (time limits)
+    for f in /tmp/ab_logs/*_"${shape}"_*.log; do echo "=== $f"; cat "$f"; done > "$OUT/ab_${shape}_logs.txt"
     ls /tmp/ab
   done
 done
