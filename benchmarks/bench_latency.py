@@ -38,6 +38,7 @@ def run_batch(core: EngineCore, prompts: list[list[int]], output_len: int, tag: 
     params = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True)
     for i, p in enumerate(prompts):
         core.add_request(f"{tag}-{i}", p, params)
+    wait0, steps0 = core.device_wait_seconds_total, core.num_steps_total
     t0 = time.perf_counter()
     first_seen: set[str] = set()
     ttft = None
@@ -55,7 +56,10 @@ def run_batch(core: EngineCore, prompts: list[list[int]], output_len: int, tag: 
     return {"ttft_ms": ttft * 1e3, "tpot_ms": float(decode.mean()), "tpot_p50_ms": float(np.percentile(decode, 50)),
             "tpot_p99_ms": float(np.percentile(decode, 99)), "decode_steps": int(len(decode)),
             "decode_step_ms": [round(float(x), 3) for x in decode],
-            "total_s": time.perf_counter() - t0}
+            "total_s": time.perf_counter() - t0,
+            # the host blocked reading steps back (the device's share) vs everything else, per step
+            "device_wait_ms_per_step": (core.device_wait_seconds_total - wait0) * 1e3
+            / max(core.num_steps_total - steps0, 1)}
 
 
 def main():
@@ -140,7 +144,8 @@ def main():
         print(f"batch {bs}: TTFT {row['ttft_ms']:.1f} ms (FLOP floor {ttft_floor['prefill_flop_floor_ms']:.1f}, "
               f"byte floor {ttft_floor['prefill_byte_floor_ms']:.1f}), TPOT {row['tpot_ms']:.2f} ms "
               f"[runs {' '.join(f'{t:.2f}' for t in row['tpot_runs_ms'])}] "
-              f"(roofline {floor:.2f} ms, {row['tpot_ms'] / floor:.2f}x"
+              f"(roofline {floor:.2f} ms, {row['tpot_ms'] / floor:.2f}x; "
+              f"device wait {row['device_wait_ms_per_step']:.2f} ms/step"
               + (f"; busiest device {busiest:.2f} ms" if busiest and args.tensor_parallel_size > 1 else "") + ")")
     result = {"benchmark": "latency", **environment(), "shape": args.shape, "dtype": args.dtype,
               "tensor_parallel_size": args.tensor_parallel_size, "expert_parallel": args.enable_expert_parallel,
@@ -152,6 +157,9 @@ def main():
               "executable_cache": core.config.executable_cache,
               "xla_flags": os.environ.get("XLA_FLAGS", ""), "startup_s": startup_s, "repeat": args.repeat,
               "measured_bandwidth_Bps": bandwidth, "copy_bandwidth": copy, "measured_matmul_flops": matmul,
+              "executables": {"hits": core.runner.executables.hits, "misses": core.runner.executables.misses,
+                              "compile_s": core.runner.compile_seconds,
+                              "compiles_after_warmup": core.runner.compiles_after_warmup},
               "rows": rows}
     write_result(result, args.out)
     core.close()  # a multi-process group: the followers stop
