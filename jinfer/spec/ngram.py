@@ -6,10 +6,11 @@ its last n tokens occurred before (ending before the last token; occurrences may
 earliest such occurrence, and propose the up-to-k tokens that followed it (k also capped by max_model_len). This is
 vLLM's rule (longest match first, then the earliest position), which its KMP search computes.
 
-Cost: per request and step one comparison of the whole sequence with its last token (`t[:-1] == t[-1]`), then
-`prompt_lookup_max - 1` gathers over the positions that matched (few in text; all of them in a run of one repeated
-token, still O(len)). Each sequence's tokens are kept in a growing numpy buffer that only takes the tokens appended
-since its last proposal, so nothing is converted from Python lists per step but the new tokens.
+Cost: per request and step one comparison of the whole sequence with its last token (`t[:-1] == t[-1]`), then the
+positions that matched are extended backwards up to prompt_lookup_max tokens (in Python for a few, else one gather
+of [matches, prompt_lookup_max]: all positions in a run of one repeated token, still O(len)). Each sequence's tokens
+are kept in a growing numpy buffer that only takes the tokens appended since its last proposal, so nothing is
+converted from Python lists per step but the new tokens.
 benchmarks/bench_ngram.py measures it at 8k-token contexts and batch 64.
 """
 
@@ -21,31 +22,41 @@ from collections.abc import Sequence
 import numpy as np
 
 
-def propose_ngram(tokens: np.ndarray, min_n: int, max_n: int, k: int) -> np.ndarray:
+def propose_ngram(tokens: np.ndarray, min_n: int, max_n: int, k: int, token_list: list[int] | None = None
+                  ) -> np.ndarray:
     """The draft for one sequence `tokens` (1-D int array): up to k tokens, empty when no suffix of length >= min_n
-    occurred earlier. `k` is already capped by the room left in the context."""
+    occurred earlier. `k` is already capped by the room left in the context. `token_list`: the same tokens as a list
+    (a few candidates are checked in Python, cheaper than numpy calls on tiny arrays)."""
     L = tokens.shape[0]
     if L < min_n + 1 or k <= 0:
         return tokens[:0]
-    last = tokens[L - 1]
-    ends = np.flatnonzero(tokens[:L - 1] == last)  # occurrences of the 1-gram, by the position they end at
+    ends = np.flatnonzero(tokens[:L - 1] == tokens[L - 1])  # occurrences of the last token, by position
     if ends.size == 0:
         return tokens[:0]
-    length = np.ones(ends.size, np.int32)  # matched suffix length at each end, capped at max_n
-    alive = np.ones(ends.size, bool)
-    for i in range(1, max_n):
-        pos = ends - i
-        ok = pos >= 0
-        alive &= ok
-        alive[ok] &= tokens[pos[ok]] == tokens[L - 1 - i]
-        if not alive.any():
-            break
-        length += alive
-    longest = int(length.max())
+    n = min(max_n, L - 1)
+    if token_list is not None and ends.size <= SMALL:
+        t = token_list
+        best, best_end = 0, 0
+        for e in ends.tolist():
+            m = 1
+            while m < n and m <= e and t[e - m] == t[L - 1 - m]:
+                m += 1
+            if m > best:  # (strictly longer: the earliest end of the longest match is kept)
+                best, best_end = m, e
+        longest, end = best, best_end
+    else:
+        idx = ends[:, None] - np.arange(n)  # [candidates, n]: positions back from each end
+        eq = tokens[np.maximum(idx, 0)] == tokens[L - 1 - np.arange(n)]
+        eq &= idx >= 0
+        length = np.logical_and.accumulate(eq, axis=1).sum(axis=1)  # matched suffix length, capped at n
+        longest = int(length.max())
+        end = int(ends[np.argmax(length == longest)])  # the earliest occurrence of the longest match
     if longest < min_n:
         return tokens[:0]
-    start = int(ends[np.argmax(length == longest)]) + 1  # the earliest occurrence of the longest match
-    return tokens[start:start + k]
+    return tokens[end + 1:end + 1 + k]
+
+
+SMALL = 16  # candidates checked in Python below this many
 
 
 class NgramProposer:
@@ -81,5 +92,5 @@ class NgramProposer:
         for r in requests:
             tokens = self._tokens(r)
             k = min(self.k, self.max_model_len - tokens.shape[0])
-            drafts.append(propose_ngram(tokens, self.min_n, self.max_n, k).tolist())
+            drafts.append(propose_ngram(tokens, self.min_n, self.max_n, k, r.all_token_ids).tolist())
         return drafts

@@ -3,8 +3,8 @@ prompt, so the engine's cost at a chosen acceptance length can be measured on du
 
 Record a prompt's greedy output from a run without drafts (`record`); later runs of the same prompt are drafted
 from it: each draft token is the recorded one with probability `acceptance`, else a wrong one (the recorded token
-+ 1), and the target's own samples keep the output on the recording. With per-token acceptance p and k drafts the
-mean acceptance length is 1 + p + p^2 + ... + p^k. Prompts with no recording get no drafts.
+- 1, or 1 for token 0), and the target's own samples keep the output on the recording. With per-token acceptance p
+and k drafts the mean acceptance length is 1 + p + p^2 + ... + p^k. Prompts with no recording get no drafts.
 """
 
 from __future__ import annotations
@@ -15,10 +15,10 @@ import numpy as np
 
 
 class ReplayProposer:
-    def __init__(self, num_speculative_tokens: int, acceptance: float, vocab_size: int, seed: int = 0):
+    def __init__(self, num_speculative_tokens: int, acceptance: float, seed: int = 0):
         if not 0.0 <= acceptance <= 1.0:
             raise ValueError(f"acceptance={acceptance} must be in [0, 1]")
-        self.k, self.acceptance, self.vocab_size = num_speculative_tokens, acceptance, vocab_size
+        self.k, self.acceptance = num_speculative_tokens, acceptance
         self._recorded: dict[tuple[int, ...], list[int]] = {}
         self._of: dict[str, list[int] | None] = {}  # request id -> its recording (looked up once)
         self._rng = np.random.default_rng(seed)
@@ -38,5 +38,5 @@ class ReplayProposer:
             n = r.num_output_tokens
             draft = rec[n:n + self.k]
             wrong = self._rng.random(len(draft)) >= self.acceptance
-            drafts.append([(t + 1) % self.vocab_size if w else t for t, w in zip(draft, wrong.tolist())])
+            drafts.append([(t - 1 if t else 1) if w else t for t, w in zip(draft, wrong.tolist())])
         return drafts
