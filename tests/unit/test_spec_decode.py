@@ -79,7 +79,7 @@ def reference_ngram(t: list[int], lo: int, hi: int, k: int) -> list[int]:
 def test_ngram_matches_the_reference_rule_on_random_sequences():
     rng = np.random.default_rng(0)
     checked = 0
-    for trial in range(600):
+    for _ in range(600):
         L = int(rng.integers(1, 60))
         vocab = int(rng.choice([2, 3, 5, 20]))
         t = rng.integers(0, vocab, L).tolist()

@@ -82,7 +82,8 @@ def assert_same(a: dict, b: dict, logprobs: bool = False):
 def assert_drafts_accepted_and_rejected(counters: dict):
     assert counters["spec_decode_num_drafts"] > 0
     assert 0 < counters["spec_decode_num_accepted_tokens"] < counters["spec_decode_num_draft_tokens"]
-    assert counters["spec_decode_num_accepted_tokens_per_pos_0"] >= counters["spec_decode_num_accepted_tokens_per_pos_1"]
+    per_pos = [counters[f"spec_decode_num_accepted_tokens_per_pos_{i}"] for i in range(3)]
+    assert per_pos == sorted(per_pos, reverse=True) and sum(per_pos) == counters["spec_decode_num_accepted_tokens"]
 
 
 @pytest.mark.parametrize("batch", [1, 8])
@@ -170,6 +171,7 @@ def test_preemption_and_chunked_prefill(plain):
     assert preempted and counters["spec_decode_num_accepted_tokens"] > 0
 
 
+@pytest.mark.slow
 def test_tensor_parallel_and_moe():
     prompts = spec_prompts(4, seed=21)
     for model, kw in ((TINY, {"tensor_parallel_size": 2}), (str(DATA / "tiny-qwen3_moe"), {})):
@@ -179,10 +181,11 @@ def test_tensor_parallel_and_moe():
         assert counters["spec_decode_num_accepted_tokens"] > 0, model
 
 
+@pytest.mark.slow
 def test_smollm2_accepts_drafts_on_a_repeating_prompt(default_gguf):
     llm = LLM(str(default_gguf), dtype="float32", max_model_len=256, max_num_seqs=2, max_num_batched_tokens=128,
               warmup=False, compilation_cache_dir="", speculative_config=NGRAM)
-    text = "Repeat this list exactly: apple, banana, cherry, date, elderberry, fig, grape. " * 2
+    text = "The quick brown fox jumps over the lazy dog. " * 4
     out = llm.generate(text, SamplingParams(temperature=0.0, max_tokens=24), use_tqdm=False)[0]
     assert out.metrics.spec_num_accepted_tokens > 0 and out.outputs[0].text
 
