@@ -217,3 +217,22 @@ def test_replay_drafter_replays_with_the_chosen_acceptance():
     drafts = [p.propose([types.SimpleNamespace(request_id="z", prompt_token_ids=[1], num_output_tokens=i)])[0][0]
               for i in range(2000)]
     assert abs(np.mean(np.array(drafts) == 5) - 0.3) < 0.05 and set(drafts) == {4, 5}
+
+
+def test_stats_line_reports_acceptance_per_interval():
+    from jinfer.engine.stats_log import StatsLogger
+
+    now = [0.0]
+    logger = StatsLogger(10.0, clock=lambda: now[0])
+    stats = dict(generation_tokens_total=0, num_running=1, spec_decode_num_drafts=0, spec_decode_num_draft_tokens=0,
+                 spec_decode_num_accepted_tokens=0, spec_decode_num_accepted_tokens_per_pos_0=0,
+                 spec_decode_num_accepted_tokens_per_pos_1=0)
+    now[0] = 10.0
+    assert "SpecDecoding" not in logger.maybe_log(stats)  # no drafts yet
+    stats.update(generation_tokens_total=300, spec_decode_num_drafts=100, spec_decode_num_draft_tokens=200,
+                 spec_decode_num_accepted_tokens=120, spec_decode_num_accepted_tokens_per_pos_0=80,
+                 spec_decode_num_accepted_tokens_per_pos_1=40)
+    now[0] = 20.0
+    line = logger.maybe_log(stats).splitlines()[1]
+    assert line == ("Engine 000: SpecDecoding metrics: Mean acceptance length: 2.20, Accepted: 120 tokens, Drafted: "
+                    "200 tokens, Per-position acceptance rate: 0.800, 0.400, Avg Draft acceptance rate: 60.0%")
