@@ -8,6 +8,13 @@ until every request of the batch has its first token, TPOT the mean time per lat
 `--repeat` timed runs (default 3): the row is the run of median TPOT, with every run's TTFT and TPOT
 beside it (`ttft_runs_ms`, `tpot_runs_ms`: two runs of one tree on one H100 differed by up to 0.6 ms at
 batch 1). The decode roofline uses the bandwidth measured in the same run.
+
+Speculative decoding: `--speculative-config '{"method": "ngram", "num_speculative_tokens": 4}'` runs the engine with
+it; with `--replay-acceptance P` the drafter is instead the benchmark-only replay drafter (jinfer/spec/replay.py): the
+untimed run records each prompt's greedy output, and the timed runs of the same prompts (prefix caching off) draft
+from it, each draft token right with probability P, so the engine's TPOT at mean acceptance length
+1 + P + ... + P^k is measured on dummy weights. With drafts TPOT is the decode time over the tokens per sequence
+(a step emits several), `step_ms` the mean step.
 """
 
 from __future__ import annotations
@@ -29,12 +36,15 @@ from benchmarks.roofline import (
 )
 from jinfer.config.engine import EngineConfig
 from jinfer.config.kernels import KernelPolicy
+from jinfer.config.speculative import SpeculativeConfig
 from jinfer.engine.args import compilation_cache_dir_from_env
 from jinfer.engine.core import EngineCore
 from jinfer.sampling_params import SamplingParams
+from jinfer.spec.replay import ReplayProposer
 
 
-def run_batch(core: EngineCore, prompts: list[list[int]], output_len: int, tag: str) -> dict:
+def run_batch(core: EngineCore, prompts: list[list[int]], output_len: int, tag: str,
+              outputs: dict[str, list[int]] | None = None) -> dict:
     params = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True)
     for i, p in enumerate(prompts):
         core.add_request(f"{tag}-{i}", p, params)
@@ -49,11 +59,19 @@ def run_batch(core: EngineCore, prompts: list[list[int]], output_len: int, tag: 
         # previous step's, after this one was launched): the time between returns is the time per token
         step_times.append(time.perf_counter() - t)
         first_seen.update(o.request_id for o in outs if o.new_token_ids)
+        if outputs is not None:
+            for o in outs:
+                outputs.setdefault(o.request_id, []).extend(o.new_token_ids)
         if ttft is None and len(first_seen) == len(prompts):
             ttft = time.perf_counter() - t0
             decode_start = len(step_times)
     decode = np.asarray(step_times[decode_start:]) * 1e3
-    return {"ttft_ms": ttft * 1e3, "tpot_ms": float(decode.mean()), "tpot_p50_ms": float(np.percentile(decode, 50)),
+    spec = {}
+    if core.spec is not None:  # a step emits several tokens: TPOT is the decode time per token of a sequence
+        spec = {"step_ms": float(decode.mean()), "tpot_ms": float(decode.sum() / max(output_len - 1, 1)),
+                **{k: v for k, v in core.stats().items() if k.startswith("spec_decode")}}
+    return {"ttft_ms": ttft * 1e3, "tpot_ms": float(decode.mean()), **spec,
+            "tpot_p50_ms": float(np.percentile(decode, 50)),
             "tpot_p99_ms": float(np.percentile(decode, 99)), "decode_steps": int(len(decode)),
             "decode_step_ms": [round(float(x), 3) for x in decode],
             "total_s": time.perf_counter() - t0,
@@ -80,6 +98,11 @@ def main():
     ap.add_argument("--nnodes", type=int, default=1, help="processes the mesh spans (jinfer/parallel/multihost.py)")
     ap.add_argument("--node-rank", type=int, default=0, help="> 0: follow process 0's steps, measure nothing")
     ap.add_argument("--master-port", type=int, default=29500)
+    ap.add_argument("--speculative-config", default=None, metavar="JSON",
+                    help='speculative decoding, vLLM\'s form: \'{"method": "ngram", "num_speculative_tokens": 4}\'')
+    ap.add_argument("--replay-acceptance", type=float, default=None, metavar="P",
+                    help="with --speculative-config: draft num_speculative_tokens tokens from a recorded greedy run "
+                         "of the same prompts, each right with probability P (benchmark-only drafter)")
     ap.add_argument("--repeat", type=int, default=3, help="timed runs per batch size (the median-TPOT run is kept)")
     add_profile_argument(ap)
     ap.add_argument("--out")
@@ -90,6 +113,11 @@ def main():
     torch_copy = None if follower else measure_torch_copy()  # before the engine's JAX holds the GPU's memory
     t0 = time.perf_counter()
     max_model_len = args.max_model_len or args.input_len + args.output_len
+    spec_config = SpeculativeConfig.parse(args.speculative_config)
+    replay = args.replay_acceptance is not None
+    if replay and spec_config is None:
+        ap.error("--replay-acceptance needs --speculative-config (its num_speculative_tokens)")
+    proposer = ReplayProposer(spec_config.num_speculative_tokens, args.replay_acceptance) if replay else None
     core = EngineCore(EngineConfig(model=model, dtype=args.dtype, max_model_len=max_model_len,
                                    max_num_seqs=max(args.batch_sizes),
                                    max_num_batched_tokens=args.max_num_batched_tokens,
@@ -100,7 +128,10 @@ def main():
                                    tensor_parallel_size=args.tensor_parallel_size,
                                    enable_expert_parallel=args.enable_expert_parallel,
                                    nnodes=args.nnodes, node_rank=args.node_rank, master_port=args.master_port,
-                                   **compilation_cache_dir_from_env({})))
+                                   enable_prefix_caching=not replay,
+                                   speculative_config=None if replay else spec_config,
+                                   **compilation_cache_dir_from_env({})),
+                      proposer=proposer)
     if follower:
         raise SystemExit(core.group.serve(core.runner))
     startup_s = time.perf_counter() - t0
@@ -113,6 +144,13 @@ def main():
     rows = []
     for bs in args.batch_sizes:
         make = lambda n=bs: [rng.integers(0, cfg.vocab_size, args.input_len).tolist() for _ in range(n)]
+        if replay:  # the same prompts every run: the untimed one records their outputs, the others replay them
+            fixed = make()
+            make = lambda fixed=fixed: fixed
+            recorded: dict[str, list[int]] = {}
+            run_batch(core, fixed, args.output_len, f"record{bs}", recorded)
+            for i, p in enumerate(fixed):
+                proposer.record(p, recorded[f"record{bs}-{i}"])
         run_batch(core, make(), args.output_len, f"warm{bs}")  # compiles every shape this batch uses
         profiled_run = None
         if args.profile:  # a run of its own: the profiler slows the host, so it is not among the timed runs
@@ -154,6 +192,7 @@ def main():
               "input_len": args.input_len, "output_len": args.output_len, "max_model_len": max_model_len,
               "attention_backend": core.runner.ops.backend, "mosaic_prefill": core.runner.ops.mosaic_prefill,
               "async_scheduling": core.config.async_scheduling,
+              "speculative_config": args.speculative_config, "replay_acceptance": args.replay_acceptance,
               "executable_cache": core.config.executable_cache,
               "xla_flags": os.environ.get("XLA_FLAGS", ""), "startup_s": startup_s, "repeat": args.repeat,
               "measured_bandwidth_Bps": bandwidth, "copy_bandwidth": copy, "measured_matmul_flops": matmul,

@@ -31,6 +31,10 @@ class EngineOutput(msgspec.Struct, array_like=True, forbid_unknown_fields=True):
     error: str | None = None  # set when finish_reason == "error"
     # prompt_logprobs: on a sequence's first delta, one entry per prompt token (the first None)
     prompt_logprobs: list[TokenLogprobs | None] | None = None
+    # Speculative decoding in this step: verifications (0 or 1), the drafts they verified and the drafts accepted.
+    num_drafts: int = 0
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
 
 
 @dataclass
@@ -48,6 +52,20 @@ class CompletionOutput:
 
 
 @dataclass
+class RequestMetrics:
+    """Per-request counters (all its samples): speculative decoding's verifications, drafts and accepted drafts."""
+
+    spec_num_drafts: int = 0
+    spec_num_draft_tokens: int = 0
+    spec_num_accepted_tokens: int = 0
+
+    @property
+    def mean_acceptance_length(self) -> float | None:
+        """Tokens per verifying step (1 + accepted drafts per verification, vLLM's measure); None without drafts."""
+        return 1 + self.spec_num_accepted_tokens / self.spec_num_drafts if self.spec_num_drafts else None
+
+
+@dataclass
 class RequestOutput:
     request_id: str
     prompt: str | None
@@ -56,6 +74,7 @@ class RequestOutput:
     finished: bool = False
     num_cached_tokens: int = 0
     prompt_logprobs: list[TokenLogprobs | None] | None = None  # SamplingParams.prompt_logprobs (vLLM's)
+    metrics: RequestMetrics = field(default_factory=RequestMetrics)
 
     def add(self, delta: EngineOutput) -> None:
         """Fold one step's delta into the aggregate."""
@@ -69,6 +88,11 @@ class RequestOutput:
         if delta.finished:
             out.finish_reason, out.stop_reason = delta.finish_reason, delta.stop_reason
         self.num_cached_tokens = max(self.num_cached_tokens, delta.num_cached_tokens)
+        if delta.num_drafts:
+            m = self.metrics
+            m.spec_num_drafts += delta.num_drafts
+            m.spec_num_draft_tokens += delta.num_draft_tokens
+            m.spec_num_accepted_tokens += delta.num_accepted_tokens
         if delta.prompt_logprobs is not None and self.prompt_logprobs is None:
             self.prompt_logprobs = delta.prompt_logprobs
         self.finished = all(o.finished() for o in self.outputs)

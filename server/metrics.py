@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily
 
 _LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
                     20.0, 40.0, 80.0)
@@ -53,8 +54,13 @@ class Metrics:
                              "(--executable-keep-alive)", **per)
         self.reloads = Gauge("jinfer_executable_reloads", "Dropped step shapes loaded again since start", **per)
 
+        self._spec = _SpecDecodeCounters()  # the engines' speculative-decoding counters, as vLLM names them
+        r.register(self._spec)
+
     def set_engine_stats(self, stats: dict[str, float], alive: bool, replica: int = 0) -> None:
         label = str(replica)
+        if "spec_decode_num_drafts" in stats:
+            self._spec.latest[label] = stats
         self.engine_alive.labels(label).set(1 if alive else 0)
         for gauge, key in ((self.running, "num_running"), (self.waiting, "num_waiting"),
                            (self.kv_usage, "kv_usage"), (self.free_pages, "num_free_pages"),
@@ -74,3 +80,32 @@ class Metrics:
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
+
+
+class _SpecDecodeCounters:
+    """vLLM's spec_decode counters from each engine's totals (its stats): jinfer_spec_decode_num_drafts_total,
+    _num_draft_tokens_total, _num_accepted_tokens_total, and _num_accepted_tokens_per_pos_total{position}.
+    Present once an engine with speculative decoding reports."""
+
+    _NAMES = (("num_drafts", "Verifications of drafted tokens (one per sequence and step with drafts)"),
+              ("num_draft_tokens", "Draft tokens verified"), ("num_accepted_tokens", "Draft tokens accepted"))
+
+    def __init__(self) -> None:
+        self.latest: dict[str, dict[str, float]] = {}  # replica label -> its last stats
+
+    def collect(self):
+        if not self.latest:
+            return
+        for name, doc in self._NAMES:
+            family = CounterMetricFamily(f"jinfer_spec_decode_{name}", doc, labels=["replica"])
+            for replica, stats in sorted(self.latest.items()):
+                family.add_metric([replica], stats.get(f"spec_decode_{name}", 0))
+            yield family
+        per_pos = CounterMetricFamily("jinfer_spec_decode_num_accepted_tokens_per_pos",
+                                      "Draft tokens accepted at each draft position", labels=["replica", "position"])
+        prefix = "spec_decode_num_accepted_tokens_per_pos_"
+        for replica, stats in sorted(self.latest.items()):
+            for key, value in stats.items():
+                if key.startswith(prefix):
+                    per_pos.add_metric([replica, key[len(prefix):]], value)
+        yield per_pos

@@ -12,6 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from jinfer.config.kernels import BACKENDS, KernelPolicy
+from jinfer.config.speculative import SpeculativeConfig
 from jinfer.generation_config import check_setting as check_generation_config
 
 DTYPE_NAMES = ("float32", "bfloat16", "float16")
@@ -98,12 +99,15 @@ class EngineConfig:
     compilation_cache_dir: str = DEFAULT_COMPILATION_CACHE_DIR
     log_stats_interval: float = 10.0  # seconds between the engine process's stats lines (0: none)
     generation_config: str = "auto"  # default sampling parameters: "auto" (the model's), "vllm" (none) or a dir
+    # Speculative decoding (jinfer/config/speculative.py): vLLM's dict or JSON form is accepted. None: off.
+    speculative_config: SpeculativeConfig | None = None
 
     def __post_init__(self):
         if isinstance(self.kernel_policy, dict):
             object.__setattr__(self, "kernel_policy", KernelPolicy(**self.kernel_policy))
         if not isinstance(self.kernel_policy, KernelPolicy):
             raise ValueError(f"kernel_policy={self.kernel_policy!r} must be a KernelPolicy")
+        object.__setattr__(self, "speculative_config", SpeculativeConfig.parse(self.speculative_config))
         if not isinstance(self.peer_timeout_s, int | float) or not 0 < self.peer_timeout_s < float("inf"):
             raise ValueError(f"peer_timeout_s={self.peer_timeout_s!r} must be a number of seconds > 0")
         if self.dtype != "auto" and self.dtype not in DTYPE_NAMES:

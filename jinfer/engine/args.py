@@ -22,7 +22,8 @@ SERVE_EXECUTABLE_KEEP_ALIVE_S = 60.0
 _ENGINE_OPTIONS = ("dtype", "load_format", "max_model_len", "max_num_seqs", "max_num_batched_tokens", "num_pages",
                    "page_size", "gpu_memory_utilization", "tensor_parallel_size", "seed", "attention_backend",
                    "compilation_cache_dir", "nnodes", "node_rank", "master_addr", "master_port",
-                   "log_stats_interval", "generation_config", "kv_offload_gb", "executable_keep_alive")
+                   "log_stats_interval", "generation_config", "kv_offload_gb", "executable_keep_alive",
+                   "speculative_config")
 
 
 def _non_negative_int(text: str) -> int:
@@ -82,6 +83,10 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
                    help="default sampling parameters: auto (default: the model's generation_config.json), vllm "
                         "(none), or a directory holding a generation_config.json; a request's values win")
     e.add_argument("--disable-log-stats", action="store_true", help="no periodic stats lines (vLLM's flag)")
+    e.add_argument("--speculative-config", default=None, metavar="JSON",
+                   help='speculative decoding, as vLLM takes it: \'{"method": "ngram", "num_speculative_tokens": 4, '
+                        '"prompt_lookup_min": 2, "prompt_lookup_max": 5}\' (n-gram drafts from the sequence itself; '
+                        'steps are then read back before the next is scheduled)')
     e.add_argument("--no-async-scheduling", action="store_true",
                    help="read each step's tokens back before scheduling the next (no overlap of host and device)")
 

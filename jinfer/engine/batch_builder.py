@@ -127,8 +127,8 @@ def logits_rows(rows: list[StepRow | None], out: SchedulerOutput, counts: np.nda
 def sampling_tensors(rows: list[StepRow | None], R: int, vocab_size: int, token_mask: np.ndarray | None = None,
                      counts: np.ndarray | None = None) -> SamplingTensors:
     """Rows align with the logits rows; None (a sequence that samples nothing) is padding. `token_mask`:
-    [<= B, ceil(V/32)] 32-bit grammar masks per sequence (structured outputs; repeated over a sequence's rows by
-    `counts`), or None when no row has one."""
+    [>= the logits rows, ceil(V/32)] 32-bit grammar masks per logits row (structured outputs: a verifying sequence's
+    rows hold its grammar's mask after each prefix of its drafts), or None when no row has one."""
     dense = [(r.params, r.output_ids, r.prompt, r.step) if r else ({"temperature": 0.0}, [], None, None)
              for r in rows]
     st = SamplingTensors.from_params(dense, vocab_size, num_seqs=R,
@@ -140,8 +140,6 @@ def sampling_tensors(rows: list[StepRow | None], R: int, vocab_size: int, token_
         G = mask_words(vocab_size)
         if token_mask.shape[1] != G:
             raise ValueError(f"token_mask of shape {token_mask.shape} for {R} rows of {vocab_size} tokens")
-        if counts is not None and len(counts) != int(counts.sum()):
-            token_mask = np.repeat(token_mask[:len(counts)], counts, axis=0)
         # Sized by `batch_rows` before the step's batch was built: a bucket loaded in between (background warm-up
         # or reload) can make R smaller; the rows past len(rows) <= R are padding either way.
         token_mask = token_mask[:R]

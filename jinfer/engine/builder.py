@@ -32,6 +32,7 @@ from jinfer.models.registry import shard_weights, state_specs
 from jinfer.ops import select_ops
 from jinfer.parallel.mesh import check_parallel, make_mesh
 from jinfer.parallel.multihost import Follower, Leader, join
+from jinfer.spec.proposer import build_proposer
 from jinfer.tokenizer import Tokenizer
 from jinfer.weights.loader import DTYPES, load_weights, resolve_model
 
@@ -205,6 +206,8 @@ def build_engine(config: EngineConfig, tokenizer: Tokenizer | None = None) -> En
     source = resolve_model(config.model, config.load_format)
     phases("resolve")
     model_config: ModelConfig = source.config
+    if config.speculative_config is not None:  # refused before the weights load (e.g. a recurrent-state model)
+        build_proposer(config.speculative_config, max_model_len=1, num_state_slots=int(bool(state_specs(model_config))))
     generation_defaults = load_generation_defaults(config.generation_config, source.path)
     tokenizer, tokenizer_path = _load_tokenizer(source.path, tokenizer)
     phases("tokenizer")

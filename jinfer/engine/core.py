@@ -22,11 +22,15 @@ from jinfer.engine.sampling_tensors import num_logprobs_for
 from jinfer.errors import InvalidParam
 from jinfer.outputs import EngineOutput
 from jinfer.sampling_params import SamplingParams
+from jinfer.spec.decoding import SpecDecoding, grammar_masks
+from jinfer.spec.proposer import Proposer, build_proposer
 from jinfer.tokenizer import Tokenizer
 
 
 class EngineCore:
-    def __init__(self, config: EngineConfig | None = None, *, tokenizer: Tokenizer | None = None):
+    def __init__(self, config: EngineConfig | None = None, *, tokenizer: Tokenizer | None = None,
+                 proposer: Proposer | None = None):
+        """`proposer`: a drafter object instead of `config.speculative_config`'s (benchmarks: jinfer/spec/replay.py)."""
         t0 = time.perf_counter()
         self.config = config = config or EngineConfig()
         parts = build_engine(config, tokenizer)
@@ -37,6 +41,14 @@ class EngineCore:
         self.dtype, self.num_state_slots, self.max_model_len = parts.dtype, parts.num_state_slots, parts.max_model_len
         self.kv, self.scheduler, self.runner = parts.kv, parts.scheduler, parts.runner
         self.eos_token_ids = parts.eos_token_ids
+        if proposer is None and config.speculative_config is not None:
+            proposer = build_proposer(config.speculative_config, max_model_len=self.max_model_len,
+                                      num_state_slots=self.num_state_slots)
+        elif proposer is not None and self.num_state_slots:
+            raise ValueError("speculative decoding is not supported for models with a per-sequence recurrent state")
+        # Speculative decoding (jinfer/spec/decoding.py): drafts need every token read back, so steps are not overlapped
+        self.spec = SpecDecoding(proposer) if proposer is not None else None
+        self._async = config.async_scheduling and self.spec is None
         self.grammar = GrammarEngine(self.tokenizer, self.model_config.vocab_size, self.eos_token_ids)
         self.inputs = InputProcessor(vocab_size=self.model_config.vocab_size, max_model_len=self.max_model_len,
                                      tokenizer=self.tokenizer, eos_token_ids=self.eos_token_ids, grammar=self.grammar,
@@ -111,6 +123,8 @@ class EngineCore:
 
     def _step(self) -> list[EngineOutput]:
         outputs = []
+        if self.spec is not None:
+            self.spec.propose(self.scheduler.running, self._seqs)
         out = self.scheduler.schedule(*self.runner.ready_limits())
         if not out.is_empty:  # the host tier's copies now wait for read-backs
             self.runner.host_tier_hold()
@@ -132,7 +146,7 @@ class EngineCore:
         if self._inflight is not None:
             outputs += self._complete(self._inflight)
         self._inflight = launched
-        if launched is not None and not self.config.async_scheduling:
+        if launched is not None and not self._async:
             outputs += self._complete(launched)
             self._inflight = None
         return outputs
@@ -173,9 +187,14 @@ class EngineCore:
                                   pending_outputs=False), outputs
 
     def _grammar_masks(self, out, guided: list[int]):
-        live = [(self._seqs[s.request_id].matcher, b) for b in guided
+        """One mask per logits row (a sequence verifying drafts has 1 + drafts rows); padded rows allow everything."""
+        first, row = [], 0
+        for s in out.scheduled:
+            first.append(row)
+            row += max(1, s.num_logits)
+        live = [(self._seqs[s.request_id].matcher, first[b], s.draft_token_ids) for b in guided
                 if not (s := out.scheduled[b]).request.is_finished]
-        return self.grammar.fill_masks(live, self.runner.batch_rows(out))  # padded rows allow everything
+        return grammar_masks(self.grammar, live, max(row, self.runner.batch_rows(out)))
 
     def _complete(self, launched: Launched) -> list[EngineOutput]:
         """Read a launched step's tokens back, advance the scheduler and build the deltas."""
@@ -186,23 +205,29 @@ class EngineCore:
         self.num_steps_total += 1
         self.runner.host_tier_read_back()  # host-tier copies may go out until the next read-back is due
         record_prompt_logprobs(self.runner.fetch_prompt_logprobs(launched), launched.prompt_rows, self._seqs)
-        live = [(b, s) for b, s in enumerate(out.scheduled) if s.needs_sample and not s.request.is_finished]
+        live = [s for s in out.scheduled if s.needs_sample and not s.request.is_finished]
         tokens, rows = result.tokens.tolist(), result.rows
         sampled = {s.request_id: accept_draft_tokens(s.draft_token_ids, result.tokens_of(s.request_id))
-                   if s.draft_token_ids else [tokens[rows[s.request_id][0]]] for _, s in live}
+                   if s.draft_token_ids else [tokens[rows[s.request_id][0]]] for s in live}
+        before = [s.request.num_output_tokens for s in live]
         finished = {r.request_id: r for r in self.scheduler.update(out, sampled)}
-        for _, s in live:  # structured outputs: a grammar that can go no further ends its sequence
-            matcher = self._seqs[s.request_id].matcher
-            if matcher is not None and self.grammar.advance(matcher, sampled[s.request_id][-1]) \
-                    and s.request_id not in finished:
-                finished[s.request_id] = self.scheduler.finish_request(s.request_id, FinishReason.STOP)
         outputs = []
-        for _, s in live:  # (the last accepted token; several only once drafts are proposed)
-            rid, seq, accepted = s.request_id, self._seqs[s.request_id], sampled[s.request_id]
-            token, b = accepted[-1], rows[rid][0] + len(accepted) - 1
-            self.num_generation_tokens_total += 1
-            delta, stop_hit = emit(s.request, seq, token, token_logprobs(result, b, token, seq.params),
-                                   finished.get(rid))
+        for s, num_before in zip(live, before):
+            rid, seq, request = s.request_id, self._seqs[s.request_id], s.request
+            new = request.output_token_ids[num_before:]  # the accepted tokens up to a stop token or the length
+            if seq.matcher is not None:  # structured outputs: a grammar that can go no further ends its sequence
+                for j, token in enumerate(new):
+                    if self.grammar.advance(seq.matcher, token):
+                        new = new[:j + 1]
+                        if rid not in finished:
+                            finished[rid] = self.scheduler.finish_request(rid, FinishReason.STOP)
+                        break
+            delta, stop_hit = emit(request, seq, new, token_logprobs(result, rows[rid][0], new, seq.params),
+                                   finished.get(rid), num_before)
+            self.num_generation_tokens_total += len(delta.new_token_ids)
+            if s.draft_token_ids:
+                delta.num_drafts, delta.num_draft_tokens = 1, len(s.draft_token_ids)
+                delta.num_accepted_tokens = self.spec.record(len(s.draft_token_ids), sampled[rid])
             if stop_hit is not None and rid not in finished:
                 self.scheduler.finish_request(rid, FinishReason.STOP, stop_hit)
             if delta.finished:
@@ -244,4 +269,5 @@ class EngineCore:
                 **self._host_tier_stats(),
                 "compiles_after_warmup": self.runner.compiles_after_warmup,
                 "warmup_pending": self.runner.warmup_pending(),
-                "executable_unloads_total": self.runner.unloads, "executable_reloads_total": self.runner.reloads}
+                "executable_unloads_total": self.runner.unloads, "executable_reloads_total": self.runner.reloads,
+                **(self.spec.stats() if self.spec is not None else {})}

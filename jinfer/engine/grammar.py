@@ -108,3 +108,18 @@ class GrammarEngine:
         if rows:
             fill_next_token_bitmask_par(self._executor, rows, masks)
         return masks
+
+    @staticmethod
+    def fill_draft_masks(matcher: Any, drafts: list[int], masks: np.ndarray, row: int) -> None:
+        """Speculative decoding: rows row .. row + len(drafts) of `masks` get the matcher's mask after each prefix of
+        `drafts` (the matcher advances through them and rolls back)."""
+        from llguidance.numpy import fill_next_token_bitmask
+
+        consumed = 0
+        for i in range(len(drafts) + 1):
+            fill_next_token_bitmask(matcher, masks, row + i)
+            if i == len(drafts) or not matcher.consume_token(drafts[i]):
+                break  # (a draft the grammar forbids is never accepted: the rows after it are not used)
+            consumed += 1
+        if consumed:
+            matcher.rollback(consumed)

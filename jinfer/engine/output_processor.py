@@ -15,14 +15,18 @@ from jinfer.outputs import EngineOutput
 from jinfer.sampling_params import SamplingParams
 
 
-def token_logprobs(result, b: int, token: int, params: SamplingParams) -> list[dict[int, float]] | None:
-    """Row b's sampled token's logprob and its top `params.logprobs`, or None when not asked for."""
+def token_logprobs(result, first: int, tokens: list[int], params: SamplingParams) -> list[dict[int, float]] | None:
+    """The logprob and top `params.logprobs` of each token sampled at rows first, first + 1, ... (a sequence's
+    accepted tokens), or None when not asked for."""
     if params.logprobs is None:
         return None
     n = params.logprobs
-    lp = {int(i): float(v) for i, v in zip(result.top_ids[b][:n], result.top_logprobs[b][:n])}
-    lp[token] = float(result.logprobs[b])
-    return [lp]
+    out = []
+    for b, token in enumerate(tokens, first):
+        lp = {int(i): float(v) for i, v in zip(result.top_ids[b][:n], result.top_logprobs[b][:n])}
+        lp[token] = float(result.logprobs[b])
+        out.append(lp)
+    return out
 
 
 def record_prompt_logprobs(plp, prompt_rows, seqs: dict[str, SequenceState]) -> None:
@@ -39,22 +43,31 @@ def record_prompt_logprobs(plp, prompt_rows, seqs: dict[str, SequenceState]) -> 
         seq.prompt_lps[pos] = lp
 
 
-def emit(request: Request, seq: SequenceState, token: int, lps, finished: Request | None
-         ) -> tuple[EngineOutput, str | None]:
-    """Detokenize one new token, apply stop strings, and build the delta to send; also the stop string hit
-    (None if none), which finishes the request."""
+def emit(request: Request, seq: SequenceState, tokens: list[int], lps: list | None, finished: Request | None,
+         num_before: int) -> tuple[EngineOutput, str | None]:
+    """Detokenize a step's accepted tokens in order (`num_before`: the sequence's outputs before them; `finished`: the
+    request if the scheduler finished it at the last of them), apply stop strings after each, and build the delta to
+    send; also the stop string hit (None if none), which finishes the request: the tokens after it are dropped."""
     sp = seq.params
     stop_hit = None
-    eos_finish = finished is not None and finished.finish_reason == FinishReason.STOP and \
-        finished.stop_reason is None and token in request.eos_token_ids
-    if seq.detok is not None:
-        if not eos_finish:  # the EOS token's own text is never part of the output
-            seq.text += seq.detok.add(token)
-        if finished is not None:
-            seq.text += seq.detok.flush()
-        if sp.stop and request.num_output_tokens >= sp.min_tokens:  # as vLLM: no stop string before min_tokens
-            stop_hit = find_stop(seq, sp)
-    seq.held.append(token)
+    kept = len(tokens)
+    for j, token in enumerate(tokens):
+        fin = finished if j == kept - 1 else None
+        if seq.detok is not None:
+            eos_finish = fin is not None and fin.finish_reason == FinishReason.STOP and \
+                fin.stop_reason is None and token in request.eos_token_ids
+            if not eos_finish:  # the EOS token's own text is never part of the output
+                seq.text += seq.detok.add(token)
+            if fin is not None:
+                seq.text += seq.detok.flush()
+            if sp.stop and num_before + j + 1 >= sp.min_tokens:  # as vLLM: no stop string before min_tokens
+                stop_hit = find_stop(seq, sp)
+        seq.held.append(token)
+        if stop_hit is not None:
+            kept = j + 1
+            break
+    if lps is not None:
+        lps = lps[:kept]
     done = finished is not None or stop_hit is not None
     # Hold back text that may be the start of a stop string, so it is never sent then retracted.
     hold = 0 if done or not sp.stop else max(len(s) for s in sp.stop) - 1

@@ -127,6 +127,18 @@ class Request:
             n += 1
         return n
 
+    @property
+    def has_drafts_in_flight(self) -> bool:
+        """Whether a launched step verifies draft tokens of this request (drafts before its last DEVICE_TOKEN): until
+        it is read back nothing may be scheduled after them (some may be rejected)."""
+        p = self.pending_token_ids
+        if len(p) <= 1:  # (every step without drafts)
+            return False
+        for i in range(len(p) - 1, -1, -1):
+            if p[i] == DEVICE_TOKEN:
+                return any(t != DEVICE_TOKEN for t in p[:i])
+        return False
+
     def add_draft_tokens(self, token_ids: Sequence[int]) -> None:
         """Propose tokens to verify after the request's last one (speculative decoding): the next step that
         reaches them computes them and samples at each of their positions (`accept_draft_tokens`)."""

@@ -11,7 +11,8 @@ One step, as the engine core drives it:
 read back (async scheduling): a request with a pending token gets a decode whose first input the
 device takes from step N's samples (`ScheduledRequest.input_from_device`). A request whose pending
 token is certainly its last (max_tokens, max_model_len) is not scheduled again; one that turns out to
-stop on EOS or a stop string has computed one extra token, which `update` drops.
+stop on EOS or a stop string has computed one extra token, which `update` drops. A request whose drafts a launched
+step verifies is not scheduled again until that step is read back.
 
 Multi-token steps (speculative decoding): a request's draft tokens (`Request.add_draft_tokens`) are pending
 tokens with known ids. The step that reaches the end of a request computes its last accepted token and every
@@ -277,6 +278,9 @@ class Scheduler:
             sampling = request.num_sampling_tokens
             if sampling and self._reaches_length(request, sampling):
                 request.drop_draft_tokens()
+                i += 1
+                continue
+            if sampling and request.has_drafts_in_flight:  # its next row starts where the verification ends
                 i += 1
                 continue
             start = request.num_computed_tokens

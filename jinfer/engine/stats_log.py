@@ -5,7 +5,8 @@
 
 Throughputs are averages over the interval (`--log-stats-interval`, default 10 s; 0 turns the line off);
 the prefix-cache hit rate is over the interval's lookups (the lifetime rate when there were none); with a
-KV host tier (`--kv-offload-gb`) the line adds its usage, its share of the hits and the interval's copies. An idle
+KV host tier (`--kv-offload-gb`) the line adds its usage, its share of the hits and the interval's copies; with
+speculative decoding a second line gives the interval's mean acceptance length and per-position rates. An idle
 engine logs once after its last busy interval, then stays quiet (as vLLM does).
 """
 
@@ -52,4 +53,25 @@ class StatsLogger:
                      f"{100 * host:.1f}%, offloaded: {delta('kv_offload_bytes_total') / 2**20:.0f} MiB, restored: "
                      f"{delta('kv_restore_bytes_total') / 2**20:.0f} MiB")
         log.info(line)
+        if (spec := spec_decoding_line(stats, last, self.engine_index)) is not None:
+            log.info(spec)
+            line += "\n" + spec
         return line
+
+
+def spec_decoding_line(stats: dict[str, float], last: dict[str, float], engine_index: int = 0) -> str | None:
+    """The interval's speculative decoding (as vLLM logs it): mean acceptance length (1 + accepted drafts per
+    verification), drafted and accepted tokens, and each draft position's acceptance rate; None without drafts."""
+    delta = lambda key: stats.get(key, 0) - last.get(key, 0)
+    drafts = delta("spec_decode_num_drafts")
+    if drafts <= 0:
+        return None
+    accepted, drafted = delta("spec_decode_num_accepted_tokens"), delta("spec_decode_num_draft_tokens")
+    rates, i = [], 0
+    while f"spec_decode_num_accepted_tokens_per_pos_{i}" in stats:
+        rates.append(delta(f"spec_decode_num_accepted_tokens_per_pos_{i}") / drafts)
+        i += 1
+    return (f"Engine {engine_index:03d}: SpecDecoding metrics: Mean acceptance length: {1 + accepted / drafts:.2f}, "
+            f"Accepted: {int(accepted)} tokens, Drafted: {int(drafted)} tokens, Per-position acceptance rate: "
+            f"{', '.join(f'{r:.3f}' for r in rates)}, Avg Draft acceptance rate: "
+            f"{100 * accepted / max(drafted, 1):.1f}%")

@@ -73,7 +73,7 @@ def test_numpy_values_are_encoded_as_plain_values():
     assert decode(encode(Stats({"kv": np.float64(0.5), "n": np.int64(3)}))).stats == {"kv": 0.5, "n": 3}
 
 
-ROW = ["r", 0, [1], "a", False, None, None, None, 0, 0, None, None]  # an EngineOutput on the wire
+ROW = ["r", 0, [1], "a", False, None, None, None, 0, 0, None, None, 0, 0, 0]  # an EngineOutput on the wire
 pack = msgpack.packb
 
 
