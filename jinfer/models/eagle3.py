@@ -1,8 +1,9 @@
 """The EAGLE-3 draft head (speculative decoding's "eagle3" method): one Llama decoder layer that reads the
 target model's hidden states and proposes the next tokens.
 
-Published heads (SpecForge's `LlamaForCausalLMEagle3`, what SGLang and vLLM load; jinfer/weights/eagle3.py reads
-them) are, with H the head's hidden size and Ht the target's:
+Published heads (SpecForge's `LlamaForCausalLMEagle3`, what SGLang and vLLM load, and vLLM's `speculators` export
+`Eagle3Speculator`, whose config nests the layer's; jinfer/weights/eagle3.py reads both) are, with H the head's
+hidden size and Ht the target's:
 - `fc` [H, 3*Ht]: the target's residual stream at three layer boundaries (low, middle, high; `aux_layers`),
   concatenated, projected to H. Only the first step of a chain sees the target's states.
 - one decoder layer whose q/k/v take 2H inputs: concat(input_layernorm(embed(token)), hidden_norm(h)); the
@@ -67,6 +68,9 @@ __all__ = ["Eagle3Config", "Eagle3Weights", "assemble_weights", "cache_spec", "c
 
 KV = tuple[jax.Array, jax.Array]
 HF_ARCHITECTURES = ("LlamaForCausalLMEagle3", "Eagle3LlamaForCausalLM")
+SPECULATORS_ARCHITECTURE = "Eagle3Speculator"
+SPECULATORS_FIELDS = ("draft_vocab_size", "target_hidden_size", "norm_before_residual",
+                      "eagle_aux_hidden_state_layer_ids")
 
 
 @dataclass(frozen=True)
@@ -132,8 +136,16 @@ def eagle3_config(raw: dict[str, Any] | str | Path, target: ModelConfig) -> Eagl
         path = Path(raw)
         raw = json.loads((path / "config.json" if path.is_dir() else path).read_text())
     arch = (raw.get("architectures") or [None])[0]
+    if arch == SPECULATORS_ARCHITECTURE:  # vLLM's `speculators` export: the layer's config nested
+        layer = raw.get("transformer_layer_config")
+        if not isinstance(layer, dict):
+            raise ValueError(f"transformer_layer_config={layer!r} must be an object ({arch})")
+        raw = layer | {k: raw[k] for k in SPECULATORS_FIELDS if raw.get(k) is not None} | {
+            "architectures": [HF_ARCHITECTURES[0]]}
+        arch = HF_ARCHITECTURES[0]
     if arch not in HF_ARCHITECTURES:
-        raise ValueError(f"architectures={raw.get('architectures')!r}: an EAGLE-3 head is one of {HF_ARCHITECTURES}")
+        raise ValueError(f"architectures={raw.get('architectures')!r}: an EAGLE-3 head is one of "
+                         f"{(*HF_ARCHITECTURES, SPECULATORS_ARCHITECTURE)}")
     if raw.get("num_hidden_layers", 1) != 1:
         raise ValueError(f"num_hidden_layers={raw['num_hidden_layers']!r}: only one-layer heads are supported")
     if (raw.get("eagle_config") or {}).get("use_aux_hidden_state", True) is False:

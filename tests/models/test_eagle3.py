@@ -94,6 +94,12 @@ def test_config_conventions(setup):
                                 qwen3_8b).aux_layers == (2, 18, 33)
     assert eagle3.eagle3_config(raw | {"eagle_aux_hidden_state_layer_ids": [2, 18, 33]}, qwen3_8b).aux_layers == (
         2, 18, 33)
+    # vLLM's speculators export nests the layer's config
+    speculators = {"architectures": ["Eagle3Speculator"], "transformer_layer_config": raw | {"model_type": "llama"},
+                   "draft_vocab_size": 32000, "eagle_aux_hidden_state_layer_ids": [1, 17, 32],
+                   "norm_before_residual": True}
+    s = eagle3.eagle3_config(speculators, qwen3_8b)
+    assert (s.aux_layers, s.draft_vocab_size, s.norm_before_residual, s.layer) == ((2, 18, 33), 32000, True, c.layer)
     with pytest.raises(ValueError, match="eagle_aux_hidden_state_layer_ids"):
         eagle3.eagle3_config(raw | {"eagle_aux_hidden_state_layer_ids": [2, 18, 40]}, qwen3_8b)
     with pytest.raises(ValueError, match="architectures"):
