@@ -193,26 +193,41 @@ MlpFn = Callable[[LayerWeights, int, jax.Array, ModelConfig, ModelOps, jax.Array
 
 
 def decoder_forward(weights: Weights, batch: Batch, kv_cache: tuple[tuple[jax.Array, jax.Array], ...],
-                    cfg: ModelConfig, ops: ModelOps, mlp: MlpFn
-                    ) -> tuple[jax.Array, tuple[tuple[jax.Array, jax.Array], ...]]:
+                    cfg: ModelConfig, ops: ModelOps, mlp: MlpFn, aux_layers: tuple[int, ...] = ()):
     """The decoder every family shares: embedding, per layer attention then the family's `mlp` block
     (`mlp(layer, i, x, cfg, ops, counters) -> (x + mlp(norm(x)), counters)`), final norm and lm_head.
+    Returns (logits [N, vocab] float32, new cache).
 
     Layers are unrolled in Python (one executable, no scan): measured faster than `lax.scan` over
     stacked weights for decode on the H100.
 
+    `aux_layers` (static; an EAGLE-3 drafter's inputs, jinfer/models/eagle3.py): also return the residual stream
+    at these layer boundaries for every row of the step, concatenated in the order given, as a third output
+    [T, len(aux_layers) * hidden]. Boundary i is the input of layer i, HF's `output_hidden_states[i]` (0: the
+    embedding); boundary `num_layers` is the last layer's output before the final norm (HF's last entry is after
+    it). Empty (the default): nothing is traced for it, the step's program is the plain one.
+
     Under `jax.shard_map` (jinfer/parallel/mesh.py) this runs on each device's shards: `cfg` then holds the
     device's q / kv head counts (`parallel.local_config`) and `ops` the collectives.
     """
+    if any(not 0 <= i <= cfg.num_layers for i in aux_layers):
+        raise ValueError(f"aux_layers={aux_layers} must be layer boundaries in [0, {cfg.num_layers}]")
     x = ops.embed(weights.embed, batch.input_ids, cfg.vocab_size)  # [T, hidden]
     cos, sin = rope_cos_sin(batch.positions, cfg, x.dtype)
     new_cache = []
     counters = ops.step_counters(x.shape[0])
+    captured = {}
     for i, (layer, kv) in enumerate(zip(weights.layers, kv_cache, strict=True)):
+        if i in aux_layers:
+            captured[i] = x
         x, kv, counters = _attention(layer, x, cos, sin, kv, batch, cfg, ops, counters)
         x, counters = mlp(layer, i, x, cfg, ops, counters)
         new_cache.append(kv)
-    return lm_head_logits(weights, x, batch, cfg, ops), tuple(new_cache)
+    logits = lm_head_logits(weights, x, batch, cfg, ops)
+    if not aux_layers:
+        return logits, tuple(new_cache)
+    captured[cfg.num_layers] = x
+    return logits, tuple(new_cache), jnp.concatenate([captured[i] for i in aux_layers], axis=-1)
 
 
 def lm_head_logits(weights: Weights, x: jax.Array, batch: Batch, cfg: ModelConfig, ops: ModelOps) -> jax.Array:

@@ -43,6 +43,8 @@ def forward(
     kv_cache: tuple[tuple[jax.Array, jax.Array], ...],
     cfg: ModelConfig,
     ops: ModelOps = REFERENCE_OPS,
-) -> tuple[jax.Array, tuple[tuple[jax.Array, jax.Array], ...]]:
-    """One step over a flattened ragged batch. Returns (logits [N, vocab] float32, updated kv_cache)."""
-    return decoder_forward(weights, batch, kv_cache, cfg, ops, dense_mlp)
+    aux_layers: tuple[int, ...] = (),
+):
+    """One step over a flattened ragged batch. Returns (logits [N, vocab] float32, updated kv_cache), and with
+    `aux_layers` the hidden states at those layer boundaries too (`base.decoder_forward`)."""
+    return decoder_forward(weights, batch, kv_cache, cfg, ops, dense_mlp, aux_layers)

@@ -25,6 +25,10 @@ class SafetensorsSource:
         self._handles = {f: safe_open(str(self.directory / f), framework="numpy") for f in files}
         self._where = {name: f for f, h in self._handles.items() for name in h.keys()}
 
+    def names(self) -> set[str]:
+        """The names of every tensor in the checkpoint."""
+        return set(self._where)
+
     def _tensor(self, name: str) -> np.ndarray:
         f = self._where.get(name)
         if f is None and name.startswith("model."):
