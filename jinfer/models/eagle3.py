@@ -265,26 +265,31 @@ def _greedy(weights: Eagle3Weights, logits: jax.Array) -> jax.Array:
     return weights.draft_to_target[jnp.argmax(logits, axis=-1)]
 
 
-def _next_batch(batch: Batch, ids: jax.Array, positions: jax.Array, page_size: int) -> Batch:
+def _next_batch(batch: Batch, ids: jax.Array, positions: jax.Array, page_size: int,
+                live: jax.Array | None = None) -> Batch:
     """The chain's one-token step: sequence b's token `ids[b]` at `positions[b]` (row b), written through its row of
-    the page table. Padding sequences (seq_len 0) stay padding; a position past the table writes nowhere."""
+    the page table. Padding sequences (seq_len 0) and those not `live` stay padding; a position past the table or in
+    an unallocated entry (the reserved page 0) writes nowhere, so a write never lands in another sequence's page."""
     B, P = batch.page_table.shape
     real = batch.seq_lens > 0
+    if live is not None:
+        real = real & live
     index = positions // page_size
     page = jnp.take_along_axis(batch.page_table, jnp.clip(index, 0, P - 1)[:, None], axis=1)[:, 0]
-    slots = jnp.where(real & (index < P), page * page_size + positions % page_size, -1)
+    slots = jnp.where(real & (index < P) & (page > 0), page * page_size + positions % page_size, -1)
     return Batch(ids, positions, slots.astype(jnp.int32), jnp.arange(B + 1, dtype=jnp.int32),
                  jnp.where(real, positions + 1, 0).astype(jnp.int32), batch.page_table,
                  jnp.arange(B, dtype=jnp.int32), batch.state_slots)
 
 
 def propose(weights: Eagle3Weights, cfg: Eagle3Config, batch: Batch, aux: jax.Array, kv: KV, num_steps: int,
-            ops: ModelOps = REFERENCE_OPS) -> tuple[jax.Array, KV]:
+            ops: ModelOps = REFERENCE_OPS, live: jax.Array | None = None) -> tuple[jax.Array, KV]:
     """A greedy chain of `num_steps` drafts per sequence.
 
     `batch`: the rows of the target's step (same positions, slots, page table, seq_lens), `input_ids` shifted by
     one (row t holds the token at position t + 1; a sequence's last accepted row the token just sampled), and
     `logits_indices` [B] each sequence's last accepted row. `aux` [T, 3*Ht]: the target's states of those rows.
+    `live` [B] bool: the sequences whose chain steps run (None: all); the others only take the first pass.
     Returns (drafts [B, num_steps] int32 target ids, the head's updated KV); padding sequences' drafts are junk.
     """
     logits, x, kv = draft_forward(weights, cfg, batch, combine_hidden(weights, aux, ops), kv, ops)
@@ -294,7 +299,7 @@ def propose(weights: Eagle3Weights, cfg: Eagle3Config, batch: Batch, aux: jax.Ar
     step_ops = dataclasses.replace(ops, decode_step=True) if ops.backend == "pallas" else ops
     for _ in range(num_steps - 1):
         positions = positions + 1
-        step = _next_batch(batch, drafts[-1], positions, kv[0].shape[1])
+        step = _next_batch(batch, drafts[-1], positions, kv[0].shape[1], live)
         logits, hidden, kv = draft_forward(weights, cfg, step, hidden, kv, step_ops)
         drafts.append(_greedy(weights, logits))
     return jnp.stack(drafts, axis=1), kv
