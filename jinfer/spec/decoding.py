@@ -64,7 +64,7 @@ class SpecDecoding:
                 r.add_draft_tokens(draft)
 
     def after_step(self, launched) -> None:
-        """A step was read back and the scheduler updated: a model drafter runs its device step (jinfer/spec/eagle.py)."""
+        """A step was read back and the scheduler updated: a model drafter runs its device step (spec/eagle.py)."""
         if (hook := getattr(self.proposer, "after_step", None)) is not None:
             hook(launched)
 
