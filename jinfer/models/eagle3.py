@@ -21,28 +21,17 @@ rows past a sequence's last accepted one write KV that the next steps overwrite.
 
 Everything here is pure and jit-able with static shapes: `Eagle3Config` is static (hashable) under jit.
 
-How the engine runs it (the plan; the engine side is not built here):
-1. Start-up: `jinfer.weights.eagle3.load_eagle3(path, target_cfg, target_weights)` after the target. The KV pool
-   holds one more attention layer (`cache_spec`) on the same page ids: a page's bytes grow by that layer's, the
-   manager and the page tables are unchanged. The target's executables pass `aux_layers=cfg.aux_layers` (static,
-   part of the key; without it the step's program is the plain one).
-2. A step: the target's forward over the scheduled rows (prefill chunks, decodes, verification rows: the last
-   sample and k drafts) gives logits, its cache and `aux` [T, 3*Ht]; the sampler and the rejection step give per
-   sequence its number of accepted drafts a and the next token s, on the device.
-3. In the same launch, the head's batch is built on the device from the step's: `input_ids` shifted by one row
-   (row t takes row t + 1's token), the last accepted row (`query_start[b] + a`) takes s, a mid-prefill chunk's
-   last row the next prompt token (the host packs it); positions, slots, seq_lens and the page table are the
-   step's, `logits_indices` the last accepted rows. `propose(..., num_steps=k)` then gives drafts [B, k].
-4. The drafts stay on the device: the next step's rows for the sequence are [s, d1..dk], taken from the device as
-   async scheduling takes its pending token today; they are read back with the samples, for bookkeeping only.
-5. Pages: the chain writes the head's KV at the last accepted position + 1 .. + k - 1, inside the next step's k + 1
-   rows, so the scheduler allocates those pages one step ahead (k lookahead slots); a position past the page table
-   writes nowhere. Rows after the last accepted one leave junk KV that the chain and the next step's first pass
-   overwrite before anything reads it (tests/models/test_eagle3.py::test_rejected_rows_are_overwritten).
-6. Prefix cache: the head's KV at position p depends on the token at p + 1, so on a prefix hit the last matched
-   page is recomputed (as vLLM does for EAGLE). Drafts are greedy (vLLM's too): the rejection step treats them as
-   one-hot proposals. Tensor parallel: the head is replicated; `aux` is replicated after the layers' psums, so the
-   chain runs whole on every device (the sharded forward's out_specs need one more replicated output).
+How the engine runs it (jinfer/spec/eagle.py): the head is loaded after the target; its one layer's KV is paged on
+the target's page ids (a page's bytes grow by it); the target's executables return `aux` (`aux_layers` is part of
+their key). After each step is read back, one jitted call runs the first pass over every row of the step (tokens
+shifted by one from the host's accepted tokens; rows whose next token is unknown write nothing) and the k - 1
+chain steps of the sequences that go on; the drafts [B, k] are read back and verified by the next step. Pages the
+chain writes are allocated one step ahead (k - 1 lookahead slots); a write to an unallocated entry (page 0) or past
+the page table goes nowhere. A prefix hit is one page shorter (that page's head KV is recomputed). Drafts are greedy
+(vLLM's too): the rejection step treats them as one-hot proposals. Rows after a sequence's last accepted one leave
+junk KV that the chain and the next step's first pass overwrite before anything reads it
+(tests/models/test_eagle3.py::test_rejected_rows_are_overwritten). Not built: the chain inside the step's own launch
+(drafts kept on the device), a tensor-parallel head (it runs replicated).
 """
 
 from __future__ import annotations
