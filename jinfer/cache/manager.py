@@ -57,7 +57,7 @@ def hash_page(parent: bytes, token_ids: list[int]) -> bytes:
 
 class KVCacheManager:
     def __init__(self, num_pages: int, page_size: int, enable_prefix_caching: bool = True, num_state_slots: int = 0,
-                 num_host_pages: int = 0):
+                 num_host_pages: int = 0, hit_drop_last_page: bool = False):
         if num_pages < 2:
             raise ValueError(f"num_pages={num_pages} must be >= 2 (page 0 is the reserved null page)")
         if page_size < 1:
@@ -65,6 +65,9 @@ class KVCacheManager:
         self.num_pages = num_pages
         self.page_size = page_size
         self.enable_prefix_caching = enable_prefix_caching
+        # An EAGLE-3 head's KV at a page's last position depends on the next page's first token: a hit is one
+        # page shorter, that page recomputed (jinfer/spec/eagle.py)
+        self.hit_drop_last_page = hit_drop_last_page
         self._ref_cnt = [0] * num_pages
         self._page_hash: list[bytes | None] = [None] * num_pages
         self._hash_to_page: dict[bytes, int] = {}
@@ -157,6 +160,8 @@ class KVCacheManager:
                     break
                 page = -1 - slot
             pages.append(page)
+        if self.hit_drop_last_page:
+            pages = pages[:-1]
         return pages, len(pages) * self.page_size
 
     def cache_full_pages(self, request: Request) -> None:

@@ -5,8 +5,8 @@ naming the field).
     {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2, "prompt_lookup_max": 5}
 
 Methods: "ngram" (prompt lookup: drafts copied from an earlier occurrence of the sequence's last tokens;
-jinfer/spec/ngram.py). "eagle3" (with "model", the draft head's checkpoint) and "mtp" (the model's own
-multi-token-prediction layers) are recognised names whose drafters are not built yet: an engine asked for them
+jinfer/spec/ngram.py), "eagle3" (with "model", the draft head's directory: jinfer/spec/eagle.py). "mtp" (the model's
+own multi-token-prediction layers) is a recognised name whose drafter is not built yet: an engine asked for it
 refuses to start (jinfer/spec/proposer.py), it never runs without drafts silently.
 """
 
@@ -37,8 +37,8 @@ class SpeculativeConfig:
         if method not in METHODS:
             raise ValueError(f"speculative_config.method={method!r} must be one of {list(METHODS)}")
         k = self.num_speculative_tokens
-        if k is None and method == "ngram":
-            raise ValueError("speculative_config.num_speculative_tokens is required for method 'ngram'")
+        if k is None and method in ("ngram", "eagle3"):
+            raise ValueError(f"speculative_config.num_speculative_tokens is required for method {method!r}")
         if k is not None and (not _is_int(k) or not 1 <= k <= MAX_SPECULATIVE_TOKENS):
             raise ValueError(f"speculative_config.num_speculative_tokens={k!r} must be an integer in "
                              f"[1, {MAX_SPECULATIVE_TOKENS}]")

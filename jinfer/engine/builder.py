@@ -32,7 +32,8 @@ from jinfer.models.registry import shard_weights, state_specs
 from jinfer.ops import select_ops
 from jinfer.parallel.mesh import check_parallel, make_mesh
 from jinfer.parallel.multihost import Follower, Leader, join
-from jinfer.spec.proposer import build_proposer
+from jinfer.spec.eagle import head_page_bytes, load_head
+from jinfer.spec.proposer import Proposer, build_proposer, check_proposer
 from jinfer.tokenizer import Tokenizer
 from jinfer.weights.loader import DTYPES, load_weights, resolve_model
 
@@ -70,6 +71,7 @@ class EngineParts:
     scheduler: Scheduler
     runner: ModelRunner
     eos_token_ids: tuple[int, ...]
+    proposer: Proposer | None = None  # speculative_config's drafter
 
 
 _LIVE_ENGINES: weakref.WeakSet = weakref.WeakSet()
@@ -159,10 +161,11 @@ def _num_host_pages(config: EngineConfig, model_config: ModelConfig, dtype: str,
 
 
 def _auto_num_pages(config: EngineConfig, model_config: ModelConfig, dtype: str, num_state_slots: int,
-                    device) -> int:
-    """KV pages that fit gpu_memory_utilization of the device's free memory (1 GiB on CPU)."""
-    per_page = kv_cache_bytes_per_page(model_config, config.page_size, DTYPES[dtype],
-                                       config.tensor_parallel_size)  # on each device
+                    device, extra_page_bytes: int = 0) -> int:
+    """KV pages that fit gpu_memory_utilization of the device's free memory (1 GiB on CPU). `extra_page_bytes`: what
+    a draft head's layer adds to each page."""
+    per_page = extra_page_bytes + kv_cache_bytes_per_page(model_config, config.page_size, DTYPES[dtype],
+                                                          config.tensor_parallel_size)  # on each device
     stats = device.memory_stats() or {}
     if "bytes_limit" in stats:
         budget = int(stats["bytes_limit"] * config.gpu_memory_utilization - stats.get("bytes_in_use", 0))
@@ -206,8 +209,11 @@ def build_engine(config: EngineConfig, tokenizer: Tokenizer | None = None) -> En
     source = resolve_model(config.model, config.load_format)
     phases("resolve")
     model_config: ModelConfig = source.config
-    if config.speculative_config is not None:  # refused before the weights load (e.g. a recurrent-state model)
-        build_proposer(config.speculative_config, max_model_len=1, num_state_slots=int(bool(state_specs(model_config))))
+    spec = config.speculative_config
+    if spec is not None:  # refused before the weights load (e.g. a recurrent-state model)
+        check_proposer(spec, num_state_slots=int(bool(state_specs(model_config))))
+        if spec.method == "eagle3" and group is not None:
+            raise ValueError("speculative_config.method='eagle3' is not supported over several processes (nnodes)")
     generation_defaults = load_generation_defaults(config.generation_config, source.path)
     tokenizer, tokenizer_path = _load_tokenizer(source.path, tokenizer)
     phases("tokenizer")
@@ -217,6 +223,9 @@ def build_engine(config: EngineConfig, tokenizer: Tokenizer | None = None) -> En
     mesh = _mesh(config, model_config, group)
     weights = load_weights(source, dtype, mesh, seed=config.seed, expert_parallel=config.enable_expert_parallel)
     weights = shard_weights(model_config, weights, mesh, expert_parallel=config.enable_expert_parallel)
+    head = None  # an EAGLE-3 draft head: (config, weights), after the target (it may share its embedding)
+    if spec is not None and spec.method == "eagle3":
+        head = load_head(spec, model_config, weights, dtype, mesh)
     phases("weights")
     # Models with per-sequence state layers (linear attention): one state slot per running sequence, plus
     # the reserved slot 0. Their state summarises a whole prefix, so prefix-cache hits would need it
@@ -228,12 +237,14 @@ def build_engine(config: EngineConfig, tokenizer: Tokenizer | None = None) -> En
                  "which a cached prefix's pages cannot restore", model_config.architecture)
     num_pages = config.num_pages or _auto_num_pages(
         config, model_config, dtype, num_state_slots,
-        next(d for d in mesh.devices.flat if d.process_index == jax.process_index()))
+        next(d for d in mesh.devices.flat if d.process_index == jax.process_index()),
+        head_page_bytes(head[0], config.page_size, DTYPES[dtype]) if head else 0)
     if group is not None:  # the same pool (and executables) in every process
         num_pages = group.agree_min("num_pages", num_pages)
     max_len = min(config.max_model_len or model_config.max_position_embeddings, (num_pages - 1) * config.page_size)
     num_host_pages = _num_host_pages(config, model_config, dtype, prefix_caching)
-    kv = KVCacheManager(num_pages, config.page_size, prefix_caching, num_state_slots, num_host_pages)
+    kv = KVCacheManager(num_pages, config.page_size, prefix_caching, num_state_slots, num_host_pages,
+                        hit_drop_last_page=head is not None)
     scheduler = Scheduler(config.scheduler_config(max_len), kv)
     runner = ModelRunner(model_config, weights, mesh, num_pages=num_pages, page_size=config.page_size,
                          kv_dtype=DTYPES[dtype], max_num_batched_tokens=config.max_num_batched_tokens,
@@ -242,8 +253,11 @@ def build_engine(config: EngineConfig, tokenizer: Tokenizer | None = None) -> En
                          num_state_slots=num_state_slots,
                          num_host_pages=num_host_pages, keep_alive=config.executable_keep_alive,
                          executable_dir=os.path.join(cache_dir, "executables")
-                         if cache_dir and config.executable_cache and group is None else None)
+                         if cache_dir and config.executable_cache and group is None else None,
+                         aux_layers=head[0].aux_layers if head else ())
     eos_token_ids = tuple(tokenizer.eos_token_ids) if tokenizer else model_config.eos_token_ids
+    proposer = None if spec is None else build_proposer(spec, max_model_len=max_len, num_state_slots=num_state_slots,
+                                                         head=head, runner=runner, kv_manager=kv)
     phases("kv cache and runner")
     if config.warmup:
         # every process of a group warms up the same shapes in the same order, all before serving
@@ -258,4 +272,4 @@ def build_engine(config: EngineConfig, tokenizer: Tokenizer | None = None) -> En
     log.info("engine ready in %.1f s: %s, %d KV pages of %d tokens, max_model_len %d", time.perf_counter() - t0,
              model_name, num_pages, config.page_size, max_len)
     return EngineParts(group, model_config, model_name, generation_defaults, tokenizer, tokenizer_path, dtype,
-                       num_state_slots, max_len, kv, scheduler, runner, eos_token_ids)
+                       num_state_slots, max_len, kv, scheduler, runner, eos_token_ids, proposer)

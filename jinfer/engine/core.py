@@ -23,7 +23,7 @@ from jinfer.errors import InvalidParam
 from jinfer.outputs import EngineOutput
 from jinfer.sampling_params import SamplingParams
 from jinfer.spec.decoding import SpecDecoding, grammar_masks
-from jinfer.spec.proposer import Proposer, build_proposer
+from jinfer.spec.proposer import Proposer
 from jinfer.tokenizer import Tokenizer
 
 
@@ -41,11 +41,9 @@ class EngineCore:
         self.dtype, self.num_state_slots, self.max_model_len = parts.dtype, parts.num_state_slots, parts.max_model_len
         self.kv, self.scheduler, self.runner = parts.kv, parts.scheduler, parts.runner
         self.eos_token_ids = parts.eos_token_ids
-        if proposer is None and config.speculative_config is not None:
-            proposer = build_proposer(config.speculative_config, max_model_len=self.max_model_len,
-                                      num_state_slots=self.num_state_slots)
-        elif proposer is not None and self.num_state_slots:
+        if proposer is not None and self.num_state_slots:
             raise ValueError("speculative decoding is not supported for models with a per-sequence recurrent state")
+        proposer = proposer or parts.proposer  # (builder.py builds speculative_config's)
         # Speculative decoding (jinfer/spec/decoding.py): drafts need every token read back, so steps are not overlapped
         self.spec = SpecDecoding(proposer) if proposer is not None else None
         self._async = config.async_scheduling and self.spec is None
@@ -233,6 +231,8 @@ class EngineCore:
             if delta.finished:
                 self._forget(rid)
             outputs.append(delta)
+        if self.spec is not None:  # a model drafter's device step (EAGLE-3: the head over this step's rows)
+            self.spec.after_step(launched)
         return outputs
 
     def _forget(self, seq_id: str) -> None:

@@ -90,7 +90,8 @@ def sampler_key(R: int, M: int, W: int, K: int, num_logprobs: int, flags: Sample
 class StepExecutables:
     """Buckets and the executables compiled for them (the registry half of `ModelRunner`). Needs of its subclass:
     cfg, mesh, ops, weights, kv_cache, `_replicated` (the sharding of logits and tokens), `_no_prev` (a tokens
-    buffer), `executables` (the on-disk cache) and `_slot_layers` (the cache's layers indexed by state slot)."""
+    buffer), `executables` (the on-disk cache), `_slot_layers` (the cache's layers indexed by state slot) and
+    `aux_layers` (the layer boundaries whose hidden states the forward also returns: an EAGLE-3 head's, else ())."""
 
     def _init_registry(self, max_num_batched_tokens: int, max_num_seqs: int, max_pages: int,
                        keep_alive: float) -> None:
@@ -150,9 +151,9 @@ class StepExecutables:
         kv_shardings = jax.tree.map(lambda a: a.sharding, self.kv_cache)
         specs = (array_specs(self.weights), array_specs(self.kv_cache))
         forward_jit = lambda ops, **kw: jax.jit(  # noqa: E731
-            partial(forward_step, cfg=self.cfg, ops=ops, mesh=self.mesh, specs=specs), static_argnames=("dims",),
-            donate_argnames=("kv_cache",),
-            out_shardings=(self._replicated, kv_shardings), **kw)
+            partial(forward_step, cfg=self.cfg, ops=ops, mesh=self.mesh, specs=specs, aux_layers=self.aux_layers),
+            static_argnames=("dims",), donate_argnames=("kv_cache",),
+            out_shardings=(self._replicated, kv_shardings) + ((self._replicated,) if self.aux_layers else ()), **kw)
         # Indexed by "decode step": small steps run with command buffers (XLA's default), large without.
         large = NO_COMMAND_BUFFER | self.ops.policy.large_step_xla_options()
         self._forward = {d: (forward_jit(o), forward_jit(o, compiler_options=large))

@@ -56,6 +56,7 @@ from jinfer.engine.step_inputs import (
     unpack_result,
 )
 from jinfer.models.base import Weights
+from jinfer.models.batch import Batch
 from jinfer.models.registry import cache_spec
 from jinfer.ops import REFERENCE_OPS, ModelOps
 from jinfer.parallel.mesh import put
@@ -77,6 +78,8 @@ class Launched:
     # rows (request id, prompt position whose token it scores).
     prompt_packed: jax.Array | None = None
     prompt_rows: list[tuple[str, int]] = field(default_factory=list)
+    batch: Batch | None = None  # the step's padded batch (numpy), for a drafter that runs after it (EAGLE-3)
+    aux: jax.Array | None = None  # [T, n*H] the hidden states at the runner's `aux_layers` (None without)
     row_of: dict[str, int] = field(init=False)  # request id -> the row of its last sample (its next decode's input)
 
     def __post_init__(self):
@@ -87,8 +90,11 @@ class ModelRunner(StepExecutables):
     def __init__(self, cfg: ModelConfig, weights: Weights, mesh: Mesh, *, num_pages: int, page_size: int,
                  kv_dtype, max_num_batched_tokens: int, max_num_seqs: int, max_model_len: int,
                  ops: ModelOps = REFERENCE_OPS, executable_dir: str | None = None, num_state_slots: int = 0,
-                 num_host_pages: int = 0, keep_alive: float = 0.0):
+                 num_host_pages: int = 0, keep_alive: float = 0.0, aux_layers: tuple[int, ...] = ()):
+        """`aux_layers`: the forward also returns the hidden states at these layer boundaries (an EAGLE-3 head's:
+        `Launched.aux`); part of the executables' key."""
         self.cfg, self.weights, self.mesh, self.ops = cfg, weights, mesh, ops
+        self.aux_layers, self._aux = tuple(aux_layers), None
         self.page_size = page_size
         self.kv_cache = init_kv_cache(cfg, num_pages, page_size, kv_dtype, mesh, num_state_slots)
         # The host tier's pages (cache/transfer.py): `transfer` launches a schedule's copies before its step.
@@ -107,7 +113,8 @@ class ModelRunner(StepExecutables):
         self._no_prev = put(np.zeros(self.max_rows, np.int32), self._replicated)
         # Compiled executables per shape, loaded from / stored to disk when `executable_dir` is set: a
         # warm start then neither traces nor lowers (see executable_cache.py).
-        self.executables = ExecutableCache(executable_dir, namespace=repr((cfg, ops, mesh.shape, self.max_seqs_bucket)))
+        self.executables = ExecutableCache(executable_dir, namespace=repr(
+            (cfg, ops, mesh.shape, self.max_seqs_bucket) + ((self.aux_layers,) if self.aux_layers else ())))
         # The forward's `prev_tokens` argument is always the latest sampler output (even when no row
         # reads it), so every call of an executable sees arguments of identical type and sharding and
         # stays on JAX's C++ fast path (see above).
@@ -228,7 +235,7 @@ class ModelRunner(StepExecutables):
         packed.copy_to_host_async()
         if prompt_packed is not None:
             prompt_packed.copy_to_host_async()
-        return Launched(out, packed, tokens, built.rows, prompt_packed, prompt_rows)
+        return Launched(out, packed, tokens, built.rows, prompt_packed, prompt_rows, batch, self._aux)
 
     def run_step(self, step: StepInputs, forward: tuple[jax.Array, jax.Array | None] | None = None
                  ) -> tuple[jax.Array, jax.Array, jax.Array | None]:
@@ -253,12 +260,19 @@ class ModelRunner(StepExecutables):
         R = B if R is None else R
         prompt_logits = plp_k >= 0
         forward = self.forward_executable(T, B, P, decode and not prompt_logits, R, prompt_logits)
-        logits, self.kv_cache = forward(self.weights, self._put(batch), self.kv_cache, self._last_tokens)
+        logits = self._call_forward(forward, self._put(batch))
         prompt_packed = None
         if prompt_logits:  # the logits of the prompt positions: their logprobs, before the sampler
             split = self.prompt_logprobs_executable(T, R, plp_k)
             logits, prompt_packed = split(logits, self._put(plp_targets))
         return logits, prompt_packed
+
+    def _call_forward(self, forward, buf: jax.Array) -> jax.Array:
+        """Run a forward executable on a packed batch: the cache is updated, the hidden states kept (`aux_layers`);
+        returns the logits."""
+        logits, self.kv_cache, *aux = forward(self.weights, buf, self.kv_cache, self._last_tokens)
+        self._aux = aux[0] if aux else None
+        return logits
 
     def fetch(self, launched: Launched) -> StepResult:
         """Wait for a launched step and return its samples on the host."""
@@ -300,7 +314,7 @@ class ModelRunner(StepExecutables):
                 if run:
                     buf = np.zeros(sum(batch_sizes(T, B, P, B)), np.int32)
                     buf[2 * T:4 * T] = -1  # slots and prev rows (parts 3, 4): no KV writes, no previous step
-                    logits, self.kv_cache = forward(self.weights, self._put(buf), self.kv_cache, self._last_tokens)
+                    logits = self._call_forward(forward, self._put(buf))
             for flags in SamplerFlags.warm():
                 sample = self.sampler_executable(B, 0, 0, -1, flags)
                 if run:

@@ -21,28 +21,17 @@ rows past a sequence's last accepted one write KV that the next steps overwrite.
 
 Everything here is pure and jit-able with static shapes: `Eagle3Config` is static (hashable) under jit.
 
-How the engine runs it (the plan; the engine side is not built here):
-1. Start-up: `jinfer.weights.eagle3.load_eagle3(path, target_cfg, target_weights)` after the target. The KV pool
-   holds one more attention layer (`cache_spec`) on the same page ids: a page's bytes grow by that layer's, the
-   manager and the page tables are unchanged. The target's executables pass `aux_layers=cfg.aux_layers` (static,
-   part of the key; without it the step's program is the plain one).
-2. A step: the target's forward over the scheduled rows (prefill chunks, decodes, verification rows: the last
-   sample and k drafts) gives logits, its cache and `aux` [T, 3*Ht]; the sampler and the rejection step give per
-   sequence its number of accepted drafts a and the next token s, on the device.
-3. In the same launch, the head's batch is built on the device from the step's: `input_ids` shifted by one row
-   (row t takes row t + 1's token), the last accepted row (`query_start[b] + a`) takes s, a mid-prefill chunk's
-   last row the next prompt token (the host packs it); positions, slots, seq_lens and the page table are the
-   step's, `logits_indices` the last accepted rows. `propose(..., num_steps=k)` then gives drafts [B, k].
-4. The drafts stay on the device: the next step's rows for the sequence are [s, d1..dk], taken from the device as
-   async scheduling takes its pending token today; they are read back with the samples, for bookkeeping only.
-5. Pages: the chain writes the head's KV at the last accepted position + 1 .. + k - 1, inside the next step's k + 1
-   rows, so the scheduler allocates those pages one step ahead (k lookahead slots); a position past the page table
-   writes nowhere. Rows after the last accepted one leave junk KV that the chain and the next step's first pass
-   overwrite before anything reads it (tests/models/test_eagle3.py::test_rejected_rows_are_overwritten).
-6. Prefix cache: the head's KV at position p depends on the token at p + 1, so on a prefix hit the last matched
-   page is recomputed (as vLLM does for EAGLE). Drafts are greedy (vLLM's too): the rejection step treats them as
-   one-hot proposals. Tensor parallel: the head is replicated; `aux` is replicated after the layers' psums, so the
-   chain runs whole on every device (the sharded forward's out_specs need one more replicated output).
+How the engine runs it (jinfer/spec/eagle.py): the head is loaded after the target; its one layer's KV is paged on
+the target's page ids (a page's bytes grow by it); the target's executables return `aux` (`aux_layers` is part of
+their key). After each step is read back, one jitted call runs the first pass over every row of the step (tokens
+shifted by one from the host's accepted tokens; rows whose next token is unknown write nothing) and the k - 1
+chain steps of the sequences that go on; the drafts [B, k] are read back and verified by the next step. Pages the
+chain writes are allocated one step ahead (k - 1 lookahead slots); a write to an unallocated entry (page 0) or past
+the page table goes nowhere. A prefix hit is one page shorter (that page's head KV is recomputed). Drafts are greedy
+(vLLM's too): the rejection step treats them as one-hot proposals. Rows after a sequence's last accepted one leave
+junk KV that the chain and the next step's first pass overwrite before anything reads it
+(tests/models/test_eagle3.py::test_rejected_rows_are_overwritten). Not built: the chain inside the step's own launch
+(drafts kept on the device), a tensor-parallel head (it runs replicated).
 """
 
 from __future__ import annotations
@@ -265,26 +254,31 @@ def _greedy(weights: Eagle3Weights, logits: jax.Array) -> jax.Array:
     return weights.draft_to_target[jnp.argmax(logits, axis=-1)]
 
 
-def _next_batch(batch: Batch, ids: jax.Array, positions: jax.Array, page_size: int) -> Batch:
+def _next_batch(batch: Batch, ids: jax.Array, positions: jax.Array, page_size: int,
+                live: jax.Array | None = None) -> Batch:
     """The chain's one-token step: sequence b's token `ids[b]` at `positions[b]` (row b), written through its row of
-    the page table. Padding sequences (seq_len 0) stay padding; a position past the table writes nowhere."""
+    the page table. Padding sequences (seq_len 0) and those not `live` stay padding; a position past the table or in
+    an unallocated entry (the reserved page 0) writes nowhere, so a write never lands in another sequence's page."""
     B, P = batch.page_table.shape
     real = batch.seq_lens > 0
+    if live is not None:
+        real = real & live
     index = positions // page_size
     page = jnp.take_along_axis(batch.page_table, jnp.clip(index, 0, P - 1)[:, None], axis=1)[:, 0]
-    slots = jnp.where(real & (index < P), page * page_size + positions % page_size, -1)
+    slots = jnp.where(real & (index < P) & (page > 0), page * page_size + positions % page_size, -1)
     return Batch(ids, positions, slots.astype(jnp.int32), jnp.arange(B + 1, dtype=jnp.int32),
                  jnp.where(real, positions + 1, 0).astype(jnp.int32), batch.page_table,
                  jnp.arange(B, dtype=jnp.int32), batch.state_slots)
 
 
 def propose(weights: Eagle3Weights, cfg: Eagle3Config, batch: Batch, aux: jax.Array, kv: KV, num_steps: int,
-            ops: ModelOps = REFERENCE_OPS) -> tuple[jax.Array, KV]:
+            ops: ModelOps = REFERENCE_OPS, live: jax.Array | None = None) -> tuple[jax.Array, KV]:
     """A greedy chain of `num_steps` drafts per sequence.
 
     `batch`: the rows of the target's step (same positions, slots, page table, seq_lens), `input_ids` shifted by
     one (row t holds the token at position t + 1; a sequence's last accepted row the token just sampled), and
     `logits_indices` [B] each sequence's last accepted row. `aux` [T, 3*Ht]: the target's states of those rows.
+    `live` [B] bool: the sequences whose chain steps run (None: all); the others only take the first pass.
     Returns (drafts [B, num_steps] int32 target ids, the head's updated KV); padding sequences' drafts are junk.
     """
     logits, x, kv = draft_forward(weights, cfg, batch, combine_hidden(weights, aux, ops), kv, ops)
@@ -294,7 +288,7 @@ def propose(weights: Eagle3Weights, cfg: Eagle3Config, batch: Batch, aux: jax.Ar
     step_ops = dataclasses.replace(ops, decode_step=True) if ops.backend == "pallas" else ops
     for _ in range(num_steps - 1):
         positions = positions + 1
-        step = _next_batch(batch, drafts[-1], positions, kv[0].shape[1])
+        step = _next_batch(batch, drafts[-1], positions, kv[0].shape[1], live)
         logits, hidden, kv = draft_forward(weights, cfg, step, hidden, kv, step_ops)
         drafts.append(_greedy(weights, logits))
     return jnp.stack(drafts, axis=1), kv

@@ -173,14 +173,18 @@ def array_specs(tree):
     return jax.tree.map(lambda a: a.sharding.spec, tree)
 
 
-def mesh_forward(forward, cfg, ops, mesh: Mesh, weight_specs, kv_specs):
+def mesh_forward(forward, cfg, ops, mesh: Mesh, weight_specs, kv_specs, aux_layers: tuple[int, ...] = ()):
     """`forward(weights, batch, kv_cache, cfg, ops)` (a family's, or the registry's) as a function of
     (weights, batch, kv_cache) for the mesh: itself on one device; on several, each device runs it on its
     shards under `jax.shard_map` with its `local_config` and the collectives on (`ModelOps.axis`). The
     batch goes to every device whole, the logits come back whole (the forward gathers them), the cache
-    stays in its shards (`weight_specs`, `kv_specs`: `array_specs` of the placed arrays)."""
+    stays in its shards (`weight_specs`, `kv_specs`: `array_specs` of the placed arrays). `aux_layers`: the forward
+    also returns the hidden states at those layer boundaries, whole (replicated after the layers' psums)."""
+    extra = {"aux_layers": aux_layers} if aux_layers else {}
     if mesh.size == 1:
-        return functools.partial(forward, cfg=cfg, ops=ops)
-    body = functools.partial(forward, cfg=local_config(cfg, mesh.size), ops=dataclasses.replace(ops, axis=TP_AXIS))
+        return functools.partial(forward, cfg=cfg, ops=ops, **extra)
+    body = functools.partial(forward, cfg=local_config(cfg, mesh.size), ops=dataclasses.replace(ops, axis=TP_AXIS),
+                             **extra)
+    out_specs = (PartitionSpec(), kv_specs) + ((PartitionSpec(),) if aux_layers else ())
     return jax.shard_map(body, mesh=mesh, in_specs=(weight_specs, PartitionSpec(), kv_specs),
-                         out_specs=(PartitionSpec(), kv_specs), check_vma=False)
+                         out_specs=out_specs, check_vma=False)

@@ -63,6 +63,11 @@ class SpecDecoding:
             if draft:
                 r.add_draft_tokens(draft)
 
+    def after_step(self, launched) -> None:
+        """A step was read back and the scheduler updated: a model drafter runs its device step (spec/eagle.py)."""
+        if (hook := getattr(self.proposer, "after_step", None)) is not None:
+            hook(launched)
+
     def record(self, num_drafts: int, accepted: list[int]) -> int:
         """Count one verification of `num_drafts` drafts that accepted `accepted` tokens (drafts matched + 1); the
         drafts accepted."""

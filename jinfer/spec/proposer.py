@@ -2,7 +2,8 @@
 
 A `Proposer` takes the requests that may be drafted this step (running, past their prefill, no token in flight) and
 returns a draft per request: up to `num_speculative_tokens` token ids that the next step verifies. Model-free
-drafters (n-gram) read the requests' tokens; the EAGLE-3 and MTP drafters will run their own device step here.
+drafters (n-gram) read the requests' tokens; the EAGLE-3 drafter runs its head on the device after each step
+(`after_step`) and hands over the drafts it made; MTP is not built.
 """
 
 from __future__ import annotations
@@ -21,17 +22,35 @@ class Proposer(Protocol):
         `request.all_token_ids` (prompt + accepted outputs), none in flight."""
         ...
 
+    # Optional: `after_step(launched)`, called with each step once it is read back and the scheduler updated (a
+    # model drafter runs its device step there: jinfer/spec/eagle.py).
 
-def build_proposer(config: SpeculativeConfig, *, max_model_len: int, num_state_slots: int) -> Proposer:
-    """The drafter `config` asks for; ValueError naming the field where it cannot run on this engine."""
+
+def check_proposer(config: SpeculativeConfig, *, num_state_slots: int) -> None:
+    """ValueError naming the field where `config`'s drafter cannot run on this engine (checked before the weights
+    load)."""
     if num_state_slots:
         raise ValueError(f"speculative_config.method={config.method!r}: this model keeps a per-sequence recurrent "
                          "state (linear-attention layers), which cannot be rolled back over rejected drafts yet; "
                          "speculative decoding is not supported for it")
+    if config.method not in ("ngram", "eagle3"):
+        raise ValueError(f"speculative_config.method={config.method!r} is recognised but not implemented yet "
+                         "(use 'ngram' or 'eagle3')")
+
+
+def build_proposer(config: SpeculativeConfig, *, max_model_len: int, num_state_slots: int, head=None, runner=None,
+                   kv_manager=None) -> Proposer:
+    """The drafter `config` asks for; ValueError naming the field where it cannot run on this engine. EAGLE-3:
+    `head` = (config, weights) from `jinfer.spec.eagle.load_head`, with the model runner and the page allocator."""
+    check_proposer(config, num_state_slots=num_state_slots)
     if config.method == "ngram":
         from jinfer.spec.ngram import NgramProposer
 
         return NgramProposer(config.num_speculative_tokens, config.prompt_lookup_min, config.prompt_lookup_max,
                              max_model_len)
-    raise ValueError(f"speculative_config.method={config.method!r} is recognised but not implemented yet "
-                     "(use 'ngram')")
+    from jinfer.spec.eagle import Eagle3Proposer
+
+    if head is None or runner is None or kv_manager is None:
+        raise ValueError("speculative_config.method='eagle3' needs the loaded head, the runner and the KV manager")
+    return Eagle3Proposer(*head, config.num_speculative_tokens, runner=runner, kv_manager=kv_manager,
+                          max_model_len=max_model_len)

@@ -1,0 +1,144 @@
+"""EAGLE-3 drafts through the engine (jinfer/spec/eagle.py) on the tiny random Qwen3 and its random head
+(tests/data/tiny-eagle3-qwen3): outputs equal those without speculation token for token (batch 1 and 4, prefix-cache
+hits, chunked prefill, preemption, the LLM API), and the drafts the engine proposes after a prompt's prefill are the
+reference head's greedy chain (tests/data/golden/tiny-eagle3-qwen3.npz), also when the prompt is prefilled in
+chunks or partly comes from the prefix cache: the engine feeds the head what it was trained on. The random head
+rarely agrees with the random target, so acceptance is near 0 here; the golden chain is what proves the wiring."""
+
+import json
+import shutil
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jinfer.llm import LLM
+from jinfer.models import eagle3
+from jinfer.models.batch import Batch
+from jinfer.sampling_params import SamplingParams
+
+from ..conftest import DATA
+from .test_engine import BASE
+from .test_spec_engine import TINY, assert_same, core, generate, spec_prompts
+
+HEAD = DATA / "tiny-eagle3-qwen3"
+EAGLE = {"method": "eagle3", "model": str(HEAD), "num_speculative_tokens": 3}
+GREEDY = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def plain():
+    return core()
+
+
+@pytest.fixture(scope="module")
+def spec():
+    return core(speculative_config=EAGLE)
+
+
+@pytest.fixture(scope="module")
+def small():
+    """Chunked prefill (16-token steps) and a pool small enough to preempt."""
+    return core(speculative_config=EAGLE, num_pages=26, max_num_batched_tokens=16)
+
+
+@pytest.fixture(scope="module")
+def golden():
+    g = np.load(DATA / "golden" / "tiny-eagle3-qwen3.npz")
+    n = sum(1 for k in g.files if k.startswith("prompt_"))
+    return [(g[f"prompt_{i}"].tolist(), int(g[f"next_{i}"]), g[f"chain_ids_{i}"].tolist()) for i in range(n)]
+
+
+def assert_drafted(counters: dict):
+    assert counters["spec_decode_num_drafts"] > 0 and counters["spec_decode_num_draft_tokens"] > 0
+
+
+@pytest.mark.parametrize("batch", [1, 4])
+def test_greedy_outputs_equal_without_speculation(plain, spec, batch):
+    prompts = spec_prompts(batch, seed=batch)
+    want, _ = generate(plain, prompts, GREEDY)
+    got, counters = generate(spec, prompts, GREEDY)
+    assert_same(got, want)
+    assert_drafted(counters)
+    again, _ = generate(spec, prompts, GREEDY)  # the prompts' pages now come from the prefix cache
+    assert_same(again, want)
+
+
+def first_drafts(engine, rid: str, prompt: list[int]) -> tuple[int, list[int]]:
+    """Run one request until its first token; (that token, the drafts the engine proposes next)."""
+    engine.add_request(rid, prompt, SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True))
+    while True:
+        out = [d for d in engine.step() if d.request_id == rid]
+        if out and out[0].new_token_ids:
+            num_tokens, drafts = engine.spec.proposer._drafts[rid]
+            assert num_tokens == len(prompt) + 1
+            break
+    while engine.has_unfinished_requests():
+        engine.step()
+    return out[0].new_token_ids[0], drafts
+
+
+@pytest.mark.parametrize("engine", ["spec", "small"])
+def test_drafts_are_the_heads_golden_chain(engine, golden, request):
+    """After a prompt's prefill (one step, or chunks of 16 tokens in `small`), the engine's drafts are the reference
+    chain; again with the prompt's pages from the prefix cache (the hit one page short: that page's head KV is
+    recomputed)."""
+    eng = request.getfixturevalue(engine)
+    for i, (prompt, nxt, chain) in enumerate(golden):
+        for again in range(2):
+            token, drafts = first_drafts(eng, f"golden-{engine}-{i}-{again}", prompt)
+            assert (token, drafts) == (nxt, chain[:3]), (i, again)
+
+
+def test_preemption_and_chunked_prefill(plain, small):
+    prompts = spec_prompts(8, seed=13)
+    want, _ = generate(plain, prompts, GREEDY)
+    preempted = []
+    original = small.scheduler._preempt
+    small.scheduler._preempt = lambda r: (preempted.append(r.request_id), original(r))
+    try:
+        got, counters = generate(small, prompts, GREEDY)
+    finally:
+        small.scheduler._preempt = original
+    assert_same(got, want)
+    assert preempted
+    assert_drafted(counters)
+
+
+def test_offline_llm_api_and_executable_key(plain, spec):
+    prompts = spec_prompts(3, seed=11)
+    want, _ = generate(plain, prompts, GREEDY)
+    llm = LLM(TINY, **BASE, speculative_config=EAGLE)
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], GREEDY, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == [want[f"{i}/0"][0] for i in range(len(prompts))]
+    assert llm.engine.stats()["spec_decode_num_draft_tokens"] > 0
+    # the target's forward returns the head's states: another program, another key in the executable cache
+    assert spec.runner.aux_layers == (0, 1, 2) and plain.runner.aux_layers == ()
+    assert spec.runner.executables.namespace != plain.runner.executables.namespace
+    # the pool's pages hold the head's layer too
+    assert spec.kv.hit_drop_last_page and not plain.kv.hit_drop_last_page
+
+
+def test_bad_heads_are_refused(tmp_path):
+    with pytest.raises(ValueError, match="speculative_config.model"):
+        core(speculative_config=EAGLE | {"model": str(tmp_path / "missing")})
+    shutil.copy(HEAD / "model.safetensors", tmp_path / "model.safetensors")
+    raw = json.loads((HEAD / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps(raw | {"target_hidden_size": 32}))
+    with pytest.raises(ValueError, match="speculative_config.model.*target_hidden_size=32"):
+        core(speculative_config=EAGLE | {"model": str(tmp_path)})
+    with pytest.raises(ValueError, match="num_speculative_tokens"):
+        core(speculative_config={"method": "eagle3", "model": str(HEAD)})
+
+
+def test_chain_writes_only_allocated_pages():
+    """A chain step's KV write at a position whose page-table entry is unallocated (the reserved page 0) or past the
+    table, or of a sequence that is not live, goes nowhere (never into another sequence's page)."""
+    table = np.array([[3, 5, 0], [7, 0, 0], [2, 4, 6]], np.int32)
+    batch = Batch(np.zeros(3, np.int32), np.zeros(3, np.int32), np.zeros(3, np.int32), np.arange(4, dtype=np.int32),
+                  np.ones(3, np.int32), table, np.arange(3, dtype=np.int32))
+    positions = jnp.array([5, 4, 13])  # page 1 of seq 0 (5), page 1 of seq 1 (unallocated), past seq 2's table
+    step = eagle3._next_batch(batch, jnp.zeros(3, jnp.int32), positions, 4)
+    np.testing.assert_array_equal(step.slot_mapping, [5 * 4 + 1, -1, -1])
+    live = eagle3._next_batch(batch, jnp.zeros(3, jnp.int32), jnp.array([5, 0, 1]), 4, jnp.array([False, True, True]))
+    np.testing.assert_array_equal(live.slot_mapping, [-1, 7 * 4, 2 * 4 + 1])
