@@ -193,8 +193,9 @@ def _mesh(config: EngineConfig, model_config: ModelConfig, group):
     return make_mesh(tp, jax.devices()[rank * tp:(rank + 1) * tp])
 
 
-def build_engine(config: EngineConfig, tokenizer: Tokenizer | None = None) -> EngineParts:
-    """Everything an EngineCore needs, built and warmed up (see the module's docstring for the order)."""
+def build_engine(config: EngineConfig, tokenizer: Tokenizer | None = None, speculative: bool = False) -> EngineParts:
+    """Everything an EngineCore needs, built and warmed up (see the module's docstring for the order). `speculative`:
+    a drafter will verify drafts (besides `config.speculative_config`'s): state slots get backups."""
     t0 = time.perf_counter()
     age = _process_age_s()
     phases = _Phases()
@@ -231,12 +232,14 @@ def build_engine(config: EngineConfig, tokenizer: Tokenizer | None = None) -> En
     # the reserved slot 0. Their state summarises a whole prefix, so prefix-cache hits would need it
     # checkpointed at page boundaries: not built; hits are off for such models.
     num_state_slots = config.max_num_seqs + 1 if state_specs(model_config) else 0
+    # Speculative decoding on such a model: a backup of each slot, the state before a row of drafts (scheduler.py)
+    state_backups = bool(num_state_slots) and (spec is not None or speculative)
     prefix_caching = config.enable_prefix_caching and not num_state_slots
     if config.enable_prefix_caching and not prefix_caching:
         log.info("prefix caching is off: %s keeps a per-sequence state in its linear-attention layers, "
                  "which a cached prefix's pages cannot restore", model_config.architecture)
     num_pages = config.num_pages or _auto_num_pages(
-        config, model_config, dtype, num_state_slots,
+        config, model_config, dtype, num_state_slots * (2 if state_backups else 1),
         next(d for d in mesh.devices.flat if d.process_index == jax.process_index()),
         head_page_bytes(head[0], config.page_size, DTYPES[dtype]) if head else 0)
     if group is not None:  # the same pool (and executables) in every process
@@ -244,13 +247,13 @@ def build_engine(config: EngineConfig, tokenizer: Tokenizer | None = None) -> En
     max_len = min(config.max_model_len or model_config.max_position_embeddings, (num_pages - 1) * config.page_size)
     num_host_pages = _num_host_pages(config, model_config, dtype, prefix_caching)
     kv = KVCacheManager(num_pages, config.page_size, prefix_caching, num_state_slots, num_host_pages,
-                        hit_drop_last_page=head is not None)
+                        hit_drop_last_page=head is not None, state_backups=state_backups)
     scheduler = Scheduler(config.scheduler_config(max_len), kv)
     runner = ModelRunner(model_config, weights, mesh, num_pages=num_pages, page_size=config.page_size,
                          kv_dtype=DTYPES[dtype], max_num_batched_tokens=config.max_num_batched_tokens,
                          max_num_seqs=config.max_num_seqs, max_model_len=max_len,
                          ops=select_ops(config.attention_backend, policy=config.kernel_policy),
-                         num_state_slots=num_state_slots,
+                         num_state_slots=kv.num_device_state_slots,
                          num_host_pages=num_host_pages, keep_alive=config.executable_keep_alive,
                          executable_dir=os.path.join(cache_dir, "executables")
                          if cache_dir and config.executable_cache and group is None else None,

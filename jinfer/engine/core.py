@@ -33,7 +33,7 @@ class EngineCore:
         """`proposer`: a drafter object instead of `config.speculative_config`'s (benchmarks: jinfer/spec/replay.py)."""
         t0 = time.perf_counter()
         self.config = config = config or EngineConfig()
-        parts = build_engine(config, tokenizer)
+        parts = build_engine(config, tokenizer, speculative=proposer is not None)
         self.group = parts.group
         self.model_config, self.model_name = parts.model_config, parts.model_name
         self.generation_defaults = parts.generation_defaults
@@ -41,8 +41,6 @@ class EngineCore:
         self.dtype, self.num_state_slots, self.max_model_len = parts.dtype, parts.num_state_slots, parts.max_model_len
         self.kv, self.scheduler, self.runner = parts.kv, parts.scheduler, parts.runner
         self.eos_token_ids = parts.eos_token_ids
-        if proposer is not None and self.num_state_slots:
-            raise ValueError("speculative decoding is not supported for models with a per-sequence recurrent state")
         proposer = proposer or parts.proposer  # (builder.py builds speculative_config's)
         # Speculative decoding (jinfer/spec/decoding.py): drafts need every token read back, so steps are not overlapped
         self.spec = SpecDecoding(proposer) if proposer is not None else None

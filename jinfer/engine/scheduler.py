@@ -20,6 +20,11 @@ draft in one row and returns `ScheduledRequest.num_logits` = 1 + drafts logits r
 row; `update` takes the accepted tokens (1 to num_logits of them, `request.accept_draft_tokens`) and rolls
 `num_computed_tokens` back over the rejected drafts (their KV is overwritten later). Drafts that the budget or the
 length limit leaves no room for are dropped, so a row never verifies only some of them.
+A model with a per-sequence state (linear attention) cannot roll its state back that way: the row advanced it
+through every draft. With `kv.state_backups` the schedule copies each verifying sequence's slot to its backup slot
+ahead of the step (`SchedulerOutput.fork_slots`); where a draft was rejected `update` rolls `num_computed_tokens`
+back to the row's start and the next schedule copies the backup back first, so the next step recomputes the
+accepted tokens from the state before the row (their KV is rewritten with the same values).
 
 Policy (vLLM v1 style, token-count model): each step has a budget of `max_num_batched_tokens`.
 Running requests go first, in admission order: a decode takes 1 token, an unfinished prefill the
@@ -130,6 +135,7 @@ class Scheduler:
         self.running: list[Request] = []  # admission order: the last one is the newest
         self._finished_ids: list[str] = []
         self._forks: dict[str, list[Request]] = {}  # leader id -> its followers, not yet admitted
+        self._restores: list[tuple[Request, int]] = []  # (request, slot) to restore from its backup (module doc)
 
     # ---- requests in and out -------------------------------------------------------------------
 
@@ -319,8 +325,19 @@ class Scheduler:
             self.running.append(request)
             out.scheduled.append(self._scheduled(request, num_new, num_cached))
             budget -= num_new
+        if self.kv.state_backups:
+            self._state_copies(out)
         out.kv_transfers = self.kv.take_transfers()
         return out
+
+    def _state_copies(self, out: SchedulerOutput) -> None:
+        """Restore the states of sequences with rejected drafts (still running in the same slot) and back up those of
+        the sequences verifying drafts in this step (module doc); the runner copies both before the step."""
+        backup = self.kv.backup_slot
+        out.fork_slots += [(backup(slot), slot) for r, slot in self._restores
+                           if r.status == RequestStatus.RUNNING and r.state_slot == slot]
+        self._restores = []
+        out.fork_slots += [(s.state_slot, backup(s.state_slot)) for s in out.scheduled if s.draft_token_ids]
 
     def _fork(self, out: SchedulerOutput) -> None:
         """Admit the followers of each leader that has computed all but its prompt's last token (module doc);
@@ -376,7 +393,11 @@ class Scheduler:
                     if request.num_sampling_tokens:
                         raise RuntimeError(f"request {request.request_id!r}: a step in flight computes past "
                                            f"{rejected} rejected draft tokens")
-                    request.num_computed_tokens -= rejected
+                    if self.kv.state_backups and request.state_slot:  # recompute from the state before the row
+                        request.num_computed_tokens = s.start
+                        self._restores.append((request, request.state_slot))
+                    else:
+                        request.num_computed_tokens -= rejected
                 for token in tokens:
                     request.append_output_token(token)
                     if (stop := self._check_stop(request)) is not None:

@@ -29,10 +29,9 @@ class Proposer(Protocol):
 def check_proposer(config: SpeculativeConfig, *, num_state_slots: int) -> None:
     """ValueError naming the field where `config`'s drafter cannot run on this engine (checked before the weights
     load)."""
-    if num_state_slots:
-        raise ValueError(f"speculative_config.method={config.method!r}: this model keeps a per-sequence recurrent "
-                         "state (linear-attention layers), which cannot be rolled back over rejected drafts yet; "
-                         "speculative decoding is not supported for it")
+    if num_state_slots and config.method == "eagle3":
+        raise ValueError(f"speculative_config.method={config.method!r} is not supported for models with a "
+                         "per-sequence recurrent state (linear-attention layers) yet: use 'ngram'")
     if config.method not in ("ngram", "eagle3"):
         raise ValueError(f"speculative_config.method={config.method!r} is recognised but not implemented yet "
                          "(use 'ngram' or 'eagle3')")
