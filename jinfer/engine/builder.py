@@ -32,7 +32,7 @@ from jinfer.models.registry import shard_weights, state_specs
 from jinfer.ops import select_ops
 from jinfer.parallel.mesh import check_parallel, make_mesh
 from jinfer.parallel.multihost import Follower, Leader, join
-from jinfer.spec.eagle import head_page_bytes, load_head
+from jinfer.spec import eagle, mtp
 from jinfer.spec.proposer import Proposer, build_proposer, check_proposer
 from jinfer.tokenizer import Tokenizer
 from jinfer.weights.loader import DTYPES, load_weights, resolve_model
@@ -213,8 +213,12 @@ def build_engine(config: EngineConfig, tokenizer: Tokenizer | None = None, specu
     spec = config.speculative_config
     if spec is not None:  # refused before the weights load (e.g. a recurrent-state model)
         check_proposer(spec, num_state_slots=int(bool(state_specs(model_config))))
-        if spec.method == "eagle3" and group is not None:
-            raise ValueError("speculative_config.method='eagle3' is not supported over several processes (nnodes)")
+        if spec.method == "mtp" and model_config.architecture != "qwen3_5":
+            raise ValueError(f"speculative_config.method='mtp' reads the MTP layer of Qwen3.5 checkpoints, not of "
+                             f"{model_config.architecture!r}")
+        if spec.method in ("eagle3", "mtp") and group is not None:
+            raise ValueError(f"speculative_config.method={spec.method!r} is not supported over several processes "
+                             "(nnodes)")
     generation_defaults = load_generation_defaults(config.generation_config, source.path)
     tokenizer, tokenizer_path = _load_tokenizer(source.path, tokenizer)
     phases("tokenizer")
@@ -224,9 +228,12 @@ def build_engine(config: EngineConfig, tokenizer: Tokenizer | None = None, specu
     mesh = _mesh(config, model_config, group)
     weights = load_weights(source, dtype, mesh, seed=config.seed, expert_parallel=config.enable_expert_parallel)
     weights = shard_weights(model_config, weights, mesh, expert_parallel=config.enable_expert_parallel)
-    head = None  # an EAGLE-3 draft head: (config, weights), after the target (it may share its embedding)
+    head = None  # an EAGLE-3 or MTP draft head: (config, weights), after the target (it shares its embedding)
+    head_kind = eagle if spec is None or spec.method != "mtp" else mtp
     if spec is not None and spec.method == "eagle3":
-        head = load_head(spec, model_config, weights, dtype, mesh)
+        head = eagle.load_head(spec, model_config, weights, dtype, mesh)
+    elif spec is not None and spec.method == "mtp":
+        head = mtp.load_head(source.path, model_config, weights, dtype, mesh)
     phases("weights")
     # Models with per-sequence state layers (linear attention): one state slot per running sequence, plus
     # the reserved slot 0. Their state summarises a whole prefix, so prefix-cache hits would need it
@@ -241,7 +248,7 @@ def build_engine(config: EngineConfig, tokenizer: Tokenizer | None = None, specu
     num_pages = config.num_pages or _auto_num_pages(
         config, model_config, dtype, num_state_slots * (2 if state_backups else 1),
         next(d for d in mesh.devices.flat if d.process_index == jax.process_index()),
-        head_page_bytes(head[0], config.page_size, DTYPES[dtype]) if head else 0)
+        head_kind.head_page_bytes(head[0], config.page_size, DTYPES[dtype]) if head else 0)
     if group is not None:  # the same pool (and executables) in every process
         num_pages = group.agree_min("num_pages", num_pages)
     max_len = min(config.max_model_len or model_config.max_position_embeddings, (num_pages - 1) * config.page_size)
@@ -257,7 +264,7 @@ def build_engine(config: EngineConfig, tokenizer: Tokenizer | None = None, specu
                          num_host_pages=num_host_pages, keep_alive=config.executable_keep_alive,
                          executable_dir=os.path.join(cache_dir, "executables")
                          if cache_dir and config.executable_cache and group is None else None,
-                         aux_layers=head[0].aux_layers if head else ())
+                         aux_layers=head_kind.aux_layers(head[0]) if head else ())
     eos_token_ids = tuple(tokenizer.eos_token_ids) if tokenizer else model_config.eos_token_ids
     proposer = None if spec is None else build_proposer(spec, max_model_len=max_len, num_state_slots=num_state_slots,
                                                          head=head, runner=runner, kv_manager=kv)

@@ -53,7 +53,7 @@ from jinfer.models.spec import ArrayInfo
 from jinfer.ops import REFERENCE_OPS, ModelOps
 
 __all__ = ["Eagle3Config", "Eagle3Weights", "assemble_weights", "cache_spec", "combine_hidden", "default_aux_layers",
-           "draft_forward", "draft_logits", "eagle3_config", "propose", "weight_specs"]
+           "chain_batch", "draft_forward", "draft_logits", "eagle3_config", "propose", "weight_specs"]
 
 KV = tuple[jax.Array, jax.Array]
 HF_ARCHITECTURES = ("LlamaForCausalLMEagle3", "Eagle3LlamaForCausalLM")
@@ -254,7 +254,7 @@ def _greedy(weights: Eagle3Weights, logits: jax.Array) -> jax.Array:
     return weights.draft_to_target[jnp.argmax(logits, axis=-1)]
 
 
-def _next_batch(batch: Batch, ids: jax.Array, positions: jax.Array, page_size: int,
+def chain_batch(batch: Batch, ids: jax.Array, positions: jax.Array, page_size: int,
                 live: jax.Array | None = None) -> Batch:
     """The chain's one-token step: sequence b's token `ids[b]` at `positions[b]` (row b), written through its row of
     the page table. Padding sequences (seq_len 0) and those not `live` stay padding; a position past the table or in
@@ -288,7 +288,7 @@ def propose(weights: Eagle3Weights, cfg: Eagle3Config, batch: Batch, aux: jax.Ar
     step_ops = dataclasses.replace(ops, decode_step=True) if ops.backend == "pallas" else ops
     for _ in range(num_steps - 1):
         positions = positions + 1
-        step = _next_batch(batch, drafts[-1], positions, kv[0].shape[1], live)
+        step = chain_batch(batch, drafts[-1], positions, kv[0].shape[1], live)
         logits, hidden, kv = draft_forward(weights, cfg, step, hidden, kv, step_ops)
         drafts.append(_greedy(weights, logits))
     return jnp.stack(drafts, axis=1), kv

@@ -39,7 +39,8 @@ from jinfer.models.layers import apply_rope, rms_norm, rope_cos_sin, write_kv
 from jinfer.models.spec import ArrayInfo, StateSpec
 from jinfer.ops import REFERENCE_OPS, ModelOps
 
-__all__ = ["HybridLayer", "assemble_weights", "cache_spec", "forward", "fuse_qkv", "state_specs", "weight_specs"]
+__all__ = ["HybridLayer", "assemble_weights", "cache_spec", "forward", "fuse_qkv", "gated_attention", "state_specs",
+           "weight_specs"]
 
 # Norms stored zero-centred in checkpoints (HF multiplies by 1 + weight); the gated norm is not.
 ZERO_CENTRED = ("attn_norm", "mlp_norm", "q_norm", "k_norm")
@@ -158,7 +159,7 @@ def cache_spec(cfg: ModelConfig) -> list[LayerCacheSpec]:
             else AttentionKV(cfg.num_kv_heads, cfg.head_dim) for i in range(cfg.num_layers)]
 
 
-def _gated_attention(layer: HybridLayer, x, cos, sin, kv, batch: Batch, cfg: ModelConfig, ops: ModelOps):
+def gated_attention(layer: HybridLayer, x, cos, sin, kv, batch: Batch, cfg: ModelConfig, ops: ModelOps):
     T = x.shape[0]
     H, KVH, D = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
     fused = None
@@ -222,21 +223,30 @@ def forward(
     kv_cache: tuple[tuple[jax.Array, jax.Array], ...],
     cfg: ModelConfig,
     ops: ModelOps = REFERENCE_OPS,
-) -> tuple[jax.Array, tuple[tuple[jax.Array, jax.Array], ...]]:
+    aux_layers: tuple[int, ...] = (),
+):
     """One step over a flattened ragged batch. `kv_cache[i]` is layer i's (k, v) pages or, for a linear
-    layer, its (conv, recurrent) state pools. Returns (logits [N, vocab] float32, the updated cache)."""
+    layer, its (conv, recurrent) state pools. Returns (logits [N, vocab] float32, the updated cache), and with
+    `aux_layers` (static layer boundaries, as `base.decoder_forward`'s; an MTP head's is `num_layers`, the last
+    layer's output before the final norm) the residual stream there [T, len(aux_layers) * hidden] too."""
     x = ops.embed(weights.embed, batch.input_ids, cfg.vocab_size)  # [T, hidden]
     cos, sin = rope_cos_sin(batch.positions, cfg, x.dtype)
     qs = batch.query_start
     fresh = batch.seq_lens - (qs[1:] - qs[:-1]) == 0  # [B] first new token at position 0 (or padding)
     info = (ops.token_sequences(qs, x.shape[0]), fresh)
-    new_cache = []
+    new_cache, captured = [], {}
     for i, (layer, cache) in enumerate(zip(weights.layers, kv_cache, strict=True)):
+        if i in aux_layers:
+            captured[i] = x
         if cfg.is_linear_layer(i):
             x, cache = _gated_delta_net(layer, x, cache, batch, info, cfg, ops)
         else:
-            x, cache = _gated_attention(layer, x, cos, sin, cache, batch, cfg, ops)
+            x, cache = gated_attention(layer, x, cos, sin, cache, batch, cfg, ops)
         x = ops.mlp_block(x, layer.mlp_norm, layer.w_gate, layer.w_up, layer.w_down, cfg.rms_norm_eps)
         new_cache.append(cache)
-    return lm_head_logits(weights, x, batch, cfg, ops), tuple(new_cache)
+    captured[cfg.num_layers] = x
+    logits = lm_head_logits(weights, x, batch, cfg, ops)
+    if not aux_layers:
+        return logits, tuple(new_cache)
+    return logits, tuple(new_cache), jnp.concatenate([captured[i] for i in aux_layers], axis=-1)
 

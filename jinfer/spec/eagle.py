@@ -69,6 +69,11 @@ def head_page_bytes(cfg: eagle3.Eagle3Config, page_size: int, dtype) -> int:
     return eagle3.cache_spec(cfg).page_bytes(page_size, dtype, 1)
 
 
+def aux_layers(cfg: eagle3.Eagle3Config) -> tuple[int, ...]:
+    """The target's layer boundaries the head reads."""
+    return cfg.aux_layers
+
+
 def _chain(weights, kv, batch, aux, live, *, cfg, num_steps, ops):
     return eagle3.propose(weights, cfg, batch, aux, kv, num_steps, ops, live=live)
 
@@ -82,14 +87,18 @@ class Eagle3Proposer:
         self.cfg, self.weights, self.k = cfg, weights, k
         self.kv_manager, self.max_model_len = kv_manager, max_model_len
         self.page_size, self.page_buckets = runner.page_size, runner.page_buckets
-        target_kv = runner.kv_cache[0][0]
-        shape = (target_kv.shape[0], self.page_size, cfg.layer.num_kv_heads, cfg.layer.head_dim)
+        target_kv = next(layer[0] for layer in runner.kv_cache if layer[0].ndim == 4)  # a paged layer's K
+        spec = self.cache_spec(cfg)
+        shape = (target_kv.shape[0], self.page_size, spec.num_kv_heads, spec.head_dim)
         zeros = jax.jit(lambda: jnp.zeros(shape, target_kv.dtype),
                         out_shardings=NamedSharding(runner.mesh, PartitionSpec()))
         self.kv = (zeros(), zeros())
         ops = runner.ops if runner.mesh.size == 1 else REFERENCE_OPS  # (replicated: no sharded kernels)
-        self._chain = jax.jit(functools.partial(_chain, cfg=cfg, num_steps=k, ops=ops), donate_argnames=("kv",))
+        self._chain = jax.jit(functools.partial(self.chain, cfg=cfg, num_steps=k, ops=ops), donate_argnames=("kv",))
         self._drafts: dict[str, tuple[int, list[int]]] = {}  # request id -> (its num_tokens, draft)
+
+    cache_spec = staticmethod(eagle3.cache_spec)  # the head's one layer of KV
+    chain = staticmethod(_chain)  # (weights, kv, batch, aux, live, *, cfg, num_steps, ops) -> (drafts, kv)
 
     def propose(self, requests: Sequence) -> list[list[int]]:
         """The drafts the last step's chain made for these requests (none for a request that moved on since)."""

@@ -3,7 +3,7 @@
 A `Proposer` takes the requests that may be drafted this step (running, past their prefill, no token in flight) and
 returns a draft per request: up to `num_speculative_tokens` token ids that the next step verifies. Model-free
 drafters (n-gram) read the requests' tokens; the EAGLE-3 drafter runs its head on the device after each step
-(`after_step`) and hands over the drafts it made; MTP is not built.
+(`after_step`) and hands over the drafts it made; so does a Qwen3.5 checkpoint's MTP layer (jinfer/spec/mtp.py).
 """
 
 from __future__ import annotations
@@ -32,15 +32,16 @@ def check_proposer(config: SpeculativeConfig, *, num_state_slots: int) -> None:
     if num_state_slots and config.method == "eagle3":
         raise ValueError(f"speculative_config.method={config.method!r} is not supported for models with a "
                          "per-sequence recurrent state (linear-attention layers) yet: use 'ngram'")
-    if config.method not in ("ngram", "eagle3"):
+    if config.method not in ("ngram", "eagle3", "mtp"):
         raise ValueError(f"speculative_config.method={config.method!r} is recognised but not implemented yet "
-                         "(use 'ngram' or 'eagle3')")
+                         "(use 'ngram', 'eagle3' or 'mtp')")
 
 
 def build_proposer(config: SpeculativeConfig, *, max_model_len: int, num_state_slots: int, head=None, runner=None,
                    kv_manager=None) -> Proposer:
-    """The drafter `config` asks for; ValueError naming the field where it cannot run on this engine. EAGLE-3:
-    `head` = (config, weights) from `jinfer.spec.eagle.load_head`, with the model runner and the page allocator."""
+    """The drafter `config` asks for; ValueError naming the field where it cannot run on this engine. EAGLE-3 and MTP:
+    `head` = (config, weights) from `jinfer.spec.eagle.load_head` / `jinfer.spec.mtp.load_head`, with the model
+    runner and the page allocator."""
     check_proposer(config, num_state_slots=num_state_slots)
     if config.method == "ngram":
         from jinfer.spec.ngram import NgramProposer
@@ -48,8 +49,11 @@ def build_proposer(config: SpeculativeConfig, *, max_model_len: int, num_state_s
         return NgramProposer(config.num_speculative_tokens, config.prompt_lookup_min, config.prompt_lookup_max,
                              max_model_len)
     from jinfer.spec.eagle import Eagle3Proposer
+    from jinfer.spec.mtp import MtpProposer
 
     if head is None or runner is None or kv_manager is None:
-        raise ValueError("speculative_config.method='eagle3' needs the loaded head, the runner and the KV manager")
-    return Eagle3Proposer(*head, config.num_speculative_tokens, runner=runner, kv_manager=kv_manager,
-                          max_model_len=max_model_len)
+        raise ValueError(f"speculative_config.method={config.method!r} needs the loaded head, the runner and the KV "
+                         "manager")
+    proposer = MtpProposer if config.method == "mtp" else Eagle3Proposer
+    return proposer(*head, config.num_speculative_tokens or 1, runner=runner, kv_manager=kv_manager,
+                    max_model_len=max_model_len)

@@ -121,7 +121,7 @@ def test_first_pass_and_chain_match_reference(setup):
     last = jnp.asarray(batch.logits_indices)
     hidden, positions = x[last], jnp.asarray(batch.positions)[last]
     tokens = head.draft_to_target[jnp.argmax(logits[last], axis=-1)]
-    step_forward = jax.jit(lambda h, ids, pos, kv: forward(head, cfg, eagle3._next_batch(batch, ids, pos, PAGE), h, kv))
+    step_forward = jax.jit(lambda h, ids, pos, kv: forward(head, cfg, eagle3.chain_batch(batch, ids, pos, PAGE), h, kv))
     for step in range(1, golden["chain_ids_0"].shape[0]):
         positions = positions + 1
         logits, hidden, kv = step_forward(hidden, tokens, positions, kv)

@@ -138,7 +138,7 @@ def test_chain_writes_only_allocated_pages():
     batch = Batch(np.zeros(3, np.int32), np.zeros(3, np.int32), np.zeros(3, np.int32), np.arange(4, dtype=np.int32),
                   np.ones(3, np.int32), table, np.arange(3, dtype=np.int32))
     positions = jnp.array([5, 4, 13])  # page 1 of seq 0 (5), page 1 of seq 1 (unallocated), past seq 2's table
-    step = eagle3._next_batch(batch, jnp.zeros(3, jnp.int32), positions, 4)
+    step = eagle3.chain_batch(batch, jnp.zeros(3, jnp.int32), positions, 4)
     np.testing.assert_array_equal(step.slot_mapping, [5 * 4 + 1, -1, -1])
-    live = eagle3._next_batch(batch, jnp.zeros(3, jnp.int32), jnp.array([5, 0, 1]), 4, jnp.array([False, True, True]))
+    live = eagle3.chain_batch(batch, jnp.zeros(3, jnp.int32), jnp.array([5, 0, 1]), 4, jnp.array([False, True, True]))
     np.testing.assert_array_equal(live.slot_mapping, [-1, 7 * 4, 2 * 4 + 1])

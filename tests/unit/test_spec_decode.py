@@ -53,9 +53,9 @@ def test_bad_config_names_the_field(value, field):
         EngineConfig(speculative_config=value)
 
 
-def test_unimplemented_methods_and_eagle3_on_recurrent_state_models_are_refused():
-    with pytest.raises(ValueError, match="not implemented"):
-        build_proposer(SpeculativeConfig(method="mtp", num_speculative_tokens=1), max_model_len=64, num_state_slots=0)
+def test_model_drafters_need_their_head_and_eagle3_is_refused_on_recurrent_state_models():
+    with pytest.raises(ValueError, match="needs the loaded head"):
+        build_proposer(SpeculativeConfig(method="mtp", num_speculative_tokens=1), max_model_len=64, num_state_slots=5)
     with pytest.raises(ValueError, match="recurrent state"):
         build_proposer(SpeculativeConfig(method="eagle3", model="x", num_speculative_tokens=1), max_model_len=64,
                        num_state_slots=5)

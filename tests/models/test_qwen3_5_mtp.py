@@ -1,0 +1,173 @@
+"""Qwen3.5's MTP head (jinfer/models/qwen3_5_mtp.py) against a PyTorch port of vLLM's module
+(scripts/make_mtp_golden.py) on tests/data/tiny-qwen3_5-mtp (tiny-qwen3_5 plus a random `mtp.*` layer): the target's
+forward exports its last layer's output (`aux_layers=(num_layers,)`), whose final norm is HF's last hidden state;
+the head's first pass over each prompt (logits at every row) and a greedy chain of drafts equal the reference's."""
+
+from dataclasses import replace
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jinfer.cache.layout import init_kv_cache
+from jinfer.models import qwen3_5, qwen3_5_mtp
+from jinfer.models.batch import make_batch
+from jinfer.models.eagle3 import chain_batch
+from jinfer.models.layers import rms_norm
+from jinfer.parallel.mesh import make_mesh
+from jinfer.weights.loader import load_weights, resolve_model
+from jinfer.weights.mtp import load_mtp
+
+from ..conftest import DATA
+
+PAGE, NUM_PAGES, PAGES_PER_SEQ = 4, 64, 8
+PREFILL_TOKENS, NUM_SEQS = 48, 4
+ATOL = 2e-4  # float32 against PyTorch float32
+CKPT = DATA / "tiny-qwen3_5-mtp"
+
+
+@pytest.fixture(scope="module")
+def setup():
+    src = resolve_model(CKPT)
+    target = load_weights(src, "float32", progress=False)
+    head = load_mtp(CKPT, src.config, target, dtype="float32")
+    golden = np.load(DATA / "golden" / "tiny-qwen3_5-mtp.npz")
+    n = sum(1 for k in golden.files if k.startswith("prompt_"))
+    prompts = [golden[f"prompt_{i}"].tolist() for i in range(n)]
+    scrambled = np.random.default_rng(0).permutation(NUM_PAGES - 1) + 1  # page 0 is reserved
+    pages = [scrambled[i * PAGES_PER_SEQ:(i + 1) * PAGES_PER_SEQ].tolist() for i in range(n)]
+    return src.config, target, head, golden, prompts, pages
+
+
+def packed(seqs):
+    return make_batch(seqs, PAGE, num_tokens=PREFILL_TOKENS, num_seqs=NUM_SEQS, pages_per_seq=PAGES_PER_SEQ)
+
+
+def kv(cfg):
+    shape = (NUM_PAGES, PAGE, cfg.num_kv_heads, cfg.head_dim)
+    return jnp.zeros(shape), jnp.zeros(shape)
+
+
+def test_loader_refuses_a_checkpoint_without_mtp(setup):
+    cfg, target, *_ = setup
+    with pytest.raises(ValueError, match="no MTP layer"):
+        load_mtp(DATA / "tiny-qwen3_5", cfg, target, dtype="float32")
+
+
+@pytest.fixture(scope="module")
+def target_aux(setup):
+    """The target's forward over the prompts with `aux_layers=(num_layers,)`: its last layer's output [T, H]."""
+    cfg, target, head, golden, prompts, pages = setup
+    batch = packed([(p, 0, pages[i]) for i, p in enumerate(prompts)])
+    batch = replace(batch, state_slots=np.arange(1, NUM_SEQS + 1, dtype=np.int32))
+    cache = init_kv_cache(cfg, NUM_PAGES, PAGE, jnp.float32, make_mesh(1), NUM_SEQS + 1)
+    fwd = jax.jit(qwen3_5.forward, static_argnames=("cfg", "aux_layers"))
+    _, _, aux = fwd(target, batch, cache, cfg=cfg, aux_layers=(cfg.num_layers,))
+    return aux, int(batch.query_start[len(prompts)])
+
+
+def test_target_hidden_first_pass_and_chain_match_reference(setup, target_aux):
+    cfg, target, head, golden, prompts, pages = setup
+    n = len(prompts)
+    aux, rows = target_aux  # normed: HF's last hidden state
+    hidden = rms_norm(aux, head.target_norm, cfg.rms_norm_eps)
+    np.testing.assert_allclose(hidden[:rows], np.concatenate([golden[f"hidden_{i}"] for i in range(n)]), atol=ATOL)
+    # the head's first pass over the shifted tokens, every row's logits, then the chain
+    shifted = [prompts[i][1:] + [int(golden[f"next_{i}"])] for i in range(n)]
+    batch = packed([(shifted[i], 0, pages[i]) for i in range(n)])
+    forward = jax.jit(qwen3_5_mtp.draft_forward, static_argnames=("cfg",))
+    logits, y, head_kv = forward(head, cfg, replace(batch, logits_indices=np.arange(PREFILL_TOKENS, dtype=np.int32)),
+                                 jnp.asarray(golden_hidden(golden, n)), kv(cfg))
+    np.testing.assert_allclose(logits[:rows], np.concatenate([golden[f"first_logits_{i}"] for i in range(n)]),
+                               atol=ATOL)
+    last = jnp.asarray(batch.logits_indices)
+    h, positions, tokens = y[last], jnp.asarray(batch.positions)[last], jnp.argmax(logits[last], axis=-1)
+    step = jax.jit(lambda h, ids, pos, kv: forward(head, cfg, chain_batch(batch, ids, pos, PAGE), h, kv))
+    for j in range(1, golden["chain_ids_0"].shape[0]):
+        positions = positions + 1
+        logits, h, head_kv = step(h, tokens.astype(jnp.int32), positions, head_kv)
+        for i in range(n):
+            np.testing.assert_allclose(logits[i], golden[f"chain_logits_{i}"][j], atol=ATOL)
+        tokens = jnp.argmax(logits, axis=-1)
+
+
+def golden_hidden(golden, n):
+    h = np.concatenate([golden[f"hidden_{i}"] for i in range(n)])
+    return np.pad(h, ((0, PREFILL_TOKENS - len(h)), (0, 0)))
+
+
+def test_propose_gives_the_golden_chain(setup, target_aux):
+    """`propose` from the target's exported states: the reference's greedy drafts."""
+    cfg, target, head, golden, prompts, pages = setup
+    n = len(prompts)
+    shifted = [prompts[i][1:] + [int(golden[f"next_{i}"])] for i in range(n)]
+    batch = packed([(shifted[i], 0, pages[i]) for i in range(n)])
+    aux = target_aux[0]
+    k = golden["chain_ids_0"].shape[0]
+    propose = jax.jit(qwen3_5_mtp.propose, static_argnames=("cfg", "num_steps"))
+    drafts, _ = propose(head, cfg, batch, aux, kv(cfg), num_steps=k)
+    for i in range(n):
+        margin = golden[f"chain_margin_{i}"]
+        sure = margin > 1e-3
+        assert (np.asarray(drafts[i])[sure] == golden[f"chain_ids_{i}"][sure]).all(), i
+
+
+# ---- in the engine ------------------------------------------------------------------------------------------------
+
+GREEDY_IDS = [np.load(DATA / "golden" / "tiny-qwen3_5.npz")[f"greedy_{i}"].tolist() for i in range(3)]  # same target
+ENGINE = dict(dtype="float32", page_size=4, max_model_len=128, max_num_seqs=4, max_num_batched_tokens=32,
+              compilation_cache_dir="", warmup=False)
+
+
+@pytest.fixture(scope="module")
+def mtp_engine():
+    from jinfer.config.engine import EngineConfig
+    from jinfer.engine.core import EngineCore
+
+    return EngineCore(EngineConfig(str(CKPT), **ENGINE,
+                                   speculative_config={"method": "mtp", "num_speculative_tokens": 4}))
+
+
+def test_engine_drafts_are_the_golden_chain(setup, mtp_engine):
+    """The drafts the engine's MTP proposer hands over after a prompt's prefill: the reference's chain."""
+    from jinfer.sampling_params import SamplingParams
+
+    _, _, _, golden, prompts, _ = setup
+    proposer, seen = mtp_engine.spec.proposer, {}
+    original = proposer.propose
+    proposer.propose = lambda reqs: [seen.setdefault(r.request_id, d) for r, d in zip(reqs, original(reqs))]
+    try:
+        for i, p in enumerate(prompts):
+            mtp_engine.add_request(f"g{i}", p, SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True))
+        while mtp_engine.has_unfinished_requests():
+            mtp_engine.step()
+    finally:
+        proposer.propose = original
+    for i in range(len(prompts)):
+        sure = golden[f"chain_margin_{i}"] > 1e-3
+        assert (np.asarray(seen[f"g{i}"])[sure] == golden[f"chain_ids_{i}"][sure]).all(), i
+
+
+def test_engine_greedy_with_mtp_equals_hf(mtp_engine):
+    """Batch 3, mixed prompt lengths (5, 37, 80 tokens): HF's greedy ids with MTP drafts, some accepted, some
+    rejected (the random layer guesses poorly: each rejection restores the state and recomputes)."""
+    from jinfer.sampling_params import SamplingParams
+
+    gold = np.load(DATA / "golden" / "tiny-qwen3_5.npz")
+    prompts = [gold[f"prompt_{i}"].tolist() for i in range(3)]
+    before = mtp_engine.stats()
+    params = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True)
+    for i, p in enumerate(prompts):
+        mtp_engine.add_request(str(i), p, params)
+    got = {}
+    while mtp_engine.has_unfinished_requests():
+        for d in mtp_engine.step():
+            got.setdefault(d.request_id, []).extend(d.new_token_ids)
+    assert [got[str(i)] for i in range(3)] == GREEDY_IDS
+    after = mtp_engine.stats()
+    drafted = after["spec_decode_num_draft_tokens"] - before["spec_decode_num_draft_tokens"]
+    accepted = after["spec_decode_num_accepted_tokens"] - before["spec_decode_num_accepted_tokens"]
+    assert drafted > 0 and accepted < drafted
+    kv = mtp_engine.kv
+    assert kv.num_free_state_slots == kv.num_state_slots - 1 and kv.num_free_pages == kv.num_usable_pages
