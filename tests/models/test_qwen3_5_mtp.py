@@ -15,6 +15,7 @@ from jinfer.models import qwen3_5, qwen3_5_mtp
 from jinfer.models.batch import make_batch
 from jinfer.models.eagle3 import chain_batch
 from jinfer.models.layers import rms_norm
+from jinfer.ops import ModelOps
 from jinfer.parallel.mesh import make_mesh
 from jinfer.weights.loader import load_weights, resolve_model
 from jinfer.weights.mtp import load_mtp
@@ -111,6 +112,20 @@ def test_propose_gives_the_golden_chain(setup, target_aux):
         margin = golden[f"chain_margin_{i}"]
         sure = margin > 1e-3
         assert (np.asarray(drafts[i])[sure] == golden[f"chain_ids_{i}"][sure]).all(), i
+
+
+def test_chain_on_pallas_kernels(setup, target_aux):
+    """The chain with the Pallas kernels (interpreted off GPU; the one-token steps take the paged decode kernel)."""
+    cfg, target, head, golden, prompts, pages = setup
+    n = len(prompts)
+    shifted = [prompts[i][1:] + [int(golden[f"next_{i}"])] for i in range(n)]
+    batch = packed([(shifted[i], 0, pages[i]) for i in range(n)])
+    ops = ModelOps("pallas", interpret=jax.default_backend() != "gpu")
+    propose = jax.jit(qwen3_5_mtp.propose, static_argnames=("cfg", "num_steps", "ops"))
+    drafts, _ = propose(head, cfg, batch, target_aux[0], kv(cfg), num_steps=3, ops=ops)
+    for i in range(n):
+        sure = golden[f"chain_margin_{i}"][:3] > 1e-3
+        assert (np.asarray(drafts[i])[sure] == golden[f"chain_ids_{i}"][:3][sure]).all(), i
 
 
 # ---- in the engine ------------------------------------------------------------------------------------------------
