@@ -334,10 +334,13 @@ class Scheduler:
         """Restore the states of sequences with rejected drafts (still running in the same slot) and back up those of
         the sequences verifying drafts in this step (module doc); the runner copies both before the step."""
         backup = self.kv.backup_slot
-        out.fork_slots += [(backup(slot), slot) for r, slot in self._restores
-                           if r.status == RequestStatus.RUNNING and r.state_slot == slot]
+        restored = [slot for r, slot in self._restores if r.status == RequestStatus.RUNNING and r.state_slot == slot]
         self._restores = []
-        out.fork_slots += [(s.state_slot, backup(s.state_slot)) for s in out.scheduled if s.draft_token_ids]
+        out.fork_slots += [(backup(slot), slot) for slot in restored]
+        # (a restored slot's backup already holds the state at its row's start: both copies in one call would read
+        # the slot before its restore)
+        out.fork_slots += [(s.state_slot, backup(s.state_slot)) for s in out.scheduled
+                           if s.draft_token_ids and s.state_slot not in restored]
 
     def _fork(self, out: SchedulerOutput) -> None:
         """Admit the followers of each leader that has computed all but its prompt's last token (module doc);

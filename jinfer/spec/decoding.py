@@ -49,8 +49,12 @@ class SpecDecoding:
 
     def propose(self, running: Sequence, seqs: dict) -> None:
         """Draft the running requests that have no token in flight and are past their prefill (their next step is a
-        decode of their last token); `seqs`: the core's sequence states (grammar matchers)."""
-        ready = [r for r in running if not r.pending_token_ids and r.num_computed_tokens == r.num_tokens - 1]
+        decode of their last token, or on a model with states the recompute of a row rolled back); `seqs`: the core's
+        sequence states (grammar matchers)."""
+        # (a model with states: also a sequence rolled back over a rejected draft, whose row recomputes the accepted
+        # tokens, or one recomputing after preemption; its drafts follow those tokens, dropped where they do not fit)
+        ready = [r for r in running if not r.pending_token_ids and (r.num_computed_tokens == r.num_tokens - 1
+                                                                   or (r.state_slot and r.num_output_tokens))]
         if not ready:
             return
         for r, draft in zip(ready, self.proposer.propose(ready), strict=True):

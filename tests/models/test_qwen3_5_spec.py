@@ -78,13 +78,24 @@ def replay_engine(acceptance: float, **kw) -> EngineCore:
 
 def test_replay_drafts_accepted_and_rejected_with_preemption():
     """Forced rejections (acceptance 0.6) at batch 3 with mixed prompt lengths, in a pool too small for all three:
-    requests are preempted (their slots freed, a pending restore dropped) and still give HF's ids."""
+    requests are preempted (their slots freed, a pending restore dropped) and still give HF's ids; rows that recompute
+    accepted tokens verify new drafts too."""
     engine = replay_engine(0.6, num_pages=33)
-    preempted, original = [], engine.scheduler._preempt
-    engine.scheduler._preempt = lambda r: (preempted.append(r.request_id), original(r))
+    sched = engine.scheduler
+    preempted, original, schedule, known = [], sched._preempt, sched.schedule, []
+    sched._preempt = lambda r: (preempted.append(r.request_id), original(r))
+
+    def counting(*args):  # the known tokens of each row that verifies drafts
+        out = schedule(*args)
+        known.extend(s.num_new_tokens - len(s.draft_token_ids) for s in out.scheduled if s.draft_token_ids)
+        return out
+
+    sched.schedule = counting
     got, counters = run(engine, PROMPTS)
     assert [g[0] for g in got] == GREEDY_IDS
     assert preempted
+    # a row rolled back over a rejected draft recomputes its accepted tokens and verifies new drafts in one step
+    assert max(known) > 1
     assert 0 < counters["spec_decode_num_accepted_tokens"] < counters["spec_decode_num_draft_tokens"]
     assert_slots_free(engine)
 
