@@ -344,7 +344,8 @@ def test_async_scheduling_gives_the_same_outputs_as_sync(alone):
     arrivals = [(i * 5) % 11 for i in range(8)]
     results = {}
     for mode in (False, True):
-        core = EngineCore(EngineConfig(TINY, **{**BASE, "num_pages": 16}, async_scheduling=mode))
+        # (the preemption test's pool: its forward executables are this engine's too)
+        core = EngineCore(EngineConfig(TINY, **{**BASE, "num_pages": 25}, async_scheduling=mode))
         preempted = []
         orig = core.scheduler._preempt
         core.scheduler._preempt = lambda r, orig=orig, seen=preempted: (seen.append(r.request_id), orig(r))[1]
