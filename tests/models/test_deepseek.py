@@ -1,0 +1,121 @@
+"""Tiny random-weight DeepSeek-V2 and DeepSeek-V3 checkpoints (tests/data/tiny-deepseek_v2, tiny-deepseek_v3, made
+by HF transformers in scripts/make_golden.py) against HF's logits and greedy ids: multi-head latent attention over
+the latent paged cache (absorbed form), YaRN (V2), q low rank and interleaved RoPE (V3), a dense first layer then
+DeepSeekMoE (V2: softmax, group-limited; V3: sigmoid + correction bias, top groups, renormalised and scaled; shared
+experts). One device and tp / ep = 2 on fake CPU devices, the forward alone and the whole engine (chunked prefill,
+prefix-cache hits), and the cache's size: one latent row per token per layer."""
+
+from functools import partial
+
+import jax
+import numpy as np
+import pytest
+
+from jinfer.cache.layout import init_kv_cache, kv_cache_bytes_per_page
+from jinfer.cache.spec import LatentKV
+from jinfer.config.model import NAMED_SHAPES
+from jinfer.llm import LLM
+from jinfer.models.registry import cache_spec, forward, shard_weights
+from jinfer.parallel.mesh import array_specs, check_parallel, make_mesh, mesh_forward
+from jinfer.sampling_params import SamplingParams
+from jinfer.weights.loader import load_weights, resolve_model
+
+from ..conftest import DATA
+from .test_golden_tiny import NUM_PAGES, OPS, PAGE, check_batched_chunked_prefill, check_prompt_and_decodes
+
+ARCHS = ("deepseek_v2", "deepseek_v3")
+GREEDY = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True)
+
+
+def gold(arch):
+    return np.load(DATA / "golden" / f"tiny-{arch}.npz")
+
+
+@pytest.fixture(scope="module", params=[(a, n, ep) for a in ARCHS for n, ep in ((1, False), (2, False))]
+                + [("deepseek_v3", 2, True)], ids=lambda p: f"{p[0]}-{'ep' if p[2] else 'tp'}{p[1]}")
+def model(request):
+    arch, n, ep = request.param
+    src = resolve_model(DATA / f"tiny-{arch}")
+    cfg = src.config
+    check_parallel(cfg, n, ep)
+    mesh = make_mesh(n)
+    w = shard_weights(cfg, load_weights(src, "float32", mesh, progress=False, expert_parallel=ep), mesh,
+                      expert_parallel=ep)
+    kv = init_kv_cache(cfg, NUM_PAGES, PAGE, "float32", mesh)
+    step = jax.jit(mesh_forward(forward, cfg, OPS["ref"], mesh, array_specs(w), array_specs(kv)), donate_argnums=(2,))
+    return cfg, w, gold(arch), step, partial(init_kv_cache, cfg, NUM_PAGES, PAGE, "float32", mesh)
+
+
+def split(a, axis):
+    return a.shape[axis] // a.sharding.shard_shape(a.shape)[axis]
+
+
+def test_heads_split_latent_replicated(model):
+    """Sharded: q, the latent's up-projection and o split by head, the latent projection and cache whole."""
+    cfg, w, _, _, empty = model
+    n, layer, moe = w.embed.sharding.mesh.size, w.layers[0], w.layers[1]
+    q = layer.wq if layer.wq is not None else layer.wq_b
+    assert split(q, 1) == n and split(layer.wkv_b, 1) == n and split(layer.wo, 0) == n
+    assert split(layer.wkv_a, 1) == 1 and split(moe.ws_gate, 1) == n
+    assert all(split(a, 2) == 1 and a.shape[2] == cfg.latent_dim for (a,) in empty())
+
+
+def test_config_read_from_hf():
+    v2, v3 = (resolve_model(DATA / f"tiny-{a}").config for a in ARCHS)
+    for cfg in (v2, v3):
+        assert (cfg.kv_lora_rank, cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim) == (32, 16, 8, 16)
+        assert cfg.head_dim == 24 and cfg.rotary_dim == 8 and cfg.latent_dim == 40 and cfg.rope_interleave
+        assert cfg.mlp_only_layers == (0,) and [cfg.is_moe_layer(i) for i in range(3)] == [False, True, True]
+        assert (cfg.num_experts, cfg.num_experts_per_tok, cfg.n_group, cfg.topk_group) == (8, 2, 4, 2)
+    assert v2.q_lora_rank == 0 and v2.scoring_func == "softmax" and v2.num_shared_experts == 2
+    assert v2.rope_scaling.rope_type == "yarn" and not v2.norm_topk_prob and v2.routed_scaling_factor == 1.5
+    assert v3.q_lora_rank == 24 and v3.scoring_func == "sigmoid" and v3.num_shared_experts == 1
+    assert v3.norm_topk_prob and v3.routed_scaling_factor == 2.5
+
+
+@pytest.mark.parametrize("i", [0, 1, 2])
+def test_prefill_and_every_decode_step_match_hf(model, i):
+    cfg, w, g, step, empty = model
+    check_prompt_and_decodes(step, w, empty(), g, i)
+
+
+def test_batched_chunked_prefill_matches_hf(model):
+    cfg, w, g, step, empty = model
+    check_batched_chunked_prefill(step, w, empty(), g)
+
+
+def test_latent_cache_size():
+    """One row of kv_lora_rank + qk_rope_head_dim values per token and layer, on every device (not split by heads):
+    576 for DeepSeek-V2-Lite / V3, against Qwen3-30B-A3B's 2 x 4 kv heads x 128."""
+    for name, layers in (("deepseek-v2-lite", 27), ("deepseek-v3", 61)):
+        cfg = NAMED_SHAPES[name]
+        assert cache_spec(cfg) == [LatentKV(576)] * layers
+        for tp in (1, 2, 8):
+            assert kv_cache_bytes_per_page(cfg, 16, "bfloat16", tp) == 16 * 576 * layers * 2
+    qwen = NAMED_SHAPES["qwen3-30b-a3b"]
+    assert kv_cache_bytes_per_page(qwen, 16, "bfloat16") == 16 * 2 * 4 * 128 * 48 * 2
+    v3 = NAMED_SHAPES["deepseek-v3"]
+    assert 660e9 < v3.num_params() < 680e9 and 36e9 < v3.num_params(active=True) < 39e9
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("arch,tp", [("deepseek_v2", 1), ("deepseek_v3", 1), ("deepseek_v3", 2)])
+def test_engine_greedy_matches_hf(arch, tp):
+    """The whole engine: 16-token steps (the 37-token prompt prefilled in chunks beside the others' decodes), the
+    same prompts again from the prefix cache; the pool's bytes are one latent row per token and layer."""
+    g = gold(arch)
+    prompts, greedy = [g[f"prompt_{i}"].tolist() for i in range(3)], [g[f"greedy_{i}"].tolist() for i in range(3)]
+    llm = LLM(str(DATA / f"tiny-{arch}"), dtype="float32", page_size=4, max_model_len=128, max_num_batched_tokens=16,
+              max_num_seqs=8, compilation_cache_dir="", tensor_parallel_size=tp)
+    core = llm.engine
+    cfg = resolve_model(DATA / f"tiny-{arch}").config
+    layers = core.runner.kv_cache
+    assert len(layers) == cfg.num_layers and all(len(layer) == 1 for layer in layers)
+    pages = layers[0][0].shape[0]
+    assert sum(a.nbytes for layer in layers for a in layer) == pages * 4 * cfg.latent_dim * cfg.num_layers * 4
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], GREEDY, use_tqdm=False)
+    assert [list(o.outputs[0].token_ids) for o in outs] == greedy
+    hits = core.kv.num_hit_tokens
+    again = llm.generate([{"prompt_token_ids": p} for p in prompts[::-1]], GREEDY, use_tqdm=False)
+    assert [list(o.outputs[0].token_ids) for o in again] == greedy[::-1]
+    assert core.kv.num_hit_tokens > hits and core.kv.num_free_pages == core.kv.num_usable_pages
