@@ -119,3 +119,23 @@ def test_engine_greedy_matches_hf(arch, tp):
     again = llm.generate([{"prompt_token_ids": p} for p in prompts[::-1]], GREEDY, use_tqdm=False)
     assert [list(o.outputs[0].token_ids) for o in again] == greedy[::-1]
     assert core.kv.num_hit_tokens > hits and core.kv.num_free_pages == core.kv.num_usable_pages
+
+
+@pytest.mark.slow
+def test_host_tier_brings_latent_pages_back():
+    """A 24-page HBM pool (one prompt and its decodes at a time) with the host tier: the prompts again, each after
+    the others evicted its pages, come back from host memory (latent rows, one array per layer) with HF's ids."""
+    g = gold("deepseek_v2")
+    prompts, greedy = [g[f"prompt_{i}"].tolist() for i in range(3)], [g[f"greedy_{i}"].tolist() for i in range(3)]
+    cfg = resolve_model(DATA / "tiny-deepseek_v2").config
+    page_bytes = kv_cache_bytes_per_page(cfg, 4, "float32")
+    llm = LLM(str(DATA / "tiny-deepseek_v2"), dtype="float32", page_size=4, max_model_len=128, num_pages=25,
+              max_num_batched_tokens=16, max_num_seqs=1, compilation_cache_dir="",
+              kv_offload_gb=64 * page_bytes / 2**30)
+    core = llm.engine
+    assert core.runner.host_pool.page_bytes == page_bytes == 4 * cfg.latent_dim * cfg.num_layers * 4
+    for _ in range(2):
+        for p, ids in zip(prompts, greedy, strict=True):
+            out = llm.generate([{"prompt_token_ids": p}], GREEDY, use_tqdm=False)
+            assert list(out[0].outputs[0].token_ids) == ids
+    assert core.kv.num_host_hit_tokens > 0 and core.kv.num_free_pages == core.kv.num_usable_pages
