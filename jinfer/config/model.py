@@ -217,7 +217,8 @@ class ModelConfig:
             attn = (q + h * self.latent_dim + rank * (1 + heads * (self.qk_nope_head_dim + self.v_head_dim))
                     + heads * self.v_head_dim * h + 2 * h)
         experts = (self.num_experts_per_tok if active else self.num_experts) + self.num_shared_experts
-        mlp = sum(h * self.num_experts + experts * 3 * h * self.moe_intermediate_size if self.is_moe_layer(n)
+        router = (h + (self.scoring_func == "sigmoid")) * self.num_experts  # (+ V3's routing bias)
+        mlp = sum(router + experts * 3 * h * self.moe_intermediate_size if self.is_moe_layer(n)
                   else 3 * h * i for n in range(self.num_layers))
         return v * h * (1 if self.tie_word_embeddings else 2) + self.num_layers * attn + mlp + h
 

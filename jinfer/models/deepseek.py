@@ -108,7 +108,7 @@ def deepseek_moe_specs(cfg: ModelConfig, i: int) -> dict[str, ArrayInfo]:
     h, hf, gg = cfg.hidden_size, f"model.layers.{i}.mlp.", f"blk.{i}."
     if cfg.scoring_func == "sigmoid":
         specs["router_bias"] = ArrayInfo((cfg.num_experts,), (None,), hf + "gate.e_score_correction_bias",
-                                         gg + "exp_probs_b.bias", init="zeros")
+                                         gg + "exp_probs_b.bias", init="zeros", dtype="float32")
     if cfg.num_shared_experts:
         inter, s = cfg.num_shared_experts * cfg.moe_intermediate_size, hf + "shared_experts."
         specs |= {

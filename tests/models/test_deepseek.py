@@ -5,9 +5,11 @@ DeepSeekMoE (V2: softmax, group-limited; V3: sigmoid + correction bias, top grou
 experts). One device and tp / ep = 2 on fake CPU devices, the forward alone and the whole engine (chunked prefill,
 prefix-cache hits), and the cache's size: one latent row per token per layer."""
 
+import math
 from functools import partial
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -15,7 +17,8 @@ from jinfer.cache.layout import init_kv_cache, kv_cache_bytes_per_page
 from jinfer.cache.spec import LatentKV
 from jinfer.config.model import NAMED_SHAPES
 from jinfer.llm import LLM
-from jinfer.models.registry import cache_spec, forward, shard_weights
+from jinfer.models.batch import make_batch
+from jinfer.models.registry import cache_spec, forward, shard_weights, weight_specs
 from jinfer.parallel.mesh import array_specs, check_parallel, make_mesh, mesh_forward
 from jinfer.sampling_params import SamplingParams
 from jinfer.weights.loader import load_weights, resolve_model
@@ -96,6 +99,28 @@ def test_latent_cache_size():
     assert kv_cache_bytes_per_page(qwen, 16, "bfloat16") == 16 * 2 * 4 * 128 * 48 * 2
     v3 = NAMED_SHAPES["deepseek-v3"]
     assert 660e9 < v3.num_params() < 680e9 and 36e9 < v3.num_params(active=True) < 39e9
+    for name in ("deepseek-v2-lite", "deepseek-v3"):  # the weight specs hold what num_params counts
+        cfg = NAMED_SHAPES[name]
+        assert sum(math.prod(s.shape) for s in weight_specs(cfg).values()) == cfg.num_params()
+
+
+@pytest.mark.parametrize("shape", ["deepseek-v2-lite", "deepseek-v3"])
+def test_dummy_shape_runs_in_bfloat16(shape):
+    """The named shapes with few and narrow layers (head dims, latent and routing as published), random bfloat16
+    weights: a prefill gives finite logits; V3's routing bias stays float32 (as HF keeps it)."""
+    src = resolve_model(f"dummy:{shape},num_layers=4,hidden_size=64,intermediate_size=64,moe_intermediate_size=32,"
+                        "num_heads=2,num_kv_heads=2,num_experts=16,vocab_size=256")
+    cfg = src.config
+    w = load_weights(src, "bfloat16", progress=False)
+    assert (cfg.latent_dim, cfg.head_dim) == (576, 192) and w.layers[-1].w_gate.dtype == jnp.bfloat16
+    if cfg.scoring_func == "sigmoid":
+        assert w.layers[-1].router_bias.dtype == jnp.float32
+    mesh = make_mesh(1)
+    kv = init_kv_cache(cfg, 8, 4, jnp.bfloat16, mesh)
+    batch = make_batch([(list(range(1, 12)), 0, [1, 2, 3])], 4, num_tokens=16, num_seqs=2, pages_per_seq=4)
+    logits, kv = jax.jit(partial(forward, cfg=cfg))(w, batch, kv)
+    assert logits.shape[1] == 256 and bool(jnp.isfinite(logits[0]).all())
+    assert kv[0][0].shape == (8, 4, 576) and kv[0][0].dtype == jnp.bfloat16
 
 
 @pytest.mark.slow
