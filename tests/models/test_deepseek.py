@@ -124,15 +124,19 @@ def test_dummy_shape_runs_in_bfloat16(shape):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("arch,tp", [("deepseek_v2", 1), ("deepseek_v3", 1), ("deepseek_v3", 2)])
-def test_engine_greedy_matches_hf(arch, tp):
+@pytest.mark.parametrize("arch,tp,pages", [("deepseek_v2", 1, None), ("deepseek_v3", 1, 30), ("deepseek_v3", 2, None)])
+def test_engine_greedy_matches_hf(arch, tp, pages, monkeypatch):
     """The whole engine: 16-token steps (the 37-token prompt prefilled in chunks beside the others' decodes), the
-    same prompts again from the prefix cache; the pool's bytes are one latent row per token and layer."""
+    same prompts again from the prefix cache; the pool's bytes are one latent row per token and layer. With 29
+    usable pages (the three sequences need 41) requests are preempted and recomputed."""
     g = gold(arch)
     prompts, greedy = [g[f"prompt_{i}"].tolist() for i in range(3)], [g[f"greedy_{i}"].tolist() for i in range(3)]
     llm = LLM(str(DATA / f"tiny-{arch}"), dtype="float32", page_size=4, max_model_len=128, max_num_batched_tokens=16,
-              max_num_seqs=8, compilation_cache_dir="", tensor_parallel_size=tp)
+              max_num_seqs=8, compilation_cache_dir="", tensor_parallel_size=tp, num_pages=pages)
     core = llm.engine
+    preempted = []
+    real = core.scheduler._preempt
+    monkeypatch.setattr(core.scheduler, "_preempt", lambda r: preempted.append(r.request_id) or real(r))
     cfg = resolve_model(DATA / f"tiny-{arch}").config
     layers = core.runner.kv_cache
     assert len(layers) == cfg.num_layers and all(len(layer) == 1 for layer in layers)
@@ -144,6 +148,7 @@ def test_engine_greedy_matches_hf(arch, tp):
     again = llm.generate([{"prompt_token_ids": p} for p in prompts[::-1]], GREEDY, use_tqdm=False)
     assert [list(o.outputs[0].token_ids) for o in again] == greedy[::-1]
     assert core.kv.num_hit_tokens > hits and core.kv.num_free_pages == core.kv.num_usable_pages
+    assert bool(preempted) == (pages is not None)
 
 
 @pytest.mark.slow
