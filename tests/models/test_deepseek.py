@@ -15,7 +15,7 @@ import pytest
 
 from jinfer.cache.layout import init_kv_cache, kv_cache_bytes_per_page
 from jinfer.cache.spec import LatentKV
-from jinfer.config.model import NAMED_SHAPES
+from jinfer.config.model import NAMED_SHAPES, ModelConfig
 from jinfer.llm import LLM
 from jinfer.models.batch import make_batch
 from jinfer.models.registry import cache_spec, forward, shard_weights, weight_specs
@@ -74,6 +74,38 @@ def test_config_read_from_hf():
     assert v2.rope_scaling.rope_type == "yarn" and not v2.norm_topk_prob and v2.routed_scaling_factor == 1.5
     assert v3.q_lora_rank == 24 and v3.scoring_func == "sigmoid" and v3.num_shared_experts == 1
     assert v3.norm_topk_prob and v3.routed_scaling_factor == 2.5
+
+
+# the published config.json files (the fields jinfer reads, and a few it ignores)
+PUBLISHED = {
+    "deepseek-v2-lite": dict(architectures=["DeepseekV2ForCausalLM"], vocab_size=102400, hidden_size=2048,
+                             intermediate_size=10944, moe_intermediate_size=1408, num_hidden_layers=27,
+                             num_attention_heads=16, num_key_value_heads=16, n_shared_experts=2, n_routed_experts=64,
+                             routed_scaling_factor=1.0, kv_lora_rank=512, q_lora_rank=None, qk_rope_head_dim=64,
+                             v_head_dim=128, qk_nope_head_dim=128, topk_method="greedy", n_group=1, topk_group=1,
+                             num_experts_per_tok=6, moe_layer_freq=1, first_k_dense_replace=1, norm_topk_prob=False,
+                             scoring_func="softmax", aux_loss_alpha=0.001, max_position_embeddings=163840,
+                             rms_norm_eps=1e-6, rope_theta=10000,
+                             rope_scaling=dict(beta_fast=32, beta_slow=1, factor=40, mscale=0.707, mscale_all_dim=0.707,
+                                               original_max_position_embeddings=4096, type="yarn"),
+                             bos_token_id=100000, eos_token_id=100001, tie_word_embeddings=False),
+    "deepseek-v3": dict(architectures=["DeepseekV3ForCausalLM"], vocab_size=129280, hidden_size=7168,
+                        intermediate_size=18432, moe_intermediate_size=2048, num_hidden_layers=61,
+                        num_nextn_predict_layers=1, num_attention_heads=128, num_key_value_heads=128,
+                        n_shared_experts=1, n_routed_experts=256, routed_scaling_factor=2.5, kv_lora_rank=512,
+                        q_lora_rank=1536, qk_rope_head_dim=64, v_head_dim=128, qk_nope_head_dim=128,
+                        topk_method="noaux_tc", n_group=8, topk_group=4, num_experts_per_tok=8, moe_layer_freq=1,
+                        first_k_dense_replace=3, norm_topk_prob=True, scoring_func="sigmoid",
+                        max_position_embeddings=163840, rms_norm_eps=1e-6, rope_theta=10000,
+                        rope_scaling=dict(beta_fast=32, beta_slow=1, factor=40, mscale=1.0, mscale_all_dim=1.0,
+                                          original_max_position_embeddings=4096, type="yarn"),
+                        bos_token_id=0, eos_token_id=1, tie_word_embeddings=False),
+}
+
+
+@pytest.mark.parametrize("name", sorted(PUBLISHED))
+def test_published_config_is_the_named_shape(name):
+    assert ModelConfig.from_hf_config(PUBLISHED[name]) == NAMED_SHAPES[name]
 
 
 @pytest.mark.parametrize("i", [0, 1, 2])
