@@ -34,10 +34,15 @@ def gold(arch):
     return np.load(DATA / "golden" / f"tiny-{arch}.npz")
 
 
-@pytest.fixture(scope="module", params=[(a, n, ep) for a in ARCHS for n, ep in ((1, False), (2, False))]
-                + [("deepseek_v3", 2, True)], ids=lambda p: f"{p[0]}-{'ep' if p[2] else 'tp'}{p[1]}")
+CASES = [(a, n, ep, "ref") for a in ARCHS for n, ep in ((1, False), (2, False))] + [
+    ("deepseek_v3", 2, True, "ref"), pytest.param(("deepseek_v2", 1, False, "pallas"), marks=pytest.mark.slow)]
+
+
+@pytest.fixture(scope="module", params=CASES, ids=lambda p: f"{p[0]}-{'ep' if p[2] else 'tp'}{p[1]}-{p[3]}")
 def model(request):
-    arch, n, ep = request.param
+    """The Pallas ops (interpreted) run the dense layer's and the projections' kernels; MLA attention and the MoE
+    block are the reference on every backend."""
+    arch, n, ep, ops = request.param
     src = resolve_model(DATA / f"tiny-{arch}")
     cfg = src.config
     check_parallel(cfg, n, ep)
@@ -45,7 +50,7 @@ def model(request):
     w = shard_weights(cfg, load_weights(src, "float32", mesh, progress=False, expert_parallel=ep), mesh,
                       expert_parallel=ep)
     kv = init_kv_cache(cfg, NUM_PAGES, PAGE, "float32", mesh)
-    step = jax.jit(mesh_forward(forward, cfg, OPS["ref"], mesh, array_specs(w), array_specs(kv)), donate_argnums=(2,))
+    step = jax.jit(mesh_forward(forward, cfg, OPS[ops], mesh, array_specs(w), array_specs(kv)), donate_argnums=(2,))
     return cfg, w, gold(arch), step, partial(init_kv_cache, cfg, NUM_PAGES, PAGE, "float32", mesh)
 
 
