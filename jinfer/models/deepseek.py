@@ -195,16 +195,23 @@ def mlp(layer: MlaLayer, i: int, x: jax.Array, cfg: ModelConfig, ops: ModelOps) 
 
 
 def forward(weights: Weights, batch: Batch, kv_cache: tuple[tuple[jax.Array], ...], cfg: ModelConfig,
-            ops: ModelOps = REFERENCE_OPS):
+            ops: ModelOps = REFERENCE_OPS, aux_layers: tuple[int, ...] = ()):
     """One step over a flattened ragged batch: (logits [N, vocab] float32, the updated latent cache, one (latent,)
-    per layer)."""
+    per layer), and with `aux_layers` the hidden states at those layer boundaries (as `base.decoder_forward`)."""
+    if any(not 0 <= i <= cfg.num_layers for i in aux_layers):
+        raise ValueError(f"aux_layers={aux_layers} must be layer boundaries in [0, {cfg.num_layers}]")
     x = ops.embed(weights.embed, batch.input_ids, cfg.vocab_size)  # [T, hidden]
     cos, sin = rope_cos_sin(batch.positions, cfg, jnp.float32)  # [T, rope]
     factor = yarn_attention_factor(cfg.rope_scaling)
     cos, sin = (cos * factor).astype(x.dtype), (sin * factor).astype(x.dtype)
-    new_cache = []
+    new_cache, captured = [], {}
     for i, (layer, (latent,)) in enumerate(zip(weights.layers, kv_cache, strict=True)):
+        captured[i] = x
         x, latent = mla_attention(layer, x, cos, sin, latent, batch, cfg, ops)
         x = mlp(layer, i, x, cfg, ops)
         new_cache.append((latent,))
-    return lm_head_logits(weights, x, batch, cfg, ops), tuple(new_cache)
+    logits = lm_head_logits(weights, x, batch, cfg, ops)
+    if not aux_layers:
+        return logits, tuple(new_cache)
+    captured[cfg.num_layers] = x
+    return logits, tuple(new_cache), jnp.concatenate([captured[i] for i in aux_layers], axis=-1)

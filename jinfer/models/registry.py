@@ -66,7 +66,7 @@ def assemble_weights(cfg: ModelConfig, arrays):
 
 def forward(weights, batch, kv_cache, cfg: ModelConfig, ops: ModelOps = REFERENCE_OPS,
             aux_layers: tuple[int, ...] = ()):
-    """(logits, cache); with `aux_layers` (families on `base.decoder_forward`: llama, qwen3_moe) also the hidden
+    """(logits, cache); with `aux_layers` (llama, qwen3_moe and deepseek: not qwen3_5) also the hidden
     states at those layer boundaries, an EAGLE-3 head's inputs."""
     if aux_layers:
         return family(cfg).forward(weights, batch, kv_cache, cfg, ops, aux_layers=aux_layers)

@@ -155,8 +155,8 @@ def test_dummy_shape_runs_in_bfloat16(shape):
     mesh = make_mesh(1)
     kv = init_kv_cache(cfg, 8, 4, jnp.bfloat16, mesh)
     batch = make_batch([(list(range(1, 12)), 0, [1, 2, 3])], 4, num_tokens=16, num_seqs=2, pages_per_seq=4)
-    logits, kv = jax.jit(partial(forward, cfg=cfg))(w, batch, kv)
-    assert logits.shape[1] == 256 and bool(jnp.isfinite(logits[0]).all())
+    logits, kv, aux = jax.jit(partial(forward, cfg=cfg, aux_layers=(0, 2, 4)))(w, batch, kv)  # (EAGLE-3's inputs)
+    assert logits.shape[1] == 256 and bool(jnp.isfinite(logits[0]).all()) and aux.shape == (16, 3 * 64)
     assert kv[0][0].shape == (8, 4, 576) and kv[0][0].dtype == jnp.bfloat16
 
 
