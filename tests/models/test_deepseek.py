@@ -113,6 +113,26 @@ def test_published_config_is_the_named_shape(name):
     assert ModelConfig.from_hf_config(PUBLISHED[name]) == NAMED_SHAPES[name]
 
 
+@pytest.mark.parametrize("kw,match", [
+    ({"kv_lora_rank": 0}, "kv_lora_rank=0"),
+    ({"head_dim": 128}, "head_dim=128"),
+    ({"scoring_func": "softplus"}, "scoring_func"),
+    ({"topk_group": 9}, "topk_group=9"),
+    ({"n_group": 3}, "n_group"),
+    ({"architecture": "qwen3_moe"}, "kv_lora_rank=512"),
+])
+def test_config_checks(kw, match):
+    with pytest.raises(ValueError, match=match):
+        NAMED_SHAPES["deepseek-v3"].replace(**kw)
+
+
+def test_parallel_checks():
+    cfg = NAMED_SHAPES["deepseek-v2-lite"]
+    check_parallel(cfg, 8, expert_parallel=True)
+    with pytest.raises(ValueError, match="shared experts"):
+        check_parallel(cfg.replace(num_shared_experts=1, moe_intermediate_size=1407), 2, expert_parallel=True)
+
+
 @pytest.mark.parametrize("i", [0, 1, 2])
 def test_prefill_and_every_decode_step_match_hf(model, i):
     cfg, w, g, step, empty = model
