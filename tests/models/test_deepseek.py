@@ -197,8 +197,8 @@ def test_engine_greedy_matches_hf(arch, tp, pages, monkeypatch):
     cfg = resolve_model(DATA / f"tiny-{arch}").config
     layers = core.runner.kv_cache
     assert len(layers) == cfg.num_layers and all(len(layer) == 1 for layer in layers)
-    pages = layers[0][0].shape[0]
-    assert sum(a.nbytes for layer in layers for a in layer) == pages * 4 * cfg.latent_dim * cfg.num_layers * 4
+    num_pages = layers[0][0].shape[0]
+    assert sum(a.nbytes for layer in layers for a in layer) == num_pages * 4 * cfg.latent_dim * cfg.num_layers * 4
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], GREEDY, use_tqdm=False)
     assert [list(o.outputs[0].token_ids) for o in outs] == greedy
     hits = core.kv.num_hit_tokens
