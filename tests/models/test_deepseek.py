@@ -34,8 +34,9 @@ def gold(arch):
     return np.load(DATA / "golden" / f"tiny-{arch}.npz")
 
 
-CASES = [(a, n, ep, "ref") for a in ARCHS for n, ep in ((1, False), (2, False))] + [
-    ("deepseek_v3", 2, True, "ref"), pytest.param(("deepseek_v2", 1, False, "pallas"), marks=pytest.mark.slow)]
+# Each family on one device; tensor parallel on V2, expert parallel (heads split too) on V3.
+CASES = [("deepseek_v2", 1, False, "ref"), ("deepseek_v3", 1, False, "ref"), ("deepseek_v2", 2, False, "ref"),
+         ("deepseek_v3", 2, True, "ref"), pytest.param(("deepseek_v2", 1, False, "pallas"), marks=pytest.mark.slow)]
 
 
 @pytest.fixture(scope="module", params=CASES, ids=lambda p: f"{p[0]}-{'ep' if p[2] else 'tp'}{p[1]}-{p[3]}")
@@ -161,7 +162,7 @@ def test_latent_cache_size():
         assert sum(math.prod(s.shape) for s in weight_specs(cfg).values()) == cfg.num_params()
 
 
-@pytest.mark.parametrize("shape", ["deepseek-v2-lite", "deepseek-v3"])
+@pytest.mark.parametrize("shape", ["deepseek-v3"])  # (V2-Lite's shape differs only in sizes checked above)
 def test_dummy_shape_runs_in_bfloat16(shape):
     """The named shapes with few and narrow layers (head dims, latent and routing as published), random bfloat16
     weights: a prefill gives finite logits; V3's routing bias stays float32 (as HF keeps it)."""
@@ -181,7 +182,7 @@ def test_dummy_shape_runs_in_bfloat16(shape):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("arch,tp,pages", [("deepseek_v2", 1, None), ("deepseek_v3", 1, 30), ("deepseek_v3", 2, None)])
+@pytest.mark.parametrize("arch,tp,pages", [("deepseek_v2", 1, None), ("deepseek_v3", 1, 30)])  # tp: the step tests
 def test_engine_greedy_matches_hf(arch, tp, pages, monkeypatch):
     """The whole engine: 16-token steps (the 37-token prompt prefilled in chunks beside the others' decodes), the
     same prompts again from the prefix cache; the pool's bytes are one latent row per token and layer. With 29
