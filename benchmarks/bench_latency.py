@@ -10,10 +10,10 @@ beside it (`ttft_runs_ms`, `tpot_runs_ms`: two runs of one tree on one H100 diff
 batch 1). The decode roofline uses the bandwidth measured in the same run.
 
 Speculative decoding: `--speculative-config '{"method": "ngram", "num_speculative_tokens": 4}'` runs the engine with
-it; with `--replay-acceptance P` the drafter is instead the benchmark-only replay drafter (jinfer/spec/replay.py): the
-untimed run records each prompt's greedy output, and the timed runs of the same prompts (prefix caching off) draft
-from it, each draft token right with probability P, so the engine's TPOT at mean acceptance length
-1 + P + ... + P^k is measured on dummy weights. With drafts TPOT is the decode time over the tokens per sequence
+it; with `--replay-acceptance P` the drafter is instead the benchmark-only replay drafter (jinfer/spec/replay.py),
+which decides each verification's outcome (k drafts, each accepted with probability P up to the first rejection),
+so the engine's TPOT at mean acceptance length 1 + P + ... + P^k is measured on dummy weights (whose own greedy
+tokens a verification row does not reproduce). With drafts TPOT is the decode time over the tokens per sequence
 (a step emits several), `step_ms` the mean step.
 """
 
@@ -43,12 +43,12 @@ from jinfer.sampling_params import SamplingParams
 from jinfer.spec.replay import ReplayProposer
 
 
-def run_batch(core: EngineCore, prompts: list[list[int]], output_len: int, tag: str,
-              outputs: dict[str, list[int]] | None = None) -> dict:
+def run_batch(core: EngineCore, prompts: list[list[int]], output_len: int, tag: str) -> dict:
     params = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True)
     for i, p in enumerate(prompts):
         core.add_request(f"{tag}-{i}", p, params)
     wait0, steps0 = core.device_wait_seconds_total, core.num_steps_total
+    spec0 = core.spec.stats() if core.spec is not None else {}
     t0 = time.perf_counter()
     first_seen: set[str] = set()
     ttft = None
@@ -59,9 +59,6 @@ def run_batch(core: EngineCore, prompts: list[list[int]], output_len: int, tag: 
         # previous step's, after this one was launched): the time between returns is the time per token
         step_times.append(time.perf_counter() - t)
         first_seen.update(o.request_id for o in outs if o.new_token_ids)
-        if outputs is not None:
-            for o in outs:
-                outputs.setdefault(o.request_id, []).extend(o.new_token_ids)
         if ttft is None and len(first_seen) == len(prompts):
             ttft = time.perf_counter() - t0
             decode_start = len(step_times)
@@ -69,7 +66,7 @@ def run_batch(core: EngineCore, prompts: list[list[int]], output_len: int, tag: 
     spec = {}
     if core.spec is not None:  # a step emits several tokens: TPOT is the decode time per token of a sequence
         spec = {"step_ms": float(decode.mean()), "tpot_ms": float(decode.sum() / max(output_len - 1, 1)),
-                **{k: v for k, v in core.stats().items() if k.startswith("spec_decode")}}
+                **{k: v - spec0[k] for k, v in core.spec.stats().items()}}  # this run's counters
     return {"ttft_ms": ttft * 1e3, "tpot_ms": float(decode.mean()), **spec,
             "tpot_p50_ms": float(np.percentile(decode, 50)),
             "tpot_p99_ms": float(np.percentile(decode, 99)), "decode_steps": int(len(decode)),
@@ -101,8 +98,8 @@ def main():
     ap.add_argument("--speculative-config", default=None, metavar="JSON",
                     help='speculative decoding, vLLM\'s form: \'{"method": "ngram", "num_speculative_tokens": 4}\'')
     ap.add_argument("--replay-acceptance", type=float, default=None, metavar="P",
-                    help="with --speculative-config: draft num_speculative_tokens tokens from a recorded greedy run "
-                         "of the same prompts, each right with probability P (benchmark-only drafter)")
+                    help="with --speculative-config: the benchmark-only replay drafter, whose num_speculative_tokens "
+                         "drafts are each accepted with probability P up to the first rejection")
     ap.add_argument("--repeat", type=int, default=3, help="timed runs per batch size (the median-TPOT run is kept)")
     add_profile_argument(ap)
     ap.add_argument("--out")
@@ -128,7 +125,6 @@ def main():
                                    tensor_parallel_size=args.tensor_parallel_size,
                                    enable_expert_parallel=args.enable_expert_parallel,
                                    nnodes=args.nnodes, node_rank=args.node_rank, master_port=args.master_port,
-                                   enable_prefix_caching=not replay,
                                    speculative_config=None if replay else spec_config,
                                    **compilation_cache_dir_from_env({})),
                       proposer=proposer)
@@ -144,13 +140,6 @@ def main():
     rows = []
     for bs in args.batch_sizes:
         make = lambda n=bs: [rng.integers(0, cfg.vocab_size, args.input_len).tolist() for _ in range(n)]
-        if replay:  # the same prompts every run: the untimed one records their outputs, the others replay them
-            fixed = make()
-            make = lambda fixed=fixed: fixed
-            recorded: dict[str, list[int]] = {}
-            run_batch(core, fixed, args.output_len, f"record{bs}", recorded)
-            for i, p in enumerate(fixed):
-                proposer.record(p, recorded[f"record{bs}-{i}"])
         run_batch(core, make(), args.output_len, f"warm{bs}")  # compiles every shape this batch uses
         profiled_run = None
         if args.profile:  # a run of its own: the profiler slows the host, so it is not among the timed runs

@@ -116,7 +116,8 @@ def decode_bytes(cfg: ModelConfig, batch: int, context: int, dtype_bytes: int = 
     `batch` tokens route to), each sequence's K/V once (attention layers) and, for linear-attention
     layers, each sequence's state read and written once."""
     weights = touched_weight_bytes(cfg, batch, dtype_bytes)
-    kv = batch * context * len(cfg.attention_layers) * 2 * cfg.num_kv_heads * cfg.head_dim * dtype_bytes
+    per_token = cfg.latent_dim if cfg.kv_lora_rank else 2 * cfg.num_kv_heads * cfg.head_dim  # MLA: one latent row
+    kv = batch * context * len(cfg.attention_layers) * per_token * dtype_bytes
     states = 2 * batch * state_bytes(cfg, dtype_bytes)
     return {"weights": weights, "kv": kv, "states": states, "total": weights + kv + states}
 
@@ -143,8 +144,8 @@ def decode_bytes_per_device(cfg: ModelConfig, batch: int, context: int, tp: int,
     most hit experts land on (`busiest_device_experts`). At tp=1 it is `decode_bytes`."""
     from jinfer.parallel.mesh import kv_heads_total
 
-    if cfg.num_layers != len(cfg.attention_layers):
-        raise ValueError(f"{cfg.architecture}: per-device bytes are for attention-only models")
+    if cfg.num_layers != len(cfg.attention_layers) or cfg.kv_lora_rank:
+        raise ValueError(f"{cfg.architecture}: per-device bytes are for attention-only models without latent KV")
     h, kv_d = cfg.hidden_size, kv_heads_total(cfg, tp) // tp * cfg.head_dim  # kv columns on one device
     attn = 2 * h * cfg.q_size // tp + 2 * h * kv_d + 2 * h + (2 * cfg.head_dim if cfg.qk_norm else 0)
     if cfg.attention_bias:

@@ -10,7 +10,8 @@ The jinfer tests only read the outputs (numpy / json / safetensors); they never 
 
 Outputs (all under tests/data/, see tests/data/README.md):
   tiny-llama/, tiny-qwen2/, tiny-qwen3/,
-  tiny-qwen3_moe/, tiny-qwen3_5/              tiny random-weight HF checkpoints (float32 safetensors)
+  tiny-qwen3_moe/, tiny-qwen3_5/,
+  tiny-deepseek_v2/, tiny-deepseek_v3/        tiny random-weight HF checkpoints (float32 safetensors)
   golden/tiny-<arch>.npz                      prefill logits, greedy ids and per-step decode logits
   golden/smollm2_greedy.json                  greedy continuations of SmolLM2-135M-Instruct (Q4_1 GGUF)
   golden/smollm2_chat0_last_logits.npy        HF prefill logits of the first chat prompt, last position
@@ -35,6 +36,10 @@ import transformers
 from transformers import (
     AutoModelForCausalLM,
     AutoTokenizer,
+    DeepseekV2Config,
+    DeepseekV2ForCausalLM,
+    DeepseekV3Config,
+    DeepseekV3ForCausalLM,
     LlamaConfig,
     LlamaForCausalLM,
     Qwen2Config,
@@ -57,6 +62,10 @@ PROMPT_LENS_BY_ARCH = {"qwen3_5": (5, 37, 80)}
 N_DECODE = 32
 VOCAB = 256
 MIN_MARGIN = 0.02  # logits have std ~0.8; see make_tiny
+# The tiny DeepSeek models' logits and router scores are flatter: prompts with a 0.02 margin and 1e-3 router gaps
+# at every step are too rare to find; their float32 differences to HF are ~1e-6, far below these.
+MIN_MARGIN_BY_ARCH = {"deepseek_v2": 0.005, "deepseek_v3": 0.005}
+MIN_ROUTER_GAP_BY_ARCH = {"deepseek_v2": 3e-5, "deepseek_v3": 3e-5}
 
 META = {
     "transformers": transformers.__version__,
@@ -182,7 +191,39 @@ def tiny_specs():
             ),
             None,
         ),
+        # MLA (no q low-rank, YaRN with mscale != mscale_all_dim so both the cos/sin factor and the softmax
+        # scale differ from 1), layer 0 dense, then softmax routing limited to the best 2 of 4 groups, 2 shared
+        "deepseek_v2": (
+            DeepseekV2ForCausalLM,
+            DeepseekV2Config(**_deepseek_common(
+                q_lora_rank=None, n_shared_experts=2, topk_method="group_limited_greedy", routed_scaling_factor=1.5,
+                norm_topk_prob=False,
+                rope_parameters={"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 128,
+                                 "beta_fast": 32, "beta_slow": 1, "mscale": 1.0, "mscale_all_dim": 0.8,
+                                 "rope_theta": 10000.0})),
+            None,
+        ),
+        # MLA with q low-rank, interleaved RoPE; sigmoid routing with the correction bias (set random below),
+        # top-2 groups by their two best experts, renormalised and scaled
+        "deepseek_v3": (
+            DeepseekV3ForCausalLM,
+            DeepseekV3Config(**_deepseek_common(
+                q_lora_rank=24, n_shared_experts=1, norm_topk_prob=True, routed_scaling_factor=2.5,
+                rope_interleave=True, rope_parameters={"rope_type": "default", "rope_theta": 10000.0})),
+            None,
+        ),
     }
+
+
+def _deepseek_common(**kw):
+    """The tiny DeepSeek shapes: 3 layers (layer 0 dense), 4 heads of 16 + 8 (nope + rope) q/k dims, v 16, latent
+    32, 8 routed experts of 32 top-2 in 4 groups of which 2 are kept."""
+    base = _common(num_hidden_layers=3, num_key_value_heads=4, intermediate_size=96, moe_intermediate_size=32,
+                   n_routed_experts=8, num_experts_per_tok=2, first_k_dense_replace=1, n_group=4, topk_group=2,
+                   kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16,
+                   tie_word_embeddings=False, attention_bias=False)
+    base.update(kw)
+    return base
 
 
 MIN_ROUTER_GAP = 1e-3  # k-th minus (k+1)-th routing probability, every token of every MoE layer
@@ -194,12 +235,44 @@ def router_gap(model, ids):
     cfg = model.config
     if not hasattr(cfg, "num_experts_per_tok"):
         return float("inf")
+    if hasattr(cfg, "kv_lora_rank"):
+        return deepseek_router_gap(model, ids)
     out = model(input_ids=torch.tensor([ids]), output_router_logits=True)
     gaps = []
     for logits in out.router_logits:
         p = torch.softmax(logits.float(), dim=-1).sort(dim=-1, descending=True).values
         k = cfg.num_experts_per_tok
         gaps.append(float((p[:, k - 1] - p[:, k]).min()))
+    return min(gaps)
+
+
+def _gap(x, k):
+    s = x.sort(dim=-1, descending=True).values
+    return float((s[:, k - 1] - s[:, k]).min())
+
+
+@torch.no_grad()
+def deepseek_router_gap(model, ids):
+    """DeepSeek's routing: the smallest gap between the kept and the first dropped group score, and between the
+    k-th and (k+1)-th choice score among the kept groups' experts (V2: softmax, groups by their best expert; V3:
+    sigmoid + correction bias, groups by the sum of their best two)."""
+    cfg = model.config
+    out = model(input_ids=torch.tensor([ids]), output_router_logits=True)
+    gates = [layer.mlp.gate for layer in model.model.layers if hasattr(layer.mlp, "gate")]
+    gaps = []
+    for logits, gate in zip(out.router_logits, gates, strict=True):
+        logits = logits.float()
+        e, g = logits.shape[-1], cfg.n_group
+        if hasattr(gate, "e_score_correction_bias"):
+            choice = logits.sigmoid() + gate.e_score_correction_bias
+            groups = choice.view(-1, g, e // g).topk(2, dim=-1)[0].sum(-1)
+        else:
+            choice = logits.softmax(dim=-1)
+            groups = choice.view(-1, g, e // g).max(dim=-1).values
+        gaps.append(_gap(groups, cfg.topk_group))
+        keep = torch.zeros_like(groups).scatter_(1, groups.topk(cfg.topk_group, dim=-1)[1], 1.0)
+        masked = choice.masked_fill(~keep.repeat_interleave(e // g, dim=1).bool(), -1e9)
+        gaps.append(_gap(masked, cfg.num_experts_per_tok))
     return min(gaps)
 
 
@@ -220,6 +293,10 @@ def randomize_norms_and_biases(model, gen):
             n_norm += 1
         elif name.endswith(".bias"):
             p.copy_(0.1 * torch.randn(p.shape, generator=gen))
+            n_bias += 1
+    for name, b in model.named_buffers():  # DeepSeek-V3's routing correction bias (a buffer, zeros in HF's init)
+        if name.endswith("e_score_correction_bias"):
+            b.copy_(0.1 * torch.randn(b.shape, generator=gen))
             n_bias += 1
     return n_norm, n_bias
 
@@ -271,6 +348,8 @@ def make_tiny(arch, cls, cfg, shard, seed):
     model = cls.from_pretrained(out_dir, dtype=torch.float32, attn_implementation="eager").eval()
 
     rng = np.random.default_rng(seed + 2)
+    min_margin = MIN_MARGIN_BY_ARCH.get(arch, MIN_MARGIN)
+    min_gap = MIN_ROUTER_GAP_BY_ARCH.get(arch, MIN_ROUTER_GAP)
     arrays = {}
     margins = []
     for i, L in enumerate(PROMPT_LENS_BY_ARCH.get(arch, PROMPT_LENS)):
@@ -280,11 +359,11 @@ def make_tiny(arch, cls, cfg, shard, seed):
         for _attempt in range(500):
             prompt = rng.integers(0, VOCAB, size=L).astype(np.int32)
             prefill, greedy, dec = greedy_with_cache(model, prompt.tolist(), N_DECODE)
-            if top2_margin(dec).min() >= MIN_MARGIN and router_gap(
-                    model, prompt.tolist() + greedy.tolist()) >= MIN_ROUTER_GAP:
+            if top2_margin(dec).min() >= min_margin and router_gap(
+                    model, prompt.tolist() + greedy.tolist()) >= min_gap:
                 break
         else:
-            raise RuntimeError(f"no prompt with margin >= {MIN_MARGIN} for {arch} L={L}")
+            raise RuntimeError(f"no prompt with margin >= {min_margin} for {arch} L={L}")
         # Sanity: cached decode must agree with a full recompute of prompt+greedy.
         full = model(input_ids=torch.tensor([prompt.tolist() + greedy.tolist()])).logits[0].numpy()
         np.testing.assert_allclose(full[L - 1 : L - 1 + N_DECODE], dec, atol=1e-4, rtol=1e-4)
@@ -296,7 +375,7 @@ def make_tiny(arch, cls, cfg, shard, seed):
         arrays[f"decode_margin_{i}"] = m.astype(np.float32)
         margins.append(float(m.min()))
     arrays["meta"] = np.array(json.dumps({**META, "arch": arch, "seed": seed, "n_decode": N_DECODE,
-                                            "min_margin": MIN_MARGIN, "min_router_gap": MIN_ROUTER_GAP}))
+                                            "min_margin": min_margin, "min_router_gap": min_gap}))
     GOLDEN.mkdir(parents=True, exist_ok=True)
     np.savez(GOLDEN / f"tiny-{arch}.npz", **arrays)
     size = sum(f.stat().st_size for f in out_dir.iterdir())

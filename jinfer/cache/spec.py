@@ -2,12 +2,14 @@
 
 A model family states one `LayerCacheSpec` per layer; the cache's bytes, its device arrays and which pool
 (pages or state slots) a layer's entries live in all follow from these descriptions (`jinfer/cache/layout.py`),
-so the engine never asks which family it runs. Two kinds today:
+so the engine never asks which family it runs. Three kinds today:
 - `AttentionKV`: K and V pages, `[num_pages, page_size, kv_heads, head_dim]` each, indexed by the paged
   allocator (`manager.py`); the kv heads are split over the tensor-parallel devices;
+- `LatentKV`: one paged row per token, `[num_pages, page_size, dim]` (multi-head latent attention: the K/V latent
+  and the shared RoPE key, 576 values for DeepSeek-V2/V3), shared by every head, so replicated over the devices;
 - `StateSlots`: fixed-size per-sequence state arrays (linear-attention layers), one pool `[num_slots, *shape]`
   per array, indexed by a sequence's state slot, replicated over the devices.
-Another cache (latent KV, FP8 KV with per-page scales) is a new subclass: its arrays per layer (`arrays`), its
+Another cache (FP8 KV with per-page scales) is a new subclass: its arrays per layer (`arrays`), its
 bytes per page and per slot, and `paged` (which pool indexes it).
 """
 
@@ -74,6 +76,25 @@ class AttentionKV(LayerCacheSpec):
         shape = (num_pages, page_size, kv_heads_total(self, mesh.size), self.head_dim)
         zeros = jax.jit(lambda: jnp.zeros(shape, dtype), out_shardings=logical_sharding(mesh, KV_AXES, shape))
         return zeros(), zeros()
+
+
+@dataclass(frozen=True)
+class LatentKV(LayerCacheSpec):
+    """Paged latent rows of a multi-head latent attention layer: `[num_pages, page_size, dim]`, one array. Every
+    head reads the whole row, so each device of a mesh holds all of it (the heads are split, the cache is not)."""
+
+    dim: int
+
+    def __post_init__(self):
+        if not isinstance(self.dim, int) or self.dim < 1:
+            raise ValueError(f"dim={self.dim!r} must be an integer >= 1")
+
+    def page_bytes(self, page_size: int, dtype, tp: int) -> int:
+        return page_size * self.dim * jnp.dtype(dtype).itemsize
+
+    def arrays(self, num_pages, page_size, num_slots, dtype, mesh):
+        shape = (num_pages, page_size, self.dim)
+        return (jax.jit(lambda: jnp.zeros(shape, dtype), out_shardings=NamedSharding(mesh, PartitionSpec()))(),)
 
 
 @dataclass(frozen=True)

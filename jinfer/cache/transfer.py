@@ -2,9 +2,9 @@
 
 `HostKVPool.apply(kv_cache, transfers)` replays one schedule's `KVTransfers` (kv_host_tier.py) on the
 device, before the step's forward is launched:
-- offloads: per block of at most `BLOCK_PAGES` evicted pages, one jitted gather (each page's K and V over
-  all layers, `[n, L, 2, ps, h, d]`), queued ahead of the forward that overwrites the pages, so (the device
-  runs in order) it reads their old contents. A host slot is then (block, row). The block's copy into host
+- offloads: per block of at most `BLOCK_PAGES` evicted pages, one jitted gather (each page's K and V, or its
+  latent rows, over all layers, `[n, L, A, ps, ...]`), queued ahead of the forward that overwrites the pages, so
+  (the device runs in order) it reads their old contents. A host slot is then (block, row). The block's copy into host
   memory (JAX's `pinned_host` memory kind where the backend has it) is issued by the `kv-offload` thread,
   one block at a time, each once the one before has landed: device -> host copies share one stream with
   the read-back of every step's sampled tokens, so a batch of them issued at once (2.4 GB for a 16k prefix,
@@ -71,37 +71,39 @@ def host_memory_kind(device) -> str | None:
 
 
 def _gather_block(kv_cache, ids):
-    """ids i32[n] -> [n, L, 2, ps, h, d]: each page's K and V over all layers."""
-    return jnp.stack([jnp.stack([k[ids], v[ids]], axis=1) for k, v in kv_cache], axis=1)
+    """ids i32[n] -> [n, L, A, ps, ...]: each page's arrays over all layers (A = 2: K and V [ps, h, d]; A = 1: a
+    latent row [ps, dim])."""
+    return jnp.stack([jnp.stack([a[ids] for a in layer], axis=1) for layer in kv_cache], axis=1)
 
 
 def _scatter_rows(kv_cache, ids, block, rows):
-    """Write block[rows[i]] ([L, 2, ps, h, d]) at page ids[i] of every layer (padding: the null page).
+    """Write block[rows[i]] ([L, A, ps, ...]) at page ids[i] of every layer (padding: the null page).
 
     The ids are distinct but for the padding's null page, which nobody reads: declared unique, so XLA stores
     the pages instead of running an atomic compare-and-swap loop per bf16 element (docs/ARCHITECTURE.md)."""
-    x = block[rows]  # [n, L, 2, ps, h, d]
-    return tuple((k.at[ids].set(x[:, i, 0], unique_indices=True), v.at[ids].set(x[:, i, 1], unique_indices=True))
-                 for i, (k, v) in enumerate(kv_cache))
+    x = block[rows]  # [n, L, A, ps, ...]
+    return tuple(tuple(a.at[ids].set(x[:, i, j], unique_indices=True) for j, a in enumerate(layer))
+                 for i, layer in enumerate(kv_cache))
 
 
 @dataclass(eq=False)
 class _Block:
-    array: Any  # [n, L, 2, ps, h, d] in host memory (numpy without a host memory kind)
+    array: Any  # [n, L, A, ps, ...] in host memory (numpy without a host memory kind)
     live: int  # slots pointing at it
 
 
 class HostKVPool:
     def __init__(self, kv_cache, num_slots: int):
-        k0 = kv_cache[0][0]  # [num_pages, ps, h, d]: every layer alike (no state layers with a host tier)
-        if any(len(layer) != 2 or layer[0].shape != k0.shape for layer in kv_cache):
-            raise ValueError("the host tier needs paged KV in every layer")
+        k0 = kv_cache[0][0]  # [num_pages, ps, h, d] (or a latent [num_pages, ps, dim]): every layer alike
+        arrays = len(kv_cache[0])  # (k, v) or (latent,)
+        if any(len(layer) != arrays or any(a.shape != k0.shape for a in layer) for layer in kv_cache):
+            raise ValueError("the host tier needs the same paged arrays in every layer")
         self.num_slots = num_slots
-        self.page_shape = (len(kv_cache), 2, *k0.shape[1:])  # [L, 2, ps, h, d]
+        self.page_shape = (len(kv_cache), arrays, *k0.shape[1:])  # [L, A, ps, ...]
         self.page_dtype = k0.dtype
         self.page_bytes = int(np.prod(self.page_shape)) * k0.dtype.itemsize  # over all devices
         sharding = k0.sharding
-        spec = tuple(sharding.spec) + (None,) * (4 - len(sharding.spec))
+        spec = tuple(sharding.spec) + (None,) * (k0.ndim - len(sharding.spec))
         self.device_sharding = NamedSharding(sharding.mesh, PartitionSpec(None, None, None, *spec[1:]))
         device = next(iter(sharding.mesh.devices.flat))
         self.platform = device.platform

@@ -8,36 +8,16 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from jinfer.config.rope import RopeScaling, rope_inv_freq, rope_scaling_from_hf
 from jinfer.models.architectures import ARCHITECTURES, GGUF_ARCHITECTURES, HF_ARCHITECTURES, Architecture
 
+__all__ = ["NAMED_SHAPES", "ModelConfig", "RopeScaling", "rope_inv_freq"]
+
 LAYER_TYPES = ("full_attention", "linear_attention")
-SUPPORTED_ROPE_TYPES = ("default", "llama3", "linear")
-
-
-@dataclass(frozen=True)
-class RopeScaling:
-    """RoPE frequency scaling (HF `rope_scaling`). Only the fields the type uses matter."""
-
-    rope_type: str = "default"
-    factor: float = 1.0
-    low_freq_factor: float = 1.0
-    high_freq_factor: float = 4.0
-    original_max_position_embeddings: int = 8192
-
-    def __post_init__(self):
-        if self.rope_type not in SUPPORTED_ROPE_TYPES:
-            raise ValueError(
-                f"rope_scaling.rope_type={self.rope_type!r} is not supported; supported: {SUPPORTED_ROPE_TYPES}"
-            )
-        if self.factor <= 0:
-            raise ValueError(f"rope_scaling.factor={self.factor} must be > 0")
-
-
 @dataclass(frozen=True)
 class ModelConfig:
     architecture: str  # a key of ARCHITECTURES (jinfer/models/architectures.py)
@@ -75,6 +55,22 @@ class ModelConfig:
     linear_value_head_dim: int = 0
     linear_conv_kernel_dim: int = 0
     partial_rotary_factor: float = 1.0  # RoPE on the first head_dim * factor dims of each head
+    # Multi-head latent attention (deepseek_v2 / v3): q through a rank-`q_lora_rank` bottleneck (0: one projection),
+    # K and V from a `kv_lora_rank` latent plus one shared RoPE key of `qk_rope_head_dim` (together the cached row);
+    # head_dim = qk_nope_head_dim + qk_rope_head_dim (q and k). `rope_interleave`: RoPE on (even, odd) pairs.
+    q_lora_rank: int = 0
+    kv_lora_rank: int = 0
+    qk_nope_head_dim: int = 0
+    qk_rope_head_dim: int = 0
+    v_head_dim: int = 0
+    rope_interleave: bool = False
+    # DeepSeekMoE: shared experts beside the routed ones; scores by softmax or sigmoid (+ the checkpoint's correction
+    # bias), top-k among the best `topk_group` of `n_group` expert groups, weights times `routed_scaling_factor`.
+    num_shared_experts: int = 0
+    scoring_func: str = "softmax"
+    n_group: int = 1
+    topk_group: int = 1
+    routed_scaling_factor: float = 1.0
 
     def __post_init__(self):
         if self.architecture not in ARCHITECTURES:
@@ -101,10 +97,32 @@ class ModelConfig:
         elif self.arch.mixture_of_experts:
             raise ValueError(f"num_experts={self.num_experts!r} must be a positive integer for {self.architecture}")
         self._check_hybrid()
+        self._check_latent()
         if not isinstance(self.mlp_only_layers, tuple) or any(
                 not isinstance(i, int) or not 0 <= i < self.num_layers for i in self.mlp_only_layers):
             raise ValueError(f"mlp_only_layers={self.mlp_only_layers!r} must be a tuple of layer indices "
                              f"in [0, {self.num_layers})")
+
+    def _check_latent(self) -> None:
+        if self.arch.latent_attention != bool(self.kv_lora_rank):
+            raise ValueError(f"kv_lora_rank={self.kv_lora_rank!r} must be > 0 exactly for latent-attention "
+                             f"architectures ({self.architecture})")
+        if self.kv_lora_rank:
+            for name in ("kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim"):
+                _positive_int(name, getattr(self, name))
+            if self.q_lora_rank:
+                _positive_int("q_lora_rank", self.q_lora_rank)
+            if self.head_dim != self.qk_nope_head_dim + self.qk_rope_head_dim:
+                raise ValueError(f"head_dim={self.head_dim} must be qk_nope_head_dim + qk_rope_head_dim "
+                                 f"({self.qk_nope_head_dim} + {self.qk_rope_head_dim})")
+        if self.scoring_func not in ("softmax", "sigmoid"):
+            raise ValueError(f"scoring_func={self.scoring_func!r} must be 'softmax' or 'sigmoid'")
+        if self.num_shared_experts < 0 or self.routed_scaling_factor <= 0:
+            raise ValueError(f"num_shared_experts={self.num_shared_experts} must be >= 0 and "
+                             f"routed_scaling_factor={self.routed_scaling_factor} > 0")
+        if not 1 <= self.topk_group <= self.n_group or (self.num_experts and self.num_experts % self.n_group):
+            raise ValueError(f"topk_group={self.topk_group} must be in [1, n_group={self.n_group}] and n_group "
+                             f"must divide num_experts={self.num_experts}")
 
     def _check_hybrid(self) -> None:
         if not 0 < self.partial_rotary_factor <= 1 or self.rotary_dim % 2 or self.rotary_dim == 0:
@@ -140,7 +158,14 @@ class ModelConfig:
 
     @property
     def rotary_dim(self) -> int:
+        if self.kv_lora_rank:
+            return self.qk_rope_head_dim
         return int(self.head_dim * self.partial_rotary_factor)
+
+    @property
+    def latent_dim(self) -> int:
+        """Values per token of a latent KV row (MLA): the latent and the RoPE key (576 for DeepSeek-V2/V3)."""
+        return self.kv_lora_rank + self.qk_rope_head_dim
 
     def is_linear_layer(self, i: int) -> bool:
         """A Gated DeltaNet layer (qwen3_5): a fixed-size state per sequence instead of paged KV."""
@@ -186,8 +211,14 @@ class ModelConfig:
             attn += self.q_size + 2 * self.kv_size
         if self.qk_norm:
             attn += 2 * self.head_dim
-        experts = self.num_experts_per_tok if active else self.num_experts
-        mlp = sum(h * self.num_experts + experts * 3 * h * self.moe_intermediate_size if self.is_moe_layer(n)
+        if self.kv_lora_rank:
+            r, heads, rank = self.q_lora_rank, self.num_heads, self.kv_lora_rank
+            q = r * (h + 1) + r * self.q_size if r else h * self.q_size
+            attn = (q + h * self.latent_dim + rank * (1 + heads * (self.qk_nope_head_dim + self.v_head_dim))
+                    + heads * self.v_head_dim * h + 2 * h)
+        experts = (self.num_experts_per_tok if active else self.num_experts) + self.num_shared_experts
+        router = (h + (self.scoring_func == "sigmoid")) * self.num_experts  # (+ V3's routing bias)
+        mlp = sum(router + experts * 3 * h * self.moe_intermediate_size if self.is_moe_layer(n)
                   else 3 * h * i for n in range(self.num_layers))
         return v * h * (1 if self.tie_word_embeddings else 2) + self.num_layers * attn + mlp + h
 
@@ -240,12 +271,14 @@ class ModelConfig:
         num_heads = req("num_attention_heads")
         hidden = req("hidden_size")
         head_dim = cfg.get("head_dim") or hidden // num_heads
+        latent = _latent_from_hf(cfg, name, req) if arch.latent_attention else {}
+        head_dim = latent.pop("head_dim", head_dim)
         eos = cfg.get("eos_token_id")
         eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,))
         moe = {}
         if arch.mixture_of_experts:
             # transformers 5 writes `num_local_experts`; published checkpoints have `num_experts`
-            experts = cfg.get("num_experts", cfg.get("num_local_experts"))
+            experts = cfg.get("num_experts", cfg.get("num_local_experts", cfg.get("n_routed_experts")))
             if experts is None:
                 raise ValueError(f"config field 'num_experts' is missing (architecture {archs[0]})")
             only = cfg.get("mlp_only_layers") or []
@@ -257,7 +290,7 @@ class ModelConfig:
                        norm_topk_prob=bool(cfg.get("norm_topk_prob", True)),
                        decoder_sparse_step=_positive_int("config field 'decoder_sparse_step'",
                                                          cfg.get("decoder_sparse_step", 1)),
-                       mlp_only_layers=tuple(only))
+                       mlp_only_layers=tuple(only) or tuple(range(latent.pop("first_k_dense_replace", 0))))
         hybrid = {}
         if arch.linear_attention:
             hybrid = _hybrid_from_hf(cfg, req("num_hidden_layers"), archs[0])
@@ -273,7 +306,7 @@ class ModelConfig:
             max_position_embeddings=cfg.get("max_position_embeddings", 4096),
             rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
             rope_theta=float(cfg.get("rope_theta", (cfg.get("rope_parameters") or {}).get("rope_theta", 10000.0))),
-            rope_scaling=_rope_scaling_from_hf(cfg.get("rope_scaling") or cfg.get("rope_parameters")),
+            rope_scaling=rope_scaling_from_hf(cfg.get("rope_scaling") or cfg.get("rope_parameters")),
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
             attention_bias=arch.attention_bias or bool(cfg.get("attention_bias", False)),
             qk_norm=arch.qk_norm,
@@ -281,6 +314,7 @@ class ModelConfig:
             eos_token_ids=eos_ids,
             **moe,
             **hybrid,
+            **latent,
         )
 
     @classmethod
@@ -373,25 +407,31 @@ def _hybrid_from_hf(cfg: dict[str, Any], num_layers: int, arch: str) -> dict[str
     return out
 
 
+def _latent_from_hf(cfg: dict[str, Any], name: str, req) -> dict[str, Any]:
+    """deepseek_v2 / v3's fields: MLA's ranks and head dims, the first dense layers (as `mlp_only_layers`), shared
+    experts and routing (V2: softmax, groups by their best expert when `topk_method` is group_limited_greedy; V3:
+    sigmoid plus the correction bias, groups by their best two)."""
+    if cfg.get("moe_layer_freq", 1) != 1:
+        raise ValueError(f"config field 'moe_layer_freq'={cfg['moe_layer_freq']!r} is not supported (1 only)")
+    v3 = name == "deepseek_v3"
+    grouped = v3 or cfg.get("topk_method") == "group_limited_greedy"
+    out = dict(q_lora_rank=cfg.get("q_lora_rank") or 0, kv_lora_rank=req("kv_lora_rank"),
+               qk_nope_head_dim=req("qk_nope_head_dim"), qk_rope_head_dim=req("qk_rope_head_dim"),
+               v_head_dim=req("v_head_dim"), rope_interleave=bool(cfg.get("rope_interleave", True)) if v3 else True,
+               num_shared_experts=int(cfg.get("n_shared_experts") or 0),
+               scoring_func=cfg.get("scoring_func", "sigmoid" if v3 else "softmax"),
+               n_group=int(cfg.get("n_group") or 1) if grouped else 1,
+               topk_group=int(cfg.get("topk_group") or 1) if grouped else 1,
+               routed_scaling_factor=float(cfg.get("routed_scaling_factor", 1.0)),
+               first_k_dense_replace=int(cfg.get("first_k_dense_replace") or 0))
+    out["head_dim"] = out["qk_nope_head_dim"] + out["qk_rope_head_dim"]
+    return out
+
+
 def _positive_int(what: str, value: Any) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
         raise ValueError(f"{what}={value!r} must be a positive integer")
     return value
-
-
-def _rope_scaling_from_hf(rs: dict[str, Any] | None) -> RopeScaling:
-    if not rs:
-        return RopeScaling()
-    rtype = rs.get("rope_type", rs.get("type", "default"))
-    if rtype == "default":
-        return RopeScaling()
-    return RopeScaling(
-        rope_type=rtype,
-        factor=float(rs.get("factor", 1.0)),
-        low_freq_factor=float(rs.get("low_freq_factor", 1.0)),
-        high_freq_factor=float(rs.get("high_freq_factor", 4.0)),
-        original_max_position_embeddings=int(rs.get("original_max_position_embeddings", 8192)),
-    )
 
 
 # Named real shapes for performance work with dummy weights.
@@ -427,34 +467,30 @@ def _qwen3_5(hidden: int, inter: int, layers: int, heads: int, kv_heads: int, va
                        linear_value_head_dim=128, linear_conv_kernel_dim=4, partial_rotary_factor=0.25)
 
 
+def _deepseek(v3: bool) -> ModelConfig:
+    """DeepSeek-V2-Lite / DeepSeek-V3 (their published config.json; V3's MTP layer not included): 128 + 64 q/k head
+    dims, v 128, latent 512, YaRN (factor 40 over 4096 positions)."""
+    yarn = RopeScaling("yarn", 40.0, original_max_position_embeddings=4096, mscale=1.0 if v3 else 0.707,
+                       mscale_all_dim=1.0 if v3 else 0.707)
+    if v3:
+        return ModelConfig("deepseek_v3", 129280, 7168, 18432, 61, 128, 128, 192, 163840, 1e-6, 1e4, yarn,
+                           bos_token_id=0, eos_token_ids=(1,), num_experts=256, num_experts_per_tok=8,
+                           moe_intermediate_size=2048, mlp_only_layers=(0, 1, 2), q_lora_rank=1536, kv_lora_rank=512,
+                           qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128, rope_interleave=True,
+                           num_shared_experts=1, scoring_func="sigmoid", n_group=8, topk_group=4,
+                           routed_scaling_factor=2.5)
+    return ModelConfig("deepseek_v2", 102400, 2048, 10944, 27, 16, 16, 192, 163840, 1e-6, 1e4, yarn,
+                       bos_token_id=100000, eos_token_ids=(100001,), num_experts=64, num_experts_per_tok=6,
+                       moe_intermediate_size=1408, norm_topk_prob=False, mlp_only_layers=(0,), kv_lora_rank=512,
+                       qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128, rope_interleave=True,
+                       num_shared_experts=2)
+
+
 NAMED_SHAPES |= {
+    "deepseek-v2-lite": _deepseek(v3=False),
+    "deepseek-v3": _deepseek(v3=True),
     "qwen3.5-0.8b": _qwen3_5(1024, 3584, 24, 8, 2, 16, tied=True),
     "qwen3.5-2b": _qwen3_5(2048, 6144, 24, 8, 2, 16, tied=True),
     "qwen3.5-4b": _qwen3_5(2560, 9216, 32, 16, 4, 32, tied=True),
     "qwen3.5-9b": _qwen3_5(4096, 12288, 32, 16, 4, 32, tied=False),
 }
-
-
-def rope_inv_freq(cfg: ModelConfig) -> list[float]:
-    """RoPE inverse frequencies (host-side, float64) with the configured scaling applied."""
-    d = cfg.rotary_dim  # head_dim unless partial RoPE
-    inv = [1.0 / (cfg.rope_theta ** (i / d)) for i in range(0, d, 2)]
-    rs = cfg.rope_scaling
-    if rs.rope_type == "linear":
-        return [f / rs.factor for f in inv]
-    if rs.rope_type == "llama3":
-        low_wavelen = rs.original_max_position_embeddings / rs.low_freq_factor
-        high_wavelen = rs.original_max_position_embeddings / rs.high_freq_factor
-        out = []
-        for f in inv:
-            wavelen = 2 * math.pi / f
-            if wavelen < high_wavelen:
-                out.append(f)
-            elif wavelen > low_wavelen:
-                out.append(f / rs.factor)
-            else:
-                smooth = (rs.original_max_position_embeddings / wavelen - rs.low_freq_factor) / (
-                    rs.high_freq_factor - rs.low_freq_factor)
-                out.append((1 - smooth) * f / rs.factor + smooth * f)
-        return out
-    return inv

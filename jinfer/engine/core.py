@@ -16,7 +16,7 @@ from jinfer.engine.builder import build_engine, release_at_exit
 from jinfer.engine.grammar import GrammarEngine
 from jinfer.engine.input_processor import InputProcessor, SequenceState, prompt_logprobs_wanted, step_rows
 from jinfer.engine.output_processor import emit, record_prompt_logprobs, token_logprobs
-from jinfer.engine.request import FinishReason, accept_draft_tokens
+from jinfer.engine.request import FinishReason
 from jinfer.engine.runner import Launched
 from jinfer.engine.sampling_tensors import num_logprobs_for
 from jinfer.errors import InvalidParam
@@ -203,7 +203,7 @@ class EngineCore:
         record_prompt_logprobs(self.runner.fetch_prompt_logprobs(launched), launched.prompt_rows, self._seqs)
         live = [s for s in out.scheduled if s.needs_sample and not s.request.is_finished]
         tokens, rows = result.tokens.tolist(), result.rows
-        sampled = {s.request_id: accept_draft_tokens(s.draft_token_ids, result.tokens_of(s.request_id))
+        sampled = {s.request_id: self.spec.accept(s.request_id, s.draft_token_ids, result.tokens_of(s.request_id))
                    if s.draft_token_ids else [tokens[rows[s.request_id][0]]] for s in live}
         before = [s.request.num_output_tokens for s in live]
         finished = {r.request_id: r for r in self.scheduler.update(out, sampled)}

@@ -26,6 +26,7 @@ class Architecture:
     mixture_of_experts: bool = False  # the config carries experts (num_experts, top-k, ...)
     linear_attention: bool = False  # Gated DeltaNet layers beside full attention (the config's layer_types)
     gguf_permuted_qk: bool = False  # llama.cpp's converter permuted the rows of Q and K (to interleave RoPE)
+    latent_attention: bool = False  # multi-head latent attention (DeepSeek's MLA): a latent KV row per token
 
     def __post_init__(self):
         if not self.name.isidentifier():
@@ -38,7 +39,8 @@ class Architecture:
 
 
 # llama / qwen2 / qwen3: the llama-style dense decoder (jinfer/models/llama.py) with a few switches;
-# qwen3_moe: Qwen3 attention with mixture-of-experts MLPs; qwen3_5: Gated DeltaNet and gated attention.
+# qwen3_moe: Qwen3 attention with mixture-of-experts MLPs; qwen3_5: Gated DeltaNet and gated attention;
+# deepseek_v2 / deepseek_v3 (also Kimi-K2, Moonlight): latent attention and DeepSeekMoE (jinfer/models/deepseek.py).
 ARCHITECTURES: dict[str, Architecture] = {a.name: a for a in (
     Architecture("llama", ("LlamaForCausalLM",), "llama", gguf_permuted_qk=True),
     Architecture("qwen2", ("Qwen2ForCausalLM",), "qwen2", attention_bias=True),
@@ -48,6 +50,8 @@ ARCHITECTURES: dict[str, Architecture] = {a.name: a for a in (
     # the published checkpoints are the multimodal ones; only their text part is loaded
     Architecture("qwen3_5", ("Qwen3_5ForCausalLM", "Qwen3_5ForConditionalGeneration"), None,
                  hf_multimodal_names=("Qwen3_5ForConditionalGeneration",), qk_norm=True, linear_attention=True),
+    Architecture("deepseek_v2", ("DeepseekV2ForCausalLM",), None, mixture_of_experts=True, latent_attention=True),
+    Architecture("deepseek_v3", ("DeepseekV3ForCausalLM",), None, mixture_of_experts=True, latent_attention=True),
 )}
 
 # HF `architectures[0]` -> our name; GGUF `general.architecture` -> our name

@@ -5,10 +5,11 @@ Prefill, chunked prefill and decode are the same thing here: sequence b contribu
 context holds `seq_lens[b]` tokens (cached ones plus the new ones). Everything is padded to static
 bucket sizes (T tokens, B sequences, P pages per sequence) so a handful of shapes are compiled.
 
-KV cache: a tuple with one `(k, v)` pair per layer, each `[num_pages, page_size, num_kv_heads,
-head_dim]`. Token t of the batch is written to flat slot `slot_mapping[t]` (= page * page_size +
-offset); a negative slot means padding. Page 0 is reserved: it never holds a sequence's tokens
-(padding writes and padding page-table entries point at it), so real pages are 1..num_pages-1.
+KV cache: a tuple with one entry per layer (cache/spec.py): a `(k, v)` pair, each `[num_pages, page_size,
+num_kv_heads, head_dim]`, or a latent `(rows,)` `[num_pages, page_size, dim]` (DeepSeek's MLA). Token t of the
+batch is written to flat slot `slot_mapping[t]` (= page * page_size + offset); a negative slot means padding.
+Page 0 is reserved: it never holds a sequence's tokens (padding writes and padding page-table entries point at
+it), so real pages are 1..num_pages-1.
 """
 
 from __future__ import annotations

@@ -48,19 +48,21 @@ def swiglu_mlp(x: jax.Array, w_gate: jax.Array, w_up: jax.Array, w_down: jax.Arr
 
 
 def moe_mlp(x: jax.Array, logits: jax.Array, w_gate: jax.Array, w_up: jax.Array, w_down: jax.Array, top_k: int,
-            renormalize: bool, first: jax.Array | None = None) -> jax.Array:
+            renormalize: bool, first: jax.Array | None = None,
+            routed: tuple[jax.Array, jax.Array] | None = None) -> jax.Array:
     """Mixture of SwiGLU experts in plain jnp (XLA): HF's routing, the (token, slot) pairs sorted by
     expert, two `lax.ragged_dot`s, then each token's k outputs weighted and summed.
 
     x: [T, hidden]; logits: [T, E] router logits; w_gate/w_up: [E', hidden, I]; w_down: [E', I, hidden].
     `first` (expert parallelism): the weights are experts [first, first + E') of the E; only the pairs
-    routed to them are computed (the others sort last, outside every group) and summed.
+    routed to them are computed (the others sort last, outside every group) and summed. `routed`: (weights, ids)
+    [T, k] each, already routed (`grouped_topk_routing`); `logits` is then unused.
     """
     tokens, hidden = x.shape
     count = w_gate.shape[0]
     from pallas_kernels.moe.moe_routing import topk_routing  # (not at import: Pallas is only needed to trace)
 
-    weights, ids = topk_routing(logits, top_k, renormalize)  # [T, k] each
+    weights, ids = routed if routed is not None else topk_routing(logits, top_k, renormalize)  # [T, k] each
     flat = ids.reshape(-1)
     if first is not None:
         flat = flat - first
@@ -78,6 +80,32 @@ def moe_mlp(x: jax.Array, logits: jax.Array, w_gate: jax.Array, w_up: jax.Array,
         y = jnp.where(mine[order][:, None], y, 0.0)
     out = jnp.zeros((tokens * top_k, hidden), jnp.float32).at[order].set(y, unique_indices=True)  # a permutation
     return out.reshape(tokens, top_k, hidden).sum(axis=1).astype(x.dtype)
+
+
+def grouped_topk_routing(logits: jax.Array, bias: jax.Array | None, *, top_k: int, n_group: int, topk_group: int,
+                         sigmoid: bool, renormalize: bool, scaling: float) -> tuple[jax.Array, jax.Array]:
+    """DeepSeek's routing (HF DeepseekV2TopkRouter / DeepseekV3TopkRouter): logits [T, E] float32 -> (weights
+    float32, expert ids int32), [T, k] each.
+
+    Scores are the softmax (V2) or the sigmoid (V3) of the logits; the choice adds `bias` (V3's
+    e_score_correction_bias) and keeps only the best `topk_group` of `n_group` groups of experts (a group scored by
+    its best expert (softmax) or its best two (sigmoid)); the weights are the chosen experts' scores, renormalised
+    when `renormalize`, times `scaling`.
+    """
+    tokens, experts = logits.shape
+    scores = jax.nn.sigmoid(logits) if sigmoid else jax.nn.softmax(logits, axis=-1)  # [T, E]
+    choice = scores if bias is None else scores + bias.astype(jnp.float32)
+    if n_group > 1:
+        grouped = choice.reshape(tokens, n_group, experts // n_group)
+        group_scores = jax.lax.top_k(grouped, 2)[0].sum(-1) if sigmoid else grouped.max(-1)  # [T, G]
+        kept = jax.lax.top_k(group_scores, topk_group)[1]  # [T, topk_group]
+        keep = jnp.zeros((tokens, n_group), bool).at[jnp.arange(tokens)[:, None], kept].set(True)
+        choice = jnp.where(jnp.repeat(keep, experts // n_group, axis=1), choice, -jnp.inf)
+    ids = jax.lax.top_k(choice, top_k)[1]  # [T, k]
+    weights = jnp.take_along_axis(scores, ids, axis=1)
+    if renormalize:
+        weights = weights / (weights.sum(-1, keepdims=True) + 1e-20)
+    return weights * scaling, ids.astype(jnp.int32)
 
 
 def write_kv(

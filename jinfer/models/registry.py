@@ -19,7 +19,7 @@ from types import ModuleType
 
 from jinfer.cache.spec import LayerCacheSpec
 from jinfer.config.model import ModelConfig
-from jinfer.models import llama, qwen3_5, qwen3_moe
+from jinfer.models import deepseek, llama, qwen3_5, qwen3_moe
 from jinfer.models.architectures import ARCHITECTURES, Architecture
 from jinfer.models.spec import StateSpec
 from jinfer.ops import REFERENCE_OPS, ModelOps
@@ -47,7 +47,8 @@ class Family:
 
 # Llama, Qwen2 and Qwen3 are one family: the dense decoder with the config's switches
 FAMILIES: dict[str, Family] = {name: Family.of(name, module) for name, module in (
-    ("llama", llama), ("qwen2", llama), ("qwen3", llama), ("qwen3_moe", qwen3_moe), ("qwen3_5", qwen3_5))}
+    ("llama", llama), ("qwen2", llama), ("qwen3", llama), ("qwen3_moe", qwen3_moe), ("qwen3_5", qwen3_5),
+    ("deepseek_v2", deepseek), ("deepseek_v3", deepseek))}
 assert set(FAMILIES) == set(ARCHITECTURES)
 
 
@@ -65,7 +66,7 @@ def assemble_weights(cfg: ModelConfig, arrays):
 
 def forward(weights, batch, kv_cache, cfg: ModelConfig, ops: ModelOps = REFERENCE_OPS,
             aux_layers: tuple[int, ...] = ()):
-    """(logits, cache); with `aux_layers` (families on `base.decoder_forward`: llama, qwen3_moe) also the hidden
+    """(logits, cache); with `aux_layers` (llama, qwen3_moe and deepseek: not qwen3_5) also the hidden
     states at those layer boundaries, an EAGLE-3 head's inputs."""
     if aux_layers:
         return family(cfg).forward(weights, batch, kv_cache, cfg, ops, aux_layers=aux_layers)

@@ -14,7 +14,7 @@ class ArrayInfo:
 
     Linear weights are stored [in, out] here (x @ W); checkpoints keep them [out, in], hence
     `transpose` (of the last two axes). `init` is the dummy-weight initializer: "normal" (std 0.02),
-    "ones" or "zeros".
+    "ones" or "zeros". `dtype`, where given, overrides the model's (HF keeps DeepSeek-V3's routing bias in float32).
 
     Mixture-of-experts weights are stacked per layer, [num_experts, ...]. Published HF checkpoints keep
     one tensor per expert: `hf_name` then holds `EXPERT` ("...experts.{expert}.gate_proj.weight") and
@@ -31,6 +31,7 @@ class ArrayInfo:
     transpose: bool = False
     init: str = "normal"
     hf_fused: tuple[str, int, int] | None = None
+    dtype: str | None = None  # None: the model's dtype; e.g. "float32" for a weight kept in it (a routing bias)
 
     def checkpoint_shape(self) -> tuple[int, ...]:
         """The shape a checkpoint stores (the last two axes swapped when `transpose`)."""

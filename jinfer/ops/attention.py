@@ -59,3 +59,16 @@ class AttentionOps:
                                             interpret=self.interpret)
         rest = ~long_sequences(batch.query_start, policy.mosaic_min_query_len)
         return ragged_prefill_attention(*args, rest, out, scale=scale, interpret=self.interpret)
+
+    def latent_attention(self, q: jax.Array, latent: jax.Array, batch: Batch, scale: float,
+                         value_dim: int) -> jax.Array:
+        """Multi-head latent attention in its absorbed form: q [T, H, L] (each head's query in the latent space,
+        then its RoPE part) over its sequence's latent rows `latent` [pages, page_size, L] (written already) ->
+        [T, H, value_dim], the softmax-weighted first `value_dim` values of the rows (the latent itself). One K/V
+        "head" that every query head reads. The jnp reference on every backend: no MLA kernel yet."""
+        from pallas_kernels.attention.prefill_attention import ragged_prefill_attention_reference
+
+        rows = latent[:, :, None, :]  # [pages, page_size, 1, L]
+        out = ragged_prefill_attention_reference(q, rows, rows, batch.query_start, batch.seq_lens, batch.page_table,
+                                                 scale=scale)
+        return out[..., :value_dim]

@@ -15,7 +15,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from jinfer.models.layers import moe_mlp, rms_norm
+from jinfer.models.layers import grouped_topk_routing, moe_mlp, rms_norm, swiglu_mlp
 
 MOSAIC_MOE_BLOCK_M = 128  # the Mosaic GPU grouped GEMM's rows per block
 
@@ -80,6 +80,26 @@ class MoeOps:
         act = moe_gate_up(h, routing, w_gate, w_up, interpret=self.interpret)
         y = moe_down(act, routing, w_down, interpret=self.interpret)
         return x + self.reduce(moe_combine(y, top_k, x.dtype, mine)), counters
+
+    def grouped_moe_block(self, x: jax.Array, norm: jax.Array, router: jax.Array, bias: jax.Array | None,
+                          w_gate: jax.Array, w_up: jax.Array, w_down: jax.Array, shared: tuple[jax.Array, ...] | None,
+                          *, top_k: int, n_group: int, topk_group: int, sigmoid: bool, renormalize: bool,
+                          scaling: float, eps: float) -> jax.Array:
+        """DeepSeekMoE: x + routed experts + shared experts (`shared`: their (gate, up, down), or None) of
+        rms_norm(x), routed by `layers.grouped_topk_routing` on float32 router logits, as HF computes them.
+        The reference experts (`layers.moe_mlp`) on every backend for now: the routing and grouped-GEMM kernels
+        take softmax top-k routing only. Sharded as `moe_block` (tensor or expert parallel, one psum)."""
+        h = rms_norm(x, norm, eps)
+        logits = self.project(h, router, preferred_element_type=jnp.float32)  # [T, E]
+        routed = grouped_topk_routing(logits, bias, top_k=top_k, n_group=n_group, topk_group=topk_group,
+                                      sigmoid=sigmoid, renormalize=renormalize, scaling=scaling)
+        first = None
+        if w_gate.shape[0] != router.shape[1]:  # expert parallel: this device's experts
+            first = jax.lax.axis_index(self.axis) * w_gate.shape[0]
+        y = moe_mlp(h, logits, w_gate, w_up, w_down, top_k, renormalize, first, routed=routed)
+        if shared is not None:
+            y = y + swiglu_mlp(h, *shared)
+        return x + self.reduce(y)
 
     def _moe_mgpu(self, h, logits, w_gate, w_up, w_down, top_k, renormalize, first):
         """The experts on the Mosaic GPU grouped GEMM (`moe_experts_mgpu`); None where the kernel does not

@@ -12,6 +12,8 @@ on two GPUs than on one), hence explicit per-device code. The layout is Megatron
   row-parallel o, then one psum; with more devices than kv heads each kv head is replicated so every
   device holds the one its q heads read (`kv_heads_total`);
 - dense MLP: gate/up column-parallel, down row-parallel, one psum;
+- multi-head latent attention (DeepSeek): q, the latent's up-projection and o split by head; the latent projection
+  and the latent cache replicated (every head reads every row);
 - MoE: the experts' intermediate axis split like a dense MLP (tensor parallel), or with
   `expert_parallel` whole experts split over the devices. The activations are replicated after the
   attention's psum, so each device routes every token, runs only its own experts' pairs and the psum
@@ -112,6 +114,9 @@ def check_parallel(cfg, tp: int, expert_parallel: bool = False) -> None:
     if expert_parallel and cfg.num_experts % tp:
         raise ValueError(f"tensor_parallel_size={tp} must divide num_experts={cfg.num_experts} "
                          "with enable_expert_parallel")
+    if cfg.num_shared_experts * cfg.moe_intermediate_size % tp:  # split like a dense MLP, ep or not
+        raise ValueError(f"tensor_parallel_size={tp} must divide the shared experts' width "
+                         f"{cfg.num_shared_experts} x {cfg.moe_intermediate_size}")
     if not expert_parallel and cfg.moe_intermediate_size % tp:
         raise ValueError(f"tensor_parallel_size={tp} must divide moe_intermediate_size="
                          f"{cfg.moe_intermediate_size} (or set enable_expert_parallel)")
@@ -152,7 +157,7 @@ def shard_attention_weights(cfg, weights, mesh: Mesh, fuse_qkv: bool = True, exp
     col = ("embed", "kv_heads")
     layers = []
     for layer in weights.layers:
-        if layer.wqkv is not None:
+        if getattr(layer, "wqkv", None) is not None or not hasattr(layer, "wk"):  # fused already, or MLA (no k/v)
             layers.append(layer)
             continue
         wk, wv = place(heads(layer.wk), col), place(heads(layer.wv), col)

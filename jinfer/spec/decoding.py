@@ -35,6 +35,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from jinfer.engine.request import accept_draft_tokens
 from jinfer.spec.proposer import Proposer
 
 
@@ -46,6 +47,9 @@ class SpecDecoding:
         self.num_draft_tokens = 0
         self.num_accepted_tokens = 0
         self.accepted_per_pos = np.zeros(self.k, np.int64)  # accepted drafts at position 0..k-1
+        # The benchmark-only replay drafter decides acceptance itself (jinfer/spec/replay.py); every other drafter's
+        # drafts are accepted by the exact rule (module doc).
+        self._forced = getattr(proposer, "forced_accept", None)
 
     def propose(self, running: Sequence, seqs: dict) -> None:
         """Draft the running requests that have no token in flight and are past their prefill (their next step is a
@@ -66,6 +70,12 @@ class SpecDecoding:
                 draft = draft[:matcher.validate_tokens(draft)] if not matcher.is_stopped() else []
             if draft:
                 r.add_draft_tokens(draft)
+
+    def accept(self, request_id: str, draft_ids: list[int], sampled_ids: list[int]) -> list[int]:
+        """The tokens a verification keeps (`request.accept_draft_tokens`)."""
+        if self._forced is not None:
+            return self._forced(request_id, draft_ids, sampled_ids)
+        return accept_draft_tokens(draft_ids, sampled_ids)
 
     def after_step(self, launched) -> None:
         """A step was read back and the scheduler updated: a model drafter runs its device step (spec/eagle.py)."""

@@ -28,8 +28,8 @@ from jinfer.models.spec import ArrayInfo
 
 STD = 0.02
 _LAYER = re.compile(r"^(layers\.\d+)\.(.+)$")
-# one array of a group: (name within the group, shape, init, sharding)
-_Member = tuple[str, tuple[int, ...], str, Sharding]
+# one array of a group: (name within the group, shape, init, sharding, its own dtype or None)
+_Member = tuple[str, tuple[int, ...], str, Sharding, str | None]
 
 
 def _group_of(name: str) -> tuple[str, str]:
@@ -64,13 +64,14 @@ def _group_init(members: tuple[_Member, ...], dtype) -> jax.stages.Wrapped:
 
     def init(salts):
         out = []
-        for j, (_, shape, kind, _) in enumerate(members):
+        for j, (_, shape, kind, _, own) in enumerate(members):
+            dt = own or dtype
             if kind == "ones":
-                out.append(jnp.ones(shape, dtype))
+                out.append(jnp.ones(shape, dt))
             elif kind == "zeros":
-                out.append(jnp.zeros(shape, dtype))
+                out.append(jnp.zeros(shape, dt))
             else:
-                out.append(_normal(shape, salts[j], dtype))
+                out.append(_normal(shape, salts[j], dt))
         return tuple(out)
 
     return jax.jit(init, out_shardings=tuple(m[3] for m in members))
@@ -88,7 +89,8 @@ def dummy_weights(specs: dict[str, ArrayInfo], dtype, shardings: dict[str, Shard
         groups.setdefault(group, []).append((i, name, local))
     arrays = {}
     for entries in groups.values():
-        members = tuple((local, specs[name].shape, specs[name].init, shardings[name]) for _, name, local in entries)
+        members = tuple((local, specs[name].shape, specs[name].init, shardings[name], specs[name].dtype)
+                        for _, name, local in entries)
         salts = np.array([_salt(seed, i) for i, _, _ in entries], np.uint32)
         for (_, name, _), a in zip(entries, _group_init(members, dtype)(salts), strict=True):
             arrays[name] = a

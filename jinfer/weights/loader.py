@@ -152,5 +152,5 @@ def place(host: np.ndarray, spec: ArrayInfo, dtype, mesh: Mesh, expert_parallel:
         raise ValueError(f"tensor {spec.hf_name!r} has shape {tuple(host.shape)}, expected {expected}")
     if spec.transpose:
         host = np.swapaxes(host, -1, -2)
-    host = np.ascontiguousarray(host.astype(dtype))
+    host = np.ascontiguousarray(host.astype(spec.dtype or dtype))
     return put(host, logical_sharding(mesh, spec.axes, spec.shape, expert_parallel))

@@ -55,9 +55,11 @@ def test_mgpu_prefill_persistent_grid(num_ctas):
 @pytest.mark.slow
 @pytest.mark.parametrize("mode", MODES)
 def test_mgpu_prefill_long_chunk(mode):
-    """A 300-token chunk after 700 cached tokens next to a fresh 200-token prompt and two decodes."""
+    """At the default blocks (64-row q tiles, 128-row K/V steps through a ring of 2): a 150-token chunk after 380
+    cached tokens (3 q tiles, 5 K/V steps: the ring wraps twice) next to a fresh 130-token prompt and two decodes.
+    (The interpreter's time grows with tiles x steps: a larger chunk checks nothing more.)"""
     rng = np.random.default_rng(3)
-    seqs = [(300, 1000), (200, 200), (1, 513), (1, 64)]
+    seqs = [(150, 530), (130, 130), (1, 260), (1, 64)]
     q, k, v, qs, lens, table = _batch(rng, seqs, 11, 16, 8, 2, 128, jnp.bfloat16)
     out = ragged_prefill_attention_mgpu(q, k, v, qs, lens, table, interpret=mode == "interpret")
     ref = ragged_prefill_attention_reference(q, k, v, qs, lens, table)

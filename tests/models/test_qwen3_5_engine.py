@@ -27,12 +27,14 @@ def generate(llm, params=GREEDY, prompts=PROMPTS):
     return [[list(c.token_ids) for c in o.outputs] for o in outs]
 
 
-@pytest.mark.parametrize("budget", [7, 24])
+@pytest.mark.parametrize("budget", [7, 32])
 def test_engine_greedy_matches_hf_with_chunked_prefill(budget, caplog):
     """7-token steps: chunks of 1-7 rows next to the other sequences' decodes, cutting the conv window
-    (3 rows); 24: chunks cut through HF's 64-row delta-rule chunk."""
+    (3 rows); 32: chunks cut through HF's 64-row delta-rule chunk (next to the other prompts, the 80-token
+    prompt's rows 0-21, 21-51, 51-80). Room for 9 sequences: with 32 tokens, the n = 3 tests' engine, whose
+    executables it shares."""
     with caplog.at_level(logging.INFO, logger="jinfer.engine.core"):
-        llm = LLM(TINY, **BASE, max_num_batched_tokens=budget, warmup=False)
+        llm = LLM(TINY, **(BASE | {"max_num_seqs": 9}), max_num_batched_tokens=budget, warmup=False)
     assert "prefix caching is off" in caplog.text and not llm.engine.kv.enable_prefix_caching
     assert [o[0] for o in generate(llm)] == GREEDY_IDS
     kv = llm.engine.kv
@@ -94,8 +96,8 @@ def test_n_samples_that_cannot_fork_run_alone():
 
 def test_pallas_backend_warm_buckets_and_async():
     """Pallas kernels (interpreted on CPU), every bucket compiled at warm-up (the forks' copies too): no compile
-    while serving."""
-    llm = LLM(TINY, **BASE, max_num_batched_tokens=16, attention_backend="pallas")
+    while serving. (Room for 16 sequences: the decode-only test's engine, which loads what this one compiled.)"""
+    llm = LLM(TINY, **(BASE | {"max_num_seqs": 16}), max_num_batched_tokens=16, attention_backend="pallas")
     assert [o[0] for o in generate(llm)] == GREEDY_IDS
     params = SamplingParams(n=3, temperature=0.0, max_tokens=4, ignore_eos=True)
     assert generate(llm, params, PROMPTS[1:2]) == [[GREEDY_IDS[1][:4]] * 3]

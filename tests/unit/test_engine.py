@@ -175,15 +175,10 @@ def test_idle_buckets_unload_and_load_again_on_demand(alone, tmp_path, caplog):
     assert {k[1:]: v for k, v in run_all(warm, [(f"d{r}", p, s) for r, p, s in reqs])[0].items()} == alone
 
 
-def test_keep_alive_validated(tmp_path):
+def test_keep_alive_validated():
     with pytest.raises(ValueError, match="executable_keep_alive"):
         EngineConfig(TINY, executable_keep_alive=-1)
-    # without a staged warm-up nothing is unloaded: no bucket is known to stay loaded for the steps to pad into
-    core = EngineCore(EngineConfig(TINY, **{**BASE, "max_num_batched_tokens": 16, "executable_keep_alive": 1.0,
-                                            "compilation_cache_dir": str(tmp_path)}))
-    core.runner.warmup()
-    assert run_all(core, [("a", prompts(1)[0], GREEDY)])[0]
-    assert core.runner.unload_idle(now=time.monotonic() + 100) == 0 and core.runner.ready_tokens == (8, 16)
+    # (with a full warm-up nothing is unloaded: test_warm_start_loads_executables_without_tracing)
 
 
 def test_warmup_first_tokens_validated():
@@ -349,7 +344,8 @@ def test_async_scheduling_gives_the_same_outputs_as_sync(alone):
     arrivals = [(i * 5) % 11 for i in range(8)]
     results = {}
     for mode in (False, True):
-        core = EngineCore(EngineConfig(TINY, **{**BASE, "num_pages": 16}, async_scheduling=mode))
+        # (the preemption test's pool: its forward executables are this engine's too)
+        core = EngineCore(EngineConfig(TINY, **{**BASE, "num_pages": 25}, async_scheduling=mode))
         preempted = []
         orig = core.scheduler._preempt
         core.scheduler._preempt = lambda r, orig=orig, seen=preempted: (seen.append(r.request_id), orig(r))[1]
@@ -369,8 +365,9 @@ def test_async_scheduling_gives_the_same_outputs_as_sync(alone):
 
 def test_warm_start_loads_executables_without_tracing(tmp_path):
     """With a cache directory, a second engine loads every compiled shape from disk: no tracing or
-    lowering at start-up or while serving, and the same tokens."""
-    cfg = EngineConfig(TINY, **{**BASE, "warmup": True, "max_num_batched_tokens": 16,
+    lowering at start-up or while serving, and the same tokens. A keep-alive unloads nothing after a full (not
+    staged) warm-up: no bucket is known to stay loaded for the steps to pad into."""
+    cfg = EngineConfig(TINY, **{**BASE, "warmup": True, "max_num_batched_tokens": 16, "executable_keep_alive": 1.0,
                                 "compilation_cache_dir": str(tmp_path)})
     reqs = [(str(i), p, kind) for i, p in enumerate(prompts(4, seed=2))
             for kind in [SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)]]
@@ -384,6 +381,7 @@ def test_warm_start_loads_executables_without_tracing(tmp_path):
     # (the KV pool's zero-fill is a tiny jit of its own, traced per engine)
     assert second.runner.executables.misses == 0 and [n for n in lowered if "step" in n] == []
     assert got == expected
+    assert second.runner.unload_idle(now=time.monotonic() + 100) == 0 and second.runner.ready_tokens == (8, 16)
 
 
 def test_logit_bias_and_min_tokens(alone):

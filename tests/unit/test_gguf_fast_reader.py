@@ -1,7 +1,6 @@
 """jinfer's GGUF tensor reader (gguf_meta.open_gguf) against the gguf package's GGUFReader, on files the
 gguf package wrote and on the default model."""
 
-from pathlib import Path
 
 import gguf
 import numpy as np
@@ -11,6 +10,7 @@ from gguf.quants import dequantize
 
 from jinfer.weights.gguf import dequantize_tensor
 from jinfer.weights.gguf_meta import open_gguf, read_metadata, tensor_names
+from jinfer.weights.loader import default_model_path
 
 QUANTIZABLE = (Q.BF16, Q.Q8_0, Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1)  # gguf.quants can write these
 K_QUANTS = (Q.Q2_K, Q.Q3_K, Q.Q4_K, Q.Q5_K, Q.Q6_K)  # no Python quantizer: random blocks
@@ -152,7 +152,7 @@ def test_bad_tensor_infos(tmp_path):
 
 
 def test_default_model_tensors_match():
-    ggufs = sorted(Path(__file__).resolve().parents[2].glob("models/SmolLM2-135M-Instruct/*.gguf"))
+    ggufs = sorted(default_model_path().parent.glob("*.gguf"))
     if not ggufs:
         pytest.skip("default model not fetched")
     types = _assert_same_tensors(ggufs[0], dequantize_all=False)

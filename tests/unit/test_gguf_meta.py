@@ -5,6 +5,7 @@ import numpy as np
 import pytest
 
 from jinfer.weights.gguf_meta import read_metadata
+from jinfer.weights.loader import default_model_path
 
 
 def _reference(path) -> dict:
@@ -44,9 +45,7 @@ def test_matches_the_gguf_package(tmp_path):
 
 
 def test_default_model_metadata_matches():
-    from pathlib import Path
-
-    ggufs = sorted(Path(__file__).resolve().parents[2].glob("models/SmolLM2-135M-Instruct/*.gguf"))
+    ggufs = sorted(default_model_path().parent.glob("*.gguf"))
     if not ggufs:
         pytest.skip("default model not fetched")
     assert read_metadata(ggufs[0]) == _reference(ggufs[0])

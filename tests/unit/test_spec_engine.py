@@ -196,19 +196,14 @@ def test_run_all_helper_sees_multi_token_deltas(spec):
     assert len(out["x/0"]) == 24 and finish["x/0"] == "length"
 
 
-def test_replay_drafter_in_the_engine(plain):
-    """The benchmark-only drafter: a recorded greedy run replayed with per-token acceptance p keeps the outputs and
-    gives a mean acceptance length near 1 + p + p^2 + p^3."""
+def test_replay_drafter_in_the_engine():
+    """The benchmark-only drafter decides acceptance: the engine's mean acceptance length is near 1 + p + p^2 + p^3,
+    and every request still gets its max_tokens tokens."""
     from jinfer.spec.replay import ReplayProposer
 
-    prompts = spec_prompts(4, seed=41)
     params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
-    want, _ = generate(plain, prompts, params)
-    proposer = ReplayProposer(3, acceptance=0.7)
-    for i, p in enumerate(prompts):
-        proposer.record(p, want[f"{i}/0"][0])
-    engine = EngineCore(EngineConfig(TINY, **BASE), proposer=proposer)
-    got, counters = generate(engine, prompts, params)
-    assert [got[k][0] for k in want] == [want[k][0] for k in want]
+    engine = EngineCore(EngineConfig(TINY, **BASE), proposer=ReplayProposer(3, acceptance=0.7))
+    got, counters = generate(engine, spec_prompts(4, seed=41), params)
+    assert all(len(ids) == 40 for ids, *_ in got.values())
     mean = 1 + counters["spec_decode_num_accepted_tokens"] / counters["spec_decode_num_drafts"]
     assert abs(mean - (1 + 0.7 + 0.49 + 0.343)) < 0.35, mean

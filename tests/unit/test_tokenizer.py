@@ -9,9 +9,10 @@ from pathlib import Path
 import pytest
 
 from jinfer.tokenizer import IncrementalDetokenizer, Tokenizer, _byte_alphabet
+from jinfer.weights.loader import default_model_path
 
 REPO = Path(__file__).resolve().parents[2]
-GGUF = REPO / "models" / "SmolLM2-135M-Instruct" / "SmolLM2-135M-Instruct.Q4_1.gguf"
+GGUF = default_model_path()
 GOLDEN = json.loads((REPO / "tests/data/golden/smollm2_tokenizer.json").read_text(encoding="utf-8"))
 TEXTS = GOLDEN["texts"]
 IDS = [f"text{i}" for i in range(len(TEXTS))]

@@ -1,0 +1,229 @@
+"""Tiny random-weight DeepSeek-V2 and DeepSeek-V3 checkpoints (tests/data/tiny-deepseek_v2, tiny-deepseek_v3, made
+by HF transformers in scripts/make_golden.py) against HF's logits and greedy ids: multi-head latent attention over
+the latent paged cache (absorbed form), YaRN (V2), q low rank and interleaved RoPE (V3), a dense first layer then
+DeepSeekMoE (V2: softmax, group-limited; V3: sigmoid + correction bias, top groups, renormalised and scaled; shared
+experts). One device and tp / ep = 2 on fake CPU devices, the forward alone and the whole engine (chunked prefill,
+prefix-cache hits), and the cache's size: one latent row per token per layer."""
+
+import math
+from functools import partial
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jinfer.cache.layout import init_kv_cache, kv_cache_bytes_per_page
+from jinfer.cache.spec import LatentKV
+from jinfer.config.model import NAMED_SHAPES, ModelConfig
+from jinfer.llm import LLM
+from jinfer.models.batch import make_batch
+from jinfer.models.registry import cache_spec, forward, shard_weights, weight_specs
+from jinfer.parallel.mesh import array_specs, check_parallel, make_mesh, mesh_forward
+from jinfer.sampling_params import SamplingParams
+from jinfer.weights.loader import load_weights, resolve_model
+
+from ..conftest import DATA
+from .test_golden_tiny import NUM_PAGES, OPS, PAGE, check_batched_chunked_prefill, check_prompt_and_decodes
+
+ARCHS = ("deepseek_v2", "deepseek_v3")
+GREEDY = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True)
+
+
+def gold(arch):
+    return np.load(DATA / "golden" / f"tiny-{arch}.npz")
+
+
+# Each family on one device; tensor parallel on V2, expert parallel (heads split too) on V3.
+CASES = [("deepseek_v2", 1, False, "ref"), ("deepseek_v3", 1, False, "ref"), ("deepseek_v2", 2, False, "ref"),
+         ("deepseek_v3", 2, True, "ref"), pytest.param(("deepseek_v2", 1, False, "pallas"), marks=pytest.mark.slow)]
+
+
+@pytest.fixture(scope="module", params=CASES, ids=lambda p: f"{p[0]}-{'ep' if p[2] else 'tp'}{p[1]}-{p[3]}")
+def model(request):
+    """The Pallas ops (interpreted) run the dense layer's and the projections' kernels; MLA attention and the MoE
+    block are the reference on every backend."""
+    arch, n, ep, ops = request.param
+    src = resolve_model(DATA / f"tiny-{arch}")
+    cfg = src.config
+    check_parallel(cfg, n, ep)
+    mesh = make_mesh(n)
+    w = shard_weights(cfg, load_weights(src, "float32", mesh, progress=False, expert_parallel=ep), mesh,
+                      expert_parallel=ep)
+    kv = init_kv_cache(cfg, NUM_PAGES, PAGE, "float32", mesh)
+    step = jax.jit(mesh_forward(forward, cfg, OPS[ops], mesh, array_specs(w), array_specs(kv)), donate_argnums=(2,))
+    return cfg, w, gold(arch), step, partial(init_kv_cache, cfg, NUM_PAGES, PAGE, "float32", mesh)
+
+
+def split(a, axis):
+    return a.shape[axis] // a.sharding.shard_shape(a.shape)[axis]
+
+
+def test_heads_split_latent_replicated(model):
+    """Sharded: q, the latent's up-projection and o split by head, the latent projection and cache whole."""
+    cfg, w, _, _, empty = model
+    n, layer, moe = w.embed.sharding.mesh.size, w.layers[0], w.layers[1]
+    q = layer.wq if layer.wq is not None else layer.wq_b
+    assert split(q, 1) == n and split(layer.wkv_b, 1) == n and split(layer.wo, 0) == n
+    assert split(layer.wkv_a, 1) == 1 and split(moe.ws_gate, 1) == n
+    assert all(split(a, 2) == 1 and a.shape[2] == cfg.latent_dim for (a,) in empty())
+
+
+def test_config_read_from_hf():
+    v2, v3 = (resolve_model(DATA / f"tiny-{a}").config for a in ARCHS)
+    for cfg in (v2, v3):
+        assert (cfg.kv_lora_rank, cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim) == (32, 16, 8, 16)
+        assert cfg.head_dim == 24 and cfg.rotary_dim == 8 and cfg.latent_dim == 40 and cfg.rope_interleave
+        assert cfg.mlp_only_layers == (0,) and [cfg.is_moe_layer(i) for i in range(3)] == [False, True, True]
+        assert (cfg.num_experts, cfg.num_experts_per_tok, cfg.n_group, cfg.topk_group) == (8, 2, 4, 2)
+    assert v2.q_lora_rank == 0 and v2.scoring_func == "softmax" and v2.num_shared_experts == 2
+    assert v2.rope_scaling.rope_type == "yarn" and not v2.norm_topk_prob and v2.routed_scaling_factor == 1.5
+    assert v3.q_lora_rank == 24 and v3.scoring_func == "sigmoid" and v3.num_shared_experts == 1
+    assert v3.norm_topk_prob and v3.routed_scaling_factor == 2.5
+
+
+# the published config.json files (the fields jinfer reads, and a few it ignores)
+PUBLISHED = {
+    "deepseek-v2-lite": dict(architectures=["DeepseekV2ForCausalLM"], vocab_size=102400, hidden_size=2048,
+                             intermediate_size=10944, moe_intermediate_size=1408, num_hidden_layers=27,
+                             num_attention_heads=16, num_key_value_heads=16, n_shared_experts=2, n_routed_experts=64,
+                             routed_scaling_factor=1.0, kv_lora_rank=512, q_lora_rank=None, qk_rope_head_dim=64,
+                             v_head_dim=128, qk_nope_head_dim=128, topk_method="greedy", n_group=1, topk_group=1,
+                             num_experts_per_tok=6, moe_layer_freq=1, first_k_dense_replace=1, norm_topk_prob=False,
+                             scoring_func="softmax", aux_loss_alpha=0.001, max_position_embeddings=163840,
+                             rms_norm_eps=1e-6, rope_theta=10000,
+                             rope_scaling=dict(beta_fast=32, beta_slow=1, factor=40, mscale=0.707, mscale_all_dim=0.707,
+                                               original_max_position_embeddings=4096, type="yarn"),
+                             bos_token_id=100000, eos_token_id=100001, tie_word_embeddings=False),
+    "deepseek-v3": dict(architectures=["DeepseekV3ForCausalLM"], vocab_size=129280, hidden_size=7168,
+                        intermediate_size=18432, moe_intermediate_size=2048, num_hidden_layers=61,
+                        num_nextn_predict_layers=1, num_attention_heads=128, num_key_value_heads=128,
+                        n_shared_experts=1, n_routed_experts=256, routed_scaling_factor=2.5, kv_lora_rank=512,
+                        q_lora_rank=1536, qk_rope_head_dim=64, v_head_dim=128, qk_nope_head_dim=128,
+                        topk_method="noaux_tc", n_group=8, topk_group=4, num_experts_per_tok=8, moe_layer_freq=1,
+                        first_k_dense_replace=3, norm_topk_prob=True, scoring_func="sigmoid",
+                        max_position_embeddings=163840, rms_norm_eps=1e-6, rope_theta=10000,
+                        rope_scaling=dict(beta_fast=32, beta_slow=1, factor=40, mscale=1.0, mscale_all_dim=1.0,
+                                          original_max_position_embeddings=4096, type="yarn"),
+                        bos_token_id=0, eos_token_id=1, tie_word_embeddings=False),
+}
+
+
+@pytest.mark.parametrize("name", sorted(PUBLISHED))
+def test_published_config_is_the_named_shape(name):
+    assert ModelConfig.from_hf_config(PUBLISHED[name]) == NAMED_SHAPES[name]
+
+
+@pytest.mark.parametrize("kw,match", [
+    ({"kv_lora_rank": 0}, "kv_lora_rank=0"),
+    ({"head_dim": 128}, "head_dim=128"),
+    ({"scoring_func": "softplus"}, "scoring_func"),
+    ({"topk_group": 9}, "topk_group=9"),
+    ({"n_group": 3}, "n_group"),
+    ({"architecture": "qwen3_moe"}, "kv_lora_rank=512"),
+])
+def test_config_checks(kw, match):
+    with pytest.raises(ValueError, match=match):
+        NAMED_SHAPES["deepseek-v3"].replace(**kw)
+
+
+def test_parallel_checks():
+    cfg = NAMED_SHAPES["deepseek-v2-lite"]
+    check_parallel(cfg, 8, expert_parallel=True)
+    with pytest.raises(ValueError, match="shared experts"):
+        check_parallel(cfg.replace(num_shared_experts=1, moe_intermediate_size=1407), 2, expert_parallel=True)
+
+
+@pytest.mark.parametrize("i", [0, 1, 2])
+def test_prefill_and_every_decode_step_match_hf(model, i):
+    cfg, w, g, step, empty = model
+    check_prompt_and_decodes(step, w, empty(), g, i)
+
+
+def test_batched_chunked_prefill_matches_hf(model):
+    cfg, w, g, step, empty = model
+    check_batched_chunked_prefill(step, w, empty(), g)
+
+
+def test_latent_cache_size():
+    """One row of kv_lora_rank + qk_rope_head_dim values per token and layer, on every device (not split by heads):
+    576 for DeepSeek-V2-Lite / V3, against Qwen3-30B-A3B's 2 x 4 kv heads x 128."""
+    for name, layers in (("deepseek-v2-lite", 27), ("deepseek-v3", 61)):
+        cfg = NAMED_SHAPES[name]
+        assert cache_spec(cfg) == [LatentKV(576)] * layers
+        for tp in (1, 2, 8):
+            assert kv_cache_bytes_per_page(cfg, 16, "bfloat16", tp) == 16 * 576 * layers * 2
+    qwen = NAMED_SHAPES["qwen3-30b-a3b"]
+    assert kv_cache_bytes_per_page(qwen, 16, "bfloat16") == 16 * 2 * 4 * 128 * 48 * 2
+    v3 = NAMED_SHAPES["deepseek-v3"]
+    assert 660e9 < v3.num_params() < 680e9 and 36e9 < v3.num_params(active=True) < 39e9
+    for name in ("deepseek-v2-lite", "deepseek-v3"):  # the weight specs hold what num_params counts
+        cfg = NAMED_SHAPES[name]
+        assert sum(math.prod(s.shape) for s in weight_specs(cfg).values()) == cfg.num_params()
+
+
+@pytest.mark.parametrize("shape", ["deepseek-v3"])  # (V2-Lite's shape differs only in sizes checked above)
+def test_dummy_shape_runs_in_bfloat16(shape):
+    """The named shapes with few and narrow layers (head dims, latent and routing as published), random bfloat16
+    weights: a prefill gives finite logits; V3's routing bias stays float32 (as HF keeps it)."""
+    src = resolve_model(f"dummy:{shape},num_layers=4,hidden_size=64,intermediate_size=64,moe_intermediate_size=32,"
+                        "num_heads=2,num_kv_heads=2,num_experts=16,vocab_size=256")
+    cfg = src.config
+    w = load_weights(src, "bfloat16", progress=False)
+    assert (cfg.latent_dim, cfg.head_dim) == (576, 192) and w.layers[-1].w_gate.dtype == jnp.bfloat16
+    if cfg.scoring_func == "sigmoid":
+        assert w.layers[-1].router_bias.dtype == jnp.float32
+    mesh = make_mesh(1)
+    kv = init_kv_cache(cfg, 8, 4, jnp.bfloat16, mesh)
+    batch = make_batch([(list(range(1, 12)), 0, [1, 2, 3])], 4, num_tokens=16, num_seqs=2, pages_per_seq=4)
+    logits, kv, aux = jax.jit(partial(forward, cfg=cfg, aux_layers=(0, 2, 4)))(w, batch, kv)  # (EAGLE-3's inputs)
+    assert logits.shape[1] == 256 and bool(jnp.isfinite(logits[0]).all()) and aux.shape == (16, 3 * 64)
+    assert kv[0][0].shape == (8, 4, 576) and kv[0][0].dtype == jnp.bfloat16
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("arch,tp,pages", [("deepseek_v2", 1, None), ("deepseek_v3", 1, 30)])  # tp: the step tests
+def test_engine_greedy_matches_hf(arch, tp, pages, monkeypatch):
+    """The whole engine: 16-token steps (the 37-token prompt prefilled in chunks beside the others' decodes), the
+    same prompts again from the prefix cache; the pool's bytes are one latent row per token and layer. With 29
+    usable pages (the three sequences need 41) requests are preempted and recomputed."""
+    g = gold(arch)
+    prompts, greedy = [g[f"prompt_{i}"].tolist() for i in range(3)], [g[f"greedy_{i}"].tolist() for i in range(3)]
+    llm = LLM(str(DATA / f"tiny-{arch}"), dtype="float32", page_size=4, max_model_len=128, max_num_batched_tokens=16,
+              max_num_seqs=8, compilation_cache_dir="", tensor_parallel_size=tp, num_pages=pages)
+    core = llm.engine
+    preempted = []
+    real = core.scheduler._preempt
+    monkeypatch.setattr(core.scheduler, "_preempt", lambda r: preempted.append(r.request_id) or real(r))
+    cfg = resolve_model(DATA / f"tiny-{arch}").config
+    layers = core.runner.kv_cache
+    assert len(layers) == cfg.num_layers and all(len(layer) == 1 for layer in layers)
+    num_pages = layers[0][0].shape[0]
+    assert sum(a.nbytes for layer in layers for a in layer) == num_pages * 4 * cfg.latent_dim * cfg.num_layers * 4
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], GREEDY, use_tqdm=False)
+    assert [list(o.outputs[0].token_ids) for o in outs] == greedy
+    hits = core.kv.num_hit_tokens
+    again = llm.generate([{"prompt_token_ids": p} for p in prompts[::-1]], GREEDY, use_tqdm=False)
+    assert [list(o.outputs[0].token_ids) for o in again] == greedy[::-1]
+    assert core.kv.num_hit_tokens > hits and core.kv.num_free_pages == core.kv.num_usable_pages
+    assert bool(preempted) == (pages is not None)
+
+
+@pytest.mark.slow
+def test_host_tier_brings_latent_pages_back():
+    """A 24-page HBM pool (one prompt and its decodes at a time) with the host tier: the prompts again, each after
+    the others evicted its pages, come back from host memory (latent rows, one array per layer) with HF's ids."""
+    g = gold("deepseek_v2")
+    prompts, greedy = [g[f"prompt_{i}"].tolist() for i in range(3)], [g[f"greedy_{i}"].tolist() for i in range(3)]
+    cfg = resolve_model(DATA / "tiny-deepseek_v2").config
+    page_bytes = kv_cache_bytes_per_page(cfg, 4, "float32")
+    llm = LLM(str(DATA / "tiny-deepseek_v2"), dtype="float32", page_size=4, max_model_len=128, num_pages=25,
+              max_num_batched_tokens=16, max_num_seqs=1, compilation_cache_dir="",
+              kv_offload_gb=64 * page_bytes / 2**30)
+    core = llm.engine
+    assert core.runner.host_pool.page_bytes == page_bytes == 4 * cfg.latent_dim * cfg.num_layers * 4
+    for _ in range(2):
+        for p, ids in zip(prompts, greedy, strict=True):
+            out = llm.generate([{"prompt_token_ids": p}], GREEDY, use_tqdm=False)
+            assert list(out[0].outputs[0].token_ids) == ids
+    assert core.kv.num_host_hit_tokens > 0 and core.kv.num_free_pages == core.kv.num_usable_pages
