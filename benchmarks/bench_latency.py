@@ -114,7 +114,8 @@ def main():
     replay = args.replay_acceptance is not None
     if replay and spec_config is None:
         ap.error("--replay-acceptance needs --speculative-config (its num_speculative_tokens)")
-    proposer = ReplayProposer(spec_config.num_speculative_tokens, args.replay_acceptance) if replay else None
+    proposer = ReplayProposer(spec_config.num_speculative_tokens, args.replay_acceptance,
+                                                forced=True) if replay else None
     core = EngineCore(EngineConfig(model=model, dtype=args.dtype, max_model_len=max_model_len,
                                    max_num_seqs=max(args.batch_sizes),
                                    max_num_batched_tokens=args.max_num_batched_tokens,

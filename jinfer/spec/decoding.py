@@ -49,7 +49,7 @@ class SpecDecoding:
         self.accepted_per_pos = np.zeros(self.k, np.int64)  # accepted drafts at position 0..k-1
         # The benchmark-only replay drafter decides acceptance itself (jinfer/spec/replay.py); every other drafter's
         # drafts are accepted by the exact rule (module doc).
-        self._forced = getattr(proposer, "forced_accept", None)
+        self._forced = proposer.forced_accept if getattr(proposer, "forced", False) else None
 
     def propose(self, running: Sequence, seqs: dict) -> None:
         """Draft the running requests that have no token in flight and are past their prefill (their next step is a

@@ -205,20 +205,25 @@ def test_only_accepted_tokens_enter_the_prefix_cache():
 # ---- the replay drafter --------------------------------------------------------------------------------------------
 
 
-def test_replay_drafter_decides_acceptance():
-    """Drafts are the recording (else the request's last tokens); each verification keeps the planned number of
-    drafts, leading Bernoulli(p) successes: mean 1 + p + ... + p^k tokens per verification."""
+def test_replay_drafter_exact_and_forced():
+    """Exact mode: the recording, each token right with probability p (else wrong), no draft without a recording.
+    Forced mode: the drafter plans each verification's accepted count (leading Bernoulli(p) successes), so the
+    verifications keep 1 + p + ... + p^k tokens on average whatever the target samples."""
     p = ReplayProposer(4, acceptance=1.0)
     p.record([1, 2], [7, 8, 9, 10, 11, 12])
-    r = types.SimpleNamespace(request_id="x", prompt_token_ids=[1, 2], num_output_tokens=1, all_token_ids=[1, 2, 7])
-    other = types.SimpleNamespace(request_id="y", prompt_token_ids=[3], num_output_tokens=0, all_token_ids=[3, 4])
-    assert p.propose([r, other]) == [[8, 9, 10, 11], [3, 4]]
-    assert p.forced_accept("x", [8, 9, 10, 11], [8, 0, 0, 0, 5]) == [8, 9, 10, 11, 5]  # all kept, then the bonus
-    p = ReplayProposer(3, acceptance=0.6, seed=0)
+    ns = types.SimpleNamespace
+    r = ns(request_id="x", prompt_token_ids=[1, 2], num_output_tokens=1, all_token_ids=[1, 2, 7])
+    other = ns(request_id="y", prompt_token_ids=[3], num_output_tokens=0, all_token_ids=[3, 4])
+    assert p.propose([r, other]) == [[8, 9, 10, 11], []]
+    p = ReplayProposer(1, acceptance=0.3, seed=0)
+    p.record([1], [5] * 2000)
+    drafts = [p.propose([ns(request_id="z", prompt_token_ids=[1], num_output_tokens=i, all_token_ids=[1])])[0][0]
+              for i in range(2000)]
+    assert abs(np.mean(np.array(drafts) == 5) - 0.3) < 0.05 and set(drafts) == {4, 5}
+    p = ReplayProposer(3, acceptance=0.6, seed=0, forced=True)
     kept = []
     for i in range(3000):
-        req = types.SimpleNamespace(request_id=str(i), prompt_token_ids=[1], num_output_tokens=0, all_token_ids=[5] * 3)
-        draft = p.propose([req])[0]
+        draft = p.propose([ns(request_id=str(i), prompt_token_ids=[1], num_output_tokens=0, all_token_ids=[5] * 3)])[0]
         kept.append(len(p.forced_accept(str(i), draft, [9] * (len(draft) + 1))))
     assert abs(np.mean(kept) - (1 + 0.6 + 0.36 + 0.216)) < 0.06
 

@@ -197,12 +197,12 @@ def test_run_all_helper_sees_multi_token_deltas(spec):
 
 
 def test_replay_drafter_in_the_engine():
-    """The benchmark-only drafter decides acceptance: the engine's mean acceptance length is near 1 + p + p^2 + p^3,
-    and every request still gets its max_tokens tokens."""
+    """The replay drafter in forced mode (benchmarks) decides acceptance: the engine's mean acceptance length is near
+    1 + p + p^2 + p^3, and every request still gets its max_tokens tokens."""
     from jinfer.spec.replay import ReplayProposer
 
     params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
-    engine = EngineCore(EngineConfig(TINY, **BASE), proposer=ReplayProposer(3, acceptance=0.7))
+    engine = EngineCore(EngineConfig(TINY, **BASE), proposer=ReplayProposer(3, acceptance=0.7, forced=True))
     got, counters = generate(engine, spec_prompts(4, seed=41), params)
     assert all(len(ids) == 40 for ids, *_ in got.values())
     mean = 1 + counters["spec_decode_num_accepted_tokens"] / counters["spec_decode_num_drafts"]
