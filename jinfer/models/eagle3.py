@@ -39,6 +39,7 @@ from __future__ import annotations
 import dataclasses
 import json
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -281,14 +282,23 @@ def propose(weights: Eagle3Weights, cfg: Eagle3Config, batch: Batch, aux: jax.Ar
     `live` [B] bool: the sequences whose chain steps run (None: all); the others only take the first pass.
     Returns (drafts [B, num_steps] int32 target ids, the head's updated KV); padding sequences' drafts are junk.
     """
-    logits, x, kv = draft_forward(weights, cfg, batch, combine_hidden(weights, aux, ops), kv, ops)
-    drafts = [_greedy(weights, logits)]
+    return greedy_chain(partial(draft_forward, weights, cfg), partial(_greedy, weights), batch,
+                        combine_hidden(weights, aux, ops), kv, num_steps, ops, live)
+
+
+def greedy_chain(step_fn, greedy_fn, batch: Batch, hidden: jax.Array, kv: KV, num_steps: int, ops: ModelOps,
+                 live: jax.Array | None) -> tuple[jax.Array, KV]:
+    """A draft head's chain (EAGLE-3's, MTP's): `step_fn(batch, hidden, kv, ops)` -> (logits, hidden, kv) first over
+    the step's rows, then `num_steps - 1` one-token steps feeding each sequence its previous draft and its own
+    previous hidden state; `greedy_fn(logits)` -> target ids. Returns (drafts [B, num_steps] int32, kv)."""
+    logits, x, kv = step_fn(batch, hidden, kv, ops)
+    drafts = [greedy_fn(logits)]
     hidden = x[batch.logits_indices]  # [B, H]
     positions = batch.positions[batch.logits_indices]
     step_ops = dataclasses.replace(ops, decode_step=True) if ops.backend == "pallas" else ops
     for _ in range(num_steps - 1):
         positions = positions + 1
         step = chain_batch(batch, drafts[-1], positions, kv[0].shape[1], live)
-        logits, hidden, kv = draft_forward(weights, cfg, step, hidden, kv, step_ops)
-        drafts.append(_greedy(weights, logits))
+        logits, hidden, kv = step_fn(step, hidden, kv, step_ops)
+        drafts.append(greedy_fn(logits))
     return jnp.stack(drafts, axis=1), kv

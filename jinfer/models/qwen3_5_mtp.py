@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
+from functools import partial
 
 import jax
 import jax.numpy as jnp
@@ -26,7 +27,7 @@ import jax.numpy as jnp
 from jinfer.cache.spec import AttentionKV
 from jinfer.config.model import ModelConfig
 from jinfer.models.batch import Batch
-from jinfer.models.eagle3 import chain_batch
+from jinfer.models.eagle3 import greedy_chain
 from jinfer.models.layers import rms_norm, rope_cos_sin
 from jinfer.models.qwen3_5 import HybridLayer, gated_attention, layer_specs
 from jinfer.models.spec import ArrayInfo
@@ -114,14 +115,5 @@ def propose(weights: MtpWeights, cfg: ModelConfig, batch: Batch, aux: jax.Array,
     `input_ids` shifted by one and `logits_indices` [B] each sequence's last accepted row; `aux` [T, H] the target's
     residual stream after its last layer (before its final norm). Returns (drafts [B, num_steps] int32, the KV)."""
     hidden = rms_norm(aux.astype(weights.fc.dtype), weights.target_norm, cfg.rms_norm_eps)
-    logits, y, kv = draft_forward(weights, cfg, batch, hidden, kv, ops)
-    drafts = [jnp.argmax(logits, axis=-1).astype(jnp.int32)]
-    hidden = y[batch.logits_indices]  # [B, H]
-    positions = batch.positions[batch.logits_indices]
-    step_ops = dataclasses.replace(ops, decode_step=True) if ops.backend == "pallas" else ops
-    for _ in range(num_steps - 1):
-        positions = positions + 1
-        step = chain_batch(batch, drafts[-1], positions, kv[0].shape[1], live)
-        logits, hidden, kv = draft_forward(weights, cfg, step, hidden, kv, step_ops)
-        drafts.append(jnp.argmax(logits, axis=-1).astype(jnp.int32))
-    return jnp.stack(drafts, axis=1), kv
+    return greedy_chain(partial(draft_forward, weights, cfg), lambda logits: jnp.argmax(logits, -1).astype(jnp.int32),
+                        batch, hidden, kv, num_steps, ops, live)

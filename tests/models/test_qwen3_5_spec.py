@@ -57,7 +57,7 @@ def assert_slots_free(engine: EngineCore):
     assert kv.num_free_state_slots == kv.num_state_slots - 1 and kv.num_free_pages == kv.num_usable_pages
 
 
-@pytest.mark.parametrize("batch", [1, 4])
+@pytest.mark.parametrize("batch", [4])  # (the repeating prompt and three of mixed lengths)
 def test_ngram_greedy_equals_without_speculation(ngram, plain_repeat, batch):
     prompts = ([REPEAT] + PROMPTS)[:batch]
     want = ([plain_repeat] + GREEDY_IDS)[:batch]
@@ -100,18 +100,13 @@ def test_replay_drafts_accepted_and_rejected_with_preemption():
     assert_slots_free(engine)
 
 
-@pytest.mark.parametrize("acceptance", [1.0, 0.5])
-def test_n_samples_fork_with_drafts(acceptance):
-    """n = 2 greedy samples forked from one prefill, each verifying replayed drafts (all accepted; some rejected):
+def test_n_samples_fork_with_drafts():
+    """n = 2 greedy samples forked from one prefill, each verifying replayed drafts (some accepted, some rejected):
     every sample equals HF's ids."""
-    engine = replay_engine(acceptance, max_num_seqs=6)
+    engine = replay_engine(0.5, max_num_seqs=6)
     forks, original = [], engine.runner.fork
     engine.runner.fork = lambda pages, slots: (forks.append(list(slots)), original(pages, slots))
     got, counters = run(engine, PROMPTS, SamplingParams(n=2, temperature=0.0, max_tokens=32, ignore_eos=True))
     assert got == [[g] * 2 for g in GREEDY_IDS]
-    assert forks and counters["spec_decode_num_accepted_tokens"] > 0
-    if acceptance == 1.0:
-        assert counters["spec_decode_num_accepted_tokens"] == counters["spec_decode_num_draft_tokens"]
-    else:
-        assert counters["spec_decode_num_accepted_tokens"] < counters["spec_decode_num_draft_tokens"]
+    assert forks and 0 < counters["spec_decode_num_accepted_tokens"] < counters["spec_decode_num_draft_tokens"]
     assert_slots_free(engine)

@@ -53,7 +53,7 @@ def assert_drafted(counters: dict):
     assert counters["spec_decode_num_drafts"] > 0 and counters["spec_decode_num_draft_tokens"] > 0
 
 
-@pytest.mark.parametrize("batch", [1, 4])
+@pytest.mark.parametrize("batch", [4])  # mixed prompt lengths (batch 1: the golden-chain test's single requests)
 def test_greedy_outputs_equal_without_speculation(plain, spec, batch):
     prompts = spec_prompts(batch, seed=batch)
     want, _ = generate(plain, prompts, GREEDY)
