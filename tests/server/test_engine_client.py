@@ -89,7 +89,10 @@ def test_abort_frees_the_request(client):
         return got
 
     got = asyncio.run(run())
-    assert got[-1].finish_reason == "abort" and len(got) == 3
+    # (outputs the core sent before the abort reached it still arrive: the stream ends on the abort, long before
+    # max_tokens, however many were in flight)
+    assert got[-1].finish_reason == "abort" and not any(d.finished for d in got[:-1])
+    assert 3 <= len(got) < 50
     _wait_idle(client)
 
 
