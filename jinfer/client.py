@@ -150,6 +150,8 @@ class EngineClient:
             if path is None:
                 return None
             self._tokenizer = Tokenizer.from_pretrained(path)
+            if self.info.chat_template is not None:  # the engine's --chat-template
+                self._tokenizer.chat_template = self.info.chat_template
             gguf_meta = sys.modules.get("jinfer.weights.gguf_meta")
             if gguf_meta is not None:  # a GGUF's tokenizer: drop the file's mapping and tensor list
                 gguf_meta.open_gguf.cache_clear()

@@ -21,7 +21,7 @@ from typing import Any
 from tqdm.auto import tqdm
 
 from jinfer.config.engine import EngineConfig
-from jinfer.engine.args import compilation_cache_dir_from_env
+from jinfer.engine.args import VLLM_ARGS, compilation_cache_dir_from_env, vllm_engine_args
 from jinfer.engine.core import EngineCore
 from jinfer.outputs import CompletionOutput, RequestOutput
 from jinfer.sampling_params import SamplingParams
@@ -32,11 +32,13 @@ PromptType = str | dict[str, Any] | list[int]
 
 class LLM:
     def __init__(self, model: str | None = None, **engine_args: Any):
-        known = {f.name for f in dataclasses.fields(EngineConfig)}
+        """`model`: a Hugging Face ID, a directory, a .gguf file or dummy:<shape>; `engine_args`: EngineConfig's
+        fields and vLLM's names for them (`jinfer.engine.args.vllm_engine_args`: enforce_eager, block_size...)."""
+        known = {f.name for f in dataclasses.fields(EngineConfig)} | set(VLLM_ARGS)
         unknown = sorted(set(engine_args) - known)
         if unknown:
             raise ValueError(f"unknown engine arguments {unknown}; known: {sorted(known - {'model'})}")
-        config = EngineConfig(model=model, **compilation_cache_dir_from_env(engine_args))
+        config = EngineConfig(model=model, **compilation_cache_dir_from_env(vllm_engine_args(engine_args)))
         self.engines = [EngineCore(dataclasses.replace(config, data_parallel_rank=i))
                         for i in range(config.data_parallel_size)]
         self.engine = self.engines[0]

@@ -14,8 +14,14 @@ from dataclasses import dataclass, field
 from jinfer.config.kernels import BACKENDS, KernelPolicy
 from jinfer.config.speculative import SpeculativeConfig
 from jinfer.generation_config import check_setting as check_generation_config
+from jinfer.sampling_params import MAX_LOGPROBS
 
 DTYPE_NAMES = ("float32", "bfloat16", "float16")
+DTYPE_ALIASES = {"half": "float16", "float": "float32"}  # vLLM's (and PyTorch's) other names
+# KV pages are stored in the model's dtype: "auto" or that dtype by name. FP8 KV (with scales) is not built.
+KV_CACHE_DTYPES = ("auto", *DTYPE_NAMES)
+# Weights are loaded unquantized (a GGUF's blocks are dequantized at load): "gguf" names that, None detects it.
+QUANTIZATIONS = ("gguf",)
 # "auto": Pallas on GPU, jnp elsewhere; "pallas-triton": no Mosaic GPU kernel.
 ATTENTION_BACKENDS = BACKENDS
 DEFAULT_COMPILATION_CACHE_DIR = "~/.cache/jinfer/xla"
@@ -52,8 +58,14 @@ class SchedulerConfig:
 
 @dataclass(frozen=True)
 class EngineConfig:
-    model: str | None = None  # None: the embedded default model
-    dtype: str = "auto"  # "auto": bfloat16 on accelerators, float32 on CPU (faster there)
+    model: str | None = None  # None: the embedded default model; else a path, dummy:<shape> or a Hugging Face ID
+    revision: str | None = None  # the model's Hub revision: branch, tag or commit (default: main)
+    download_dir: str | None = None  # Hub cache directory (default: huggingface_hub's, under $HF_HOME)
+    tokenizer: str | None = None  # a directory, .gguf file or Hub ID (default: the model's)
+    chat_template: str | None = None  # a Jinja chat template (its text) replacing the tokenizer's
+    dtype: str = "auto"  # "auto": bfloat16 on accelerators, float32 on CPU (faster there); "half" = float16
+    kv_cache_dtype: str = "auto"  # "auto": the model's dtype (the only one built)
+    quantization: str | None = None  # None: the checkpoint's own format
     load_format: str = "auto"  # "dummy": random weights at the model's config
     max_model_len: int | None = None  # default: the model's context, capped by the KV pool
     max_num_seqs: int = 256
@@ -99,6 +111,7 @@ class EngineConfig:
     compilation_cache_dir: str = DEFAULT_COMPILATION_CACHE_DIR
     log_stats_interval: float = 10.0  # seconds between the engine process's stats lines (0: none)
     generation_config: str = "auto"  # default sampling parameters: "auto" (the model's), "vllm" (none) or a dir
+    max_logprobs: int = MAX_LOGPROBS  # most top logprobs a request may ask for (logprobs, prompt_logprobs)
     # Speculative decoding (jinfer/config/speculative.py): vLLM's dict or JSON form is accepted. None: off.
     speculative_config: SpeculativeConfig | None = None
 
@@ -110,8 +123,10 @@ class EngineConfig:
         object.__setattr__(self, "speculative_config", SpeculativeConfig.parse(self.speculative_config))
         if not isinstance(self.peer_timeout_s, int | float) or not 0 < self.peer_timeout_s < float("inf"):
             raise ValueError(f"peer_timeout_s={self.peer_timeout_s!r} must be a number of seconds > 0")
+        object.__setattr__(self, "dtype", DTYPE_ALIASES.get(self.dtype, self.dtype))
         if self.dtype != "auto" and self.dtype not in DTYPE_NAMES:
-            raise ValueError(f"dtype={self.dtype!r} must be 'auto' or one of {sorted(DTYPE_NAMES)}")
+            raise ValueError(f"dtype={self.dtype!r} must be 'auto' or one of {sorted([*DTYPE_NAMES, *DTYPE_ALIASES])}")
+        self._check_formats()
         if self.load_format not in ("auto", "dummy"):
             raise ValueError(f"load_format={self.load_format!r} must be 'auto' or 'dummy'")
         _check_positive_ints(self, ("max_num_seqs", "max_num_batched_tokens", "page_size", "tensor_parallel_size",
@@ -148,6 +163,28 @@ class EngineConfig:
                              "across several processes")
         if not isinstance(self.gpu_memory_utilization, int | float) or not 0 < self.gpu_memory_utilization <= 1:
             raise ValueError(f"gpu_memory_utilization={self.gpu_memory_utilization} must be in (0, 1]")
+
+    def _check_formats(self) -> None:
+        """kv_cache_dtype, quantization, max_logprobs and the strings naming where the model comes from."""
+        kv = DTYPE_ALIASES.get(self.kv_cache_dtype, self.kv_cache_dtype)
+        object.__setattr__(self, "kv_cache_dtype", kv)
+        if isinstance(kv, str) and kv.startswith("fp8"):
+            raise ValueError(f"kv_cache_dtype={kv!r} is not supported yet: KV pages are stored in the model's dtype "
+                             "(use 'auto')")
+        if kv not in KV_CACHE_DTYPES:
+            raise ValueError(f"kv_cache_dtype={kv!r} must be one of {KV_CACHE_DTYPES}")
+        if kv != "auto" and self.dtype != "auto" and kv != self.dtype:
+            raise ValueError(f"kv_cache_dtype={kv!r} must be 'auto' or the model's dtype={self.dtype!r}: KV pages "
+                             "are stored in the model's dtype")
+        if self.quantization is not None and self.quantization not in QUANTIZATIONS:
+            raise ValueError(f"quantization={self.quantization!r} is not supported: jinfer loads unquantized "
+                             f"safetensors checkpoints and GGUF files (dequantized at load; {QUANTIZATIONS})")
+        if not _is_int(self.max_logprobs) or not 0 <= self.max_logprobs <= MAX_LOGPROBS:
+            raise ValueError(f"max_logprobs={self.max_logprobs!r} must be an integer in [0, {MAX_LOGPROBS}]")
+        for name in ("revision", "download_dir", "tokenizer", "chat_template"):
+            v = getattr(self, name)
+            if v is not None and (not isinstance(v, str) or not v):
+                raise ValueError(f"{name}={v!r} must be a non-empty string or None")
 
     def scheduler_config(self, max_model_len: int) -> SchedulerConfig:
         """The scheduler's options, once the context length is known (it depends on the KV pool's size)."""

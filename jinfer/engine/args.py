@@ -8,22 +8,55 @@ arguments are parsed, never below (JINFER_COMPILATION_CACHE: `compilation_cache_
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import logging
 import os
+from pathlib import Path
 
-from jinfer.config.engine import ATTENTION_BACKENDS
+from jinfer.config.engine import ATTENTION_BACKENDS, KV_CACHE_DTYPES, QUANTIZATIONS, EngineConfig
 from jinfer.config.kernels import KernelPolicy
+
+log = logging.getLogger("jinfer")
 
 # `jinfer serve` is ready once these steps compile; the other shapes follow in the background.
 SERVE_WARMUP_FIRST_TOKENS = 256
 # ... and drops the executables of the other shapes after this many seconds unused (they load again on demand).
 SERVE_EXECUTABLE_KEEP_ALIVE_S = 60.0
 
-# CLI flag -> EngineConfig field.
+# CLI flag -> EngineConfig field (when given: None means "EngineConfig's default").
 _ENGINE_OPTIONS = ("dtype", "load_format", "max_model_len", "max_num_seqs", "max_num_batched_tokens", "num_pages",
                    "page_size", "gpu_memory_utilization", "tensor_parallel_size", "seed", "attention_backend",
                    "compilation_cache_dir", "nnodes", "node_rank", "master_addr", "master_port",
                    "log_stats_interval", "generation_config", "kv_offload_gb", "executable_keep_alive",
-                   "speculative_config")
+                   "speculative_config", "revision", "download_dir", "tokenizer", "chat_template", "kv_cache_dtype",
+                   "quantization", "max_logprobs", "enable_prefix_caching", "enable_chunked_prefill")
+# vLLM's engine arguments that are no EngineConfig field, as flags and as LLM(...) keywords: `vllm_engine_args`
+# says what each becomes here.
+VLLM_ARGS = ("enforce_eager", "block_size", "swap_space", "trust_remote_code", "disable_log_stats",
+             "disable_log_requests")
+# Accepted for a vLLM user's command line or script, with no effect here: why, logged once when given.
+_NO_EFFECT = {
+    "trust_remote_code": "jinfer runs its own implementation of each architecture, never code from a model's "
+                         "repository",
+    "swap_space": "preempted requests are recomputed, as in vLLM V1 (--kv-offload-gb gives the prefix cache a host "
+                  "tier)",
+    "disable_log_requests": "jinfer logs no request contents",
+}
+# Characters only a template has (vLLM's rule): a --chat-template value without them must be a file.
+_JINJA_CHARS = "{}\n"
+
+
+class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Every flag's help shows its default: a help that names it is left alone (the engine flags default to None,
+    "not given", and name EngineConfig's default), a None default is "none", the others argparse's "(default: X)"."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        if "default" in text or action.default is argparse.SUPPRESS:
+            return text
+        if action.default is None:
+            return f"{text} (default: none)"
+        return super()._get_help_string(action)
 
 
 def _non_negative_int(text: str) -> int:
@@ -33,39 +66,89 @@ def _non_negative_int(text: str) -> int:
     return value
 
 
+def _default(name: str) -> str:
+    """" (default: X)" with EngineConfig's default for field `name`: the flags default to None (not given)."""
+    value = _CONFIG_DEFAULTS[name]
+    return f" (default: {'none' if value is None else value})"
+
+
+_CONFIG_DEFAULTS = {f.name: f.default for f in dataclasses.fields(EngineConfig)}
+
+
 def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     e = parser.add_argument_group("engine")
-    e.add_argument("--dtype", default=None, choices=["auto", "float32", "bfloat16", "float16"],
-                   help="auto (default): bfloat16 on GPU, float32 on CPU")
-    e.add_argument("--load-format", default=None, choices=["auto", "dummy"])
-    e.add_argument("--max-model-len", type=int, default=None)
-    e.add_argument("--max-num-seqs", type=int, default=None)
-    e.add_argument("--max-num-batched-tokens", type=int, default=None)
-    e.add_argument("--num-pages", type=int, default=None)
-    e.add_argument("--page-size", type=int, default=None)
-    e.add_argument("--gpu-memory-utilization", type=float, default=None)
+    e.add_argument("--dtype", default=None, choices=["auto", "half", "float16", "bfloat16", "float", "float32"],
+                   help="weights' and activations' dtype; auto: bfloat16 on GPU, float32 on CPU" + _default("dtype"))
+    e.add_argument("--load-format", default=None, choices=["auto", "dummy"],
+                   help="dummy: random weights at the model's config" + _default("load_format"))
+    e.add_argument("--revision", default=None, help="the model's Hub revision: branch, tag or commit (default: main)")
+    e.add_argument("--download-dir", default=None,
+                   help="Hugging Face cache to download to and look in (default: huggingface_hub's, under $HF_HOME)")
+    e.add_argument("--tokenizer", default=None, help="tokenizer directory, .gguf file or Hub ID (default: the model's)")
+    e.add_argument("--chat-template", default=None,
+                   help="Jinja chat template replacing the tokenizer's: a file, or the template itself "
+                        "(default: the tokenizer's)")
+    e.add_argument("--trust-remote-code", action="store_true",
+                   help="accepted for vLLM's command lines; no effect: no model code is ever run from a repository")
+    e.add_argument("--quantization", "-q", default=None, metavar="|".join(QUANTIZATIONS),
+                   help="weights are loaded unquantized; GGUF files are dequantized at load (default: the "
+                        "checkpoint's format)")
+    e.add_argument("--kv-cache-dtype", default=None, metavar="|".join(KV_CACHE_DTYPES),
+                   help="KV pages' dtype: the model's (FP8 KV is not built)" + _default("kv_cache_dtype"))
+    e.add_argument("--max-model-len", type=int, default=None,
+                   help="tokens per sequence, prompt and output; above the model's limit or the KV cache's "
+                        "capacity is an error (default: the model's max_position_embeddings, capped by the KV cache)")
+    e.add_argument("--max-num-seqs", type=int, default=None,
+                   help="most sequences running at once" + _default("max_num_seqs"))
+    e.add_argument("--max-num-batched-tokens", type=int, default=None,
+                   help="token budget of one step (prefill chunks and decodes)" + _default("max_num_batched_tokens"))
+    e.add_argument("--num-pages", type=int, default=None,
+                   help="KV pages in the pool (default: what --gpu-memory-utilization leaves; 1 GiB on CPU)")
+    e.add_argument("--block-size", "--page-size", dest="page_size", type=int, default=None, metavar="N",
+                   help="tokens per KV page, a power of two" + _default("page_size"))
+    e.add_argument("--gpu-memory-utilization", type=float, default=None,
+                   help="fraction of the device's memory for weights, activations and KV cache"
+                        + _default("gpu_memory_utilization"))
+    e.add_argument("--swap-space", type=float, default=None, metavar="GIB",
+                   help="accepted for vLLM's command lines; no effect: preempted requests are recomputed "
+                        "(see --kv-offload-gb)")
     e.add_argument("--tensor-parallel-size", "-tp", type=int, default=None,
-                   help="devices the model is split over (tensor parallel; experts too, see below)")
+                   help="devices the model is split over (tensor parallel; experts too, see below)"
+                        + _default("tensor_parallel_size"))
     e.add_argument("--enable-expert-parallel", action="store_true",
                    help="MoE models: split whole experts over the tensor-parallel devices instead of each "
                         "expert's columns")
     e.add_argument("--nnodes", type=int, default=None,
-                   help="processes (hosts) one mesh spans; each runs this command with its own --node-rank")
+                   help="processes (hosts) one mesh spans; each runs this command with its own --node-rank"
+                        + _default("nnodes"))
     e.add_argument("--node-rank", type=int, default=None,
-                   help="this process's rank in [0, nnodes): 0 schedules (and serves); the others follow it, headless")
-    e.add_argument("--master-addr", default=None, help="host of process 0 (JAX's coordinator), default 127.0.0.1")
-    e.add_argument("--master-port", type=int, default=None, help="port of JAX's coordinator on process 0 (29500)")
-    e.add_argument("--seed", type=int, default=None)
+                   help="this process's rank in [0, nnodes): 0 schedules (and serves); the others follow it, "
+                        "headless" + _default("node_rank"))
+    e.add_argument("--master-addr", default=None,
+                   help="host of process 0 (JAX's coordinator)" + _default("master_addr"))
+    e.add_argument("--master-port", type=int, default=None,
+                   help="port of JAX's coordinator on process 0" + _default("master_port"))
+    e.add_argument("--seed", type=int, default=None, help="seed of requests without one" + _default("seed"))
     e.add_argument("--attention-backend", default=None, choices=list(ATTENTION_BACKENDS),
                    help="pallas: Pallas kernels (Mosaic GPU for long prefills, Triton elsewhere); "
-                        "pallas-triton: Triton kernels only; auto: pallas on GPU, reference elsewhere")
+                        "pallas-triton: Triton kernels only; auto: pallas on GPU, reference elsewhere"
+                        + _default("attention_backend"))
     e.add_argument("--compilation-cache-dir", default=None,
                    help="JAX compilation cache ('' = off; default $JINFER_COMPILATION_CACHE, else ~/.cache/jinfer/xla)")
-    e.add_argument("--no-prefix-caching", action="store_true")
+    e.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=None,
+                   help="reuse the KV pages of prompts' shared prefixes (default: on)")
+    e.add_argument("--no-prefix-caching", dest="enable_prefix_caching", action="store_false", default=None,
+                   help=argparse.SUPPRESS)
     e.add_argument("--kv-offload-gb", type=float, default=None, metavar="GIB",
                    help="host memory (GiB, pinned) for KV pages evicted from the HBM prefix cache: a prefix found "
                         "there is copied back instead of recomputed (default 0: off)")
-    e.add_argument("--no-chunked-prefill", action="store_true")
+    e.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction, default=None,
+                   help="split long prompts over steps of --max-num-batched-tokens (default: on)")
+    e.add_argument("--no-chunked-prefill", dest="enable_chunked_prefill", action="store_false", default=None,
+                   help=argparse.SUPPRESS)
+    e.add_argument("--enforce-eager", action="store_true",
+                   help="compile each step shape when first used instead of all at start-up (vLLM: no CUDA graph "
+                        "capture): a faster start, slower first requests; the same as --no-warmup")
     e.add_argument("--no-warmup", action="store_true", help="compile shapes on first use instead of at start")
     e.add_argument("--warmup-first-tokens", type=_non_negative_int, default=None, metavar="N",
                    help="staged warm-up: compile the 1-token and N-token steps before serving and the other shapes "
@@ -76,17 +159,20 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
                         "many seconds unused (their host memory goes back; a step that wants one again runs padded "
                         "into a loaded shape while it loads from the executable cache, ~0.2-0.7 s); serve's default "
                         f"{SERVE_EXECUTABLE_KEEP_ALIVE_S:g}, 0: never")
+    e.add_argument("--max-logprobs", type=int, default=None,
+                   help="most top logprobs a request may ask for" + _default("max_logprobs"))
     e.add_argument("--log-stats-interval", type=float, default=None,
                    help="seconds between the engine's stats log lines (throughput, running/waiting, KV usage, "
-                        "prefix-cache hit rate); default 10, 0 turns them off")
+                        "prefix-cache hit rate); 0 turns them off" + _default("log_stats_interval"))
     e.add_argument("--generation-config", default=None,
-                   help="default sampling parameters: auto (default: the model's generation_config.json), vllm "
-                        "(none), or a directory holding a generation_config.json; a request's values win")
+                   help="default sampling parameters: auto (the model's generation_config.json), vllm "
+                        "(none), or a directory holding a generation_config.json; a request's values win"
+                        + _default("generation_config"))
     e.add_argument("--disable-log-stats", action="store_true", help="no periodic stats lines (vLLM's flag)")
     e.add_argument("--speculative-config", default=None, metavar="JSON",
                    help='speculative decoding, as vLLM takes it: \'{"method": "ngram", "num_speculative_tokens": 4, '
                         '"prompt_lookup_min": 2, "prompt_lookup_max": 5}\' (n-gram drafts from the sequence itself; '
-                        'steps are then read back before the next is scheduled)')
+                        'steps are then read back before the next is scheduled; default: off)')
     e.add_argument("--no-async-scheduling", action="store_true",
                    help="read each step's tokens back before scheduling the next (no overlap of host and device)")
 
@@ -94,11 +180,8 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
 def engine_config_kwargs(args: argparse.Namespace) -> dict:
     """EngineConfig keyword arguments for the flags given (model included)."""
     kw = {name: getattr(args, name) for name in _ENGINE_OPTIONS if getattr(args, name, None) is not None}
-    kw["model"] = args.model
-    if args.no_prefix_caching:
-        kw["enable_prefix_caching"] = False
-    if args.no_chunked_prefill:
-        kw["enable_chunked_prefill"] = False
+    kw |= {name: getattr(args, name) for name in VLLM_ARGS if getattr(args, name, None)}
+    kw["model"] = _model_argument(args)
     if getattr(args, "enable_expert_parallel", False):
         kw["enable_expert_parallel"] = True
     if args.no_warmup:
@@ -108,10 +191,59 @@ def engine_config_kwargs(args: argparse.Namespace) -> dict:
         kw["warmup_first_tokens"] = first or None  # 0: everything before serving
     if getattr(args, "no_async_scheduling", False):
         kw["async_scheduling"] = False
-    if getattr(args, "disable_log_stats", False):
-        kw["log_stats_interval"] = 0.0
+    kw = vllm_engine_args(kw)
     kw["kernel_policy"] = KernelPolicy.from_env()  # the JINFER_* kernel switches: read here and nowhere below
     return compilation_cache_dir_from_env(kw)
+
+
+def _model_argument(args: argparse.Namespace) -> str | None:
+    """`jinfer serve MODEL` or `--model MODEL` (vLLM takes both); both, if they differ, is an error."""
+    tag, option = getattr(args, "model_tag", None), getattr(args, "model", None)
+    if tag and option and tag != option:
+        raise ValueError(f"model given twice: {tag!r} (positional) and --model {option!r}")
+    return tag or option
+
+
+def vllm_engine_args(kw: dict) -> dict:
+    """`kw` (EngineConfig fields and VLLM_ARGS) as EngineConfig fields: the one mapping of vLLM's names, for the
+    command line and LLM(...). Those with no effect here are logged once, saying why."""
+    kw = dict(kw)
+    for name, why in _NO_EFFECT.items():
+        if kw.pop(name, None):
+            log.warning("%s: no effect here: %s", name, why)
+    if kw.pop("enforce_eager", False):  # no ahead-of-time compiles: jinfer's counterpart of CUDA graph capture
+        kw["warmup"] = False
+    if kw.pop("disable_log_stats", False):
+        kw["log_stats_interval"] = 0.0
+    block = kw.pop("block_size", None)
+    if block is not None:
+        if kw.get("page_size", block) != block:
+            raise ValueError(f"block_size={block} and page_size={kw['page_size']} name the same thing: give one")
+        kw["page_size"] = block
+    if kw.get("chat_template") is not None:
+        kw["chat_template"] = load_chat_template(kw["chat_template"])
+    return kw
+
+
+def load_chat_template(value: str) -> str:
+    """A chat template given as a file or as its text (vLLM's rule: text has '{', '}' or a newline), parsed once
+    here so that a broken one fails at start-up, naming the field."""
+    import jinja2
+
+    if not isinstance(value, str) or not value:
+        raise ValueError(f"chat_template={value!r} must be a file or a Jinja template")
+    if not any(c in value for c in _JINJA_CHARS):
+        path = Path(value).expanduser()
+        try:
+            value = path.read_text(encoding="utf-8")
+        except OSError as e:
+            raise ValueError(f"chat_template={str(path)!r} looks like a file path but cannot be read "
+                             f"({e.strerror or e})") from None
+    try:
+        jinja2.Environment(extensions=["jinja2.ext.loopcontrols"]).parse(value)
+    except jinja2.TemplateSyntaxError as e:
+        raise ValueError(f"chat_template: not a valid Jinja template (line {e.lineno}: {e.message})") from None
+    return value
 
 
 def compilation_cache_dir_from_env(kw: dict) -> dict:

@@ -35,6 +35,7 @@ from jinfer.parallel.multihost import Follower, Leader, join
 from jinfer.spec import eagle, mtp
 from jinfer.spec.proposer import Proposer, build_proposer, check_proposer
 from jinfer.tokenizer import Tokenizer
+from jinfer.weights.hub import resolve_path
 from jinfer.weights.loader import DTYPES, load_weights, resolve_model
 
 log = logging.getLogger("jinfer.engine.core")
@@ -135,13 +136,45 @@ class _Phases:
         return ", ".join(self.parts)
 
 
-def _load_tokenizer(source_path, tokenizer: Tokenizer | None) -> tuple[Tokenizer | None, str | None]:
-    if tokenizer is not None or source_path is None:
-        return tokenizer, None
-    if source_path.is_file() or (source_path / "tokenizer.json").exists():
-        return Tokenizer.from_pretrained(source_path), str(source_path)
-    log.warning("%s has no tokenizer.json: prompts must be token ids, outputs carry no text", source_path)
-    return None, None
+def _load_tokenizer(config: EngineConfig, source_path, tokenizer: Tokenizer | None) -> tuple[Tokenizer | None,
+                                                                                              str | None]:
+    """The tokenizer given, else `config.tokenizer`'s (a path or Hub ID), else the model's; with
+    `config.chat_template` in place of its own."""
+    path = None
+    if tokenizer is None and config.tokenizer is not None:
+        revision = config.revision if config.tokenizer == config.model else None
+        path = resolve_path(config.tokenizer, revision=revision, download_dir=config.download_dir, field="tokenizer")
+        tokenizer = Tokenizer.from_pretrained(path)
+    elif tokenizer is None and source_path is not None:
+        if source_path.is_file() or (source_path / "tokenizer.json").exists():
+            path, tokenizer = source_path, Tokenizer.from_pretrained(source_path)
+        else:
+            log.warning("%s has no tokenizer.json: prompts must be token ids, outputs carry no text", source_path)
+    if config.chat_template is not None:
+        if tokenizer is None:
+            raise ValueError("chat_template= needs a tokenizer: this model has none (give tokenizer=)")
+        tokenizer.chat_template = config.chat_template
+    return tokenizer, None if path is None else str(path)
+
+
+def check_max_model_len(requested: int | None, max_positions: int, kv_capacity: int | None = None, *,
+                        explicit_pages: bool = False) -> int:
+    """The context length: `requested` if the model (max_position_embeddings) and the KV pool hold it, else a
+    ValueError naming both numbers (vLLM's rule, not a silent change); None: the model's, capped by the pool.
+    `explicit_pages`: a pool sized by num_pages (a test's small pool) caps a larger request, with a log line."""
+    if requested is not None and requested > max_positions:
+        raise ValueError(f"max_model_len={requested} is larger than the model's max_position_embeddings="
+                         f"{max_positions}: give at most {max_positions}")
+    if kv_capacity is None:
+        return requested or max_positions
+    wanted = requested or max_positions
+    if wanted <= kv_capacity:
+        return wanted
+    if requested is not None and not explicit_pages:
+        raise ValueError(f"max_model_len={requested} is larger than the {kv_capacity} tokens the KV cache holds: "
+                         "raise gpu_memory_utilization, or give a smaller max_model_len")
+    log.info("max_model_len %d: the KV cache's %d tokens (the model allows %d)", kv_capacity, kv_capacity, wanted)
+    return kv_capacity
 
 
 def _num_host_pages(config: EngineConfig, model_config: ModelConfig, dtype: str, prefix_caching: bool) -> int:
@@ -207,9 +240,13 @@ def build_engine(config: EngineConfig, tokenizer: Tokenizer | None = None, specu
     group = join(config.nnodes, config.node_rank, config.master_addr, config.master_port,
                  peer_timeout_s=config.peer_timeout_s)
     cache_dir = enable_compilation_cache(config.compilation_cache_dir) if config.compilation_cache_dir else None
-    source = resolve_model(config.model, config.load_format)
+    source = resolve_model(config.model, config.load_format, revision=config.revision,
+                           download_dir=config.download_dir)
     phases("resolve")
     model_config: ModelConfig = source.config
+    check_max_model_len(config.max_model_len, model_config.max_position_embeddings)  # before the weights load
+    if config.quantization == "gguf" and source.kind != "gguf":
+        raise ValueError(f"quantization='gguf' needs a .gguf model, not {config.model!r}")
     spec = config.speculative_config
     if spec is not None:  # refused before the weights load (e.g. a recurrent-state model)
         check_proposer(spec, num_state_slots=int(bool(state_specs(model_config))))
@@ -220,9 +257,12 @@ def build_engine(config: EngineConfig, tokenizer: Tokenizer | None = None, specu
             raise ValueError(f"speculative_config.method={spec.method!r} is not supported over several processes "
                              "(nnodes)")
     generation_defaults = load_generation_defaults(config.generation_config, source.path)
-    tokenizer, tokenizer_path = _load_tokenizer(source.path, tokenizer)
+    tokenizer, tokenizer_path = _load_tokenizer(config, source.path, tokenizer)
     phases("tokenizer")
     dtype = config.dtype if config.dtype != "auto" else ("float32" if jax.default_backend() == "cpu" else "bfloat16")
+    if config.kv_cache_dtype not in ("auto", dtype):
+        raise ValueError(f"kv_cache_dtype={config.kv_cache_dtype!r} must be 'auto' or the model's dtype ({dtype!r} "
+                         "here): KV pages are stored in the model's dtype")
     jax.devices()  # (the backend starts here when dtype was given, else above)
     phases("backend")
     mesh = _mesh(config, model_config, group)
@@ -251,7 +291,9 @@ def build_engine(config: EngineConfig, tokenizer: Tokenizer | None = None, specu
         head_kind.head_page_bytes(head[0], config.page_size, DTYPES[dtype]) if head else 0)
     if group is not None:  # the same pool (and executables) in every process
         num_pages = group.agree_min("num_pages", num_pages)
-    max_len = min(config.max_model_len or model_config.max_position_embeddings, (num_pages - 1) * config.page_size)
+    # (page 0 is reserved: the pool holds num_pages - 1 pages of a sequence)
+    max_len = check_max_model_len(config.max_model_len, model_config.max_position_embeddings,
+                                  (num_pages - 1) * config.page_size, explicit_pages=config.num_pages is not None)
     num_host_pages = _num_host_pages(config, model_config, dtype, prefix_caching)
     kv = KVCacheManager(num_pages, config.page_size, prefix_caching, num_state_slots, num_host_pages,
                         hit_drop_last_page=head is not None, state_backups=state_backups)

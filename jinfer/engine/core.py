@@ -48,7 +48,8 @@ class EngineCore:
         self.grammar = GrammarEngine(self.tokenizer, self.model_config.vocab_size, self.eos_token_ids)
         self.inputs = InputProcessor(vocab_size=self.model_config.vocab_size, max_model_len=self.max_model_len,
                                      tokenizer=self.tokenizer, eos_token_ids=self.eos_token_ids, grammar=self.grammar,
-                                     can_fork=bool(self.num_state_slots) and self.group is None, seed=config.seed)
+                                     can_fork=bool(self.num_state_slots) and self.group is None, seed=config.seed,
+                                     max_logprobs=config.max_logprobs)
         self._seqs: dict[str, SequenceState] = {}  # sequence id -> state
         self._children: dict[str, list[str]] = {}  # request id -> its sequence ids
         self.num_prompt_tokens_total = 0

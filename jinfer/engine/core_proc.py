@@ -111,7 +111,7 @@ def _ready_message(core: Any) -> EngineReady:
     return EngineReady(
         model_name=str(core.model_name), max_model_len=int(core.max_model_len),
         vocab_size=int(core.model_config.vocab_size), max_num_seqs=int(core.config.max_num_seqs),
-        pid=os.getpid(), tokenizer_path=tok_path,
+        pid=os.getpid(), tokenizer_path=tok_path, chat_template=getattr(core.config, "chat_template", None),
         eos_token_ids=[int(t) for t in getattr(core, "eos_token_ids", ())],
         generation_defaults=dict(getattr(core, "generation_defaults", {})))
 

@@ -21,7 +21,7 @@ from jinfer.engine.request import Request
 from jinfer.engine.runner import StepRow
 from jinfer.engine.sampling_tensors import pack_token_mask
 from jinfer.errors import ContextLengthExceeded, InvalidParam
-from jinfer.sampling_params import SamplingParams
+from jinfer.sampling_params import MAX_LOGPROBS, SamplingParams
 from jinfer.tokenizer import IncrementalDetokenizer, Tokenizer
 
 
@@ -85,10 +85,15 @@ def check_length(num_prompt_tokens: int, max_tokens: int | None, max_model_len: 
                                                   f"({max_tokens}) exceeds it")
 
 
-def check_request(prompt_token_ids, params: SamplingParams, vocab_size: int, max_model_len: int) -> list[int]:
-    """A request's checks against the model (what SamplingParams cannot know); the prompt's ids as a list."""
+def check_request(prompt_token_ids, params: SamplingParams, vocab_size: int, max_model_len: int,
+                  max_logprobs: int = MAX_LOGPROBS) -> list[int]:
+    """A request's checks against the model and the engine's options (what SamplingParams cannot know); the
+    prompt's ids as a list."""
     ids = check_prompt(prompt_token_ids, vocab_size)
     check_length(len(ids), params.max_tokens, max_model_len)
+    for name in ("logprobs", "prompt_logprobs"):
+        if (n := getattr(params, name)) is not None and n > max_logprobs:
+            raise InvalidParam(name, f"{name}={n} is more than this server's max_logprobs={max_logprobs}")
     if params.logit_bias and params.logit_bias[-1][0] >= vocab_size:  # sorted by id
         raise InvalidParam("logit_bias", f"logit_bias= keys must be token ids in [0, {vocab_size})")
     return ids
@@ -96,9 +101,10 @@ def check_request(prompt_token_ids, params: SamplingParams, vocab_size: int, max
 
 class InputProcessor:
     def __init__(self, *, vocab_size: int, max_model_len: int, tokenizer: Tokenizer | None,
-                 eos_token_ids: tuple[int, ...], grammar: GrammarEngine, can_fork: bool, seed: int):
+                 eos_token_ids: tuple[int, ...], grammar: GrammarEngine, can_fork: bool, seed: int,
+                 max_logprobs: int = MAX_LOGPROBS):
         """`can_fork`: n > 1 may fork the first sample's state (a model with per-sequence states, one process)."""
-        self.vocab_size, self.max_model_len = vocab_size, max_model_len
+        self.vocab_size, self.max_model_len, self.max_logprobs = vocab_size, max_model_len, max_logprobs
         self.tokenizer, self.eos_token_ids, self.grammar = tokenizer, eos_token_ids, grammar
         self.can_fork = can_fork
         self._rng = np.random.default_rng(seed)
@@ -107,7 +113,7 @@ class InputProcessor:
         """Check a request and build its sequences; InvalidParam, naming the field, if it can never run."""
         if not isinstance(request_id, str) or not request_id:
             raise InvalidParam("request_id", f"request_id={request_id!r} must be a non-empty string")
-        ids = check_request(prompt_token_ids, params, self.vocab_size, self.max_model_len)
+        ids = check_request(prompt_token_ids, params, self.vocab_size, self.max_model_len, self.max_logprobs)
         seq_ids = [request_id] if params.n == 1 else [f"{request_id}#{i}" for i in range(params.n)]
         mask = pack_token_mask(ids, self.vocab_size) if params.repetition_penalty != 1.0 else None
         # n > 1 on a model with per-sequence states (no prefix cache to share the prompt): the other samples fork

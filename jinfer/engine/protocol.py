@@ -58,6 +58,7 @@ class EngineReady(_Message, tag="ready"):
     eos_token_ids: list[int] = []
     protocol_version: int = PROTOCOL_VERSION
     generation_defaults: dict[str, int | float] = {}  # from generation_config.json
+    chat_template: str | None = None  # the engine's chat_template= in place of the tokenizer's own
 
 
 class AddRequest(_Message, tag="add"):

@@ -25,6 +25,7 @@ from jinfer.models.registry import assemble_weights, weight_specs
 from jinfer.models.spec import ArrayInfo
 from jinfer.parallel.mesh import logical_sharding, make_mesh, put
 from jinfer.weights.gguf_meta import open_gguf, read_metadata, tensor_names
+from jinfer.weights.hub import resolve_path
 
 log = logging.getLogger(__name__)
 
@@ -50,12 +51,14 @@ class ModelSource:
     config: ModelConfig
 
 
-def resolve_model(model: str | os.PathLike | None = None, load_format: str = "auto") -> ModelSource:
+def resolve_model(model: str | os.PathLike | None = None, load_format: str = "auto", *, revision: str | None = None,
+                  download_dir: str | None = None) -> ModelSource:
     """Turn a model argument into a ModelSource.
 
     `None` is the embedded default model; "dummy:<shape>" (shapes: NAMED_SHAPES) is random weights
     at a real shape, "dummy:<shape>,num_layers=47" the same with integer fields overridden; a `.gguf`
-    file, a directory holding one, or an HF directory with config.json.
+    file, a directory holding one, an HF directory with config.json, or a Hugging Face model ID
+    (jinfer/weights/hub.py: `revision`, `download_dir`).
     `load_format="dummy"` gives random weights for an HF directory's config.
     """
     if load_format not in ("auto", "dummy"):
@@ -68,9 +71,7 @@ def resolve_model(model: str | os.PathLike | None = None, load_format: str = "au
     name = str(model)
     if name.startswith("dummy:"):
         return ModelSource("dummy", None, dummy_config(name))
-    path = Path(name)
-    if not path.exists():
-        raise ValueError(f"model={name!r} does not exist (give a model directory, a .gguf file or dummy:<shape>)")
+    path = resolve_path(name, revision=revision, download_dir=download_dir)
     if path.is_dir() and not (path / "config.json").exists():
         ggufs = sorted(path.glob("*.gguf"))
         if len(ggufs) != 1:
