@@ -10,7 +10,8 @@ import functools
 import sys
 import time
 
-from jinfer.engine.args import add_engine_arguments, engine_config_kwargs
+from jinfer import __version__
+from jinfer.engine.args import HelpFormatter, add_engine_arguments, engine_config_kwargs
 from server.launcher import add_serve_arguments, run_serve
 
 
@@ -40,22 +41,30 @@ def cmd_generate(args: argparse.Namespace) -> int:
     return 0
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="jinfer", description="LLM inference engine on JAX")
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="jinfer", description="LLM inference engine on JAX",
+                                     formatter_class=HelpFormatter)
+    parser.add_argument("--version", action="version", version=f"jinfer {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
-    g = sub.add_parser("generate", help="generate a completion for one prompt")
-    g.add_argument("--model", default=None, help="model directory, .gguf file or dummy:<shape> (default: SmolLM2)")
-    g.add_argument("--top-p", type=float, default=1.0)
-    g.add_argument("--prompt", required=True)
+    g = sub.add_parser("generate", help="generate a completion for one prompt", formatter_class=HelpFormatter)
+    g.add_argument("--model", default=None, help="Hugging Face model ID (ORG/NAME), model directory, .gguf file or "
+                                                 "dummy:<shape> (default: the embedded SmolLM2-135M)")
+    g.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling")
+    g.add_argument("--prompt", required=True, help="the prompt (required)")
     g.add_argument("--chat", action="store_true", help="apply the model's chat template")
-    g.add_argument("--max-tokens", type=int, default=64)
-    g.add_argument("--temperature", type=float, default=0.0)
+    g.add_argument("--max-tokens", type=int, default=64, help="tokens to generate at most")
+    g.add_argument("--temperature", type=float, default=0.0, help="sampling temperature (0: greedy)")
     add_engine_arguments(g)
     g.set_defaults(func=cmd_generate)
-    s = sub.add_parser("serve", help="serve a model over the OpenAI API")
+    s = sub.add_parser("serve", help="serve a model over the OpenAI API", formatter_class=HelpFormatter,
+                       description="OpenAI-compatible server for jinfer")
     add_serve_arguments(s)
     s.set_defaults(func=run_serve)
-    args = parser.parse_args(argv)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
     try:
         return args.func(args)
     except ValueError as e:

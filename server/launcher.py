@@ -20,10 +20,12 @@ import signal
 import sys
 import threading
 
+from jinfer import __version__
 from jinfer.config.engine import EngineConfig
 from jinfer.engine.args import (
     SERVE_EXECUTABLE_KEEP_ALIVE_S,
     SERVE_WARMUP_FIRST_TOKENS,
+    HelpFormatter,
     add_engine_arguments,
     engine_config_kwargs,
 )
@@ -41,20 +43,31 @@ _INVALID_CONFIG = re.compile(r"engine start-up failed: (ValueError|TypeError):")
 
 
 def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("model", nargs="?", default=None,
-                        help="model directory, .gguf file or dummy:<shape> (default: the embedded SmolLM2-135M)")
+    parser.add_argument("model_tag", nargs="?", default=None, metavar="MODEL",
+                        help="Hugging Face model ID (ORG/NAME), model directory, .gguf file or dummy:<shape> "
+                             "(default: the embedded SmolLM2-135M)")
+    parser.add_argument("--model", default=None, help="the same as MODEL (vLLM takes either)")
+    parser.add_argument("--version", action="version", version=f"jinfer {__version__}")
     s = parser.add_argument_group("server")
-    s.add_argument("--host", default="127.0.0.1", help="interface to listen on (default: 127.0.0.1 only)")
-    s.add_argument("--port", type=int, default=8000)
+    s.add_argument("--host", default="127.0.0.1", help="interface to listen on (127.0.0.1: this machine only)")
+    s.add_argument("--port", type=int, default=8000, help="HTTP port")
     s.add_argument("--api-key", default=os.environ.get("JINFER_API_KEY"),
                    help="require 'Authorization: Bearer KEY' on /v1 (default: $JINFER_API_KEY, else none)")
-    s.add_argument("--served-model-name", nargs="+", default=None, help="model names accepted in requests")
+    s.add_argument("--served-model-name", nargs="+", default=None,
+                   help="model names accepted in requests (default: MODEL as given)")
     s.add_argument("--max-queued-requests", type=int, default=None,
                    help="sequences allowed to wait beyond --max-num-seqs before 503 (default 4 x max-num-seqs)")
     s.add_argument("--engine-address", default=None,
                    help="ZeroMQ address for the engine process (default: a private ipc:// socket)")
-    s.add_argument("--startup-timeout", type=float, default=1800.0, help="seconds to wait for the engine")
-    s.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    s.add_argument("--startup-timeout", type=float, default=1800.0,
+                   help="seconds to wait for the engine (downloading the model included)")
+    s.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"],
+                   help="jinfer's log level")
+    s.add_argument("--uvicorn-log-level", default=None, choices=["critical", "error", "warning", "info", "debug",
+                                                                 "trace"],
+                   help="uvicorn's log level (default: --log-level)")
+    s.add_argument("--disable-log-requests", action="store_true",
+                   help="accepted for vLLM's command lines; no effect: jinfer logs no request contents")
     s.add_argument("--data-parallel-size", "-dp", type=int, default=1,
                    help="engine replicas, each on its own tensor-parallel-size devices, behind this server")
     s.add_argument("--enable-auto-tool-choice", action="store_true",
@@ -163,7 +176,8 @@ def run_serve(args: argparse.Namespace) -> int:
                         tool_parser=args.tool_call_parser if args.enable_auto_tool_choice else None)
         import uvicorn
 
-        server = _server(uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
+        server = _server(uvicorn.Config(app, host=args.host, port=args.port,
+                                        log_level=getattr(args, "uvicorn_log_level", None) or args.log_level,
                                         access_log=False, timeout_graceful_shutdown=5))
 
         def on_engine_death(reason: str) -> None:
@@ -203,7 +217,8 @@ def _run_headless(engine_config: EngineConfig) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="jinfer serve", description="OpenAI-compatible server for jinfer")
+    parser = argparse.ArgumentParser(prog="jinfer serve", description="OpenAI-compatible server for jinfer",
+                                     formatter_class=HelpFormatter)
     add_serve_arguments(parser)
     return run_serve(parser.parse_args(argv))
 
