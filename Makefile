@@ -8,6 +8,12 @@ PYTHON312 ?= $(shell for p in python3.12 $$(ls -d /root/.pyenv/versions/3.12*/bi
 	$$p -c 'import sys; assert sys.version_info[:2] == (3, 12)' 2>/dev/null && { command -v $$p; break; }; done)
 PROMPT ?= What is the capital of France?
 PYTEST_ARGS ?=
+# JAX for this machine: cuda13 or cuda12 when an NVIDIA driver answers (by the CUDA version nvidia-smi reports),
+# else cpu. JAX_EXTRA=cpu|cuda12|cuda13 forces one.
+JAX_EXTRA ?= $(shell nvidia-smi >/dev/null 2>&1 || { echo cpu; exit; }; \
+	v=$$(nvidia-smi | sed -n 's/.*CUDA Version: *\([0-9]*\).*/\1/p' | head -1); \
+	[ "$${v:-0}" -ge 13 ] && echo cuda13 || echo cuda12)
+comma := ,
 # Test workers (pytest-xdist): one per core, at most 4 (each holds its own JAX and compiles on its own core).
 # Each file runs whole on one worker (its module-scoped engines and models are built once), the files in
 # collection order (tests/conftest.py puts those with slow tests first).
@@ -25,7 +31,9 @@ $(VENV)/.installed: pyproject.toml
 	@test -n "$(PYTHON312)" || { echo "Python 3.12 not found: install it or set PYTHON312=/path/to/python3.12"; exit 1; }
 	test -x $(PY) || $(PYTHON312) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q -e ".[test]"
+	@echo "jinfer: installing JAX for $(JAX_EXTRA)$(if $(filter cpu,$(JAX_EXTRA)), (no NVIDIA GPU: nvidia-smi found none),\
+	 (nvidia-smi found an NVIDIA GPU)) (JAX_EXTRA=cpu|cuda12|cuda13 to choose)"
+	$(PY) -m pip install -q -e ".[test$(if $(filter-out cpu,$(JAX_EXTRA)),$(comma)$(JAX_EXTRA))]"
 	touch $@
 
 fetch-model: $(VENV)/.installed
