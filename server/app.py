@@ -271,7 +271,7 @@ def build_app(client: EngineClient, *, tokenizer: Any = None, served_model_names
     ctx = ServingContext(names, info.max_model_len, info.vocab_size, tokenizer,
                          dict(getattr(info, "generation_defaults", {}) or {}), tool_parser)
     state = ServerState(client, tokenizer, ctx,
-                        api_key, info.max_num_seqs + queued)
+                        api_key, info.max_num_seqs + queued, Metrics(names[0]))
     app = Starlette(routes=[
         Route("/v1/completions", completions, methods=["POST"]),
         Route("/v1/chat/completions", chat_completions, methods=["POST"]),

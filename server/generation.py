@@ -138,6 +138,7 @@ class Generation:
         self._release()
         m, now = self.state.metrics, time.monotonic()
         m.requests.labels(self.endpoint, status).inc()
+        m.count_finished(status, self.choices[0].finish_reason)
         m.prompt_tokens.inc(self.prompt_tokens)
         if status == "success":
             m.e2e.observe(now - self.t0)

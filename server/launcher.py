@@ -75,6 +75,10 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     s.add_argument("--tool-call-parser", default=None, choices=sorted(TOOL_PARSERS),
                    help="how the model writes tool calls: hermes (alias qwen: Qwen 2.5/3, Hermes) or llama3_json")
     s.add_argument("--core-factory", default=None, help=argparse.SUPPRESS)  # tests: a fake engine core
+    s.add_argument("--kv-events-config", default=None, metavar="JSON",
+                   help='publish KV-cache events over ZeroMQ as vLLM does, for cache-aware routers: '
+                        '\'{"enable_kv_cache_events": true, "publisher": "zmq", "endpoint": "tcp://*:5557", '
+                        '"replay_endpoint": "tcp://*:5558", "topic": ""}\' (default: off)')
     add_engine_arguments(parser)
 
 
@@ -131,6 +135,8 @@ def run_serve(args: argparse.Namespace) -> int:
     # the same EngineConfig is built again. This process never imports JAX (jinfer.engine.core does): it would
     # cost start-up time and host memory for nothing.
     kwargs = engine_config_kwargs(args)
+    if getattr(args, "kv_events_config", None):
+        kwargs["kv_events_config"] = args.kv_events_config
     if getattr(args, "warmup_first_tokens", None) is None and not args.no_warmup:
         kwargs["warmup_first_tokens"] = SERVE_WARMUP_FIRST_TOKENS  # ready sooner; the rest compiles while serving
     kwargs.setdefault("executable_keep_alive", SERVE_EXECUTABLE_KEEP_ALIVE_S)  # idle memory back

@@ -30,6 +30,9 @@ The device KV cache is `[num_pages, page_size, ...]` per layer; this module only
   gives it a fresh HBM page (after reviving the HBM hits, so it never evicts one of them), records the
   restore, and enters the page in the HBM hash table at once (the copy is launched before any step
   that reads it). The schedule hands the recorded copies to the runner (`take_transfers`).
+- KV events (`events` a list, kv_events.py): a page entering the HBM hash table is a BlockStored (consecutive pages
+  of one request in one event), its eviction a BlockRemoved, `reset_prefix_cache` AllBlocksCleared; the engine
+  takes them after each step (`take_events`). None (the default): nothing is recorded.
 """
 
 from __future__ import annotations
@@ -39,6 +42,7 @@ from array import array
 from collections import OrderedDict
 
 from jinfer.cache.host_tier import HostTier, KVTransfers
+from jinfer.cache.kv_events import MEDIUM_GPU, AllBlocksCleared, BlockRemoved, BlockStored, block_hash
 from jinfer.engine.request import Request
 
 NULL_PAGE = 0
@@ -80,6 +84,7 @@ class KVCacheManager:
         self.num_query_tokens = 0  # prefix-cache stats, counted once per admission
         self.num_hit_tokens = 0  # hits in HBM
         self.num_host_hit_tokens = 0  # hits in the host tier (restored)
+        self.events: list | None = None  # KV events since the last take_events; None: not recorded
         if num_host_pages and not enable_prefix_caching:
             raise ValueError(f"num_host_pages={num_host_pages} needs enable_prefix_caching=True (the host tier holds "
                              "pages evicted from the prefix cache)")
@@ -181,6 +186,7 @@ class KVCacheManager:
         if num_full <= start:
             return
         hashes = self._update_hashes(request, num_full)
+        stored = []
         for i in range(start, num_full):
             page, h = request.page_ids[i], hashes[i]
             # Skip pages already cached (prefix hits) and content another page already holds (two
@@ -188,12 +194,38 @@ class KVCacheManager:
             if self._page_hash[page] is None and h not in self._hash_to_page:
                 self._page_hash[page] = h
                 self._hash_to_page[h] = page
+                stored.append(i)
         self._num_registered[request.request_id] = num_full
+        if self.events is not None and stored:
+            self._stored_events(request, stored)
+
+    def _stored_events(self, request: Request, indices: list[int]) -> None:
+        """BlockStored events for the request's pages at these (ascending) indices: one per consecutive run, its
+        parent the page before the run."""
+        hashes, ps = request.page_hashes, self.page_size
+        first = prev = indices[0]
+        for i in [*indices[1:], None]:
+            if i is not None and i == prev + 1:
+                prev = i
+                continue
+            parent = block_hash(hashes[first - 1]) if first else None
+            self.events.append(BlockStored([block_hash(h) for h in hashes[first:prev + 1]], parent,
+                                           request.all_token_ids[first * ps:(prev + 1) * ps], ps, None, MEDIUM_GPU))
+            first = prev = i
+
+    def take_events(self) -> list:
+        """The KV events recorded since the last call (oldest first); [] when not recording."""
+        if not self.events:
+            return []
+        events, self.events = self.events, []
+        return events
 
     def reset_prefix_cache(self) -> None:
         """Forget all cached content, in both tiers (e.g. after weights change). Pages in use stay allocated."""
         self._hash_to_page.clear()
         self._page_hash = [None] * self.num_pages
+        if self.events is not None:
+            self.events.append(AllBlocksCleared())
         if self.host is not None:
             self.host.reset()
 
@@ -214,6 +246,12 @@ class KVCacheManager:
             self._page_hash[page] = None
             if self._hash_to_page.get(h) == page:
                 del self._hash_to_page[h]
+                if self.events is not None:  # consecutive evictions share one event
+                    last = self.events[-1] if self.events else None
+                    if isinstance(last, BlockRemoved):
+                        last.block_hashes.append(block_hash(h))
+                    else:
+                        self.events.append(BlockRemoved([block_hash(h)], MEDIUM_GPU))
         self._ref_cnt[page] = 1
         return page
 
@@ -255,7 +293,10 @@ class KVCacheManager:
                 del self._free[p]
             self._ref_cnt[p] += 1
         if num_restored:
+            restored = [i for i, p in enumerate(computed) if p < 0]
             computed = [p if p >= 0 else self._restore(request.page_hashes[i]) for i, p in enumerate(computed)]
+            if self.events is not None:  # host hits enter the HBM cache
+                self._stored_events(request, restored)
         request.page_ids.extend(computed)
         request.page_ids.extend(self._take_free_page() for _ in range(num_fresh))
         if computed_pages is not None:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from jinfer.cache.kv_events import KVEventsConfig
 from jinfer.config.kernels import BACKENDS, KernelPolicy
 from jinfer.config.speculative import SpeculativeConfig
 from jinfer.generation_config import check_setting as check_generation_config
@@ -114,6 +115,9 @@ class EngineConfig:
     max_logprobs: int = MAX_LOGPROBS  # most top logprobs a request may ask for (logprobs, prompt_logprobs)
     # Speculative decoding (jinfer/config/speculative.py): vLLM's dict or JSON form is accepted. None: off.
     speculative_config: SpeculativeConfig | None = None
+    # KV-cache events over ZeroMQ for cache-aware routers (jinfer/cache/kv_events.py): vLLM's KVEventsConfig as a
+    # dict or JSON. None: off.
+    kv_events_config: KVEventsConfig | None = None
 
     def __post_init__(self):
         if isinstance(self.kernel_policy, dict):
@@ -121,6 +125,7 @@ class EngineConfig:
         if not isinstance(self.kernel_policy, KernelPolicy):
             raise ValueError(f"kernel_policy={self.kernel_policy!r} must be a KernelPolicy")
         object.__setattr__(self, "speculative_config", SpeculativeConfig.parse(self.speculative_config))
+        object.__setattr__(self, "kv_events_config", KVEventsConfig.parse(self.kv_events_config))
         if not isinstance(self.peer_timeout_s, int | float) or not 0 < self.peer_timeout_s < float("inf"):
             raise ValueError(f"peer_timeout_s={self.peer_timeout_s!r} must be a number of seconds > 0")
         object.__setattr__(self, "dtype", DTYPE_ALIASES.get(self.dtype, self.dtype))

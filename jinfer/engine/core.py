@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import time
 
+from jinfer.cache.kv_events import make_publisher
 from jinfer.config.engine import EngineConfig
 from jinfer.engine.builder import build_engine, release_at_exit
 from jinfer.engine.grammar import GrammarEngine
@@ -60,6 +61,10 @@ class EngineCore:
         self.num_steps_total = 0
         self.device_wait_seconds_total = 0.0
         self._inflight: Launched | None = None  # the launched step whose tokens are not read yet
+        # KV-cache events (--kv-events-config): the cache manager records them, each step publishes its own
+        self.kv_events = make_publisher(config.kv_events_config, config.data_parallel_rank)
+        if self.kv_events is not None:
+            self.kv.events = []
         self.startup_seconds = time.perf_counter() - t0
         release_at_exit(self)
 
@@ -110,8 +115,13 @@ class EngineCore:
         A step that fails in a multi-process group ends the process: the group's collectives are out of
         step for good (jinfer/parallel/multihost.py).
         """
-        if self.group is None:
-            return self._step()
+        try:
+            return self._step() if self.group is None else self._group_step()
+        finally:
+            if self.kv_events is not None:  # the step's cache changes (and any made since the last step)
+                self.kv_events.publish(self.kv.take_events())
+
+    def _group_step(self) -> list[EngineOutput]:
         try:
             return self._step()
         except Exception as e:
@@ -246,6 +256,8 @@ class EngineCore:
     def close(self) -> None:
         """Stop a staged warm-up's background compiles and a multi-process group (the other processes exit)."""
         self.runner.stop_background()
+        if self.kv_events is not None:
+            self.kv_events.close()
         if self.group is not None:
             self.group.close()
 

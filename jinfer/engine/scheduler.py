@@ -136,6 +136,7 @@ class Scheduler:
         self._finished_ids: list[str] = []
         self._forks: dict[str, list[Request]] = {}  # leader id -> its followers, not yet admitted
         self._restores: list[tuple[Request, int]] = []  # (request, slot) to restore from its backup (module doc)
+        self.num_preemptions_total = 0  # (vLLM's num_preemptions)
 
     # ---- requests in and out -------------------------------------------------------------------
 
@@ -209,6 +210,7 @@ class Scheduler:
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
         request.num_preemptions += 1
+        self.num_preemptions_total += 1
         self.waiting.appendleft(request)
 
     # ---- one step ------------------------------------------------------------------------------
@@ -450,6 +452,7 @@ class Scheduler:
         return {
             "num_running": self.num_running,
             "num_waiting": self.num_waiting,
+            "num_preemptions_total": self.num_preemptions_total,
             "kv_cache_usage": self.kv.usage,
             "prefix_cache_hit_rate": self.kv.prefix_cache_hit_rate,
             "prefix_cache_queries": self.kv.num_query_tokens,

@@ -33,12 +33,14 @@ class FakeCore:
         self.step_delay = config.get("step_delay", float(os.environ.get("JINFER_FAKE_STEP_DELAY", "0")))
         self.num_pages = 100
         self.seqs: dict[tuple[str, int], dict[str, Any]] = {}
+        self.num_prompt_tokens = self.num_generation_tokens = 0  # running totals, as the real core's stats
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> None:
         if any(rid == request_id for rid, _ in self.seqs):
             raise InvalidParam("request_id", f"request_id={request_id!r} is already in use")
         prompt_token_ids = check_request(prompt_token_ids, params, VOCAB, self.max_model_len)  # the engine's checks
         max_tokens = params.max_tokens or self.max_model_len - len(prompt_token_ids)
+        self.num_prompt_tokens += len(prompt_token_ids) * params.n
         for i in range(params.n):
             self.seqs[(request_id, i)] = dict(next=prompt_token_ids[-1] + 1 + i, left=max_tokens,
                                               prompt=len(prompt_token_ids), params=params,
@@ -61,6 +63,7 @@ class FakeCore:
             tok = s["next"] % VOCAB
             s["next"] += 1
             s["left"] -= 1
+            self.num_generation_tokens += 1
             lps = None
             if s["params"].logprobs is not None:
                 lps = [{tok: -0.5, **{(tok + k) % VOCAB: -1.0 - k for k in range(1, s["params"].logprobs + 1)}}]
@@ -81,7 +84,9 @@ class FakeCore:
         used = len(self.seqs)
         return {"num_running": used, "num_waiting": 0, "kv_usage": used / self.num_pages,
                 "num_pages": self.num_pages, "num_free_pages": self.num_pages - used,
-                "prefix_cache_hit_rate": 0.0}
+                "prefix_cache_hit_rate": 0.0, "prompt_tokens_total": self.num_prompt_tokens,
+                "generation_tokens_total": self.num_generation_tokens,
+                "prefix_cache_queries": self.num_prompt_tokens, "prefix_cache_hits": 0, "num_preemptions_total": 0}
 
 
 def make_fake_core(config: dict[str, Any]) -> FakeCore:

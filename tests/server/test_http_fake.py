@@ -215,3 +215,33 @@ def test_engine_death(tmp_path):
     finally:
         if srv.proc.poll() is None:
             srv.stop(signal.SIGKILL)
+
+
+
+VLLM_NAMES = ("vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc",
+              "vllm:prompt_tokens_total", "vllm:generation_tokens_total", "vllm:prefix_cache_queries_total",
+              "vllm:prefix_cache_hits_total", "vllm:num_preemptions_total",
+              "vllm:time_to_first_token_seconds_bucket", "vllm:inter_token_latency_seconds_bucket",
+              "vllm:e2e_request_latency_seconds_bucket", "vllm:request_success_total")
+
+
+def test_vllm_metric_names(server):
+    """vLLM's names and label sets beside jinfer's, for vLLM's dashboards and routers (server/metrics.py)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    before = metric(server.url, "vllm:generation_tokens_total")
+    assert post(server, C, {"prompt": [5, 6, 7], "max_tokens": 3}).status_code == 200
+    samples = [s for f in text_string_to_metric_families(httpx.get(f"{server.url}/metrics", timeout=10).text)
+               for s in f.samples]
+    labels = {"model_name": "fake-model", "engine": "0"}
+    for name in VLLM_NAMES:
+        found = [s.labels for s in samples if s.name == name]
+        assert found and all(lab.items() >= labels.items() for lab in found), name
+    success = {s.labels["finished_reason"]: s.value for s in samples if s.name == "vllm:request_success_total"}
+    assert success.keys() == {"stop", "length", "abort", "error"} and success["length"] >= 1  # all from the start
+    ttft_le = [s.labels["le"] for s in samples if s.name == "vllm:time_to_first_token_seconds_bucket"]
+    assert ttft_le[-2:] == ["2560.0", "+Inf"] and len(ttft_le) == 23  # vLLM's 22 boundaries
+    assert not any(s.name.startswith("vllm:spec_decode") for s in samples)  # only with speculative decoding
+    assert metric(server.url, "vllm:generation_tokens_total") == before + 3
+    assert metric(server.url, "jinfer_e2e_request_latency_seconds_count") == \
+        metric(server.url, "vllm:e2e_request_latency_seconds_count") >= 1  # one observation feeds both families
