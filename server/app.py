@@ -1,6 +1,7 @@
 """The OpenAI-compatible HTTP server (Starlette): routes, auth, admission control, error bodies.
 
     POST /v1/completions, POST /v1/chat/completions   (JSON or SSE with `stream: true`)
+    POST /v1/responses, GET|DELETE /v1/responses/{id}   (server/responses.py)
     GET  /v1/models, /health, /metrics, /version;  GET|POST /ping;  POST /tokenize, /detokenize;  GET /tokenizer_info
 
 The engine is reached through `jinfer.client.EngineClient` (ZeroMQ); this process tokenizes, applies
@@ -272,6 +273,8 @@ def build_app(client: EngineClient, *, tokenizer: Any = None, served_model_names
                          dict(getattr(info, "generation_defaults", {}) or {}), tool_parser)
     state = ServerState(client, tokenizer, ctx,
                         api_key, info.max_num_seqs + queued, Metrics(names[0]))
+    from server.responses import routes as responses_routes  # (here: it imports this module's helpers)
+
     app = Starlette(routes=[
         Route("/v1/completions", completions, methods=["POST"]),
         Route("/v1/chat/completions", chat_completions, methods=["POST"]),
@@ -283,6 +286,7 @@ def build_app(client: EngineClient, *, tokenizer: Any = None, served_model_names
         Route("/tokenize", _json_endpoint(tokenize), methods=["POST"]),
         Route("/detokenize", _json_endpoint(detokenize), methods=["POST"]),
         Route("/tokenizer_info", get_tokenizer_info, methods=["GET"]),
+        *responses_routes(),
     ], exception_handlers={HTTPException: _http_error})
     app.state.jinfer = state
     return app

@@ -1,6 +1,6 @@
 """End to end: `python -m server.launcher` on the default model (SmolLM2-135M, float32, CPU), driven by
-the official `openai` client, raw HTTP and the ZeroMQ client. One server for the module; the last test
-kills its engine process."""
+the official `openai` client (chat, completions, responses), raw HTTP and the ZeroMQ client. One server for the
+module; the last test kills its engine process."""
 
 import asyncio
 import os
@@ -74,6 +74,19 @@ def test_chat_paris(client, tokenizer):
     assert chunks[-1].choices == [] and usage.completion_tokens == r.usage.completion_tokens
     assert usage.prompt_tokens == r.usage.prompt_tokens and usage.prompt_tokens_details.cached_tokens == 32
     assert all(c.usage is None for c in chunks[:-1]) and len({c.id for c in chunks}) == 1
+
+
+def test_responses_paris(client, tokenizer):
+    """/v1/responses, plain and streamed: the chat answer, as output items (server/responses.py)."""
+    r = client.responses.create(model=MODEL, input="What is the capital of France?", temperature=0,
+                                max_output_tokens=20)
+    assert r.id.startswith("resp_") and r.status == "completed" and "Paris" in r.output_text
+    prompt = tokenizer.encode(tokenizer.apply_chat_template(PARIS), add_special_tokens=False)
+    assert r.usage.input_tokens == len(prompt) and 0 < r.usage.output_tokens < 20
+    with client.responses.stream(model=MODEL, input=PARIS, temperature=0, max_output_tokens=20) as stream:
+        deltas = [e.delta for e in stream if e.type == "response.output_text.delta"]
+        final = stream.get_final_response()
+    assert "".join(deltas) == final.output_text == r.output_text and final.usage.output_tokens == r.usage.output_tokens
 
 
 def test_completions(client, tokenizer):
