@@ -60,7 +60,8 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     s.add_argument("--enable-auto-tool-choice", action="store_true",
                    help='tool_choice "auto": read the model\'s tool calls with --tool-call-parser')
     s.add_argument("--tool-call-parser", default=None, choices=sorted(TOOL_PARSERS),
-                   help="how the model writes tool calls: hermes (alias qwen: Qwen 2.5/3, Hermes) or llama3_json")
+                   help="how the model writes tool calls: hermes (alias qwen: Qwen 2.5/3, Hermes), llama3_json "
+                   "(Llama 3.x), mistral ([TOOL_CALLS]) or pythonic ([f(a=1)]: Llama 3.2/4)")
     s.add_argument("--core-factory", default=None, help=argparse.SUPPRESS)  # tests: a fake engine core
     add_engine_arguments(parser)
 

@@ -281,6 +281,8 @@ def parse_chat(body: Any, ctx: ServingContext) -> GenerationRequest:
         mt_name = "max_tokens"
     names = {"prompt": "messages", "max_tokens": mt_name, "logprobs": "top_logprobs"}
     kw = _sampling_kwargs(body, max_tokens, top, forced or structured)
+    if tool_plan is not None and tool_plan.parser == "mistral" and body.get("skip_special_tokens") is None:
+        kw["skip_special_tokens"] = False  # [TOOL_CALLS] is a special token: the parser must see it (as in vLLM)
     params = _build_params(_with_generation_defaults(body, kw, ctx, [ids]), names)
     return GenerationRequest(True, model, [ids], [text], params, stream, include_usage, False, top, tools=tool_plan,
                              param_names=names)
