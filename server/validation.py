@@ -276,6 +276,11 @@ def parse_chat(body: Any, ctx: ServingContext) -> GenerationRequest:
         text = ctx.tokenizer.apply_chat_template(msgs, add_generation_prompt=True, tools=tools, **template_kwargs)
     except ValueError as e:
         raise InvalidRequest(str(e), "messages") from None
+    except Exception as e:  # the template computing with a request's value (1 + "a"...): that request's fault
+        if not template_kwargs:
+            raise
+        raise InvalidRequest(f"chat template error with 'chat_template_kwargs': {type(e).__name__}: {e}"[:500],
+                             "chat_template_kwargs") from None
     ids = ctx.tokenizer.encode(text, add_special_tokens=False)
     stream, include_usage = _stream_options(body)
     want_lp = bool(_typed(body, "logprobs", _BOOL, False))

@@ -83,6 +83,9 @@ def test_chat_template_kwargs_reach_the_template():
     r = c.post(CHAT, json={"messages": MSG, "chat_template_kwargs": {"tools": []}})
     assert r.status_code == 400 and r.json()["error"]["param"] == "chat_template_kwargs"
     assert c.post(CHAT, json={"messages": MSG, "chat_template_kwargs": {"enable_thinking": False}}).status_code == 200
+    c.app.state.jinfer.ctx.tokenizer.apply_chat_template = lambda *a, **kw: 1 + kw["n"]  # a template doing sums
+    r = c.post(CHAT, json={"messages": MSG, "chat_template_kwargs": {"n": "a"}})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "chat_template_kwargs"
 
 
 def test_unknown_fields_are_logged_once_with_typo_hints(caplog):
