@@ -12,6 +12,7 @@ the chat template, validates, and formats. Admission is bounded: at most max_num
 from __future__ import annotations
 
 import asyncio
+import hmac
 import json
 import re
 import time
@@ -22,6 +23,7 @@ from typing import Any
 import numpy as np
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
+from starlette.middleware import Middleware
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
@@ -29,9 +31,11 @@ from starlette.routing import Route
 import jinfer
 from jinfer.client import EngineClient
 from server import schemas
+from server.access_log import AccessLog
 from server.errors import InvalidRequest
 from server.generation import Generation
 from server.metrics import Metrics
+from server.request_fields import warn_ignored_fields
 from server.tokenization import detokenize, tokenize, tokenizer_info
 from server.validation import ServingContext, parse_chat, parse_completion
 
@@ -63,7 +67,9 @@ def _state(request: Request) -> ServerState:
 def _check_auth(request: Request, state: ServerState) -> None:
     if state.api_key is None:
         return
-    if request.headers.get("authorization", "") != f"Bearer {state.api_key}":
+    # constant time: how long a refusal takes says nothing about how much of the key was right
+    sent = request.headers.get("authorization", "").encode("utf-8", "surrogatepass")
+    if not hmac.compare_digest(sent, f"Bearer {state.api_key}".encode("utf-8", "surrogatepass")):
         raise InvalidRequest("Incorrect or missing API key: send 'Authorization: Bearer <key>'", None,
                              "invalid_api_key", 401)
 
@@ -151,12 +157,14 @@ async def _generate(request: Request, chat: bool) -> Response:
     try:
         _check_auth(request, state)
         body = await _json_body(request)
+        warn_ignored_fields(body, chat)
         req = parse_chat(body, state.ctx) if chat else parse_completion(body, state.ctx)
         release = _admit(state, len(req.prompts) * req.params.n)
     except InvalidRequest as e:
         state.metrics.requests.labels(endpoint, _STATUS_BY_CODE.get(e.code, "invalid")).inc()
         return _error(e)
     gen = Generation(state, req, release)
+    request.state.generation = gen  # its summary goes into the access line (server/access_log.py)
     try:  # counted and logged by gen.close() from here on
         await _until_disconnect(request, gen.start())
     except InvalidRequest as e:
@@ -261,16 +269,18 @@ async def _http_error(request: Request, exc: HTTPException) -> Response:
 
 def build_app(client: EngineClient, *, tokenizer: Any = None, served_model_names: list[str] | None = None,
               api_key: str | None = None, max_queued_requests: int | None = None,
-              tool_parser: str | None = None) -> Starlette:
+              tool_parser: str | None = None, reasoning_parser: str | None = None,
+              log_requests: bool = True) -> Starlette:
     """The ASGI app around a connected client. `max_queued_requests` (default 4 x max_num_seqs) bounds the
     sequences waiting beyond the engine's max_num_seqs. `tool_parser`: read tool calls of tool_choice "auto"
-    with this parser (server/tools.py; None: "auto" is refused)."""
+    with this parser (server/tools.py; None: "auto" is refused). `reasoning_parser`: split chat outputs into
+    reasoning_content and content (server/reasoning.py). `log_requests`: one access line per request."""
     info = client.info
     tokenizer = tokenizer if tokenizer is not None else client.tokenizer
     names = tuple(served_model_names or [info.model_name])
     queued = 4 * info.max_num_seqs if max_queued_requests is None else max_queued_requests
     ctx = ServingContext(names, info.max_model_len, info.vocab_size, tokenizer,
-                         dict(getattr(info, "generation_defaults", {}) or {}), tool_parser)
+                         dict(getattr(info, "generation_defaults", {}) or {}), tool_parser, reasoning_parser)
     state = ServerState(client, tokenizer, ctx,
                         api_key, info.max_num_seqs + queued, Metrics(names[0]))
     from server.responses import routes as responses_routes  # (here: it imports this module's helpers)
@@ -287,6 +297,6 @@ def build_app(client: EngineClient, *, tokenizer: Any = None, served_model_names
         Route("/detokenize", _json_endpoint(detokenize), methods=["POST"]),
         Route("/tokenizer_info", get_tokenizer_info, methods=["GET"]),
         *responses_routes(),
-    ], exception_handlers={HTTPException: _http_error})
+    ], exception_handlers={HTTPException: _http_error}, middleware=[Middleware(AccessLog)] if log_requests else [])
     app.state.jinfer = state
     return app

@@ -1,6 +1,6 @@
 """One OpenAI generation request on its way through the engine: start (the engine accepted it),
-the deltas (kept per choice, timed for the metrics), then a JSON body or an SSE stream, and one
-structured log line when it ends."""
+the deltas (kept per choice, timed for the metrics), then a JSON body or an SSE stream, and a summary for
+the request's access line (server/access_log.py) when it ends."""
 
 from __future__ import annotations
 
@@ -18,6 +18,7 @@ from jinfer.errors import InvalidParam
 from jinfer.outputs import EngineOutput
 from server import schemas
 from server.errors import InvalidRequest, from_invalid_param
+from server.reasoning import ReasoningStream, split
 from server.tools import ToolStream
 from server.validation import GenerationRequest
 
@@ -68,6 +69,7 @@ class Generation:
         self._agen = state.client.stream_batch(req.prompts, req.params, self.id)
         self._buffer: list[tuple[_Choice, EngineOutput]] = []  # recorded by start(), not yet sent
         self._closed = False
+        self.summary: dict[str, Any] = {"id": self.id}  # filled in by close()
 
     async def start(self) -> None:
         """Wait until the engine took every prompt (its first delta), so that a refusal is still a 400."""
@@ -130,7 +132,7 @@ class Generation:
         return schemas.usage(self.prompt_tokens, self.completion_tokens, self.num_cached)
 
     async def close(self, status: str) -> None:
-        """Abort what still runs, free the admission slot, count and log the request. Idempotent."""
+        """Abort what still runs, free the admission slot, count the request and sum it up. Idempotent."""
         if self._closed:
             return
         self._closed = True
@@ -145,15 +147,15 @@ class Generation:
         out_len = max((len(c.token_ids) for c in self.choices), default=0)
         ttft = None if self.t_first is None else self.t_first - self.t0
         tpot = (now - self.t_first) / (out_len - 1) if self.t_first is not None and out_len > 1 else None
-        log.info(json.dumps({
-            "event": "request_finished", "id": self.id, "endpoint": self.endpoint, "status": status,
+        finish = [c.finish_reason for c in self.choices]
+        self.summary = {  # for the request's access line (server/access_log.py)
+            "id": self.id, "status": None if status == "success" else status,
             "prompt_tokens": self.prompt_tokens, "output_tokens": self.completion_tokens,
-            "ttft_ms": None if ttft is None else round(ttft * 1e3, 2),
+            "cached_tokens": self.num_cached or None,
+            "ttft_ms": None if ttft is None else round(ttft * 1e3, 1),
             "tpot_ms": None if tpot is None else round(tpot * 1e3, 2),
-            "e2e_ms": round((now - self.t0) * 1e3, 2),
-            "finish_reason": [c.finish_reason for c in self.choices] if len(self.choices) > 1
-            else self.choices[0].finish_reason,
-        }))
+            "finish": ",".join(map(str, finish)) if any(finish) else None,
+        }
 
     # ---- non-streaming -------------------------------------------------------------------------
 
@@ -172,10 +174,14 @@ class Generation:
                 lp = None if r.top_logprobs is None else schemas.chat_logprobs(tok, c.token_ids, c.logprobs,
                                                                                 r.top_logprobs)
                 content, calls, finish = c.text, [], c.finish_reason
-                if r.tools is not None:  # tool calling: calls read out of the text (server/tools.py)
-                    content, calls = r.tools.message(c.text)
+                if r.reasoning is not None:  # <think>...</think> apart (server/reasoning.py)
+                    reasoning, content = split(r.reasoning, c.text)
+                if r.tools is not None and content is not None:  # tool calls: read from the content (server/tools.py)
+                    content, calls = r.tools.message(content)
                     finish = "tool_calls" if calls and finish == "stop" else finish
                 choices.append(schemas.chat_choice(c.index, content, lp, finish, c.stop_reason, calls))
+                if r.reasoning is not None:
+                    choices[-1]["message"]["reasoning_content"] = reasoning
             else:
                 prefix = r.prompt_texts[c.prompt_index] if r.echo else ""
                 lp = self._completion_logprobs(c, c.token_ids, c.logprobs, echo=r.echo, offset=0)
@@ -203,6 +209,7 @@ class Generation:
         r, tok = self.req, self.state.tokenizer
         status = "error"
         tool_streams: dict[int, ToolStream] = {}
+        reasoning_streams: dict[int, ReasoningStream] = {}
         try:
             if r.chat:  # role first
                 for c in self.choices:
@@ -216,13 +223,20 @@ class Generation:
                 if r.chat:
                     lp = None if r.top_logprobs is None or not d.new_logprobs else schemas.chat_logprobs(
                         tok, d.new_token_ids, d.new_logprobs, r.top_logprobs)
-                    delta, finish = {"content": text}, d.finish_reason
+                    delta, finish, think, content = {"content": text}, d.finish_reason, "", c.text
+                    if r.reasoning is not None:  # reasoning_content pieces, then content (server/reasoning.py)
+                        reasoner = reasoning_streams.setdefault(c.index, ReasoningStream(r.reasoning))
+                        think, text, content = reasoner.update(c.text, d.finished)
+                        delta = {"reasoning_content": think} if think else {"content": text}
+                        if think and text:
+                            delta["content"] = text
                     if r.tools is not None:  # tool calling: content and delta.tool_calls pieces (server/tools.py)
                         stream = tool_streams.setdefault(c.index, ToolStream(r.tools))
-                        text, pieces = stream.update(c.text, d.finished)
-                        delta = {**({"content": text} if text else {}), **({"tool_calls": pieces} if pieces else {})}
+                        text, pieces = stream.update(content, d.finished)
+                        delta = {**({"reasoning_content": think} if think else {}),
+                                 **({"content": text} if text else {}), **({"tool_calls": pieces} if pieces else {})}
                         finish = "tool_calls" if stream.num_calls and finish == "stop" else finish
-                    if text or lp or "tool_calls" in delta:
+                    if text or think or lp or "tool_calls" in delta:
                         yield self._event([schemas.chat_delta(c.index, delta, lp)])
                     if d.finished:
                         yield self._event([schemas.chat_delta(c.index, {}, None, finish, d.stop_reason)])

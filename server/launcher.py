@@ -30,6 +30,7 @@ from jinfer.engine.args import (
     engine_config_kwargs,
 )
 from jinfer.engine.spawn import default_address, discard_engine_process, start_engine_process
+from server.reasoning import REASONING_PARSERS
 from server.tools import TOOL_PARSERS
 
 # uvicorn, the app, ZeroMQ and numpy are imported once the engine process is started (`run_serve`): its
@@ -73,7 +74,11 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     s.add_argument("--enable-auto-tool-choice", action="store_true",
                    help='tool_choice "auto": read the model\'s tool calls with --tool-call-parser')
     s.add_argument("--tool-call-parser", default=None, choices=sorted(TOOL_PARSERS),
-                   help="how the model writes tool calls: hermes (alias qwen: Qwen 2.5/3, Hermes) or llama3_json")
+                   help="how the model writes tool calls: hermes (alias qwen: Qwen 2.5/3, Hermes), llama3_json "
+                   "(Llama 3.x), mistral ([TOOL_CALLS]) or pythonic ([f(a=1)]: Llama 3.2/4)")
+    s.add_argument("--reasoning-parser", default=None, choices=REASONING_PARSERS,
+                   help="split <think>...</think> into reasoning_content: qwen3 (the output opens it) or deepseek_r1 "
+                   "(the chat template opens it: DeepSeek-R1, QwQ, Qwen3 Thinking-2507) (default: none)")
     s.add_argument("--core-factory", default=None, help=argparse.SUPPRESS)  # tests: a fake engine core
     s.add_argument("--kv-events-config", default=None, metavar="JSON",
                    help='publish KV-cache events over ZeroMQ as vLLM does, for cache-aware routers: '
@@ -179,7 +184,8 @@ def run_serve(args: argparse.Namespace) -> int:
     try:
         app = build_app(client, served_model_names=args.served_model_name, api_key=args.api_key,
                         max_queued_requests=args.max_queued_requests,
-                        tool_parser=args.tool_call_parser if args.enable_auto_tool_choice else None)
+                        tool_parser=args.tool_call_parser if args.enable_auto_tool_choice else None,
+                        reasoning_parser=getattr(args, "reasoning_parser", None))
         import uvicorn
 
         server = _server(uvicorn.Config(app, host=args.host, port=args.port,

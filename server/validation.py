@@ -28,6 +28,7 @@ class ServingContext:
     tokenizer: Any  # jinfer.tokenizer.Tokenizer
     generation_defaults: dict[str, float] = field(default_factory=dict)  # --generation-config
     tool_parser: str | None = None  # --tool-call-parser with --enable-auto-tool-choice (tool_choice "auto")
+    reasoning_parser: str | None = None  # --reasoning-parser (server/reasoning.py)
 
 
 @dataclass
@@ -44,6 +45,7 @@ class GenerationRequest:
     extra: dict[str, Any] = field(default_factory=dict)
     echo_only: bool = False  # completions echo + max_tokens 0: the prompt (and its logprobs), nothing generated
     tools: Any = None  # server.tools.ToolPlan: how to read tool calls out of the output (None: plain text)
+    reasoning: str | None = None  # the reasoning parser that splits the output (server/reasoning.py)
     # the engine's field names -> this endpoint's (an engine refusal's "param": chat's "messages" for "prompt")
     param_names: dict[str, str] = field(default_factory=dict)
 
@@ -219,6 +221,7 @@ def parse_completion(body: Any, ctx: ServingContext) -> GenerationRequest:
                              echo_only=echo_only, param_names=names)
 
 
+_TEMPLATE_OWN = frozenset({"messages", "tools", "documents", "add_generation_prompt"})  # set by the server
 MEDIA_PARTS = frozenset({"image_url", "image", "input_image", "video", "video_url", "input_audio", "audio_url",
                          "file"})
 
@@ -265,10 +268,19 @@ def parse_chat(body: Any, ctx: ServingContext) -> GenerationRequest:
     if forced is not None and structured is not None:
         raise InvalidRequest("'tool_choice' required or a named function already constrains the output; drop "
                              "'response_format' / the guided_* fields", "tool_choice")
+    template_kwargs = body.get("chat_template_kwargs") or {}  # e.g. {"enable_thinking": false} (Qwen3)
+    if not isinstance(template_kwargs, dict) or _TEMPLATE_OWN.intersection(template_kwargs):
+        raise InvalidRequest("'chat_template_kwargs' must be an object of extra chat template variables (not "
+                             f"{', '.join(sorted(_TEMPLATE_OWN))})", "chat_template_kwargs")
     try:
-        text = ctx.tokenizer.apply_chat_template(msgs, add_generation_prompt=True, tools=tools)
+        text = ctx.tokenizer.apply_chat_template(msgs, add_generation_prompt=True, tools=tools, **template_kwargs)
     except ValueError as e:
         raise InvalidRequest(str(e), "messages") from None
+    except Exception as e:  # the template computing with a request's value (1 + "a"...): that request's fault
+        if not template_kwargs:
+            raise
+        raise InvalidRequest(f"chat template error with 'chat_template_kwargs': {type(e).__name__}: {e}"[:500],
+                             "chat_template_kwargs") from None
     ids = ctx.tokenizer.encode(text, add_special_tokens=False)
     stream, include_usage = _stream_options(body)
     want_lp = bool(_typed(body, "logprobs", _BOOL, False))
@@ -281,6 +293,10 @@ def parse_chat(body: Any, ctx: ServingContext) -> GenerationRequest:
         mt_name = "max_tokens"
     names = {"prompt": "messages", "max_tokens": mt_name, "logprobs": "top_logprobs"}
     kw = _sampling_kwargs(body, max_tokens, top, forced or structured)
+    if tool_plan is not None and tool_plan.parser == "mistral" and body.get("skip_special_tokens") is None:
+        kw["skip_special_tokens"] = False  # [TOOL_CALLS] is a special token: the parser must see it (as in vLLM)
     params = _build_params(_with_generation_defaults(body, kw, ctx, [ids]), names)
+    # a grammar-constrained output has no think block (the grammar holds from its first token)
+    reasoning = ctx.reasoning_parser if forced is None and structured is None else None
     return GenerationRequest(True, model, [ids], [text], params, stream, include_usage, False, top, tools=tool_plan,
-                             param_names=names)
+                             param_names=names, reasoning=reasoning)

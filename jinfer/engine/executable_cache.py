@@ -99,6 +99,17 @@ _PERSISTENT_CACHE_HIT = "/jax/compilation_cache/cache_hits"
 _persistent_cache_lock = threading.Lock()
 
 
+class _QuietCacheResets(logging.Filter):
+    """Drops JAX's INFO line "Resetting cache at ..." and nothing else: `_fresh_compile` resets the persistent
+    cache's state twice per compile on CPU, which printed ~124 such lines at a server's first start."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not (record.levelno < logging.WARNING and str(record.msg).startswith("Resetting cache"))
+
+
+logging.getLogger("jax._src.compilation_cache").addFilter(_QuietCacheResets())  # the logger reset_cache() uses
+
+
 class _Unsupported(Exception):
     """A tree or value that the JSON codec cannot represent faithfully."""
 

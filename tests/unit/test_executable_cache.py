@@ -277,3 +277,14 @@ def test_executable_with_host_callback_is_compiled_but_not_stored(tmp_path, capl
         compiled = ExecutableCache(tmp_path, namespace="t").compile("noisy", jax.jit(noisy), jnp.ones(2))
     assert "not cached" in caplog.text and list(tmp_path.glob("*.jexe")) == []
     np.testing.assert_array_equal(np.asarray(compiled(jnp.ones(2))), [2.0, 2.0])
+
+
+def test_cache_resets_around_a_compile_log_nothing(caplog):
+    """JAX logs each persistent-cache reset at INFO; two per compile flooded a server's first start."""
+    from jinfer.engine.executable_cache import _fresh_compile
+
+    with caplog.at_level(logging.INFO):
+        with _fresh_compile():
+            pass
+        logging.getLogger("jax._src.compilation_cache").warning("a real warning")
+    assert "Resetting cache" not in caplog.text and "a real warning" in caplog.text

@@ -1,4 +1,4 @@
-"""Tool-call parsing on fixed model outputs (Hermes / Qwen, Llama 3 JSON, the forced formats): the
+"""Tool-call parsing on fixed model outputs (Hermes / Qwen, Llama 3 JSON, Mistral, pythonic, the forced formats): the
 non-streaming message, and streaming fed in every possible piece size, whose assembled result (the
 way the openai client assembles `delta.tool_calls`) must equal it."""
 
@@ -7,10 +7,15 @@ import json
 import pytest
 
 from server.errors import InvalidRequest
-from server.tools import ToolPlan, ToolStream, _partial_suffix, parse_tools
+from server.tool_parsers import partial_suffix
+from server.tools import ToolPlan, ToolStream, parse_tools
 
 HERMES = ToolPlan("auto", parser="hermes")
 LLAMA = ToolPlan("auto", parser="llama3_json")
+MISTRAL = ToolPlan("auto", parser="mistral")
+PYTHONIC = ToolPlan("auto", parser="pythonic")
+# brackets and quotes inside strings, a triple-quoted string, a tuple, Llama 4's tags
+TRICKY = "<|python_start|>[f(a=[1, {'k': (2, 'x)]')}], b='''q\"), ''', c=-1.5, d=True)]<|python_end|>"
 WEATHER = {"type": "function", "function": {"name": "get_weather", "parameters": {
     "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}
 
@@ -34,6 +39,18 @@ CASES = [  # plan, model output, expected content, expected [(name, arguments)]
      [("a", '{"k": "v"}'), ("b", "{}")]),
     (ToolPlan("required", parallel=False), '[{"name": "a", "parameters": {"k": "v"}}]', None, [("a", '{"k": "v"}')]),
     (ToolPlan("named", function="get_weather"), '{"city": "Rome"}', None, [("get_weather", '{"city": "Rome"}')]),
+    (MISTRAL, 'Checking.[TOOL_CALLS][{"name": "get_weather", "arguments": {"city": "Paris"}}, {"name": "b", '
+              '"arguments": {}}]', "Checking.", [("get_weather", '{"city": "Paris"}'), ("b", "{}")]),
+    (MISTRAL, '[TOOL_CALLS]get_weather[ARGS]{"city": "Paris"}[TOOL_CALLS]b[ARGS]{}', None,
+     [("get_weather", '{"city": "Paris"}'), ("b", "{}")]),
+    (MISTRAL, "Just text with [brackets].", "Just text with [brackets].", []),
+    (PYTHONIC, '[get_weather(city="San Francisco", days=3, units=None), ping()]', None,
+     [("get_weather", '{"city": "San Francisco", "days": 3, "units": null}'), ("ping", "{}")]),
+    (PYTHONIC, TRICKY, None, [("f", json.dumps({"a": [1, {"k": [2, "x)]"]}], "b": 'q"), ', "c": -1.5, "d": True}))]),
+    (PYTHONIC, "[1] is a citation.", "[1] is a citation.", []),
+    (PYTHONIC, "[f(1)]", "[f(1)]", []),  # positional arguments: not vLLM's format
+    (PYTHONIC, "[f(x=open('/etc/passwd'))]", "[f(x=open('/etc/passwd'))]", []),  # literals only, never evaluated
+    (PYTHONIC, "[f(x={1, 2})]", "[f(x={1, 2})]", []),  # a set has no JSON form
 ]
 
 
@@ -57,7 +74,8 @@ def test_message_and_every_streaming_split_agree(plan, text, content, calls):
     got_content, tool_calls = plan.message(text)
     assert got_content == content
     assert [(c["function"]["name"], c["function"]["arguments"]) for c in tool_calls] == calls
-    assert all(c["id"].startswith("chatcmpl-tool-") and c["type"] == "function" for c in tool_calls)
+    assert all(c["id"].startswith("chatcmpl-tool-") or plan is MISTRAL for c in tool_calls)
+    assert all(c["type"] == "function" for c in tool_calls)
     for call in tool_calls:
         json.loads(call["function"]["arguments"])
     for piece in range(1, len(text) + 1):
@@ -75,7 +93,20 @@ def test_streaming_holds_back_a_partial_tag_and_sends_headers_before_arguments()
     assert set(pieces[0]) == {"index", "id", "type", "function"}
     delta, pieces = stream.update('Sure <tool_call>{"name": "get_weather", "arguments": {"city": "X"}}', False)
     assert pieces == [{"index": 0, "function": {"arguments": 'ty": "X"}'}}]
-    assert _partial_suffix("abc<tool_ca", "<tool_call>") == 8 and _partial_suffix("abc", "<tool_call>") == 0
+    assert partial_suffix("abc<tool_ca", "<tool_call>") == 8 and partial_suffix("abc", "<tool_call>") == 0
+
+
+def test_mistral_ids_fit_its_template_and_pythonic_calls_come_whole():
+    _, calls = MISTRAL.message('[TOOL_CALLS]f[ARGS]{"x": 1}')
+    assert len(calls[0]["id"]) == 9 and calls[0]["id"].isalnum()  # Mistral's templates check the id's form
+    stream = ToolStream(PYTHONIC)
+    assert stream.update("[get_weather(city='Os", False) == ("", [])  # a call comes whole, once it parses
+    delta, pieces = stream.update("[get_weather(city='Oslo'), ", False)
+    assert delta == "" and pieces[0]["function"] == {"name": "get_weather", "arguments": '{"city": "Oslo"}'}
+    # not a list of calls after all: text, as in vLLM (a stream has sent the calls read before that showed)
+    assert PYTHONIC.message("[f(x=1), g(") == ("[f(x=1), g(", [])
+    assert PYTHONIC.message("[f(x=1)] and then text") == ("[f(x=1)] and then text", [])
+    assert PYTHONIC.message("  ") == ("  ", [])
 
 
 def test_truncated_call_keeps_what_was_written():
