@@ -12,6 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from jinfer.config.kernels import BACKENDS, KernelPolicy
+from jinfer.config.pooling import RUNNERS
 from jinfer.config.speculative import SpeculativeConfig
 from jinfer.generation_config import check_setting as check_generation_config
 
@@ -101,6 +102,8 @@ class EngineConfig:
     generation_config: str = "auto"  # default sampling parameters: "auto" (the model's), "vllm" (none) or a dir
     # Speculative decoding (jinfer/config/speculative.py): vLLM's dict or JSON form is accepted. None: off.
     speculative_config: SpeculativeConfig | None = None
+    # "generate", "pooling" (embeddings) or "auto" (pooling for embedding checkpoints): jinfer/config/pooling.py
+    runner: str = "auto"
 
     def __post_init__(self):
         if isinstance(self.kernel_policy, dict):
@@ -134,6 +137,8 @@ class EngineConfig:
         if not isinstance(self.compilation_cache_dir, str):
             raise ValueError(f"compilation_cache_dir={self.compilation_cache_dir!r} must be a directory ('' = off)")
         check_generation_config(self.generation_config)
+        if self.runner not in RUNNERS:
+            raise ValueError(f"runner={self.runner!r} must be one of {RUNNERS}")
         for name, what in (("executable_keep_alive", "seconds >= 0 (0: never unload)"),
                            ("log_stats_interval", "seconds >= 0"), ("kv_offload_gb", "GiB >= 0 (0: no host tier)")):
             v = getattr(self, name)

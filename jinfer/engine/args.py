@@ -12,6 +12,7 @@ import os
 
 from jinfer.config.engine import ATTENTION_BACKENDS
 from jinfer.config.kernels import KernelPolicy
+from jinfer.config.pooling import RUNNERS, TASK_RUNNERS
 
 # `jinfer serve` is ready once these steps compile; the other shapes follow in the background.
 SERVE_WARMUP_FIRST_TOKENS = 256
@@ -23,7 +24,7 @@ _ENGINE_OPTIONS = ("dtype", "load_format", "max_model_len", "max_num_seqs", "max
                    "page_size", "gpu_memory_utilization", "tensor_parallel_size", "seed", "attention_backend",
                    "compilation_cache_dir", "nnodes", "node_rank", "master_addr", "master_port",
                    "log_stats_interval", "generation_config", "kv_offload_gb", "executable_keep_alive",
-                   "speculative_config")
+                   "speculative_config", "runner")
 
 
 def _non_negative_int(text: str) -> int:
@@ -87,6 +88,11 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
                    help='speculative decoding, as vLLM takes it: \'{"method": "ngram", "num_speculative_tokens": 4, '
                         '"prompt_lookup_min": 2, "prompt_lookup_max": 5}\' (n-gram drafts from the sequence itself; '
                         'steps are then read back before the next is scheduled)')
+    e.add_argument("--runner", default=None, choices=list(RUNNERS),
+                   help="generate (text), pooling (embeddings: /v1/embeddings), or auto (default): pooling for "
+                        "embedding checkpoints (a base model without an LM head, or sentence-transformers metadata)")
+    e.add_argument("--task", default=None, choices=sorted(TASK_RUNNERS),
+                   help="vLLM's older name for --runner: embed = pooling")
     e.add_argument("--no-async-scheduling", action="store_true",
                    help="read each step's tokens back before scheduling the next (no overlap of host and device)")
 
@@ -95,6 +101,8 @@ def engine_config_kwargs(args: argparse.Namespace) -> dict:
     """EngineConfig keyword arguments for the flags given (model included)."""
     kw = {name: getattr(args, name) for name in _ENGINE_OPTIONS if getattr(args, name, None) is not None}
     kw["model"] = args.model
+    if getattr(args, "task", None) is not None and "runner" not in kw:
+        kw["runner"] = TASK_RUNNERS[args.task]
     if args.no_prefix_caching:
         kw["enable_prefix_caching"] = False
     if args.no_chunked_prefill:
