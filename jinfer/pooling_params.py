@@ -22,5 +22,10 @@ class PoolingParams:
         if d is not None and (not isinstance(d, int) or isinstance(d, bool) or not 1 <= d <= INT32_MAX):
             raise InvalidParam("dimensions", f"dimensions={d!r} must be an integer >= 1")
 
+    @property
+    def n(self) -> int:
+        """Sequences the request runs as (SamplingParams.n's meaning): one vector per prompt."""
+        return 1
+
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)

@@ -1,6 +1,7 @@
 """The OpenAI-compatible HTTP server (Starlette): routes, auth, admission control, error bodies.
 
     POST /v1/completions, POST /v1/chat/completions   (JSON or SSE with `stream: true`)
+    POST /v1/embeddings   (an embedding model's: server/embeddings.py)
     GET  /v1/models, /health, /metrics, /version;  GET|POST /ping;  POST /tokenize, /detokenize;  GET /tokenizer_info
 
 The engine is reached through `jinfer.client.EngineClient` (ZeroMQ); this process tokenizes, applies
@@ -28,6 +29,7 @@ from starlette.routing import Route
 import jinfer
 from jinfer.client import EngineClient
 from server import schemas
+from server.embeddings import parse_embedding, require_task, run_embeddings
 from server.errors import InvalidRequest
 from server.generation import Generation
 from server.metrics import Metrics
@@ -150,6 +152,7 @@ async def _generate(request: Request, chat: bool) -> Response:
     try:
         _check_auth(request, state)
         body = await _json_body(request)
+        require_task(state.ctx, embedding=False)
         req = parse_chat(body, state.ctx) if chat else parse_completion(body, state.ctx)
         release = _admit(state, len(req.prompts) * req.params.n)
     except InvalidRequest as e:
@@ -179,6 +182,33 @@ async def completions(request: Request) -> Response:
 
 async def chat_completions(request: Request) -> Response:
     return await _generate(request, chat=True)
+
+
+async def embeddings(request: Request) -> Response:
+    state = _state(request)
+    status = "invalid"
+    try:
+        _check_auth(request, state)
+        req = parse_embedding(await _json_body(request), state.ctx)
+        release = _admit(state, len(req.prompts))
+    except InvalidRequest as e:
+        state.metrics.requests.labels("embeddings", _STATUS_BY_CODE.get(e.code, "invalid")).inc()
+        return _error(e)
+    try:
+        body = await _until_disconnect(request, run_embeddings(state.client, req))
+        status = "success"
+        return JSONResponse(body)
+    except InvalidRequest as e:
+        status = "error" if e.status >= 500 else "invalid"
+        return _error(e)
+    except ClientDisconnected:
+        status = "aborted"
+        return Response(status_code=499)
+    finally:
+        release()
+        state.metrics.requests.labels("embeddings", status).inc()
+        if status == "success":
+            state.metrics.prompt_tokens.inc(sum(len(p) for p in req.prompts))
 
 
 async def models(request: Request) -> Response:
@@ -269,12 +299,14 @@ def build_app(client: EngineClient, *, tokenizer: Any = None, served_model_names
     names = tuple(served_model_names or [info.model_name])
     queued = 4 * info.max_num_seqs if max_queued_requests is None else max_queued_requests
     ctx = ServingContext(names, info.max_model_len, info.vocab_size, tokenizer,
-                         dict(getattr(info, "generation_defaults", {}) or {}), tool_parser)
+                         dict(getattr(info, "generation_defaults", {}) or {}), tool_parser,
+                         int(getattr(info, "embedding_size", 0) or 0))
     state = ServerState(client, tokenizer, ctx,
                         api_key, info.max_num_seqs + queued)
     app = Starlette(routes=[
         Route("/v1/completions", completions, methods=["POST"]),
         Route("/v1/chat/completions", chat_completions, methods=["POST"]),
+        Route("/v1/embeddings", embeddings, methods=["POST"]),
         Route("/v1/models", models, methods=["GET"]),
         Route("/health", health, methods=["GET"]),
         Route("/metrics", metrics, methods=["GET"]),

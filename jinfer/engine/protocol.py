@@ -58,14 +58,17 @@ class EngineReady(_Message, tag="ready"):
     eos_token_ids: list[int] = []
     protocol_version: int = PROTOCOL_VERSION
     generation_defaults: dict[str, int | float] = {}  # from generation_config.json
+    embedding_size: int = 0  # an embedding model (runner pooling): the length of its vectors; 0: a generative model
 
 
 class AddRequest(_Message, tag="add"):
-    """Client -> engine. `params` is `SamplingParams.to_dict()`; the engine validates it (-> Rejected)."""
+    """Client -> engine. `params` is `SamplingParams.to_dict()`, or for an embedding request `pooling` is
+    `PoolingParams.to_dict()` (and `params` empty); the engine validates them (-> Rejected)."""
 
     request_id: str
     prompt_token_ids: list[int]
     params: dict[str, Param]
+    pooling: dict[str, Param] | None = None
 
 
 class Abort(_Message, tag="abort"):
