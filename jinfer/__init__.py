@@ -2,6 +2,7 @@
 
 __version__ = "0.1.0"
 
+from jinfer.pooling_params import PoolingParams  # noqa: E402
 from jinfer.sampling_params import SamplingParams  # noqa: E402
 from jinfer.structured_outputs import GuidedDecodingParams, StructuredOutputsParams  # noqa: E402
 
@@ -11,11 +12,11 @@ def __getattr__(name):  # LLM pulls in JAX and the engine: import it lazily
         from jinfer.llm import LLM
 
         return LLM
-    if name in ("RequestOutput", "CompletionOutput"):
+    if name in ("RequestOutput", "CompletionOutput", "EmbeddingRequestOutput", "EmbeddingOutput"):
         from jinfer import outputs
 
         return getattr(outputs, name)
     raise AttributeError(name)
 
 
-__all__ = ["LLM", "SamplingParams", "StructuredOutputsParams", "GuidedDecodingParams", "__version__"]
+__all__ = ["LLM", "PoolingParams", "SamplingParams", "StructuredOutputsParams", "GuidedDecodingParams", "__version__"]

@@ -38,6 +38,7 @@ from jinfer.engine import protocol as proto
 from jinfer.engine.spawn import default_address, start_engine_process
 from jinfer.errors import invalid_param
 from jinfer.outputs import CompletionOutput, EngineOutput, RequestOutput
+from jinfer.pooling_params import PoolingParams
 from jinfer.sampling_params import SamplingParams
 
 log = logging.getLogger("jinfer.client")
@@ -200,7 +201,7 @@ class EngineClient:
             return self.tokenizer.encode(prompt)
         return [int(t) for t in prompt]
 
-    def _add(self, request_id: str, ids: list[int], params: SamplingParams, tag: int, q: Any,
+    def _add(self, request_id: str, ids: list[int], params: SamplingParams | PoolingParams, tag: int, q: Any,
              loop: asyncio.AbstractEventLoop | None) -> None:
         with self._lock:
             if not self.is_alive:
@@ -208,7 +209,10 @@ class EngineClient:
             if request_id in self._pending:
                 raise ValueError(f"request_id={request_id!r} is already in use")
             self._pending[request_id] = _Pending(tag, q, loop, set(range(params.n)))
-        self._send(proto.AddRequest(request_id, ids, params.to_dict()))
+        if isinstance(params, PoolingParams):  # an embedding request
+            self._send(proto.AddRequest(request_id, ids, {}, pooling=params.to_dict()))
+        else:
+            self._send(proto.AddRequest(request_id, ids, params.to_dict()))
 
     def abort(self, request_id: str) -> None:
         """Stop a request: its unfinished samples end with finish_reason "abort"; the engine frees its pages."""
@@ -255,12 +259,13 @@ class EngineClient:
         async for _, delta in self.stream_batch([prompt], params, request_id, suffix=False):
             yield delta
 
-    async def stream_batch(self, prompts: Sequence[Prompt], params: SamplingParams | None = None,
+    async def stream_batch(self, prompts: Sequence[Prompt], params: SamplingParams | PoolingParams | None = None,
                            request_id: str | None = None, *, suffix: bool = True
                            ) -> AsyncIterator[tuple[int, EngineOutput]]:
         """Several prompts with the same params as engine requests `{request_id}-{i}`; yields
-        (prompt index, delta) in arrival order. Raises ValueError if the engine refuses one (the others
-        are aborted), EngineDeadError if the engine dies, RequestError if a request fails."""
+        (prompt index, delta) in arrival order (PoolingParams: embeddings, one finished delta each). Raises
+        ValueError if the engine refuses one (the others are aborted), EngineDeadError if the engine dies,
+        RequestError if a request fails."""
         params = params or SamplingParams()
         base = request_id or uuid.uuid4().hex
         rids = [f"{base}-{i}" if suffix else base for i in range(len(prompts))]

@@ -3,6 +3,7 @@
     llm = LLM()                                   # the embedded default model
     outs = llm.generate(["Hello", {"prompt_token_ids": [1, 2, 3]}], SamplingParams(max_tokens=64))
     outs[0].outputs[0].text
+    LLM("Qwen3-Embedding-0.6B").embed(["a text"])[0].outputs.embedding   # an embedding model: its vectors
 
 It drives the same EngineCore the server uses, in-process: all prompts are queued at once and the
 scheduler batches them continuously. `data_parallel_size=N` builds N engines on disjoint devices (each
@@ -23,7 +24,8 @@ from tqdm.auto import tqdm
 from jinfer.config.engine import EngineConfig
 from jinfer.engine.args import VLLM_ARGS, compilation_cache_dir_from_env, vllm_engine_args
 from jinfer.engine.core import EngineCore
-from jinfer.outputs import CompletionOutput, RequestOutput
+from jinfer.outputs import CompletionOutput, EmbeddingOutput, EmbeddingRequestOutput, RequestOutput
+from jinfer.pooling_params import PoolingParams
 from jinfer.sampling_params import SamplingParams
 from jinfer.tokenizer import Tokenizer
 
@@ -123,6 +125,43 @@ class LLM:
                 if not results[rid].finished:
                     self.engines[engine_of[rid]].abort(rid)
         return [results[rid] for rid in order]
+
+    def embed(self, prompts: PromptType | Sequence[PromptType], pooling_params: PoolingParams | None = None,
+              use_tqdm: bool = True) -> list[EmbeddingRequestOutput]:
+        """vLLM's `LLM.embed` (an embedding model): each prompt's vector, `outputs.embedding`, in input order."""
+        if isinstance(prompts, (str, dict)) or (isinstance(prompts, list) and prompts
+                                                and all(isinstance(t, int) for t in prompts)):
+            prompts = [prompts]
+        params = pooling_params or PoolingParams()
+        results: dict[str, EmbeddingRequestOutput] = {}
+        engine_of: dict[str, EngineCore] = {}
+        try:
+            for i, prompt in enumerate(prompts):
+                ids = self._prompt_ids(prompt)[1]
+                rid, engine = str(next(self._ids)), self.engines[i % len(self.engines)]
+                engine.add_request(rid, ids, params)
+                results[rid], engine_of[rid] = EmbeddingRequestOutput(rid, EmbeddingOutput([]), ids, False), engine
+            with tqdm(total=len(results), desc="embedding", unit="req", disable=not use_tqdm or len(results) < 2,
+                      leave=False) as bar:
+                def drive(engine: EngineCore) -> None:
+                    while engine.has_unfinished_requests():
+                        for d in engine.step():
+                            if d.embedding is None:
+                                raise RuntimeError(f"embedding request {d.request_id} failed: {d.error}")
+                            out = results[d.request_id]
+                            out.outputs.embedding, out.finished = d.embedding_list(), True
+                            bar.update(1)
+
+                busy = [e for e in self.engines if e.has_unfinished_requests()]
+                if len(busy) == 1:
+                    drive(busy[0])
+                elif busy:
+                    self._drive_threads(drive, busy)
+        finally:
+            for rid, out in results.items():
+                if not out.finished:
+                    engine_of[rid].abort(rid)
+        return list(results.values())
 
     @staticmethod
     def _drive_threads(drive, engines: list[EngineCore]) -> None:

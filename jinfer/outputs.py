@@ -1,11 +1,12 @@
 """What the engine returns: per-step deltas (`EngineOutput`, streamed by the server) and the
-vLLM-compatible aggregated `RequestOutput` / `CompletionOutput` of the offline API."""
+vLLM-compatible aggregated `RequestOutput` / `CompletionOutput` (and `EmbeddingRequestOutput`) of the offline API."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
 import msgspec
+import numpy as np
 
 # One entry per generated token: {token_id: logprob} holding the chosen token and the top-N.
 TokenLogprobs = dict[int, float]
@@ -35,6 +36,12 @@ class EngineOutput(msgspec.Struct, array_like=True, forbid_unknown_fields=True):
     num_drafts: int = 0
     num_draft_tokens: int = 0
     num_accepted_tokens: int = 0
+    # An embedding request's result (on its one, finished delta): the pooled vector as float32 little-endian bytes
+    # (raw bytes on the wire, as OpenAI's base64 encoding wants them; `embedding_list` gives the floats).
+    embedding: bytes | None = None
+
+    def embedding_list(self) -> list[float] | None:
+        return None if self.embedding is None else np.frombuffer(self.embedding, "<f4").tolist()
 
 
 @dataclass
@@ -96,3 +103,24 @@ class RequestOutput:
         if delta.prompt_logprobs is not None and self.prompt_logprobs is None:
             self.prompt_logprobs = delta.prompt_logprobs
         self.finished = all(o.finished() for o in self.outputs)
+
+
+@dataclass
+class EmbeddingOutput:
+    """vLLM's: the pooled vector of one prompt (normalised; truncated to `dimensions` when asked)."""
+
+    embedding: list[float]
+
+    @property
+    def hidden_size(self) -> int:
+        return len(self.embedding)
+
+
+@dataclass
+class EmbeddingRequestOutput:
+    """vLLM's `LLM.embed` result for one prompt: `outputs.embedding` is the vector."""
+
+    request_id: str
+    outputs: EmbeddingOutput
+    prompt_token_ids: list[int]
+    finished: bool = True

@@ -2,6 +2,7 @@
 
     POST /v1/completions, POST /v1/chat/completions   (JSON or SSE with `stream: true`)
     POST /v1/responses, GET|DELETE /v1/responses/{id}   (server/responses.py)
+    POST /v1/embeddings   (an embedding model's: server/embeddings.py)
     GET  /v1/models, /health, /metrics, /version;  GET|POST /ping;  POST /tokenize, /detokenize;  GET /tokenizer_info
 
 The engine is reached through `jinfer.client.EngineClient` (ZeroMQ); this process tokenizes, applies
@@ -32,6 +33,7 @@ import jinfer
 from jinfer.client import EngineClient
 from server import schemas
 from server.access_log import AccessLog
+from server.embeddings import parse_embedding, require_task, run_embeddings
 from server.errors import InvalidRequest
 from server.generation import Generation
 from server.metrics import Metrics
@@ -158,6 +160,7 @@ async def _generate(request: Request, chat: bool) -> Response:
         _check_auth(request, state)
         body = await _json_body(request)
         warn_ignored_fields(body, chat)
+        require_task(state.ctx, embedding=False)
         req = parse_chat(body, state.ctx) if chat else parse_completion(body, state.ctx)
         release = _admit(state, len(req.prompts) * req.params.n)
     except InvalidRequest as e:
@@ -188,6 +191,33 @@ async def completions(request: Request) -> Response:
 
 async def chat_completions(request: Request) -> Response:
     return await _generate(request, chat=True)
+
+
+async def embeddings(request: Request) -> Response:
+    state = _state(request)
+    status = "invalid"
+    try:
+        _check_auth(request, state)
+        req = parse_embedding(await _json_body(request), state.ctx)
+        release = _admit(state, len(req.prompts))
+    except InvalidRequest as e:
+        state.metrics.requests.labels("embeddings", _STATUS_BY_CODE.get(e.code, "invalid")).inc()
+        return _error(e)
+    try:
+        body = await _until_disconnect(request, run_embeddings(state.client, req))
+        status = "success"
+        return JSONResponse(body)
+    except InvalidRequest as e:
+        status = "error" if e.status >= 500 else "invalid"
+        return _error(e)
+    except ClientDisconnected:
+        status = "aborted"
+        return Response(status_code=499)
+    finally:
+        release()
+        state.metrics.requests.labels("embeddings", status).inc()
+        if status == "success":
+            state.metrics.prompt_tokens.inc(sum(len(p) for p in req.prompts))
 
 
 async def models(request: Request) -> Response:
@@ -280,7 +310,8 @@ def build_app(client: EngineClient, *, tokenizer: Any = None, served_model_names
     names = tuple(served_model_names or [info.model_name])
     queued = 4 * info.max_num_seqs if max_queued_requests is None else max_queued_requests
     ctx = ServingContext(names, info.max_model_len, info.vocab_size, tokenizer,
-                         dict(getattr(info, "generation_defaults", {}) or {}), tool_parser, reasoning_parser)
+                         dict(getattr(info, "generation_defaults", {}) or {}), tool_parser,
+                         reasoning_parser=reasoning_parser, embedding_size=int(getattr(info, "embedding_size", 0) or 0))
     state = ServerState(client, tokenizer, ctx,
                         api_key, info.max_num_seqs + queued, Metrics(names[0]))
     from server.responses import routes as responses_routes  # (here: it imports this module's helpers)
@@ -288,6 +319,7 @@ def build_app(client: EngineClient, *, tokenizer: Any = None, served_model_names
     app = Starlette(routes=[
         Route("/v1/completions", completions, methods=["POST"]),
         Route("/v1/chat/completions", chat_completions, methods=["POST"]),
+        Route("/v1/embeddings", embeddings, methods=["POST"]),
         Route("/v1/models", models, methods=["GET"]),
         Route("/health", health, methods=["GET"]),
         Route("/metrics", metrics, methods=["GET"]),

@@ -29,6 +29,7 @@ class ServingContext:
     generation_defaults: dict[str, float] = field(default_factory=dict)  # --generation-config
     tool_parser: str | None = None  # --tool-call-parser with --enable-auto-tool-choice (tool_choice "auto")
     reasoning_parser: str | None = None  # --reasoning-parser (server/reasoning.py)
+    embedding_size: int = 0  # an embedding model: its vectors' length (it serves only /v1/embeddings); 0: generative
 
 
 @dataclass

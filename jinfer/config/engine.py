@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 
 from jinfer.cache.kv_events import KVEventsConfig
 from jinfer.config.kernels import BACKENDS, KernelPolicy
+from jinfer.config.pooling import RUNNERS
 from jinfer.config.speculative import SpeculativeConfig
 from jinfer.generation_config import check_setting as check_generation_config
 from jinfer.sampling_params import MAX_LOGPROBS
@@ -118,6 +119,8 @@ class EngineConfig:
     # KV-cache events over ZeroMQ for cache-aware routers (jinfer/cache/kv_events.py): vLLM's KVEventsConfig as a
     # dict or JSON. None: off.
     kv_events_config: KVEventsConfig | None = None
+    # "generate", "pooling" (embeddings) or "auto" (pooling for embedding checkpoints): jinfer/config/pooling.py
+    runner: str = "auto"
 
     def __post_init__(self):
         if isinstance(self.kernel_policy, dict):
@@ -154,6 +157,8 @@ class EngineConfig:
         if not isinstance(self.compilation_cache_dir, str):
             raise ValueError(f"compilation_cache_dir={self.compilation_cache_dir!r} must be a directory ('' = off)")
         check_generation_config(self.generation_config)
+        if self.runner not in RUNNERS:
+            raise ValueError(f"runner={self.runner!r} must be one of {RUNNERS}")
         for name, what in (("executable_keep_alive", "seconds >= 0 (0: never unload)"),
                            ("log_stats_interval", "seconds >= 0"), ("kv_offload_gb", "GiB >= 0 (0: no host tier)")):
             v = getattr(self, name)

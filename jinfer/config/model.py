@@ -71,6 +71,9 @@ class ModelConfig:
     n_group: int = 1
     topk_group: int = 1
     routed_scaling_factor: float = 1.0
+    # An embedding model (`--runner pooling`, jinfer/config/pooling.py): the forward returns the last token's final
+    # normed hidden state, L2-normalised, instead of logits; no lm_head is loaded. Static, so a separate executable.
+    pooling: bool = False
 
     def __post_init__(self):
         if self.architecture not in ARCHITECTURES:
@@ -312,6 +315,7 @@ class ModelConfig:
             qk_norm=arch.qk_norm,
             bos_token_id=cfg.get("bos_token_id"),
             eos_token_ids=eos_ids,
+            pooling=archs[0] in arch.hf_pooling_names,
             **moe,
             **hybrid,
             **latent,

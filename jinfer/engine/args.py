@@ -15,6 +15,7 @@ from pathlib import Path
 
 from jinfer.config.engine import ATTENTION_BACKENDS, KV_CACHE_DTYPES, QUANTIZATIONS, EngineConfig
 from jinfer.config.kernels import KernelPolicy
+from jinfer.config.pooling import RUNNERS, TASK_RUNNERS
 
 log = logging.getLogger("jinfer")
 
@@ -29,7 +30,7 @@ _ENGINE_OPTIONS = ("dtype", "load_format", "max_model_len", "max_num_seqs", "max
                    "compilation_cache_dir", "nnodes", "node_rank", "master_addr", "master_port",
                    "log_stats_interval", "generation_config", "kv_offload_gb", "executable_keep_alive",
                    "speculative_config", "revision", "download_dir", "tokenizer", "chat_template", "kv_cache_dtype",
-                   "quantization", "max_logprobs", "enable_prefix_caching", "enable_chunked_prefill")
+                   "quantization", "max_logprobs", "enable_prefix_caching", "enable_chunked_prefill", "runner")
 # vLLM's engine arguments that are no EngineConfig field, as flags and as LLM(...) keywords: `vllm_engine_args`
 # says what each becomes here.
 VLLM_ARGS = ("enforce_eager", "block_size", "swap_space", "trust_remote_code", "disable_log_stats",
@@ -173,6 +174,11 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
                    help='speculative decoding, as vLLM takes it: \'{"method": "ngram", "num_speculative_tokens": 4, '
                         '"prompt_lookup_min": 2, "prompt_lookup_max": 5}\' (n-gram drafts from the sequence itself; '
                         'steps are then read back before the next is scheduled; default: off)')
+    e.add_argument("--runner", default=None, choices=list(RUNNERS),
+                   help="generate (text), pooling (embeddings: /v1/embeddings), or auto (default): pooling for "
+                        "embedding checkpoints (a base model without an LM head, or sentence-transformers metadata)")
+    e.add_argument("--task", default=None, choices=sorted(TASK_RUNNERS),
+                   help="vLLM's older name for --runner: embed = pooling")
     e.add_argument("--no-async-scheduling", action="store_true",
                    help="read each step's tokens back before scheduling the next (no overlap of host and device)")
 
@@ -182,6 +188,8 @@ def engine_config_kwargs(args: argparse.Namespace) -> dict:
     kw = {name: getattr(args, name) for name in _ENGINE_OPTIONS if getattr(args, name, None) is not None}
     kw |= {name: getattr(args, name) for name in VLLM_ARGS if getattr(args, name, None)}
     kw["model"] = _model_argument(args)
+    if getattr(args, "task", None) is not None and "runner" not in kw:
+        kw["runner"] = TASK_RUNNERS[args.task]
     if getattr(args, "enable_expert_parallel", False):
         kw["enable_expert_parallel"] = True
     if args.no_warmup:

@@ -15,7 +15,7 @@ import logging
 import os
 import time
 import weakref
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import jax
@@ -24,6 +24,7 @@ from jinfer.cache.layout import kv_cache_bytes_per_page, state_bytes_per_slot
 from jinfer.cache.manager import KVCacheManager, cdiv
 from jinfer.config.engine import EngineConfig
 from jinfer.config.model import ModelConfig
+from jinfer.config.pooling import resolve_runner
 from jinfer.engine.runner import ModelRunner
 from jinfer.engine.scheduler import Scheduler
 from jinfer.engine.spawn import MEM_FRACTION
@@ -242,12 +243,16 @@ def build_engine(config: EngineConfig, tokenizer: Tokenizer | None = None, specu
     cache_dir = enable_compilation_cache(config.compilation_cache_dir) if config.compilation_cache_dir else None
     source = resolve_model(config.model, config.load_format, revision=config.revision,
                            download_dir=config.download_dir)
+    source = replace(source, config=resolve_runner(config.runner, source.config, source.path))
     phases("resolve")
     model_config: ModelConfig = source.config
     check_max_model_len(config.max_model_len, model_config.max_position_embeddings)  # before the weights load
     if config.quantization == "gguf" and source.kind != "gguf":
         raise ValueError(f"quantization='gguf' needs a .gguf model, not {config.model!r}")
     spec = config.speculative_config
+    if model_config.pooling and (spec is not None or group is not None):
+        raise ValueError("an embedding model (runner='pooling') runs without speculative_config and in one process "
+                         "(nnodes=1)")
     if spec is not None:  # refused before the weights load (e.g. a recurrent-state model)
         check_proposer(spec, num_state_slots=int(bool(state_specs(model_config))))
         if spec.method == "mtp" and model_config.architecture != "qwen3_5":

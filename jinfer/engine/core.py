@@ -17,11 +17,13 @@ from jinfer.engine.builder import build_engine, release_at_exit
 from jinfer.engine.grammar import GrammarEngine
 from jinfer.engine.input_processor import InputProcessor, SequenceState, prompt_logprobs_wanted, step_rows
 from jinfer.engine.output_processor import emit, record_prompt_logprobs, token_logprobs
+from jinfer.engine.pooling import embedding_output, pooling_request
 from jinfer.engine.request import FinishReason
 from jinfer.engine.runner import Launched
 from jinfer.engine.sampling_tensors import num_logprobs_for
 from jinfer.errors import InvalidParam
 from jinfer.outputs import EngineOutput
+from jinfer.pooling_params import PoolingParams
 from jinfer.sampling_params import SamplingParams
 from jinfer.spec.decoding import SpecDecoding, grammar_masks
 from jinfer.spec.proposer import Proposer
@@ -53,6 +55,7 @@ class EngineCore:
                                      max_logprobs=config.max_logprobs)
         self._seqs: dict[str, SequenceState] = {}  # sequence id -> state
         self._children: dict[str, list[str]] = {}  # request id -> its sequence ids
+        self._pooling: dict[str, PoolingParams] = {}  # embedding request id -> its parameters
         self.num_prompt_tokens_total = 0
         self.num_generation_tokens_total = 0
         # steps read back, and the host's time blocked reading them (waiting for the device). Time not spent
@@ -70,9 +73,11 @@ class EngineCore:
 
     # ---- requests -----------------------------------------------------------------------------
 
-    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams | None = None) -> None:
-        """Queue a request (its n samples). InvalidParam (a ValueError), naming the field, if it can never run."""
-        params = params or SamplingParams()
+    def add_request(self, request_id: str, prompt_token_ids: list[int],
+                    params: SamplingParams | PoolingParams | None = None) -> None:
+        """Queue a request (its n samples; PoolingParams: an embedding, on an embedding model). InvalidParam (a
+        ValueError), naming the field, if it can never run."""
+        pooling, params = pooling_request(params, self.model_config)
         if isinstance(request_id, str) and request_id in self._children:
             raise InvalidParam("request_id", f"request_id={request_id!r} is already in use")
         new = self.inputs.process(request_id, prompt_token_ids, params)
@@ -88,6 +93,8 @@ class EngineCore:
                 self._drop(sid)
             raise
         self._children[request_id] = added
+        if pooling is not None:
+            self._pooling[request_id] = pooling
         self.num_prompt_tokens_total += new[0].state.num_prompt_tokens * params.n
 
     def abort(self, request_id: str) -> None:
@@ -98,6 +105,7 @@ class EngineCore:
 
     def _drop(self, seq_id: str) -> None:
         self._seqs.pop(seq_id, None)
+        self._pooling.pop(seq_id, None)
 
     def has_unfinished_requests(self) -> bool:
         # A step still in flight holds only finished requests once the scheduler has none: nothing to read.
@@ -218,6 +226,8 @@ class EngineCore:
                    if s.draft_token_ids else [tokens[rows[s.request_id][0]]] for s in live}
         before = [s.request.num_output_tokens for s in live]
         finished = {r.request_id: r for r in self.scheduler.update(out, sampled)}
+        if result.pooled is not None:  # an embedding model: each finished prompt's vector (engine/pooling.py)
+            return self._embeddings(live, result)
         outputs = []
         for s, num_before in zip(live, before):
             rid, seq, request = s.request_id, self._seqs[s.request_id], s.request
@@ -242,6 +252,15 @@ class EngineCore:
             outputs.append(delta)
         if self.spec is not None:  # a model drafter's device step (EAGLE-3: the head over this step's rows)
             self.spec.after_step(launched)
+        return outputs
+
+    def _embeddings(self, live, result) -> list[EngineOutput]:
+        outputs = []
+        for s in live:
+            rid = s.request_id
+            outputs.append(embedding_output(self._seqs[rid], s.request, result.pooled[result.rows[rid][0]],
+                                            self._pooling[rid]))
+            self._forget(rid)
         return outputs
 
     def _forget(self, seq_id: str) -> None:

@@ -63,6 +63,7 @@ from jinfer.engine.spawn import (  # noqa: F401 (re-exported)
 from jinfer.engine.stats_log import StatsLogger
 from jinfer.errors import InvalidParam
 from jinfer.outputs import EngineOutput
+from jinfer.pooling_params import PoolingParams
 from jinfer.sampling_params import SamplingParams
 
 log = logging.getLogger("jinfer.engine")
@@ -113,7 +114,8 @@ def _ready_message(core: Any) -> EngineReady:
         vocab_size=int(core.model_config.vocab_size), max_num_seqs=int(core.config.max_num_seqs),
         pid=os.getpid(), tokenizer_path=tok_path, chat_template=getattr(core.config, "chat_template", None),
         eos_token_ids=[int(t) for t in getattr(core, "eos_token_ids", ())],
-        generation_defaults=dict(getattr(core, "generation_defaults", {})))
+        generation_defaults=dict(getattr(core, "generation_defaults", {})),
+        embedding_size=int(core.model_config.hidden_size) if getattr(core.model_config, "pooling", False) else 0)
 
 
 class EngineCoreProc:
@@ -228,7 +230,8 @@ class EngineCoreProc:
             self._send(identity, Rejected(rid, f"request_id={rid!r} is already in use"))
             return
         try:
-            params = SamplingParams(**msg.params)  # checked again here: the frame came from another process
+            # checked again here: the frame came from another process
+            params = SamplingParams(**msg.params) if msg.pooling is None else PoolingParams(**msg.pooling)
             self.core.add_request(rid, msg.prompt_token_ids, params)
         except InvalidParam as e:
             self._send(identity, Rejected(rid, e.message, e.param, e.code))

@@ -134,6 +134,11 @@ class StepExecutables:
         self.unloads = self.reloads = 0  # buckets dropped as idle / loaded again
         self.compiles_after_warmup = 0  # shapes first needed after warm-up (each one stalls a step)
 
+    @property
+    def warm_sampler_flags(self) -> tuple[SamplerFlags, ...]:
+        """The sampler variants warm-up compiles for each sequence bucket; none for an embedding model (no sampler)."""
+        return () if self.cfg.pooling else SamplerFlags.warm()
+
     def seqs_bucket(self, num_tokens_bucket: int) -> int:
         return min(num_tokens_bucket, self.max_seqs_bucket)
 
@@ -232,7 +237,7 @@ class StepExecutables:
         sequence buckets and the fork copies of `fork_sizes`, in parallel: loads and XLA compiles release the GIL."""
         jobs = [partial(self.forward_executable, *shape) for shape in shapes]
         jobs += [partial(self.sampler_executable, B, 0, 0, -1, flags)
-                 for B in sorted({shape[1] for shape in shapes}) for flags in SamplerFlags.warm()]
+                 for B in sorted({shape[1] for shape in shapes}) for flags in self.warm_sampler_flags]
         jobs += [partial(self.fork_executable, N) for N in fork_sizes]
         with ThreadPoolExecutor(max_workers=WARMUP_THREADS) as pool:
             for _ in pool.map(lambda job: job(), jobs):  # re-raises a job's exception
@@ -245,7 +250,7 @@ class StepExecutables:
             if self._stop_background.is_set() and background:  # a bucket is several compiles: stop between them
                 return
             self.forward_executable(T, B, P, decode, background=background)
-        for flags in SamplerFlags.warm():
+        for flags in self.warm_sampler_flags:
             self.sampler_executable(B, 0, 0, -1, flags, background=background)
 
     # ---- staged warm-up: the rest in the background -----------------------------------------------------------

@@ -59,14 +59,17 @@ class EngineReady(_Message, tag="ready"):
     protocol_version: int = PROTOCOL_VERSION
     generation_defaults: dict[str, int | float] = {}  # from generation_config.json
     chat_template: str | None = None  # the engine's chat_template= in place of the tokenizer's own
+    embedding_size: int = 0  # an embedding model (runner pooling): the length of its vectors; 0: a generative model
 
 
 class AddRequest(_Message, tag="add"):
-    """Client -> engine. `params` is `SamplingParams.to_dict()`; the engine validates it (-> Rejected)."""
+    """Client -> engine. `params` is `SamplingParams.to_dict()`, or for an embedding request `pooling` is
+    `PoolingParams.to_dict()` (and `params` empty); the engine validates them (-> Rejected)."""
 
     request_id: str
     prompt_token_ids: list[int]
     params: dict[str, Param]
+    pooling: dict[str, Param] | None = None
 
 
 class Abort(_Message, tag="abort"):

@@ -52,6 +52,7 @@ from jinfer.engine.step_inputs import (
     batch_sizes,
     pack_batch,
     pack_sampling,
+    pooled_result,
     unpack_prompt_logprobs,
     unpack_result,
 )
@@ -219,6 +220,9 @@ class ModelRunner(StepExecutables):
                 batch.logits_indices = np.concatenate([batch.logits_indices, indices])
         packed_batch = pack_batch(batch, built.prev_index)
         forward = None if group else self.run_forward(T, B, P, decode, packed_batch, plp_k, plp_targets, R)
+        if self.cfg.pooling:  # an embedding model: the forward's rows are the pooled vectors, nothing is sampled
+            forward[0].copy_to_host_async()
+            return Launched(out, forward[0], self._last_tokens, built.rows, batch=batch)
         if callable(token_mask):
             token_mask = token_mask()
         if pending_outputs and prev is not None:
@@ -275,7 +279,9 @@ class ModelRunner(StepExecutables):
         return logits
 
     def fetch(self, launched: Launched) -> StepResult:
-        """Wait for a launched step and return its samples on the host."""
+        """Wait for a launched step and return its samples (an embedding model: its pooled rows) on the host."""
+        if self.cfg.pooling:
+            return pooled_result(np.asarray(launched.packed), launched.rows)
         return unpack_result(np.asarray(launched.packed), launched.rows)
 
     def fetch_prompt_logprobs(self, launched: Launched) -> PromptLogprobs | None:
@@ -315,7 +321,7 @@ class ModelRunner(StepExecutables):
                     buf = np.zeros(sum(batch_sizes(T, B, P, B)), np.int32)
                     buf[2 * T:4 * T] = -1  # slots and prev rows (parts 3, 4): no KV writes, no previous step
                     logits = self._call_forward(forward, self._put(buf))
-            for flags in SamplerFlags.warm():
+            for flags in self.warm_sampler_flags:
                 sample = self.sampler_executable(B, 0, 0, -1, flags)
                 if run:
                     jax.block_until_ready(sample(logits, self._sampling_buffer(B), self._last_tokens))
@@ -324,10 +330,11 @@ class ModelRunner(StepExecutables):
         for N in self._fork_sizes:  # forked samples' copies (n > 1 on models with states), every chunk size
             self.kv_cache = self.fork_executable(N)(self.kv_cache, self._put(np.zeros((4, N), np.int32)))
         # A first sampler output, so the very first step passes the same kind of array as all others.
-        B = self.seqs_bucket(now[0])
-        sample = self.sampler_executable(B, 0, 0, -1, SamplerFlags.warm()[0])
-        logits = put(np.zeros((B, self.cfg.vocab_size), np.float32), self._replicated)
-        self._last_tokens = sample(logits, self._sampling_buffer(B), self._last_tokens)[1]
+        if self.warm_sampler_flags:
+            B = self.seqs_bucket(now[0])
+            sample = self.sampler_executable(B, 0, 0, -1, SamplerFlags.warm()[0])
+            logits = put(np.zeros((B, self.cfg.vocab_size), np.float32), self._replicated)
+            self._last_tokens = sample(logits, self._sampling_buffer(B), self._last_tokens)[1]
         self.warmed_up = True
         if first_tokens is None:  # (a staged warm-up does this once its background compiles are done)
             self._drop_traces()

@@ -154,6 +154,7 @@ class StepResult:
     top_ids: np.ndarray  # [R, N] i32
     top_logprobs: np.ndarray  # [R, N] f32
     rows: dict[str, tuple[int, int]] = field(default_factory=dict)
+    pooled: np.ndarray | None = None  # [R, hidden] f32: an embedding model's pooled rows (its tokens are dummies)
 
     def rows_of(self, request_id: str) -> range:
         first, count = self.rows[request_id]
@@ -184,6 +185,14 @@ def unpack_result(packed: np.ndarray, rows: dict[str, tuple[int, int]]) -> StepR
     n = (packed.shape[1] - 2) // 2
     f32 = lambda x: np.ascontiguousarray(x).view(np.float32)
     return StepResult(packed[:, 0], f32(packed[:, 1]), packed[:, 2:2 + n], f32(packed[:, 2 + n:]), rows)
+
+
+def pooled_result(pooled: np.ndarray, rows: dict[str, tuple[int, int]]) -> StepResult:
+    """An embedding model's step: its pooled rows, and a dummy token 0 per row (the request's one "output" token,
+    with which the scheduler finishes it after its prompt)."""
+    R = pooled.shape[0]
+    empty = np.zeros((R, 0), np.int32)
+    return StepResult(np.zeros(R, np.int32), np.zeros(R, np.float32), empty, empty.view(np.float32), rows, pooled)
 
 
 def unpack_prompt_logprobs(packed: np.ndarray, num_rows: int) -> PromptLogprobs:

@@ -15,12 +15,15 @@ class Architecture:
     """One architecture. `name` is ours (`ModelConfig.architecture`); `hf_names` are the HF
     `architectures[0]` values that load as it, of which `hf_multimodal_names` keep the text model's config
     under `text_config` (and its weights under `model.language_model.`); `gguf_name` is GGUF's
-    `general.architecture` (None: no GGUF support)."""
+    `general.architecture` (None: no GGUF support). `hf_pooling_names`, also among `hf_names`, are base models without
+    an LM head (`Qwen3Model`): they load as embedding models (`ModelConfig.pooling`), their tensors without the
+    `model.` prefix."""
 
     name: str
     hf_names: tuple[str, ...]
     gguf_name: str | None = None
     hf_multimodal_names: tuple[str, ...] = ()
+    hf_pooling_names: tuple[str, ...] = ()
     attention_bias: bool = False  # bias on the q/k/v projections (qwen2)
     qk_norm: bool = False  # per-head RMSNorm on q and k before RoPE (qwen3)
     mixture_of_experts: bool = False  # the config carries experts (num_experts, top-k, ...)
@@ -36,15 +39,19 @@ class Architecture:
         if not set(self.hf_multimodal_names) <= set(self.hf_names):
             raise ValueError(f"hf_multimodal_names={self.hf_multimodal_names!r} must be among "
                              f"hf_names={self.hf_names!r}")
+        if not set(self.hf_pooling_names) <= set(self.hf_names):
+            raise ValueError(f"hf_pooling_names={self.hf_pooling_names!r} must be among hf_names={self.hf_names!r}")
 
 
 # llama / qwen2 / qwen3: the llama-style dense decoder (jinfer/models/llama.py) with a few switches;
 # qwen3_moe: Qwen3 attention with mixture-of-experts MLPs; qwen3_5: Gated DeltaNet and gated attention;
 # deepseek_v2 / deepseek_v3 (also Kimi-K2, Moonlight): latent attention and DeepSeekMoE (jinfer/models/deepseek.py).
 ARCHITECTURES: dict[str, Architecture] = {a.name: a for a in (
-    Architecture("llama", ("LlamaForCausalLM",), "llama", gguf_permuted_qk=True),
-    Architecture("qwen2", ("Qwen2ForCausalLM",), "qwen2", attention_bias=True),
-    Architecture("qwen3", ("Qwen3ForCausalLM",), "qwen3", qk_norm=True),
+    Architecture("llama", ("LlamaForCausalLM", "LlamaModel"), "llama", hf_pooling_names=("LlamaModel",),
+                 gguf_permuted_qk=True),
+    Architecture("qwen2", ("Qwen2ForCausalLM", "Qwen2Model"), "qwen2", hf_pooling_names=("Qwen2Model",),
+                 attention_bias=True),
+    Architecture("qwen3", ("Qwen3ForCausalLM", "Qwen3Model"), "qwen3", hf_pooling_names=("Qwen3Model",), qk_norm=True),
     # llama.cpp spells qwen3_moe without the underscore
     Architecture("qwen3_moe", ("Qwen3MoeForCausalLM",), "qwen3moe", qk_norm=True, mixture_of_experts=True),
     # the published checkpoints are the multimodal ones; only their text part is loaded

@@ -113,7 +113,7 @@ def decoder_specs(cfg: ModelConfig, layer_specs: Callable[[ModelConfig, int], di
     for i in range(cfg.num_layers):
         specs.update({f"layers.{i}.{k}": s for k, s in layer_specs(cfg, i).items()})
     specs["final_norm"] = ArrayInfo((h,), ("embed",), "model.norm.weight", "output_norm.weight", init="ones")
-    if not cfg.tie_word_embeddings:
+    if not cfg.tie_word_embeddings and not cfg.pooling:  # (an embedding model never reads an lm_head)
         specs["lm_head"] = ArrayInfo((h, v), ("embed", "vocab"), "lm_head.weight", "output.weight", True)
     return specs
 
@@ -232,7 +232,13 @@ def decoder_forward(weights: Weights, batch: Batch, kv_cache: tuple[tuple[jax.Ar
 
 def lm_head_logits(weights: Weights, x: jax.Array, batch: Batch, cfg: ModelConfig, ops: ModelOps) -> jax.Array:
     """The logits [N, vocab] (float32) of the rows the sampler reads: final norm, then lm_head (the
-    embedding's transpose when tied)."""
+    embedding's transpose when tied). An embedding model (`cfg.pooling`, static: its own executables) returns
+    those rows' normed hidden states instead, L2-normalised, [N, hidden] float32: a row is a sequence's last
+    token once its prompt is complete, so this is last-token pooling."""
     x = rms_norm(x[batch.logits_indices], weights.final_norm, cfg.rms_norm_eps)  # [N, hidden]
+    if cfg.pooling:
+        x = x.astype(jnp.float32)
+        # torch's F.normalize (what Qwen3-Embedding's model card uses): x / max(|x|, 1e-12)
+        return x / jnp.maximum(jnp.linalg.norm(x, axis=-1, keepdims=True), 1e-12)
     head = weights.embed.T if weights.lm_head is None else weights.lm_head
     return ops.lm_head(x, head, cfg.vocab_size)

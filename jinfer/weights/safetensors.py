@@ -30,15 +30,15 @@ class SafetensorsSource:
         return set(self._where)
 
     def _tensor(self, name: str) -> np.ndarray:
-        f = self._where.get(name)
-        if f is None and name.startswith("model."):
-            # multimodal checkpoints (Qwen3_5ForConditionalGeneration) keep the text model under
-            # model.language_model. (the vision tower and the MTP head are simply never read)
-            name = "model.language_model." + name.removeprefix("model.")
-            f = self._where.get(name)
-        if f is None:
+        # Multimodal checkpoints (Qwen3_5ForConditionalGeneration) keep the text model under model.language_model.
+        # (the vision tower and the MTP head are simply never read); a base model's (Qwen3Model: the embedding
+        # models) has its tensors without the prefix.
+        bare = name.removeprefix("model.")
+        candidates = (name, "model.language_model." + bare, bare) if name.startswith("model.") else (name,)
+        found = next((n for n in candidates if n in self._where), None)
+        if found is None:
             raise ValueError(f"tensor {name!r} is missing from the checkpoint in {self.directory}")
-        return self._handles[f].get_tensor(name)
+        return self._handles[self._where[found]].get_tensor(found)
 
     def get(self, spec: ArrayInfo) -> np.ndarray:
         if EXPERT not in spec.hf_name:
