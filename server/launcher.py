@@ -68,7 +68,7 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
                                                                  "trace"],
                    help="uvicorn's log level (default: --log-level)")
     s.add_argument("--disable-log-requests", action="store_true",
-                   help="accepted for vLLM's command lines; no effect: jinfer logs no request contents")
+                   help="no access line per request (logger jinfer.access)")
     s.add_argument("--data-parallel-size", "-dp", type=int, default=1,
                    help="engine replicas, each on its own tensor-parallel-size devices, behind this server")
     s.add_argument("--enable-auto-tool-choice", action="store_true",
@@ -185,7 +185,8 @@ def run_serve(args: argparse.Namespace) -> int:
         app = build_app(client, served_model_names=args.served_model_name, api_key=args.api_key,
                         max_queued_requests=args.max_queued_requests,
                         tool_parser=args.tool_call_parser if args.enable_auto_tool_choice else None,
-                        reasoning_parser=getattr(args, "reasoning_parser", None))
+                        reasoning_parser=getattr(args, "reasoning_parser", None),
+                        log_requests=not args.disable_log_requests)
         import uvicorn
 
         server = _server(uvicorn.Config(app, host=args.host, port=args.port,

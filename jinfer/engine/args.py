@@ -41,7 +41,6 @@ _NO_EFFECT = {
                          "repository",
     "swap_space": "preempted requests are recomputed, as in vLLM V1 (--kv-offload-gb gives the prefix cache a host "
                   "tier)",
-    "disable_log_requests": "jinfer logs no request contents",
 }
 # Characters only a template has (vLLM's rule): a --chat-template value without them must be a file.
 _JINJA_CHARS = "{}\n"
@@ -219,6 +218,7 @@ def vllm_engine_args(kw: dict) -> dict:
     for name, why in _NO_EFFECT.items():
         if kw.pop(name, None):
             log.warning("%s: no effect here: %s", name, why)
+    kw.pop("disable_log_requests", None)  # the server's access log (server/launcher.py); the engine logs none
     if kw.pop("enforce_eager", False):  # no ahead-of-time compiles: jinfer's counterpart of CUDA graph capture
         kw["warmup"] = False
     if kw.pop("disable_log_stats", False):

@@ -45,7 +45,7 @@ def test_vllm_command_line_maps_to_the_engine(tmp_path, caplog):
     assert (cfg.dtype, cfg.kv_cache_dtype, cfg.page_size, cfg.max_logprobs) == ("float16", "float16", 32, 5)
     assert (cfg.quantization, cfg.log_stats_interval, args.uvicorn_log_level) == ("gguf", 0.0, "warning")
     no_effect = sorted(r.getMessage().split(":")[0] for r in caplog.records if "no effect" in r.getMessage())
-    assert no_effect == ["disable_log_requests", "swap_space", "trust_remote_code"]
+    assert no_effect == ["swap_space", "trust_remote_code"]
     _, default = config_of(["Qwen/Qwen3-0.6B", "--enable-prefix-caching"])
     assert (default.model, default.enable_prefix_caching, default.enable_chunked_prefill) == ("Qwen/Qwen3-0.6B",
                                                                                               True, True)
