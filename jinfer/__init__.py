@@ -11,7 +11,7 @@ def __getattr__(name):  # LLM pulls in JAX and the engine: import it lazily
         from jinfer.llm import LLM
 
         return LLM
-    if name in ("RequestOutput", "CompletionOutput"):
+    if name in ("RequestOutput", "CompletionOutput", "Logprob", "RequestMetrics"):
         from jinfer import outputs
 
         return getattr(outputs, name)
