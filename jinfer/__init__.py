@@ -12,7 +12,8 @@ def __getattr__(name):  # LLM pulls in JAX and the engine: import it lazily
         from jinfer.llm import LLM
 
         return LLM
-    if name in ("RequestOutput", "CompletionOutput", "EmbeddingRequestOutput", "EmbeddingOutput"):
+    if name in ("RequestOutput", "CompletionOutput", "Logprob", "RequestMetrics", "EmbeddingRequestOutput",
+                "EmbeddingOutput"):
         from jinfer import outputs
 
         return getattr(outputs, name)

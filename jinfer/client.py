@@ -158,6 +158,10 @@ class EngineClient:
                 gguf_meta.open_gguf.cache_clear()
         return self._tokenizer
 
+    def _logprob_tokenizer(self, delta: EngineOutput):
+        """The tokenizer for a delta's logprobs' decoded tokens (loaded only when a delta has logprobs)."""
+        return self.tokenizer if delta.new_logprobs is not None or delta.prompt_logprobs is not None else None
+
     def close(self) -> None:
         """Disconnect; an owned engine process is shut down (Shutdown, then SIGTERM, then SIGKILL)."""
         if self._closing:
@@ -248,7 +252,7 @@ class EngineClient:
                     if item is _DONE:
                         return result
                     _check(item)
-                    result.add(item)
+                    result.add(item, self._logprob_tokenizer(item))
         finally:
             if rid in self._pending:
                 self.abort(rid)
@@ -299,7 +303,7 @@ class EngineClient:
         result = RequestOutput(request_id or uuid.uuid4().hex, prompt if isinstance(prompt, str) else None, ids,
                                [CompletionOutput(i) for i in range(params.n)])
         async for delta in self.stream(ids, params, result.request_id):
-            result.add(delta)
+            result.add(delta, self._logprob_tokenizer(delta))
         return result
 
     # ---- stats ---------------------------------------------------------------------------------

@@ -109,7 +109,7 @@ class LLM:
                         with lock:
                             for delta in deltas:
                                 out = results[delta.request_id]
-                                out.add(delta)
+                                out.add(delta, engine.tokenizer)  # (decodes the Logprobs' tokens)
                                 if out.finished:
                                     bar.update(1)
                     engine.idle()  # as the server's loop: the host tier's waiting write-backs go out now

@@ -4,12 +4,15 @@ Frozen and validated once in `__post_init__`: every bad value raises `InvalidPar
 naming the field, so the server can turn it into a 400 without knowing the rules. Normalization done here:
 - `stop` (str | list[str] | None) -> tuple[str, ...]; `stop_token_ids` -> tuple[int, ...];
 - `top_k` 0 -> -1 (both mean "off"); ints given for float fields become floats;
-- `logit_bias` ({token id (int or decimal string): bias} or [[id, bias], ...]) -> tuple of (id, bias) pairs.
+- `logit_bias` ({token id (int or decimal string): bias} or [[id, bias], ...]) -> tuple of (id, bias) pairs;
+- `allowed_token_ids` -> tuple[int, ...] (None stays None: no restriction); `bad_words` -> tuple[str, ...].
 
 Bounds (every field is checked into a range, so nothing downstream overflows: a request is never a 500):
 integers fit their device types (`seed` in int64 as vLLM, the others in int32), floats are finite in float32,
 `n` <= MAX_N, at most MAX_STOP_STRINGS stop strings of at most MAX_STOP_STRING_CHARS characters each,
-at most MAX_STOP_TOKEN_IDS stop token ids, at most MAX_LOGIT_BIAS logit_bias entries in [-100, 100].
+at most MAX_STOP_TOKEN_IDS stop token ids, at most MAX_LOGIT_BIAS logit_bias entries in [-100, 100], at most
+MAX_ALLOWED_TOKEN_IDS allowed token ids, at most MAX_BAD_WORDS bad words of at most MAX_STOP_STRING_CHARS characters.
+Token ids are checked against the model's vocabulary by the engine (jinfer/engine/input_processor.py).
 """
 
 from __future__ import annotations
@@ -27,6 +30,8 @@ MAX_STOP_STRINGS = 64
 MAX_STOP_STRING_CHARS = 1024
 MAX_STOP_TOKEN_IDS = 1024
 MAX_LOGIT_BIAS = 1024
+MAX_ALLOWED_TOKEN_IDS = 1 << 18  # above any vocabulary: a bound on what a request can make us allocate
+MAX_BAD_WORDS = 256
 LOGIT_BIAS_RANGE = 100.0
 INT32_MAX = 2**31 - 1
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
@@ -86,6 +91,11 @@ class SamplingParams:
     # What the output must match (JSON schema, regex, choice, grammar): a StructuredOutputsParams, a dict
     # of its fields, or its `to_wire()` string (normalized to StructuredOutputsParams).
     structured_outputs: StructuredOutputsParams | dict | str | None = None
+    # ---- vLLM's token restrictions (applied after the raw logprobs, like logit_bias) ----
+    allowed_token_ids: list[int] | tuple[int, ...] | None = None  # sample only among these ids
+    # Words never to generate: each is tokenized with and without a leading space; a one-token word is always
+    # banned, a longer one bans its last token when the output ends with the rest (jinfer/engine/bad_words.py).
+    bad_words: list[str] | tuple[str, ...] | None = None
 
     def __post_init__(self):
         set_ = lambda name, value: object.__setattr__(self, name, value)
@@ -178,6 +188,8 @@ class SamplingParams:
                                f"stop_token_ids= has {len(ids)} ids; at most {MAX_STOP_TOKEN_IDS} are allowed")
         set_("stop_token_ids", ids)
         set_("logit_bias", _logit_bias(self.logit_bias))
+        set_("allowed_token_ids", _allowed_token_ids(self.allowed_token_ids))
+        set_("bad_words", _bad_words(self.bad_words))
         try:
             set_("structured_outputs", StructuredOutputsParams.of(self.structured_outputs))
         except InvalidParam:
@@ -195,6 +207,8 @@ class SamplingParams:
         d["stop"] = list(self.stop)
         d["stop_token_ids"] = list(self.stop_token_ids)
         d["logit_bias"] = None if self.logit_bias is None else [list(p) for p in self.logit_bias]
+        d["allowed_token_ids"] = None if self.allowed_token_ids is None else list(self.allowed_token_ids)
+        d["bad_words"] = list(self.bad_words)
         if self.structured_outputs is not None:
             d["structured_outputs"] = self.structured_outputs.to_wire()
         return d
@@ -222,3 +236,34 @@ def _logit_bias(bias: Any) -> tuple[tuple[int, float], ...] | None:
             raise InvalidParam("logit_bias", f"logit_bias= values must be numbers in [-100, 100], got {_show(value)}")
         out[key] = float(value)
     return tuple(sorted(out.items())) or None
+
+
+def _allowed_token_ids(ids: Any) -> tuple[int, ...] | None:
+    """None (no restriction) or a non-empty list of token ids -> tuple (vLLM refuses an empty list too)."""
+    if ids is None:
+        return None
+    if not isinstance(ids, list | tuple):
+        raise InvalidParam("allowed_token_ids", f"allowed_token_ids={_show(ids)} must be a list of token ids or None")
+    if not ids:
+        raise InvalidParam("allowed_token_ids", "allowed_token_ids= must not be empty (None: no restriction)")
+    if len(ids) > MAX_ALLOWED_TOKEN_IDS:
+        raise InvalidParam("allowed_token_ids",
+                           f"allowed_token_ids= has {len(ids)} ids; at most {MAX_ALLOWED_TOKEN_IDS} are allowed")
+    if not all(_is_int(t) and 0 <= t <= INT32_MAX for t in ids):
+        raise InvalidParam("allowed_token_ids",
+                           f"allowed_token_ids={_show(ids)} must contain only token ids (integers >= 0)")
+    return tuple(ids)
+
+
+def _bad_words(words: Any) -> tuple[str, ...]:
+    if words is None:
+        return ()
+    if isinstance(words, str) or not isinstance(words, list | tuple):
+        raise InvalidParam("bad_words", f"bad_words={_show(words)} must be a list of strings or None")
+    if not all(isinstance(w, str) and w.strip() for w in words):
+        raise InvalidParam("bad_words", f"bad_words={_show(words)} must contain only non-blank strings")
+    if len(words) > MAX_BAD_WORDS:
+        raise InvalidParam("bad_words", f"bad_words= has {len(words)} words; at most {MAX_BAD_WORDS} are allowed")
+    if any(len(w) > MAX_STOP_STRING_CHARS for w in words):
+        raise InvalidParam("bad_words", f"bad_words= words must be at most {MAX_STOP_STRING_CHARS} characters long")
+    return tuple(words)

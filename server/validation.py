@@ -53,12 +53,13 @@ class GenerationRequest:
 
 # name -> (JSON types accepted, description for the error message)
 _INT, _NUM, _BOOL = ((int,), "an integer"), ((int, float), "a number"), ((bool,), "a boolean")
-_MAP = ((dict,), "an object")
+_MAP, _LIST = ((dict,), "an object"), ((list,), "a list")
 _SAMPLING_FIELDS = {
     "n": _INT, "temperature": _NUM, "top_p": _NUM, "top_k": _INT, "min_p": _NUM, "seed": _INT,
     "presence_penalty": _NUM, "frequency_penalty": _NUM, "repetition_penalty": _NUM, "min_tokens": _INT,
     "ignore_eos": _BOOL, "skip_special_tokens": _BOOL, "include_stop_str_in_output": _BOOL,
     "logit_bias": _MAP,  # {"token id": bias}: checked (count, ids, range) by SamplingParams
+    "allowed_token_ids": _LIST, "bad_words": _LIST,  # vLLM's extra parameters; their items checked the same way
 }
 # Accepted for compatibility but unsupported when set to something that would change the output.
 _UNSUPPORTED = ("suffix", "functions", "function_call", "prediction", "audio", "modalities")

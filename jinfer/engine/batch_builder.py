@@ -15,6 +15,7 @@ from dataclasses import dataclass, replace
 import numpy as np
 
 from jinfer.cache.manager import NULL_PAGE
+from jinfer.engine.bad_words import banned_tokens
 from jinfer.engine.sampling_tensors import SamplingTensors, mask_words, uses_penalties
 from jinfer.engine.scheduler import SchedulerOutput
 from jinfer.models.batch import Batch
@@ -30,6 +31,9 @@ class StepRow:
     seed: int
     step: int  # index of the token being sampled among the request's outputs (keys the noise); the last row's
     min_tokens_ids: tuple[int, ...] = ()  # masked while step < min_tokens (EOS, stop ids)
+    allowed: object = None  # allowed_token_ids as a packed token set, or None
+    bad_words: tuple[tuple[int, ...], ...] = ()  # bad_words' token ids (banned per step from output_ids)
+    guided: bool = False  # a grammar constrains it: its token mask also masks its logprobs
 
 
 @dataclass
@@ -128,16 +132,23 @@ def sampling_tensors(rows: list[StepRow | None], R: int, vocab_size: int, token_
                      counts: np.ndarray | None = None) -> SamplingTensors:
     """Rows align with the logits rows; None (a sequence that samples nothing) is padding. `token_mask`:
     [>= the logits rows, ceil(V/32)] 32-bit grammar masks per logits row (structured outputs: a verifying sequence's
-    rows hold its grammar's mask after each prefix of its drafts), or None when no row has one."""
+    rows hold its grammar's mask after each prefix of its drafts), or None when no row has one. Rows with
+    allowed_token_ids get their set ANDed in (after the raw logprobs, unlike a grammar's: vLLM's order); bad_words
+    become -inf biases."""
     dense = [(r.params, r.output_ids, r.prompt, r.step) if r else ({"temperature": 0.0}, [], None, None)
              for r in rows]
     st = SamplingTensors.from_params(dense, vocab_size, num_seqs=R,
-                                     min_tokens_ids=[r.min_tokens_ids if r else () for r in rows])
+                                     min_tokens_ids=[r.min_tokens_ids if r else () for r in rows],
+                                     banned_ids=[banned_tokens(r.bad_words, r.output_ids) if r and r.bad_words
+                                                 else () for r in rows])
     for b, r in enumerate(rows):
         if r is not None:
             st.seeds[b] = r.seed % 2**32
+    G = mask_words(vocab_size)
+    allowed = [(b, r.allowed) for b, r in enumerate(rows) if r is not None and r.allowed is not None]
+    if token_mask is None and allowed:
+        token_mask = np.full((R, G), -1, np.int32)
     if token_mask is not None:  # rows past the scheduled ones (padding) allow everything
-        G = mask_words(vocab_size)
         if token_mask.shape[1] != G:
             raise ValueError(f"token_mask of shape {token_mask.shape} for {R} rows of {vocab_size} tokens")
         # Sized by `batch_rows` before the step's batch was built: a bucket loaded in between (background warm-up
@@ -145,7 +156,12 @@ def sampling_tensors(rows: list[StepRow | None], R: int, vocab_size: int, token_
         token_mask = token_mask[:R]
         if token_mask.shape[0] < R:
             token_mask = np.concatenate([token_mask, np.full((R - len(token_mask), G), -1, token_mask.dtype)])
-        st.token_mask = token_mask.view(np.uint32)
+        token_mask = token_mask.view(np.uint32)
+        for b, mask in allowed:
+            token_mask[b] &= mask
+        st.token_mask = token_mask
+        st.mask_logprobs = np.zeros(R, np.int32)
+        st.mask_logprobs[:len(rows)] = [r is not None and r.guided for r in rows]
     return st
 
 

@@ -153,7 +153,9 @@ class EngineCore:
             wanted = [r.params for r in rows if r is not None]
             num_logprobs = num_logprobs_for(wanted) if wanted else -1
             prompt_logprobs = prompt_logprobs_wanted(out, self._seqs)
-            guided = [b for b, s in enumerate(out.scheduled) if s.needs_sample and self._seqs[s.request_id].matcher]
+            # (a grammar's mask, a multi-token bad word: the inputs of their sampler rows need the step in flight)
+            guided = [b for b, s in enumerate(out.scheduled)
+                      if s.needs_sample and self._seqs[s.request_id].needs_tokens]
             if not guided:
                 launched = self.runner.launch(out, rows, num_logprobs, self._inflight, prompt_logprobs)
             else:
@@ -185,11 +187,11 @@ class EngineCore:
 
     def _launch_guided(self, out, rows, num_logprobs: int, guided: list[int], outputs: list[EngineOutput],
                        prompt_logprobs=None):
-        """Launch a step with grammar-constrained rows. Their masks need the grammars advanced by the step
-        in flight: the forward goes first, then that step is read back and the masks computed while the
-        device runs the forward, then the sampler follows (async scheduling stays on). A multi-process group
-        replays whole steps, so there the step in flight is read back before the launch (the runner calls
-        `masks` first)."""
+        """Launch a step with rows whose sampler inputs need the step in flight: grammar masks need the grammars
+        advanced by it, bad words the output's last tokens. The forward goes first, then that step is read back and
+        the masks computed while the device runs the forward, then the sampler follows (async scheduling stays on).
+        A multi-process group replays whole steps, so there the step in flight is read back before the launch (the
+        runner calls `masks` first)."""
         prev = self._inflight
 
         def masks():  # called by the runner once the forward is dispatched (a group: before)
@@ -208,7 +210,9 @@ class EngineCore:
             first.append(row)
             row += max(1, s.num_logits)
         live = [(self._seqs[s.request_id].matcher, first[b], s.draft_token_ids) for b in guided
-                if not (s := out.scheduled[b]).request.is_finished]
+                if not (s := out.scheduled[b]).request.is_finished and self._seqs[s.request_id].matcher is not None]
+        if not live:  # (bad words only: their bans are biases, built with the sampler's inputs)
+            return None
         return grammar_masks(self.grammar, live, max(row, self.runner.batch_rows(out)))
 
     def _complete(self, launched: Launched) -> list[EngineOutput]:

@@ -41,7 +41,7 @@ def fork_step(kv_cache, pairs, *, slot_layers: frozenset[int]):
 
 
 def sample_step(logits, buf, prev_tokens, *, dims, num_logprobs, flags, max_rows):
-    """Sample every logits row (dims = (R, M, W, K)): (packed samples i32[R, 2 + 2N], the sampled ids in a
+    """Sample every logits row (dims = (R, M, W, K)): (packed samples i32[R, 3 + 2N], the sampled ids in a
     [max_rows] buffer, from which the next step takes the inputs of its decodes)."""
     R, V = logits.shape
     t = unpack_sampling(buf, dims, mask_words(V) if flags.grammar else 0)
@@ -49,13 +49,13 @@ def sample_step(logits, buf, prev_tokens, *, dims, num_logprobs, flags, max_rows
         ids = t.output_tokens
         t.output_tokens = jnp.where(ids <= -2, prev_tokens[jnp.clip(-2 - ids, 0, max_rows - 1)], ids)
     r = sample_traced(logits, t, num_logprobs, flags)
-    packed = pack_samples(r.tokens, r.logprobs, r.top_ids, r.top_logprobs)
+    packed = pack_samples(r.tokens, r.logprobs, r.ranks, r.top_ids, r.top_logprobs)
     return packed, jnp.zeros(max_rows, jnp.int32).at[:R].set(r.tokens)
 
 
 def prompt_logprobs_step(logits, targets, *, num_rows, k):
     """Split the logits of a step with prompt logprobs: the sampler's [R, V], and the packed logprobs of the
-    prompt positions [T, 1 + 2k] (see `Launched.prompt_packed`)."""
-    lp, top_ids, top_lps = token_logprobs(logits[num_rows:], targets, k)
+    prompt positions [T, 2 + 2k] (see `Launched.prompt_packed`)."""
+    lp, ranks, top_ids, top_lps = token_logprobs(logits[num_rows:], targets, k)
     bits = lambda x: jax.lax.bitcast_convert_type(x, jnp.int32)
-    return logits[:num_rows], jnp.concatenate([bits(lp)[:, None], top_ids, bits(top_lps)], axis=1)
+    return logits[:num_rows], jnp.concatenate([bits(lp)[:, None], ranks[:, None], top_ids, bits(top_lps)], axis=1)

@@ -1,12 +1,13 @@
 """A request on its way in: checked once, fanned out into its n sequences, and what each step asks of the runner.
 
 `InputProcessor.process` is the one place that checks a request against the model (prompt ids in the vocabulary,
-prompt + max_tokens within the context, logit_bias ids), raising `InvalidParam` naming the field; SamplingParams
-checked everything else when it was built. It then builds the request's sequences: n > 1 becomes n scheduler
-requests sharing the prompt (and its cached prefix pages), or, on models with a per-sequence state, n - 1 forks
-of the first; each sequence gets its detokenizer, its grammar matcher (structured outputs) and, if asked, the
-slots of its prompt logprobs. Per step, `step_rows` and `prompt_logprobs_wanted` turn the scheduled sequences
-into the runner's sampling rows and prompt-logprob request.
+prompt + max_tokens within the context, logit_bias and allowed_token_ids ids, bad_words' tokens), raising
+`InvalidParam` naming the field; SamplingParams checked everything else when it was built. It then builds the
+request's sequences: n > 1 becomes n scheduler requests sharing the prompt (and its cached prefix pages), or, on
+models with a per-sequence state, n - 1 forks of the first; each sequence gets its detokenizer, its grammar
+matcher (structured outputs), its allowed-token set and bad words' ids and, if asked, the slots of its prompt
+logprobs. Per step, `step_rows` and `prompt_logprobs_wanted` turn the scheduled sequences into the runner's
+sampling rows and prompt-logprob request.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from jinfer.engine.bad_words import needs_output_tokens, tokenize_bad_words
 from jinfer.engine.grammar import GrammarEngine
 from jinfer.engine.request import Request
 from jinfer.engine.runner import StepRow
@@ -43,7 +45,13 @@ class SequenceState:
     # prefill's chunks are read back and sent with the first delta; None when not asked for.
     prompt_ids: list[int] | None = None
     prompt_lps: list[dict[int, float] | None] | None = None
+    prompt_ranks: list[int | None] | None = None  # each prompt token's rank (the first None)
     matcher: object = None  # structured outputs: this sequence's llguidance matcher (jinfer/engine/grammar.py)
+    allowed_mask: object = None  # allowed_token_ids as a packed token set (sampling_tensors.pack_token_mask)
+    bad_words: tuple[tuple[int, ...], ...] = ()  # bad_words' token ids (jinfer/engine/bad_words.py)
+    # Its sampler inputs need the previous step's tokens on the host (a grammar's mask, a multi-token bad word):
+    # with async scheduling the step in flight is read back first (EngineCore._launch_guided).
+    needs_tokens: bool = False
     held: list[int] = field(default_factory=list)  # token ids whose text is not sent yet
 
 
@@ -96,6 +104,8 @@ def check_request(prompt_token_ids, params: SamplingParams, vocab_size: int, max
             raise InvalidParam(name, f"{name}={n} is more than this server's max_logprobs={max_logprobs}")
     if params.logit_bias and params.logit_bias[-1][0] >= vocab_size:  # sorted by id
         raise InvalidParam("logit_bias", f"logit_bias= keys must be token ids in [0, {vocab_size})")
+    if params.allowed_token_ids is not None and max(params.allowed_token_ids) >= vocab_size:
+        raise InvalidParam("allowed_token_ids", f"allowed_token_ids= must be token ids in [0, {vocab_size})")
     return ids
 
 
@@ -116,6 +126,9 @@ class InputProcessor:
         ids = check_request(prompt_token_ids, params, self.vocab_size, self.max_model_len, self.max_logprobs)
         seq_ids = [request_id] if params.n == 1 else [f"{request_id}#{i}" for i in range(params.n)]
         mask = pack_token_mask(ids, self.vocab_size) if params.repetition_penalty != 1.0 else None
+        allowed = (None if params.allowed_token_ids is None
+                   else pack_token_mask(params.allowed_token_ids, self.vocab_size))
+        bad_words = tokenize_bad_words(params.bad_words, self.tokenizer, self.vocab_size)
         # n > 1 on a model with per-sequence states (no prefix cache to share the prompt): the other samples fork
         # from the first once it has computed all but the prompt's last token (scheduler.py). Not with prompt
         # logprobs (every sample scores the whole prompt) nor in a multi-process group (whose other processes
@@ -129,9 +142,10 @@ class InputProcessor:
                                            prompt_ids=ids) if self.tokenizer else None
             state = SequenceState(request_id, i, params, seed, detok, mask, num_prompt_tokens=len(ids),
                                   min_tokens_ids=request.stop_token_ids_while_min_tokens() if params.min_tokens
-                                  else (), matcher=self._matcher(params))
+                                  else (), matcher=self._matcher(params), allowed_mask=allowed, bad_words=bad_words)
+            state.needs_tokens = state.matcher is not None or needs_output_tokens(bad_words)
             if params.prompt_logprobs is not None:
-                state.prompt_ids, state.prompt_lps = ids, [None] * len(ids)
+                state.prompt_ids, state.prompt_lps, state.prompt_ranks = ids, [None] * len(ids), [None] * len(ids)
             new.append(NewSequence(request, state, seq_ids[0] if fork and i else None))
         return new
 
@@ -153,7 +167,8 @@ def step_rows(out, seqs: dict[str, SequenceState]) -> list[StepRow | None]:
     for s in out.scheduled:
         seq, r = seqs[s.request_id], s.request
         rows.append(StepRow(seq.params, r.output_token_ids, seq.prompt_mask, seq.seed,
-                            r.num_output_tokens + r.num_pending_tokens - 1, seq.min_tokens_ids)
+                            r.num_output_tokens + r.num_pending_tokens - 1, seq.min_tokens_ids, seq.allowed_mask,
+                            seq.bad_words, seq.matcher is not None)
                     if s.needs_sample else None)
     return rows
 

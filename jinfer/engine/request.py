@@ -72,6 +72,7 @@ class Request:
     # known: the device feeds it in), or a draft token's id. Drafts always follow the last DEVICE_TOKEN.
     pending_token_ids: list[int] = field(default_factory=list, init=False)
     num_cached_tokens: int = field(default=0, init=False)  # prefix-cache hit at first admission
+    first_scheduled_time: float | None = field(default=None, init=False)  # time.time() at first admission
     num_preemptions: int = field(default=0, init=False)
     finish_reason: FinishReason | None = field(default=None, init=False)
     stop_reason: int | str | None = field(default=None, init=False)  # the stop token id or stop string

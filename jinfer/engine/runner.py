@@ -72,10 +72,10 @@ class Launched:
     """A step dispatched to the device whose results have not been read yet."""
 
     out: SchedulerOutput
-    packed: jax.Array  # i32[R, 2 + 2N]: token, logprob bits, top ids, top logprob bits
+    packed: jax.Array  # i32[R, 3 + 2N]: token, logprob bits, rank, top ids, top logprob bits
     tokens: jax.Array  # i32[max_rows]: sampled ids, for the next step's inputs
     rows: dict[str, tuple[int, int]]  # request id -> (first logits row, count), for sequences that sample
-    # Prompt logprobs: i32[T, 1 + 2k] (target logprob bits, top ids, top logprob bits), and for each of its
+    # Prompt logprobs: i32[T, 2 + 2k] (target logprob bits, rank, top ids, top logprob bits), and for each of its
     # rows (request id, prompt position whose token it scores).
     prompt_packed: jax.Array | None = None
     prompt_rows: list[tuple[str, int]] = field(default_factory=list)

@@ -42,7 +42,8 @@ wherever it sits in it.
 
 Structured outputs: with `SamplerFlags.grammar` the raw logits first go through `apply_token_mask`
 (`token_mask` u32[B, ceil(V/32)], a grammar's allowed tokens per row, packed like `prompt_mask`; rows
-without a grammar are all ones). Batches without a grammar compile without it.
+without a grammar are all ones). Batches without a grammar compile without it. allowed_token_ids rides on the
+same mask, but its rows' logprobs are taken before it (`mask_logprobs` 0), as vLLM applies it after them.
 
 Penalties' inputs and the host side: `sampling_tensors.py`.
 """
@@ -73,7 +74,9 @@ class SampleResult:
     logprobs: jax.Array  # [B] f32, raw logprob of the sampled id (0 when num_logprobs < 0)
     top_ids: jax.Array  # [B, N] i32, the N most likely ids under the raw logits, best first
     top_logprobs: jax.Array  # [B, N] f32, their raw logprobs
-
+    # [B] i32, the sampled id's rank under the raw logits: 1 + the tokens more likely (ties count ahead, as vLLM's
+    # count of logprobs >= it); 0 when num_logprobs < 0
+    ranks: jax.Array = None
 
 
 def _unpack_token_mask(mask: jax.Array, vocab_size: int) -> jax.Array:
@@ -285,8 +288,12 @@ def sample_traced(logits: jax.Array, t: SamplingTensors, num_logprobs: int, flag
     assert t.temperature.shape == (B,), (t.temperature.shape, logits.shape)
     raw = logits.astype(jnp.float32)
     if flags.grammar:
-        raw = apply_token_mask(raw, t.token_mask)
-    logits = apply_bias(raw, t)
+        masked = apply_token_mask(raw, t.token_mask)
+        # logprobs see a grammar's mask, not allowed_token_ids' (vLLM's order); one fused select
+        raw = masked if t.mask_logprobs is None else jnp.where(t.mask_logprobs[:, None] != 0, masked, raw)
+        logits = apply_bias(masked, t)
+    else:
+        logits = apply_bias(raw, t)
     logits = apply_penalties(logits, t) if flags.penalties else logits
     greedy_tokens = jnp.argmax(logits, axis=-1).astype(jnp.int32)
     if flags.sampling:
@@ -299,9 +306,11 @@ def sample_traced(logits: jax.Array, t: SamplingTensors, num_logprobs: int, flag
     N = max(num_logprobs, 0)
     if num_logprobs < 0:
         return SampleResult(tokens, jnp.zeros((B,), jnp.float32), jnp.zeros((B, 0), jnp.int32),
-                            jnp.zeros((B, 0), jnp.float32))
+                            jnp.zeros((B, 0), jnp.float32), jnp.zeros((B,), jnp.int32))
     lse = jax.nn.logsumexp(raw, axis=-1)  # [B]
-    chosen = jnp.take_along_axis(raw, tokens[:, None], axis=1)[:, 0] - lse
+    chosen_raw = jnp.take_along_axis(raw, tokens[:, None], axis=1)  # [B, 1]
+    chosen = chosen_raw[:, 0] - lse
+    ranks = _rank(raw, chosen_raw)
     if N == 0:
         top_vals, top_ids = jnp.zeros((B, 0)), jnp.zeros((B, 0), jnp.int32)
     elif N <= NUM_GROUPS:  # the top N tokens are among the candidates
@@ -310,25 +319,33 @@ def sample_traced(logits: jax.Array, t: SamplingTensors, num_logprobs: int, flag
         top_ids = jnp.take_along_axis(ids, pos, axis=1)
     else:
         top_vals, top_ids = lax.top_k(raw, N)
-    return SampleResult(tokens, chosen, top_ids.astype(jnp.int32), top_vals - lse[:, None])
+    return SampleResult(tokens, chosen, top_ids.astype(jnp.int32), top_vals - lse[:, None], ranks)
+
+
+def _rank(raw: jax.Array, chosen: jax.Array) -> jax.Array:
+    """i32[B]: how many of a row's f32[B, V] raw logits are >= its chosen one [B, 1] (vLLM's rank, 1-based: the
+    chosen counts itself); a compare and a sum that XLA fuses, no [B, V] array is kept."""
+    return jnp.sum(raw >= chosen, axis=1, dtype=jnp.int32)
 
 
 _sample_jit = jax.jit(sample_traced, static_argnames=("num_logprobs", "flags"))
 
 
-def token_logprobs(logits: jax.Array, targets: jax.Array, k: int) -> tuple[jax.Array, jax.Array, jax.Array]:
+def token_logprobs(logits: jax.Array, targets: jax.Array, k: int
+                   ) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
     """Prompt logprobs: for f32[N, V] logits and the i32[N] token each row predicts, the raw logprob of that
-    token [N], and the top-k ids [N, k] with their logprobs [N, k] (k static, 0 allowed). Rows whose target
-    is negative (padding) give garbage that the caller ignores."""
+    token [N], its rank [N] (as `SampleResult.ranks`), and the top-k ids [N, k] with their logprobs [N, k] (k static,
+    0 allowed). Rows whose target is negative (padding) give garbage that the caller ignores."""
     raw = logits.astype(jnp.float32)
     N = raw.shape[0]
     lse = jax.nn.logsumexp(raw, axis=-1)  # [N]
-    chosen = jnp.take_along_axis(raw, jnp.maximum(targets, 0)[:, None], axis=1)[:, 0] - lse
+    target_raw = jnp.take_along_axis(raw, jnp.maximum(targets, 0)[:, None], axis=1)  # [N, 1]
+    chosen, ranks = target_raw[:, 0] - lse, _rank(raw, target_raw)
     if k == 0:
-        return chosen, jnp.zeros((N, 0), jnp.int32), jnp.zeros((N, 0), jnp.float32)
+        return chosen, ranks, jnp.zeros((N, 0), jnp.int32), jnp.zeros((N, 0), jnp.float32)
     vals, ids, _ = _candidates(raw)  # the top k (<= NUM_GROUPS) tokens are among the candidates
     top_vals, pos = lax.top_k(vals, k)
-    return chosen, jnp.take_along_axis(ids, pos, axis=1).astype(jnp.int32), top_vals - lse[:, None]
+    return chosen, ranks, jnp.take_along_axis(ids, pos, axis=1).astype(jnp.int32), top_vals - lse[:, None]
 
 
 

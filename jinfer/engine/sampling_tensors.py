@@ -51,8 +51,12 @@ class SamplingTensors:
     # min_tokens tokens exist), applied before the penalties as in vLLM. K may be 0 (compiled out).
     bias_ids: jax.Array = None  # [B, K] i32, -1 padded
     bias_values: jax.Array = None  # [B, K] f32
-    # [B, G] u32, tokens a grammar allows (same packing; all ones for rows without one), G = ceil(V/32) or 0
+    # [B, G] u32, tokens a grammar (and allowed_token_ids) allows (same packing; all ones for rows without one),
+    # G = ceil(V/32) or 0
     token_mask: jax.Array = None
+    # [B] i32 (with a token mask): 1 where the mask also masks the logprobs (a grammar's, as vLLM applies its bitmask
+    # before the sampler), 0 where it applies after them (allowed_token_ids, as vLLM). None: every row is 1.
+    mask_logprobs: jax.Array = None
 
     @classmethod
     def from_params(
@@ -64,6 +68,7 @@ class SamplingTensors:
         output_len: int | None = None,
         rng: np.random.Generator | None = None,
         min_tokens_ids: Sequence[Sequence[int]] | None = None,
+        banned_ids: Sequence[Sequence[int]] | None = None,
     ) -> SamplingTensors:
         """Host-side builder from `(params, output_ids, prompt, step)` per request (numpy leaves).
 
@@ -73,7 +78,8 @@ class SamplingTensors:
         Rows are padded to `num_seqs` (greedy, no penalties). `output_len` is the static M; by default
         the next power of two that holds the longest output of a penalized row (0 if none). A request
         without a seed gets one drawn from `rng`. `min_tokens_ids[b]`: the ids row b may not sample while
-        its step is below `min_tokens` (EOS and stop ids); its `logit_bias` is added as given.
+        its step is below `min_tokens` (EOS and stop ids); `banned_ids[b]`: ids row b may not sample (bad_words);
+        its `logit_bias` is added as given.
         """
         B = num_seqs or len(rows)
         if len(rows) > B:
@@ -105,6 +111,8 @@ class SamplingTensors:
             bias = dict(logit_bias)  # a copy: rows sharing the params share the dict
             if min_tokens_ids is not None and steps[b] < min_tokens:
                 bias.update((int(i), -np.inf) for i in min_tokens_ids[b])
+            if banned_ids is not None and banned_ids[b]:
+                bias.update((int(i), -np.inf) for i in banned_ids[b])
             if bias:
                 biased.append((b, bias))
 

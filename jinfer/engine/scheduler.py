@@ -52,6 +52,7 @@ or reaching `max_model_len` tokens finishes with "length". Stop strings are the 
 
 from __future__ import annotations
 
+import time
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -323,6 +324,7 @@ class Scheduler:
             self.waiting.popleft()
             if request.status == RequestStatus.WAITING:
                 request.num_cached_tokens = num_cached
+                request.first_scheduled_time = time.time()  # wall clock, as vLLM's RequestOutput.metrics
             request.status = RequestStatus.RUNNING
             self.running.append(request)
             out.scheduled.append(self._scheduled(request, num_new, num_cached))
@@ -367,6 +369,7 @@ class Scheduler:
                     out.fork_slots.append(slot_copy)
                 follower.status = RequestStatus.RUNNING
                 follower.num_computed_tokens = follower.num_cached_tokens = point
+                follower.first_scheduled_time = time.time()
                 self.running.append(follower)
             self.waiting.extendleft(reversed(released))
 

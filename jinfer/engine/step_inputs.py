@@ -110,13 +110,16 @@ def pack_sampling(t: SamplingTensors) -> np.ndarray:
     parts += [_i32(getattr(t, f)) for f in _INT_FIELDS] + [_i32(t.output_tokens), _i32(t.prompt_mask)]
     parts += [_i32(t.bias_ids), _i32(np.asarray(t.bias_values, np.float32))]
     if t.token_mask is not None and t.token_mask.size:
-        parts.append(_i32(t.token_mask))
+        R = t.token_mask.shape[0]
+        rows = np.ones(R, np.int32) if t.mask_logprobs is None else np.asarray(t.mask_logprobs, np.int32)
+        parts += [_i32(t.token_mask), rows]
     return np.concatenate(parts)
 
 
 def sampling_size(R: int, M: int, W: int, K: int, G: int) -> int:
-    """Length of the packed sampling buffer of R rows (G: words of the grammar mask, 0 without)."""
-    return R * (len(_FLOAT_FIELDS) + len(_INT_FIELDS) + M + W + 2 * K + G)
+    """Length of the packed sampling buffer of R rows (G: words of the token mask, 0 without; with one, a flag per
+    row follows it: `SamplingTensors.mask_logprobs`)."""
+    return R * (len(_FLOAT_FIELDS) + len(_INT_FIELDS) + M + W + 2 * K + (G + 1 if G else 0))
 
 
 def unpack_sampling(buf: jax.Array, dims: tuple[int, int, int, int], mask_words: int = 0) -> SamplingTensors:
@@ -138,6 +141,7 @@ def unpack_sampling(buf: jax.Array, dims: tuple[int, int, int, int], mask_words:
     o += 2 * R * K
     G = mask_words
     out["token_mask"] = jax.lax.bitcast_convert_type(buf[o:o + R * G], jnp.uint32).reshape(R, G)
+    out["mask_logprobs"] = buf[o + R * G:o + R * G + R] if G else None
     return SamplingTensors(**out)
 
 
@@ -155,6 +159,7 @@ class StepResult:
     top_logprobs: np.ndarray  # [R, N] f32
     rows: dict[str, tuple[int, int]] = field(default_factory=dict)
     pooled: np.ndarray | None = None  # [R, hidden] f32: an embedding model's pooled rows (its tokens are dummies)
+    ranks: np.ndarray | None = None  # [R] i32, the sampled token's 1-based rank under the raw logprobs
 
     def rows_of(self, request_id: str) -> range:
         first, count = self.rows[request_id]
@@ -173,18 +178,21 @@ class PromptLogprobs:
     logprobs: np.ndarray  # [N] f32, of the prompt token itself
     top_ids: np.ndarray  # [N, k] i32
     top_logprobs: np.ndarray  # [N, k] f32
+    ranks: np.ndarray | None = None  # [N] i32, the prompt token's 1-based rank
 
 
-def pack_samples(tokens, logprobs, top_ids, top_logprobs) -> jax.Array:
-    """Traced: i32[R, 2 + 2N] (token, logprob bits, top ids, top logprob bits), read back in one copy."""
+def pack_samples(tokens, logprobs, ranks, top_ids, top_logprobs) -> jax.Array:
+    """Traced: i32[R, 3 + 2N] (token, logprob bits, rank, top ids, top logprob bits), read back in one copy."""
     bits = lambda x: jax.lax.bitcast_convert_type(x, jnp.int32)
-    return jnp.concatenate([tokens[:, None], bits(logprobs)[:, None], top_ids, bits(top_logprobs)], axis=1)
+    return jnp.concatenate([tokens[:, None], bits(logprobs)[:, None], ranks[:, None], top_ids, bits(top_logprobs)],
+                           axis=1)
 
 
 def unpack_result(packed: np.ndarray, rows: dict[str, tuple[int, int]]) -> StepResult:
-    n = (packed.shape[1] - 2) // 2
+    n = (packed.shape[1] - 3) // 2
     f32 = lambda x: np.ascontiguousarray(x).view(np.float32)
-    return StepResult(packed[:, 0], f32(packed[:, 1]), packed[:, 2:2 + n], f32(packed[:, 2 + n:]), rows)
+    return StepResult(packed[:, 0], f32(packed[:, 1]), packed[:, 3:3 + n], f32(packed[:, 3 + n:]), rows,
+                      ranks=packed[:, 2])
 
 
 def pooled_result(pooled: np.ndarray, rows: dict[str, tuple[int, int]]) -> StepResult:
@@ -192,11 +200,13 @@ def pooled_result(pooled: np.ndarray, rows: dict[str, tuple[int, int]]) -> StepR
     with which the scheduler finishes it after its prompt)."""
     R = pooled.shape[0]
     empty = np.zeros((R, 0), np.int32)
-    return StepResult(np.zeros(R, np.int32), np.zeros(R, np.float32), empty, empty.view(np.float32), rows, pooled)
+    return StepResult(np.zeros(R, np.int32), np.zeros(R, np.float32), empty, empty.view(np.float32), rows,
+                      pooled=pooled)
 
 
 def unpack_prompt_logprobs(packed: np.ndarray, num_rows: int) -> PromptLogprobs:
+    """From i32[T, 2 + 2k]: (logprob bits, rank, top ids, top logprob bits)."""
     packed = packed[:num_rows]
-    k = (packed.shape[1] - 1) // 2
+    k = (packed.shape[1] - 2) // 2
     f32 = lambda x: np.ascontiguousarray(x).view(np.float32)
-    return PromptLogprobs(f32(packed[:, :1])[:, 0], packed[:, 1:1 + k], f32(packed[:, 1 + k:]))
+    return PromptLogprobs(f32(packed[:, :1])[:, 0], packed[:, 2:2 + k], f32(packed[:, 2 + k:]), packed[:, 1])

@@ -2,10 +2,11 @@
 
 import subprocess
 import sys
+import time
 
 import pytest
 
-from jinfer import SamplingParams
+from jinfer import Logprob, SamplingParams
 from jinfer.llm import LLM
 
 GREEDY = SamplingParams(temperature=0, max_tokens=24)
@@ -88,3 +89,41 @@ def test_structured_outputs_offline(llm):
     data = json.loads(outs[0].outputs[0].text)
     assert set(data) == {"city", "population"} and isinstance(data["population"], int)
     assert outs[1].outputs[0].text in ("Paris", "Lyon") and outs[1].outputs[0].finish_reason == "stop"
+
+
+def test_logprob_objects_and_request_metrics(llm):
+    """vLLM's shapes: {token id: Logprob(logprob, rank, decoded_token)} per token, the chosen token first; and
+    RequestOutput.metrics' wall-clock times in order."""
+    tok = llm.get_tokenizer()
+    t0 = time.time()
+    out = llm.chat(FRANCE, SamplingParams(temperature=0, max_tokens=24, logprobs=2), use_tqdm=False)[0]
+    o = out.outputs[0]
+    assert o.text == "The capital of France is Paris." and len(o.logprobs) == len(o.token_ids)
+    for token, lps in zip(o.token_ids, o.logprobs, strict=True):
+        assert next(iter(lps)) == token and all(isinstance(lp, Logprob) for lp in lps.values())
+        assert lps[token].rank == 1  # greedy without penalties: the raw argmax
+        assert sorted(lp.rank for lp in lps.values()) == [1, 2]
+        assert all(lp.decoded_token == tok.decode([t], skip_special_tokens=False) for t, lp in lps.items())
+    assert "".join(lps[t].decoded_token for t, lps in zip(o.token_ids[:-1], o.logprobs)) == o.text  # (EOS last)
+    assert o.cumulative_logprob == pytest.approx(sum(lps[t].logprob for t, lps in zip(o.token_ids, o.logprobs)))
+    m = out.metrics
+    assert t0 <= m.arrival_time <= m.first_scheduled_time <= m.first_token_time <= m.last_token_time \
+        <= m.finished_time <= time.time()
+    assert m.time_in_queue >= 0 and m.first_token_latency > 0 and m.num_generation_tokens == len(o.token_ids)
+
+
+def test_stop_token_ids_drop_their_text_and_bad_words(llm):
+    """vLLM: a stop token's text is left out unless include_stop_str_in_output (its id stays); a bad word is never
+    generated, with or without a leading space."""
+    [paris] = llm.get_tokenizer().encode(" Paris", add_special_tokens=False)
+    sp = [SamplingParams(temperature=0, max_tokens=24, stop_token_ids=[paris]),
+          SamplingParams(temperature=0, max_tokens=24, stop_token_ids=[paris], include_stop_str_in_output=True)]
+    dropped, kept = (r.outputs[0] for r in llm.chat([FRANCE, FRANCE], sp, use_tqdm=False))
+    assert dropped.text == "The capital of France is" and dropped.token_ids[-1] == paris
+    assert dropped.finish_reason == "stop" and dropped.stop_reason == paris
+    assert kept.text == "The capital of France is Paris" and kept.token_ids == dropped.token_ids
+    banned = llm.chat([FRANCE, FRANCE], [SamplingParams(temperature=0, max_tokens=24, bad_words=["Paris"]),
+                                         SamplingParams(temperature=0, max_tokens=24, bad_words=["capital"])],
+                      use_tqdm=False)
+    assert all(w not in r.outputs[0].text for r, w in zip(banned, ["Paris", "capital"]))
+    assert banned[0].outputs[0].text.startswith("The capital of France is")

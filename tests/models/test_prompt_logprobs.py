@@ -28,12 +28,18 @@ def check(plp, i, k):
     for j in range(1, len(prompt)):
         ref_lp, ref_ids, ref_top = (GOLDEN[f"logprobs_{i}"][j - 1], GOLDEN[f"top_ids_{i}"][j - 1],
                                     GOLDEN[f"top_logprobs_{i}"][j - 1])
-        entry = plp[j]
-        assert abs(entry[prompt[j]] - ref_lp) < TOL, (i, j)
-        top = sorted(((v, t) for t, v in entry.items() if t != prompt[j] or t in ref_ids[:k]), reverse=True)[:k]
+        entry = plp[j]  # {token id: Logprob}, the prompt token first (vLLM's order)
+        assert next(iter(entry)) == prompt[j] and abs(entry[prompt[j]].logprob - ref_lp) < TOL, (i, j)
+        top = sorted(((lp.logprob, t) for t, lp in entry.items() if t != prompt[j] or t in ref_ids[:k]),
+                     reverse=True)[:k]
         np.testing.assert_allclose([v for v, _ in top], ref_top[:k], atol=TOL, err_msg=f"prompt {i} pos {j}")
         assert {t for _, t in top} == set(ref_ids[:k].tolist()), (i, j)
         assert len(entry) in (k, k + 1)  # the top k, plus the prompt token when it is not among them
+        # ranks: the top k are 1..k; the prompt token's is its place among them, else 1 + the tokens HF scores above
+        assert sorted(lp.rank for t, lp in entry.items() if t != prompt[j]) == \
+            [r for r in range(1, k + 1) if r != entry[prompt[j]].rank][:len(entry) - 1]
+        rank, in_top = entry[prompt[j]].rank, prompt[j] in ref_ids[:k]
+        assert rank == ref_ids[:k].tolist().index(prompt[j]) + 1 if in_top else rank > k, (i, j)
 
 
 def test_prompt_logprobs_match_hf_chunked(llm):

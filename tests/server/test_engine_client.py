@@ -47,7 +47,8 @@ def test_generate_sync(client):
     assert out.finished and out.prompt_token_ids == [1, 2, 3]
     assert [o.token_ids for o in out.outputs] == [[4, 5, 6, 7, 8], [5, 6, 7, 8, 9]]
     assert out.outputs[0].text == " 4 5 6 7 8" and out.outputs[0].finish_reason == "length"
-    assert out.outputs[1].logprobs[0] == {5: -0.5, 6: -2.0}
+    lps = out.outputs[1].logprobs[0]  # vLLM's {token id: Logprob}, from the wire's {id: float}
+    assert {t: lp.logprob for t, lp in lps.items()} == {5: -0.5, 6: -2.0} and next(iter(lps)) == 5
 
 
 def test_stream_async(client):

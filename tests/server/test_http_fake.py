@@ -80,6 +80,10 @@ INVALID = [
     (CHAT, {"messages": MSG, "temperature": -1}, "temperature"),
     (CHAT, {"messages": MSG, "tools": [{"type": "function"}]}, "tools[0].function"),
     (CHAT, {"messages": MSG, "model": "nope"}, "model"),
+    (C, {"prompt": "hi", "allowed_token_ids": 5}, "allowed_token_ids"),  # vLLM's extra parameters
+    (CHAT, {"messages": MSG, "allowed_token_ids": []}, "allowed_token_ids"),
+    (CHAT, {"messages": MSG, "bad_words": "x"}, "bad_words"),
+    (C, {"prompt": "hi", "bad_words": ["ok", ""]}, "bad_words"),
 ]
 
 
@@ -99,6 +103,7 @@ def test_invalid_request_is_400_naming_the_field(server, path, body, param):
     (C, {"prompt": [7] * 64, "max_tokens": 1}, "prompt", "context_length_exceeded"),
     (C, {"prompt": [[1], [10**6]], "max_tokens": 1}, "prompt", None),  # the second prompt: not in the vocabulary
     (C, {"prompt": "hi", "logit_bias": {"999999": 1}}, "logit_bias", None),
+    (CHAT, {"messages": MSG, "allowed_token_ids": [1, 10**6]}, "allowed_token_ids", None),
     (CHAT, {"messages": MSG, "max_completion_tokens": 60}, "max_completion_tokens", "context_length_exceeded"),
     (CHAT, {"messages": [{"role": "user", "content": "hello " * 70}], "max_tokens": 1}, "messages",
      "context_length_exceeded"),

@@ -389,3 +389,26 @@ def test_grammar_mask_restricts_every_row_and_leaves_others_bit_identical():
     free = sample(logits, plain, 3, SamplerFlags.of(plain))
     assert int(r.tokens[B - 1]) == int(free.tokens[B - 1])
     assert np.asarray(r.top_logprobs[B - 1]).tobytes() == np.asarray(free.top_logprobs[B - 1]).tobytes()
+
+
+def test_allowed_token_mask_keeps_raw_logprobs_and_ranks_count_the_vocab():
+    """allowed_token_ids' rows (mask_logprobs 0) sample only allowed tokens but report the raw logprobs, as vLLM
+    (which applies the set after them); grammar rows (1) report the constrained ones. Every row's rank is 1 + the
+    tokens more likely than its sampled one under the logprobs it reports."""
+    rng = np.random.default_rng(4)
+    B, Vb = 4, 300
+    logits = rng.normal(0, 3, (B, Vb)).astype(np.float32)
+    rows = [(params(temperature=0.0 if b % 2 else 0.9, seed=b), [], None, 0) for b in range(B)]
+    t = SamplingTensors.from_params(rows, Vb)
+    allowed = [rng.choice(Vb, size=5, replace=False) for _ in range(B)]
+    t.token_mask = np.stack([pack_token_mask(a, Vb) for a in allowed])
+    t.mask_logprobs = np.array([1, 0, 0, 1], np.int32)
+    r = sample(logits, t, 3)
+    for b in range(B):
+        token = int(r.tokens[b])
+        assert token in allowed[b]
+        ref = log_softmax(logits[b, allowed[b]]) if t.mask_logprobs[b] else log_softmax(logits[b])
+        np.testing.assert_allclose(np.sort(np.asarray(r.top_logprobs[b])), np.sort(ref)[-3:], atol=1e-5)
+        scored = logits[b, allowed[b]] if t.mask_logprobs[b] else logits[b]
+        assert int(r.ranks[b]) == int((scored >= logits[b, token]).sum())
+    assert int(r.ranks[1]) > 1 or int(r.tokens[1]) == int(np.argmax(logits[1]))  # raw rank among all 300

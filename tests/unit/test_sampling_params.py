@@ -26,6 +26,9 @@ def test_normalization():
     assert sp.max_tokens is None
     assert SamplingParams(stop=["a", "b"]).stop == ("a", "b")
     assert SamplingParams(**sp.to_dict()) == sp
+    sp = SamplingParams(allowed_token_ids=[3, 1], bad_words=["a b"])
+    assert sp.allowed_token_ids == (3, 1) and sp.bad_words == ("a b",)
+    assert SamplingParams(**sp.to_dict()) == sp and SamplingParams().allowed_token_ids is None
 
 
 def test_frozen():
@@ -74,6 +77,10 @@ def test_invalid(kwargs, field):
 @pytest.mark.parametrize("kwargs, field", [
     ({"logit_bias": {"x": 1}}, "logit_bias"), ({"logit_bias": 5}, "logit_bias"),
     ({"stop": ["x"] * 100}, "stop"), ({"structured_outputs": {"regex": "a", "choice": ["b"]}}, "structured_outputs"),
+    ({"allowed_token_ids": []}, "allowed_token_ids"), ({"allowed_token_ids": [1, -2]}, "allowed_token_ids"),
+    ({"allowed_token_ids": 3}, "allowed_token_ids"), ({"allowed_token_ids": [1.0]}, "allowed_token_ids"),
+    ({"bad_words": "x"}, "bad_words"), ({"bad_words": ["ok", " "]}, "bad_words"), ({"bad_words": [3]}, "bad_words"),
+    ({"bad_words": ["w"] * 1000}, "bad_words"),
 ])
 def test_invalid_names_the_field_whatever_the_message(kwargs, field):
     """The field travels as InvalidParam.param (to the HTTP body), not parsed out of the message."""

@@ -217,3 +217,44 @@ def test_sequences_get_their_own_compiled_matchers():
     for t in tok.encode('{"a": 1'):
         assert second.consume_token(t)
     assert not third.is_stopped() and third.is_accepting() is False
+
+
+def _printable(t: int) -> bool:
+    return 33 <= t + 1 <= 126  # one ASCII character, not blank (byte b is id b - 1)
+
+
+def test_bad_words_allowed_token_ids_and_stop_token_text(engine):
+    """vLLM's token restrictions on the async engine: a one-token bad word never comes; a two-token one bans its
+    second token right after its first (the step in flight is read back first: one step late it would come out);
+    allowed_token_ids restricts every token; a stop token's text is dropped unless include_stop_str_in_output.
+    One request at a time, on the prompt of the tests above: no new forward shape to compile."""
+    c = engine
+    p, greedy = prompts(1)[0], dict(temperature=0.0, max_tokens=32, ignore_eos=True)
+
+    def run(**kw):
+        c.add_request("r", p, SamplingParams(**greedy, **kw))
+        text, ids = "", []
+        while c.has_unfinished_requests():
+            for d in c.step():
+                text, ids = text + d.new_text, ids + d.new_token_ids
+        return text, ids
+
+    _, plain = run()
+    j = next(i for i, t in enumerate(plain) if _printable(t))  # the first one-character token
+    pair = next(i for i in range(len(plain) - 1) if _printable(plain[i]) and _printable(plain[i + 1]))
+    one, two = chr(plain[j] + 1), chr(plain[pair] + 1) + chr(plain[pair + 1] + 1)
+    _, got = run(bad_words=[one])
+    assert plain[j] not in got and got[:j] == plain[:j]
+    assert two not in c.tokenizer.decode(plain[:pair + 1])  # (its first occurrence is at `pair`)
+    text, got = run(bad_words=[two])
+    assert got[:pair + 1] == plain[:pair + 1] and got[pair + 1] != plain[pair + 1] and two not in text
+    allowed = sorted(set(plain[3:6]) | {7})
+    assert set(run(allowed_token_ids=allowed)[1]) <= set(allowed)
+    stop_at = plain.index(plain[j])  # its first occurrence
+    text, got = run(stop_token_ids=[plain[j]])
+    kept, got_kept = run(stop_token_ids=[plain[j]], include_stop_str_in_output=True)
+    assert text == c.tokenizer.decode(plain[:stop_at]) and kept == text + one
+    assert got == got_kept == plain[:stop_at + 1]  # the stop token's id stays in the output
+    with pytest.raises(ValueError, match="allowed_token_ids"):
+        c.add_request("bad", p, SamplingParams(allowed_token_ids=[1, 256]))
+    assert not c.has_unfinished_requests() and not c._seqs
