@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from jinfer.config.deepseek_gguf import latent_from_gguf
 from jinfer.config.rope import RopeScaling, rope_inv_freq, rope_scaling_from_hf
 from jinfer.models.architectures import ARCHITECTURES, GGUF_ARCHITECTURES, HF_ARCHITECTURES, Architecture
 
@@ -361,7 +362,9 @@ class ModelConfig:
                        norm_topk_prob=bool(meta.get(f"{arch}.expert_weights_norm", True)), mlp_only_layers=only)
         # a MoE model without dense layers may omit feed_forward_length
         inter = meta.get(f"{arch}.feed_forward_length") if mixture_of_experts else None
-        return cls(
+        # deepseek2: MLA, DeepSeekMoE and YaRN (jinfer/config/deepseek_gguf.py), over the generic fields
+        latent = latent_from_gguf(meta, arch, num_heads) if ARCHITECTURES[name].latent_attention else {}
+        return cls(**{**dict(
             architecture=name,
             vocab_size=int(vocab),
             hidden_size=hidden,
@@ -380,7 +383,7 @@ class ModelConfig:
             bos_token_id=meta.get("tokenizer.ggml.bos_token_id"),
             eos_token_ids=() if eos is None else (int(eos),),
             **moe,
-        )
+        ), **latent})
 
     def replace(self, **kw) -> ModelConfig:
         return dataclasses.replace(self, **kw)

@@ -57,7 +57,9 @@ ARCHITECTURES: dict[str, Architecture] = {a.name: a for a in (
     # the published checkpoints are the multimodal ones; only their text part is loaded
     Architecture("qwen3_5", ("Qwen3_5ForCausalLM", "Qwen3_5ForConditionalGeneration"), None,
                  hf_multimodal_names=("Qwen3_5ForConditionalGeneration",), qk_norm=True, linear_attention=True),
-    Architecture("deepseek_v2", ("DeepseekV2ForCausalLM",), None, mixture_of_experts=True, latent_attention=True),
+    # GGUF's one `deepseek2` serves both: a sigmoid-gated file loads as deepseek_v3 (jinfer/config/deepseek_gguf.py)
+    Architecture("deepseek_v2", ("DeepseekV2ForCausalLM",), "deepseek2", mixture_of_experts=True,
+                 latent_attention=True),
     Architecture("deepseek_v3", ("DeepseekV3ForCausalLM",), None, mixture_of_experts=True, latent_attention=True),
 )}
 

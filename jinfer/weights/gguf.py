@@ -3,7 +3,8 @@ by the `gguf` package's numpy dequantizers.
 
 llama.cpp's converter permutes the rows of Q and K for llama-architecture files (to interleave
 RoPE pairs; `Architecture.gguf_permuted_qk`); we undo it so the same rotate-half forward serves every
-source. qwen2/qwen3 GGUFs are not permuted.
+source. qwen2/qwen3 GGUFs are not permuted, nor are deepseek2's (HF's DeepSeek RoPE is already interleaved).
+DeepSeek's `attn_kv_b`, split by recent converters into `attn_k_b` / `attn_v_b`, is joined back.
 """
 
 from __future__ import annotations
@@ -55,14 +56,9 @@ class GGUFTensorSource:
         self._tensors = {t.name: t for t in open_gguf(str(path)).tensors}
 
     def get(self, spec: ArrayInfo) -> np.ndarray:
-        t = self._tensors.get(spec.gguf_name)
-        if t is None:
-            raise ValueError(f"tensor {spec.gguf_name!r} is missing from {self.path}")
-        if t.tensor_type.name not in SUPPORTED_TYPES:
-            raise ValueError(f"tensor {spec.gguf_name!r} has unsupported GGML type {t.tensor_type.name}; "
-                             f"supported: {sorted(SUPPORTED_TYPES)}")
-        # GGUF lists dims innermost first; the data is row-major [out, in], like HF.
-        w = dequantize_tensor(t).reshape(tuple(reversed(t.shape)))
+        if spec.gguf_name not in self._tensors and spec.gguf_name.endswith(".attn_kv_b.weight"):
+            return self._join_kv_b(spec.gguf_name)
+        w = self._read(spec.gguf_name)
         if ARCHITECTURES[self.cfg.architecture].gguf_permuted_qk:
             name = spec.gguf_name.rsplit(".", 2)
             if name[-2] == "attn_q":
@@ -70,3 +66,27 @@ class GGUFTensorSource:
             elif name[-2] == "attn_k":
                 w = unpermute_qk(w, self.cfg.num_kv_heads)
         return w
+
+    def _read(self, name: str) -> np.ndarray:
+        t = self._tensors.get(name)
+        if t is None:
+            raise ValueError(f"tensor {name!r} is missing from {self.path}")
+        if t.tensor_type.name not in SUPPORTED_TYPES:
+            raise ValueError(f"tensor {name!r} has unsupported GGML type {t.tensor_type.name}; "
+                             f"supported: {sorted(SUPPORTED_TYPES)}")
+        # GGUF lists dims innermost first; the data is row-major [out, in], like HF.
+        return dequantize_tensor(t).reshape(tuple(reversed(t.shape)))
+
+    def _join_kv_b(self, name: str) -> np.ndarray:
+        """DeepSeek's `kv_b_proj` [H * (nope + v), kv_lora_rank] from the halves recent llama.cpp writes instead
+        for MLA's absorbed form: `attn_k_b` (W_UK transposed per head, [H, kv_lora_rank, nope]) and `attn_v_b`
+        ([H, v, kv_lora_rank])."""
+        k_name, v_name = name.replace("attn_kv_b", "attn_k_b"), name.replace("attn_kv_b", "attn_v_b")
+        if k_name not in self._tensors or v_name not in self._tensors:
+            raise ValueError(f"tensor {name!r} is missing from {self.path}, and so is its split form "
+                             f"{k_name if k_name not in self._tensors else v_name!r}")
+        k_b, v_b = self._read(k_name), self._read(v_name)
+        if k_b.ndim != 3 or v_b.ndim != 3 or k_b.shape[:2] != (v_b.shape[0], v_b.shape[2]):
+            raise ValueError(f"tensors {k_name!r} {k_b.shape} and {v_name!r} {v_b.shape} must be [heads, "
+                             f"kv_lora_rank, nope] and [heads, v, kv_lora_rank]")
+        return np.concatenate([k_b.swapaxes(1, 2), v_b], axis=1).reshape(-1, k_b.shape[1])

@@ -3,7 +3,9 @@ by HF transformers in scripts/make_golden.py) against HF's logits and greedy ids
 the latent paged cache (absorbed form), YaRN (V2), q low rank and interleaved RoPE (V3), a dense first layer then
 DeepSeekMoE (V2: softmax, group-limited; V3: sigmoid + correction bias, top groups, renormalised and scaled; shared
 experts). One device and tp / ep = 2 on fake CPU devices, the forward alone and the whole engine (chunked prefill,
-prefix-cache hits), and the cache's size: one latent row per token per layer."""
+prefix-cache hits), and the cache's size: one latent row per token per layer. The same checkpoints as `deepseek2`
+GGUF files (tests/data/tiny-deepseek_v*.gguf, scripts/make_deepseek_gguf.py: llama.cpp's converter; V2's with
+`attn_kv_b` whole, V3's split into `attn_k_b` / `attn_v_b`) give HF's logits and ids too."""
 
 import math
 from functools import partial
@@ -16,11 +18,14 @@ import pytest
 from jinfer.cache.layout import init_kv_cache, kv_cache_bytes_per_page
 from jinfer.cache.spec import LatentKV
 from jinfer.config.model import NAMED_SHAPES, ModelConfig
+from jinfer.config.rope import yarn_attention_factor, yarn_softmax_mscale
 from jinfer.llm import LLM
 from jinfer.models.batch import make_batch
 from jinfer.models.registry import cache_spec, forward, shard_weights, weight_specs
 from jinfer.parallel.mesh import array_specs, check_parallel, make_mesh, mesh_forward
 from jinfer.sampling_params import SamplingParams
+from jinfer.weights.gguf import GGUFTensorSource
+from jinfer.weights.gguf_meta import read_metadata
 from jinfer.weights.loader import load_weights, resolve_model
 
 from ..conftest import DATA
@@ -34,17 +39,20 @@ def gold(arch):
     return np.load(DATA / "golden" / f"tiny-{arch}.npz")
 
 
-# Each family on one device; tensor parallel on V2, expert parallel (heads split too) on V3.
+# Each family on one device; tensor parallel on V2, expert parallel (heads split too) on V3; each from GGUF on one.
 CASES = [("deepseek_v2", 1, False, "ref"), ("deepseek_v3", 1, False, "ref"), ("deepseek_v2", 2, False, "ref"),
-         ("deepseek_v3", 2, True, "ref"), pytest.param(("deepseek_v2", 1, False, "pallas"), marks=pytest.mark.slow)]
+         ("deepseek_v3", 2, True, "ref"), pytest.param(("deepseek_v2", 1, False, "pallas"), marks=pytest.mark.slow),
+         ("deepseek_v2", 1, False, "ref", ".gguf"), ("deepseek_v3", 1, False, "ref", ".gguf")]
 
 
-@pytest.fixture(scope="module", params=CASES, ids=lambda p: f"{p[0]}-{'ep' if p[2] else 'tp'}{p[1]}-{p[3]}")
+@pytest.fixture(scope="module", params=CASES,
+                ids=lambda p: f"{p[0]}-{'ep' if p[2] else 'tp'}{p[1]}-{p[3]}" + ("-gguf" if p[4:] else ""))
 def model(request):
     """The Pallas ops (interpreted) run the dense layer's and the projections' kernels; MLA attention and the MoE
     block are the reference on every backend."""
-    arch, n, ep, ops = request.param
-    src = resolve_model(DATA / f"tiny-{arch}")
+    arch, n, ep, ops, *suffix = request.param
+    src = resolve_model(DATA / f"tiny-{arch}{''.join(suffix)}")
+    assert src.kind == ("gguf" if suffix else "hf")
     cfg = src.config
     check_parallel(cfg, n, ep)
     mesh = make_mesh(n)
@@ -80,6 +88,42 @@ def test_config_read_from_hf():
     assert v2.rope_scaling.rope_type == "yarn" and not v2.norm_topk_prob and v2.routed_scaling_factor == 1.5
     assert v3.q_lora_rank == 24 and v3.scoring_func == "sigmoid" and v3.num_shared_experts == 1
     assert v3.norm_topk_prob and v3.routed_scaling_factor == 2.5
+
+
+def test_config_read_from_gguf():
+    """The GGUF files' configs are the HF directories' but for what GGUF keeps in float32 (rms_norm_eps) and V2's
+    YaRN mscales: GGUF has mscale_all_dim only (mscale is taken equal to it) and the attention factor transformers
+    derives from the two, stated in the file (see scripts/make_deepseek_gguf.py)."""
+    for arch in ARCHS:
+        hf, gg = (resolve_model(DATA / f"tiny-{arch}{s}").config for s in ("", ".gguf"))
+        assert gg.rms_norm_eps == pytest.approx(hf.rms_norm_eps)
+        rs = gg.rope_scaling
+        if arch == "deepseek_v2":
+            assert rs.mscale == rs.mscale_all_dim == pytest.approx(0.8)
+            assert yarn_attention_factor(rs) == pytest.approx(yarn_attention_factor(hf.rope_scaling))
+            assert yarn_softmax_mscale(rs) == pytest.approx(yarn_softmax_mscale(hf.rope_scaling))
+            rs = hf.rope_scaling
+        assert gg.replace(rms_norm_eps=hf.rms_norm_eps, rope_scaling=rs) == hf
+
+
+@pytest.mark.parametrize("drop,match", [
+    ("deepseek2.attention.kv_lora_rank", "'deepseek2.attention.kv_lora_rank' is missing"),
+    ("deepseek2.rope.dimension_count", "'deepseek2.rope.dimension_count' is missing"),
+])
+def test_gguf_config_errors_name_the_key(drop, match):
+    meta = read_metadata(DATA / "tiny-deepseek_v3.gguf")
+    with pytest.raises(ValueError, match=match):
+        ModelConfig.from_gguf_metadata({k: v for k, v in meta.items() if k != drop})
+    with pytest.raises(ValueError, match="expert_gating_func'=3"):
+        ModelConfig.from_gguf_metadata(meta | {"deepseek2.expert_gating_func": 3})
+
+
+def test_gguf_split_kv_b_missing_names_the_tensor(monkeypatch):
+    src = resolve_model(DATA / "tiny-deepseek_v3.gguf")
+    reader = GGUFTensorSource(src.path, src.config)
+    monkeypatch.delitem(reader._tensors, "blk.2.attn_v_b.weight")
+    with pytest.raises(ValueError, match="'blk.2.attn_kv_b.weight' is missing .* 'blk.2.attn_v_b.weight'"):
+        reader.get(weight_specs(src.config)["layers.2.wkv_b"])
 
 
 # the published config.json files (the fields jinfer reads, and a few it ignores)
