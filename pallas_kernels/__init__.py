@@ -1,4 +1,4 @@
-"""Pallas GPU kernels, grouped by what they compute: attention/ (paged decode, ragged prefill: Triton and Mosaic
+"""Pallas GPU kernels, grouped by what they compute: attention/ (paged and MLA decode, ragged prefill: Triton, Mosaic
 GPU), dense/ (fused SwiGLU MLP, norm + q|k|v + RoPE, skinny GEMM), moe/ (routing, grouped GEMMs: Triton and Mosaic
 GPU), linear_attention/ (Gated DeltaNet: delta rule, conv, gated norm); common.py and split_k.py hold what several
 share. Nothing here imports jinfer; `jinfer.ops` picks the kernel per step, benchmarks/kernels/ times them.

@@ -3,6 +3,7 @@
     python -m benchmarks.kernels.bench_attention decode        # paged decode attention, 64 x 2k context
     python -m benchmarks.kernels.bench_attention prefill       # ragged prefill (Triton), one causal 4k prompt
     python -m benchmarks.kernels.bench_attention prefill_mgpu  # the same on the Mosaic GPU kernel
+    python -m benchmarks.kernels.bench_attention mla_decode [--sweep] [--out JSON]  # MLA decode, 32 x 4k context
 
 On CPU: tiny shapes in the interpreters, to check the script.
 """
@@ -85,7 +86,89 @@ def bench_prefill_mgpu(argv: list[str] | None = None) -> None:
                         "ragged_prefill_attention_mgpu", interpret)
 
 
-BENCHMARKS = {"decode": bench_decode, "prefill": bench_prefill, "prefill_mgpu": bench_prefill_mgpu}
+def mla_variants(heads: int, sweep: bool) -> list[dict]:
+    """Keyword sets for mla_decode_attention ({} = its defaults) at batch 32."""
+    out: list[dict] = [{}]
+    if sweep:
+        out += [{"block_n": n, "num_stages": st} for n in (16, 32, 64) for st in (2, 3, 4) if (n, st) != (32, 2)]
+        out += [{"num_splits": s} for s in ((4, 6, 12, 16) if heads <= 16 else (1, 2, 4))]
+        if heads > 16:
+            out += [{"block_h": h, "num_warps": w} for h in (16, 32, 64) for w in (4, 8)]
+    return out
+
+
+def bench_mla_decode(argv: list[str] | None = None) -> None:
+    """MLA decode attention (absorbed form, 512 + 64 latent rows, bf16) at batch 32 x 4k context: latent-cache bytes
+    read per second of device time (issue target: >= 2.6 TB/s on an H100), against the copy rate of the same run.
+    Each call of a timed chain reads its own randomly placed pages (a decode step finds the cache cold in L2);
+    variants are timed round-robin, median over rounds. On CPU: a tiny case in the interpreter, to check the script."""
+    import argparse
+    import json
+    import statistics
+    import time
+
+    from benchmarks.common import environment, write_result
+    from benchmarks.roofline import measure_copy_bandwidth
+    from pallas_kernels.attention.mla_decode import mla_decode_attention, mla_decode_attention_reference
+
+    ap = argparse.ArgumentParser(prog="bench_attention mla_decode")
+    ap.add_argument("--batch", type=int, default=32)
+    ap.add_argument("--context", type=int, default=4096)
+    ap.add_argument("--heads", type=int, nargs="+", default=[16, 128],
+                    help="per device: 16 = DeepSeek-V2-Lite or V3 at tp 8; 128 = V3 on one device (data-parallel attn)")
+    ap.add_argument("--page-size", type=int, default=16)
+    ap.add_argument("--sweep", action="store_true", help="a grid of launch parameters")
+    ap.add_argument("--variants", type=json.loads, metavar="JSON",
+                    help='keyword sets instead, e.g. \'[{}, {"num_splits": 4}]\'')
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--out")
+    args = ap.parse_args(argv)
+    interpret = jax.default_backend() != "gpu"
+    rank, rope, chain, iters = 512, 64, 8, 5
+    if interpret:
+        args.batch, args.context, args.heads, args.rounds, chain, iters = 2, 64, [16], 1, 2, 1
+    page, batch, ctx = args.page_size, args.batch, args.context
+    scale = 192**-0.5  # DeepSeek's (128 + 64) ** -0.5
+    result = {"benchmark": "mla_decode_attention", **environment(), "batch": batch, "context": ctx, "page_size": page,
+              "kv_lora_rank": rank, "rope_dim": rope, "chain": chain, "target_TBps_h100": 2.6,
+              "copy_bandwidth": None if interpret else measure_copy_bandwidth(),
+              "timing": "wall time of a jit of `chain` calls on disjoint random pages / chain, median over rounds",
+              "rows": []}
+    per_seq = -(-ctx // page)
+    for heads in args.heads:
+        kq, kl, kp = jax.random.split(jax.random.key(heads), 3)
+        q = jax.random.normal(kq, (batch, heads, rank + rope), jnp.bfloat16)
+        latent = jax.random.normal(kl, (chain * batch * per_seq, page, rank + rope), jnp.bfloat16)
+        tables = jax.random.permutation(kp, latent.shape[0]).reshape(chain, batch, per_seq).astype(jnp.int32)
+        lens = jnp.full((batch,), ctx, jnp.int32)
+        latent_bytes = batch * ctx * (rank + rope) * latent.dtype.itemsize  # each row read once per call
+        ref = mla_decode_attention_reference(q, latent, tables[0], lens, kv_lora_rank=rank, scale=scale)
+        runs = []
+        for kw in args.variants if args.variants is not None else mla_variants(heads, args.sweep):
+            fn = functools.partial(mla_decode_attention, kv_lora_rank=rank, scale=scale, interpret=interpret, **kw)
+            run = jax.jit(lambda q, lat, tables, lens, fn=fn: tuple(fn(q, lat, tables[i], lens) for i in range(chain)))
+            err = float(jnp.abs(run(q, latent, tables, lens)[0].astype(jnp.float32) - ref.astype(jnp.float32)).max())
+            runs.append((kw, run, err, []))
+        for _ in range(args.rounds):  # variants interleaved: drifting clocks hit them alike
+            for _, run, _, times in runs:
+                jax.block_until_ready(run(q, latent, tables, lens))
+                t0 = time.perf_counter()
+                for _ in range(iters):
+                    out = run(q, latent, tables, lens)
+                jax.block_until_ready(out)
+                times.append((time.perf_counter() - t0) / iters / chain)
+        for kw, _, err, times in runs:
+            us = statistics.median(times) * 1e6
+            row = {"heads": heads, "variant": kw, "latent_bytes": latent_bytes, "us": round(us, 2),
+                   "us_runs": [round(t * 1e6, 2) for t in times], "TBps": round(latent_bytes / us / 1e6, 3),
+                   "max_abs_err": err}
+            print(json.dumps(row), flush=True)
+            result["rows"].append(row)
+    write_result(result, args.out)
+
+
+BENCHMARKS = {"decode": bench_decode, "prefill": bench_prefill, "prefill_mgpu": bench_prefill_mgpu,
+              "mla_decode": bench_mla_decode}
 
 def main(argv: list[str] | None = None) -> None:
     run_subcommand(BENCHMARKS, __spec__.name, __doc__, argv)

@@ -42,7 +42,8 @@ from dataclasses import dataclass
 BACKENDS = ("auto", "reference", "pallas", "pallas-triton")  # pallas-triton: no Mosaic GPU kernel
 EVICTION_POLICIES = ("evict_last", "normal")
 # Kernels whose launch parameters `KernelPolicy.launch` may set (keyword arguments of their public functions).
-LAUNCH_KERNELS = ("fused_mlp", "paged_decode_attention", "norm_qkv_rope", "moe_route", "moe_norm_route")
+LAUNCH_KERNELS = ("fused_mlp", "paged_decode_attention", "mla_decode_attention", "norm_qkv_rope", "moe_route",
+                  "moe_norm_route")
 # The environment switches `from_env` reads (measurements): variable -> field.
 ENV_FIELDS = {
     "JINFER_PALLAS_MLP_TOKENS": "pallas_mlp_tokens",

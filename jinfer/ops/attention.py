@@ -9,6 +9,9 @@ The ragged kernel reads decode batches at 2.17 TB/s where the decode kernel reac
 `kernels_h100_repeat3.json`), hence the decode-only executables. A step of fewer than mosaic_min_step_tokens tokens
 never launches the Mosaic kernel. The reference is the kernel module's own jnp reference, which gathers every page
 of each token's sequence.
+
+MLA (DeepSeek's latent cache): decode steps take the MLA decode kernel (pallas_kernels/attention/mla_decode.py);
+prefill chunks and mixed steps the jnp reference for now (no MLA prefill kernel yet).
 """
 
 from __future__ import annotations
@@ -65,9 +68,20 @@ class AttentionOps:
         """Multi-head latent attention in its absorbed form: q [T, H, L] (each head's query in the latent space,
         then its RoPE part) over its sequence's latent rows `latent` [pages, page_size, L] (written already) ->
         [T, H, value_dim], the softmax-weighted first `value_dim` values of the rows (the latent itself). One K/V
-        "head" that every query head reads. The jnp reference on every backend: no MLA kernel yet."""
+        "head" that every query head reads. Decode steps take the MLA decode kernel (each latent row loaded once for
+        all of a sequence's heads); anything else, and shapes the kernel does not take, the jnp reference."""
         from pallas_kernels.attention.prefill_attention import ragged_prefill_attention_reference
 
+        if self.backend == "pallas" and (self.decode_step or (q.shape[0] == 1 and batch.num_seqs == 1)):
+            from pallas_kernels.attention.mla_decode import check_supported, mla_decode_attention
+
+            if self.decode_step and q.shape[0] != batch.num_seqs:
+                raise ValueError(f"a decode step needs one token per sequence: {q.shape[0]} tokens, "
+                                 f"{batch.num_seqs} sequences")
+            if check_supported(q, latent, value_dim) is None:
+                return mla_decode_attention(q, latent, batch.page_table, batch.seq_lens, kv_lora_rank=value_dim,
+                                            scale=scale, interpret=self.interpret,
+                                            **self.policy.launch_args("mla_decode_attention"))
         rows = latent[:, :, None, :]  # [pages, page_size, 1, L]
         out = ragged_prefill_attention_reference(q, rows, rows, batch.query_start, batch.seq_lens, batch.page_table,
                                                  scale=scale)

@@ -48,8 +48,8 @@ CASES = [("deepseek_v2", 1, False, "ref"), ("deepseek_v3", 1, False, "ref"), ("d
 @pytest.fixture(scope="module", params=CASES,
                 ids=lambda p: f"{p[0]}-{'ep' if p[2] else 'tp'}{p[1]}-{p[3]}" + ("-gguf" if p[4:] else ""))
 def model(request):
-    """The Pallas ops (interpreted) run the dense layer's and the projections' kernels; MLA attention and the MoE
-    block are the reference on every backend."""
+    """The Pallas ops (interpreted) run the dense layer's and the projections' kernels and, in one-token steps, the
+    MLA decode kernel; prefill attention and the MoE block are the reference on every backend."""
     arch, n, ep, ops, *suffix = request.param
     src = resolve_model(DATA / f"tiny-{arch}{''.join(suffix)}")
     assert src.kind == ("gguf" if suffix else "hf")
