@@ -22,8 +22,9 @@ DTYPE_NAMES = ("float32", "bfloat16", "float16")
 DTYPE_ALIASES = {"half": "float16", "float": "float32"}  # vLLM's (and PyTorch's) other names
 # KV pages are stored in the model's dtype: "auto" or that dtype by name. FP8 KV (with scales) is not built.
 KV_CACHE_DTYPES = ("auto", *DTYPE_NAMES)
-# Weights are loaded unquantized (a GGUF's blocks are dequantized at load): "gguf" names that, None detects it.
-QUANTIZATIONS = ("gguf",)
+# None: the checkpoint's own format (unquantized, block FP8, or a GGUF's blocks dequantized at load); "gguf" names the
+# last; "fp8" quantizes a float checkpoint's linear weights at load to block FP8 (jinfer/config/quantization.py).
+QUANTIZATIONS = ("gguf", "fp8")
 # "auto": Pallas on GPU, jnp elsewhere; "pallas-triton": no Mosaic GPU kernel.
 ATTENTION_BACKENDS = BACKENDS
 DEFAULT_COMPILATION_CACHE_DIR = "~/.cache/jinfer/xla"
@@ -187,8 +188,9 @@ class EngineConfig:
             raise ValueError(f"kv_cache_dtype={kv!r} must be 'auto' or the model's dtype={self.dtype!r}: KV pages "
                              "are stored in the model's dtype")
         if self.quantization is not None and self.quantization not in QUANTIZATIONS:
-            raise ValueError(f"quantization={self.quantization!r} is not supported: jinfer loads unquantized "
-                             f"safetensors checkpoints and GGUF files (dequantized at load; {QUANTIZATIONS})")
+            raise ValueError(f"quantization={self.quantization!r} is not supported: jinfer loads unquantized and "
+                             f"block-FP8 safetensors checkpoints and GGUF files (dequantized at load); "
+                             f"one of {QUANTIZATIONS} or None")
         if not _is_int(self.max_logprobs) or not 0 <= self.max_logprobs <= MAX_LOGPROBS:
             raise ValueError(f"max_logprobs={self.max_logprobs!r} must be an integer in [0, {MAX_LOGPROBS}]")
         for name in ("revision", "download_dir", "tokenizer", "chat_template"):

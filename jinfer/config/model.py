@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from jinfer.config.deepseek_gguf import latent_from_gguf
+from jinfer.config.quantization import Fp8Config, quantization_from_hf
 from jinfer.config.rope import RopeScaling, rope_inv_freq, rope_scaling_from_hf
 from jinfer.models.architectures import ARCHITECTURES, GGUF_ARCHITECTURES, HF_ARCHITECTURES, Architecture
 
@@ -75,6 +76,7 @@ class ModelConfig:
     # An embedding model (`--runner pooling`, jinfer/config/pooling.py): the forward returns the last token's final
     # normed hidden state, L2-normalised, instead of logits; no lm_head is loaded. Static, so a separate executable.
     pooling: bool = False
+    quantization: Fp8Config | None = None  # block-FP8 linear weights (jinfer/config/quantization.py); None: unquantized
 
     def __post_init__(self):
         if self.architecture not in ARCHITECTURES:
@@ -265,7 +267,8 @@ class ModelConfig:
             if not isinstance(text, dict):
                 raise ValueError(f"config field 'text_config'={text!r} must be an object (architecture {archs[0]})")
             tie = cfg.get("tie_word_embeddings", text.get("tie_word_embeddings", False))
-            cfg = {**text, "architectures": archs, "tie_word_embeddings": tie}
+            cfg = {**text, "architectures": archs, "tie_word_embeddings": tie,
+                   "quantization_config": cfg.get("quantization_config", text.get("quantization_config"))}
 
         def req(name: str) -> Any:
             if cfg.get(name) is None:
@@ -317,6 +320,7 @@ class ModelConfig:
             bos_token_id=cfg.get("bos_token_id"),
             eos_token_ids=eos_ids,
             pooling=archs[0] in arch.hf_pooling_names,
+            quantization=quantization_from_hf(cfg.get("quantization_config")),
             **moe,
             **hybrid,
             **latent,

@@ -91,7 +91,8 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     e.add_argument("--trust-remote-code", action="store_true",
                    help="accepted for vLLM's command lines; no effect: no model code is ever run from a repository")
     e.add_argument("--quantization", "-q", default=None, metavar="|".join(QUANTIZATIONS),
-                   help="weights are loaded unquantized; GGUF files are dequantized at load (default: the "
+                   help="fp8: linear weights quantized at load to FP8 with a scale per 128 x 128 block (a block-FP8 "
+                        "checkpoint is read as it is); gguf: a GGUF file, dequantized at load (default: the "
                         "checkpoint's format)")
     e.add_argument("--kv-cache-dtype", default=None, metavar="|".join(KV_CACHE_DTYPES),
                    help="KV pages' dtype: the model's (FP8 KV is not built)" + _default("kv_cache_dtype"))

@@ -37,7 +37,7 @@ from jinfer.spec import eagle, mtp
 from jinfer.spec.proposer import Proposer, build_proposer, check_proposer
 from jinfer.tokenizer import Tokenizer
 from jinfer.weights.hub import resolve_path
-from jinfer.weights.loader import DTYPES, load_weights, resolve_model
+from jinfer.weights.loader import DTYPES, load_weights, resolve_model, with_online_fp8
 
 log = logging.getLogger("jinfer.engine.core")
 
@@ -249,6 +249,9 @@ def build_engine(config: EngineConfig, tokenizer: Tokenizer | None = None, specu
     check_max_model_len(config.max_model_len, model_config.max_position_embeddings)  # before the weights load
     if config.quantization == "gguf" and source.kind != "gguf":
         raise ValueError(f"quantization='gguf' needs a .gguf model, not {config.model!r}")
+    if config.quantization == "fp8":  # online: the linear weights quantized at load (jinfer/models/fp8.py)
+        source = with_online_fp8(source)
+        model_config = source.config
     spec = config.speculative_config
     if model_config.pooling and (spec is not None or group is not None):
         raise ValueError("an embedding model (runner='pooling') runs without speculative_config and in one process "

@@ -20,6 +20,7 @@ import jax.numpy as jnp
 from jinfer.cache.spec import AttentionKV, LayerCacheSpec
 from jinfer.config.model import ModelConfig
 from jinfer.models.batch import Batch
+from jinfer.models.fp8 import concat_columns
 from jinfer.models.layers import apply_rope, rms_norm, rope_cos_sin, write_kv
 from jinfer.models.spec import ArrayInfo
 from jinfer.ops import ModelOps
@@ -141,7 +142,10 @@ def fuse_qkv(weights: Weights) -> Weights:
         if layer.wqkv is not None:
             layers.append(layer)
             continue
-        wqkv = jnp.concatenate([layer.wq, layer.wk, layer.wv], axis=1)
+        wqkv = concat_columns([layer.wq, layer.wk, layer.wv])  # FP8 weights with their scales
+        if wqkv is None:  # FP8 parts that cannot be joined (not whole blocks, or some unquantized): kept apart
+            layers.append(layer)
+            continue
         layers.append(dataclasses.replace(layer, wq=None, wk=None, wv=None, wqkv=wqkv))
     return dataclasses.replace(weights, layers=layers)
 

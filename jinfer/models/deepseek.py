@@ -35,6 +35,7 @@ from jinfer.config.rope import yarn_attention_factor, yarn_softmax_mscale
 from jinfer.models.base import Weights, decoder_specs, lm_head_logits, mlp_specs
 from jinfer.models.base import assemble_weights as _assemble
 from jinfer.models.batch import Batch
+from jinfer.models.fp8 import dense
 from jinfer.models.layers import apply_rope, rms_norm, rope_cos_sin
 from jinfer.models.qwen3_moe import moe_specs
 from jinfer.models.spec import ArrayInfo
@@ -165,7 +166,7 @@ def mla_attention(layer: MlaLayer, x: jax.Array, cos: jax.Array, sin: jax.Array,
     k_pe = _rope(kv[:, None, rank:], cos, sin, cfg.rope_interleave)[:, 0]  # [T, rope]
     q_pe = _rope(q[..., nope:], cos, sin, cfg.rope_interleave)  # [T, H, rope]
     latent = write_latent(latent, jnp.concatenate([c, k_pe], axis=-1), batch.slot_mapping)
-    w_kv = layer.wkv_b.reshape(rank, H, nope + dv)
+    w_kv = dense(layer.wkv_b, x.dtype).reshape(rank, H, nope + dv)  # (an FP8 wkv_b dequantized)
     q_latent = jnp.einsum("thn,lhn->thl", q[..., :nope], w_kv[..., :nope])  # [T, H, rank]: q_nope absorbed in W_UK
     scale = (nope + rope) ** -0.5 * yarn_softmax_mscale(cfg.rope_scaling)
     out = ops.latent_attention(jnp.concatenate([q_latent, q_pe], axis=-1), latent, batch, scale, rank)  # [T, H, rank]

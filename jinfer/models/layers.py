@@ -8,6 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jinfer.config.model import ModelConfig, rope_inv_freq
+from jinfer.models.fp8 import dense
 
 
 def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
@@ -38,13 +39,13 @@ def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
 
 
 def swiglu(x: jax.Array, w_gate: jax.Array, w_up: jax.Array) -> jax.Array:
-    """silu(x @ gate) * (x @ up): the SwiGLU MLP's activation [T, I]."""
-    return jax.nn.silu(x @ w_gate) * (x @ w_up)
+    """silu(x @ gate) * (x @ up): the SwiGLU MLP's activation [T, I] (FP8 weights dequantized first)."""
+    return jax.nn.silu(x @ dense(w_gate, x.dtype)) * (x @ dense(w_up, x.dtype))
 
 
 def swiglu_mlp(x: jax.Array, w_gate: jax.Array, w_up: jax.Array, w_down: jax.Array) -> jax.Array:
     """down(silu(x @ gate) * (x @ up)). x: [T, hidden]; w_gate/w_up: [hidden, I]; w_down: [I, hidden]."""
-    return swiglu(x, w_gate, w_up) @ w_down
+    return swiglu(x, w_gate, w_up) @ dense(w_down, x.dtype)
 
 
 def moe_mlp(x: jax.Array, logits: jax.Array, w_gate: jax.Array, w_up: jax.Array, w_down: jax.Array, top_k: int,
@@ -60,6 +61,8 @@ def moe_mlp(x: jax.Array, logits: jax.Array, w_gate: jax.Array, w_up: jax.Array,
     """
     tokens, hidden = x.shape
     count = w_gate.shape[0]
+    # FP8 experts (jinfer/models/fp8.py) dequantized whole: the reference path; kernels that read FP8 come later
+    w_gate, w_up, w_down = (dense(w, x.dtype) for w in (w_gate, w_up, w_down))
     from pallas_kernels.moe.moe_routing import topk_routing  # (not at import: Pallas is only needed to trace)
 
     weights, ids = routed if routed is not None else topk_routing(logits, top_k, renormalize)  # [T, k] each

@@ -35,6 +35,7 @@ from jinfer.config.model import ModelConfig
 from jinfer.models import base
 from jinfer.models.base import Weights, decoder_specs, lm_head_logits, mlp_specs
 from jinfer.models.batch import Batch
+from jinfer.models.fp8 import concat_columns
 from jinfer.models.layers import apply_rope, rms_norm, rope_cos_sin, write_kv
 from jinfer.models.spec import ArrayInfo, StateSpec
 from jinfer.ops import REFERENCE_OPS, ModelOps
@@ -135,11 +136,12 @@ def fuse_qkv(weights: Weights) -> Weights:
     layers (the same reason as base.fuse_qkv: small matrix-vector products run far below HBM speed)."""
     layers = []
     for layer in weights.layers:
-        if layer.wq is not None:
-            layer = dataclasses.replace(layer, wq=None, wk=None, wv=None,
-                                        wqkv=jnp.concatenate([layer.wq, layer.wk, layer.wv], axis=1))
-        elif layer.lin_qkv is not None:
-            w = jnp.concatenate([layer.lin_qkv, layer.lin_z, layer.lin_b, layer.lin_a], axis=1)
+        # (FP8 parts are joined with their scales; parts that cannot be, e.g. unquantized b | a beside FP8 qkv | z,
+        # stay apart: `concat_columns` gives None)
+        if layer.wq is not None and (w := concat_columns([layer.wq, layer.wk, layer.wv])) is not None:
+            layer = dataclasses.replace(layer, wq=None, wk=None, wv=None, wqkv=w)
+        elif layer.lin_qkv is not None and (
+                w := concat_columns([layer.lin_qkv, layer.lin_z, layer.lin_b, layer.lin_a])) is not None:
             layer = dataclasses.replace(layer, lin_qkv=None, lin_z=None, lin_b=None, lin_a=None, lin_in=w)
         layers.append(layer)
     return dataclasses.replace(weights, layers=layers)

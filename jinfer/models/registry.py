@@ -21,7 +21,7 @@ from jinfer.cache.spec import LayerCacheSpec
 from jinfer.config.model import ModelConfig
 from jinfer.models import deepseek, llama, qwen3_5, qwen3_moe
 from jinfer.models.architectures import ARCHITECTURES, Architecture
-from jinfer.models.spec import StateSpec
+from jinfer.models.spec import StateSpec, quantize_specs
 from jinfer.ops import REFERENCE_OPS, ModelOps
 from jinfer.parallel.mesh import shard_attention_weights
 
@@ -57,7 +57,8 @@ def family(cfg: ModelConfig) -> Family:
 
 
 def weight_specs(cfg: ModelConfig):
-    return family(cfg).weight_specs(cfg)
+    """The family's weight specs, its linear weights marked FP8 where `cfg.quantization` asks (`quantize_specs`)."""
+    return quantize_specs(family(cfg).weight_specs(cfg), cfg.quantization)
 
 
 def assemble_weights(cfg: ModelConfig, arrays):

@@ -3,7 +3,10 @@ loading are derived (jax-llm-examples' `ArrayInfo`)."""
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
+
+from jinfer.config.quantization import Fp8Config
 
 EXPERT = "{expert}"  # placeholder in `hf_name` of a stacked per-expert weight
 
@@ -32,6 +35,15 @@ class ArrayInfo:
     init: str = "normal"
     hf_fused: tuple[str, int, int] | None = None
     dtype: str | None = None  # None: the model's dtype; e.g. "float32" for a weight kept in it (a routing bias)
+    # Block FP8 (`quantize_specs`): (in, out) rows and columns per float32 scale in jinfer's [in, out] layout; the
+    # weight is then a `jinfer.models.fp8.Fp8Weight` (float8_e4m3fn values + a scale per block). None: unquantized.
+    fp8_block: tuple[int, int] | None = None
+
+    def scale_shape(self) -> tuple[int, ...]:
+        """An FP8 weight's scales: one per block of its last two axes (a partial block at the end counts)."""
+        bk, bn = self.fp8_block
+        *lead, k, n = self.shape
+        return (*lead, -(-k // bk), -(-n // bn))
 
     def checkpoint_shape(self) -> tuple[int, ...]:
         """The shape a checkpoint stores (the last two axes swapped when `transpose`)."""
@@ -47,3 +59,22 @@ class StateSpec:
 
     shape: tuple[int, ...]
     dtype: str | None = None
+
+
+ROUTERS = ("router",)  # kept unquantized whatever the checkpoint: HF (and vLLM) never quantize a MoE gate
+
+
+def quantize_specs(specs: dict[str, ArrayInfo], quant: Fp8Config | None) -> dict[str, ArrayInfo]:
+    """The specs with every linear weight (stored [out, in] in checkpoints: `transpose`) marked block-FP8, unless it is
+    the lm_head, a router or one of the checkpoint's `modules_to_not_convert`. A family states nothing for this."""
+    if quant is None:
+        return specs
+    out = {}
+    for name, spec in specs.items():
+        local = name.rsplit(".", 1)[-1]
+        module = spec.hf_name.removesuffix(".weight")
+        if spec.transpose and len(spec.shape) >= 2 and name != "lm_head" and local not in ROUTERS \
+                and quant.converts(module):
+            spec = dataclasses.replace(spec, fp8_block=(quant.block[1], quant.block[0]))  # HF's (out, in) -> (in, out)
+        out[name] = spec
+    return out

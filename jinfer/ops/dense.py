@@ -15,6 +15,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from jinfer.models.fp8 import dense, is_fp8, refuse_fp8
 from jinfer.models.layers import rms_norm, swiglu_mlp
 
 # XLA's GPU pipeline rewrites a dot whose left side is one row (a vector once the unit dimension is dropped) into a
@@ -26,7 +27,9 @@ STEP_COUNTERS = 1024  # DenseOps.step_counters: one per program group (a head of
 
 
 def project(x: jax.Array, w: jax.Array, pad_vector_dots: bool = True, **kw) -> jax.Array:
-    """x @ w for x [T, K], w [K, N] (`jnp.dot` keywords pass through), kept a GEMM when T = 1 (pad_vector_dots)."""
+    """x @ w for x [T, K], w [K, N] (`jnp.dot` keywords pass through), kept a GEMM when T = 1 (pad_vector_dots).
+    An FP8 weight (`jinfer.models.fp8.Fp8Weight`) is dequantized per block to x's dtype first."""
+    w = dense(w, x.dtype)
     if pad_vector_dots and x.shape[0] == 1 and w.shape[0] * w.shape[1] < STRENGTH_REDUCED_DOT_ELEMENTS:
         return jnp.dot(jnp.pad(x, ((0, 1), (0, 0))), w, **kw)[:1]
     return jnp.dot(x, w, **kw)
@@ -75,7 +78,7 @@ class DenseOps:
         shapes (partial RoPE, ...). With `counters` (`step_counters`) each head's K range is split over programs.
         `prefetch` (the layer's o weight) is read into L2 by the launch's idle SMs where prefetch_o is on."""
         policy = self.policy
-        if self.backend != "pallas" or x.shape[0] > policy.norm_qkv_max_tokens:
+        if self.backend != "pallas" or x.shape[0] > policy.norm_qkv_max_tokens or refuse_fp8("norm_qkv_rope", wqkv):
             return None
         from pallas_kernels.dense.norm_qkv_rope import check_supported, norm_qkv_rope_write
         from pallas_kernels.dense.prefetch import prefetch_view
@@ -83,7 +86,8 @@ class DenseOps:
         if check_supported(x.shape[0], x.shape[1], wqkv.shape[1], num_heads, num_kv_heads, kv[0].shape[-1],
                            cos.shape[-1]) is not None:
             return None
-        if not policy.prefetch_o or self.axis is not None or prefetch is None or prefetch_view(prefetch) is None:
+        if not policy.prefetch_o or self.axis is not None or prefetch is None or is_fp8(prefetch) \
+                or prefetch_view(prefetch) is None:
             prefetch = None
         return norm_qkv_rope_write(x, norm, wqkv, cos, sin, slot_mapping, q_norm, k_norm, kv[0], kv[1], counters,
                                    num_heads=num_heads, num_kv_heads=num_kv_heads, eps=eps,
@@ -113,7 +117,7 @@ class DenseOps:
         4096 x 2560 o, and at batch 8, the two were even, so those keep XLA's GEMM."""
         if self.backend == "pallas" and attn.shape[0] == 1 and self.policy.pad_vector_dots \
                 and wo.shape[0] * wo.shape[1] < STRENGTH_REDUCED_DOT_ELEMENTS and wo.shape[0] % 16 == 0 \
-                and wo.shape[1] % 16 == 0:
+                and wo.shape[1] % 16 == 0 and not refuse_fp8("skinny_gemm", wo):
             from pallas_kernels.dense.skinny_gemm import skinny_gemm
 
             return residual + self.reduce(skinny_gemm(attn, wo, interpret=self.interpret).astype(attn.dtype))
@@ -128,7 +132,7 @@ class DenseOps:
         layer at batch-1 decode on the H100, 1885 vs 1767 us per Qwen3.5-4B step: the extra load sits on each
         K iteration's critical path.)"""
         if self.backend == "pallas" and x.shape[0] in self.policy.pallas_mlp_tokens and x.shape[1] % 16 == 0 \
-                and w_gate.shape[1] % 16 == 0:
+                and w_gate.shape[1] % 16 == 0 and not refuse_fp8("fused_mlp", w_gate, w_up, w_down):
             from pallas_kernels.dense.fused_mlp import fused_swiglu_mlp
 
             return x + self.reduce(fused_swiglu_mlp(x, w_gate, w_up, w_down, norm, eps=eps, interpret=self.interpret,

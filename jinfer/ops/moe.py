@@ -15,6 +15,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from jinfer.models.fp8 import refuse_fp8
 from jinfer.models.layers import grouped_topk_routing, moe_mlp, rms_norm, swiglu_mlp
 
 MOSAIC_MOE_BLOCK_M = 128  # the Mosaic GPU grouped GEMM's rows per block
@@ -47,7 +48,8 @@ class MoeOps:
         first = None  # expert parallel: the id of this device's first expert
         if num_experts != router.shape[1]:
             first = jax.lax.axis_index(self.axis) * num_experts
-        kernels = self.backend == "pallas" and hidden % 16 == 0 and inter % 16 == 0
+        kernels = self.backend == "pallas" and hidden % 16 == 0 and inter % 16 == 0 \
+            and not refuse_fp8("moe grouped GEMM", w_gate, w_up, w_down)
         routing = None
         if kernels and counters is not None and tokens <= policy.moe_front_max_tokens \
                 and _front_supported(tokens, hidden, router.shape[1]):

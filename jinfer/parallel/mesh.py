@@ -33,6 +33,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from jinfer.models.fp8 import Fp8Weight, check_shardable, map_columns
+
 TP_AXIS = "tp"
 
 # Which logical axes are split across the mesh axis: the standard Megatron layout.
@@ -92,6 +94,19 @@ def logical_sharding(mesh: Mesh, logical_axes: tuple[str | None, ...], shape: tu
     return NamedSharding(mesh, logical_spec(mesh, logical_axes, shape, expert_parallel))
 
 
+def fp8_shardings(mesh: Mesh, logical_axes: tuple[str | None, ...], shape: tuple[int, ...], block: tuple[int, int],
+                  expert_parallel: bool = False, name: str = "") -> tuple[NamedSharding, NamedSharding]:
+    """(values', scales') shardings of an FP8 weight: the scales split on the weight's axes, so each device holds its
+    blocks' scales; ValueError (`check_shardable`) where a shard would cut a block."""
+    spec = logical_spec(mesh, logical_axes, shape, expert_parallel)
+    parts = tuple(1 if a is None else mesh.shape[a] for a in tuple(spec)[-2:])
+    check_shardable(name, shape, block, parts)
+    *lead, k, n = shape
+    scale_shape = (*lead, -(-k // block[0]), -(-n // block[1]))
+    return NamedSharding(mesh, spec), NamedSharding(mesh, logical_spec(mesh, logical_axes, scale_shape,
+                                                                       expert_parallel))
+
+
 # ---- what a model needs to be split n ways ------------------------------------------------------
 
 def check_parallel(cfg, tp: int, expert_parallel: bool = False) -> None:
@@ -145,14 +160,28 @@ def shard_attention_weights(cfg, weights, mesh: Mesh, fuse_qkv: bool = True, exp
         return weights
     repeat = kv_heads_total(cfg, tp) // kvh
 
-    def heads(w):  # [..., kvh * d] -> [..., kvh * repeat * d], each head `repeat` times in a row
+    def repeat_heads(w, unit):  # [..., kvh * unit] -> [..., kvh * repeat * unit], each head `repeat` times in a row
+        w = w.reshape(*w.shape[:-1], kvh, unit)
+        return jnp.repeat(w, repeat, axis=-2).reshape(*w.shape[:-2], kvh * repeat * unit)
+
+    def heads(w):  # an FP8 weight's scales repeat with their heads (a head must be whole blocks)
         if w is None or repeat == 1:
             return w
-        w = w.reshape(*w.shape[:-1], kvh, d)
-        return jnp.repeat(w, repeat, axis=-2).reshape(*w.shape[:-2], kvh * repeat * d)
+        out = map_columns(w, repeat_heads, d)
+        if out is None:
+            raise ValueError(f"tensor_parallel_size={tp} repeats the kv heads, but head_dim={d} is not a whole "
+                             f"number of FP8 blocks of {w.block[1]} columns")
+        return out
 
     def place(w, axes):
+        if isinstance(w, Fp8Weight):
+            vs, ss = fp8_shardings(mesh, axes, w.shape, w.block, expert_parallel, "q|k|v")
+            return Fp8Weight(jax.device_put(w.w, vs), jax.device_put(w.scale, ss), w.block)
         return None if w is None else jax.device_put(w, logical_sharding(mesh, axes, w.shape, expert_parallel))
+
+    def per_shard(parts):  # [K, N_i] each -> [K, sum N_i] whose shard d is [part_0's shard d | part_1's | ...]
+        parts = [w.reshape(w.shape[0], tp, w.shape[1] // tp) for w in parts]
+        return jnp.concatenate(parts, axis=2).reshape(parts[0].shape[0], -1)
 
     col = ("embed", "kv_heads")
     layers = []
@@ -163,9 +192,15 @@ def shard_attention_weights(cfg, weights, mesh: Mesh, fuse_qkv: bool = True, exp
         wk, wv = place(heads(layer.wk), col), place(heads(layer.wv), col)
         bk, bv = place(heads(layer.bk), col[1:]), place(heads(layer.bv), col[1:])
         new = dict(wk=wk, wv=wv, bk=bk, bv=bv)
-        if fuse_qkv:  # (biases stay apart, added after the split)
-            parts = [w.reshape(w.shape[0], tp, w.shape[1] // tp) for w in (layer.wq, wk, wv)]
-            wqkv = jnp.concatenate(parts, axis=2).reshape(layer.wq.shape[0], -1)
+        parts = (layer.wq, wk, wv)
+        fp8 = [isinstance(w, Fp8Weight) for w in parts]
+        if fuse_qkv and (not any(fp8) or all(fp8) and all(w.shape[1] // tp % w.block[1] == 0 for w in parts)):
+            # (biases stay apart, added after the split; FP8 parts fuse with their scales when shards are whole
+            # blocks, which `place` checked for each already)
+            if all(fp8):
+                wqkv = Fp8Weight(per_shard([w.w for w in parts]), per_shard([w.scale for w in parts]), parts[0].block)
+            else:
+                wqkv = per_shard(parts)
             new |= dict(wq=None, wk=None, wv=None, wqkv=place(wqkv, ("embed", "q_heads")))
         layers.append(dataclasses.replace(layer, **new))
     return dataclasses.replace(weights, layers=layers)

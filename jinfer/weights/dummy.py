@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import hashlib
 import re
+from collections.abc import Callable
 from functools import cache
 
 import jax
@@ -78,8 +79,10 @@ def _group_init(members: tuple[_Member, ...], dtype) -> jax.stages.Wrapped:
 
 
 def dummy_weights(specs: dict[str, ArrayInfo], dtype, shardings: dict[str, Sharding],
-                  seed: int = 0) -> dict[str, jax.Array]:
-    """Random arrays for every spec (same keys as `specs`), each with `shardings[name]`."""
+                  seed: int = 0, finish: Callable | None = None) -> dict[str, jax.Array]:
+    """Random arrays for every spec (same keys as `specs`), each with `shardings[name]`. `finish(name, array)`,
+    where given, replaces each array as its group is made (the loader quantizes FP8 weights there, so a model whose
+    bf16 weights would not fit is never whole in bf16)."""
     for spec in specs.values():
         if spec.init not in ("normal", "ones", "zeros"):
             raise ValueError(f"init={spec.init!r} of {spec.hf_name!r} must be 'normal', 'ones' or 'zeros'")
@@ -93,5 +96,5 @@ def dummy_weights(specs: dict[str, ArrayInfo], dtype, shardings: dict[str, Shard
                         for _, name, local in entries)
         salts = np.array([_salt(seed, i) for i, _, _ in entries], np.uint32)
         for (_, name, _), a in zip(entries, _group_init(members, dtype)(salts), strict=True):
-            arrays[name] = a
+            arrays[name] = a if finish is None else finish(name, a)
     return arrays

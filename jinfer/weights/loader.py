@@ -3,10 +3,16 @@
 Three sources give the same pytree: an HF safetensors directory, a GGUF file (dequantized at load
 time) and `dummy` random weights at any config. Every tensor is checked against its spec and
 placed on the mesh with the sharding its logical axes ask for.
+
+Block FP8 (`ModelConfig.quantization`; jinfer/models/fp8.py): a weight its spec marks FP8 is read as the checkpoint
+stores it (values and scales, transposed to jinfer's layout) or, stored as floats, quantized on the device after
+placing it (online quantization: `quantization="fp8"`, and dummy weights). In a published FP8 checkpoint a weight
+stored unquantized (`modules_to_not_convert` the config did not list) stays as it is.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import time
@@ -20,10 +26,12 @@ from jax.sharding import Mesh
 from tqdm.auto import tqdm
 
 from jinfer.config.model import NAMED_SHAPES, ModelConfig
+from jinfer.config.quantization import Fp8Config
 from jinfer.models.base import Weights
+from jinfer.models.fp8 import Fp8Weight, quantize
 from jinfer.models.registry import assemble_weights, weight_specs
 from jinfer.models.spec import ArrayInfo
-from jinfer.parallel.mesh import logical_sharding, make_mesh, put
+from jinfer.parallel.mesh import fp8_shardings, logical_sharding, make_mesh, put
 from jinfer.weights.gguf_meta import open_gguf, read_metadata, tensor_names
 from jinfer.weights.hub import resolve_path
 
@@ -89,11 +97,18 @@ def resolve_model(model: str | os.PathLike | None = None, load_format: str = "au
 
 def dummy_config(name: str) -> ModelConfig:
     """"dummy:<shape>[,field=int...]" -> the named shape's config with those integer fields replaced
-    (e.g. `dummy:qwen3-235b-a22b,num_layers=47`: half the depth, every layer's shapes the real ones)."""
+    (e.g. `dummy:qwen3-235b-a22b,num_layers=47`: half the depth, every layer's shapes the real ones).
+    "<shape>-fp8" (`dummy:qwen3-8b-fp8`): the same with block-FP8 linear weights (128 x 128 blocks), as the
+    published FP8 checkpoints."""
     shape, *overrides = name.removeprefix("dummy:").split(",")
+    fp8 = shape.endswith("-fp8") and shape.removesuffix("-fp8") in NAMED_SHAPES
+    shape = shape.removesuffix("-fp8") if fp8 else shape
     if shape not in NAMED_SHAPES:
-        raise ValueError(f"model={name!r}: unknown shape {shape!r}; known: {sorted(NAMED_SHAPES)}")
+        raise ValueError(f"model={name!r}: unknown shape {shape!r}; known: {sorted(NAMED_SHAPES)} "
+                         "(each also as <shape>-fp8)")
     cfg, kw = NAMED_SHAPES[shape], {}
+    if fp8:
+        kw["quantization"] = Fp8Config(online=True)
     for item in overrides:
         key, _, value = item.partition("=")
         if not isinstance(getattr(cfg, key, None), int) or isinstance(getattr(cfg, key), bool) \
@@ -103,10 +118,18 @@ def dummy_config(name: str) -> ModelConfig:
     return cfg.replace(**kw) if kw else cfg
 
 
+def with_online_fp8(source: ModelSource) -> ModelSource:
+    """`quantization="fp8"`: the source's linear weights quantized at load to block FP8 (128 x 128). A checkpoint that
+    is block-FP8 already keeps its own format."""
+    if source.config.quantization is not None:
+        return source
+    return dataclasses.replace(source, config=source.config.replace(quantization=Fp8Config(online=True)))
+
+
 def load_weights(source: ModelSource, dtype: str = "bfloat16", mesh: Mesh | None = None,
                  seed: int = 0, progress: bool = True, expert_parallel: bool = False) -> Weights:
     """The model's weights, each placed on `mesh` by its logical axes (`expert_parallel`: MoE experts
-    split whole over the mesh, see jinfer/parallel/mesh.py)."""
+    split whole over the mesh, see jinfer/parallel/mesh.py); FP8 where `source.config.quantization` asks."""
     if dtype not in DTYPES:
         raise ValueError(f"dtype={dtype!r} must be one of {sorted(DTYPES)}")
     t0 = time.perf_counter()
@@ -117,12 +140,13 @@ def load_weights(source: ModelSource, dtype: str = "bfloat16", mesh: Mesh | None
         from jinfer.weights.dummy import dummy_weights
         shardings = {name: logical_sharding(mesh, spec.axes, spec.shape, expert_parallel)
                      for name, spec in specs.items()}
-        arrays = dummy_weights(specs, jdtype, shardings, seed)
+        arrays = dummy_weights(specs, jdtype, shardings, seed,
+                               finish=lambda name, a: _to_fp8(a, specs[name], mesh, expert_parallel))
     else:
         arrays = _load_checkpoint(source, specs, jdtype, mesh, progress, expert_parallel)
     jax.block_until_ready(arrays)
-    log.info("weights loaded in %.1f s: %s %s, %.2f GB", time.perf_counter() - t0, source.kind, dtype,
-             sum(a.nbytes for a in arrays.values()) / 1e9)
+    log.info("weights loaded in %.1f s: %s %s%s, %.2f GB", time.perf_counter() - t0, source.kind, dtype,
+             " + FP8" if cfg.quantization else "", sum(a.nbytes for a in arrays.values()) / 1e9)
     return assemble_weights(cfg, arrays)
 
 
@@ -133,17 +157,55 @@ def _load_checkpoint(source: ModelSource, specs: dict[str, ArrayInfo], dtype, me
         reader = GGUFTensorSource(source.path, source.config)
     else:
         from jinfer.weights.safetensors import SafetensorsSource
-        reader = SafetensorsSource(source.path)
-    arrays = {}
+        quant = source.config.quantization
+        reader = SafetensorsSource(source.path, quant.block if quant is not None else None)
+    arrays, kept = {}, []
     bar = tqdm(specs.items(), desc=f"loading {source.path.name}", unit="tensor", disable=not progress, leave=False)
     for name, spec in bar:
-        arrays[name] = place(reader.get(spec), spec, dtype, mesh, expert_parallel)
+        if spec.fp8_block is not None and getattr(reader, "stored_fp8", lambda s: False)(spec):
+            arrays[name] = place_fp8(*reader.get_fp8(spec), spec, mesh, expert_parallel)
+            continue
+        online = spec.fp8_block is not None and source.config.quantization.online
+        # (quantized from float32, not from the model's dtype: one rounding, not two)
+        arrays[name] = place(reader.get(spec), spec, jnp.float32 if online else dtype, mesh, expert_parallel)
+        if online:
+            arrays[name] = _to_fp8(arrays[name], spec, mesh, expert_parallel)
+        elif spec.fp8_block is not None:
+            kept.append(spec.hf_name)
+    if kept:  # the checkpoint's own choice (its modules_to_not_convert may not list every such module)
+        log.info("FP8 checkpoint: %d linear weights stored unquantized are kept so, e.g. %s", len(kept), kept[0])
     if source.kind == "gguf":
         # Everything is on the device now: unmap the file and drop its parsed metadata (for a 49k-token
         # vocabulary ~150 MB of host memory kept for nothing); a later read opens it again.
         del reader
         open_gguf.cache_clear()
     return arrays
+
+
+def _to_fp8(a: jax.Array, spec: ArrayInfo, mesh: Mesh, expert_parallel: bool) -> jax.Array | Fp8Weight:
+    """A placed float weight quantized to block FP8 on its devices where its spec asks (else returned as it is)."""
+    if spec.fp8_block is None:
+        return a
+    shardings = fp8_shardings(mesh, spec.axes, spec.shape, spec.fp8_block, expert_parallel, spec.hf_name)
+    return quantize(a, spec.fp8_block, shardings)
+
+
+def place_fp8(values: np.ndarray, scale: np.ndarray, spec: ArrayInfo, mesh: Mesh,
+              expert_parallel: bool = False) -> Fp8Weight:
+    """A checkpoint's FP8 weight [.., out, in] and its block scales [.., out / bn, in / bk] -> an Fp8Weight in
+    jinfer's [in, out] layout, values and scales sharded alike."""
+    expected = spec.checkpoint_shape()
+    if tuple(values.shape) != expected:
+        raise ValueError(f"tensor {spec.hf_name!r} has shape {tuple(values.shape)}, expected {expected}")
+    want = spec.scale_shape()
+    want = (*want[:-2], want[-1], want[-2]) if spec.transpose else want
+    if tuple(scale.shape) != want:
+        raise ValueError(f"tensor {spec.hf_name + '_scale_inv'!r} has shape {tuple(scale.shape)}, expected {want} "
+                         f"(blocks of {spec.fp8_block[::-1]} of the [out, in] weight)")
+    if spec.transpose:
+        values, scale = np.swapaxes(values, -1, -2), np.swapaxes(scale, -1, -2)
+    vs, ss = fp8_shardings(mesh, spec.axes, spec.shape, spec.fp8_block, expert_parallel, spec.hf_name)
+    return Fp8Weight(put(np.ascontiguousarray(values), vs), put(np.ascontiguousarray(scale), ss), spec.fp8_block)
 
 
 def place(host: np.ndarray, spec: ArrayInfo, dtype, mesh: Mesh, expert_parallel: bool = False) -> jax.Array:

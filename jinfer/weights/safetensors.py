@@ -1,19 +1,42 @@
-"""HF safetensors checkpoints: a single model.safetensors, or shards listed in model.safetensors.index.json."""
+"""HF safetensors checkpoints: a single model.safetensors, or shards listed in model.safetensors.index.json.
+
+Block-FP8 checkpoints (jinfer/config/quantization.py) keep a quantized weight as `<name>` in float8_e4m3fn beside
+`<name>_scale_inv`: `get_fp8` reads the pair as stored, `get` the float values (dequantized on the host, for a
+weight jinfer keeps unquantized). safetensors' numpy reader has no FP8 dtype, so those tensors are read from the
+file's header and bytes directly (memory-mapped).
+"""
 
 from __future__ import annotations
 
 import json
+import struct
 from pathlib import Path
 
+import ml_dtypes
 import numpy as np
 from safetensors import safe_open
 
+from jinfer.models.fp8 import dequantize_np
 from jinfer.models.spec import EXPERT, ArrayInfo
+
+FP8_DTYPES = {"F8_E4M3": ml_dtypes.float8_e4m3fn}
+SCALE_SUFFIX = "_scale_inv"
+
+
+def _read_fp8(path: Path, name: str) -> np.ndarray:
+    """A float8 tensor straight from a .safetensors file: an 8-byte header length, the JSON header, the data."""
+    with open(path, "rb") as f:
+        (n,) = struct.unpack("<Q", f.read(8))
+        info = json.loads(f.read(n))[name]
+    begin, end = info["data_offsets"]
+    data = np.memmap(path, np.uint8, "r", offset=8 + n + begin, shape=(end - begin,))
+    return np.asarray(data).view(FP8_DTYPES[info["dtype"]]).reshape(info["shape"])
 
 
 class SafetensorsSource:
-    def __init__(self, directory: Path):
-        self.directory = Path(directory)
+    def __init__(self, directory: Path, fp8_block: tuple[int, int] | None = None):
+        """`fp8_block`: the checkpoint's (out, in) `weight_block_size`, for its FP8 tensors."""
+        self.directory, self.fp8_block = Path(directory), fp8_block
         index = self.directory / "model.safetensors.index.json"
         if index.exists():
             weight_map = json.loads(index.read_text())["weight_map"]
@@ -38,19 +61,50 @@ class SafetensorsSource:
         found = next((n for n in candidates if n in self._where), None)
         if found is None:
             raise ValueError(f"tensor {name!r} is missing from the checkpoint in {self.directory}")
-        return self._handles[self._where[found]].get_tensor(found)
+        handle = self._handles[self._where[found]]
+        if handle.get_slice(found).get_dtype() in FP8_DTYPES:
+            return _read_fp8(self.directory / self._where[found], found)
+        return handle.get_tensor(found)
+
+    def _has(self, name: str) -> bool:
+        bare = name.removeprefix("model.")
+        return any(n in self._where for n in (name, "model.language_model." + bare, bare))
+
+    def _float(self, name: str) -> np.ndarray:
+        """A tensor's values; an FP8 one (with its scales beside it) dequantized."""
+        t = self._tensor(name)
+        if t.dtype not in FP8_DTYPES.values():
+            return t
+        if self.fp8_block is None or not self._has(name + SCALE_SUFFIX):
+            raise ValueError(f"tensor {name!r} is FP8 but the checkpoint in {self.directory} gives no "
+                             f"weight_block_size or no {name + SCALE_SUFFIX!r}")
+        return dequantize_np(t, self._tensor(name + SCALE_SUFFIX), self.fp8_block)
+
+    def stored_fp8(self, spec: ArrayInfo) -> bool:
+        """Whether the checkpoint keeps this weight in FP8 with block scales (its first expert's, for stacked ones)."""
+        name = spec.hf_name.replace(EXPERT, "0")
+        return self._has(name + SCALE_SUFFIX) and self._has(name)
+
+    def get_fp8(self, spec: ArrayInfo) -> tuple[np.ndarray, np.ndarray]:
+        """(float8 values, float32 scales) as the checkpoint stores them ([.., out, in] and [.., out / bn, in / bk])."""
+        values = self._stacked(spec, lambda n: self._tensor(n))
+        scale = self._stacked(spec, lambda n: self._tensor(n + SCALE_SUFFIX), SCALE_SUFFIX)
+        return values, np.asarray(scale, np.float32)
 
     def get(self, spec: ArrayInfo) -> np.ndarray:
+        return self._stacked(spec, self._float)
+
+    def _stacked(self, spec: ArrayInfo, read, suffix: str = "") -> np.ndarray:
         if EXPERT not in spec.hf_name:
-            return self._tensor(spec.hf_name)
+            return read(spec.hf_name)
         # Stacked experts: one tensor per expert (published checkpoints, transformers' save_pretrained),
         # else transformers' fused in-memory layout [E, parts * out, in].
         names = [spec.hf_name.replace(EXPERT, str(e)) for e in range(spec.shape[0])]
-        if names[0] not in self._where and spec.hf_fused is not None and spec.hf_fused[0] in self._where:
+        if names[0] not in self._where and spec.hf_fused is not None and spec.hf_fused[0] + suffix in self._where:
             name, part, parts = spec.hf_fused
-            fused = self._tensor(name)
+            fused = read(name)
             if fused.ndim != 3 or fused.shape[1] % parts:
                 raise ValueError(f"tensor {name!r} has shape {fused.shape}, expected [experts, {parts} x out, in]")
             rows = fused.shape[1] // parts
             return fused[:, part * rows:(part + 1) * rows]
-        return np.stack([self._tensor(n) for n in names])
+        return np.stack([read(n) for n in names])

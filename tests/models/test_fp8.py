@@ -1,0 +1,157 @@
+"""Block-FP8 weights against HF transformers: the tiny checkpoints quantized by scripts/make_fp8_golden.py
+(tests/data/tiny-*-fp8: float8_e4m3fn weights with a scale per 16 x 16 block) and HF's logits on the dequantized
+weights, on one device and tp=2; online FP8 (`quantization="fp8"`) against the unquantized model's goldens; FP8
+dummy weights; the Pallas kernels that do not read FP8 refused."""
+
+import dataclasses
+import logging
+from functools import partial
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jinfer.cache.layout import init_kv_cache
+from jinfer.config.quantization import Fp8Config
+from jinfer.models import fp8
+from jinfer.models.fp8 import Fp8Weight, dequantize
+from jinfer.models.registry import forward, fuse_qkv, shard_weights
+from jinfer.parallel.mesh import array_specs, make_mesh, mesh_forward
+from jinfer.weights.loader import load_weights, resolve_model, with_online_fp8
+
+from ..conftest import DATA
+from . import test_golden_qwen3_5 as q35
+from .test_golden_tiny import (
+    NUM_PAGES,
+    OPS,
+    PAGE,
+    check_batched_chunked_prefill,
+    check_prompt_and_decodes,
+    empty_cache,
+    prefill_batch,
+    scrambled_pages,
+)
+
+
+def load(name, mesh=None, online=False):
+    src = resolve_model(DATA / f"tiny-{name}")
+    if online:
+        src = dataclasses.replace(src, config=src.config.replace(quantization=Fp8Config((16, 16), online=True)))
+    return src.config, load_weights(src, "float32", mesh, progress=False)
+
+
+@pytest.mark.parametrize("arch", ["qwen3", "qwen3_moe"])
+def test_fp8_checkpoint_matches_hf_on_dequantized_weights(arch):
+    """Logits equal HF's on the dequantized weights to float32 noise (the same products, other summation order); every
+    greedy token as HF's. The weights stay FP8 on the device, what the checkpoint keeps unquantized stays so."""
+    cfg, w = load(f"{arch}-fp8")
+    gold = np.load(DATA / "golden" / f"tiny-{arch}-fp8.npz")
+    layer = w.layers[0]
+    assert cfg.quantization.block == (16, 16) and isinstance(layer.wq, Fp8Weight)
+    assert layer.wq.w.dtype == jnp.float8_e4m3fn and layer.wq.scale.shape == (64 // 16, 256 // 16)
+    assert not isinstance(w.lm_head, Fp8Weight) and not isinstance(layer.attn_norm, Fp8Weight)
+    if arch == "qwen3":  # stored unquantized though the config does not list it: kept as stored
+        assert not isinstance(w.layers[1].wo, Fp8Weight) and isinstance(w.layers[0].wo, Fp8Weight)
+    else:  # experts stacked with their scales [E, in / 16, out / 16]; the router as stored (bf16 scales read too)
+        assert layer.w_gate.scale.shape == (8, 4, 2) and not isinstance(layer.router, Fp8Weight)
+    w = fuse_qkv(cfg, w)  # q|k|v joined with their scales, as the engine runs one device
+    assert isinstance(w.layers[0].wqkv, Fp8Weight) and w.layers[0].wq is None
+    step = jax.jit(partial(forward, cfg=cfg), donate_argnames=("kv_cache",))
+    if arch == "qwen3":  # (each step shape is a compile: the MoE model's prefill steps only, to keep this file fast)
+        check_prompt_and_decodes(step, w, empty_cache(cfg), gold, 1)
+    check_batched_chunked_prefill(step, w, empty_cache(cfg), gold)
+
+
+def test_fp8_qwen3_5_matches_hf():
+    """Qwen3.5: FP8 in_proj_qkv / z, out_proj, attention and MLP; in_proj_a / b unquantized (modules_to_not_convert),
+    so the linear layers' input projections stay apart. Prefill only (one compile): decode steps read the same
+    projections."""
+    cfg, w = q35.load(DATA / "tiny-qwen3_5-fp8")
+    gold = np.load(DATA / "golden" / "tiny-qwen3_5-fp8.npz")
+    assert isinstance(w.layers[0].lin_qkv, Fp8Weight) and not isinstance(w.layers[0].lin_a, Fp8Weight)
+    w = fuse_qkv(cfg, w)
+    assert w.layers[0].lin_in is None and isinstance(w.layers[3].wqkv, Fp8Weight)
+    step = jax.jit(partial(forward, cfg=cfg), donate_argnames=("kv_cache",))
+    prompt, greedy = gold["prompt_0"].tolist(), gold["greedy_0"].tolist()
+    pages, slot = q35.pages_for(0, (len(prompt) + len(greedy)) // PAGE + 1), [5]
+    kv = q35.placed_as_outputs(q35.empty_cache(cfg), w)
+    logits, kv = step(w, q35.bucket_batch([(prompt, 0, pages)], q35.SMALL, slot), kv)
+    np.testing.assert_allclose(np.asarray(logits[:len(prompt)]), gold["prefill_logits_0"], atol=q35.ATOL, rtol=1e-4)
+    assert int(np.argmax(logits[len(prompt) - 1])) == greedy[0]
+
+
+def test_fp8_checkpoint_tp2_matches_hf():
+    """tp=2 on fake devices: values and scales split alike (column-parallel q|k|v / gate / up by output blocks,
+    row-parallel o / down by input blocks), q|k|v fused per shard with its scales."""
+    mesh = make_mesh(2)
+    cfg, w = load("qwen3-fp8", mesh)
+    w = shard_weights(cfg, w, mesh)
+    layer = w.layers[0]
+    assert isinstance(layer.wqkv, Fp8Weight) and layer.wqkv.scale.sharding.spec == layer.wqkv.w.sharding.spec
+    assert layer.wo.scale.sharding.shard_shape(layer.wo.scale.shape) == (256 // 16 // 2, 64 // 16)
+    kv = init_kv_cache(cfg, NUM_PAGES, PAGE, "float32", mesh)
+    step = jax.jit(mesh_forward(forward, cfg, OPS["ref"], mesh, array_specs(w), array_specs(kv)), donate_argnums=(2,))
+    check_batched_chunked_prefill(step, w, kv, np.load(DATA / "golden" / "tiny-qwen3-fp8.npz"))
+
+
+# Online FP8 (16 x 16 blocks) of the tiny float32 models against their own HF goldens: e4m3's 3 mantissa bits give
+# each weight ~2-3% relative error; on these random-weight models (logits' std ~0.8) the logits move by ~0.1 RMS.
+ONLINE_RMS = 0.12  # RMS of (FP8 - float) logits over every prompt position, relative to the logits' RMS (~0.08)
+ONLINE_ARGMAX = 0.8  # fraction of positions whose argmax (next token) is unchanged (~0.9 here)
+
+
+def test_online_fp8_close_to_unquantized(arch="qwen3_moe"):
+    """(The MoE model: its experts [E, in, out] and its dense layer 1.)"""
+    cfg, w = load(arch, online=True)
+    assert isinstance(w.layers[0].wq, Fp8Weight) and isinstance(w.layers[0].w_down, Fp8Weight)
+    gold = np.load(DATA / "golden" / f"tiny-{arch}.npz")
+    step = jax.jit(partial(forward, cfg=cfg))
+    prompts = [gold[f"prompt_{i}"].tolist() for i in range(2)]
+    pages = [scrambled_pages(3, 8), scrambled_pages(4, 8)[::-1]]
+    logits, _ = step(w, prefill_batch([(p, 0, pg) for p, pg in zip(prompts, pages, strict=True)]), empty_cache(cfg))
+    n0, n1 = len(prompts[0]), len(prompts[1])
+    got = np.concatenate([np.asarray(logits[:n0]), np.asarray(logits[n0:n0 + n1])])
+    want = np.concatenate([gold["prefill_logits_0"], gold["prefill_logits_1"]])
+    rel = np.sqrt(np.mean((got - want) ** 2) / np.mean(want ** 2))
+    same = np.mean(got.argmax(-1) == want.argmax(-1))
+    assert rel < ONLINE_RMS and same >= ONLINE_ARGMAX, (rel, same)
+
+
+def test_online_fp8_keeps_a_checkpoints_own_format():
+    """`quantization="fp8"` on a block-FP8 checkpoint reads it as it is (its blocks); on a float one, 128 x 128."""
+    fp8 = resolve_model(DATA / "tiny-qwen3-fp8")
+    assert with_online_fp8(fp8) is fp8
+    assert with_online_fp8(resolve_model(DATA / "tiny-qwen3")).config.quantization == Fp8Config(online=True)
+
+
+def test_dummy_fp8_shape():
+    """`dummy:<shape>-fp8`: a named shape with FP8 linear weights (128 x 128 blocks), made on the device."""
+    src = resolve_model("dummy:smollm2-135m-fp8,num_layers=1,vocab_size=256")
+    assert src.config.quantization == Fp8Config(online=True) and src.config.num_layers == 1
+    w = load_weights(src, "bfloat16", progress=False)
+    wq = w.layers[0].wq
+    assert isinstance(wq, Fp8Weight) and wq.w.dtype == jnp.float8_e4m3fn and wq.scale.shape == (5, 5)  # 576 / 128
+    assert 0.01 < float(jnp.std(dequantize(wq))) < 0.03 and w.embed.dtype == jnp.bfloat16
+    with pytest.raises(ValueError, match="unknown shape"):
+        resolve_model("dummy:nope-fp8")
+
+
+def test_pallas_kernels_refuse_fp8(caplog, monkeypatch):
+    """The fused MLP and skinny-GEMM kernels read bf16 bytes: given FP8 weights the ops take the jnp path (one log
+    line per kernel), with the reference's result."""
+    cfg, w = load("qwen3-fp8")
+    layer, x = w.layers[0], jax.random.normal(jax.random.key(0), (1, 64), jnp.float32)
+    pallas = OPS["pallas"]
+    monkeypatch.setattr(fp8, "_refused", set())  # (one line per kernel per process)
+
+    def both(ops, layer, x):
+        return (ops.mlp_block(x, layer.mlp_norm, layer.w_gate, layer.w_up, layer.w_down, 1e-6),
+                ops.out_proj(jnp.ones((1, 256)), layer.wo, x))
+
+    with caplog.at_level(logging.INFO, logger="jinfer.models.fp8"):
+        got = jax.jit(partial(both, pallas))(layer, x)
+    want = jax.jit(partial(both, OPS["ref"]))(layer, x)
+    np.testing.assert_allclose(got[0], want[0], rtol=1e-6)
+    np.testing.assert_allclose(got[1], want[1], rtol=1e-6)
+    assert caplog.text.count("does not read them") == 2  # fused_mlp, skinny_gemm
