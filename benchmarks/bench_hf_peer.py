@@ -23,7 +23,8 @@ from benchmarks.common import write_result
 from jinfer.config.model import NAMED_SHAPES
 
 HF_CLASSES = {"qwen3": ("Qwen3Config", "Qwen3ForCausalLM"), "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM"),
-              "qwen3_5": ("Qwen3_5TextConfig", "Qwen3_5ForCausalLM")}
+              "qwen3_5": ("Qwen3_5TextConfig", "Qwen3_5ForCausalLM"),
+              "qwen3_5_moe": ("Qwen3_5MoeTextConfig", "Qwen3_5MoeForCausalLM")}
 SHAPES = sorted(name for name, cfg in NAMED_SHAPES.items() if cfg.architecture in HF_CLASSES)
 
 
@@ -39,7 +40,11 @@ def hf_config_kwargs(shape: str) -> dict:
         kw |= dict(num_experts=c.num_experts, num_experts_per_tok=c.num_experts_per_tok,
                    moe_intermediate_size=c.moe_intermediate_size, norm_topk_prob=c.norm_topk_prob,
                    decoder_sparse_step=c.decoder_sparse_step, mlp_only_layers=list(c.mlp_only_layers))
-    if c.architecture == "qwen3_5":
+    if c.architecture == "qwen3_5_moe":  # (every layer sparse; the config has no norm_topk_prob: always on)
+        kw |= dict(num_experts=c.num_experts, num_experts_per_tok=c.num_experts_per_tok,
+                   moe_intermediate_size=c.moe_intermediate_size,
+                   shared_expert_intermediate_size=c.shared_expert_intermediate_size)
+    if c.architecture in ("qwen3_5", "qwen3_5_moe"):
         kw["rope_parameters"] |= {"partial_rotary_factor": c.partial_rotary_factor}
         kw |= dict(layer_types=list(c.layer_types), linear_num_key_heads=c.linear_num_key_heads,
                    linear_num_value_heads=c.linear_num_value_heads, linear_key_head_dim=c.linear_key_head_dim,

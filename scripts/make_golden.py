@@ -10,7 +10,7 @@ The jinfer tests only read the outputs (numpy / json / safetensors); they never 
 
 Outputs (all under tests/data/, see tests/data/README.md):
   tiny-llama/, tiny-qwen2/, tiny-qwen3/,
-  tiny-qwen3_moe/, tiny-qwen3_5/,
+  tiny-qwen3_moe/, tiny-qwen3_5/, tiny-qwen3_5_moe/,
   tiny-deepseek_v2/, tiny-deepseek_v3/        tiny random-weight HF checkpoints (float32 safetensors)
   golden/tiny-<arch>.npz                      prefill logits, greedy ids and per-step decode logits
   golden/smollm2_greedy.json                  greedy continuations of SmolLM2-135M-Instruct (Q4_1 GGUF)
@@ -50,6 +50,7 @@ from transformers import (
     Qwen3MoeForCausalLM,
 )
 from transformers.models.qwen3_5 import Qwen3_5ForCausalLM, Qwen3_5TextConfig
+from transformers.models.qwen3_5_moe import Qwen3_5MoeForCausalLM, Qwen3_5MoeTextConfig
 
 REPO = Path(__file__).resolve().parent.parent
 DATA = REPO / "tests" / "data"
@@ -58,7 +59,7 @@ DEFAULT_GGUF = REPO / "models" / "SmolLM2-135M-Instruct" / "SmolLM2-135M-Instruc
 
 PROMPT_LENS = (5, 19, 37)
 # qwen3_5: the longest prompt spans two of HF's 64-token delta-rule chunks
-PROMPT_LENS_BY_ARCH = {"qwen3_5": (5, 37, 80)}
+PROMPT_LENS_BY_ARCH = {"qwen3_5": (5, 37, 80), "qwen3_5_moe": (5, 37, 80)}
 N_DECODE = 32
 VOCAB = 256
 MIN_MARGIN = 0.02  # logits have std ~0.8; see make_tiny
@@ -210,6 +211,32 @@ def tiny_specs():
             DeepseekV3Config(**_deepseek_common(
                 q_lora_rank=24, n_shared_experts=1, norm_topk_prob=True, routed_scaling_factor=2.5,
                 rope_interleave=True, rope_parameters={"rope_type": "default", "rope_theta": 10000.0})),
+            None,
+        ),
+        # Qwen3.5's layers with a sparse MLP in every layer (the config has no dense ones): 8 experts top-2,
+        # renormalised, beside a shared expert (wider than a routed one, 48 vs 32) scaled by
+        # sigmoid(shared_expert_gate). Two layers (one Gated DeltaNet layer, then one gated attention layer), the
+        # linear one shaped as tiny-qwen3_5's
+        "qwen3_5_moe": (
+            Qwen3_5MoeForCausalLM,
+            Qwen3_5MoeTextConfig(
+                **_common(
+                    num_hidden_layers=2,
+                    layer_types=["linear_attention", "full_attention"],
+                    head_dim=32,
+                    tie_word_embeddings=False,
+                    rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.25},
+                    linear_conv_kernel_dim=4,
+                    linear_key_head_dim=16,
+                    linear_value_head_dim=16,
+                    linear_num_key_heads=2,
+                    linear_num_value_heads=4,
+                    num_experts=8,
+                    num_experts_per_tok=2,
+                    moe_intermediate_size=32,
+                    shared_expert_intermediate_size=48,
+                )
+            ),
             None,
         ),
     }

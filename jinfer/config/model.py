@@ -13,6 +13,8 @@ from pathlib import Path
 from typing import Any
 
 from jinfer.config.deepseek_gguf import latent_from_gguf
+from jinfer.config.hybrid import hybrid_from_hf
+from jinfer.config.hybrid import positive_int as _positive_int
 from jinfer.config.quantization import Fp8Config, quantization_from_hf
 from jinfer.config.rope import RopeScaling, rope_inv_freq, rope_scaling_from_hf
 from jinfer.models.architectures import ARCHITECTURES, GGUF_ARCHITECTURES, HF_ARCHITECTURES, Architecture
@@ -73,6 +75,8 @@ class ModelConfig:
     n_group: int = 1
     topk_group: int = 1
     routed_scaling_factor: float = 1.0
+    # Qwen3.5-MoE: one shared expert of this width beside the routed ones, its output times sigmoid(x @ its gate)
+    shared_expert_intermediate_size: int = 0
     # An embedding model (`--runner pooling`, jinfer/config/pooling.py): the forward returns the last token's final
     # normed hidden state, L2-normalised, instead of logits; no lm_head is loaded. Static, so a separate executable.
     pooling: bool = False
@@ -102,6 +106,10 @@ class ModelConfig:
                                  f"num_experts={self.num_experts}")
         elif self.arch.mixture_of_experts:
             raise ValueError(f"num_experts={self.num_experts!r} must be a positive integer for {self.architecture}")
+        shared = self.shared_expert_intermediate_size
+        if not isinstance(shared, int) or shared < 0 or shared and (not self.num_experts or self.num_shared_experts):
+            raise ValueError(f"shared_expert_intermediate_size={shared!r} must be an integer >= 0, and 0 without "
+                             f"experts or beside num_shared_experts={self.num_shared_experts} (DeepSeek's form)")
         self._check_hybrid()
         self._check_latent()
         if not isinstance(self.mlp_only_layers, tuple) or any(
@@ -211,7 +219,7 @@ class ModelConfig:
         """Parameter count; `active`: only the experts a token uses (top-k of each MoE layer)."""
         h, i, v = self.hidden_size, self.intermediate_size, self.vocab_size
         if self.arch.linear_attention:
-            return self._hybrid_params()
+            return self._hybrid_params(active)
         attn = h * (self.q_size + 2 * self.kv_size) + self.q_size * h + 2 * h
         if self.attention_bias:
             attn += self.q_size + 2 * self.kv_size
@@ -228,13 +236,16 @@ class ModelConfig:
                   else 3 * h * i for n in range(self.num_layers))
         return v * h * (1 if self.tie_word_embeddings else 2) + self.num_layers * attn + mlp + h
 
-    def _hybrid_params(self) -> int:
+    def _hybrid_params(self, active: bool) -> int:
         h, v = self.hidden_size, self.vocab_size
         full = h * (2 * self.q_size + 2 * self.kv_size) + self.q_size * h + 2 * self.head_dim  # q has its gate
         hv, conv = self.linear_num_value_heads, self.linear_conv_dim
         linear = (h * (conv + self.linear_value_size + 2 * hv) + conv * self.linear_conv_kernel_dim + 2 * hv
                   + self.linear_value_head_dim + self.linear_value_size * h)
-        per_layer = [(linear if self.is_linear_layer(n) else full) + 3 * h * self.intermediate_size + 2 * h
+        experts = (self.num_experts_per_tok if active else self.num_experts) * self.moe_intermediate_size
+        moe = h * self.num_experts + 3 * h * (experts + self.shared_expert_intermediate_size) + h  # router ... gate
+        per_layer = [(linear if self.is_linear_layer(n) else full) + 2 * h
+                     + (moe if self.is_moe_layer(n) else 3 * h * self.intermediate_size)
                      for n in range(self.num_layers)]
         return v * h * (1 if self.tie_word_embeddings else 2) + sum(per_layer) + h
 
@@ -300,12 +311,12 @@ class ModelConfig:
                        mlp_only_layers=tuple(only) or tuple(range(latent.pop("first_k_dense_replace", 0))))
         hybrid = {}
         if arch.linear_attention:
-            hybrid = _hybrid_from_hf(cfg, req("num_hidden_layers"), archs[0])
+            hybrid = hybrid_from_hf(cfg, req("num_hidden_layers"), archs[0], arch.mixture_of_experts)
         return cls(
             architecture=name,
             vocab_size=req("vocab_size"),
             hidden_size=hidden,
-            intermediate_size=req("intermediate_size"),
+            intermediate_size=hybrid.pop("intermediate_size", None) or req("intermediate_size"),
             num_layers=req("num_hidden_layers"),
             num_heads=num_heads,
             num_kv_heads=cfg.get("num_key_value_heads") or num_heads,
@@ -393,31 +404,6 @@ class ModelConfig:
         return dataclasses.replace(self, **kw)
 
 
-def _hybrid_from_hf(cfg: dict[str, Any], num_layers: int, arch: str) -> dict[str, Any]:
-    """qwen3_5's fields: layer types (HF's default: every `full_attention_interval`-th layer full), the
-    Gated DeltaNet shapes and the partial rotary factor (in `rope_parameters` or at the top level)."""
-    types = cfg.get("layer_types")
-    if types is None:
-        interval = _positive_int("config field 'full_attention_interval'", cfg.get("full_attention_interval", 4))
-        types = ["linear_attention" if (i + 1) % interval else "full_attention" for i in range(num_layers)]
-    if not isinstance(types, list):
-        raise ValueError(f"config field 'layer_types'={types!r} must be a list")
-    out = {"layer_types": tuple(types)}
-    for name in ("linear_num_key_heads", "linear_num_value_heads", "linear_key_head_dim", "linear_value_head_dim",
-                 "linear_conv_kernel_dim"):
-        if cfg.get(name) is None:
-            raise ValueError(f"config field {name!r} is missing (architecture {arch})")
-        out[name] = _positive_int(f"config field {name!r}", cfg[name])
-    rope = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
-    factor = rope.get("partial_rotary_factor", cfg.get("partial_rotary_factor", 1.0))
-    if isinstance(factor, bool) or not isinstance(factor, int | float):
-        raise ValueError(f"config field 'partial_rotary_factor'={factor!r} must be a number")
-    out["partial_rotary_factor"] = float(factor)
-    if cfg.get("hidden_act", "silu") != "silu":
-        raise ValueError(f"config field 'hidden_act'={cfg['hidden_act']!r} is not supported (silu only)")
-    return out
-
-
 def _latent_from_hf(cfg: dict[str, Any], name: str, req) -> dict[str, Any]:
     """deepseek_v2 / v3's fields: MLA's ranks and head dims, the first dense layers (as `mlp_only_layers`), shared
     experts and routing (V2: softmax, groups by their best expert when `topk_method` is group_limited_greedy; V3:
@@ -437,12 +423,6 @@ def _latent_from_hf(cfg: dict[str, Any], name: str, req) -> dict[str, Any]:
                first_k_dense_replace=int(cfg.get("first_k_dense_replace") or 0))
     out["head_dim"] = out["qk_nope_head_dim"] + out["qk_rope_head_dim"]
     return out
-
-
-def _positive_int(what: str, value: Any) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-        raise ValueError(f"{what}={value!r} must be a positive integer")
-    return value
 
 
 # Named real shapes for performance work with dummy weights.
@@ -504,4 +484,8 @@ NAMED_SHAPES |= {
     "qwen3.5-2b": _qwen3_5(2048, 6144, 24, 8, 2, 16, tied=True),
     "qwen3.5-4b": _qwen3_5(2560, 9216, 32, 16, 4, 32, tied=True),
     "qwen3.5-9b": _qwen3_5(4096, 12288, 32, 16, 4, 32, tied=False),
+    # Qwen3.5-35B-A3B (its published text_config): every layer sparse, top-8 of 256 experts of 512 and a shared one
+    "qwen3.5-35b-a3b": _qwen3_5(2048, 512, 40, 16, 2, 32, tied=False).replace(
+        architecture="qwen3_5_moe", num_experts=256, num_experts_per_tok=8, moe_intermediate_size=512,
+        shared_expert_intermediate_size=512),
 }

@@ -44,7 +44,8 @@ class Architecture:
 
 
 # llama / qwen2 / qwen3: the llama-style dense decoder (jinfer/models/llama.py) with a few switches;
-# qwen3_moe: Qwen3 attention with mixture-of-experts MLPs; qwen3_5: Gated DeltaNet and gated attention;
+# qwen3_moe: Qwen3 attention with mixture-of-experts MLPs; qwen3_5: Gated DeltaNet and gated attention (qwen3_5_moe:
+# with routed experts and a shared one in every layer, jinfer/models/qwen3_5.py);
 # deepseek_v2 / deepseek_v3 (also Kimi-K2, Moonlight): latent attention and DeepSeekMoE (jinfer/models/deepseek.py).
 ARCHITECTURES: dict[str, Architecture] = {a.name: a for a in (
     Architecture("llama", ("LlamaForCausalLM", "LlamaModel"), "llama", hf_pooling_names=("LlamaModel",),
@@ -57,6 +58,9 @@ ARCHITECTURES: dict[str, Architecture] = {a.name: a for a in (
     # the published checkpoints are the multimodal ones; only their text part is loaded
     Architecture("qwen3_5", ("Qwen3_5ForCausalLM", "Qwen3_5ForConditionalGeneration"), None,
                  hf_multimodal_names=("Qwen3_5ForConditionalGeneration",), qk_norm=True, linear_attention=True),
+    Architecture("qwen3_5_moe", ("Qwen3_5MoeForCausalLM", "Qwen3_5MoeForConditionalGeneration"), None,
+                 hf_multimodal_names=("Qwen3_5MoeForConditionalGeneration",), qk_norm=True, mixture_of_experts=True,
+                 linear_attention=True),
     # GGUF's one `deepseek2` serves both: a sigmoid-gated file loads as deepseek_v3 (jinfer/config/deepseek_gguf.py)
     Architecture("deepseek_v2", ("DeepseekV2ForCausalLM",), "deepseek2", mixture_of_experts=True,
                  latent_attention=True),

@@ -9,6 +9,10 @@ Gated DeltaNet (linear attention) layers and gated full-attention layers, as HF 
   SiLU -> q | k | v; in_proj_z (the output gate), in_proj_b (beta = sigmoid), in_proj_a (the decay
   g = -exp(A_log) * softplus(a + dt_bias)); the gated delta rule (pallas_kernels/linear_attention/gated_delta_rule.py)
   with L2-normalised q and k; a per-head RMSNorm gated by silu(z); out_proj.
+- Qwen3.5-MoE (`qwen3_5_moe`, HF's modeling_qwen3_5_moe.py): the same layers with a sparse MLP in every layer
+  (`cfg.is_moe_layer`): softmax top-k routing renormalised (qwen3_moe's router and stacked experts, their names and
+  transformers' fused `experts.gate_up_proj` layout), plus one shared SwiGLU expert whose output is scaled by
+  sigmoid(x @ shared_expert_gate) per token (`ModelOps.moe_block`'s `shared`).
 - Every other RMSNorm (input, post-attention, q/k, final) is zero-centred: HF multiplies by
   (1 + weight). `assemble_weights` adds the 1 once at load time, so the shared `rms_norm` and the MLP
   kernels apply them unchanged (and dummy weights initialise them to zeros, as HF does).
@@ -37,6 +41,7 @@ from jinfer.models.base import Weights, decoder_specs, lm_head_logits, mlp_specs
 from jinfer.models.batch import Batch
 from jinfer.models.fp8 import concat_columns
 from jinfer.models.layers import apply_rope, rms_norm, rope_cos_sin, write_kv
+from jinfer.models.qwen3_moe import moe_specs
 from jinfer.models.spec import ArrayInfo, StateSpec
 from jinfer.ops import REFERENCE_OPS, ModelOps
 
@@ -52,9 +57,15 @@ ZERO_CENTRED = ("attn_norm", "mlp_norm", "q_norm", "k_norm")
 class HybridLayer:
     attn_norm: jax.Array  # [hidden] (1 + HF's weight)
     mlp_norm: jax.Array  # [hidden] (1 + HF's weight)
-    w_gate: jax.Array  # [hidden, I]
-    w_up: jax.Array  # [hidden, I]
-    w_down: jax.Array  # [I, hidden]
+    w_gate: jax.Array  # [hidden, I]; MoE layers: [E, hidden, I_moe]
+    w_up: jax.Array  # [hidden, I]; MoE: [E, hidden, I_moe]
+    w_down: jax.Array  # [I, hidden]; MoE: [E, I_moe, hidden]
+    # MoE layers (qwen3_5_moe)
+    router: jax.Array | None = None  # [hidden, E]
+    ws_gate: jax.Array | None = None  # [hidden, I_shared]: the shared expert
+    ws_up: jax.Array | None = None  # [hidden, I_shared]
+    ws_down: jax.Array | None = None  # [I_shared, hidden]
+    shared_gate: jax.Array | None = None  # [hidden, 1]: its output times sigmoid(x @ shared_gate)
     # gated attention layers
     wq: jax.Array | None = None  # [hidden, H * 2D]: per head D query columns then D gate columns
     wk: jax.Array | None = None  # [hidden, KVH * D]
@@ -105,6 +116,19 @@ def linear_attention_specs(cfg: ModelConfig, i: int) -> dict[str, ArrayInfo]:
     }
 
 
+def shared_expert_moe_specs(cfg: ModelConfig, i: int) -> dict[str, ArrayInfo]:
+    """A Qwen3.5-MoE layer's MLP: qwen3_moe's router and routed experts, the shared expert and its gate."""
+    h, inter = cfg.hidden_size, cfg.shared_expert_intermediate_size
+    hf = f"model.layers.{i}.mlp."
+    s = hf + "shared_expert."
+    return moe_specs(cfg, i) | {
+        "ws_gate": ArrayInfo((h, inter), ("embed", "mlp"), s + "gate_proj.weight", "", True),
+        "ws_up": ArrayInfo((h, inter), ("embed", "mlp"), s + "up_proj.weight", "", True),
+        "ws_down": ArrayInfo((inter, h), ("mlp", "embed"), s + "down_proj.weight", "", True),
+        "shared_gate": ArrayInfo((h, 1), ("embed", None), hf + "shared_expert_gate.weight", "", True),
+    }
+
+
 def layer_specs(cfg: ModelConfig, i: int) -> dict[str, ArrayInfo]:
     h = cfg.hidden_size
     hf = f"model.layers.{i}."
@@ -113,7 +137,7 @@ def layer_specs(cfg: ModelConfig, i: int) -> dict[str, ArrayInfo]:
         "mlp_norm": ArrayInfo((h,), ("embed",), hf + "post_attention_layernorm.weight", "", init="zeros"),
     }
     mixer = linear_attention_specs(cfg, i) if cfg.is_linear_layer(i) else attention_specs(cfg, i)
-    return norms | mixer | mlp_specs(cfg, i)
+    return norms | mixer | (shared_expert_moe_specs(cfg, i) if cfg.is_moe_layer(i) else mlp_specs(cfg, i))
 
 
 def weight_specs(cfg: ModelConfig) -> dict[str, ArrayInfo]:
@@ -219,6 +243,17 @@ def _gated_delta_net(layer: HybridLayer, x, state, batch: Batch, info, cfg: Mode
     return ops.out_proj(o.reshape(T, Hv * Dv), layer.lin_out, x), (conv_state, rec_state)
 
 
+def mlp(layer: HybridLayer, i: int, x: jax.Array, cfg: ModelConfig, ops: ModelOps, counters: jax.Array | None
+        ) -> tuple[jax.Array, jax.Array | None]:
+    """x + the layer's MLP of rms_norm(x): dense SwiGLU, or (qwen3_5_moe) routed experts plus the gated shared one
+    (the step's counters passed on: with them a small step's norm, router and routing are one kernel)."""
+    if not cfg.is_moe_layer(i):
+        return ops.mlp_block(x, layer.mlp_norm, layer.w_gate, layer.w_up, layer.w_down, cfg.rms_norm_eps), counters
+    return ops.moe_block(x, layer.mlp_norm, layer.router, layer.w_gate, layer.w_up, layer.w_down,
+                         top_k=cfg.num_experts_per_tok, renormalize=cfg.norm_topk_prob, eps=cfg.rms_norm_eps,
+                         counters=counters, shared=(layer.ws_gate, layer.ws_up, layer.ws_down, layer.shared_gate))
+
+
 def forward(
     weights: Weights,
     batch: Batch,
@@ -237,6 +272,7 @@ def forward(
     fresh = batch.seq_lens - (qs[1:] - qs[:-1]) == 0  # [B] first new token at position 0 (or padding)
     info = (ops.token_sequences(qs, x.shape[0]), fresh)
     new_cache, captured = [], {}
+    counters = ops.step_counters(x.shape[0]) if cfg.num_experts else None  # (only the MoE front end takes them)
     for i, (layer, cache) in enumerate(zip(weights.layers, kv_cache, strict=True)):
         if i in aux_layers:
             captured[i] = x
@@ -244,7 +280,7 @@ def forward(
             x, cache = _gated_delta_net(layer, x, cache, batch, info, cfg, ops)
         else:
             x, cache = gated_attention(layer, x, cos, sin, cache, batch, cfg, ops)
-        x = ops.mlp_block(x, layer.mlp_norm, layer.w_gate, layer.w_up, layer.w_down, cfg.rms_norm_eps)
+        x, counters = mlp(layer, i, x, cfg, ops, counters)
         new_cache.append(cache)
     captured[cfg.num_layers] = x
     logits = lm_head_logits(weights, x, batch, cfg, ops)

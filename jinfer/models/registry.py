@@ -45,10 +45,10 @@ class Family:
                    module.fuse_qkv, module.cache_spec, getattr(module, "state_specs", None))
 
 
-# Llama, Qwen2 and Qwen3 are one family: the dense decoder with the config's switches
+# Llama, Qwen2 and Qwen3 are one family: the dense decoder with the config's switches; Qwen3.5 and Qwen3.5-MoE another
 FAMILIES: dict[str, Family] = {name: Family.of(name, module) for name, module in (
     ("llama", llama), ("qwen2", llama), ("qwen3", llama), ("qwen3_moe", qwen3_moe), ("qwen3_5", qwen3_5),
-    ("deepseek_v2", deepseek), ("deepseek_v3", deepseek))}
+    ("qwen3_5_moe", qwen3_5), ("deepseek_v2", deepseek), ("deepseek_v3", deepseek))}
 assert set(FAMILIES) == set(ARCHITECTURES)
 
 

@@ -32,11 +32,12 @@ class MoeOps:
     """ModelOps' mixture-of-experts block (mixed into `jinfer.ops.ModelOps`, whose fields it reads)."""
 
     def moe_block(self, x: jax.Array, norm: jax.Array, router: jax.Array, w_gate: jax.Array, w_up: jax.Array,
-                  w_down: jax.Array, *, top_k: int, renormalize: bool, eps: float, counters: jax.Array | None = None
-                  ) -> tuple[jax.Array, jax.Array | None]:
+                  w_down: jax.Array, *, top_k: int, renormalize: bool, eps: float, counters: jax.Array | None = None,
+                  shared: tuple[jax.Array, ...] | None = None) -> tuple[jax.Array, jax.Array | None]:
         """(x + moe(rms_norm(x)), counters); x: [T, hidden]; router: [hidden, E]; experts stacked [E, ...].
         counters: the step's (`step_counters`), passed on; with them a small step's norm, router and routing are
-        one kernel (`moe_norm_route`).
+        one kernel (`moe_norm_route`). `shared` (Qwen3.5-MoE): a shared expert's (gate, up, down, sigmoid gate
+        [hidden, 1]) added to the routed experts' output (`shared_expert`).
 
         Sharded (`axis`), the experts here are this device's: their intermediate columns (tensor
         parallel) or, when there are fewer of them than the router's E, experts [e0, e0 + E_local)
@@ -62,8 +63,10 @@ class MoeOps:
             h = rms_norm(x, norm, eps)
             # router logits rounded to the activation dtype, as HF's F.linear (and vLLM) produce them
             logits = self.project(h, router, preferred_element_type=jnp.float32).astype(h.dtype)  # [T, E]
+        extra = 0 if shared is None else shared_expert(h, *shared)
         if not kernels:
-            return x + self.reduce(moe_mlp(h, logits, w_gate, w_up, w_down, top_k, renormalize, first)), counters
+            out = moe_mlp(h, logits, w_gate, w_up, w_down, top_k, renormalize, first)
+            return x + self.reduce(out + extra), counters
         from pallas_kernels.moe.moe_gemm import moe_combine, moe_down, moe_gate_up
         from pallas_kernels.moe.moe_routing import local_experts, moe_route
 
@@ -71,7 +74,7 @@ class MoeOps:
                 and tokens * top_k >= policy.mosaic_moe_min_rows_per_expert * logits.shape[1]:
             out = self._moe_mgpu(h, logits, w_gate, w_up, w_down, top_k, renormalize, first)
             if out is not None:
-                return x + self.reduce(out), counters
+                return x + self.reduce(out + extra), counters
         if routing is None:
             routing = moe_route(logits, top_k=top_k, renormalize=renormalize,
                                 block_m=moe_block_m(tokens * top_k, logits.shape[1]), interpret=self.interpret,
@@ -81,7 +84,7 @@ class MoeOps:
             routing, mine = local_experts(routing, first, num_experts)
         act = moe_gate_up(h, routing, w_gate, w_up, interpret=self.interpret)
         y = moe_down(act, routing, w_down, interpret=self.interpret)
-        return x + self.reduce(moe_combine(y, top_k, x.dtype, mine)), counters
+        return x + self.reduce(moe_combine(y, top_k, x.dtype, mine) + extra), counters
 
     def grouped_moe_block(self, x: jax.Array, norm: jax.Array, router: jax.Array, bias: jax.Array | None,
                           w_gate: jax.Array, w_up: jax.Array, w_down: jax.Array, shared: tuple[jax.Array, ...] | None,
@@ -120,6 +123,15 @@ class MoeOps:
         if first is not None:
             routing, mine = local_experts(routing, first, w_gate.shape[0])
         return moe_experts_mgpu(h, routing, w_gate, w_up, w_down, mine=mine, interpret=self.interpret)
+
+
+def shared_expert(h: jax.Array, w_gate: jax.Array, w_up: jax.Array, w_down: jax.Array, gate: jax.Array | None
+                  ) -> jax.Array:
+    """A shared expert's output for the normed rows h [T, hidden]: SwiGLU, times sigmoid(h @ gate) per row where the
+    model gates it (Qwen3.5-MoE's `shared_expert_gate`, [hidden, 1]). Sharded, its columns are this device's: a
+    partial sum (the gate is replicated, so scaling before the block's psum is the same)."""
+    y = swiglu_mlp(h, w_gate, w_up, w_down)
+    return y if gate is None else jax.nn.sigmoid(h @ gate) * y
 
 
 def _front_supported(tokens: int, hidden: int, experts: int) -> bool:

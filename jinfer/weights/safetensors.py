@@ -52,13 +52,17 @@ class SafetensorsSource:
         """The names of every tensor in the checkpoint."""
         return set(self._where)
 
-    def _tensor(self, name: str) -> np.ndarray:
-        # Multimodal checkpoints (Qwen3_5ForConditionalGeneration) keep the text model under model.language_model.
-        # (the vision tower and the MTP head are simply never read); a base model's (Qwen3Model: the embedding
-        # models) has its tensors without the prefix.
+    def _find(self, name: str) -> str | None:
+        """The name the checkpoint stores `name` under, or None. Multimodal checkpoints
+        (Qwen3_5ForConditionalGeneration) keep the text model under model.language_model. (the vision tower and the
+        MTP head are simply never read); a base model's (Qwen3Model: the embedding models) has its tensors without
+        the prefix."""
         bare = name.removeprefix("model.")
         candidates = (name, "model.language_model." + bare, bare) if name.startswith("model.") else (name,)
-        found = next((n for n in candidates if n in self._where), None)
+        return next((n for n in candidates if n in self._where), None)
+
+    def _tensor(self, name: str) -> np.ndarray:
+        found = self._find(name)
         if found is None:
             raise ValueError(f"tensor {name!r} is missing from the checkpoint in {self.directory}")
         handle = self._handles[self._where[found]]
@@ -100,7 +104,7 @@ class SafetensorsSource:
         # Stacked experts: one tensor per expert (published checkpoints, transformers' save_pretrained),
         # else transformers' fused in-memory layout [E, parts * out, in].
         names = [spec.hf_name.replace(EXPERT, str(e)) for e in range(spec.shape[0])]
-        if names[0] not in self._where and spec.hf_fused is not None and spec.hf_fused[0] + suffix in self._where:
+        if self._find(names[0]) is None and spec.hf_fused is not None and self._find(spec.hf_fused[0] + suffix):
             name, part, parts = spec.hf_fused
             fused = read(name)
             if fused.ndim != 3 or fused.shape[1] % parts:

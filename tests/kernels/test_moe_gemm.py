@@ -95,7 +95,7 @@ def test_grouped_gemms_lower_for_cuda():
 
 def test_model_moe_block_mosaic_path_matches_reference(monkeypatch):
     """ModelOps.moe_block with the Mosaic GPU grouped GEMM (steps with >= 128 rows per expert; Mosaic GPU
-    interpreter here): the same output as the XLA reference block."""
+    interpreter here): the same output as the XLA reference block, with a gated shared expert (Qwen3.5-MoE's)."""
     import pallas_kernels.moe.moe_gemm_mgpu as mgpu
     from jinfer.ops import ModelOps
 
@@ -103,13 +103,14 @@ def test_model_moe_block_mosaic_path_matches_reference(monkeypatch):
     real = mgpu.moe_grouped_matmul_mgpu
     monkeypatch.setattr(mgpu, "moe_grouped_matmul_mgpu", lambda *a, **kw: (calls.append(1), real(*a, **kw))[1])
     e, hidden, inter, top_k, tokens = 4, 128, 128, 2, 256  # 128 rows per expert on average
-    ks = jax.random.split(jax.random.key(0), 5)
+    ks = jax.random.split(jax.random.key(0), 9)
     w = lambda k, s: (jax.random.normal(k, s) * hidden**-0.5).astype(jnp.bfloat16)  # noqa: E731
     wg, wu, wd = w(ks[0], (e, hidden, inter)), w(ks[1], (e, hidden, inter)), w(ks[2], (e, inter, hidden))
     router = w(ks[3], (hidden, e)) * 8
     x = jax.random.normal(ks[4], (tokens, hidden)).astype(jnp.bfloat16)
     norm = jnp.ones(hidden, jnp.bfloat16)
-    kw = dict(top_k=top_k, renormalize=True, eps=1e-6)
+    shared = (w(ks[5], (hidden, 64)), w(ks[6], (hidden, 64)), w(ks[7], (64, hidden)), w(ks[8], (hidden, 1)))
+    kw = dict(top_k=top_k, renormalize=True, eps=1e-6, shared=shared)
     out, _ = ModelOps("pallas", interpret=True, mosaic_prefill=True).moe_block(x, norm, router, wg, wu, wd, **kw)
     assert len(calls) == 2
     ref, _ = ModelOps().moe_block(x, norm, router, wg, wu, wd, **kw)

@@ -1,9 +1,10 @@
-"""Tiny random-weight Qwen3.5 (3 Gated DeltaNet layers + 1 gated attention layer) against HF transformers.
+"""Tiny random-weight Qwen3.5 (3 Gated DeltaNet layers + 1 gated attention layer) and Qwen3.5-MoE (one of each, both
+with 8 routed experts top-2 and a gated shared expert) against HF transformers.
 
-tests/data/golden/tiny-qwen3_5.npz comes from scripts/make_golden.py (HF's Qwen3_5ForCausalLM on the same
-safetensors: chunked delta rule for the prompts, the recurrent one for each decode step). Prompts of 5,
-37 and 80 tokens: the last spans two of HF's 64-token chunks. Sequences sit in non-trivial state slots
-and scrambled pages; chunked prefill cuts through the conv window (K - 1 = 3 rows) and the 64-row chunk.
+tests/data/golden/tiny-qwen3_5{,_moe}.npz come from scripts/make_golden.py (HF's Qwen3_5ForCausalLM /
+Qwen3_5MoeForCausalLM on the same safetensors: chunked delta rule for the prompts, the recurrent one for each decode
+step). Prompts of 5, 37 and 80 tokens: the last spans two of HF's 64-token chunks. Sequences sit in non-trivial state
+slots and scrambled pages; chunked prefill cuts through the conv window (K - 1 = 3 rows) and the 64-row chunk.
 
 Steps are padded to a few shapes, as the engine pads to its buckets (SMALL: under the delta rule's 64-row chunk,
 so the recurrent kernel alone; LARGE: both kernels), all PAGES_PER_SEQ pages wide: a compile costs far more than
@@ -70,18 +71,31 @@ def placed_as_outputs(kv, w):
     return jax.device_put(kv, jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec()))
 
 
-@pytest.fixture(scope="module")
-def gold():
-    return np.load(DATA / "golden" / "tiny-qwen3_5.npz")
+def golden(arch):
+    return np.load(DATA / "golden" / f"tiny-{arch}.npz")
 
 
-@pytest.fixture(scope="module", params=[pytest.param(o, marks=[pytest.mark.slow] * (o == "pallas")) for o in OPS])
+def step_fn(cfg, ops):
+    return jax.jit(partial(forward, cfg=cfg, ops=ops), donate_argnames=("kv_cache",))
+
+
+# (checkpoint, ops): the MoE model with the reference ops only (its expert kernels are qwen3_moe's, tested there)
+CASES = [("qwen3_5", "ref"), pytest.param(("qwen3_5", "pallas"), marks=pytest.mark.slow), ("qwen3_5_moe", "ref")]
+
+
+@pytest.fixture(scope="module", params=CASES, ids=lambda c: "-".join(c))
 def model(request):
-    cfg, w = load()
-    if request.param == "pallas":
+    arch, ops = request.param
+    cfg, w = load(DATA / f"tiny-{arch}")
+    if ops == "pallas":
         w = fuse_qkv(cfg, w)
         assert w.layers[0].lin_in is not None and w.layers[3].wqkv is not None
-    return cfg, w, jax.jit(partial(forward, cfg=cfg, ops=OPS[request.param]), donate_argnames=("kv_cache",))
+    return cfg, w, step_fn(cfg, OPS[ops])
+
+
+@pytest.fixture(scope="module")
+def gold(model):
+    return golden(model[0].architecture)
 
 
 def test_config_read_from_hf():
@@ -92,6 +106,19 @@ def test_config_read_from_hf():
     assert w.layers[0].conv_w.shape == (128, 1, 4) and w.layers[0].wq is None
     assert w.layers[3].wq.shape == (64, 2 * 4 * 32) and w.layers[3].lin_qkv is None
     assert set(state_specs(cfg)) == {0, 1, 2}
+
+
+def test_moe_config_read_from_hf():
+    """Qwen3.5-MoE: every layer sparse (the config has no intermediate_size: it takes the experts'), the shared
+    expert's width, its gate, the routed experts stacked from save_pretrained's per-expert tensors."""
+    cfg, w = load(DATA / "tiny-qwen3_5_moe")
+    assert (cfg.architecture, cfg.layer_types) == ("qwen3_5_moe", ("linear_attention", "full_attention"))
+    assert (cfg.num_experts, cfg.num_experts_per_tok, cfg.norm_topk_prob) == (8, 2, True)
+    assert (cfg.moe_intermediate_size, cfg.shared_expert_intermediate_size, cfg.intermediate_size) == (32, 48, 32)
+    for layer in w.layers:
+        assert (layer.router.shape, layer.w_gate.shape, layer.w_down.shape) == ((64, 8), (8, 64, 32), (8, 32, 64))
+        assert (layer.ws_gate.shape, layer.ws_down.shape, layer.shared_gate.shape) == ((64, 48), (48, 64), (64, 1))
+    assert w.layers[0].lin_qkv is not None and w.layers[1].wq is not None
 
 
 @pytest.mark.parametrize("i", [0, 1, 2])
@@ -149,11 +176,26 @@ def test_batched_chunked_prefill_then_batched_decode_match_hf(model, gold):
                                        err_msg=f"sequence {i}, decode step {s}")
 
 
-def test_conditional_generation_layout_loads_the_text_model(tmp_path, gold):
-    """A published checkpoint's layout (Qwen3_5ForConditionalGeneration): config under text_config, text
-    weights under model.language_model., plus vision / MTP tensors that are not read."""
-    src = DATA / "tiny-qwen3_5"
+def fuse_experts(tensors, num_layers, num_experts):
+    """transformers' in-memory expert layout, as some published checkpoints keep it: per layer one
+    `experts.gate_up_proj` [E, 2 * I, hidden] (gate rows first) and one `experts.down_proj` [E, hidden, I]."""
+    for i in range(num_layers):
+        p = f"model.layers.{i}.mlp.experts."
+        pop = [[tensors.pop(f"{p}{e}.{n}_proj.weight") for e in range(num_experts)] for n in ("gate", "up", "down")]
+        tensors[p + "gate_up_proj"] = np.concatenate([np.stack(pop[0]), np.stack(pop[1])], axis=1)
+        tensors[p + "down_proj"] = np.stack(pop[2])
+    return tensors
+
+
+@pytest.mark.parametrize("arch", ["qwen3_5", "qwen3_5_moe"])
+def test_conditional_generation_layout_loads_the_text_model(tmp_path, arch):
+    """A published checkpoint's layout (Qwen3_5{,Moe}ForConditionalGeneration): config under text_config, text
+    weights under model.language_model., plus vision / MTP tensors that are not read; the MoE one with its experts
+    fused as transformers holds them in memory."""
+    src, hf = DATA / f"tiny-{arch}", "Qwen3_5Moe" if arch == "qwen3_5_moe" else "Qwen3_5"
     tensors = load_file(src / "model.safetensors")
+    if arch == "qwen3_5_moe":
+        tensors = fuse_experts(tensors, 2, 8)
     renamed = {("model.language_model." + k.removeprefix("model.") if k.startswith("model.") else k): v
                for k, v in tensors.items()}
     renamed["model.visual.patch_embed.proj.weight"] = np.zeros((4, 3), np.float32)
@@ -162,15 +204,17 @@ def test_conditional_generation_layout_loads_the_text_model(tmp_path, gold):
     text = json.loads((src / "config.json").read_text())
     text.pop("architectures")
     (tmp_path / "config.json").write_text(json.dumps({
-        "architectures": ["Qwen3_5ForConditionalGeneration"], "model_type": "qwen3_5",
-        "tie_word_embeddings": False, "text_config": {**text, "model_type": "qwen3_5_text"},
+        "architectures": [f"{hf}ForConditionalGeneration"], "model_type": arch,
+        "tie_word_embeddings": False, "text_config": {**text, "model_type": f"{arch}_text"},
         "vision_config": {"depth": 1}, "image_token_id": 248056}))
     cfg, w = load(tmp_path)
-    assert cfg == load()[0]
+    assert cfg == load(src)[0]
+    gold = golden(arch)
     prompt = gold["prompt_1"].tolist()
-    batch = make_batch([(prompt, 0, pages_for(0, 10))], PAGE, all_logits=True)
-    logits, _ = jax.jit(partial(forward, cfg=cfg))(w, batch, empty_cache(cfg))
-    np.testing.assert_allclose(np.asarray(logits), gold["prefill_logits_1"], atol=ATOL, rtol=1e-4)
+    # the model fixture's LARGE step: the same program, loaded from the compilation cache
+    kv = placed_as_outputs(empty_cache(cfg), w)
+    logits, _ = step_fn(cfg, REFERENCE_OPS)(w, bucket_batch([(prompt, 0, pages_for(0, 10))], LARGE, [5]), kv)
+    np.testing.assert_allclose(np.asarray(logits[:len(prompt)]), gold["prefill_logits_1"], atol=ATOL, rtol=1e-4)
 
 
 def test_one_row_per_sequence_decode_steps_match_hf(model, gold):
@@ -178,6 +222,8 @@ def test_one_row_per_sequence_decode_steps_match_hf(model, gold):
     rule kernel; ref: its jnp reference): the runner's decode-only executables (B = T, a padding sequence
     included) and a lone sequence's T = 1 step."""
     cfg, w, step = model
+    if cfg.num_experts:
+        pytest.skip("the decode-only executables add no MoE path: moe_block takes its rows alike")
     ops = OPS["pallas" if w.layers[0].lin_in is not None else "ref"]
     decode = jax.jit(partial(forward, cfg=cfg, ops=replace(ops, decode_step=True)), donate_argnames=("kv_cache",))
     prompts, pages, kv = three_sequences(cfg, gold, 9)

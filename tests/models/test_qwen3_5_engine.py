@@ -1,6 +1,7 @@
 """The tiny Qwen3.5 checkpoint through the whole engine (scheduler, paged KV for the attention layer, a
 state slot per sequence for the Gated DeltaNet layers, chunked prefill, preemption, n > 1, async
-scheduling, warm-up buckets) against HF's greedy ids."""
+scheduling, warm-up buckets) against HF's greedy ids; the tiny Qwen3.5-MoE one through chunked prefill and
+preemption (its layers are Qwen3.5's, so the other paths are the same)."""
 
 import logging
 
@@ -41,16 +42,28 @@ def test_engine_greedy_matches_hf_with_chunked_prefill(budget, caplog):
     assert kv.num_free_state_slots == kv.num_state_slots - 1 and kv.num_free_pages == kv.num_usable_pages
 
 
-def test_preemption_recomputes_the_state():
+# The MoE model: 8-token steps and 16-token pages, so that two executables serve the whole run (each is seconds of
+# compile on CPU)
+PREEMPT = {"qwen3_5": dict(max_num_batched_tokens=32, num_pages=33),
+           "qwen3_5_moe": dict(max_num_batched_tokens=8, num_pages=10, page_size=16)}
+
+
+@pytest.mark.parametrize("arch", PREEMPT)
+def test_preemption_recomputes_the_state(arch):
     """A pool too small for all three: the newest is preempted, loses its slot and recomputes its state
-    from position 0 (its slot may meanwhile hold another sequence's state)."""
-    llm = LLM(TINY, **BASE, max_num_batched_tokens=32, num_pages=33, warmup=False)
+    from position 0 (its slot may meanwhile hold another sequence's state). The 80-token prompt prefills in
+    chunks beside the others' decodes."""
+    gold = np.load(DATA / "golden" / f"tiny-{arch}.npz")
+    llm = LLM(str(DATA / f"tiny-{arch}"), **(BASE | PREEMPT[arch]), warmup=False)
     sched = llm.engine.scheduler
     preempted = []
     original = sched._preempt
     sched._preempt = lambda r: (preempted.append(r.request_id), original(r))
-    assert [o[0] for o in generate(llm)] == GREEDY_IDS
+    prompts = [gold[f"prompt_{i}"].tolist() for i in range(3)]
+    assert [o[0] for o in generate(llm, prompts=prompts)] == [gold[f"greedy_{i}"].tolist() for i in range(3)]
     assert preempted
+    kv = llm.engine.kv
+    assert kv.num_free_state_slots == kv.num_state_slots - 1 and kv.num_free_pages == kv.num_usable_pages
 
 
 @pytest.mark.parametrize("async_scheduling", [True, False])

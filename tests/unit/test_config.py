@@ -1,5 +1,6 @@
 import dataclasses
 import json
+import math
 
 import pytest
 
@@ -156,6 +157,34 @@ def test_qwen3_5_from_hf_and_the_multimodal_layout():
     for name in ("qwen3.5-0.8b", "qwen3.5-2b", "qwen3.5-4b", "qwen3.5-9b"):
         shape = NAMED_SHAPES[name]
         assert shape.layer_types.count("full_attention") * 4 == shape.num_layers and shape.rotary_dim == 64
+
+
+# Qwen3.5-35B-A3B's published config.json (the fields jinfer reads; its text_config has no intermediate_size)
+QWEN3_5_35B_A3B = {"architectures": ["Qwen3_5MoeForConditionalGeneration"], "tie_word_embeddings": False,
+                   "text_config": {
+    "vocab_size": 248320, "hidden_size": 2048, "num_hidden_layers": 40, "num_attention_heads": 16,
+    "num_key_value_heads": 2, "head_dim": 256, "max_position_embeddings": 262144, "rms_norm_eps": 1e-6,
+    "full_attention_interval": 4, "linear_num_key_heads": 16, "linear_num_value_heads": 32, "linear_key_head_dim": 128,
+    "linear_value_head_dim": 128, "linear_conv_kernel_dim": 4, "num_experts": 256, "num_experts_per_tok": 8,
+    "moe_intermediate_size": 512, "shared_expert_intermediate_size": 512, "eos_token_id": 248046,
+    "rope_parameters": {"rope_type": "default", "mrope_section": [11, 11, 10], "rope_theta": 1e7,
+                        "partial_rotary_factor": 0.25}}}
+
+
+def test_qwen3_5_moe_from_hf_is_the_dummy_shape():
+    """The published config is `dummy:qwen3.5-35b-a3b`: every layer sparse, 35B parameters of which 3.5B active; its
+    weight specs hold what num_params counts. A config without the shared expert's width names the field."""
+    from jinfer.models.registry import weight_specs
+
+    cfg = ModelConfig.from_hf_config(QWEN3_5_35B_A3B)
+    assert cfg == NAMED_SHAPES["qwen3.5-35b-a3b"] and all(cfg.is_moe_layer(i) for i in range(40))
+    assert 34e9 < cfg.num_params() < 36e9 and 3.3e9 < cfg.num_params(active=True) < 3.6e9
+    assert sum(math.prod(s.shape) for s in weight_specs(cfg).values()) == cfg.num_params()
+    text = {k: v for k, v in QWEN3_5_35B_A3B["text_config"].items() if k != "shared_expert_intermediate_size"}
+    with pytest.raises(ValueError, match="shared_expert_intermediate_size"):
+        ModelConfig.from_hf_config({**QWEN3_5_35B_A3B, "text_config": text})
+    with pytest.raises(ValueError, match="^shared_expert_intermediate_size="):
+        NAMED_SHAPES["qwen3-30b-a3b"].replace(shared_expert_intermediate_size=-1)
 
 
 @pytest.mark.parametrize("change,field", [
