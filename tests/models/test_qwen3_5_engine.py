@@ -28,33 +28,42 @@ def generate(llm, params=GREEDY, prompts=PROMPTS):
     return [[list(c.token_ids) for c in o.outputs] for o in outs]
 
 
-@pytest.mark.parametrize("budget", [7, 32])
-def test_engine_greedy_matches_hf_with_chunked_prefill(budget, caplog):
-    """7-token steps: chunks of 1-7 rows next to the other sequences' decodes, cutting the conv window
-    (3 rows); 32: chunks cut through HF's 64-row delta-rule chunk (next to the other prompts, the 80-token
-    prompt's rows 0-21, 21-51, 51-80). Room for 9 sequences: with 32 tokens, the n = 3 tests' engine, whose
-    executables it shares."""
-    with caplog.at_level(logging.INFO, logger="jinfer.engine.core"):
-        llm = LLM(TINY, **(BASE | {"max_num_seqs": 9}), max_num_batched_tokens=budget, warmup=False)
-    assert "prefix caching is off" in caplog.text and not llm.engine.kv.enable_prefix_caching
-    assert [o[0] for o in generate(llm)] == GREEDY_IDS
+@pytest.fixture(scope="module")
+def llm32():
+    """32-token steps, room for 9 sequences: the greedy, fork and no-room tests share this engine (its executables
+    compiled once)."""
+    return LLM(TINY, **(BASE | {"max_num_seqs": 9}), max_num_batched_tokens=32, warmup=False)
+
+
+def assert_all_free(llm):
     kv = llm.engine.kv
     assert kv.num_free_state_slots == kv.num_state_slots - 1 and kv.num_free_pages == kv.num_usable_pages
 
 
-# The MoE model: 8-token steps and 16-token pages, so that two executables serve the whole run (each is seconds of
-# compile on CPU)
-PREEMPT = {"qwen3_5": dict(max_num_batched_tokens=32, num_pages=33),
+def test_engine_greedy_matches_hf_with_chunked_prefill(llm32, caplog):
+    """32-token steps: chunks cut through HF's 64-row delta-rule chunk (next to the other prompts, the 80-token
+    prompt's rows 0-21, 21-51, 51-80). (7-token chunks, cutting the conv window: the preemption test's engine.)"""
+    assert not llm32.engine.kv.enable_prefix_caching
+    assert [o[0] for o in generate(llm32)] == GREEDY_IDS
+    assert_all_free(llm32)
+
+
+# qwen3_5: 7-token steps (chunks of 1-7 rows next to the other sequences' decodes, cutting the conv window of 3 rows)
+# in a pool too small for all three. The MoE model: 8-token steps and 16-token pages, so that two executables serve
+# the whole run (each is seconds of compile on CPU).
+PREEMPT = {"qwen3_5": dict(max_num_batched_tokens=7, num_pages=33),
            "qwen3_5_moe": dict(max_num_batched_tokens=8, num_pages=10, page_size=16)}
 
 
 @pytest.mark.parametrize("arch", PREEMPT)
-def test_preemption_recomputes_the_state(arch):
+def test_small_chunks_and_preemption_recompute_the_state(arch, caplog):
     """A pool too small for all three: the newest is preempted, loses its slot and recomputes its state
     from position 0 (its slot may meanwhile hold another sequence's state). The 80-token prompt prefills in
-    chunks beside the others' decodes."""
+    chunks beside the others' decodes. Prefix caching is off (and says so) for a model with a state."""
     gold = np.load(DATA / "golden" / f"tiny-{arch}.npz")
-    llm = LLM(str(DATA / f"tiny-{arch}"), **(BASE | PREEMPT[arch]), warmup=False)
+    with caplog.at_level(logging.INFO, logger="jinfer.engine.core"):
+        llm = LLM(str(DATA / f"tiny-{arch}"), **(BASE | PREEMPT[arch]), warmup=False)
+    assert "prefix caching is off" in caplog.text
     sched = llm.engine.scheduler
     preempted = []
     original = sched._preempt
@@ -62,76 +71,70 @@ def test_preemption_recomputes_the_state(arch):
     prompts = [gold[f"prompt_{i}"].tolist() for i in range(3)]
     assert [o[0] for o in generate(llm, prompts=prompts)] == [gold[f"greedy_{i}"].tolist() for i in range(3)]
     assert preempted
-    kv = llm.engine.kv
-    assert kv.num_free_state_slots == kv.num_state_slots - 1 and kv.num_free_pages == kv.num_usable_pages
+    assert_all_free(llm)
 
 
-@pytest.mark.parametrize("async_scheduling", [True, False])
-def test_n_samples_fork_from_the_first(async_scheduling):
+def test_n_samples_fork_from_the_first(llm32):
     """n = 3: the first sample computes all but the prompt's last token, the others fork from it (its full pages
     shared, the partial page and the state slot copied) and compute only the last token: every sample matches
-    HF's greedy ids, seeded samples match n = 1 requests with the same seeds, and nothing leaks."""
-    llm = LLM(TINY, **(BASE | {"max_num_seqs": 9}), max_num_batched_tokens=32, warmup=False,
-              async_scheduling=async_scheduling)
-    runner, kv = llm.engine.runner, llm.engine.kv
+    HF's greedy ids, seeded samples match n = 1 requests with the same seeds, and nothing leaks. (Async scheduling
+    here; forks in a synchronous engine: test_qwen3_5_spec's n = 2 test, whose drafts make it synchronous.)"""
+    runner = llm32.engine.runner
+    assert llm32.engine._async
     forks = []
     original = runner.fork
     runner.fork = lambda pages, slots: (forks.append((list(pages), list(slots))), original(pages, slots))
-    outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], SamplingParams(n=3, temperature=0.0,
-                        max_tokens=32, ignore_eos=True), use_tqdm=False)
-    assert [[list(c.token_ids) for c in o.outputs] for o in outs] == [[g] * 3 for g in GREEDY_IDS]
-    # two followers of each prompt forked: a state slot each, a page copy where the shared prefix (5, 37, 80
-    # tokens less the last: 4, 36, 79) ends inside a page of 4 tokens
-    assert sum(len(sl) for _, sl in forks) == 6 and sum(len(p) for p, _ in forks) == 2
-    assert kv.num_free_state_slots == kv.num_state_slots - 1 and kv.num_free_pages == kv.num_usable_pages
+    try:
+        outs = llm32.generate([{"prompt_token_ids": p} for p in PROMPTS], SamplingParams(
+            n=3, temperature=0.0, max_tokens=32, ignore_eos=True), use_tqdm=False)
+        assert [[list(c.token_ids) for c in o.outputs] for o in outs] == [[g] * 3 for g in GREEDY_IDS]
+        # two followers of each prompt forked: a state slot each, a page copy where the shared prefix (5, 37, 80
+        # tokens less the last: 4, 36, 79) ends inside a page of 4 tokens
+        assert sum(len(sl) for _, sl in forks) == 6 and sum(len(p) for p, _ in forks) == 2
+        assert_all_free(llm32)
 
-    forks.clear()
-    sampled = SamplingParams(n=3, temperature=1.0, seed=7, max_tokens=16, ignore_eos=True)
-    got = [list(c.token_ids) for c in llm.generate([{"prompt_token_ids": PROMPTS[2]}], sampled,
-                                                   use_tqdm=False)[0].outputs]
-    assert forks and len(set(map(tuple, got))) > 1
-    alone = [list(llm.generate([{"prompt_token_ids": PROMPTS[2]}],
-                               SamplingParams(temperature=1.0, seed=7 + i, max_tokens=16, ignore_eos=True),
-                               use_tqdm=False)[0].outputs[0].token_ids) for i in range(3)]
-    assert got == alone
-    assert kv.num_free_state_slots == kv.num_state_slots - 1 and kv.num_free_pages == kv.num_usable_pages
-
-
-def test_n_samples_that_cannot_fork_run_alone():
-    """Sequence room for two: the followers that find no room when the leader reaches its fork point queue as
-    plain requests and compute the prompt themselves."""
-    llm = LLM(TINY, **(BASE | {"max_num_seqs": 2}), max_num_batched_tokens=32, warmup=False)
-    params = SamplingParams(n=4, temperature=0.0, max_tokens=8, ignore_eos=True)
-    assert generate(llm, params, PROMPTS[1:2]) == [[GREEDY_IDS[1][:8]] * 4]
-    kv = llm.engine.kv
-    assert kv.num_free_state_slots == kv.num_state_slots - 1 and kv.num_free_pages == kv.num_usable_pages
+        forks.clear()
+        sampled = SamplingParams(n=3, temperature=1.0, seed=7, max_tokens=16, ignore_eos=True)
+        got = [list(c.token_ids) for c in llm32.generate([{"prompt_token_ids": PROMPTS[2]}], sampled,
+                                                         use_tqdm=False)[0].outputs]
+        assert forks and len(set(map(tuple, got))) > 1
+        alone = [list(llm32.generate([{"prompt_token_ids": PROMPTS[2]}],
+                                     SamplingParams(temperature=1.0, seed=7 + i, max_tokens=16, ignore_eos=True),
+                                     use_tqdm=False)[0].outputs[0].token_ids) for i in range(3)]
+        assert got == alone
+        assert_all_free(llm32)
+    finally:
+        runner.fork = original
 
 
-def test_pallas_backend_warm_buckets_and_async():
+def test_n_samples_that_cannot_fork_run_alone(llm32):
+    """n = 12 in room for 9 sequences: the followers that find no room when the leader reaches its fork point queue
+    as plain requests and compute the prompt themselves."""
+    runner = llm32.engine.runner
+    forked = []
+    original = runner.fork
+    runner.fork = lambda pages, slots: (forked.extend(slots), original(pages, slots))
+    try:
+        params = SamplingParams(n=12, temperature=0.0, max_tokens=4, ignore_eos=True)
+        assert generate(llm32, params, PROMPTS[1:2]) == [[GREEDY_IDS[1][:4]] * 12]
+    finally:
+        runner.fork = original
+    assert 0 < len(forked) < 11  # some followers forked, the others computed the prompt alone
+    assert_all_free(llm32)
+
+
+def test_pallas_backend_warm_buckets_decode_only_and_async():
     """Pallas kernels (interpreted on CPU), every bucket compiled at warm-up (the forks' copies too): no compile
-    while serving. (Room for 16 sequences: the decode-only test's engine, which loads what this one compiled.)"""
-    llm = LLM(TINY, **(BASE | {"max_num_seqs": 16}), max_num_batched_tokens=16, attention_backend="pallas")
+    while serving. max_num_seqs = max_num_batched_tokens = 8 (one bucket): steps where every sequence decodes run its
+    decode-only executable, whose Gated DeltaNet layers are the fused decode kernel (most of its rows padding, on
+    the reserved slot 0); the greedy ids are still HF's. (The chunked kernel, >= 64 new rows of one sequence in a
+    step, next to recurrent rows: test_golden_qwen3_5's pallas cases.)"""
+    llm = LLM(TINY, **BASE, max_num_batched_tokens=8, attention_backend="pallas")
+    runner = llm.engine.runner
+    used, original = [], runner.forward_executable
+    runner.forward_executable = lambda T, B, P, decode, *a: (used.append(decode), original(T, B, P, decode, *a))[1]
     assert [o[0] for o in generate(llm)] == GREEDY_IDS
+    assert any(used) and not all(used)  # decode-only steps, and mixed ones
     params = SamplingParams(n=3, temperature=0.0, max_tokens=4, ignore_eos=True)
     assert generate(llm, params, PROMPTS[1:2]) == [[GREEDY_IDS[1][:4]] * 3]
-    assert llm.engine.runner.compiles_after_warmup == 0
-
-
-def test_pallas_backend_long_prefill_runs_chunked():
-    """A 128-token budget: the 80-token prompt prefills in one step beside the others, so its Gated DeltaNet
-    layers run the chunked kernel (>= 64 new rows) while the short prompts and the decodes run the
-    recurrent one."""
-    llm = LLM(TINY, **BASE, max_num_batched_tokens=128, attention_backend="pallas", warmup=False)
-    assert [o[0] for o in generate(llm)] == GREEDY_IDS
-
-
-def test_pallas_decode_only_steps_take_the_fused_decode_kernel():
-    """max_num_seqs = max_num_batched_tokens = 16: steps where every sequence decodes run the bucket's
-    decode-only executable, whose Gated DeltaNet layers are the fused decode kernel (13 of its 16 rows
-    padding, on the reserved slot 0); the greedy ids are still HF's."""
-    llm = LLM(TINY, **(BASE | {"max_num_seqs": 16}), max_num_batched_tokens=16, attention_backend="pallas",
-              warmup=False)
-    runner = llm.engine.runner
-    assert 16 in runner.decode_buckets
-    assert [o[0] for o in generate(llm)] == GREEDY_IDS
-    assert any(key[0] == "forward_decode" for key in runner._compiled)
+    assert runner.compiles_after_warmup == 0

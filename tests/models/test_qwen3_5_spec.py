@@ -103,7 +103,7 @@ def test_replay_drafts_accepted_and_rejected_with_preemption():
 def test_n_samples_fork_with_drafts():
     """n = 2 greedy samples forked from one prefill, each verifying replayed drafts (some accepted, some rejected):
     every sample equals HF's ids."""
-    engine = replay_engine(0.5, max_num_seqs=6)
+    engine = replay_engine(0.5)  # (the n-gram engine's shapes: its executables loaded, not compiled)
     forks, original = [], engine.runner.fork
     engine.runner.fork = lambda pages, slots: (forks.append(list(slots)), original(pages, slots))
     got, counters = run(engine, PROMPTS, SamplingParams(n=2, temperature=0.0, max_tokens=32, ignore_eos=True))
