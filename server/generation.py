@@ -52,7 +52,8 @@ class _Choice:
     stop_reason: int | str | None = None
     last_time: float | None = None
     streamed: bool = False
-    prompt_logprobs: list[dict[int, float] | None] | None = None  # echo + logprobs
+    prompt_logprobs: list[dict[int, float] | None] | None = None  # echo + logprobs, or prompt_logprobs
+    prompt_logprob_ranks: list[int | None] | None = None
 
 
 class Generation:
@@ -104,7 +105,7 @@ class Generation:
             c.last_time = now
             self.state.metrics.generation_tokens.inc(len(d.new_token_ids))
         if d.prompt_logprobs is not None:
-            c.prompt_logprobs = d.prompt_logprobs
+            c.prompt_logprobs, c.prompt_logprob_ranks = d.prompt_logprobs, d.prompt_logprob_ranks
         if self.req.echo_only:  # the one token generated for an echo of max_tokens 0 is not part of the answer
             d.new_text, d.new_token_ids, d.new_logprobs = "", [], None
             if d.finished:
@@ -187,7 +188,16 @@ class Generation:
                 lp = self._completion_logprobs(c, c.token_ids, c.logprobs, echo=r.echo, offset=0)
                 choices.append(schemas.completion_choice(c.index, prefix + c.text, lp, c.finish_reason,
                                                          c.stop_reason))
-        return schemas.response(r.chat, self.id, self.created, r.model, choices, self.usage())
+        body = schemas.response(r.chat, self.id, self.created, r.model, choices, self.usage())
+        if r.prompt_logprobs is not None:  # vLLM's places: on each completion choice, once on a chat response
+            plp = [schemas.prompt_logprobs(tok, r.prompts[c.prompt_index], c.prompt_logprobs, c.prompt_logprob_ranks)
+                   for c in self.choices]
+            if r.chat:
+                body["prompt_logprobs"] = plp[0]
+            else:
+                for choice, entry in zip(choices, plp, strict=True):
+                    choice["prompt_logprobs"] = entry
+        return body
 
     def _completion_logprobs(self, c: _Choice, ids: list[int], lps: list, *, echo: bool, offset: int):
         if self.req.top_logprobs is None:

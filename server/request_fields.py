@@ -20,7 +20,7 @@ log = logging.getLogger("jinfer.server")
 
 _COMMON = frozenset({
     "model", "stream", "stream_options", "best_of", "stop", "stop_token_ids", "logprobs", "max_tokens",
-    "tools", "tool_choice",  # completions reads them to refuse them
+    "prompt_logprobs", "tools", "tool_choice",  # (completions reads the tools ones to refuse them)
     "response_format", "structured_outputs", "guided_whitespace_pattern", *GUIDED, *_SAMPLING_FIELDS, *_UNSUPPORTED,
 })
 COMPLETION_FIELDS = _COMMON | {"prompt", "echo"}

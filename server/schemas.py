@@ -63,6 +63,25 @@ def chat_logprobs(tokenizer: Any, token_ids: list[int], lps: list[TokenLogprobs]
     return {"content": content}
 
 
+def prompt_logprobs(tokenizer: Any, prompt: list[int], lps: list[TokenLogprobs | None] | None,
+                    ranks: list[int | None] | None) -> list[dict[str, dict[str, Any]] | None]:
+    """vLLM's `prompt_logprobs`: per prompt token (the first null) {token id: {logprob, rank, decoded_token}}, the
+    prompt's own token first (its rank among the whole vocabulary), then the top N (ranks 1..N)."""
+    lps = lps or [None] * len(prompt)
+    ranks = ranks or [None] * len(prompt)
+    out: list[dict[str, dict[str, Any]] | None] = []
+    for tid, lp, rank in zip(prompt, lps, ranks, strict=True):
+        if lp is None:
+            out.append(None)
+            continue
+        entry = {str(tid): {"logprob": _finite(lp.get(tid)), "rank": rank, "decoded_token": token_text(tokenizer, tid)}}
+        top = sorted(lp.items(), key=lambda kv: -kv[1])
+        entry.update((str(t), {"logprob": _finite(v), "rank": k, "decoded_token": token_text(tokenizer, t)})
+                     for k, (t, v) in enumerate(top, 1) if t != tid)
+        out.append(entry)
+    return out
+
+
 # ---- full responses ---------------------------------------------------------------------------------
 
 

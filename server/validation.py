@@ -49,6 +49,17 @@ class GenerationRequest:
     reasoning: str | None = None  # the reasoning parser that splits the output (server/reasoning.py)
     # the engine's field names -> this endpoint's (an engine refusal's "param": chat's "messages" for "prompt")
     param_names: dict[str, str] = field(default_factory=dict)
+    prompt_logprobs: int | None = None  # vLLM's request field: the prompt tokens' logprobs in the response
+
+
+def _prompt_logprobs(body: dict[str, Any], kw: dict[str, Any], names: dict[str, str]) -> int | None:
+    """vLLM's `prompt_logprobs` field (N top logprobs per prompt token, -1: the whole vocabulary is refused): into
+    the sampling parameters (the larger of it and an echo's `logprobs`), the field an engine refusal names."""
+    n = _typed(body, "prompt_logprobs", _INT)
+    if n is not None:
+        kw["prompt_logprobs"] = max(n, kw.get("prompt_logprobs") or 0)
+        names.pop("prompt_logprobs", None)
+    return n
 
 
 # name -> (JSON types accepted, description for the error message)
@@ -218,9 +229,10 @@ def parse_completion(body: Any, ctx: ServingContext) -> GenerationRequest:
     if echo and logprobs is not None:  # the echoed prompt tokens' logprobs (the first one null)
         kw["prompt_logprobs"] = logprobs
     names = {"prompt_logprobs": "logprobs"}
+    plp = _prompt_logprobs(body, kw, names)
     params = _build_params(_with_generation_defaults(body, kw, ctx, ids), names)
     return GenerationRequest(False, model, ids, list(texts), params, stream, include_usage, echo, logprobs,
-                             echo_only=echo_only, param_names=names)
+                             echo_only=echo_only, param_names=names, prompt_logprobs=plp)
 
 
 _TEMPLATE_OWN = frozenset({"messages", "tools", "documents", "add_generation_prompt"})  # set by the server
@@ -297,8 +309,9 @@ def parse_chat(body: Any, ctx: ServingContext) -> GenerationRequest:
     kw = _sampling_kwargs(body, max_tokens, top, forced or structured)
     if tool_plan is not None and tool_plan.parser == "mistral" and body.get("skip_special_tokens") is None:
         kw["skip_special_tokens"] = False  # [TOOL_CALLS] is a special token: the parser must see it (as in vLLM)
+    plp = _prompt_logprobs(body, kw, names)
     params = _build_params(_with_generation_defaults(body, kw, ctx, [ids]), names)
     # a grammar-constrained output has no think block (the grammar holds from its first token)
     reasoning = ctx.reasoning_parser if forced is None and structured is None else None
     return GenerationRequest(True, model, [ids], [text], params, stream, include_usage, False, top, tools=tool_plan,
-                             param_names=names, reasoning=reasoning)
+                             param_names=names, reasoning=reasoning, prompt_logprobs=plp)

@@ -157,6 +157,22 @@ def test_echo_prompt_logprobs_match_generation_logprobs(client, tokenizer):
     np.testing.assert_allclose(lp.token_logprobs[len(prompt):], gen.choices[0].logprobs.token_logprobs, atol=2e-3)
     assert all(v <= 0 for v in lp.token_logprobs[1:]) and all(len(t) in (2, 3) for t in lp.top_logprobs[1:])
 
+    # vLLM's `prompt_logprobs` field: the same values, with ranks and texts, on a completion choice and a chat response
+    full = prompt + gen_ids
+    r2 = client.completions.create(model=MODEL, prompt=full, max_tokens=1, extra_body={"prompt_logprobs": 1})
+    plp = r2.choices[0].model_extra["prompt_logprobs"]
+    assert plp[0] is None and len(plp) == len(full)
+    for i in range(1, len(full)):
+        own = plp[i][str(full[i])]
+        assert abs(own["logprob"] - lp.token_logprobs[i]) < 2e-3 and own["rank"] >= 1
+        assert own["decoded_token"] == tokenizer.decode([full[i]], skip_special_tokens=False)
+        assert any(v["rank"] == 1 for v in plp[i].values())
+    chat = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hi"}], max_tokens=1,
+                                          extra_body={"prompt_logprobs": 0})
+    chat_plp = chat.model_extra["prompt_logprobs"]
+    assert chat_plp[0] is None and len(chat_plp) == chat.usage.prompt_tokens
+    assert all(len(e) == 1 and next(iter(e.values()))["rank"] >= 1 for e in chat_plp[1:])
+
 
 def test_stop_strings(client):
     base = client.completions.create(model=MODEL, prompt="1, 2, 3, 4,", temperature=0, max_tokens=12)
