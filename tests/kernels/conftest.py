@@ -19,6 +19,16 @@ MODES = [
 ]
 
 
+def by_mode(interpret_cases, gpu_cases=None):
+    """Parameters "mode, *case" for both modes: the interpret cases (small shapes: the interpreter's cost is its
+    compiles, one per distinct shape) and the GPU cases (`interpret_cases` unless given: larger shapes cost the GPU
+    nothing), each a pytest.param with an id."""
+    gpu_marks = [pytest.mark.gpu, pytest.mark.skipif(not HAS_GPU, reason="no GPU")]
+    return ([pytest.param("interpret", *c.values, id=f"interpret-{c.id}", marks=c.marks) for c in interpret_cases]
+            + [pytest.param("gpu", *c.values, id=f"gpu-{c.id}", marks=[*c.marks, *gpu_marks])
+               for c in (interpret_cases if gpu_cases is None else gpu_cases)])
+
+
 def tolerance(dtype, mode: str) -> float:
     """atol = rtol for outputs of magnitude ~1: bf16 rounding, or TF32 dots for f32 on the GPU."""
     if dtype == jnp.bfloat16:

@@ -9,7 +9,7 @@ import pytest
 
 from jinfer.ops import ModelOps
 from pallas_kernels.linear_attention.causal_conv import causal_conv, causal_conv_reference, conv_reference
-from tests.kernels.conftest import MODES
+from tests.kernels.conftest import by_mode
 
 
 def problem(rng, lens, starts_at, C, K=4, dtype=jnp.float32, padding=0):
@@ -37,8 +37,10 @@ CASES = [
 ]
 
 
-@pytest.mark.parametrize("mode", MODES)
-@pytest.mark.parametrize("lens,starts_at,C,dtype,padding,bt,bc", CASES)
+# The interpreter (one compile per case) leaves out f32-decode: decode rows, first positions before the conv's
+# reach (1, 2) and past a ring's wrap (7), a partial last row block: all in f32-mixed-pad.
+@pytest.mark.parametrize("mode,lens,starts_at,C,dtype,padding,bt,bc",
+                         by_mode([c for c in CASES if c.id != "f32-decode"], CASES))
 def test_causal_conv_matches_reference(mode, lens, starts_at, C, dtype, padding, bt, bc):
     rng = np.random.default_rng(len(lens) * 31 + C)
     x, pool, w, seq, starts, qs, slots, positions = problem(rng, lens, starts_at, C, dtype=dtype, padding=padding)

@@ -21,8 +21,10 @@ from pallas_kernels.linear_attention.gated_delta_rule_chunked import (
     max_chunks,
 )
 from pallas_kernels.linear_attention.gated_delta_rule_common import recurrent_reference
-from tests.kernels.conftest import MODES
+from tests.kernels.conftest import MODES, by_mode
 from tests.kernels.test_gated_delta_rule import problem
+
+GPU_ONLY = [m for m in MODES if m.id == "gpu"]
 
 # (lens, fresh, hk, hv, dk, dv, dtype, padded T); a 0-length sequence is a padding sequence (not fresh: the
 # recurrent forms write its slot back unchanged, the chunked ones do not touch it)
@@ -30,6 +32,14 @@ CASES = [
     pytest.param([1, 63, 64, 65, 200, 0], [0, 1, 0, 1, 0, 0], 2, 4, 16, 32, jnp.float32, 400, id="varlen-f32-gqa2"),
     pytest.param([130, 5], [0, 0], 1, 2, 32, 16, jnp.float32, 135, id="continued-f32-gqa2"),
     pytest.param([70, 1, 1], [1, 0, 1], 2, 2, 16, 16, jnp.bfloat16, 80, id="mixed-bf16"),
+]
+# In the interpreter (one compile per case): every length class (1, 63, 64, 65, 200 rows: chunk boundaries, a
+# partial last chunk), fresh and continued, GQA 2, Dk < Dv, two value blocks, padding rows and a padding sequence
+# in float32 (varlen-f32-gqa2); bf16 activations (the intra-chunk parts stored in bf16) on a continued multi-chunk
+# sequence next to short fresh and continued ones, Dk > Dv, one value block (continued-bf16-gqa2).
+INTERPRET_CASES = [
+    CASES[0],
+    pytest.param([130, 1, 5], [0, 0, 1], 1, 2, 32, 16, jnp.bfloat16, 140, id="continued-bf16-gqa2"),
 ]
 
 
@@ -45,7 +55,7 @@ def assert_matches(o, s, o_ref, s_ref, args, before, lens, tol):
     np.testing.assert_array_equal(np.asarray(s)[untouched], before[untouched])
 
 
-@pytest.mark.parametrize("lens,fresh,hk,hv,dk,dv,dtype,T", CASES)
+@pytest.mark.parametrize("lens,fresh,hk,hv,dk,dv,dtype,T", INTERPRET_CASES)
 def test_chunked_reference_matches_recurrent(lens, fresh, hk, hv, dk, dv, dtype, T):
     args = problem(np.random.default_rng(sum(lens)), lens, fresh, hk, hv, dk, dv, dtype, T)
     o_ref, s_ref = recurrent_reference(*args)
@@ -53,8 +63,7 @@ def test_chunked_reference_matches_recurrent(lens, fresh, hk, hv, dk, dv, dtype,
     assert_matches(o, s, o_ref, s_ref, args, np.asarray(args[5]), lens, 1e-4)
 
 
-@pytest.mark.parametrize("mode", MODES)
-@pytest.mark.parametrize("lens,fresh,hk,hv,dk,dv,dtype,T", CASES)
+@pytest.mark.parametrize("mode,lens,fresh,hk,hv,dk,dv,dtype,T", by_mode(INTERPRET_CASES, CASES))
 def test_chunked_kernel_matches_recurrent_reference(mode, lens, fresh, hk, hv, dk, dv, dtype, T):
     args = problem(np.random.default_rng(sum(lens) + 1), lens, fresh, hk, hv, dk, dv, dtype, T)
     o_ref, s_ref = recurrent_reference(*args)
@@ -71,8 +80,8 @@ def test_chunked_kernel_matches_recurrent_reference(mode, lens, fresh, hk, hv, d
 def test_chunked_kernel_other_intra_paths(mode, intra, parts_dtype):
     """The recurrence fed by XLA's intra-chunk part, and by the kernel's kept in float32 (bf16 activations):
     both within float32 rounding of the token-by-token reference."""
-    lens, fresh = [70, 1, 130], [1, 0, 0]
-    args = problem(np.random.default_rng(11), lens, fresh, 2, 4, 16, 32, jnp.bfloat16, 208)
+    lens, fresh = ([70, 1, 130], [1, 0, 0]) if mode == "gpu" else ([70, 1], [1, 0])  # (interpreter: fewer chunks)
+    args = problem(np.random.default_rng(11), lens, fresh, 2, 4, 16, 32, jnp.bfloat16, 208 if mode == "gpu" else 72)
     o_ref, s_ref = recurrent_reference(*args)
     before = np.asarray(args[5]).copy()
     o, s = chunked_gated_delta_rule(*args, block_v=32, exact=True, intra=intra, parts_dtype=parts_dtype,
@@ -80,9 +89,11 @@ def test_chunked_kernel_other_intra_paths(mode, intra, parts_dtype):
     assert_matches(o, s, o_ref, s_ref, args, before, lens, 1e-4 if mode == "interpret" else 1e-2)
 
 
-@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("mode", GPU_ONLY)
 def test_chunked_kernel_leaves_short_sequences_alone(mode):
-    """min_len = 64: the 1- and 63-row sequences get zero outputs and keep their slots as they were."""
+    """min_len = 64: the 1- and 63-row sequences get zero outputs and keep their slots as they were. (In the
+    interpreter: test_pallas_dispatch_matches_reference, whose chunked call, min_len = 64, must leave the 1- and
+    63-row sequences' rows and slots to the recurrent kernel.)"""
     lens, fresh = [1, 63, 64, 200], [0, 1, 1, 0]
     args = problem(np.random.default_rng(3), lens, fresh, 2, 4, 16, 32, jnp.float32, 336)
     o_ref, s_ref = recurrent_reference(*args)
@@ -99,18 +110,22 @@ def test_chunked_kernel_leaves_short_sequences_alone(mode):
 @pytest.mark.parametrize("mode", MODES)
 def test_pallas_dispatch_matches_reference(mode):
     """The model's path: long sequences chunked, decode rows and short ones recurrent, in one step; and a
-    step too short for any chunk (recurrent only)."""
+    step too short for any chunk (recurrent only). In the interpreter the first step has a bf16 output (the
+    model's: both kernels write their own rows of one bf16 buffer; test_pallas_dispatch_bf16_output on the GPU)."""
     interpret = mode == "interpret"
     tol = 1e-4 if interpret else 1e-2
     for lens, fresh, T in [([1, 100, 1, 63, 64], [0, 1, 0, 0, 0], 240), ([3, 1], [1, 0], 8)]:
         args = problem(np.random.default_rng(len(lens)), lens, fresh, 2, 4, 16, 32, jnp.float32, T)
         o_ref, s_ref = recurrent_reference(*args)
         before = np.asarray(args[5]).copy()
-        o, s = jax.jit(partial(gated_delta_rule, backend="pallas", interpret=interpret))(*args)
-        assert_matches(o, s, o_ref, s_ref, args, before, lens, tol)
+        out_dtype = jnp.bfloat16 if interpret and T > 8 else jnp.float32
+        o, s = jax.jit(partial(gated_delta_rule, backend="pallas", interpret=interpret, out_dtype=out_dtype))(*args)
+        assert o.dtype == out_dtype
+        assert_matches(o.astype(jnp.float32), s, o_ref, s_ref, args, before, lens,
+                       1e-2 if out_dtype == jnp.bfloat16 else tol)
 
 
-@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("mode", GPU_ONLY)  # interpreter: test_pallas_dispatch_matches_reference
 def test_pallas_dispatch_bf16_output(mode):
     """out_dtype=bf16 (the model's): both kernels write their own rows of one bf16 buffer (no float32 o through
     HBM); the rows as the reference's rounded to bf16, padding rows zeros."""
@@ -127,22 +142,27 @@ def test_pallas_dispatch_bf16_output(mode):
 @pytest.mark.parametrize("mode", MODES)
 def test_pallas_dispatch_packed_heads(mode):
     """q|k|v packed in one [T, 2 Hk + Hv, D] array (the model's conv output, read in place by the recurrent and
-    intra-chunk kernels at head offsets): the same outputs and slots as with three arrays; a wrong packing
-    (k heads first) differs."""
+    intra-chunk kernels at head offsets): the same outputs and slots as with three arrays (GPU), as the reference
+    (interpreter: one compile less); a wrong packing (k heads first) differs."""
     interpret = mode == "interpret"
     lens, fresh = [1, 100, 1, 63, 64], [0, 1, 0, 0, 0]
     args = problem(np.random.default_rng(5), lens, fresh, 2, 4, 16, 16, jnp.bfloat16, 240)
     q, k, v, rest = args[0], args[1], args[2], args[3:]
     run = jax.jit(partial(gated_delta_rule, backend="pallas", interpret=interpret, out_dtype=jnp.bfloat16),
                   static_argnames="packed_k_heads")
-    o, s = run(q, k, v, *rest[:2], jnp.array(rest[2]), *rest[3:])
+    before = np.asarray(args[5]).copy()
     o_p, s_p = run(jnp.concatenate([q, k, v], axis=1), None, None, *rest[:2], jnp.array(rest[2]), *rest[3:],
                    packed_k_heads=2)
-    np.testing.assert_array_equal(np.asarray(o_p, np.float32), np.asarray(o, np.float32))
-    np.testing.assert_array_equal(np.asarray(s_p), np.asarray(s))
+    if interpret:
+        o, s = recurrent_reference(*args)
+        assert_matches(o_p.astype(jnp.float32), s_p, o, s, args, before, lens, 1e-2)
+    else:
+        o, s = run(q, k, v, *rest[:2], jnp.array(rest[2]), *rest[3:])
+        np.testing.assert_array_equal(np.asarray(o_p, np.float32), np.asarray(o, np.float32))
+        np.testing.assert_array_equal(np.asarray(s_p), np.asarray(s))
     o_w, _ = run(jnp.concatenate([k, q, v], axis=1), None, None, *rest[:2], jnp.array(rest[2]), *rest[3:],
                  packed_k_heads=2)
-    assert not np.array_equal(np.asarray(o_w, np.float32), np.asarray(o, np.float32))
+    assert not np.array_equal(np.asarray(o_w, np.float32), np.asarray(o_p, np.float32))
     with pytest.raises(ValueError, match="packed"):
         gated_delta_rule(q, k, None, *rest, backend="pallas", interpret=True, packed_k_heads=2)
 
@@ -186,13 +206,14 @@ def test_chunked_kernel_lowers_for_cuda():
 
 def test_strong_decays_stay_finite():
     """Decays up to e^-40 per row (A_log large): the cumulative log-decay over a chunk reaches -2500; every
-    exponent in the chunked form is <= 0, so nothing overflows and the result is still the recurrent one."""
-    lens, fresh = [150, 64], [0, 1]
-    args = list(problem(np.random.default_rng(5), lens, fresh, 2, 4, 16, 32, jnp.float32))
+    exponent in the chunked form is <= 0, so nothing overflows and the result is still the recurrent one. (The
+    shapes and arguments of the varlen-f32-gqa2 case: its compile is reused.)"""
+    lens, fresh = [150, 64, 1, 63, 65, 0], [0, 1, 0, 1, 0, 0]
+    args = list(problem(np.random.default_rng(5), lens, fresh, 2, 4, 16, 32, jnp.float32, 400))
     args[3] = args[3] * 20  # g in (-40, -0.2)
     o_ref, s_ref = recurrent_reference(*args)
     before = np.asarray(args[5]).copy()
-    o, s = chunked_gated_delta_rule(*args, block_v=32, exact=True, interpret=True)
+    o, s = chunked_gated_delta_rule(*args, block_v=16, exact=True, interpret=True)
     assert np.isfinite(np.asarray(o)).all() and np.isfinite(np.asarray(s)).all()
     assert_matches(o, s, o_ref, s_ref, args, before, lens, 1e-4)
 

@@ -18,7 +18,7 @@ from pallas_kernels.linear_attention.gated_delta_rule_decode import (
     gates,
 )
 from pallas_kernels.linear_attention.gated_rms_norm import gated_rms_norm_reference
-from tests.kernels.conftest import MODES
+from tests.kernels.conftest import by_mode
 
 
 def problem(rng, B, fresh, hk, hv, dk, dv, dtype, taps=4, num_slots=None, padding=0):
@@ -58,9 +58,17 @@ CASES = [
 ]
 
 
-@pytest.mark.parametrize("mode", MODES)
-@pytest.mark.parametrize("block_v", [None, "whole", 16], ids=["block_v-default", "block_v-whole", "block_v-16"])
-@pytest.mark.parametrize("B,fresh,hk,hv,dk,dv,dtype,padding,norm", CASES)
+BLOCKS = [(None, "block_v-default"), ("whole", "block_v-whole"), (16, "block_v-16")]
+GPU_CASES = [pytest.param(bv, *c.values, id=f"{bid}-{c.id}") for c in CASES for bv, bid in BLOCKS]
+# The interpreter (one compile per case) takes each block count once (at these small dims the default block is the
+# whole head, Dv <= 128 * 128 / Dk): two blocks of 16 (f32, GQA 2, padding rows, gated norm); the default, one block
+# (f32, one head each, no norm); four blocks of 16, each block's load inside the loop (bf16, GQA 4, padding rows,
+# gated norm).
+INTERPRET_CASES = [pytest.param(bv, *CASES[i].values, id=f"{bid}-{CASES[i].id}")
+                   for i, (bv, bid) in enumerate([BLOCKS[2], BLOCKS[0], BLOCKS[2]])]
+
+
+@pytest.mark.parametrize("mode,block_v,B,fresh,hk,hv,dk,dv,dtype,padding,norm", by_mode(INTERPRET_CASES, GPU_CASES))
 def test_fused_decode_matches_reference(mode, block_v, B, fresh, hk, hv, dk, dv, dtype, padding, norm):
     """Every block size: one block (the whole head), the default two, and 16 columns (up to four blocks, each
     block's load issued inside the loop over blocks)."""

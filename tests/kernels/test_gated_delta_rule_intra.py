@@ -15,7 +15,7 @@ import pytest
 
 from pallas_kernels.linear_attention.gated_delta_rule_chunked import CHUNK, chunk_layout, max_chunks
 from pallas_kernels.linear_attention.gated_delta_rule_intra import OUTPUTS, intra_chunk, intra_chunk_pallas
-from tests.kernels.conftest import MODES
+from tests.kernels.conftest import MODES, by_mode
 from tests.kernels.test_gated_delta_rule import problem
 
 
@@ -41,26 +41,32 @@ CASES = [
 ]
 
 
-@pytest.mark.parametrize("mode", MODES)
-@pytest.mark.parametrize("diag_inverse", ["products", "substitution"])
-@pytest.mark.parametrize("lens,hk,hv,dk,dv,dtype,T", CASES)
-def test_intra_kernel_matches_jnp(mode, diag_inverse, lens, hk, hv, dk, dv, dtype, T):
+GPU_CASES = [pytest.param(di, 1, *c.values, id=f"{di}-{c.id}") for di in ["products", "substitution"] for c in CASES]
+# The interpreter (one compile per case) takes each way of inverting once, and two value heads of a key head per
+# program (the key-side work shared; test_intra_kernel_heads_per_program on the GPU) on the GQA case.
+INTERPRET_CASES = [pytest.param("products", 2, *CASES[0].values, id=f"products-hpp2-{CASES[0].id}"),
+                   pytest.param("substitution", 1, *CASES[1].values, id=f"substitution-{CASES[1].id}")]
+
+
+@pytest.mark.parametrize("mode,diag_inverse,heads,lens,hk,hv,dk,dv,dtype,T", by_mode(INTERPRET_CASES, GPU_CASES))
+def test_intra_kernel_matches_jnp(mode, diag_inverse, heads, lens, hk, hv, dk, dv, dtype, T):
     q, k, v, g, beta = problem(np.random.default_rng(len(lens) + T), lens, [1] * len(lens), hk, hv, dk, dv, dtype,
                                T)[:5]
     rows, used = layout_rows(lens, T)
     want = intra_chunk(q, k, v, g, beta, rows)
-    got = intra_chunk_pallas(q, k, v, g, beta, rows, exact=True, diag_inverse=diag_inverse,
+    got = intra_chunk_pallas(q, k, v, g, beta, rows, exact=True, diag_inverse=diag_inverse, heads_per_program=heads,
                              interpret=mode == "interpret")
     assert got["w"].dtype == dtype and got["dl"].dtype == jnp.float32  # stored in the activations' dtype
     tol = 1e-2 if dtype == jnp.bfloat16 else (1e-5 if mode == "interpret" else 1e-3)
     assert_parts_match(got, want, used, tol)
 
 
-@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("mode", [m for m in MODES if m.id == "gpu"])
 @pytest.mark.parametrize("heads", [2, 4])
 def test_intra_kernel_heads_per_program(mode, heads):
     """Several value heads of one key head per program (the key-side work shared): the same parts as one head
-    per program, exactly (the same float32 operations), and as the reference."""
+    per program, exactly (the same float32 operations), and as the reference. (Interpreter: the products-hpp2 case
+    of test_intra_kernel_matches_jnp; heads_per_program=3 refused: test_intra_argument_checks.)"""
     lens, hk, hv, dk, dv, T = [70, 9], 2, 8, 16, 32, 80
     q, k, v, g, beta = problem(np.random.default_rng(9), lens, [1, 1], hk, hv, dk, dv, jnp.float32, T)[:5]
     rows, used = layout_rows(lens, T)
@@ -76,11 +82,13 @@ def test_intra_kernel_heads_per_program(mode, heads):
 @pytest.mark.parametrize("mode", MODES)
 def test_intra_kernel_hard_cases(mode):
     """Decays up to e^-40 per row (every exponent stays <= 0: nothing overflows) and, separately, correlated keys
-    with beta near 1 and almost no decay (L's entries near 1: (I + L)^-1 has huge entries that cancel)."""
-    lens, T = [150, 64], 214
-    q, k, v, g, beta = problem(np.random.default_rng(7), lens, [1, 1], 2, 4, 16, 32, jnp.float32, T)[:5]
+    with beta near 1 and almost no decay (L's entries near 1: (I + L)^-1 has huge entries that cancel). (The shapes
+    and arguments of the products-hpp2 case of test_intra_kernel_matches_jnp: its compile is reused.)"""
+    lens, T = [1, 70, 128], 199
+    q, k, v, g, beta = problem(np.random.default_rng(7), lens, [1] * 3, 2, 4, 16, 32, jnp.float32, T)[:5]
     rows, used = layout_rows(lens, T)
-    run = partial(intra_chunk_pallas, exact=True, interpret=mode == "interpret")
+    run = partial(intra_chunk_pallas, exact=True, diag_inverse="products", heads_per_program=2,
+                  interpret=mode == "interpret")
     tol = 1e-5 if mode == "interpret" else 1e-3
     strong = g * 20
     # |gc| reaches ~2500 within a chunk: the reference's exp(gc_last - gc) from differences of its cumsum is off
@@ -97,12 +105,13 @@ def test_intra_kernel_hard_cases(mode):
 
 
 def test_intra_kernel_breaks_when_the_solve_does():
-    """The comparison can fail: a kernel given the wrong chunk rows (shifted by one) does not match."""
-    lens, T = [100], 100
-    q, k, v, g, beta = problem(np.random.default_rng(1), lens, [1], 1, 2, 16, 16, jnp.float32, T)[:5]
+    """The comparison can fail: a kernel given the wrong chunk rows (shifted by one) does not match. (The shapes
+    and arguments of the products-hpp2 case of test_intra_kernel_matches_jnp: its compile is reused.)"""
+    lens, T = [1, 70, 128], 199
+    q, k, v, g, beta = problem(np.random.default_rng(1), lens, [1] * 3, 2, 4, 16, 32, jnp.float32, T)[:5]
     rows, used = layout_rows(lens, T)
     got = intra_chunk_pallas(q, k, v, g, beta, jnp.where(rows < T, jnp.minimum(rows + 1, T - 1), T), exact=True,
-                             interpret=True)
+                             diag_inverse="products", heads_per_program=2, interpret=True)
     with pytest.raises(AssertionError):
         assert_parts_match(got, intra_chunk(q, k, v, g, beta, rows), used, 1e-2)
 
@@ -114,6 +123,8 @@ def test_intra_argument_checks():
         intra_chunk_pallas(q, k, v, g, beta, rows, interpret=True)
     with pytest.raises(ValueError, match="diag_inverse"):
         intra_chunk_pallas(q, k, v, g, beta, rows[:, :32], diag_inverse="lu", interpret=True)
+    with pytest.raises(ValueError, match="heads_per_program"):  # 2 value heads per key head
+        intra_chunk_pallas(q, k, v, g, beta, rows[:, :32], heads_per_program=3, interpret=True)
     q8, k8 = q[..., :8], k[..., :8]
     with pytest.raises(ValueError, match=">= 16"):
         intra_chunk_pallas(q8, k8, v, g, beta, rows[:, :32], interpret=True)

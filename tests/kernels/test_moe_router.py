@@ -10,7 +10,7 @@ import pytest
 
 from pallas_kernels.moe.moe_router import MAX_TOKENS, moe_norm_route, moe_norm_router_reference
 from pallas_kernels.moe.moe_routing import moe_route_reference
-from tests.kernels.conftest import MODES, lower_for_cuda
+from tests.kernels.conftest import by_mode, lower_for_cuda
 from tests.kernels.test_moe_routing import check_layout
 
 
@@ -67,8 +67,10 @@ def _mask_out(lg, ids):
     return keep
 
 
-@pytest.mark.parametrize("mode", MODES)
-@pytest.mark.parametrize("tokens,hidden,experts,top_k,block_m,renormalize,dtype", FRONT_CASES)
+# The interpreter (one compile per case) leaves out qwen3-30b-a3b-b1 (Qwen3-30B-A3B's shapes: the b8 case; a token
+# tile mostly padding: f32-8-experts' 3 tokens, t37's last tile).
+@pytest.mark.parametrize("mode,tokens,hidden,experts,top_k,block_m,renormalize,dtype",
+                         by_mode([c for c in FRONT_CASES if c.id != "qwen3-30b-a3b-b1"], FRONT_CASES))
 def test_norm_route_matches_xla(mode, tokens, hidden, experts, top_k, block_m, renormalize, dtype):
     x, norm, router = inputs(tokens, hidden, experts, dtype)
     counters = jnp.zeros((16,), jnp.int32)
@@ -81,7 +83,9 @@ def test_norm_route_matches_xla(mode, tokens, hidden, experts, top_k, block_m, r
     assert not np.asarray(counters).any(), "the kernel must leave its counter zero"
 
 
-@pytest.mark.parametrize("block_e,block_k,k_splits", [(16, 16, 1), (16, 64, 4), (32, 128, 2), (64, 16, 16)])
+# The extremes: the smallest tiles unsplit (several expert blocks, 64 K steps), one block of all 64 experts with
+# 16 K splits of 64 columns. ((16, 64, 4) and (32, 128, 2) lie between them.)
+@pytest.mark.parametrize("block_e,block_k,k_splits", [(16, 16, 1), (64, 16, 16)])
 def test_norm_route_tilings_agree(block_e, block_k, k_splits):
     x, norm, router = inputs(5, 1024, 64, jnp.float32)
     kw = dict(top_k=4, renormalize=True, block_m=16, eps=1e-6, interpret=True)
@@ -100,11 +104,12 @@ def test_norm_route_chained_calls_share_counters():
     routing unwritten)."""
     kw = dict(top_k=2, renormalize=True, block_m=16, eps=1e-6, interpret=True)
     counters = jnp.zeros((2,), jnp.int32)
-    for seed in range(3):
-        x, norm, router = inputs(2 + seed, 128, 16, jnp.float32)
+    x, norm, router = inputs(3, 128, 16, jnp.float32)
+    for seed in range(3):  # one shape (one compile), other inputs each time
+        x, norm, router = (a * (1 + 0.5 * seed) if a.ndim == 2 else a for a in (x, norm, router[:, ::-1]))
         h, r, counters = moe_norm_route(x, norm, router, counters, **kw)
         _, logits_ref, ref = front_reference(x, norm, router, top_k=2, renormalize=True, block_m=16)
-        check_routing_matches(r, ref, logits_ref, 2 + seed, 16, 2, 16)
+        check_routing_matches(r, ref, logits_ref, 3, 16, 2, 16)
     assert not np.asarray(counters).any()
 
 

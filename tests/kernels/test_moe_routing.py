@@ -14,7 +14,7 @@ from pallas_kernels.moe.moe_routing import (
     num_blocks,
     topk_routing,
 )
-from tests.kernels.conftest import MODES, lower_for_cuda
+from tests.kernels.conftest import by_mode, lower_for_cuda
 
 CASES = [  # tokens, experts, top_k, block_m, renormalize
     pytest.param(1, 128, 8, 16, True, id="decode-b1"),
@@ -44,8 +44,10 @@ def check_layout(r, tokens: int, experts: int, top_k: int, block_m: int) -> None
     assert (np.diff(w, axis=1) <= 1e-7).all(), "experts best first"
 
 
-@pytest.mark.parametrize("mode", MODES)
-@pytest.mark.parametrize("tokens,experts,top_k,block_m,renormalize", CASES)
+# The interpreter (one compile per case) leaves out decode-b16 (a full 16-token tile of 128 experts: b64-m64's
+# 64 tokens fill theirs; a padded tile: decode-b1, e60-k4).
+@pytest.mark.parametrize("mode,tokens,experts,top_k,block_m,renormalize",
+                         by_mode([c for c in CASES if c.id != "decode-b16"], CASES))
 def test_route_matches_reference(mode, tokens, experts, top_k, block_m, renormalize):
     logits = jax.random.normal(jax.random.key(tokens * experts + top_k), (tokens, experts), jnp.float32) * 2
     r = moe_route(logits, top_k=top_k, renormalize=renormalize, block_m=block_m, interpret=mode == "interpret")

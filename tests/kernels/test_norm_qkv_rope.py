@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from pallas_kernels.dense.norm_qkv_rope import check_supported, norm_qkv_rope_write, norm_qkv_rope_write_reference
-from tests.kernels.conftest import HAS_GPU, MODES, assert_close, assert_unwritten_rows_kept
+from tests.kernels.conftest import HAS_GPU, MODES, assert_close, assert_unwritten_rows_kept, by_mode
 from tests.kernels.test_qkv_rope import _inputs as qkv_rope_inputs
 
 # (tokens, hidden, heads, kv_heads, head_dim, page_size, qk_norm, dtype)
@@ -31,9 +31,15 @@ def _inputs(rng, tokens, hidden, heads, kv_heads, dim, page_size, qk_norm, dtype
     return x, norm, w, *rest
 
 
-@pytest.mark.parametrize("mode", MODES)
-@pytest.mark.parametrize("splits", [1, 2, 4])
-@pytest.mark.parametrize("tokens,hidden,heads,kv_heads,dim,page_size,qk_norm,dtype", CASES)
+GPU_CASES = [pytest.param(splits, *c.values, id=f"{c.id}-splits{splits}") for splits in (1, 2, 4) for c in CASES]
+# The interpreter (one compile per case) takes each case once, at the most K splits its hidden size allows (64-wide
+# K tiles): split-K with 2 (t1) and 4 (t3) splits, the plain launch (t5, t17).
+INTERPRET_CASES = [pytest.param(splits, *c.values, id=f"{c.id}-splits{splits}")
+                   for splits, c in zip([2, 1, 1, 4], CASES, strict=True)]
+
+
+@pytest.mark.parametrize("mode,splits,tokens,hidden,heads,kv_heads,dim,page_size,qk_norm,dtype",
+                         by_mode(INTERPRET_CASES, GPU_CASES))
 def test_matches_reference(mode, splits, tokens, hidden, heads, kv_heads, dim, page_size, qk_norm, dtype):
     if hidden % (64 * splits):
         pytest.skip("K tiles do not split evenly")
@@ -100,15 +106,20 @@ def _chain(args, layers, counters, splits, interpret, reference=False):
     return run(x0, k0, v0, counters)
 
 
-@pytest.mark.parametrize("mode", MODES)
-@pytest.mark.parametrize("tokens,splits", [(1, 2), (33, 4), (64, 2)])
+LAYER_CASES = [pytest.param(1, 2, id="1-2"), pytest.param(33, 4, id="33-4"), pytest.param(64, 2, id="64-2")]
+
+
+# The interpreter: two layers (the second finds the counters the first left) at 33 tokens (several token blocks) and
+# 4 splits; split-K at 1 and 3 tokens (2 and 4 splits): test_matches_reference's t1 and t3 cases.
+@pytest.mark.parametrize("mode,tokens,splits", by_mode(LAYER_CASES[1:2], LAYER_CASES))
 def test_split_k_layers_share_one_counter_buffer(mode, tokens, splits):
     """Layers chained through one counters buffer (as `ModelOps.step_counters` is used): every layer's q and the
     caches match the reference, and the counters come back zero."""
     rng = np.random.default_rng(tokens)
     args = _inputs(rng, tokens, 256, 4, 2, 64, 16, True, jnp.float32, num_pages=tokens // 16 + 3)
-    q, kc, vc, cnt = _chain(args, 3, jnp.zeros((64,), jnp.int32), splits, mode == "interpret")
-    rq, rk, rv, _ = _chain(args, 3, None, None, mode == "interpret", reference=True)
+    layers = 2 if mode == "interpret" else 3
+    q, kc, vc, cnt = _chain(args, layers, jnp.zeros((64,), jnp.int32), splits, mode == "interpret")
+    rq, rk, rv, _ = _chain(args, layers, None, None, mode == "interpret", reference=True)
     np.testing.assert_array_equal(np.asarray(cnt), 0)
     for got, want in ((q, rq), (kc, rk), (vc, rv)):
         assert_close(got, want, jnp.float32, mode)

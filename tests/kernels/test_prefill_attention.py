@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from pallas_kernels.attention.prefill_attention import ragged_prefill_attention, ragged_prefill_attention_reference
-from tests.kernels.conftest import MODES, assert_close, paged_kv
+from tests.kernels.conftest import MODES, assert_close, by_mode, paged_kv
 
 # seqs: (new tokens, context length incl. them); (0, 0) is a padding sequence
 CASES = [
@@ -32,8 +32,10 @@ def _batch(rng, seqs, pad_tokens, page_size, heads, kv_heads, dim, dtype):
     return q, k, v, query_start, jnp.asarray([c for _, c in seqs], jnp.int32), table
 
 
-@pytest.mark.parametrize("mode", MODES)
-@pytest.mark.parametrize("page_size,heads,kv_heads,dim,dtype,seqs,pad,block_q", CASES)
+# The interpreter (one compile per case) leaves out p16-g4-d128-bf16: pages of 16, GQA 4, head_dim 128 in bf16 with
+# chunks after cached tokens, decodes and padding tokens are test_prefill_long_chunk's.
+@pytest.mark.parametrize("mode,page_size,heads,kv_heads,dim,dtype,seqs,pad,block_q",
+                         by_mode([c for c in CASES if c.id != "p16-g4-d128-bf16"], CASES))
 def test_prefill_matches_reference(mode, page_size, heads, kv_heads, dim, dtype, seqs, pad, block_q):
     rng = np.random.default_rng(len(seqs) * 100 + dim + page_size)
     q, k, v, qs, lens, table = _batch(rng, seqs, pad, page_size, heads, kv_heads, dim, dtype)
