@@ -17,6 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+import pallas_kernels.moe.moe_router as moe_router
 from jinfer.config.kernels import KernelPolicy
 from jinfer.models.batch import make_batch
 from jinfer.models.registry import forward, fuse_qkv
@@ -73,18 +74,49 @@ OPS = {"ref": REFERENCE_OPS, "pallas": ModelOps("pallas", interpret=jax.default_
 
 
 ARCHS = ("llama", "qwen2", "qwen3", "qwen3_moe")
+# Kernel policies beyond the defaults, each on one Pallas case (the defaults stay on the others and in the engines):
+# qwen3: the norm + q|k|v kernel's idle programs read half of the o weight into L2 (`prefetch_o`); qwen3_moe: a MoE
+# block's norm + router + routing as one Pallas kernel (`moe_norm_route`) for every step it takes, prefill chunks
+# too (`moe_front_max_tokens`; at the default, steps of more than 8 tokens take the separate kernels, as in
+# tests/models/test_moe_engine.py's Pallas engine).
+POLICIES = {"qwen3": dict(prefetch_o=0.5), "qwen3_moe": dict(moe_front_max_tokens=moe_router.MAX_TOKENS)}
+
+
+def make_step(arch, ops):
+    """The model's weights (q/k/v fused for the Pallas kernels, as the engine does on one device) and its jitted step,
+    with the arch's kernel policy on the Pallas case."""
+    cfg, w, gold = load(arch)
+    ops = OPS[ops]
+    if ops.backend == "pallas":
+        w = fuse_qkv(cfg, w)
+        if arch in POLICIES:
+            ops = replace(ops, policy=KernelPolicy(**POLICIES[arch]))
+    return cfg, w, gold, jax.jit(partial(forward, cfg=cfg, ops=ops), donate_argnames=("kv_cache",))
 
 
 @pytest.fixture(scope="module", params=[pytest.param((a, o), id=f"{a}-{o}", marks=[pytest.mark.slow] * (o == "pallas"))
                                         for a in ARCHS for o in OPS])
 def model(request):
     arch, ops = request.param
-    cfg, w, gold = load(arch)
+    cfg, w, gold, step = make_step(arch, ops)
     if ops == "pallas":  # also covers the fused q/k/v projection the engine uses on one device
-        w = fuse_qkv(cfg, w)
         assert w.layers[0].wq is None and w.layers[0].wqkv is not None
-    step = jax.jit(partial(forward, cfg=cfg, ops=OPS[ops]), donate_argnames=("kv_cache",))
     return cfg, w, gold, step
+
+
+@pytest.mark.parametrize("arch", POLICIES)
+def test_kernel_policy_took_effect(arch):
+    """The policies above changed the kernels the Pallas step runs (its jaxpr, traced only): the o prefetch in the
+    norm + q|k|v kernel, the fused MoE front on a decode step and on a prefill-bucket step."""
+    cfg, w, _, step = make_step(arch, "pallas")
+    decode = str(jax.make_jaxpr(step)(w, decode_batch(1, 20, scrambled_pages(0, 8)), empty_cache(cfg)))
+    if arch == "qwen3":
+        assert "_pf" in decode.split("norm_qkv_rope_write_k", 1)[1][:20]
+    else:
+        prefill = str(jax.make_jaxpr(step)(w, prefill_batch([(list(range(3, 40)), 0, scrambled_pages(0, 10))]),
+                                           empty_cache(cfg)))
+        assert moe_router.MAX_TOKENS >= PREFILL_TOKENS
+        assert "moe_norm_route" in decode and "moe_norm_route" in prefill
 
 
 def test_config_read_from_hf(model):
@@ -103,10 +135,12 @@ def test_config_read_from_hf(model):
         assert w.layers[1].router is None and w.layers[1].w_gate.shape == (64, 96)
 
 
-@pytest.mark.parametrize("i", [0, 1, 2])
-def test_prefill_and_every_decode_step_match_hf(model, i):
+def test_prefill_and_every_decode_step_match_hf(model):
+    """Every prompt with the reference ops; with the Pallas kernels (interpreted: their steps run slowly) the first
+    one's decodes, the others' prefills in the batched chunked prefill test."""
     cfg, w, gold, step = model
-    check_prompt_and_decodes(step, w, empty_cache(cfg), gold, i)
+    for i in range(3) if w.layers[0].wqkv is None else [0]:
+        check_prompt_and_decodes(step, w, empty_cache(cfg), gold, i)
 
 
 def test_batched_chunked_prefill_matches_hf(model):
@@ -147,36 +181,3 @@ def check_batched_chunked_prefill(step, w, kv, gold):
     got2 = np.concatenate([np.asarray(logits1[n0:n0 + cut]), np.asarray(logits2[n1:n1 + len(prompts[2]) - cut])])
     np.testing.assert_allclose(got2, gold["prefill_logits_2"], atol=ATOL, rtol=1e-4)
     np.testing.assert_allclose(np.asarray(logits2[:n1]), gold["prefill_logits_1"], atol=ATOL, rtol=1e-4)
-
-
-@pytest.mark.slow
-def test_moe_front_kernel_matches_hf(monkeypatch):
-    """A MoE block's norm + router + routing as one Pallas kernel (`moe_norm_route`, for steps of up to
-    `KernelPolicy.moe_front_max_tokens` tokens: here every step it takes, prefill chunks too): prefill, every decode
-    step and batched chunked prefill still match HF, and the kernel ran."""
-    import pallas_kernels.moe.moe_router as moe_router
-
-    policy = KernelPolicy(moe_front_max_tokens=moe_router.MAX_TOKENS)
-    cfg, w, gold = load("qwen3_moe")
-    w = fuse_qkv(cfg, w)
-    traced = []
-    real = moe_router.moe_norm_route
-    monkeypatch.setattr(moe_router, "moe_norm_route", lambda x, *a, **k: traced.append(x.shape[0]) or real(x, *a, **k))
-    ops = replace(OPS["pallas"], policy=policy)
-    step = jax.jit(partial(forward, cfg=cfg, ops=ops), donate_argnames=("kv_cache",))
-    check_prompt_and_decodes(step, w, empty_cache(cfg), gold, 0)
-    check_batched_chunked_prefill(step, w, empty_cache(cfg), gold)
-    assert 1 in traced and max(traced) > 1, traced  # decode steps and prefill chunks took the kernel
-
-
-def test_prefetch_o_matches_hf():
-    """The norm + q|k|v kernel's idle programs reading part of the o weight into L2 (`KernelPolicy.prefetch_o`, half
-    of it here): every decode step still matches HF, and the prefetch ran."""
-    cfg, w, gold = load("qwen3")
-    w = fuse_qkv(cfg, w)
-    ops = replace(OPS["pallas"], policy=KernelPolicy(prefetch_o=0.5))
-    step = jax.jit(partial(forward, cfg=cfg, ops=ops), donate_argnames=("kv_cache",))
-    batch = make_batch([([1], 20, scrambled_pages(0, 8))], PAGE, pages_per_seq=8)
-    kernels = str(jax.make_jaxpr(step)(w, batch, empty_cache(cfg)))
-    assert "_pf" in kernels.split("norm_qkv_rope_write_k", 1)[1][:20]
-    check_prompt_and_decodes(step, w, empty_cache(cfg), gold, 1)

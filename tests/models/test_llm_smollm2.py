@@ -62,17 +62,6 @@ def test_mixed_prompts_batch(llm):
     assert all(len(o.outputs[0].token_ids) <= 8 and o.outputs[0].text for o in outs)
 
 
-@pytest.mark.slow  # a process of its own: loads and compiles the model again
-def test_cli_generate_chat(default_gguf):
-    proc = subprocess.run([sys.executable, "-m", "server.cli", "generate", "--chat", "--dtype", "float32",
-                           "--max-model-len", "256", "--prompt", "What is the capital of France?"],
-                          capture_output=True, text=True, timeout=600)
-    log = "\n".join(line for line in proc.stderr.replace("\r", "\n").splitlines() if "loading " not in line)
-    assert proc.returncode == 0, log[-2000:]  # (without the weight-loading progress bar)
-    assert "Paris" in proc.stdout
-    assert "tokens/s" in proc.stderr
-
-
 def test_structured_outputs_offline(llm):
     """vLLM's offline shape: SamplingParams(structured_outputs=StructuredOutputsParams(...))."""
     import json
@@ -127,3 +116,17 @@ def test_stop_token_ids_drop_their_text_and_bad_words(llm):
                       use_tqdm=False)
     assert all(w not in r.outputs[0].text for r, w in zip(banned, ["Paris", "capital"]))
     assert banned[0].outputs[0].text.startswith("The capital of France is")
+
+
+@pytest.mark.slow  # a process of its own: loads the model again
+def test_cli_generate_chat(default_gguf, llm):
+    """Last in the module: the `llm` fixture's engine limits, so the process loads the executables the chat tests
+    compiled from the run's compilation cache instead of compiling them again."""
+    proc = subprocess.run([sys.executable, "-m", "server.cli", "generate", "--chat", "--dtype", "float32",
+                           "--max-model-len", "256", "--max-num-batched-tokens", "64", "--max-num-seqs", "8",
+                           "--prompt", "What is the capital of France?"],
+                          capture_output=True, text=True, timeout=600)
+    log = "\n".join(line for line in proc.stderr.replace("\r", "\n").splitlines() if "loading " not in line)
+    assert proc.returncode == 0, log[-2000:]  # (without the weight-loading progress bar)
+    assert "Paris" in proc.stdout
+    assert "tokens/s" in proc.stderr

@@ -15,6 +15,10 @@ import httpx
 
 ROOT = Path(__file__).resolve().parents[2]
 FAKE_CORE = "tests.server.fake_core:make_fake_core"
+# The default model's server for the end-to-end files (test_openai_e2e.py, test_structured_e2e.py): the same engine
+# limits, so each server loads the executables the other compiled from the run's compilation cache.
+SMOLLM2_ARGS = ["--dtype", "float32", "--max-model-len", "1024", "--max-num-batched-tokens", "256",
+                "--max-num-seqs", "32", "--no-warmup"]
 
 
 def free_port() -> int:

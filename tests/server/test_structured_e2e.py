@@ -12,7 +12,7 @@ import jsonschema
 import openai
 import pytest
 
-from tests.server.helpers import start_server
+from tests.server.helpers import SMOLLM2_ARGS, start_server
 
 MODEL = "SmolLM2-135M-Instruct"
 S, I = {"type": "string", "maxLength": 12}, {"type": "integer", "minimum": 0, "maximum": 100}
@@ -75,8 +75,7 @@ ASK = [{"role": "user", "content": "What is the weather in Paris?"}]
 @pytest.fixture(scope="module")
 def server(default_gguf, tmp_path_factory):
     tmp = tmp_path_factory.mktemp("structured")
-    args = ["--dtype", "float32", "--max-model-len", "1024", "--max-num-batched-tokens", "256", "--max-num-seqs", "32",
-            "--no-warmup", "--enable-auto-tool-choice", "--tool-call-parser", "hermes"]
+    args = [*SMOLLM2_ARGS, "--enable-auto-tool-choice", "--tool-call-parser", "hermes"]
     srv = start_server(args, tmp, timeout=900)
     yield srv
     srv.stop(signal.SIGTERM)
@@ -110,41 +109,53 @@ def test_json_schemas_all_parse_and_validate(server):
         jsonschema.validate(json.loads(choice.message.content), SCHEMAS[name][1])
 
 
-def test_regex_choice_grammar_and_json_object(server, client):
-    prompt = [{"role": "user", "content": "Write a phone number."}]
-    r = client.chat.completions.create(model=MODEL, messages=prompt, temperature=0, max_tokens=30,
-                                       extra_body={"guided_regex": r"\([0-9]{3}\) [0-9]{3}-[0-9]{4}"})
-    assert re.fullmatch(r"\([0-9]{3}\) [0-9]{3}-[0-9]{4}", r.choices[0].message.content)
+def test_regex_choice_grammar_and_json_object(server):
+    """Each kind of constraint once; the requests go out together (they share engine steps)."""
+    phone = r"\([0-9]{3}\) [0-9]{3}-[0-9]{4}"
     choices = ["Paris", "London", "Berlin"]
-    r = client.chat.completions.create(model=MODEL, messages=ASK, temperature=0.8, n=3, seed=1, max_tokens=10,
-                                       extra_body={"guided_choice": choices})
-    assert all(c.message.content in choices and c.finish_reason == "stop" for c in r.choices)
     # completions: vLLM's structured_outputs object, a Lark grammar and a GBNF one
     lark = 'start: "SELECT " col ("," col)? " FROM " tbl\ncol: "id" | "name"\ntbl: "users" | "orders"'
-    r = client.completions.create(model=MODEL, prompt="A SQL query:", temperature=0, max_tokens=30,
-                                  extra_body={"structured_outputs": {"grammar": lark}})
-    assert re.fullmatch(r"SELECT (id|name)(,(id|name))? FROM (users|orders)", r.choices[0].text)
     gbnf = 'root ::= "The answer is " [0-9]+ "."'
-    r = client.completions.create(model=MODEL, prompt="2 + 2 =", temperature=0, max_tokens=12,
-                                  extra_body={"guided_grammar": gbnf})
-    assert re.fullmatch(r"The answer is [0-9]+\.", r.choices[0].text), r.choices[0].text
-    r = client.completions.create(model=MODEL, prompt="A JSON object with the key answer:", temperature=0,
-                                  max_tokens=20, extra_body={"guided_choice": ["yes", "no"]})
-    assert r.choices[0].text in ("yes", "no")
-    r = client.chat.completions.create(
-        model=MODEL, temperature=0, max_tokens=60, response_format={"type": "json_object"},
-        messages=[{"role": "user", "content": 'Reply with exactly {"capital": "Paris"}'}])
-    assert isinstance(json.loads(r.choices[0].message.content), dict) and r.choices[0].finish_reason == "stop"
+
+    async def run():
+        c = openai.AsyncOpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0, timeout=600)
+        try:
+            return await asyncio.gather(
+                c.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Write a phone number."}],
+                                          temperature=0, max_tokens=30, extra_body={"guided_regex": phone}),
+                c.chat.completions.create(model=MODEL, messages=ASK, temperature=0.8, n=3, seed=1, max_tokens=10,
+                                          extra_body={"guided_choice": choices}),
+                c.completions.create(model=MODEL, prompt="A SQL query:", temperature=0, max_tokens=30,
+                                     extra_body={"structured_outputs": {"grammar": lark}}),
+                c.completions.create(model=MODEL, prompt="2 + 2 =", temperature=0, max_tokens=12,
+                                     extra_body={"guided_grammar": gbnf}),
+                c.completions.create(model=MODEL, prompt="A JSON object with the key answer:", temperature=0,
+                                     max_tokens=20, extra_body={"guided_choice": ["yes", "no"]}),
+                c.chat.completions.create(
+                    model=MODEL, temperature=0, max_tokens=60, response_format={"type": "json_object"},
+                    messages=[{"role": "user", "content": 'Reply with exactly {"capital": "Paris"}'}]))
+        finally:
+            await c.close()
+
+    number, city, sql, answer, yes_no, obj_ = asyncio.run(run())
+    assert re.fullmatch(phone, number.choices[0].message.content)
+    assert len(city.choices) == 3
+    assert all(c.message.content in choices and c.finish_reason == "stop" for c in city.choices)
+    assert re.fullmatch(r"SELECT (id|name)(,(id|name))? FROM (users|orders)", sql.choices[0].text)
+    assert re.fullmatch(r"The answer is [0-9]+\.", answer.choices[0].text), answer.choices[0].text
+    assert yes_no.choices[0].text in ("yes", "no")
+    assert isinstance(json.loads(obj_.choices[0].message.content), dict) and obj_.choices[0].finish_reason == "stop"
 
 
 def test_streamed_structured_output_equals_the_whole(client):
-    kw = dict(model=MODEL, messages=ASK, temperature=0, max_tokens=120,
-              response_format={"type": "json_schema", "json_schema": {"name": "p", "schema": SCHEMAS["mixed"][1]}})
+    # (a short object: two requests of a few steps each)
+    kw = dict(model=MODEL, messages=ASK, temperature=0, max_tokens=60,
+              response_format={"type": "json_schema", "json_schema": {"name": "p", "schema": SCHEMAS["person"][1]}})
     whole = client.chat.completions.create(**kw).choices[0].message.content
     pieces = [c.choices[0].delta.content or "" for c in client.chat.completions.create(**kw, stream=True)
               if c.choices]
     assert "".join(pieces) == whole and len(pieces) > 3
-    jsonschema.validate(json.loads(whole), SCHEMAS["mixed"][1])
+    jsonschema.validate(json.loads(whole), SCHEMAS["person"][1])
 
 
 BAD = [
@@ -182,38 +193,32 @@ def test_bad_constraints_are_400_naming_the_field(server, path, body, param):
     assert err["param"] == param and err["type"] == "invalid_request_error" and err["message"]
 
 
-def test_tool_choice_required_and_named(client):
+@pytest.mark.parametrize("tool_choice", ["required", {"type": "function", "function": {"name": "get_time"}}])
+def test_tool_choice_required_and_named_whole_and_streamed(client, tool_choice):
+    """required: calls of the given tools with valid arguments; named (parallel calls off): that one call. Streamed,
+    through the client's own assembly of delta.tool_calls: the same calls as the whole."""
     tools = [WEATHER, TIME]
-    r = client.chat.completions.create(model=MODEL, messages=ASK, tools=tools, tool_choice="required", temperature=0,
-                                       max_tokens=120)
-    choice = r.choices[0]
-    assert choice.finish_reason == "tool_calls" and choice.message.content is None
-    calls = choice.message.tool_calls
+    named = isinstance(tool_choice, dict)
+    kw = dict(model=MODEL, messages=ASK, tools=tools, tool_choice=tool_choice, temperature=0, max_tokens=120,
+              **({"parallel_tool_calls": False} if named else {}))
+    whole = client.chat.completions.create(**kw).choices[0]
+    assert whole.finish_reason == "tool_calls"
+    calls = whole.message.tool_calls
     assert calls and all(c.type == "function" and c.id.startswith("chatcmpl-tool-") for c in calls)
+    if named:
+        assert [c.function.name for c in calls] == ["get_time"]
+    else:
+        assert whole.message.content is None
     for c in calls:
         tool = next(t for t in tools if t["function"]["name"] == c.function.name)
         jsonschema.validate(json.loads(c.function.arguments), tool["function"]["parameters"])
-
-    named = {"type": "function", "function": {"name": "get_time"}}
-    r = client.chat.completions.create(model=MODEL, messages=ASK, tools=tools, tool_choice=named, temperature=0,
-                                       max_tokens=60, parallel_tool_calls=False)
-    (call,) = r.choices[0].message.tool_calls
-    assert call.function.name == "get_time" and r.choices[0].finish_reason == "tool_calls"
-    jsonschema.validate(json.loads(call.function.arguments), TIME["function"]["parameters"])
-
-
-@pytest.mark.parametrize("tool_choice", ["required", {"type": "function", "function": {"name": "get_weather"}}])
-def test_streamed_tool_calls_assemble_like_the_whole(client, tool_choice):
-    kw = dict(model=MODEL, messages=ASK, tools=[WEATHER, TIME], tool_choice=tool_choice, temperature=0,
-              max_tokens=120)
-    whole = client.chat.completions.create(**kw).choices[0]
-    with client.beta.chat.completions.stream(**kw) as stream:  # the client's own assembly of delta.tool_calls
+    with client.beta.chat.completions.stream(**kw) as stream:
         for _ in stream:
             pass
         final = stream.get_final_completion().choices[0]
     got = [(c.function.name, c.function.arguments) for c in final.message.tool_calls]
-    assert got == [(c.function.name, c.function.arguments) for c in whole.message.tool_calls]
-    assert final.finish_reason == whole.finish_reason == "tool_calls"
+    assert got == [(c.function.name, c.function.arguments) for c in calls]
+    assert final.finish_reason == "tool_calls"
     assert len({c.id for c in final.message.tool_calls}) == len(got)
 
 
@@ -225,11 +230,18 @@ def test_tool_conversation_round_trip(client):
     call = first.choices[0].message.tool_calls[0]
     history = [*ASK, first.choices[0].message.model_dump(exclude_none=True),
                {"role": "tool", "tool_call_id": call.id, "content": json.dumps({"temperature": 21, "sky": "clear"})}]
-    second = client.chat.completions.create(model=MODEL, messages=history, tools=tools, tool_choice="auto",
-                                            temperature=0, max_tokens=30)
+
+    async def answers():  # tool_choice auto and none, together (they share engine steps)
+        c = openai.AsyncOpenAI(base_url=client.base_url, api_key="unused", max_retries=0, timeout=600)
+        try:
+            return await asyncio.gather(*(
+                c.chat.completions.create(model=MODEL, messages=history, tools=tools, tool_choice=choice,
+                                          temperature=0, max_tokens=n) for choice, n in (("auto", 30), ("none", 10))))
+        finally:
+            await c.close()
+
+    second, none = asyncio.run(answers())
     msg = second.choices[0].message
     assert second.choices[0].finish_reason in ("stop", "length", "tool_calls")
     assert msg.content or msg.tool_calls  # SmolLM2 has no tool format: whatever it says comes back parsed or as text
-    none = client.chat.completions.create(model=MODEL, messages=history, tools=tools, tool_choice="none",
-                                          temperature=0, max_tokens=10)
     assert none.choices[0].message.tool_calls in (None, []) and none.choices[0].message.content

@@ -75,7 +75,9 @@ def test_continuous_batching_is_invisible(alone):
 def test_pallas_decode_steps_match_reference(alone):
     """Pallas kernels (interpreted on CPU): decode-only steps take their own executable (paged decode
     kernel), mixed steps the ragged kernel; the tokens equal the jnp reference engine's."""
-    core = EngineCore(EngineConfig(TINY, **{**BASE, "max_num_seqs": 8, "warmup": True}, attention_backend="pallas"))
+    # (16-token steps: two token buckets to compile with the kernels; the longer prompts are prefilled in chunks)
+    core = EngineCore(EngineConfig(TINY, **{**BASE, "max_num_seqs": 8, "max_num_batched_tokens": 16, "warmup": True},
+                                   attention_backend="pallas"))
     runner = core.runner
     assert runner.ops.backend == "pallas" and runner.decode_buckets == {8}
     steps, picked = [], []  # per launch: every sequence one new token? / the decode-only executable?
@@ -92,12 +94,19 @@ def test_pallas_decode_steps_match_reference(alone):
     assert stats["steps_total"] == len(steps) and stats["device_wait_seconds_total"] >= 0  # every launch read back
 
 
-def test_staged_warmup_serves_before_every_bucket_is_ready(alone):
+def test_staged_warmup_then_idle_buckets_unload_and_load_again_on_demand(alone, tmp_path, caplog):
     """A staged warm-up compiles the first bucket only; until the background compiles the rest, steps stay
     within it (padded into it, the scheduler's budget capped) and the tokens are unchanged; once the rest
-    is ready larger steps use it, with no compile on the step path."""
-    core = EngineCore(EngineConfig(TINY, **{**BASE, "max_num_batched_tokens": 16}))  # buckets 8, 16
+    is ready larger steps use it, with no compile on the step path.
+
+    Then, with a keep-alive, a bucket beyond the staged warm-up's first one that no step used for that long is dropped
+    (its executables released); steps meanwhile run within the loaded buckets with the same tokens, and a step that
+    wants the dropped bucket has it loaded again from the executable cache in the background (not compiled). Warm
+    starts from that cache, staged and full, end it. (One engine for both parts: its buckets compile once.)"""
+    kw = {**BASE, "max_num_batched_tokens": 16, "executable_keep_alive": 30.0, "compilation_cache_dir": str(tmp_path)}
+    core = EngineCore(EngineConfig(TINY, **kw))  # buckets 8, 16
     runner = core.runner
+    traced = weakref.ref(runner._forward[False][0])
     runner.warmup(first_tokens=8, background=False)
     assert runner.ready_tokens == (8,) and runner.ready_limits() == (8, 8)
     assert core.stats()["warmup_pending"] == len(runner.token_buckets) - 1 + len(runner.decode_buckets)
@@ -113,28 +122,14 @@ def test_staged_warmup_serves_before_every_bucket_is_ready(alone):
     assert max(widths) == 8 and max(sizes) <= 8
     runner.start_background()
     assert runner.wait_warmup(timeout=300)
-    assert runner.ready_tokens == runner.token_buckets and core.stats()["warmup_pending"] == 0
+    assert runner.ready_tokens == runner.token_buckets == (8, 16) and core.stats()["warmup_pending"] == 0
+    gc.collect()  # the compiles done (all stored on disk), the jits that traced them are gone, with their traces
+    assert traced() is None and runner.executables.misses > 0
     widths.clear()
-    out, _ = run_all(core, [(f"b{r}", p, s) for r, p, s in reqs])
+    out, _ = run_all(core, [(f"a{r}", p, s) for r, p, s in reqs])
     assert {k[1:]: v for k, v in out.items()} == alone
     assert max(widths) > 8
     assert core.stats()["compiles_after_warmup"] == 0
-
-
-def test_idle_buckets_unload_and_load_again_on_demand(alone, tmp_path, caplog):
-    """With a keep-alive, a bucket beyond the staged warm-up's first one that no step used for that long is dropped
-    (its executables released); steps meanwhile run within the loaded buckets with the same tokens, and a step that
-    wants the dropped bucket has it loaded again from the executable cache in the background (not compiled)."""
-    core = EngineCore(EngineConfig(TINY, **{**BASE, "max_num_batched_tokens": 16, "executable_keep_alive": 30.0,
-                                            "compilation_cache_dir": str(tmp_path)}))  # buckets 8, 16
-    runner = core.runner
-    traced = weakref.ref(runner._forward[False][0])
-    runner.warmup(first_tokens=8)
-    assert runner.wait_warmup(timeout=300) and runner.ready_tokens == (8, 16)
-    gc.collect()  # the compiles done (all stored on disk), the jits that traced them are gone, with their traces
-    assert traced() is None and runner.executables.misses > 0
-    reqs = [(str(i), p, GREEDY) for i, p in enumerate(prompts(16))]
-    assert run_all(core, reqs)[0] == alone
     assert core.unload_idle() == 0  # all used just now
     dropped = [c._executable.xla_executable for k, c in runner._compiled.items() if k[1] == 16]
     assert runner.unload_idle(now=time.monotonic() + 31) == 1  # 16; 8 is the warm-up's first bucket: kept
@@ -150,9 +145,7 @@ def test_idle_buckets_unload_and_load_again_on_demand(alone, tmp_path, caplog):
     i = max(range(16), key=lambda i: len(prompts(16)[i]))  # one lone request, its prompt in several chunks of 8:
     assert run_all(core, [("lone", prompts(16)[i], GREEDY)])[0] == {"lone/0": alone[f"{i}/0"]}
     assert not runner._loading and runner.ready_tokens == (8,)  # too few steps wanted 16 to load it again
-    widths = []
-    schedule = core.scheduler.schedule
-    core.scheduler.schedule = lambda *a: (lambda o: (widths.append(o.num_scheduled_tokens), o)[1])(schedule(*a))
+    widths.clear()
     with caplog.at_level(logging.INFO, logger="jinfer.engine.executables"):
         out, _ = run_all(core, [(f"b{r}", p, s) for r, p, s in reqs])
         assert {k[1:]: v for k, v in out.items()} == alone
@@ -173,12 +166,23 @@ def test_idle_buckets_unload_and_load_again_on_demand(alone, tmp_path, caplog):
     assert warm.runner.wait_warmup(timeout=300) and warm.runner.ready_tokens == (8, 16)
     assert warm.runner.executables.misses == 0
     assert {k[1:]: v for k, v in run_all(warm, [(f"d{r}", p, s) for r, p, s in reqs])[0].items()} == alone
+    # A warm start with a full (not staged) warm-up: every shape loaded from disk, no tracing or lowering at start-up
+    # or while serving, the same tokens; and the keep-alive unloads nothing after it (no bucket is known to stay
+    # loaded for the steps to pad into).
+    del warm
+    with lowerings() as lowered:
+        full = EngineCore(EngineConfig(TINY, **{**kw, "warmup": True}))
+        got, _ = run_all(full, [(f"e{r}", p, s) for r, p, s in reqs])
+    assert full.runner.executables.misses == 0 and full.runner.executables.hits > 0
+    # (the KV pool's zero-fill is a tiny jit of its own, traced per engine)
+    assert [n for n in lowered if "step" in n] == [] and {k[1:]: v for k, v in got.items()} == alone
+    assert full.runner.unload_idle(now=time.monotonic() + 100) == 0 and full.runner.ready_tokens == (8, 16)
 
 
 def test_keep_alive_validated():
     with pytest.raises(ValueError, match="executable_keep_alive"):
         EngineConfig(TINY, executable_keep_alive=-1)
-    # (with a full warm-up nothing is unloaded: test_warm_start_loads_executables_without_tracing)
+    # (with a full warm-up nothing is unloaded: the end of test_staged_warmup_then_idle_buckets_unload_...)
 
 
 def test_warmup_first_tokens_validated():
@@ -296,7 +300,8 @@ def lowerings():
 
 
 def test_no_compilation_after_warmup():
-    core = EngineCore(EngineConfig(TINY, **{**BASE, "warmup": True, "max_num_batched_tokens": 32}))
+    # (BASE's limits: the executables the tests above compiled come from the run's compilation cache)
+    core = EngineCore(EngineConfig(TINY, **{**BASE, "warmup": True}))
     with lowerings() as lowered:
         reqs = []
         for i, p in enumerate(prompts(20, seed=11) + [list(range(3, 110))]):
@@ -361,27 +366,6 @@ def test_async_scheduling_gives_the_same_outputs_as_sync(alone):
     (sync_out, sync_finish), (async_out, async_finish) = results[False], results[True]
     assert async_out == sync_out and async_finish == sync_finish
     assert sync_out["0/0"] == alone["0/0"][:6] and sync_finish["0/0"] == "stop"
-
-
-def test_warm_start_loads_executables_without_tracing(tmp_path):
-    """With a cache directory, a second engine loads every compiled shape from disk: no tracing or
-    lowering at start-up or while serving, and the same tokens. A keep-alive unloads nothing after a full (not
-    staged) warm-up: no bucket is known to stay loaded for the steps to pad into."""
-    cfg = EngineConfig(TINY, **{**BASE, "warmup": True, "max_num_batched_tokens": 16, "executable_keep_alive": 1.0,
-                                "compilation_cache_dir": str(tmp_path)})
-    reqs = [(str(i), p, kind) for i, p in enumerate(prompts(4, seed=2))
-            for kind in [SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)]]
-    first = EngineCore(cfg)
-    assert first.runner.executables.misses > 0 and first.runner.executables.hits == 0
-    expected, _ = run_all(first, reqs)
-    with lowerings() as lowered:
-        second = EngineCore(cfg)
-        got, _ = run_all(second, reqs)
-    assert second.runner.executables.hits == first.runner.executables.misses
-    # (the KV pool's zero-fill is a tiny jit of its own, traced per engine)
-    assert second.runner.executables.misses == 0 and [n for n in lowered if "step" in n] == []
-    assert got == expected
-    assert second.runner.unload_idle(now=time.monotonic() + 100) == 0 and second.runner.ready_tokens == (8, 16)
 
 
 def test_logit_bias_and_min_tokens(alone):
