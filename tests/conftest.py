@@ -6,8 +6,9 @@ import shutil
 import tempfile
 
 # LLVM's backend at -O0: the suite's time is mostly XLA compiles (Pallas kernels interpreted, engines' buckets), about a
-# third cheaper so; the executables run slower but give the same results (no fast math either way).
-FAST_COMPILE = "--xla_backend_optimization_level=0"
+# third cheaper so; the executables run slower but give the same results (no fast math either way). No XNNPACK
+# fusions: their compile pass costs ~8% of a tiny model's compile, and these tiny matmuls gain nothing from them.
+FAST_COMPILE = "--xla_backend_optimization_level=0 --xla_cpu_use_xnnpack=false"
 os.environ.setdefault("XLA_FLAGS", f"--xla_force_host_platform_device_count=8 {FAST_COMPILE}")
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 # One compilation cache for the whole run (xdist workers and spawned servers inherit the variable): engines built
