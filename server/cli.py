@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import functools
+import os
 import sys
 import time
 
@@ -66,10 +67,21 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
-        return args.func(args)
+        code = args.func(args)
     except ValueError as e:
         print(f"jinfer: error: {e}", file=sys.stderr)
         return 2
+    if args.command == "generate" and argv is None:  # the program `jinfer generate` (not a call from Python)
+        # Free the engine on this thread, then exit without the interpreter's teardown: its final garbage collection
+        # could free XLA objects on a helper thread (tqdm's monitor, an idle-unload timer) and abort the process
+        # ("terminate called without an active exception") after the answer was printed.
+        from jinfer.engine.builder import release_engines
+
+        release_engines()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+    return code
 
 
 if __name__ == "__main__":

@@ -23,7 +23,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from server import app as http
+from server import http_common as http
 from server.errors import InvalidRequest
 from server.generation import Generation
 from server.responses_stream import call_item, message_item, new_id, response_events, status_of

@@ -20,14 +20,10 @@ import asyncio
 import json
 import uuid
 from collections.abc import AsyncIterator
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from server.generation import Generation, to_http_error
 from server.tools import ToolStream
-
-if TYPE_CHECKING:
-    from server.responses import ResponsePlan, ResponseStore
-
 
 # ---- output items (the non-streaming response builds the same) ------------------------------------------
 
@@ -129,7 +125,8 @@ class _Events:
                 self.event("response.output_item.done", output_index=index, item=item)]
 
 
-async def response_events(gen: Generation, plan: ResponsePlan, store: ResponseStore) -> AsyncIterator[str]:
+async def response_events(gen: Generation, plan: Any, store: Any) -> AsyncIterator[str]:
+    """(plan: server.responses.ResponsePlan, store: its ResponseStore; not imported: that module imports this one)"""
     ev, status, finish = _Events(), "error", None
     tools = ToolStream(plan.req.tools) if plan.req.tools is not None else None
     try:

@@ -274,7 +274,7 @@ class HostKVPool:
 
     def join(self) -> None:
         """Wait for the start-up reservation's and the offload thread (before the interpreter exits: see
-        core._release_engines; the offloads still queued are dropped)."""
+        core.release_engines; the offloads still queued are dropped)."""
         if self._reserver is not None:
             self._reserver.join()
         if self._offloader is not None:

@@ -80,12 +80,12 @@ _LIVE_ENGINES: weakref.WeakSet = weakref.WeakSet()
 
 
 def release_at_exit(core) -> None:
-    """Have `core`'s device state freed on the main thread at interpreter exit (`_release_engines`)."""
+    """Have `core`'s device state freed on the main thread at interpreter exit (`release_engines`)."""
     _LIVE_ENGINES.add(core)
 
 
 @atexit.register
-def _release_engines() -> None:
+def release_engines() -> None:
     """Free every engine's device state on the main thread before the interpreter shuts down. Left to
     the final garbage collection, its XLA objects could be freed on a daemon thread (tqdm's monitor),
     which aborted the process ("terminate called without an active exception") about half the time."""
