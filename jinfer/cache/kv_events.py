@@ -16,16 +16,17 @@ only). Nothing received is executed: the replay socket reads one integer.
 
 from __future__ import annotations
 
-import json
 import logging
 import queue
 import threading
 import time
 from collections import deque
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 from typing import Any
 
 import msgspec
+
+from jinfer.config.json_fields import config_fields
 
 log = logging.getLogger("jinfer.kv_events")
 
@@ -105,16 +106,7 @@ class KVEventsConfig:
         """From vLLM's forms: a dict of the fields, its JSON text, or a config (None: no events)."""
         if value is None or isinstance(value, cls):
             return value
-        if isinstance(value, str):
-            try:
-                value = json.loads(value)
-            except json.JSONDecodeError as e:
-                raise ValueError(f"kv_events_config is not valid JSON ({e})") from None
-        if not isinstance(value, dict):
-            raise ValueError(f"kv_events_config={value!r} must be a JSON object of its fields")
-        known = {f.name for f in fields(cls)}
-        if unknown := sorted(set(value) - known):
-            raise ValueError(f"kv_events_config: unknown fields {unknown}; known: {sorted(known)}")
+        value = config_fields(cls, "kv_events_config", value)
         return cls(**value)
 
 

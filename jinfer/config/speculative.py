@@ -12,9 +12,10 @@ refuses to start (jinfer/spec/proposer.py), it never runs without drafts silentl
 
 from __future__ import annotations
 
-import json
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 from typing import Any
+
+from jinfer.config.json_fields import config_fields
 
 METHODS = ("ngram", "eagle3", "mtp")
 # vLLM's defaults for prompt lookup when neither bound is given (both 5; one given sets the other).
@@ -68,17 +69,7 @@ class SpeculativeConfig:
         """From vLLM's forms: a dict of the fields, its JSON text, or a config (None: no speculation)."""
         if value is None or isinstance(value, cls):
             return value
-        if isinstance(value, str):
-            try:
-                value = json.loads(value)
-            except json.JSONDecodeError as e:
-                raise ValueError(f"speculative_config is not valid JSON ({e})") from None
-        if not isinstance(value, dict):
-            raise ValueError(f"speculative_config={value!r} must be a JSON object of its fields")
-        known = {f.name for f in fields(cls)}
-        if unknown := sorted(set(value) - known):
-            raise ValueError(f"speculative_config: unknown fields {unknown}; known: {sorted(known)}")
-        value = dict(value)
+        value = config_fields(cls, "speculative_config", value)
         if "method" not in value:  # vLLM: {"model": "ngram", ...} names the method as the model
             if value.get("model") in ("ngram", "[ngram]"):
                 value["method"] = value.pop("model")
