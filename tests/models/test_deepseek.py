@@ -21,15 +21,19 @@ from jinfer.config.model import NAMED_SHAPES, ModelConfig
 from jinfer.config.rope import yarn_attention_factor, yarn_softmax_mscale
 from jinfer.llm import LLM
 from jinfer.models.batch import make_batch
-from jinfer.models.registry import cache_spec, forward, shard_weights, weight_specs
-from jinfer.parallel.mesh import array_specs, check_parallel, make_mesh, mesh_forward
+from jinfer.models.registry import cache_spec, forward, weight_specs
+from jinfer.parallel.mesh import check_parallel, make_mesh
 from jinfer.sampling_params import SamplingParams
 from jinfer.weights.gguf import GGUFTensorSource
 from jinfer.weights.gguf_meta import read_metadata
 from jinfer.weights.loader import load_weights, resolve_model
 
 from ..conftest import DATA
-from .test_golden_tiny import NUM_PAGES, OPS, PAGE, check_batched_chunked_prefill, check_prompt_and_decodes
+from .test_golden_tiny import (
+    check_batched_chunked_prefill,
+    check_prompt_and_decodes,
+    sharded_model,
+)
 
 ARCHS = ("deepseek_v2", "deepseek_v3")
 GREEDY = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True)
@@ -53,14 +57,8 @@ def model(request):
     arch, n, ep, ops, *suffix = request.param
     src = resolve_model(DATA / f"tiny-{arch}{''.join(suffix)}")
     assert src.kind == ("gguf" if suffix else "hf")
-    cfg = src.config
-    check_parallel(cfg, n, ep)
-    mesh = make_mesh(n)
-    w = shard_weights(cfg, load_weights(src, "float32", mesh, progress=False, expert_parallel=ep), mesh,
-                      expert_parallel=ep)
-    kv = init_kv_cache(cfg, NUM_PAGES, PAGE, "float32", mesh)
-    step = jax.jit(mesh_forward(forward, cfg, OPS[ops], mesh, array_specs(w), array_specs(kv)), donate_argnums=(2,))
-    return cfg, w, gold(arch), step, partial(init_kv_cache, cfg, NUM_PAGES, PAGE, "float32", mesh)
+    cfg, _, w, step, new_kv = sharded_model(src, n, ep, ops)
+    return cfg, w, gold(arch), step, new_kv
 
 
 def split(a, axis):

@@ -148,6 +148,24 @@ def test_batched_chunked_prefill_matches_hf(model):
     check_batched_chunked_prefill(step, w, empty_cache(cfg), gold)
 
 
+def sharded_model(src, n: int, ep: bool, ops: str):
+    """A checkpoint's weights sharded over n fake devices (experts split with ep) and its jitted step under
+    shard_map: (cfg, mesh, weights, step, a function making a fresh KV cache)."""
+    from jinfer.cache.layout import init_kv_cache
+    from jinfer.models.registry import shard_weights
+    from jinfer.parallel.mesh import array_specs, check_parallel, make_mesh, mesh_forward
+
+    cfg = src.config
+    check_parallel(cfg, n, ep)
+    mesh = make_mesh(n)
+    w = shard_weights(cfg, load_weights(src, "float32", mesh, progress=False, expert_parallel=ep), mesh,
+                      expert_parallel=ep)
+    new_kv = partial(init_kv_cache, cfg, NUM_PAGES, PAGE, "float32", mesh)
+    step = jax.jit(mesh_forward(forward, cfg, OPS[ops], mesh, array_specs(w), array_specs(new_kv())),
+                   donate_argnums=(2,))
+    return cfg, mesh, w, step, new_kv
+
+
 def check_prompt_and_decodes(step, w, kv, gold, i):
     """Prompt i's prefill logits, then 32 greedy decode steps: every step's logits and token as HF's."""
     prompt, greedy = gold[f"prompt_{i}"].tolist(), gold[f"greedy_{i}"].tolist()

@@ -5,18 +5,14 @@ q|k|v per shard, q/k/v biases (qwen2), a tied vocab-parallel embedding (qwen2), 
 (tp) and whole (ep, down to one expert per device); the jnp reference ops and the Pallas kernels
 (interpreted here)."""
 
-from functools import partial
 
 import jax
 import pytest
 
-from jinfer.cache.layout import init_kv_cache
-from jinfer.models.registry import forward, shard_weights
-from jinfer.parallel.mesh import array_specs, check_parallel, make_mesh, mesh_forward
-from jinfer.weights.loader import load_weights, resolve_model
+from jinfer.weights.loader import resolve_model
 
 from ..conftest import DATA
-from .test_golden_tiny import NUM_PAGES, OPS, PAGE, check_batched_chunked_prefill, check_prompt_and_decodes
+from .test_golden_tiny import check_batched_chunked_prefill, check_prompt_and_decodes, sharded_model
 
 # (arch, devices, expert parallel, ops): every layout at least once with each ops, every model at least once (the
 # tiny models have 2 kv heads: tp=2 splits them, tp=4 and 8 replicate them); tp=8 needs 8 q heads (qwen3, qwen3_moe).
@@ -42,16 +38,9 @@ def sharded(request):
     if n > len(jax.devices()):
         pytest.skip(f"{n} devices needed, {len(jax.devices())} here")
     src = resolve_model(DATA / f"tiny-{arch}")
-    cfg = src.config
-    check_parallel(cfg, n, ep)
-    mesh = make_mesh(n)
-    w = shard_weights(cfg, load_weights(src, "float32", mesh, progress=False, expert_parallel=ep), mesh,
-                                expert_parallel=ep)
-    kv = init_kv_cache(cfg, NUM_PAGES, PAGE, "float32", mesh)
-    step = jax.jit(mesh_forward(forward, cfg, OPS[ops], mesh, array_specs(w), array_specs(kv)),
-                   donate_argnums=(2,))
+    cfg, mesh, w, step, new_kv = sharded_model(src, n, ep, ops)
     gold = np.load(DATA / "golden" / f"tiny-{arch}.npz")
-    return cfg, mesh, ep, w, gold, step, partial(init_kv_cache, cfg, NUM_PAGES, PAGE, "float32", mesh)
+    return cfg, mesh, ep, w, gold, step, new_kv
 
 
 def split(a, axis):
