@@ -158,7 +158,7 @@ def main():
         # what the busiest device reads under our layout (replicated kv heads, router; expert parallel: the
         # device most of the hit experts land on): the floor the step can reach with this layout
         busiest = None
-        if cfg.num_layers == len(cfg.attention_layers):
+        if args.tensor_parallel_size == 1 or (cfg.num_layers == len(cfg.attention_layers) and not cfg.kv_lora_rank):
             busiest = decode_bytes_per_device(cfg, bs, mid_context, args.tensor_parallel_size,
                                               args.enable_expert_parallel)["total"] / bandwidth * 1e3
         ttft_floor = {k: bs * pf[k] for k in ("prefill_flop_floor_ms", "prefill_byte_floor_ms")}

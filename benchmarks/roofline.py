@@ -144,6 +144,8 @@ def decode_bytes_per_device(cfg: ModelConfig, batch: int, context: int, tp: int,
     most hit experts land on (`busiest_device_experts`). At tp=1 it is `decode_bytes`."""
     from jinfer.parallel.mesh import kv_heads_total
 
+    if tp == 1:
+        return decode_bytes(cfg, batch, context, dtype_bytes)
     if cfg.num_layers != len(cfg.attention_layers) or cfg.kv_lora_rank:
         raise ValueError(f"{cfg.architecture}: per-device bytes are for attention-only models without latent KV")
     h, kv_d = cfg.hidden_size, kv_heads_total(cfg, tp) // tp * cfg.head_dim  # kv columns on one device

@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 from pallas_kernels.attention.mla_decode import (
+    BLOCK_N,
     check_supported,
     mla_decode_attention,
     mla_decode_attention_reference,
@@ -146,4 +147,4 @@ def test_lowers_for_cuda(heads, rank, rope, splits):
               jax.ShapeDtypeStruct((4, 16), jnp.int32), jax.ShapeDtypeStruct((4,), jnp.int32))
     text = lower_for_cuda(lambda *a: mla_decode_attention(*a, kv_lora_rank=rank, scale=0.1, num_splits=splits),
                           *shapes)
-    assert f"mla_decode_attention_h{32 if heads > 16 else 16}_n32_s{splits}" in text
+    assert f"mla_decode_attention_h{32 if heads > 16 else 16}_n{BLOCK_N}_s{splits}" in text
