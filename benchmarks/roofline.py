@@ -100,7 +100,27 @@ def touched_weight_bytes(cfg: ModelConfig, tokens: int, dtype_bytes: int = 2) ->
         per_expert = 3 * cfg.hidden_size * cfg.moe_intermediate_size * dtype_bytes
         moe_layers = sum(cfg.is_moe_layer(i) for i in range(cfg.num_layers))
         total -= moe_layers * (cfg.num_experts - experts_hit(cfg, tokens)) * per_expert
+    if cfg.quantization is not None:  # block-FP8 linear weights: a byte each and a float32 scale per block
+        dense, expert = fp8_params(cfg)
+        saved = dtype_bytes - 1 - 4 / math.prod(cfg.quantization.block)
+        total -= (dense + (experts_hit(cfg, tokens) * expert if cfg.num_experts else 0.0)) * saved
     return total
+
+
+def fp8_params(cfg: ModelConfig) -> tuple[float, float]:
+    """Parameters a block-FP8 model stores in FP8 (jinfer/models/spec.py `quantize_specs`): outside the routed
+    experts, and those of one routed expert summed over the layers."""
+    from jinfer.models.registry import weight_specs
+
+    dense = expert = 0.0
+    for spec in weight_specs(cfg).values():
+        if spec.fp8_block is not None:
+            n = math.prod(spec.shape)
+            if len(spec.shape) == 3:  # [experts, in, out]
+                expert += n / spec.shape[0]
+            else:
+                dense += n
+    return dense, expert
 
 
 def state_bytes(cfg: ModelConfig, dtype_bytes: int = 2) -> int:
