@@ -253,14 +253,15 @@ def test_engine_greedy_matches_hf(arch, tp, pages, monkeypatch):
 
 @pytest.mark.slow
 def test_host_tier_brings_latent_pages_back():
-    """A 24-page HBM pool (one prompt and its decodes at a time) with the host tier: the prompts again, each after
-    the others evicted its pages, come back from host memory (latent rows, one array per layer) with HF's ids."""
-    g = gold("deepseek_v2")
+    """A 29-page HBM pool with the host tier, the prompts one at a time: the prompts again, each after the others
+    evicted its pages, come back from host memory (latent rows, one array per layer) with HF's ids. (The engine's
+    shapes are test_engine_greedy_matches_hf's deepseek_v3 case: its executables come from the run's cache.)"""
+    g = gold("deepseek_v3")
     prompts, greedy = [g[f"prompt_{i}"].tolist() for i in range(3)], [g[f"greedy_{i}"].tolist() for i in range(3)]
-    cfg = resolve_model(DATA / "tiny-deepseek_v2").config
+    cfg = resolve_model(DATA / "tiny-deepseek_v3").config
     page_bytes = kv_cache_bytes_per_page(cfg, 4, "float32")
-    llm = LLM(str(DATA / "tiny-deepseek_v2"), dtype="float32", page_size=4, max_model_len=128, num_pages=25,
-              max_num_batched_tokens=16, max_num_seqs=1, compilation_cache_dir="",
+    llm = LLM(str(DATA / "tiny-deepseek_v3"), dtype="float32", page_size=4, max_model_len=128, num_pages=30,
+              max_num_batched_tokens=16, max_num_seqs=8, compilation_cache_dir="",
               kv_offload_gb=64 * page_bytes / 2**30)
     core = llm.engine
     assert core.runner.host_pool.page_bytes == page_bytes == 4 * cfg.latent_dim * cfg.num_layers * 4

@@ -32,8 +32,11 @@ def test_engine_greedy_matches_hf(arch, tp, ep, backend, tmp_path):
     prompts, greedy = gold(arch)
     # (the Pallas cases' own executable cache, for the warm start below; the others the run's compilation cache,
     # which the data parallel test's first replica, on the same two devices, loads from)
+    # (the Pallas engine with 8-token steps: one token bucket and its decode-only form, each a sharded interpreted
+    # forward that takes long to compile)
     kw = dict(BASE, tensor_parallel_size=tp, enable_expert_parallel=ep, attention_backend=backend,
-              compilation_cache_dir=str(tmp_path) if backend == "pallas" else "", warmup=backend == "pallas")
+              compilation_cache_dir=str(tmp_path) if backend == "pallas" else "", warmup=backend == "pallas",
+              **({"max_num_batched_tokens": 8} if backend == "pallas" else {}))
     llm = LLM(str(DATA / f"tiny-{arch}"), **kw)
     core = llm.engine
     assert core.runner.mesh.size == tp

@@ -27,7 +27,6 @@ POINT = obj({"x": {"type": "integer", "minimum": -9, "maximum": 9}, "y": {"type"
                                                                          "maximum": 9}})
 SCHEMAS = {  # name: (what to ask for, schema)
     "person": ("a person", obj({"name": S, "age": I})),
-    "point": ("a 2D point", POINT),
     "color": ("a color", obj({"color": {"enum": ["red", "green", "blue"]}})),
     "task": ("a task status", obj({"done": {"type": "boolean"}, "count": {"type": "integer", "minimum": 0,
                                                                           "maximum": 10}})),
@@ -35,32 +34,19 @@ SCHEMAS = {  # name: (what to ask for, schema)
                                                    "minItems": 1, "maxItems": 3}})),
     "nested": ("a user", obj({"user": obj({"id": {"type": "integer", "minimum": 1, "maximum": 999}, "name": S})})),
     "any_of": ("a value", obj({"value": {"anyOf": [{"type": "integer", "minimum": 0, "maximum": 50}, S]}})),
-    "digits": ("a few digits", {"type": "array", "items": {"type": "integer", "minimum": 0, "maximum": 9},
-                                "minItems": 2, "maxItems": 4}),
     "nullable": ("a note", obj({"note": {"anyOf": [S, {"type": "null"}]}})),
-    "level": ("a level", obj({"level": {"enum": [1, 2, 3]}})),
     "optional": ("a name and maybe a nickname", obj({"name": S, "nick": S}, required=["name"])),
     "order": ("an order", obj({"items": {"type": "array", "maxItems": 2, "items": obj(
         {"sku": {"type": "string", "maxLength": 8}, "qty": {"type": "integer", "minimum": 1, "maximum": 99}})}})),
     "pattern": ("an airport code", obj({"code": {"type": "string", "pattern": "^[A-Z]{3}[0-9]{2}$"}})),
-    "word": ("a word", obj({"word": {"type": "string", "minLength": 3, "maxLength": 8}})),
     "price": ("a price", obj({"price": {"type": "number", "minimum": 0, "maximum": 1000}})),
     "refs": ("a line segment", {"$defs": {"pt": POINT}, **obj({"a": {"$ref": "#/$defs/pt"},
                                                                 "b": {"$ref": "#/$defs/pt"}})}),
     "shape": ("a shape", obj({"shape": {"anyOf": [
         obj({"kind": {"const": "circle"}, "r": {"type": "integer", "minimum": 1, "maximum": 9}}),
         obj({"kind": {"const": "square"}, "side": {"type": "integer", "minimum": 1, "maximum": 9}})]}})),
-    "days": ("two weekdays", obj({"days": {"type": "array", "maxItems": 3, "items": {
-        "enum": ["mon", "tue", "wed", "thu", "fri"]}}})),
-    "deep": ("a deeply nested value", obj({"a": obj({"b": obj({"c": {"type": "integer", "minimum": 0,
-                                                                      "maximum": 9}})})})),
     "rating": ("a rating from 1 to 5", {"type": "integer", "minimum": 1, "maximum": 5}),
     "direction": ("a direction", {"enum": ["north", "south", "east", "west"]}),
-    "flag": ("yes or no as a boolean", {"type": "boolean"}),
-    "mixed": ("a product", obj({"name": S, "price": {"type": "integer", "minimum": 1, "maximum": 500},
-                                "stock": {"type": "boolean"}, "tags": {"type": "array", "items": {"enum": ["new",
-                                                                                                       "sale"]},
-                                                                   "maxItems": 2}})),
 }
 WEATHER = {"type": "function", "function": {"name": "get_weather", "description": "Weather in a city", "parameters": {
     "type": "object", "properties": {"city": {"type": "string", "maxLength": 20},
@@ -103,7 +89,7 @@ def test_json_schemas_all_parse_and_validate(server):
         return await asyncio.gather(*(one(aclient, n, w, s) for n, (w, s) in SCHEMAS.items()))
 
     results = asyncio.run(run())
-    assert len(results) >= 20
+    assert len(results) == len(SCHEMAS) >= 15
     for name, choice in results:
         assert choice.finish_reason == "stop", (name, choice.message.content)
         jsonschema.validate(json.loads(choice.message.content), SCHEMAS[name][1])
