@@ -64,6 +64,9 @@ class EngineCore:
         # does not by itself mean the device idles (a whole-run profile says; docs/ARCHITECTURE.md)
         self.num_steps_total = 0
         self.device_wait_seconds_total = 0.0
+        # With no step in flight (speculative decoding, async scheduling off) the device idles from a read-back to the
+        # next forward's dispatch: the host's time in series with it (accept, update, drafts, schedule, batch inputs)
+        self.serial_host_seconds_total, self._read_at = 0.0, None
         self._inflight: Launched | None = None  # the launched step whose tokens are not read yet
         # KV-cache events (--kv-events-config): the cache manager records them, each step publishes its own
         self.kv_events = make_publisher(config.kv_events_config, config.data_parallel_rank)
@@ -163,10 +166,13 @@ class EngineCore:
             # (a grammar's mask, a multi-token bad word: the inputs of their sampler rows need the step in flight)
             guided = [b for b, s in enumerate(out.scheduled)
                       if s.needs_sample and self._seqs[s.request_id].needs_tokens]
+            idle = self._inflight is None and self._read_at is not None
             if not guided:
                 launched = self.runner.launch(out, rows, num_logprobs, self._inflight, prompt_logprobs)
             else:
                 launched, outputs = self._launch_guided(out, rows, num_logprobs, guided, outputs, prompt_logprobs)
+            if idle:
+                self.serial_host_seconds_total += self.runner.forward_at - self._read_at
         if read is not None:
             outputs += self._emit(*read)
         if self._inflight is not None:
@@ -175,6 +181,8 @@ class EngineCore:
         if launched is not None and not self._async and self.spec is None:
             outputs += self._complete(launched)
             self._inflight = None
+        if not self.scheduler.has_unfinished_requests():  # (the time until the next request is not the host's)
+            self._read_at = None
         return outputs
 
     def _transfer(self, transfers) -> None:
@@ -234,7 +242,8 @@ class EngineCore:
         out = launched.out
         t = time.perf_counter()
         result = self.runner.fetch(launched)
-        self.device_wait_seconds_total += time.perf_counter() - t
+        self._read_at = time.perf_counter()
+        self.device_wait_seconds_total += self._read_at - t
         self.num_steps_total += 1
         self.runner.host_tier_read_back()  # host-tier copies may go out until the next read-back is due
         record_prompt_logprobs(self.runner.fetch_prompt_logprobs(launched), launched.prompt_rows, self._seqs)
@@ -328,6 +337,7 @@ class EngineCore:
                 "prompt_tokens_total": self.num_prompt_tokens_total,
                 "generation_tokens_total": self.num_generation_tokens_total,
                 "steps_total": self.num_steps_total, "device_wait_seconds_total": self.device_wait_seconds_total,
+                "serial_host_seconds_total": self.serial_host_seconds_total,
                 **self._host_tier_stats(),
                 "compiles_after_warmup": self.runner.compiles_after_warmup,
                 "warmup_pending": self.runner.warmup_pending(),
