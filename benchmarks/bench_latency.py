@@ -15,6 +15,10 @@ which decides each verification's outcome (k drafts, each accepted with probabil
 so the engine's TPOT at mean acceptance length 1 + P + ... + P^k is measured on dummy weights (whose own greedy
 tokens a verification row does not reproduce). With drafts TPOT is the decode time over the tokens per sequence
 (a step emits several), `step_ms` the mean step.
+
+Per step read back while decoding: `device_wait_ms_per_step` (the host blocked reading it back), `host_ms_per_step`
+(the rest of the loop's time), and `serial_host_ms_per_step`, the host's time from a read-back to the next forward's
+dispatch while no step is in flight (the device idles then: speculative decoding, `--no-async-scheduling`).
 """
 
 from __future__ import annotations
@@ -47,7 +51,8 @@ def run_batch(core: EngineCore, prompts: list[list[int]], output_len: int, tag: 
     params = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True)
     for i, p in enumerate(prompts):
         core.add_request(f"{tag}-{i}", p, params)
-    wait0, steps0 = core.device_wait_seconds_total, core.num_steps_total
+    counters = lambda: (core.device_wait_seconds_total, core.num_steps_total,  # noqa: E731
+                        core.serial_host_seconds_total)
     spec0 = core.spec.stats() if core.spec is not None else {}
     t0 = time.perf_counter()
     first_seen: set[str] = set()
@@ -61,8 +66,13 @@ def run_batch(core: EngineCore, prompts: list[list[int]], output_len: int, tag: 
         first_seen.update(o.request_id for o in outs if o.new_token_ids)
         if ttft is None and len(first_seen) == len(prompts):
             ttft = time.perf_counter() - t0
-            decode_start = len(step_times)
+            decode_start, decode0 = len(step_times), counters()
     decode = np.asarray(step_times[decode_start:]) * 1e3
+    # per step read back while decoding: the host blocked reading it (waiting for the device), the host's own time
+    # (the rest), and of that the time from a read-back to the next forward's dispatch with no step in flight (the
+    # device idles: speculative decoding, async scheduling off)
+    wait, steps, serial = (b - a for a, b in zip(decode0, counters()))
+    steps = max(steps, 1)
     spec = {}
     if core.spec is not None:  # a step emits several tokens: TPOT is the decode time per token of a sequence
         spec = {"step_ms": float(decode.mean()), "tpot_ms": float(decode.sum() / max(output_len - 1, 1)),
@@ -72,9 +82,8 @@ def run_batch(core: EngineCore, prompts: list[list[int]], output_len: int, tag: 
             "tpot_p99_ms": float(np.percentile(decode, 99)), "decode_steps": int(len(decode)),
             "decode_step_ms": [round(float(x), 3) for x in decode],
             "total_s": time.perf_counter() - t0,
-            # the host blocked reading steps back (the device's share) vs everything else, per step
-            "device_wait_ms_per_step": (core.device_wait_seconds_total - wait0) * 1e3
-            / max(core.num_steps_total - steps0, 1)}
+            "device_wait_ms_per_step": wait * 1e3 / steps, "host_ms_per_step": (decode.sum() - wait * 1e3) / steps,
+            "serial_host_ms_per_step": serial * 1e3 / steps}
 
 
 def main():
@@ -173,7 +182,8 @@ def main():
               f"byte floor {ttft_floor['prefill_byte_floor_ms']:.1f}), TPOT {row['tpot_ms']:.2f} ms "
               f"[runs {' '.join(f'{t:.2f}' for t in row['tpot_runs_ms'])}] "
               f"(roofline {floor:.2f} ms, {row['tpot_ms'] / floor:.2f}x; "
-              f"device wait {row['device_wait_ms_per_step']:.2f} ms/step"
+              f"device wait {row['device_wait_ms_per_step']:.2f} ms/step, host {row['host_ms_per_step']:.2f} ms/step"
+              + (f" of which {row['serial_host_ms_per_step']:.2f} in series" if row['serial_host_ms_per_step'] else "")
               + (f"; busiest device {busiest:.2f} ms" if busiest and args.tensor_parallel_size > 1 else "") + ")")
     result = {"benchmark": "latency", **environment(), "shape": args.shape, "dtype": args.dtype,
               "tensor_parallel_size": args.tensor_parallel_size, "expert_parallel": args.enable_expert_parallel,

@@ -1,10 +1,13 @@
 """cProfile of the engine's host loop during decode (dummy weights): where a step's host time goes.
 
     python -m benchmarks.host_profile --shape qwen3-4b --batch-size 1 --out host_profile.txt
+    python -m benchmarks.host_profile --model tests/data/tiny-qwen3 --batch-size 1 \
+        --speculative-config '{"method": "ngram", "num_speculative_tokens": 4}' --replay-acceptance 0.742
 
-Runs one untimed batch (compiles), then a profiled one and an unprofiled one; prints the unprofiled run's median
-step time and the profiled run's top functions by own time and by cumulative time. Works on older trees too (the
-EngineConfig import falls back to its old place), so two trees' host loops can be compared in one device call.
+Runs one untimed batch (compiles), then a profiled one and unprofiled ones; prints the unprofiled runs' median
+step time and device wait per step, and the profiled run's top functions by own time and by cumulative time.
+`--speculative-config` with `--replay-acceptance P`: the replay drafter (jinfer/spec/replay.py, forced), as in
+bench_latency. `--model`: a checkpoint directory instead of a named shape (on CPU: tests/data/tiny-qwen3).
 """
 
 from __future__ import annotations
@@ -17,49 +20,62 @@ import time
 
 import numpy as np
 
-try:
-    from jinfer.config.engine import EngineConfig
-except ImportError:  # a tree from before jinfer/config/
-    from jinfer.engine.core import EngineConfig
+from jinfer.config.engine import EngineConfig
+from jinfer.config.speculative import SpeculativeConfig
 from jinfer.engine.core import EngineCore
 from jinfer.sampling_params import SamplingParams
+from jinfer.spec.replay import ReplayProposer
 
 
 def run(core, prompts, output_len, tag):
+    """(median step ms, device wait ms per read-back) over the decode steps."""
     params = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True)
     for i, p in enumerate(prompts):
         core.add_request(f"{tag}-{i}", p, params)
     times = []
+    wait0, steps0 = core.device_wait_seconds_total, core.num_steps_total
     while core.has_unfinished_requests():
         t = time.perf_counter()
         core.step()
         times.append(time.perf_counter() - t)
-    return float(np.median(times[len(prompts) + 1:]) * 1e3)
+    wait = (core.device_wait_seconds_total - wait0) / max(core.num_steps_total - steps0, 1)
+    return float(np.median(times[len(prompts) + 1:]) * 1e3), wait * 1e3
 
 
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--shape", default="qwen3-4b")
+    ap.add_argument("--model", default=None, help="a checkpoint directory instead of dummy:<shape>")
+    ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--batch-size", type=int, default=1)
     ap.add_argument("--input-len", type=int, default=1024)
     ap.add_argument("--output-len", type=int, default=256)
+    ap.add_argument("--no-async-scheduling", action="store_true")
+    ap.add_argument("--speculative-config", default=None, metavar="JSON")
+    ap.add_argument("--replay-acceptance", type=float, default=None, metavar="P")
+    ap.add_argument("--runs", type=int, default=2, help="unprofiled runs")
     ap.add_argument("--top", type=int, default=45)
     ap.add_argument("--out")
     args = ap.parse_args()
-    core = EngineCore(EngineConfig(model=f"dummy:{args.shape}", dtype="bfloat16",
+    spec = SpeculativeConfig.parse(args.speculative_config)
+    replay = args.replay_acceptance is not None
+    proposer = ReplayProposer(spec.num_speculative_tokens, args.replay_acceptance, forced=True) if replay else None
+    core = EngineCore(EngineConfig(model=args.model or f"dummy:{args.shape}", dtype=args.dtype,
                                    max_model_len=args.input_len + args.output_len, max_num_seqs=max(args.batch_size, 8),
-                                   warmup=False))
+                                   async_scheduling=not args.no_async_scheduling, warmup=False,
+                                   speculative_config=None if replay else spec), proposer=proposer)
     rng = np.random.default_rng(0)
-    make = lambda: [rng.integers(0, core.model_config.vocab_size, args.input_len).tolist()  # noqa: E731
+    make = lambda: [rng.integers(0, min(core.model_config.vocab_size, 256), args.input_len).tolist()  # noqa: E731
                     for _ in range(args.batch_size)]
     run(core, make(), 16, "warm")
     prof = cProfile.Profile()
     prof.enable()
-    profiled = run(core, make(), args.output_len, "prof")
+    profiled, _ = run(core, make(), args.output_len, "prof")
     prof.disable()
-    plain = [run(core, make(), args.output_len, f"plain{i}") for i in range(2)]
+    plain = [run(core, make(), args.output_len, f"plain{i}") for i in range(args.runs)]
     s = io.StringIO()
-    s.write(f"median step ms: unprofiled {plain}, profiled {profiled:.3f}\n")
+    s.write(f"median step ms: unprofiled {[round(p[0], 3) for p in plain]}, profiled {profiled:.3f}; "
+            f"device wait ms/step {[round(p[1], 3) for p in plain]}\n")
     stats = pstats.Stats(prof, stream=s)
     stats.sort_stats("tottime").print_stats(args.top)
     stats.sort_stats("cumtime").print_stats(args.top)

@@ -45,7 +45,8 @@ class EngineCore:
         self.kv, self.scheduler, self.runner = parts.kv, parts.scheduler, parts.runner
         self.eos_token_ids = parts.eos_token_ids
         proposer = proposer or parts.proposer  # (builder.py builds speculative_config's)
-        # Speculative decoding (jinfer/spec/decoding.py): drafts need every token read back, so steps are not overlapped
+        # Speculative decoding (jinfer/spec/decoding.py): drafts need every token read back, so the next step is not
+        # launched before a step is read back; its outputs are built after that launch instead (`_step`)
         self.spec = SpecDecoding(proposer) if proposer is not None else None
         self._async = config.async_scheduling and self.spec is None
         self.grammar = GrammarEngine(self.tokenizer, self.model_config.vocab_size, self.eos_token_ids)
@@ -63,6 +64,9 @@ class EngineCore:
         # does not by itself mean the device idles (a whole-run profile says; docs/ARCHITECTURE.md)
         self.num_steps_total = 0
         self.device_wait_seconds_total = 0.0
+        # With no step in flight (speculative decoding, async scheduling off) the device idles from a read-back to the
+        # next forward's dispatch: the host's time in series with it (accept, update, drafts, schedule, batch inputs)
+        self.serial_host_seconds_total, self._read_at = 0.0, None
         self._inflight: Launched | None = None  # the launched step whose tokens are not read yet
         # KV-cache events (--kv-events-config): the cache manager records them, each step publishes its own
         self.kv_events = make_publisher(config.kv_events_config, config.data_parallel_rank)
@@ -137,8 +141,14 @@ class EngineCore:
             raise
 
     def _step(self) -> list[EngineOutput]:
-        outputs = []
+        """Speculative decoding reads the step in flight back first (its accepted tokens decide the next drafts and
+        schedule) but builds its outputs (detokenizing, stop strings, logprobs) only once the next step is launched,
+        so they overlap the device; a stop string found then ends its request one step late, and that step's tokens
+        for it are dropped (`_read_back` skips finished requests), as with async scheduling."""
+        outputs, read = [], None
         if self.spec is not None:
+            if self._inflight is not None:
+                read, self._inflight = self._read_back(self._inflight), None
             self.spec.propose(self.scheduler.running, self._seqs)
         out = self.scheduler.schedule(*self.runner.ready_limits())
         if not out.is_empty:  # the host tier's copies now wait for read-backs
@@ -156,16 +166,23 @@ class EngineCore:
             # (a grammar's mask, a multi-token bad word: the inputs of their sampler rows need the step in flight)
             guided = [b for b, s in enumerate(out.scheduled)
                       if s.needs_sample and self._seqs[s.request_id].needs_tokens]
+            idle = self._inflight is None and self._read_at is not None
             if not guided:
                 launched = self.runner.launch(out, rows, num_logprobs, self._inflight, prompt_logprobs)
             else:
                 launched, outputs = self._launch_guided(out, rows, num_logprobs, guided, outputs, prompt_logprobs)
+            if idle:
+                self.serial_host_seconds_total += self.runner.forward_at - self._read_at
+        if read is not None:
+            outputs += self._emit(*read)
         if self._inflight is not None:
             outputs += self._complete(self._inflight)
         self._inflight = launched
-        if launched is not None and not self._async:
+        if launched is not None and not self._async and self.spec is None:
             outputs += self._complete(launched)
             self._inflight = None
+        if not self.scheduler.has_unfinished_requests():  # (the time until the next request is not the host's)
+            self._read_at = None
         return outputs
 
     def _transfer(self, transfers) -> None:
@@ -217,25 +234,33 @@ class EngineCore:
 
     def _complete(self, launched: Launched) -> list[EngineOutput]:
         """Read a launched step's tokens back, advance the scheduler and build the deltas."""
+        return self._emit(*self._read_back(launched))
+
+    def _read_back(self, launched: Launched) -> tuple:
+        """Wait for a launched step's tokens, accept them, advance the scheduler and the grammars: everything the next
+        step's drafts and schedule need; `_emit` takes the rest."""
         out = launched.out
         t = time.perf_counter()
         result = self.runner.fetch(launched)
-        self.device_wait_seconds_total += time.perf_counter() - t
+        self._read_at = time.perf_counter()
+        self.device_wait_seconds_total += self._read_at - t
         self.num_steps_total += 1
         self.runner.host_tier_read_back()  # host-tier copies may go out until the next read-back is due
         record_prompt_logprobs(self.runner.fetch_prompt_logprobs(launched), launched.prompt_rows, self._seqs)
         live = [s for s in out.scheduled if s.needs_sample and not s.request.is_finished]
-        tokens, rows = result.tokens.tolist(), result.rows
-        sampled = {s.request_id: self.spec.accept(s.request_id, s.draft_token_ids, result.tokens_of(s.request_id))
-                   if s.draft_token_ids else [tokens[rows[s.request_id][0]]] for s in live}
+        rows = result.rows
+        if self.spec is None:
+            tokens = result.tokens.tolist()
+            sampled = {s.request_id: [tokens[rows[s.request_id][0]]] for s in live}
+        else:
+            sampled = {s.request_id: self.spec.accept(s.request_id, s.draft_token_ids, result.tokens_of(s.request_id))
+                       for s in live}
         before = [s.request.num_output_tokens for s in live]
         finished = {r.request_id: r for r in self.scheduler.update(out, sampled)}
-        if result.pooled is not None:  # an embedding model: each finished prompt's vector (engine/pooling.py)
-            return self._embeddings(live, result)
-        outputs = []
+        news = []
         for s, num_before in zip(live, before):
-            rid, seq, request = s.request_id, self._seqs[s.request_id], s.request
-            new = request.output_token_ids[num_before:]  # the accepted tokens up to a stop token or the length
+            rid, seq = s.request_id, self._seqs[s.request_id]
+            new = s.request.output_token_ids[num_before:]  # the accepted tokens up to a stop token or the length
             if seq.matcher is not None:  # structured outputs: a grammar that can go no further ends its sequence
                 for j, token in enumerate(new):
                     if self.grammar.advance(seq.matcher, token):
@@ -243,7 +268,21 @@ class EngineCore:
                         if rid not in finished:
                             finished[rid] = self.scheduler.finish_request(rid, FinishReason.STOP)
                         break
-            delta, stop_hit = emit(request, seq, new, token_logprobs(result, rows[rid][0], new, seq.params),
+            news.append(new)
+        if self.spec is not None:  # a model drafter's device step (EAGLE-3: the head over this step's rows)
+            self.spec.after_step(launched)
+        return result, live, before, news, finished, sampled
+
+    def _emit(self, result, live, before, news, finished, sampled) -> list[EngineOutput]:
+        """The deltas of a step read back: detokenized text, stop strings (which finish their requests), logprobs."""
+        if result.pooled is not None:  # an embedding model: each finished prompt's vector (engine/pooling.py)
+            return self._embeddings(live, result)
+        outputs = []
+        for s, num_before, new in zip(live, before, news):
+            rid, request = s.request_id, s.request
+            if (seq := self._seqs.get(rid)) is None:  # aborted since it was read back
+                continue
+            delta, stop_hit = emit(request, seq, new, token_logprobs(result, result.rows[rid][0], new, seq.params),
                                    finished.get(rid), num_before)
             self.num_generation_tokens_total += len(delta.new_token_ids)
             if s.draft_token_ids:
@@ -254,8 +293,6 @@ class EngineCore:
             if delta.finished:
                 self._forget(rid)
             outputs.append(delta)
-        if self.spec is not None:  # a model drafter's device step (EAGLE-3: the head over this step's rows)
-            self.spec.after_step(launched)
         return outputs
 
     def _embeddings(self, live, result) -> list[EngineOutput]:
@@ -300,6 +337,7 @@ class EngineCore:
                 "prompt_tokens_total": self.num_prompt_tokens_total,
                 "generation_tokens_total": self.num_generation_tokens_total,
                 "steps_total": self.num_steps_total, "device_wait_seconds_total": self.device_wait_seconds_total,
+                "serial_host_seconds_total": self.serial_host_seconds_total,
                 **self._host_tier_stats(),
                 "compiles_after_warmup": self.runner.compiles_after_warmup,
                 "warmup_pending": self.runner.warmup_pending(),

@@ -20,7 +20,8 @@ differences of the logits between a one-token and a multi-token row. Penalties, 
 are computed per position as if the drafts before it were outputs (batch_builder.logits_rows, `grammar_masks`).
 
 Async scheduling: a request's drafts need its last token, which with one step in flight is still on the device. An
-engine with a proposer reads each step back before scheduling the next (as vLLM did before it combined the two);
+engine with a proposer reads each step back before scheduling the next (as vLLM did before it combined the two), and
+builds that step's outputs (text, stop strings, logprobs) once the next is launched, while the device runs it;
 the scheduler also never schedules a request past drafts still in flight (its rows would start from a token the
 verification may reject).
 

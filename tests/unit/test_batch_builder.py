@@ -1,0 +1,46 @@
+"""batch_builder.build_batch: its per-token path for small steps builds the same padded batch as its numpy path."""
+
+from dataclasses import asdict
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+
+from jinfer.engine import batch_builder
+from jinfer.engine.batch_builder import build_batch
+
+
+def schedule(rng, n: int, page_size: int):
+    scheduled, prev_rows = [], {}
+    for i in range(n):
+        start = int(rng.integers(0, 40))
+        drafts = int(rng.integers(0, 4))
+        num_new = int(rng.choice([1 + drafts, int(rng.integers(1, 12))]))  # a decode (+ drafts) or a prefill chunk
+        needs_sample = bool(rng.random() < 0.8)
+        from_device = bool(rng.random() < 0.3)
+        pages = rng.integers(1, 100, -(-(start + num_new) // page_size)).tolist()
+        rid = f"r{i}"
+        prev_rows[rid] = int(rng.integers(0, 8))
+        scheduled.append(SimpleNamespace(
+            request_id=rid, num_new_tokens=num_new, start=start, page_ids=pages,
+            token_ids=rng.integers(3, 200, num_new).tolist(), input_from_device=from_device,
+            num_logits=(num_new if num_new == 1 + drafts else 1) if needs_sample else 0,
+            needs_sample=needs_sample, state_slot=int(rng.integers(0, 4))))
+    total = sum(s.num_new_tokens for s in scheduled)
+    return SimpleNamespace(scheduled=scheduled, num_scheduled_tokens=total), prev_rows
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_small_steps_match_the_numpy_path(seed, monkeypatch):
+    rng = np.random.default_rng(seed)
+    n = int(rng.integers(1, 9))
+    out, prev_rows = schedule(rng, n, page_size=4)
+    T = max(8, 1 << (out.num_scheduled_tokens - 1).bit_length())
+    small = build_batch(out, prev_rows, T, 8, 16, 4)
+    monkeypatch.setattr(batch_builder, "SMALL_STEP", 0)
+    big = build_batch(out, prev_rows, T, 8, 16, 4)
+    assert small.R == big.R and small.rows == big.rows
+    for a, b in [*zip(asdict(small.batch).values(), asdict(big.batch).values()), (small.prev_index, big.prev_index),
+                 (small.counts, big.counts)]:
+        assert a.dtype == b.dtype == np.int32
+        np.testing.assert_array_equal(a, b)
