@@ -2,10 +2,13 @@
 
     python -m benchmarks.bench_local_step --shape qwen3-8b --tp 1 2 --batch-sizes 1 16 --variants default mlp_i64
     python -m benchmarks.bench_local_step --shape qwen3-8b-fp8 --tp 1 --batch-sizes 1 8 --variants default jnp_dense
+    python -m benchmarks.bench_local_step --shape qwen3-8b --tp 1 --batch-sizes 1 8 --query-len 1 5  # verify steps
 
 The model's forward runs at the shapes one device of a `tp`-way mesh holds (q and kv heads,
 intermediate columns and vocabulary divided by tp; dummy weights), as a decode step with `--context`
-tokens per sequence, dispatched back to back and synced once. `tp` devices each doing this share plus
+tokens per sequence, dispatched back to back and synced once. `--query-len Q` > 1: each sequence has Q new tokens and
+Q logits rows (speculative decoding's verify step of 1 + k drafts), as the engine runs such a step (not a decode-only
+executable: the ragged attention kernel, XLA's MLP). `tp` devices each doing this share plus
 the collectives is what bench_parallel times; so the ratio step(tp) / step(1) here says how well the
 kernels keep their speed at the narrower shapes, apart from communication. Each variant is a KernelPolicy (the
 environment's `KernelPolicy.from_env` changed in one choice), or for the o projection's experiments a ModelOps
@@ -178,6 +181,8 @@ def main():
     ap.add_argument("--table-pages", type=int, default=0,
                     help="page-table width per sequence (the engine's is max_model_len / page_size); default: the "
                          "context's pages")
+    ap.add_argument("--query-len", type=int, nargs="+", default=[1],
+                    help="new tokens per sequence (1 + drafts for a verify step); one row set per value")
     ap.add_argument("--iters", type=int, default=30)
     ap.add_argument("--runs", type=int, default=5)
     ap.add_argument("--variants", nargs="+", default=["default"])
@@ -188,27 +193,30 @@ def main():
 
     full = resolve_model(f"dummy:{args.shape}").config
     dtype = DTYPES[args.dtype]
-    ops = dataclasses.replace(select_ops(policy=KernelPolicy.from_env()), decode_step=True)
+    step_ops = select_ops(policy=KernelPolicy.from_env())
     mesh = make_mesh(1)
     rows = []
     for tp in args.tp:
         cfg = local_shapes(full, tp)
         w = shard_weights(cfg, load_weights(ModelSource("dummy", None, cfg), args.dtype, mesh,
                                                       progress=False), mesh)
-        pages_per_seq = max((args.context + args.iters + 2) // args.page_size + 1, args.table_pages)
+        q_max = max(args.query_len)
+        pages_per_seq = max((args.context + args.iters * q_max + 2) // args.page_size + 1, args.table_pages)
         kv = init_kv_cache(cfg, pages_per_seq * max(args.batch_sizes) + 1, args.page_size, dtype, mesh,
                            num_state_slots=max(args.batch_sizes) + 1)  # linear-attention layers: slot b + 1
-        for bs in args.batch_sizes:
+        for bs, q in ((bs, q) for bs in args.batch_sizes for q in args.query_len):
+            ops = dataclasses.replace(step_ops, decode_step=q == 1)
             pages = [list(range(1 + b * pages_per_seq, 1 + (b + 1) * pages_per_seq)) for b in range(bs)]
-            batches = [jax.device_put(make_batch([([1], args.context + i, pg) for pg in pages], args.page_size,
-                                                 pages_per_seq=pages_per_seq)) for i in range(args.iters)]
+            batches = [jax.device_put(make_batch([([1] * q, args.context + i * q, pg) for pg in pages], args.page_size,
+                                                 pages_per_seq=pages_per_seq, all_logits=q > 1))
+                       for i in range(args.iters)]
             for name in args.variants:
                 step = jax.jit(functools.partial(forward, cfg=cfg, ops=variant_ops(name, ops)), donate_argnums=(2,))
                 logits, kv = step(w, batches[0], kv)
                 runs = []
                 for r in range(args.runs + 1):
                     jax.block_until_ready((logits, kv))
-                    trace = args.profile and r == args.runs and f"{args.profile}/tp{tp}_b{bs}_{name}"
+                    trace = args.profile and r == args.runs and f"{args.profile}/tp{tp}_b{bs}_q{q}_{name}"
                     with profiled(trace):
                         t = time.perf_counter()
                         for b in batches:
@@ -216,17 +224,19 @@ def main():
                         jax.block_until_ready(logits)
                     runs.append((time.perf_counter() - t) / args.iters * 1e3)
                 runs = runs[1:]  # the first pass is the warm-up
-                row = {"tp": tp, "batch_size": bs, "variant": name, "step_ms": float(np.min(runs)),
+                row = {"tp": tp, "batch_size": bs, "query_len": q, "variant": name, "step_ms": float(np.min(runs)),
                        "step_ms_runs": runs}
                 if args.profile:
-                    row.update(kernel_summary(f"{args.profile}/tp{tp}_b{bs}_{name}", args.iters, args.top))
+                    row.update(kernel_summary(f"{args.profile}/tp{tp}_b{bs}_q{q}_{name}", args.iters, args.top))
                 rows.append(row)
                 print({k: v for k, v in row.items() if k != "step_ms_runs"}, flush=True)
         del w, kv
-    base = {(r["batch_size"], r["variant"]): r["step_ms"] for r in rows if r["tp"] == 1}
+    base = {(r["batch_size"], r["query_len"], r["variant"]): r["step_ms"] for r in rows if r["tp"] == 1}
     for r in rows:
-        if r["tp"] > 1 and (r["batch_size"], "default") in base:
-            r["vs_tp1_default"] = r["step_ms"] / base[(r["batch_size"], "default")]
+        if r["tp"] > 1 and (r["batch_size"], r["query_len"], "default") in base:
+            r["vs_tp1_default"] = r["step_ms"] / base[(r["batch_size"], r["query_len"], "default")]
+        if r["query_len"] > 1 and (r["batch_size"], 1, r["variant"]) in base and r["tp"] == 1:
+            r["vs_one_token"] = r["step_ms"] / base[(r["batch_size"], 1, r["variant"])]
     write_result({"benchmark": "local_step", **environment(), "shape": args.shape, "dtype": args.dtype,
                   "context": args.context, "rows": rows}, args.out)
 
