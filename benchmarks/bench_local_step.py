@@ -1,6 +1,7 @@
 """One device's share of a tensor-parallel decode step, on one GPU, with no collectives.
 
     python -m benchmarks.bench_local_step --shape qwen3-8b --tp 1 2 --batch-sizes 1 16 --variants default mlp_i64
+    python -m benchmarks.bench_local_step --shape qwen3-8b-fp8 --tp 1 --batch-sizes 1 8 --variants default jnp_dense
 
 The model's forward runs at the shapes one device of a `tp`-way mesh holds (q and kv heads,
 intermediate columns and vocabulary divided by tp; dummy weights), as a decode step with `--context`
@@ -32,6 +33,10 @@ subclass:
 - prefetch_o[{P}] / no_prefetch_o: the norm_qkv_rope kernel's idle SMs reading the o weight (its first P%, default
   100) into L2 (`prefetch_o`) / not (the same from extra programs of the decode attention kernel was measured
   slower, `local_step_attn_prefetch_o_qwen3-4b_h100.json`);
+- jnp_dense: no fused MLP, no norm + q|k|v kernel, o on the skinny GEMM only under XLA's strength-reduction size
+  (`fp8_skinny_o` off): with FP8 weights (`--shape <name>-fp8`) what ran before the dense kernels read FP8 (the
+  jnp path: dequantize + XLA's GEMMs);
+- fp8_xla_o: FP8 o weights over the strength-reduction size on the jnp path (`fp8_skinny_o` off);
 - skinny_o: the o projection of steps of <= 32 tokens on the Pallas skinny GEMM (pallas_kernels/dense/skinny_gemm.py,
   ahead of XLA on o in its own benchmark: 27.4 vs 31.2 us, skinny_gemm_h100.json), its split-K sum and the
   residual add left to XLA.
@@ -73,11 +78,14 @@ class SkinnyOOps(ModelOps):
     """skinny_o: the o projection of steps of <= 32 tokens on the Pallas skinny GEMM."""
 
     def out_proj(self, attn, wo, residual):
+        from jinfer.ops.dense import fp8_operands
         from pallas_kernels.dense.skinny_gemm import MAX_TOKENS, skinny_gemm
 
-        if attn.shape[0] > MAX_TOKENS:
+        if attn.shape[0] > MAX_TOKENS or (operands := fp8_operands("skinny_gemm", wo)) is None:
             return super().out_proj(attn, wo, residual)
-        return residual + self.reduce(skinny_gemm(attn, wo, interpret=self.interpret).astype(attn.dtype))
+        (w,), scales, block = operands
+        out = skinny_gemm(attn, w, scales and scales[0], scale_block=block, interpret=self.interpret)
+        return residual + self.reduce(out.astype(attn.dtype))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -132,6 +140,10 @@ def _apply(name: str, ops: ModelOps) -> ModelOps:
         p = p.with_launch("norm_qkv_rope", block_k=k, num_warps=w, num_stages=st)
         if splits:
             p = dataclasses.replace(p, norm_qkv_k_splits=splits[0])
+    elif name == "jnp_dense":
+        p = dataclasses.replace(p, pallas_mlp_tokens=(), norm_qkv_max_tokens=0, fp8_skinny_o=False)
+    elif name == "fp8_xla_o":
+        p = dataclasses.replace(p, fp8_skinny_o=False)
     elif name == "vector_dots":
         p = dataclasses.replace(p, pad_vector_dots=False)
     elif name.startswith("mlp_i"):

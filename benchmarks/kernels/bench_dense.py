@@ -2,6 +2,7 @@
 
     python -m benchmarks.kernels.bench_dense mlp                    # fused SwiGLU MLP vs XLA at Qwen3-4B shapes
     python -m benchmarks.kernels.bench_dense skinny_gemm [OUT.json]  # skinny GEMM launch sweep vs XLA
+    python -m benchmarks.kernels.bench_dense fp8 [OUT.json]          # bf16 vs block-FP8 weights at Qwen3-8B shapes
 
 On CPU: tiny shapes in the interpreter, to check the script.
 """
@@ -126,7 +127,81 @@ def bench_skinny_gemm(argv: list[str] | None = None) -> None:
             json.dump(result, f, indent=1)
 
 
-BENCHMARKS = {"mlp": bench_mlp, "skinny_gemm": bench_skinny_gemm}
+def _fp8_cases(tokens: int, interpret: bool) -> dict:
+    """{kernel: (weights in bf16, FP8 weights as (values, scales), call(x, weights, scales) for the kernel, the same
+    for the jnp reference)} at Qwen3-8B's decode shapes (tiny ones in the interpreter)."""
+    from jinfer.models.fp8 import quantize
+    from pallas_kernels.dense.norm_qkv_rope import norm_qkv_rope_write, norm_qkv_rope_write_reference
+
+    hidden, inter, heads, kv_heads, dim, block = (256, 512, 2, 1, 128, (128, 128)) if interpret else \
+        (4096, 12288, 32, 8, 128, (128, 128))
+    key = jax.random.key(1)
+    bf16 = jnp.bfloat16
+
+    def weights(*shapes):
+        return [jax.random.normal(jax.random.fold_in(key, i), s, bf16) * s[0]**-0.5 for i, s in enumerate(shapes)]
+
+    norm = jnp.ones((hidden,), bf16)
+    rope = (jnp.ones((tokens, dim), bf16), jnp.zeros((tokens, dim), bf16), jnp.arange(tokens, dtype=jnp.int32),
+            jnp.ones((dim,), bf16), jnp.ones((dim,), bf16))
+    cache = jnp.zeros((8, 16, kv_heads, dim), bf16)
+    counters = jnp.zeros((1024,), jnp.int32)
+    qkv_kw = dict(num_heads=heads, num_kv_heads=kv_heads)
+
+    def mlp(ref):
+        fn = fused_swiglu_mlp_reference if ref else functools.partial(fused_swiglu_mlp, interpret=interpret)
+        return lambda x, w, s: fn(x, *w, norm, s, scale_block=s and block)
+
+    def o(ref):
+        return lambda x, w, s: (skinny_gemm_reference if ref else functools.partial(skinny_gemm, interpret=interpret))(
+            x, w[0], s and s[0], scale_block=s and block)
+
+    def qkv(ref):
+        def call(x, w, s):
+            kw = dict(qkv_kw, wqkv_scale=s and s[0], scale_block=s and block)
+            if ref:
+                return norm_qkv_rope_write_reference(x, norm, w[0], *rope[:3], *rope[3:], cache, cache, **kw)
+            return norm_qkv_rope_write(x, norm, w[0], *rope[:3], *rope[3:], cache, cache, counters, **kw,
+                                       interpret=interpret)
+        return call
+
+    cases = {"mlp": (weights((hidden, inter), (hidden, inter), (inter, hidden)), mlp),
+             "o": (weights((hidden, hidden)), o),
+             "qkv": (weights((hidden, (heads + 2 * kv_heads) * dim)), qkv)}
+    out = {}
+    for name, (ws, make) in cases.items():
+        qs = [quantize(w.astype(jnp.float32), block) for w in ws]
+        out[name] = (tuple(ws), (tuple(q.w for q in qs), tuple(q.scale for q in qs)), make(False), make(True))
+    return out
+
+
+def bench_fp8(argv: list[str] | None = None) -> None:
+    """Qwen3-8B's decode kernels (fused MLP at 1 token, skinny o at 1, norm + q|k|v at 1 and 8) with bf16 weights and
+    block-FP8 (128 x 128) ones: the Pallas kernel and the jnp path (XLA; FP8 dequantized first) on each, device time
+    per call over distinct weight copies (more than L2 holds) and weight bytes / time. JSON to argv[0]."""
+    argv = argv or []
+    interpret = jax.default_backend() != "gpu"
+    rows = []
+    for tokens in (1, 8):
+        x = jax.random.normal(jax.random.key(0), (tokens, 256 if interpret else 4096), jnp.bfloat16)
+        for name, (ws, (qw, qs), kernel, ref) in _fp8_cases(tokens, interpret).items():
+            if tokens > 1 and name != "qkv":
+                continue  # the fused MLP and the skinny o run at one token in the engine
+            for fmt, w, s in (("bf16", ws, None), ("fp8", qw, qs)):
+                nbytes = sum(a.nbytes for a in w) + (0 if s is None else sum(a.nbytes for a in s))
+                copies = 1 if interpret else max(2, -(-400_000_000 // nbytes))
+                wcopies = [(w, s)] + [(tuple(jnp.array(a, copy=True) for a in w), s) for _ in range(copies - 1)]
+                for impl, fn in (("pallas", kernel), ("xla", ref)):
+                    t = _time_us(lambda x, ws_, fn=fn: fn(x, *ws_), x, wcopies, reps=2 if interpret else 10)
+                    rows.append({"kernel": name, "tokens": tokens, "weights": fmt, "impl": impl, "time_us": t,
+                                 "weight_bytes": nbytes, "tb_per_s": nbytes / t / 1e6})
+                    print(json.dumps(rows[-1]), flush=True)
+    if argv:
+        with open(argv[0], "w") as f:
+            json.dump({"device": jax.devices()[0].device_kind, "jax": jax.__version__, "results": rows}, f, indent=1)
+
+
+BENCHMARKS = {"mlp": bench_mlp, "skinny_gemm": bench_skinny_gemm, "fp8": bench_fp8}
 
 def main(argv: list[str] | None = None) -> None:
     run_subcommand(BENCHMARKS, __spec__.name, __doc__, argv)

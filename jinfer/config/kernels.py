@@ -26,6 +26,9 @@ The defaults are the measured choices (H100 figures; docs/performance.md has the
   nothing).
 - mosaic_moe_min_rows_per_expert: steps routing at least this many rows per expert run the experts on the Mosaic
   GPU grouped GEMM (482 TFLOP/s at 4096 tokens x top-8 against 251 for the Triton kernels; moe_mgpu_h100.json).
+- fp8_skinny_o: one-token o projections with a block-FP8 weight take the skinny GEMM (which reads FP8) whatever the
+  weight's size; off: only those under pad_vector_dots' size, as bf16 (the others dequantize, then XLA's GEMM).
+  Unmeasured default: the alternative reads the FP8 bytes and writes and reads a bf16 copy unless XLA fuses it.
 - pad_vector_dots: XLA rewrites a one-row dot with a matrix under 10M elements into a multiply + reduce that streams
   at ~0.8 TB/s instead of ~3; `ModelOps.project` gives such dots a padding row, which keeps them GEMMs.
 - xla_dot_merger: XLA's dot merger in large (prefill) steps. Off: it merged the MLP's x @ w_gate and x @ w_up by
@@ -52,6 +55,7 @@ ENV_FIELDS = {
     "JINFER_PREFETCH_O": "prefetch_o",
     "JINFER_PREFETCH_EVICTION": "prefetch_eviction",
     "JINFER_XLA_DOT_MERGER": "xla_dot_merger",
+    "JINFER_FP8_SKINNY_O": "fp8_skinny_o",
 }
 
 LaunchArgs = tuple[tuple[str, tuple[tuple[str, int | bool | None], ...]], ...]
@@ -73,6 +77,7 @@ class KernelPolicy:
     mosaic_moe_min_rows_per_expert: int = 128
     pad_vector_dots: bool = True
     xla_dot_merger: bool = False
+    fp8_skinny_o: bool = True
     # Launch-parameter overrides per kernel (measurements): {kernel: {keyword: value}}, kept as sorted tuples.
     launch: LaunchArgs = ()
 
@@ -97,7 +102,7 @@ class KernelPolicy:
             raise ValueError(f"prefetch_o={self.prefetch_o!r} must be a fraction in [0, 1]")
         if self.prefetch_eviction not in EVICTION_POLICIES:
             raise ValueError(f"prefetch_eviction={self.prefetch_eviction!r} must be one of {EVICTION_POLICIES}")
-        for name in ("pad_vector_dots", "xla_dot_merger"):
+        for name in ("pad_vector_dots", "xla_dot_merger", "fp8_skinny_o"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name}={getattr(self, name)!r} must be a bool")
         object.__setattr__(self, "launch", _launch_tuple(self.launch))
@@ -123,8 +128,8 @@ class KernelPolicy:
         """The policy the `JINFER_*` measurement switches (ENV_FIELDS) set, on top of `fields`. For the CLI and the
         benchmarks only: nothing below them reads the environment.
 
-        JINFER_PALLAS_MLP_TOKENS="1,8" (a list of token counts, "" none); JINFER_XLA_DOT_MERGER=1 (XLA's default);
-        the others take the field's value."""
+        JINFER_PALLAS_MLP_TOKENS="1,8" (a list of token counts, "" none); JINFER_XLA_DOT_MERGER=1 (XLA's default),
+        JINFER_FP8_SKINNY_O=0 / 1; the others take the field's value."""
         environ = os.environ if environ is None else environ
         for var, name in ENV_FIELDS.items():
             text = environ.get(var)
@@ -133,7 +138,7 @@ class KernelPolicy:
             try:
                 if name == "pallas_mlp_tokens":
                     value = tuple(int(t) for t in text.split(",") if t)
-                elif name == "xla_dot_merger":
+                elif name in ("xla_dot_merger", "fp8_skinny_o"):
                     value = text == "1"
                 elif name == "prefetch_o":
                     value = float(text)

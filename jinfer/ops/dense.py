@@ -8,6 +8,9 @@ the o projection, the dense MLP block, embedding and lm_head.
 - MLP: the fused Pallas kernel at the token counts where it beat XLA (`KernelPolicy.pallas_mlp_tokens`), XLA's
   fusion elsewhere.
 The layer's norms and residual adds belong to these ops, so a fused kernel can take them in.
+
+Block-FP8 weights (`Fp8Weight`): these three kernels read them (values and scales, `fp8_operands`); where they
+cannot (a mix of FP8 and plain weights, scale blocks under 16 rows) the jnp path dequantizes (`refuse_fp8`).
 """
 
 from __future__ import annotations
@@ -33,6 +36,19 @@ def project(x: jax.Array, w: jax.Array, pad_vector_dots: bool = True, **kw) -> j
     if pad_vector_dots and x.shape[0] == 1 and w.shape[0] * w.shape[1] < STRENGTH_REDUCED_DOT_ELEMENTS:
         return jnp.dot(jnp.pad(x, ((0, 1), (0, 0))), w, **kw)[:1]
     return jnp.dot(x, w, **kw)
+
+
+def fp8_operands(kernel: str, *weights) -> tuple[tuple, tuple | None, tuple[int, int] | None] | None:
+    """What a kernel that reads block-FP8 weights takes: (values, scales, scale block) where every weight is FP8 in
+    one block shape of >= 16 rows (a kernel's K tile divides it), (weights, None, None) where none is FP8, None
+    where the kernel cannot take them (`refuse_fp8` logs it; the caller takes the jnp path)."""
+    if not any(is_fp8(w) for w in weights):
+        return weights, None, None
+    block = getattr(weights[0], "block", None)
+    if not all(is_fp8(w) and w.block == block for w in weights) or block[0] % 16:
+        refuse_fp8(kernel, *weights)
+        return None
+    return tuple(w.w for w in weights), tuple(w.scale for w in weights), block
 
 
 class DenseOps:
@@ -78,23 +94,29 @@ class DenseOps:
         shapes (partial RoPE, ...). With `counters` (`step_counters`) each head's K range is split over programs.
         `prefetch` (the layer's o weight) is read into L2 by the launch's idle SMs where prefetch_o is on."""
         policy = self.policy
-        if self.backend != "pallas" or x.shape[0] > policy.norm_qkv_max_tokens or refuse_fp8("norm_qkv_rope", wqkv):
+        if self.backend != "pallas" or x.shape[0] > policy.norm_qkv_max_tokens:
             return None
+        operands = fp8_operands("norm_qkv_rope", wqkv)
+        if operands is None:
+            return None
+        (wqkv,), scales, block = operands
         from pallas_kernels.dense.norm_qkv_rope import check_supported, norm_qkv_rope_write
         from pallas_kernels.dense.prefetch import prefetch_view
 
         if check_supported(x.shape[0], x.shape[1], wqkv.shape[1], num_heads, num_kv_heads, kv[0].shape[-1],
                            cos.shape[-1]) is not None:
             return None
-        if not policy.prefetch_o or self.axis is not None or prefetch is None or is_fp8(prefetch) \
-                or prefetch_view(prefetch) is None:
+        if is_fp8(prefetch):  # the o weight's FP8 values (its scales are a few KB)
+            prefetch = prefetch.w
+        if not policy.prefetch_o or self.axis is not None or prefetch is None or prefetch_view(prefetch) is None:
             prefetch = None
         return norm_qkv_rope_write(x, norm, wqkv, cos, sin, slot_mapping, q_norm, k_norm, kv[0], kv[1], counters,
                                    num_heads=num_heads, num_kv_heads=num_kv_heads, eps=eps,
                                    k_splits=policy.norm_qkv_k_splits, prefetch=prefetch,
                                    prefetch_fraction=policy.prefetch_o or 1.0,
-                                   prefetch_eviction=policy.prefetch_eviction, interpret=self.interpret,
-                                   **policy.launch_args("norm_qkv_rope"))
+                                   prefetch_eviction=policy.prefetch_eviction,
+                                   wqkv_scale=None if scales is None else scales[0], scale_block=block,
+                                   interpret=self.interpret, **policy.launch_args("norm_qkv_rope"))
 
     def norm_projections(self, x: jax.Array, norm: jax.Array, weights: tuple[jax.Array, ...],
                          eps: float) -> tuple[jax.Array, ...]:
@@ -114,13 +136,21 @@ class DenseOps:
         a padding row: one more kernel, since attention's output comes from a Pallas call) takes the Pallas skinny
         GEMM instead. Qwen3-30B-A3B's 4096 x 2048 o at batch 1 on the H100: decode step 3.535 / 3.556 vs 3.615 /
         3.588 ms in interleaved rounds (`local_step_skinny_o_qwen3-30b-a3b_h100.json`); on Qwen3-4B's unpadded
-        4096 x 2560 o, and at batch 8, the two were even, so those keep XLA's GEMM."""
-        if self.backend == "pallas" and attn.shape[0] == 1 and self.policy.pad_vector_dots \
-                and wo.shape[0] * wo.shape[1] < STRENGTH_REDUCED_DOT_ELEMENTS and wo.shape[0] % 16 == 0 \
-                and wo.shape[1] % 16 == 0 and not refuse_fp8("skinny_gemm", wo):
+        4096 x 2560 o, and at batch 8, the two were even, so those keep XLA's GEMM.
+
+        An FP8 o weight takes the skinny GEMM at one token whatever its size where `KernelPolicy.fp8_skinny_o`
+        (the alternative is not XLA's plain GEMM but a dequantization and a GEMM)."""
+        policy = self.policy
+        small = wo.shape[0] * wo.shape[1] < STRENGTH_REDUCED_DOT_ELEMENTS and policy.pad_vector_dots
+        if self.backend == "pallas" and attn.shape[0] == 1 and (small or (is_fp8(wo) and policy.fp8_skinny_o)) \
+                and wo.shape[0] % 16 == 0 and wo.shape[1] % 16 == 0 \
+                and (operands := fp8_operands("skinny_gemm", wo)) is not None:
             from pallas_kernels.dense.skinny_gemm import skinny_gemm
 
-            return residual + self.reduce(skinny_gemm(attn, wo, interpret=self.interpret).astype(attn.dtype))
+            (w,), scales, block = operands
+            out = skinny_gemm(attn, w, None if scales is None else scales[0], scale_block=block,
+                              interpret=self.interpret)
+            return residual + self.reduce(out.astype(attn.dtype))
         return residual + self.reduce(self.project(attn, wo))
 
     def mlp_block(self, x: jax.Array, norm: jax.Array, w_gate: jax.Array, w_up: jax.Array, w_down: jax.Array,
@@ -132,11 +162,13 @@ class DenseOps:
         layer at batch-1 decode on the H100, 1885 vs 1767 us per Qwen3.5-4B step: the extra load sits on each
         K iteration's critical path.)"""
         if self.backend == "pallas" and x.shape[0] in self.policy.pallas_mlp_tokens and x.shape[1] % 16 == 0 \
-                and w_gate.shape[1] % 16 == 0 and not refuse_fp8("fused_mlp", w_gate, w_up, w_down):
+                and w_gate.shape[1] % 16 == 0 \
+                and (operands := fp8_operands("fused_mlp", w_gate, w_up, w_down)) is not None:
             from pallas_kernels.dense.fused_mlp import fused_swiglu_mlp
 
-            return x + self.reduce(fused_swiglu_mlp(x, w_gate, w_up, w_down, norm, eps=eps, interpret=self.interpret,
-                                                    **self.policy.launch_args("fused_mlp")))
+            (wg, wu, wd), scales, block = operands
+            return x + self.reduce(fused_swiglu_mlp(x, wg, wu, wd, norm, scales, scale_block=block, eps=eps,
+                                                    interpret=self.interpret, **self.policy.launch_args("fused_mlp")))
         return x + self.reduce(swiglu_mlp(rms_norm(x, norm, eps), w_gate, w_up, w_down))
 
     def reduce(self, partial: jax.Array) -> jax.Array:

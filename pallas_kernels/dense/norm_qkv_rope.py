@@ -23,6 +23,10 @@ counters are made zero once and every launch leaves them zero, launches being or
 Prefetch (`prefetch=`, the layer's o projection weight; `KernelPolicy.prefetch_o`): extra programs on the launch's
 idle SMs read the first part of another array into L2 (evict-last) while the heads stream (dense/prefetch.py).
 
+Block-FP8 q|k|v weights (`wqkv_scale`): e4m3 tiles converted in registers, each tile's product scaled
+(pallas_kernels/dense/fp8_tiles.py); the K tile divides the scale blocks' height (128 for 128 x 128 blocks, the bf16
+default), so a head of 128 columns reads one scale per K tile and half.
+
 Scope: full rotate-half RoPE (rotary dim = head_dim), no gated queries, no q/k/v bias; head_dim a power of two
 >= 32; `check_supported` says why not otherwise (the caller keeps the XLA projection + `qkv_rope_write`).
 
@@ -39,6 +43,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from pallas_kernels.common import rms_inverse, rms_normed, tile_rows
+from pallas_kernels.dense.fp8_tiles import check_scale, dequantize, tile_k, weight_dot
 from pallas_kernels.dense.prefetch import WIDTH, prefetch_rows, prefetch_rows_count, prefetch_view
 from pallas_kernels.dense.qkv_rope import qkv_rope_write_reference
 from pallas_kernels.split_k import check_counters, sum_splits, take_ticket
@@ -50,17 +55,19 @@ ONE_WAVE = 132  # the H100's SMs
 def _kernel(x_ref, n_ref, w_ref, cos_ref, sin_ref, slot_ref, qn_ref, kn_ref, _k_in, _v_in, *refs,
             block_k: int, k_splits: int, num_heads: int, num_kv_heads: int, eps: float, qk_norm: bool,
             interpret: bool, prefetch_programs: int = 0, prefetch_row_count: int = 0,
-            prefetch_eviction: str = "evict_last"):
+            prefetch_eviction: str = "evict_last", scale_block: tuple[int, int] | None = None):
     # x_ref [T, hidden] (whole: rows past T read as 0); n_ref [hidden]; w_ref [hidden, D]: this head's columns;
     # cos/sin [T, D]; slot_ref [T]; q_ref [T, H, D]; k_ref / v_ref [num_slots, KVH, D] (the caches, in place).
     # Split-K (k_splits > 1): part_ref [S, T, heads * D] fp32 partials; cnt_ref [>= heads] int32, zero on entry
     # and left zero: the split that arrives last at a head's counter sums the partials and finishes the head.
     # Prefetch (prefetch_programs > 0): pf_ref [rows, 256], the array read into L2; pf_out [programs] fp32 (unused).
+    # FP8 w (scale_block (bk, bn)): s_ref [hidden / bk, heads * D / bn] float32 (whole), w_ref's block scales.
     refs = list(refs)
     if prefetch_programs:
         pf_out = refs.pop()
     _cnt_in = refs.pop(0) if k_splits > 1 else None
     pf_ref = refs.pop(0) if prefetch_programs else None
+    s_ref = refs.pop(0) if scale_block is not None else None
     if k_splits > 1:
         q_ref, k_ref, v_ref, cnt_ref, part_ref = refs
     else:
@@ -70,7 +77,8 @@ def _kernel(x_ref, n_ref, w_ref, cos_ref, sin_ref, slot_ref, qn_ref, kn_ref, _k_
     head = functools.partial(_head, x_ref, n_ref, w_ref, cos_ref, sin_ref, slot_ref, qn_ref, kn_ref, q_ref, k_ref,
                              v_ref, cnt_ref, part_ref, h, split, block_k=block_k, k_splits=k_splits,
                              num_heads=num_heads, num_kv_heads=num_kv_heads, eps=eps, qk_norm=qk_norm,
-                             interpret=interpret)
+                             interpret=interpret, **({} if scale_block is None else {"s_ref": s_ref,
+                                                                                     "scale_block": scale_block}))
     if not prefetch_programs:
         head()
         return
@@ -85,7 +93,7 @@ def _kernel(x_ref, n_ref, w_ref, cos_ref, sin_ref, slot_ref, qn_ref, kn_ref, _k_
 def _head(x_ref, n_ref, w_ref, cos_ref, sin_ref, slot_ref, qn_ref, kn_ref, q_ref, k_ref, v_ref, cnt_ref, part_ref,
           h, split, *,
           block_k: int, k_splits: int, num_heads: int, num_kv_heads: int, eps: float, qk_norm: bool,
-          interpret: bool):
+          interpret: bool, s_ref=None, scale_block: tuple[int, int] | None = None):
     """One (head, K split) program: the head's normed, projected, rotated rows (see the module doc)."""
     tokens, hidden = x_ref.shape
     head_dim = w_ref.shape[1]
@@ -102,8 +110,11 @@ def _head(x_ref, n_ref, w_ref, cos_ref, sin_ref, slot_ref, qn_ref, kn_ref, q_ref
         a1, a2 = carry  # [block_t, half] fp32 each: the head's two rotate-half halves
         cols = pl.ds((split * steps + kk) * block_k, block_k)
         xk = rms_normed(x_cols(cols, block_k), inv, n_ref[cols])
-        a1 = a1 + plgpu.dot(xk, w_ref[cols, lo])
-        a2 = a2 + plgpu.dot(xk, w_ref[cols, hi])
+        if scale_block is None:
+            return a1 + plgpu.dot(xk, w_ref[cols, lo]), a2 + plgpu.dot(xk, w_ref[cols, hi])
+        k0 = (split * steps + kk) * block_k
+        a1 = a1 + weight_dot(xk, w_ref[cols, lo], s_ref, k0, h * head_dim, scale_block)
+        a2 = a2 + weight_dot(xk, w_ref[cols, hi], s_ref, k0, h * head_dim + half, scale_block)
         return a1, a2
 
     zeros = jnp.zeros((block_t, half), f32)
@@ -185,8 +196,9 @@ def check_supported(tokens: int, hidden: int, qkv_width: int, num_heads: int, nu
     return None
 
 
-def default_block_k(hidden: int) -> int:
-    return 128 if hidden % 128 == 0 else 64
+def default_block_k(hidden: int, scale_block: tuple[int, int] | None = None) -> int:
+    """128 (64 where hidden is not a multiple of 128); FP8: also a divisor of the scale blocks' height."""
+    return tile_k(hidden, 128, scale_block)
 
 
 def default_k_splits(heads: int, hidden: int, block_k: int) -> int:
@@ -206,14 +218,15 @@ def idle_programs(heads: int, k_splits: int, sms: int = ONE_WAVE) -> int:
 
 @functools.partial(jax.jit, static_argnames=("num_heads", "num_kv_heads", "eps", "block_k", "k_splits", "num_warps",
                                              "num_stages", "prefetch_programs", "prefetch_fraction",
-                                             "prefetch_eviction", "interpret"))
+                                             "prefetch_eviction", "scale_block", "interpret"))
 def norm_qkv_rope_write(x: jax.Array, norm_weight: jax.Array, wqkv: jax.Array, cos: jax.Array, sin: jax.Array,
                         slot_mapping: jax.Array, q_norm: jax.Array | None, k_norm: jax.Array | None,
                         k_cache: jax.Array, v_cache: jax.Array, counters: jax.Array | None = None, *, num_heads: int,
                         num_kv_heads: int, eps: float = 1e-6, block_k: int | None = None, k_splits: int | None = None,
                         num_warps: int = 8, num_stages: int = 4, prefetch: jax.Array | None = None,
                         prefetch_programs: int | None = None, prefetch_fraction: float = 1.0,
-                        prefetch_eviction: str = "evict_last", interpret: bool = False
+                        prefetch_eviction: str = "evict_last", wqkv_scale: jax.Array | None = None,
+                        scale_block: tuple[int, int] | None = None, interpret: bool = False
                         ) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array | None]:
     """x -> (q [T, H, D] normed and rotated, k_cache, v_cache with the new rows written, counters).
 
@@ -229,6 +242,9 @@ def norm_qkv_rope_write(x: jax.Array, norm_weight: jax.Array, wqkv: jax.Array, c
     idle (Qwen3-4B: 96 programs on 132 SMs) and the weight stream short of HBM's rate; `prefetch_programs` (default
     `idle_programs`) extra programs read it (its first `prefetch_fraction`) meanwhile, marked evict-last, so it is
     in L2 when its GEMM runs. prefetch_eviction: those loads' L2 policy, "evict_last" or "normal".
+
+    wqkv_scale: a block-FP8 wqkv's (float8_e4m3fn) float32 scales, one per `scale_block` = (bk, bn) block of it
+    (block_k then divides bk).
     """
     tokens, hidden = x.shape
     head_dim = k_cache.shape[-1]
@@ -238,7 +254,11 @@ def norm_qkv_rope_write(x: jax.Array, norm_weight: jax.Array, wqkv: jax.Array, c
         raise ValueError(why)
     if wqkv.shape[0] != hidden or norm_weight.shape != (hidden,) or k_cache.shape[2] != num_kv_heads:
         raise ValueError(f"shapes disagree: {x.shape=} {norm_weight.shape=} {wqkv.shape=} {k_cache.shape=}")
-    block_k = default_block_k(hidden) if block_k is None else block_k
+    scale_block = None if wqkv_scale is None else tuple(scale_block or ())
+    check_scale("wqkv", wqkv, wqkv_scale, scale_block)
+    block_k = default_block_k(hidden, scale_block) if block_k is None else block_k
+    if scale_block is not None and scale_block[0] % block_k:
+        raise ValueError(f"block_k={block_k} must divide the FP8 scale blocks' height {scale_block[0]}")
     if counters is None:
         k_splits = 1
     elif k_splits is None:
@@ -264,7 +284,8 @@ def norm_qkv_rope_write(x: jax.Array, norm_weight: jax.Array, wqkv: jax.Array, c
                                num_kv_heads=num_kv_heads, eps=eps, qk_norm=qk_norm, interpret=interpret,
                                prefetch_programs=prefetch_programs,
                                prefetch_row_count=0 if pf is None else prefetch_rows_count(pf, prefetch_fraction),
-                               prefetch_eviction=prefetch_eviction)
+                               prefetch_eviction=prefetch_eviction,
+                               **({} if scale_block is None else {"scale_block": scale_block}))
     whole = pl.no_block_spec
     outs = [
         jax.ShapeDtypeStruct((tokens, num_heads, head_dim), x.dtype),
@@ -280,6 +301,7 @@ def norm_qkv_rope_write(x: jax.Array, norm_weight: jax.Array, wqkv: jax.Array, c
     if prefetch_programs:
         outs.append(jax.ShapeDtypeStruct((prefetch_programs,), jnp.float32))
         pf_args = [pf]
+    scale_args = [] if wqkv_scale is None else [wqkv_scale]
     res = pl.pallas_call(
         kernel,
         grid=(heads + prefetch_programs // k_splits, k_splits),
@@ -290,24 +312,28 @@ def norm_qkv_rope_write(x: jax.Array, norm_weight: jax.Array, wqkv: jax.Array, c
             whole, whole, whole,
             pl.BlockSpec((head_dim,), lambda h, s: (0,)),
             pl.BlockSpec((head_dim,), lambda h, s: (0,)),
-            whole, whole, *([whole] * (len(split_args) + len(pf_args))),
+            whole, whole, *([whole] * (len(split_args) + len(pf_args) + len(scale_args))),
         ],
         out_specs=[whole] * len(outs),
         out_shape=outs,
         input_output_aliases={8: 1, 9: 2, **({10: 3} if split_args else {})},
         compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),
         interpret=interpret,
-        name=f"norm_qkv_rope_write_k{block_k}_s{k_splits}" + (f"_pf{prefetch_programs}" if prefetch_programs else ""),
+        name=f"norm_qkv_rope_write_k{block_k}_s{k_splits}" + (f"_pf{prefetch_programs}" if prefetch_programs else "")
+        + ("_fp8" if scale_args else ""),
     )(x, norm_weight, wqkv, cos, sin, slot_mapping.astype(jnp.int32), q_norm, k_norm, k_cache.reshape(flat),
-      v_cache.reshape(flat), *split_args, *pf_args)
+      v_cache.reshape(flat), *split_args, *pf_args, *scale_args)
     q, k_out, v_out = res[:3]
     return q, k_out.reshape(cache_shape), v_out.reshape(cache_shape), res[3] if split_args else counters
 
 
 def norm_qkv_rope_write_reference(x, norm_weight, wqkv, cos, sin, slot_mapping, q_norm, k_norm, k_cache, v_cache,
-                                  counters=None, *, num_heads: int, num_kv_heads: int, eps: float = 1e-6):
+                                  counters=None, *, num_heads: int, num_kv_heads: int, eps: float = 1e-6,
+                                  wqkv_scale=None, scale_block=None):
     """Plain jnp, the same contract: HF's RMSNorm, the projection rounded to x's dtype, then `qkv_rope_write`'s
-    reference."""
+    reference. An FP8 wqkv is dequantized to x's dtype first."""
+    if wqkv_scale is not None:
+        wqkv = dequantize(wqkv, wqkv_scale, scale_block, x.dtype)
     xf = x.astype(jnp.float32)
     h = norm_weight * (xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)).astype(x.dtype)
     qkv = jnp.dot(h, wqkv, preferred_element_type=jnp.float32).astype(x.dtype)

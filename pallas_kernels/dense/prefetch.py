@@ -21,8 +21,13 @@ TILE = 64  # rows of a prefetch tile (32 KB of bf16)
 
 
 def prefetch_view(a: jax.Array) -> jax.Array | None:
-    """`a` as [rows, WIDTH] (a free reshape), or None where its size does not divide."""
-    return None if a.size % WIDTH else a.reshape(-1, WIDTH)
+    """`a` as [rows, WIDTH] (a free reshape), or None where its size does not divide. FP8 values are read as their
+    bytes (uint8, a free bitcast: Triton's lowering has no masked FP8 load with a fill value)."""
+    if a.size % WIDTH:
+        return None
+    if a.dtype == jnp.float8_e4m3fn:
+        a = jax.lax.bitcast_convert_type(a, jnp.uint8)
+    return a.reshape(-1, WIDTH)
 
 
 def prefetch_rows(pf_ref, pf_out, p, programs: int, rows: int, tile: int = TILE, eviction: str = "evict_last"):

@@ -11,6 +11,10 @@ residual add, the cast). Splitting K puts enough programs in flight when N is na
 the residual in each column block's last program, and a no-split GEMV with the residual add, both measured no faster
 than XLA's GEMM + add for Qwen3-4B's o at batch 1.)
 
+Block-FP8 weights (`scale`): e4m3 tiles converted in registers and each tile's product scaled
+(pallas_kernels/dense/fp8_tiles.py); the K tile divides the scale blocks' height, and the column block is 128
+wide (a 128 x 128 scale block's tile: the bytes of bf16's 128 x 64 tile).
+
 GPU backend: the Pallas Triton lowering (see `pallas_kernels/__init__.py`).
 """
 
@@ -24,6 +28,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from pallas_kernels.common import pow2_divisor
+from pallas_kernels.dense.fp8_tiles import check_scale, dequantize, tile_k, weight_dot
 
 MAX_TOKENS = 32
 
@@ -31,9 +36,12 @@ MAX_TOKENS = 32
 # ----------------------------------------------------------------------------------------------
 # Kernel body
 # ----------------------------------------------------------------------------------------------
-def _gemm_kernel(x_ref, w_ref, o_ref, *, block_t: int, block_k: int, k_per_split: int):
+def _gemm_kernel(x_ref, w_ref, *refs, block_t: int, block_k: int, k_per_split: int,
+                 scale_block: tuple[int, int] | None = None):
     # x_ref [T, K] (whole: the real rows are loaded masked); w_ref [K, block_n]: this program's column
     # block, all K rows (the split picks its range); o_ref [k_splits, T, N] fp32 (whole).
+    # FP8 (scale_block (bk, bn)): s_ref [K / bk, N / bn] float32 (whole), before o_ref.
+    s_ref, o_ref = refs if scale_block is not None else (None, *refs)
     tokens = x_ref.shape[0]
     block_n = w_ref.shape[1]
     n, s = pl.program_id(0), pl.program_id(1)
@@ -43,7 +51,9 @@ def _gemm_kernel(x_ref, w_ref, o_ref, *, block_t: int, block_k: int, k_per_split
     def body(kk, acc):  # acc [block_t, block_n] fp32
         ks = pl.ds(s * k_per_split + kk * block_k, block_k)
         xk = plgpu.load(x_ref.at[rows, ks], mask=jnp.broadcast_to(real[:, None], (block_t, block_k)), other=0)
-        return acc + plgpu.dot(xk, w_ref[ks, :])
+        if scale_block is None:
+            return acc + plgpu.dot(xk, w_ref[ks, :])
+        return acc + weight_dot(xk, w_ref[ks, :], s_ref, s * k_per_split + kk * block_k, n * block_n, scale_block)
 
     acc = jax.lax.fori_loop(0, k_per_split // block_k, body, jnp.zeros((block_t, block_n), jnp.float32))
     cols = pl.ds(n * block_n, block_n)
@@ -53,28 +63,32 @@ def _gemm_kernel(x_ref, w_ref, o_ref, *, block_t: int, block_k: int, k_per_split
 # ----------------------------------------------------------------------------------------------
 # Wrapper
 # ----------------------------------------------------------------------------------------------
-def _gemm_call(x, w, *, block_n, block_k, k_splits, num_warps, num_stages, interpret):
+def _gemm_call(x, w, scale, *, block_n, block_k, k_splits, num_warps, num_stages, scale_block, interpret):
     tokens, k = x.shape
     n = w.shape[1]
     block_t = max(16, 1 << (tokens - 1).bit_length())
-    kernel = functools.partial(_gemm_kernel, block_t=block_t, block_k=block_k, k_per_split=k // k_splits)
+    kernel = functools.partial(_gemm_kernel, block_t=block_t, block_k=block_k, k_per_split=k // k_splits,
+                               **({} if scale is None else {"scale_block": scale_block}))
+    scales = [] if scale is None else [scale]
     out = pl.pallas_call(
         kernel,
         grid=(n // block_n, k_splits),
-        in_specs=[pl.no_block_spec, pl.BlockSpec((k, block_n), lambda i, s: (0, i))],
+        in_specs=[pl.no_block_spec, pl.BlockSpec((k, block_n), lambda i, s: (0, i)),
+                  *[pl.no_block_spec] * len(scales)],
         out_specs=pl.no_block_spec,
         out_shape=jax.ShapeDtypeStruct((k_splits, tokens, n), jnp.float32),
         compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),
         interpret=interpret,
-        name=f"skinny_gemm_n{block_n}_k{block_k}_s{k_splits}",
-    )(x, w)
+        name=f"skinny_gemm_n{block_n}_k{block_k}_s{k_splits}" + ("_fp8" if scales else ""),
+    )(x, w, *scales)
     return out[0] if k_splits == 1 else out.sum(axis=0)
 
 
-def default_config(k: int, n: int) -> dict:
-    """Launch parameters (block_n, block_k, k_splits, num_warps, num_stages) for a [K, N] weight."""
-    block_n = pow2_divisor(n, 64)  # (K and N are multiples of 16: tiles of 16 at least)
-    block_k = pow2_divisor(k, 128)
+def default_config(k: int, n: int, scale_block: tuple[int, int] | None = None) -> dict:
+    """Launch parameters (block_n, block_k, k_splits, num_warps, num_stages) for a [K, N] weight (FP8: in blocks of
+    `scale_block`)."""
+    block_n = pow2_divisor(n, 64 if scale_block is None else 128)  # (K, N multiples of 16: tiles of 16 at least)
+    block_k = tile_k(k, 128, scale_block)
     # enough programs for ~2 waves of 132 SMs; each split keeps >= 8 tiles to pipeline
     k_splits = 1
     while (n // block_n) * k_splits < 264 and k % (k_splits * 2 * block_k) == 0 and k // (k_splits * 2) >= 8 * block_k:
@@ -86,15 +100,17 @@ def default_config(k: int, n: int) -> dict:
 # Public API
 # ----------------------------------------------------------------------------------------------
 @functools.partial(jax.jit, static_argnames=("block_n", "block_k", "k_splits", "num_warps", "num_stages",
-                                             "interpret"))
-def skinny_gemm(x: jax.Array, w: jax.Array, *, block_n: int | None = None, block_k: int | None = None,
+                                             "scale_block", "interpret"))
+def skinny_gemm(x: jax.Array, w: jax.Array, scale: jax.Array | None = None, *,
+                scale_block: tuple[int, int] | None = None, block_n: int | None = None, block_k: int | None = None,
                 k_splits: int | None = None, num_warps: int | None = None, num_stages: int | None = None,
                 interpret: bool = False) -> jax.Array:
     """`x @ w` in float32 for a few token rows.
 
     Args:
       x: `[T, K]`, 1 <= T <= 32.
-      w: `[K, N]`, same dtype; K and N multiples of 16.
+      w: `[K, N]`, same dtype, or float8_e4m3fn with `scale`; K and N multiples of 16.
+      scale: a block-FP8 w's float32 scales, one per `scale_block` = (bk, bn) block (block_k then divides bk).
       block_n, block_k, k_splits, num_warps, num_stages: launch parameters; None: `default_config`.
         block_n must divide N, k_splits * block_k must divide K.
       interpret: run the Pallas interpreter (CPU tests).
@@ -102,11 +118,13 @@ def skinny_gemm(x: jax.Array, w: jax.Array, *, block_n: int | None = None, block
     Returns:
       `[T, N]` float32 (the caller adds, casts or reduces across devices).
     """
-    launch = _launch(x, w, block_n, block_k, k_splits, num_warps, num_stages)
-    return _gemm_call(x, w, **launch, interpret=interpret)
+    scale_block = None if scale is None else tuple(scale_block or ())
+    check_scale("w", w, scale, scale_block)
+    launch = _launch(x, w, block_n, block_k, k_splits, num_warps, num_stages, scale_block)
+    return _gemm_call(x, w, scale, **launch, scale_block=scale_block, interpret=interpret)
 
 
-def _launch(x, w, block_n, block_k, k_splits, num_warps, num_stages) -> dict:
+def _launch(x, w, block_n, block_k, k_splits, num_warps, num_stages, scale_block=None) -> dict:
     """The checked launch parameters (None: `default_config`)."""
     if x.ndim != 2 or w.ndim != 2 or x.shape[1] != w.shape[0]:
         raise ValueError(f"x must be [T, K] and w [K, N]: {x.shape=} {w.shape=}")
@@ -116,7 +134,7 @@ def _launch(x, w, block_n, block_k, k_splits, num_warps, num_stages) -> dict:
         raise ValueError(f"skinny_gemm takes 1..{MAX_TOKENS} token rows, got {tokens=}")
     if k % 16 or n % 16:
         raise ValueError(f"K and N must be multiples of 16: {w.shape=}")
-    cfg = default_config(k, n)
+    cfg = default_config(k, n, scale_block)
     block_n = block_n or cfg["block_n"]
     block_k = block_k or cfg["block_k"]
     k_splits = k_splits or cfg["k_splits"]
@@ -124,6 +142,8 @@ def _launch(x, w, block_n, block_k, k_splits, num_warps, num_stages) -> dict:
         raise ValueError(f"block_n={block_n} must divide N={n}")
     if k % (k_splits * block_k):
         raise ValueError(f"k_splits * block_k = {k_splits} * {block_k} must divide K={k}")
+    if scale_block is not None and scale_block[0] % block_k:
+        raise ValueError(f"block_k={block_k} must divide the FP8 scale blocks' height {scale_block[0]}")
     return {"block_n": block_n, "block_k": block_k, "k_splits": k_splits,
             "num_warps": num_warps or cfg["num_warps"], "num_stages": num_stages or cfg["num_stages"]}
 
@@ -131,9 +151,13 @@ def _launch(x, w, block_n, block_k, k_splits, num_warps, num_stages) -> dict:
 # ----------------------------------------------------------------------------------------------
 # Reference
 # ----------------------------------------------------------------------------------------------
-@jax.jit
-def skinny_gemm_reference(x: jax.Array, w: jax.Array) -> jax.Array:
-    """What XLA does on its own (the batch-1 row padded to two, as `ops.project` does)."""
+@functools.partial(jax.jit, static_argnames=("scale_block",))
+def skinny_gemm_reference(x: jax.Array, w: jax.Array, scale: jax.Array | None = None, *,
+                          scale_block: tuple[int, int] | None = None) -> jax.Array:
+    """What XLA does on its own (the batch-1 row padded to two, as `ops.project` does); an FP8 w dequantized to x's
+    dtype first."""
+    if scale is not None:
+        w = dequantize(w, scale, scale_block, x.dtype)
     if x.shape[0] == 1:
         return jnp.dot(jnp.pad(x, ((0, 1), (0, 0))), w, preferred_element_type=jnp.float32)[:1]
     return jnp.dot(x, w, preferred_element_type=jnp.float32)

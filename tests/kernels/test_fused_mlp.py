@@ -2,39 +2,57 @@
 
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from jinfer.models.fp8 import quantize
 from pallas_kernels.dense.fused_mlp import fused_swiglu_mlp, fused_swiglu_mlp_reference
-from tests.kernels.conftest import MODES, assert_close, by_mode
+from tests.kernels.conftest import MODES, assert_close, by_mode, lower_for_cuda
 
-# (tokens, hidden, intermediate, dtype, block_i, RMSNorm prologue: None / unrolled / looped)
+# (tokens, hidden, intermediate, dtype, block_i, RMSNorm prologue: None / unrolled / looped, FP8 scale block or None)
 CASES = [
-    pytest.param(1, 128, 256, jnp.float32, None, None, id="t1-f32"),
-    pytest.param(5, 128, 384, jnp.float32, 64, None, id="t5-f32-bi64"),
-    pytest.param(40, 256, 512, jnp.bfloat16, None, None, id="t40-bf16"),
-    pytest.param(70, 160, 256, jnp.bfloat16, 32, None, id="t70-bf16-hidden160-2tiles"),
+    pytest.param(1, 128, 256, jnp.float32, None, None, None, id="t1-f32"),
+    pytest.param(5, 128, 384, jnp.float32, 64, None, None, id="t5-f32-bi64"),
+    pytest.param(40, 256, 512, jnp.bfloat16, None, None, None, id="t40-bf16"),
+    pytest.param(70, 160, 256, jnp.bfloat16, 32, None, None, id="t70-bf16-hidden160-2tiles"),
+    # FP8 weights: 128 x 128 blocks (one scale per tile, as real checkpoints), and blocks narrower than the tiles'
+    # columns and not dividing the dims (a scale per column, partial last blocks), in float32 (tight tolerance)
+    pytest.param(1, 256, 256, jnp.bfloat16, None, True, (128, 128), id="t1-bf16-fp8-b128-norm"),
+    pytest.param(3, 160, 96, jnp.float32, None, None, (64, 48), id="t3-f32-fp8-b64x48"),
 ]
 # The interpreter (one compile per case) also runs the norm prologue on two of them (test_mlp_with_norm_prologue on
 # the GPU): unrolled on t5 (f32, block_i 64), looped on t40 (bf16, the default block_i).
-INTERPRET_CASES = [CASES[0], pytest.param(*CASES[1].values[:-1], True, id="t5-f32-bi64-norm-unrolled"),
-                   pytest.param(*CASES[2].values[:-1], False, id="t40-bf16-norm-looped"), CASES[3]]
+INTERPRET_CASES = [CASES[0], pytest.param(*CASES[1].values[:-2], True, None, id="t5-f32-bi64-norm-unrolled"),
+                   pytest.param(*CASES[2].values[:-2], False, None, id="t40-bf16-norm-looped"), *CASES[3:]]
 
 
-@pytest.mark.parametrize("mode,tokens,hidden,inter,dtype,block_i,unroll_norm", by_mode(INTERPRET_CASES, CASES))
-def test_mlp_matches_reference(mode, tokens, hidden, inter, dtype, block_i, unroll_norm):
+def _weight(rng, shape, dtype, scale_block):
+    """A random [in, out] weight: in `dtype`, or block-FP8 (values, scales)."""
+    w = jnp.asarray(rng.standard_normal(shape) * shape[0]**-0.5, dtype)
+    if scale_block is None:
+        return w, None
+    q = quantize(w.astype(jnp.float32), scale_block)
+    return q.w, q.scale
+
+
+@pytest.mark.parametrize("mode,tokens,hidden,inter,dtype,block_i,unroll_norm,scale_block",
+                         by_mode(INTERPRET_CASES, CASES))
+def test_mlp_matches_reference(mode, tokens, hidden, inter, dtype, block_i, unroll_norm, scale_block):
     rng = np.random.default_rng(tokens)
     x = jnp.asarray(rng.standard_normal((tokens, hidden)) * (1 if unroll_norm is None else 4), dtype)
-    wg = jnp.asarray(rng.standard_normal((hidden, inter)) * hidden**-0.5, dtype)
-    wu = jnp.asarray(rng.standard_normal((hidden, inter)) * hidden**-0.5, dtype)
-    wd = jnp.asarray(rng.standard_normal((inter, hidden)) * inter**-0.5, dtype)
+    (wg, sg), (wu, su), (wd, sd) = (_weight(rng, shape, dtype, scale_block)
+                                    for shape in ((hidden, inter), (hidden, inter), (inter, hidden)))
+    scales = None if scale_block is None else (sg, su, sd)
     norm = {} if unroll_norm is None else dict(
         norm_weight=jnp.asarray(1 + 0.2 * rng.standard_normal(hidden), dtype), eps=1e-5, unroll_norm=unroll_norm)
-    out = fused_swiglu_mlp(x, wg, wu, wd, norm.get("norm_weight"), eps=norm.get("eps", 1e-6),
-                           unroll_norm=norm.get("unroll_norm", True), block_i=block_i, interpret=mode == "interpret")
+    out = fused_swiglu_mlp(x, wg, wu, wd, norm.get("norm_weight"), scales, scale_block=scale_block,
+                           eps=norm.get("eps", 1e-6), unroll_norm=norm.get("unroll_norm", True), block_i=block_i,
+                           interpret=mode == "interpret")
     assert out.shape == x.shape and out.dtype == x.dtype
-    ref = fused_swiglu_mlp_reference(x, wg, wu, wd, norm.get("norm_weight"), eps=norm.get("eps", 1e-6))
+    ref = fused_swiglu_mlp_reference(x, wg, wu, wd, norm.get("norm_weight"), scales, scale_block=scale_block,
+                                     eps=norm.get("eps", 1e-6))
     assert_close(out, ref, dtype, mode)
 
 
@@ -60,3 +78,22 @@ def test_mlp_argument_checks():
         fused_swiglu_mlp(x, jnp.zeros((32, 128)), w, jnp.zeros((128, 64)), interpret=True)
     with pytest.raises(ValueError, match="block_i"):
         fused_swiglu_mlp(x, w, w, jnp.zeros((128, 64)), block_i=48, interpret=True)
+    q, qd = quantize(w, (32, 32)), quantize(jnp.zeros((128, 64)), (32, 32))
+    with pytest.raises(ValueError, match="needs its scales"):
+        fused_swiglu_mlp(x, q.w, q.w, qd.w, interpret=True)
+    with pytest.raises(ValueError, match="scale must be"):
+        fused_swiglu_mlp(x, q.w, q.w, qd.w, None, (q.scale, q.scale, q.scale), scale_block=(32, 32), interpret=True)
+    with pytest.raises(ValueError, match="scale blocks' height"):
+        fused_swiglu_mlp(x, q.w, q.w, qd.w, None, (q.scale, q.scale, qd.scale), scale_block=(32, 32), block_i=64,
+                         interpret=True)
+
+
+def test_fp8_lowers_for_the_gpu():
+    """The e4m3 loads and their conversion lower through Pallas' Triton lowering (Qwen3-8B's shapes, 128 x 128
+    blocks); the interpreter cannot tell."""
+    f8, f32, h, i = jnp.float8_e4m3fn, jnp.float32, 4096, 12288
+    s = jax.ShapeDtypeStruct
+    text = lower_for_cuda(lambda x, n, g, u, d, sc: fused_swiglu_mlp(x, g, u, d, n, sc, scale_block=(128, 128)),
+                          s((1, h), jnp.bfloat16), s((h,), jnp.bfloat16), s((h, i), f8), s((h, i), f8), s((i, h), f8),
+                          (s((32, 96), f32), s((32, 96), f32), s((96, 32), f32)))
+    assert "fused_swiglu_mlp_t16_i128_norm_fp8" in text

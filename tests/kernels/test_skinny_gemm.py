@@ -2,32 +2,43 @@
 
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from jinfer.models.fp8 import quantize
 from pallas_kernels.dense.skinny_gemm import default_config, skinny_gemm, skinny_gemm_reference
-from tests.kernels.conftest import MODES, assert_close
+from tests.kernels.conftest import MODES, assert_close, lower_for_cuda
 
-# (tokens, K, N, dtype, launch overrides)
+# (tokens, K, N, dtype, launch overrides, FP8 scale block or None)
 CASES = [
-    pytest.param(1, 256, 128, jnp.float32, {}, id="t1-f32"),
-    pytest.param(5, 512, 192, jnp.bfloat16, {"block_n": 64, "k_splits": 2, "block_k": 64}, id="t5-bf16-split2"),
-    pytest.param(17, 256, 256, jnp.bfloat16, {"block_n": 128, "k_splits": 4, "block_k": 32}, id="t17-bf16-split4"),
-    pytest.param(32, 128, 64, jnp.float32, {"block_n": 32}, id="t32-f32"),
-    pytest.param(1, 16, 48, jnp.float32, {}, id="t1-k16-n48-defaults"),  # tiles shrink to the dims (16)
+    pytest.param(1, 256, 128, jnp.float32, {}, None, id="t1-f32"),
+    pytest.param(5, 512, 192, jnp.bfloat16, {"block_n": 64, "k_splits": 2, "block_k": 64}, None, id="t5-bf16-split2"),
+    pytest.param(17, 256, 256, jnp.bfloat16, {"block_n": 128, "k_splits": 4, "block_k": 32}, None,
+                 id="t17-bf16-split4"),
+    pytest.param(32, 128, 64, jnp.float32, {"block_n": 32}, None, id="t32-f32"),
+    pytest.param(1, 16, 48, jnp.float32, {}, None, id="t1-k16-n48-defaults"),  # tiles shrink to the dims (16)
+    # FP8: 128 x 128 blocks at the defaults (a scale per tile); 32 x 48 blocks, column tiles across two of them
+    pytest.param(1, 256, 256, jnp.bfloat16, {}, (128, 128), id="t1-bf16-fp8-b128"),
+    pytest.param(3, 192, 96, jnp.float32, {"block_n": 32, "k_splits": 2, "block_k": 32}, (32, 48),
+                 id="t3-f32-fp8-b32x48-split2"),
 ]
 
 
 @pytest.mark.parametrize("mode", MODES)
-@pytest.mark.parametrize("tokens,k,n,dtype,kw", CASES)
-def test_skinny_gemm_matches_reference(mode, tokens, k, n, dtype, kw):
+@pytest.mark.parametrize("tokens,k,n,dtype,kw,scale_block", CASES)
+def test_skinny_gemm_matches_reference(mode, tokens, k, n, dtype, kw, scale_block):
     rng = np.random.default_rng(tokens)
     x = jnp.asarray(rng.standard_normal((tokens, k)), dtype)
     w = jnp.asarray(rng.standard_normal((k, n)) * k**-0.5, dtype)
-    out = skinny_gemm(x, w, interpret=mode == "interpret", **kw)
+    scale = None
+    if scale_block is not None:
+        q = quantize(w.astype(jnp.float32), scale_block)
+        w, scale = q.w, q.scale
+    out = skinny_gemm(x, w, scale, scale_block=scale_block, interpret=mode == "interpret", **kw)
     assert out.shape == (tokens, n) and out.dtype == jnp.float32
-    assert_close(out, skinny_gemm_reference(x, w), dtype, mode)
+    assert_close(out, skinny_gemm_reference(x, w, scale, scale_block=scale_block), dtype, mode)
 
 
 def test_default_config_fills_the_gpu_and_divides():
@@ -35,6 +46,8 @@ def test_default_config_fills_the_gpu_and_divides():
         c = default_config(k, n)
         assert n % c["block_n"] == 0 and k % (c["k_splits"] * c["block_k"]) == 0
     assert default_config(4096, 2560)["k_splits"] > 1  # 40 column blocks alone would leave SMs idle
+    fp8 = default_config(4096, 4096, (128, 128))  # Qwen3-8B's o: a 128 x 128 scale block per tile
+    assert (fp8["block_n"], fp8["block_k"]) == (128, 128) and default_config(4096, 4096, (64, 64))["block_k"] == 64
 
 
 def test_skinny_gemm_argument_checks():
@@ -47,3 +60,16 @@ def test_skinny_gemm_argument_checks():
         skinny_gemm(x, jnp.zeros((64, 64)), k_splits=4, block_k=32, interpret=True)
     with pytest.raises(ValueError, match=r"\[T, K\]"):
         skinny_gemm(x, jnp.zeros((32, 64)), interpret=True)
+    q = quantize(jnp.ones((64, 64)), (32, 32))
+    with pytest.raises(ValueError, match="scale blocks' height"):
+        skinny_gemm(x, q.w, q.scale, scale_block=(32, 32), block_k=64, interpret=True)
+    with pytest.raises(ValueError, match="needs its scales"):
+        skinny_gemm(x, q.w, interpret=True)
+
+
+def test_fp8_lowers_for_the_gpu():
+    """Qwen3-8B's o projection in FP8 (128 x 128 blocks) through Pallas' Triton lowering."""
+    s = jax.ShapeDtypeStruct
+    text = lower_for_cuda(lambda x, w, sc: skinny_gemm(x, w, sc, scale_block=(128, 128)), s((1, 4096), jnp.bfloat16),
+                          s((4096, 4096), jnp.float8_e4m3fn), s((32, 32), jnp.float32))
+    assert "skinny_gemm_n128_k128_s4_fp8" in text

@@ -1,7 +1,7 @@
 """Block-FP8 weights against HF transformers: the tiny checkpoints quantized by scripts/make_fp8_golden.py
 (tests/data/tiny-*-fp8: float8_e4m3fn weights with a scale per 16 x 16 block) and HF's logits on the dequantized
 weights, on one device and tp=2; online FP8 (`quantization="fp8"`) against the unquantized model's goldens; FP8
-dummy weights; the Pallas kernels that do not read FP8 refused."""
+dummy weights; the Pallas backend's kernels reading FP8, and refusing what they cannot read."""
 
 import dataclasses
 import logging
@@ -23,12 +23,15 @@ from jinfer.weights.loader import load_weights, resolve_model, with_online_fp8
 from ..conftest import DATA
 from . import test_golden_qwen3_5 as q35
 from .test_golden_tiny import (
+    ATOL,
     NUM_PAGES,
     OPS,
     PAGE,
     check_batched_chunked_prefill,
     check_prompt_and_decodes,
+    decode_batch,
     empty_cache,
+    placed_as_outputs,
     prefill_batch,
     scrambled_pages,
 )
@@ -137,21 +140,46 @@ def test_dummy_fp8_shape():
         resolve_model("dummy:nope-fp8")
 
 
-def test_pallas_kernels_refuse_fp8(caplog, monkeypatch):
-    """The fused MLP and skinny-GEMM kernels read bf16 bytes: given FP8 weights the ops take the jnp path (one log
-    line per kernel), with the reference's result."""
+def test_fp8_pallas_decode_matches_hf(caplog):
+    """The Pallas backend (interpreted) on the FP8 checkpoint's decode steps: the fused MLP, the skinny o GEMM and the
+    norm + q|k|v kernel read the FP8 weights with their 16 x 16 block scales (layer 1's o is stored unquantized:
+    plain), the norm + q|k|v kernel's idle programs prefetch layer 0's FP8 o; after the reference's prefill, two
+    decode steps give HF's logits on the dequantized weights. (Decode steps only: a Pallas prefill step is one
+    more interpreter compile.)"""
+    cfg, w = load("qwen3-fp8")
+    w = fuse_qkv(cfg, w)
+    gold = np.load(DATA / "golden" / "tiny-qwen3-fp8.npz")
+    prefill, step = (jax.jit(partial(forward, cfg=cfg, ops=OPS[o]), donate_argnames=("kv_cache",))
+                     for o in ("ref", "pallas"))
+    prompt = gold["prompt_0"].tolist()
+    pages = scrambled_pages(0, len(prompt) // PAGE + 2)
+    logits, kv = prefill(w, prefill_batch([(prompt, 0, pages)]), placed_as_outputs(empty_cache(cfg), w))
+    token = int(np.argmax(logits[len(prompt) - 1]))
+    decode = str(step.trace(w, decode_batch(token, len(prompt), pages), kv).jaxpr)
+    for kernel in ("fused_swiglu_mlp_t16_i16_norm_fp8", "skinny_gemm_n64_k16_s2_fp8",
+                   "norm_qkv_rope_write_k16_s4_pf84_fp8"):
+        assert kernel in decode, kernel
+    with caplog.at_level(logging.INFO, logger="jinfer.models.fp8"):
+        for s in range(1, 3):
+            logits, kv = step(w, decode_batch(token, len(prompt) + s - 1, pages), kv)
+            np.testing.assert_allclose(np.asarray(logits[0]), gold["decode_logits_0"][s], atol=ATOL, rtol=1e-4,
+                                       err_msg=f"decode step {s}")
+            token = int(np.argmax(logits[0]))
+    assert "does not read them" not in caplog.text
+
+
+def test_pallas_kernels_refuse_mixed_fp8(caplog, monkeypatch):
+    """A fused MLP whose weights are not all FP8 in one block shape takes the jnp path (one log line), with the
+    reference's result."""
     cfg, w = load("qwen3-fp8")
     layer, x = w.layers[0], jax.random.normal(jax.random.key(0), (1, 64), jnp.float32)
-    pallas = OPS["pallas"]
+    mixed = (layer.w_gate, layer.w_up, dequantize(layer.w_down))
     monkeypatch.setattr(fp8, "_refused", set())  # (one line per kernel per process)
 
-    def both(ops, layer, x):
-        return (ops.mlp_block(x, layer.mlp_norm, layer.w_gate, layer.w_up, layer.w_down, 1e-6),
-                ops.out_proj(jnp.ones((1, 256)), layer.wo, x))
+    def mlp(ops, x, weights):
+        return ops.mlp_block(x, layer.mlp_norm, *weights, 1e-6)
 
     with caplog.at_level(logging.INFO, logger="jinfer.models.fp8"):
-        got = jax.jit(partial(both, pallas))(layer, x)
-    want = jax.jit(partial(both, OPS["ref"]))(layer, x)
-    np.testing.assert_allclose(got[0], want[0], rtol=1e-6)
-    np.testing.assert_allclose(got[1], want[1], rtol=1e-6)
-    assert caplog.text.count("does not read them") == 2  # fused_mlp, skinny_gemm
+        got = jax.jit(partial(mlp, OPS["pallas"]))(x, mixed)
+    np.testing.assert_allclose(got, jax.jit(partial(mlp, OPS["ref"]))(x, mixed), rtol=1e-6)
+    assert caplog.text.count("does not read them") == 1
