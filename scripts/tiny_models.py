@@ -121,13 +121,15 @@ def tiny_specs():
             ),
             None,
         ),
-        # Hybrid: layers 0-2 Gated DeltaNet, layer 3 gated full attention (HF's default interval 4);
-        # 2 q/k heads serving 4 v heads in the linear layers, partial RoPE (8 of 32 dims)
+        # Hybrid: layers 0 and 2 Gated DeltaNet, layer 1 gated full attention (an attention layer between two
+        # linear ones: layer indices and state-slot indices differ); 2 q/k heads serving 4 v heads in the linear
+        # layers, partial RoPE (8 of 32 dims)
         "qwen3_5": (
             Qwen3_5ForCausalLM,
             Qwen3_5TextConfig(
                 **_common(
-                    num_hidden_layers=4,
+                    num_hidden_layers=3,
+                    layer_types=["linear_attention", "full_attention", "linear_attention"],
                     intermediate_size=128,
                     head_dim=32,
                     tie_word_embeddings=False,

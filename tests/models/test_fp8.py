@@ -74,7 +74,7 @@ def test_fp8_qwen3_5_matches_hf():
     gold = np.load(DATA / "golden" / "tiny-qwen3_5-fp8.npz")
     assert isinstance(w.layers[0].lin_qkv, Fp8Weight) and not isinstance(w.layers[0].lin_a, Fp8Weight)
     w = fuse_qkv(cfg, w)
-    assert w.layers[0].lin_in is None and isinstance(w.layers[3].wqkv, Fp8Weight)
+    assert w.layers[0].lin_in is None and isinstance(w.layers[1].wqkv, Fp8Weight)
     step = jax.jit(partial(forward, cfg=cfg), donate_argnames=("kv_cache",))
     prompt, greedy = gold["prompt_0"].tolist(), gold["greedy_0"].tolist()
     pages, slot = q35.pages_for(0, (len(prompt) + len(greedy)) // PAGE + 1), [5]

@@ -89,7 +89,7 @@ def model(request):
     cfg, w = load(DATA / f"tiny-{arch}")
     if ops == "pallas":
         w = fuse_qkv(cfg, w)
-        assert w.layers[0].lin_in is not None and w.layers[3].wqkv is not None
+        assert w.layers[0].lin_in is not None and w.layers[1].wqkv is not None
     return cfg, w, step_fn(cfg, OPS[ops])
 
 
@@ -101,11 +101,11 @@ def gold(model):
 def test_config_read_from_hf():
     cfg, w = load()
     assert cfg.architecture == "qwen3_5"
-    assert cfg.layer_types == ("linear_attention",) * 3 + ("full_attention",)
-    assert (cfg.rotary_dim, cfg.linear_conv_dim, cfg.attention_layers) == (8, 128, (3,))
-    assert w.layers[0].conv_w.shape == (128, 1, 4) and w.layers[0].wq is None
-    assert w.layers[3].wq.shape == (64, 2 * 4 * 32) and w.layers[3].lin_qkv is None
-    assert set(state_specs(cfg)) == {0, 1, 2}
+    assert cfg.layer_types == ("linear_attention", "full_attention", "linear_attention")
+    assert (cfg.rotary_dim, cfg.linear_conv_dim, cfg.attention_layers) == (8, 128, (1,))
+    assert w.layers[0].conv_w.shape == (128, 1, 4) and w.layers[0].wq is None and w.layers[2].wq is None
+    assert w.layers[1].wq.shape == (64, 2 * 4 * 32) and w.layers[1].lin_qkv is None
+    assert set(state_specs(cfg)) == {0, 2}
 
 
 def test_moe_config_read_from_hf():
