@@ -23,6 +23,11 @@ from transformers.models.qwen3_5 import Qwen3_5ForCausalLM, Qwen3_5TextConfig
 from transformers.models.qwen3_5_moe import Qwen3_5MoeForCausalLM, Qwen3_5MoeTextConfig
 
 VOCAB = 256
+# Qwen3.5's attention and Gated DeltaNet shapes (tiny-qwen3_5 and tiny-qwen3_5_moe alike): 2 q/k heads of 16 serving 4 v
+# heads of 16 in the linear layers, conv kernel 4; partial RoPE (8 of 32 dims) in the attention layers
+QWEN3_5_SHAPE = dict(head_dim=32, tie_word_embeddings=False, linear_conv_kernel_dim=4, linear_key_head_dim=16,
+                     linear_value_head_dim=16, linear_num_key_heads=2, linear_num_value_heads=4,
+                     rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.25})
 
 
 def _common(**kw):
@@ -131,14 +136,7 @@ def tiny_specs():
                     num_hidden_layers=3,
                     layer_types=["linear_attention", "full_attention", "linear_attention"],
                     intermediate_size=128,
-                    head_dim=32,
-                    tie_word_embeddings=False,
-                    rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.25},
-                    linear_conv_kernel_dim=4,
-                    linear_key_head_dim=16,
-                    linear_value_head_dim=16,
-                    linear_num_key_heads=2,
-                    linear_num_value_heads=4,
+                    **QWEN3_5_SHAPE,
                 )
             ),
             None,
@@ -174,14 +172,7 @@ def tiny_specs():
                 **_common(
                     num_hidden_layers=2,
                     layer_types=["linear_attention", "full_attention"],
-                    head_dim=32,
-                    tie_word_embeddings=False,
-                    rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.25},
-                    linear_conv_kernel_dim=4,
-                    linear_key_head_dim=16,
-                    linear_value_head_dim=16,
-                    linear_num_key_heads=2,
-                    linear_num_value_heads=4,
+                    **QWEN3_5_SHAPE,
                     num_experts=8,
                     num_experts_per_tok=2,
                     moe_intermediate_size=32,
