@@ -1,5 +1,5 @@
 """jinfer's GGUF tensor reader (gguf_meta.open_gguf) against the gguf package's GGUFReader, on files the
-gguf package wrote and on the default model."""
+gguf package wrote and on the default model (its tensors and metadata)."""
 
 
 import gguf
@@ -55,8 +55,8 @@ def _write(path, alignment: int | None = None):
     return path
 
 
-def _assert_same_tensors(path, dequantize_all: bool = True) -> set[str]:
-    ref = gguf.GGUFReader(str(path), "r")
+def _assert_same_tensors(path, dequantize_all: bool = True, ref: gguf.GGUFReader | None = None) -> set[str]:
+    ref = ref or gguf.GGUFReader(str(path), "r")
     ours = open_gguf(str(path))
     assert [t.name for t in ours.tensors] == [t.name for t in ref.tensors]
     checked: set[str] = set()
@@ -151,9 +151,21 @@ def test_bad_tensor_infos(tmp_path):
         open_gguf(str(tmp_path / "offset.gguf"))
 
 
-def test_default_model_tensors_match():
+@pytest.fixture(scope="module")
+def default_reference():
+    """The default model's GGUF and the gguf package's reader of it (~5 s to build: shared by the two tests)."""
     ggufs = sorted(default_model_path().parent.glob("*.gguf"))
     if not ggufs:
         pytest.skip("default model not fetched")
-    types = _assert_same_tensors(ggufs[0], dequantize_all=False)
+    return ggufs[0], gguf.GGUFReader(str(ggufs[0]), "r")
+
+
+def test_default_model_tensors_match(default_reference):
+    path, ref = default_reference
+    types = _assert_same_tensors(path, dequantize_all=False, ref=ref)
     assert {"F32", "Q4_1"} <= types
+
+
+def test_default_model_metadata_matches(default_reference):
+    path, ref = default_reference
+    assert read_metadata(path) == {k: f.contents() for k, f in ref.fields.items() if not k.startswith("GGUF.")}
