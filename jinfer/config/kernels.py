@@ -33,7 +33,7 @@ The defaults are the measured choices (H100 figures; docs/performance.md has the
   skinny GEMM (both read FP8) whatever pallas_mlp_tokens says; past it the jnp path dequantizes, then XLA's GEMMs
   (at batch 8 on the H100 that path made Qwen3-8B's TPOT 14.4 ms against bf16's 6.3).
 - fp8_mode: how the dense kernels meet an FP8 weight tile (pallas_kernels/dense/fp8_tiles.py): "convert" (to the
-  activations' dtype), "f16" (weights and activations to f16), "w8a8" (activations quantized per row and 128
+  activations' dtype), "w8a8" (activations quantized per row and 128
   columns, FP8 tensor-core dot; numerics differ from bf16 activations by their FP8 rounding).
 - pad_vector_dots: XLA rewrites a one-row dot with a matrix under 10M elements into a multiply + reduce that streams
   at ~0.8 TB/s instead of ~3; `ModelOps.project` gives such dots a padding row, which keeps them GEMMs.
@@ -65,7 +65,7 @@ ENV_FIELDS = {
     "JINFER_FP8_MAX_TOKENS": "fp8_max_tokens",
     "JINFER_FP8_MODE": "fp8_mode",
 }
-FP8_MODES = ("convert", "f16", "w8a8")  # pallas_kernels.dense.fp8_tiles.MODES (this module is JAX-free)
+FP8_MODES = ("convert", "w8a8")  # pallas_kernels.dense.fp8_tiles.MODES (this module is JAX-free)
 
 LaunchArgs = tuple[tuple[str, tuple[tuple[str, int | bool | None], ...]], ...]
 

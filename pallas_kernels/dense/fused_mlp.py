@@ -197,7 +197,7 @@ def fused_swiglu_mlp(
         rather than a loop of hidden / 128 dependent round trips (51.6 vs 55.2 us per Qwen3.5-4B layer at
         T = 1 on the H100, decode_mlp_variants_h100.json).
       fp8_mode: how an FP8 tile meets the activations (fp8_tiles.act_operand): "convert" (weights to x's dtype),
-        "f16" (weights and activations to f16), "w8a8" (activations quantized per row and K tile, FP8 dot).
+        "w8a8" (activations quantized per row and K tile, FP8 dot).
       interpret: run the Pallas interpreter (CPU tests).
 
     Returns:

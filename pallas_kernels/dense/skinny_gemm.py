@@ -120,7 +120,7 @@ def skinny_gemm(x: jax.Array, w: jax.Array, scale: jax.Array | None = None, *,
       scale: a block-FP8 w's float32 scales, one per `scale_block` = (bk, bn) block (block_k then divides bk).
       block_n, block_k, k_splits, num_warps, num_stages: launch parameters; None: `default_config`.
         block_n must divide N, k_splits * block_k must divide K.
-      fp8_mode: how an FP8 tile meets x (fp8_tiles.act_operand): "convert", "f16" or "w8a8".
+      fp8_mode: how an FP8 tile meets x (fp8_tiles.act_operand): "convert" or "w8a8".
       w_transposed: an FP8 w given as its transpose [N, K] (K contiguous; scale still [K / bk, N / bn]).
       interpret: run the Pallas interpreter (CPU tests).
 
