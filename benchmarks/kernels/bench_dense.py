@@ -16,6 +16,7 @@ import jax
 import jax.numpy as jnp
 
 from benchmarks.kernels import run_subcommand
+from pallas_kernels.dense.fp8_tiles import MODES as FP8_MODES
 from pallas_kernels.dense.fused_mlp import fused_swiglu_mlp, fused_swiglu_mlp_reference
 from pallas_kernels.dense.skinny_gemm import skinny_gemm, skinny_gemm_reference
 
@@ -148,21 +149,25 @@ def _fp8_cases(tokens: int, interpret: bool) -> dict:
     counters = jnp.zeros((1024,), jnp.int32)
     qkv_kw = dict(num_heads=heads, num_kv_heads=kv_heads)
 
-    def mlp(ref):
-        fn = fused_swiglu_mlp_reference if ref else functools.partial(fused_swiglu_mlp, interpret=interpret)
+    def mlp(ref, mode="convert"):
+        if ref:
+            return lambda x, w, s: fused_swiglu_mlp_reference(x, *w, norm, s, scale_block=s and block)
+        fn = functools.partial(fused_swiglu_mlp, interpret=interpret, **({} if mode is None else {"fp8_mode": mode}))
         return lambda x, w, s: fn(x, *w, norm, s, scale_block=s and block)
 
-    def o(ref):
-        return lambda x, w, s: (skinny_gemm_reference if ref else functools.partial(skinny_gemm, interpret=interpret))(
-            x, w[0], s and s[0], scale_block=s and block)
+    def o(ref, mode="convert", transposed=False):
+        if ref:
+            return lambda x, w, s: skinny_gemm_reference(x, w[0], s and s[0], scale_block=s and block)
+        fn = functools.partial(skinny_gemm, interpret=interpret, fp8_mode=mode, w_transposed=transposed)
+        return lambda x, w, s: fn(x, w[0], s and s[0], scale_block=s and block)
 
-    def qkv(ref):
+    def qkv(ref, mode="convert"):
         def call(x, w, s):
             kw = dict(qkv_kw, wqkv_scale=s and s[0], scale_block=s and block)
             if ref:
                 return norm_qkv_rope_write_reference(x, norm, w[0], *rope[:3], *rope[3:], cache, cache, **kw)
             return norm_qkv_rope_write(x, norm, w[0], *rope[:3], *rope[3:], cache, cache, counters, **kw,
-                                       interpret=interpret)
+                                       fp8_mode=mode, interpret=interpret)
         return call
 
     cases = {"mlp": (weights((hidden, inter), (hidden, inter), (inter, hidden)), mlp),
@@ -171,28 +176,41 @@ def _fp8_cases(tokens: int, interpret: bool) -> dict:
     out = {}
     for name, (ws, make) in cases.items():
         qs = [quantize(w.astype(jnp.float32), block) for w in ws]
-        out[name] = (tuple(ws), (tuple(q.w for q in qs), tuple(q.scale for q in qs)), make(False), make(True))
+        variants = {m: make(False, m) for m in FP8_MODES}
+        if name == "o":  # the weight stored transposed, [N, K] (K contiguous)
+            variants |= {f"{m}_nk": make(False, m, True) for m in ("convert", "w8a8")}
+        out[name] = (tuple(ws), (tuple(q.w for q in qs), tuple(q.scale for q in qs)), make(False), make(True),
+                     variants)
     return out
 
 
 def bench_fp8(argv: list[str] | None = None) -> None:
-    """Qwen3-8B's decode kernels (fused MLP at 1 token, skinny o at 1, norm + q|k|v at 1 and 8) with bf16 weights and
-    block-FP8 (128 x 128) ones: the Pallas kernel and the jnp path (XLA; FP8 dequantized first) on each, device time
-    per call over distinct weight copies (more than L2 holds) and weight bytes / time. JSON to argv[0]."""
+    """Qwen3-8B's decode kernels (fused MLP, skinny o, norm + q|k|v at 1 and 8 tokens) with bf16 weights (the Pallas
+    kernel and XLA) and block-FP8 (128 x 128) ones: the Pallas kernel in each fp8_mode (fp8_tiles.MODES; o also with
+    its weight transposed, "_nk"), device time per call over distinct weight copies (more than L2 holds) and weight
+    bytes / time. JSON to argv[0]."""
     argv = argv or []
     interpret = jax.default_backend() != "gpu"
     rows = []
     for tokens in (1, 8):
         x = jax.random.normal(jax.random.key(0), (tokens, 256 if interpret else 4096), jnp.bfloat16)
-        for name, (ws, (qw, qs), kernel, ref) in _fp8_cases(tokens, interpret).items():
-            if tokens > 1 and name != "qkv":
-                continue  # the fused MLP and the skinny o run at one token in the engine
+        for name, (ws, (qw, qs), kernel, ref, variants) in _fp8_cases(tokens, interpret).items():
             for fmt, w, s in (("bf16", ws, None), ("fp8", qw, qs)):
                 nbytes = sum(a.nbytes for a in w) + (0 if s is None else sum(a.nbytes for a in s))
                 copies = 1 if interpret else max(2, -(-400_000_000 // nbytes))
                 wcopies = [(w, s)] + [(tuple(jnp.array(a, copy=True) for a in w), s) for _ in range(copies - 1)]
-                for impl, fn in (("pallas", kernel), ("xla", ref)):
-                    t = _time_us(lambda x, ws_, fn=fn: fn(x, *ws_), x, wcopies, reps=2 if interpret else 10)
+                impls = {"pallas": kernel, "xla": ref} if s is None else {f"pallas_{m}": f for m, f in variants.items()}
+                for impl, fn in impls.items():
+                    wc = wcopies
+                    if impl.endswith("_nk"):
+                        wc = [(tuple(jnp.asarray(a.T) for a in w_), s_) for w_, s_ in wcopies]
+                    try:
+                        t = _time_us(lambda x, ws_, fn=fn: fn(x, *ws_), x, wc, reps=2 if interpret else 10)
+                    except Exception as e:  # a variant that does not compile: recorded, the others still run
+                        rows.append({"kernel": name, "tokens": tokens, "weights": fmt, "impl": impl,
+                                     "error": str(e)[:300]})
+                        print(json.dumps(rows[-1]), flush=True)
+                        continue
                     rows.append({"kernel": name, "tokens": tokens, "weights": fmt, "impl": impl, "time_us": t,
                                  "weight_bytes": nbytes, "tb_per_s": nbytes / t / 1e6})
                     print(json.dumps(rows[-1]), flush=True)

@@ -29,6 +29,12 @@ The defaults are the measured choices (H100 figures; docs/performance.md has the
 - fp8_skinny_o: one-token o projections with a block-FP8 weight take the skinny GEMM (which reads FP8) whatever the
   weight's size; off: only those under pad_vector_dots' size, as bf16 (the others dequantize, then XLA's GEMM).
   Unmeasured default: the alternative reads the FP8 bytes and writes and reads a bf16 copy unless XLA fuses it.
+- fp8_max_tokens: steps of up to this many tokens with block-FP8 weights run the MLP on the fused kernel and o on the
+  skinny GEMM (both read FP8) whatever pallas_mlp_tokens says; past it the jnp path dequantizes, then XLA's GEMMs
+  (at batch 8 on the H100 that path made Qwen3-8B's TPOT 14.4 ms against bf16's 6.3).
+- fp8_mode: how the dense kernels meet an FP8 weight tile (pallas_kernels/dense/fp8_tiles.py): "convert" (to the
+  activations' dtype), "w8a8" (activations quantized per row and 128
+  columns, FP8 tensor-core dot; numerics differ from bf16 activations by their FP8 rounding).
 - pad_vector_dots: XLA rewrites a one-row dot with a matrix under 10M elements into a multiply + reduce that streams
   at ~0.8 TB/s instead of ~3; `ModelOps.project` gives such dots a padding row, which keeps them GEMMs.
 - xla_dot_merger: XLA's dot merger in large (prefill) steps. Off: it merged the MLP's x @ w_gate and x @ w_up by
@@ -56,7 +62,10 @@ ENV_FIELDS = {
     "JINFER_PREFETCH_EVICTION": "prefetch_eviction",
     "JINFER_XLA_DOT_MERGER": "xla_dot_merger",
     "JINFER_FP8_SKINNY_O": "fp8_skinny_o",
+    "JINFER_FP8_MAX_TOKENS": "fp8_max_tokens",
+    "JINFER_FP8_MODE": "fp8_mode",
 }
+FP8_MODES = ("convert", "w8a8")  # pallas_kernels.dense.fp8_tiles.MODES (this module is JAX-free)
 
 LaunchArgs = tuple[tuple[str, tuple[tuple[str, int | bool | None], ...]], ...]
 
@@ -78,6 +87,8 @@ class KernelPolicy:
     pad_vector_dots: bool = True
     xla_dot_merger: bool = False
     fp8_skinny_o: bool = True
+    fp8_max_tokens: int = 16
+    fp8_mode: str = "convert"
     # Launch-parameter overrides per kernel (measurements): {kernel: {keyword: value}}, kept as sorted tuples.
     launch: LaunchArgs = ()
 
@@ -91,7 +102,7 @@ class KernelPolicy:
             raise ValueError(f"pallas_mlp_tokens={tokens!r} must be token counts >= 1")
         object.__setattr__(self, "pallas_mlp_tokens", tuple(sorted(set(tokens))))
         for name in ("qkv_rope_max_tokens", "norm_qkv_max_tokens", "moe_front_max_tokens", "mosaic_min_query_len",
-                     "mosaic_min_step_tokens", "mosaic_moe_min_rows_per_expert"):
+                     "mosaic_min_step_tokens", "mosaic_moe_min_rows_per_expert", "fp8_max_tokens"):
             v = getattr(self, name)
             if not _is_int(v) or v < 0:
                 raise ValueError(f"{name}={v!r} must be an integer >= 0")
@@ -100,6 +111,8 @@ class KernelPolicy:
         if not isinstance(self.prefetch_o, int | float) or isinstance(self.prefetch_o, bool) \
                 or not 0 <= self.prefetch_o <= 1:
             raise ValueError(f"prefetch_o={self.prefetch_o!r} must be a fraction in [0, 1]")
+        if self.fp8_mode not in FP8_MODES:
+            raise ValueError(f"fp8_mode={self.fp8_mode!r} must be one of {FP8_MODES}")
         if self.prefetch_eviction not in EVICTION_POLICIES:
             raise ValueError(f"prefetch_eviction={self.prefetch_eviction!r} must be one of {EVICTION_POLICIES}")
         for name in ("pad_vector_dots", "xla_dot_merger", "fp8_skinny_o"):
@@ -142,7 +155,7 @@ class KernelPolicy:
                     value = text == "1"
                 elif name == "prefetch_o":
                     value = float(text)
-                elif name == "prefetch_eviction":
+                elif name in ("prefetch_eviction", "fp8_mode"):
                     value = text
                 else:
                     value = int(text)

@@ -116,6 +116,7 @@ class DenseOps:
                                    prefetch_fraction=policy.prefetch_o or 1.0,
                                    prefetch_eviction=policy.prefetch_eviction,
                                    wqkv_scale=None if scales is None else scales[0], scale_block=block,
+                                   **({} if scales is None else {"fp8_mode": policy.fp8_mode}),
                                    interpret=self.interpret, **policy.launch_args("norm_qkv_rope"))
 
     def norm_projections(self, x: jax.Array, norm: jax.Array, weights: tuple[jax.Array, ...],
@@ -139,17 +140,19 @@ class DenseOps:
         4096 x 2560 o, and at batch 8, the two were even, so those keep XLA's GEMM.
 
         An FP8 o weight takes the skinny GEMM at one token whatever its size where `KernelPolicy.fp8_skinny_o`
-        (the alternative is not XLA's plain GEMM but a dequantization and a GEMM)."""
+        (the alternative is not XLA's plain GEMM but a dequantization and a GEMM), and at up to fp8_max_tokens."""
         policy = self.policy
+        tokens = attn.shape[0]
         small = wo.shape[0] * wo.shape[1] < STRENGTH_REDUCED_DOT_ELEMENTS and policy.pad_vector_dots
-        if self.backend == "pallas" and attn.shape[0] == 1 and (small or (is_fp8(wo) and policy.fp8_skinny_o)) \
+        fp8 = is_fp8(wo) and (tokens == 1 and policy.fp8_skinny_o or 1 < tokens <= policy.fp8_max_tokens)
+        if self.backend == "pallas" and (tokens == 1 and small or fp8) \
                 and wo.shape[0] % 16 == 0 and wo.shape[1] % 16 == 0 \
                 and (operands := fp8_operands("skinny_gemm", wo)) is not None:
             from pallas_kernels.dense.skinny_gemm import skinny_gemm
 
             (w,), scales, block = operands
             out = skinny_gemm(attn, w, None if scales is None else scales[0], scale_block=block,
-                              interpret=self.interpret)
+                              **({} if scales is None else {"fp8_mode": policy.fp8_mode}), interpret=self.interpret)
             return residual + self.reduce(out.astype(attn.dtype))
         return residual + self.reduce(self.project(attn, wo))
 
@@ -161,13 +164,16 @@ class DenseOps:
         x, was measured: it removed one ~1.5 us XLA kernel per layer but slowed the kernel by ~3.7 us per
         layer at batch-1 decode on the H100, 1885 vs 1767 us per Qwen3.5-4B step: the extra load sits on each
         K iteration's critical path.)"""
-        if self.backend == "pallas" and x.shape[0] in self.policy.pallas_mlp_tokens and x.shape[1] % 16 == 0 \
+        tokens = x.shape[0]
+        fp8 = is_fp8(w_gate) and tokens <= self.policy.fp8_max_tokens  # the jnp path would dequantize
+        if self.backend == "pallas" and (tokens in self.policy.pallas_mlp_tokens or fp8) and x.shape[1] % 16 == 0 \
                 and w_gate.shape[1] % 16 == 0 \
                 and (operands := fp8_operands("fused_mlp", w_gate, w_up, w_down)) is not None:
             from pallas_kernels.dense.fused_mlp import fused_swiglu_mlp
 
             (wg, wu, wd), scales, block = operands
-            return x + self.reduce(fused_swiglu_mlp(x, wg, wu, wd, norm, scales, scale_block=block, eps=eps,
+            mode = {} if scales is None else {"fp8_mode": self.policy.fp8_mode}
+            return x + self.reduce(fused_swiglu_mlp(x, wg, wu, wd, norm, scales, scale_block=block, eps=eps, **mode,
                                                     interpret=self.interpret, **self.policy.launch_args("fused_mlp")))
         return x + self.reduce(swiglu_mlp(rms_norm(x, norm, eps), w_gate, w_up, w_down))
 

@@ -25,6 +25,7 @@ from jax.experimental.pallas import triton as plgpu
 from pallas_kernels.common import pow2_divisor
 
 FP8 = jnp.float8_e4m3fn
+FP8_MAX = 448.0
 
 
 def tile_k(dim: int, cap: int, block: tuple[int, int] | None) -> int:
@@ -57,10 +58,50 @@ def tile_scales(scale_ref, k0, n0, width: int, block: tuple[int, int]) -> jax.Ar
     return plgpu.load(scale_ref.at[k0 // bk, cols])[None, :]
 
 
-def weight_dot(xk: jax.Array, w: jax.Array, scale_ref, k0, n0, block: tuple[int, int]) -> jax.Array:
-    """xk [rows, tile_k] @ w [tile_k, width] in fp32 for an FP8 tile w whose first row is k0 and first column n0:
-    w converted to xk's dtype, the product times the tile's scales (`tile_scales`)."""
-    return plgpu.dot(xk, w.astype(xk.dtype)) * tile_scales(scale_ref, k0, n0, w.shape[1], block)
+MODES = ("convert", "w8a8")  # f16 (weights and x to f16) measured slower than both: dense_fp8_modes_qwen3-8b_h100.json
+DEFAULT_MODE = "convert"
+
+
+def act_operand(xk: jax.Array, mode: str) -> tuple[jax.Array, jax.Array | None]:
+    """The activation tile [rows, k] as the FP8 dot (`weight_dot`) of `mode` takes it: (xk in the dot's dtype, None),
+    or for w8a8 (e4m3 xk, its float32 scales [rows, 1]): each row scaled by amax / 448 over the tile's k columns (the
+    K tile sits inside one weight scale block, so a row's scale is one per 128-column group where the tile is 128
+    wide: DeepSeek's / vLLM's dynamic per-token-group activation scheme). Zero rows (masked padding) stay zero."""
+    if mode == "convert":
+        return xk, None
+    if mode != "w8a8":
+        raise ValueError(f"FP8 dot mode must be one of {MODES}, got {mode!r}")
+    xf = xk.astype(jnp.float32)
+    amax = jnp.max(jnp.abs(xf), axis=1, keepdims=True)  # [rows, 1]
+    live = amax > 0
+    inv = jnp.where(live, FP8_MAX / jnp.where(live, amax, 1.0), 1.0)
+    return (xf * inv).astype(FP8), jnp.where(live, amax / FP8_MAX, 0.0)
+
+
+def weight_dot(xk: jax.Array, w: jax.Array, scale_ref, k0, n0, block: tuple[int, int], x_scale=None,
+               trans_w: bool = False) -> jax.Array:
+    """xk [rows, tile_k] @ w [tile_k, width] in fp32 for an FP8 tile w whose first row is k0 and first column n0,
+    xk from `act_operand`: an e4m3 xk (w8a8) multiplies w on the FP8 tensor cores and the product is scaled by the
+    rows' `x_scale`; otherwise w is converted to xk's dtype (bf16 / f16). Then the tile's weight scales
+    (`tile_scales`). trans_w: w is the tile [width, tile_k] of a transposed [N, K] weight."""
+    if xk.dtype != FP8:
+        w = w.astype(xk.dtype)
+    width = w.shape[0] if trans_w else w.shape[1]
+    out = plgpu.dot(xk, w, trans_b=trans_w)
+    if x_scale is not None:
+        out = out * x_scale
+    return out * tile_scales(scale_ref, k0, n0, width, block)
+
+
+def fake_quant_rows(x: jax.Array, group: int) -> jax.Array:
+    """The references' w8a8 activations: x [T, K] as the FP8 dot sees it (`act_operand` per `group` columns), in
+    float32."""
+    t, k = x.shape
+    xg = x.astype(jnp.float32).reshape(t, k // group, group)
+    amax = jnp.max(jnp.abs(xg), axis=-1, keepdims=True)
+    live = amax > 0
+    q = (xg * jnp.where(live, FP8_MAX / jnp.where(live, amax, 1.0), 1.0)).astype(FP8).astype(jnp.float32)
+    return (q * jnp.where(live, amax / FP8_MAX, 0.0)).reshape(t, k)
 
 
 def dequantize(w: jax.Array, scale: jax.Array, block: tuple[int, int], dtype) -> jax.Array:

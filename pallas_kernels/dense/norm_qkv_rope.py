@@ -43,7 +43,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from pallas_kernels.common import rms_inverse, rms_normed, tile_rows
-from pallas_kernels.dense.fp8_tiles import check_scale, dequantize, tile_k, weight_dot
+from pallas_kernels.dense.fp8_tiles import DEFAULT_MODE, MODES, act_operand, check_scale, dequantize, tile_k, weight_dot
 from pallas_kernels.dense.prefetch import WIDTH, prefetch_rows, prefetch_rows_count, prefetch_view
 from pallas_kernels.dense.qkv_rope import qkv_rope_write_reference
 from pallas_kernels.split_k import check_counters, sum_splits, take_ticket
@@ -55,7 +55,8 @@ ONE_WAVE = 132  # the H100's SMs
 def _kernel(x_ref, n_ref, w_ref, cos_ref, sin_ref, slot_ref, qn_ref, kn_ref, _k_in, _v_in, *refs,
             block_k: int, k_splits: int, num_heads: int, num_kv_heads: int, eps: float, qk_norm: bool,
             interpret: bool, prefetch_programs: int = 0, prefetch_row_count: int = 0,
-            prefetch_eviction: str = "evict_last", scale_block: tuple[int, int] | None = None):
+            prefetch_eviction: str = "evict_last", scale_block: tuple[int, int] | None = None,
+            fp8_mode: str = DEFAULT_MODE):
     # x_ref [T, hidden] (whole: rows past T read as 0); n_ref [hidden]; w_ref [hidden, D]: this head's columns;
     # cos/sin [T, D]; slot_ref [T]; q_ref [T, H, D]; k_ref / v_ref [num_slots, KVH, D] (the caches, in place).
     # Split-K (k_splits > 1): part_ref [S, T, heads * D] fp32 partials; cnt_ref [>= heads] int32, zero on entry
@@ -78,7 +79,8 @@ def _kernel(x_ref, n_ref, w_ref, cos_ref, sin_ref, slot_ref, qn_ref, kn_ref, _k_
                              v_ref, cnt_ref, part_ref, h, split, block_k=block_k, k_splits=k_splits,
                              num_heads=num_heads, num_kv_heads=num_kv_heads, eps=eps, qk_norm=qk_norm,
                              interpret=interpret, **({} if scale_block is None else {"s_ref": s_ref,
-                                                                                     "scale_block": scale_block}))
+                                                                                     "scale_block": scale_block,
+                                                                                     "fp8_mode": fp8_mode}))
     if not prefetch_programs:
         head()
         return
@@ -93,7 +95,7 @@ def _kernel(x_ref, n_ref, w_ref, cos_ref, sin_ref, slot_ref, qn_ref, kn_ref, _k_
 def _head(x_ref, n_ref, w_ref, cos_ref, sin_ref, slot_ref, qn_ref, kn_ref, q_ref, k_ref, v_ref, cnt_ref, part_ref,
           h, split, *,
           block_k: int, k_splits: int, num_heads: int, num_kv_heads: int, eps: float, qk_norm: bool,
-          interpret: bool, s_ref=None, scale_block: tuple[int, int] | None = None):
+          interpret: bool, s_ref=None, scale_block: tuple[int, int] | None = None, fp8_mode: str = DEFAULT_MODE):
     """One (head, K split) program: the head's normed, projected, rotated rows (see the module doc)."""
     tokens, hidden = x_ref.shape
     head_dim = w_ref.shape[1]
@@ -113,8 +115,9 @@ def _head(x_ref, n_ref, w_ref, cos_ref, sin_ref, slot_ref, qn_ref, kn_ref, q_ref
         if scale_block is None:
             return a1 + plgpu.dot(xk, w_ref[cols, lo]), a2 + plgpu.dot(xk, w_ref[cols, hi])
         k0 = (split * steps + kk) * block_k
-        a1 = a1 + weight_dot(xk, w_ref[cols, lo], s_ref, k0, h * head_dim, scale_block)
-        a2 = a2 + weight_dot(xk, w_ref[cols, hi], s_ref, k0, h * head_dim + half, scale_block)
+        xk, xs = act_operand(xk, fp8_mode)
+        a1 = a1 + weight_dot(xk, w_ref[cols, lo], s_ref, k0, h * head_dim, scale_block, xs)
+        a2 = a2 + weight_dot(xk, w_ref[cols, hi], s_ref, k0, h * head_dim + half, scale_block, xs)
         return a1, a2
 
     zeros = jnp.zeros((block_t, half), f32)
@@ -218,7 +221,7 @@ def idle_programs(heads: int, k_splits: int, sms: int = ONE_WAVE) -> int:
 
 @functools.partial(jax.jit, static_argnames=("num_heads", "num_kv_heads", "eps", "block_k", "k_splits", "num_warps",
                                              "num_stages", "prefetch_programs", "prefetch_fraction",
-                                             "prefetch_eviction", "scale_block", "interpret"))
+                                             "prefetch_eviction", "scale_block", "fp8_mode", "interpret"))
 def norm_qkv_rope_write(x: jax.Array, norm_weight: jax.Array, wqkv: jax.Array, cos: jax.Array, sin: jax.Array,
                         slot_mapping: jax.Array, q_norm: jax.Array | None, k_norm: jax.Array | None,
                         k_cache: jax.Array, v_cache: jax.Array, counters: jax.Array | None = None, *, num_heads: int,
@@ -226,7 +229,8 @@ def norm_qkv_rope_write(x: jax.Array, norm_weight: jax.Array, wqkv: jax.Array, c
                         num_warps: int = 8, num_stages: int = 4, prefetch: jax.Array | None = None,
                         prefetch_programs: int | None = None, prefetch_fraction: float = 1.0,
                         prefetch_eviction: str = "evict_last", wqkv_scale: jax.Array | None = None,
-                        scale_block: tuple[int, int] | None = None, interpret: bool = False
+                        scale_block: tuple[int, int] | None = None, fp8_mode: str = DEFAULT_MODE,
+                        interpret: bool = False
                         ) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array | None]:
     """x -> (q [T, H, D] normed and rotated, k_cache, v_cache with the new rows written, counters).
 
@@ -256,6 +260,8 @@ def norm_qkv_rope_write(x: jax.Array, norm_weight: jax.Array, wqkv: jax.Array, c
         raise ValueError(f"shapes disagree: {x.shape=} {norm_weight.shape=} {wqkv.shape=} {k_cache.shape=}")
     scale_block = None if wqkv_scale is None else tuple(scale_block or ())
     check_scale("wqkv", wqkv, wqkv_scale, scale_block)
+    if fp8_mode not in MODES:
+        raise ValueError(f"fp8_mode must be one of {MODES}, got {fp8_mode!r}")
     block_k = default_block_k(hidden, scale_block) if block_k is None else block_k
     if scale_block is not None and scale_block[0] % block_k:
         raise ValueError(f"block_k={block_k} must divide the FP8 scale blocks' height {scale_block[0]}")
@@ -285,7 +291,7 @@ def norm_qkv_rope_write(x: jax.Array, norm_weight: jax.Array, wqkv: jax.Array, c
                                prefetch_programs=prefetch_programs,
                                prefetch_row_count=0 if pf is None else prefetch_rows_count(pf, prefetch_fraction),
                                prefetch_eviction=prefetch_eviction,
-                               **({} if scale_block is None else {"scale_block": scale_block}))
+                               **({} if scale_block is None else {"scale_block": scale_block, "fp8_mode": fp8_mode}))
     whole = pl.no_block_spec
     outs = [
         jax.ShapeDtypeStruct((tokens, num_heads, head_dim), x.dtype),

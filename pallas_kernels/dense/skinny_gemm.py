@@ -28,7 +28,8 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from pallas_kernels.common import pow2_divisor
-from pallas_kernels.dense.fp8_tiles import check_scale, dequantize, tile_k, weight_dot
+from pallas_kernels.dense.fp8_tiles import (DEFAULT_MODE, MODES, act_operand, check_scale, dequantize, fake_quant_rows,
+                                            tile_k, weight_dot)
 
 MAX_TOKENS = 32
 
@@ -37,13 +38,14 @@ MAX_TOKENS = 32
 # Kernel body
 # ----------------------------------------------------------------------------------------------
 def _gemm_kernel(x_ref, w_ref, *refs, block_t: int, block_k: int, k_per_split: int,
-                 scale_block: tuple[int, int] | None = None):
+                 scale_block: tuple[int, int] | None = None, fp8_mode: str = DEFAULT_MODE, trans_w: bool = False):
     # x_ref [T, K] (whole: the real rows are loaded masked); w_ref [K, block_n]: this program's column
     # block, all K rows (the split picks its range); o_ref [k_splits, T, N] fp32 (whole).
-    # FP8 (scale_block (bk, bn)): s_ref [K / bk, N / bn] float32 (whole), before o_ref.
+    # FP8 (scale_block (bk, bn)): s_ref [K / bk, N / bn] float32 (whole), before o_ref. trans_w: w_ref [block_n, K],
+    # this program's rows of a transposed [N, K] weight (K contiguous).
     s_ref, o_ref = refs if scale_block is not None else (None, *refs)
     tokens = x_ref.shape[0]
-    block_n = w_ref.shape[1]
+    block_n = w_ref.shape[0 if trans_w else 1]
     n, s = pl.program_id(0), pl.program_id(1)
     real = jnp.arange(block_t, dtype=jnp.int32) < tokens  # [block_t]
     rows = pl.ds(0, block_t)
@@ -53,7 +55,9 @@ def _gemm_kernel(x_ref, w_ref, *refs, block_t: int, block_k: int, k_per_split: i
         xk = plgpu.load(x_ref.at[rows, ks], mask=jnp.broadcast_to(real[:, None], (block_t, block_k)), other=0)
         if scale_block is None:
             return acc + plgpu.dot(xk, w_ref[ks, :])
-        return acc + weight_dot(xk, w_ref[ks, :], s_ref, s * k_per_split + kk * block_k, n * block_n, scale_block)
+        xk, xs = act_operand(xk, fp8_mode)
+        wk = w_ref[:, ks] if trans_w else w_ref[ks, :]
+        return acc + weight_dot(xk, wk, s_ref, s * k_per_split + kk * block_k, n * block_n, scale_block, xs, trans_w)
 
     acc = jax.lax.fori_loop(0, k_per_split // block_k, body, jnp.zeros((block_t, block_n), jnp.float32))
     cols = pl.ds(n * block_n, block_n)
@@ -63,23 +67,26 @@ def _gemm_kernel(x_ref, w_ref, *refs, block_t: int, block_k: int, k_per_split: i
 # ----------------------------------------------------------------------------------------------
 # Wrapper
 # ----------------------------------------------------------------------------------------------
-def _gemm_call(x, w, scale, *, block_n, block_k, k_splits, num_warps, num_stages, scale_block, interpret):
+def _gemm_call(x, w, scale, *, block_n, block_k, k_splits, num_warps, num_stages, scale_block, fp8_mode=DEFAULT_MODE,
+               trans_w=False, interpret):
     tokens, k = x.shape
-    n = w.shape[1]
+    n = w.shape[0 if trans_w else 1]
     block_t = max(16, 1 << (tokens - 1).bit_length())
     kernel = functools.partial(_gemm_kernel, block_t=block_t, block_k=block_k, k_per_split=k // k_splits,
-                               **({} if scale is None else {"scale_block": scale_block}))
+                               **({} if scale is None else {"scale_block": scale_block, "fp8_mode": fp8_mode,
+                                                            "trans_w": trans_w}))
     scales = [] if scale is None else [scale]
     out = pl.pallas_call(
         kernel,
         grid=(n // block_n, k_splits),
-        in_specs=[pl.no_block_spec, pl.BlockSpec((k, block_n), lambda i, s: (0, i)),
+        in_specs=[pl.no_block_spec, pl.BlockSpec((block_n, k), lambda i, s: (i, 0)) if trans_w
+                  else pl.BlockSpec((k, block_n), lambda i, s: (0, i)),
                   *[pl.no_block_spec] * len(scales)],
         out_specs=pl.no_block_spec,
         out_shape=jax.ShapeDtypeStruct((k_splits, tokens, n), jnp.float32),
         compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),
         interpret=interpret,
-        name=f"skinny_gemm_n{block_n}_k{block_k}_s{k_splits}" + ("_fp8" if scales else ""),
+        name=f"skinny_gemm_n{block_n}_k{block_k}_s{k_splits}" + (f"_fp8_{fp8_mode}" + ("_nk" if trans_w else "") if scales else ""),
     )(x, w, *scales)
     return out[0] if k_splits == 1 else out.sum(axis=0)
 
@@ -100,11 +107,11 @@ def default_config(k: int, n: int, scale_block: tuple[int, int] | None = None) -
 # Public API
 # ----------------------------------------------------------------------------------------------
 @functools.partial(jax.jit, static_argnames=("block_n", "block_k", "k_splits", "num_warps", "num_stages",
-                                             "scale_block", "interpret"))
+                                             "scale_block", "fp8_mode", "w_transposed", "interpret"))
 def skinny_gemm(x: jax.Array, w: jax.Array, scale: jax.Array | None = None, *,
                 scale_block: tuple[int, int] | None = None, block_n: int | None = None, block_k: int | None = None,
                 k_splits: int | None = None, num_warps: int | None = None, num_stages: int | None = None,
-                interpret: bool = False) -> jax.Array:
+                fp8_mode: str = DEFAULT_MODE, w_transposed: bool = False, interpret: bool = False) -> jax.Array:
     """`x @ w` in float32 for a few token rows.
 
     Args:
@@ -113,15 +120,23 @@ def skinny_gemm(x: jax.Array, w: jax.Array, scale: jax.Array | None = None, *,
       scale: a block-FP8 w's float32 scales, one per `scale_block` = (bk, bn) block (block_k then divides bk).
       block_n, block_k, k_splits, num_warps, num_stages: launch parameters; None: `default_config`.
         block_n must divide N, k_splits * block_k must divide K.
+      fp8_mode: how an FP8 tile meets x (fp8_tiles.act_operand): "convert" or "w8a8".
+      w_transposed: an FP8 w given as its transpose [N, K] (K contiguous; scale still [K / bk, N / bn]).
       interpret: run the Pallas interpreter (CPU tests).
 
     Returns:
       `[T, N]` float32 (the caller adds, casts or reduces across devices).
     """
     scale_block = None if scale is None else tuple(scale_block or ())
-    check_scale("w", w, scale, scale_block)
-    launch = _launch(x, w, block_n, block_k, k_splits, num_warps, num_stages, scale_block)
-    return _gemm_call(x, w, scale, **launch, scale_block=scale_block, interpret=interpret)
+    if fp8_mode not in MODES:
+        raise ValueError(f"fp8_mode must be one of {MODES}, got {fp8_mode!r}")
+    if w_transposed and scale is None:
+        raise ValueError("w_transposed is for FP8 weights")
+    wkn = w.T if w_transposed else w  # (shape checks only)
+    check_scale("w", wkn, scale, scale_block)
+    launch = _launch(x, wkn, block_n, block_k, k_splits, num_warps, num_stages, scale_block)
+    return _gemm_call(x, w, scale, **launch, scale_block=scale_block, fp8_mode=fp8_mode, trans_w=w_transposed,
+                      interpret=interpret)
 
 
 def _launch(x, w, block_n, block_k, k_splits, num_warps, num_stages, scale_block=None) -> dict:
@@ -151,11 +166,13 @@ def _launch(x, w, block_n, block_k, k_splits, num_warps, num_stages, scale_block
 # ----------------------------------------------------------------------------------------------
 # Reference
 # ----------------------------------------------------------------------------------------------
-@functools.partial(jax.jit, static_argnames=("scale_block",))
+@functools.partial(jax.jit, static_argnames=("scale_block", "x_group"))
 def skinny_gemm_reference(x: jax.Array, w: jax.Array, scale: jax.Array | None = None, *,
-                          scale_block: tuple[int, int] | None = None) -> jax.Array:
+                          scale_block: tuple[int, int] | None = None, x_group: int | None = None) -> jax.Array:
     """What XLA does on its own (the batch-1 row padded to two, as `ops.project` does); an FP8 w dequantized to x's
-    dtype first."""
+    dtype first. x_group (w8a8): x FP8-quantized per row and `x_group` columns, all in float32."""
+    if x_group is not None:
+        x = fake_quant_rows(x, x_group)
     if scale is not None:
         w = dequantize(w, scale, scale_block, x.dtype)
     if x.shape[0] == 1:

@@ -97,3 +97,27 @@ def test_fp8_lowers_for_the_gpu():
                           s((1, h), jnp.bfloat16), s((h,), jnp.bfloat16), s((h, i), f8), s((h, i), f8), s((i, h), f8),
                           (s((32, 96), f32), s((32, 96), f32), s((96, 32), f32)))
     assert "fused_swiglu_mlp_t16_i128_norm_fp8" in text
+
+
+# FP8 tiles against the activations other than by conversion to x's dtype (fp8_tiles.act_operand): f16 dots (bf16
+# tolerance), and w8a8 (activations FP8-quantized per row and 128 columns) against the reference that quantizes them
+# alike (float32 tolerance: the same FP8 values, a different summation order).
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("tokens,dtype,fp8_mode", [
+    pytest.param(2, jnp.float32, "w8a8", id="t2-f32-w8a8"),
+])
+def test_mlp_fp8_modes(mode, tokens, dtype, fp8_mode):
+    rng = np.random.default_rng(7)
+    hidden, inter, block = 256, 256, (128, 128)
+    x = jnp.asarray(rng.standard_normal((tokens, hidden)) * 4, dtype)
+    (wg, sg), (wu, su), (wd, sd) = (_weight(rng, shape, dtype, block)
+                                    for shape in ((hidden, inter), (hidden, inter), (inter, hidden)))
+    norm = jnp.asarray(1 + 0.2 * rng.standard_normal(hidden), dtype)
+    out = fused_swiglu_mlp(x, wg, wu, wd, norm, (sg, su, sd), scale_block=block, eps=1e-5, fp8_mode=fp8_mode,
+                           interpret=mode == "interpret")
+    ref = fused_swiglu_mlp_reference(x, wg, wu, wd, norm, (sg, su, sd), scale_block=block, eps=1e-5,
+                                     fp8_mode=fp8_mode)
+    assert_close(out, ref, dtype, mode)
+    if fp8_mode == "w8a8":  # and within FP8 rounding of the bf16-activation result
+        plain = fused_swiglu_mlp_reference(x, wg, wu, wd, norm, (sg, su, sd), scale_block=block, eps=1e-5)
+        np.testing.assert_allclose(np.asarray(out), np.asarray(plain), atol=0.15, rtol=0.15)

@@ -73,3 +73,22 @@ def test_fp8_lowers_for_the_gpu():
     text = lower_for_cuda(lambda x, w, sc: skinny_gemm(x, w, sc, scale_block=(128, 128)), s((1, 4096), jnp.bfloat16),
                           s((4096, 4096), jnp.float8_e4m3fn), s((32, 32), jnp.float32))
     assert "skinny_gemm_n128_k128_s4_fp8" in text
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("tokens,dtype,fp8_mode,transposed", [
+    pytest.param(3, jnp.float32, "w8a8", False, id="t3-f32-w8a8"),
+    pytest.param(2, jnp.float32, "w8a8", True, id="t2-f32-w8a8-nk"),
+])
+def test_skinny_gemm_fp8_modes(mode, tokens, dtype, fp8_mode, transposed):
+    """FP8 tiles met as w8a8 (x FP8-quantized per row and 128 columns, as the reference
+    does: float32 tolerance); a transposed [N, K] weight."""
+    rng = np.random.default_rng(3)
+    k, n, block = 256, 256, (128, 128)
+    x = jnp.asarray(rng.standard_normal((tokens, k)), dtype)
+    q = quantize(jnp.asarray(rng.standard_normal((k, n)) * k**-0.5, jnp.float32), block)
+    w = jnp.asarray(q.w.T) if transposed else q.w
+    out = skinny_gemm(x, w, q.scale, scale_block=block, fp8_mode=fp8_mode, w_transposed=transposed,
+                      interpret=mode == "interpret")
+    ref = skinny_gemm_reference(x, q.w, q.scale, scale_block=block, x_group=128 if fp8_mode == "w8a8" else None)
+    assert_close(out, ref, dtype, mode)
