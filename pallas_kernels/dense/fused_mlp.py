@@ -27,8 +27,16 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from pallas_kernels.common import pow2_divisor, rms_inverse, rms_normed, tile_rows
-from pallas_kernels.dense.fp8_tiles import (DEFAULT_MODE, MODES, act_operand, check_scale, dequantize, fake_quant_rows,
-                                            tile_k, weight_dot)
+from pallas_kernels.dense.fp8_tiles import (
+    DEFAULT_MODE,
+    MODES,
+    act_operand,
+    check_scale,
+    dequantize,
+    fake_quant_rows,
+    tile_k,
+    weight_dot,
+)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -151,7 +159,8 @@ def _mlp_call(x, w_gate, w_up, w_down, norm_weight, scales, *, eps, block_t, blo
         out_shape=jax.ShapeDtypeStruct((splits, tokens, hidden), jnp.float32),
         compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),
         interpret=interpret,
-        name=f"fused_swiglu_mlp_t{block_t}_i{block_i}" + ("_norm" if has_norm else "") + (f"_fp8_{fp8_mode}" if scales else ""),
+        name=(f"fused_swiglu_mlp_t{block_t}_i{block_i}" + ("_norm" if has_norm else "")
+              + (f"_fp8_{fp8_mode}" if scales else "")),
     )(x, *([norm_weight] if has_norm else []), w_gate, w_up, w_down, *scales)
     return out.sum(axis=0).astype(x.dtype)  # [tokens, hidden]
 

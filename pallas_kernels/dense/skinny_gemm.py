@@ -28,8 +28,16 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from pallas_kernels.common import pow2_divisor
-from pallas_kernels.dense.fp8_tiles import (DEFAULT_MODE, MODES, act_operand, check_scale, dequantize, fake_quant_rows,
-                                            tile_k, weight_dot)
+from pallas_kernels.dense.fp8_tiles import (
+    DEFAULT_MODE,
+    MODES,
+    act_operand,
+    check_scale,
+    dequantize,
+    fake_quant_rows,
+    tile_k,
+    weight_dot,
+)
 
 MAX_TOKENS = 32
 
@@ -86,7 +94,8 @@ def _gemm_call(x, w, scale, *, block_n, block_k, k_splits, num_warps, num_stages
         out_shape=jax.ShapeDtypeStruct((k_splits, tokens, n), jnp.float32),
         compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),
         interpret=interpret,
-        name=f"skinny_gemm_n{block_n}_k{block_k}_s{k_splits}" + (f"_fp8_{fp8_mode}" + ("_nk" if trans_w else "") if scales else ""),
+        name=(f"skinny_gemm_n{block_n}_k{block_k}_s{k_splits}"
+              + (f"_fp8_{fp8_mode}" + ("_nk" if trans_w else "") if scales else "")),
     )(x, w, *scales)
     return out[0] if k_splits == 1 else out.sum(axis=0)
 

@@ -23,7 +23,8 @@ def test_defaults_are_the_measured_choices():
     ("attention_backend", "cuda"), ("interpret", "yes"), ("pallas_mlp_tokens", (0,)), ("pallas_mlp_tokens", "1"),
     ("norm_qkv_max_tokens", -1), ("norm_qkv_max_tokens", 1.5), ("norm_qkv_k_splits", 0), ("prefetch_o", 1.5),
     ("prefetch_eviction", "evict_first"), ("pad_vector_dots", 1), ("fp8_skinny_o", 0),
-    ("fp8_max_tokens", -1), ("fp8_mode", "fp4"), ("launch", {"no_such_kernel": {}}), ("launch", {"fused_mlp": {"block_i": "64"}}),
+    ("fp8_max_tokens", -1), ("fp8_mode", "fp4"), ("launch", {"no_such_kernel": {}}),
+    ("launch", {"fused_mlp": {"block_i": "64"}}),
 ])
 def test_invalid_fields_are_named(field, value):
     with pytest.raises(ValueError, match=field if field != "launch" else "launch"):
