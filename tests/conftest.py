@@ -63,3 +63,34 @@ def pytest_collection_modifyitems(config, items):
     and a long file handed out last would leave the other workers idle at the end."""
     slow_files = {item.path for item in items if item.get_closest_marker("slow")}
     items.sort(key=lambda item: item.path not in slow_files)
+
+
+# Files whose engines, forwards or kernels compile the same shapes (tests/cache_report.py): each group is one xdist work
+# unit, so its files run one after another on one worker and the later ones load the first one's executables from the
+# run's cache. Apart, which worker compiled a shared shape first varied from run to run: 1480 to 1800 s of CPU for the
+# same suite.
+SHARED_SHAPES = {
+    "qwen3_5": ("test_qwen3_5_engine.py", "test_qwen3_5_spec.py", "test_qwen3_5_mtp.py", "test_golden_qwen3_5.py"),
+    "tiny_forwards": ("test_deepseek.py", "test_golden_tiny.py", "test_parallel_golden.py"),
+    "spec": ("test_spec_engine.py", "test_eagle3_engine.py", "test_spec_e2e.py"),
+    "linear_attention": ("test_causal_conv.py", "test_gated_delta_rule.py", "test_gated_delta_rule_decode.py",
+                         "test_gated_delta_rule_intra.py", "test_gated_delta_rule_chunked.py"),
+    "attention": ("test_paged_attention.py", "test_prefill_attention.py"),
+    "moe_kernels": ("test_moe_gemm.py", "test_moe_gemm_mgpu.py"),
+}
+_GROUP_OF = {file: group for group, files in SHARED_SHAPES.items() for file in files}
+
+
+@pytest.hookimpl(optionalhook=True, tryfirst=True)  # (before xdist's own, which would return plain loadfile)
+def pytest_xdist_make_scheduler(config, log):
+    """`--dist loadfile` with the SHARED_SHAPES groups as single work units."""
+    if config.getoption("dist") != "loadfile":
+        return None
+    from xdist.scheduler import LoadFileScheduling
+
+    class SharedShapesScheduling(LoadFileScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            file = nodeid.split("::", 1)[0]
+            return _GROUP_OF.get(file.rsplit("/", 1)[-1], file)
+
+    return SharedShapesScheduling(config, log)
