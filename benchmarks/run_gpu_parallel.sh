@@ -1,10 +1,12 @@
 #!/usr/bin/env bash
 # On a multi-GPU machine (device tool kind nvidia-h200-x2, carrying .whl): the sharded forward.
 # PARTS (comma list, default all):
+#   kernels     the one-shot all-reduce kernel against XLA's psum on the GPUs (pallas_kernels/all_reduce.py)
 #   tests       the parallel goldens with the kernels compiled for the GPUs (tp/ep up to the GPUs present)
-#   step        bench_parallel: decode step time at tp 1 vs $TP, per variant of the collectives' XLA options,
+#   step        bench_parallel: decode step time at tp 1 vs $TP, reducing with XLA's psum and our one-shot kernel,
 #               Qwen3-8B (tensor parallel) and Qwen3-30B-A3B (expert parallel); the psum alone
-#   latency     engine TTFT / TPOT, Qwen3-8B tp 1 vs $TP and Qwen3-30B-A3B one GPU vs ep $TP, batch $BATCHES
+#   latency     engine TTFT / TPOT, Qwen3-8B tp 1 vs $TP and Qwen3-30B-A3B one GPU vs ep $TP, batch $BATCHES; at $TP
+#               both with XLA's all-reduce and with the one-shot kernel (files *_ar.json)
 #   throughput  offline 512 prompts x 1k in / 128 out, the same pairs
 #   profile     a Perfetto trace of the Qwen3-8B decode step at tp 1 and $TP (batch 1), summarized per device
 #   multiprocess Qwen3-8B TPOT with one process per GPU ($TP processes, jax.distributed) vs one process
@@ -17,14 +19,19 @@ PARTS=${PARTS:-tests,step,latency,throughput,profile,multiprocess,dp}
 TAG=${TAG:-h200x2}
 TP=${TP:-2}
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
+if [[ $PARTS == *kernels* ]]; then
+  JAX_PLATFORMS=cuda timeout 300 python3 -m pytest -q -m gpu tests/kernels/test_all_reduce.py -p no:cacheprovider -x 2>&1 | tail -25
+fi
 if [[ $PARTS == *tests* ]]; then
   JAX_PLATFORMS=cuda JAX_DEFAULT_MATMUL_PRECISION=highest timeout 300 python3 -m pytest -q tests/models/test_parallel_golden.py -p no:cacheprovider \
       > "$OUT/tests_parallel_$TAG.log" 2>&1; tail -3 "$OUT/tests_parallel_$TAG.log"
 fi
 STEP_SHAPES=${STEP_SHAPES:-dense,moe}
 if [[ $PARTS == *step* && $STEP_SHAPES == *dense* ]]; then
-  timeout 400 python3 -m benchmarks.bench_parallel --shape qwen3-8b --tp 1 $TP --batch-sizes 1 16 \
-      ${VARIANTS:+--variants $VARIANTS} --out "$OUT/parallel_step_qwen3-8b_$TAG.json" 2>&1 | grep "^{'"
+  PYTHONFAULTHANDLER=1 timeout -s ABRT ${STEP_TIMEOUT:-400} python3 -m benchmarks.bench_parallel --shape qwen3-8b \
+      --tp ${STEP_TP:-1 $TP} --batch-sizes ${STEP_BATCHES:-1 16} ${STEP_ARGS:-} \
+      ${VARIANTS:+--variants $VARIANTS} --out "$OUT/parallel_step_qwen3-8b_$TAG.json" 2>&1 \
+      | grep -E "^\{'|^(Fatal|Thread|Current thread|  File)" | grep -v "site-packages/jax/_src" | head -60
 fi
 if [[ $PARTS == *step* && $STEP_SHAPES == *moe* ]]; then
   timeout 400 python3 -m benchmarks.bench_parallel --shape qwen3-30b-a3b --tp 1 $TP --expert-parallel \
@@ -33,15 +40,17 @@ if [[ $PARTS == *step* && $STEP_SHAPES == *moe* ]]; then
 fi
 SHAPES=${SHAPES:-dense,moe}  # for latency and throughput
 if [[ $PARTS == *latency* && $SHAPES == *dense* ]]; then
-  for tp in 1 $TP; do
-    timeout 300 python3 -m benchmarks.bench_latency --shape qwen3-8b --batch-sizes ${BATCHES:-1 16} -tp $tp \
+  for tp in 1 $TP ${TP}_ar; do
+    JINFER_ONE_SHOT_ALL_REDUCE_BYTES=$([[ $tp == *_ar ]] && echo 1048576 || echo 0) timeout 300 \
+      python3 -m benchmarks.bench_latency --shape qwen3-8b --batch-sizes ${BATCHES:-1 16} -tp ${tp%_ar} \
         --input-len 1024 --output-len 128 --out "$OUT/latency_qwen3-8b_tp${tp}_$TAG.json" | grep "^batch"
   done
 fi
 if [[ $PARTS == *latency* && $SHAPES == *moe* ]]; then
-  for ep in 1 $TP; do
-    timeout 400 python3 -m benchmarks.bench_latency --shape qwen3-30b-a3b --batch-sizes ${BATCHES:-1 16} -tp $ep \
-        $([ $ep -gt 1 ] && echo --enable-expert-parallel) --input-len 1024 --output-len 128 \
+  for ep in 1 $TP ${TP}_ar; do
+    JINFER_ONE_SHOT_ALL_REDUCE_BYTES=$([[ $ep == *_ar ]] && echo 1048576 || echo 0) timeout 400 \
+      python3 -m benchmarks.bench_latency --shape qwen3-30b-a3b --batch-sizes ${BATCHES:-1 16} -tp ${ep%_ar} \
+        $([ ${ep%_ar} -gt 1 ] && echo --enable-expert-parallel) --input-len 1024 --output-len 128 \
         --out "$OUT/latency_qwen3-30b-a3b_ep${ep}_$TAG.json" | grep "^batch"
   done
 fi
@@ -59,10 +68,10 @@ if [[ $PARTS == *throughput* && $SHAPES == *moe* ]]; then
   done
 fi
 if [[ $PARTS == *profile* ]]; then
-  timeout 300 python3 -m benchmarks.bench_parallel --shape qwen3-8b --tp 1 $TP --batch-sizes 1 --variants default \
-      --profile "$OUT/profile_parallel" --out "$OUT/parallel_profile_qwen3-8b_$TAG.json" 2>&1 | grep "^{'"
+  timeout 300 python3 -m benchmarks.bench_parallel --shape qwen3-8b --tp 1 $TP --batch-sizes 1 \
+      --variants ${PROFILE_VARIANTS:-psum one_shot} --profile "$OUT/profile_parallel" --out "$OUT/parallel_profile_qwen3-8b_$TAG.json" 2>&1 | grep "^{'"
   for d in "$OUT"/profile_parallel/*/; do
-    echo "== $d"; python3 -m benchmarks.trace_summary "$(find "$d" -name '*.trace.json.gz' | head -1)" --steps 30 --top 25
+    echo "== $d"; python3 -m benchmarks.trace_summary "$(find "$d" -name '*.trace.json.gz' | head -1)" --steps 30 --top ${TOP:-25}
   done
 fi
 if [[ $PARTS == *multiprocess* ]]; then

@@ -104,7 +104,16 @@ def idle_gaps(evs: list[dict]) -> None:
 
 
 def per_device(spans: list[dict], procs: dict, threads: dict, n: int, top: int) -> None:
-    """Each device's kernels (all streams) over `n` steps: span, busy time, and the top kernels."""
+    """Each device's kernels (all streams) over `n` steps: span, busy time, and the top kernels; then the host's
+    (XLA runtime) events per step: how often each one ran and its time (command buffers launched / updated)."""
+    host = [e for e in spans if procs.get(e["pid"], "").startswith("/host")]
+    count, total = collections.Counter(), collections.Counter()
+    for e in host:
+        count[e["name"]] += 1
+        total[e["name"]] += e["dur"]
+    print(f"host events per step (top {top}, all threads):")
+    for name, t in total.most_common(top):
+        print(f"  {t / n:9.1f} us  x{count[name] / n:6.1f}  {name[:100]}")
     for pid in sorted({e["pid"] for e in spans if procs.get(e["pid"], "").startswith("/device")}):
         by_thread = collections.Counter()
         for e in spans:

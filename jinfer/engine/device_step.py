@@ -20,14 +20,16 @@ from jinfer.parallel.mesh import mesh_forward
 FORK_CHUNK = 16
 
 
-def forward_step(weights, buf, kv_cache, prev_tokens, *, dims, cfg, ops, mesh, specs, aux_layers=()):
+def forward_step(weights, buf, kv_cache, prev_tokens, *table, dims, cfg, ops, mesh, specs, aux_layers=()):
     """Unpack the batch (dims = (T, B, P, L)) and run the model's forward on the mesh (`parallel.mesh_forward`;
     `specs`: the weights' and the cache's PartitionSpecs): (logits [L, V], the cache), and with `aux_layers` (an
-    EAGLE-3 head's) the hidden states at those boundaries [T, n*H] too."""
+    EAGLE-3 head's) the hidden states at those boundaries [T, n*H] too. `table`: the one-shot all-reduce's
+    workspace table, where the runner uses that kernel (`all_reduce_table`)."""
     batch, prev = unpack_batch(buf, dims)
     # Tokens sampled by the previous step (the first token of its sequences' decodes) are read from its buffer.
     batch.input_ids = jnp.where(prev >= 0, prev_tokens[jnp.maximum(prev, 0)], batch.input_ids)
-    return mesh_forward(forward, cfg, ops, mesh, *specs, aux_layers)(weights, batch, kv_cache)
+    return mesh_forward(forward, cfg, ops, mesh, *specs, aux_layers, all_reduce_table=bool(table))(
+        weights, batch, kv_cache, *table)
 
 
 def fork_step(kv_cache, pairs, *, slot_layers: frozenset[int]):

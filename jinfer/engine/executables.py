@@ -204,7 +204,8 @@ class StepExecutables:
         jitted = self._forward[decode][T > COMMAND_BUFFER_MAX_TOKENS]
         dims = (T, B, P, R + T if prompt_logits else R)
         buf = jax.ShapeDtypeStruct((sum(batch_sizes(*dims)),), jnp.int32)
-        return self._add_executable(key, jitted, (self.weights, buf, self.kv_cache, self._no_prev), background,
+        return self._add_executable(key, jitted, (self.weights, buf, self.kv_cache, self._no_prev,
+                                                  *self._all_reduce_table), background,
                                     dims=dims)
 
     def prompt_logprobs_executable(self, T: int, R: int, k: int) -> jax.stages.Compiled:

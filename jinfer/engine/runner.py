@@ -60,7 +60,7 @@ from jinfer.models.base import Weights
 from jinfer.models.batch import Batch
 from jinfer.models.registry import cache_spec
 from jinfer.ops import REFERENCE_OPS, ModelOps
-from jinfer.parallel.mesh import put
+from jinfer.parallel.mesh import all_reduce_table, put
 
 log = logging.getLogger(__name__)
 
@@ -110,6 +110,7 @@ class ModelRunner(StepExecutables):
         self._replicated = NamedSharding(mesh, PartitionSpec())
         self._slot_layers = slot_layers(cache_spec(cfg))
         self._fork_sizes = [1 << b for b in range(FORK_CHUNK.bit_length())] if self._slot_layers else []
+        self._all_reduce_table = all_reduce_table(mesh, ops)
         self._make_jits()
         self._no_prev = put(np.zeros(self.max_rows, np.int32), self._replicated)
         # Compiled executables per shape, loaded from / stored to disk when `executable_dir` is set: a
@@ -278,7 +279,8 @@ class ModelRunner(StepExecutables):
     def _call_forward(self, forward, buf: jax.Array) -> jax.Array:
         """Run a forward executable on a packed batch: the cache is updated, the hidden states kept (`aux_layers`);
         returns the logits."""
-        logits, self.kv_cache, *aux = forward(self.weights, buf, self.kv_cache, self._last_tokens)
+        logits, self.kv_cache, *aux = forward(self.weights, buf, self.kv_cache, self._last_tokens,
+                                              *self._all_reduce_table)
         self._aux = aux[0] if aux else None
         return logits
 

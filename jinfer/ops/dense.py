@@ -179,7 +179,15 @@ class DenseOps:
 
     def reduce(self, partial: jax.Array) -> jax.Array:
         """The sum of the devices' partial results of a row-parallel matmul (identity on one device)."""
-        return partial if self.axis is None else jax.lax.psum(partial, self.axis)
+        if self.axis is None:
+            return partial
+        if self.backend == "pallas" and not self.interpret \
+                and partial.size * partial.dtype.itemsize <= self.policy.one_shot_all_reduce_bytes:
+            from pallas_kernels import all_reduce
+
+            if all_reduce.active() and all_reduce.supported(partial.shape, partial.dtype):
+                return all_reduce.one_shot_all_reduce(partial, self.axis)
+        return jax.lax.psum(partial, self.axis)
 
     def embed(self, table: jax.Array, ids: jax.Array, vocab_size: int) -> jax.Array:
         """table[ids]; a vocab-parallel table (this device's rows of `vocab_size`) looks up the ids in its

@@ -213,18 +213,42 @@ def array_specs(tree):
     return jax.tree.map(lambda a: a.sharding.spec, tree)
 
 
-def mesh_forward(forward, cfg, ops, mesh: Mesh, weight_specs, kv_specs, aux_layers: tuple[int, ...] = ()):
+def all_reduce_table(mesh: Mesh, ops) -> tuple:
+    """(the one-shot all-reduce workspace's table,) where a sharded forward on `mesh` reduces with that kernel: GPUs
+    that one process drives, the Pallas kernels compiled for them, and the policy's `one_shot_all_reduce_bytes`
+    set; () otherwise (XLA's psum)."""
+    devices = list(mesh.devices.flat)
+    if mesh.size == 1 or ops.backend != "pallas" or ops.interpret or not ops.policy.one_shot_all_reduce_bytes \
+            or devices[0].platform != "gpu" or any(d.process_index != jax.process_index() for d in devices):
+        return ()
+    from pallas_kernels import all_reduce
+
+    return (all_reduce.workspace(mesh).table,)
+
+
+def mesh_forward(forward, cfg, ops, mesh: Mesh, weight_specs, kv_specs, aux_layers: tuple[int, ...] = (),
+                 all_reduce_table: bool = False):
     """`forward(weights, batch, kv_cache, cfg, ops)` (a family's, or the registry's) as a function of
     (weights, batch, kv_cache) for the mesh: itself on one device; on several, each device runs it on its
     shards under `jax.shard_map` with its `local_config` and the collectives on (`ModelOps.axis`). The
     batch goes to every device whole, the logits come back whole (the forward gathers them), the cache
     stays in its shards (`weight_specs`, `kv_specs`: `array_specs` of the placed arrays). `aux_layers`: the forward
-    also returns the hidden states at those layer boundaries, whole (replicated after the layers' psums)."""
+    also returns the hidden states at those layer boundaries, whole (replicated after the layers' psums).
+    `all_reduce_table`: the function takes a fourth argument, the table of a `pallas_kernels.all_reduce.Workspace`
+    for the mesh, and the reductions up to the policy's `one_shot_all_reduce_bytes` run on that kernel."""
     extra = {"aux_layers": aux_layers} if aux_layers else {}
     if mesh.size == 1:
         return functools.partial(forward, cfg=cfg, ops=ops, **extra)
     body = functools.partial(forward, cfg=local_config(cfg, mesh.size), ops=dataclasses.replace(ops, axis=TP_AXIS),
                              **extra)
     out_specs = (PartitionSpec(), kv_specs) + ((PartitionSpec(),) if aux_layers else ())
-    return jax.shard_map(body, mesh=mesh, in_specs=(weight_specs, PartitionSpec(), kv_specs),
-                         out_specs=out_specs, check_vma=False)
+    in_specs = (weight_specs, PartitionSpec(), kv_specs)
+    if all_reduce_table:
+        from pallas_kernels import all_reduce
+
+        def body_with_table(weights, batch, kv_cache, table, forward=body):
+            with all_reduce.use(table):
+                return forward(weights, batch, kv_cache)
+
+        body, in_specs = body_with_table, (*in_specs, PartitionSpec())
+    return jax.shard_map(body, mesh=mesh, in_specs=in_specs, out_specs=out_specs, check_vma=False)
