@@ -1,5 +1,6 @@
 """One-shot all-reduce over NVLink peer memory: the sum of a small array across the devices of a mesh axis, one
-Triton kernel (jax-triton) inside `jax.shard_map`, for a mesh whose GPUs one process drives.
+Triton kernel (jax-triton) inside `jax.shard_map`, for a mesh whose GPUs one process drives; the same kernel
+all-gathers (the logits' vocab-parallel columns), so a decode step holds no XLA collective at all.
 
 Why. A tensor-parallel decode step at batch 1 reduces two [T, hidden] partial sums a layer (a few KB each). XLA's
 NCCL all-reduce costs 16-30 us of device time there, ~1.4 ms of a Qwen3-8B step, and XLA cuts the step's command
@@ -11,11 +12,12 @@ engines do at small sizes.
 How (the push form, double-buffered). A `Workspace` is allocated once per mesh: on every device a receive buffer
 [2 parities, devices, MAX_BYTES] and flags [2, PROGRAMS, devices] + a call counter per program, and a table of all
 their addresses that every device holds. Call number e of program p on device r: store its slice of x into slot
-[e % 2, r] of every device's receive buffer (plain stores over NVLink), barrier the block, then set flag
+[e % 2, r] of every device's receive buffer (plain stores over NVLink), fence and barrier the block, then set flag
 [e % 2, p, r] to e on every device (a release store at system scope). Wait until the flags [e % 2, p, *] of this
 device all read e (acquire), and sum the slots [e % 2, 0..n-1] in device order, in float32: every device computes
-the same bits. No barrier at the end: a device writes parity e % 2 again only at call e + 2, after it has seen
-every device's flag of call e + 1, which each device sets only after it finished reading call e.
+the same bits (gathering, it copies each slot to its columns instead). No barrier at the end: a device writes
+parity e % 2 again only at call e + 2, after it has seen every device's flag of call e + 1, which each device sets
+only after it finished reading call e.
 
 Every device must make the same calls in the same order (SPMD steps do), each with all PROGRAMS programs.
 Peer access between the GPUs is enabled by XLA's GPU client for the devices of one process; over several
@@ -101,7 +103,7 @@ def _kernel():
 
     @triton.jit
     def all_reduce_kernel(x_ptr, table_ptr, rank_ptr, size, out_ptr, WORLD: tl.constexpr, ELEMS: tl.constexpr,
-                          SLOT: tl.constexpr, BLOCK: tl.constexpr):
+                          SLOT: tl.constexpr, BLOCK: tl.constexpr, GATHER_COLS: tl.constexpr):
         DTYPE = x_ptr.dtype.element_ty
         pid = tl.program_id(0)
         rank = tl.load(rank_ptr)
@@ -137,11 +139,17 @@ def _kernel():
         for start in tl.static_range(0, ELEMS, BLOCK):
             offs = lo + start + tl.arange(0, BLOCK)
             mask = offs < size
-            acc = tl.zeros((BLOCK,), tl.float32)
-            for r in tl.static_range(WORLD):
-                acc += tl.load(recv_mine + (parity * WORLD + r) * SLOT + offs, mask=mask, volatile=True) \
-                    .to(tl.float32)
-            tl.store(out_ptr + offs, acc.to(DTYPE), mask=mask)
+            if GATHER_COLS:  # x [rows, GATHER_COLS] -> out [rows, WORLD * GATHER_COLS], device r's columns r-th
+                dest = offs // GATHER_COLS * (WORLD * GATHER_COLS) + offs % GATHER_COLS
+                for r in tl.static_range(WORLD):
+                    part = tl.load(recv_mine + (parity * WORLD + r) * SLOT + offs, mask=mask, volatile=True)
+                    tl.store(out_ptr + dest + r * GATHER_COLS, part, mask=mask)
+            else:
+                acc = tl.zeros((BLOCK,), tl.float32)
+                for r in tl.static_range(WORLD):
+                    acc += tl.load(recv_mine + (parity * WORLD + r) * SLOT + offs, mask=mask, volatile=True) \
+                        .to(tl.float32)
+                tl.store(out_ptr + offs, acc.to(DTYPE), mask=mask)
         tl.debug_barrier()
         tl.store(counters + pid, epoch)
 
@@ -153,15 +161,25 @@ _KERNEL = []
 
 def one_shot_all_reduce(x: jax.Array, axis_name: str) -> jax.Array:
     """sum over `axis_name` of x, every device's result the same bits; inside shard_map, under `use(table)`."""
+    return _call(x, axis_name, gather=False)
+
+
+def one_shot_all_gather(x: jax.Array, axis_name: str) -> jax.Array:
+    """x [rows, cols] of every device along `axis_name`, side by side: [rows, devices * cols] (as
+    `jax.lax.all_gather(x, axis_name, axis=1, tiled=True)`); inside shard_map, under `use(table)`."""
+    return _call(x, axis_name, gather=True)
+
+
+def _call(x: jax.Array, axis_name: str, gather: bool) -> jax.Array:
     import jax_triton as jt
 
     world = jax.lax.axis_size(axis_name)
     if world == 1:
         return x
     if not _ACTIVE:
-        raise ValueError("one_shot_all_reduce needs a workspace: trace the forward under all_reduce.use(table)")
-    if not supported(x.shape, x.dtype):
-        raise ValueError(f"x: shape {x.shape} / dtype {x.dtype} is not supported by the one-shot all-reduce")
+        raise ValueError("the one-shot collectives need a workspace: trace the forward under all_reduce.use(table)")
+    if not supported(x.shape, x.dtype) or (gather and x.ndim != 2):
+        raise ValueError(f"x: shape {x.shape} / dtype {x.dtype} is not supported by the one-shot collectives")
     if not _KERNEL:
         _KERNEL.append(_kernel())
     size = x.size
@@ -169,7 +187,9 @@ def one_shot_all_reduce(x: jax.Array, axis_name: str) -> jax.Array:
     block = min(1 << max(0, (elems - 1).bit_length()), 2048)
     elems = -(-elems // block) * block
     rank = jax.lax.axis_index(axis_name).astype(jnp.int32).reshape(1)
+    out_shape = (x.shape[0], world * x.shape[1]) if gather else x.shape
     out = jt.triton_call(x.reshape(size), _ACTIVE[-1], rank, size, kernel=_KERNEL[0],
-                         out_shape=jax.ShapeDtypeStruct((size,), x.dtype), grid=(PROGRAMS,), num_warps=4,
-                         WORLD=world, ELEMS=elems, SLOT=MAX_BYTES // jnp.dtype(x.dtype).itemsize, BLOCK=block)
-    return out.reshape(x.shape)
+                         out_shape=jax.ShapeDtypeStruct((math.prod(out_shape),), x.dtype), grid=(PROGRAMS,),
+                         num_warps=4, WORLD=world, ELEMS=elems, SLOT=MAX_BYTES // jnp.dtype(x.dtype).itemsize,
+                         BLOCK=block, GATHER_COLS=x.shape[1] if gather else 0)
+    return out.reshape(out_shape)

@@ -39,6 +39,9 @@ The defaults are the measured choices (H100 figures; docs/performance.md has the
   all-reduce over NVLink peer memory (pallas_kernels/all_reduce.py, GPUs of one process) instead of XLA's NCCL
   all-reduce; 0: always XLA's. Qwen3-8B tp=2 on two H200s: TPOT 4.24 vs 4.98 ms at batch 1 (8 KB a reduction; one
   GPU 4.32), but 4.55 vs 4.41 at batch 16 (128 KB) (latency_qwen3-8b_tp2*_h200x2_one_shot.json).
+  one_shot_all_gather_bytes: the same for the logits' all-gather (a device's float32 [T, vocab / tp]; 304 KB for
+  Qwen3-8B at tp=2 and batch 1), which leaves a batch-1 step no XLA collective: TPOT 5.75 vs 7.62 ms on a noisier
+  pair of H200s in one call (latency_qwen3-8b_tp2_gather*_h200x2.json).
 - pad_vector_dots: XLA rewrites a one-row dot with a matrix under 10M elements into a multiply + reduce that streams
   at ~0.8 TB/s instead of ~3; `ModelOps.project` gives such dots a padding row, which keeps them GEMMs.
 - xla_dot_merger: XLA's dot merger in large (prefill) steps. Off: it merged the MLP's x @ w_gate and x @ w_up by
@@ -69,6 +72,7 @@ ENV_FIELDS = {
     "JINFER_FP8_MAX_TOKENS": "fp8_max_tokens",
     "JINFER_FP8_MODE": "fp8_mode",
     "JINFER_ONE_SHOT_ALL_REDUCE_BYTES": "one_shot_all_reduce_bytes",
+    "JINFER_ONE_SHOT_ALL_GATHER_BYTES": "one_shot_all_gather_bytes",
 }
 FP8_MODES = ("convert", "w8a8")  # pallas_kernels.dense.fp8_tiles.MODES (this module is JAX-free)
 
@@ -95,6 +99,7 @@ class KernelPolicy:
     fp8_max_tokens: int = 16
     fp8_mode: str = "convert"
     one_shot_all_reduce_bytes: int = 16384
+    one_shot_all_gather_bytes: int = 1 << 20
     # Launch-parameter overrides per kernel (measurements): {kernel: {keyword: value}}, kept as sorted tuples.
     launch: LaunchArgs = ()
 
@@ -109,7 +114,7 @@ class KernelPolicy:
         object.__setattr__(self, "pallas_mlp_tokens", tuple(sorted(set(tokens))))
         for name in ("qkv_rope_max_tokens", "norm_qkv_max_tokens", "moe_front_max_tokens", "mosaic_min_query_len",
                      "mosaic_min_step_tokens", "mosaic_moe_min_rows_per_expert", "fp8_max_tokens",
-                     "one_shot_all_reduce_bytes"):
+                     "one_shot_all_reduce_bytes", "one_shot_all_gather_bytes"):
             v = getattr(self, name)
             if not _is_int(v) or v < 0:
                 raise ValueError(f"{name}={v!r} must be an integer >= 0")

@@ -181,13 +181,20 @@ class DenseOps:
         """The sum of the devices' partial results of a row-parallel matmul (identity on one device)."""
         if self.axis is None:
             return partial
-        if self.backend == "pallas" and not self.interpret \
-                and partial.size * partial.dtype.itemsize <= self.policy.one_shot_all_reduce_bytes:
+        if self._one_shot(partial, self.policy.one_shot_all_reduce_bytes):
             from pallas_kernels import all_reduce
 
-            if all_reduce.active() and all_reduce.supported(partial.shape, partial.dtype):
-                return all_reduce.one_shot_all_reduce(partial, self.axis)
+            return all_reduce.one_shot_all_reduce(partial, self.axis)
         return jax.lax.psum(partial, self.axis)
+
+    def _one_shot(self, x: jax.Array, limit: int) -> bool:
+        """Whether this device's part x of a collective goes to our one-shot kernels (pallas_kernels/all_reduce.py):
+        compiled for GPUs, the forward traced with their workspace, x within `limit` bytes and the kernels' sizes."""
+        if self.backend != "pallas" or self.interpret or x.size * x.dtype.itemsize > limit:
+            return False
+        from pallas_kernels import all_reduce
+
+        return all_reduce.active() and all_reduce.supported(x.shape, x.dtype)
 
     def embed(self, table: jax.Array, ids: jax.Array, vocab_size: int) -> jax.Array:
         """table[ids]; a vocab-parallel table (this device's rows of `vocab_size`) looks up the ids in its
@@ -204,4 +211,8 @@ class DenseOps:
         logits = self.project(x, head, preferred_element_type=jnp.float32)
         if head.shape[1] == vocab_size:
             return logits
+        if self._one_shot(logits, self.policy.one_shot_all_gather_bytes):
+            from pallas_kernels import all_reduce
+
+            return all_reduce.one_shot_all_gather(logits, self.axis)
         return jax.lax.all_gather(logits, self.axis, axis=1, tiled=True)

@@ -215,10 +215,12 @@ def array_specs(tree):
 
 def all_reduce_table(mesh: Mesh, ops) -> tuple:
     """(the one-shot all-reduce workspace's table,) where a sharded forward on `mesh` reduces with that kernel: GPUs
-    that one process drives, the Pallas kernels compiled for them, and the policy's `one_shot_all_reduce_bytes`
-    set; () otherwise (XLA's psum)."""
+    that one process drives, the Pallas kernels compiled for them, and the policy's `one_shot_all_reduce_bytes` or
+    `one_shot_all_gather_bytes` set; () otherwise (XLA's collectives)."""
     devices = list(mesh.devices.flat)
-    if mesh.size == 1 or ops.backend != "pallas" or ops.interpret or not ops.policy.one_shot_all_reduce_bytes \
+    policy = ops.policy
+    if mesh.size == 1 or ops.backend != "pallas" or ops.interpret \
+            or not (policy.one_shot_all_reduce_bytes or policy.one_shot_all_gather_bytes) \
             or devices[0].platform != "gpu" or any(d.process_index != jax.process_index() for d in devices):
         return ()
     from pallas_kernels import all_reduce
@@ -235,7 +237,7 @@ def mesh_forward(forward, cfg, ops, mesh: Mesh, weight_specs, kv_specs, aux_laye
     stays in its shards (`weight_specs`, `kv_specs`: `array_specs` of the placed arrays). `aux_layers`: the forward
     also returns the hidden states at those layer boundaries, whole (replicated after the layers' psums).
     `all_reduce_table`: the function takes a fourth argument, the table of a `pallas_kernels.all_reduce.Workspace`
-    for the mesh, and the reductions up to the policy's `one_shot_all_reduce_bytes` run on that kernel."""
+    for the mesh, and the collectives the policy sends there (`one_shot_all_*_bytes`) run on its kernels."""
     extra = {"aux_layers": aux_layers} if aux_layers else {}
     if mesh.size == 1:
         return functools.partial(forward, cfg=cfg, ops=ops, **extra)

@@ -46,6 +46,8 @@ def test_engine_takes_the_kernel_only_on_gpus_of_one_process():
     assert all_reduce_table(jax.make_mesh((1,), ("tp",)), ops) == ()
     assert all_reduce_table(mesh, replace(ops, interpret=True)) == ()
     assert all_reduce_table(mesh, replace(ops, policy=KernelPolicy(one_shot_all_reduce_bytes=0))) == ()
+    assert len(all_reduce_table(mesh, replace(ops, policy=KernelPolicy(one_shot_all_reduce_bytes=0,
+                                                                       one_shot_all_gather_bytes=1)))) == HAS_GPU
     assert len(all_reduce_table(mesh, ops)) == (1 if HAS_GPU else 0)
 
 
@@ -86,3 +88,10 @@ def test_one_shot_all_reduce_matches_psum(n, shape, dtype):
     ref = run(chain(lambda y: jax.lax.psum(y, "tp")))
     np.testing.assert_allclose(out[0], ref[0], atol=tol * n, rtol=tol)
     np.testing.assert_array_equal(out[n - 1], out[0])
+    # the all-gather of [rows, cols] parts into [rows, n * cols]; and after a reduction in the same executable
+    parts = np.asarray(x.astype(jnp.float32))
+    out = run(lambda v: all_reduce.one_shot_all_gather(v, "tp"))
+    for d in range(n):
+        np.testing.assert_array_equal(out[d], np.concatenate(list(parts), axis=1))
+    out = run(lambda v: all_reduce.one_shot_all_gather(all_reduce.one_shot_all_reduce(v, "tp"), "tp"))
+    np.testing.assert_allclose(out[n - 1], np.concatenate([exact] * n, axis=1), atol=tol * n, rtol=tol)
