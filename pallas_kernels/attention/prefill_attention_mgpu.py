@@ -403,6 +403,8 @@ def check_supported(q, k_cache) -> str | None:
     _, block_kv, _ = default_blocks(head_dim)
     if jnp.dtype(q.dtype) not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)):
         return f"dtype {q.dtype} (bf16/fp16 only)"
+    if k_cache.dtype != q.dtype:  # FP8 pages would need a conversion pass between the TMA ring and the wgmmas
+        return f"cache dtype {k_cache.dtype} (q's only: an FP8 cache goes to the Triton kernel)"
     if head_dim % 64:
         return f"head_dim {head_dim} (multiple of 64 only)"
     if block_kv % page_size or page_size % 8:
