@@ -9,14 +9,15 @@ are reserved (padding). The paged layers take the KV dtype (`kv_cache_dtype`), t
 from __future__ import annotations
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh
 
 from jinfer.cache.spec import AttentionKV, LatentKV, LayerCacheSpec
 from jinfer.config.model import ModelConfig
+from jinfer.models.fp8 import FP8
 from jinfer.models.registry import cache_spec
 from jinfer.parallel.mesh import kv_heads_total
-from pallas_kernels.common import is_fp8
 
 
 def kv_cache_bytes_per_page(cfg: ModelConfig, page_size: int, dtype, tp: int = 1) -> int:
@@ -38,7 +39,7 @@ def slot_layers(specs: list[LayerCacheSpec]) -> frozenset[int]:
 def check_kv_dtype(cfg: ModelConfig, kv_dtype) -> None:
     """ValueError naming kv_cache_dtype where the model's cache cannot be kept in `kv_dtype`: FP8 needs attention
     layers (a latent MLA cache is not supported in FP8)."""
-    if not is_fp8(kv_dtype):
+    if jnp.dtype(kv_dtype) != FP8:
         return
     specs = cache_spec(cfg)
     if any(isinstance(s, LatentKV) for s in specs):

@@ -24,8 +24,8 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from jinfer.models.fp8 import FP8
 from jinfer.parallel.mesh import KV_AXES, kv_heads_total, logical_sharding
-from pallas_kernels.common import is_fp8
 
 
 def indexed_arrays(layer: tuple[jax.Array, ...]) -> int:
@@ -93,7 +93,7 @@ class AttentionKV(LayerCacheSpec):
         heads = kv_heads_total(self, mesh.size)
         shape = (num_pages, page_size, heads, self.head_dim)
         zeros = jax.jit(lambda: jnp.zeros(shape, dtype), out_shardings=logical_sharding(mesh, KV_AXES, shape))
-        if not is_fp8(dtype):
+        if jnp.dtype(dtype) != FP8:
             return zeros(), zeros()
         ones = jax.jit(lambda: jnp.ones((heads,), jnp.float32),
                        out_shardings=logical_sharding(mesh, KV_AXES[2:3], (heads,)))
@@ -115,7 +115,7 @@ class LatentKV(LayerCacheSpec):
         return page_size * self.dim * jnp.dtype(dtype).itemsize
 
     def arrays(self, num_pages, page_size, num_slots, dtype, mesh):
-        if is_fp8(dtype):
+        if jnp.dtype(dtype) == FP8:
             raise ValueError("kv_cache_dtype='fp8' is not supported for a latent (MLA) cache")
         shape = (num_pages, page_size, self.dim)
         return (jax.jit(lambda: jnp.zeros(shape, dtype), out_shardings=NamedSharding(mesh, PartitionSpec()))(),)

@@ -29,6 +29,7 @@ from jinfer.engine.runner import ModelRunner
 from jinfer.engine.scheduler import Scheduler
 from jinfer.engine.spawn import MEM_FRACTION
 from jinfer.generation_config import load_generation_defaults
+from jinfer.models.fp8 import FP8
 from jinfer.models.registry import shard_weights, state_specs
 from jinfer.ops import select_ops
 from jinfer.parallel.mesh import check_parallel, make_mesh
@@ -38,7 +39,6 @@ from jinfer.spec.proposer import Proposer, build_proposer, check_proposer
 from jinfer.tokenizer import Tokenizer
 from jinfer.weights.hub import resolve_path
 from jinfer.weights.loader import DTYPES, load_kv_scales, load_weights, resolve_model, with_online_fp8
-from pallas_kernels.common import KV_FP8_DTYPE
 
 log = logging.getLogger("jinfer.engine.core")
 
@@ -181,7 +181,7 @@ def check_max_model_len(requested: int | None, max_positions: int, kv_capacity: 
 
 def kv_dtype(config: EngineConfig, dtype: str):
     """The KV pages' dtype: float8_e4m3fn for kv_cache_dtype="fp8", else the model's `dtype`."""
-    return KV_FP8_DTYPE if config.kv_cache_dtype == "fp8" else DTYPES[dtype]
+    return FP8 if config.kv_cache_dtype == "fp8" else DTYPES[dtype]
 
 
 def _num_host_pages(config: EngineConfig, model_config: ModelConfig, dtype: str, prefix_caching: bool) -> int:

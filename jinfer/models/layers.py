@@ -9,7 +9,6 @@ import numpy as np
 
 from jinfer.config.model import ModelConfig, rope_inv_freq
 from jinfer.models.fp8 import dense
-from pallas_kernels.common import quantize_kv
 
 
 def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
@@ -119,7 +118,7 @@ def write_kv(
     """Scatter the new tokens' K/V into their flat slots; padding tokens (slot < 0) go to page 0.
 
     k_cache/v_cache: [num_pages, page_size, KVH, D]; k/v: [T, KVH, D]; slot_mapping: [T]. An FP8 cache's rows are
-    quantized with its scales k_scale / v_scale [KVH] (`pallas_kernels.common.quantize_kv`).
+    quantized with its scales k_scale / v_scale [KVH] (`pallas_kernels.kv_fp8.quantize_kv`).
     Page 0 is reserved (never holds a sequence's tokens), so padding writes land there instead of
     being dropped: every index is in bounds and the scatter needs no bounds handling. The other slots are
     unique (each token its own), and what page 0 holds is never read, so the scatter is declared with unique
@@ -128,6 +127,8 @@ def write_kv(
     num_pages, page_size, kvh, d = k_cache.shape
     num_slots = num_pages * page_size
     slots = jnp.where(slot_mapping < 0, 0, slot_mapping)
+    from pallas_kernels.kv_fp8 import quantize_kv  # (plain jnp; traced, never imported by a warm start)
+
     k = quantize_kv(k, None if k_scale is None else k_scale[:, None], k_cache.dtype)
     v = quantize_kv(v, None if v_scale is None else v_scale[:, None], v_cache.dtype)
     k_flat, v_flat = k_cache.reshape(num_slots, kvh, d), v_cache.reshape(num_slots, kvh, d)

@@ -34,7 +34,8 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from pallas_kernels.common import LOG2E, MASK_VALUE, check_kv_scales, dequantize_kv, is_fp8, next_pow2
+from pallas_kernels.common import LOG2E, MASK_VALUE, next_pow2
+from pallas_kernels.kv_fp8 import check_kv_scales, dequantize_kv, is_fp8
 
 MIN_ROWS = 16  # tensor-core dots want M >= 16
 TARGET_PROGRAMS = 264  # ~2 waves of the H100's 132 SMs, used to pick num_splits

@@ -29,7 +29,8 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from pallas_kernels.attention.paged_attention import row_view, token_rows
-from pallas_kernels.common import LOG2E, MASK_VALUE, check_kv_scales, dequantize_kv, is_fp8, next_pow2
+from pallas_kernels.common import LOG2E, MASK_VALUE, next_pow2
+from pallas_kernels.kv_fp8 import check_kv_scales, dequantize_kv, is_fp8
 
 # columns of the per-tile table
 _Q0, _Q1, _WIN, _SHIFT, _SEQ, _CTX = range(6)
@@ -225,7 +226,7 @@ def _prefill_call(q, k_cache, v_cache, query_start, seq_lens, page_table, seq_ma
 # ----------------------------------------------------------------------------------------------
 # Public API
 # ----------------------------------------------------------------------------------------------
-def _check_args(q, k_cache, v_cache, query_start, seq_lens, page_table, k_scale, v_scale):
+def _check_args(q, k_cache, v_cache, query_start, seq_lens, page_table, k_scale=None, v_scale=None):
     if q.ndim != 3:
         raise ValueError(f"q must be [tokens, num_heads, head_dim], got {q.shape=}")
     if k_cache.ndim != 4 or k_cache.shape != v_cache.shape or k_cache.dtype != v_cache.dtype:

@@ -45,10 +45,11 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from pallas_kernels.common import check_kv_scales, is_fp8, quantize_kv, rms_inverse, rms_normed, tile_rows
+from pallas_kernels.common import rms_inverse, rms_normed, tile_rows
 from pallas_kernels.dense.fp8_tiles import DEFAULT_MODE, MODES, act_operand, check_scale, dequantize, tile_k, weight_dot
 from pallas_kernels.dense.prefetch import WIDTH, prefetch_rows, prefetch_rows_count, prefetch_view
 from pallas_kernels.dense.qkv_rope import qkv_rope_write_reference
+from pallas_kernels.kv_fp8 import check_kv_scales, is_fp8, quantize_kv
 from pallas_kernels.split_k import check_counters, sum_splits, take_ticket
 
 MAX_TOKENS = 64  # one token tile holds the whole step: the weights are read once

@@ -27,7 +27,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from pallas_kernels.common import check_kv_scales, is_fp8, quantize_kv
+from pallas_kernels.kv_fp8 import check_kv_scales, is_fp8, quantize_kv
 
 
 def _kernel(qkv_ref, cos_ref, sin_ref, slot_ref, qw_ref, kw_ref, _k_in, _v_in, *refs,

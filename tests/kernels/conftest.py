@@ -60,7 +60,7 @@ def paged_kv(rng: np.random.Generator, ctx_lens, page_size: int, num_kv_heads: i
 def fp8_kv(rng: np.random.Generator, k, v):
     """The caches k, v quantized to an FP8 cache with a random scale per kv head (between 1/4 and 2, so the scales
     matter): (k8, v8, k_scale, v_scale)."""
-    from pallas_kernels.common import KV_FP8_DTYPE, quantize_kv
+    from pallas_kernels.kv_fp8 import KV_FP8_DTYPE, quantize_kv
 
     heads = k.shape[2]
     ks, vs = (jnp.asarray(2.0 ** rng.uniform(-2, 1, heads), jnp.float32) for _ in range(2))

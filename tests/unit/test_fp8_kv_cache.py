@@ -17,7 +17,7 @@ from jinfer.config.engine import EngineConfig
 from jinfer.engine.builder import _auto_num_pages
 from jinfer.parallel.mesh import make_mesh
 from jinfer.weights.loader import load_kv_scales, resolve_model
-from pallas_kernels.common import KV_FP8_DTYPE
+from pallas_kernels.kv_fp8 import KV_FP8_DTYPE
 
 from ..conftest import DATA
 
@@ -59,6 +59,9 @@ def test_twice_the_pages_in_the_same_memory(arch):
     bf16 = _auto_num_pages(EngineConfig(**kw), cfg, "bfloat16", slots, _Device())
     fp8 = _auto_num_pages(EngineConfig(**kw, kv_cache_dtype="fp8"), cfg, "bfloat16", slots, _Device())
     assert fp8 in (2 * bf16, 2 * bf16 + 1)  # (each a floor of budget / page bytes)
+    cache = init_kv_cache(cfg, 4, 16, jnp.bfloat16, make_mesh(1), slots, kv_dtype=F8)
+    assert {tuple(str(a.dtype) for a in layer) for layer in cache} == (
+        {("float8_e4m3fn", "float8_e4m3fn", "float32", "float32")} | ({("bfloat16", "float32")} if slots else set()))
 
 
 @pytest.mark.parametrize("tp", [1, 2, 4])
