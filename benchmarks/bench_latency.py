@@ -90,6 +90,7 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--shape", default="qwen3-4b", help="named shape (dummy weights) or a model path")
     ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--kv-cache-dtype", default="auto", help="auto | fp8 (e4m3 pages with scales)")
     ap.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 8, 32])
     ap.add_argument("--input-len", type=int, default=1024)
     ap.add_argument("--output-len", type=int, default=128)
@@ -125,7 +126,8 @@ def main():
         ap.error("--replay-acceptance needs --speculative-config (its num_speculative_tokens)")
     proposer = ReplayProposer(spec_config.num_speculative_tokens, args.replay_acceptance,
                                                 forced=True) if replay else None
-    core = EngineCore(EngineConfig(model=model, dtype=args.dtype, max_model_len=max_model_len,
+    core = EngineCore(EngineConfig(model=model, dtype=args.dtype, kv_cache_dtype=args.kv_cache_dtype,
+                                   max_model_len=max_model_len,
                                    max_num_seqs=max(args.batch_sizes),
                                    max_num_batched_tokens=args.max_num_batched_tokens,
                                    attention_backend=args.attention_backend, warmup=False,
@@ -163,7 +165,9 @@ def main():
             row["profiled_run"] = {k: profiled_run[k] for k in ("ttft_ms", "tpot_ms")}
         mid_context = args.input_len + args.output_len // 2
         # each device reads its share of the bytes (split evenly: weights, KV heads and vocab)
-        floor = decode_bytes(cfg, bs, mid_context)["total"] / args.tensor_parallel_size / bandwidth * 1e3
+        kv_bytes = 1 if args.kv_cache_dtype == "fp8" else None
+        floor = (decode_bytes(cfg, bs, mid_context, kv_bytes=kv_bytes)["total"] / args.tensor_parallel_size
+                 / bandwidth * 1e3)
         # what the busiest device reads under our layout (replicated kv heads, router; expert parallel: the
         # device most of the hit experts land on): the floor the step can reach with this layout
         busiest = None
@@ -186,6 +190,7 @@ def main():
               + (f" of which {row['serial_host_ms_per_step']:.2f} in series" if row['serial_host_ms_per_step'] else "")
               + (f"; busiest device {busiest:.2f} ms" if busiest and args.tensor_parallel_size > 1 else "") + ")")
     result = {"benchmark": "latency", **environment(), "shape": args.shape, "dtype": args.dtype,
+              "kv_cache_dtype": args.kv_cache_dtype,
               "tensor_parallel_size": args.tensor_parallel_size, "expert_parallel": args.enable_expert_parallel,
               "processes": args.nnodes,
               "num_pages": core.kv.num_usable_pages,

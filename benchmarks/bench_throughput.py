@@ -29,6 +29,9 @@ def main():
     ap.add_argument("--max-num-seqs", type=int, default=256)
     ap.add_argument("--max-num-batched-tokens", type=int, default=2048)
     ap.add_argument("--num-pages", type=int)
+    ap.add_argument("--kv-cache-dtype", default="auto", help="auto | fp8 (e4m3 pages with scales: twice the pages)")
+    ap.add_argument("--gpu-memory-utilization", type=float, default=0.9,
+                    help="share of the device's memory for weights + KV pool (low: the KV pool limits the batch)")
     ap.add_argument("--no-async-scheduling", action="store_true")
     ap.add_argument("--attention-backend", default="auto", help="auto | reference | pallas | pallas-triton")
     ap.add_argument("--warmup", action="store_true", help="compile all buckets at start-up instead of a dry run")
@@ -39,7 +42,8 @@ def main():
     args = ap.parse_args()
 
     t0 = time.perf_counter()
-    llm = LLM(args.model, dtype=args.dtype, max_num_seqs=args.max_num_seqs,
+    llm = LLM(args.model, dtype=args.dtype, kv_cache_dtype=args.kv_cache_dtype,
+              gpu_memory_utilization=args.gpu_memory_utilization, max_num_seqs=args.max_num_seqs,
               max_num_batched_tokens=args.max_num_batched_tokens, num_pages=args.num_pages,
               max_model_len=args.input_len + args.output_len, warmup=args.warmup,
               async_scheduling=not args.no_async_scheduling, attention_backend=args.attention_backend,
@@ -71,6 +75,7 @@ def main():
     n_in = sum(len(o.prompt_token_ids) for o in outs)
     result = {
         "benchmark": "throughput", **environment(), "shape": args.model, "dtype": args.dtype,
+        "kv_cache_dtype": args.kv_cache_dtype, "gpu_memory_utilization": args.gpu_memory_utilization,
         "tensor_parallel_size": args.tensor_parallel_size, "expert_parallel": args.enable_expert_parallel,
         "num_prompts": args.num_prompts, "input_len": args.input_len, "output_len": args.output_len,
         "max_num_seqs": args.max_num_seqs, "max_num_batched_tokens": args.max_num_batched_tokens,
@@ -87,7 +92,7 @@ def main():
     }
     write_result(result, args.out)
     print(f"throughput: {result['requests_per_s']:.2f} req/s, {result['output_tokens_per_s']:.0f} output tok/s, "
-          f"{result['total_tokens_per_s']:.0f} total tok/s, {steps} steps, "
+          f"{result['total_tokens_per_s']:.0f} total tok/s, {steps} steps, {result['num_pages']} KV pages, "
           f"host busy {result['host_busy_fraction']:.0%}")
 
 

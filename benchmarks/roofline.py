@@ -131,13 +131,13 @@ def state_bytes(cfg: ModelConfig, dtype_bytes: int = 2) -> int:
                for specs in state_specs(cfg).values() for s in specs)
 
 
-def decode_bytes(cfg: ModelConfig, batch: int, context: int, dtype_bytes: int = 2) -> dict:
+def decode_bytes(cfg: ModelConfig, batch: int, context: int, dtype_bytes: int = 2, kv_bytes: int | None = None) -> dict:
     """Minimum HBM traffic of one decode step: the weights it touches once (for MoE the experts its
-    `batch` tokens route to), each sequence's K/V once (attention layers) and, for linear-attention
-    layers, each sequence's state read and written once."""
+    `batch` tokens route to), each sequence's K/V once (attention layers; `kv_bytes` per value, default
+    dtype_bytes: 1 for an FP8 cache) and, for linear-attention layers, each sequence's state read and written once."""
     weights = touched_weight_bytes(cfg, batch, dtype_bytes)
     per_token = cfg.latent_dim if cfg.kv_lora_rank else 2 * cfg.num_kv_heads * cfg.head_dim  # MLA: one latent row
-    kv = batch * context * len(cfg.attention_layers) * per_token * dtype_bytes
+    kv = batch * context * len(cfg.attention_layers) * per_token * (dtype_bytes if kv_bytes is None else kv_bytes)
     states = 2 * batch * state_bytes(cfg, dtype_bytes)
     return {"weights": weights, "kv": kv, "states": states, "total": weights + kv + states}
 

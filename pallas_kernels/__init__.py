@@ -1,7 +1,8 @@
 """Pallas GPU kernels, grouped by what they compute: attention/ (paged and MLA decode, ragged prefill: Triton, Mosaic
 GPU), dense/ (fused SwiGLU MLP, norm + q|k|v + RoPE, skinny GEMM), moe/ (routing, grouped GEMMs: Triton and Mosaic
 GPU), linear_attention/ (Gated DeltaNet: delta rule, conv, gated norm); common.py and split_k.py hold what several
-share. Nothing here imports jinfer; `jinfer.ops` picks the kernel per step, benchmarks/kernels/ times them.
+share, kv_fp8.py the FP8 KV cache's format (plain jnp: the engine uses it too). Nothing here imports jinfer;
+`jinfer.ops` picks the kernel per step, benchmarks/kernels/ times them.
 
 Import from the modules (`pallas_kernels.attention.paged_attention`, ...); nothing is imported here.
 Each module: kernel body -> wrapper (grid, block specs) -> public jitted function -> jnp reference.

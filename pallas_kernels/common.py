@@ -1,5 +1,5 @@
 """Constants and helpers the kernel modules share: power-of-two arithmetic, the base-2 softmax's constants, and
-the RMSNorm prologue of a decode-sized token tile (Triton lowering)."""
+the RMSNorm prologue of a decode-sized token tile (Triton lowering). (The FP8 KV cache's quantization: kv_fp8.py.)"""
 
 from __future__ import annotations
 

@@ -4,13 +4,16 @@ A model family states one `LayerCacheSpec` per layer; the cache's bytes, its dev
 (pages or state slots) a layer's entries live in all follow from these descriptions (`jinfer/cache/layout.py`),
 so the engine never asks which family it runs. Three kinds today:
 - `AttentionKV`: K and V pages, `[num_pages, page_size, kv_heads, head_dim]` each, indexed by the paged
-  allocator (`manager.py`); the kv heads are split over the tensor-parallel devices;
+  allocator (`manager.py`); the kv heads are split over the tensor-parallel devices. In float8_e4m3fn
+  (`kv_cache_dtype="fp8"`) the layer also holds k_scale and v_scale, float32 `[kv_heads]`, split like the heads
+  (see `AttentionKV`);
 - `LatentKV`: one paged row per token, `[num_pages, page_size, dim]` (multi-head latent attention: the K/V latent
   and the shared RoPE key, 576 values for DeepSeek-V2/V3), shared by every head, so replicated over the devices;
 - `StateSlots`: fixed-size per-sequence state arrays (linear-attention layers), one pool `[num_slots, *shape]`
   per array, indexed by a sequence's state slot, replicated over the devices.
-Another cache (FP8 KV with per-page scales) is a new subclass: its arrays per layer (`arrays`), its
-bytes per page and per slot, and `paged` (which pool indexes it).
+Another cache is a new subclass: its arrays per layer (`arrays`), its bytes per page and per slot, and `paged`
+(which pool indexes it). A layer's arrays are indexed by page or slot on their leading axis, but for trailing 1-D
+ones (FP8 scales), which are the layer's constants (`indexed_arrays`).
 """
 
 from __future__ import annotations
@@ -21,7 +24,13 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from jinfer.models.fp8 import FP8
 from jinfer.parallel.mesh import KV_AXES, kv_heads_total, logical_sharding
+
+
+def indexed_arrays(layer: tuple[jax.Array, ...]) -> int:
+    """How many of a layer's arrays are indexed by page or slot (the rest, 1-D, are FP8 scales)."""
+    return sum(a.ndim > 1 for a in layer)
 
 
 @dataclass(frozen=True)
@@ -58,7 +67,15 @@ class LayerCacheSpec:
 
 @dataclass(frozen=True)
 class AttentionKV(LayerCacheSpec):
-    """Paged K and V of an attention layer."""
+    """Paged K and V of an attention layer: (k, v), or in FP8 (k, v, k_scale, v_scale).
+
+    FP8 (float8_e4m3fn, vLLM's `kv_cache_dtype="fp8"`): a value is stored as clip(x / scale, +-448) and read as its
+    e4m3 value times the scale, one float32 scale per layer and kv head for K and one for V. Static scales (1.0, vLLM's
+    default, or the checkpoint's `k_scale` / `v_scale`) keep the write a divide and the read free: a kernel program
+    owns one kv head, so K's scale folds into the softmax's and V's multiplies the accumulator once; per-page or
+    per-token scales would put a load and a multiply per element in the decode loop, and their bytes beside every page.
+    Per head rather than vLLM's per tensor: a checkpoint's per-head scales are kept, a per-tensor one broadcast.
+    """
 
     num_kv_heads: int
     head_dim: int
@@ -73,9 +90,14 @@ class AttentionKV(LayerCacheSpec):
         return 2 * page_size * (kv_heads_total(self, tp) // tp) * self.head_dim * jnp.dtype(dtype).itemsize
 
     def arrays(self, num_pages, page_size, num_slots, dtype, mesh):
-        shape = (num_pages, page_size, kv_heads_total(self, mesh.size), self.head_dim)
+        heads = kv_heads_total(self, mesh.size)
+        shape = (num_pages, page_size, heads, self.head_dim)
         zeros = jax.jit(lambda: jnp.zeros(shape, dtype), out_shardings=logical_sharding(mesh, KV_AXES, shape))
-        return zeros(), zeros()
+        if jnp.dtype(dtype) != FP8:
+            return zeros(), zeros()
+        ones = jax.jit(lambda: jnp.ones((heads,), jnp.float32),
+                       out_shardings=logical_sharding(mesh, KV_AXES[2:3], (heads,)))
+        return zeros(), zeros(), ones(), ones()
 
 
 @dataclass(frozen=True)
@@ -93,6 +115,8 @@ class LatentKV(LayerCacheSpec):
         return page_size * self.dim * jnp.dtype(dtype).itemsize
 
     def arrays(self, num_pages, page_size, num_slots, dtype, mesh):
+        if jnp.dtype(dtype) == FP8:
+            raise ValueError("kv_cache_dtype='fp8' is not supported for a latent (MLA) cache")
         shape = (num_pages, page_size, self.dim)
         return (jax.jit(lambda: jnp.zeros(shape, dtype), out_shardings=NamedSharding(mesh, PartitionSpec()))(),)
 

@@ -3,7 +3,8 @@
 `HostKVPool.apply(kv_cache, transfers)` replays one schedule's `KVTransfers` (kv_host_tier.py) on the
 device, before the step's forward is launched:
 - offloads: per block of at most `BLOCK_PAGES` evicted pages, one jitted gather (each page's K and V, or its
-  latent rows, over all layers, `[n, L, A, ps, ...]`), queued ahead of the forward that overwrites the pages, so
+  latent rows, over all layers, `[n, L, A, ps, ...]`, in the cache's dtype: FP8 pages stay FP8, their scales are the
+  layers' constants and stay in HBM), queued ahead of the forward that overwrites the pages, so
   (the device runs in order) it reads their old contents. A host slot is then (block, row). The block's copy into host
   memory (JAX's `pinned_host` memory kind where the backend has it) is issued by the `kv-offload` thread,
   one block at a time, each once the one before has landed: device -> host copies share one stream with
@@ -49,6 +50,7 @@ import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
 from jinfer.cache.host_tier import KVTransfers
+from jinfer.cache.spec import indexed_arrays
 
 log = logging.getLogger(__name__)
 
@@ -72,8 +74,9 @@ def host_memory_kind(device) -> str | None:
 
 def _gather_block(kv_cache, ids):
     """ids i32[n] -> [n, L, A, ps, ...]: each page's arrays over all layers (A = 2: K and V [ps, h, d]; A = 1: a
-    latent row [ps, dim])."""
-    return jnp.stack([jnp.stack([a[ids] for a in layer], axis=1) for layer in kv_cache], axis=1)
+    latent row [ps, dim]; an FP8 layer's scales are no page's)."""
+    return jnp.stack([jnp.stack([a[ids] for a in layer[:indexed_arrays(layer)]], axis=1) for layer in kv_cache],
+                     axis=1)
 
 
 def _scatter_rows(kv_cache, ids, block, rows):
@@ -82,8 +85,8 @@ def _scatter_rows(kv_cache, ids, block, rows):
     The ids are distinct but for the padding's null page, which nobody reads: declared unique, so XLA stores
     the pages instead of running an atomic compare-and-swap loop per bf16 element (docs/ARCHITECTURE.md)."""
     x = block[rows]  # [n, L, A, ps, ...]
-    return tuple(tuple(a.at[ids].set(x[:, i, j], unique_indices=True) for j, a in enumerate(layer))
-                 for i, layer in enumerate(kv_cache))
+    return tuple(tuple(a.at[ids].set(x[:, i, j], unique_indices=True) if a.ndim > 1 else a
+                       for j, a in enumerate(layer)) for i, layer in enumerate(kv_cache))
 
 
 @dataclass(eq=False)
@@ -95,8 +98,9 @@ class _Block:
 class HostKVPool:
     def __init__(self, kv_cache, num_slots: int):
         k0 = kv_cache[0][0]  # [num_pages, ps, h, d] (or a latent [num_pages, ps, dim]): every layer alike
-        arrays = len(kv_cache[0])  # (k, v) or (latent,)
-        if any(len(layer) != arrays or any(a.shape != k0.shape for a in layer) for layer in kv_cache):
+        arrays = indexed_arrays(kv_cache[0])  # (k, v) or (latent,), then FP8's scales
+        if any(len(layer) != len(kv_cache[0]) or any(a.shape != k0.shape for a in layer[:arrays])
+               for layer in kv_cache):
             raise ValueError("the host tier needs the same paged arrays in every layer")
         self.num_slots = num_slots
         self.page_shape = (len(kv_cache), arrays, *k0.shape[1:])  # [L, A, ps, ...]

@@ -20,8 +20,10 @@ from jinfer.sampling_params import MAX_LOGPROBS
 
 DTYPE_NAMES = ("float32", "bfloat16", "float16")
 DTYPE_ALIASES = {"half": "float16", "float": "float32"}  # vLLM's (and PyTorch's) other names
-# KV pages are stored in the model's dtype: "auto" or that dtype by name. FP8 KV (with scales) is not built.
-KV_CACHE_DTYPES = ("auto", *DTYPE_NAMES)
+# KV pages' dtype: "auto" or the model's dtype by name, or "fp8": float8_e4m3fn with a float32 scale per layer and
+# kv head (jinfer/cache/spec.py's AttentionKV), twice the pages in the same memory. vLLM's "fp8_e4m3" names it too.
+KV_CACHE_DTYPES = ("auto", *DTYPE_NAMES, "fp8")
+KV_CACHE_DTYPE_ALIASES = {"fp8_e4m3": "fp8"}
 # None: the checkpoint's own format (unquantized, block FP8, or a GGUF's blocks dequantized at load); "gguf" names the
 # last; "fp8" quantizes a float checkpoint's linear weights at load to block FP8 (jinfer/config/quantization.py).
 QUANTIZATIONS = ("gguf", "fp8")
@@ -67,7 +69,7 @@ class EngineConfig:
     tokenizer: str | None = None  # a directory, .gguf file or Hub ID (default: the model's)
     chat_template: str | None = None  # a Jinja chat template (its text) replacing the tokenizer's
     dtype: str = "auto"  # "auto": bfloat16 on accelerators, float32 on CPU (faster there); "half" = float16
-    kv_cache_dtype: str = "auto"  # "auto": the model's dtype (the only one built)
+    kv_cache_dtype: str = "auto"  # "auto": the model's dtype; "fp8" (= "fp8_e4m3"): e4m3 pages with scales
     quantization: str | None = None  # None: the checkpoint's own format
     load_format: str = "auto"  # "dummy": random weights at the model's config
     max_model_len: int | None = None  # default: the model's context, capped by the KV pool
@@ -177,16 +179,14 @@ class EngineConfig:
 
     def _check_formats(self) -> None:
         """kv_cache_dtype, quantization, max_logprobs and the strings naming where the model comes from."""
-        kv = DTYPE_ALIASES.get(self.kv_cache_dtype, self.kv_cache_dtype)
+        kv = self.kv_cache_dtype
+        kv = KV_CACHE_DTYPE_ALIASES.get(kv, DTYPE_ALIASES.get(kv, kv)) if isinstance(kv, str) else kv
         object.__setattr__(self, "kv_cache_dtype", kv)
-        if isinstance(kv, str) and kv.startswith("fp8"):
-            raise ValueError(f"kv_cache_dtype={kv!r} is not supported yet: KV pages are stored in the model's dtype "
-                             "(use 'auto')")
         if kv not in KV_CACHE_DTYPES:
-            raise ValueError(f"kv_cache_dtype={kv!r} must be one of {KV_CACHE_DTYPES}")
-        if kv != "auto" and self.dtype != "auto" and kv != self.dtype:
-            raise ValueError(f"kv_cache_dtype={kv!r} must be 'auto' or the model's dtype={self.dtype!r}: KV pages "
-                             "are stored in the model's dtype")
+            raise ValueError(f"kv_cache_dtype={kv!r} must be one of {[*KV_CACHE_DTYPES, *KV_CACHE_DTYPE_ALIASES]} "
+                             "(FP8 is e4m3 only)")
+        if kv not in ("auto", "fp8") and self.dtype != "auto" and kv != self.dtype:
+            raise ValueError(f"kv_cache_dtype={kv!r} must be 'auto', 'fp8' or the model's dtype={self.dtype!r}")
         if self.quantization is not None and self.quantization not in QUANTIZATIONS:
             raise ValueError(f"quantization={self.quantization!r} is not supported: jinfer loads unquantized and "
                              f"block-FP8 safetensors checkpoints and GGUF files (dequantized at load); "

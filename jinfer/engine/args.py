@@ -95,7 +95,9 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
                         "checkpoint is read as it is); gguf: a GGUF file, dequantized at load (default: the "
                         "checkpoint's format)")
     e.add_argument("--kv-cache-dtype", default=None, metavar="|".join(KV_CACHE_DTYPES),
-                   help="KV pages' dtype: the model's (FP8 KV is not built)" + _default("kv_cache_dtype"))
+                   help="KV pages' dtype: auto (the model's), or fp8 (= fp8_e4m3: e4m3 with a scale per layer and kv "
+                        "head, 1.0 or the checkpoint's k_scale / v_scale; twice the pages)"
+                        + _default("kv_cache_dtype"))
     e.add_argument("--max-model-len", type=int, default=None,
                    help="tokens per sequence, prompt and output; above the model's limit or the KV cache's "
                         "capacity is an error (default: the model's max_position_embeddings, capped by the KV cache)")

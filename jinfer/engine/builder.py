@@ -20,7 +20,7 @@ from typing import Any
 
 import jax
 
-from jinfer.cache.layout import kv_cache_bytes_per_page, state_bytes_per_slot
+from jinfer.cache.layout import check_kv_dtype, kv_cache_bytes_per_page, state_bytes_per_slot
 from jinfer.cache.manager import KVCacheManager, cdiv
 from jinfer.config.engine import EngineConfig
 from jinfer.config.model import ModelConfig
@@ -29,6 +29,7 @@ from jinfer.engine.runner import ModelRunner
 from jinfer.engine.scheduler import Scheduler
 from jinfer.engine.spawn import MEM_FRACTION
 from jinfer.generation_config import load_generation_defaults
+from jinfer.models.fp8 import FP8
 from jinfer.models.registry import shard_weights, state_specs
 from jinfer.ops import select_ops
 from jinfer.parallel.mesh import check_parallel, make_mesh
@@ -37,7 +38,7 @@ from jinfer.spec import eagle, mtp
 from jinfer.spec.proposer import Proposer, build_proposer, check_proposer
 from jinfer.tokenizer import Tokenizer
 from jinfer.weights.hub import resolve_path
-from jinfer.weights.loader import DTYPES, load_weights, resolve_model, with_online_fp8
+from jinfer.weights.loader import DTYPES, load_kv_scales, load_weights, resolve_model, with_online_fp8
 
 log = logging.getLogger("jinfer.engine.core")
 
@@ -178,6 +179,11 @@ def check_max_model_len(requested: int | None, max_positions: int, kv_capacity: 
     return kv_capacity
 
 
+def kv_dtype(config: EngineConfig, dtype: str):
+    """The KV pages' dtype: float8_e4m3fn for kv_cache_dtype="fp8", else the model's `dtype`."""
+    return FP8 if config.kv_cache_dtype == "fp8" else DTYPES[dtype]
+
+
 def _num_host_pages(config: EngineConfig, model_config: ModelConfig, dtype: str, prefix_caching: bool) -> int:
     """Pages the host tier holds: kv_offload_gb GiB at one page's KV over all layers and devices."""
     if not config.kv_offload_gb:
@@ -186,7 +192,7 @@ def _num_host_pages(config: EngineConfig, model_config: ModelConfig, dtype: str,
         log.info("no KV host tier: prefix caching is off for %s", model_config.architecture)
         return 0
     tp = config.tensor_parallel_size
-    per_page = tp * kv_cache_bytes_per_page(model_config, config.page_size, DTYPES[dtype], tp)
+    per_page = tp * kv_cache_bytes_per_page(model_config, config.page_size, kv_dtype(config, dtype), tp)
     num = int(config.kv_offload_gb * 2**30 // per_page)
     if num < 1:
         raise ValueError(f"kv_offload_gb={config.kv_offload_gb} holds no page ({per_page} bytes each)")
@@ -198,7 +204,7 @@ def _auto_num_pages(config: EngineConfig, model_config: ModelConfig, dtype: str,
                     device, extra_page_bytes: int = 0) -> int:
     """KV pages that fit gpu_memory_utilization of the device's free memory (1 GiB on CPU). `extra_page_bytes`: what
     a draft head's layer adds to each page."""
-    per_page = extra_page_bytes + kv_cache_bytes_per_page(model_config, config.page_size, DTYPES[dtype],
+    per_page = extra_page_bytes + kv_cache_bytes_per_page(model_config, config.page_size, kv_dtype(config, dtype),
                                                           config.tensor_parallel_size)  # on each device
     stats = device.memory_stats() or {}
     if "bytes_limit" in stats:
@@ -268,9 +274,10 @@ def build_engine(config: EngineConfig, tokenizer: Tokenizer | None = None, specu
     tokenizer, tokenizer_path = _load_tokenizer(config, source.path, tokenizer)
     phases("tokenizer")
     dtype = config.dtype if config.dtype != "auto" else ("float32" if jax.default_backend() == "cpu" else "bfloat16")
-    if config.kv_cache_dtype not in ("auto", dtype):
-        raise ValueError(f"kv_cache_dtype={config.kv_cache_dtype!r} must be 'auto' or the model's dtype ({dtype!r} "
-                         "here): KV pages are stored in the model's dtype")
+    if config.kv_cache_dtype not in ("auto", "fp8", dtype):
+        raise ValueError(f"kv_cache_dtype={config.kv_cache_dtype!r} must be 'auto', 'fp8' or the model's dtype "
+                         f"({dtype!r} here)")
+    check_kv_dtype(model_config, kv_dtype(config, dtype))
     jax.devices()  # (the backend starts here when dtype was given, else above)
     phases("backend")
     mesh = _mesh(config, model_config, group)
@@ -307,7 +314,9 @@ def build_engine(config: EngineConfig, tokenizer: Tokenizer | None = None, specu
                         hit_drop_last_page=head is not None, state_backups=state_backups)
     scheduler = Scheduler(config.scheduler_config(max_len), kv)
     runner = ModelRunner(model_config, weights, mesh, num_pages=num_pages, page_size=config.page_size,
-                         kv_dtype=DTYPES[dtype], max_num_batched_tokens=config.max_num_batched_tokens,
+                         kv_dtype=kv_dtype(config, dtype), dtype=DTYPES[dtype],
+                         kv_scales=load_kv_scales(source) if config.kv_cache_dtype == "fp8" else None,
+                         max_num_batched_tokens=config.max_num_batched_tokens,
                          max_num_seqs=config.max_num_seqs, max_model_len=max_len,
                          ops=select_ops(config.attention_backend, policy=config.kernel_policy),
                          num_state_slots=kv.num_device_state_slots,

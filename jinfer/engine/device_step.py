@@ -34,11 +34,12 @@ def forward_step(weights, buf, kv_cache, prev_tokens, *table, dims, cfg, ops, me
 
 def fork_step(kv_cache, pairs, *, slot_layers: frozenset[int]):
     """pairs i32[4, N]: (source, destination) pages, then (source, destination) state slots. Each paged layer's
-    destination pages get the source pages' entries, each slot layer's destination slots the source slots'."""
+    destination pages get the source pages' entries, each slot layer's destination slots the source slots' (an FP8
+    layer's scales, 1-D, are the layer's and stay)."""
     out = []
     for i, layer in enumerate(kv_cache):
         src, dst = (pairs[2], pairs[3]) if i in slot_layers else (pairs[0], pairs[1])
-        out.append(tuple(a.at[dst].set(a[src]) for a in layer))
+        out.append(tuple(a.at[dst].set(a[src]) if a.ndim > 1 else a for a in layer))
     return tuple(out)
 
 

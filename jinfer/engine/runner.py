@@ -91,13 +91,18 @@ class ModelRunner(StepExecutables):
     def __init__(self, cfg: ModelConfig, weights: Weights, mesh: Mesh, *, num_pages: int, page_size: int,
                  kv_dtype, max_num_batched_tokens: int, max_num_seqs: int, max_model_len: int,
                  ops: ModelOps = REFERENCE_OPS, executable_dir: str | None = None, num_state_slots: int = 0,
-                 num_host_pages: int = 0, keep_alive: float = 0.0, aux_layers: tuple[int, ...] = ()):
-        """`aux_layers`: the forward also returns the hidden states at these layer boundaries (an EAGLE-3 head's:
-        `Launched.aux`); part of the executables' key."""
+                 num_host_pages: int = 0, keep_alive: float = 0.0, aux_layers: tuple[int, ...] = (), dtype=None,
+                 kv_scales: dict | None = None):
+        """`kv_dtype`: the KV pages'; `dtype` (default kv_dtype): the model's (state pools, a draft head's KV);
+        `kv_scales`: an FP8 cache's checkpoint scales (`layout.init_kv_cache`). `aux_layers`: the forward also
+        returns the hidden states at these layer boundaries (an EAGLE-3 head's: `Launched.aux`); part of the
+        executables' key."""
         self.cfg, self.weights, self.mesh, self.ops = cfg, weights, mesh, ops
         self.aux_layers, self._aux = tuple(aux_layers), None
         self.page_size = page_size
-        self.kv_cache = init_kv_cache(cfg, num_pages, page_size, kv_dtype, mesh, num_state_slots)
+        self.dtype = kv_dtype if dtype is None else dtype
+        self.kv_cache = init_kv_cache(cfg, num_pages, page_size, self.dtype, mesh, num_state_slots, kv_dtype,
+                                      kv_scales)
         # The host tier's pages (cache/transfer.py): `transfer` launches a schedule's copies before its step.
         self.host_pool = HostKVPool(self.kv_cache, num_host_pages) if num_host_pages else None
         self._init_registry(max_num_batched_tokens, max_num_seqs, cdiv(max_model_len, page_size),

@@ -152,8 +152,9 @@ def fuse_qkv(weights: Weights) -> Weights:
 
 def _attention(layer: LayerWeights, x: jax.Array, cos, sin, kv, batch: Batch, cfg: ModelConfig, ops: ModelOps,
                counters: jax.Array | None = None):
-    """x + attention(rms_norm(x)); also returns the layer's updated (k, v) cache and `counters` (the step's
-    zeroed kernel counters, `ModelOps.step_counters`, passed from kernel to kernel)."""
+    """x + attention(rms_norm(x)); also returns the layer's updated (k, v) cache (an FP8 cache: (k, v, k_scale,
+    v_scale), the scales passed through) and `counters` (the step's zeroed kernel counters, `ModelOps.step_counters`,
+    passed from kernel to kernel)."""
     T = x.shape[0]
     H, KVH, D = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
 
@@ -170,8 +171,8 @@ def _attention(layer: LayerWeights, x: jax.Array, cos, sin, kv, batch: Batch, cf
                 qkv, q_norm, k_norm, cos, sin, kv, batch.slot_mapping, H, KVH, cfg.rms_norm_eps)
         if fused is not None:
             q, k_cache, v_cache = fused
-            out = ops.attention(q, k_cache, v_cache, batch, D**-0.5)  # [T, H, D]
-            return ops.out_proj(out.reshape(T, H * D), layer.wo, x), (k_cache, v_cache), counters
+            out = ops.attention(q, k_cache, v_cache, batch, D**-0.5, *kv[2:])  # [T, H, D]
+            return ops.out_proj(out.reshape(T, H * D), layer.wo, x), (k_cache, v_cache, *kv[2:]), counters
         q, k, v = jnp.split(qkv, [H * D, (H + KVH) * D], axis=-1)
     else:
         q, k, v = ops.norm_projections(x, layer.attn_norm, (layer.wq, layer.wk, layer.wv), cfg.rms_norm_eps)
@@ -181,9 +182,9 @@ def _attention(layer: LayerWeights, x: jax.Array, cos, sin, kv, batch: Batch, cf
     if cfg.qk_norm:
         q, k = rms_norm(q, layer.q_norm, cfg.rms_norm_eps), rms_norm(k, layer.k_norm, cfg.rms_norm_eps)
     q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-    k_cache, v_cache = write_kv(kv[0], kv[1], k, v, batch.slot_mapping)
-    out = ops.attention(q, k_cache, v_cache, batch, D**-0.5)  # [T, H, D]
-    return ops.out_proj(out.reshape(T, H * D), layer.wo, x), (k_cache, v_cache), counters
+    k_cache, v_cache = write_kv(kv[0], kv[1], k, v, batch.slot_mapping, *kv[2:])
+    out = ops.attention(q, k_cache, v_cache, batch, D**-0.5, *kv[2:])  # [T, H, D]
+    return ops.out_proj(out.reshape(T, H * D), layer.wo, x), (k_cache, v_cache, *kv[2:]), counters
 
 
 def dense_mlp(layer: LayerWeights, i: int, x: jax.Array, cfg: ModelConfig, ops: ModelOps,

@@ -112,11 +112,13 @@ def grouped_topk_routing(logits: jax.Array, bias: jax.Array | None, *, top_k: in
 
 
 def write_kv(
-    k_cache: jax.Array, v_cache: jax.Array, k: jax.Array, v: jax.Array, slot_mapping: jax.Array
+    k_cache: jax.Array, v_cache: jax.Array, k: jax.Array, v: jax.Array, slot_mapping: jax.Array,
+    k_scale: jax.Array | None = None, v_scale: jax.Array | None = None,
 ) -> tuple[jax.Array, jax.Array]:
     """Scatter the new tokens' K/V into their flat slots; padding tokens (slot < 0) go to page 0.
 
-    k_cache/v_cache: [num_pages, page_size, KVH, D]; k/v: [T, KVH, D]; slot_mapping: [T].
+    k_cache/v_cache: [num_pages, page_size, KVH, D]; k/v: [T, KVH, D]; slot_mapping: [T]. An FP8 cache's rows are
+    quantized with its scales k_scale / v_scale [KVH] (`pallas_kernels.kv_fp8.quantize_kv`).
     Page 0 is reserved (never holds a sequence's tokens), so padding writes land there instead of
     being dropped: every index is in bounds and the scatter needs no bounds handling. The other slots are
     unique (each token its own), and what page 0 holds is never read, so the scatter is declared with unique
@@ -125,7 +127,10 @@ def write_kv(
     num_pages, page_size, kvh, d = k_cache.shape
     num_slots = num_pages * page_size
     slots = jnp.where(slot_mapping < 0, 0, slot_mapping)
-    k, v = k.astype(k_cache.dtype), v.astype(v_cache.dtype)
+    from pallas_kernels.kv_fp8 import quantize_kv  # (plain jnp; traced, never imported by a warm start)
+
+    k = quantize_kv(k, None if k_scale is None else k_scale[:, None], k_cache.dtype)
+    v = quantize_kv(v, None if v_scale is None else v_scale[:, None], v_cache.dtype)
     k_flat, v_flat = k_cache.reshape(num_slots, kvh, d), v_cache.reshape(num_slots, kvh, d)
     k_flat = k_flat.at[slots].set(k, mode="promise_in_bounds", unique_indices=True)
     v_flat = v_flat.at[slots].set(v, mode="promise_in_bounds", unique_indices=True)

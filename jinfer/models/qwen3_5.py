@@ -205,9 +205,9 @@ def gated_attention(layer: HybridLayer, x, cos, sin, kv, batch: Batch, cfg: Mode
         k, v = k.reshape(T, KVH, D), v.reshape(T, KVH, D)
         q, k = rms_norm(q, layer.q_norm, cfg.rms_norm_eps), rms_norm(k, layer.k_norm, cfg.rms_norm_eps)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        k_cache, v_cache = write_kv(kv[0], kv[1], k, v, batch.slot_mapping)
-    out = ops.attention(q, k_cache, v_cache, batch, D**-0.5).reshape(T, H * D)
-    return ops.out_proj(out * jax.nn.sigmoid(gate), layer.wo, x), (k_cache, v_cache)
+        k_cache, v_cache = write_kv(kv[0], kv[1], k, v, batch.slot_mapping, *kv[2:])
+    out = ops.attention(q, k_cache, v_cache, batch, D**-0.5, *kv[2:]).reshape(T, H * D)
+    return ops.out_proj(out * jax.nn.sigmoid(gate), layer.wo, x), (k_cache, v_cache, *kv[2:])
 
 
 def _gated_delta_net(layer: HybridLayer, x, state, batch: Batch, info, cfg: ModelConfig, ops: ModelOps):

@@ -10,6 +10,10 @@ The ragged kernel reads decode batches at 2.17 TB/s where the decode kernel reac
 never launches the Mosaic kernel. The reference is the kernel module's own jnp reference, which gathers every page
 of each token's sequence.
 
+An FP8 cache (float8_e4m3fn pages with k_scale / v_scale per kv head, `--kv-cache-dtype fp8`) takes the same kernels,
+which dequantize as they load, but for the Mosaic GPU kernel (its TMA ring feeds the wgmmas straight from SMEM, with no
+room for a conversion): its sequences go to the Triton prefill kernel.
+
 MLA (DeepSeek's latent cache): decode steps take the MLA decode kernel (pallas_kernels/attention/mla_decode.py);
 prefill chunks and mixed steps the jnp reference for now (no MLA prefill kernel yet).
 """
@@ -24,9 +28,10 @@ from jinfer.models.batch import Batch
 class AttentionOps:
     """ModelOps' attention (mixed into `jinfer.ops.ModelOps`, whose fields it reads)."""
 
-    def attention(self, q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, batch: Batch,
-                  scale: float) -> jax.Array:
-        """q: [T, H, D] -> [T, H, D], each token over its sequence's pages (K/V already written)."""
+    def attention(self, q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, batch: Batch, scale: float,
+                  k_scale: jax.Array | None = None, v_scale: jax.Array | None = None) -> jax.Array:
+        """q: [T, H, D] -> [T, H, D], each token over its sequence's pages (K/V already written). k_scale, v_scale:
+        an FP8 cache's float32 scales [KVH]."""
         from pallas_kernels.attention.prefill_attention import (
             ragged_prefill_attention,
             ragged_prefill_attention_reference,
@@ -34,20 +39,21 @@ class AttentionOps:
 
         if self.backend == "reference":
             return ragged_prefill_attention_reference(q, k_cache, v_cache, batch.query_start, batch.seq_lens,
-                                                      batch.page_table, scale=scale)
+                                                      batch.page_table, k_scale, v_scale, scale=scale)
         from pallas_kernels.attention.paged_attention import paged_decode_attention
 
         if self.decode_step and q.shape[0] != batch.num_seqs:
             raise ValueError(f"a decode step needs one token per sequence: {q.shape[0]} tokens, "
                              f"{batch.num_seqs} sequences")
         if self.decode_step or (q.shape[0] == 1 and batch.num_seqs == 1):
-            return paged_decode_attention(q, k_cache, v_cache, batch.page_table, batch.seq_lens, scale=scale,
-                                          interpret=self.interpret,
+            return paged_decode_attention(q, k_cache, v_cache, batch.page_table, batch.seq_lens, k_scale, v_scale,
+                                          scale=scale, interpret=self.interpret,
                                           **self.policy.launch_args("paged_decode_attention"))
         args = (q, k_cache, v_cache, batch.query_start, batch.seq_lens, batch.page_table)
+        scales = dict(k_scale=k_scale, v_scale=v_scale)
         policy = self.policy
         if not self.mosaic_prefill or q.shape[0] < policy.mosaic_min_step_tokens:
-            return ragged_prefill_attention(*args, scale=scale, interpret=self.interpret)
+            return ragged_prefill_attention(*args, **scales, scale=scale, interpret=self.interpret)
         from pallas_kernels.attention.prefill_attention_mgpu import (
             check_supported,
             long_sequences,
@@ -55,7 +61,7 @@ class AttentionOps:
         )
 
         if check_supported(q, k_cache) is not None:
-            return ragged_prefill_attention(*args, scale=scale, interpret=self.interpret)
+            return ragged_prefill_attention(*args, **scales, scale=scale, interpret=self.interpret)
         # The Mosaic kernel writes the long sequences' rows; the Triton kernel then fills in the rest
         # of the same buffer (in place).
         out = ragged_prefill_attention_mgpu(*args, scale=scale, min_query_len=policy.mosaic_min_query_len,

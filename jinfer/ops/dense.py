@@ -68,12 +68,13 @@ class DenseOps:
         return jnp.zeros((STEP_COUNTERS,), jnp.int32)
 
     def qkv_rope_write(self, qkv: jax.Array, q_norm: jax.Array | None, k_norm: jax.Array | None, cos: jax.Array,
-                       sin: jax.Array, kv: tuple[jax.Array, jax.Array], slot_mapping: jax.Array, num_heads: int,
+                       sin: jax.Array, kv: tuple[jax.Array, ...], slot_mapping: jax.Array, num_heads: int,
                        num_kv_heads: int, eps: float, gated_q: bool = False
                        ) -> tuple[jax.Array, jax.Array, jax.Array] | None:
         """The fused q|k|v -> (q, k_cache, v_cache) kernel (q/k norm, RoPE or partial RoPE, K/V write;
         `gated_q`: each head's query is followed by its output gate in qkv), or None where the XLA ops are
-        used: the reference backend, steps over qkv_rope_max_tokens tokens, other shapes."""
+        used: the reference backend, steps over qkv_rope_max_tokens tokens, other shapes. `kv`: the layer's cache,
+        (k, v) or FP8's (k, v, k_scale, v_scale) (the rows quantized as they are written)."""
         if self.backend != "pallas" or qkv.shape[0] > self.policy.qkv_rope_max_tokens:
             return None
         from pallas_kernels.dense.qkv_rope import check_supported, qkv_rope_write
@@ -81,11 +82,11 @@ class DenseOps:
         if check_supported(qkv.shape[1], num_heads, num_kv_heads, kv[0].shape[-1], gated_q=gated_q,
                            rotary_dim=cos.shape[-1]) is not None:
             return None
-        return qkv_rope_write(qkv, cos, sin, slot_mapping, q_norm, k_norm, kv[0], kv[1], num_heads=num_heads,
+        return qkv_rope_write(qkv, cos, sin, slot_mapping, q_norm, k_norm, *kv, num_heads=num_heads,
                               num_kv_heads=num_kv_heads, eps=eps, gated_q=gated_q, interpret=self.interpret)
 
     def norm_qkv_rope_write(self, x: jax.Array, norm: jax.Array, wqkv: jax.Array, q_norm: jax.Array | None,
-                            k_norm: jax.Array | None, cos: jax.Array, sin: jax.Array, kv: tuple[jax.Array, jax.Array],
+                            k_norm: jax.Array | None, cos: jax.Array, sin: jax.Array, kv: tuple[jax.Array, ...],
                             slot_mapping: jax.Array, num_heads: int, num_kv_heads: int, eps: float,
                             counters: jax.Array | None = None, prefetch: jax.Array | None = None
                             ) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array | None] | None:
@@ -117,6 +118,7 @@ class DenseOps:
                                    prefetch_eviction=policy.prefetch_eviction,
                                    wqkv_scale=None if scales is None else scales[0], scale_block=block,
                                    **({} if scales is None else {"fp8_mode": policy.fp8_mode}),
+                                   **dict(zip(("k_scale", "v_scale"), kv[2:])),
                                    interpret=self.interpret, **policy.launch_args("norm_qkv_rope"))
 
     def norm_projections(self, x: jax.Array, norm: jax.Array, weights: tuple[jax.Array, ...],

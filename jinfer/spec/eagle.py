@@ -80,7 +80,7 @@ def _chain(weights, kv, batch, aux, live, *, cfg, num_steps, ops):
 
 class Eagle3Proposer:
     """The engine's `Proposer` for an EAGLE-3 head (module doc). `runner`: the model runner (its page size, page
-    buckets, mesh, ops, KV dtype); `kv_manager`: the page allocator (lookahead pages)."""
+    buckets, mesh, ops, model dtype); `kv_manager`: the page allocator (lookahead pages)."""
 
     def __init__(self, cfg: eagle3.Eagle3Config, weights: eagle3.Eagle3Weights, k: int, *, runner, kv_manager,
                  max_model_len: int):
@@ -90,7 +90,7 @@ class Eagle3Proposer:
         target_kv = next(layer[0] for layer in runner.kv_cache if layer[0].ndim == 4)  # a paged layer's K
         spec = self.cache_spec(cfg)
         shape = (target_kv.shape[0], self.page_size, spec.num_kv_heads, spec.head_dim)
-        zeros = jax.jit(lambda: jnp.zeros(shape, target_kv.dtype),
+        zeros = jax.jit(lambda: jnp.zeros(shape, runner.dtype),  # the model's dtype (the target's KV may be FP8)
                         out_shardings=NamedSharding(runner.mesh, PartitionSpec()))
         self.kv = (zeros(), zeros())
         ops = runner.ops if runner.mesh.size == 1 else REFERENCE_OPS  # (replicated: no sharded kernels)

@@ -150,6 +150,45 @@ def load_weights(source: ModelSource, dtype: str = "bfloat16", mesh: Mesh | None
     return assemble_weights(cfg, arrays)
 
 
+# Where checkpoints keep an FP8 KV cache's scales (vLLM's names; `{kv}`: k or v)
+KV_SCALE_NAMES = ("model.layers.{i}.self_attn.{kv}_scale", "model.layers.{i}.self_attn.attn.{kv}_scale")
+
+
+def load_kv_scales(source: ModelSource) -> dict[int, tuple[np.ndarray, np.ndarray]]:
+    """An FP8 KV cache's scales from a safetensors checkpoint (`KV_SCALE_NAMES`): {layer: (k_scale, v_scale)}, each
+    float32 [num_kv_heads] (a per-tensor scale broadcast; a missing one 1.0), for the layers that have any. {} for
+    other sources (dummy weights, GGUF): every scale is then 1.0."""
+    if source.kind != "hf":
+        return {}
+    from jinfer.weights.safetensors import SafetensorsSource
+
+    cfg = source.config
+    quant = cfg.quantization
+    reader = SafetensorsSource(source.path, quant.block if quant is not None else None)
+    scales = {}
+    for i in range(cfg.num_layers):
+        k, v = (_kv_scale(reader, i, kv, cfg.num_kv_heads) for kv in "kv")
+        if k is not None or v is not None:
+            ones = np.ones((cfg.num_kv_heads,), np.float32)
+            scales[i] = (ones if k is None else k, ones if v is None else v)
+    return scales
+
+
+def _kv_scale(reader, layer: int, kv: str, heads: int) -> np.ndarray | None:
+    """Layer `layer`'s K (kv="k") or V scale as float32 [heads], or None where the checkpoint has none."""
+    for pattern in KV_SCALE_NAMES:
+        name = pattern.format(i=layer, kv=kv)
+        t = reader.optional(name)
+        if t is None:
+            continue
+        t = np.asarray(t, np.float32).reshape(-1)
+        if t.size not in (1, heads) or not np.all(np.isfinite(t) & (t > 0)):
+            raise ValueError(f"kv_cache_dtype='fp8': the checkpoint's {name!r} must be one positive scale or one "
+                             f"per kv head ({heads}), got {t.tolist()}")
+        return np.broadcast_to(t, (heads,)).copy()
+    return None
+
+
 def _load_checkpoint(source: ModelSource, specs: dict[str, ArrayInfo], dtype, mesh: Mesh,
                      progress: bool, expert_parallel: bool = False) -> dict[str, jax.Array]:
     if source.kind == "gguf":

@@ -70,6 +70,10 @@ class SafetensorsSource:
             return _read_fp8(self.directory / self._where[found], found)
         return handle.get_tensor(found)
 
+    def optional(self, name: str) -> np.ndarray | None:
+        """A tensor's float values, or None where the checkpoint has no such tensor."""
+        return self._float(name) if self._has(name) else None
+
     def _has(self, name: str) -> bool:
         bare = name.removeprefix("model.")
         return any(n in self._where for n in (name, "model.language_model." + bare, bare))

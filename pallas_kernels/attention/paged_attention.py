@@ -18,6 +18,10 @@ max / sum and a small merge kernel combines them; this keeps the GPU busy when t
 contexts are long. (Merging in the attention kernel instead, by each (sequence, kv head)'s last split, measured
 slower: local_step_tails_qwen3-4b_h100.json.)
 
+FP8 cache (float8_e4m3fn pages, `k_scale` / `v_scale` float32 per kv head): a program's kv head has one scale each,
+so K is converted to q's dtype in registers as it is loaded (no multiply per element), its scale folded into the
+softmax's scale, and V's applied once to the accumulator. The pages' bytes are what decode streams: half of bf16's.
+
 GPU backend: the Pallas Triton lowering (see `pallas_kernels/__init__.py` for why).
 """
 
@@ -31,6 +35,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from pallas_kernels.common import LOG2E, MASK_VALUE, next_pow2
+from pallas_kernels.kv_fp8 import check_kv_scales, dequantize_kv, is_fp8
 
 MIN_ROWS = 16  # tensor-core dots want M >= 16
 TARGET_PROGRAMS = 264  # ~2 waves of the H100's 132 SMs, used to pick num_splits
@@ -71,8 +76,9 @@ def _decode_kernel(
     v_ref,  # [num_pages * page_size, D]
     pt_ref,  # [Pp]: this sequence's page ids (padded to whole blocks of ppb)
     len_ref,  # [1]: this sequence's context length
-    o_ref,  # one split: [B * H, D] like q_ref. split-K: [Gp, D] unnormalised fp32 partial
-    *ml_refs,  # split-K: m_ref [Gp], l_ref [Gp] fp32 (running max in log2 units, sum)
+    *refs,  # FP8: ks_ref, vs_ref [1] fp32 (this kv head's scales); then o_ref, and split-K's m_ref, l_ref
+    # o_ref: one split: [B * H, D] like q_ref. split-K: [Gp, D] unnormalised fp32 partial
+    # m_ref [Gp], l_ref [Gp] fp32 (running max in log2 units, sum)
     scale: float,
     pages_per_block: int,
     num_heads: int,
@@ -81,7 +87,12 @@ def _decode_kernel(
     kv_heads_fastest: bool,
     page_size: int,
     splits: int,
+    fp8: bool,
 ):
+    if fp8:
+        ks_ref, vs_ref, o_ref, *ml_refs = refs
+    else:
+        o_ref, *ml_refs = refs
     h, b = (pl.program_id(0), pl.program_id(1)) if kv_heads_fastest else (pl.program_id(1), pl.program_id(0))
     split = pl.program_id(2)
     head_dim = q_ref.shape[1]
@@ -102,6 +113,8 @@ def _decode_kernel(
     q_mask = jnp.broadcast_to((row < group)[:, None], (rows, head_dim))
     q = plgpu.load(q_ref.at[q_rows], mask=q_mask, other=0.0)  # [Gp, D]
     qk_scale = scale * LOG2E  # softmax in base 2: exp2 is one instruction
+    if fp8:
+        qk_scale = qk_scale * ks_ref[0]
 
     def body(i, carry):
         acc, m_prev, l_prev = carry  # [Gp, D], [Gp], [Gp] fp32
@@ -109,6 +122,8 @@ def _decode_kernel(
         kv_rows = token_rows(pt_ref, blk * pages_per_block, block_k, page_size)  # [block_k]
         k = k_ref[kv_rows]  # [block_k, D]: one row per token, straight into the dots
         v = v_ref[kv_rows]
+        if fp8:  # e4m3 -> q's dtype is exact; the scales are applied outside the loop
+            k, v = k.astype(q.dtype), v.astype(q.dtype)
         s = plgpu.dot(q, k, trans_b=True) * qk_scale  # [Gp, block_k] fp32
         pos = blk * block_k + jnp.arange(block_k, dtype=jnp.int32)  # [block_k]
         s = jnp.where((pos < seq_len)[None, :], s, MASK_VALUE)
@@ -123,6 +138,8 @@ def _decode_kernel(
     m = jnp.full((rows,), jnp.finfo(jnp.float32).min, jnp.float32)
     l = jnp.zeros((rows,), jnp.float32)
     acc, m, l = jax.lax.fori_loop(0, n_blocks, body, (acc, m, l))
+    if fp8:
+        acc = acc * vs_ref[0]
 
     if ml_refs:
         m_ref, l_ref = ml_refs
@@ -147,7 +164,7 @@ def _plan_splits(batch: int, num_kv_heads: int, num_blocks: int, num_splits: int
     return max(1, min(num_splits, num_blocks))
 
 
-def _decode_call(q, k_cache, v_cache, page_table, seq_lens, *, scale, pages_per_block, num_splits,
+def _decode_call(q, k_cache, v_cache, page_table, seq_lens, k_scale, v_scale, *, scale, pages_per_block, num_splits,
                  num_warps, num_stages, kv_heads_fastest, merge_kernel, target_programs, interpret):
     batch, num_heads, head_dim = q.shape
     page_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
@@ -165,8 +182,10 @@ def _decode_call(q, k_cache, v_cache, page_table, seq_lens, *, scale, pages_per_
     table = jnp.pad(page_table.astype(jnp.int32), ((0, 0), (0, padded_pages - max_pages)))  # [B, Pp]
     lens = seq_lens.astype(jnp.int32).reshape(batch, 1)  # [B, 1]
 
+    fp8 = is_fp8(k_cache.dtype)
     kernel = functools.partial(_decode_kernel, scale=scale, pages_per_block=ppb, num_heads=num_heads, group=group,
-                               rows=rows, kv_heads_fastest=kv_heads_fastest, page_size=page_size, splits=splits)
+                               rows=rows, kv_heads_fastest=kv_heads_fastest, page_size=page_size, splits=splits,
+                               fp8=fp8)
     # Grid dim 0 is the fastest-varying launch index (CUDA x). With kv heads there, the programs
     # running side by side read the same pages (different heads' slices of each row).
     if kv_heads_fastest:
@@ -184,6 +203,10 @@ def _decode_call(q, k_cache, v_cache, page_table, seq_lens, *, scale, pages_per_
         pl.BlockSpec((None, padded_pages), bhs(lambda b, h, s: (b, 0))),
         pl.BlockSpec((None, 1), bhs(lambda b, h, s: (b, 0))),
     ]
+    args = [q2, k_cache, v_cache, table, lens]
+    if fp8:
+        in_specs += [pl.BlockSpec((1,), bhs(lambda b, h, s: (h,)))] * 2
+        args += [k_scale, v_scale]
     if splits == 1:
         out_shape = jax.ShapeDtypeStruct((batch * num_heads, head_dim), q.dtype)
         out_specs = whole
@@ -206,8 +229,8 @@ def _decode_call(q, k_cache, v_cache, page_table, seq_lens, *, scale, pages_per_
         out_shape=out_shape,
         compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),
         interpret=interpret,
-        name=f"paged_decode_attention_ppb{ppb}_s{splits}",
-    )(q2, k_cache, v_cache, table, lens)
+        name=f"paged_decode_attention_ppb{ppb}_s{splits}" + ("_fp8" if fp8 else ""),
+    )(*args)
 
     if splits > 1:  # flash-decoding epilogue: merge the per-split partial softmaxes
         acc, m, l = out  # [S, B, KVH, Gp, D], [S, B, KVH, Gp] x2
@@ -288,12 +311,13 @@ def plan_blocks(programs: int, page_size: int, head_dim: int, itemsize: int,
     return max(1, block_tokens // page_size), num_stages
 
 
-def _check_args(q, k_cache, v_cache, page_table, seq_lens, pages_per_block, num_splits):
+def _check_args(q, k_cache, v_cache, page_table, seq_lens, pages_per_block, num_splits, k_scale, v_scale):
     if q.ndim != 3:
         raise ValueError(f"q must be [batch, num_heads, head_dim], got {q.shape=}")
-    if k_cache.ndim != 4 or k_cache.shape != v_cache.shape:
+    if k_cache.ndim != 4 or k_cache.shape != v_cache.shape or k_cache.dtype != v_cache.dtype:
         raise ValueError(f"k_cache/v_cache must be equal [pages, page_size, kv_heads, head_dim]: "
                          f"{k_cache.shape=} {v_cache.shape=}")
+    check_kv_scales(k_cache, k_scale, v_scale)
     batch, num_heads, head_dim = q.shape
     _, page_size, num_kv_heads, kv_dim = k_cache.shape
     if kv_dim != head_dim:
@@ -322,6 +346,8 @@ def paged_decode_attention(
     v_cache: jax.Array,
     page_table: jax.Array,
     seq_lens: jax.Array,
+    k_scale: jax.Array | None = None,
+    v_scale: jax.Array | None = None,
     *,
     scale: float | None = None,
     pages_per_block: int | None = None,
@@ -343,6 +369,8 @@ def paged_decode_attention(
       page_table: int32 `[batch, pages_per_seq]`; unused entries must be valid page ids (e.g. 0).
       seq_lens: int32 `[batch]`, context length including the new token; 0 marks a padding
         sequence, whose output is zeros.
+      k_scale, v_scale: float32 `[num_kv_heads]` for a float8_e4m3fn cache (a value is its e4m3 value times its
+        kv head's scale); None otherwise.
       scale: softmax scale, default `head_dim ** -0.5`.
       pages_per_block: pages gathered per inner step (power of two); default: 64 tokens' worth (128 for a batch
         of a few sequences), fewer where the stage buffers would not fit SMEM_BUDGET.
@@ -358,14 +386,14 @@ def paged_decode_attention(
     Returns:
       `[batch, num_heads, head_dim]` in q's dtype (softmax and accumulation in fp32).
     """
-    _check_args(q, k_cache, v_cache, page_table, seq_lens, pages_per_block, num_splits)
+    _check_args(q, k_cache, v_cache, page_table, seq_lens, pages_per_block, num_splits, k_scale, v_scale)
     _, page_size, num_kv_heads, head_dim = k_cache.shape
     plan_ppb, plan_stages = plan_blocks(q.shape[0] * num_kv_heads, page_size, head_dim, k_cache.dtype.itemsize,
                                         num_stages)
     num_stages = plan_stages if num_stages is None else num_stages
     pages_per_block = plan_ppb if pages_per_block is None else pages_per_block
     scale = q.shape[-1] ** -0.5 if scale is None else scale
-    return _decode_call(q, k_cache, v_cache, page_table, seq_lens, scale=scale,
+    return _decode_call(q, k_cache, v_cache, page_table, seq_lens, k_scale, v_scale, scale=scale,
                         pages_per_block=pages_per_block, num_splits=num_splits, num_warps=num_warps,
                         num_stages=num_stages, kv_heads_fastest=kv_heads_fastest, merge_kernel=merge_kernel,
                         target_programs=target_programs, interpret=interpret)
@@ -381,10 +409,13 @@ def paged_decode_attention_reference(
     v_cache: jax.Array,
     page_table: jax.Array,
     seq_lens: jax.Array,
+    k_scale: jax.Array | None = None,
+    v_scale: jax.Array | None = None,
     *,
     scale: float | None = None,
 ) -> jax.Array:
-    """Pure-jnp paged decode attention (gathers every page of the table); same contract as the kernel."""
+    """Pure-jnp paged decode attention (gathers every page of the table, FP8 dequantized); same contract as the
+    kernel."""
     batch, num_heads, head_dim = q.shape
     _, page_size, num_kv_heads, _ = k_cache.shape
     group = num_heads // num_kv_heads
@@ -392,6 +423,8 @@ def paged_decode_attention_reference(
     ctx = page_table.shape[1] * page_size
     k = k_cache[page_table].reshape(batch, ctx, num_kv_heads, head_dim)  # [B, S, KVH, D]
     v = v_cache[page_table].reshape(batch, ctx, num_kv_heads, head_dim)
+    if is_fp8(k.dtype):
+        k, v = dequantize_kv(k, k_scale[:, None], q.dtype), dequantize_kv(v, v_scale[:, None], q.dtype)
     qg = q.reshape(batch, num_kv_heads, group, head_dim)
     s = jnp.einsum("bhgd,bshd->bhgs", qg, k, preferred_element_type=jnp.float32) * scale
     valid = jnp.arange(ctx)[None, :] < seq_lens[:, None]  # [B, S]

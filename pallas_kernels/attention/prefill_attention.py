@@ -13,6 +13,9 @@ One program = (tile, kv head): its block_q tokens x G query heads form a `[block
 against the kv head's pages (GQA: each K/V byte read once per tile). Blocks fully below the tile's
 first position run unmasked; only the diagonal blocks apply the causal mask.
 
+FP8 cache (float8_e4m3fn pages with a float32 scale per kv head): as in the decode kernel, K and V are converted to
+q's dtype as they are loaded, K's scale folded into the softmax's and V's applied to the accumulator.
+
 GPU backend: the Pallas Triton lowering (see `pallas_kernels/__init__.py`).
 """
 
@@ -27,6 +30,7 @@ from jax.experimental.pallas import triton as plgpu
 
 from pallas_kernels.attention.paged_attention import row_view, token_rows
 from pallas_kernels.common import LOG2E, MASK_VALUE, next_pow2
+from pallas_kernels.kv_fp8 import check_kv_scales, dequantize_kv, is_fp8
 
 # columns of the per-tile table
 _Q0, _Q1, _WIN, _SHIFT, _SEQ, _CTX = range(6)
@@ -41,12 +45,14 @@ def _prefill_kernel(
     k_ref,  # [num_pages * page_size, D]: this kv head's rows of the K cache (`paged_attention.row_view`)
     v_ref,  # [num_pages * page_size, D]
     pt_ref,  # [(B + 1) * Pp]: page table, flat (last row: the padding pseudo-sequence)
-    *refs,  # [prev_ref [T, Gp, D] (aliased to o_ref: rows this call does not compute keep it),] o_ref [T, Gp, D]
+    *refs,  # [ks_ref, vs_ref [1] fp32: FP8 scales,] [prev_ref [T, Gp, D] (aliased to o_ref: rows this call does not
+    # compute keep it),] o_ref [T, Gp, D]
     scale: float,
     block_q: int,
     pages_per_block: int,
     page_size: int,
     table_width: int,
+    fp8: bool,
 ):
     o_ref = refs[-1]
     _, group, head_dim = q_ref.shape
@@ -66,6 +72,8 @@ def _prefill_kernel(
         n_full = jnp.maximum(first_pos + 1, 0) // block_k  # blocks visible to every valid row
         n_blocks = jnp.maximum(pl.cdiv(last_pos + 1, block_k), 0)
         qk_scale = scale * LOG2E
+        if fp8:
+            qk_scale = qk_scale * refs[0][0]
 
         def make_body(masked: bool):
             def body(j, carry):
@@ -74,6 +82,8 @@ def _prefill_kernel(
                 kv_rows = token_rows(pt_ref, first, block_k, page_size)  # [block_k]
                 k = k_ref[kv_rows]  # [block_k, D]: one row per token, straight into the dots (pipelined)
                 v = v_ref[kv_rows]
+                if fp8:  # e4m3 -> q's dtype is exact; the scales are applied outside the loop
+                    k, v = k.astype(q.dtype), v.astype(q.dtype)
                 s = plgpu.dot(q, k, trans_b=True) * qk_scale  # [rows, block_k] fp32
                 if masked:
                     kv_pos = j * block_k + jnp.arange(block_k, dtype=jnp.int32)  # [block_k]
@@ -92,6 +102,8 @@ def _prefill_kernel(
         l = jnp.zeros((rows,), jnp.float32)
         carry = jax.lax.fori_loop(0, n_full, make_body(False), (acc, m, l))
         acc, m, l = jax.lax.fori_loop(n_full, n_blocks, make_body(True), carry)
+        if fp8:
+            acc = acc * refs[1][0]
         l = jnp.where(l == 0.0, 1.0, l)  # rows without context (padding) -> zeros
         out = (acc / l[:, None]).astype(o_ref.dtype).reshape(block_q, group, head_dim)
         mine = (tok >= q0) & (tok < q1)  # [rows]
@@ -139,8 +151,8 @@ def _tile_table(query_start, seq_lens, num_tokens: int, block_q: int, num_tiles:
     return table[::-1]
 
 
-def _prefill_call(q, k_cache, v_cache, query_start, seq_lens, page_table, seq_mask, out, *, scale, block_q,
-                  pages_per_block, num_warps, num_stages, kv_heads_fastest, interpret):
+def _prefill_call(q, k_cache, v_cache, query_start, seq_lens, page_table, seq_mask, out, k_scale, v_scale, *, scale,
+                  block_q, pages_per_block, num_warps, num_stages, kv_heads_fastest, interpret):
     num_tokens, num_heads, head_dim = q.shape
     _, page_size, num_kv_heads, _ = k_cache.shape
     batch, max_pages = page_table.shape
@@ -161,8 +173,9 @@ def _prefill_call(q, k_cache, v_cache, query_start, seq_lens, page_table, seq_ma
     seg_mask = None if seq_mask is None else jnp.concatenate([seq_mask, jnp.ones((1,), bool)])
     tiles = _tile_table(query_start, seq_lens, padded_tokens, block_q, num_tiles, seg_mask)
 
+    fp8 = is_fp8(k_cache.dtype)
     kernel = functools.partial(_prefill_kernel, scale=scale, block_q=block_q, pages_per_block=ppb,
-                               page_size=page_size, table_width=padded_pages)
+                               page_size=page_size, table_width=padded_pages, fp8=fp8)
     # Grid dim 0 is the fastest-varying launch index (CUDA x): with kv heads there, a tile's heads
     # run side by side on the same pages and the (reversed) tile order is the launch order.
     if kv_heads_fastest:
@@ -182,6 +195,9 @@ def _prefill_call(q, k_cache, v_cache, query_start, seq_lens, page_table, seq_ma
     ]
     args = [tiles, q4, k_rows, v_rows, table.reshape(-1)]  # flat: one array index per token (Triton's lowering
     # takes no second indexer on a row view)
+    if fp8:
+        in_specs += [pl.BlockSpec((1,), th(lambda t, h: (h,)))] * 2
+        args += [k_scale, v_scale]
     # Write into `out` in place when its layout is the kernel's (no head / token padding).
     alias = out is not None and gp == group and padded_tokens == num_tokens
     if alias:
@@ -196,7 +212,7 @@ def _prefill_call(q, k_cache, v_cache, query_start, seq_lens, page_table, seq_ma
         input_output_aliases={len(args) - 1: 0} if alias else {},
         compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),
         interpret=interpret,
-        name=f"ragged_prefill_attention_bq{block_q}_ppb{ppb}",
+        name=f"ragged_prefill_attention_bq{block_q}_ppb{ppb}" + ("_fp8" if fp8 else ""),
     )(*args)
     res = res[:num_tokens, :, :group].reshape(num_tokens, num_heads, head_dim)
     if out is not None and not alias:  # rows of the sequences seq_mask leaves out come from `out`
@@ -210,12 +226,13 @@ def _prefill_call(q, k_cache, v_cache, query_start, seq_lens, page_table, seq_ma
 # ----------------------------------------------------------------------------------------------
 # Public API
 # ----------------------------------------------------------------------------------------------
-def _check_args(q, k_cache, v_cache, query_start, seq_lens, page_table):
+def _check_args(q, k_cache, v_cache, query_start, seq_lens, page_table, k_scale=None, v_scale=None):
     if q.ndim != 3:
         raise ValueError(f"q must be [tokens, num_heads, head_dim], got {q.shape=}")
-    if k_cache.ndim != 4 or k_cache.shape != v_cache.shape:
+    if k_cache.ndim != 4 or k_cache.shape != v_cache.shape or k_cache.dtype != v_cache.dtype:
         raise ValueError(f"k_cache/v_cache must be equal [pages, page_size, kv_heads, head_dim]: "
                          f"{k_cache.shape=} {v_cache.shape=}")
+    check_kv_scales(k_cache, k_scale, v_scale)
     _, num_heads, head_dim = q.shape
     _, page_size, num_kv_heads, kv_dim = k_cache.shape
     if kv_dim != head_dim or num_heads % num_kv_heads:
@@ -242,6 +259,8 @@ def ragged_prefill_attention(
     page_table: jax.Array,
     seq_mask: jax.Array | None = None,
     out: jax.Array | None = None,
+    k_scale: jax.Array | None = None,
+    v_scale: jax.Array | None = None,
     *,
     scale: float | None = None,
     block_q: int | None = None,
@@ -264,6 +283,7 @@ def ragged_prefill_attention(
         the other sequences' rows are left unspecified, or taken from `out`.
       out: optional `[num_tokens, num_heads, head_dim]` holding the rows of the sequences seq_mask
         leaves out (another kernel's result); written in place where the layouts allow.
+      k_scale, v_scale: float32 `[num_kv_heads]` for a float8_e4m3fn cache; None otherwise.
       scale: softmax scale, default `head_dim ** -0.5`.
       block_q: tokens per tile (power of two); default fills ~128 rows of tokens x heads-per-kv-head.
       pages_per_block: pages per K/V step (power of two); default 64 tokens' worth.
@@ -274,7 +294,7 @@ def ragged_prefill_attention(
     Returns:
       `[num_tokens, num_heads, head_dim]` in q's dtype; padding tokens get zeros.
     """
-    _check_args(q, k_cache, v_cache, query_start, seq_lens, page_table)
+    _check_args(q, k_cache, v_cache, query_start, seq_lens, page_table, k_scale, v_scale)
     if block_q is not None and (block_q < 1 or block_q & (block_q - 1)):
         raise ValueError(f"block_q must be a power of two, got {block_q=}")
     if pages_per_block is not None and (pages_per_block < 1 or pages_per_block & (pages_per_block - 1)):
@@ -284,7 +304,8 @@ def ragged_prefill_attention(
     if out is not None and (seq_mask is None or out.shape != q.shape or out.dtype != q.dtype):
         raise ValueError(f"out must come with a seq_mask and match q: {out.shape=} {q.shape=}")
     scale = q.shape[-1] ** -0.5 if scale is None else scale
-    return _prefill_call(q, k_cache, v_cache, query_start, seq_lens, page_table, seq_mask, out, scale=scale,
+    return _prefill_call(q, k_cache, v_cache, query_start, seq_lens, page_table, seq_mask, out, k_scale, v_scale,
+                         scale=scale,
                          block_q=block_q, pages_per_block=pages_per_block, num_warps=num_warps,
                          num_stages=num_stages, kv_heads_fastest=kv_heads_fastest, interpret=interpret)
 
@@ -300,10 +321,12 @@ def ragged_prefill_attention_reference(
     query_start: jax.Array,
     seq_lens: jax.Array,
     page_table: jax.Array,
+    k_scale: jax.Array | None = None,
+    v_scale: jax.Array | None = None,
     *,
     scale: float | None = None,
 ) -> jax.Array:
-    """Pure-jnp ragged prefill attention: each token gathers its sequence's whole page row."""
+    """Pure-jnp ragged prefill attention: each token gathers its sequence's whole page row (FP8 dequantized)."""
     num_tokens, num_heads, head_dim = q.shape
     _, page_size, num_kv_heads, _ = k_cache.shape
     batch, max_pages = page_table.shape
@@ -316,6 +339,8 @@ def ragged_prefill_attention_reference(
     ctx = max_pages * page_size
     k = k_cache[page_table].reshape(batch, ctx, num_kv_heads, head_dim)  # [B, S, KVH, D]
     v = v_cache[page_table].reshape(batch, ctx, num_kv_heads, head_dim)
+    if is_fp8(k.dtype):
+        k, v = dequantize_kv(k, k_scale[:, None], q.dtype), dequantize_kv(v, v_scale[:, None], q.dtype)
     qg = q.reshape(num_tokens, num_kv_heads, group, head_dim)
     s = jnp.einsum("thgd,tshd->thgs", qg, k[seq], preferred_element_type=jnp.float32) * scale
     valid = (jnp.arange(ctx)[None, :] <= pos[:, None]) & real[:, None]  # [T, S]

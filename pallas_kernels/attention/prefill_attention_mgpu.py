@@ -58,6 +58,7 @@ from pallas_kernels.attention.prefill_attention import (
     ragged_prefill_attention_reference,
 )
 from pallas_kernels.common import LOG2E
+from pallas_kernels.kv_fp8 import is_fp8
 
 COMPUTE_WGS = 2
 # Query windows start at multiples of the SMEM tile's 8 rows (Mosaic GPU's TMA addresses GMEM in
@@ -403,6 +404,8 @@ def check_supported(q, k_cache) -> str | None:
     _, block_kv, _ = default_blocks(head_dim)
     if jnp.dtype(q.dtype) not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)):
         return f"dtype {q.dtype} (bf16/fp16 only)"
+    if k_cache.dtype != q.dtype:  # FP8 pages would need a conversion pass between the TMA ring and the wgmmas
+        return f"cache dtype {k_cache.dtype} (q's only: an FP8 cache goes to the Triton kernel)"
     if head_dim % 64:
         return f"head_dim {head_dim} (multiple of 64 only)"
     if block_kv % page_size or page_size % 8:
@@ -439,6 +442,8 @@ def ragged_prefill_attention_mgpu(
     launched); the other sequences' rows and the padding rows are then left unspecified (the
     runner fills them from the Triton kernel).
     """
+    if is_fp8(k_cache.dtype):  # (before the argument checks, which would ask for its scales)
+        raise ValueError("ragged_prefill_attention_mgpu does not read an FP8 cache (ragged_prefill_attention does)")
     _check_args(q, k_cache, v_cache, query_start, seq_lens, page_table)
     if (why := check_supported(q, k_cache)) is not None:
         raise ValueError(f"ragged_prefill_attention_mgpu does not support {why}")

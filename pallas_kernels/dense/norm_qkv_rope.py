@@ -27,6 +27,9 @@ Block-FP8 q|k|v weights (`wqkv_scale`): e4m3 tiles converted in registers, each 
 (pallas_kernels/dense/fp8_tiles.py); the K tile divides the scale blocks' height (128 for 128 x 128 blocks, the bf16
 default), so a head of 128 columns reads one scale per K tile and half.
 
+FP8 KV cache (float8_e4m3fn, `k_scale` / `v_scale` per kv head): the k and v rows are quantized as they are written
+(`common.quantize_kv`).
+
 Scope: full rotate-half RoPE (rotary dim = head_dim), no gated queries, no q/k/v bias; head_dim a power of two
 >= 32; `check_supported` says why not otherwise (the caller keeps the XLA projection + `qkv_rope_write`).
 
@@ -46,6 +49,7 @@ from pallas_kernels.common import rms_inverse, rms_normed, tile_rows
 from pallas_kernels.dense.fp8_tiles import DEFAULT_MODE, MODES, act_operand, check_scale, dequantize, tile_k, weight_dot
 from pallas_kernels.dense.prefetch import WIDTH, prefetch_rows, prefetch_rows_count, prefetch_view
 from pallas_kernels.dense.qkv_rope import qkv_rope_write_reference
+from pallas_kernels.kv_fp8 import check_kv_scales, is_fp8, quantize_kv
 from pallas_kernels.split_k import check_counters, sum_splits, take_ticket
 
 MAX_TOKENS = 64  # one token tile holds the whole step: the weights are read once
@@ -56,19 +60,21 @@ def _kernel(x_ref, n_ref, w_ref, cos_ref, sin_ref, slot_ref, qn_ref, kn_ref, _k_
             block_k: int, k_splits: int, num_heads: int, num_kv_heads: int, eps: float, qk_norm: bool,
             interpret: bool, prefetch_programs: int = 0, prefetch_row_count: int = 0,
             prefetch_eviction: str = "evict_last", scale_block: tuple[int, int] | None = None,
-            fp8_mode: str = DEFAULT_MODE):
+            fp8_mode: str = DEFAULT_MODE, fp8_kv: bool = False):
     # x_ref [T, hidden] (whole: rows past T read as 0); n_ref [hidden]; w_ref [hidden, D]: this head's columns;
     # cos/sin [T, D]; slot_ref [T]; q_ref [T, H, D]; k_ref / v_ref [num_slots, KVH, D] (the caches, in place).
     # Split-K (k_splits > 1): part_ref [S, T, heads * D] fp32 partials; cnt_ref [>= heads] int32, zero on entry
     # and left zero: the split that arrives last at a head's counter sums the partials and finishes the head.
     # Prefetch (prefetch_programs > 0): pf_ref [rows, 256], the array read into L2; pf_out [programs] fp32 (unused).
     # FP8 w (scale_block (bk, bn)): s_ref [hidden / bk, heads * D / bn] float32 (whole), w_ref's block scales.
+    # FP8 cache (fp8_kv): ks_ref, vs_ref [KVH] float32 (whole), its scales.
     refs = list(refs)
     if prefetch_programs:
         pf_out = refs.pop()
     _cnt_in = refs.pop(0) if k_splits > 1 else None
     pf_ref = refs.pop(0) if prefetch_programs else None
     s_ref = refs.pop(0) if scale_block is not None else None
+    kv_scale_refs = (refs.pop(0), refs.pop(0)) if fp8_kv else (None, None)
     if k_splits > 1:
         q_ref, k_ref, v_ref, cnt_ref, part_ref = refs
     else:
@@ -78,7 +84,8 @@ def _kernel(x_ref, n_ref, w_ref, cos_ref, sin_ref, slot_ref, qn_ref, kn_ref, _k_
     head = functools.partial(_head, x_ref, n_ref, w_ref, cos_ref, sin_ref, slot_ref, qn_ref, kn_ref, q_ref, k_ref,
                              v_ref, cnt_ref, part_ref, h, split, block_k=block_k, k_splits=k_splits,
                              num_heads=num_heads, num_kv_heads=num_kv_heads, eps=eps, qk_norm=qk_norm,
-                             interpret=interpret, **({} if scale_block is None else {"s_ref": s_ref,
+                             interpret=interpret, kv_scale_refs=kv_scale_refs,
+                             **({} if scale_block is None else {"s_ref": s_ref,
                                                                                      "scale_block": scale_block,
                                                                                      "fp8_mode": fp8_mode}))
     if not prefetch_programs:
@@ -95,11 +102,13 @@ def _kernel(x_ref, n_ref, w_ref, cos_ref, sin_ref, slot_ref, qn_ref, kn_ref, _k_
 def _head(x_ref, n_ref, w_ref, cos_ref, sin_ref, slot_ref, qn_ref, kn_ref, q_ref, k_ref, v_ref, cnt_ref, part_ref,
           h, split, *,
           block_k: int, k_splits: int, num_heads: int, num_kv_heads: int, eps: float, qk_norm: bool,
-          interpret: bool, s_ref=None, scale_block: tuple[int, int] | None = None, fp8_mode: str = DEFAULT_MODE):
+          interpret: bool, kv_scale_refs, s_ref=None, scale_block: tuple[int, int] | None = None,
+          fp8_mode: str = DEFAULT_MODE):
     """One (head, K split) program: the head's normed, projected, rotated rows (see the module doc)."""
     tokens, hidden = x_ref.shape
     head_dim = w_ref.shape[1]
     half = head_dim // 2
+    ks_ref, vs_ref = kv_scale_refs
     block_t = _block_t(tokens)
     f32, dtype = jnp.float32, x_ref.dtype
     rows, real, x_cols = tile_rows(x_ref, 0, block_t)  # one tile: the whole step
@@ -154,14 +163,17 @@ def _head(x_ref, n_ref, w_ref, cos_ref, sin_ref, slot_ref, qn_ref, kn_ref, q_ref
         def _k():
             o1, o2 = norm_rope(kn_ref)
             j = h - num_heads
-            plgpu.store(k_ref.at[at, j, col], o1.astype(k_ref.dtype), mask=keep)
-            plgpu.store(k_ref.at[at, j, col + half], o2.astype(k_ref.dtype), mask=keep)
+            scale = None if ks_ref is None else ks_ref[j]
+            plgpu.store(k_ref.at[at, j, col], quantize_kv(o1, scale, k_ref.dtype), mask=keep)
+            plgpu.store(k_ref.at[at, j, col + half], quantize_kv(o2, scale, k_ref.dtype), mask=keep)
 
         @pl.when(h >= num_heads + num_kv_heads)
         def _v():
             j = h - num_heads - num_kv_heads
-            plgpu.store(v_ref.at[at, j, col], a1.astype(v_ref.dtype), mask=keep)
-            plgpu.store(v_ref.at[at, j, col + half], a2.astype(v_ref.dtype), mask=keep)
+            scale = None if vs_ref is None else vs_ref[j]
+            # (the projection rounded to the activation dtype first, as the K rows and the jnp path)
+            plgpu.store(v_ref.at[at, j, col], quantize_kv(a1.astype(dtype), scale, v_ref.dtype), mask=keep)
+            plgpu.store(v_ref.at[at, j, col + half], quantize_kv(a2.astype(dtype), scale, v_ref.dtype), mask=keep)
 
     if k_splits == 1:
         finish(a1, a2)
@@ -230,7 +242,7 @@ def norm_qkv_rope_write(x: jax.Array, norm_weight: jax.Array, wqkv: jax.Array, c
                         prefetch_programs: int | None = None, prefetch_fraction: float = 1.0,
                         prefetch_eviction: str = "evict_last", wqkv_scale: jax.Array | None = None,
                         scale_block: tuple[int, int] | None = None, fp8_mode: str = DEFAULT_MODE,
-                        interpret: bool = False
+                        k_scale: jax.Array | None = None, v_scale: jax.Array | None = None, interpret: bool = False
                         ) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array | None]:
     """x -> (q [T, H, D] normed and rotated, k_cache, v_cache with the new rows written, counters).
 
@@ -248,7 +260,7 @@ def norm_qkv_rope_write(x: jax.Array, norm_weight: jax.Array, wqkv: jax.Array, c
     in L2 when its GEMM runs. prefetch_eviction: those loads' L2 policy, "evict_last" or "normal".
 
     wqkv_scale: a block-FP8 wqkv's (float8_e4m3fn) float32 scales, one per `scale_block` = (bk, bn) block of it
-    (block_k then divides bk).
+    (block_k then divides bk). k_scale / v_scale: float32 [KVH] for a float8_e4m3fn cache, else None.
     """
     tokens, hidden = x.shape
     head_dim = k_cache.shape[-1]
@@ -258,6 +270,8 @@ def norm_qkv_rope_write(x: jax.Array, norm_weight: jax.Array, wqkv: jax.Array, c
         raise ValueError(why)
     if wqkv.shape[0] != hidden or norm_weight.shape != (hidden,) or k_cache.shape[2] != num_kv_heads:
         raise ValueError(f"shapes disagree: {x.shape=} {norm_weight.shape=} {wqkv.shape=} {k_cache.shape=}")
+    check_kv_scales(k_cache, k_scale, v_scale)
+    fp8_kv = is_fp8(k_cache.dtype)
     scale_block = None if wqkv_scale is None else tuple(scale_block or ())
     check_scale("wqkv", wqkv, wqkv_scale, scale_block)
     if fp8_mode not in MODES:
@@ -290,7 +304,7 @@ def norm_qkv_rope_write(x: jax.Array, norm_weight: jax.Array, wqkv: jax.Array, c
                                num_kv_heads=num_kv_heads, eps=eps, qk_norm=qk_norm, interpret=interpret,
                                prefetch_programs=prefetch_programs,
                                prefetch_row_count=0 if pf is None else prefetch_rows_count(pf, prefetch_fraction),
-                               prefetch_eviction=prefetch_eviction,
+                               prefetch_eviction=prefetch_eviction, fp8_kv=fp8_kv,
                                **({} if scale_block is None else {"scale_block": scale_block, "fp8_mode": fp8_mode}))
     whole = pl.no_block_spec
     outs = [
@@ -307,7 +321,7 @@ def norm_qkv_rope_write(x: jax.Array, norm_weight: jax.Array, wqkv: jax.Array, c
     if prefetch_programs:
         outs.append(jax.ShapeDtypeStruct((prefetch_programs,), jnp.float32))
         pf_args = [pf]
-    scale_args = [] if wqkv_scale is None else [wqkv_scale]
+    scale_args = ([] if wqkv_scale is None else [wqkv_scale]) + ([k_scale, v_scale] if fp8_kv else [])
     res = pl.pallas_call(
         kernel,
         grid=(heads + prefetch_programs // k_splits, k_splits),
@@ -326,7 +340,7 @@ def norm_qkv_rope_write(x: jax.Array, norm_weight: jax.Array, wqkv: jax.Array, c
         compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),
         interpret=interpret,
         name=f"norm_qkv_rope_write_k{block_k}_s{k_splits}" + (f"_pf{prefetch_programs}" if prefetch_programs else "")
-        + ("_fp8" if scale_args else ""),
+        + ("_fp8" if wqkv_scale is not None else "") + ("_kvfp8" if fp8_kv else ""),
     )(x, norm_weight, wqkv, cos, sin, slot_mapping.astype(jnp.int32), q_norm, k_norm, k_cache.reshape(flat),
       v_cache.reshape(flat), *split_args, *pf_args, *scale_args)
     q, k_out, v_out = res[:3]
@@ -335,7 +349,7 @@ def norm_qkv_rope_write(x: jax.Array, norm_weight: jax.Array, wqkv: jax.Array, c
 
 def norm_qkv_rope_write_reference(x, norm_weight, wqkv, cos, sin, slot_mapping, q_norm, k_norm, k_cache, v_cache,
                                   counters=None, *, num_heads: int, num_kv_heads: int, eps: float = 1e-6,
-                                  wqkv_scale=None, scale_block=None):
+                                  wqkv_scale=None, scale_block=None, k_scale=None, v_scale=None):
     """Plain jnp, the same contract: HF's RMSNorm, the projection rounded to x's dtype, then `qkv_rope_write`'s
     reference. An FP8 wqkv is dequantized to x's dtype first."""
     if wqkv_scale is not None:
@@ -343,5 +357,5 @@ def norm_qkv_rope_write_reference(x, norm_weight, wqkv, cos, sin, slot_mapping, 
     xf = x.astype(jnp.float32)
     h = norm_weight * (xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)).astype(x.dtype)
     qkv = jnp.dot(h, wqkv, preferred_element_type=jnp.float32).astype(x.dtype)
-    return (*qkv_rope_write_reference(qkv, cos, sin, slot_mapping, q_norm, k_norm, k_cache, v_cache,
+    return (*qkv_rope_write_reference(qkv, cos, sin, slot_mapping, q_norm, k_norm, k_cache, v_cache, k_scale, v_scale,
                                       num_heads=num_heads, num_kv_heads=num_kv_heads, eps=eps), counters)

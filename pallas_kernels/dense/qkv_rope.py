@@ -12,7 +12,8 @@ slot `slot_mapping[t]` of the cache (padding tokens, slot < 0, write nothing).
 
 Cache layout (vLLM/flash): `[num_pages, page_size, num_kv_heads, head_dim]`; slot s is page
 s // page_size, row s % page_size. The caches are aliased to the outputs, so under jit with a donated
-cache the write is in place.
+cache the write is in place. An FP8 cache (float8_e4m3fn, `k_scale` / `v_scale` per kv head) gets its rows
+quantized as they are written (`common.quantize_kv`).
 
 GPU backend: the Pallas Triton lowering (see `pallas_kernels/__init__.py`).
 """
@@ -26,9 +27,14 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
+from pallas_kernels.kv_fp8 import check_kv_scales, is_fp8, quantize_kv
 
-def _kernel(qkv_ref, cos_ref, sin_ref, slot_ref, qw_ref, kw_ref, _k_in, _v_in, q_ref, k_ref, v_ref, *,
-            num_heads: int, eps: float, qk_norm: bool, page_size: int, q_rows: int):
+
+def _kernel(qkv_ref, cos_ref, sin_ref, slot_ref, qw_ref, kw_ref, _k_in, _v_in, *refs,
+            num_heads: int, eps: float, qk_norm: bool, page_size: int, q_rows: int, fp8: bool):
+    # refs: FP8: ks_ref, vs_ref [KVH] fp32 (whole); then q_ref [D] (this (token, head)'s row), k_ref / v_ref (the
+    # caches)
+    ks_ref, vs_ref, q_ref, k_ref, v_ref = refs if fp8 else (None, None, *refs)
     h = pl.program_id(1)
     dim = qkv_ref.shape[-1]
     rotary = cos_ref.shape[-1]  # < dim: partial RoPE, the first `rotary` dims of each head rotate
@@ -55,11 +61,11 @@ def _kernel(qkv_ref, cos_ref, sin_ref, slot_ref, qw_ref, kw_ref, _k_in, _v_in, q
         o1, o2 = (x1 * cos1 - x2 * sin1).astype(dtype), (x2 * cos2 + x1 * sin2).astype(dtype)
         return o1, o2, None if full is None else full.astype(dtype)
 
-    def put(ref, at, o1, o2, full):  # ref[*at, :] is the [D] row written
+    def put(ref, at, o1, o2, full, scale=None):  # ref[*at, :] is the [D] row written (FP8: divided by `scale`)
         if full is not None:  # the passing dims, masked: no two stores of the program overlap
-            plgpu.store(ref.at[(*at, whole)], full.astype(ref.dtype), mask=passing)
-        ref[(*at, lo)] = o1.astype(ref.dtype)
-        ref[(*at, hi)] = o2.astype(ref.dtype)
+            plgpu.store(ref.at[(*at, whole)], quantize_kv(full, scale, ref.dtype), mask=passing)
+        ref[(*at, lo)] = quantize_kv(o1, scale, ref.dtype)
+        ref[(*at, hi)] = quantize_kv(o2, scale, ref.dtype)
 
     @pl.when(h < num_heads)
     def _q():
@@ -72,8 +78,9 @@ def _kernel(qkv_ref, cos_ref, sin_ref, slot_ref, qw_ref, kw_ref, _k_in, _v_in, q
         j = h - num_heads
         kv_heads = k_ref.shape[2]
         page, row = slot // page_size, slot % page_size
-        put(k_ref, (page, row, j), *norm_rope(q_rows + j, kw_ref))
-        v_ref[page, row, j, whole] = qkv_ref[q_rows + kv_heads + j, whole].astype(v_ref.dtype)
+        put(k_ref, (page, row, j), *norm_rope(q_rows + j, kw_ref), ks_ref[j] if fp8 else None)
+        v_ref[page, row, j, whole] = quantize_kv(qkv_ref[q_rows + kv_heads + j, whole], vs_ref[j] if fp8 else None,
+                                                 v_ref.dtype)
 
 
 def check_supported(qkv_width: int, num_heads: int, num_kv_heads: int, head_dim: int, *, gated_q: bool = False,
@@ -92,7 +99,8 @@ def check_supported(qkv_width: int, num_heads: int, num_kv_heads: int, head_dim:
 
 @functools.partial(jax.jit, static_argnames=("num_heads", "num_kv_heads", "eps", "gated_q", "interpret"))
 def qkv_rope_write(qkv: jax.Array, cos: jax.Array, sin: jax.Array, slot_mapping: jax.Array,
-                   q_norm: jax.Array | None, k_norm: jax.Array | None, k_cache: jax.Array, v_cache: jax.Array, *,
+                   q_norm: jax.Array | None, k_norm: jax.Array | None, k_cache: jax.Array, v_cache: jax.Array,
+                   k_scale: jax.Array | None = None, v_scale: jax.Array | None = None, *,
                    num_heads: int, num_kv_heads: int, eps: float = 1e-6, gated_q: bool = False,
                    interpret: bool = False) -> tuple[jax.Array, jax.Array, jax.Array]:
     """q|k|v -> (q [T, H, D] normed and rotated, k_cache, v_cache with the new rows written).
@@ -101,7 +109,8 @@ def qkv_rope_write(qkv: jax.Array, cos: jax.Array, sin: jax.Array, slot_mapping:
     [T, (2 H + 2 KVH) * D], each head's query followed by its output gate (the gate is left to the caller);
     cos/sin: [T, R] (rotate-half tables of the tokens' positions; R < D: partial RoPE, the first R dims of
     each head rotate); slot_mapping: int32 [T], < 0 for padding; q_norm/k_norm: [D] per-head RMSNorm
-    weights, or both None (no q/k norm); caches [num_pages, page_size, KVH, D].
+    weights, or both None (no q/k norm); caches [num_pages, page_size, KVH, D]; k_scale / v_scale: float32 [KVH]
+    for a float8_e4m3fn cache, else None.
     """
     tokens, width = qkv.shape
     head_dim = k_cache.shape[-1]
@@ -110,6 +119,9 @@ def qkv_rope_write(qkv: jax.Array, cos: jax.Array, sin: jax.Array, slot_mapping:
         raise ValueError(why)
     if k_cache.shape[2] != num_kv_heads:
         raise ValueError(f"k_cache has {k_cache.shape[2]} kv heads, expected {num_kv_heads}")
+    check_kv_scales(k_cache, k_scale, v_scale)
+    fp8 = is_fp8(k_cache.dtype)
+    scale_args = [k_scale, v_scale] if fp8 else []
     qk_norm = q_norm is not None
     if not qk_norm:
         q_norm = k_norm = jnp.ones((head_dim,), qkv.dtype)
@@ -117,7 +129,7 @@ def qkv_rope_write(qkv: jax.Array, cos: jax.Array, sin: jax.Array, slot_mapping:
     rows = qkv.reshape(tokens, q_rows + 2 * num_kv_heads, head_dim)  # free reshape
     slots = slot_mapping.astype(jnp.int32).reshape(tokens, 1)
     kernel = functools.partial(_kernel, num_heads=num_heads, eps=eps, qk_norm=qk_norm,
-                               page_size=k_cache.shape[1], q_rows=q_rows)
+                               page_size=k_cache.shape[1], q_rows=q_rows, fp8=fp8)
     per_token = lambda t, h: (t, 0)  # noqa: E731
     whole = pl.no_block_spec
     rotary = cos.shape[-1]
@@ -133,6 +145,7 @@ def qkv_rope_write(qkv: jax.Array, cos: jax.Array, sin: jax.Array, slot_mapping:
             pl.BlockSpec((head_dim,), lambda t, h: (0,)),
             whole,
             whole,
+            *[whole] * len(scale_args),
         ],
         out_specs=[
             pl.BlockSpec((None, None, head_dim), lambda t, h: (t, jnp.minimum(h, num_heads - 1), 0)),
@@ -147,13 +160,14 @@ def qkv_rope_write(qkv: jax.Array, cos: jax.Array, sin: jax.Array, slot_mapping:
         input_output_aliases={6: 1, 7: 2},
         compiler_params=plgpu.CompilerParams(num_warps=1, num_stages=1),
         interpret=interpret,
-        name="qkv_rope_write",
-    )(rows, cos, sin, slots, q_norm, k_norm, k_cache, v_cache)
+        name="qkv_rope_write" + ("_fp8" if fp8 else ""),
+    )(rows, cos, sin, slots, q_norm, k_norm, k_cache, v_cache, *scale_args)
     return q, k_cache, v_cache
 
 
-def qkv_rope_write_reference(qkv, cos, sin, slot_mapping, q_norm, k_norm, k_cache, v_cache, *, num_heads: int,
-                             num_kv_heads: int, eps: float = 1e-6, gated_q: bool = False):
+def qkv_rope_write_reference(qkv, cos, sin, slot_mapping, q_norm, k_norm, k_cache, v_cache, k_scale=None,
+                             v_scale=None, *, num_heads: int, num_kv_heads: int, eps: float = 1e-6,
+                             gated_q: bool = False):
     """Plain jnp, the same contract, computed as HF does (norm in float32, the rest in the input dtype)."""
     tokens = qkv.shape[0]
     d = k_cache.shape[-1]
@@ -178,6 +192,8 @@ def qkv_rope_write_reference(qkv, cos, sin, slot_mapping, q_norm, k_norm, k_cach
     num_slots = k_cache.shape[0] * k_cache.shape[1]
     keep = slot_mapping >= 0
     slots = jnp.where(keep, slot_mapping, num_slots)  # padding: out of bounds, dropped
-    kf = k_cache.reshape(num_slots, num_kv_heads, d).at[slots].set(k.astype(k_cache.dtype), mode="drop")
-    vf = v_cache.reshape(num_slots, num_kv_heads, d).at[slots].set(v.astype(v_cache.dtype), mode="drop")
+    k = quantize_kv(k, None if k_scale is None else k_scale[:, None], k_cache.dtype)
+    v = quantize_kv(v, None if v_scale is None else v_scale[:, None], v_cache.dtype)
+    kf = k_cache.reshape(num_slots, num_kv_heads, d).at[slots].set(k, mode="drop")
+    vf = v_cache.reshape(num_slots, num_kv_heads, d).at[slots].set(v, mode="drop")
     return q, kf.reshape(k_cache.shape), vf.reshape(v_cache.shape)

@@ -57,6 +57,16 @@ def paged_kv(rng: np.random.Generator, ctx_lens, page_size: int, num_kv_heads: i
     return k, v, jnp.asarray(table)
 
 
+def fp8_kv(rng: np.random.Generator, k, v):
+    """The caches k, v quantized to an FP8 cache with a random scale per kv head (between 1/4 and 2, so the scales
+    matter): (k8, v8, k_scale, v_scale)."""
+    from pallas_kernels.kv_fp8 import KV_FP8_DTYPE, quantize_kv
+
+    heads = k.shape[2]
+    ks, vs = (jnp.asarray(2.0 ** rng.uniform(-2, 1, heads), jnp.float32) for _ in range(2))
+    return quantize_kv(k, ks[:, None], KV_FP8_DTYPE), quantize_kv(v, vs[:, None], KV_FP8_DTYPE), ks, vs
+
+
 def assert_close(out, ref, dtype, mode: str) -> None:
     out = np.asarray(out.astype(jnp.float32))
     ref = np.asarray(ref.astype(jnp.float32))

@@ -10,8 +10,17 @@ import pytest
 
 from jinfer.models.fp8 import quantize
 from pallas_kernels.dense.norm_qkv_rope import check_supported, norm_qkv_rope_write, norm_qkv_rope_write_reference
-from tests.kernels.conftest import HAS_GPU, MODES, assert_close, assert_unwritten_rows_kept, by_mode, lower_for_cuda
+from tests.kernels.conftest import (
+    HAS_GPU,
+    MODES,
+    assert_close,
+    assert_unwritten_rows_kept,
+    by_mode,
+    fp8_kv,
+    lower_for_cuda,
+)
 from tests.kernels.test_qkv_rope import _inputs as qkv_rope_inputs
+from tests.kernels.test_qkv_rope import assert_fp8_rows_close
 
 # (tokens, hidden, heads, kv_heads, head_dim, page_size, qk_norm, dtype, FP8 scale block or None)
 CASES = [
@@ -73,6 +82,37 @@ def test_matches_reference(mode, splits, tokens, hidden, heads, kv_heads, dim, p
     assert_close(kc, rk, dtype, mode)
     assert_close(vc, rv, dtype, mode)
     assert_unwritten_rows_kept(args[5], (kc, before_k))  # padding wrote nothing
+
+
+@pytest.mark.parametrize("mode,splits", by_mode([pytest.param(2, id="splits2")]))
+def test_fp8_cache_rows_quantized(mode, splits):
+    """An FP8 cache: the K and V rows quantized with their kv head's scale as the reference does (split-K: the last
+    split writes them)."""
+    rng = np.random.default_rng(37)
+    args = _inputs(rng, 3, 128, 4, 2, 64, 8, True, jnp.bfloat16)
+    k8, v8, ks, vs = fp8_kv(rng, args[8], args[9])
+    args = (*args[:8], k8, v8)
+    kw = dict(num_heads=4, num_kv_heads=2, eps=1e-6, k_scale=ks, v_scale=vs)
+    counters = jnp.zeros((4 + 2 * 2,), jnp.int32)
+    q, kc, vc, _ = norm_qkv_rope_write(*args, counters, **kw, block_k=64, k_splits=splits,
+                                       interpret=mode == "interpret")
+    rq, rk, rv, _ = norm_qkv_rope_write_reference(*args, **kw)
+    assert kc.dtype == vc.dtype == jnp.float8_e4m3fn
+    assert_close(q, rq, jnp.bfloat16, mode)
+    assert_fp8_rows_close(kc, rk, ks)
+    assert_fp8_rows_close(vc, rv, vs)
+
+
+def test_fp8_cache_lowers_for_the_gpu():
+    """The FP8 cache's quantizing stores through Pallas' Triton lowering."""
+    s, b, i32 = jax.ShapeDtypeStruct, jnp.bfloat16, jnp.int32
+    cache, scales = s((8, 16, 2, 128), jnp.float8_e4m3fn), s((2,), jnp.float32)
+    text = lower_for_cuda(
+        lambda x, n, w, c, sn, sl, qn, kn, k, v, cnt, ks, vs: norm_qkv_rope_write(
+            x, n, w, c, sn, sl, qn, kn, k, v, cnt, num_heads=8, num_kv_heads=2, k_scale=ks, v_scale=vs),
+        s((4, 256), b), s((256,), b), s((256, 12 * 128), b), s((4, 128), b), s((4, 128), b), s((4,), i32),
+        s((128,), b), s((128,), b), cache, cache, s((12,), i32), scales, scales)
+    assert "_kvfp8" in text
 
 
 def test_fp8_lowers_for_the_gpu():

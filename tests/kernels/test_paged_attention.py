@@ -1,7 +1,10 @@
-"""paged_decode_attention vs its jnp reference: page sizes, GQA ratios, head dims, ragged lengths."""
+"""paged_decode_attention vs its jnp reference: page sizes, GQA ratios, head dims, ragged lengths, FP8 caches."""
 
 from __future__ import annotations
 
+import functools
+
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -12,7 +15,7 @@ from pallas_kernels.attention.paged_attention import (
     paged_decode_attention_reference,
     plan_blocks,
 )
-from tests.kernels.conftest import MODES, assert_close, by_mode, paged_kv
+from tests.kernels.conftest import MODES, assert_close, by_mode, fp8_kv, lower_for_cuda, paged_kv
 
 # (page_size, num_heads, num_kv_heads, head_dim, dtype, seq_lens, num_splits, pages_per_block)
 CASES = [
@@ -47,6 +50,54 @@ def test_decode_matches_reference(mode, page_size, heads, kv_heads, dim, dtype, 
     padding = np.asarray(lens) == 0
     if padding.any():
         assert not np.asarray(out[padding].astype(jnp.float32)).any()
+
+
+FP8_CASES = [pytest.param(jnp.float32, 1, id="f32-nosplit"), pytest.param(jnp.bfloat16, 3, id="bf16-split3")]
+
+
+@pytest.mark.parametrize("mode,dtype,splits", by_mode(FP8_CASES))
+def test_decode_fp8_cache(mode, dtype, splits):
+    """An FP8 cache with a scale per kv head at mixed lengths: the kernel as the reference reading the same cache
+    (the dtype's tolerance), and both near the unquantized cache's result (e4m3's 3 mantissa bits: within 0.25 for
+    unit-normal K and V)."""
+    rng = np.random.default_rng(23)
+    lens = [1, 16, 17, 70, 0]
+    k, v, table = paged_kv(rng, lens, 8, 2, 64, dtype)
+    k8, v8, ks, vs = fp8_kv(rng, k, v)
+    q = jnp.asarray(rng.standard_normal((len(lens), 8, 64)), dtype)
+    seq_lens = jnp.asarray(lens, jnp.int32)
+    out = paged_decode_attention(q, k8, v8, table, seq_lens, ks, vs, num_splits=splits, pages_per_block=2,
+                                 interpret=mode == "interpret")
+    ref = paged_decode_attention_reference(q, k8, v8, table, seq_lens, ks, vs)
+    assert out.dtype == q.dtype
+    assert_close(out, ref, dtype, mode)
+    exact = paged_decode_attention_reference(q, k, v, table, seq_lens)
+    np.testing.assert_allclose(np.asarray(out.astype(jnp.float32)), np.asarray(exact.astype(jnp.float32)), atol=0.25)
+    assert not np.asarray(out[4].astype(jnp.float32)).any()
+
+
+def test_decode_fp8_lowers_for_cuda():
+    """The FP8 path through the Triton lowering (e4m3 -> bf16 conversions, the scales' loads), with and without
+    split-K, on a machine without a GPU."""
+    f8, s = jnp.float8_e4m3fn, jax.ShapeDtypeStruct
+    cache, scales = s((8, 16, 2, 128), f8), s((2,), jnp.float32)
+    for splits in (1, 2):
+        decode = functools.partial(paged_decode_attention, num_splits=splits)
+        text = lower_for_cuda(decode, s((2, 8, 128), jnp.bfloat16), cache, cache, s((2, 4), jnp.int32),
+                              s((2,), jnp.int32), scales, scales)
+        assert "paged_decode_attention_ppb" in text and "_fp8" in text
+
+
+def test_decode_fp8_needs_its_scales():
+    q, lens, table = jnp.zeros((2, 8, 64)), jnp.ones((2,), jnp.int32), jnp.zeros((2, 2), jnp.int32)
+    k8 = jnp.zeros((4, 16, 2, 64), jnp.float8_e4m3fn)
+    with pytest.raises(ValueError, match="k_scale"):
+        paged_decode_attention(q, k8, k8, table, lens, interpret=True)
+    with pytest.raises(ValueError, match="v_scale"):
+        paged_decode_attention(q, k8, k8, table, lens, jnp.ones((2,)), jnp.ones((3,)), interpret=True)
+    with pytest.raises(ValueError, match="FP8 cache"):
+        paged_decode_attention(q, jnp.zeros((4, 16, 2, 64)), jnp.zeros((4, 16, 2, 64)), table, lens,
+                               jnp.ones((2,)), jnp.ones((2,)), interpret=True)
 
 
 @pytest.mark.slow

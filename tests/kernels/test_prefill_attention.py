@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
 from pallas_kernels.attention.prefill_attention import ragged_prefill_attention, ragged_prefill_attention_reference
-from tests.kernels.conftest import MODES, assert_close, by_mode, paged_kv
+from tests.kernels.conftest import MODES, assert_close, by_mode, fp8_kv, lower_for_cuda, paged_kv
 
 # seqs: (new tokens, context length incl. them); (0, 0) is a padding sequence
 CASES = [
@@ -45,6 +46,31 @@ def test_prefill_matches_reference(mode, page_size, heads, kv_heads, dim, dtype,
     assert_close(out, ref, dtype, mode)
     real = int(qs[-1])
     assert not np.asarray(out[real:].astype(jnp.float32)).any(), "padding tokens must be zeros"
+
+
+@pytest.mark.parametrize("mode,dtype", by_mode([pytest.param(jnp.float32, id="f32"),
+                                                 pytest.param(jnp.bfloat16, id="bf16")]))
+def test_prefill_fp8_cache(mode, dtype):
+    """An FP8 cache with a scale per kv head: prefills, a chunk after cached tokens, a decode and padding against the
+    reference reading the same cache, and near the unquantized cache's result (e4m3: within 0.25)."""
+    rng = np.random.default_rng(29)
+    q, k, v, qs, lens, table = _batch(rng, [(9, 9), (5, 30), (1, 17), (0, 0)], 2, 8, 8, 2, 64, dtype)
+    k8, v8, ks, vs = fp8_kv(rng, k, v)
+    out = ragged_prefill_attention(q, k8, v8, qs, lens, table, k_scale=ks, v_scale=vs, interpret=mode == "interpret")
+    ref = ragged_prefill_attention_reference(q, k8, v8, qs, lens, table, ks, vs)
+    assert_close(out, ref, dtype, mode)
+    exact = ragged_prefill_attention_reference(q, k, v, qs, lens, table)
+    np.testing.assert_allclose(np.asarray(out.astype(jnp.float32)), np.asarray(exact.astype(jnp.float32)), atol=0.25)
+    assert not np.asarray(out[int(qs[-1]):].astype(jnp.float32)).any()
+
+
+def test_prefill_fp8_lowers_for_cuda():
+    """The FP8 path through the Triton lowering on a machine without a GPU."""
+    s = jax.ShapeDtypeStruct
+    cache, scales = s((8, 16, 2, 128), jnp.float8_e4m3fn), s((2,), jnp.float32)
+    text = lower_for_cuda(ragged_prefill_attention, s((32, 8, 128), jnp.bfloat16), cache, cache, s((3,), jnp.int32),
+                          s((2,), jnp.int32), s((2, 4), jnp.int32), None, None, scales, scales)
+    assert "ragged_prefill_attention_bq" in text and "_fp8" in text
 
 
 @pytest.mark.slow

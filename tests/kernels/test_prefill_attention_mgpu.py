@@ -120,6 +120,27 @@ def test_mgpu_prefill_argument_checks():
         ragged_prefill_attention_mgpu(q, k, k, qs[:1], lens, table, interpret=True)
     assert check_supported(q, jnp.zeros((4, 4, 2, 64), jnp.bfloat16)) is not None  # page size 4
     assert check_supported(q, k) is None
+    assert "FP8 cache goes to the Triton kernel" in check_supported(q, k.astype(jnp.float8_e4m3fn))
+
+
+def test_ops_send_fp8_caches_to_the_triton_kernel():
+    """With the Mosaic prefill on, a step of long sequences over an FP8 cache runs the Triton kernel (its FP8 form)
+    only (traced: no kernel runs)."""
+    import jax
+
+    from jinfer.config.kernels import KernelPolicy
+    from jinfer.models.batch import make_batch
+    from jinfer.ops import ModelOps
+
+    policy = KernelPolicy()
+    n = max(policy.mosaic_min_query_len, policy.mosaic_min_step_tokens)
+    batch = make_batch([([0] * n, 0, list(range(1, n // 16 + 1)))], 16, num_tokens=n, num_seqs=2)
+    cache = jnp.zeros((n // 16 + 1, 16, 2, 64), jnp.float8_e4m3fn)
+    scales = jnp.ones((2,), jnp.float32)
+    q = jnp.zeros((n, 8, 64), jnp.bfloat16)
+    ops = ModelOps("pallas", interpret=False, mosaic_prefill=True)
+    jaxpr = str(jax.make_jaxpr(lambda q: ops.attention(q, cache, cache, batch, 0.125, scales, scales))(q))
+    assert "ragged_prefill_attention_bq" in jaxpr and "_fp8" in jaxpr and "wgmma" not in jaxpr
 
 
 @pytest.mark.slow

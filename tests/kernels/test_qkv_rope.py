@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from pallas_kernels.dense.qkv_rope import check_supported, qkv_rope_write, qkv_rope_write_reference
-from tests.kernels.conftest import assert_close, assert_unwritten_rows_kept, by_mode
+from tests.kernels.conftest import assert_close, assert_unwritten_rows_kept, by_mode, fp8_kv
 
 # (tokens, heads, kv_heads, head_dim, page_size, qk_norm, dtype, gated_q, rotary_dim)
 CASES = [
@@ -67,6 +67,32 @@ def test_matches_reference(mode, tokens, heads, kv_heads, dim, page_size, qk_nor
         if s >= 0:
             v_new = args[0][t].reshape(-1, dim)[(2 if gated_q else 1) * heads + kv_heads:]
             np.testing.assert_array_equal(np.asarray(vc[s // page_size, s % page_size]), np.asarray(v_new))
+
+
+def assert_fp8_rows_close(cache, ref, scale):
+    """Two FP8 caches' values (times their kv head's scale) within one e4m3 step: the rows were rounded to the
+    activation dtype in slightly different ways before their quantization."""
+    got, want = (np.asarray(c.astype(jnp.float32)) * np.asarray(scale)[:, None] for c in (cache, ref))
+    np.testing.assert_allclose(got, want, rtol=2.0**-3, atol=2.0**-9 * float(np.max(scale)))
+
+
+@pytest.mark.parametrize("mode,dtype", by_mode([pytest.param(jnp.bfloat16, id="gated-partial-bf16")]))
+def test_fp8_cache_rows_quantized(mode, dtype):
+    """An FP8 cache: the new K rows (normed, rotated: partial RoPE writes its passing dims apart) and V rows divided
+    by their kv head's scale and rounded to e4m3 as the reference does; padding writes nothing."""
+    rng = np.random.default_rng(31)
+    args = _inputs(rng, 3, 4, 2, 64, 8, True, dtype, gated_q=True, rotary=16)
+    k8, v8, ks, vs = fp8_kv(rng, args[6], args[7])
+    args = (*args[:6], k8, v8, ks, vs)
+    kw = dict(num_heads=4, num_kv_heads=2, eps=1e-6, gated_q=True)
+    before = [np.asarray(c.astype(jnp.float32)) for c in (k8, v8)]
+    q, kc, vc = qkv_rope_write(*args, **kw, interpret=mode == "interpret")
+    rq, rk, rv = qkv_rope_write_reference(*args, **kw)
+    assert kc.dtype == vc.dtype == jnp.float8_e4m3fn
+    assert_close(q, rq, dtype, mode)
+    assert_fp8_rows_close(kc, rk, ks)
+    np.testing.assert_array_equal(np.asarray(vc.astype(jnp.float32)), np.asarray(rv.astype(jnp.float32)))
+    assert_unwritten_rows_kept(args[3], (kc, before[0]), (vc, before[1]))
 
 
 def test_unsupported_shapes():

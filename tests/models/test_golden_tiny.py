@@ -148,9 +148,9 @@ def test_batched_chunked_prefill_matches_hf(model):
     check_batched_chunked_prefill(step, w, empty_cache(cfg), gold)
 
 
-def sharded_model(src, n: int, ep: bool, ops: str):
+def sharded_model(src, n: int, ep: bool, ops: str, kv_dtype=None):
     """A checkpoint's weights sharded over n fake devices (experts split with ep) and its jitted step under
-    shard_map: (cfg, mesh, weights, step, a function making a fresh KV cache)."""
+    shard_map: (cfg, mesh, weights, step, a function making a fresh KV cache, of `kv_dtype` if given)."""
     from jinfer.cache.layout import init_kv_cache
     from jinfer.models.registry import shard_weights
     from jinfer.parallel.mesh import array_specs, check_parallel, make_mesh, mesh_forward
@@ -160,7 +160,7 @@ def sharded_model(src, n: int, ep: bool, ops: str):
     mesh = make_mesh(n)
     w = shard_weights(cfg, load_weights(src, "float32", mesh, progress=False, expert_parallel=ep), mesh,
                       expert_parallel=ep)
-    new_kv = partial(init_kv_cache, cfg, NUM_PAGES, PAGE, "float32", mesh)
+    new_kv = partial(init_kv_cache, cfg, NUM_PAGES, PAGE, "float32", mesh, kv_dtype=kv_dtype)
     step = jax.jit(mesh_forward(forward, cfg, OPS[ops], mesh, array_specs(w), array_specs(new_kv())),
                    donate_argnums=(2,))
     return cfg, mesh, w, step, new_kv
@@ -199,3 +199,40 @@ def check_batched_chunked_prefill(step, w, kv, gold):
     got2 = np.concatenate([np.asarray(logits1[n0:n0 + cut]), np.asarray(logits2[n1:n1 + len(prompts[2]) - cut])])
     np.testing.assert_allclose(got2, gold["prefill_logits_2"], atol=ATOL, rtol=1e-4)
     np.testing.assert_allclose(np.asarray(logits2[:n1]), gold["prefill_logits_1"], atol=ATOL, rtol=1e-4)
+
+
+# An FP8 KV cache (e4m3: 3 mantissa bits, scale 1.0) in these random-weight models moves the logits (magnitude ~3) by
+# up to 0.25 from HF's float32 ones (K and V ~0.6 on average); tiny Qwen3's greedy margins stay above that.
+FP8_ATOL = 0.3
+
+
+@pytest.mark.parametrize("ops", ["ref", pytest.param("pallas", marks=pytest.mark.slow)])
+def test_fp8_kv_cache_greedy_matches_hf(ops):
+    """Tiny Qwen3 with kv_cache_dtype='fp8' (layout.init_kv_cache: e4m3 pages and scales): each prompt (5, 19, 37
+    tokens) as `check_fp8_prompt` checks it. With the Pallas kernels (interpreted: the K/V-writing front ends and the
+    decode kernel quantize and dequantize) the first prompt."""
+    from jinfer.cache.layout import init_kv_cache
+    from jinfer.parallel.mesh import make_mesh
+
+    cfg, w, gold, step = make_step("qwen3", ops)
+    for i in range(3) if ops == "ref" else [0]:
+        kv = init_kv_cache(cfg, NUM_PAGES, PAGE, jnp.float32, make_mesh(1), kv_dtype=jnp.float8_e4m3fn)
+        kv = check_fp8_prompt(step, w, kv, gold, i)
+        assert kv[0][0].dtype == jnp.float8_e4m3fn and kv[0][2].dtype == jnp.float32
+
+
+def check_fp8_prompt(step, w, kv, gold, i):
+    """Prompt i's prefill logits and its 31 decodes' (HF's own tokens fed back) within FP8_ATOL of HF's, and every
+    greedy token HF's. Returns the cache."""
+    prompt, greedy = gold[f"prompt_{i}"].tolist(), gold[f"greedy_{i}"].tolist()
+    pages = scrambled_pages(i, (len(prompt) + len(greedy)) // PAGE + 1)
+    logits, kv = step(w, prefill_batch([(prompt, 0, pages)]), kv)
+    np.testing.assert_allclose(np.asarray(logits[:len(prompt)]), gold[f"prefill_logits_{i}"], atol=FP8_ATOL)
+    ours = [int(np.argmax(logits[len(prompt) - 1]))]
+    for s in range(1, len(greedy)):
+        logits, kv = step(w, decode_batch(greedy[s - 1], len(prompt) + s - 1, pages), kv)
+        np.testing.assert_allclose(np.asarray(logits[0]), gold[f"decode_logits_{i}"][s], atol=FP8_ATOL,
+                                   err_msg=f"decode step {s}")
+        ours.append(int(np.argmax(logits[0])))
+    assert ours == greedy, f"prompt {i}"
+    return kv

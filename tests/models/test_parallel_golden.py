@@ -12,7 +12,7 @@ import pytest
 from jinfer.weights.loader import resolve_model
 
 from ..conftest import DATA
-from .test_golden_tiny import check_batched_chunked_prefill, check_prompt_and_decodes, sharded_model
+from .test_golden_tiny import check_batched_chunked_prefill, check_fp8_prompt, check_prompt_and_decodes, sharded_model
 
 # (arch, devices, expert parallel, ops): every layout at least once with each ops, every model at least once (the
 # tiny models have 2 kv heads: tp=2 splits them, tp=4 and 8 replicate them); tp=8 needs 8 q heads (qwen3, qwen3_moe).
@@ -66,3 +66,18 @@ def test_prompt_and_decodes_match_hf(sharded):
 def test_batched_chunked_prefill_matches_hf(sharded):
     cfg, mesh, ep, w, gold, step, kv = sharded
     check_batched_chunked_prefill(step, w, kv(), gold)
+
+
+def test_fp8_kv_cache_with_kv_heads_replicated():
+    """An FP8 cache on 4 devices (tiny Qwen3's 2 kv heads each stored twice, their scales too): HF's greedy tokens,
+    the logits within test_golden_tiny.FP8_ATOL."""
+    import jax.numpy as jnp
+    import numpy as np
+
+    if len(jax.devices()) < 4:
+        pytest.skip("4 devices needed")
+    cfg, mesh, w, step, new_kv = sharded_model(resolve_model(DATA / "tiny-qwen3"), 4, False, "ref",
+                                               kv_dtype=jnp.float8_e4m3fn)
+    kv = new_kv()
+    assert kv[0][2].shape == (4,) and kv[0][2].sharding.spec[0] == "tp"
+    check_fp8_prompt(step, w, kv, np.load(DATA / "golden" / "tiny-qwen3.npz"), 2)

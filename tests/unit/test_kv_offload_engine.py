@@ -239,6 +239,40 @@ def test_host_blocks_restore_rows_and_stay_bounded():
     pool.reserve()  # the start-up growth of the host allocator (a background thread on GPU) runs anywhere
 
 
+def test_fp8_pages_round_trip():
+    """An FP8 cache (k, v, k_scale, v_scale per layer): its e4m3 pages go to host memory and come back into other
+    pages bit for bit, a page's bytes are half of bf16's, and the scales (the layers', not a page's) stay."""
+    import jax
+    import jax.numpy as jnp
+
+    from jinfer.cache.host_tier import HostTier
+    from jinfer.cache.transfer import HostKVPool
+
+    rng = np.random.default_rng(5)
+    on_mesh = jax.sharding.NamedSharding(jax.make_mesh((1,), ("tp",)), jax.sharding.PartitionSpec())
+    f8 = jnp.float8_e4m3fn
+    cache = tuple((*(jax.device_put(jnp.asarray(rng.standard_normal((16, 4, 2, 8)), f8), on_mesh) for _ in range(2)),
+                   *(jax.device_put(jnp.asarray([0.5, 2.0], jnp.float32), on_mesh) for _ in range(2)))
+                  for _ in range(2))
+    original = jax.tree.map(lambda a: np.asarray(a.astype(jnp.float32)), cache)
+    pool, tier = HostKVPool(cache, 8), HostTier(8)
+    assert pool.page_dtype == f8 and pool.page_bytes == 2 * 2 * 4 * 2 * 8  # layers x (k, v) x page x heads x dim
+    for p in (3, 5, 6):
+        tier.offload(p, bytes([p]))
+    cache, _ = pool.apply(cache, tier.take_transfers())
+    for i, p in enumerate((6, 3)):
+        tier.restore(bytes([p]), 10 + i)
+    cache, _ = pool.apply(cache, tier.take_transfers())
+    got = jax.tree.map(lambda a: np.asarray(a.astype(jnp.float32)), cache)
+    for layer, before in zip(got, original, strict=True):
+        for i, p in enumerate((6, 3)):
+            np.testing.assert_array_equal(layer[0][10 + i], before[0][p])
+            np.testing.assert_array_equal(layer[1][10 + i], before[1][p])
+        np.testing.assert_array_equal(layer[2], before[2])
+        np.testing.assert_array_equal(layer[3], before[3])
+    assert all(a.dtype == f8 for layer in cache for a in layer[:2])
+
+
 def test_host_copies_wait_for_read_backs_while_the_engine_runs(monkeypatch):
     """Device -> host copies share a stream with the steps' read-backs, so while the engine runs requests a
     block's copy waits until a read-back leaves it room before the next one is due; idle, it goes at once."""

@@ -76,8 +76,8 @@ def cli_subparser(name: str) -> argparse.ArgumentParser:
 
 
 @pytest.mark.parametrize("kw, message", [
-    ({"kv_cache_dtype": "fp8"}, "kv_cache_dtype='fp8' is not supported yet"),
-    ({"kv_cache_dtype": "bfloat16", "dtype": "float32"}, "kv_cache_dtype='bfloat16' must be 'auto' or the model's"),
+    ({"kv_cache_dtype": "fp8_e5m2"}, "kv_cache_dtype='fp8_e5m2' must be one of"),
+    ({"kv_cache_dtype": "bfloat16", "dtype": "float32"}, "kv_cache_dtype='bfloat16' must be 'auto', 'fp8' or the"),
     ({"quantization": "awq"}, "quantization='awq' is not supported"),
     ({"max_logprobs": 21}, r"max_logprobs=21 must be an integer in \[0, 20\]"),
     ({"dtype": "float8"}, "dtype='float8' must be"),
