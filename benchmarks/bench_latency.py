@@ -173,7 +173,7 @@ def main():
         busiest = None
         if args.tensor_parallel_size == 1 or (cfg.num_layers == len(cfg.attention_layers) and not cfg.kv_lora_rank):
             busiest = decode_bytes_per_device(cfg, bs, mid_context, args.tensor_parallel_size,
-                                              args.enable_expert_parallel)["total"] / bandwidth * 1e3
+                                              args.enable_expert_parallel, kv_bytes=kv_bytes)["total"] / bandwidth * 1e3
         ttft_floor = {k: bs * pf[k] for k in ("prefill_flop_floor_ms", "prefill_byte_floor_ms")}
         if bs > 1:  # one batch of bs prompts reads the weights once
             ttft_floor["prefill_byte_floor_ms"] = pf["prefill_byte_floor_ms"]

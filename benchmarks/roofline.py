@@ -156,16 +156,17 @@ def busiest_device_experts(cfg: ModelConfig, tokens: int, devices: int, seed: in
 
 
 def decode_bytes_per_device(cfg: ModelConfig, batch: int, context: int, tp: int, expert_parallel: bool = False,
-                            dtype_bytes: int = 2) -> dict:
+                            dtype_bytes: int = 2, kv_bytes: int | None = None) -> dict:
     """What the busiest of `tp` devices reads in one decode step under jinfer's layout (jinfer/parallel/mesh.py):
     q / o, dense MLPs and the lm_head split tp ways; kv heads split, or one per device past num_kv_heads
     devices (their weights and cache then stored on several); the router on every device; each hit expert's
     columns split tp ways, or (expert parallel) whole experts on their device, counted on the device the
-    most hit experts land on (`busiest_device_experts`). At tp=1 it is `decode_bytes`."""
+    most hit experts land on (`busiest_device_experts`); `kv_bytes` per K/V value (default dtype_bytes). At tp=1
+    it is `decode_bytes`."""
     from jinfer.parallel.mesh import kv_heads_total
 
     if tp == 1:
-        return decode_bytes(cfg, batch, context, dtype_bytes)
+        return decode_bytes(cfg, batch, context, dtype_bytes, kv_bytes)
     if cfg.num_layers != len(cfg.attention_layers) or cfg.kv_lora_rank:
         raise ValueError(f"{cfg.architecture}: per-device bytes are for attention-only models without latent KV")
     h, kv_d = cfg.hidden_size, kv_heads_total(cfg, tp) // tp * cfg.head_dim  # kv columns on one device
@@ -182,7 +183,7 @@ def decode_bytes_per_device(cfg: ModelConfig, batch: int, context: int, tp: int,
     mlp = sum(h * cfg.num_experts + experts if cfg.is_moe_layer(i) else 3 * h * cfg.intermediate_size / tp
               for i in range(cfg.num_layers))
     weights = (cfg.num_layers * attn + mlp + cfg.vocab_size * h / tp + h) * dtype_bytes
-    kv = batch * context * cfg.num_layers * 2 * kv_d * dtype_bytes
+    kv = batch * context * cfg.num_layers * 2 * kv_d * (dtype_bytes if kv_bytes is None else kv_bytes)
     return {"weights": weights, "kv": kv, "total": weights + kv}
 
 
