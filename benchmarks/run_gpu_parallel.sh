@@ -8,6 +8,8 @@
 #   latency     engine TTFT / TPOT, Qwen3-8B tp 1 vs $TP and Qwen3-30B-A3B one GPU vs ep $TP, batch $BATCHES; at $TP
 #               both with XLA's all-reduce and with the one-shot kernel (files *_ar.json)
 #   throughput  offline 512 prompts x 1k in / 128 out, the same pairs
+#   cbmode      Qwen3-8B TPOT at tp 1 and $TP with XLA's command buffers keeping their temporary buffers' addresses
+#               (--xla_gpu_command_buffer_update_mode=SKIP_TEMP, the VMM allocator) against the default, batch $BATCHES
 #   profile     a Perfetto trace of the Qwen3-8B decode step at tp 1 and $TP (batch 1), summarized per device
 #   multiprocess Qwen3-8B TPOT with one process per GPU ($TP processes, jax.distributed) vs one process
 #   dp          serving at saturation, Qwen3-4B: one replica vs $TP replicas (--data-parallel-size) behind one server
@@ -65,6 +67,15 @@ if [[ $PARTS == *throughput* && $SHAPES == *moe* ]]; then
     timeout 500 python3 -m benchmarks.bench_throughput --model dummy:qwen3-30b-a3b --num-prompts 512 --input-len 1024 \
         --output-len 128 --warmup -tp $ep $([ $ep -gt 1 ] && echo --enable-expert-parallel) \
         --out "$OUT/throughput_qwen3-30b-a3b_ep${ep}_${TAG}_512x1k.json" | grep "^throughput"
+  done
+fi
+if [[ $PARTS == *cbmode* ]]; then
+  for tp in 1 $TP; do
+    for mode in default SKIP_TEMP; do
+      XLA_FLAGS="$([[ $mode == default ]] || echo --xla_gpu_command_buffer_update_mode=$mode)" timeout 300 \
+        python3 -m benchmarks.bench_latency --shape qwen3-8b --batch-sizes ${BATCHES:-1 16} -tp $tp --input-len 1024 \
+          --output-len 128 --out "$OUT/latency_qwen3-8b_tp${tp}_cb${mode}_$TAG.json" | grep "^batch"
+    done
   done
 fi
 if [[ $PARTS == *profile* ]]; then
