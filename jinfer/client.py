@@ -203,7 +203,7 @@ class EngineClient:
             if self.tokenizer is None:
                 raise ValueError("the engine has no tokenizer: send token ids, not text")
             return self.tokenizer.encode(prompt)
-        return [int(t) for t in prompt]
+        return list(map(int, prompt))
 
     def _add(self, request_id: str, ids: list[int], params: SamplingParams | PoolingParams, tag: int, q: Any,
              loop: asyncio.AbstractEventLoop | None) -> None:
@@ -260,37 +260,41 @@ class EngineClient:
     async def stream(self, prompt: Prompt, params: SamplingParams | None = None,
                      request_id: str | None = None) -> AsyncIterator[EngineOutput]:
         """Deltas of one request as they come. Closing the iterator early aborts the request."""
-        async for _, delta in self.stream_batch([prompt], params, request_id, suffix=False):
-            yield delta
+        async for chunk in self.stream_batch([prompt], params, request_id, suffix=False):
+            for _, delta in chunk:
+                yield delta
 
     async def stream_batch(self, prompts: Sequence[Prompt], params: SamplingParams | PoolingParams | None = None,
                            request_id: str | None = None, *, suffix: bool = True
-                           ) -> AsyncIterator[tuple[int, EngineOutput]]:
-        """Several prompts with the same params as engine requests `{request_id}-{i}`; yields
-        (prompt index, delta) in arrival order (PoolingParams: embeddings, one finished delta each). Raises
-        ValueError if the engine refuses one (the others are aborted), EngineDeadError if the engine dies,
-        RequestError if a request fails."""
+                           ) -> AsyncIterator[list[tuple[int, EngineOutput]]]:
+        """Several prompts with the same params as engine requests `{request_id}-{i}`; yields lists of (prompt index,
+        delta), each all that came since the last (a backlog at once). PoolingParams: embeddings, one finished delta
+        each. ValueError if the engine refuses one (the others are aborted), EngineDeadError, RequestError."""
         params = params or SamplingParams()
         base = request_id or uuid.uuid4().hex
         rids = [f"{base}-{i}" if suffix else base for i in range(len(prompts))]
         if len(set(rids)) != len(rids):
             raise ValueError("several prompts need suffix=True")
         ids = [self._prompt_ids(p) for p in prompts]
-        q: asyncio.Queue = asyncio.Queue()
-        loop = asyncio.get_running_loop()
-        added: list[str] = []
-        open_prompts = len(rids)
+        q, loop, added, open_prompts = asyncio.Queue(), asyncio.get_running_loop(), [], len(rids)
         try:
             for i, (rid, prompt_ids) in enumerate(zip(rids, ids, strict=True)):
                 self._add(rid, prompt_ids, params, i, q, loop)
                 added.append(rid)
             while open_prompts:
-                for tag, item in await q.get():
+                items, chunk = await q.get(), []
+                while not q.empty():  # everything that arrived meanwhile
+                    items += q.get_nowait()
+                for tag, item in items:
                     if item is _DONE:
                         open_prompts -= 1
                         continue
+                    if chunk and (isinstance(item, BaseException) or item.finish_reason == "error"):
+                        yield chunk  # the deltas before a failure first (which _check raises)
                     _check(item)
-                    yield tag, item
+                    chunk.append((tag, item))
+                if chunk:
+                    yield chunk
         finally:
             for rid in added:  # early exit, error or cancellation (e.g. the HTTP client went away)
                 if rid in self._pending:

@@ -86,9 +86,10 @@ async def run_embeddings(client: Any, req: EmbeddingRequest) -> dict[str, Any]:
     """Every input's vector from the engine, as OpenAI's response body; InvalidRequest for a refusal or failure."""
     vectors: list[bytes | None] = [None] * len(req.prompts)
     try:
-        async for i, delta in client.stream_batch(req.prompts, req.params, f"embd-{uuid.uuid4().hex}"):
-            if delta.embedding is not None:
-                vectors[i] = delta.embedding
+        async for chunk in client.stream_batch(req.prompts, req.params, f"embd-{uuid.uuid4().hex}"):
+            for i, delta in chunk:
+                if delta.embedding is not None:
+                    vectors[i] = delta.embedding
     except Exception as e:
         raise to_http_error(e, PARAM_NAMES) from None
     if any(v is None for v in vectors):  # aborted (the engine went away between steps)

@@ -1,6 +1,9 @@
 """One OpenAI generation request on its way through the engine: start (the engine accepted it),
 the deltas (kept per choice, timed for the metrics), then a JSON body or an SSE stream, and a summary for
-the request's access line (server/access_log.py) when it ends."""
+the request's access line (server/access_log.py) when it ends.
+
+Deltas come a list at a time: all that arrived since the request's task last ran. A stream sends each list's
+events in one write, so a server that falls behind the engine catches up with fewer, larger writes."""
 
 from __future__ import annotations
 
@@ -23,6 +26,9 @@ from server.tools import ToolStream
 from server.validation import GenerationRequest
 
 log = logging.getLogger("jinfer.server")
+
+_dumps = json.JSONEncoder(ensure_ascii=False, separators=(",", ":")).encode  # json.dumps(x, ...) without its set-up
+_SLOT = "\0"  # a placeholder in the event templates below (JSON text has it only as the string "\u0000")
 
 
 def to_http_error(e: BaseException, param_names: Mapping[str, str] | None = None) -> InvalidRequest:
@@ -69,6 +75,10 @@ class Generation:
         self.num_cached = 0
         self._agen = state.client.stream_batch(req.prompts, req.params, self.id)
         self._buffer: list[tuple[_Choice, EngineOutput]] = []  # recorded by start(), not yet sent
+        # a streamed chunk without usage: this envelope around its choices
+        envelope = _dumps(schemas.chunk(req.chat, self.id, self.created, req.model, [_SLOT], None, req.include_usage))
+        self._head, _, self._tail = envelope.partition(_dumps([_SLOT]))
+        self._text_templates: dict[int, tuple[str, str]] = {}  # choice index -> a text event's ends (_text_event)
         self._closed = False
         self.summary: dict[str, Any] = {"id": self.id}  # filled in by close()
 
@@ -77,9 +87,9 @@ class Generation:
         waiting = set(range(len(self.req.prompts)))
         try:
             while waiting:
-                prompt_index, delta = await anext(self._agen)
-                self._buffer.append(self._record(prompt_index, delta))
-                waiting.discard(prompt_index)
+                chunk = await anext(self._agen)
+                self._buffer += self._record(chunk)
+                waiting.difference_update(prompt_index for prompt_index, _ in chunk)
         except StopAsyncIteration:
             pass
         except BaseException as e:
@@ -87,37 +97,44 @@ class Generation:
                              else "aborted")
             raise to_http_error(e, self.req.param_names) if isinstance(e, Exception) else e from None
 
-    async def deltas(self) -> AsyncIterator[tuple[_Choice, EngineOutput]]:
-        while self._buffer:
-            yield self._buffer.pop(0)
-        async for item in self._agen:
-            yield self._record(*item)
+    async def chunks(self) -> AsyncIterator[list[tuple[_Choice, EngineOutput]]]:
+        """The deltas with their choices, a list at a time (see the module doc)."""
+        if self._buffer:
+            chunk, self._buffer = self._buffer, []
+            yield chunk
+        async for chunk in self._agen:
+            yield self._record(chunk)
 
-    def _record(self, prompt_index: int, d: EngineOutput) -> tuple[_Choice, EngineOutput]:
-        now = time.monotonic()
-        c = self.choices[prompt_index * self.req.params.n + d.index]
-        if d.new_token_ids:
-            if self.t_first is None:
-                self.t_first = now
-                self.state.metrics.ttft.observe(now - self.t0)
-            if c.last_time is not None:
-                self.state.metrics.itl.observe((now - c.last_time) / len(d.new_token_ids))
-            c.last_time = now
-            self.state.metrics.generation_tokens.inc(len(d.new_token_ids))
-        if d.prompt_logprobs is not None:
-            c.prompt_logprobs, c.prompt_logprob_ranks = d.prompt_logprobs, d.prompt_logprob_ranks
-        if self.req.echo_only:  # the one token generated for an echo of max_tokens 0 is not part of the answer
-            d.new_text, d.new_token_ids, d.new_logprobs = "", [], None
+    def _record(self, chunk: list[tuple[int, EngineOutput]]) -> list[tuple[_Choice, EngineOutput]]:
+        now, metrics, n = time.monotonic(), self.state.metrics, self.req.params.n
+        out, num_tokens = [], 0
+        for prompt_index, d in chunk:
+            c = self.choices[prompt_index * n + d.index]
+            if d.new_token_ids:
+                if self.t_first is None:
+                    self.t_first = now
+                    metrics.ttft.observe(now - self.t0)
+                if c.last_time is not None:
+                    metrics.itl.observe((now - c.last_time) / len(d.new_token_ids))
+                c.last_time = now
+                num_tokens += len(d.new_token_ids)
+            if d.prompt_logprobs is not None:
+                c.prompt_logprobs, c.prompt_logprob_ranks = d.prompt_logprobs, d.prompt_logprob_ranks
+            if self.req.echo_only:  # the one token generated for an echo of max_tokens 0 is not part of the answer
+                d.new_text, d.new_token_ids, d.new_logprobs = "", [], None
+                if d.finished:
+                    d.finish_reason, d.stop_reason = "length", None
+            c.text += d.new_text
+            c.token_ids += d.new_token_ids
+            if d.new_logprobs:
+                c.logprobs += d.new_logprobs
             if d.finished:
-                d.finish_reason, d.stop_reason = "length", None
-        c.text += d.new_text
-        c.token_ids += d.new_token_ids
-        if d.new_logprobs:
-            c.logprobs += d.new_logprobs
-        if d.finished:
-            c.finish_reason, c.stop_reason = d.finish_reason, d.stop_reason
-        self.num_cached = max(self.num_cached, d.num_cached_tokens)
-        return c, d
+                c.finish_reason, c.stop_reason = d.finish_reason, d.stop_reason
+            self.num_cached = max(self.num_cached, d.num_cached_tokens)
+            out.append((c, d))
+        if num_tokens:
+            metrics.generation_tokens.inc(num_tokens)
+        return out
 
     # ---- end -----------------------------------------------------------------------------------
 
@@ -162,7 +179,7 @@ class Generation:
 
     async def collect(self) -> dict[str, Any]:
         try:
-            async for _ in self.deltas():
+            async for _ in self.chunks():
                 pass
         except BaseException as e:
             await self.close("aborted" if isinstance(e, asyncio.CancelledError) else "error")
@@ -211,56 +228,84 @@ class Generation:
     # ---- streaming -----------------------------------------------------------------------------
 
     def _event(self, choices: list[dict], usage: dict | None = None) -> str:
+        if usage is None:
+            return f"data: {self._head}{_dumps(choices)}{self._tail}\n\n"
         r = self.req
         body = schemas.chunk(r.chat, self.id, self.created, r.model, choices, usage, r.include_usage)
-        return f"data: {json.dumps(body, ensure_ascii=False, separators=(',', ':'))}\n\n"
+        return f"data: {_dumps(body)}\n\n"
+
+    def _text_event(self, index: int, text: str) -> str:
+        """`_event` of choice `index`'s text piece without logprobs: its template around the text's JSON."""
+        ends = self._text_templates.get(index)
+        if ends is None:
+            choice = (schemas.chat_delta(index, {"content": _SLOT}) if self.req.chat
+                      else schemas.completion_choice(index, _SLOT, None, None))
+            head, _, tail = self._event([choice]).partition(_dumps(_SLOT))
+            ends = self._text_templates[index] = head, tail
+        return f"{ends[0]}{_dumps(text)}{ends[1]}"
+
+    def _delta_events(self, c: _Choice, d: EngineOutput, tool_streams: dict[int, ToolStream],
+                      reasoning_streams: dict[int, ReasoningStream]) -> list[str]:
+        """The SSE events of one delta."""
+        r, tok, out = self.req, self.state.tokenizer, []
+        text, echo = d.new_text, r.echo and not c.streamed
+        offset = len(c.text) - len(d.new_text) + (len(r.prompt_texts[c.prompt_index]) if r.echo else 0)
+        if echo:
+            text, offset = r.prompt_texts[c.prompt_index] + text, 0
+        c.streamed = True
+        if r.chat:
+            lp = None if r.top_logprobs is None or not d.new_logprobs else schemas.chat_logprobs(
+                tok, d.new_token_ids, d.new_logprobs, r.top_logprobs)
+            delta, finish, think, content = {"content": text}, d.finish_reason, "", c.text
+            if r.reasoning is not None:  # reasoning_content pieces, then content (server/reasoning.py)
+                reasoner = reasoning_streams.setdefault(c.index, ReasoningStream(r.reasoning))
+                think, text, content = reasoner.update(c.text, d.finished)
+                delta = {"reasoning_content": think} if think else {"content": text}
+                if think and text:
+                    delta["content"] = text
+            if r.tools is not None:  # tool calling: content and delta.tool_calls pieces (server/tools.py)
+                stream = tool_streams.setdefault(c.index, ToolStream(r.tools))
+                text, pieces = stream.update(content, d.finished)
+                delta = {**({"reasoning_content": think} if think else {}),
+                         **({"content": text} if text else {}), **({"tool_calls": pieces} if pieces else {})}
+                finish = "tool_calls" if stream.num_calls and finish == "stop" else finish
+            if text or think or lp or "tool_calls" in delta:
+                plain = lp is None and r.reasoning is None and r.tools is None  # delta is {"content": text}
+                out.append(self._text_event(c.index, text) if plain
+                           else self._event([schemas.chat_delta(c.index, delta, lp)]))
+            if d.finished:
+                out.append(self._event([schemas.chat_delta(c.index, {}, None, finish, d.stop_reason)]))
+        else:
+            lp = self._completion_logprobs(c, d.new_token_ids, d.new_logprobs or [], echo=echo,
+                                           offset=offset) if d.new_logprobs or echo else None
+            if lp is not None and not lp["tokens"]:  # nothing to report in this chunk
+                lp = None
+            # (a model without a tokenizer streams one empty-text chunk per step, so progress shows)
+            if text or lp or (tok is None and d.new_token_ids):
+                out.append(self._text_event(c.index, text) if lp is None
+                           else self._event([schemas.completion_choice(c.index, text, lp, None)]))
+            if d.finished:
+                out.append(self._event([schemas.completion_choice(c.index, "", None, d.finish_reason,
+                                                                  d.stop_reason)]))
+        return out
 
     async def sse(self) -> AsyncIterator[str]:
-        r, tok = self.req, self.state.tokenizer
+        """The stream's events, those of each list of deltas in one piece."""
+        r = self.req
         status = "error"
         tool_streams: dict[int, ToolStream] = {}
         reasoning_streams: dict[int, ReasoningStream] = {}
+        events: list[str] = []  # of the list of deltas at hand
         try:
             if r.chat:  # role first
-                for c in self.choices:
-                    yield self._event([schemas.chat_delta(c.index, {"role": "assistant", "content": ""})])
-            async for c, d in self.deltas():
-                text, echo = d.new_text, r.echo and not c.streamed
-                offset = len(c.text) - len(d.new_text) + (len(r.prompt_texts[c.prompt_index]) if r.echo else 0)
-                if echo:
-                    text, offset = r.prompt_texts[c.prompt_index] + text, 0
-                c.streamed = True
-                if r.chat:
-                    lp = None if r.top_logprobs is None or not d.new_logprobs else schemas.chat_logprobs(
-                        tok, d.new_token_ids, d.new_logprobs, r.top_logprobs)
-                    delta, finish, think, content = {"content": text}, d.finish_reason, "", c.text
-                    if r.reasoning is not None:  # reasoning_content pieces, then content (server/reasoning.py)
-                        reasoner = reasoning_streams.setdefault(c.index, ReasoningStream(r.reasoning))
-                        think, text, content = reasoner.update(c.text, d.finished)
-                        delta = {"reasoning_content": think} if think else {"content": text}
-                        if think and text:
-                            delta["content"] = text
-                    if r.tools is not None:  # tool calling: content and delta.tool_calls pieces (server/tools.py)
-                        stream = tool_streams.setdefault(c.index, ToolStream(r.tools))
-                        text, pieces = stream.update(content, d.finished)
-                        delta = {**({"reasoning_content": think} if think else {}),
-                                 **({"content": text} if text else {}), **({"tool_calls": pieces} if pieces else {})}
-                        finish = "tool_calls" if stream.num_calls and finish == "stop" else finish
-                    if text or think or lp or "tool_calls" in delta:
-                        yield self._event([schemas.chat_delta(c.index, delta, lp)])
-                    if d.finished:
-                        yield self._event([schemas.chat_delta(c.index, {}, None, finish, d.stop_reason)])
-                else:
-                    lp = self._completion_logprobs(c, d.new_token_ids, d.new_logprobs or [], echo=echo,
-                                                   offset=offset) if d.new_logprobs or echo else None
-                    if lp is not None and not lp["tokens"]:  # nothing to report in this chunk
-                        lp = None
-                    # (a model without a tokenizer streams one empty-text chunk per step, so progress shows)
-                    if text or lp or (tok is None and d.new_token_ids):
-                        yield self._event([schemas.completion_choice(c.index, text, lp, None)])
-                    if d.finished:
-                        yield self._event([schemas.completion_choice(c.index, "", None, d.finish_reason,
-                                                                     d.stop_reason)])
+                yield "".join(self._event([schemas.chat_delta(c.index, {"role": "assistant", "content": ""})])
+                              for c in self.choices)
+            async for chunk in self.chunks():
+                for c, d in chunk:
+                    events += self._delta_events(c, d, tool_streams, reasoning_streams)
+                if events:
+                    piece, events = "".join(events), []
+                    yield piece
             if r.include_usage:
                 yield self._event([], self.usage())
             status = "success"
@@ -269,7 +314,7 @@ class Generation:
             raise
         except Exception as e:
             err = to_http_error(e, r.param_names)
-            yield f"data: {json.dumps(err.body())}\n\n"
+            yield "".join(events) + f"data: {json.dumps(err.body())}\n\n"  # (the events before the failure first)
         finally:
             await self.close(status)
         yield "data: [DONE]\n\n"

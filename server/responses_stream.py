@@ -133,12 +133,15 @@ async def response_events(gen: Generation, plan: Any, store: Any) -> AsyncIterat
         start = plan.response("in_progress", [])
         yield ev.event("response.created", response=start)
         yield ev.event("response.in_progress", response=start)
-        async for c, d in gen.deltas():
-            text, pieces = tools.update(c.text, d.finished) if tools is not None else (d.new_text, [])
-            for line in (ev.text_delta(text) if text else []) + [e for p in pieces for e in ev.call_piece(p)]:
-                yield line
-            if d.finished:
-                finish = d.finish_reason
+        async for chunk in gen.chunks():
+            lines = []
+            for c, d in chunk:
+                text, pieces = tools.update(c.text, d.finished) if tools is not None else (d.new_text, [])
+                lines += (ev.text_delta(text) if text else []) + [e for p in pieces for e in ev.call_piece(p)]
+                if d.finished:
+                    finish = d.finish_reason
+            if lines:
+                yield "".join(lines)
         final = status_of(finish)
         if not ev.output:  # nothing generated at all: still one (empty) message, as without streaming
             for line in ev.text_delta(""):

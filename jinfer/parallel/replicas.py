@@ -196,7 +196,7 @@ class ReplicaClient:
 
     async def stream_batch(self, prompts: Sequence[Any], params: SamplingParams | None = None,
                            request_id: str | None = None, *, suffix: bool = True
-                           ) -> AsyncIterator[tuple[int, Any]]:
+                           ) -> AsyncIterator[list[tuple[int, Any]]]:
         """`EngineClient.stream_batch` on the replica chosen for the first prompt (a request's prompts
         stay together)."""
         params = params or SamplingParams()
@@ -206,8 +206,8 @@ class ReplicaClient:
         with self._lock:
             self.load[i] += seqs
         try:
-            async for item in self.clients[i].stream_batch(prompts, params, request_id, suffix=suffix):
-                yield item
+            async for chunk in self.clients[i].stream_batch(prompts, params, request_id, suffix=suffix):
+                yield chunk
         finally:
             with self._lock:
                 self.load[i] -= seqs

@@ -36,7 +36,7 @@ class StubClient:
 
     async def stream_batch(self, prompts, params, request_id=None, suffix=True):
         self.calls.append(request_id)
-        yield 0, "delta"
+        yield [(0, "delta")]
 
     def die(self):
         self.is_alive, self.dead_reason = False, "killed"
@@ -90,7 +90,7 @@ def test_stream_batch_counts_load_while_streaming():
 
     async def run():
         agen = rc.stream_batch([[1, 2, 3]], SimpleNamespace(n=2), "r1")
-        assert await anext(agen) == (0, "delta")
+        assert await anext(agen) == [(0, "delta")]
         busy = list(rc.load)
         async for _ in agen:
             pass

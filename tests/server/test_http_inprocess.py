@@ -37,7 +37,7 @@ class StubClient:
     async def stream_batch(self, prompts, params, request_id):
         for i, piece in enumerate(self.script):
             last = i == len(self.script) - 1
-            yield 0, EngineOutput(request_id, 0, [7], piece, finished=last, finish_reason="stop" if last else None)
+            yield [(0, EngineOutput(request_id, 0, [7], piece, finished=last, finish_reason="stop" if last else None))]
 
 
 def client(script, **kw):
@@ -156,3 +156,27 @@ def test_one_access_line_per_request_rejected_ones_included(caplog):
     with caplog.at_level(logging.INFO, logger="jinfer.access"):
         client(["a"], log_requests=False).post(CHAT, json={"messages": MSG})
     assert not [rec for rec in caplog.records if rec.name == "jinfer.access"]
+
+
+@pytest.mark.parametrize("chat", [False, True])
+@pytest.mark.parametrize("include_usage", [False, True])
+def test_stream_events_are_the_chunks_json(chat, include_usage):
+    """The streamed events built from templates (server/generation.py) are json.dumps of the chunk, byte for byte."""
+    from server import schemas
+    from server.generation import Generation
+
+    req = SimpleNamespace(chat=chat, model='m"o\\é', include_usage=include_usage, prompts=[[1]],
+                          params=SimpleNamespace(n=2))
+    gen = Generation(SimpleNamespace(client=SimpleNamespace(stream_batch=lambda *a: None)), req, lambda: None)
+
+    def reference(choices, usage=None):
+        body = schemas.chunk(chat, gen.id, gen.created, req.model, choices, usage, include_usage)
+        return f"data: {json.dumps(body, ensure_ascii=False, separators=(',', ':'))}\n\n"
+
+    for index in (0, 3):
+        for text in ("", " hello", 'q"u\\o\n\x00\x7f\u2028é😀'):
+            choice = (schemas.chat_delta(index, {"content": text}) if chat
+                      else schemas.completion_choice(index, text, None, None))
+            assert gen._text_event(index, text) == gen._event([choice]) == reference([choice])
+    usage = schemas.usage(3, 4)
+    assert gen._event([], usage) == reference([], usage)
