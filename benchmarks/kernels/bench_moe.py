@@ -1,6 +1,6 @@
 """Timings of the mixture-of-experts kernels (the full comparison is benchmarks/bench_moe.py).
 
-    python -m benchmarks.kernels.bench_moe routing          # the routing kernel vs XLA's sort
+    python -m benchmarks.kernels.bench_moe routing          # the routing kernels vs XLA
     python -m benchmarks.kernels.bench_moe gemm             # the Triton grouped GEMMs
     python -m benchmarks.kernels.bench_moe gemm_mgpu [--sweep]  # the Mosaic GPU grouped GEMM (one JSON on stdout)
 
@@ -27,26 +27,43 @@ from pallas_kernels.moe.moe_gemm_mgpu import (
     moe_grouped_matmul_reference,
     smem_bytes,
 )
-from pallas_kernels.moe.moe_routing import moe_route, moe_route_reference
+from pallas_kernels.moe.moe_routing import (
+    moe_route,
+    moe_route_chosen,
+    moe_route_chosen_reference,
+    moe_route_reference,
+)
 
 
 def bench_routing(argv: list[str] | None = None) -> None:
-    """Routing time at Qwen3-30B-A3B's 128 experts, top-8, kernel vs XLA."""
-    import time
-
+    """Routing time, kernel vs XLA: softmax top-k at Qwen3-30B-A3B's 128 experts, top-8 (`moe_route`), and the layout
+    of experts chosen by DeepSeek's routing at V2-Lite's 64 experts, top-6 and V3's 256, top-8 (`moe_route_chosen`)."""
     interpret = jax.default_backend() != "gpu"
     for tokens in (1, 8, 64, 256):
         logits = jax.random.normal(jax.random.key(tokens), (tokens, 128), jnp.float32)
         for name, fn in (("pallas", functools.partial(moe_route, interpret=interpret)),
                          ("xla", moe_route_reference)):
-            f = jax.jit(functools.partial(fn, top_k=8, block_m=16))
-            jax.block_until_ready(f(logits))
-            reps = 2 if interpret else 200
-            t0 = time.perf_counter()
-            for _ in range(reps):
-                out = f(logits)
-            jax.block_until_ready(out)
-            print(f"route T={tokens} {name}: {(time.perf_counter() - t0) / reps * 1e6:.1f} us")
+            _time_routing(f"route T={tokens} {name}", functools.partial(fn, top_k=8, block_m=16), logits)
+    for experts, k in ((64, 6), (256, 8)):
+        for tokens in (1, 8, 64, 256):
+            w, ids = jax.lax.top_k(jax.random.normal(jax.random.key(tokens), (tokens, experts), jnp.float32), k)
+            for name, fn in (("pallas", functools.partial(moe_route_chosen, interpret=interpret)),
+                             ("xla", moe_route_chosen_reference)):
+                _time_routing(f"route_chosen E={experts} k={k} T={tokens} {name}",
+                              functools.partial(fn, num_experts=experts, block_m=16), ids, w)
+
+
+def _time_routing(label, fn, *args):
+    import time
+
+    f = jax.jit(fn)
+    jax.block_until_ready(f(*args))
+    reps = 200 if jax.default_backend() == "gpu" else 2
+    t0 = time.perf_counter()
+    for _ in range(reps):
+        out = f(*args)
+    jax.block_until_ready(out)
+    print(f"{label}: {(time.perf_counter() - t0) / reps * 1e6:.1f} us")
 
 
 def bench_gemm(argv: list[str] | None = None) -> None:

@@ -1,4 +1,4 @@
-"""The mixture-of-experts block's kernel choice (`MoeOps.moe_block`).
+"""The mixture-of-experts blocks' kernel choice (`MoeOps.moe_block`; DeepSeekMoE's `grouped_moe_block`).
 
 The norm, router matmul and routing run as one kernel in small steps (pallas_kernels/moe/moe_router.py:
 `moe_norm_route`, up to `KernelPolicy.moe_front_max_tokens`), else the router matmul in XLA and the routing kernel;
@@ -7,7 +7,9 @@ with `moe_block_m` rows per block. Steps routing at least `mosaic_moe_min_rows_p
 experts on the Mosaic GPU grouped GEMM instead (moe_gemm_mgpu.py: 482 TFLOP/s at 4096 tokens x top-8 on the H100,
 against 251 for the Triton kernels; at 512 and 1024 tokens it was weight-bound at 84-167 TFLOP/s and the Triton
 kernels were not measured there, so they keep those steps; moe_kernels_h100.json, moe_mgpu_h100.json). The
-reference is `layers.moe_mlp` (`lax.ragged_dot`).
+reference is `layers.moe_mlp` (`lax.ragged_dot`). DeepSeek chooses its experts in XLA (`layers.grouped_topk_routing`:
+group-limited top-k, V3's sigmoid and correction bias), then `moe_route_chosen` lays them out and the same expert
+kernels run.
 """
 
 from __future__ import annotations
@@ -49,8 +51,7 @@ class MoeOps:
         first = None  # expert parallel: the id of this device's first expert
         if num_experts != router.shape[1]:
             first = jax.lax.axis_index(self.axis) * num_experts
-        kernels = self.backend == "pallas" and hidden % 16 == 0 and inter % 16 == 0 \
-            and not refuse_fp8("moe grouped GEMM", w_gate, w_up, w_down)
+        kernels = self._moe_kernels(hidden, inter, w_gate, w_up, w_down)
         routing = None
         if kernels and counters is not None and tokens <= policy.moe_front_max_tokens \
                 and _front_supported(tokens, hidden, router.shape[1]):
@@ -67,62 +68,79 @@ class MoeOps:
         if not kernels:
             out = moe_mlp(h, logits, w_gate, w_up, w_down, top_k, renormalize, first)
             return x + self.reduce(out + extra), counters
-        from pallas_kernels.moe.moe_gemm import moe_combine, moe_down, moe_gate_up
-        from pallas_kernels.moe.moe_routing import local_experts, moe_route
+        from pallas_kernels.moe.moe_routing import moe_route
 
-        if routing is None and self.mosaic_prefill \
-                and tokens * top_k >= policy.mosaic_moe_min_rows_per_expert * logits.shape[1]:
-            out = self._moe_mgpu(h, logits, w_gate, w_up, w_down, top_k, renormalize, first)
-            if out is not None:
-                return x + self.reduce(out + extra), counters
-        if routing is None:
-            routing = moe_route(logits, top_k=top_k, renormalize=renormalize,
-                                block_m=moe_block_m(tokens * top_k, logits.shape[1]), interpret=self.interpret,
-                                **policy.launch_args("moe_route"))
-        mine = None
-        if first is not None:
-            routing, mine = local_experts(routing, first, num_experts)
-        act = moe_gate_up(h, routing, w_gate, w_up, interpret=self.interpret)
-        y = moe_down(act, routing, w_down, interpret=self.interpret)
-        return x + self.reduce(moe_combine(y, top_k, x.dtype, mine) + extra), counters
+        def route(block_m):
+            return moe_route(logits, top_k=top_k, renormalize=renormalize, block_m=block_m, interpret=self.interpret,
+                             **policy.launch_args("moe_route"))
+
+        out = self._routed_experts(h, route, w_gate, w_up, w_down, first, top_k, router.shape[1], routing)
+        return x + self.reduce(out + extra), counters
 
     def grouped_moe_block(self, x: jax.Array, norm: jax.Array, router: jax.Array, bias: jax.Array | None,
                           w_gate: jax.Array, w_up: jax.Array, w_down: jax.Array, shared: tuple[jax.Array, ...] | None,
                           *, top_k: int, n_group: int, topk_group: int, sigmoid: bool, renormalize: bool,
                           scaling: float, eps: float) -> jax.Array:
         """DeepSeekMoE: x + routed experts + shared experts (`shared`: their (gate, up, down), or None) of
-        rms_norm(x), routed by `layers.grouped_topk_routing` on float32 router logits, as HF computes them.
-        The reference experts (`layers.moe_mlp`) on every backend for now: the routing and grouped-GEMM kernels
-        take softmax top-k routing only. Sharded as `moe_block` (tensor or expert parallel, one psum)."""
+        rms_norm(x), routed by `layers.grouped_topk_routing` on float32 router logits, as HF computes them (in XLA);
+        its weights carry the routed scaling factor, as HF's router applies it. The routed experts run as
+        `moe_block`'s do (`moe_routing.moe_route_chosen` lays the chosen pairs out for the grouped GEMMs), the shared
+        ones in XLA. Sharded as `moe_block` (tensor or expert parallel, one psum)."""
+        num_experts, hidden, inter = w_gate.shape
         h = rms_norm(x, norm, eps)
         logits = self.project(h, router, preferred_element_type=jnp.float32)  # [T, E]
-        routed = grouped_topk_routing(logits, bias, top_k=top_k, n_group=n_group, topk_group=topk_group,
-                                      sigmoid=sigmoid, renormalize=renormalize, scaling=scaling)
+        weights, ids = grouped_topk_routing(logits, bias, top_k=top_k, n_group=n_group, topk_group=topk_group,
+                                            sigmoid=sigmoid, renormalize=renormalize, scaling=scaling)
         first = None
-        if w_gate.shape[0] != router.shape[1]:  # expert parallel: this device's experts
-            first = jax.lax.axis_index(self.axis) * w_gate.shape[0]
-        y = moe_mlp(h, logits, w_gate, w_up, w_down, top_k, renormalize, first, routed=routed)
+        if num_experts != router.shape[1]:  # expert parallel: this device's experts
+            first = jax.lax.axis_index(self.axis) * num_experts
+        if self._moe_kernels(hidden, inter, w_gate, w_up, w_down):
+            from pallas_kernels.moe.moe_routing import moe_route_chosen
+
+            def route(block_m):
+                return moe_route_chosen(ids, weights, num_experts=router.shape[1], block_m=block_m,
+                                        interpret=self.interpret)
+
+            y = self._routed_experts(h, route, w_gate, w_up, w_down, first, top_k, router.shape[1])
+        else:
+            y = moe_mlp(h, logits, w_gate, w_up, w_down, top_k, renormalize, first, routed=(weights, ids))
         if shared is not None:
             y = y + swiglu_mlp(h, *shared)
         return x + self.reduce(y)
 
-    def _moe_mgpu(self, h, logits, w_gate, w_up, w_down, top_k, renormalize, first):
-        """The experts on the Mosaic GPU grouped GEMM (`moe_experts_mgpu`); None where the kernel does not
-        take the shapes."""
-        from pallas_kernels.moe.moe_gemm_mgpu import check_supported, moe_experts_mgpu
-        from pallas_kernels.moe.moe_routing import local_experts, moe_route
+    def _moe_kernels(self, hidden, inter, *weights) -> bool:
+        """Whether the routed experts run on the grouped-GEMM kernels (bf16 / f32 weights, 16-multiple dims)."""
+        return self.backend == "pallas" and hidden % 16 == 0 and inter % 16 == 0 \
+            and not refuse_fp8("moe grouped GEMM", *weights)
 
-        bm = MOSAIC_MOE_BLOCK_M
-        up_spec = jax.ShapeDtypeStruct((bm, h.shape[1]), h.dtype)
-        down_spec = jax.ShapeDtypeStruct((bm, w_down.shape[1]), h.dtype)
-        if check_supported(up_spec, w_gate, w_up, block_m=bm) is not None \
-                or check_supported(down_spec, w_down, block_m=bm) is not None:
-            return None
-        routing = moe_route(logits, top_k=top_k, renormalize=renormalize, block_m=bm, interpret=self.interpret)
+    def _routed_experts(self, h, route, w_gate, w_up, w_down, first, top_k, router_experts, routing=None):
+        """The routed experts' weighted sum [T, hidden] of the normed rows h (this device's share when sharded) on
+        the kernels. route(block_m): the step's `MoeRouting` in blocks of block_m rows; `routing`: one made already
+        (the fused front end's, decode-sized), which the Triton GEMMs take. Steps routing at least
+        `mosaic_moe_min_rows_per_expert` rows per expert run the Mosaic GPU grouped GEMM where it takes the shapes.
+        `first`: the id of this device's first expert (expert parallel), or None."""
+        from pallas_kernels.moe.moe_gemm import moe_combine, moe_down, moe_gate_up
+        from pallas_kernels.moe.moe_routing import local_experts
+
+        tokens, num_experts = h.shape[0], w_gate.shape[0]
+        pairs = tokens * top_k
+        if routing is None and self.mosaic_prefill and pairs >= self.policy.mosaic_moe_min_rows_per_expert * \
+                router_experts and _mgpu_supported(h, w_gate, w_up, w_down):
+            from pallas_kernels.moe.moe_gemm_mgpu import moe_experts_mgpu
+
+            routing = route(MOSAIC_MOE_BLOCK_M)
+            mine = None
+            if first is not None:
+                routing, mine = local_experts(routing, first, num_experts)
+            return moe_experts_mgpu(h, routing, w_gate, w_up, w_down, mine=mine, interpret=self.interpret)
+        if routing is None:
+            routing = route(moe_block_m(pairs, router_experts))
         mine = None
         if first is not None:
-            routing, mine = local_experts(routing, first, w_gate.shape[0])
-        return moe_experts_mgpu(h, routing, w_gate, w_up, w_down, mine=mine, interpret=self.interpret)
+            routing, mine = local_experts(routing, first, num_experts)
+        act = moe_gate_up(h, routing, w_gate, w_up, interpret=self.interpret)
+        y = moe_down(act, routing, w_down, interpret=self.interpret)
+        return moe_combine(y, top_k, h.dtype, mine)
 
 
 def shared_expert(h: jax.Array, w_gate: jax.Array, w_up: jax.Array, w_down: jax.Array, gate: jax.Array | None
@@ -138,3 +156,14 @@ def _front_supported(tokens: int, hidden: int, experts: int) -> bool:
     from pallas_kernels.moe.moe_router import front_supported
 
     return front_supported(tokens, hidden, experts) is None
+
+
+def _mgpu_supported(h, w_gate, w_up, w_down) -> bool:
+    """Whether the Mosaic GPU grouped GEMM (`moe_gemm_mgpu.check_supported`) takes these shapes."""
+    from pallas_kernels.moe.moe_gemm_mgpu import check_supported
+
+    bm = MOSAIC_MOE_BLOCK_M
+    up_spec = jax.ShapeDtypeStruct((bm, h.shape[1]), h.dtype)
+    down_spec = jax.ShapeDtypeStruct((bm, w_down.shape[1]), h.dtype)
+    return check_supported(up_spec, w_gate, w_up, block_m=bm) is None \
+        and check_supported(down_spec, w_down, block_m=bm) is None

@@ -20,11 +20,16 @@ Two implementations of the same layout:
 - `moe_route_reference`: the same computation in jnp (XLA), used for large steps and as the
   reference. Rows of `sorted_pairs` past a block's `block_rows` are 0 here and unspecified in the
   kernel's output.
+
+Routings that choose their experts otherwise (DeepSeek's group-limited top-k, in XLA) give the chosen
+ids and weights to `moe_route_chosen`: the same program from the selection mask on (`layout_body`), and
+its jnp form `moe_route_chosen_reference`.
 """
 
 from __future__ import annotations
 
 import functools
+import operator
 from dataclasses import dataclass
 
 import jax
@@ -74,6 +79,18 @@ def _route_kernel(logits_ref, *out_refs, **kw):
     route_body(logits_ref[...], *out_refs, **kw)
 
 
+def _place_kernel(ids_ref, rows_ref, sorted_ref, bexp_ref, brows_ref, *, tokens, experts, top_k, block_m):
+    # ids_ref [T*k] int32: the chosen experts, pair p = t * k + j (gathered: no padded copy); the outputs as
+    # route_body's
+    tp = rows_ref.shape[0]
+    t = jnp.minimum(lax.broadcasted_iota(jnp.int32, (tp,), 0), tokens - 1)  # [Tp]: padding rows read the last token
+    picked = [ids_ref[t * top_k + j][:, None] for j in range(top_k)]  # top_k x [Tp, 1]
+    e = lax.broadcasted_iota(jnp.int32, (tp, next_pow2(experts)), 1)  # [Tp, Ep]
+    chosen = functools.reduce(operator.or_, [e == ij for ij in picked])  # [Tp, Ep]
+    layout_body(picked, chosen, rows_ref, sorted_ref, bexp_ref, brows_ref, tokens=tokens, experts=experts,
+                top_k=top_k, block_m=block_m)
+
+
 def route_body(logits, ids_ref, w_ref, rows_ref, sorted_ref, bexp_ref, brows_ref, *, tokens, experts, top_k,
                block_m, renormalize):
     """The routing program's work on its logits [Tp, Ep] f32 (padding columns -inf, padding rows finite), also the
@@ -81,12 +98,8 @@ def route_body(logits, ids_ref, w_ref, rows_ref, sorted_ref, bexp_ref, brows_ref
     bexp_ref / brows_ref [NB] (out, NB <= NBp, stored masked). Every dim of a value here is a power of two."""
     tp, ep = logits.shape
     kp = ids_ref.shape[1]
-    nb = bexp_ref.shape[0]
-    nbp = next_pow2(nb)
-    t = lax.broadcasted_iota(jnp.int32, (tp, ep), 0)  # [Tp, Ep]
     e = lax.broadcasted_iota(jnp.int32, (tp, ep), 1)  # [Tp, Ep]
     slot = lax.broadcasted_iota(jnp.int32, (tp, kp), 1)  # [Tp, Kp]
-    live = t < tokens  # [Tp, Ep]
     m = jnp.max(logits, axis=1, keepdims=True)
     p = jnp.exp(logits - m)
     p = p / jnp.sum(p, axis=1, keepdims=True)  # [Tp, Ep] softmax (padding experts: 0)
@@ -105,7 +118,24 @@ def route_body(logits, ids_ref, w_ref, rows_ref, sorted_ref, bexp_ref, brows_ref
         picked.append(ij)
     if renormalize:
         ws = ws / jnp.sum(ws, axis=1, keepdims=True)
-    sel = ((cur == -2.0) & live).astype(jnp.int32)  # [Tp, Ep]: token t picked expert e
+    ids_ref[...] = ids
+    w_ref[...] = ws
+    layout_body(picked, cur == -2.0, rows_ref, sorted_ref, bexp_ref, brows_ref, tokens=tokens, experts=experts,
+                top_k=top_k, block_m=block_m)
+
+
+def layout_body(picked, chosen, rows_ref, sorted_ref, bexp_ref, brows_ref, *, tokens, experts, top_k, block_m):
+    """The grouped layout of chosen experts: picked, top_k x [Tp, 1] int32 (slot j's expert of each token); chosen
+    [Tp, Ep] bool (token t picked expert e; padding rows' values are masked here). rows_ref [Tp, Kp] (out); the
+    rest as route_body's."""
+    tp, ep = chosen.shape
+    kp = rows_ref.shape[1]
+    nb = bexp_ref.shape[0]
+    nbp = next_pow2(nb)
+    t = lax.broadcasted_iota(jnp.int32, (tp, ep), 0)  # [Tp, Ep]
+    e = lax.broadcasted_iota(jnp.int32, (tp, ep), 1)  # [Tp, Ep]
+    slot = lax.broadcasted_iota(jnp.int32, (tp, kp), 1)  # [Tp, Kp]
+    sel = (chosen & (t < tokens)).astype(jnp.int32)  # [Tp, Ep]: token t picked expert e
 
     # grouped layout: rank of token t among expert e's tokens, blocks of each expert, row of each pair
     counts = jnp.sum(sel, axis=0)  # [Ep]
@@ -123,8 +153,6 @@ def route_body(logits, ids_ref, w_ref, rows_ref, sorted_ref, bexp_ref, brows_ref
         # padding tokens aim at the last row, which the layout never uses (see num_blocks)
         dest = jnp.where(ok, rj, sorted_ref.shape[0] - 1)[:, 0]
         plgpu.store(sorted_ref.at[dest], (t1 * top_k + j)[:, 0], mask=ok[:, 0])
-    ids_ref[...] = ids
-    w_ref[...] = ws
     rows_ref[...] = rows
 
     b1 = lax.broadcasted_iota(jnp.int32, (nbp,), 0)
@@ -198,6 +226,24 @@ def _route_call(logits, top_k, renormalize, block_m, num_warps, interpret):
     return routing_from_outputs(tokens, top_k, *outs)
 
 
+def _place_call(topk_ids, topk_weights, experts, block_m, num_warps, interpret):
+    tokens, top_k = topk_ids.shape
+    shapes = route_out_shapes(tokens, experts, top_k, block_m)
+    whole = pl.no_block_spec
+    kernel = functools.partial(_place_kernel, tokens=tokens, experts=experts, top_k=top_k, block_m=block_m)
+    rows, *layout = pl.pallas_call(
+        kernel,
+        grid=(1,),
+        in_specs=[whole],
+        out_specs=[whole] * 4,
+        out_shape=shapes[2:],
+        compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=1),
+        interpret=interpret,
+        name=f"moe_route_chosen_t{next_pow2(tokens)}_e{next_pow2(experts)}_k{top_k}_m{block_m}",
+    )(topk_ids.reshape(-1))
+    return MoeRouting(topk_ids, topk_weights.astype(jnp.float32), rows[:tokens, :top_k], *layout)
+
+
 def check_route_args(experts: int, top_k: int, block_m: int) -> None:
     """ValueError unless 1 <= top_k <= experts and block_m is a power of two."""
     if not 1 <= top_k <= experts:
@@ -238,6 +284,37 @@ def moe_route(logits: jax.Array, *, top_k: int, renormalize: bool = True, block_
     return _route_call(logits, top_k, renormalize, block_m, num_warps, interpret)
 
 
+@functools.partial(jax.jit, static_argnames=("num_experts", "block_m", "num_warps", "interpret"))
+def moe_route_chosen(topk_ids: jax.Array, topk_weights: jax.Array, *, num_experts: int, block_m: int = 16,
+                     num_warps: int | None = None, interpret: bool = False) -> MoeRouting:
+    """Group the routed rows of experts already chosen (DeepSeek's group-limited routing,
+    `jinfer.models.layers.grouped_topk_routing`) by expert: `moe_route`'s layout without its softmax and top-k.
+
+    One Pallas program: `moe_route`'s with the softmax and the top-k rounds replaced by k gathers of the chosen ids
+    (`layout_body` is the same code). A kernel rather than jnp, though not measured on its own: the jnp form
+    (`moe_route_chosen_reference`) is the chain of small XLA kernels (scatters, cumsum, searchsorted) that
+    `moe_route`'s program replaced at batch 1, and this program does a subset of that program's work.
+
+    Args:
+      topk_ids: `[tokens, k]` int32 experts in [0, num_experts), distinct within a token.
+      topk_weights: `[tokens, k]` their routing weights (kept as they are, in float32).
+      num_experts: the router's expert count.
+      block_m, num_warps, interpret: as `moe_route`'s.
+
+    Steps of more than `ROUTE_KERNEL_MAX_TOKENS` tokens use `moe_route_chosen_reference` (XLA).
+    """
+    if topk_ids.ndim != 2 or topk_weights.shape != topk_ids.shape or topk_ids.dtype != jnp.int32:
+        raise ValueError(f"topk_ids must be int32 [tokens, k] and topk_weights the same shape: {topk_ids.shape=} "
+                         f"{topk_ids.dtype=} {topk_weights.shape=}")
+    check_route_args(num_experts, topk_ids.shape[1], block_m)
+    tokens = topk_ids.shape[0]
+    if tokens > ROUTE_KERNEL_MAX_TOKENS:
+        return moe_route_chosen_reference(topk_ids, topk_weights, num_experts=num_experts, block_m=block_m)
+    if num_warps is None:
+        num_warps = 4 if tokens * num_experts <= 4096 else 8
+    return _place_call(topk_ids, topk_weights, num_experts, block_m, num_warps, interpret)
+
+
 def local_experts(routing: MoeRouting, first: jax.Array, count: int) -> tuple[MoeRouting, jax.Array]:
     """The part of a routing that runs on a device holding experts [first, first + count) (expert
     parallelism): other experts' blocks become unused (expert -1, 0 rows; the grouped GEMMs skip them)
@@ -268,8 +345,20 @@ def moe_route_reference(logits: jax.Array, *, top_k: int, renormalize: bool = Tr
                         ) -> MoeRouting:
     """`moe_route` in jnp; rows of `sorted_pairs` past each block's valid rows are 0."""
     _check_args(logits, top_k, block_m)
-    tokens, experts = logits.shape
     weights, ids = topk_routing(logits, top_k, renormalize)
+    return _layout_reference(ids, weights, logits.shape[1], block_m)
+
+
+@functools.partial(jax.jit, static_argnames=("num_experts", "block_m"))
+def moe_route_chosen_reference(topk_ids: jax.Array, topk_weights: jax.Array, *, num_experts: int, block_m: int = 16
+                               ) -> MoeRouting:
+    """`moe_route_chosen` in jnp; rows of `sorted_pairs` past each block's valid rows are 0."""
+    check_route_args(num_experts, topk_ids.shape[1], block_m)
+    return _layout_reference(topk_ids, topk_weights.astype(jnp.float32), num_experts, block_m)
+
+
+def _layout_reference(ids, weights, experts, block_m):
+    tokens, top_k = ids.shape
     sel = jnp.zeros((tokens, experts), jnp.int32).at[jnp.arange(tokens)[:, None], ids].set(1)  # [T, E]
     counts = sel.sum(axis=0)  # [E]
     rank = jnp.cumsum(sel, axis=0) - sel  # [T, E]: token t's rank among expert e's tokens

@@ -32,6 +32,8 @@ from ..conftest import DATA
 from .test_golden_tiny import (
     check_batched_chunked_prefill,
     check_prompt_and_decodes,
+    decode_batch,
+    scrambled_pages,
     sharded_model,
 )
 
@@ -43,17 +45,20 @@ def gold(arch):
     return np.load(DATA / "golden" / f"tiny-{arch}.npz")
 
 
-# Each family on one device; tensor parallel on V2, expert parallel (heads split too) on V3; each from GGUF on one.
+# Each family on one device; tensor parallel on V2, expert parallel (heads split too) on V3; each from GGUF on one;
+# the Pallas kernels on V2 on one device and on V3 expert parallel (each device its experts' blocks: local_experts).
 CASES = [("deepseek_v2", 1, False, "ref"), ("deepseek_v3", 1, False, "ref"), ("deepseek_v2", 2, False, "ref"),
          ("deepseek_v3", 2, True, "ref"), pytest.param(("deepseek_v2", 1, False, "pallas"), marks=pytest.mark.slow),
+         pytest.param(("deepseek_v3", 2, True, "pallas"), marks=pytest.mark.slow),
          ("deepseek_v2", 1, False, "ref", ".gguf"), ("deepseek_v3", 1, False, "ref", ".gguf")]
 
 
 @pytest.fixture(scope="module", params=CASES,
                 ids=lambda p: f"{p[0]}-{'ep' if p[2] else 'tp'}{p[1]}-{p[3]}" + ("-gguf" if p[4:] else ""))
 def model(request):
-    """The Pallas ops (interpreted) run the dense layer's and the projections' kernels and, in one-token steps, the
-    MLA decode kernel; prefill attention and the MoE block are the reference on every backend."""
+    """The Pallas ops (interpreted) run the dense layer's and the projections' kernels, the routed experts' grouped
+    GEMMs (the routing and the shared experts in XLA) and, in one-token steps, the MLA decode kernel; prefill
+    attention is the reference on every backend."""
     arch, n, ep, ops, *suffix = request.param
     src = resolve_model(DATA / f"tiny-{arch}{''.join(suffix)}")
     assert src.kind == ("gguf" if suffix else "hf")
@@ -185,6 +190,14 @@ def test_prefill_and_every_decode_step_match_hf(model, i):
 def test_batched_chunked_prefill_matches_hf(model):
     cfg, w, g, step, empty = model
     check_batched_chunked_prefill(step, w, empty(), g)
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_pallas_ops_run_the_routed_experts_on_the_kernels(arch):
+    """The Pallas cases above go through the expert kernels, not the reference's ragged dots (traced only)."""
+    _, _, w, step, empty = sharded_model(resolve_model(DATA / f"tiny-{arch}"), 1, False, "pallas")
+    jaxpr = str(jax.make_jaxpr(step)(w, decode_batch(1, 20, scrambled_pages(0, 8)), empty()))
+    assert all(k in jaxpr for k in ("moe_route_chosen", "moe_gate_up", "moe_down")) and "ragged_dot" not in jaxpr
 
 
 def test_latent_cache_size():
