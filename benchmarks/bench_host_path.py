@@ -191,20 +191,12 @@ def start_server(args, port: int) -> subprocess.Popen:
         cmd = [sys.executable, *profile, "-m", "server.launcher", "--port", str(port),
                "--core-factory", STUB, "-dp", str(args.dp), *SERVE_ARGS, *args.server_args]
     proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=sys.stderr, stderr=subprocess.STDOUT)
-    import httpx
+    from benchmarks.wait_ready import wait_ready
 
-    deadline = time.monotonic() + 120
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"server exited with {proc.returncode}")
-        try:
-            if httpx.get(f"http://127.0.0.1:{port}/v1/models", timeout=1).status_code == 200:
-                return proc
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.2)
-    proc.kill()
-    raise RuntimeError("server not ready in 120 s")
+    if wait_ready(f"http://127.0.0.1:{port}/v1/models", timeout=120, proc=proc) is None:
+        proc.kill()
+        raise RuntimeError("server not ready in 120 s")
+    return proc
 
 
 def one_run(args, port: int, server: subprocess.Popen, seed: int) -> dict:
