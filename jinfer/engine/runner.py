@@ -354,7 +354,12 @@ class ModelRunner(StepExecutables):
         log.info("warm-up: %d forward shapes ready in %.1f s (executable cache: %d loaded, %d compiled)",
                  len(shapes), self.compile_seconds, self.executables.hits, self.executables.misses)
         if first_tokens is not None:
-            self._pinned = frozenset((T, False) for T in now)
+            # Never unloaded: what the staged warm-up made ready first, and the smallest bucket above T = 1 (and its
+            # decode-only variant): after an idle unload, small batches' decode steps would otherwise run padded into
+            # the large first bucket until reloaded (on CPU the first request after idle decoded at 553 ms a token
+            # against 78, SmolLM2).
+            small = min((T for T in self.token_buckets if T > 1), default=now[0])
+            self._pinned = frozenset([(T, False) for T in now] + [(small, False), (small, True)])
             self.ready_tokens, self.ready_decode = now, frozenset()
             self._rest = [(T, False) for T in self.token_buckets if T not in now] \
                 + [(T, True) for T in sorted(self.decode_buckets)]

@@ -177,6 +177,10 @@ def test_staged_warmup_then_idle_buckets_unload_and_load_again_on_demand(alone, 
     # (the KV pool's zero-fill is a tiny jit of its own, traced per engine)
     assert [n for n in lowered if "step" in n] == [] and {k[1:]: v for k, v in got.items()} == alone
     assert full.runner.unload_idle(now=time.monotonic() + 100) == 0 and full.runner.ready_tokens == (8, 16)
+    # A staged warm-up whose first bucket is not the smallest keeps the smallest loaded too: after an idle unload a
+    # small batch's decode steps must not run padded into the large first bucket.
+    core.runner.warmup(first_tokens=16, background=False)
+    assert {(8, False), (16, False)} <= core.runner._pinned
 
 
 def test_keep_alive_validated():
