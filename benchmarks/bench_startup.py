@@ -42,9 +42,9 @@ PHASE_PATTERNS = {
     "engine_init_s": re.compile(r"engine ready in ([\d.]+) s"),
     "serving_at": re.compile(r"^(\S+ \S+) INFO jinfer\.server: serving "),
     # a staged warm-up (serve's default) compiles the other shapes while serving: full speed from here
-    "full_speed_at": re.compile(r"^(\S+ \S+) INFO jinfer\.engine\.model_runner: warm-up: all \d+ token buckets ready"),
+    "full_speed_at": re.compile(r"^(\S+ \S+) INFO jinfer\.engine\.\w+: warm-up: all \d+ token buckets ready"),
     # ... and drops the executables no step used for its keep-alive (serve's default --executable-keep-alive)
-    "unloaded_at": re.compile(r"^(\S+ \S+) INFO jinfer\.engine\.model_runner: unloaded the executables of"),
+    "unloaded_at": re.compile(r"^(\S+ \S+) INFO jinfer\.engine\.\w+: unloaded the executables of"),
 }
 MB = 1 << 20
 
@@ -137,7 +137,7 @@ def parse_phases(log: str, t_launch: float) -> dict[str, float]:
     return phases
 
 
-UNLOAD_LINE = "model_runner: unloaded the executables of"
+UNLOAD_LINE = ": unloaded the executables of"  # (whichever engine module logs it)
 
 
 def wait_for_unloads(log_path: Path, proc: subprocess.Popen, wait_s: float, seen: int) -> bool:

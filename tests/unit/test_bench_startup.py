@@ -11,6 +11,8 @@ then resolve 0.05 s (655 MB), tokenizer 0.00 s (655 MB), backend 0.00 s, weights
 kv cache and runner 0.24 s (704 MB), warm-up 0.36 s (786 MB)
 2026-11-25 16:38:19,505 INFO jinfer.engine.core: engine ready in 1.1 s: dummy:qwen3-4b, 27400 KV pages
 2026-11-25 16:38:19,740 INFO jinfer.server: serving dummy:qwen3-4b on http://127.0.0.1:49539 (engine pid 3371)
+2026-11-25 16:38:24,000 INFO jinfer.engine.executables: warm-up: all 9 token buckets ready 6.1 s after start-up began
+2026-11-25 16:38:40,500 INFO jinfer.engine.executables: unloaded the executables of 6 bucket(s) idle for 8 s: 32, 64
 """
 
 
@@ -22,6 +24,7 @@ def test_parse_phases_reads_the_engine_phase_line_and_stamps():
     engine = phases["engine_phases"]
     assert engine["imports (process age)"] == [1.58, None]
     assert engine["backend"] == [0.0, None]  # no RSS where /proc is missing
+    assert phases["full_speed_after_s"] == 7.0 and phases["unloaded_after_s"] == 23.5
     assert engine["kv cache and runner"] == [0.24, 704] and engine["warm-up"] == [0.36, 786]
     assert list(engine) == ["imports (process age)", "resolve", "tokenizer", "backend", "weights",
                             "kv cache and runner", "warm-up"]
