@@ -20,7 +20,7 @@ from pathlib import Path
 
 import httpx
 
-from benchmarks.bench_startup import ROOT, free_port
+from benchmarks.bench_startup import ROOT, free_port, wait_for_unloads
 from benchmarks.common import write_result
 from benchmarks.wait_ready import wait_ready
 
@@ -66,9 +66,8 @@ def main():
             raise SystemExit(f"server not ready:\n{log.read_text()[-3000:]}")
         model = httpx.get(f"{url}/v1/models").json()["data"][0]["id"]
         warm = [request(url, model, args.max_tokens, i) for i in range(args.requests)]
-        if not wait_log(log, "unloaded the executables", args.keep_alive * 4 + 30):
+        if not wait_for_unloads(log, proc, args.keep_alive * 4 + 30, 0):  # every idle bucket gone
             raise SystemExit("the engine unloaded nothing")
-        time.sleep(args.keep_alive + 2)  # every idle bucket gone
         after = [request(url, model, args.max_tokens, args.requests + i) for i in range(args.requests)]
     finally:
         proc.terminate()

@@ -32,11 +32,14 @@ docs/performance.md.)
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+
+from pallas_kernels.common import next_pow2
 
 PROGRAMS = 8  # fixed: the flags and counters are per program
 MAX_BYTES = 1 << 20  # per device and call; larger reductions take XLA's psum
@@ -60,9 +63,9 @@ def workspace(mesh) -> Workspace:
 
 class Workspace:
     """(Use `workspace(mesh)`, which keeps it alive.) The receive buffers and flags of one mesh's devices, and the
-    table of their addresses (`table`: uint32
-    [devices, 2 * (2 + 2 * devices)], replicated: row r = (r, its counters' address, every device's receive buffer,
-    every device's flags), each value as its low and high 32 bits (JAX's arrays are 32-bit unless x64 is on))."""
+    table of their addresses (`table`: uint32 [devices, 2 * (2 + 2 * devices)], replicated: row r = (r, its
+    counters' address, every device's receive buffer, every device's flags), each value as its low and high 32 bits
+    (JAX's arrays are 32-bit unless x64 is on))."""
 
     def __init__(self, mesh):
         devices = list(mesh.devices.flat)
@@ -90,6 +93,7 @@ def active() -> bool:
     return bool(_ACTIVE)
 
 
+@functools.cache
 def _kernel():
     import triton
     import triton.language as tl
@@ -156,9 +160,6 @@ def _kernel():
     return all_reduce_kernel
 
 
-_KERNEL = []
-
-
 def one_shot_all_reduce(x: jax.Array, axis_name: str) -> jax.Array:
     """sum over `axis_name` of x, every device's result the same bits; inside shard_map, under `use(table)`."""
     return _call(x, axis_name, gather=False)
@@ -180,15 +181,13 @@ def _call(x: jax.Array, axis_name: str, gather: bool) -> jax.Array:
         raise ValueError("the one-shot collectives need a workspace: trace the forward under all_reduce.use(table)")
     if not supported(x.shape, x.dtype) or (gather and x.ndim != 2):
         raise ValueError(f"x: shape {x.shape} / dtype {x.dtype} is not supported by the one-shot collectives")
-    if not _KERNEL:
-        _KERNEL.append(_kernel())
     size = x.size
     elems = -(-size // PROGRAMS)
-    block = min(1 << max(0, (elems - 1).bit_length()), 2048)
+    block = min(next_pow2(elems), 2048)
     elems = -(-elems // block) * block
     rank = jax.lax.axis_index(axis_name).astype(jnp.int32).reshape(1)
     out_shape = (x.shape[0], world * x.shape[1]) if gather else x.shape
-    out = jt.triton_call(x.reshape(size), _ACTIVE[-1], rank, size, kernel=_KERNEL[0],
+    out = jt.triton_call(x.reshape(size), _ACTIVE[-1], rank, size, kernel=_kernel(),
                          out_shape=jax.ShapeDtypeStruct((math.prod(out_shape),), x.dtype), grid=(PROGRAMS,),
                          num_warps=4, WORLD=world, ELEMS=elems, SLOT=MAX_BYTES // jnp.dtype(x.dtype).itemsize,
                          BLOCK=block, GATHER_COLS=x.shape[1] if gather else 0)
