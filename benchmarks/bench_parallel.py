@@ -31,11 +31,13 @@ from jinfer.parallel.mesh import TP_AXIS, all_reduce_table, array_specs, check_p
 from jinfer.weights.loader import DTYPES, load_weights, resolve_model
 from pallas_kernels import all_reduce
 
-# How the step reduces its partial sums: XLA's psum (NCCL), or our one-shot all-reduce over peer memory
-# (pallas_kernels/all_reduce.py, the engine's choice up to KernelPolicy.one_shot_all_reduce_bytes). XLA's own options
-# for its collectives (one-shot kernels, collectives in command buffers, the smallest command buffer) were measured
-# no faster (docs/performance.md).
-VARIANTS = {"psum": {"one_shot_all_reduce_bytes": 0}, "one_shot": {"one_shot_all_reduce_bytes": all_reduce.MAX_BYTES}}
+# How the step reduces its partial sums and gathers its logits: XLA's collectives (NCCL), or our one-shot kernels over
+# peer memory (pallas_kernels/all_reduce.py, the engine's choice up to KernelPolicy.one_shot_all_*_bytes). XLA's own
+# options for its collectives (one-shot kernels, collectives in command buffers, the smallest command buffer) were
+# measured no faster (docs/performance.md).
+VARIANTS = {"psum": {"one_shot_all_reduce_bytes": 0, "one_shot_all_gather_bytes": 0},
+            "one_shot": {"one_shot_all_reduce_bytes": all_reduce.MAX_BYTES,
+                         "one_shot_all_gather_bytes": all_reduce.MAX_BYTES}}
 
 
 class _Bound:
@@ -48,8 +50,8 @@ class _Bound:
     def lower(self, *args):
         return _Bound(self.f.lower(*args, self.table), self.table)
 
-    def compile(self, **kw):
-        return _Bound(self.f.compile(**kw), self.table)
+    def compile(self):
+        return _Bound(self.f.compile(), self.table)
 
     def __call__(self, *args):
         return self.f(*args, self.table)

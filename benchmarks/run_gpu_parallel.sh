@@ -6,7 +6,7 @@
 #   step        bench_parallel: decode step time at tp 1 vs $TP, reducing with XLA's psum and our one-shot kernel,
 #               Qwen3-8B (tensor parallel) and Qwen3-30B-A3B (expert parallel); the psum alone
 #   latency     engine TTFT / TPOT, Qwen3-8B tp 1 vs $TP and Qwen3-30B-A3B one GPU vs ep $TP, batch $BATCHES; at $TP
-#               both with XLA's all-reduce and with the one-shot kernel (files *_ar.json)
+#               both with XLA's collectives and with the one-shot kernels (files *_ar.json)
 #   throughput  offline 512 prompts x 1k in / 128 out, the same pairs
 #   cbmode      Qwen3-8B TPOT at tp 1 and $TP with XLA's command buffers keeping their temporary buffers' addresses
 #               (--xla_gpu_command_buffer_update_mode=SKIP_TEMP, the VMM allocator) against the default, batch $BATCHES
@@ -43,14 +43,16 @@ fi
 SHAPES=${SHAPES:-dense,moe}  # for latency and throughput
 if [[ $PARTS == *latency* && $SHAPES == *dense* ]]; then
   for tp in 1 $TP ${TP}_ar; do
-    JINFER_ONE_SHOT_ALL_REDUCE_BYTES=$([[ $tp == *_ar ]] && echo 1048576 || echo 0) timeout 300 \
+    JINFER_ONE_SHOT_ALL_REDUCE_BYTES=$([[ $tp == *_ar ]] && echo 1048576 || echo 0) \
+    JINFER_ONE_SHOT_ALL_GATHER_BYTES=$([[ $tp == *_ar ]] && echo 1048576 || echo 0) timeout 300 \
       python3 -m benchmarks.bench_latency --shape qwen3-8b --batch-sizes ${BATCHES:-1 16} -tp ${tp%_ar} \
         --input-len 1024 --output-len 128 --out "$OUT/latency_qwen3-8b_tp${tp}_$TAG.json" | grep "^batch"
   done
 fi
 if [[ $PARTS == *latency* && $SHAPES == *moe* ]]; then
   for ep in 1 $TP ${TP}_ar; do
-    JINFER_ONE_SHOT_ALL_REDUCE_BYTES=$([[ $ep == *_ar ]] && echo 1048576 || echo 0) timeout 400 \
+    JINFER_ONE_SHOT_ALL_REDUCE_BYTES=$([[ $ep == *_ar ]] && echo 1048576 || echo 0) \
+    JINFER_ONE_SHOT_ALL_GATHER_BYTES=$([[ $ep == *_ar ]] && echo 1048576 || echo 0) timeout 400 \
       python3 -m benchmarks.bench_latency --shape qwen3-30b-a3b --batch-sizes ${BATCHES:-1 16} -tp ${ep%_ar} \
         $([ ${ep%_ar} -gt 1 ] && echo --enable-expert-parallel) --input-len 1024 --output-len 128 \
         --out "$OUT/latency_qwen3-30b-a3b_ep${ep}_$TAG.json" | grep "^batch"
