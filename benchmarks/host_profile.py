@@ -6,6 +6,9 @@
 
 Runs one untimed batch (compiles), then a profiled one and unprofiled ones; prints the unprofiled runs' median
 step time and device wait per step, and the profiled run's top functions by own time and by cumulative time.
+`--profile DIR`: one more run under jax.profiler without the Python tracer (XLA's host events and the GPU
+timeline at the host's own speed); `python -m benchmarks.trace_summary TRACE --steps N` (N: the run's steps,
+printed) gives the host's runtime events per step (executions, command buffer launches and updates).
 `--speculative-config` with `--replay-acceptance P`: the replay drafter (jinfer/spec/replay.py, forced), as in
 bench_latency. `--model`: a checkpoint directory instead of a named shape (on CPU: tests/data/tiny-qwen3).
 """
@@ -20,6 +23,8 @@ import time
 
 import numpy as np
 
+from benchmarks.common import add_profile_argument
+from benchmarks.common import profiled as jax_trace
 from jinfer.config.engine import EngineConfig
 from jinfer.config.speculative import SpeculativeConfig
 from jinfer.engine.core import EngineCore
@@ -53,6 +58,9 @@ def main():
     ap.add_argument("--no-async-scheduling", action="store_true")
     ap.add_argument("--speculative-config", default=None, metavar="JSON")
     ap.add_argument("--replay-acceptance", type=float, default=None, metavar="P")
+    ap.add_argument("--tensor-parallel-size", "-tp", type=int, default=1)
+    ap.add_argument("--enable-expert-parallel", action="store_true")
+    add_profile_argument(ap)
     ap.add_argument("--runs", type=int, default=2, help="unprofiled runs")
     ap.add_argument("--top", type=int, default=45)
     ap.add_argument("--out")
@@ -63,6 +71,8 @@ def main():
     core = EngineCore(EngineConfig(model=args.model or f"dummy:{args.shape}", dtype=args.dtype,
                                    max_model_len=args.input_len + args.output_len, max_num_seqs=max(args.batch_size, 8),
                                    async_scheduling=not args.no_async_scheduling, warmup=False,
+                                   tensor_parallel_size=args.tensor_parallel_size,
+                                   enable_expert_parallel=args.enable_expert_parallel,
                                    speculative_config=None if replay else spec), proposer=proposer)
     rng = np.random.default_rng(0)
     make = lambda: [rng.integers(0, min(core.model_config.vocab_size, 256), args.input_len).tolist()  # noqa: E731
@@ -73,6 +83,11 @@ def main():
     profiled, _ = run(core, make(), args.output_len, "prof")
     prof.disable()
     plain = [run(core, make(), args.output_len, f"plain{i}") for i in range(args.runs)]
+    if args.profile:
+        steps0 = core.num_steps_total
+        with jax_trace(args.profile, python=False):
+            run(core, make(), args.output_len, "trace")
+        print(f"trace: {core.num_steps_total - steps0} engine steps in {args.profile}")
     s = io.StringIO()
     s.write(f"median step ms: unprofiled {[round(p[0], 3) for p in plain]}, profiled {profiled:.3f}; "
             f"device wait ms/step {[round(p[1], 3) for p in plain]}\n")

@@ -8,8 +8,9 @@
 #   latency     engine TTFT / TPOT, Qwen3-8B tp 1 vs $TP and Qwen3-30B-A3B one GPU vs ep $TP, batch $BATCHES; at $TP
 #               both with XLA's collectives and with the one-shot kernels (files *_ar.json)
 #   throughput  offline 512 prompts x 1k in / 128 out, the same pairs
-#   cbmode      Qwen3-8B TPOT at tp 1 and $TP with XLA's command buffers keeping their temporary buffers' addresses
-#               (--xla_gpu_command_buffer_update_mode=SKIP_TEMP, the VMM allocator) against the default, batch $BATCHES
+#   cbmode      Qwen3-8B TPOT at tp 1 and $TP with XLA's command buffers keeping their buffers' addresses by VMM
+#               remapping (--xla_gpu_command_buffer_update_mode=SKIP_TEMP | SKIP_PROFILED, XLA's VMM allocator) against
+#               the default, batch $BATCHES ($CB_MODES, $CB_TP, $CB_SHAPE)
 #   profile     a Perfetto trace of the Qwen3-8B decode step at tp 1 and $TP (batch 1), summarized per device
 #   multiprocess Qwen3-8B TPOT with one process per GPU ($TP processes, jax.distributed) vs one process
 #   dp          serving at saturation, Qwen3-4B: one replica vs $TP replicas (--data-parallel-size) behind one server
@@ -72,11 +73,14 @@ if [[ $PARTS == *throughput* && $SHAPES == *moe* ]]; then
   done
 fi
 if [[ $PARTS == *cbmode* ]]; then
-  for tp in 1 $TP; do
-    for mode in default SKIP_TEMP; do
-      XLA_FLAGS="$([[ $mode == default ]] || echo --xla_gpu_command_buffer_update_mode=$mode)" timeout 300 \
-        python3 -m benchmarks.bench_latency --shape qwen3-8b --batch-sizes ${BATCHES:-1 16} -tp $tp --input-len 1024 \
-          --output-len 128 --out "$OUT/latency_qwen3-8b_tp${tp}_cb${mode}_$TAG.json" | grep "^batch"
+  # CB_MODES: allocator:update-mode pairs; SKIP_TEMP / SKIP_PROFILED keep the command buffers' buffers at stable
+  # addresses by VMM remapping, which needs XLA's VMM allocator (XLA_PYTHON_CLIENT_ALLOCATOR=vmm)
+  for tp in ${CB_TP:-1 $TP}; do
+    for mode in ${CB_MODES:-default:ALWAYS_UPDATE vmm:SKIP_TEMP vmm:SKIP_PROFILED}; do
+      XLA_PYTHON_CLIENT_ALLOCATOR=${mode%%:*} XLA_FLAGS="--xla_gpu_command_buffer_update_mode=${mode#*:}" timeout 300 \
+        python3 -m benchmarks.bench_latency --shape ${CB_SHAPE:-qwen3-8b} --batch-sizes ${BATCHES:-1 16} -tp $tp \
+          --input-len 1024 --output-len 128 --out "$OUT/latency_${CB_SHAPE:-qwen3-8b}_tp${tp}_cb${mode/:/_}_$TAG.json" \
+          2>&1 | grep -E "^batch|Error|error:" | head -5
     done
   done
 fi

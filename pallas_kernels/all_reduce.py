@@ -36,6 +36,7 @@ import functools
 import math
 
 import jax
+import jax.extend
 import jax.numpy as jnp
 import numpy as np
 
@@ -106,8 +107,8 @@ def _kernel():
         return ((hi << 32) | lo).to(tl.int64, bitcast=True).to(tl.pointer_type(ty))
 
     @triton.jit
-    def all_reduce_kernel(x_ptr, table_ptr, rank_ptr, size, out_ptr, WORLD: tl.constexpr, ELEMS: tl.constexpr,
-                          SLOT: tl.constexpr, BLOCK: tl.constexpr, GATHER_COLS: tl.constexpr):
+    def all_reduce_kernel(x_ptr, table_ptr, rank_ptr, out_ptr, size: tl.constexpr, WORLD: tl.constexpr,
+                          ELEMS: tl.constexpr, SLOT: tl.constexpr, BLOCK: tl.constexpr, GATHER_COLS: tl.constexpr):
         DTYPE = x_ptr.dtype.element_ty
         pid = tl.program_id(0)
         rank = tl.load(rank_ptr)
@@ -172,8 +173,6 @@ def one_shot_all_gather(x: jax.Array, axis_name: str) -> jax.Array:
 
 
 def _call(x: jax.Array, axis_name: str, gather: bool) -> jax.Array:
-    import jax_triton as jt
-
     world = jax.lax.axis_size(axis_name)
     if world == 1:
         return x
@@ -187,8 +186,91 @@ def _call(x: jax.Array, axis_name: str, gather: bool) -> jax.Array:
     elems = -(-elems // block) * block
     rank = jax.lax.axis_index(axis_name).astype(jnp.int32).reshape(1)
     out_shape = (x.shape[0], world * x.shape[1]) if gather else x.shape
-    out = jt.triton_call(x.reshape(size), _ACTIVE[-1], rank, size, kernel=_kernel(),
-                         out_shape=jax.ShapeDtypeStruct((math.prod(out_shape),), x.dtype), grid=(PROGRAMS,),
-                         num_warps=4, WORLD=world, ELEMS=elems, SLOT=MAX_BYTES // jnp.dtype(x.dtype).itemsize,
-                         BLOCK=block, GATHER_COLS=x.shape[1] if gather else 0)
+    out = _one_shot_p.bind(x.reshape(size), _ACTIVE[-1], rank, dtype=jnp.dtype(x.dtype).name, size=size,
+                           out_size=math.prod(out_shape), world=world, elems=elems, block=block,
+                           gather_cols=x.shape[1] if gather else 0)
     return out.reshape(out_shape)
+
+
+# The kernel reaches XLA as its own Triton custom call (`__gpu$xla.gpu.triton`, what Pallas's Triton backend
+# emits): XLA compiles the Triton IR into a plain kernel of the executable, which its command buffers (CUDA
+# graphs) capture like any fusion. jax-triton's `triton_kernel_call` is a legacy custom call that this XLA no
+# longer puts in command buffers: on two H200s the step was cut at every reduction into 37 command buffers per
+# GPU, each updated and launched every step (host 5.2 ms a step per GPU; docs/performance.md).
+_one_shot_p = jax.extend.core.Primitive("one_shot_collective")
+
+
+@_one_shot_p.def_abstract_eval
+def _one_shot_abstract(x, table, rank, *, dtype, out_size, **_):
+    return jax.core.ShapedArray((out_size,), x.dtype)
+
+
+_TRITON_TYPES = {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32"}
+
+
+@functools.cache
+def triton_ir(dtype: str, size: int, world: int, elems: int, block: int, gather_cols: int) -> tuple[str, str]:
+    """(kernel name, Triton IR text) of one call shape, from Triton's own front end (`triton` is jax-triton's
+    dependency, in the `cuda` extras) for the sm_90 target; XLA lowers the IR for the device it runs on."""
+    from triton._C.libtriton import ir as triton_ir_lib
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+    from triton.compiler.compiler import make_backend
+
+    ty = _TRITON_TYPES[dtype]
+    consts = {"size": size, "WORLD": world, "ELEMS": elems, "SLOT": MAX_BYTES // np.dtype(jnp.dtype(dtype)).itemsize,
+              "BLOCK": block, "GATHER_COLS": gather_cols}
+    signature = {"x_ptr": f"*{ty}", "table_ptr": "*u32", "rank_ptr": "*i32", "out_ptr": f"*{ty}",
+                 **{k: "constexpr" for k in consts}}
+    aligned = {(i,): [["tt.divisibility", 16]] for i in range(4)}  # XLA's buffers: 16-byte aligned at least
+    src = ASTSource(fn=_kernel(), signature=signature, constexprs=consts, attrs=aligned)
+    target = GPUTarget("cuda", 90, 32)
+    backend = make_backend(target)
+    options = backend.parse_options({"num_warps": NUM_WARPS})
+    context = triton_ir_lib.context()
+    triton_ir_lib.load_dialects(context)
+    backend.load_dialects(context)
+    module = src.make_ir(target, options, backend.get_codegen_implementation(options), backend.get_module_map(),
+                         context)
+    stages: dict = {}
+    backend.add_stages(stages, options, src.language)
+    text = str(stages["ttir"](module, {}))  # inlined, canonicalized
+    name = f"one_shot_{'gather' if gather_cols else 'reduce'}_{ty}_{size}_w{world}"
+    return name, text.replace("@all_reduce_kernel(", f"@{name}(")
+
+
+NUM_WARPS = 4
+
+
+def _one_shot_lowering(ctx, x, table, rank, *, dtype, size, out_size, world, elems, block, gather_cols):
+    import io
+
+    from jax._src.interpreters import mlir
+    from jax._src.lib.mlir import ir
+    from jax._src.lib.triton import dialect as tt_dialect
+
+    name, text = triton_ir(dtype, size, world, elems, block, gather_cols)
+    with mlir.JaxIrContext() as context:  # as Pallas's Triton lowering: the IR in a context of its own
+        context.append_dialect_registry(mlir.upstream_dialects)
+        tt_dialect.register_dialect(context)
+        context.load_all_available_dialects()
+        buf = io.BytesIO()
+        ir.Module.parse(text).operation.write_bytecode(buf)
+    config = dict(name=ir.StringAttr.get(name), ir=ir.StringAttr.get(buf.getvalue()), num_stages=mlir.i32_attr(1),
+                  num_warps=mlir.i32_attr(NUM_WARPS), grid_x=mlir.i32_attr(PROGRAMS), grid_y=mlir.i32_attr(1),
+                  grid_z=mlir.i32_attr(1), debug=ir.BoolAttr.get(False))
+    layouts = [list(reversed(range(len(a.shape)))) for a in ctx.avals_in]
+    out = ctx.avals_out[0]
+    return mlir.custom_call(call_target_name="__gpu$xla.gpu.triton", operands=[x, table, rank],
+                            result_types=[ir.RankedTensorType.get(out.shape, mlir.dtype_to_ir_type(out.dtype))],
+                            backend_config=config, api_version=4, operand_layouts=layouts,
+                            result_layouts=[[0]]).results
+
+
+def _register():
+    from jax._src.interpreters import mlir
+
+    mlir.register_lowering(_one_shot_p, _one_shot_lowering, platform="cuda")
+
+
+_register()

@@ -31,7 +31,26 @@ def test_reduce_without_workspace_is_psum():
     mesh = jax.make_mesh((2,), ("tp",))
     f = jax.shard_map(ops.reduce, mesh=mesh, in_specs=P(), out_specs=P(), check_vma=False)
     jaxpr = str(jax.make_jaxpr(f)(jnp.ones((1, 256), jnp.float32)))
-    assert "psum" in jaxpr and "triton" not in jaxpr
+    assert "psum" in jaxpr and "one_shot_collective" not in jaxpr
+
+
+def test_kernel_is_xla_triton_custom_call():
+    """The kernel reaches XLA as the Triton custom call XLA compiles itself (a kernel its command buffers hold),
+    not jax-triton's legacy call, which cut a sharded step into a command buffer per reduction."""
+    pytest.importorskip("triton")  # the `cuda` extras (jax-triton's dependency): Triton's front end writes the IR
+    mesh = jax.make_mesh((2,), ("tp",))
+
+    def body(v, t):
+        with all_reduce.use(t):
+            return jnp.concatenate([all_reduce.one_shot_all_reduce(v[0], "tp"),
+                                    all_reduce.one_shot_all_gather(v[0], "tp")[:, :64]], 1)[None]
+
+    f = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(P("tp"), P()), out_specs=P("tp"), check_vma=False))
+    x = jax.device_put(jnp.ones((2, 1, 64), jnp.bfloat16), NamedSharding(mesh, P("tp")))
+    text = f.trace(x, jnp.zeros((2, 12), jnp.uint32)).lower(lowering_platforms=("cuda",)).as_text()
+    calls = [line for line in text.splitlines() if "custom_call" in line]
+    assert len(calls) == 2 and all("__gpu$xla.gpu.triton" in c for c in calls), calls
+    assert "triton_kernel_call" not in text
 
 
 def test_engine_takes_the_kernel_only_on_gpus_of_one_process():
