@@ -214,3 +214,34 @@ def test_model_moe_block_mosaic_path_matches_reference(monkeypatch):
     assert len(calls) == 2
     ref, _ = ModelOps().moe_block(x, norm, router, wg, wu, wd, **kw)
     assert_close(out, ref, jnp.bfloat16, "interpret")
+
+
+def test_model_moe_block_fp8_experts_on_the_kernels():
+    """ModelOps.moe_block at a decode-sized step with block-FP8 routed experts (the grouped GEMMs read them) and a
+    gated FP8 shared expert (the fused MLP kernel reads it; its [hidden, 1] gate is dequantized): the reference
+    block's output (everything dequantized, lax.ragged_dot), and no ragged_dot in the kernels' block."""
+    from jinfer.ops import ModelOps
+
+    e, hidden, inter, shared_inter, top_k, tokens, block = 4, 64, 32, 32, 2, 3, (16, 16)
+    ks = jax.random.split(jax.random.key(1), 9)
+    w = lambda k, s: jax.random.normal(k, s) * hidden**-0.5  # noqa: E731
+    wg, wu, wd = (quantize(w(k, s), block) for k, s in zip(ks[:3], ((e, hidden, inter), (e, hidden, inter),
+                                                                    (e, inter, hidden)), strict=True))
+    shared = tuple(quantize(w(k, s), block) for k, s in zip(ks[3:7], ((hidden, shared_inter), (hidden, shared_inter),
+                                                                      (shared_inter, hidden), (hidden, 1)),
+                                                             strict=True))
+    router = w(ks[7], (hidden, e)) * 8
+    x = jax.random.normal(ks[8], (tokens, hidden))
+    norm = jnp.ones(hidden)
+    kw = dict(top_k=top_k, renormalize=True, eps=1e-6, shared=shared)
+    ops = ModelOps("pallas", interpret=True)
+
+    def block_out(ops, x):
+        return ops.moe_block(x, norm, router, wg, wu, wd, **kw)[0]
+
+    jaxpr = str(jax.make_jaxpr(lambda x: block_out(ops, x))(x))
+    for kernel in ("moe_gate_up_m16_n32_k16_fp8_convert", "moe_down_m16_n64_k16_fp8_convert",
+                   "fused_swiglu_mlp_t16_i16_fp8_convert"):
+        assert kernel in jaxpr, kernel
+    assert "ragged_dot" not in jaxpr
+    assert_close(block_out(ops, x), block_out(ModelOps(), x), jnp.float32, "interpret")
