@@ -18,8 +18,12 @@ the call's kernel times from CUPTI (`jax.experimental.mosaic.gpu.profiler.measur
 split by kernel); torch's are CUDA-event times of a CUDA graph of 10 chained calls (gaps between its
 kernels included, a few us).
 Bandwidth counts the bytes of the experts actually hit; TFLOP/s the real routed rows (2 x rows x 3 x H x I).
+`--fp8` ("fp8" rows, default 1 / 8 / 16 / 4096 tokens): the Triton grouped GEMMs on block-FP8 experts (128 x 128
+scales) against the same kernels on the bf16 experts (same routing), and the bf16 Mosaic GPU grouped GEMM where a step
+reaches it; FP8 bandwidth counts its bytes (values and scales).
 
     python -m benchmarks.bench_moe --out benchmarks/results/moe_kernels_h100.json [--sweep] [--tokens 1 8 64]
+    python -m benchmarks.bench_moe --fp8 --out benchmarks/results/moe_fp8_h200.json
 """
 
 from __future__ import annotations
@@ -39,6 +43,7 @@ import numpy as np
 
 from benchmarks.bench_kernels import chained, timeit
 from benchmarks.common import environment, write_result
+from jinfer.models.fp8 import quantize
 from jinfer.models.layers import moe_mlp, rms_norm
 from jinfer.ops import ModelOps
 from jinfer.ops.moe import moe_block_m
@@ -49,6 +54,8 @@ from pallas_kernels.moe.moe_routing import moe_route, moe_route_reference
 
 E, H, INTER, K = 128, 2048, 768, 8
 TOKENS = (1, 8, 64, 512, 4096)
+FP8_TOKENS = (1, 8, 16, 4096)
+FP8_BLOCK = (128, 128)
 DTYPE = jnp.bfloat16
 KW: dict = {}  # {"interpret": True} under --smoke (CPU check of the script at tiny shapes)
 SKIP: set = set()  # --skip ragged: no ragged_dot / whole-block rows (each row is a compile: ~20 s on the H100)
@@ -202,6 +209,40 @@ def bench_tokens(rows: list, tokens: int, w, sweep: bool, xla_block: bool) -> No
         record(rows, {**base, "what": "block", "impl": name}, block, x, hit_bytes=hit_bytes, flops=flops)
 
 
+def bench_fp8(rows: list, tokens: int, w, q) -> None:
+    """--fp8: the grouped GEMMs with the block-FP8 experts q (Fp8Weight gate, up, down) against the bf16 ones w, one
+    routing; the FP8 result's error against `layers.moe_mlp` on q dequantized (XLA)."""
+    wg, wu, wd, router = w
+    x = jax.random.normal(jax.random.key(tokens), (tokens, H), DTYPE)
+    logits = (x @ router).astype(DTYPE)
+    bm = moe_block_m(tokens * K, E)
+    routing = moe_route(logits, top_k=K, block_m=bm, **KW)
+    hit = int(np.unique(np.asarray(routing.topk_ids)).size)
+    per_expert, flops = 3 * H * INTER, 2 * tokens * K * 3 * H * INTER
+    scale_bytes = sum(s.scale.nbytes for s in q) // E  # one expert's
+    base = {"what": "fp8", "tokens": tokens, "top_k": K, "experts_hit": hit, "flops": flops, "block_m": bm}
+    fp8 = {"scale_block": FP8_BLOCK, **KW}
+
+    def triton(x, fp8_weights=False):
+        if not fp8_weights:
+            return moe_combine(moe_down(moe_gate_up(x, routing, wg, wu, **KW), routing, wd, **KW), K, x.dtype)
+        h = moe_gate_up(x, routing, q[0].w, q[1].w, (q[0].scale, q[1].scale), **fp8)
+        return moe_combine(moe_down(h, routing, q[2].w, q[2].scale, **fp8), K, x.dtype)
+
+    ref = moe_mlp(x, logits, *q, K, True).astype(jnp.float32)
+    err = float(jnp.abs(triton(x, True).astype(jnp.float32) - ref).max())
+    record(rows, {**base, "impl": "pallas_triton_bf16"}, triton, x, hit_bytes=hit * per_expert * 2, flops=flops)
+    record(rows, {**base, "impl": "pallas_triton_fp8", "max_abs_err_vs_ref": err, "ref_max_abs": float(
+        jnp.abs(ref).max())}, functools.partial(triton, fp8_weights=True), x,
+        hit_bytes=hit * (per_expert + scale_bytes), flops=flops)
+    if tokens * K >= 512 and not KW:  # the bf16 Mosaic GPU grouped GEMM, where large steps run bf16 experts
+        from pallas_kernels.moe.moe_gemm_mgpu import moe_experts_mgpu
+
+        r = moe_route_reference(logits, top_k=K, block_m=128)
+        record(rows, {**base, "impl": "pallas_mgpu_bf16", "block_m": 128},
+               lambda x: moe_experts_mgpu(x, r, wg, wu, wd), x, hit_bytes=hit * per_expert * 2, flops=flops)
+
+
 def bench_front(rows: list, tokens: int, router) -> None:
     """The MoE block's front end, x -> (h, routing): XLA's norm and router dot then the routing kernel, or the
     moe_norm_route kernel; CUPTI kernel times per variant."""
@@ -332,7 +373,7 @@ def run_torch_peer(tokens_list) -> list[dict]:
 
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("--tokens", type=int, nargs="+", default=list(TOKENS))
+    ap.add_argument("--tokens", type=int, nargs="+", help=f"default {TOKENS} (--fp8: {FP8_TOKENS})")
     ap.add_argument("--sweep", action="store_true", help="also time a grid of Triton tile / launch parameters")
     ap.add_argument("--sweep-tokens", type=int, nargs="*", help="token counts the sweep runs at (default: all)")
     for axis in ("n", "k", "warps", "stages"):
@@ -342,10 +383,12 @@ def main():
     ap.add_argument("--xla-block", action="store_true", help="also time the whole MoE block through XLA (ragged_dot)")
     ap.add_argument("--front", action="store_true", help="also time the block's front end (norm + router + routing)")
     ap.add_argument("--front-only", action="store_true", help="only the front-end rows (no torch peer, no GEMMs)")
+    ap.add_argument("--fp8", action="store_true", help="block-FP8 experts vs bf16 on the grouped GEMMs only")
     ap.add_argument("--smoke", action="store_true", help="tiny shapes, kernels interpreted (CPU check)")
     ap.add_argument("--torch-peer", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--out")
     args = ap.parse_args()
+    args.tokens = args.tokens or list(FP8_TOKENS if args.fp8 else TOKENS)
     if args.torch_peer:
         for row in torch_peer(args.tokens):
             print(json.dumps(row), flush=True)
@@ -357,9 +400,10 @@ def main():
         global E, H, INTER, K
         E, H, INTER, K = 8, 64, 32, 2
         KW["interpret"] = True
-        args.tokens, args.no_torch = [1, 64], True
-    peer = [] if args.no_torch or args.front_only else run_torch_peer(args.tokens)
+        args.tokens, args.no_torch = [1, 16] if args.fp8 else [1, 64], True
+    peer = [] if args.no_torch or args.front_only or args.fp8 else run_torch_peer(args.tokens)
     w = weights()
+    q = [quantize(a.astype(jnp.float32), FP8_BLOCK) for a in w[:3]] if args.fp8 else None
     rows: list[dict] = []
     # A run ended by `timeout` (SIGTERM) still writes the rows it has, marked incomplete (the handler runs once
     # the call in progress, e.g. a compile, returns).
@@ -371,13 +415,17 @@ def main():
                 bench_front(rows, tokens, w[3])
             if args.front_only:
                 continue
+            if args.fp8:
+                bench_fp8(rows, tokens, w, q)
+                continue
             sweep = args.sweep and (not args.sweep_tokens or tokens in args.sweep_tokens)
             bench_tokens(rows, tokens, w, sweep, args.xla_block)
         complete = True
     finally:
         copy = next((r["copy_bytes_per_s"] for r in peer if r.get("impl") == "torch_copy"), None)
         write_result({"benchmark": "moe_kernels", **environment(), "experts": E, "hidden": H,
-                      "moe_intermediate": INTER, "top_k": K, "dtype": "bfloat16", "torch_copy_bytes_per_s": copy,
+                      "moe_intermediate": INTER, "top_k": K, "dtype": "bfloat16",
+                      "fp8_block": list(FP8_BLOCK) if args.fp8 else None, "torch_copy_bytes_per_s": copy,
                       "complete": complete, "rows": rows + peer}, args.out)
 
 

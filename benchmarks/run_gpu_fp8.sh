@@ -1,20 +1,41 @@
 #!/usr/bin/env bash
-# FP8 weights against bf16 on one GPU: the FP8 kernel tests, the decode kernels at Qwen3-8B's shapes
-# (bench_dense fp8), then engine TPOT of dummy:<shape> and dummy:<shape>-fp8 in alternating processes, ROUNDS each:
-# $OUT/fp8_latency_<shape>.json (every process, the medians, FP8 / bf16; benchmarks/latency_summary.py).
+# FP8 weights against bf16 on one GPU. PARTS (comma list; default tests,dense,latency):
+#   tests    the FP8 kernel tests compiled for the GPU (dense kernels and the MoE grouped GEMMs)
+#   dense    the decode kernels at Qwen3-8B's shapes (bench_dense fp8): $OUT/dense_fp8_${SHAPE}.json
+#   moe      the MoE grouped GEMMs with block-FP8 experts vs bf16 at Qwen3-30B-A3B's shapes, 1 / 8 / 16 / 4096 tokens
+#            (bench_moe --fp8; the bf16 Mosaic GPU grouped GEMM at 4096): $OUT/moe_fp8_$TAG.json
+#   latency  engine TPOT of dummy:<shape> and dummy:<shape>-fp8 in alternating processes, ROUNDS each:
+#            $OUT/fp8_latency_<shape>.json (every process, the medians, FP8 / bf16; benchmarks/latency_summary.py)
 #   SHAPE=qwen3-8b ROUNDS=3 BATCHES="1 8" bash benchmarks/run_gpu_fp8.sh
+#   PARTS=tests,moe,latency SHAPE=qwen3-30b-a3b TIMEOUT=600 ROUNDS=2 bash benchmarks/run_gpu_fp8.sh   # the MoE
 set -uo pipefail
 source benchmarks/gpu_env.sh
 mkdir -p /tmp/fp8ab
+PARTS=${PARTS:-tests,dense,latency}; TAG=${TAG:-h200}
 SHAPE=${SHAPE:-qwen3-8b}; ROUNDS=${ROUNDS:-3}; BATCHES=${BATCHES:-1 8}; TIMEOUT=${TIMEOUT:-150}
-XLA_PYTHON_CLIENT_PREALLOCATE=false JAX_PLATFORMS=cuda timeout 240 python3 -m pytest -q -n 4 -m gpu -p no:cacheprovider \
-  tests/kernels/test_fused_mlp.py tests/kernels/test_skinny_gemm.py tests/kernels/test_norm_qkv_rope.py 2>&1 | tail -2
-timeout 180 python3 -m benchmarks.kernels.bench_dense fp8 "$OUT/dense_fp8_${SHAPE}.json" 2>&1 | grep -v '^{' | tail -20
-for r in $(seq "$ROUNDS"); do
-  for s in "$SHAPE" "$SHAPE-fp8"; do
-    timeout "$TIMEOUT" python3 -m benchmarks.bench_latency --shape "$s" --batch-sizes $BATCHES --input-len 1024 \
-      --output-len 128 --repeat 1 --out "/tmp/fp8ab/${s}_$r.json" 2>&1 | grep -E "^batch|Error" | sed "s/^/[$s $r] /"
+if [[ $PARTS == *tests* ]]; then
+  XLA_PYTHON_CLIENT_PREALLOCATE=false JAX_PLATFORMS=cuda timeout 400 python3 -m pytest -q -n 4 -m gpu -p no:cacheprovider \
+    tests/kernels/test_fused_mlp.py tests/kernels/test_skinny_gemm.py tests/kernels/test_norm_qkv_rope.py \
+    tests/kernels/test_moe_gemm.py 2>&1 | tail -2
+fi
+if [[ $PARTS == *dense* ]]; then
+  timeout 180 python3 -m benchmarks.kernels.bench_dense fp8 "$OUT/dense_fp8_${SHAPE}.json" 2>&1 | grep -v '^{' | tail -20
+fi
+if [[ $PARTS == *moe* ]]; then
+  timeout 600 python3 -m benchmarks.bench_moe --fp8 --out "$OUT/moe_fp8_$TAG.json" | grep '^{"what' | python3 -c '
+import json, sys
+for line in sys.stdin:
+    r = json.loads(line)
+    print(r["tokens"], r["impl"], r.get("time_us"), "us", r.get("tb_per_s"), "TB/s", r.get("tflop_per_s"), "TFLOP/s",
+          r.get("max_abs_err_vs_ref", ""), r.get("error", "")[:160])'
+fi
+if [[ $PARTS == *latency* ]]; then
+  for r in $(seq "$ROUNDS"); do
+    for s in "$SHAPE" "$SHAPE-fp8"; do
+      timeout "$TIMEOUT" python3 -m benchmarks.bench_latency --shape "$s" --batch-sizes $BATCHES --input-len 1024 \
+        --output-len 128 --repeat 1 --out "/tmp/fp8ab/${s}_$r.json" 2>&1 | grep -E "^batch|Error" | sed "s/^/[$s $r] /"
+    done
+    python3 -m benchmarks.latency_summary "$OUT/fp8_latency_${SHAPE}.json" bf16="/tmp/fp8ab/${SHAPE}_*.json" \
+      fp8="/tmp/fp8ab/${SHAPE}-fp8_*.json"  # after every round (time limits)
   done
-  python3 -m benchmarks.latency_summary "$OUT/fp8_latency_${SHAPE}.json" bf16="/tmp/fp8ab/${SHAPE}_*.json" \
-    fp8="/tmp/fp8ab/${SHAPE}-fp8_*.json"  # after every round (time limits)
-done
+fi

@@ -29,11 +29,12 @@ The defaults are the measured choices (H100 figures; docs/performance.md has the
 - fp8_skinny_o: one-token o projections with a block-FP8 weight take the skinny GEMM (which reads FP8) whatever the
   weight's size; off: only those under pad_vector_dots' size, as bf16 (the others dequantize, then XLA's GEMM).
   Unmeasured default: the alternative reads the FP8 bytes and writes and reads a bf16 copy unless XLA fuses it.
-- fp8_max_tokens: steps of up to this many tokens with block-FP8 weights run the MLP on the fused kernel and o on the
-  skinny GEMM (both read FP8) whatever pallas_mlp_tokens says; past it the jnp path dequantizes, then XLA's GEMMs
-  (at batch 8 on the H100 that path made Qwen3-8B's TPOT 14.4 ms against bf16's 6.3).
-- fp8_mode: how the dense kernels meet an FP8 weight tile (pallas_kernels/dense/fp8_tiles.py): "convert" (to the
-  activations' dtype), "w8a8" (activations quantized per row and 128
+- fp8_max_tokens: steps of up to this many tokens with block-FP8 weights run the MLP (and MoE shared experts) on the
+  fused kernel and o on the skinny GEMM (both read FP8) whatever pallas_mlp_tokens says; past it the jnp path
+  dequantizes, then XLA's GEMMs (at batch 8 on the H100 that path made Qwen3-8B's TPOT 14.4 ms against bf16's 6.3).
+  (FP8 routed experts take the Triton grouped GEMMs at every step size.)
+- fp8_mode: how the dense and MoE kernels meet an FP8 weight tile (pallas_kernels/dense/fp8_tiles.py): "convert" (to
+  the activations' dtype), "w8a8" (activations quantized per row and 128
   columns, FP8 tensor-core dot; numerics differ from bf16 activations by their FP8 rounding).
 - one_shot_all_reduce_bytes: a sharded step's reductions of up to this many bytes a device run as our one-shot
   all-reduce over NVLink peer memory (pallas_kernels/all_reduce.py, GPUs of one process) instead of XLA's NCCL

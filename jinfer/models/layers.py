@@ -61,7 +61,7 @@ def moe_mlp(x: jax.Array, logits: jax.Array, w_gate: jax.Array, w_up: jax.Array,
     """
     tokens, hidden = x.shape
     count = w_gate.shape[0]
-    # FP8 experts (jinfer/models/fp8.py) dequantized whole: the reference path; kernels that read FP8 come later
+    # FP8 experts (jinfer/models/fp8.py) dequantized whole: the reference path (the Pallas grouped GEMMs read FP8)
     w_gate, w_up, w_down = (dense(w, x.dtype) for w in (w_gate, w_up, w_down))
     from pallas_kernels.moe.moe_routing import topk_routing  # (not at import: Pallas is only needed to trace)
 

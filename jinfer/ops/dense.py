@@ -166,18 +166,31 @@ class DenseOps:
         x, was measured: it removed one ~1.5 us XLA kernel per layer but slowed the kernel by ~3.7 us per
         layer at batch-1 decode on the H100, 1885 vs 1767 us per Qwen3.5-4B step: the extra load sits on each
         K iteration's critical path.)"""
-        tokens = x.shape[0]
-        fp8 = is_fp8(w_gate) and tokens <= self.policy.fp8_max_tokens  # the jnp path would dequantize
-        if self.backend == "pallas" and (tokens in self.policy.pallas_mlp_tokens or fp8) and x.shape[1] % 16 == 0 \
-                and w_gate.shape[1] % 16 == 0 \
-                and (operands := fp8_operands("fused_mlp", w_gate, w_up, w_down)) is not None:
-            from pallas_kernels.dense.fused_mlp import fused_swiglu_mlp
+        out = self._fused_mlp(x, norm, w_gate, w_up, w_down, eps, x.shape[0] in self.policy.pallas_mlp_tokens)
+        if out is None:
+            out = swiglu_mlp(rms_norm(x, norm, eps), w_gate, w_up, w_down)
+        return x + self.reduce(out)
 
-            (wg, wu, wd), scales, block = operands
-            mode = {} if scales is None else {"fp8_mode": self.policy.fp8_mode}
-            return x + self.reduce(fused_swiglu_mlp(x, wg, wu, wd, norm, scales, scale_block=block, eps=eps, **mode,
-                                                    interpret=self.interpret, **self.policy.launch_args("fused_mlp")))
-        return x + self.reduce(swiglu_mlp(rms_norm(x, norm, eps), w_gate, w_up, w_down))
+    def swiglu(self, h: jax.Array, w_gate: jax.Array, w_up: jax.Array, w_down: jax.Array) -> jax.Array:
+        """The SwiGLU MLP of rows already normed (a MoE block's shared experts; a partial sum when sharded): block-FP8
+        weights in steps of <= fp8_max_tokens on the fused kernel, which reads them, else XLA's fusion."""
+        out = self._fused_mlp(h, None, w_gate, w_up, w_down, 1e-6, False)
+        return swiglu_mlp(h, w_gate, w_up, w_down) if out is None else out
+
+    def _fused_mlp(self, x, norm, w_gate, w_up, w_down, eps, plain: bool) -> jax.Array | None:
+        """The fused SwiGLU kernel's output (its RMSNorm prologue where `norm` is given), or None where XLA's path
+        runs: the kernel takes block-FP8 weights in steps of <= fp8_max_tokens (the jnp path would dequantize them),
+        plain ones where `plain`."""
+        fp8 = is_fp8(w_gate) and x.shape[0] <= self.policy.fp8_max_tokens
+        if self.backend != "pallas" or not (plain or fp8) or x.shape[1] % 16 or w_gate.shape[1] % 16 \
+                or (operands := fp8_operands("fused_mlp", w_gate, w_up, w_down)) is None:
+            return None
+        from pallas_kernels.dense.fused_mlp import fused_swiglu_mlp
+
+        (wg, wu, wd), scales, block = operands
+        mode = {} if scales is None else {"fp8_mode": self.policy.fp8_mode}
+        return fused_swiglu_mlp(x, wg, wu, wd, norm, scales, scale_block=block, eps=eps, **mode,
+                                interpret=self.interpret, **self.policy.launch_args("fused_mlp"))
 
     def reduce(self, partial: jax.Array) -> jax.Array:
         """The sum of the devices' partial results of a row-parallel matmul (identity on one device)."""

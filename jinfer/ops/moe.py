@@ -10,6 +10,12 @@ kernels were not measured there, so they keep those steps; moe_kernels_h100.json
 reference is `layers.moe_mlp` (`lax.ragged_dot`). DeepSeek chooses its experts in XLA (`layers.grouped_topk_routing`:
 group-limited top-k, V3's sigmoid and correction bias), then `moe_route_chosen` lays them out and the same expert
 kernels run.
+
+Block-FP8 experts (`Fp8Weight`) run on the Triton GEMMs at every step size: they read the e4m3 tiles and their scales;
+the Mosaic GPU kernel reads bf16 only and is not offered them (unmeasured against dequantizing for it at large steps:
+benchmarks/bench_moe.py --fp8 times both kernels). Experts the kernels cannot read (FP8 mixed with plain) take
+`layers.moe_mlp`, which dequantizes (`refuse_fp8`). Shared experts go through `DenseOps.swiglu` (FP8: the fused MLP
+kernel in small steps).
 """
 
 from __future__ import annotations
@@ -17,8 +23,9 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from jinfer.models.fp8 import refuse_fp8
-from jinfer.models.layers import grouped_topk_routing, moe_mlp, rms_norm, swiglu_mlp
+from jinfer.models.fp8 import dense
+from jinfer.models.layers import grouped_topk_routing, moe_mlp, rms_norm
+from jinfer.ops.dense import fp8_operands
 
 MOSAIC_MOE_BLOCK_M = 128  # the Mosaic GPU grouped GEMM's rows per block
 
@@ -51,7 +58,7 @@ class MoeOps:
         first = None  # expert parallel: the id of this device's first expert
         if num_experts != router.shape[1]:
             first = jax.lax.axis_index(self.axis) * num_experts
-        kernels = self._moe_kernels(hidden, inter, w_gate, w_up, w_down)
+        kernels = self._moe_kernels(hidden, inter, w_gate, w_up, w_down)  # their operands, or None
         routing = None
         if kernels and counters is not None and tokens <= policy.moe_front_max_tokens \
                 and _front_supported(tokens, hidden, router.shape[1]):
@@ -64,7 +71,7 @@ class MoeOps:
             h = rms_norm(x, norm, eps)
             # router logits rounded to the activation dtype, as HF's F.linear (and vLLM) produce them
             logits = self.project(h, router, preferred_element_type=jnp.float32).astype(h.dtype)  # [T, E]
-        extra = 0 if shared is None else shared_expert(h, *shared)
+        extra = 0 if shared is None else self.shared_expert(h, *shared)
         if not kernels:
             out = moe_mlp(h, logits, w_gate, w_up, w_down, top_k, renormalize, first)
             return x + self.reduce(out + extra), counters
@@ -74,7 +81,7 @@ class MoeOps:
             return moe_route(logits, top_k=top_k, renormalize=renormalize, block_m=block_m, interpret=self.interpret,
                              **policy.launch_args("moe_route"))
 
-        out = self._routed_experts(h, route, w_gate, w_up, w_down, first, top_k, router.shape[1], routing)
+        out = self._routed_experts(h, route, kernels, first, top_k, router.shape[1], routing)
         return x + self.reduce(out + extra), counters
 
     def grouped_moe_block(self, x: jax.Array, norm: jax.Array, router: jax.Array, bias: jax.Array | None,
@@ -94,38 +101,44 @@ class MoeOps:
         first = None
         if num_experts != router.shape[1]:  # expert parallel: this device's experts
             first = jax.lax.axis_index(self.axis) * num_experts
-        if self._moe_kernels(hidden, inter, w_gate, w_up, w_down):
+        if kernels := self._moe_kernels(hidden, inter, w_gate, w_up, w_down):
             from pallas_kernels.moe.moe_routing import moe_route_chosen
 
             def route(block_m):
                 return moe_route_chosen(ids, weights, num_experts=router.shape[1], block_m=block_m,
                                         interpret=self.interpret)
 
-            y = self._routed_experts(h, route, w_gate, w_up, w_down, first, top_k, router.shape[1])
+            y = self._routed_experts(h, route, kernels, first, top_k, router.shape[1])
         else:
             y = moe_mlp(h, logits, w_gate, w_up, w_down, top_k, renormalize, first, routed=(weights, ids))
         if shared is not None:
-            y = y + swiglu_mlp(h, *shared)
+            y = y + self.shared_expert(h, *shared)
         return x + self.reduce(y)
 
-    def _moe_kernels(self, hidden, inter, *weights) -> bool:
-        """Whether the routed experts run on the grouped-GEMM kernels (bf16 / f32 weights, 16-multiple dims)."""
-        return self.backend == "pallas" and hidden % 16 == 0 and inter % 16 == 0 \
-            and not refuse_fp8("moe grouped GEMM", *weights)
+    def _moe_kernels(self, hidden, inter, *weights) -> tuple | None:
+        """The routed experts' operands for the grouped-GEMM kernels, as `dense.fp8_operands` gives them ((w_gate,
+        w_up, w_down), block-FP8 scales or None, scale block), or None where they run on `layers.moe_mlp`: not the
+        Pallas backend, dims not multiples of 16, FP8 weights the kernels cannot read (mixed, blocks under 16 rows)."""
+        if self.backend != "pallas" or hidden % 16 or inter % 16:
+            return None
+        return fp8_operands("moe grouped GEMM", *weights)
 
-    def _routed_experts(self, h, route, w_gate, w_up, w_down, first, top_k, router_experts, routing=None):
+    def _routed_experts(self, h, route, operands, first, top_k, router_experts, routing=None):
         """The routed experts' weighted sum [T, hidden] of the normed rows h (this device's share when sharded) on
         the kernels. route(block_m): the step's `MoeRouting` in blocks of block_m rows; `routing`: one made already
         (the fused front end's, decode-sized), which the Triton GEMMs take. Steps routing at least
-        `mosaic_moe_min_rows_per_expert` rows per expert run the Mosaic GPU grouped GEMM where it takes the shapes.
+        `mosaic_moe_min_rows_per_expert` rows per expert run the Mosaic GPU grouped GEMM where it takes the shapes
+        (bf16 weights: block-FP8 experts take the Triton GEMMs at every size). `operands`: `_moe_kernels`'.
         `first`: the id of this device's first expert (expert parallel), or None."""
         from pallas_kernels.moe.moe_gemm import moe_combine, moe_down, moe_gate_up
         from pallas_kernels.moe.moe_routing import local_experts
 
+        (w_gate, w_up, w_down), scales, block = operands
         tokens, num_experts = h.shape[0], w_gate.shape[0]
         pairs = tokens * top_k
-        if routing is None and self.mosaic_prefill and pairs >= self.policy.mosaic_moe_min_rows_per_expert * \
-                router_experts and _mgpu_supported(h, w_gate, w_up, w_down):
+        if routing is None and scales is None and self.mosaic_prefill \
+                and pairs >= self.policy.mosaic_moe_min_rows_per_expert * router_experts \
+                and _mgpu_supported(h, w_gate, w_up, w_down):
             from pallas_kernels.moe.moe_gemm_mgpu import moe_experts_mgpu
 
             routing = route(MOSAIC_MOE_BLOCK_M)
@@ -138,18 +151,23 @@ class MoeOps:
         mine = None
         if first is not None:
             routing, mine = local_experts(routing, first, num_experts)
-        act = moe_gate_up(h, routing, w_gate, w_up, interpret=self.interpret)
-        y = moe_down(act, routing, w_down, interpret=self.interpret)
+        if scales is None:
+            act = moe_gate_up(h, routing, w_gate, w_up, interpret=self.interpret)
+            y = moe_down(act, routing, w_down, interpret=self.interpret)
+        else:  # block-FP8 experts: e4m3 tiles and their scales
+            fp8 = {"scale_block": block, "fp8_mode": self.policy.fp8_mode, "interpret": self.interpret}
+            act = moe_gate_up(h, routing, w_gate, w_up, scales[:2], **fp8)
+            y = moe_down(act, routing, w_down, scales[2], **fp8)
         return moe_combine(y, top_k, h.dtype, mine)
 
-
-def shared_expert(h: jax.Array, w_gate: jax.Array, w_up: jax.Array, w_down: jax.Array, gate: jax.Array | None
-                  ) -> jax.Array:
-    """A shared expert's output for the normed rows h [T, hidden]: SwiGLU, times sigmoid(h @ gate) per row where the
-    model gates it (Qwen3.5-MoE's `shared_expert_gate`, [hidden, 1]). Sharded, its columns are this device's: a
-    partial sum (the gate is replicated, so scaling before the block's psum is the same)."""
-    y = swiglu_mlp(h, w_gate, w_up, w_down)
-    return y if gate is None else jax.nn.sigmoid(h @ gate) * y
+    def shared_expert(self, h: jax.Array, w_gate: jax.Array, w_up: jax.Array, w_down: jax.Array,
+                      gate: jax.Array | None = None) -> jax.Array:
+        """A shared expert's output for the normed rows h [T, hidden]: SwiGLU (`DenseOps.swiglu`: block-FP8 weights
+        in small steps on the fused MLP kernel, else XLA), times sigmoid(h @ gate) per row where the model gates it
+        (Qwen3.5-MoE's `shared_expert_gate`, [hidden, 1]). Sharded, its columns are this device's: a partial sum
+        (the gate is replicated, so scaling before the block's psum is the same)."""
+        y = self.swiglu(h, w_gate, w_up, w_down)
+        return y if gate is None else jax.nn.sigmoid(h @ dense(gate, h.dtype)) * y
 
 
 def _front_supported(tokens: int, hidden: int, experts: int) -> bool:

@@ -1,4 +1,4 @@
-"""Block-FP8 weight tiles in the dense Triton kernels (fused MLP, skinny GEMM, norm + q|k|v + RoPE).
+"""Block-FP8 weight tiles in the Triton kernels (fused MLP, skinny GEMM, norm + q|k|v + RoPE, MoE grouped GEMMs).
 
 A block-FP8 weight is float8_e4m3fn values [K, N] and one float32 scale per (bk x bn) block of them (scale
 [ceil(K / bk), ceil(N / bn)]): value = w * scale. A kernel loads the e4m3 tile (half the bytes of bf16), converts
@@ -34,28 +34,29 @@ def tile_k(dim: int, cap: int, block: tuple[int, int] | None) -> int:
 
 
 def check_scale(name: str, w: jax.Array, scale: jax.Array | None, block: tuple[int, int] | None) -> None:
-    """ValueError unless `w` is float8_e4m3fn with scale [ceil(K / bk), ceil(N / bn)] float32 (or neither FP8 nor
-    scaled)."""
+    """ValueError unless `w` [..., K, N] is float8_e4m3fn with scale [..., ceil(K / bk), ceil(N / bn)] float32 (or
+    neither FP8 nor scaled)."""
     if scale is None:
         if w.dtype == FP8:
             raise ValueError(f"{name}: an FP8 weight needs its scales")
         return
     if w.dtype != FP8 or block is None or len(block) != 2:
         raise ValueError(f"{name}: scales go with a float8_e4m3fn weight and a scale block: {w.dtype=} {block=}")
-    want = tuple(-(-d // b) for d, b in zip(w.shape[-2:], block, strict=True))
+    want = (*w.shape[:-2], *(-(-d // b) for d, b in zip(w.shape[-2:], block, strict=True)))
     if scale.shape != want or scale.dtype != jnp.float32:
         raise ValueError(f"{name}: scale must be float32 {want} for {w.shape} in blocks of {block}, "
                          f"got {scale.dtype} {scale.shape}")
 
 
-def tile_scales(scale_ref, k0, n0, width: int, block: tuple[int, int]) -> jax.Array:
+def tile_scales(scale_ref, k0, n0, width: int, block: tuple[int, int], lead: tuple = ()) -> jax.Array:
     """The scales of the weight tile whose first row is k0 (inside one scale block) and whose columns are
-    [n0, n0 + width): [1, width] float32, or one scalar where n0 is a multiple of width and width divides bn."""
+    [n0, n0 + width): [1, width] float32, or one scalar where n0 is a multiple of width and width divides bn.
+    `lead`: indices of scale_ref's leading axes (a stacked expert weight's expert)."""
     bk, bn = block
     if bn % width == 0:  # the tile's columns sit inside one scale block (tiles start at multiples of their width)
-        return scale_ref[k0 // bk, n0 // bn]
+        return scale_ref[(*lead, k0 // bk, n0 // bn)]
     cols = (n0 + jnp.arange(width, dtype=jnp.int32)) // bn
-    return plgpu.load(scale_ref.at[k0 // bk, cols])[None, :]
+    return plgpu.load(scale_ref.at[(*lead, k0 // bk, cols)])[None, :]
 
 
 MODES = ("convert", "w8a8")  # f16 (weights and x to f16) measured slower than both: dense_fp8_modes_qwen3-8b_h100.json
@@ -79,18 +80,19 @@ def act_operand(xk: jax.Array, mode: str) -> tuple[jax.Array, jax.Array | None]:
 
 
 def weight_dot(xk: jax.Array, w: jax.Array, scale_ref, k0, n0, block: tuple[int, int], x_scale=None,
-               trans_w: bool = False) -> jax.Array:
+               trans_w: bool = False, lead: tuple = ()) -> jax.Array:
     """xk [rows, tile_k] @ w [tile_k, width] in fp32 for an FP8 tile w whose first row is k0 and first column n0,
     xk from `act_operand`: an e4m3 xk (w8a8) multiplies w on the FP8 tensor cores and the product is scaled by the
     rows' `x_scale`; otherwise w is converted to xk's dtype (bf16 / f16). Then the tile's weight scales
-    (`tile_scales`). trans_w: w is the tile [width, tile_k] of a transposed [N, K] weight."""
+    (`tile_scales`; `lead`: their leading indices). trans_w: w is the tile [width, tile_k] of a transposed [N, K]
+    weight."""
     if xk.dtype != FP8:
         w = w.astype(xk.dtype)
     width = w.shape[0] if trans_w else w.shape[1]
     out = plgpu.dot(xk, w, trans_b=trans_w)
     if x_scale is not None:
         out = out * x_scale
-    return out * tile_scales(scale_ref, k0, n0, width, block)
+    return out * tile_scales(scale_ref, k0, n0, width, block, lead)
 
 
 def fake_quant_rows(x: jax.Array, group: int) -> jax.Array:
@@ -105,8 +107,8 @@ def fake_quant_rows(x: jax.Array, group: int) -> jax.Array:
 
 
 def dequantize(w: jax.Array, scale: jax.Array, block: tuple[int, int], dtype) -> jax.Array:
-    """The references' weight: w [K, N] times its block scales in float32, rounded to `dtype` (what the jnp path,
+    """The references' weight: w [..., K, N] times its block scales in float32, rounded to `dtype` (what the jnp path,
     jinfer.models.fp8.dense, computes)."""
-    k, n = w.shape
-    s = jnp.repeat(jnp.repeat(scale, block[0], axis=0), block[1], axis=1)[:k, :n]
+    *_, k, n = w.shape
+    s = jnp.repeat(jnp.repeat(scale, block[0], axis=-2), block[1], axis=-1)[..., :k, :n]
     return (w.astype(jnp.float32) * s).astype(dtype)

@@ -18,6 +18,11 @@ Tile sizes: `block_m` comes with the routing (the layout's padding unit: 16 for 
 where each expert has a few rows, 64-128 for prefill); `block_n` / `block_k` / warps / stages default
 per step size (see `_launch`), overridable for sweeps.
 
+Block-FP8 experts (`scales`, `scale_block`): e4m3 tiles converted in registers (or, fp8_mode "w8a8", met by the
+rows quantized per K tile), each K tile's fp32 product times its block scales (pallas_kernels/dense/fp8_tiles.py,
+the dense kernels' helpers); the K tile divides the scale blocks' height, the column tiles are bf16's (at decode a
+tile of 64 columns streams half the bytes with as many programs in flight). Plain weights trace as without FP8.
+
 GPU backend: the Pallas Triton lowering (see `pallas_kernels/__init__.py`); the Mosaic GPU kernel
 for large steps is `moe_gemm_mgpu.py`.
 """
@@ -32,6 +37,16 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from pallas_kernels.common import pow2_divisor
+from pallas_kernels.dense.fp8_tiles import (
+    DEFAULT_MODE,
+    MODES,
+    act_operand,
+    check_scale,
+    dequantize,
+    fake_quant_rows,
+    tile_k,
+    weight_dot,
+)
 from pallas_kernels.moe.moe_routing import MoeRouting
 
 
@@ -47,10 +62,12 @@ def _block(bexp_ref, brows_ref, sorted_ref, block_m):
     return expert, valid, pairs
 
 
-def _gate_up_kernel(bexp_ref, brows_ref, sorted_ref, x_ref, wg_ref, wu_ref, h_ref, *, top_k, block_m, block_n,
-                    block_k):
+def _gate_up_kernel(bexp_ref, brows_ref, sorted_ref, x_ref, wg_ref, wu_ref, *refs, top_k, block_m, block_n,
+                    block_k, scale_block=None, fp8_mode=DEFAULT_MODE):
     # bexp_ref / brows_ref [NB] int32; sorted_ref [M] int32; x_ref [T, K]; wg_ref / wu_ref [E, K, N];
     # h_ref [M, N] (out): this program writes rows [b*bm, (b+1)*bm) x columns [n*bn, (n+1)*bn)
+    # FP8 (scale_block (bk, bn)): sg_ref / su_ref [E, K / bk, N / bn] float32 (whole), before h_ref
+    sg_ref, su_ref, h_ref = refs if scale_block is not None else (None, None, *refs)
     expert, valid, pairs = _block(bexp_ref, brows_ref, sorted_ref, block_m)
     tokens = pairs // top_k  # [bm]: padding rows read token 0, their h is never read
     b, n = pl.program_id(0), pl.program_id(1)
@@ -62,8 +79,14 @@ def _gate_up_kernel(bexp_ref, brows_ref, sorted_ref, x_ref, wg_ref, wu_ref, h_re
             g, u = carry  # [bm, bn] fp32 each
             ks = pl.ds(i * block_k, block_k)
             xk = x_ref[tokens, ks]  # [bm, bk]: the block's token rows, gathered
-            g = g + plgpu.dot(xk, wg_ref[expert, ks, cols])
-            u = u + plgpu.dot(xk, wu_ref[expert, ks, cols])
+            if scale_block is None:
+                g = g + plgpu.dot(xk, wg_ref[expert, ks, cols])
+                u = u + plgpu.dot(xk, wu_ref[expert, ks, cols])
+            else:  # e4m3 tiles converted in registers, each K tile's product times its block scales
+                xk, xs = act_operand(xk, fp8_mode)  # w8a8: e4m3 rows and their scales, once for gate and up
+                k0, n0 = i * block_k, n * block_n
+                g = g + weight_dot(xk, wg_ref[expert, ks, cols], sg_ref, k0, n0, scale_block, xs, lead=(expert,))
+                u = u + weight_dot(xk, wu_ref[expert, ks, cols], su_ref, k0, n0, scale_block, xs, lead=(expert,))
             return g, u
 
         zeros = jnp.zeros((block_m, block_n), jnp.float32)
@@ -71,9 +94,12 @@ def _gate_up_kernel(bexp_ref, brows_ref, sorted_ref, x_ref, wg_ref, wu_ref, h_re
         h_ref[pl.ds(b * block_m, block_m), cols] = (g * jax.nn.sigmoid(g) * u).astype(h_ref.dtype)
 
 
-def _down_kernel(bexp_ref, brows_ref, sorted_ref, w_ref, h_ref, wd_ref, y_ref, *, block_m, block_n, block_k):
+def _down_kernel(bexp_ref, brows_ref, sorted_ref, w_ref, h_ref, wd_ref, *refs, block_m, block_n, block_k,
+                 scale_block=None, fp8_mode=DEFAULT_MODE):
     # w_ref [T*k] fp32 routing weights by pair; h_ref [M, I]; wd_ref [E, I, N];
     # y_ref [T*k + 1, N] (out, by pair; the last row takes the masked-out lanes' addresses, never written)
+    # FP8 (scale_block (bk, bn)): sd_ref [E, I / bk, N / bn] float32 (whole), before y_ref
+    sd_ref, y_ref = refs if scale_block is not None else (None, *refs)
     expert, valid, pairs = _block(bexp_ref, brows_ref, sorted_ref, block_m)
     b, n = pl.program_id(0), pl.program_id(1)
     cols = pl.ds(n * block_n, block_n)
@@ -83,7 +109,11 @@ def _down_kernel(bexp_ref, brows_ref, sorted_ref, w_ref, h_ref, wd_ref, y_ref, *
     def _():
         def body(i, acc):
             ks = pl.ds(i * block_k, block_k)
-            return acc + plgpu.dot(h_ref[rows, ks], wd_ref[expert, ks, cols])
+            if scale_block is None:
+                return acc + plgpu.dot(h_ref[rows, ks], wd_ref[expert, ks, cols])
+            hk, hs = act_operand(h_ref[rows, ks], fp8_mode)
+            return acc + weight_dot(hk, wd_ref[expert, ks, cols], sd_ref, i * block_k, n * block_n, scale_block, hs,
+                                    lead=(expert,))
 
         acc = jax.lax.fori_loop(0, h_ref.shape[1] // block_k, body, jnp.zeros((block_m, block_n), jnp.float32))
         acc = acc * w_ref[pairs][:, None]  # [bm, bn] weighted by each pair's routing weight
@@ -97,56 +127,71 @@ def _down_kernel(bexp_ref, brows_ref, sorted_ref, w_ref, h_ref, wd_ref, y_ref, *
 # ----------------------------------------------------------------------------------------------
 # Wrappers
 # ----------------------------------------------------------------------------------------------
-def _launch(block_m, k, n, block_n, block_k, num_warps, num_stages):
+def _launch(block_m, k, n, block_n, block_k, num_warps, num_stages, scale_block=None):
     """Defaults: decode-sized blocks (16 rows) are weight streams: narrow column tiles for more programs in
-    flight, deep pipelines; prefill-sized ones are tensor-core tiles."""
+    flight, deep pipelines; prefill-sized ones are tensor-core tiles. FP8 (`scale_block`): the same tiles, the K
+    tile inside one scale block (the column tile may span several: a scale per column)."""
     small = block_m <= 32
     block_n = block_n or pow2_divisor(n, 64 if small else 128)
-    block_k = block_k or pow2_divisor(k, 128 if small else 64)
+    block_k = block_k or tile_k(k, 128 if small else 64, scale_block)
     num_warps = num_warps or (4 if small else 8)
     num_stages = num_stages or (4 if small else 3)
+    if scale_block is not None and scale_block[0] % block_k:
+        raise ValueError(f"block_k={block_k} must divide the FP8 scale blocks' height {scale_block[0]}")
     return block_n, block_k, num_warps, num_stages
 
 
-def _gate_up_call(x, routing, w_gate, w_up, *, block_n, block_k, num_warps, num_stages, interpret):
+def _fp8_kwargs(scales, scale_block, fp8_mode) -> tuple[dict, str]:
+    """The kernels' FP8 keywords and name suffix (none for plain weights: their trace is the one without FP8)."""
+    if not scales:
+        return {}, ""
+    return {"scale_block": scale_block, "fp8_mode": fp8_mode}, f"_fp8_{fp8_mode}"
+
+
+def _gate_up_call(x, routing, w_gate, w_up, scales, *, scale_block, fp8_mode, block_n, block_k, num_warps,
+                  num_stages, interpret):
     _, k = x.shape
     n = w_gate.shape[2]
     bm = routing.block_m
-    block_n, block_k, num_warps, num_stages = _launch(bm, k, n, block_n, block_k, num_warps, num_stages)
+    block_n, block_k, num_warps, num_stages = _launch(bm, k, n, block_n, block_k, num_warps, num_stages, scale_block)
     m, nb = routing.sorted_pairs.shape[0], routing.block_expert.shape[0]
-    kernel = functools.partial(_gate_up_kernel, top_k=routing.top_k, block_m=bm, block_n=block_n, block_k=block_k)
+    fp8, suffix = _fp8_kwargs(scales, scale_block, fp8_mode)
+    kernel = functools.partial(_gate_up_kernel, top_k=routing.top_k, block_m=bm, block_n=block_n, block_k=block_k,
+                               **fp8)
     whole = pl.no_block_spec
     return pl.pallas_call(
         kernel,
         grid=(nb, n // block_n),
-        in_specs=[whole] * 6,
+        in_specs=[whole] * (6 + len(scales)),
         out_specs=whole,
         out_shape=jax.ShapeDtypeStruct((m, n), x.dtype),
         compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),
         interpret=interpret,
-        name=f"moe_gate_up_m{bm}_n{block_n}_k{block_k}",
-    )(routing.block_expert, routing.block_rows, routing.sorted_pairs, x, w_gate, w_up)
+        name=f"moe_gate_up_m{bm}_n{block_n}_k{block_k}{suffix}",
+    )(routing.block_expert, routing.block_rows, routing.sorted_pairs, x, w_gate, w_up, *scales)
 
 
-def _down_call(h, routing, w_down, *, block_n, block_k, num_warps, num_stages, interpret):
+def _down_call(h, routing, w_down, scales, *, scale_block, fp8_mode, block_n, block_k, num_warps, num_stages,
+               interpret):
     _, k = h.shape
     n = w_down.shape[2]
     bm = routing.block_m
-    block_n, block_k, num_warps, num_stages = _launch(bm, k, n, block_n, block_k, num_warps, num_stages)
+    block_n, block_k, num_warps, num_stages = _launch(bm, k, n, block_n, block_k, num_warps, num_stages, scale_block)
     pairs = routing.topk_ids.size
-    kernel = functools.partial(_down_kernel, block_m=bm, block_n=block_n, block_k=block_k)
+    fp8, suffix = _fp8_kwargs(scales, scale_block, fp8_mode)
+    kernel = functools.partial(_down_kernel, block_m=bm, block_n=block_n, block_k=block_k, **fp8)
     whole = pl.no_block_spec
     return pl.pallas_call(
         kernel,
         grid=(routing.block_expert.shape[0], n // block_n),
-        in_specs=[whole] * 6,
+        in_specs=[whole] * (6 + len(scales)),
         out_specs=whole,
         out_shape=jax.ShapeDtypeStruct((pairs + 1, n), h.dtype),
         compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),
         interpret=interpret,
-        name=f"moe_down_m{bm}_n{block_n}_k{block_k}",
+        name=f"moe_down_m{bm}_n{block_n}_k{block_k}{suffix}",
     )(routing.block_expert, routing.block_rows, routing.sorted_pairs, routing.topk_weights.reshape(-1), h,
-      w_down)[:pairs]  # (the slice fuses into the consumer's k-sum)
+      w_down, *scales)[:pairs]  # (the slice fuses into the consumer's k-sum)
 
 
 def _check_routing(routing: MoeRouting):
@@ -157,22 +202,38 @@ def _check_routing(routing: MoeRouting):
         raise ValueError(f"routing.sorted_pairs {routing.sorted_pairs.shape} must hold block_m x blocks rows")
 
 
-_TUNING = ("block_n", "block_k", "num_warps", "num_stages", "interpret")
+def _check_fp8(names, weights, scales, scale_block, fp8_mode) -> tuple:
+    """The scales as a tuple (empty for plain weights), checked against their weights (fp8_tiles.check_scale)."""
+    if fp8_mode not in MODES:
+        raise ValueError(f"fp8_mode must be one of {MODES}, got {fp8_mode!r}")
+    scales = (None,) * len(weights) if scales is None else tuple(scales)
+    if len(scales) != len(weights):
+        raise ValueError(f"scales must be one per weight ({', '.join(names)}), got {len(scales)}")
+    for name, w, scale in zip(names, weights, scales, strict=True):
+        check_scale(name, w, scale, scale_block)
+    return () if scales[0] is None else scales
+
+
+_TUNING = ("scale_block", "fp8_mode", "block_n", "block_k", "num_warps", "num_stages", "interpret")
 
 
 # ----------------------------------------------------------------------------------------------
 # Public API
 # ----------------------------------------------------------------------------------------------
 @functools.partial(jax.jit, static_argnames=_TUNING)
-def moe_gate_up(x: jax.Array, routing: MoeRouting, w_gate: jax.Array, w_up: jax.Array, *,
-                block_n: int | None = None, block_k: int | None = None, num_warps: int | None = None,
-                num_stages: int | None = None, interpret: bool = False) -> jax.Array:
+def moe_gate_up(x: jax.Array, routing: MoeRouting, w_gate: jax.Array, w_up: jax.Array,
+                scales: tuple[jax.Array, jax.Array] | None = None, *, scale_block: tuple[int, int] | None = None,
+                fp8_mode: str = DEFAULT_MODE, block_n: int | None = None, block_k: int | None = None,
+                num_warps: int | None = None, num_stages: int | None = None, interpret: bool = False) -> jax.Array:
     """silu(x @ w_gate[e]) * (x @ w_up[e]) for every routed row of the grouped layout.
 
     Args:
       x: `[tokens, hidden]` (the normed MLP input).
       routing: `moe_route(...)` of these tokens.
-      w_gate, w_up: `[experts, hidden, intermediate]`.
+      w_gate, w_up: `[experts, hidden, intermediate]` in x's dtype, or float8_e4m3fn with `scales`.
+      scales: block-FP8 weights' float32 scales (gate's, up's), `[experts, hidden / bk, intermediate / bn]` for
+        `scale_block` = (bk, bn) (the K tile then divides bk; pallas_kernels/dense/fp8_tiles.py).
+      fp8_mode: how an FP8 tile meets x (fp8_tiles.act_operand): "convert" or "w8a8".
       block_n, block_k, num_warps, num_stages: tile and launch overrides (powers of two dividing the dims).
       interpret: run the Pallas interpreter (CPU tests).
 
@@ -188,12 +249,15 @@ def moe_gate_up(x: jax.Array, routing: MoeRouting, w_gate: jax.Array, w_up: jax.
     _check_routing(routing)
     if x.shape[1] % 16 or w_gate.shape[2] % 16:
         raise ValueError(f"hidden and intermediate must be multiples of 16: {w_gate.shape=}")
-    return _gate_up_call(x, routing, w_gate, w_up, block_n=block_n, block_k=block_k, num_warps=num_warps,
-                         num_stages=num_stages, interpret=interpret)
+    scales = _check_fp8(("w_gate", "w_up"), (w_gate, w_up), scales, scale_block, fp8_mode)
+    return _gate_up_call(x, routing, w_gate, w_up, scales, scale_block=scale_block, fp8_mode=fp8_mode,
+                         block_n=block_n, block_k=block_k, num_warps=num_warps, num_stages=num_stages,
+                         interpret=interpret)
 
 
 @functools.partial(jax.jit, static_argnames=_TUNING)
-def moe_down(h: jax.Array, routing: MoeRouting, w_down: jax.Array, *, block_n: int | None = None,
+def moe_down(h: jax.Array, routing: MoeRouting, w_down: jax.Array, scale: jax.Array | None = None, *,
+             scale_block: tuple[int, int] | None = None, fp8_mode: str = DEFAULT_MODE, block_n: int | None = None,
              block_k: int | None = None, num_warps: int | None = None, num_stages: int | None = None,
              interpret: bool = False) -> jax.Array:
     """routing weight x (h[row] @ w_down[e]) for every (token, slot) pair, in token order.
@@ -201,7 +265,8 @@ def moe_down(h: jax.Array, routing: MoeRouting, w_down: jax.Array, *, block_n: i
     Args:
       h: `[rows, intermediate]`, `moe_gate_up`'s output.
       routing: the same routing.
-      w_down: `[experts, intermediate, hidden]`.
+      w_down: `[experts, intermediate, hidden]` in h's dtype, or float8_e4m3fn with `scale`
+        `[experts, intermediate / bk, hidden / bn]` for `scale_block` = (bk, bn) (as `moe_gate_up`'s).
 
     Returns:
       `[tokens * top_k, hidden]` in h's dtype: row t * k + j is slot j of token t; the MLP output is
@@ -215,8 +280,9 @@ def moe_down(h: jax.Array, routing: MoeRouting, w_down: jax.Array, *, block_n: i
     _check_routing(routing)
     if h.shape[1] % 16 or w_down.shape[2] % 16:
         raise ValueError(f"intermediate and hidden must be multiples of 16: {w_down.shape=}")
-    return _down_call(h, routing, w_down, block_n=block_n, block_k=block_k, num_warps=num_warps,
-                      num_stages=num_stages, interpret=interpret)
+    scales = _check_fp8(("w_down",), (w_down,), None if scale is None else (scale,), scale_block, fp8_mode)
+    return _down_call(h, routing, w_down, scales, scale_block=scale_block, fp8_mode=fp8_mode, block_n=block_n,
+                      block_k=block_k, num_warps=num_warps, num_stages=num_stages, interpret=interpret)
 
 
 def moe_combine(y: jax.Array, top_k: int, dtype, mine: jax.Array | None = None) -> jax.Array:
@@ -236,19 +302,35 @@ def _row_experts(routing: MoeRouting) -> jax.Array:
     return jnp.repeat(jnp.maximum(routing.block_expert, 0), routing.block_m)  # [M]
 
 
-@jax.jit
-def moe_gate_up_reference(x, routing: MoeRouting, w_gate, w_up):
-    """Per-row jnp: each row of the layout times its expert's weights (fp32 accumulation)."""
+_REFERENCE_STATIC = ("scale_block", "x_group")
+
+
+def _reference_operands(x, weights, scales, scale_block, x_group):
+    """The references' FP8 inputs: weights dequantized (fp8_tiles.dequantize) to x's dtype; x_group (w8a8): x
+    FP8-quantized per row and `x_group` columns first, all in float32."""
+    if x_group is not None:
+        x = fake_quant_rows(x, x_group)
+    if scales is not None:
+        weights = tuple(dequantize(w, s, scale_block, x.dtype) for w, s in zip(weights, scales, strict=True))
+    return x, weights
+
+
+@functools.partial(jax.jit, static_argnames=_REFERENCE_STATIC)
+def moe_gate_up_reference(x, routing: MoeRouting, w_gate, w_up, scales=None, *, scale_block=None, x_group=None):
+    """Per-row jnp: each row of the layout times its expert's weights (fp32 accumulation); block-FP8 weights
+    dequantized first (`_reference_operands`)."""
     e = _row_experts(routing)
-    xs = x[routing.sorted_pairs // routing.top_k]  # [M, K]
+    xs, (w_gate, w_up) = _reference_operands(x[routing.sorted_pairs // routing.top_k], (w_gate, w_up), scales,
+                                             scale_block, x_group)  # xs [M, K]
     g = jnp.einsum("mk,mkn->mn", xs, w_gate[e], preferred_element_type=jnp.float32)
     u = jnp.einsum("mk,mkn->mn", xs, w_up[e], preferred_element_type=jnp.float32)
     return (jax.nn.silu(g) * u).astype(x.dtype)
 
 
-@jax.jit
-def moe_down_reference(h, routing: MoeRouting, w_down):
+@functools.partial(jax.jit, static_argnames=_REFERENCE_STATIC)
+def moe_down_reference(h, routing: MoeRouting, w_down, scale=None, *, scale_block=None, x_group=None):
     e = _row_experts(routing)[routing.pair_rows.reshape(-1)]  # [T*k]
-    hp = h[routing.pair_rows.reshape(-1)]  # [T*k, I]
+    hp, (w_down,) = _reference_operands(h[routing.pair_rows.reshape(-1)], (w_down,),  # hp [T*k, I]
+                                        None if scale is None else (scale,), scale_block, x_group)
     y = jnp.einsum("pi,pih->ph", hp, w_down[e], preferred_element_type=jnp.float32)
     return (y * routing.topk_weights.reshape(-1, 1)).astype(h.dtype)

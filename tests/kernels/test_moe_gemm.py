@@ -1,5 +1,6 @@
 """moe_gate_up / moe_down (Pallas, Triton lowering) vs per-row jnp references, and the whole expert MLP
-vs `layers.moe_mlp` (lax.ragged_dot: independent of the grouped layout)."""
+vs `layers.moe_mlp` (lax.ragged_dot: independent of the grouped layout); with bf16 / f32 and block-FP8 experts
+(the latter against moe_mlp on jinfer.models.fp8's dequantization, independent of the kernels' fp8_tiles)."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from jinfer.models.fp8 import quantize
 from jinfer.models.layers import moe_mlp
 from pallas_kernels.moe.moe_gemm import (
     moe_combine,
@@ -100,6 +102,94 @@ def test_grouped_gemms_lower_for_cuda():
         assert f"moe_gate_up_m{block_m}" in text and f"moe_down_m{block_m}" in text
 
 
+# Block-FP8 experts: (tokens, experts, hidden, intermediate, top_k, block_m, scale block, dtype). The tiny
+# checkpoints' 16 x 16 blocks (column tiles spanning several blocks: a scale per column), and real checkpoints' 128 x
+# 128 (a scale per tile; at 64-row blocks two K tiles per scale block).
+FP8_CASES = [
+    pytest.param(1, 4, 64, 32, 2, 16, (16, 16), jnp.float32, id="t1-f32-b16"),
+    pytest.param(8, 4, 128, 128, 2, 16, (128, 128), jnp.bfloat16, id="t8-bf16-b128"),
+    pytest.param(24, 2, 128, 128, 2, 64, (128, 128), jnp.float32, id="t24-f32-b128-m64"),
+]
+FP8_GPU_CASES = [  # Qwen3-30B-A3B's experts
+    pytest.param(t, 128, 2048, 768, 8, bm, (128, 128), jnp.bfloat16, id=f"30b-a3b-t{t}")
+    for t, bm in ((1, 16), (16, 16), (512, 64))]
+
+
+def fp8_setup(tokens, experts, hidden, inter, top_k, block_m, block, dtype):
+    """setup's inputs with the experts block-FP8 (jinfer.models.fp8.quantize of the float32 weights)."""
+    x, logits, r, *ws = setup(tokens, experts, hidden, inter, top_k, block_m, jnp.float32)
+    return x.astype(dtype), logits, r, *(quantize(w, block) for w in ws)
+
+
+@pytest.mark.parametrize("mode,tokens,experts,hidden,inter,top_k,block_m,block,dtype",
+                         by_mode(FP8_CASES, FP8_CASES + FP8_GPU_CASES))
+def test_fp8_grouped_gemms_match_reference(mode, tokens, experts, hidden, inter, top_k, block_m, block, dtype):
+    x, logits, r, wg, wu, wd = fp8_setup(tokens, experts, hidden, inter, top_k, block_m, block, dtype)
+    interpret = mode == "interpret"
+    h = moe_gate_up(x, r, wg.w, wu.w, (wg.scale, wu.scale), scale_block=block, interpret=interpret)
+    rows = np.asarray(r.pair_rows).ravel()
+    ref_h = moe_gate_up_reference(x, r, wg.w, wu.w, (wg.scale, wu.scale), scale_block=block)
+    assert_close(np.asarray(h.astype(jnp.float32))[rows], ref_h[rows], dtype, mode)
+    y = moe_down(h, r, wd.w, wd.scale, scale_block=block, interpret=interpret)
+    assert y.shape == (tokens * top_k, hidden) and y.dtype == dtype
+    assert_close(y, moe_down_reference(h, r, wd.w, wd.scale, scale_block=block), dtype, mode)
+    assert_close(moe_combine(y, top_k, dtype), moe_mlp(x, logits, wg, wu, wd, top_k, True), dtype, mode)
+
+
+def test_fp8_w8a8_matches_reference():
+    """fp8_mode w8a8: each gathered row's K tile (128 columns here) quantized to e4m3, FP8 dots; against the
+    references quantizing alike (float32: the same FP8 values, another summation order)."""
+    x, logits, r, wg, wu, wd = fp8_setup(8, 4, 128, 128, 2, 16, (128, 128), jnp.float32)
+    x = x * 4  # (beyond e4m3's subnormals)
+    h = moe_gate_up(x, r, wg.w, wu.w, (wg.scale, wu.scale), scale_block=(128, 128), fp8_mode="w8a8", interpret=True)
+    rows = np.asarray(r.pair_rows).ravel()
+    ref_h = moe_gate_up_reference(x, r, wg.w, wu.w, (wg.scale, wu.scale), scale_block=(128, 128), x_group=128)
+    assert_close(np.asarray(h)[rows], ref_h[rows], jnp.float32, "interpret")
+    y = moe_down(h, r, wd.w, wd.scale, scale_block=(128, 128), fp8_mode="w8a8", interpret=True)
+    assert_close(y, moe_down_reference(h, r, wd.w, wd.scale, scale_block=(128, 128), x_group=128), jnp.float32,
+                 "interpret")
+    # and within FP8 rounding of the unquantized activations' result (e4m3: ~3% per value), not equal to it
+    plain = np.asarray(moe_mlp(x, logits, wg, wu, wd, 2, True))
+    rel = np.sqrt(np.mean((np.asarray(moe_combine(y, 2, x.dtype)) - plain) ** 2) / np.mean(plain ** 2))
+    assert 1e-3 < rel < 0.1, rel
+
+
+def test_fp8_argument_errors():
+    x, logits, r, wg, wu, wd = fp8_setup(8, 4, 64, 32, 2, 16, (16, 16), jnp.float32)
+    with pytest.raises(ValueError, match="needs its scales"):
+        moe_gate_up(x, r, wg.w, wu.w, interpret=True)
+    with pytest.raises(ValueError, match="scale must be float32"):
+        moe_gate_up(x, r, wg.w, wu.w, (wg.scale, wu.scale[:, :1]), scale_block=(16, 16), interpret=True)
+    with pytest.raises(ValueError, match="scales go with a float8_e4m3fn weight"):
+        moe_down(jnp.zeros((r.sorted_pairs.shape[0], 32)), r, wd.w.astype(jnp.float32), wd.scale,
+                 scale_block=(16, 16), interpret=True)
+    with pytest.raises(ValueError, match="scale blocks' height"):
+        moe_gate_up(x, r, wg.w, wu.w, (wg.scale, wu.scale), scale_block=(16, 16), block_k=32, interpret=True)
+    with pytest.raises(ValueError, match="fp8_mode"):
+        moe_gate_up(x, r, wg.w, wu.w, (wg.scale, wu.scale), scale_block=(16, 16), fp8_mode="f16", interpret=True)
+
+
+def test_fp8_grouped_gemms_lower_for_cuda():
+    """Qwen3-30B-A3B's experts in block-FP8 (128 x 128), decode-sized and prefill-sized layouts, through Pallas'
+    Triton lowering (e4m3 loads converted: tt.fp_to_fp)."""
+    from pallas_kernels.moe.moe_routing import moe_route
+
+    S, bf, f8, f32 = jax.ShapeDtypeStruct, jnp.bfloat16, jnp.float8_e4m3fn, jnp.float32
+
+    def mlp(x, logits, wg, wu, wd, sg, su, sd, block_m):
+        r = moe_route(logits, top_k=8, block_m=block_m)
+        h = moe_gate_up(x, r, wg, wu, (sg, su), scale_block=(128, 128))
+        return moe_combine(moe_down(h, r, wd, sd, scale_block=(128, 128)), 8, x.dtype)
+
+    for tokens, block_m in ((1, 16), (2048, 64)):
+        text = lower_for_cuda(lambda *a, bm=block_m: mlp(*a, bm), S((tokens, 2048), bf), S((tokens, 128), bf),
+                              S((128, 2048, 768), f8), S((128, 2048, 768), f8), S((128, 768, 2048), f8),
+                              S((128, 16, 6), f32), S((128, 16, 6), f32), S((128, 6, 16), f32))
+        k = 128 if block_m == 16 else 64
+        assert f"moe_gate_up_m{block_m}_n{64 if block_m == 16 else 128}_k{k}_fp8_convert" in text
+        assert f"moe_down_m{block_m}_n{64 if block_m == 16 else 128}_k{k}_fp8_convert" in text
+
+
 def test_model_moe_block_mosaic_path_matches_reference(monkeypatch):
     """ModelOps.moe_block with the Mosaic GPU grouped GEMM (steps with >= 128 rows per expert; Mosaic GPU
     interpreter here): the same output as the XLA reference block, with a gated shared expert (Qwen3.5-MoE's)."""
@@ -124,3 +214,34 @@ def test_model_moe_block_mosaic_path_matches_reference(monkeypatch):
     assert len(calls) == 2
     ref, _ = ModelOps().moe_block(x, norm, router, wg, wu, wd, **kw)
     assert_close(out, ref, jnp.bfloat16, "interpret")
+
+
+def test_model_moe_block_fp8_experts_on_the_kernels():
+    """ModelOps.moe_block at a decode-sized step with block-FP8 routed experts (the grouped GEMMs read them) and a
+    gated FP8 shared expert (the fused MLP kernel reads it; its [hidden, 1] gate is dequantized): the reference
+    block's output (everything dequantized, lax.ragged_dot), and no ragged_dot in the kernels' block."""
+    from jinfer.ops import ModelOps
+
+    e, hidden, inter, shared_inter, top_k, tokens, block = 4, 64, 32, 32, 2, 3, (16, 16)
+    ks = jax.random.split(jax.random.key(1), 9)
+    w = lambda k, s: jax.random.normal(k, s) * hidden**-0.5  # noqa: E731
+    wg, wu, wd = (quantize(w(k, s), block) for k, s in zip(ks[:3], ((e, hidden, inter), (e, hidden, inter),
+                                                                    (e, inter, hidden)), strict=True))
+    shared = tuple(quantize(w(k, s), block) for k, s in zip(ks[3:7], ((hidden, shared_inter), (hidden, shared_inter),
+                                                                      (shared_inter, hidden), (hidden, 1)),
+                                                             strict=True))
+    router = w(ks[7], (hidden, e)) * 8
+    x = jax.random.normal(ks[8], (tokens, hidden))
+    norm = jnp.ones(hidden)
+    kw = dict(top_k=top_k, renormalize=True, eps=1e-6, shared=shared)
+    ops = ModelOps("pallas", interpret=True)
+
+    def block_out(ops, x):
+        return ops.moe_block(x, norm, router, wg, wu, wd, **kw)[0]
+
+    jaxpr = str(jax.make_jaxpr(lambda x: block_out(ops, x))(x))
+    for kernel in ("moe_gate_up_m16_n32_k16_fp8_convert", "moe_down_m16_n64_k16_fp8_convert",
+                   "fused_swiglu_mlp_t16_i16_fp8_convert"):
+        assert kernel in jaxpr, kernel
+    assert "ragged_dot" not in jaxpr
+    assert_close(block_out(ops, x), block_out(ModelOps(), x), jnp.float32, "interpret")

@@ -1,7 +1,8 @@
 """Block-FP8 weights against HF transformers: the tiny checkpoints quantized by scripts/make_fp8_golden.py
 (tests/data/tiny-*-fp8: float8_e4m3fn weights with a scale per 16 x 16 block) and HF's logits on the dequantized
 weights, on one device and tp=2; online FP8 (`quantization="fp8"`) against the unquantized model's goldens; FP8
-dummy weights; the Pallas backend's kernels reading FP8, and refusing what they cannot read."""
+dummy weights; the Pallas backend's kernels reading FP8 (the MoE experts too, one device and ep=2), and refusing what
+they cannot read."""
 
 import dataclasses
 import logging
@@ -34,6 +35,7 @@ from .test_golden_tiny import (
     placed_as_outputs,
     prefill_batch,
     scrambled_pages,
+    sharded_model,
 )
 
 
@@ -166,6 +168,50 @@ def test_fp8_pallas_decode_matches_hf(caplog):
                                        err_msg=f"decode step {s}")
             token = int(np.argmax(logits[0]))
     assert "does not read them" not in caplog.text
+
+
+def check_token_by_token(step, w, kv, gold, i):
+    """Prompt i fed one token a step, then our greedy tokens: every step is the decode executable (one compile).
+    Each position's logits are HF's (the prompt's prefill logits, then its decode logits) and the greedy ids HF's."""
+    prompt, greedy = gold[f"prompt_{i}"].tolist(), gold[f"greedy_{i}"].tolist()
+    pages = scrambled_pages(i, (len(prompt) + len(greedy)) // PAGE + 1)
+    want = np.concatenate([gold[f"prefill_logits_{i}"], gold[f"decode_logits_{i}"][1:]])
+    tokens, kv = list(prompt), placed_as_outputs(kv, w)
+    for pos in range(len(want)):
+        logits, kv = step(w, decode_batch(tokens[pos], pos, pages), kv)
+        np.testing.assert_allclose(np.asarray(logits[0]), want[pos], atol=ATOL, rtol=1e-4, err_msg=f"position {pos}")
+        if pos >= len(prompt) - 1:
+            tokens.append(int(np.argmax(logits[0])))
+    assert tokens[len(prompt):] == greedy
+
+
+@pytest.mark.parametrize("devices,ep", [(1, False), (2, True)], ids=["one-device", "ep2"])
+def test_fp8_moe_experts_on_the_kernels_match_hf(devices, ep, caplog):
+    """The MoE checkpoint's FP8 experts read by the grouped GEMMs (interpreted) with their 16 x 16 block scales, not
+    dequantized for the reference's ragged dots; on one device and with the experts split over two (each device's
+    experts and scales): HF's logits at every position of prompt 0 and its 32 greedy tokens, to float32 noise."""
+    src = resolve_model(DATA / "tiny-qwen3_moe-fp8")
+    cfg, _, w, step, new_kv = sharded_model(src, devices, ep, "pallas")
+    if ep:
+        assert w.layers[0].w_gate.scale.sharding.shard_shape(w.layers[0].w_gate.scale.shape) == (4, 4, 2)
+    kv = new_kv()
+    decode = str(jax.make_jaxpr(step)(w, decode_batch(1, 20, scrambled_pages(0, 8)), kv))
+    assert "moe_gate_up_m16_n32_k16_fp8_convert" in decode and "moe_down_m16_n64_k16_fp8_convert" in decode
+    assert "ragged_dot" not in decode
+    with caplog.at_level(logging.INFO, logger="jinfer.models.fp8"):
+        check_token_by_token(step, w, kv, np.load(DATA / "golden" / "tiny-qwen3_moe-fp8.npz"), 0)
+    assert "does not read them" not in caplog.text
+
+
+def test_fp8_moe_tp2_splits_expert_scales_with_their_blocks():
+    """tp=2 (the ep2 run above splits whole experts): each expert's intermediate columns split, gate / up by output
+    blocks and down by input blocks, their scales alike, so each device's grouped GEMMs get their blocks' scales."""
+    mesh = make_mesh(2)
+    cfg, w = load("qwen3_moe-fp8", mesh)
+    layer = shard_weights(cfg, w, mesh).layers[0]
+    for name, shard in (("w_gate", (8, 4, 1)), ("w_up", (8, 4, 1)), ("w_down", (8, 1, 4))):
+        q = getattr(layer, name)
+        assert q.scale.sharding.spec == q.w.sharding.spec and q.scale.sharding.shard_shape(q.scale.shape) == shard
 
 
 def test_pallas_kernels_refuse_mixed_fp8(caplog, monkeypatch):
