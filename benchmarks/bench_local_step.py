@@ -7,8 +7,9 @@
 The model's forward runs at the shapes one device of a `tp`-way mesh holds (q and kv heads,
 intermediate columns and vocabulary divided by tp; dummy weights), as a decode step with `--context`
 tokens per sequence, dispatched back to back and synced once. `--query-len Q` > 1: each sequence has Q new tokens and
-Q logits rows (speculative decoding's verify step of 1 + k drafts), as the engine runs such a step (not a decode-only
-executable: the ragged attention kernel, XLA's MLP). `tp` devices each doing this share plus
+Q logits rows (speculative decoding's verify step of 1 + k drafts), as the engine runs such a step: its verify
+executable (`ModelOps.verify_query_len`: the paged decode kernel with Q query rows per sequence, XLA's MLP; the variant
+ragged_verify: the ragged prefill kernel instead, the path before). `tp` devices each doing this share plus
 the collectives is what bench_parallel times; so the ratio step(tp) / step(1) here says how well the
 kernels keep their speed at the narrower shapes, apart from communication. Each variant is a KernelPolicy (the
 environment's `KernelPolicy.from_env` changed in one choice), or for the o projection's experiments a ModelOps
@@ -21,6 +22,7 @@ subclass:
   become a multiply + reduce);
 - no_qkv_rope: q/k norm, RoPE and the K/V write as XLA ops instead of the qkv_rope kernel;
 - no_merge: the decode kernel's split-K partials merged by XLA instead of the merge kernel;
+- ragged_verify: verify steps (--query-len > 1) on the ragged prefill kernel instead of the paged decode kernel;
 - unfused: both of the above;
 - no_front: a MoE block's norm + router + routing as XLA ops and the routing kernel instead of one kernel
   (`moe_front_max_tokens` 0);
@@ -110,6 +112,8 @@ def _apply(name: str, ops: ModelOps) -> ModelOps:
     p = ops.policy
     if name == "default":
         pass
+    elif name == "ragged_verify":
+        return dataclasses.replace(ops, verify_query_len=0)
     elif name.startswith(("prefetch_o", "no_prefetch_o")):
         p = dataclasses.replace(p, prefetch_o=0.0 if name == "no_prefetch_o"
                                 else int(name.removeprefix("prefetch_o") or 100) / 100)
@@ -205,7 +209,8 @@ def main():
         kv = init_kv_cache(cfg, pages_per_seq * max(args.batch_sizes) + 1, args.page_size, dtype, mesh,
                            num_state_slots=max(args.batch_sizes) + 1)  # linear-attention layers: slot b + 1
         for bs, q in ((bs, q) for bs in args.batch_sizes for q in args.query_len):
-            ops = dataclasses.replace(step_ops, decode_step=q == 1)
+            verify = q if 1 < q <= step_ops.policy.verify_max_query_len and step_ops.backend == "pallas" else 0
+            ops = dataclasses.replace(step_ops, decode_step=q == 1, verify_query_len=verify)
             pages = [list(range(1 + b * pages_per_seq, 1 + (b + 1) * pages_per_seq)) for b in range(bs)]
             batches = [jax.device_put(make_batch([([1] * q, args.context + i * q, pg) for pg in pages], args.page_size,
                                                  pages_per_seq=pages_per_seq, all_logits=q > 1))

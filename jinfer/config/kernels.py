@@ -45,6 +45,10 @@ The defaults are the measured choices (H100 figures; docs/performance.md has the
   pair of H200s in one call (latency_qwen3-8b_tp2_gather*_h200x2.json).
 - pad_vector_dots: XLA rewrites a one-row dot with a matrix under 10M elements into a multiply + reduce that streams
   at ~0.8 TB/s instead of ~3; `ModelOps.project` gives such dots a padding row, which keeps them GEMMs.
+- verify_max_query_len: speculative decoding's verify steps (every sequence at most Q = 1 + k new tokens) run attention
+  on the paged decode kernel with Q query rows per sequence (its rows a sequence's tokens x a kv head's query heads)
+  where Q is at most this; longer drafts (and 0: always) the ragged prefill kernel. Unmeasured default (until measured:
+  bench_local_step --query-len 1 5, run_gpu_spec.sh).
 - xla_dot_merger: XLA's dot merger in large (prefill) steps. Off: it merged the MLP's x @ w_gate and x @ w_up by
   concatenating the two weights anew in every layer of every prefill step (60 us a layer for Qwen3.5-4B).
 """
@@ -74,6 +78,7 @@ ENV_FIELDS = {
     "JINFER_FP8_MODE": "fp8_mode",
     "JINFER_ONE_SHOT_ALL_REDUCE_BYTES": "one_shot_all_reduce_bytes",
     "JINFER_ONE_SHOT_ALL_GATHER_BYTES": "one_shot_all_gather_bytes",
+    "JINFER_VERIFY_MAX_QUERY_LEN": "verify_max_query_len",
 }
 FP8_MODES = ("convert", "w8a8")  # pallas_kernels.dense.fp8_tiles.MODES (this module is JAX-free)
 
@@ -101,6 +106,7 @@ class KernelPolicy:
     fp8_mode: str = "convert"
     one_shot_all_reduce_bytes: int = 16384
     one_shot_all_gather_bytes: int = 1 << 20
+    verify_max_query_len: int = 8
     # Launch-parameter overrides per kernel (measurements): {kernel: {keyword: value}}, kept as sorted tuples.
     launch: LaunchArgs = ()
 
@@ -115,7 +121,7 @@ class KernelPolicy:
         object.__setattr__(self, "pallas_mlp_tokens", tuple(sorted(set(tokens))))
         for name in ("qkv_rope_max_tokens", "norm_qkv_max_tokens", "moe_front_max_tokens", "mosaic_min_query_len",
                      "mosaic_min_step_tokens", "mosaic_moe_min_rows_per_expert", "fp8_max_tokens",
-                     "one_shot_all_reduce_bytes", "one_shot_all_gather_bytes"):
+                     "one_shot_all_reduce_bytes", "one_shot_all_gather_bytes", "verify_max_query_len"):
             v = getattr(self, name)
             if not _is_int(v) or v < 0:
                 raise ValueError(f"{name}={v!r} must be an integer >= 0")

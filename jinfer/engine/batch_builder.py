@@ -44,6 +44,7 @@ class BuiltBatch:
     counts: np.ndarray  # [len(scheduled)] logits rows per sequence (>= 1: a sequence that samples nothing has a
     #                     padding row)
     rows: dict[str, tuple[int, int]]  # request id -> (first logits row, count), the sequences that sample
+    max_query_len: int = 0  # the most new tokens of one sequence (a verify step's executable takes up to its Q)
 
 
 def build_batch(out: SchedulerOutput, prev_rows: dict[str, int] | None, T: int, B: int, P: int,
@@ -102,7 +103,7 @@ def build_batch(out: SchedulerOutput, prev_rows: dict[str, int] | None, T: int, 
     rows = {s.request_id: (int(first_row[b]), int(logit_counts[b]))
             for b, s in enumerate(out.scheduled) if s.needs_sample}
     return BuiltBatch(Batch(input_ids, positions, slots, query_start, seq_lens, page_table, logits_idx, state_slots),
-                      prev_index, R, logit_counts, rows)
+                      prev_index, R, logit_counts, rows, int(counts.max()))
 
 
 SMALL_STEP = 256  # steps of at most this many tokens (decodes, drafts verified) are built per token in Python
@@ -113,10 +114,11 @@ def _build_small(out: SchedulerOutput, prev_rows: dict[str, int] | None, T: int,
     """`build_batch` for a few tokens: lists per token, one conversion per array. A step's numpy calls cost more
     than its tokens' Python here (~40 calls: 0.2 ms of the host's time in series with the device at batch 1)."""
     ids, pos, slots, prev, qs, lens, logits_idx, counts, state_slots = [], [], [], [], [0], [], [], [], []
-    rows, row = {}, 0
+    rows, row, longest = {}, 0, 0
     page_table = np.full((B, P), NULL_PAGE, np.int32)
     for b, s in enumerate(out.scheduled):
         n, start, pages = s.num_new_tokens, s.start, s.page_ids
+        longest = n if n > longest else longest
         page_table[b, :len(pages)] = pages
         tokens = s.token_ids
         prev += [-1] * n
@@ -149,7 +151,7 @@ def _build_small(out: SchedulerOutput, prev_rows: dict[str, int] | None, T: int,
 
     batch = Batch(padded(ids, T), padded(pos, T), padded(slots, T, -1), padded(qs, B + 1, total), padded(lens, B),
                   page_table, padded(logits_idx, R), padded(state_slots, B))
-    return BuiltBatch(batch, padded(prev, T, -1), R, np.asarray(counts, np.int32), rows)
+    return BuiltBatch(batch, padded(prev, T, -1), R, np.asarray(counts, np.int32), rows, longest)
 
 
 def with_pending_output(row: StepRow | None, s, prev_rows: dict[str, int]) -> StepRow | None:

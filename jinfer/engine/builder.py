@@ -233,9 +233,10 @@ def _mesh(config: EngineConfig, model_config: ModelConfig, group):
     return make_mesh(tp, jax.devices()[rank * tp:(rank + 1) * tp])
 
 
-def build_engine(config: EngineConfig, tokenizer: Tokenizer | None = None, speculative: bool = False) -> EngineParts:
+def build_engine(config: EngineConfig, tokenizer: Tokenizer | None = None, speculative: int = 0) -> EngineParts:
     """Everything an EngineCore needs, built and warmed up (see the module's docstring for the order). `speculative`:
-    a drafter will verify drafts (besides `config.speculative_config`'s): state slots get backups."""
+    the drafts per step of a drafter besides `config.speculative_config`'s (0: none): state slots get backups, verify
+    steps their executables."""
     t0 = time.perf_counter()
     age = _process_age_s()
     phases = _Phases()
@@ -323,7 +324,8 @@ def build_engine(config: EngineConfig, tokenizer: Tokenizer | None = None, specu
                          num_host_pages=num_host_pages, keep_alive=config.executable_keep_alive,
                          executable_dir=os.path.join(cache_dir, "executables")
                          if cache_dir and config.executable_cache and group is None else None,
-                         aux_layers=head_kind.aux_layers(head[0]) if head else ())
+                         aux_layers=head_kind.aux_layers(head[0]) if head else (),
+                         verify_query_len=1 + (speculative or ((spec.num_speculative_tokens or 1) if spec else 0)))
     eos_token_ids = tuple(tokenizer.eos_token_ids) if tokenizer else model_config.eos_token_ids
     proposer = None if spec is None else build_proposer(spec, max_model_len=max_len, num_state_slots=num_state_slots,
                                                          head=head, runner=runner, kv_manager=kv)

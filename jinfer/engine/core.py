@@ -36,7 +36,7 @@ class EngineCore:
         """`proposer`: a drafter object instead of `config.speculative_config`'s (benchmarks: jinfer/spec/replay.py)."""
         t0 = time.perf_counter()
         self.config = config = config or EngineConfig()
-        parts = build_engine(config, tokenizer, speculative=proposer is not None)
+        parts = build_engine(config, tokenizer, speculative=proposer.k if proposer is not None else 0)
         self.group = parts.group
         self.model_config, self.model_name = parts.model_config, parts.model_name
         self.generation_defaults = parts.generation_defaults

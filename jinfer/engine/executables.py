@@ -9,7 +9,10 @@ Shapes come from a small fixed set of buckets so serving never stalls on a compi
   for T up to the max_num_seqs bucket the two are the same.
 With the Pallas kernels, a bucket with B = T (T > 1) has a second forward for decode-only steps (every
 sequence one new token), whose attention is the paged decode kernel instead of the ragged one
-(`ModelOps.decode_step`).
+(`ModelOps.decode_step`). An engine with a drafter (speculative decoding, k drafts) also has, for the buckets a
+verify step can fill (T up to Q x the max_num_seqs bucket), a forward for steps whose sequences have at most Q = 1 + k
+new tokens each: the paged decode kernel with Q query rows per sequence (`ModelOps.verify_query_len`; Q up to
+`KernelPolicy.verify_max_query_len`). A forward's kind: 0 any step, 1 decode-only, Q verify.
 
 `StepExecutables` is the registry part of `ModelRunner` (a base class: the engine, tests and benchmarks reach the
 buckets, the ready sets and the executables through the runner).
@@ -94,7 +97,7 @@ class StepExecutables:
     `aux_layers` (the layer boundaries whose hidden states the forward also returns: an EAGLE-3 head's, else ())."""
 
     def _init_registry(self, max_num_batched_tokens: int, max_num_seqs: int, max_pages: int,
-                       keep_alive: float) -> None:
+                       keep_alive: float, verify_query_len: int = 0) -> None:
         # On GPU, T=1 is its own bucket: batch-1 decode is the latency-critical case and has its own
         # kernels. Not on CPU: there XLA copies the whole KV cache when a one-token update is followed
         # by a read of the cache in the same executable (step time grew with the pool: 4 s at 4096 pages).
@@ -109,6 +112,11 @@ class StepExecutables:
         # Buckets whose decode-only steps get their own executable (see the module doc).
         self.decode_buckets = (frozenset(T for T in self.token_buckets if T > 1 and self.seqs_bucket(T) == T)
                                if self.ops.backend == "pallas" else frozenset())
+        # ... and verify steps (`verify_query_len` Q = 1 + the drafts per sequence; 0: no drafter): the kind Q forward
+        Q = verify_query_len
+        self.verify_len = Q if self.ops.backend == "pallas" and 1 < Q <= self.ops.policy.verify_max_query_len else 0
+        top = pick(self.token_buckets, min(Q * self.max_seqs_bucket, self.token_buckets[-1])) if self.verify_len else 0
+        self.verify_buckets = frozenset(T for T in self.token_buckets if 1 < T <= top)
         self._compiled: dict[tuple, jax.stages.Compiled] = {}
         self.compile_seconds = 0.0
         self.warmed_up = False
@@ -116,6 +124,7 @@ class StepExecutables:
         # (`warmup(first_tokens=...)`) is still compiling the rest in the background.
         self.ready_tokens: tuple[int, ...] = self.token_buckets
         self.ready_decode: frozenset[int] = self.decode_buckets
+        self.ready_verify: frozenset[int] = self.verify_buckets
         self._background: threading.Thread | None = None
         self._stop_background = threading.Event()
         self._ready_lock = threading.Lock()
@@ -124,13 +133,13 @@ class StepExecutables:
         # no step used for `keep_alive` seconds is dropped (its host memory, ~1 MB per GPU code image, goes back),
         # and loaded again from the executable cache in the background when a step wants it (`_want`).
         self.keep_alive = float(keep_alive)
-        self._pinned: frozenset[tuple[int, bool]] = frozenset()  # (T, decode) buckets never unloaded
-        self._last_used: dict[tuple[int, bool], float] = {}
-        self._unloaded: set[tuple[int, bool]] = set()
-        self._loading: set[tuple[int, bool]] = set()
-        self._demand: dict[tuple[int, bool], int] = {}  # unloaded bucket -> steps that wanted it since
+        self._pinned: frozenset[tuple[int, int]] = frozenset()  # (T, kind) buckets never unloaded
+        self._last_used: dict[tuple[int, int], float] = {}
+        self._unloaded: set[tuple[int, int]] = set()
+        self._loading: set[tuple[int, int]] = set()
+        self._demand: dict[tuple[int, int], int] = {}  # unloaded bucket -> steps that wanted it since
         self._loader: ThreadPoolExecutor | None = None
-        self._rest: list[tuple[int, bool]] = []  # buckets a staged warm-up left to the background
+        self._rest: list[tuple[int, int]] = []  # buckets a staged warm-up left to the background
         self.unloads = self.reloads = 0  # buckets dropped as idle / loaded again
         self.compiles_after_warmup = 0  # shapes first needed after warm-up (each one stalls a step)
 
@@ -141,6 +150,19 @@ class StepExecutables:
 
     def seqs_bucket(self, num_tokens_bucket: int) -> int:
         return min(num_tokens_bucket, self.max_seqs_bucket)
+
+    def kinds(self, T: int) -> tuple[int, ...]:
+        """The forward kinds bucket T has: 0 (any step), 1 (decode-only), the verify steps' Q."""
+        return (0,) + ((1,) if T in self.decode_buckets else ()) + ((self.verify_len,) if T in self.verify_buckets
+                                                                   else ())
+
+    def ready_kind(self, kind: int) -> frozenset[int] | tuple[int, ...]:
+        """The buckets whose forward of `kind` steps may use now."""
+        return self.ready_tokens if kind == 0 else self.ready_decode if kind == 1 else self.ready_verify
+
+    def warm_rows(self, T: int, kind: int) -> int:
+        """R, the logits rows a bucket's forward is made ready for: B, or T for verify steps (a row per token)."""
+        return T if kind > 1 else self.seqs_bucket(T)
 
     def ready_limits(self) -> tuple[int, int]:
         """(tokens, sequences) a step may hold now: the largest ready bucket and its sequence bucket."""
@@ -161,8 +183,10 @@ class StepExecutables:
             out_shardings=(self._replicated, kv_shardings) + ((self._replicated,) if self.aux_layers else ()), **kw)
         # Indexed by "decode step": small steps run with command buffers (XLA's default), large without.
         large = NO_COMMAND_BUFFER | self.ops.policy.large_step_xla_options()
-        self._forward = {d: (forward_jit(o), forward_jit(o, compiler_options=large))
-                         for d, o in ((False, self.ops), (True, replace(self.ops, decode_step=True)))}
+        kinds = [(0, self.ops), (1, replace(self.ops, decode_step=True))]
+        if self.verify_len:
+            kinds.append((self.verify_len, replace(self.ops, verify_query_len=self.verify_len)))
+        self._forward = {d: (forward_jit(o), forward_jit(o, compiler_options=large)) for d, o in kinds}
         self._sample = jax.jit(partial(sample_step, max_rows=self.max_rows),
                                static_argnames=("dims", "num_logprobs", "flags"),
                                out_shardings=(self._replicated, self._replicated))
@@ -189,17 +213,20 @@ class StepExecutables:
                                else self.executables.compile(key[0], jitted, *args, **static))
         return self._compiled[key]
 
-    def forward_executable(self, T: int, B: int, P: int, decode: bool = False, R: int | None = None,
+    def forward_executable(self, T: int, B: int, P: int, decode: int = 0, R: int | None = None,
                            prompt_logits: bool = False, background: bool = False) -> jax.stages.Compiled:
-        """R: the sampler's logits rows (None: B). `prompt_logits`: the variant that also returns the logits of
-        every token (R + T rows), for steps with prompt logprobs; compiled on first use, not at warm-up."""
-        R = B if R is None else R
-        kind = "forward_decode" if decode else "forward_prompt_logits" if prompt_logits else "forward"
-        key = (kind, T, B, P) if R == B else (kind, T, B, P, R)
+        """`decode`: the forward's kind (0 any step, 1 decode-only, the verify Q). R: the sampler's logits rows (None:
+        `warm_rows`). `prompt_logits`: the variant that also returns the logits of every token (R + T rows), for steps
+        with prompt logprobs; compiled on first use, not at warm-up."""
+        R = self.warm_rows(T, decode) if R is None else R
+        key = (_KIND_NAMES.get(decode, f"forward_q{decode}") if decode else
+               "forward_prompt_logits" if prompt_logits else "forward", T, B, P)
+        key = key if R == B else (*key, R)
         if (hit := self._compiled.get(key)) is not None:  # the per-step path
             return hit
-        if decode and T not in self.decode_buckets:
-            raise ValueError(f"no decode-only executable for T={T} (decode buckets: {sorted(self.decode_buckets)})")
+        if decode and decode not in self.kinds(T):
+            raise ValueError(f"no executable of kind {decode} for T={T} (decode buckets: {sorted(self.decode_buckets)}"
+                             f", verify: {sorted(self.verify_buckets)})")
         # XLA command buffers only for small steps (see COMMAND_BUFFER_MAX_TOKENS).
         jitted = self._forward[decode][T > COMMAND_BUFFER_MAX_TOKENS]
         dims = (T, B, P, R + T if prompt_logits else R)
@@ -244,7 +271,7 @@ class StepExecutables:
             for _ in pool.map(lambda job: job(), jobs):  # re-raises a job's exception
                 pass
 
-    def _bucket_executables(self, T: int, decode: bool, background: bool = False) -> None:
+    def _bucket_executables(self, T: int, decode: int, background: bool = False) -> None:
         """Every executable of one bucket: its forwards (every P), and its sampler's warm variants."""
         B = self.seqs_bucket(T)
         for P in self.page_buckets:
@@ -262,7 +289,7 @@ class StepExecutables:
         if self._background is not None or not self._rest:
             return
 
-        def bucket(T: int, decode: bool) -> None:
+        def bucket(T: int, decode: int) -> None:
             if self._stop_background.is_set():
                 return
             self._bucket_executables(T, decode, background=True)
@@ -298,15 +325,18 @@ class StepExecutables:
             except Exception:  # the buckets compiled so far stay usable; the rest compile on first use
                 log.exception("background warm-up failed")
                 self.ready_tokens, self.ready_decode = self.token_buckets, self.decode_buckets
+                self.ready_verify = self.verify_buckets
 
         self._background = threading.Thread(target=work, name="jinfer-warmup", daemon=True)
         self._background.start()
 
-    def _make_ready(self, T: int, decode: bool) -> None:
+    def _make_ready(self, T: int, decode: int) -> None:
         with self._ready_lock:
             self._unloaded.discard((T, decode))
-            if decode:
+            if decode == 1:
                 self.ready_decode = self.ready_decode | {T}
+            elif decode:
+                self.ready_verify = self.ready_verify | {T}
             else:
                 self.ready_tokens = tuple(sorted({*self.ready_tokens, T}))
             self._last_used[(T, decode)] = time.monotonic()  # an unused bucket unloads keep_alive after this
@@ -315,13 +345,14 @@ class StepExecutables:
         """Buckets a staged warm-up has not made ready yet (unloaded ones not counted)."""
         with self._ready_lock:
             return (len(self.token_buckets) - len(self.ready_tokens) + len(self.decode_buckets)
-                    - len(self.ready_decode) - len(self._unloaded))
+                    - len(self.ready_decode) + len(self.verify_buckets) - len(self.ready_verify) - len(self._unloaded))
 
     def wait_warmup(self, timeout: float | None = None) -> bool:
         """Wait for a staged warm-up's background compiles; True once every bucket is ready."""
         if self._background is not None:
             self._background.join(timeout)
-        return self.ready_tokens == self.token_buckets and self.ready_decode == self.decode_buckets
+        return (self.ready_tokens == self.token_buckets and self.ready_decode == self.decode_buckets
+                and self.ready_verify == self.verify_buckets)
 
     def stop_background(self) -> None:
         self._stop_background.set()
@@ -345,46 +376,46 @@ class StepExecutables:
             if not idle:
                 return 0
             drop_tokens = {T for T, decode in idle if not decode}
-            drop_decode = {T for T, decode in idle if decode}
             self.ready_tokens = tuple(T for T in self.ready_tokens if T not in drop_tokens)
-            self.ready_decode = self.ready_decode - drop_decode
+            self.ready_decode = self.ready_decode - {T for T, decode in idle if decode == 1}
+            self.ready_verify = self.ready_verify - {T for T, decode in idle if decode > 1}
             self._unloaded.update(idle)
             for b in idle:
                 self._demand.pop(b, None)
             # ... and the warm sampler variants of every sequence bucket no loaded bucket has any more
-            kept = {self.seqs_bucket(T) for T in (*self.ready_tokens, *self.ready_decode)}
+            kept = {self.seqs_bucket(T) for T in (*self.ready_tokens, *self.ready_decode, *self.ready_verify)}
             kept |= {self.seqs_bucket(T) for T, _ in self._loading}
             samplers = {sampler_key(self.seqs_bucket(T), 0, 0, 0, -1, flags) for T, _ in idle
                         for flags in SamplerFlags.warm()} - {sampler_key(B, 0, 0, 0, -1, flags) for B in kept
                                                              for flags in SamplerFlags.warm()}
             for key in [k for k in list(self._compiled)  # (a snapshot: a reload may be adding keys)
-                        if (k[0] in ("forward", "forward_decode") and (k[1], k[0] == "forward_decode") in idle)
-                        or k in samplers]:
+                        if (_bucket_of(k) in idle) or k in samplers]:
                 del self._compiled[key]
         self.unloads += len(idle)
         trim_host_heap()
         log.info("unloaded the executables of %d bucket(s) idle for %.0f s: %s", len(idle), self.keep_alive,
-                 ", ".join(f"{T}{' decode' if d else ''}" for T, d in sorted(idle)))
+                 ", ".join(f"{T}{_kind_label(d)}" for T, d in sorted(idle)))
         return len(idle)
 
-    def _note_use(self, T: int, decode: bool, num_tokens: int, decode_only: bool) -> None:
+    def _note_use(self, T: int, decode: int, num_tokens: int, kind: int) -> None:
         """Idle unloading's bookkeeping for a step of bucket T: it was used now, and the unloaded buckets a step of
         `num_tokens` wanted (its own, and every larger one when it filled the scheduler's budget: the budget is the
-        largest ready bucket, so the scheduler wanted more) count one more step towards their reload."""
+        largest ready bucket, so the scheduler wanted more) count one more step towards their reload. `kind`: the
+        forward kind the step could take (1 decode-only, Q a verify step, else 0)."""
         if not self.keep_alive:
             return
         if self._unloaded:
             wanted = pick(self.token_buckets, num_tokens)
-            self._want(wanted, False)
-            if decode_only and wanted in self.decode_buckets:
-                self._want(wanted, True)
+            self._want(wanted, 0)
+            if kind and kind in self.kinds(wanted):
+                self._want(wanted, kind)
             if num_tokens >= self.ready_limits()[0]:
                 for U in self.token_buckets:
                     if U > wanted:
-                        self._want(U, False)
+                        self._want(U, 0)
         self._last_used[(T, decode)] = time.monotonic()
 
-    def _want(self, T: int, decode: bool) -> None:
+    def _want(self, T: int, decode: int) -> None:
         """A step wanted bucket T (decode-only or not) and it is unloaded: the RELOAD_AFTER_STEPS-th such step loads
         it again in the background (steps run padded into a ready bucket meanwhile)."""
         b = (T, decode)
@@ -404,7 +435,7 @@ class StepExecutables:
                 self._bucket_executables(T, decode, background=True)  # (samplers unloaded with the last B bucket)
                 self._make_ready(T, decode)
                 self.reloads += 1
-                log.info("loaded the executables of bucket %d%s again", T, " decode" if decode else "")
+                log.info("loaded the executables of bucket %d%s again", T, _kind_label(decode))
             except Exception:  # the step path goes on padded; a later step asks again
                 log.exception("loading bucket %s again failed", b)
             finally:
@@ -412,3 +443,22 @@ class StepExecutables:
                     self._loading.discard(b)
 
         self._loader.submit(load)
+
+
+_KIND_NAMES = {1: "forward_decode"}  # forward kind -> its executables' name (verify Q: "forward_q{Q}")
+
+
+def _bucket_of(key: tuple) -> tuple[int, int] | None:
+    """(T, kind) of a forward executable's key (None for other executables and prompt-logits forwards)."""
+    name = key[0]
+    if name == "forward":
+        return key[1], 0
+    if name == "forward_decode":
+        return key[1], 1
+    if name.startswith("forward_q"):
+        return key[1], int(name.removeprefix("forward_q"))
+    return None
+
+
+def _kind_label(kind: int) -> str:
+    return "" if kind == 0 else " decode" if kind == 1 else f" verify (q{kind})"

@@ -92,11 +92,12 @@ class ModelRunner(StepExecutables):
                  kv_dtype, max_num_batched_tokens: int, max_num_seqs: int, max_model_len: int,
                  ops: ModelOps = REFERENCE_OPS, executable_dir: str | None = None, num_state_slots: int = 0,
                  num_host_pages: int = 0, keep_alive: float = 0.0, aux_layers: tuple[int, ...] = (), dtype=None,
-                 kv_scales: dict | None = None):
+                 kv_scales: dict | None = None, verify_query_len: int = 0):
         """`kv_dtype`: the KV pages'; `dtype` (default kv_dtype): the model's (state pools, a draft head's KV);
         `kv_scales`: an FP8 cache's checkpoint scales (`layout.init_kv_cache`). `aux_layers`: the forward also
         returns the hidden states at these layer boundaries (an EAGLE-3 head's: `Launched.aux`); part of the
-        executables' key."""
+        executables' key. `verify_query_len`: 1 + the drafts a drafter verifies per sequence and step (0: none), for
+        the verify steps' executables (`executables.py`)."""
         self.cfg, self.weights, self.mesh, self.ops = cfg, weights, mesh, ops
         self.aux_layers, self._aux = tuple(aux_layers), None
         self.page_size = page_size
@@ -106,7 +107,7 @@ class ModelRunner(StepExecutables):
         # The host tier's pages (cache/transfer.py): `transfer` launches a schedule's copies before its step.
         self.host_pool = HostKVPool(self.kv_cache, num_host_pages) if num_host_pages else None
         self._init_registry(max_num_batched_tokens, max_num_seqs, cdiv(max_model_len, page_size),
-                            keep_alive if executable_dir else 0.0)
+                            keep_alive if executable_dir else 0.0, verify_query_len)
         # Every output's sharding is pinned to the very object its next consumer was first called
         # with (the KV pool's own shardings, one replicated sharding for logits and tokens). JAX keys
         # its C++ dispatch cache on argument shardings by equality, and shardings XLA infers (e.g.
@@ -218,9 +219,12 @@ class ModelRunner(StepExecutables):
         built = self.build_batch(out, prev)
         batch = built.batch
         T, B, P, R = batch.num_tokens, batch.num_seqs, batch.page_table.shape[1], built.R
-        decode_only = out.num_scheduled_tokens == len(out.scheduled)
-        decode = T in self.ready_decode and decode_only
-        self._note_use(T, decode, out.num_scheduled_tokens, decode_only)
+        # The forward's kind: decode-only steps take the paged decode kernel, and so do verify steps (every sequence at
+        # most Q new tokens: 1 + its drafts, or a short prompt) where the engine verifies drafts
+        Q = self.verify_len
+        kind = 1 if out.num_scheduled_tokens == len(out.scheduled) else Q if Q and built.max_query_len <= Q else 0
+        decode = kind if kind and T in self.ready_kind(kind) else 0
+        self._note_use(T, decode, out.num_scheduled_tokens, kind)
         plp_k, plp_targets, prompt_rows = -1, None, []
         if prompt_logprobs is not None:
             indices, targets, prompt_rows = prompt_positions(out, batch, prompt_logprobs[1])
@@ -266,14 +270,14 @@ class ModelRunner(StepExecutables):
         self._last_tokens = tokens
         return packed, tokens, prompt_packed
 
-    def run_forward(self, T: int, B: int, P: int, decode: bool, batch: np.ndarray, plp_k: int = -1,
+    def run_forward(self, T: int, B: int, P: int, decode: int, batch: np.ndarray, plp_k: int = -1,
                     plp_targets: np.ndarray | None = None, R: int | None = None
                     ) -> tuple[jax.Array, jax.Array | None]:
-        """Launch a step's forward (and its prompt logprobs, plp_k >= 0) on the packed batch: (the logits the
-        sampler takes, [R, V], the packed prompt logprobs or None)."""
+        """Launch a step's forward of kind `decode` (0 any step, 1 decode-only, Q verify) (and its prompt logprobs,
+        plp_k >= 0) on the packed batch: (the logits the sampler takes, [R, V], the packed prompt logprobs or None)."""
         R = B if R is None else R
         prompt_logits = plp_k >= 0
-        forward = self.forward_executable(T, B, P, decode and not prompt_logits, R, prompt_logits)
+        forward = self.forward_executable(T, B, P, 0 if prompt_logits else decode, R, prompt_logits)
         logits = self._call_forward(forward, self._put(batch))
         prompt_packed = None
         if prompt_logits:  # the logits of the prompt positions: their logprobs, before the sampler
@@ -321,7 +325,7 @@ class ModelRunner(StepExecutables):
             cut = pick(self.token_buckets, min(max(first_tokens, 1), self.token_buckets[-1]))
             now = tuple(T for T in self.token_buckets if T in (1, cut))
         shapes = [(T, self.seqs_bucket(T), P, decode) for T in now for P in self.page_buckets
-                  for decode in ((False, True) if T in self.decode_buckets and first_tokens is None else (False,))]
+                  for decode in (self.kinds(T) if first_tokens is None else (0,))]
         if not run:
             self._load_all(shapes, self._fork_sizes)
         for T in now:
@@ -329,9 +333,11 @@ class ModelRunner(StepExecutables):
             for _, _, P, decode in (shape for shape in shapes if shape[0] == T):
                 forward = self.forward_executable(T, B, P, decode)
                 if run:
-                    buf = np.zeros(sum(batch_sizes(T, B, P, B)), np.int32)
+                    buf = np.zeros(sum(batch_sizes(T, B, P, self.warm_rows(T, decode))), np.int32)
                     buf[2 * T:4 * T] = -1  # slots and prev rows (parts 3, 4): no KV writes, no previous step
-                    logits = self._call_forward(forward, self._put(buf))
+                    out = self._call_forward(forward, self._put(buf))
+                    if decode == 0:  # (the sampler's warm-up takes B logits rows)
+                        logits = out
             for flags in self.warm_sampler_flags:
                 sample = self.sampler_executable(B, 0, 0, -1, flags)
                 if run:
@@ -359,10 +365,11 @@ class ModelRunner(StepExecutables):
             # the large first bucket until reloaded (on CPU the first request after idle decoded at 553 ms a token
             # against 78, SmolLM2).
             small = min((T for T in self.token_buckets if T > 1), default=now[0])
-            self._pinned = frozenset([(T, False) for T in now] + [(small, False), (small, True)])
-            self.ready_tokens, self.ready_decode = now, frozenset()
-            self._rest = [(T, False) for T in self.token_buckets if T not in now] \
-                + [(T, True) for T in sorted(self.decode_buckets)]
+            self._pinned = frozenset([(T, 0) for T in now] + [(small, kind) for kind in self.kinds(small)])
+            self.ready_tokens, self.ready_decode, self.ready_verify = now, frozenset(), frozenset()
+            self._rest = [(T, 0) for T in self.token_buckets if T not in now]
+            self._rest += [(T, 1) for T in sorted(self.decode_buckets)]
+            self._rest += [(T, self.verify_len) for T in sorted(self.verify_buckets)]
             self._t0 = t0
             if background:
                 self.start_background()

@@ -30,7 +30,7 @@ class StepInputs:
     T: int  # tokens bucket
     B: int  # sequences bucket
     P: int  # pages bucket
-    decode: bool  # the decode-only forward
+    decode: int  # the forward's kind: 0 any step, 1 decode-only, Q > 1 a verify step's (`executables.py`)
     M: int  # output tokens per row given to the sampler (penalties)
     W: int  # words of the packed prompt-token mask per row
     num_logprobs: int
@@ -62,7 +62,7 @@ class StepInputs:
     @classmethod
     def from_wire(cls, frame: bytes) -> StepInputs:
         T, B, P, decode, M, W, n, flags, batch, sampling, K, plp_k, targets, R = msgpack.unpackb(frame)
-        return cls(int(T), int(B), int(P), bool(decode), int(M), int(W), int(n), tuple(bool(f) for f in flags),
+        return cls(int(T), int(B), int(P), int(decode), int(M), int(W), int(n), tuple(bool(f) for f in flags),
                    np.frombuffer(batch, np.int32), np.frombuffer(sampling, np.int32), int(K), int(plp_k),
                    None if targets is None else np.frombuffer(targets, np.int32), int(R))
 

@@ -35,6 +35,9 @@ class ModelOps(AttentionOps, DenseOps, MoeOps, LinearAttentionOps):
     # Set by the runner on the executables of decode-only steps: sequence b's one new token is row b
     # (T == B; padding sequences have seq_len 0), so attention is the paged decode kernel.
     decode_step: bool = False
+    # Set by the runner on the executables of verify steps (speculative decoding): every sequence has at most this many
+    # (> 1) new tokens, so attention is the paged decode kernel with that many query rows per sequence. 0: not set.
+    verify_query_len: int = 0
     # The mesh axis this forward is sharded over (inside `jax.shard_map`, see jinfer/parallel/mesh.py): the
     # ops then hold their device's shards and reduce partial sums across it. None: one device.
     axis: str | None = None
@@ -43,6 +46,8 @@ class ModelOps(AttentionOps, DenseOps, MoeOps, LinearAttentionOps):
     def __post_init__(self):
         if self.backend not in ("reference", "pallas"):
             raise ValueError(f"backend={self.backend!r} must be 'reference' or 'pallas'")
+        if not isinstance(self.verify_query_len, int) or self.verify_query_len < 0:
+            raise ValueError(f"verify_query_len={self.verify_query_len!r} must be an integer >= 0")
         if not isinstance(self.policy, KernelPolicy):
             raise ValueError(f"policy={self.policy!r} must be a KernelPolicy")
         if self.mosaic_prefill:

@@ -6,7 +6,9 @@ A decode step (every sequence has one new token: batch-1 decode, or an executabl
 tokens go to the Mosaic GPU kernel (TMA + wgmma, one query head per tile; prefill_attention_mgpu.py), the rest
 (decodes, short chunks) and the padding to the Triton kernel, which packs a kv head's query heads into one tile.
 The ragged kernel reads decode batches at 2.17 TB/s where the decode kernel reaches 2.44 (64 x 2k, random pages;
-`kernels_h100_repeat3.json`), hence the decode-only executables. A step of fewer than mosaic_min_step_tokens tokens
+`kernels_h100_repeat3.json`), hence the decode-only executables. Speculative decoding's verify steps (every sequence
+at most Q = 1 + k new tokens: an executable the runner compiled with `verify_query_len` Q) take the paged decode
+kernel too, its rows a sequence's Q tokens x a kv head's query heads. A step of fewer than mosaic_min_step_tokens tokens
 never launches the Mosaic kernel. The reference is the kernel module's own jnp reference, which gathers every page
 of each token's sequence.
 
@@ -42,6 +44,10 @@ class AttentionOps:
                                                       batch.page_table, k_scale, v_scale, scale=scale)
         from pallas_kernels.attention.paged_attention import paged_decode_attention
 
+        if self.verify_query_len > 1:  # each sequence at most that many tokens (the runner checked)
+            return paged_decode_attention(q, k_cache, v_cache, batch.page_table, batch.seq_lens, k_scale, v_scale,
+                                          query_start=batch.query_start, query_len=self.verify_query_len, scale=scale,
+                                          interpret=self.interpret, **self.policy.launch_args("paged_decode_attention"))
         if self.decode_step and q.shape[0] != batch.num_seqs:
             raise ValueError(f"a decode step needs one token per sequence: {q.shape[0]} tokens, "
                              f"{batch.num_seqs} sequences")

@@ -1,4 +1,4 @@
-"""Paged decode attention: one new query token per sequence against its paged KV cache.
+"""Paged decode attention: one new query token per sequence (or a few: verify steps) against its paged KV cache.
 
 KV cache layout (vLLM/flash): `k_cache, v_cache` each `[num_pages, page_size, num_kv_heads, head_dim]`.
 Sequence b's token at position t lives in page `page_table[b, t // page_size]`, row `t % page_size`.
@@ -18,6 +18,13 @@ max / sum and a small merge kernel combines them; this keeps the GPU busy when t
 contexts are long. (Merging in the attention kernel instead, by each (sequence, kv head)'s last split, measured
 slower: local_step_tails_qwen3-4b_h100.json.)
 
+A few query tokens per sequence (`query_len` Q > 1: speculative decoding's verify steps, 1 + k tokens): q is ragged
+like the prefill kernel's (`query_start`), at most Q tokens a sequence, and a program's rows are its sequence's tokens
+x the kv head's query heads (row r: token r // G, head r % G; Q * G padded to a power of two >= 16), so the Q tokens
+share each K/V load as the G heads do, each row masked causally at its own position. Gathered and scattered by row
+index (a program's tokens sit anywhere in q). The padding tokens after `query_start[B]` belong to no program: split 0
+of each program zeroes a share of them. Q = 1 is the one-token kernel above, unchanged.
+
 FP8 cache (float8_e4m3fn pages, `k_scale` / `v_scale` float32 per kv head): a program's kv head has one scale each,
 so K is converted to q's dtype in registers as it is loaded (no multiply per element), its scale folded into the
 softmax's scale, and V's applied once to the accumulator. The pages' bytes are what decode streams: half of bf16's.
@@ -34,6 +41,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
+from pallas_kernels.attention.decode_merge import MERGE_KERNEL_MAX_SPLITS, merge_call, merge_splits_reference
 from pallas_kernels.common import LOG2E, MASK_VALUE, next_pow2
 from pallas_kernels.kv_fp8 import check_kv_scales, dequantize_kv, is_fp8
 
@@ -71,13 +79,14 @@ def row_view(k_cache: jax.Array, v_cache: jax.Array, index_map) -> tuple[jax.Arr
 
 
 def _decode_kernel(
-    q_ref,  # [B * H, D]: every query (rows of one sequence's kv head are contiguous)
+    q_ref,  # [T * H, D]: every query (T = B with one token per sequence; a sequence's rows of a kv head contiguous)
     k_ref,  # this kv head's slice of the whole K cache: [num_pages * page_size, D] (`row_view`)
     v_ref,  # [num_pages * page_size, D]
     pt_ref,  # [Pp]: this sequence's page ids (padded to whole blocks of ppb)
     len_ref,  # [1]: this sequence's context length
-    *refs,  # FP8: ks_ref, vs_ref [1] fp32 (this kv head's scales); then o_ref, and split-K's m_ref, l_ref
-    # o_ref: one split: [B * H, D] like q_ref. split-K: [Gp, D] unnormalised fp32 partial
+    *refs,  # query_len > 1: qs_ref [B + 1] (query_start). FP8: ks_ref, vs_ref [1] fp32 (this kv head's scales).
+    # query_len > 1 with split-K: z_ref [T * H, D], the output whose padding tokens' rows split 0 zeroes. Then o_ref,
+    # and split-K's m_ref, l_ref. o_ref: one split: [T * H, D] like q_ref. split-K: [Gp, D] unnormalised fp32 partial
     # m_ref [Gp], l_ref [Gp] fp32 (running max in log2 units, sum)
     scale: float,
     pages_per_block: int,
@@ -88,11 +97,13 @@ def _decode_kernel(
     page_size: int,
     splits: int,
     fp8: bool,
+    query_len: int = 1,
 ):
-    if fp8:
-        ks_ref, vs_ref, o_ref, *ml_refs = refs
-    else:
-        o_ref, *ml_refs = refs
+    refs = list(refs)
+    qs_ref = refs.pop(0) if query_len > 1 else None
+    ks_ref, vs_ref = (refs.pop(0), refs.pop(0)) if fp8 else (None, None)
+    z_ref = refs.pop(0) if query_len > 1 and splits > 1 else None
+    o_ref, *ml_refs = refs
     h, b = (pl.program_id(0), pl.program_id(1)) if kv_heads_fastest else (pl.program_id(1), pl.program_id(0))
     split = pl.program_id(2)
     head_dim = q_ref.shape[1]
@@ -106,12 +117,26 @@ def _decode_kernel(
     first_block = split * per_split
     n_blocks = jnp.clip(seq_blocks - first_block, 0, per_split)
 
-    # The G query heads of kv head h, padded to Gp rows in registers (masked loads, no padded copy of q
-    # in HBM). The rows past G belong to the next kv head (or past the end): never stored.
     row = jnp.arange(rows, dtype=jnp.int32)
-    q_rows = pl.ds((b * num_heads + h * group), rows)
-    q_mask = jnp.broadcast_to((row < group)[:, None], (rows, head_dim))
-    q = plgpu.load(q_ref.at[q_rows], mask=q_mask, other=0.0)  # [Gp, D]
+    if query_len == 1:
+        # The G query heads of kv head h, padded to Gp rows in registers (masked loads, no padded copy of q
+        # in HBM). The rows past G belong to the next kv head (or past the end): never stored.
+        q_rows = pl.ds((b * num_heads + h * group), rows)
+        q_mask = jnp.broadcast_to((row < group)[:, None], (rows, head_dim))
+        q = plgpu.load(q_ref.at[q_rows], mask=q_mask, other=0.0)  # [Gp, D]
+    else:
+        # Row r: the sequence's token r // G (of its n_q <= Q new tokens, the last ones of its context), query head
+        # h * G + r % G; rows past n_q x G are masked (gathered from row 0, never stored).
+        q0 = qs_ref[b]
+        n_q = jnp.clip(qs_ref[b + 1] - q0, 0, query_len)
+        tok = row // group
+        real = tok < n_q  # [Gp]
+        q_rows = (q0 + tok) * num_heads + h * group + row % group  # [Gp] rows of q_ref
+        o_rows = jnp.where(real, q_rows, q_ref.shape[0])  # masked rows: past the end (the interpreter drops them)
+        q_rows = jnp.where(real, q_rows, 0)
+        q_mask = jnp.broadcast_to(real[:, None], (rows, head_dim))
+        q = jnp.where(q_mask, q_ref[q_rows], 0.0)  # [Gp, D]
+        row_pos = jnp.minimum(seq_len - n_q + tok, seq_len - 1)  # [Gp]: its token's position (causal mask)
     qk_scale = scale * LOG2E  # softmax in base 2: exp2 is one instruction
     if fp8:
         qk_scale = qk_scale * ks_ref[0]
@@ -126,7 +151,10 @@ def _decode_kernel(
             k, v = k.astype(q.dtype), v.astype(q.dtype)
         s = plgpu.dot(q, k, trans_b=True) * qk_scale  # [Gp, block_k] fp32
         pos = blk * block_k + jnp.arange(block_k, dtype=jnp.int32)  # [block_k]
-        s = jnp.where((pos < seq_len)[None, :], s, MASK_VALUE)
+        if query_len == 1:
+            s = jnp.where((pos < seq_len)[None, :], s, MASK_VALUE)
+        else:
+            s = jnp.where(pos[None, :] <= row_pos[:, None], s, MASK_VALUE)
         m_next = jnp.maximum(m_prev, s.max(axis=1))  # [Gp]
         alpha = jnp.exp2(m_prev - m_next)  # [Gp]
         p = jnp.exp2(s - m_next[:, None])  # [Gp, block_k]
@@ -148,7 +176,30 @@ def _decode_kernel(
         l_ref[...] = l
     else:
         l_safe = jnp.where(l == 0.0, 1.0, l)  # seq_len 0 (padding) -> zeros, not NaN
-        plgpu.store(o_ref.at[q_rows], (acc / l_safe[:, None]).astype(o_ref.dtype), mask=q_mask)
+        out = (acc / l_safe[:, None]).astype(o_ref.dtype)
+        if query_len == 1:
+            plgpu.store(o_ref.at[q_rows], out, mask=q_mask)
+        else:  # a scatter of rows: (row, column) index arrays
+            plgpu.store(o_ref.at[o_rows[:, None], jnp.arange(head_dim)[None, :]], out, mask=q_mask)
+    if query_len > 1:
+        _zero_padding_tokens(qs_ref, z_ref if ml_refs else o_ref, b, h, split, num_heads, group)
+
+
+def _zero_padding_tokens(qs_ref, o_ref, b, h, split, num_heads: int, group: int):
+    """query_len > 1: the tokens past query_start[B] (bucket padding) belong to no sequence; split 0 of (sequence b,
+    kv head h) zeroes kv head h's rows of tokens query_start[B] + b * Z ... + Z - 1 (Z = ceil(T / B)), so every padding
+    row is written (as zeros: what the other attention kernels give padding tokens)."""
+    tokens, batch = o_ref.shape[0] // num_heads, qs_ref.shape[0] - 1
+    per_seq = pl.cdiv(tokens, batch)  # Z
+    rows = max(16, next_pow2(per_seq * group))
+    r = jnp.arange(rows, dtype=jnp.int32)
+    tok = qs_ref[batch] + b * per_seq + r // group  # [rows]
+    real = (r // group < per_seq) & (tok < tokens) & (split == 0)
+    idx = jnp.where(real, tok * num_heads + h * group + r % group, o_ref.shape[0])  # masked: past the end
+    head_dim = o_ref.shape[1]
+    mask = jnp.broadcast_to(real[:, None], (rows, head_dim))
+    cols = jnp.arange(head_dim, dtype=jnp.int32)
+    plgpu.store(o_ref.at[idx[:, None], cols[None, :]], jnp.zeros((rows, head_dim), o_ref.dtype), mask=mask)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -164,12 +215,14 @@ def _plan_splits(batch: int, num_kv_heads: int, num_blocks: int, num_splits: int
     return max(1, min(num_splits, num_blocks))
 
 
-def _decode_call(q, k_cache, v_cache, page_table, seq_lens, k_scale, v_scale, *, scale, pages_per_block, num_splits,
-                 num_warps, num_stages, kv_heads_fastest, merge_kernel, target_programs, interpret):
-    batch, num_heads, head_dim = q.shape
+def _decode_call(q, k_cache, v_cache, page_table, seq_lens, k_scale, v_scale, query_start, *, scale, pages_per_block,
+                 num_splits, num_warps, num_stages, kv_heads_fastest, merge_kernel, target_programs, query_len,
+                 interpret):
+    num_tokens, num_heads, head_dim = q.shape
+    batch = page_table.shape[0]
     page_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
     group = num_heads // num_kv_heads
-    rows = max(MIN_ROWS, next_pow2(group))
+    rows = max(MIN_ROWS, next_pow2(group * query_len))
     max_pages = page_table.shape[1]
     ppb = min(pages_per_block, next_pow2(max_pages))
     num_blocks = pl.cdiv(max_pages, ppb)
@@ -178,14 +231,15 @@ def _decode_call(q, k_cache, v_cache, page_table, seq_lens, k_scale, v_scale, *,
         num_warps = 2 if splits == 1 else 4
     padded_pages = num_blocks * ppb
 
-    q2 = q.reshape(batch * num_heads, head_dim)  # [B * H, D], a free reshape
+    q2 = q.reshape(num_tokens * num_heads, head_dim)  # [T * H, D], a free reshape
     table = jnp.pad(page_table.astype(jnp.int32), ((0, 0), (0, padded_pages - max_pages)))  # [B, Pp]
     lens = seq_lens.astype(jnp.int32).reshape(batch, 1)  # [B, 1]
 
     fp8 = is_fp8(k_cache.dtype)
+    multi = query_len > 1
     kernel = functools.partial(_decode_kernel, scale=scale, pages_per_block=ppb, num_heads=num_heads, group=group,
                                rows=rows, kv_heads_fastest=kv_heads_fastest, page_size=page_size, splits=splits,
-                               fp8=fp8)
+                               fp8=fp8, **({"query_len": query_len} if multi else {}))
     # Grid dim 0 is the fastest-varying launch index (CUDA x). With kv heads there, the programs
     # running side by side read the same pages (different heads' slices of each row).
     if kv_heads_fastest:
@@ -204,11 +258,14 @@ def _decode_call(q, k_cache, v_cache, page_table, seq_lens, k_scale, v_scale, *,
         pl.BlockSpec((None, 1), bhs(lambda b, h, s: (b, 0))),
     ]
     args = [q2, k_cache, v_cache, table, lens]
+    if multi:
+        in_specs.append(whole)
+        args.append(query_start.astype(jnp.int32))
     if fp8:
         in_specs += [pl.BlockSpec((1,), bhs(lambda b, h, s: (h,)))] * 2
         args += [k_scale, v_scale]
     if splits == 1:
-        out_shape = jax.ShapeDtypeStruct((batch * num_heads, head_dim), q.dtype)
+        out_shape = jax.ShapeDtypeStruct((num_tokens * num_heads, head_dim), q.dtype)
         out_specs = whole
     else:
         out_shape = [
@@ -221,6 +278,9 @@ def _decode_call(q, k_cache, v_cache, page_table, seq_lens, k_scale, v_scale, *,
             pl.BlockSpec((None, None, None, rows), bhs(lambda b, h, s: (s, b, h, 0))),
             pl.BlockSpec((None, None, None, rows), bhs(lambda b, h, s: (s, b, h, 0))),
         ]
+        if multi:  # the output itself: split 0 zeroes its padding tokens' rows, the merge writes the rest
+            out_shape.insert(0, jax.ShapeDtypeStruct((num_tokens * num_heads, head_dim), q.dtype))
+            out_specs.insert(0, whole)
     out = pl.pallas_call(
         kernel,
         grid=grid,
@@ -229,71 +289,38 @@ def _decode_call(q, k_cache, v_cache, page_table, seq_lens, k_scale, v_scale, *,
         out_shape=out_shape,
         compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),
         interpret=interpret,
-        name=f"paged_decode_attention_ppb{ppb}_s{splits}" + ("_fp8" if fp8 else ""),
+        name=f"paged_decode_attention_ppb{ppb}_s{splits}" + ("_fp8" if fp8 else "") + (f"_q{query_len}" if multi
+                                                                                        else ""),
     )(*args)
 
     if splits > 1:  # flash-decoding epilogue: merge the per-split partial softmaxes
+        padded, *out = out if multi else (None, *out)
         acc, m, l = out  # [S, B, KVH, Gp, D], [S, B, KVH, Gp] x2
+        merge = dict(num_heads=num_heads, group=group, dtype=q.dtype, kv_heads_fastest=kv_heads_fastest,
+                     interpret=interpret)
         if merge_kernel and splits <= MERGE_KERNEL_MAX_SPLITS:
-            out = _merge_call(acc, m, l, num_heads=num_heads, group=group, dtype=q.dtype,
-                              kv_heads_fastest=kv_heads_fastest, interpret=interpret)
+            if multi:
+                merge.update(query_len=query_len, query_start=query_start.astype(jnp.int32), out=padded)
+            out = merge_call(acc, m, l, **merge)
+        elif multi:
+            out = _ragged_rows(merge_splits_reference(acc, m, l, group * query_len), query_start, query_len,
+                               num_kv_heads, group, num_tokens).astype(q.dtype)
         else:
             out = merge_splits_reference(acc, m, l, group).astype(q.dtype)
-    return out.reshape(batch, num_heads, head_dim)
+    return out.reshape(num_tokens, num_heads, head_dim)
 
 
-def merge_splits_reference(acc, m, l, group: int) -> jax.Array:
-    """The splits' partial softmaxes ([S, B, KVH, Gp, D] unnormalised, running max in log2 units and sum
-    [S, B, KVH, Gp]) merged: [B, KVH, group, D] float32 (zeros where every split was empty)."""
-    m_max = m.max(axis=0)
-    w = jnp.exp2(m - m_max[None])  # [S, B, KVH, Gp]
-    l_tot = (w * l).sum(axis=0)
-    acc = (w[..., None] * acc).sum(axis=0)
-    return (acc / jnp.where(l_tot == 0.0, 1.0, l_tot)[..., None])[:, :, :group]
-
-
-# The merge kernel holds every split of one row in registers: [splits, head_dim] float32.
-MERGE_KERNEL_MAX_SPLITS = 64
-
-
-def _merge_kernel(acc_ref, m_ref, l_ref, o_ref, *, splits: int, kv_heads_fastest: bool):
-    """One program per (kv head, sequence, query head of the group): that row's splits loaded at once
-    (independent loads, no serial chain) and merged; XLA's merge is ~5 kernels (max, exp2, two sums,
-    divide) of ~1.3 us launch latency each at decode."""
-    h, b = (pl.program_id(0), pl.program_id(1)) if kv_heads_fastest else (pl.program_id(1), pl.program_id(0))
-    g = pl.program_id(2)
-    padded = next_pow2(splits)
-    valid = jnp.arange(padded, dtype=jnp.int32) < splits
-    s = pl.ds(0, padded)
-    m = plgpu.load(m_ref.at[s, b, h, g], mask=valid, other=jnp.finfo(jnp.float32).min)  # [S]
-    l = plgpu.load(l_ref.at[s, b, h, g], mask=valid, other=0.0)
-    acc = plgpu.load(acc_ref.at[s, b, h, g, :], mask=valid[:, None], other=0.0)  # [S, D]
-    w = jnp.exp2(m - jnp.max(m))
-    l_tot = jnp.sum(w * l)
-    out = jnp.sum(w[:, None] * acc, axis=0) / jnp.where(l_tot == 0.0, 1.0, l_tot)
-    o_ref[...] = out.astype(o_ref.dtype)
-
-
-def _merge_call(acc, m, l, *, num_heads, group, dtype, kv_heads_fastest, interpret):
-    splits, batch, num_kv_heads, rows, head_dim = acc.shape
-    kernel = functools.partial(_merge_kernel, splits=splits, kv_heads_fastest=kv_heads_fastest)
-    if kv_heads_fastest:
-        grid = (num_kv_heads, batch, group)
-        out_map = lambda h, b, g: (b, h, g, 0)  # noqa: E731
-    else:
-        grid = (batch, num_kv_heads, group)
-        out_map = lambda b, h, g: (b, h, g, 0)  # noqa: E731
-    out = pl.pallas_call(
-        kernel,
-        grid=grid,
-        in_specs=[pl.no_block_spec] * 3,
-        out_specs=pl.BlockSpec((None, None, None, head_dim), out_map),
-        out_shape=jax.ShapeDtypeStruct((batch, num_kv_heads, group, head_dim), dtype),
-        compiler_params=plgpu.CompilerParams(num_warps=4, num_stages=1),
-        interpret=interpret,
-        name=f"paged_decode_merge_s{splits}",
-    )(acc, m, l)
-    return out
+def _ragged_rows(merged, query_start, query_len: int, num_kv_heads: int, group: int, num_tokens: int) -> jax.Array:
+    """[B, KVH, Q * G, D] merged rows (row r: token r // G, head r % G of the kv head) -> the ragged tokens' rows
+    [T, H, D] (zeros for the padding tokens), in XLA (the no-merge-kernel variant)."""
+    batch, _, _, head_dim = merged.shape
+    dense = merged.reshape(batch, num_kv_heads, query_len, group, head_dim).transpose(0, 2, 1, 3, 4)  # [B,Q,KVH,G,D]
+    t = jnp.arange(num_tokens, dtype=jnp.int32)
+    seq = jnp.clip(jnp.searchsorted(query_start, t, side="right") - 1, 0, batch - 1)  # [T]
+    j = t - query_start[seq]
+    real = (t < query_start[batch]) & (j < query_len)
+    out = dense[seq, jnp.clip(j, 0, query_len - 1)].reshape(num_tokens, -1, head_dim)  # [T, H, D]
+    return jnp.where(real[:, None, None], out, 0.0)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -311,14 +338,21 @@ def plan_blocks(programs: int, page_size: int, head_dim: int, itemsize: int,
     return max(1, block_tokens // page_size), num_stages
 
 
-def _check_args(q, k_cache, v_cache, page_table, seq_lens, pages_per_block, num_splits, k_scale, v_scale):
+def _check_args(q, k_cache, v_cache, page_table, seq_lens, pages_per_block, num_splits, k_scale, v_scale,
+                query_start=None, query_len: int = 1):
     if q.ndim != 3:
         raise ValueError(f"q must be [batch, num_heads, head_dim], got {q.shape=}")
+    if not isinstance(query_len, int) or query_len < 1 or (query_start is None) != (query_len == 1):
+        raise ValueError(f"query_len > 1 needs query_start (and 1 none): {query_len=}, "
+                         f"query_start {'given' if query_start is not None else 'None'}")
+    if query_start is not None and query_start.shape != (page_table.shape[0] + 1,):
+        raise ValueError(f"query_start must be [batch + 1]: {query_start.shape=} {page_table.shape=}")
     if k_cache.ndim != 4 or k_cache.shape != v_cache.shape or k_cache.dtype != v_cache.dtype:
         raise ValueError(f"k_cache/v_cache must be equal [pages, page_size, kv_heads, head_dim]: "
                          f"{k_cache.shape=} {v_cache.shape=}")
     check_kv_scales(k_cache, k_scale, v_scale)
     batch, num_heads, head_dim = q.shape
+    batch = page_table.shape[0] if query_len > 1 else batch  # (ragged tokens: the sequences are the table's rows)
     _, page_size, num_kv_heads, kv_dim = k_cache.shape
     if kv_dim != head_dim:
         raise ValueError(f"k_cache head_dim must match q: {k_cache.shape=} {q.shape=}")
@@ -339,7 +373,7 @@ def _check_args(q, k_cache, v_cache, page_table, seq_lens, pages_per_block, num_
 
 @functools.partial(jax.jit, static_argnames=(
     "scale", "pages_per_block", "num_splits", "num_warps", "num_stages", "kv_heads_fastest", "merge_kernel",
-    "target_programs", "interpret"))
+    "target_programs", "query_len", "interpret"))
 def paged_decode_attention(
     q: jax.Array,
     k_cache: jax.Array,
@@ -349,6 +383,8 @@ def paged_decode_attention(
     k_scale: jax.Array | None = None,
     v_scale: jax.Array | None = None,
     *,
+    query_start: jax.Array | None = None,
+    query_len: int = 1,
     scale: float | None = None,
     pages_per_block: int | None = None,
     num_splits: int | None = None,
@@ -359,16 +395,23 @@ def paged_decode_attention(
     target_programs: int = TARGET_PROGRAMS,
     interpret: bool = False,
 ) -> jax.Array:
-    """Decode attention of one query token per sequence over a paged KV cache.
+    """Decode attention of one query token per sequence (or a few: speculative decoding's verify steps) over a paged
+    KV cache.
 
     Args:
       q: `[batch, num_heads, head_dim]`, the query of each sequence's newest token (position
-        `seq_lens[b] - 1`).
+        `seq_lens[b] - 1`). With `query_len` > 1: `[num_tokens, num_heads, head_dim]`, ragged as in
+        `ragged_prefill_attention`: sequence b's tokens are `q[query_start[b]:query_start[b + 1]]`, at most
+        `query_len` of them, the last of its context (token j of n at position `seq_lens[b] - n + j`, attending to
+        positions <= its own); tokens from `query_start[batch]` on are padding (zeros out).
       k_cache, v_cache: `[num_pages, page_size, num_kv_heads, head_dim]`; the new token's K/V already
         written. Query head h reads kv head `h // (num_heads // num_kv_heads)`.
       page_table: int32 `[batch, pages_per_seq]`; unused entries must be valid page ids (e.g. 0).
       seq_lens: int32 `[batch]`, context length including the new token; 0 marks a padding
         sequence, whose output is zeros.
+      query_start: int32 `[batch + 1]` with `query_len` > 1 (padding sequences repeat the last value), else None.
+      query_len: the most new tokens a sequence has (static). A program's rows are its sequence's tokens x the kv
+        head's query heads, so the tokens share each K/V load; 1 is the one-token kernel.
       k_scale, v_scale: float32 `[num_kv_heads]` for a float8_e4m3fn cache (a value is its e4m3 value times its
         kv head's scale); None otherwise.
       scale: softmax scale, default `head_dim ** -0.5`.
@@ -384,19 +427,20 @@ def paged_decode_attention(
       interpret: run the Pallas interpreter (CPU tests).
 
     Returns:
-      `[batch, num_heads, head_dim]` in q's dtype (softmax and accumulation in fp32).
+      q's shape and dtype (softmax and accumulation in fp32).
     """
-    _check_args(q, k_cache, v_cache, page_table, seq_lens, pages_per_block, num_splits, k_scale, v_scale)
+    _check_args(q, k_cache, v_cache, page_table, seq_lens, pages_per_block, num_splits, k_scale, v_scale,
+                query_start, query_len)
     _, page_size, num_kv_heads, head_dim = k_cache.shape
-    plan_ppb, plan_stages = plan_blocks(q.shape[0] * num_kv_heads, page_size, head_dim, k_cache.dtype.itemsize,
-                                        num_stages)
+    plan_ppb, plan_stages = plan_blocks(page_table.shape[0] * num_kv_heads, page_size, head_dim,
+                                        k_cache.dtype.itemsize, num_stages)
     num_stages = plan_stages if num_stages is None else num_stages
     pages_per_block = plan_ppb if pages_per_block is None else pages_per_block
     scale = q.shape[-1] ** -0.5 if scale is None else scale
-    return _decode_call(q, k_cache, v_cache, page_table, seq_lens, k_scale, v_scale, scale=scale,
+    return _decode_call(q, k_cache, v_cache, page_table, seq_lens, k_scale, v_scale, query_start, scale=scale,
                         pages_per_block=pages_per_block, num_splits=num_splits, num_warps=num_warps,
                         num_stages=num_stages, kv_heads_fastest=kv_heads_fastest, merge_kernel=merge_kernel,
-                        target_programs=target_programs, interpret=interpret)
+                        target_programs=target_programs, query_len=query_len, interpret=interpret)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -415,7 +459,7 @@ def paged_decode_attention_reference(
     scale: float | None = None,
 ) -> jax.Array:
     """Pure-jnp paged decode attention (gathers every page of the table, FP8 dequantized); same contract as the
-    kernel."""
+    kernel with one token per sequence (with query_len > 1 it is `ragged_prefill_attention_reference`'s)."""
     batch, num_heads, head_dim = q.shape
     _, page_size, num_kv_heads, _ = k_cache.shape
     group = num_heads // num_kv_heads

@@ -208,3 +208,97 @@ def test_default_launch_for_small_batches(mode, batch):
     want = paged_decode_attention_reference(q, k, v, table, seq_lens)
     assert_close(out, want, jnp.bfloat16, mode)
 
+
+
+# ---- a few query tokens per sequence (query_len > 1: speculative decoding's verify steps) ----------------------------
+
+# (page_size, num_heads, num_kv_heads, head_dim, dtype, seq_lens, new tokens per sequence, query_len, num_splits, ppb,
+# fp8); tokens past the sequences' are bucket padding
+MULTI_CASES = [
+    pytest.param(8, 8, 2, 64, jnp.float32, [5, 40, 17, 0, 3], [3, 4, 1, 0, 2], 4, 1, 1, False, id="g4-q4-nosplit"),
+    pytest.param(8, 8, 2, 64, jnp.float32, [5, 40, 17, 0, 3], [3, 4, 1, 0, 2], 4, 3, 1, False, id="g4-q4-split3"),
+    pytest.param(16, 6, 2, 64, jnp.bfloat16, [2, 70, 33], [2, 5, 5], 5, 2, 2, False, id="g3-q5-bf16-split2"),
+    pytest.param(16, 4, 4, 64, jnp.float32, [1, 16, 17, 0], [1, 2, 2, 0], 2, None, None, False, id="g1-q2-defaults"),
+    pytest.param(8, 8, 2, 64, jnp.bfloat16, [6, 40, 0, 17], [4, 3, 0, 1], 4, 3, 1, True, id="g4-q4-fp8-split3"),
+]
+
+
+def multi_query_case(rng, lens, new, num_tokens, page_size, heads, kv_heads, dim, dtype, fp8=False):
+    """Random paged K/V (shuffled pages) and ragged queries: (q [T, H, D], k, v, table, seq_lens, query_start, k_scale,
+    v_scale)."""
+    k, v, table = paged_kv(rng, lens, page_size, kv_heads, dim, dtype)
+    scales = (None, None)
+    if fp8:
+        k, v, *scales = fp8_kv(rng, k, v)
+    query_start = jnp.asarray(np.concatenate([[0], np.cumsum(new)]), jnp.int32)
+    q = jnp.asarray(rng.standard_normal((num_tokens, heads, dim)), dtype)
+    return q, k, v, table, jnp.asarray(lens, jnp.int32), query_start, *scales
+
+
+@pytest.mark.parametrize("mode,page_size,heads,kv_heads,dim,dtype,lens,new,query_len,splits,ppb,fp8",
+                         by_mode(MULTI_CASES))
+def test_multi_query_matches_ragged_reference(mode, page_size, heads, kv_heads, dim, dtype, lens, new, query_len,
+                                              splits, ppb, fp8):
+    """Each sequence's last n <= Q tokens, each masked causally at its own position, at mixed context lengths and page
+    placements, against the ragged prefill reference (an independent jnp gather of every page); padding tokens and
+    sequences give zeros."""
+    from pallas_kernels.attention.prefill_attention import ragged_prefill_attention_reference
+
+    rng = np.random.default_rng(sum(lens) + query_len)
+    total = sum(new)
+    q, k, v, table, seq_lens, qs, ks, vs = multi_query_case(rng, lens, new, total + 5, page_size, heads, kv_heads, dim,
+                                                            dtype, fp8)
+    out = paged_decode_attention(q, k, v, table, seq_lens, ks, vs, query_start=qs, query_len=query_len,
+                                 num_splits=splits, pages_per_block=ppb, interpret=mode == "interpret")
+    ref = ragged_prefill_attention_reference(q, k, v, qs, seq_lens, table, ks, vs)
+    assert out.shape == q.shape and out.dtype == q.dtype
+    assert_close(out[:total], ref[:total], dtype, mode)
+    assert not np.asarray(out[total:].astype(jnp.float32)).any()
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_multi_query_launch_order_and_xla_merge(mode):
+    """Batch-major launch order, and split-K merged by XLA (`merge_kernel=False`), compute the same; a query_len above
+    every sequence's count changes nothing; the last token of each sequence is what the one-token kernel gives."""
+    rng = np.random.default_rng(5)
+    lens, new = [9, 33, 0, 20], [2, 3, 0, 1]
+    q, k, v, table, seq_lens, qs, _, _ = multi_query_case(rng, lens, new, 8, 8, 8, 2, 64, jnp.float32)
+    kw = dict(query_start=qs, num_splits=2, pages_per_block=1, interpret=mode == "interpret")
+    want = paged_decode_attention(q, k, v, table, seq_lens, query_len=3, **kw)
+    for extra in (dict(kv_heads_fastest=False), dict(merge_kernel=False), dict(query_len=8)):
+        assert_close(paged_decode_attention(q, k, v, table, seq_lens, **{"query_len": 3, **kw, **extra}), want,
+                     jnp.float32, mode)
+    last = np.asarray(qs[1:]) - 1
+    one = paged_decode_attention(q[last], k, v, table, seq_lens, num_splits=2, pages_per_block=1,
+                                 interpret=mode == "interpret")
+    real = np.asarray(new) > 0
+    assert_close(want[last][real], one[real], jnp.float32, mode)
+
+
+def test_multi_query_lowers_for_cuda():
+    """query_len > 1 through the Triton lowering (row gathers and scatters, the padding rows' zeros, the ragged merge),
+    bf16 and FP8 caches, with and without split-K."""
+    s = jax.ShapeDtypeStruct
+    for dtype in (jnp.bfloat16, jnp.float8_e4m3fn):
+        cache = s((64, 16, 8, 128), dtype)
+        scales = (s((8,), jnp.float32),) * 2 if dtype == jnp.float8_e4m3fn else (None, None)
+        for splits in (1, 4):
+            def verify(q, k, v, table, lens, qs, ks=None, vs=None, splits=splits):
+                return paged_decode_attention(q, k, v, table, lens, ks, vs, query_start=qs, query_len=5,
+                                              num_splits=splits)
+
+            args = (s((64, 32, 128), jnp.bfloat16), cache, cache, s((8, 64), jnp.int32), s((8,), jnp.int32),
+                    s((9,), jnp.int32))
+            text = lower_for_cuda(verify, *args, *[a for a in scales if a is not None])
+            assert "_q5" in text and ("paged_decode_merge_s4_q5" in text) == (splits > 1)
+
+
+def test_multi_query_argument_checks():
+    q, k = jnp.zeros((8, 8, 64)), jnp.zeros((4, 16, 2, 64))
+    table, lens, qs = jnp.zeros((2, 2), jnp.int32), jnp.ones((2,), jnp.int32), jnp.zeros((3,), jnp.int32)
+    with pytest.raises(ValueError, match="query_start"):
+        paged_decode_attention(q, k, k, table, lens, query_len=4, interpret=True)
+    with pytest.raises(ValueError, match="query_start"):
+        paged_decode_attention(q[:2], k, k, table, lens, query_start=qs, interpret=True)
+    with pytest.raises(ValueError, match="query_start must be"):
+        paged_decode_attention(q, k, k, table, lens, query_start=qs[:2], query_len=4, interpret=True)

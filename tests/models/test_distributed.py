@@ -240,6 +240,8 @@ def test_step_inputs_round_trip():
     assert (back.T, back.B, back.P, back.decode, back.M, back.W, back.num_logprobs, back.flags) == \
         (16, 8, 32, True, 3, 2, 5, (True, False, True))
     assert back.batch.tolist() == list(range(10)) and back.sampling.tolist() == [-1, 2**31 - 1]
+    verify = StepInputs(16, 8, 32, 5, 0, 0, -1, (False,) * 3, step.batch, step.sampling, R=16)  # a verify step's kind
+    assert StepInputs.from_wire(verify.to_wire()).decode == 5
 
 
 @pytest.mark.parametrize("kw,match", [

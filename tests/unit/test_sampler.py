@@ -412,3 +412,28 @@ def test_allowed_token_mask_keeps_raw_logprobs_and_ranks_count_the_vocab():
         scored = logits[b, allowed[b]] if t.mask_logprobs[b] else logits[b]
         assert int(r.ranks[b]) == int((scored >= logits[b, token]).sum())
     assert int(r.ranks[1]) > 1 or int(r.tokens[1]) == int(np.argmax(logits[1]))  # raw rank among all 300
+
+
+def test_greedy_verify_rows_compile_to_an_argmax():
+    """A step's sampler with only greedy rows and no logprobs (speculative verify steps: 1 + k rows a sequence) is an
+    argmax over the vocabulary: its compiled HLO has no softmax (exp, log) and no sort. The variant with sampled rows
+    has them (so the check can fail)."""
+    import functools
+
+    import jax.numpy as jnp
+
+    from jinfer.engine.device_step import sample_step
+    from jinfer.engine.sampling_tensors import GREEDY_FLAGS, SamplerFlags
+    from jinfer.engine.step_inputs import sampling_size
+
+    R, vocab = 8, 4096
+    shapes = (jax.ShapeDtypeStruct((R, vocab), jnp.float32),
+              jax.ShapeDtypeStruct((sampling_size(R, 0, 0, 0, 0),), jnp.int32), jax.ShapeDtypeStruct((16,), jnp.int32))
+
+    def ops(flags) -> set[str]:
+        step = functools.partial(sample_step, dims=(R, 0, 0, 0), num_logprobs=-1, flags=flags, max_rows=16)
+        text = jax.jit(step).lower(*shapes).compile().as_text()
+        return {op for op in ("exponential(", " log(", " sort(") if op in text}
+
+    assert ops(GREEDY_FLAGS) == set()
+    assert {"exponential(", " sort("} <= ops(SamplerFlags(full_sort=False, penalties=False))

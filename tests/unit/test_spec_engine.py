@@ -5,11 +5,14 @@ preemption, chunked prefill, prefix caching, tensor parallel; the MoE family: te
 drafts are both accepted and rejected (the counters say so), and the real SmolLM2 weights accept drafts on a prompt
 that repeats itself. The tiny random models' greedy outputs fall into loops, which n-gram drafts predict."""
 
+import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
 from jinfer.config.engine import EngineConfig
 from jinfer.engine.core import EngineCore
+from jinfer.engine.step_inputs import batch_sizes
 from jinfer.llm import LLM
 from jinfer.sampling_params import SamplingParams
 from jinfer.structured_outputs import StructuredOutputsParams
@@ -174,6 +177,29 @@ def test_preemption_and_chunked_prefill(plain):
     got, counters = generate(small, prompts, GREEDY)
     assert_same(got, want)
     assert preempted and counters["spec_decode_num_accepted_tokens"] > 0
+
+
+def test_verify_steps_take_the_paged_decode_kernel(plain):
+    """Pallas kernels (interpreted): the steps whose sequences have at most 1 + k new tokens each (verifying drafts)
+    run the verify executable, whose attention is the paged decode kernel with 1 + k query rows a sequence, not the
+    ragged prefill kernel; the greedy tokens equal the reference engine's without drafts."""
+    prompts = spec_prompts(4, seed=8)
+    want, _ = generate(plain, prompts, GREEDY)
+    engine = core(speculative_config=NGRAM, attention_backend="pallas", max_num_seqs=4, max_num_batched_tokens=16)
+    runner = engine.runner
+    assert runner.verify_len == 4 and runner.verify_buckets == {8, 16}
+    kinds = []  # per launch: the forward's kind (0 any step, 4 verify)
+    run_forward = runner.run_forward
+    runner.run_forward = lambda T, B, P, kind, *a: (kinds.append(kind), run_forward(T, B, P, kind, *a))[1]
+    got, counters = generate(engine, prompts, GREEDY)
+    assert_same(got, want)
+    assert_drafts_accepted_and_rejected(counters)
+    assert kinds.count(4) >= 5 and 0 in kinds  # (prefills: the ragged kernel)
+    P = runner.page_buckets[-1]
+    buf = jax.ShapeDtypeStruct((sum(batch_sizes(8, 4, P, 8)),), jnp.int32)
+    jaxpr = str(jax.make_jaxpr(runner.forward_executable(8, 4, P, 4))(runner.weights, buf, runner.kv_cache,
+                                                                       runner._no_prev))
+    assert "paged_decode_attention_ppb" in jaxpr and "_q4" in jaxpr and "ragged_prefill_attention" not in jaxpr
 
 
 @pytest.mark.slow
