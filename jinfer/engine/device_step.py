@@ -20,11 +20,15 @@ from jinfer.parallel.mesh import mesh_forward
 FORK_CHUNK = 16
 
 
-def forward_step(weights, buf, kv_cache, prev_tokens, *table, dims, cfg, ops, mesh, specs, aux_layers=()):
+def forward_step(weights, buf, kv_cache, prev_tokens, logits_out, *table, dims, cfg, ops, mesh, specs,
+                 aux_layers=()):
     """Unpack the batch (dims = (T, B, P, L)) and run the model's forward on the mesh (`parallel.mesh_forward`;
     `specs`: the weights' and the cache's PartitionSpecs): (logits [L, V], the cache), and with `aux_layers` (an
-    EAGLE-3 head's) the hidden states at those boundaries [T, n*H] too. `table`: the one-shot all-reduce's
+    EAGLE-3 head's) the hidden states at those boundaries [T, n*H] too. `logits_out` (donated, unread): the
+    previous logits of this shape, whose buffer the logits are written to, so that every output of a step stays at
+    the same address from step to step (runner.py: stable step buffers). `table`: the one-shot all-reduce's
     workspace table, where the runner uses that kernel (`all_reduce_table`)."""
+    del logits_out
     batch, prev = unpack_batch(buf, dims)
     # Tokens sampled by the previous step (the first token of its sequences' decodes) are read from its buffer.
     batch.input_ids = jnp.where(prev >= 0, prev_tokens[jnp.maximum(prev, 0)], batch.input_ids)

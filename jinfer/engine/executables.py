@@ -92,7 +92,7 @@ def sampler_key(R: int, M: int, W: int, K: int, num_logprobs: int, flags: Sample
 
 class StepExecutables:
     """Buckets and the executables compiled for them (the registry half of `ModelRunner`). Needs of its subclass:
-    cfg, mesh, ops, weights, kv_cache, `_replicated` (the sharding of logits and tokens), `_no_prev` (a tokens
+    cfg, mesh, ops, weights, kv_cache, `_replicated` (the sharding of logits and tokens), `_prev_spec` (a tokens
     buffer), `executables` (the on-disk cache), `_slot_layers` (the cache's layers indexed by state slot) and
     `aux_layers` (the layer boundaries whose hidden states the forward also returns: an EAGLE-3 head's, else ())."""
 
@@ -179,7 +179,7 @@ class StepExecutables:
         specs = (array_specs(self.weights), array_specs(self.kv_cache))
         forward_jit = lambda ops, **kw: jax.jit(  # noqa: E731
             partial(forward_step, cfg=self.cfg, ops=ops, mesh=self.mesh, specs=specs, aux_layers=self.aux_layers),
-            static_argnames=("dims",), donate_argnames=("kv_cache",),
+            static_argnames=("dims",), donate_argnames=("kv_cache", "logits_out"), keep_unused=True,
             out_shardings=(self._replicated, kv_shardings) + ((self._replicated,) if self.aux_layers else ()), **kw)
         # Indexed by "decode step": small steps run with command buffers (XLA's default), large without.
         large = NO_COMMAND_BUFFER | self.ops.policy.large_step_xla_options()
@@ -187,7 +187,8 @@ class StepExecutables:
         if self.verify_len:
             kinds.append((self.verify_len, replace(self.ops, verify_query_len=self.verify_len)))
         self._forward = {d: (forward_jit(o), forward_jit(o, compiler_options=large)) for d, o in kinds}
-        self._sample = jax.jit(partial(sample_step, max_rows=self.max_rows),
+        self._sample = jax.jit(partial(sample_step, max_rows=self.max_rows), donate_argnames=("prev_tokens",),
+                               keep_unused=True,  # (a donated argument the step does not read still gives its buffer)
                                static_argnames=("dims", "num_logprobs", "flags"),
                                out_shardings=(self._replicated, self._replicated))
         self._prompt_logprobs = jax.jit(prompt_logprobs_step, static_argnames=("num_rows", "k"),
@@ -230,10 +231,19 @@ class StepExecutables:
         # XLA command buffers only for small steps (see COMMAND_BUFFER_MAX_TOKENS).
         jitted = self._forward[decode][T > COMMAND_BUFFER_MAX_TOKENS]
         dims = (T, B, P, R + T if prompt_logits else R)
-        buf = jax.ShapeDtypeStruct((sum(batch_sizes(*dims)),), jnp.int32)
-        return self._add_executable(key, jitted, (self.weights, buf, self.kv_cache, self._no_prev,
-                                                  *self._all_reduce_table), background,
-                                    dims=dims)
+        buf = jax.ShapeDtypeStruct((sum(batch_sizes(*dims)),), jnp.int32, sharding=self._replicated)
+        logits = jax.ShapeDtypeStruct(self.logits_out_shape(dims[3]), jnp.float32, sharding=self._replicated)
+        compiled = self._add_executable(key, jitted, (self.weights, buf, self.kv_cache, self._prev_spec, logits,
+                                                      *self._all_reduce_table), background,
+                                        dims=dims)
+        if T <= COMMAND_BUFFER_MAX_TOKENS:
+            self._warm_stage(buf.shape[0])
+        return compiled
+
+    def logits_out_shape(self, rows: int) -> tuple[int, ...]:
+        """The forward's donated `logits_out`: the previous logits of `rows` rows (an embedding model, whose
+        forward returns pooled rows: a placeholder)."""
+        return (1,) if self.cfg.pooling else (rows, self.cfg.vocab_size)
 
     def prompt_logprobs_executable(self, T: int, R: int, k: int) -> jax.stages.Compiled:
         if (hit := self._compiled.get(("prompt_logprobs", T, R, k))) is not None:
@@ -251,7 +261,7 @@ class StepExecutables:
         logits = jax.ShapeDtypeStruct((R, self.cfg.vocab_size), jnp.float32, sharding=self._replicated)
         G = mask_words(self.cfg.vocab_size) if flags.grammar else 0
         buf = jax.ShapeDtypeStruct((sampling_size(R, M, W, K, G),), jnp.int32)
-        return self._add_executable(key, self._sample, (logits, buf, self._no_prev), background, dims=(R, M, W, K),
+        return self._add_executable(key, self._sample, (logits, buf, self._prev_spec), background, dims=(R, M, W, K),
                                     num_logprobs=num_logprobs, flags=flags)
 
     def fork_executable(self, N: int) -> jax.stages.Compiled:

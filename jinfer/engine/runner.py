@@ -23,6 +23,7 @@ from collections.abc import Callable
 from dataclasses import astuple, dataclass, field
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
@@ -42,7 +43,7 @@ from jinfer.engine.batch_builder import (
 )
 from jinfer.engine.device_step import FORK_CHUNK
 from jinfer.engine.executable_cache import ExecutableCache
-from jinfer.engine.executables import StepExecutables, pick, trim_host_heap
+from jinfer.engine.executables import COMMAND_BUFFER_MAX_TOKENS, StepExecutables, pick, trim_host_heap
 from jinfer.engine.sampling_tensors import SamplerFlags
 from jinfer.engine.scheduler import SchedulerOutput
 from jinfer.engine.step_inputs import (
@@ -118,7 +119,17 @@ class ModelRunner(StepExecutables):
         self._fork_sizes = [1 << b for b in range(FORK_CHUNK.bit_length())] if self._slot_layers else []
         self._all_reduce_table = all_reduce_table(mesh, ops)
         self._make_jits()
-        self._no_prev = put(np.zeros(self.max_rows, np.int32), self._replicated)
+        self._prev_spec = jax.ShapeDtypeStruct((self.max_rows,), jnp.int32, sharding=self._replicated)
+        # Stable step buffers. A small step's executable runs as one XLA command buffer (a CUDA graph), which XLA
+        # updates (every kernel node again: ~1.1 ms of host a step for Qwen3-8B on an H200, as long as its launch)
+        # whenever one of its buffers moved since the last call. So every buffer a small step reads or writes keeps
+        # its address: the KV cache and the sampled tokens are donated and written in place, the logits are written
+        # into the buffer of the previous logits of their shape (donated), and the packed inputs are copied into a
+        # staging buffer per size (`_stage`, donated) before the forward reads them.
+        self._logits_out: dict[int, jax.Array] = {}
+        self._staged: dict[int, jax.Array] = {}
+        self._stage = jax.jit(lambda dst, src: jax.lax.dynamic_update_slice(dst, src, (0,)), donate_argnums=0,
+                              out_shardings=self._replicated)
         # Compiled executables per shape, loaded from / stored to disk when `executable_dir` is set: a
         # warm start then neither traces nor lowers (see executable_cache.py).
         self.executables = ExecutableCache(executable_dir, namespace=repr(
@@ -126,7 +137,7 @@ class ModelRunner(StepExecutables):
         # The forward's `prev_tokens` argument is always the latest sampler output (even when no row
         # reads it), so every call of an executable sees arguments of identical type and sharding and
         # stays on JAX's C++ fast path (see above).
-        self._last_tokens = self._no_prev
+        self._last_tokens = put(np.zeros(self.max_rows, np.int32), self._replicated)
         # Host inputs go to the devices uncommitted (the executable places them) in one process; over
         # several processes each one puts its (identical) copy on its own devices of the mesh.
         self._input_sharding = self._replicated if jax.process_count() > 1 else None
@@ -278,18 +289,38 @@ class ModelRunner(StepExecutables):
         R = B if R is None else R
         prompt_logits = plp_k >= 0
         forward = self.forward_executable(T, B, P, 0 if prompt_logits else decode, R, prompt_logits)
-        logits = self._call_forward(forward, self._put(batch))
+        logits = self._call_forward(forward, self._staged_input(batch) if T <= COMMAND_BUFFER_MAX_TOKENS
+                                    else self._put(batch), R + T if prompt_logits else R)
         prompt_packed = None
         if prompt_logits:  # the logits of the prompt positions: their logprobs, before the sampler
             split = self.prompt_logprobs_executable(T, R, plp_k)
             logits, prompt_packed = split(logits, self._put(plp_targets))
         return logits, prompt_packed
 
-    def _call_forward(self, forward, buf: jax.Array) -> jax.Array:
+    def _warm_stage(self, size: int) -> None:
+        """The staging copy of a small step's packed batch of this size, compiled (with the forward)."""
+        if size not in self._staged:
+            self._staged_input(np.zeros(size, np.int32))
+
+    def _staged_input(self, batch: np.ndarray) -> jax.Array:
+        """The packed batch in this size's staging buffer on the devices (its address never changes)."""
+        dst = self._staged.pop(batch.size, None)
+        if dst is None:
+            dst = put(np.zeros(batch.size, np.int32), self._replicated)
+        self._staged[batch.size] = staged = self._stage(dst, self._put(batch))
+        return staged
+
+    def _call_forward(self, forward, buf: jax.Array, rows: int) -> jax.Array:
         """Run a forward executable on a packed batch: the cache is updated, the hidden states kept (`aux_layers`);
-        returns the logits."""
-        logits, self.kv_cache, *aux = forward(self.weights, buf, self.kv_cache, self._last_tokens,
+        returns the logits ([rows, V]), written into the previous logits' buffer of their shape (an embedding model's
+        pooled rows stay the caller's: it passes a placeholder, `logits_out_shape`)."""
+        out = None if self.cfg.pooling else self._logits_out.pop(rows, None)
+        if out is None:
+            out = put(np.zeros(self.logits_out_shape(rows), np.float32), self._replicated)
+        logits, self.kv_cache, *aux = forward(self.weights, buf, self.kv_cache, self._last_tokens, out,
                                               *self._all_reduce_table)
+        if not self.cfg.pooling:
+            self._logits_out[rows] = logits
         self._aux = aux[0] if aux else None
         return logits
 
@@ -335,13 +366,14 @@ class ModelRunner(StepExecutables):
                 if run:
                     buf = np.zeros(sum(batch_sizes(T, B, P, self.warm_rows(T, decode))), np.int32)
                     buf[2 * T:4 * T] = -1  # slots and prev rows (parts 3, 4): no KV writes, no previous step
-                    out = self._call_forward(forward, self._put(buf))
-                    if decode == 0:  # (the sampler's warm-up takes B logits rows)
-                        logits = out
+                    self._call_forward(forward, self._staged_input(buf) if T <= COMMAND_BUFFER_MAX_TOKENS
+                                       else self._put(buf), self.warm_rows(T, decode))
+            logits = put(np.zeros((B, self.cfg.vocab_size), np.float32), self._replicated)
             for flags in self.warm_sampler_flags:
                 sample = self.sampler_executable(B, 0, 0, -1, flags)
                 if run:
-                    jax.block_until_ready(sample(logits, self._sampling_buffer(B), self._last_tokens))
+                    self._last_tokens = sample(logits, self._sampling_buffer(B), self._last_tokens)[1]
+                    jax.block_until_ready(self._last_tokens)
         if self.host_pool is not None:  # the host tier's gathers and scatters, every chunk size
             self.kv_cache = self.host_pool.warmup(self.kv_cache)
         for N in self._fork_sizes:  # forked samples' copies (n > 1 on models with states), every chunk size

@@ -44,7 +44,9 @@ class AttentionOps:
                                                       batch.page_table, k_scale, v_scale, scale=scale)
         from pallas_kernels.attention.paged_attention import paged_decode_attention
 
-        if self.verify_query_len > 1:  # each sequence at most that many tokens (the runner checked)
+        # Each sequence at most that many tokens (the runner checked). Not over an FP8 cache: that case of the kernel
+        # missed its reference on an H200 (tests/kernels/test_paged_attention.py, an expected failure there).
+        if self.verify_query_len > 1 and k_scale is None:
             return paged_decode_attention(q, k_cache, v_cache, batch.page_table, batch.seq_lens, k_scale, v_scale,
                                           query_start=batch.query_start, query_len=self.verify_query_len, scale=scale,
                                           interpret=self.interpret, **self.policy.launch_args("paged_decode_attention"))
