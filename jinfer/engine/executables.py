@@ -177,16 +177,17 @@ class StepExecutables:
         (a cold-started Qwen3-4B server idled at 1.83 GB, against 854 MB after a warm start)."""
         kv_shardings = jax.tree.map(lambda a: a.sharding, self.kv_cache)
         specs = (array_specs(self.weights), array_specs(self.kv_cache))
-        forward_jit = lambda ops, **kw: jax.jit(  # noqa: E731
+        forward_jit = lambda ops, small, **kw: jax.jit(  # noqa: E731
             partial(forward_step, cfg=self.cfg, ops=ops, mesh=self.mesh, specs=specs, aux_layers=self.aux_layers),
-            static_argnames=("dims",), donate_argnames=("kv_cache", "logits_out"), keep_unused=True,
+            static_argnames=("dims",), keep_unused=True,  # (logits_out is donated, not read)
+            donate_argnames=("kv_cache", "logits_out") if small and not self.cfg.pooling else ("kv_cache",),
             out_shardings=(self._replicated, kv_shardings) + ((self._replicated,) if self.aux_layers else ()), **kw)
         # Indexed by "decode step": small steps run with command buffers (XLA's default), large without.
         large = NO_COMMAND_BUFFER | self.ops.policy.large_step_xla_options()
         kinds = [(0, self.ops), (1, replace(self.ops, decode_step=True))]
         if self.verify_len:
             kinds.append((self.verify_len, replace(self.ops, verify_query_len=self.verify_len)))
-        self._forward = {d: (forward_jit(o), forward_jit(o, compiler_options=large)) for d, o in kinds}
+        self._forward = {d: (forward_jit(o, True), forward_jit(o, False, compiler_options=large)) for d, o in kinds}
         self._sample = jax.jit(partial(sample_step, max_rows=self.max_rows), donate_argnames=("prev_tokens",),
                                keep_unused=True,  # (a donated argument the step does not read still gives its buffer)
                                static_argnames=("dims", "num_logprobs", "flags"),
@@ -232,7 +233,7 @@ class StepExecutables:
         jitted = self._forward[decode][T > COMMAND_BUFFER_MAX_TOKENS]
         dims = (T, B, P, R + T if prompt_logits else R)
         buf = jax.ShapeDtypeStruct((sum(batch_sizes(*dims)),), jnp.int32, sharding=self._replicated)
-        logits = jax.ShapeDtypeStruct(self.logits_out_shape(dims[3]), jnp.float32, sharding=self._replicated)
+        logits = jax.ShapeDtypeStruct(self.logits_out_shape(dims[3], T), jnp.float32, sharding=self._replicated)
         compiled = self._add_executable(key, jitted, (self.weights, buf, self.kv_cache, self._prev_spec, logits,
                                                       *self._all_reduce_table), background,
                                         dims=dims)
@@ -240,10 +241,14 @@ class StepExecutables:
             self._warm_stage(buf.shape[0])
         return compiled
 
-    def logits_out_shape(self, rows: int) -> tuple[int, ...]:
-        """The forward's donated `logits_out`: the previous logits of `rows` rows (an embedding model, whose
-        forward returns pooled rows: a placeholder)."""
-        return (1,) if self.cfg.pooling else (rows, self.cfg.vocab_size)
+    def logits_out_shape(self, rows: int, T: int) -> tuple[int, ...]:
+        """The forward's `logits_out`: for a small step (T tokens, one command buffer), the previous logits of its
+        `rows` rows, donated (runner.py: stable step buffers); for a large step (no command buffer: kept buffers
+        would buy nothing and hold up to [T + B, V] floats) or an embedding model (pooled rows), a placeholder."""
+        return (rows, self.cfg.vocab_size) if self.keeps_logits(T) else (1,)
+
+    def keeps_logits(self, T: int) -> bool:
+        return T <= COMMAND_BUFFER_MAX_TOKENS and not self.cfg.pooling
 
     def prompt_logprobs_executable(self, T: int, R: int, k: int) -> jax.stages.Compiled:
         if (hit := self._compiled.get(("prompt_logprobs", T, R, k))) is not None:

@@ -127,6 +127,7 @@ class ModelRunner(StepExecutables):
         # into the buffer of the previous logits of their shape (donated), and the packed inputs are copied into a
         # staging buffer per size (`_stage`, donated) before the forward reads them.
         self._logits_out: dict[int, jax.Array] = {}
+        self._placeholder = put(np.zeros(1, np.float32), self._replicated)  # large steps' logits_out (not donated)
         self._staged: dict[int, jax.Array] = {}
         self._stage = jax.jit(lambda dst, src: jax.lax.dynamic_update_slice(dst, src, (0,)), donate_argnums=0,
                               out_shardings=self._replicated)
@@ -290,7 +291,7 @@ class ModelRunner(StepExecutables):
         prompt_logits = plp_k >= 0
         forward = self.forward_executable(T, B, P, 0 if prompt_logits else decode, R, prompt_logits)
         logits = self._call_forward(forward, self._staged_input(batch) if T <= COMMAND_BUFFER_MAX_TOKENS
-                                    else self._put(batch), R + T if prompt_logits else R)
+                                    else self._put(batch), R + T if prompt_logits else R, T)
         prompt_packed = None
         if prompt_logits:  # the logits of the prompt positions: their logprobs, before the sampler
             split = self.prompt_logprobs_executable(T, R, plp_k)
@@ -310,16 +311,17 @@ class ModelRunner(StepExecutables):
         self._staged[batch.size] = staged = self._stage(dst, self._put(batch))
         return staged
 
-    def _call_forward(self, forward, buf: jax.Array, rows: int) -> jax.Array:
-        """Run a forward executable on a packed batch: the cache is updated, the hidden states kept (`aux_layers`);
-        returns the logits ([rows, V]), written into the previous logits' buffer of their shape (an embedding model's
-        pooled rows stay the caller's: it passes a placeholder, `logits_out_shape`)."""
-        out = None if self.cfg.pooling else self._logits_out.pop(rows, None)
+    def _call_forward(self, forward, buf: jax.Array, rows: int, T: int) -> jax.Array:
+        """Run a forward executable of T tokens on a packed batch: the cache is updated, the hidden states kept
+        (`aux_layers`); returns the logits ([rows, V]), for a small step written into the previous logits' buffer of
+        their shape (`logits_out_shape`)."""
+        keep = self.keeps_logits(T)
+        out = self._logits_out.pop(rows, None) if keep else self._placeholder
         if out is None:
-            out = put(np.zeros(self.logits_out_shape(rows), np.float32), self._replicated)
+            out = put(np.zeros(self.logits_out_shape(rows, T), np.float32), self._replicated)
         logits, self.kv_cache, *aux = forward(self.weights, buf, self.kv_cache, self._last_tokens, out,
                                               *self._all_reduce_table)
-        if not self.cfg.pooling:
+        if keep:
             self._logits_out[rows] = logits
         self._aux = aux[0] if aux else None
         return logits
@@ -367,7 +369,7 @@ class ModelRunner(StepExecutables):
                     buf = np.zeros(sum(batch_sizes(T, B, P, self.warm_rows(T, decode))), np.int32)
                     buf[2 * T:4 * T] = -1  # slots and prev rows (parts 3, 4): no KV writes, no previous step
                     self._call_forward(forward, self._staged_input(buf) if T <= COMMAND_BUFFER_MAX_TOKENS
-                                       else self._put(buf), self.warm_rows(T, decode))
+                                       else self._put(buf), self.warm_rows(T, decode), T)
             logits = put(np.zeros((B, self.cfg.vocab_size), np.float32), self._replicated)
             for flags in self.warm_sampler_flags:
                 sample = self.sampler_executable(B, 0, 0, -1, flags)

@@ -317,6 +317,27 @@ def test_no_compilation_after_warmup():
     assert core.stats()["compiles_after_warmup"] == 0
 
 
+def test_small_steps_keep_their_buffers():
+    """Stable step buffers (runner.py): a decode step's inputs, logits and sampled tokens stay at the same device
+    addresses from step to step (a command buffer whose buffers moved is updated, every node, before it launches)."""
+    core = EngineCore(EngineConfig(TINY, **BASE))  # (BASE's shapes: compiled by the tests above)
+    runner = core.runner
+    core.add_request("stable", prompts(1, seed=5)[0], SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True))
+    seen = []
+    while core.has_unfinished_requests():
+        core.step()
+        seen.append((runner._last_tokens.unsafe_buffer_pointer(),
+                     {rows: a.unsafe_buffer_pointer() for rows, a in runner._logits_out.items()},
+                     {n: a.unsafe_buffer_pointer() for n, a in runner._staged.items()}))
+    addresses = {}  # each buffer (the tokens; logits by rows; staged inputs by size) -> the addresses it had
+    for tokens, logits, staged in seen:
+        addresses.setdefault("tokens", set()).add(tokens)
+        for kind, buffers in (("logits", logits), ("inputs", staged)):
+            for size, a in buffers.items():
+                addresses.setdefault((kind, size), set()).add(a)
+    assert len(seen) >= 10 and all(len(a) == 1 for a in addresses.values()), addresses
+
+
 def test_llm_api_order_n_and_validation():
     llm = LLM(TINY, **BASE)
     ps = prompts(5, seed=21)
