@@ -97,11 +97,27 @@ def make(arch: str) -> None:
         if (src / extra).exists():
             shutil.copy(src / extra, dst / extra)
 
-    with tempfile.TemporaryDirectory() as tmp:  # HF reads the dequantized weights as a plain float32 checkpoint
-        save_file(dequantized, Path(tmp) / "model.safetensors", metadata={"format": "pt"})
-        shutil.copy(src / "config.json", Path(tmp) / "config.json")
-        model = AutoModelForCausalLM.from_pretrained(tmp, dtype=torch.float32, attn_implementation="eager").eval()
+    model = hf_model(dequantized, src)
+    margins = write_goldens(model, arch, f"tiny-{arch}-fp8", {"fp8_block": BLOCK})
+    n = sum(k.endswith("_scale_inv") for k in quantized)
+    size = (dst / "model.safetensors").stat().st_size
+    print(f"tiny-{arch}-fp8: {n} FP8 weights, {size / 1024:.0f} KB, min top2 margins {[f'{m:.4f}' for m in margins]}")
 
+
+def hf_model(dequantized: dict[str, torch.Tensor], src: Path):
+    """HF transformers' model (float32, eager attention) on the dequantized weights, with src's config."""
+    with tempfile.TemporaryDirectory() as tmp:  # HF reads the dequantized weights as a plain float32 checkpoint
+        save_file({k: v.float() for k, v in dequantized.items()}, Path(tmp) / "model.safetensors",
+                  metadata={"format": "pt"})
+        shutil.copy(src / "config.json", Path(tmp) / "config.json")
+        return AutoModelForCausalLM.from_pretrained(tmp, dtype=torch.float32, attn_implementation="eager").eval()
+
+
+@torch.no_grad()
+def write_goldens(model, arch: str, name: str, meta: dict, decoded=(0, 1, 2)) -> list[float]:
+    """tests/data/golden/<name>.npz: the model's prefill logits, greedy ids and (for the prompts in `decoded`) decode
+    logits on the float goldens' prompts of tiny-<arch>, another prompt where a greedy step's top-2 margin is under
+    MIN_MARGIN or a MoE layer's router gap under MIN_ROUTER_GAP. Returns each prompt's smallest margin."""
     base = np.load(GOLDEN / f"tiny-{arch}.npz")
     rng = np.random.default_rng(11)
     arrays, margins = {}, []
@@ -114,17 +130,16 @@ def make(arch: str) -> None:
                 break
             prompt = rng.integers(0, VOCAB, size=len(prompt)).astype(np.int32)
         else:
-            raise RuntimeError(f"no prompt with margin >= {MIN_MARGIN} and router gap >= {MIN_ROUTER_GAP} for {arch} "
+            raise RuntimeError(f"no prompt with margin >= {MIN_MARGIN} and router gap >= {MIN_ROUTER_GAP} for {name} "
                                f"prompt {i}")
-        arrays |= {f"prompt_{i}": prompt, f"prefill_logits_{i}": prefill.astype(np.float32),
-                   f"greedy_{i}": greedy, f"decode_logits_{i}": dec.astype(np.float32)}
+        arrays |= {f"prompt_{i}": prompt, f"prefill_logits_{i}": prefill.astype(np.float32), f"greedy_{i}": greedy}
+        if i in decoded:
+            arrays[f"decode_logits_{i}"] = dec.astype(np.float32)
         margins.append(float(top2_margin(dec).min()))
-    arrays["meta"] = np.array(json.dumps({**META, "arch": arch, "fp8_block": BLOCK, "n_decode": N_DECODE,
-                                          "min_margin": MIN_MARGIN, "source": f"tiny-{arch} quantized"}))
-    np.savez(GOLDEN / f"tiny-{arch}-fp8.npz", **arrays)
-    n = sum(k.endswith("_scale_inv") for k in quantized)
-    size = (dst / "model.safetensors").stat().st_size
-    print(f"tiny-{arch}-fp8: {n} FP8 weights, {size / 1024:.0f} KB, min top2 margins {[f'{m:.4f}' for m in margins]}")
+    arrays["meta"] = np.array(json.dumps({**META, "arch": arch, **meta, "n_decode": N_DECODE, "min_margin": MIN_MARGIN,
+                                          "source": f"tiny-{arch} quantized"}))
+    np.savez(GOLDEN / f"{name}.npz", **arrays)
+    return margins
 
 
 def main() -> None:

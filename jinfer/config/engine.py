@@ -188,9 +188,9 @@ class EngineConfig:
         if kv not in ("auto", "fp8") and self.dtype != "auto" and kv != self.dtype:
             raise ValueError(f"kv_cache_dtype={kv!r} must be 'auto', 'fp8' or the model's dtype={self.dtype!r}")
         if self.quantization is not None and self.quantization not in QUANTIZATIONS:
-            raise ValueError(f"quantization={self.quantization!r} is not supported: jinfer loads unquantized and "
-                             f"block-FP8 safetensors checkpoints and GGUF files (dequantized at load); "
-                             f"one of {QUANTIZATIONS} or None")
+            raise ValueError(f"quantization={self.quantization!r} is not supported: jinfer loads unquantized and FP8 "
+                             "safetensors checkpoints (block-FP8, compressed-tensors: their own format, read from "
+                             f"config.json) and GGUF files (dequantized at load); one of {QUANTIZATIONS} or None")
         if not _is_int(self.max_logprobs) or not 0 <= self.max_logprobs <= MAX_LOGPROBS:
             raise ValueError(f"max_logprobs={self.max_logprobs!r} must be an integer in [0, {MAX_LOGPROBS}]")
         for name in ("revision", "download_dir", "tokenizer", "chat_template"):

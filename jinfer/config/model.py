@@ -80,7 +80,7 @@ class ModelConfig:
     # An embedding model (`--runner pooling`, jinfer/config/pooling.py): the forward returns the last token's final
     # normed hidden state, L2-normalised, instead of logits; no lm_head is loaded. Static, so a separate executable.
     pooling: bool = False
-    quantization: Fp8Config | None = None  # block-FP8 linear weights (jinfer/config/quantization.py); None: unquantized
+    quantization: Fp8Config | None = None  # FP8 linear weights (jinfer/config/quantization.py); None: unquantized
 
     def __post_init__(self):
         if self.architecture not in ARCHITECTURES:

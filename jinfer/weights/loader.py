@@ -163,8 +163,7 @@ def load_kv_scales(source: ModelSource) -> dict[int, tuple[np.ndarray, np.ndarra
     from jinfer.weights.safetensors import SafetensorsSource
 
     cfg = source.config
-    quant = cfg.quantization
-    reader = SafetensorsSource(source.path, quant.block if quant is not None else None)
+    reader = SafetensorsSource(source.path, cfg.quantization)
     scales = {}
     for i in range(cfg.num_layers):
         k, v = (_kv_scale(reader, i, kv, cfg.num_kv_heads) for kv in "kv")
@@ -196,8 +195,7 @@ def _load_checkpoint(source: ModelSource, specs: dict[str, ArrayInfo], dtype, me
         reader = GGUFTensorSource(source.path, source.config)
     else:
         from jinfer.weights.safetensors import SafetensorsSource
-        quant = source.config.quantization
-        reader = SafetensorsSource(source.path, quant.block if quant is not None else None)
+        reader = SafetensorsSource(source.path, source.config.quantization)
     arrays, kept = {}, []
     bar = tqdm(specs.items(), desc=f"loading {source.path.name}", unit="tensor", disable=not progress, leave=False)
     for name, spec in bar:
@@ -239,7 +237,7 @@ def place_fp8(values: np.ndarray, scale: np.ndarray, spec: ArrayInfo, mesh: Mesh
     want = spec.scale_shape()
     want = (*want[:-2], want[-1], want[-2]) if spec.transpose else want
     if tuple(scale.shape) != want:
-        raise ValueError(f"tensor {spec.hf_name + '_scale_inv'!r} has shape {tuple(scale.shape)}, expected {want} "
+        raise ValueError(f"the scales of tensor {spec.hf_name!r} have shape {tuple(scale.shape)}, expected {want} "
                          f"(blocks of {spec.fp8_block[::-1]} of the [out, in] weight)")
     if spec.transpose:
         values, scale = np.swapaxes(values, -1, -2), np.swapaxes(scale, -1, -2)

@@ -1,9 +1,10 @@
 """HF safetensors checkpoints: a single model.safetensors, or shards listed in model.safetensors.index.json.
 
-Block-FP8 checkpoints (jinfer/config/quantization.py) keep a quantized weight as `<name>` in float8_e4m3fn beside
-`<name>_scale_inv`: `get_fp8` reads the pair as stored, `get` the float values (dequantized on the host, for a
-weight jinfer keeps unquantized). safetensors' numpy reader has no FP8 dtype, so those tensors are read from the
-file's header and bytes directly (memory-mapped).
+FP8 checkpoints (jinfer/config/quantization.py) keep a quantized weight as `<name>` in float8_e4m3fn beside its
+scales, `<name>` + the config's `scale_suffix` (block-FP8's `_scale_inv`, compressed-tensors' `_scale`): `get_fp8`
+reads the pair (the scales spread over the config's blocks: `block_scales`), `get` the float values (dequantized on
+the host, for a weight jinfer keeps unquantized). safetensors' numpy reader has no FP8 dtype, so those tensors are
+read from the file's header and bytes directly (memory-mapped).
 """
 
 from __future__ import annotations
@@ -16,11 +17,11 @@ import ml_dtypes
 import numpy as np
 from safetensors import safe_open
 
+from jinfer.config.quantization import Fp8Config
 from jinfer.models.fp8 import dequantize_np
 from jinfer.models.spec import EXPERT, ArrayInfo
 
 FP8_DTYPES = {"F8_E4M3": ml_dtypes.float8_e4m3fn}
-SCALE_SUFFIX = "_scale_inv"
 
 
 def _read_fp8(path: Path, name: str) -> np.ndarray:
@@ -33,10 +34,28 @@ def _read_fp8(path: Path, name: str) -> np.ndarray:
     return np.asarray(data).view(FP8_DTYPES[info["dtype"]]).reshape(info["shape"])
 
 
+def block_scales(name: str, scale: np.ndarray, shape: tuple[int, ...], block: tuple[int, int]) -> np.ndarray:
+    """The scales `name` of a weight [..., out, in] as one float32 per `block` (out, in): [..., ceil(out / bo),
+    ceil(in / bi)]. Scales stored so already pass; one scale (a per-tensor [1] or []) fills every block; per-channel
+    ones [..., out, 1] (or [..., out]) are repeated along `in` where blocks are one row high. Exact: each block gets
+    the scale its values had."""
+    *lead, out, inp = shape
+    want = (*lead, -(-out // block[0]), -(-inp // block[1]))
+    scale = np.asarray(scale, np.float32)
+    if scale.shape == want:
+        return scale
+    if scale.size == 1:
+        return np.full(want, scale.reshape(()), np.float32)
+    if block[0] == 1 and scale.shape in ((*lead, out, 1), (*lead, out)):
+        return np.repeat(scale.reshape(*lead, out, 1), want[-1], axis=-1)
+    raise ValueError(f"tensor {name!r} has shape {scale.shape}, expected {want} (blocks of {block} of the "
+                     f"[out, in] weight{' or one per output channel' if block[0] == 1 else ''}) or one scale")
+
+
 class SafetensorsSource:
-    def __init__(self, directory: Path, fp8_block: tuple[int, int] | None = None):
-        """`fp8_block`: the checkpoint's (out, in) `weight_block_size`, for its FP8 tensors."""
-        self.directory, self.fp8_block = Path(directory), fp8_block
+    def __init__(self, directory: Path, quant: Fp8Config | None = None):
+        """`quant`: the checkpoint's FP8 format (its blocks and where its scales are), for its FP8 tensors."""
+        self.directory, self.quant = Path(directory), quant
         index = self.directory / "model.safetensors.index.json"
         if index.exists():
             weight_map = json.loads(index.read_text())["weight_map"]
@@ -83,21 +102,36 @@ class SafetensorsSource:
         t = self._tensor(name)
         if t.dtype not in FP8_DTYPES.values():
             return t
-        if self.fp8_block is None or not self._has(name + SCALE_SUFFIX):
-            raise ValueError(f"tensor {name!r} is FP8 but the checkpoint in {self.directory} gives no "
-                             f"weight_block_size or no {name + SCALE_SUFFIX!r}")
-        return dequantize_np(t, self._tensor(name + SCALE_SUFFIX), self.fp8_block)
+        suffix = self.quant.scale_suffix if self.quant is not None else None
+        if suffix is None or not self._has(name + suffix):
+            raise ValueError(f"tensor {name!r} is FP8 but the checkpoint in {self.directory} gives no FP8 "
+                             f"quantization_config or no {name + (suffix or '_scale_inv')!r}")
+        return dequantize_np(t, self._scale(name), self.quant.block)
+
+    def _scale(self, name: str) -> np.ndarray:
+        """Weight `name`'s scales, one per block of the config (`block_scales`)."""
+        found = self._find(name)
+        shape = tuple(self._handles[self._where[found]].get_slice(found).get_shape())
+        scale_name = name + self.quant.scale_suffix
+        return block_scales(scale_name, self._tensor(scale_name), shape, self.quant.block)
 
     def stored_fp8(self, spec: ArrayInfo) -> bool:
-        """Whether the checkpoint keeps this weight in FP8 with block scales (its first expert's, for stacked ones)."""
+        """Whether the checkpoint keeps this weight in FP8 with its scales (its first expert's, for stacked ones)."""
         name = spec.hf_name.replace(EXPERT, "0")
-        return self._has(name + SCALE_SUFFIX) and self._has(name)
+        return self.quant is not None and self._has(name + self.quant.scale_suffix) and self._has(name)
 
     def get_fp8(self, spec: ArrayInfo) -> tuple[np.ndarray, np.ndarray]:
-        """(float8 values, float32 scales) as the checkpoint stores them ([.., out, in] and [.., out / bn, in / bk])."""
-        values = self._stacked(spec, lambda n: self._tensor(n))
-        scale = self._stacked(spec, lambda n: self._tensor(n + SCALE_SUFFIX), SCALE_SUFFIX)
-        return values, np.asarray(scale, np.float32)
+        """(float8 values, float32 scales) as the checkpoint stores them, the scales one per block of the config:
+        [.., out, in] and [.., out / bn, in / bk]."""
+        values = self._stacked(spec, self._fp8_values)
+        return values, self._stacked(spec, self._scale, self.quant.scale_suffix)
+
+    def _fp8_values(self, name: str) -> np.ndarray:
+        t = self._tensor(name)
+        if t.dtype not in FP8_DTYPES.values():
+            raise ValueError(f"tensor {name!r} has dtype {t.dtype} beside its {self.quant.scale_suffix!r} scales, "
+                             "expected float8_e4m3fn")
+        return t
 
     def get(self, spec: ArrayInfo) -> np.ndarray:
         return self._stacked(spec, self._float)
