@@ -165,12 +165,11 @@ def mla_attention(layer: MlaLayer, x: jax.Array, cos: jax.Array, sin: jax.Array,
     c = rms_norm(kv[:, :rank], layer.kv_a_norm, LATENT_NORM_EPS)  # [T, rank]
     k_pe = _rope(kv[:, None, rank:], cos, sin, cfg.rope_interleave)[:, 0]  # [T, rope]
     q_pe = _rope(q[..., nope:], cos, sin, cfg.rope_interleave)  # [T, H, rope]
-    latent = write_latent(latent, jnp.concatenate([c, k_pe], axis=-1), batch.slot_mapping)
+    rows = jnp.concatenate([c, k_pe], axis=-1)  # [T, rank + rope]
+    latent = write_latent(latent, rows, batch.slot_mapping)
     w_kv = dense(layer.wkv_b, x.dtype).reshape(rank, H, nope + dv)  # (an FP8 wkv_b dequantized)
-    q_latent = jnp.einsum("thn,lhn->thl", q[..., :nope], w_kv[..., :nope])  # [T, H, rank]: q_nope absorbed in W_UK
     scale = (nope + rope) ** -0.5 * yarn_softmax_mscale(cfg.rope_scaling)
-    out = ops.latent_attention(jnp.concatenate([q_latent, q_pe], axis=-1), latent, batch, scale, rank)  # [T, H, rank]
-    out = jnp.einsum("thl,lhv->thv", out, w_kv[..., nope:])  # [T, H, v]: through W_UV
+    out = ops.mla_attention(q[..., :nope], q_pe, rows, w_kv, latent, batch, scale)  # [T, H, v]
     return ops.out_proj(out.reshape(T, H * dv), layer.wo, x), latent
 
 
