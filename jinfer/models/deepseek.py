@@ -5,9 +5,10 @@ MLA (HF `DeepseekV2Attention`): q is `wq` (or `wq_a` -> RMSNorm -> `wq_b` with a
 into a no-RoPE part (qk_nope_head_dim) and a RoPE part (qk_rope_head_dim). `wkv_a` gives each token a latent c
 (kv_lora_rank, RMSNorm'd) and one RoPE key k_pe shared by every head. K and V of head h would be c @ W_UK[h] (| k_pe)
 and c @ W_UV[h] (`wkv_b` = [W_UK | W_UV] per head); the cache keeps only the row [c | rope(k_pe)]
-(`cache.spec.LatentKV`: 576 values per token for V2/V3). Attention runs in the absorbed form: q_nope @ W_UK[h]^T
-is head h's query in the latent space, scored against c, with q_pe against k_pe; the weighted latent goes through
-W_UV[h], then `wo`. Equal to HF's expanded form (a change of summation order only).
+(`cache.spec.LatentKV`: 576 values per token for V2/V3). The reference (and decode) runs the absorbed form: q_nope @
+W_UK[h]^T is head h's query in the latent space, scored against c, with q_pe against k_pe; the weighted latent goes
+through W_UV[h], then `wo`. Equal to HF's expanded form (a change of summation order only), which the Pallas ops use
+for a long chunk's own new tokens (`ModelOps.mla_attention`, jinfer/ops/attention.py).
 
 RoPE is DeepSeek's interleaved one (pairs (2i, 2i + 1); V3's `rope_interleave: false` is the rotate-half form),
 with YaRN's inverse frequencies; YaRN multiplies cos/sin by its attention factor and the softmax scale

@@ -88,7 +88,8 @@ class AttentionOps:
         then its RoPE part) over its sequence's latent rows `latent` [pages, page_size, L] (written already) ->
         [T, H, value_dim], the softmax-weighted first `value_dim` values of the rows (the latent itself). One K/V
         "head" that every query head reads. Decode steps take the MLA decode kernel (each latent row loaded once for
-        all of a sequence's heads); anything else, and shapes the kernel does not take, the jnp reference."""
+        all of a sequence's heads); anything else, and shapes the kernel does not take, the jnp reference (the other
+        Pallas steps come here only with `mla_ragged_kernel` off or sizes the ragged kernels do not take)."""
         from pallas_kernels.attention.prefill_attention import ragged_prefill_attention_reference
 
         if self.backend == "pallas" and (self.decode_step or (q.shape[0] == 1 and batch.num_seqs == 1)):
