@@ -4,6 +4,7 @@
     python -m benchmarks.kernels.bench_attention prefill       # ragged prefill (Triton), one causal 4k prompt
     python -m benchmarks.kernels.bench_attention prefill_mgpu  # the same on the Mosaic GPU kernel
     python -m benchmarks.kernels.bench_attention mla_decode [--sweep] [--out JSON]  # MLA decode, 32 x 4k context
+    python -m benchmarks.kernels.bench_attention mla_prefill [--out JSON]  # MLA chunks: expanded vs absorbed vs jnp
 
 On CPU: tiny shapes in the interpreters, to check the script.
 """
@@ -167,8 +168,80 @@ def bench_mla_decode(argv: list[str] | None = None) -> None:
     write_result(result, args.out)
 
 
+def bench_mla_prefill(argv: list[str] | None = None) -> None:
+    """`ModelOps.mla_attention` (DeepSeek-V2-Lite's 16 heads, 512 + 64 latent, nope 128, v 128, bf16) on prefill steps
+    (new tokens x cached tokens before them, per sequence) under each MLA policy: mla_expand_min_query_len 0
+    ("absorbed": every sequence absorbed), 16 / 64 / 256, and the jnp reference (mla_ragged_kernel off): ms a call, and
+    the max difference from the reference (or from "absorbed" where the reference ran out of memory). The measurement
+    behind KernelPolicy.mla_expand_min_query_len's default."""
+    import argparse
+    import json
+    import statistics
+    import time
+
+    from benchmarks.common import environment, write_result
+    from jinfer.config.kernels import KernelPolicy
+    from jinfer.models.batch import make_batch
+    from jinfer.ops import ModelOps
+
+    ap = argparse.ArgumentParser(prog="bench_attention mla_prefill")
+    ap.add_argument("--cases", type=json.loads, metavar="JSON", default=[[[1024, 0]] * 2, [[2048, 0]], [[2048, 6144]],
+                                                                          [[256, 2048]] * 8, [[32, 4096]] * 16],
+                    help="steps: lists of [new tokens, cached tokens] per sequence")
+    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--out")
+    args = ap.parse_args(argv)
+    interpret = jax.default_backend() != "gpu"
+    heads, rank, rope, nope, dv, page, dtype = 16, 512, 64, 128, 128, 16, jnp.bfloat16
+    if interpret:
+        args.cases, args.rounds, heads, rank, nope, dv, dtype = [[[20, 0], [9, 30]]], 1, 4, 32, 16, 16, jnp.float32
+    policies = {f"expand>={n}" if n else "absorbed": KernelPolicy(mla_expand_min_query_len=n) for n in (0, 16, 64, 256)}
+    policies["reference"] = KernelPolicy(mla_ragged_kernel=False)
+    result = {"benchmark": "mla_attention_prefill", **environment(), "heads": heads, "kv_lora_rank": rank,
+              "rope_dim": rope, "rows": []}
+    for case in args.cases:
+        seqs, first = [], 1
+        for new, cached in case:
+            n_pages = -(-(new + cached) // page)
+            seqs.append(([1] * new, cached, list(range(first, first + n_pages))))
+            first += n_pages
+        tokens = sum(n for n, _ in case)
+        batch = jax.tree.map(jnp.asarray, make_batch(seqs, page))
+        k = jax.random.split(jax.random.key(tokens), 5)
+        latent = jax.random.normal(k[0], (first, page, rank + rope), dtype)
+        args_ = (jax.random.normal(k[1], (tokens, heads, nope), dtype), jax.random.normal(k[2], (tokens, heads, rope),
+                 dtype), latent.reshape(-1, rank + rope)[batch.slot_mapping],
+                 jax.random.normal(k[3], (rank, heads, nope + dv), dtype) * rank**-0.5, latent, batch)
+        runs = {}
+        for name, policy in policies.items():
+            ops = ModelOps("pallas", interpret=interpret, policy=policy)
+            runs[name] = jax.jit(functools.partial(ops.mla_attention, scale=192**-0.5))
+        outs = {}
+        for name, run in list(runs.items()):
+            try:
+                outs[name] = jax.block_until_ready(run(*args_))
+            except Exception as e:  # the jnp reference's gathers of a long context can exceed the GPU's memory
+                print(json.dumps({"seqs": case, "policy": name, "error": str(e)[:200]}), flush=True)
+                del runs[name]
+        base = outs.get("reference", outs["absorbed"])
+        times = {name: [] for name in runs}
+        for _ in range(args.rounds):  # policies interleaved
+            for name, run in runs.items():
+                jax.block_until_ready(run(*args_))
+                t0 = time.perf_counter()
+                jax.block_until_ready(run(*args_))
+                times[name].append(time.perf_counter() - t0)
+        for name in runs:
+            err = float(jnp.abs(outs[name].astype(jnp.float32) - base.astype(jnp.float32)).max())
+            row = {"seqs": case, "policy": name, "ms": round(statistics.median(times[name]) * 1e3, 3),
+                   "max_abs_err": err}
+            print(json.dumps(row), flush=True)
+            result["rows"].append(row)
+    write_result(result, args.out)
+
+
 BENCHMARKS = {"decode": bench_decode, "prefill": bench_prefill, "prefill_mgpu": bench_prefill_mgpu,
-              "mla_decode": bench_mla_decode}
+              "mla_decode": bench_mla_decode, "mla_prefill": bench_mla_prefill}
 
 def main(argv: list[str] | None = None) -> None:
     run_subcommand(BENCHMARKS, __spec__.name, __doc__, argv)

@@ -49,6 +49,13 @@ The defaults are the measured choices (H100 figures; docs/performance.md has the
   on the paged decode kernel with Q query rows per sequence (its rows a sequence's tokens x a kv head's query heads)
   where Q is at most this; longer drafts (and 0: always) the ragged prefill kernel. Unmeasured default (until measured:
   bench_local_step --query-len 1 5, run_gpu_spec.sh).
+- mla_ragged_kernel: DeepSeek's MLA steps other than one-token decode (prefill chunks, mixed and verify steps) run the
+  ragged MLA kernels (pallas_kernels/attention/mla_prefill.py); off: the jnp reference (the A/B's other side).
+  mla_expand_min_query_len: in those steps a sequence with at least this many new tokens attends to its own new tokens
+  in the expanded form (K/V decompressed by kv_b_proj, 640 FLOPs a query, key and head for V2/V3) and to the context
+  before them in the absorbed form (2176, no decompression); shorter ones absorbed only; 0: never expanded. Unmeasured
+  default (until measured: run_gpu_deepseek.sh mla): the FLOP break-even of decompressing a new token (2 x 512 x 256 a
+  head) against the absorbed form's extra 1536 a key is ~170 keys, less with the absorbed tiles' slower dots.
 - xla_dot_merger: XLA's dot merger in large (prefill) steps. Off: it merged the MLP's x @ w_gate and x @ w_up by
   concatenating the two weights anew in every layer of every prefill step (60 us a layer for Qwen3.5-4B).
 """
@@ -79,6 +86,8 @@ ENV_FIELDS = {
     "JINFER_ONE_SHOT_ALL_REDUCE_BYTES": "one_shot_all_reduce_bytes",
     "JINFER_ONE_SHOT_ALL_GATHER_BYTES": "one_shot_all_gather_bytes",
     "JINFER_VERIFY_MAX_QUERY_LEN": "verify_max_query_len",
+    "JINFER_MLA_RAGGED_KERNEL": "mla_ragged_kernel",
+    "JINFER_MLA_EXPAND_MIN_QUERY_LEN": "mla_expand_min_query_len",
 }
 FP8_MODES = ("convert", "w8a8")  # pallas_kernels.dense.fp8_tiles.MODES (this module is JAX-free)
 
@@ -107,6 +116,8 @@ class KernelPolicy:
     one_shot_all_reduce_bytes: int = 16384
     one_shot_all_gather_bytes: int = 1 << 20
     verify_max_query_len: int = 8
+    mla_ragged_kernel: bool = True
+    mla_expand_min_query_len: int = 64
     # Launch-parameter overrides per kernel (measurements): {kernel: {keyword: value}}, kept as sorted tuples.
     launch: LaunchArgs = ()
 
@@ -121,7 +132,8 @@ class KernelPolicy:
         object.__setattr__(self, "pallas_mlp_tokens", tuple(sorted(set(tokens))))
         for name in ("qkv_rope_max_tokens", "norm_qkv_max_tokens", "moe_front_max_tokens", "mosaic_min_query_len",
                      "mosaic_min_step_tokens", "mosaic_moe_min_rows_per_expert", "fp8_max_tokens",
-                     "one_shot_all_reduce_bytes", "one_shot_all_gather_bytes", "verify_max_query_len"):
+                     "one_shot_all_reduce_bytes", "one_shot_all_gather_bytes", "verify_max_query_len",
+                     "mla_expand_min_query_len"):
             v = getattr(self, name)
             if not _is_int(v) or v < 0:
                 raise ValueError(f"{name}={v!r} must be an integer >= 0")
@@ -134,7 +146,7 @@ class KernelPolicy:
             raise ValueError(f"fp8_mode={self.fp8_mode!r} must be one of {FP8_MODES}")
         if self.prefetch_eviction not in EVICTION_POLICIES:
             raise ValueError(f"prefetch_eviction={self.prefetch_eviction!r} must be one of {EVICTION_POLICIES}")
-        for name in ("pad_vector_dots", "xla_dot_merger", "fp8_skinny_o"):
+        for name in ("pad_vector_dots", "xla_dot_merger", "fp8_skinny_o", "mla_ragged_kernel"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name}={getattr(self, name)!r} must be a bool")
         object.__setattr__(self, "launch", _launch_tuple(self.launch))
@@ -161,7 +173,7 @@ class KernelPolicy:
         benchmarks only: nothing below them reads the environment.
 
         JINFER_PALLAS_MLP_TOKENS="1,8" (a list of token counts, "" none); JINFER_XLA_DOT_MERGER=1 (XLA's default),
-        JINFER_FP8_SKINNY_O=0 / 1; the others take the field's value."""
+        JINFER_FP8_SKINNY_O / JINFER_MLA_RAGGED_KERNEL=0 / 1; the others take the field's value."""
         environ = os.environ if environ is None else environ
         for var, name in ENV_FIELDS.items():
             text = environ.get(var)
@@ -170,7 +182,7 @@ class KernelPolicy:
             try:
                 if name == "pallas_mlp_tokens":
                     value = tuple(int(t) for t in text.split(",") if t)
-                elif name in ("xla_dot_merger", "fp8_skinny_o"):
+                elif name in ("xla_dot_merger", "fp8_skinny_o", "mla_ragged_kernel"):
                     value = text == "1"
                 elif name == "prefetch_o":
                     value = float(text)

@@ -5,9 +5,10 @@ MLA (HF `DeepseekV2Attention`): q is `wq` (or `wq_a` -> RMSNorm -> `wq_b` with a
 into a no-RoPE part (qk_nope_head_dim) and a RoPE part (qk_rope_head_dim). `wkv_a` gives each token a latent c
 (kv_lora_rank, RMSNorm'd) and one RoPE key k_pe shared by every head. K and V of head h would be c @ W_UK[h] (| k_pe)
 and c @ W_UV[h] (`wkv_b` = [W_UK | W_UV] per head); the cache keeps only the row [c | rope(k_pe)]
-(`cache.spec.LatentKV`: 576 values per token for V2/V3). Attention runs in the absorbed form: q_nope @ W_UK[h]^T
-is head h's query in the latent space, scored against c, with q_pe against k_pe; the weighted latent goes through
-W_UV[h], then `wo`. Equal to HF's expanded form (a change of summation order only).
+(`cache.spec.LatentKV`: 576 values per token for V2/V3). The reference (and decode) runs the absorbed form: q_nope @
+W_UK[h]^T is head h's query in the latent space, scored against c, with q_pe against k_pe; the weighted latent goes
+through W_UV[h], then `wo`. Equal to HF's expanded form (a change of summation order only), which the Pallas ops use
+for a long chunk's own new tokens (`ModelOps.mla_attention`, jinfer/ops/attention.py).
 
 RoPE is DeepSeek's interleaved one (pairs (2i, 2i + 1); V3's `rope_interleave: false` is the rotate-half form),
 with YaRN's inverse frequencies; YaRN multiplies cos/sin by its attention factor and the softmax scale
@@ -165,12 +166,11 @@ def mla_attention(layer: MlaLayer, x: jax.Array, cos: jax.Array, sin: jax.Array,
     c = rms_norm(kv[:, :rank], layer.kv_a_norm, LATENT_NORM_EPS)  # [T, rank]
     k_pe = _rope(kv[:, None, rank:], cos, sin, cfg.rope_interleave)[:, 0]  # [T, rope]
     q_pe = _rope(q[..., nope:], cos, sin, cfg.rope_interleave)  # [T, H, rope]
-    latent = write_latent(latent, jnp.concatenate([c, k_pe], axis=-1), batch.slot_mapping)
+    rows = jnp.concatenate([c, k_pe], axis=-1)  # [T, rank + rope]
+    latent = write_latent(latent, rows, batch.slot_mapping)
     w_kv = dense(layer.wkv_b, x.dtype).reshape(rank, H, nope + dv)  # (an FP8 wkv_b dequantized)
-    q_latent = jnp.einsum("thn,lhn->thl", q[..., :nope], w_kv[..., :nope])  # [T, H, rank]: q_nope absorbed in W_UK
     scale = (nope + rope) ** -0.5 * yarn_softmax_mscale(cfg.rope_scaling)
-    out = ops.latent_attention(jnp.concatenate([q_latent, q_pe], axis=-1), latent, batch, scale, rank)  # [T, H, rank]
-    out = jnp.einsum("thl,lhv->thv", out, w_kv[..., nope:])  # [T, H, v]: through W_UV
+    out = ops.mla_attention(q[..., :nope], q_pe, rows, w_kv, latent, batch, scale)  # [T, H, v]
     return ops.out_proj(out.reshape(T, H * dv), layer.wo, x), latent
 
 

@@ -7,6 +7,7 @@ prefix-cache hits), and the cache's size: one latent row per token per layer. Th
 GGUF files (tests/data/tiny-deepseek_v*.gguf, scripts/make_deepseek_gguf.py: llama.cpp's converter; V2's with
 `attn_kv_b` whole, V3's split into `attn_k_b` / `attn_v_b`) give HF's logits and ids too."""
 
+import dataclasses
 import math
 from functools import partial
 
@@ -17,6 +18,7 @@ import pytest
 
 from jinfer.cache.layout import init_kv_cache, kv_cache_bytes_per_page
 from jinfer.cache.spec import LatentKV
+from jinfer.config.kernels import KernelPolicy
 from jinfer.config.model import NAMED_SHAPES, ModelConfig
 from jinfer.config.rope import yarn_attention_factor, yarn_softmax_mscale
 from jinfer.llm import LLM
@@ -30,9 +32,11 @@ from jinfer.weights.loader import load_weights, resolve_model
 
 from ..conftest import DATA
 from .test_golden_tiny import (
+    OPS,
     check_batched_chunked_prefill,
     check_prompt_and_decodes,
     decode_batch,
+    prefill_batch,
     scrambled_pages,
     sharded_model,
 )
@@ -53,16 +57,23 @@ CASES = [("deepseek_v2", 1, False, "ref"), ("deepseek_v3", 1, False, "ref"), ("d
          ("deepseek_v2", 1, False, "ref", ".gguf"), ("deepseek_v3", 1, False, "ref", ".gguf")]
 
 
+# The Pallas ops (interpreted) with sequences of >= 8 new tokens in the MLA kernels' expanded form (the default's 64
+# is more than these prompts): the batched chunked prefill's steps hold a 5-token prompt (absorbed), a 19-token prompt
+# and a first 13-token chunk (expanded), and a 24-token chunk after 13 cached tokens (expanded, its context absorbed,
+# merged).
+PALLAS = dataclasses.replace(OPS["pallas"], policy=KernelPolicy(mla_expand_min_query_len=8))
+
+
 @pytest.fixture(scope="module", params=CASES,
                 ids=lambda p: f"{p[0]}-{'ep' if p[2] else 'tp'}{p[1]}-{p[3]}" + ("-gguf" if p[4:] else ""))
 def model(request):
     """The Pallas ops (interpreted) run the dense layer's and the projections' kernels, the routed experts' grouped
-    GEMMs (the routing and the shared experts in XLA) and, in one-token steps, the MLA decode kernel; prefill
-    attention is the reference on every backend."""
+    GEMMs (the routing and the shared experts in XLA), the MLA decode kernel in one-token steps and the ragged MLA
+    kernels in the others (PALLAS); the reference ops the jnp MLA reference."""
     arch, n, ep, ops, *suffix = request.param
     src = resolve_model(DATA / f"tiny-{arch}{''.join(suffix)}")
     assert src.kind == ("gguf" if suffix else "hf")
-    cfg, _, w, step, new_kv = sharded_model(src, n, ep, ops)
+    cfg, _, w, step, new_kv = sharded_model(src, n, ep, PALLAS if ops == "pallas" else ops)
     return cfg, w, gold(arch), step, new_kv
 
 
@@ -193,11 +204,21 @@ def test_batched_chunked_prefill_matches_hf(model):
 
 
 @pytest.mark.parametrize("arch", ARCHS)
-def test_pallas_ops_run_the_routed_experts_on_the_kernels(arch):
-    """The Pallas cases above go through the expert kernels, not the reference's ragged dots (traced only)."""
-    _, _, w, step, empty = sharded_model(resolve_model(DATA / f"tiny-{arch}"), 1, False, "pallas")
+def test_pallas_ops_run_the_kernels(arch):
+    """The Pallas cases above go through the expert kernels, not the reference's ragged dots, and their prefill steps
+    (the batched chunked prefill's second) through the ragged MLA kernels in both forms, not the jnp reference
+    attention (traced only)."""
+    _, _, w, step, empty = sharded_model(resolve_model(DATA / f"tiny-{arch}"), 1, False, PALLAS)
     jaxpr = str(jax.make_jaxpr(step)(w, decode_batch(1, 20, scrambled_pages(0, 8)), empty()))
     assert all(k in jaxpr for k in ("moe_route_chosen", "moe_gate_up", "moe_down")) and "ragged_dot" not in jaxpr
+    assert "mla_decode_attention" in jaxpr
+    g, pages = gold(arch), scrambled_pages(7, 30)
+    prompts = [g[f"prompt_{i}"].tolist() for i in range(3)]
+    prefill = prefill_batch([(prompts[1], 0, pages[8:16]), (prompts[2][13:], 13, pages[16:30]),
+                             (prompts[0], 0, pages[:8])])
+    jaxpr = str(jax.make_jaxpr(step)(w, prefill, empty()))
+    assert "mla_absorbed_attention" in jaxpr and "mla_expanded_attention" in jaxpr
+    assert "ragged_prefill_attention_reference" not in jaxpr
 
 
 def test_latent_cache_size():

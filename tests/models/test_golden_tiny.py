@@ -148,9 +148,10 @@ def test_batched_chunked_prefill_matches_hf(model):
     check_batched_chunked_prefill(step, w, empty_cache(cfg), gold)
 
 
-def sharded_model(src, n: int, ep: bool, ops: str, kv_dtype=None):
+def sharded_model(src, n: int, ep: bool, ops: str | ModelOps, kv_dtype=None):
     """A checkpoint's weights sharded over n fake devices (experts split with ep) and its jitted step under
-    shard_map: (cfg, mesh, weights, step, a function making a fresh KV cache, of `kv_dtype` if given)."""
+    shard_map (`ops`: an OPS key or the ops): (cfg, mesh, weights, step, a function making a fresh KV cache, of
+    `kv_dtype` if given)."""
     from jinfer.cache.layout import init_kv_cache
     from jinfer.models.registry import shard_weights
     from jinfer.parallel.mesh import array_specs, check_parallel, make_mesh, mesh_forward
@@ -161,7 +162,8 @@ def sharded_model(src, n: int, ep: bool, ops: str, kv_dtype=None):
     w = shard_weights(cfg, load_weights(src, "float32", mesh, progress=False, expert_parallel=ep), mesh,
                       expert_parallel=ep)
     new_kv = partial(init_kv_cache, cfg, NUM_PAGES, PAGE, "float32", mesh, kv_dtype=kv_dtype)
-    step = jax.jit(mesh_forward(forward, cfg, OPS[ops], mesh, array_specs(w), array_specs(new_kv())),
+    ops = OPS[ops] if isinstance(ops, str) else ops
+    step = jax.jit(mesh_forward(forward, cfg, ops, mesh, array_specs(w), array_specs(new_kv())),
                    donate_argnums=(2,))
     return cfg, mesh, w, step, new_kv
 
