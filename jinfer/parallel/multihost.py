@@ -340,8 +340,8 @@ class Follower(_Member):
             if frame == STOP:
                 break
             try:
-                _, tokens, _ = runner.run_step(StepInputs.from_wire(frame))
-                in_flight.append(tokens)
+                packed, _, _ = runner.run_step(StepInputs.from_wire(frame))
+                in_flight.append(packed)  # (not the tokens: the next step's sampler takes their buffer)
                 if len(in_flight) > 2:  # as deep as process 0's pipeline: launch N+1, then wait for N
                     jax.block_until_ready(in_flight.pop(0))
             except Exception as e:  # noqa: BLE001 - the group's collectives are out of step for good
