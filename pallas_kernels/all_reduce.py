@@ -1,6 +1,6 @@
 """One-shot all-reduce over NVLink peer memory: the sum of a small array across the devices of a mesh axis, one
-Triton kernel (jax-triton) inside `jax.shard_map`, for a mesh whose GPUs one process drives; the same kernel
-all-gathers (the logits' vocab-parallel columns), so a decode step holds no XLA collective at all.
+Triton kernel (XLA's own Triton custom call, below) inside `jax.shard_map`; the same kernel all-gathers (the
+logits' vocab-parallel columns), so a decode step holds no XLA collective at all.
 
 Why. A tensor-parallel decode step at batch 1 reduces two [T, hidden] partial sums a layer (a few KB each). XLA's
 NCCL all-reduce costs 16-30 us of device time there, ~1.4 ms of a Qwen3-8B step, and XLA cuts the step's command
@@ -20,9 +20,10 @@ parity e % 2 again only at call e + 2, after it has seen every device's flag of 
 only after it finished reading call e.
 
 Every device must make the same calls in the same order (SPMD steps do), each with all PROGRAMS programs.
-Peer access between the GPUs is enabled by XLA's GPU client for the devices of one process; over several
-processes the addresses mean nothing and `ModelOps.reduce` keeps XLA's psum, as it does on CPU (no interpreter:
-peer memory exists only between GPUs) and over MAX_BYTES.
+Peer access between the GPUs is enabled by XLA's GPU client for the devices of one process (`Workspace`); over
+several processes, one GPU each, the workspace is CUDA IPC memory (jinfer/parallel/peer_memory.py): only the table
+differs, row `rank` being all a device reads. `ModelOps.reduce` keeps XLA's psum on CPU (no interpreter: peer
+memory exists only between GPUs) and over MAX_BYTES.
 
 (A Mosaic GPU form, `plgpu.remote_ref` with XLA's collective metadata, was built first and measured slower: XLA
 exchanged the peer addresses of its buffers at every call, a host rendezvous of 6 ms a step; see

@@ -214,15 +214,21 @@ def array_specs(tree):
 
 
 def all_reduce_table(mesh: Mesh, ops) -> tuple:
-    """(the one-shot all-reduce workspace's table,) where a sharded forward on `mesh` reduces with that kernel: GPUs
-    that one process drives, the Pallas kernels compiled for them, and the policy's `one_shot_all_reduce_bytes` or
-    `one_shot_all_gather_bytes` set; () otherwise (XLA's collectives)."""
+    """(the one-shot all-reduce workspace's table,) where a sharded forward on `mesh` reduces with that kernel: GPUs,
+    the Pallas kernels compiled for them, and the policy's `one_shot_all_reduce_bytes` or `one_shot_all_gather_bytes`
+    set; () otherwise (XLA's collectives). GPUs of one process share a workspace of JAX arrays; a mesh over several
+    processes, one GPU each, one over CUDA IPC (`peer_memory`; all of the group or none of it)."""
     devices = list(mesh.devices.flat)
     policy = ops.policy
     if mesh.size == 1 or ops.backend != "pallas" or ops.interpret \
             or not (policy.one_shot_all_reduce_bytes or policy.one_shot_all_gather_bytes) \
-            or devices[0].platform != "gpu" or any(d.process_index != jax.process_index() for d in devices):
+            or devices[0].platform != "gpu":
         return ()
+    if any(d.process_index != jax.process_index() for d in devices):
+        from jinfer.parallel.peer_memory import ipc_table
+
+        table = ipc_table(mesh)
+        return () if table is None else (table,)
     from pallas_kernels import all_reduce
 
     return (all_reduce.workspace(mesh).table,)
