@@ -24,6 +24,8 @@ dispatch while no step is in flight (the device idles then: speculative decoding
 from __future__ import annotations
 
 import argparse
+import hashlib
+import json
 import os
 import time
 
@@ -58,12 +60,15 @@ def run_batch(core: EngineCore, prompts: list[list[int]], output_len: int, tag: 
     first_seen: set[str] = set()
     ttft = None
     step_times = []
+    tokens: dict[str, list[int]] = {}
     while core.has_unfinished_requests():
         t = time.perf_counter()
         outs = core.step()  # returns once a step's tokens reached the host (with async scheduling, the
         # previous step's, after this one was launched): the time between returns is the time per token
         step_times.append(time.perf_counter() - t)
         first_seen.update(o.request_id for o in outs if o.new_token_ids)
+        for o in outs:
+            tokens.setdefault(o.request_id, []).extend(o.new_token_ids)
         if ttft is None and len(first_seen) == len(prompts):
             ttft = time.perf_counter() - t0
             decode_start, decode0 = len(step_times), counters()
@@ -77,7 +82,9 @@ def run_batch(core: EngineCore, prompts: list[list[int]], output_len: int, tag: 
     if core.spec is not None:  # a step emits several tokens: TPOT is the decode time per token of a sequence
         spec = {"step_ms": float(decode.mean()), "tpot_ms": float(decode.sum() / max(output_len - 1, 1)),
                 **{k: v - spec0[k] for k, v in core.spec.stats().items()}}  # this run's counters
-    return {"ttft_ms": ttft * 1e3, "tpot_ms": float(decode.mean()), **spec,
+    # the greedy ids, hashed: two layouts of the same model (1 process x 2 GPUs, 2 x 1) must give the same
+    digest = hashlib.sha1(json.dumps([tokens[f"{tag}-{i}"] for i in range(len(prompts))]).encode()).hexdigest()[:16]
+    return {"ttft_ms": ttft * 1e3, "tpot_ms": float(decode.mean()), **spec, "tokens_sha": digest,
             "tpot_p50_ms": float(np.percentile(decode, 50)),
             "tpot_p99_ms": float(np.percentile(decode, 99)), "decode_steps": int(len(decode)),
             "decode_step_ms": [round(float(x), 3) for x in decode],
@@ -160,7 +167,8 @@ def main():
         runs = [run_batch(core, make(), args.output_len, f"run{bs}.{r}") for r in range(max(1, args.repeat))]
         row = sorted(runs, key=lambda run: run["tpot_ms"])[(len(runs) - 1) // 2]
         row = {**row, "ttft_runs_ms": [round(run["ttft_ms"], 3) for run in runs],
-               "tpot_runs_ms": [round(run["tpot_ms"], 4) for run in runs]}
+               "tpot_runs_ms": [round(run["tpot_ms"], 4) for run in runs],
+               "tokens_sha_runs": [run["tokens_sha"] for run in runs]}
         if profiled_run is not None:
             row["profiled_run"] = {k: profiled_run[k] for k in ("ttft_ms", "tpot_ms")}
         mid_context = args.input_len + args.output_len // 2

@@ -12,7 +12,8 @@
 #               remapping (--xla_gpu_command_buffer_update_mode=SKIP_TEMP | SKIP_PROFILED, XLA's VMM allocator) against
 #               the default, batch $BATCHES ($CB_MODES, $CB_TP, $CB_SHAPE)
 #   profile     a Perfetto trace of the Qwen3-8B decode step at tp 1 and $TP (batch 1), summarized per device
-#   multiprocess Qwen3-8B TPOT with one process per GPU ($TP processes, jax.distributed) vs one process
+#   multiprocess Qwen3-8B TPOT with one process per GPU ($TP processes, jax.distributed) vs one process, and whether
+#               both gave the same greedy tokens
 #   dp          serving at saturation, Qwen3-4B: one replica vs $TP replicas (--data-parallel-size) behind one server
 # JSON lands in $OUT; $TAG names the machine in the file names (default h200x2).
 set -uo pipefail
@@ -103,6 +104,12 @@ if [[ $PARTS == *multiprocess* ]]; then
       --out "$OUT/latency_qwen3-8b_tp${TP}_${TP}proc_$TAG.json" | grep "^batch"
   wait
   tail -2 "$OUT"/multiprocess_rank*.log
+  # the same layout in one process, and whether both gave the same greedy tokens (same prompts, same sums)
+  timeout 300 python3 -m benchmarks.bench_latency --shape qwen3-8b --batch-sizes ${BATCHES:-1 16} -tp $TP \
+      --input-len 1024 --output-len 128 --out "$OUT/latency_qwen3-8b_tp${TP}_1proc_$TAG.json" | grep "^batch"
+  python3 -c "import json, sys; a, b = (json.load(open(f))['rows'] for f in sys.argv[1:]); \
+print('same tokens (2 processes vs 1):', [x['tokens_sha_runs'] == y['tokens_sha_runs'] for x, y in zip(a, b)])" \
+      "$OUT/latency_qwen3-8b_tp${TP}_${TP}proc_$TAG.json" "$OUT/latency_qwen3-8b_tp${TP}_1proc_$TAG.json"
 fi
 if [[ $PARTS == *dp* ]]; then
   ARGS="--max-model-len 2048 --max-num-seqs 256 --max-num-batched-tokens 2048 --log-level warning"
