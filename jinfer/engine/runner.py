@@ -299,9 +299,11 @@ class ModelRunner(StepExecutables):
         return logits, prompt_packed
 
     def _warm_stage(self, size: int) -> None:
-        """The staging copy of a small step's packed batch of this size, compiled (with the forward)."""
+        """The staging copy of a small step's packed batch of this size, compiled (with the forward, maybe in a
+        warm-up thread: it never takes a staging buffer out of the table, which a step may be about to read)."""
         if size not in self._staged:
-            self._staged_input(np.zeros(size, np.int32))
+            zeros = np.zeros(size, np.int32)
+            self._staged.setdefault(size, self._stage(put(zeros, self._replicated), self._put(zeros)))
 
     def _staged_input(self, batch: np.ndarray) -> jax.Array:
         """The packed batch in this size's staging buffer on the devices (its address never changes)."""
