@@ -44,6 +44,7 @@ import numpy as np
 from pallas_kernels.common import next_pow2
 
 PROGRAMS = 8  # fixed: the flags and counters are per program
+NUM_WARPS = 4
 MAX_BYTES = 1 << 20  # per device and call; larger reductions take XLA's psum
 DTYPES = ("bfloat16", "float16", "float32")
 _ACTIVE: list = []  # the workspace tables of the forwards being traced (`use`)
@@ -238,9 +239,6 @@ def triton_ir(dtype: str, size: int, world: int, elems: int, block: int, gather_
     text = str(stages["ttir"](module, {}))  # inlined, canonicalized
     name = f"one_shot_{'gather' if gather_cols else 'reduce'}_{ty}_{size}_w{world}"
     return name, text.replace("@all_reduce_kernel(", f"@{name}(")
-
-
-NUM_WARPS = 4
 
 
 def _one_shot_lowering(ctx, x, table, rank, *, dtype, size, out_size, world, elems, block, gather_cols):

@@ -290,8 +290,7 @@ class ModelRunner(StepExecutables):
         R = B if R is None else R
         prompt_logits = plp_k >= 0
         forward = self.forward_executable(T, B, P, 0 if prompt_logits else decode, R, prompt_logits)
-        logits = self._call_forward(forward, self._staged_input(batch) if T <= COMMAND_BUFFER_MAX_TOKENS
-                                    else self._put(batch), R + T if prompt_logits else R, T)
+        logits = self._call_forward(forward, self._forward_input(batch, T), R + T if prompt_logits else R, T)
         prompt_packed = None
         if prompt_logits:  # the logits of the prompt positions: their logprobs, before the sampler
             split = self.prompt_logprobs_executable(T, R, plp_k)
@@ -305,8 +304,11 @@ class ModelRunner(StepExecutables):
             zeros = np.zeros(size, np.int32)
             self._staged.setdefault(size, self._stage(put(zeros, self._replicated), self._put(zeros)))
 
-    def _staged_input(self, batch: np.ndarray) -> jax.Array:
-        """The packed batch in this size's staging buffer on the devices (its address never changes)."""
+    def _forward_input(self, batch: np.ndarray, T: int):
+        """A step's packed batch as its forward takes it: for a small step (T tokens, one command buffer), in this
+        size's staging buffer on the devices (its address never changes); else as it is (`_put`)."""
+        if T > COMMAND_BUFFER_MAX_TOKENS:
+            return self._put(batch)
         dst = self._staged.pop(batch.size, None)
         if dst is None:
             dst = put(np.zeros(batch.size, np.int32), self._replicated)
@@ -370,8 +372,7 @@ class ModelRunner(StepExecutables):
                 if run:
                     buf = np.zeros(sum(batch_sizes(T, B, P, self.warm_rows(T, decode))), np.int32)
                     buf[2 * T:4 * T] = -1  # slots and prev rows (parts 3, 4): no KV writes, no previous step
-                    self._call_forward(forward, self._staged_input(buf) if T <= COMMAND_BUFFER_MAX_TOKENS
-                                       else self._put(buf), self.warm_rows(T, decode), T)
+                    self._call_forward(forward, self._forward_input(buf, T), self.warm_rows(T, decode), T)
             logits = put(np.zeros((B, self.cfg.vocab_size), np.float32), self._replicated)
             for flags in self.warm_sampler_flags:
                 sample = self.sampler_executable(B, 0, 0, -1, flags)

@@ -109,13 +109,14 @@ def exchange_rows(device_procs: list[int], me: int, ordinal: int, client, prefix
         said = f"!{type(e).__name__}: {e}"
 
     def agree(stage: str, mine: str) -> list[str] | None:
+        """Every process's word at this stage (in process order), or None if one of them failed ("!why")."""
         client.key_value_set(f"{prefix}/{stage}/{me}", mine)
-        said = [client.blocking_key_value_get(f"{prefix}/{stage}/{p}", TIMEOUT_MS) for p in procs]
-        if failed := [f"process {p}: {s[1:]}" for p, s in zip(procs, said, strict=True) if s.startswith("!")]:
+        words = [client.blocking_key_value_get(f"{prefix}/{stage}/{p}", TIMEOUT_MS) for p in procs]
+        if failed := [f"process {p}: {w[1:]}" for p, w in zip(procs, words, strict=True) if w.startswith("!")]:
             log.warning("one-shot all-reduce across processes unavailable (%s): XLA's collectives instead",
                         "; ".join(failed))
             return None
-        return said
+        return words
 
     if (handles := agree("handles", said)) is None:
         return None
