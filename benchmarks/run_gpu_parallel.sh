@@ -12,7 +12,7 @@
 #               remapping (--xla_gpu_command_buffer_update_mode=SKIP_TEMP | SKIP_PROFILED, XLA's VMM allocator) against
 #               the default, batch $BATCHES ($CB_MODES, $CB_TP, $CB_SHAPE)
 #   profile     a Perfetto trace of the Qwen3-8B decode step at tp 1 and $TP (batch 1), summarized per device
-#   multiprocess Qwen3-8B TPOT with one process per GPU ($TP processes, jax.distributed) vs one process, and whether
+#   multiprocess $MP_SHAPE (Qwen3-8B) TPOT with one process per GPU ($TP processes, jax.distributed) vs one process, and whether
 #               both gave the same greedy tokens
 #   dp          serving at saturation, Qwen3-4B: one replica vs $TP replicas (--data-parallel-size) behind one server
 # JSON lands in $OUT; $TAG names the machine in the file names (default h200x2).
@@ -44,7 +44,7 @@ if [[ $PARTS == *step* && $STEP_SHAPES == *moe* ]]; then
 fi
 SHAPES=${SHAPES:-dense,moe}  # for latency and throughput
 if [[ $PARTS == *latency* && $SHAPES == *dense* ]]; then
-  for tp in 1 $TP ${TP}_ar; do
+  for tp in ${LAT_TPS:-1 $TP ${TP}_ar}; do
     JINFER_ONE_SHOT_ALL_REDUCE_BYTES=$([[ $tp == *_ar ]] && echo 1048576 || echo 0) \
     JINFER_ONE_SHOT_ALL_GATHER_BYTES=$([[ $tp == *_ar ]] && echo 1048576 || echo 0) timeout 300 \
       python3 -m benchmarks.bench_latency --shape qwen3-8b --batch-sizes ${BATCHES:-1 16} -tp ${tp%_ar} \
@@ -52,7 +52,7 @@ if [[ $PARTS == *latency* && $SHAPES == *dense* ]]; then
   done
 fi
 if [[ $PARTS == *latency* && $SHAPES == *moe* ]]; then
-  for ep in 1 $TP ${TP}_ar; do
+  for ep in ${LAT_TPS:-1 $TP ${TP}_ar}; do
     JINFER_ONE_SHOT_ALL_REDUCE_BYTES=$([[ $ep == *_ar ]] && echo 1048576 || echo 0) \
     JINFER_ONE_SHOT_ALL_GATHER_BYTES=$([[ $ep == *_ar ]] && echo 1048576 || echo 0) timeout 400 \
       python3 -m benchmarks.bench_latency --shape qwen3-30b-a3b --batch-sizes ${BATCHES:-1 16} -tp ${ep%_ar} \
@@ -93,23 +93,32 @@ if [[ $PARTS == *profile* ]]; then
   done
 fi
 if [[ $PARTS == *multiprocess* ]]; then
-  PORT=29555
-  for r in $(seq 1 $((TP - 1))); do
-    CUDA_VISIBLE_DEVICES=$r timeout 300 python3 -m benchmarks.bench_latency --shape qwen3-8b --batch-sizes ${BATCHES:-1 16} \
-        -tp $TP --nnodes $TP --node-rank $r --master-port $PORT --input-len 1024 --output-len 128 \
-        > "$OUT/multiprocess_rank$r.log" 2>&1 &
+  # MP_VISIBLE: "all" = every process sees every GPU and drives GPU r (JINFER_LOCAL_DEVICE_IDS), so CUDA IPC can
+  # open the peers' memory for the one-shot all-reduce; "own" = a CUDA_VISIBLE_DEVICES of its own per process
+  PORT=29555; MPS=${MP_SHAPE:-qwen3-8b}  # MP_ARGS: e.g. --enable-expert-parallel
+  MP_ARGS=${MP_ARGS:-}
+  for vis in ${MP_VISIBLE:-all own}; do
+    for r in $(seq $((TP - 1)) -1 0); do
+      if [[ $vis == all ]]; then dev=(env JINFER_LOCAL_DEVICE_IDS=$r); else dev=(env CUDA_VISIBLE_DEVICES=$r); fi
+      out=(); [[ $r == 0 ]] && out=(--out "$OUT/latency_${MPS}_tp${TP}_${TP}proc_${vis}_$TAG.json")
+      "${dev[@]}" timeout 300 python3 -m benchmarks.bench_latency --shape $MPS --batch-sizes ${BATCHES:-1 16} \
+          -tp $TP --nnodes $TP --node-rank $r --master-port $PORT $MP_ARGS --input-len 1024 --output-len 128 "${out[@]}" \
+          > "/tmp/multiprocess_${vis}_rank$r.log" 2>&1 &
+    done
+    wait
+    PORT=$((PORT + 1))
+    echo "== $TP processes, GPUs visible: $vis"
+    grep -E "^batch|one-shot|Error|error" "/tmp/multiprocess_${vis}_rank0.log" | head -8
+    tail -2 /tmp/multiprocess_${vis}_rank[1-9]*.log
   done
-  CUDA_VISIBLE_DEVICES=0 timeout 300 python3 -m benchmarks.bench_latency --shape qwen3-8b --batch-sizes ${BATCHES:-1 16} \
-      -tp $TP --nnodes $TP --node-rank 0 --master-port $PORT --input-len 1024 --output-len 128 \
-      --out "$OUT/latency_qwen3-8b_tp${TP}_${TP}proc_$TAG.json" | grep "^batch"
-  wait
-  tail -2 "$OUT"/multiprocess_rank*.log
   # the same layout in one process, and whether both gave the same greedy tokens (same prompts, same sums)
-  timeout 300 python3 -m benchmarks.bench_latency --shape qwen3-8b --batch-sizes ${BATCHES:-1 16} -tp $TP \
-      --input-len 1024 --output-len 128 --out "$OUT/latency_qwen3-8b_tp${TP}_1proc_$TAG.json" | grep "^batch"
-  python3 -c "import json, sys; a, b = (json.load(open(f))['rows'] for f in sys.argv[1:]); \
-print('same tokens (2 processes vs 1):', [x['tokens_sha_runs'] == y['tokens_sha_runs'] for x, y in zip(a, b)])" \
-      "$OUT/latency_qwen3-8b_tp${TP}_${TP}proc_$TAG.json" "$OUT/latency_qwen3-8b_tp${TP}_1proc_$TAG.json"
+  timeout 300 python3 -m benchmarks.bench_latency --shape $MPS --batch-sizes ${BATCHES:-1 16} -tp $TP \
+      $MP_ARGS --input-len 1024 --output-len 128 --out "$OUT/latency_${MPS}_tp${TP}_1proc_$TAG.json" | grep "^batch"
+  for vis in ${MP_VISIBLE:-all own}; do
+    python3 -c "import json, sys; a, b = (json.load(open(f))['rows'] for f in sys.argv[1:]); \
+print('same tokens ($vis, $TP processes vs 1):', [x['tokens_sha_runs'] == y['tokens_sha_runs'] for x, y in zip(a, b)])" \
+        "$OUT/latency_${MPS}_tp${TP}_${TP}proc_${vis}_$TAG.json" "$OUT/latency_${MPS}_tp${TP}_1proc_$TAG.json"
+  done
 fi
 if [[ $PARTS == *dp* ]]; then
   ARGS="--max-model-len 2048 --max-num-seqs 256 --max-num-batched-tokens 2048 --log-level warning"
