@@ -227,8 +227,9 @@ PREFILL_LAUNCH = ("block_m", "block_n", "num_warps", "num_stages")
 PREFILL_CONFIGS = [(64, 128, 4, 3), (64, 128, 4, 4), (128, 128, 8, 3), (128, 128, 4, 3), (128, 256, 8, 3)]
 
 
-def _prefill_impls(name: str, block, interpret: bool) -> dict:
-    """{impl: fn(x, weights)} for one projection: weights a tuple of bf16 arrays (xla) or Fp8Weights (the others)."""
+def _prefill_impls(name: str, block, interpret: bool, sweep: bool) -> dict:
+    """{impl: fn(x, weights)} for one projection: weights a tuple of bf16 arrays (xla) or Fp8Weights (the others);
+    sweep: the PREFILL_CONFIGS launches too."""
     from jinfer.models.fp8 import dense
     from pallas_kernels.dense.fp8_gemm import fp8_gemm, quantize_rows
 
@@ -252,6 +253,7 @@ def _prefill_impls(name: str, block, interpret: bool) -> dict:
              "quantize_only": lambda x, ws: quantize_rows(x, block[1])}
     if not interpret:
         impls |= {"fp8_gemm_nk": kernel(nk=True)}
+    if sweep and not interpret:
         for c in PREFILL_CONFIGS:
             impls["fp8_gemm_" + "_".join(map(str, c))] = kernel(**dict(zip(PREFILL_LAUNCH, c, strict=True)))
     return impls
@@ -260,9 +262,10 @@ def _prefill_impls(name: str, block, interpret: bool) -> dict:
 def bench_fp8_prefill(argv: list[str] | None = None) -> None:
     """Qwen3-8B's prefill projections (q|k|v, o, gate|up + SwiGLU, down) at 512 / 2048 / 4096 tokens: XLA's bf16 GEMM
     on bf16 weights, today's FP8 path past fp8_max_tokens (dequantize, then the bf16 GEMM), and the w8a8 block GEMM
-    (pallas_kernels/dense/fp8_gemm.py: its default launch, a few others, the weight as [N, K]; quantize_only: the
-    activations' quantization alone, part of every fp8_gemm figure). Device time per call over distinct weight
-    copies (more than L2 holds), TFLOP/s of the projection's 2 M K N (gate|up: N = 2 x 12288). JSON to argv[0]."""
+    (pallas_kernels/dense/fp8_gemm.py: its default launch, the weight as [N, K], other launches at 512 and 4096 tokens:
+    compiles are most of the run's time; quantize_only: the activations' quantization alone, part of every fp8_gemm
+    figure). Device time per call over distinct weight copies (more than L2 holds), TFLOP/s of the projection's
+    2 M K N (gate|up: N = 2 x 12288). JSON to argv[0]."""
     from jinfer.models.fp8 import quantize
 
     argv = argv or []
@@ -283,7 +286,7 @@ def bench_fp8_prefill(argv: list[str] | None = None) -> None:
         for tokens in ((32,) if interpret else (512, 2048, 4096)):
             x = jax.random.normal(jax.random.fold_in(key, 100 + tokens), (tokens, k), jnp.bfloat16)
             flops = 2 * tokens * k * n * parts
-            for impl, fn in _prefill_impls(name, block, interpret).items():
+            for impl, fn in _prefill_impls(name, block, interpret, sweep=tokens != 2048).items():
                 ws = weights["bf16" if impl == "xla_bf16" else "fp8"]
                 row = {"shape": name, "M": tokens, "K": k, "N": n * parts, "impl": impl}
                 try:
