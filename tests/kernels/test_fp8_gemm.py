@@ -30,6 +30,8 @@ INTERPRET = [
     pytest.param(24, 256, 256, jnp.float32, B, {"block_n": 64}, True, False, id="m24-swiglu-n64"),
     pytest.param(17, 256, 256, jnp.float32, B, {}, False, True, id="m17-nk"),
     pytest.param(5, 64, 96, jnp.float32, (16, 16), {}, False, False, id="m5-blocks16"),  # the tiny checkpoints' blocks
+    # compressed-tensors per-channel scales (blocks of 128 x 1: a scale per column, gathered per tile)
+    pytest.param(20, 256, 96, jnp.float32, (128, 1), {}, False, False, id="m20-per-column"),
 ]
 # Qwen3-8B's projections (hidden 4096, intermediate 12288, q|k|v 4096 + 2 x 1024 out) at prefill sizes
 GPU = [pytest.param(m, k, n, jnp.bfloat16, B, {}, swiglu, nk, id=f"{name}-m{m}" + ("-nk" if nk else ""))
