@@ -265,7 +265,8 @@ def bench_fp8_prefill(argv: list[str] | None = None) -> None:
     (pallas_kernels/dense/fp8_gemm.py: its default launch, the weight as [N, K], other launches at 512 and 4096 tokens:
     compiles are most of the run's time; quantize_only: the activations' quantization alone, part of every fp8_gemm
     figure). Device time per call over distinct weight copies (more than L2 holds), TFLOP/s of the projection's
-    2 M K N (gate|up: N = 2 x 12288). JSON to argv[0]."""
+    2 M K N (gate|up: N = 2 x 12288). JSON to argv[0]; argv[1] / argv[2]: comma lists of the shapes / token counts
+    to run (default all)."""
     from jinfer.models.fp8 import quantize
 
     argv = argv or []
@@ -273,7 +274,11 @@ def bench_fp8_prefill(argv: list[str] | None = None) -> None:
     block = (128, 128)
     rows = []
     key = jax.random.key(2)
+    only = argv[1].split(",") if len(argv) > 1 else list(PREFILL_SHAPES)
+    token_counts = tuple(int(t) for t in argv[2].split(",")) if len(argv) > 2 else (512, 2048, 4096)
     for name, (k, n) in PREFILL_SHAPES.items():
+        if name not in only:
+            continue
         if interpret:
             k, n = 256, 256
         parts = 2 if name == "gate_up" else 1
@@ -283,7 +288,7 @@ def bench_fp8_prefill(argv: list[str] | None = None) -> None:
         copies = 1 if interpret else max(2, -(-400_000_000 // nbytes))
         weights = {"bf16": [tuple(bf16)] + [tuple(jnp.array(w, copy=True) for w in bf16) for _ in range(copies - 1)],
                    "fp8": [fp8] + [jax.tree.map(lambda a: jnp.array(a, copy=True), fp8) for _ in range(copies - 1)]}
-        for tokens in ((32,) if interpret else (512, 2048, 4096)):
+        for tokens in ((32,) if interpret else token_counts):
             x = jax.random.normal(jax.random.fold_in(key, 100 + tokens), (tokens, k), jnp.bfloat16)
             flops = 2 * tokens * k * n * parts
             for impl, fn in _prefill_impls(name, block, interpret, sweep=tokens != 2048).items():
