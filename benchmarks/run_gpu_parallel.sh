@@ -125,7 +125,7 @@ if [[ $PARTS == *dp* ]]; then
   for dp in $TP 1; do  # the replicas compile together first; the single replica then starts warm
     python3 -m server.launcher dummy:qwen3-4b --port 8000 -dp $dp $ARGS > "$OUT/serve_dp$dp.log" 2>&1 &
     SERVER=$!
-    JAX_PLATFORMS=cpu python3 -m benchmarks.wait_ready --timeout 400 --interval 0.2
+    JAX_PLATFORMS=cpu python3 -m benchmarks.wait_ready --timeout 400 --interval 0.2 --full-speed
     JAX_PLATFORMS=cpu timeout 300 python3 -m benchmarks.bench_serving --num-prompts 512 --input-len 1024 --output-len 128 \
         --vocab-size 151936 --warmup 16 --device "$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1) x $dp" \
         --out "$OUT/serving_qwen3-4b_dp${dp}_${TAG}_saturation.json" | tail -1
