@@ -2,14 +2,12 @@
 # FP8 weights against bf16 on one GPU. PARTS (comma list; default tests,dense,latency):
 #   tests    the FP8 kernel tests compiled for the GPU (dense kernels and the MoE grouped GEMMs)
 #   dense    the decode kernels at Qwen3-8B's shapes (bench_dense fp8): $OUT/dense_fp8_${SHAPE}.json
-#   prefill  the FP8 GEMM against dequantize + bf16 and bf16 at Qwen3-8B's projections, 512-4096 tokens
-#            (bench_dense fp8_prefill): $OUT/dense_fp8_prefill_$TAG.json
-#   ttft     TTFT of one 4096-token prompt: dummy:<shape>, <shape>-fp8 and <shape>-fp8 with JINFER_FP8_GEMM=0 (the
-#            dequantizing path) in alternating processes, ROUNDS x 3 runs each: /tmp/fp8ab/ttft_*.json, medians printed
 #   moe      the MoE grouped GEMMs with block-FP8 experts vs bf16 at Qwen3-30B-A3B's shapes, 1 / 8 / 16 / 4096 tokens
 #            (bench_moe --fp8; the bf16 Mosaic GPU grouped GEMM at 4096): $OUT/moe_fp8_$TAG.json
 #   latency  engine TPOT of dummy:<shape> and dummy:<shape>-fp8 in alternating processes, ROUNDS each:
 #            $OUT/fp8_latency_<shape>.json (every process, the medians, FP8 / bf16; benchmarks/latency_summary.py)
+#   ttft     TTFT of one 4096-token prompt, dummy:<shape> and <shape>-fp8, ROUNDS alternating processes x 3 runs:
+#            $OUT/ttft4k_<shape>[-fp8]_<round>.json
 #   SHAPE=qwen3-8b ROUNDS=3 BATCHES="1 8" bash benchmarks/run_gpu_fp8.sh
 #   PARTS=tests,moe,latency SHAPE=qwen3-30b-a3b TIMEOUT=600 ROUNDS=2 bash benchmarks/run_gpu_fp8.sh   # the MoE
 set -uo pipefail
@@ -20,28 +18,18 @@ SHAPE=${SHAPE:-qwen3-8b}; ROUNDS=${ROUNDS:-3}; BATCHES=${BATCHES:-1 8}; TIMEOUT=
 if [[ $PARTS == *tests* ]]; then
   XLA_PYTHON_CLIENT_PREALLOCATE=false JAX_PLATFORMS=cuda timeout 400 python3 -m pytest -q -n 4 -m gpu -p no:cacheprovider \
     tests/kernels/test_fused_mlp.py tests/kernels/test_skinny_gemm.py tests/kernels/test_norm_qkv_rope.py \
-    tests/kernels/test_moe_gemm.py tests/kernels/test_fp8_gemm.py 2>&1 | tail -2
+    tests/kernels/test_moe_gemm.py 2>&1 | tail -2
 fi
 if [[ $PARTS == *dense* ]]; then
   timeout 180 python3 -m benchmarks.kernels.bench_dense fp8 "$OUT/dense_fp8_${SHAPE}.json" 2>&1 | grep -v '^{' | tail -20
 fi
-if [[ $PARTS == *prefill* ]]; then
-  timeout 580 python3 -m benchmarks.kernels.bench_dense fp8_prefill "$OUT/dense_fp8_prefill_$TAG.json" 2>&1 \
-    | grep -v Deprecat | tail -130
-fi
-if [[ $PARTS == *ttft* ]]; then
+if [[ $PARTS == *ttft* ]]; then  # TTFT of one 4096-token prompt, bf16 vs FP8 weights, alternating processes
   for r in $(seq "$ROUNDS"); do
-    for s in "$SHAPE" "$SHAPE-fp8" "$SHAPE-fp8:nogemm"; do
-      env $([[ $s == *nogemm ]] && echo JINFER_FP8_GEMM=0) timeout "$TIMEOUT" python3 -m benchmarks.bench_latency \
-        --shape "${s%:nogemm}" --batch-sizes 1 --input-len 4096 --output-len 8 --max-num-batched-tokens 4096 \
-        --repeat 3 --out "/tmp/fp8ab/ttft_${s/:/_}_$r.json" 2>&1 | grep -E "^batch|Error" | sed "s/^/[$s $r] /"
+    for s in "$SHAPE" "$SHAPE-fp8"; do
+      timeout "$TIMEOUT" python3 -m benchmarks.bench_latency --shape "$s" --batch-sizes 1 --input-len 4096 --output-len 8 \
+        --max-num-batched-tokens 4096 --repeat 3 --out "$OUT/ttft4k_${s}_$r.json" 2>&1 | grep -E "^batch|Error" | sed "s/^/[$s $r] /"
     done
   done
-  python3 -c '
-import glob, json, statistics
-for s in ("'"$SHAPE"'", "'"$SHAPE"'-fp8", "'"$SHAPE"'-fp8_nogemm"):
-    t = [x for f in glob.glob(f"/tmp/fp8ab/ttft_{s}_[0-9]*.json") for x in json.load(open(f))["rows"][0]["ttft_runs_ms"]]
-    print(s, "TTFT ms", sorted(t), "median", t and statistics.median(t))'
 fi
 if [[ $PARTS == *moe* ]]; then
   timeout 600 python3 -m benchmarks.bench_moe --fp8 --out "$OUT/moe_fp8_$TAG.json" | grep '^{"what' | python3 -c '

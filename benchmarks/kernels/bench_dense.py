@@ -3,7 +3,6 @@
     python -m benchmarks.kernels.bench_dense mlp                    # fused SwiGLU MLP vs XLA at Qwen3-4B shapes
     python -m benchmarks.kernels.bench_dense skinny_gemm [OUT.json]  # skinny GEMM launch sweep vs XLA
     python -m benchmarks.kernels.bench_dense fp8 [OUT.json]          # bf16 vs block-FP8 weights at Qwen3-8B shapes
-    python -m benchmarks.kernels.bench_dense fp8_prefill [OUT.json]  # prefill GEMMs: bf16, dequantize + bf16, w8a8
 
 On CPU: tiny shapes in the interpreter, to check the script.
 """
@@ -220,94 +219,7 @@ def bench_fp8(argv: list[str] | None = None) -> None:
             json.dump({"device": jax.devices()[0].device_kind, "jax": jax.__version__, "results": rows}, f, indent=1)
 
 
-# Qwen3-8B's projections [K, N] (gate_up: two [4096, 12288] weights, the SwiGLU in the FP8 kernel's epilogue)
-PREFILL_SHAPES = {"qkv": (4096, 6144), "o": (4096, 4096), "gate_up": (4096, 12288), "down": (12288, 4096)}
-# FP8 GEMM launches tried beside the default: (block_m, block_n, num_warps, num_stages)
-PREFILL_LAUNCH = ("block_m", "block_n", "num_warps", "num_stages")
-PREFILL_CONFIGS = [(64, 128, 4, 3), (64, 128, 4, 4), (128, 128, 8, 3), (128, 128, 4, 3), (128, 256, 8, 3)]
-
-
-def _prefill_impls(name: str, block, interpret: bool, sweep: bool) -> dict:
-    """{impl: fn(x, weights)} for one projection: weights a tuple of bf16 arrays (xla) or Fp8Weights (the others);
-    sweep: the PREFILL_CONFIGS launches too."""
-    from jinfer.models.fp8 import dense
-    from pallas_kernels.dense.fp8_gemm import fp8_gemm, quantize_rows
-
-    swiglu = name == "gate_up"
-
-    def xla(x, ws):
-        return jax.nn.silu(x @ ws[0]) * (x @ ws[1]) if swiglu else x @ ws[0]
-
-    def dequantized(x, ws):  # today's path past fp8_max_tokens: fp8.dense, then XLA's bf16 GEMM
-        return xla(x, [dense(w, x.dtype) for w in ws])
-
-    def kernel(nk=False, **launch):
-        def call(x, ws):
-            vals = [w.w.T if nk else w.w for w in ws]
-            up = {"w_up": vals[1], "w_up_scale": ws[1].scale} if swiglu else {}
-            return fp8_gemm(x, vals[0], ws[0].scale, **up, scale_block=block, w_transposed=nk, interpret=interpret,
-                            **launch)
-        return call
-
-    impls = {"xla_bf16": xla, "dequantize_bf16": dequantized, "fp8_gemm": kernel(),
-             "quantize_only": lambda x, ws: quantize_rows(x, block[1])}
-    if not interpret:
-        impls |= {"fp8_gemm_nk": kernel(nk=True)}
-    if sweep and not interpret:
-        for c in PREFILL_CONFIGS:
-            impls["fp8_gemm_" + "_".join(map(str, c))] = kernel(**dict(zip(PREFILL_LAUNCH, c, strict=True)))
-    return impls
-
-
-def bench_fp8_prefill(argv: list[str] | None = None) -> None:
-    """Qwen3-8B's prefill projections (q|k|v, o, gate|up + SwiGLU, down) at 512 / 2048 / 4096 tokens: XLA's bf16 GEMM
-    on bf16 weights, today's FP8 path past fp8_max_tokens (dequantize, then the bf16 GEMM), and the w8a8 block GEMM
-    (pallas_kernels/dense/fp8_gemm.py: its default launch, the weight as [N, K], other launches at 512 and 4096 tokens:
-    compiles are most of the run's time; quantize_only: the activations' quantization alone, part of every fp8_gemm
-    figure). Device time per call over distinct weight copies (more than L2 holds), TFLOP/s of the projection's
-    2 M K N (gate|up: N = 2 x 12288). JSON to argv[0]; argv[1] / argv[2]: comma lists of the shapes / token counts
-    to run (default all)."""
-    from jinfer.models.fp8 import quantize
-
-    argv = argv or []
-    interpret = jax.default_backend() != "gpu"
-    block = (128, 128)
-    rows = []
-    key = jax.random.key(2)
-    only = argv[1].split(",") if len(argv) > 1 else list(PREFILL_SHAPES)
-    token_counts = tuple(int(t) for t in argv[2].split(",")) if len(argv) > 2 else (512, 2048, 4096)
-    for name, (k, n) in PREFILL_SHAPES.items():
-        if name not in only:
-            continue
-        if interpret:
-            k, n = 256, 256
-        parts = 2 if name == "gate_up" else 1
-        bf16 = [jax.random.normal(jax.random.fold_in(key, i), (k, n), jnp.bfloat16) * k**-0.5 for i in range(parts)]
-        fp8 = tuple(quantize(w.astype(jnp.float32), block) for w in bf16)
-        nbytes = parts * k * n * 2
-        copies = 1 if interpret else max(2, -(-400_000_000 // nbytes))
-        weights = {"bf16": [tuple(bf16)] + [tuple(jnp.array(w, copy=True) for w in bf16) for _ in range(copies - 1)],
-                   "fp8": [fp8] + [jax.tree.map(lambda a: jnp.array(a, copy=True), fp8) for _ in range(copies - 1)]}
-        for tokens in ((32,) if interpret else token_counts):
-            x = jax.random.normal(jax.random.fold_in(key, 100 + tokens), (tokens, k), jnp.bfloat16)
-            flops = 2 * tokens * k * n * parts
-            for impl, fn in _prefill_impls(name, block, interpret, sweep=tokens != 2048).items():
-                ws = weights["bf16" if impl == "xla_bf16" else "fp8"]
-                row = {"shape": name, "M": tokens, "K": k, "N": n * parts, "impl": impl}
-                try:
-                    t = _time_us(fn, x, ws, reps=2 if interpret else 10)
-                except Exception as e:  # a launch Triton cannot compile (shared memory): recorded, the others run
-                    rows.append(row | {"error": str(e)[:300]})
-                    print(json.dumps(rows[-1]), flush=True)
-                    continue
-                rows.append(row | {"time_us": t, "tflops": flops / t / 1e6})
-                print(json.dumps(rows[-1]), flush=True)
-    if argv:
-        with open(argv[0], "w") as f:
-            json.dump({"device": jax.devices()[0].device_kind, "jax": jax.__version__, "results": rows}, f, indent=1)
-
-
-BENCHMARKS = {"mlp": bench_mlp, "skinny_gemm": bench_skinny_gemm, "fp8": bench_fp8, "fp8_prefill": bench_fp8_prefill}
+BENCHMARKS = {"mlp": bench_mlp, "skinny_gemm": bench_skinny_gemm, "fp8": bench_fp8}
 
 def main(argv: list[str] | None = None) -> None:
     run_subcommand(BENCHMARKS, __spec__.name, __doc__, argv)

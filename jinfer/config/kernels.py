@@ -33,10 +33,6 @@ The defaults are the measured choices (H100 figures; docs/performance.md has the
   fused kernel and o on the skinny GEMM (both read FP8) whatever pallas_mlp_tokens says; past it the jnp path
   dequantizes, then XLA's GEMMs (at batch 8 on the H100 that path made Qwen3-8B's TPOT 14.4 ms against bf16's 6.3).
   (FP8 routed experts take the Triton grouped GEMMs at every step size.)
-- fp8_gemm: past fp8_max_tokens, projections with block-FP8 weights (q|k|v, o, the MLP's gate|up with its SwiGLU and
-  down, shared experts) run the w8a8 block GEMM (pallas_kernels/dense/fp8_gemm.py: activations quantized per token
-  and 128 columns, e4m3 tensor-core dots) instead of dequantizing the weight and XLA's bf16 GEMM. Unmeasured default
-  (until measured: bench_dense fp8_prefill; TTFT A/B with JINFER_FP8_GEMM=0).
 - fp8_mode: how the dense and MoE kernels meet an FP8 weight tile (pallas_kernels/dense/fp8_tiles.py): "convert" (to
   the activations' dtype), "w8a8" (activations quantized per row and 128
   columns, FP8 tensor-core dot; numerics differ from bf16 activations by their FP8 rounding).
@@ -75,7 +71,7 @@ BACKENDS = ("auto", "reference", "pallas", "pallas-triton")  # pallas-triton: no
 EVICTION_POLICIES = ("evict_last", "normal")
 # Kernels whose launch parameters `KernelPolicy.launch` may set (keyword arguments of their public functions).
 LAUNCH_KERNELS = ("fused_mlp", "paged_decode_attention", "mla_decode_attention", "norm_qkv_rope", "moe_route",
-                  "moe_norm_route", "fp8_gemm")
+                  "moe_norm_route")
 # The environment switches `from_env` reads (measurements): variable -> field.
 ENV_FIELDS = {
     "JINFER_PALLAS_MLP_TOKENS": "pallas_mlp_tokens",
@@ -87,7 +83,6 @@ ENV_FIELDS = {
     "JINFER_FP8_SKINNY_O": "fp8_skinny_o",
     "JINFER_FP8_MAX_TOKENS": "fp8_max_tokens",
     "JINFER_FP8_MODE": "fp8_mode",
-    "JINFER_FP8_GEMM": "fp8_gemm",
     "JINFER_ONE_SHOT_ALL_REDUCE_BYTES": "one_shot_all_reduce_bytes",
     "JINFER_ONE_SHOT_ALL_GATHER_BYTES": "one_shot_all_gather_bytes",
     "JINFER_VERIFY_MAX_QUERY_LEN": "verify_max_query_len",
@@ -118,7 +113,6 @@ class KernelPolicy:
     fp8_skinny_o: bool = True
     fp8_max_tokens: int = 16
     fp8_mode: str = "convert"
-    fp8_gemm: bool = True
     one_shot_all_reduce_bytes: int = 16384
     one_shot_all_gather_bytes: int = 1 << 20
     verify_max_query_len: int = 8
@@ -152,7 +146,7 @@ class KernelPolicy:
             raise ValueError(f"fp8_mode={self.fp8_mode!r} must be one of {FP8_MODES}")
         if self.prefetch_eviction not in EVICTION_POLICIES:
             raise ValueError(f"prefetch_eviction={self.prefetch_eviction!r} must be one of {EVICTION_POLICIES}")
-        for name in ("pad_vector_dots", "xla_dot_merger", "fp8_skinny_o", "fp8_gemm", "mla_ragged_kernel"):
+        for name in ("pad_vector_dots", "xla_dot_merger", "fp8_skinny_o", "mla_ragged_kernel"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name}={getattr(self, name)!r} must be a bool")
         object.__setattr__(self, "launch", _launch_tuple(self.launch))
@@ -179,7 +173,7 @@ class KernelPolicy:
         benchmarks only: nothing below them reads the environment.
 
         JINFER_PALLAS_MLP_TOKENS="1,8" (a list of token counts, "" none); JINFER_XLA_DOT_MERGER=1 (XLA's default),
-        JINFER_FP8_SKINNY_O / JINFER_FP8_GEMM / JINFER_MLA_RAGGED_KERNEL=0 / 1; the others take the field's value."""
+        JINFER_FP8_SKINNY_O / JINFER_MLA_RAGGED_KERNEL=0 / 1; the others take the field's value."""
         environ = os.environ if environ is None else environ
         for var, name in ENV_FIELDS.items():
             text = environ.get(var)
@@ -188,7 +182,7 @@ class KernelPolicy:
             try:
                 if name == "pallas_mlp_tokens":
                     value = tuple(int(t) for t in text.split(",") if t)
-                elif name in ("xla_dot_merger", "fp8_skinny_o", "fp8_gemm", "mla_ragged_kernel"):
+                elif name in ("xla_dot_merger", "fp8_skinny_o", "mla_ragged_kernel"):
                     value = text == "1"
                 elif name == "prefetch_o":
                     value = float(text)

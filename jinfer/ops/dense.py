@@ -10,9 +10,7 @@ the o projection, the dense MLP block, embedding and lm_head.
 The layer's norms and residual adds belong to these ops, so a fused kernel can take them in.
 
 Block-FP8 weights (`Fp8Weight`): these three kernels read them (values and scales, `fp8_operands`); where they
-cannot (a mix of FP8 and plain weights, scale blocks under 16 rows) the jnp path dequantizes (`refuse_fp8`). Steps past
-fp8_max_tokens run every FP8 projection (q|k|v, o, gate|up with its SwiGLU, down) on the w8a8 block GEMM
-(pallas_kernels/dense/fp8_gemm.py, `KernelPolicy.fp8_gemm`); the reference backend dequantizes.
+cannot (a mix of FP8 and plain weights, scale blocks under 16 rows) the jnp path dequantizes (`refuse_fp8`).
 """
 
 from __future__ import annotations
@@ -57,33 +55,8 @@ class DenseOps:
     """ModelOps' dense ops (mixed into `jinfer.ops.ModelOps`, whose fields they read)."""
 
     def project(self, x: jax.Array, w: jax.Array, **kw) -> jax.Array:
-        """x @ w, kept a GEMM at T = 1 where the policy pads vector dots (`project`); a block-FP8 w in a step the
-        FP8 GEMM takes (`fp8_gemm_operands`) on it."""
-        if is_fp8(w) and x.ndim == 2 and (operands := self.fp8_gemm_operands(x.shape[0], w)) is not None:
-            from pallas_kernels.dense.fp8_gemm import fp8_gemm
-
-            (wv,), (ws,), block = operands
-            return fp8_gemm(x, wv, ws, scale_block=block, out_dtype=kw.get("preferred_element_type") or x.dtype,
-                            interpret=self.interpret, **self.policy.launch_args("fp8_gemm"))
+        """x @ w, kept a GEMM at T = 1 where the policy pads vector dots (`project`)."""
         return project(x, w, self.policy.pad_vector_dots, **kw)
-
-    def fp8_gemm_operands(self, tokens: int, *weights) -> tuple[tuple, tuple, tuple[int, int]] | None:
-        """(values, scales, scale block) where the block-FP8 `weights` of a step of `tokens` tokens go to the w8a8
-        GEMM: the Pallas backend with `KernelPolicy.fp8_gemm`, steps past fp8_max_tokens (smaller ones have the
-        decode kernels), every weight FP8 in one block shape the kernel tiles (`fp8_gemm.check_supported`); else None
-        (the jnp path dequantizes)."""
-        policy = self.policy
-        if self.backend != "pallas" or not policy.fp8_gemm or tokens <= policy.fp8_max_tokens \
-                or not any(is_fp8(w) for w in weights):
-            return None
-        operands = fp8_operands("fp8_gemm", *weights)
-        if operands is None:
-            return None
-        from pallas_kernels.dense.fp8_gemm import check_supported
-
-        if any(check_supported(*w.shape, operands[2], gpu=not self.interpret) is not None for w in operands[0]):
-            return None
-        return operands
 
     def step_counters(self, tokens: int) -> jax.Array | None:
         """A step's zeroed int32 counters for the split-K kernels that finish in their last program
@@ -195,29 +168,14 @@ class DenseOps:
         K iteration's critical path.)"""
         out = self._fused_mlp(x, norm, w_gate, w_up, w_down, eps, x.shape[0] in self.policy.pallas_mlp_tokens)
         if out is None:
-            out = self._swiglu_mlp(rms_norm(x, norm, eps), w_gate, w_up, w_down)
+            out = swiglu_mlp(rms_norm(x, norm, eps), w_gate, w_up, w_down)
         return x + self.reduce(out)
 
     def swiglu(self, h: jax.Array, w_gate: jax.Array, w_up: jax.Array, w_down: jax.Array) -> jax.Array:
         """The SwiGLU MLP of rows already normed (a MoE block's shared experts; a partial sum when sharded): block-FP8
-        weights in steps of <= fp8_max_tokens on the fused kernel, which reads them, larger ones on the FP8 GEMM, else
-        XLA's fusion."""
+        weights in steps of <= fp8_max_tokens on the fused kernel, which reads them, else XLA's fusion."""
         out = self._fused_mlp(h, None, w_gate, w_up, w_down, 1e-6, False)
-        return self._swiglu_mlp(h, w_gate, w_up, w_down) if out is None else out
-
-    def _swiglu_mlp(self, h: jax.Array, w_gate: jax.Array, w_up: jax.Array, w_down: jax.Array) -> jax.Array:
-        """down(silu(h @ gate) * (h @ up)) where no fused kernel took it: block-FP8 weights on the FP8 GEMM
-        (`fp8_gemm_operands`: gate and up in one call with the SwiGLU in its epilogue, then down), else XLA's fusion
-        (which dequantizes FP8 weights)."""
-        operands = self.fp8_gemm_operands(h.shape[0], w_gate, w_up, w_down)
-        if operands is None:
-            return swiglu_mlp(h, w_gate, w_up, w_down)
-        from pallas_kernels.dense.fp8_gemm import fp8_gemm
-
-        (wg, wu, wd), (sg, su, sd), block = operands
-        launch = {"scale_block": block, "interpret": self.interpret, **self.policy.launch_args("fp8_gemm")}
-        act = fp8_gemm(h, wg, sg, w_up=wu, w_up_scale=su, **launch)  # [T, I] in h's dtype
-        return fp8_gemm(act, wd, sd, **launch)
+        return swiglu_mlp(h, w_gate, w_up, w_down) if out is None else out
 
     def _fused_mlp(self, x, norm, w_gate, w_up, w_down, eps, plain: bool) -> jax.Array | None:
         """The fused SwiGLU kernel's output (its RMSNorm prologue where `norm` is given), or None where XLA's path

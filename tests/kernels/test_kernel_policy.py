@@ -22,7 +22,7 @@ def test_defaults_are_the_measured_choices():
 @pytest.mark.parametrize("field,value", [
     ("attention_backend", "cuda"), ("interpret", "yes"), ("pallas_mlp_tokens", (0,)), ("pallas_mlp_tokens", "1"),
     ("norm_qkv_max_tokens", -1), ("norm_qkv_max_tokens", 1.5), ("norm_qkv_k_splits", 0), ("prefetch_o", 1.5),
-    ("prefetch_eviction", "evict_first"), ("pad_vector_dots", 1), ("fp8_skinny_o", 0), ("fp8_gemm", 1),
+    ("prefetch_eviction", "evict_first"), ("pad_vector_dots", 1), ("fp8_skinny_o", 0),
     ("fp8_max_tokens", -1), ("fp8_mode", "fp4"), ("launch", {"no_such_kernel": {}}),
     ("launch", {"fused_mlp": {"block_i": "64"}}),
 ])
@@ -35,12 +35,12 @@ def test_from_env_reads_the_measurement_switches():
     env = {"JINFER_PALLAS_MLP_TOKENS": "8,1", "JINFER_NORM_QKV_TOKENS": "0", "JINFER_MOE_FRONT_TOKENS": "16",
            "JINFER_PREFETCH_O": "0.5", "JINFER_PREFETCH_EVICTION": "normal", "JINFER_XLA_DOT_MERGER": "1",
            "JINFER_FP8_SKINNY_O": "0", "JINFER_FP8_MAX_TOKENS": "8", "JINFER_FP8_MODE": "w8a8",
-           "JINFER_FP8_GEMM": "0", "JINFER_MLA_RAGGED_KERNEL": "0", "JINFER_MLA_EXPAND_MIN_QUERY_LEN": "128"}
+           "JINFER_MLA_RAGGED_KERNEL": "0", "JINFER_MLA_EXPAND_MIN_QUERY_LEN": "128"}
     p = KernelPolicy.from_env(env, attention_backend="pallas-triton")
     assert p == KernelPolicy(attention_backend="pallas-triton", pallas_mlp_tokens=(1, 8), norm_qkv_max_tokens=0,
                              moe_front_max_tokens=16, prefetch_o=0.5, prefetch_eviction="normal", xla_dot_merger=True,
-                             fp8_skinny_o=False, fp8_max_tokens=8, fp8_mode="w8a8", fp8_gemm=False,
-                             mla_ragged_kernel=False, mla_expand_min_query_len=128)
+                             fp8_skinny_o=False, fp8_max_tokens=8, fp8_mode="w8a8", mla_ragged_kernel=False,
+                             mla_expand_min_query_len=128)
     assert KernelPolicy.from_env({}) == KernelPolicy()
     assert KernelPolicy.from_env({"JINFER_PALLAS_MLP_TOKENS": ""}).pallas_mlp_tokens == ()
     with pytest.raises(ValueError, match="JINFER_NORM_QKV_TOKENS"):
@@ -76,7 +76,7 @@ def test_kernel_policy_and_pallas_kernels_import_cleanly():
 
     assert run("import sys, jinfer.config.kernels; print('jax' in sys.modules)") == "False"
     kernels = ("moe.moe_router", "moe.moe_gemm_mgpu", "dense.norm_qkv_rope", "dense.skinny_gemm", "dense.fused_mlp",
-               "dense.fp8_gemm", "attention.prefill_attention_mgpu", "linear_attention.gated_delta_rule_chunked",
+               "attention.prefill_attention_mgpu", "linear_attention.gated_delta_rule_chunked",
                "linear_attention.gated_delta_rule_decode", "linear_attention.causal_conv")
     imports = "; ".join(f"import pallas_kernels.{k}" for k in kernels)
     assert run(f"import sys; {imports}; print([m for m in sys.modules if m.startswith('jinfer')])") == "[]"
