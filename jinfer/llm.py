@@ -41,6 +41,9 @@ class LLM:
         if unknown:
             raise ValueError(f"unknown engine arguments {unknown}; known: {sorted(known - {'model'})}")
         config = EngineConfig(model=model, **compilation_cache_dir_from_env(vllm_engine_args(engine_args)))
+        if config.distributed_executor_backend == "mp" and config.tensor_parallel_size > 1:
+            raise ValueError("distributed_executor_backend='mp': LLM drives its GPUs from this process ('uni'); "
+                             "one process per GPU is `jinfer serve`'s (or --nnodes groups started by hand)")
         self.engines = [EngineCore(dataclasses.replace(config, data_parallel_rank=i))
                         for i in range(config.data_parallel_size)]
         self.engine = self.engines[0]

@@ -30,6 +30,7 @@ QUANTIZATIONS = ("gguf", "fp8")
 # "auto": Pallas on GPU, jnp elsewhere; "pallas-triton": no Mosaic GPU kernel.
 ATTENTION_BACKENDS = BACKENDS
 DEFAULT_COMPILATION_CACHE_DIR = "~/.cache/jinfer/xla"
+DISTRIBUTED_EXECUTOR_BACKENDS = ("auto", "mp", "uni")
 
 
 def _is_int(v: object) -> bool:
@@ -94,6 +95,10 @@ class EngineConfig:
     node_rank: int = 0
     master_addr: str = "127.0.0.1"
     master_port: int = 29500
+    # How an engine process drives its -tp GPUs of one host (vLLM's flag; jinfer/parallel/local_group.py): "mp" one
+    # process per GPU (the engine process spawns the others: a `nnodes` group on 127.0.0.1), "uni" one process for
+    # all, "auto" mp where it applies (GPUs, tp > 1, one engine, nothing a group refuses), else uni.
+    distributed_executor_backend: str = "auto"
     seed: int = 0
     attention_backend: str = "auto"  # one of ATTENTION_BACKENDS (overrides kernel_policy's)
     # Every other kernel choice (jinfer/config/kernels.py); part of the compiled step's key. The CLI builds it from
@@ -153,6 +158,7 @@ class EngineConfig:
         if self.nnodes > 1 and self.data_parallel_size > 1:
             raise ValueError(f"data_parallel_size={self.data_parallel_size} with nnodes={self.nnodes}: data-parallel "
                              "replicas of a multi-process group are not supported (run one server per group)")
+        self._check_executor()
         if self.page_size & (self.page_size - 1):
             raise ValueError(f"page_size={self.page_size} must be a power of two")
         if self.attention_backend not in ATTENTION_BACKENDS:
@@ -176,6 +182,20 @@ class EngineConfig:
                              "across several processes")
         if not isinstance(self.gpu_memory_utilization, int | float) or not 0 < self.gpu_memory_utilization <= 1:
             raise ValueError(f"gpu_memory_utilization={self.gpu_memory_utilization} must be in (0, 1]")
+
+    def _check_executor(self) -> None:
+        backend = self.distributed_executor_backend
+        if backend not in DISTRIBUTED_EXECUTOR_BACKENDS:
+            raise ValueError(f"distributed_executor_backend={backend!r} must be one of "
+                             f"{DISTRIBUTED_EXECUTOR_BACKENDS}")
+        if backend != "mp":
+            return
+        why = ("nnodes > 1 (the group is already one process per member)" if self.nnodes > 1 else
+               "data_parallel_size > 1 (each replica is one process)" if self.data_parallel_size > 1 else
+               "kv_offload_gb (the host tier is not supported across several processes)" if self.kv_offload_gb else
+               None)
+        if why:
+            raise ValueError(f"distributed_executor_backend='mp' does not go with {why}")
 
     def _check_formats(self) -> None:
         """kv_cache_dtype, quantization, max_logprobs and the strings naming where the model comes from."""

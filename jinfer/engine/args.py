@@ -13,7 +13,13 @@ import logging
 import os
 from pathlib import Path
 
-from jinfer.config.engine import ATTENTION_BACKENDS, KV_CACHE_DTYPES, QUANTIZATIONS, EngineConfig
+from jinfer.config.engine import (
+    ATTENTION_BACKENDS,
+    DISTRIBUTED_EXECUTOR_BACKENDS,
+    KV_CACHE_DTYPES,
+    QUANTIZATIONS,
+    EngineConfig,
+)
 from jinfer.config.kernels import KernelPolicy
 from jinfer.config.pooling import RUNNERS, TASK_RUNNERS
 
@@ -28,6 +34,7 @@ SERVE_EXECUTABLE_KEEP_ALIVE_S = 60.0
 _ENGINE_OPTIONS = ("dtype", "load_format", "max_model_len", "max_num_seqs", "max_num_batched_tokens", "num_pages",
                    "page_size", "gpu_memory_utilization", "tensor_parallel_size", "seed", "attention_backend",
                    "compilation_cache_dir", "nnodes", "node_rank", "master_addr", "master_port",
+                   "distributed_executor_backend",
                    "log_stats_interval", "generation_config", "kv_offload_gb", "executable_keep_alive",
                    "speculative_config", "revision", "download_dir", "tokenizer", "chat_template", "kv_cache_dtype",
                    "quantization", "max_logprobs", "enable_prefix_caching", "enable_chunked_prefill", "runner")
@@ -131,6 +138,10 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
                    help="host of process 0 (JAX's coordinator)" + _default("master_addr"))
     e.add_argument("--master-port", type=int, default=None,
                    help="port of JAX's coordinator on process 0" + _default("master_port"))
+    e.add_argument("--distributed-executor-backend", default=None, choices=list(DISTRIBUTED_EXECUTOR_BACKENDS),
+                   help="-tp GPUs of one host: mp = one process per GPU (faster), uni = one process for all; "
+                        "auto = mp where a multi-process group supports the configuration"
+                        + _default("distributed_executor_backend"))
     e.add_argument("--seed", type=int, default=None, help="seed of requests without one" + _default("seed"))
     e.add_argument("--attention-backend", default=None, choices=list(ATTENTION_BACKENDS),
                    help="pallas: Pallas kernels (Mosaic GPU for long prefills, Triton elsewhere); "

@@ -74,6 +74,7 @@ UNLOAD_CHECK_S = 1.0  # how often an idle engine looks for executables past thei
 PARENT_POLL_S = 0.5
 PARENT_GONE_GRACE_S = 5.0  # after the SIGTERM the parent's loss sends: then os._exit
 MAX_MESSAGES_PER_STEP = 4096  # a flood of requests must not starve the running ones
+_FOLLOWERS: list = []  # the processes this engine spawned, one per further GPU (jinfer/parallel/local_group.py)
 
 
 def _start_backend() -> None:
@@ -86,6 +87,11 @@ def _start_backend() -> None:
 
 
 def _default_core_factory(config: dict[str, Any]) -> Any:
+    from jinfer.parallel import local_group
+
+    if local_group.one_process_per_gpu(config):  # before this process's JAX backend starts
+        config, followers = local_group.spread(config)
+        _FOLLOWERS.extend(followers)
     if config.get("nnodes", 1) == 1:  # (several processes join their group before anything starts JAX)
         # JAX's backend (on a GPU: the CUDA context and memory pool, ~0.7 s on an H100) starts in a thread
         # while this one imports the engine's modules. JAX itself is imported here first (~1.5 s there; the
@@ -450,7 +456,14 @@ def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("XLA_PYTHON_CLIENT_ALLOCATOR", "cuda_async")
     if args.parent_pid is not None:
         watch_parent(args.parent_pid, args.owned_ipc_dir)
-    code = run_engine_core(json.loads(args.config), args.address, core_factory=args.core_factory)
+    code = 1
+    try:
+        code = run_engine_core(json.loads(args.config), args.address, core_factory=args.core_factory)
+    finally:
+        if _FOLLOWERS:  # one process per GPU (jinfer/parallel/local_group.py): a clean stop ended them already
+            from jinfer.parallel import local_group
+
+            local_group.stop(_FOLLOWERS, timeout=local_group.FOLLOWER_STOP_S if code == 0 else 5.0)
     if busy := _compiling_threads():  # interpreter exit would join them: up to a compile's length
         _say(f"exiting without waiting for {len(busy)} background compile thread(s)", "INFO")
         _exit_now(code)

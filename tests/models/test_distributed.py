@@ -150,18 +150,39 @@ def test_a_dead_process_takes_the_group_down_at_once(victim, monkeypatch):
         leader.kill()
 
 
-def test_served_group_stops_cleanly(monkeypatch):
-    client, follower = spawn_group(monkeypatch)
+def children(pid: int) -> list[int]:
+    out = []
+    for d in os.listdir("/proc"):
+        try:
+            with open(f"/proc/{d}/stat") as f:
+                if d.isdigit() and int(f.read().rsplit(")", 1)[1].split()[1]) == pid:
+                    out.append(int(d))
+        except OSError:
+            pass
+    return out
+
+
+def test_served_engine_spreads_over_a_process_per_device(monkeypatch):
+    """`--distributed-executor-backend mp` (the GPU default): the engine process of `jinfer serve -tp 2` spawns its
+    follower itself and leads the group; HF's greedy ids; the client's Shutdown stops both processes cleanly."""
+    prompts, greedy = gold("qwen3")
+    config = dict(BASE, model=str(DATA / "tiny-qwen3"), tensor_parallel_size=2, distributed_executor_backend="mp",
+                  warmup=False)
+    monkeypatch.setenv("XLA_FLAGS", f"--xla_force_host_platform_device_count=1 {FAST_COMPILE}")  # per process
+    client = EngineClient.spawn(config, startup_timeout=240)
+    engine = client.process
     try:
-        out = client.generate([5, 6, 7], SamplingParams(max_tokens=8, ignore_eos=True),
+        followers = children(engine.pid)
+        assert len(followers) == 1, followers
+        out = client.generate(prompts[0], SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True),
                               timeout=60)
-        assert len(out.outputs[0].token_ids) == 8
+        assert list(out.outputs[0].token_ids) == greedy[0]
     finally:
         client.close()  # Shutdown to process 0, which stops process 1
-        code = follower.wait(timeout=30)
-        follower.kill()
+        code = engine.wait(timeout=60)
+        engine.kill()
     assert code == 0
-    assert client.process.wait(timeout=30) == 0
+    assert not [p for p in followers if os.path.exists(f"/proc/{p}")]
 
 
 # A bare group (multihost.join, no engine). "hold": libc's sleep called holding the GIL, so that no thread of
