@@ -102,7 +102,9 @@ def fake_quant_rows(x: jax.Array, group: int) -> jax.Array:
     xg = x.astype(jnp.float32).reshape(t, k // group, group)
     amax = jnp.max(jnp.abs(xg), axis=-1, keepdims=True)
     live = amax > 0
-    q = (xg * jnp.where(live, FP8_MAX / jnp.where(live, amax, 1.0), 1.0)).astype(FP8).astype(jnp.float32)
+    # the barrier: XLA's GPU pipeline folds convert(convert(x, e4m3), f32) back to x (excess precision allowed)
+    q = jax.lax.optimization_barrier((xg * jnp.where(live, FP8_MAX / jnp.where(live, amax, 1.0), 1.0)).astype(FP8))
+    q = q.astype(jnp.float32)
     return (q * jnp.where(live, amax / FP8_MAX, 0.0)).reshape(t, k)
 
 
