@@ -147,6 +147,8 @@ def main():
                                    speculative_config=None if replay else spec_config,
                                    **compilation_cache_dir_from_env({})),
                       proposer=proposer)
+    if core.runner.collectives:
+        print(f"collectives: {core.runner.collectives}", flush=True)
     if follower:
         raise SystemExit(core.group.serve(core.runner))
     startup_s = time.perf_counter() - t0
@@ -200,7 +202,7 @@ def main():
     result = {"benchmark": "latency", **environment(), "shape": args.shape, "dtype": args.dtype,
               "kv_cache_dtype": args.kv_cache_dtype,
               "tensor_parallel_size": args.tensor_parallel_size, "expert_parallel": args.enable_expert_parallel,
-              "processes": args.nnodes,
+              "processes": args.nnodes, "collectives": core.runner.collectives,
               "num_pages": core.kv.num_usable_pages,
               "input_len": args.input_len, "output_len": args.output_len, "max_model_len": max_model_len,
               "attention_backend": core.runner.ops.backend, "mosaic_prefill": core.runner.ops.mosaic_prefill,

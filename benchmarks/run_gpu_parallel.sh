@@ -108,7 +108,7 @@ if [[ $PARTS == *multiprocess* ]]; then
     wait
     PORT=$((PORT + 1))
     echo "== $TP processes, GPUs visible: $vis"
-    grep -E "^batch|one-shot|Error|error" "/tmp/multiprocess_${vis}_rank0.log" | head -8
+    grep -oE "^batch.*|collectives: .*|one-shot.*|Error.*" "/tmp/multiprocess_${vis}_rank0.log" | head -8
     tail -2 /tmp/multiprocess_${vis}_rank[1-9]*.log
   done
   # the same layout in one process, and whether both gave the same greedy tokens (same prompts, same sums)

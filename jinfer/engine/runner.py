@@ -118,6 +118,9 @@ class ModelRunner(StepExecutables):
         self._slot_layers = slot_layers(cache_spec(cfg))
         self._fork_sizes = [1 << b for b in range(FORK_CHUNK.bit_length())] if self._slot_layers else []
         self._all_reduce_table = all_reduce_table(mesh, ops)
+        # what a sharded step reduces with: our one-shot kernels (over CUDA IPC across processes) or XLA's collectives
+        self.collectives = None if mesh.size == 1 else "xla" if not self._all_reduce_table else (
+            "one_shot_ipc" if jax.process_count() > 1 else "one_shot")
         self._make_jits()
         self._prev_spec = jax.ShapeDtypeStruct((self.max_rows,), jnp.int32, sharding=self._replicated)
         # Stable step buffers. A small step's executable runs as one XLA command buffer (a CUDA graph), which XLA
