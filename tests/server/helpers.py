@@ -21,6 +21,14 @@ SMOLLM2_ARGS = ["--dtype", "float32", "--max-model-len", "1024", "--max-num-batc
                 "--max-num-seqs", "32", "--no-warmup"]
 
 
+def smollm2_env() -> dict[str, str]:
+    """XLA_FLAGS for those servers: tests/conftest.py's without LLVM's -O0. Their time goes to running the model's
+    steps (~0.2 s each, hundreds of them), which -O0 makes ~25% slower, not to compiling (the same at either level
+    for this model); both servers still share their executables (one set of flags)."""
+    flags = os.environ.get("XLA_FLAGS", "").split()
+    return {"XLA_FLAGS": " ".join(f for f in flags if not f.startswith("--xla_backend_optimization_level"))}
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

@@ -14,7 +14,7 @@ import pytest
 
 from jinfer.client import EngineClient
 from jinfer.sampling_params import SamplingParams
-from tests.server.helpers import SMOLLM2_ARGS, metric, start_server, wait_for
+from tests.server.helpers import SMOLLM2_ARGS, metric, smollm2_env, start_server, wait_for
 
 MODEL = "SmolLM2-135M-Instruct"
 PARIS = [{"role": "user", "content": "What is the capital of France?"}]
@@ -24,7 +24,7 @@ PARIS = [{"role": "user", "content": "What is the capital of France?"}]
 def server(default_gguf, tmp_path_factory):
     tmp = tmp_path_factory.mktemp("e2e")
     args = [*SMOLLM2_ARGS, "--engine-address", f"ipc://{tmp}/engine.sock"]
-    srv = start_server(args, tmp, timeout=900)
+    srv = start_server(args, tmp, env=smollm2_env(), timeout=900)
     srv.engine_address = f"ipc://{tmp}/engine.sock"
     yield srv
     srv.stop(signal.SIGTERM)

@@ -12,7 +12,7 @@ import jsonschema
 import openai
 import pytest
 
-from tests.server.helpers import SMOLLM2_ARGS, start_server
+from tests.server.helpers import SMOLLM2_ARGS, smollm2_env, start_server
 
 MODEL = "SmolLM2-135M-Instruct"
 S, I = {"type": "string", "maxLength": 12}, {"type": "integer", "minimum": 0, "maximum": 100}
@@ -62,7 +62,7 @@ ASK = [{"role": "user", "content": "What is the weather in Paris?"}]
 def server(default_gguf, tmp_path_factory):
     tmp = tmp_path_factory.mktemp("structured")
     args = [*SMOLLM2_ARGS, "--enable-auto-tool-choice", "--tool-call-parser", "hermes"]
-    srv = start_server(args, tmp, timeout=900)
+    srv = start_server(args, tmp, env=smollm2_env(), timeout=900)
     yield srv
     srv.stop(signal.SIGTERM)
 

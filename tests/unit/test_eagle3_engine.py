@@ -1,6 +1,6 @@
 """EAGLE-3 drafts through the engine (jinfer/spec/eagle.py) on the tiny random Qwen3 and its random head
 (tests/data/tiny-eagle3-qwen3): outputs equal those without speculation token for token (batch 1 and 4, prefix-cache
-hits, chunked prefill, preemption, the LLM API), and the drafts the engine proposes after a prompt's prefill are the
+hits, chunked prefill, preemption), and the drafts the engine proposes after a prompt's prefill are the
 reference head's greedy chain (tests/data/golden/tiny-eagle3-qwen3.npz), also when the prompt is prefilled in
 chunks or partly comes from the prefix cache: the engine feeds the head what it was trained on. The random head
 rarely agrees with the random target, so acceptance is near 0 here; the golden chain is what proves the wiring."""
@@ -12,14 +12,12 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jinfer.llm import LLM
 from jinfer.models import eagle3
 from jinfer.models.batch import Batch
 from jinfer.sampling_params import SamplingParams
 
 from ..conftest import DATA
-from .test_engine import BASE
-from .test_spec_engine import TINY, assert_same, core, generate, spec_prompts
+from .test_spec_engine import assert_same, core, generate, spec_prompts
 
 HEAD = DATA / "tiny-eagle3-qwen3"
 EAGLE = {"method": "eagle3", "model": str(HEAD), "num_speculative_tokens": 3}
@@ -105,13 +103,9 @@ def test_preemption_and_chunked_prefill(plain, small):
     assert_drafted(counters)
 
 
-def test_offline_llm_api_and_executable_key(plain, spec):
-    prompts = spec_prompts(3, seed=11)
-    want, _ = generate(plain, prompts, GREEDY)
-    llm = LLM(TINY, **BASE, speculative_config=EAGLE)
-    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], GREEDY, use_tqdm=False)
-    assert [o.outputs[0].token_ids for o in outs] == [want[f"{i}/0"][0] for i in range(len(prompts))]
-    assert llm.engine.stats()["spec_decode_num_draft_tokens"] > 0
+def test_executable_key_and_head_pages(plain, spec):
+    """(The LLM API hands speculative_config to the engine as it is, whatever the method: test_spec_engine.py's
+    test_offline_llm_api_with_speculative_config; the EAGLE-3 engine's outputs: the tests above.)"""
     # the target's forward returns the head's states: another program, another key in the executable cache
     assert spec.runner.aux_layers == (0, 1, 2) and plain.runner.aux_layers == ()
     assert spec.runner.executables.namespace != plain.runner.executables.namespace
