@@ -93,32 +93,23 @@ if [[ $PARTS == *profile* ]]; then
   done
 fi
 if [[ $PARTS == *multiprocess* ]]; then
-  # MP_VISIBLE: "all" = every process sees every GPU and drives GPU r (JINFER_LOCAL_DEVICE_IDS), so CUDA IPC can
-  # open the peers' memory for the one-shot all-reduce; "own" = a CUDA_VISIBLE_DEVICES of its own per process
   PORT=29555; MPS=${MP_SHAPE:-qwen3-8b}  # MP_ARGS: e.g. --enable-expert-parallel
   MP_ARGS=${MP_ARGS:-}
-  for vis in ${MP_VISIBLE:-all own}; do
-    for r in $(seq $((TP - 1)) -1 0); do
-      if [[ $vis == all ]]; then dev=(env JINFER_LOCAL_DEVICE_IDS=$r); else dev=(env CUDA_VISIBLE_DEVICES=$r); fi
-      out=(); [[ $r == 0 ]] && out=(--out "$OUT/latency_${MPS}_tp${TP}_${TP}proc_${vis}_$TAG.json")
-      "${dev[@]}" timeout 300 python3 -m benchmarks.bench_latency --shape $MPS --batch-sizes ${BATCHES:-1 16} \
-          -tp $TP --nnodes $TP --node-rank $r --master-port $PORT $MP_ARGS --input-len 1024 --output-len 128 "${out[@]}" \
-          > "/tmp/multiprocess_${vis}_rank$r.log" 2>&1 &
-    done
-    wait
-    PORT=$((PORT + 1))
-    echo "== $TP processes, GPUs visible: $vis"
-    grep -oE "^batch.*|collectives: .*|one-shot.*|Error.*" "/tmp/multiprocess_${vis}_rank0.log" | head -8
-    tail -2 /tmp/multiprocess_${vis}_rank[1-9]*.log
+  for r in $(seq $((TP - 1)) -1 0); do  # one GPU per process (its own CUDA_VISIBLE_DEVICES), as `jinfer serve -tp`
+    out=(); [[ $r == 0 ]] && out=(--out "$OUT/latency_${MPS}_tp${TP}_${TP}proc_$TAG.json")
+    CUDA_VISIBLE_DEVICES=$r timeout 300 python3 -m benchmarks.bench_latency --shape $MPS --batch-sizes ${BATCHES:-1 16} \
+        -tp $TP --nnodes $TP --node-rank $r --master-port $PORT $MP_ARGS --input-len 1024 --output-len 128 "${out[@]}" \
+        > "/tmp/multiprocess_rank$r.log" 2>&1 &
   done
+  wait
+  grep -oE "^batch.*|collectives: .*|one-shot.*|Error.*" /tmp/multiprocess_rank0.log | head -8
+  tail -2 /tmp/multiprocess_rank[1-9]*.log
   # the same layout in one process, and whether both gave the same greedy tokens (same prompts, same sums)
   timeout 300 python3 -m benchmarks.bench_latency --shape $MPS --batch-sizes ${BATCHES:-1 16} -tp $TP \
       $MP_ARGS --input-len 1024 --output-len 128 --out "$OUT/latency_${MPS}_tp${TP}_1proc_$TAG.json" | grep "^batch"
-  for vis in ${MP_VISIBLE:-all own}; do
-    python3 -c "import json, sys; a, b = (json.load(open(f))['rows'] for f in sys.argv[1:]); \
-print('same tokens ($vis, $TP processes vs 1):', [x['tokens_sha_runs'] == y['tokens_sha_runs'] for x, y in zip(a, b)])" \
-        "$OUT/latency_${MPS}_tp${TP}_${TP}proc_${vis}_$TAG.json" "$OUT/latency_${MPS}_tp${TP}_1proc_$TAG.json"
-  done
+  python3 -c "import json, sys; a, b = (json.load(open(f))['rows'] for f in sys.argv[1:]); \
+print('same tokens ($TP processes vs 1):', [x['tokens_sha_runs'] == y['tokens_sha_runs'] for x, y in zip(a, b)])" \
+      "$OUT/latency_${MPS}_tp${TP}_${TP}proc_$TAG.json" "$OUT/latency_${MPS}_tp${TP}_1proc_$TAG.json"
 fi
 if [[ $PARTS == *dp* ]]; then
   ARGS="--max-model-len 2048 --max-num-seqs 256 --max-num-batched-tokens 2048 --log-level warning"

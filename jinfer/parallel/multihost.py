@@ -87,7 +87,6 @@ def join(nnodes: int, node_rank: int, master_addr: str, master_port: int,
         jax.config.update("jax_cpu_collectives_implementation", "gloo")  # CPU collectives across processes
         log.info("process %d of %d: joining the group at %s:%d", node_rank, nnodes, master_addr, master_port)
         jax.distributed.initialize(f"{master_addr}:{master_port}", nnodes, node_rank,
-                                   local_device_ids=local_device_ids(),
                                    heartbeat_timeout_seconds=JAX_HEARTBEAT_TIMEOUT_S,
                                    shutdown_timeout_seconds=JAX_SHUTDOWN_TIMEOUT_S)
     if (jax.process_count(), jax.process_index()) != (nnodes, node_rank):
@@ -97,22 +96,6 @@ def join(nnodes: int, node_rank: int, master_addr: str, master_port: int,
     if node_rank == 0:
         return Leader(nnodes, master_addr, kv, peer_timeout_s)
     return Follower(nnodes, node_rank, kv, peer_timeout_s)
-
-
-def local_device_ids(env=os.environ) -> list[int] | None:
-    """The GPUs this process drives, from `JINFER_LOCAL_DEVICE_IDS` ("1" or "0,1"), among all it sees; None: every
-    visible one. With one process per GPU on one host, each process seeing every GPU (not a `CUDA_VISIBLE_DEVICES`
-    of its own) can open its peers' memory over CUDA IPC (`peer_memory`)."""
-    text = env.get("JINFER_LOCAL_DEVICE_IDS", "").strip()
-    if not text:
-        return None
-    try:
-        ids = [int(x) for x in text.split(",")]
-    except ValueError:
-        raise ValueError(f"JINFER_LOCAL_DEVICE_IDS={text!r} must be comma-separated GPU ordinals") from None
-    if any(i < 0 for i in ids) or len(set(ids)) != len(ids):
-        raise ValueError(f"JINFER_LOCAL_DEVICE_IDS={text!r} must be distinct ordinals >= 0")
-    return ids
 
 
 def _bind_ip(host: str) -> str:

@@ -8,7 +8,6 @@ import threading
 from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
-import pytest
 
 from jinfer.parallel.peer_memory import HANDLE_BYTES, exchange_rows
 
@@ -86,13 +85,3 @@ def test_all_or_none():
     assert run(2, [fake_driver(0, fail_open=True), fake_driver(1)]) == [None, None]
     assert run(2, [fake_driver(0), fake_driver(1)], device_procs=[0, 1, 1]) == [None, None]
 
-
-def test_local_device_ids_from_the_environment():
-    from jinfer.parallel.multihost import local_device_ids
-
-    assert local_device_ids({}) is None
-    assert local_device_ids({"JINFER_LOCAL_DEVICE_IDS": " 1 "}) == [1]
-    assert local_device_ids({"JINFER_LOCAL_DEVICE_IDS": "0,1"}) == [0, 1]
-    for bad in ("a", "1,1", "-1"):
-        with pytest.raises(ValueError, match="JINFER_LOCAL_DEVICE_IDS"):
-            local_device_ids({"JINFER_LOCAL_DEVICE_IDS": bad})
