@@ -155,10 +155,6 @@ class EngineConfig:
             raise ValueError(f"node_rank={self.node_rank!r} must be in [0, nnodes={self.nnodes})")
         if not _is_int(self.master_port) or not 0 < self.master_port < 65536:
             raise ValueError(f"master_port={self.master_port!r} must be a TCP port in [1, 65535]")
-        if self.nnodes > 1 and self.data_parallel_size > 1:
-            raise ValueError(f"data_parallel_size={self.data_parallel_size} with nnodes={self.nnodes}: data-parallel "
-                             "replicas of a multi-process group are not supported (run one server per group)")
-        self._check_executor()
         if self.page_size & (self.page_size - 1):
             raise ValueError(f"page_size={self.page_size} must be a power of two")
         if self.attention_backend not in ATTENTION_BACKENDS:
@@ -177,25 +173,34 @@ class EngineConfig:
         if v and not self.enable_prefix_caching:
             raise ValueError(f"kv_offload_gb={v} needs enable_prefix_caching=True: the host tier holds pages "
                              "evicted from the prefix cache")
-        if v and self.nnodes > 1:
-            raise ValueError(f"kv_offload_gb={v} with nnodes={self.nnodes}: the host tier is not supported "
-                             "across several processes")
+        self._check_group()
         if not isinstance(self.gpu_memory_utilization, int | float) or not 0 < self.gpu_memory_utilization <= 1:
             raise ValueError(f"gpu_memory_utilization={self.gpu_memory_utilization} must be in (0, 1]")
 
-    def _check_executor(self) -> None:
+    def group_refusal(self) -> tuple[str, str] | None:
+        """What in this configuration a multi-process group (`nnodes`, or `distributed_executor_backend='mp'`) does
+        not support, as (the field and its value, why), or None."""
+        if self.data_parallel_size > 1:
+            return (f"data_parallel_size={self.data_parallel_size}", "data-parallel replicas of a multi-process group "
+                    "are not supported (run one server per group)")
+        if self.kv_offload_gb:
+            return f"kv_offload_gb={self.kv_offload_gb}", "the host tier is not supported across several processes"
+        if (spec := self.speculative_config) is not None and spec.method in ("eagle3", "mtp"):
+            return f"speculative_config.method={spec.method!r}", "a draft head runs in one process"
+        return None
+
+    def _check_group(self) -> None:
         backend = self.distributed_executor_backend
         if backend not in DISTRIBUTED_EXECUTOR_BACKENDS:
             raise ValueError(f"distributed_executor_backend={backend!r} must be one of "
                              f"{DISTRIBUTED_EXECUTOR_BACKENDS}")
-        if backend != "mp":
-            return
-        why = ("nnodes > 1 (the group is already one process per member)" if self.nnodes > 1 else
-               "data_parallel_size > 1 (each replica is one process)" if self.data_parallel_size > 1 else
-               "kv_offload_gb (the host tier is not supported across several processes)" if self.kv_offload_gb else
-               None)
-        if why:
-            raise ValueError(f"distributed_executor_backend='mp' does not go with {why}")
+        if backend == "mp" and self.nnodes > 1:
+            raise ValueError(f"distributed_executor_backend='mp' with nnodes={self.nnodes}: the group is already one "
+                             "process per member")
+        if (self.nnodes > 1 or backend == "mp") and (refused := self.group_refusal()):
+            what, why = refused
+            group = f"nnodes={self.nnodes}" if self.nnodes > 1 else "distributed_executor_backend='mp'"
+            raise ValueError(f"{what} with {group}: {why}")
 
     def _check_formats(self) -> None:
         """kv_cache_dtype, quantization, max_logprobs and the strings naming where the model comes from."""

@@ -268,9 +268,6 @@ def build_engine(config: EngineConfig, tokenizer: Tokenizer | None = None, specu
         if spec.method == "mtp" and model_config.architecture != "qwen3_5":
             raise ValueError(f"speculative_config.method='mtp' reads the MTP layer of Qwen3.5 checkpoints, not of "
                              f"{model_config.architecture!r}")
-        if spec.method in ("eagle3", "mtp") and group is not None:
-            raise ValueError(f"speculative_config.method={spec.method!r} is not supported over several processes "
-                             "(nnodes)")
     generation_defaults = load_generation_defaults(config.generation_config, source.path)
     tokenizer, tokenizer_path = _load_tokenizer(config, source.path, tokenizer)
     phases("tokenizer")

@@ -87,9 +87,10 @@ def _start_backend() -> None:
 
 
 def _default_core_factory(config: dict[str, Any]) -> Any:
+    from jinfer.config.engine import EngineConfig
     from jinfer.parallel import local_group
 
-    if local_group.one_process_per_gpu(config):  # before this process's JAX backend starts
+    if local_group.one_process_per_gpu(EngineConfig(**config)):  # before this process's JAX backend starts
         config, followers = local_group.spread(config)
         _FOLLOWERS.extend(followers)
     if config.get("nnodes", 1) == 1:  # (several processes join their group before anything starts JAX)
@@ -100,7 +101,6 @@ def _default_core_factory(config: dict[str, Any]) -> Any:
         import jax  # noqa: F401
 
         threading.Thread(target=_start_backend, name="jinfer-backend", daemon=True).start()
-    from jinfer.config.engine import EngineConfig
     from jinfer.engine.core import EngineCore
 
     return EngineCore(EngineConfig(**config))

@@ -44,10 +44,15 @@ def start_engine_process(config: Any, address: str, *, core_factory: str | None 
         cmd += ["--core-factory", core_factory]
     if owned_ipc_dir:
         cmd += ["--owned-ipc-dir", owned_ipc_dir]
-    env = dict(os.environ) | (env or {})
-    root = str(Path(__file__).resolve().parents[2])  # so that `-m jinfer...` works from any cwd
+    return subprocess.Popen(cmd, env=child_env(env), start_new_session=True)
+
+
+def child_env(extra: dict[str, str] | None = None) -> dict[str, str]:
+    """Our environment plus `extra`, with this checkout on PYTHONPATH (so that `-m jinfer...` works from any cwd)."""
+    env = dict(os.environ) | (extra or {})
+    root = str(Path(__file__).resolve().parents[2])
     env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH")) if p)
-    return subprocess.Popen(cmd, env=env, start_new_session=True)
+    return env
 
 
 def discard_engine_process(proc: subprocess.Popen, ipc_dir: str | None) -> None:

@@ -21,12 +21,13 @@ import re
 import socket
 import subprocess
 import sys
-from pathlib import Path
 from typing import Any
+
+from jinfer.config.engine import EngineConfig
+from jinfer.engine.spawn import MEM_FRACTION, child_env
 
 log = logging.getLogger(__name__)
 
-GROUP_REFUSES_DRAFTERS = ("eagle3", "mtp")  # drafter heads: one process only (engine/builder.py)
 FOLLOWER_STOP_S = 30.0
 
 
@@ -45,39 +46,26 @@ def visible_gpus(env=os.environ) -> list[str]:
     return [str(i) for i in ordinals]
 
 
-def _drafter(config: dict[str, Any]) -> str | None:
-    spec = config.get("speculative_config")
-    if isinstance(spec, str):
-        spec = json.loads(spec) if spec.strip() else None
-    return spec.get("method") if isinstance(spec, dict) else getattr(spec, "method", None)
-
-
-def _is_embedding_model(config: dict[str, Any]) -> bool:
-    if config.get("runner") == "pooling":
-        return True
-    if config.get("runner", "auto") != "auto":
-        return False
+def _is_embedding_model(config: EngineConfig) -> bool:
+    if config.runner != "auto":
+        return config.runner == "pooling"
     from jinfer.weights.loader import resolve_model
 
     try:
-        source = resolve_model(config.get("model"), config.get("load_format", "auto"),
-                               revision=config.get("revision"), download_dir=config.get("download_dir"))
+        source = resolve_model(config.model, config.load_format, revision=config.revision,
+                               download_dir=config.download_dir)
     except Exception:  # noqa: BLE001 - the engine's own start-up says what is wrong with the model
         return True  # (and one process is what it would have been)
     return source.config.pooling
 
 
-def one_process_per_gpu(config: dict[str, Any], env=os.environ) -> bool:
-    """Whether the engine process should spread over a process per GPU (`config`: EngineConfig fields)."""
-    backend = config.get("distributed_executor_backend", "auto")
-    tp = int(config.get("tensor_parallel_size") or 1)
-    if backend == "uni" or tp == 1 or int(config.get("nnodes") or 1) > 1:
+def one_process_per_gpu(config: EngineConfig, env=os.environ) -> bool:
+    """Whether the engine process should spread over a process per GPU."""
+    backend, tp = config.distributed_executor_backend, config.tensor_parallel_size
+    if backend == "uni" or tp == 1 or config.nnodes > 1:
         return False
-    if backend == "mp":
-        return True
-    return (int(config.get("data_parallel_size") or 1) == 1 and not config.get("kv_offload_gb")
-            and _drafter(config) not in GROUP_REFUSES_DRAFTERS and len(visible_gpus(env)) >= tp
-            and not _is_embedding_model(config))
+    return backend == "mp" or (config.group_refusal() is None and len(visible_gpus(env)) >= tp
+                               and not _is_embedding_model(config))
 
 
 def _free_port() -> int:
@@ -86,33 +74,29 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def spread(config: dict[str, Any], env=os.environ) -> tuple[dict[str, Any], list[subprocess.Popen]]:
-    """Start the followers (ranks 1..tp-1, one GPU each) and return process 0's config and them. Sets this process's
-    CUDA_VISIBLE_DEVICES to its own GPU: call it before anything starts JAX's backend."""
+def spread(config: dict[str, Any]) -> tuple[dict[str, Any], list[subprocess.Popen]]:
+    """Start the followers (ranks 1..tp-1, one GPU each) and return process 0's config (EngineConfig fields) and them.
+    Sets this process's CUDA_VISIBLE_DEVICES to its own GPU: call it before anything starts JAX's backend."""
     tp = int(config["tensor_parallel_size"])
-    gpus = visible_gpus(env)
+    gpus = visible_gpus()
     if gpus and len(gpus) < tp:
         raise ValueError(f"tensor_parallel_size={tp} needs {tp} GPUs; CUDA_VISIBLE_DEVICES / the host has "
                          f"{len(gpus)}")
     group = dict(config, nnodes=tp, node_rank=0, master_addr="127.0.0.1", master_port=_free_port(),
                  distributed_executor_backend="uni")
-    root = str(Path(__file__).resolve().parents[2])
-    base = dict(env)
-    base.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.95")  # as one engine process on its GPUs (engine/spawn.py)
-    base["PYTHONPATH"] = os.pathsep.join(p for p in (root, base.get("PYTHONPATH")) if p)
+    os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", MEM_FRACTION)  # as one engine process on its GPUs
     followers = []
     try:
         for rank in range(1, tp):
-            follower_env = base | ({"CUDA_VISIBLE_DEVICES": gpus[rank]} if gpus else {})
             cmd = [sys.executable, "-m", "jinfer.engine.worker_proc", "--config",
                    json.dumps(group | {"node_rank": rank})]
-            followers.append(subprocess.Popen(cmd, env=follower_env))
+            own_gpu = {"CUDA_VISIBLE_DEVICES": gpus[rank]} if gpus else None
+            followers.append(subprocess.Popen(cmd, env=child_env(own_gpu)))
     except BaseException:
         stop(followers, timeout=0)
         raise
     if gpus:
         os.environ["CUDA_VISIBLE_DEVICES"] = gpus[0]
-    os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", base["XLA_PYTHON_CLIENT_MEM_FRACTION"])
     log.info("one process per GPU: %d followers started (pids %s), this process GPU %s, coordinator port %d",
              len(followers), [p.pid for p in followers], gpus[0] if gpus else "-", group["master_port"])
     return group, followers

@@ -26,6 +26,7 @@ def test_visible_gpus():
     (dict(tensor_parallel_size=2, distributed_executor_backend="uni"), GPUS2, False),
     (dict(tensor_parallel_size=2, distributed_executor_backend="mp"), {"JAX_PLATFORMS": "cpu"}, True),  # forced
     (dict(tensor_parallel_size=2, nnodes=2), GPUS2, False),  # the user's own group
+    (dict(tensor_parallel_size=2, data_parallel_size=2), GPUS2, False),  # replicas: one process each
     (dict(tensor_parallel_size=2, kv_offload_gb=1.0), GPUS2, False),  # what a group refuses: one process
     (dict(tensor_parallel_size=2, speculative_config={"method": "mtp", "num_speculative_tokens": 1}), GPUS2, False),
     (dict(tensor_parallel_size=2, speculative_config='{"method": "ngram", "num_speculative_tokens": 2}'), GPUS2,
@@ -33,8 +34,7 @@ def test_visible_gpus():
     (dict(tensor_parallel_size=2, runner="pooling"), GPUS2, False),
 ])
 def test_one_process_per_gpu(fields, env, spread):
-    config = dict(model=str(DATA / "tiny-qwen3"), **fields)
-    assert one_process_per_gpu(config, env) is spread
+    assert one_process_per_gpu(EngineConfig(model=str(DATA / "tiny-qwen3"), **fields), env) is spread
 
 
 def test_mp_with_what_a_group_refuses_names_the_field():
