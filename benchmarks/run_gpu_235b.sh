@@ -10,7 +10,8 @@
 #               replicated kv heads and router, and with ep the GPU most of the 8 routed experts land on)
 #   throughput  offline 512 prompts x 1k in / 128 out (total tokens/s), per expert layout
 #   serving     `jinfer serve` + bench_serving at each of $RATES req/s (default "1 2 4 8"), 1k / 128: the TTFT p99
-# $SHAPE (default qwen3-235b-a22b) and $TP (default: the GPUs present). The half-size run on nvidia-h200-x4:
+# $SHAPE (default qwen3-235b-a22b) and $TP (default: the GPUs present); PROCS=$TP runs latency as one process per GPU
+# (R0_ARGS: more flags for the first, e.g. "--profile DIR --profile-no-python"). The half-size run on nvidia-h200-x4:
 #   SHAPE=qwen3-235b-a22b,num_layers=47 bash benchmarks/run_gpu_235b.sh    (47 of the 94 layers, real shapes)
 # JSON lands in $OUT; $TAG names the machine in the file names (default h200x$TP). DRY=1 prints the commands only.
 # The device tool allows 10 minutes a command: run one part and one layout per call, e.g.
@@ -44,8 +45,19 @@ if [[ $PARTS == *tests* ]]; then
 fi
 if [[ $PARTS == *latency* ]]; then
   for moe in ${MOE_LAYOUTS//,/ }; do
-    run timeout 570 python3 -m benchmarks.bench_latency --shape "$SHAPE" --batch-sizes ${BATCHES:-1 8 32} -tp $TP \
-        $(ep_flag $moe) --input-len 1024 --output-len 128 --out "$OUT/latency_${NAME}_${moe}${TP}_$TAG.json" 2>&1 | show
+    if [ "${PROCS:-1}" = 1 ]; then
+      run timeout 570 python3 -m benchmarks.bench_latency --shape "$SHAPE" --batch-sizes ${BATCHES:-1 8 32} -tp $TP \
+          $(ep_flag $moe) --input-len 1024 --output-len 128 --out "$OUT/latency_${NAME}_${moe}${TP}_$TAG.json" 2>&1 | show
+    else  # one process per GPU, each with its own CUDA_VISIBLE_DEVICES (the layout `jinfer serve -tp` runs)
+      for r in $(seq $((TP - 1)) -1 0); do
+        out=(); [[ $r == 0 ]] && out=(--out "$OUT/latency_${NAME}_${moe}${TP}_${TP}proc_$TAG.json" ${R0_ARGS:-})
+        run env CUDA_VISIBLE_DEVICES=$r timeout 570 python3 -m benchmarks.bench_latency --shape "$SHAPE" \
+            --batch-sizes ${BATCHES:-1 8 32} -tp $TP --nnodes $TP --node-rank $r --master-port 29555 $(ep_flag $moe) \
+            --input-len 1024 --output-len 128 "${out[@]}" > "$OUT/latency_rank$r.log" 2>&1 &
+      done
+      wait
+      grep -E "^batch|collectives: |Error" "$OUT/latency_rank0.log" | head -8; tail -n 2 "$OUT"/latency_rank[1-9].log
+    fi
   done
 fi
 if [[ $PARTS == *throughput* ]]; then

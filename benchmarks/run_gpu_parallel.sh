@@ -13,7 +13,9 @@
 #               the default, batch $BATCHES ($CB_MODES, $CB_TP, $CB_SHAPE)
 #   profile     a Perfetto trace of the Qwen3-8B decode step at tp 1 and $TP (batch 1), summarized per device
 #   multiprocess $MP_SHAPE (Qwen3-8B) TPOT with one process per GPU ($TP processes, jax.distributed) vs one process, and whether
-#               both gave the same greedy tokens
+#               both gave the same greedy tokens (MP_ONE_PROCESS=0: the processes only)
+#   serve_tp    `jinfer serve dummy:$SERVE_SHAPE -tp $TP` (Qwen3-8B), one process per GPU (mp) vs one process (uni): the
+#               time to full speed and serving at saturation (512 x 1k / 128)
 #   dp          serving at saturation, Qwen3-4B: one replica vs $TP replicas (--data-parallel-size) behind one server
 # JSON lands in $OUT; $TAG names the machine in the file names (default h200x2).
 set -uo pipefail
@@ -103,13 +105,30 @@ if [[ $PARTS == *multiprocess* ]]; then
   done
   wait
   grep -oE "^batch.*|collectives: .*|one-shot.*|Error.*" /tmp/multiprocess_rank0.log | head -8
-  tail -2 /tmp/multiprocess_rank[1-9]*.log
+  tail -n 2 /tmp/multiprocess_rank[1-9]*.log
   # the same layout in one process, and whether both gave the same greedy tokens (same prompts, same sums)
-  timeout 300 python3 -m benchmarks.bench_latency --shape $MPS --batch-sizes ${BATCHES:-1 16} -tp $TP \
+  [[ ${MP_ONE_PROCESS:-1} == 1 ]] && timeout 300 python3 -m benchmarks.bench_latency --shape $MPS --batch-sizes ${BATCHES:-1 16} -tp $TP \
       $MP_ARGS --input-len 1024 --output-len 128 --out "$OUT/latency_${MPS}_tp${TP}_1proc_$TAG.json" | grep "^batch"
-  python3 -c "import json, sys; a, b = (json.load(open(f))['rows'] for f in sys.argv[1:]); \
+  [[ ${MP_ONE_PROCESS:-1} == 1 ]] && python3 -c "import json, sys; a, b = (json.load(open(f))['rows'] for f in sys.argv[1:]); \
 print('same tokens ($TP processes vs 1):', [x['tokens_sha_runs'] == y['tokens_sha_runs'] for x, y in zip(a, b)])" \
       "$OUT/latency_${MPS}_tp${TP}_${TP}proc_$TAG.json" "$OUT/latency_${MPS}_tp${TP}_1proc_$TAG.json"
+fi
+if [[ $PARTS == *serve_tp* ]]; then  # `jinfer serve -tp $TP`: one process per GPU (the default) against one process
+  ARGS="--max-model-len 2048 --max-num-seqs 256 --max-num-batched-tokens 2048 --log-level warning"
+  for backend in mp uni; do
+    t0=$(date +%s.%N)
+    python3 -m server.launcher dummy:${SERVE_SHAPE:-qwen3-8b} --port 8000 -tp $TP --distributed-executor-backend $backend \
+        $ARGS > "$OUT/serve_tp${TP}_$backend.log" 2>&1 &
+    SERVER=$!
+    JAX_PLATFORMS=cpu python3 -m benchmarks.wait_ready --timeout 400 --interval 0.2 --full-speed
+    echo "$backend: ready $(python3 -c "import time; print(f'{time.time() - $t0:.1f}')") s after the launch"
+    JAX_PLATFORMS=cpu timeout 300 python3 -m benchmarks.bench_serving --num-prompts 512 --input-len 1024 --output-len 128 \
+        --vocab-size 151936 --warmup 16 --device "$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1) x $TP" \
+        --out "$OUT/serving_${SERVE_SHAPE:-qwen3-8b}_tp${TP}_${backend}_${TAG}_saturation.json" | tail -1
+    ps -eo pid,args | grep -c "[w]orker_proc"
+    kill -TERM $SERVER; wait $SERVER; sleep 2
+    echo "$backend: stopped, followers left: $(ps -eo args | grep -c '[w]orker_proc')"
+  done
 fi
 if [[ $PARTS == *dp* ]]; then
   ARGS="--max-model-len 2048 --max-num-seqs 256 --max-num-batched-tokens 2048 --log-level warning"

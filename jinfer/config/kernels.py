@@ -37,9 +37,12 @@ The defaults are the measured choices (H100 figures; docs/performance.md has the
   the activations' dtype), "w8a8" (activations quantized per row and 128
   columns, FP8 tensor-core dot; numerics differ from bf16 activations by their FP8 rounding).
 - one_shot_all_reduce_bytes: a sharded step's reductions of up to this many bytes a device run as our one-shot
-  all-reduce over NVLink peer memory (pallas_kernels/all_reduce.py, GPUs of one process) instead of XLA's NCCL
-  all-reduce; 0: always XLA's. Qwen3-8B tp=2 on two H200s: TPOT 4.24 vs 4.98 ms at batch 1 (8 KB a reduction; one
-  GPU 4.32), but 4.55 vs 4.41 at batch 16 (128 KB) (latency_qwen3-8b_tp2*_h200x2_one_shot.json).
+  all-reduce over NVLink peer memory (pallas_kernels/all_reduce.py) instead of XLA's NCCL all-reduce; 0: always
+  XLA's; None (the default): the kernel's whole range (1 MB) where each process drives one GPU, 16 KB where one
+  process drives several. One process per GPU: Qwen3-8B tp=2 at batch 16 (128 KB a reduction) 4.03 vs 4.71 ms
+  (latency_qwen3-8b_tp2_2proc_h200x2_ar*.json), Qwen3-235B-A22B ep=4 at batch 8 (64 KB) 20.70 vs 20.99 ms
+  (latency_qwen3-235b-a22b_ep4_4proc_h200x4_ar*.json). One process: Qwen3-8B tp=2 on two H200s TPOT 4.24 vs
+  4.98 ms at batch 1 (8 KB; one GPU 4.32), but 4.55 vs 4.41 at batch 16 (latency_qwen3-8b_tp2*_h200x2_one_shot.json).
   one_shot_all_gather_bytes: the same for the logits' all-gather (a device's float32 [T, vocab / tp]; 304 KB for
   Qwen3-8B at tp=2 and batch 1), which leaves a batch-1 step no XLA collective: TPOT 5.75 vs 7.62 ms on a noisier
   pair of H200s in one call (latency_qwen3-8b_tp2_gather*_h200x2.json).
@@ -113,7 +116,7 @@ class KernelPolicy:
     fp8_skinny_o: bool = True
     fp8_max_tokens: int = 16
     fp8_mode: str = "convert"
-    one_shot_all_reduce_bytes: int = 16384
+    one_shot_all_reduce_bytes: int | None = None  # None: by the layout (`all_reduce_limit`)
     one_shot_all_gather_bytes: int = 1 << 20
     verify_max_query_len: int = 8
     mla_ragged_kernel: bool = True
@@ -135,6 +138,8 @@ class KernelPolicy:
                      "one_shot_all_reduce_bytes", "one_shot_all_gather_bytes", "verify_max_query_len",
                      "mla_expand_min_query_len"):
             v = getattr(self, name)
+            if v is None and name == "one_shot_all_reduce_bytes":
+                continue
             if not _is_int(v) or v < 0:
                 raise ValueError(f"{name}={v!r} must be an integer >= 0")
         if self.norm_qkv_k_splits is not None and (not _is_int(self.norm_qkv_k_splits) or self.norm_qkv_k_splits < 1):
@@ -150,6 +155,12 @@ class KernelPolicy:
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name}={getattr(self, name)!r} must be a bool")
         object.__setattr__(self, "launch", _launch_tuple(self.launch))
+
+    def all_reduce_limit(self, devices_per_process: int) -> int:
+        """`one_shot_all_reduce_bytes`, or where None the measured default for a process driving this many GPUs."""
+        if self.one_shot_all_reduce_bytes is not None:
+            return self.one_shot_all_reduce_bytes
+        return 16384 if devices_per_process > 1 else 1 << 20
 
     def launch_args(self, kernel: str) -> dict:
         """The launch keyword arguments the policy sets for `kernel` (one of LAUNCH_KERNELS; {} for none)."""

@@ -359,7 +359,7 @@ class ModelRunner(StepExecutables):
         (`ready_limits`), so no step waits for a compile.
         """
         t0 = time.perf_counter()
-        run = self.executables.directory is None  # plain jit compiles on its first call: make that call
+        run = not self.compiles_ahead  # plain jit compiles on its first call: make that call
         now = self.token_buckets
         if first_tokens is not None:
             cut = pick(self.token_buckets, min(max(first_tokens, 1), self.token_buckets[-1]))

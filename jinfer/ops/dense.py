@@ -196,7 +196,7 @@ class DenseOps:
         """The sum of the devices' partial results of a row-parallel matmul (identity on one device)."""
         if self.axis is None:
             return partial
-        if self._one_shot(partial, self.policy.one_shot_all_reduce_bytes):
+        if self._one_shot(partial, self.policy.all_reduce_limit(jax.local_device_count())):
             from pallas_kernels import all_reduce
 
             return all_reduce.one_shot_all_reduce(partial, self.axis)

@@ -221,7 +221,7 @@ def all_reduce_table(mesh: Mesh, ops) -> tuple:
     devices = list(mesh.devices.flat)
     policy = ops.policy
     if mesh.size == 1 or ops.backend != "pallas" or ops.interpret \
-            or not (policy.one_shot_all_reduce_bytes or policy.one_shot_all_gather_bytes) \
+            or not (policy.all_reduce_limit(jax.local_device_count()) or policy.one_shot_all_gather_bytes) \
             or devices[0].platform != "gpu":
         return ()
     if any(d.process_index != jax.process_index() for d in devices):

@@ -68,6 +68,9 @@ def test_engine_takes_the_kernel_only_on_gpus_of_one_process():
     assert len(all_reduce_table(mesh, replace(ops, policy=KernelPolicy(one_shot_all_reduce_bytes=0,
                                                                        one_shot_all_gather_bytes=1)))) == HAS_GPU
     assert len(all_reduce_table(mesh, ops)) == (1 if HAS_GPU else 0)
+    # the default limit follows the layout (measured): the kernel's whole range with one GPU a process
+    assert KernelPolicy().all_reduce_limit(1) == 1 << 20 and KernelPolicy().all_reduce_limit(2) == 16384
+    assert KernelPolicy(one_shot_all_reduce_bytes=0).all_reduce_limit(1) == 0
 
 
 @pytest.mark.gpu
