@@ -198,9 +198,9 @@ class StepExecutables:
                              out_shardings=kv_shardings)
 
     def _drop_traces(self) -> None:
-        """After compiles whose executables went to the executable cache (so none is the plain jit's own): new jit
-        objects, so JAX frees the old ones' traces and lowerings. Later misses trace again, as they would anyway."""
-        if self.executables.directory is not None and self.executables.misses:
+        """After compiles ahead of use (so no executable is the plain jit's own): new jit objects, so JAX frees the
+        old ones' traces and lowerings. Later misses trace again, as they would anyway."""
+        if self.compiles_ahead and (self.executables.misses or self.executables.directory is None):
             self._make_jits()
 
     def _add_executable(self, key: tuple, jitted, args: tuple, background: bool = False,

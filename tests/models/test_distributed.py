@@ -66,9 +66,9 @@ def gold(arch):
 
 
 @pytest.mark.parametrize("arch,devices,ep,backend,warmup", [
-    ("qwen3", 1, False, "reference", True),  # tp=2: one device in each process
     # tp=4: two devices each, experts split over all four. The reference ops: the Pallas kernels run per shard, the
-    # same in one process (tests/models/test_parallel_engine.py's ep=4 Pallas case) as in two.
+    # same in one process (tests/models/test_parallel_engine.py's ep=4 Pallas case) as in two. (One device in each
+    # process, warmed up: the served group below.)
     ("qwen3_moe", 2, True, "reference", False),
 ])
 def test_two_processes_give_hf_tokens(arch, devices, ep, backend, warmup):
@@ -164,10 +164,10 @@ def children(pid: int) -> list[int]:
 
 def test_served_engine_spreads_over_a_process_per_device(monkeypatch):
     """`--distributed-executor-backend mp` (the GPU default): the engine process of `jinfer serve -tp 2` spawns its
-    follower itself and leads the group; HF's greedy ids; the client's Shutdown stops both processes cleanly."""
+    follower itself and leads the group, both warmed up (compiled ahead, every shape); HF's greedy ids; the client's
+    Shutdown stops both processes cleanly."""
     prompts, greedy = gold("qwen3")
-    config = dict(BASE, model=str(DATA / "tiny-qwen3"), tensor_parallel_size=2, distributed_executor_backend="mp",
-                  warmup=False)
+    config = dict(BASE, model=str(DATA / "tiny-qwen3"), tensor_parallel_size=2, distributed_executor_backend="mp")
     monkeypatch.setenv("XLA_FLAGS", f"--xla_force_host_platform_device_count=1 {FAST_COMPILE}")  # per process
     client = EngineClient.spawn(config, startup_timeout=240)
     engine = client.process
