@@ -16,7 +16,6 @@ import jax
 import jax.numpy as jnp
 
 from benchmarks.kernels import run_subcommand
-from pallas_kernels.dense.fp8_tiles import MODES as FP8_MODES
 from pallas_kernels.dense.fused_mlp import fused_swiglu_mlp, fused_swiglu_mlp_reference
 from pallas_kernels.dense.skinny_gemm import skinny_gemm, skinny_gemm_reference
 
@@ -130,7 +129,7 @@ def bench_skinny_gemm(argv: list[str] | None = None) -> None:
 
 def _fp8_cases(tokens: int, interpret: bool) -> dict:
     """{kernel: (weights in bf16, FP8 weights as (values, scales), call(x, weights, scales) for the kernel, the same
-    for the jnp reference)} at Qwen3-8B's decode shapes (tiny ones in the interpreter)."""
+    for the jnp reference, the FP8 calls {impl: call})} at Qwen3-8B's decode shapes (tiny ones in the interpreter)."""
     from jinfer.models.fp8 import quantize
     from pallas_kernels.dense.norm_qkv_rope import norm_qkv_rope_write, norm_qkv_rope_write_reference
 
@@ -149,25 +148,25 @@ def _fp8_cases(tokens: int, interpret: bool) -> dict:
     counters = jnp.zeros((1024,), jnp.int32)
     qkv_kw = dict(num_heads=heads, num_kv_heads=kv_heads)
 
-    def mlp(ref, mode="convert"):
+    def mlp(ref):
         if ref:
             return lambda x, w, s: fused_swiglu_mlp_reference(x, *w, norm, s, scale_block=s and block)
-        fn = functools.partial(fused_swiglu_mlp, interpret=interpret, **({} if mode is None else {"fp8_mode": mode}))
+        fn = functools.partial(fused_swiglu_mlp, interpret=interpret)
         return lambda x, w, s: fn(x, *w, norm, s, scale_block=s and block)
 
-    def o(ref, mode="convert", transposed=False):
+    def o(ref, transposed=False):
         if ref:
             return lambda x, w, s: skinny_gemm_reference(x, w[0], s and s[0], scale_block=s and block)
-        fn = functools.partial(skinny_gemm, interpret=interpret, fp8_mode=mode, w_transposed=transposed)
+        fn = functools.partial(skinny_gemm, interpret=interpret, w_transposed=transposed)
         return lambda x, w, s: fn(x, w[0], s and s[0], scale_block=s and block)
 
-    def qkv(ref, mode="convert"):
+    def qkv(ref):
         def call(x, w, s):
             kw = dict(qkv_kw, wqkv_scale=s and s[0], scale_block=s and block)
             if ref:
                 return norm_qkv_rope_write_reference(x, norm, w[0], *rope[:3], *rope[3:], cache, cache, **kw)
             return norm_qkv_rope_write(x, norm, w[0], *rope[:3], *rope[3:], cache, cache, counters, **kw,
-                                       fp8_mode=mode, interpret=interpret)
+                                       interpret=interpret)
         return call
 
     cases = {"mlp": (weights((hidden, inter), (hidden, inter), (inter, hidden)), mlp),
@@ -176,9 +175,9 @@ def _fp8_cases(tokens: int, interpret: bool) -> dict:
     out = {}
     for name, (ws, make) in cases.items():
         qs = [quantize(w.astype(jnp.float32), block) for w in ws]
-        variants = {m: make(False, m) for m in FP8_MODES}
+        variants = {"pallas": make(False)}
         if name == "o":  # the weight stored transposed, [N, K] (K contiguous)
-            variants |= {f"{m}_nk": make(False, m, True) for m in ("convert", "w8a8")}
+            variants["pallas_nk"] = make(False, True)
         out[name] = (tuple(ws), (tuple(q.w for q in qs), tuple(q.scale for q in qs)), make(False), make(True),
                      variants)
     return out
@@ -186,7 +185,7 @@ def _fp8_cases(tokens: int, interpret: bool) -> dict:
 
 def bench_fp8(argv: list[str] | None = None) -> None:
     """Qwen3-8B's decode kernels (fused MLP, skinny o, norm + q|k|v at 1 and 8 tokens) with bf16 weights (the Pallas
-    kernel and XLA) and block-FP8 (128 x 128) ones: the Pallas kernel in each fp8_mode (fp8_tiles.MODES; o also with
+    kernel and XLA) and block-FP8 (128 x 128) ones: the Pallas kernel (e4m3 activations, fp8_tiles.py; o also with
     its weight transposed, "_nk"), device time per call over distinct weight copies (more than L2 holds) and weight
     bytes / time. JSON to argv[0]."""
     argv = argv or []
@@ -199,7 +198,7 @@ def bench_fp8(argv: list[str] | None = None) -> None:
                 nbytes = sum(a.nbytes for a in w) + (0 if s is None else sum(a.nbytes for a in s))
                 copies = 1 if interpret else max(2, -(-400_000_000 // nbytes))
                 wcopies = [(w, s)] + [(tuple(jnp.array(a, copy=True) for a in w), s) for _ in range(copies - 1)]
-                impls = {"pallas": kernel, "xla": ref} if s is None else {f"pallas_{m}": f for m, f in variants.items()}
+                impls = {"pallas": kernel, "xla": ref} if s is None else variants
                 for impl, fn in impls.items():
                     wc = wcopies
                     if impl.endswith("_nk"):

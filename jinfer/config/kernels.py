@@ -32,10 +32,9 @@ The defaults are the measured choices (H100 figures; docs/performance.md has the
 - fp8_max_tokens: steps of up to this many tokens with block-FP8 weights run the MLP (and MoE shared experts) on the
   fused kernel and o on the skinny GEMM (both read FP8) whatever pallas_mlp_tokens says; past it the jnp path
   dequantizes, then XLA's GEMMs (at batch 8 on the H100 that path made Qwen3-8B's TPOT 14.4 ms against bf16's 6.3).
-  (FP8 routed experts take the Triton grouped GEMMs at every step size.)
-- fp8_mode: how the dense and MoE kernels meet an FP8 weight tile (pallas_kernels/dense/fp8_tiles.py): "convert" (to
-  the activations' dtype), "w8a8" (activations quantized per row and 128
-  columns, FP8 tensor-core dot; numerics differ from bf16 activations by their FP8 rounding).
+  (FP8 routed experts take the Triton grouped GEMMs at every step size.) The kernels meet an FP8 tile with the
+  activations quantized to e4m3 per row and 128 columns (pallas_kernels/dense/fp8_tiles.py): Qwen3-8B TPOT 5.66 vs
+  6.41 ms at batch 1 against tiles converted to bf16 in registers (fp8mode_*_h200.json).
 - one_shot_all_reduce_bytes: a sharded step's reductions of up to this many bytes a device run as our one-shot
   all-reduce over NVLink peer memory (pallas_kernels/all_reduce.py) instead of XLA's NCCL all-reduce; 0: always
   XLA's; None (the default): the kernel's whole range (1 MB) where each process drives one GPU, 16 KB where one
@@ -85,14 +84,12 @@ ENV_FIELDS = {
     "JINFER_XLA_DOT_MERGER": "xla_dot_merger",
     "JINFER_FP8_SKINNY_O": "fp8_skinny_o",
     "JINFER_FP8_MAX_TOKENS": "fp8_max_tokens",
-    "JINFER_FP8_MODE": "fp8_mode",
     "JINFER_ONE_SHOT_ALL_REDUCE_BYTES": "one_shot_all_reduce_bytes",
     "JINFER_ONE_SHOT_ALL_GATHER_BYTES": "one_shot_all_gather_bytes",
     "JINFER_VERIFY_MAX_QUERY_LEN": "verify_max_query_len",
     "JINFER_MLA_RAGGED_KERNEL": "mla_ragged_kernel",
     "JINFER_MLA_EXPAND_MIN_QUERY_LEN": "mla_expand_min_query_len",
 }
-FP8_MODES = ("convert", "w8a8")  # pallas_kernels.dense.fp8_tiles.MODES (this module is JAX-free)
 
 LaunchArgs = tuple[tuple[str, tuple[tuple[str, int | bool | None], ...]], ...]
 
@@ -115,7 +112,6 @@ class KernelPolicy:
     xla_dot_merger: bool = False
     fp8_skinny_o: bool = True
     fp8_max_tokens: int = 16
-    fp8_mode: str = "convert"
     one_shot_all_reduce_bytes: int | None = None  # None: by the layout (`all_reduce_limit`)
     one_shot_all_gather_bytes: int = 1 << 20
     verify_max_query_len: int = 8
@@ -147,8 +143,6 @@ class KernelPolicy:
         if not isinstance(self.prefetch_o, int | float) or isinstance(self.prefetch_o, bool) \
                 or not 0 <= self.prefetch_o <= 1:
             raise ValueError(f"prefetch_o={self.prefetch_o!r} must be a fraction in [0, 1]")
-        if self.fp8_mode not in FP8_MODES:
-            raise ValueError(f"fp8_mode={self.fp8_mode!r} must be one of {FP8_MODES}")
         if self.prefetch_eviction not in EVICTION_POLICIES:
             raise ValueError(f"prefetch_eviction={self.prefetch_eviction!r} must be one of {EVICTION_POLICIES}")
         for name in ("pad_vector_dots", "xla_dot_merger", "fp8_skinny_o", "mla_ragged_kernel"):
@@ -197,7 +191,7 @@ class KernelPolicy:
                     value = text == "1"
                 elif name == "prefetch_o":
                     value = float(text)
-                elif name in ("prefetch_eviction", "fp8_mode"):
+                elif name == "prefetch_eviction":
                     value = text
                 else:
                     value = int(text)

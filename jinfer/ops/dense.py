@@ -9,8 +9,9 @@ the o projection, the dense MLP block, embedding and lm_head.
   fusion elsewhere.
 The layer's norms and residual adds belong to these ops, so a fused kernel can take them in.
 
-Block-FP8 weights (`Fp8Weight`): these three kernels read them (values and scales, `fp8_operands`); where they
-cannot (a mix of FP8 and plain weights, scale blocks under 16 rows) the jnp path dequantizes (`refuse_fp8`).
+Block-FP8 weights (`Fp8Weight`): these three kernels read them (values and scales, `fp8_operands`) and meet them with
+the activations quantized to e4m3 per row and K tile (pallas_kernels/dense/fp8_tiles.py); where they cannot (a mix
+of FP8 and plain weights, scale blocks under 16 rows) the jnp path dequantizes (`refuse_fp8`), as in large steps.
 """
 
 from __future__ import annotations
@@ -117,7 +118,6 @@ class DenseOps:
                                    prefetch_fraction=policy.prefetch_o or 1.0,
                                    prefetch_eviction=policy.prefetch_eviction,
                                    wqkv_scale=None if scales is None else scales[0], scale_block=block,
-                                   **({} if scales is None else {"fp8_mode": policy.fp8_mode}),
                                    **dict(zip(("k_scale", "v_scale"), kv[2:])),
                                    interpret=self.interpret, **policy.launch_args("norm_qkv_rope"))
 
@@ -154,7 +154,7 @@ class DenseOps:
 
             (w,), scales, block = operands
             out = skinny_gemm(attn, w, None if scales is None else scales[0], scale_block=block,
-                              **({} if scales is None else {"fp8_mode": policy.fp8_mode}), interpret=self.interpret)
+                              interpret=self.interpret)
             return residual + self.reduce(out.astype(attn.dtype))
         return residual + self.reduce(self.project(attn, wo))
 
@@ -188,9 +188,8 @@ class DenseOps:
         from pallas_kernels.dense.fused_mlp import fused_swiglu_mlp
 
         (wg, wu, wd), scales, block = operands
-        mode = {} if scales is None else {"fp8_mode": self.policy.fp8_mode}
-        return fused_swiglu_mlp(x, wg, wu, wd, norm, scales, scale_block=block, eps=eps, **mode,
-                                interpret=self.interpret, **self.policy.launch_args("fused_mlp"))
+        return fused_swiglu_mlp(x, wg, wu, wd, norm, scales, scale_block=block, eps=eps, interpret=self.interpret,
+                                **self.policy.launch_args("fused_mlp"))
 
     def reduce(self, partial: jax.Array) -> jax.Array:
         """The sum of the devices' partial results of a row-parallel matmul (identity on one device)."""

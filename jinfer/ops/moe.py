@@ -11,9 +11,11 @@ reference is `layers.moe_mlp` (`lax.ragged_dot`). DeepSeek chooses its experts i
 group-limited top-k, V3's sigmoid and correction bias), then `moe_route_chosen` lays them out and the same expert
 kernels run.
 
-Block-FP8 experts (`Fp8Weight`) run on the Triton GEMMs at every step size: they read the e4m3 tiles and their scales;
-the Mosaic GPU kernel reads bf16 only and is not offered them (unmeasured against dequantizing for it at large steps:
-benchmarks/bench_moe.py --fp8 times both kernels). Experts the kernels cannot read (FP8 mixed with plain) take
+Block-FP8 experts (`Fp8Weight`) run on the Triton GEMMs at every step size: they read the e4m3 tiles and their scales
+and meet them with the rows quantized to e4m3 per K tile (a scale per row, FP8 dots; prefill steps too: e4m3 rows
+against bf16 ones was measured on the dense decode kernels only, performance.md); the Mosaic GPU kernel reads bf16
+only and is not offered them (unmeasured against dequantizing for it at large steps: benchmarks/bench_moe.py --fp8
+times both kernels). Experts the kernels cannot read (FP8 mixed with plain) take
 `layers.moe_mlp`, which dequantizes (`refuse_fp8`). Shared experts go through `DenseOps.swiglu` (FP8: the fused MLP
 kernel in small steps).
 """
@@ -154,8 +156,8 @@ class MoeOps:
         if scales is None:
             act = moe_gate_up(h, routing, w_gate, w_up, interpret=self.interpret)
             y = moe_down(act, routing, w_down, interpret=self.interpret)
-        else:  # block-FP8 experts: e4m3 tiles and their scales
-            fp8 = {"scale_block": block, "fp8_mode": self.policy.fp8_mode, "interpret": self.interpret}
+        else:  # block-FP8 experts: e4m3 tiles and their scales, met by e4m3 rows
+            fp8 = {"scale_block": block, "interpret": self.interpret}
             act = moe_gate_up(h, routing, w_gate, w_up, scales[:2], **fp8)
             y = moe_down(act, routing, w_down, scales[2], **fp8)
         return moe_combine(y, top_k, h.dtype, mine)

@@ -1,17 +1,22 @@
 """Block-FP8 weight tiles in the Triton kernels (fused MLP, skinny GEMM, norm + q|k|v + RoPE, MoE grouped GEMMs).
 
 A block-FP8 weight is float8_e4m3fn values [K, N] and one float32 scale per (bk x bn) block of them (scale
-[ceil(K / bk), ceil(N / bn)]): value = w * scale. A kernel loads the e4m3 tile (half the bytes of bf16), converts
-it to the activation dtype in registers (exact: e4m3's values are all bf16 values), multiplies the token tile in
-with fp32 accumulation, and scales the tile's fp32 product: one scale per K tile, so a K tile must sit inside one
-scale block (`tile_k` picks a tile height dividing bk); the columns may span several blocks (a scale per column,
-gathered) or sit inside one (one scalar scale). Whether a weight is FP8 is static: a kernel branches at trace time,
-and its bf16 trace is the one it had before FP8 (same jaxpr).
+[ceil(K / bk), ceil(N / bn)]): value = w * scale. A kernel loads the e4m3 tile (half the bytes of bf16) and meets it
+with e4m3 activations: the token tile's rows quantized over the K tile's columns (`act_operand`: a float32 scale per
+row, amax / 448), so the dot runs on the FP8 tensor cores with fp32 accumulation, and the tile's product is scaled
+by the rows' scales and the weight block's. One weight scale per K tile, so a K tile must sit inside one scale block
+(`tile_k` picks a tile height dividing bk; 128 for 128 x 128 blocks: one activation scale per row and 128 columns,
+DeepSeek's / vLLM's / HF transformers' dynamic per-token-group activation scheme); the columns may span several
+blocks (a scale per column, gathered) or sit inside one (one scalar scale). Whether a weight is FP8 is static: a
+kernel branches at trace time, and its bf16 trace is the one it had before FP8 (same jaxpr).
 
-Numerics: the product of the exact e4m3 values times the fp32 scale, where the jnp path (jinfer.models.fp8.dense)
-rounds each dequantized weight to the activation dtype first; in float32 the two differ only in summation order.
+Numerics: the activations' e4m3 rounding (3 mantissa bits) is the difference from the jnp path
+(jinfer.models.fp8.dense: each weight dequantized to the activation dtype, then XLA's dot), which the dense layers
+of large steps run. The kernels' references model it (`fake_quant_rows` + `dequantize`): the same FP8 values, another
+summation order. (Converting the e4m3 tile to bf16 in registers against bf16 activations made Qwen3-8B's decode
+steps slower, though not each kernel, and f16 dots were slower: docs/performance.md, "Variants measured slower".)
 
-Triton lowering (jax 0.11): an e4m3 load and `.astype(bf16 / f32)` lower to `tt.fp_to_fp` (sm >= 89).
+Triton lowering (jax 0.11): an e4m3 load, the activations' `.astype(e4m3)` and the e4m3 x e4m3 dot need sm >= 89.
 """
 
 from __future__ import annotations
@@ -59,19 +64,10 @@ def tile_scales(scale_ref, k0, n0, width: int, block: tuple[int, int], lead: tup
     return plgpu.load(scale_ref.at[(*lead, k0 // bk, cols)])[None, :]
 
 
-MODES = ("convert", "w8a8")  # f16 (weights and x to f16) measured slower than both: dense_fp8_modes_qwen3-8b_h100.json
-DEFAULT_MODE = "convert"
-
-
-def act_operand(xk: jax.Array, mode: str) -> tuple[jax.Array, jax.Array | None]:
-    """The activation tile [rows, k] as the FP8 dot (`weight_dot`) of `mode` takes it: (xk in the dot's dtype, None),
-    or for w8a8 (e4m3 xk, its float32 scales [rows, 1]): each row scaled by amax / 448 over the tile's k columns (the
-    K tile sits inside one weight scale block, so a row's scale is one per 128-column group where the tile is 128
-    wide: DeepSeek's / vLLM's dynamic per-token-group activation scheme). Zero rows (masked padding) stay zero."""
-    if mode == "convert":
-        return xk, None
-    if mode != "w8a8":
-        raise ValueError(f"FP8 dot mode must be one of {MODES}, got {mode!r}")
+def act_operand(xk: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """The activation tile [rows, k] as the FP8 dot (`weight_dot`) takes it: (e4m3 xk, its float32 scales [rows, 1]),
+    each row scaled by amax / 448 over the tile's k columns (the K tile sits inside one weight scale block, so a row's
+    scale is one per 128-column group where the tile is 128 wide). Zero rows (masked padding) stay zero."""
     xf = xk.astype(jnp.float32)
     amax = jnp.max(jnp.abs(xf), axis=1, keepdims=True)  # [rows, 1]
     live = amax > 0
@@ -79,25 +75,20 @@ def act_operand(xk: jax.Array, mode: str) -> tuple[jax.Array, jax.Array | None]:
     return (xf * inv).astype(FP8), jnp.where(live, amax / FP8_MAX, 0.0)
 
 
-def weight_dot(xk: jax.Array, w: jax.Array, scale_ref, k0, n0, block: tuple[int, int], x_scale=None,
+def weight_dot(xk: jax.Array, w: jax.Array, scale_ref, k0, n0, block: tuple[int, int], x_scale: jax.Array,
                trans_w: bool = False, lead: tuple = ()) -> jax.Array:
     """xk [rows, tile_k] @ w [tile_k, width] in fp32 for an FP8 tile w whose first row is k0 and first column n0,
-    xk from `act_operand`: an e4m3 xk (w8a8) multiplies w on the FP8 tensor cores and the product is scaled by the
-    rows' `x_scale`; otherwise w is converted to xk's dtype (bf16 / f16). Then the tile's weight scales
-    (`tile_scales`; `lead`: their leading indices). trans_w: w is the tile [width, tile_k] of a transposed [N, K]
-    weight."""
-    if xk.dtype != FP8:
-        w = w.astype(xk.dtype)
+    (xk, x_scale) from `act_operand`: e4m3 times e4m3 on the FP8 tensor cores, the product scaled by the rows'
+    `x_scale`, then by the tile's weight scales (`tile_scales`; `lead`: their leading indices). trans_w: w is the tile
+    [width, tile_k] of a transposed [N, K] weight."""
     width = w.shape[0] if trans_w else w.shape[1]
-    out = plgpu.dot(xk, w, trans_b=trans_w)
-    if x_scale is not None:
-        out = out * x_scale
+    out = plgpu.dot(xk, w, trans_b=trans_w) * x_scale
     return out * tile_scales(scale_ref, k0, n0, width, block, lead)
 
 
 def fake_quant_rows(x: jax.Array, group: int) -> jax.Array:
-    """The references' w8a8 activations: x [T, K] as the FP8 dot sees it (`act_operand` per `group` columns), in
-    float32."""
+    """The references' activations: x [T, K] as the FP8 dot sees it (`act_operand` per `group` columns: the kernel's
+    K tile), in float32."""
     t, k = x.shape
     xg = x.astype(jnp.float32).reshape(t, k // group, group)
     amax = jnp.max(jnp.abs(xg), axis=-1, keepdims=True)
@@ -108,9 +99,9 @@ def fake_quant_rows(x: jax.Array, group: int) -> jax.Array:
     return (q * jnp.where(live, amax / FP8_MAX, 0.0)).reshape(t, k)
 
 
-def dequantize(w: jax.Array, scale: jax.Array, block: tuple[int, int], dtype) -> jax.Array:
-    """The references' weight: w [..., K, N] times its block scales in float32, rounded to `dtype` (what the jnp path,
-    jinfer.models.fp8.dense, computes)."""
+def dequantize(w: jax.Array, scale: jax.Array, block: tuple[int, int]) -> jax.Array:
+    """The references' weight: w [..., K, N] times its block scales, in float32 (against `fake_quant_rows`'
+    activations; the jnp path, jinfer.models.fp8.dense, rounds it to the activation dtype)."""
     *_, k, n = w.shape
     s = jnp.repeat(jnp.repeat(scale, block[0], axis=-2), block[1], axis=-1)[..., :k, :n]
-    return (w.astype(jnp.float32) * s).astype(dtype)
+    return w.astype(jnp.float32) * s

@@ -28,8 +28,6 @@ from jax.experimental.pallas import triton as plgpu
 
 from pallas_kernels.common import pow2_divisor, rms_inverse, rms_normed, tile_rows
 from pallas_kernels.dense.fp8_tiles import (
-    DEFAULT_MODE,
-    MODES,
     act_operand,
     check_scale,
     dequantize,
@@ -51,7 +49,6 @@ def _mlp_kernel(
     eps: float,
     unroll_norm: bool,
     scale_block: tuple[int, int] | None = None,
-    fp8_mode: str = DEFAULT_MODE,
 ):
     refs = list(refs)
     n_ref = refs.pop(1) if has_norm else None
@@ -83,7 +80,7 @@ def _mlp_kernel(
             xk = rms_normed(xk, inv, n_ref[cols])
         if scale_block is None:
             return g + plgpu.dot(xk, wg_ref[cols, :]), u + plgpu.dot(xk, wu_ref[cols, :])
-        xk, xs = act_operand(xk, fp8_mode)  # w8a8: e4m3 rows and their scales, once for gate and up
+        xk, xs = act_operand(xk)  # e4m3 rows and their scales, once for gate and up
         g = g + weight_dot(xk, wg_ref[cols, :], sg_ref, kk * block_k, i * block_i, scale_block, xs)
         u = u + weight_dot(xk, wu_ref[cols, :], su_ref, kk * block_k, i * block_i, scale_block, xs)
         return g, u
@@ -94,10 +91,8 @@ def _mlp_kernel(
     hs = None
     if scale_block is None:
         h = h.astype(wd_ref.dtype)
-    elif fp8_mode == "convert":
-        h = h.astype(x_ref.dtype)
-    else:  # f16, or e4m3 with one scale per row (block_i divides the down weight's scale blocks' height)
-        h, hs = act_operand(h, fp8_mode)
+    else:  # e4m3 with one scale per row (block_i divides the down weight's scale blocks' height)
+        h, hs = act_operand(h)
 
     out_mask = jnp.broadcast_to(real[:, None], (block_t, block_n))
     n_blocks = hidden // block_n
@@ -124,7 +119,7 @@ def default_block_i(inter: int, scale_block: tuple[int, int] | None = None) -> i
 
 
 def _mlp_call(x, w_gate, w_up, w_down, norm_weight, scales, *, eps, block_t, block_i, num_warps, num_stages,
-              unroll_norm, scale_block, fp8_mode, interpret):
+              unroll_norm, scale_block, interpret):
     tokens, hidden = x.shape
     inter = w_gate.shape[1]
     if block_t is None:
@@ -140,8 +135,7 @@ def _mlp_call(x, w_gate, w_up, w_down, norm_weight, scales, *, eps, block_t, blo
     t_tiles, splits = pl.cdiv(tokens, block_t), inter // block_i
     has_norm = norm_weight is not None
     kernel = functools.partial(_mlp_kernel, block_t=block_t, block_k=block_k, block_n=block_n, has_norm=has_norm,
-                               eps=eps, unroll_norm=unroll_norm, scale_block=scale_block,
-                               **({} if scale_block is None else {"fp8_mode": fp8_mode}))
+                               eps=eps, unroll_norm=unroll_norm, scale_block=scale_block)
     norm_spec = [pl.BlockSpec((hidden,), lambda t, i: (0,))] if has_norm else []
     whole = pl.no_block_spec  # x and the partials: the tile's rows are picked (masked) in the kernel
     out = pl.pallas_call(
@@ -160,7 +154,7 @@ def _mlp_call(x, w_gate, w_up, w_down, norm_weight, scales, *, eps, block_t, blo
         compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),
         interpret=interpret,
         name=(f"fused_swiglu_mlp_t{block_t}_i{block_i}" + ("_norm" if has_norm else "")
-              + (f"_fp8_{fp8_mode}" if scales else "")),
+              + ("_fp8" if scales else "")),
     )(x, *([norm_weight] if has_norm else []), w_gate, w_up, w_down, *scales)
     return out.sum(axis=0).astype(x.dtype)  # [tokens, hidden]
 
@@ -169,7 +163,7 @@ def _mlp_call(x, w_gate, w_up, w_down, norm_weight, scales, *, eps, block_t, blo
 # Public API
 # ----------------------------------------------------------------------------------------------
 @functools.partial(jax.jit, static_argnames=("eps", "block_t", "block_i", "num_warps", "num_stages", "unroll_norm",
-                                             "scale_block", "fp8_mode", "interpret"))
+                                             "scale_block", "interpret"))
 def fused_swiglu_mlp(
     x: jax.Array,
     w_gate: jax.Array,
@@ -185,7 +179,6 @@ def fused_swiglu_mlp(
     num_warps: int | None = None,
     num_stages: int | None = None,
     unroll_norm: bool = True,
-    fp8_mode: str = DEFAULT_MODE,
     interpret: bool = False,
 ) -> jax.Array:
     """SwiGLU MLP `(silu(x @ w_gate) * (x @ w_up)) @ w_down` with the intermediate kept on-chip.
@@ -196,8 +189,9 @@ def fused_swiglu_mlp(
       w_down: `[intermediate, hidden]`.
       norm_weight: `[hidden]`: apply RMSNorm (HF rounding) to x first, inside the kernel; None: no norm.
       scales: block-FP8 weights (float8_e4m3fn w_gate, w_up, w_down): their float32 scales (gate, up, down), one per
-        `scale_block` = (bk, bn) block of each [in, out] weight; the K tiles and block_i then divide bk
-        (pallas_kernels/dense/fp8_tiles.py). None: weights in x's dtype.
+        `scale_block` = (bk, bn) block of each [in, out] weight; the K tiles and block_i then divide bk. The normed x
+        and the SwiGLU output meet them as e4m3 rows, quantized per K tile (pallas_kernels/dense/fp8_tiles.py).
+        None: weights in x's dtype.
       eps: RMSNorm epsilon.
       block_t: tokens per tile (power of two >= 16); default min(64, next_pow2(tokens)).
       block_i: intermediate columns per program (power of two dividing intermediate, and bk for FP8); default 128.
@@ -205,8 +199,6 @@ def fused_swiglu_mlp(
       unroll_norm: the norm's sum of squares as straight-line code (all of the row's loads in flight at once)
         rather than a loop of hidden / 128 dependent round trips (51.6 vs 55.2 us per Qwen3.5-4B layer at
         T = 1 on the H100, decode_mlp_variants_h100.json).
-      fp8_mode: how an FP8 tile meets the activations (fp8_tiles.act_operand): "convert" (weights to x's dtype),
-        "w8a8" (activations quantized per row and K tile, FP8 dot).
       interpret: run the Pallas interpreter (CPU tests).
 
     Returns:
@@ -222,15 +214,13 @@ def fused_swiglu_mlp(
             check_scale(name, w, s, scale_block)
         if block_i is not None and scale_block[0] % block_i:
             raise ValueError(f"block_i={block_i} must divide the FP8 scale blocks' height {scale_block[0]}")
-        if fp8_mode not in MODES:
-            raise ValueError(f"fp8_mode must be one of {MODES}, got {fp8_mode!r}")
     else:
         for name, w in (("w_gate", w_gate), ("w_up", w_up), ("w_down", w_down)):
             check_scale(name, w, None, None)
         scale_block = None
     return _mlp_call(x, w_gate, w_up, w_down, norm_weight, scales, eps=eps, block_t=block_t, block_i=block_i,
                      num_warps=num_warps, num_stages=num_stages, unroll_norm=unroll_norm, scale_block=scale_block,
-                     fp8_mode=fp8_mode, interpret=interpret)
+                     interpret=interpret)
 
 
 def _check_args(x, w_gate, w_up, w_down, norm_weight, block_t, block_i):
@@ -255,27 +245,25 @@ def _check_args(x, w_gate, w_up, w_down, norm_weight, block_t, block_i):
 # ----------------------------------------------------------------------------------------------
 # Reference
 # ----------------------------------------------------------------------------------------------
-@functools.partial(jax.jit, static_argnames=("eps", "scale_block", "fp8_mode"))
+@functools.partial(jax.jit, static_argnames=("eps", "scale_block"))
 def fused_swiglu_mlp_reference(x: jax.Array, w_gate: jax.Array, w_up: jax.Array, w_down: jax.Array,
                                norm_weight: jax.Array | None = None,
                                scales: tuple[jax.Array, jax.Array, jax.Array] | None = None, *,
-                               scale_block: tuple[int, int] | None = None, eps: float = 1e-6,
-                               fp8_mode: str = "convert") -> jax.Array:
+                               scale_block: tuple[int, int] | None = None, eps: float = 1e-6) -> jax.Array:
     """Pure-jnp SwiGLU MLP (what XLA fuses on its own); fp32 accumulation, output in x's dtype. FP8 weights
-    (`scales`) are dequantized to x's dtype first (what the jnp path does); fp8_mode "w8a8": in float32, with the
-    activations (normed x, h) FP8-quantized as the kernel does at its default tiles (`fake_quant_rows`)."""
+    (`scales`): dequantized to float32, and the activations (normed x, h) FP8-quantized as the kernel does at its
+    default tiles (`fake_quant_rows`)."""
     dtype = x.dtype
-    w8a8 = scales is not None and fp8_mode == "w8a8"
     if scales is not None:
-        w_gate, w_up, w_down = (dequantize(w, s, scale_block, jnp.float32 if w8a8 else x.dtype)
+        w_gate, w_up, w_down = (dequantize(w, s, scale_block)
                                 for w, s in zip((w_gate, w_up, w_down), scales, strict=True))
     if norm_weight is not None:
         xf = x.astype(jnp.float32)
         x = norm_weight * (xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)).astype(x.dtype)
-    if w8a8:
+    if scales is not None:
         x = fake_quant_rows(x, tile_k(x.shape[1], 128, scale_block))
     g = jnp.dot(x, w_gate, preferred_element_type=jnp.float32)
     u = jnp.dot(x, w_up, preferred_element_type=jnp.float32)
     h = jax.nn.silu(g) * u
-    h = fake_quant_rows(h, default_block_i(h.shape[1], scale_block)) if w8a8 else h.astype(dtype)
+    h = fake_quant_rows(h, default_block_i(h.shape[1], scale_block)) if scales is not None else h.astype(dtype)
     return jnp.dot(h, w_down, preferred_element_type=jnp.float32).astype(dtype)

@@ -23,9 +23,9 @@ counters are made zero once and every launch leaves them zero, launches being or
 Prefetch (`prefetch=`, the layer's o projection weight; `KernelPolicy.prefetch_o`): extra programs on the launch's
 idle SMs read the first part of another array into L2 (evict-last) while the heads stream (dense/prefetch.py).
 
-Block-FP8 q|k|v weights (`wqkv_scale`): e4m3 tiles converted in registers, each tile's product scaled
-(pallas_kernels/dense/fp8_tiles.py); the K tile divides the scale blocks' height (128 for 128 x 128 blocks, the bf16
-default), so a head of 128 columns reads one scale per K tile and half.
+Block-FP8 q|k|v weights (`wqkv_scale`): e4m3 tiles met by the normed rows quantized to e4m3 per K tile, FP8 dots,
+each tile's product scaled by both (pallas_kernels/dense/fp8_tiles.py); the K tile divides the scale blocks' height
+(128 for 128 x 128 blocks, the bf16 default), so a head of 128 columns reads one scale per K tile and half.
 
 FP8 KV cache (float8_e4m3fn, `k_scale` / `v_scale` per kv head): the k and v rows are quantized as they are written
 (`common.quantize_kv`).
@@ -46,7 +46,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from pallas_kernels.common import rms_inverse, rms_normed, tile_rows
-from pallas_kernels.dense.fp8_tiles import DEFAULT_MODE, MODES, act_operand, check_scale, dequantize, tile_k, weight_dot
+from pallas_kernels.dense.fp8_tiles import act_operand, check_scale, dequantize, fake_quant_rows, tile_k, weight_dot
 from pallas_kernels.dense.prefetch import WIDTH, prefetch_rows, prefetch_rows_count, prefetch_view
 from pallas_kernels.dense.qkv_rope import qkv_rope_write_reference
 from pallas_kernels.kv_fp8 import check_kv_scales, is_fp8, quantize_kv
@@ -60,7 +60,7 @@ def _kernel(x_ref, n_ref, w_ref, cos_ref, sin_ref, slot_ref, qn_ref, kn_ref, _k_
             block_k: int, k_splits: int, num_heads: int, num_kv_heads: int, eps: float, qk_norm: bool,
             interpret: bool, prefetch_programs: int = 0, prefetch_row_count: int = 0,
             prefetch_eviction: str = "evict_last", scale_block: tuple[int, int] | None = None,
-            fp8_mode: str = DEFAULT_MODE, fp8_kv: bool = False):
+            fp8_kv: bool = False):
     # x_ref [T, hidden] (whole: rows past T read as 0); n_ref [hidden]; w_ref [hidden, D]: this head's columns;
     # cos/sin [T, D]; slot_ref [T]; q_ref [T, H, D]; k_ref / v_ref [num_slots, KVH, D] (the caches, in place).
     # Split-K (k_splits > 1): part_ref [S, T, heads * D] fp32 partials; cnt_ref [>= heads] int32, zero on entry
@@ -85,9 +85,7 @@ def _kernel(x_ref, n_ref, w_ref, cos_ref, sin_ref, slot_ref, qn_ref, kn_ref, _k_
                              v_ref, cnt_ref, part_ref, h, split, block_k=block_k, k_splits=k_splits,
                              num_heads=num_heads, num_kv_heads=num_kv_heads, eps=eps, qk_norm=qk_norm,
                              interpret=interpret, kv_scale_refs=kv_scale_refs,
-                             **({} if scale_block is None else {"s_ref": s_ref,
-                                                                                     "scale_block": scale_block,
-                                                                                     "fp8_mode": fp8_mode}))
+                             **({} if scale_block is None else {"s_ref": s_ref, "scale_block": scale_block}))
     if not prefetch_programs:
         head()
         return
@@ -102,8 +100,7 @@ def _kernel(x_ref, n_ref, w_ref, cos_ref, sin_ref, slot_ref, qn_ref, kn_ref, _k_
 def _head(x_ref, n_ref, w_ref, cos_ref, sin_ref, slot_ref, qn_ref, kn_ref, q_ref, k_ref, v_ref, cnt_ref, part_ref,
           h, split, *,
           block_k: int, k_splits: int, num_heads: int, num_kv_heads: int, eps: float, qk_norm: bool,
-          interpret: bool, kv_scale_refs, s_ref=None, scale_block: tuple[int, int] | None = None,
-          fp8_mode: str = DEFAULT_MODE):
+          interpret: bool, kv_scale_refs, s_ref=None, scale_block: tuple[int, int] | None = None):
     """One (head, K split) program: the head's normed, projected, rotated rows (see the module doc)."""
     tokens, hidden = x_ref.shape
     head_dim = w_ref.shape[1]
@@ -124,7 +121,7 @@ def _head(x_ref, n_ref, w_ref, cos_ref, sin_ref, slot_ref, qn_ref, kn_ref, q_ref
         if scale_block is None:
             return a1 + plgpu.dot(xk, w_ref[cols, lo]), a2 + plgpu.dot(xk, w_ref[cols, hi])
         k0 = (split * steps + kk) * block_k
-        xk, xs = act_operand(xk, fp8_mode)
+        xk, xs = act_operand(xk)
         a1 = a1 + weight_dot(xk, w_ref[cols, lo], s_ref, k0, h * head_dim, scale_block, xs)
         a2 = a2 + weight_dot(xk, w_ref[cols, hi], s_ref, k0, h * head_dim + half, scale_block, xs)
         return a1, a2
@@ -233,7 +230,7 @@ def idle_programs(heads: int, k_splits: int, sms: int = ONE_WAVE) -> int:
 
 @functools.partial(jax.jit, static_argnames=("num_heads", "num_kv_heads", "eps", "block_k", "k_splits", "num_warps",
                                              "num_stages", "prefetch_programs", "prefetch_fraction",
-                                             "prefetch_eviction", "scale_block", "fp8_mode", "interpret"))
+                                             "prefetch_eviction", "scale_block", "interpret"))
 def norm_qkv_rope_write(x: jax.Array, norm_weight: jax.Array, wqkv: jax.Array, cos: jax.Array, sin: jax.Array,
                         slot_mapping: jax.Array, q_norm: jax.Array | None, k_norm: jax.Array | None,
                         k_cache: jax.Array, v_cache: jax.Array, counters: jax.Array | None = None, *, num_heads: int,
@@ -241,8 +238,8 @@ def norm_qkv_rope_write(x: jax.Array, norm_weight: jax.Array, wqkv: jax.Array, c
                         num_warps: int = 8, num_stages: int = 4, prefetch: jax.Array | None = None,
                         prefetch_programs: int | None = None, prefetch_fraction: float = 1.0,
                         prefetch_eviction: str = "evict_last", wqkv_scale: jax.Array | None = None,
-                        scale_block: tuple[int, int] | None = None, fp8_mode: str = DEFAULT_MODE,
-                        k_scale: jax.Array | None = None, v_scale: jax.Array | None = None, interpret: bool = False
+                        scale_block: tuple[int, int] | None = None, k_scale: jax.Array | None = None,
+                        v_scale: jax.Array | None = None, interpret: bool = False
                         ) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array | None]:
     """x -> (q [T, H, D] normed and rotated, k_cache, v_cache with the new rows written, counters).
 
@@ -260,7 +257,8 @@ def norm_qkv_rope_write(x: jax.Array, norm_weight: jax.Array, wqkv: jax.Array, c
     in L2 when its GEMM runs. prefetch_eviction: those loads' L2 policy, "evict_last" or "normal".
 
     wqkv_scale: a block-FP8 wqkv's (float8_e4m3fn) float32 scales, one per `scale_block` = (bk, bn) block of it
-    (block_k then divides bk). k_scale / v_scale: float32 [KVH] for a float8_e4m3fn cache, else None.
+    (block_k then divides bk); the normed rows meet it quantized to e4m3 per K tile (fp8_tiles.py). k_scale /
+    v_scale: float32 [KVH] for a float8_e4m3fn cache, else None.
     """
     tokens, hidden = x.shape
     head_dim = k_cache.shape[-1]
@@ -274,8 +272,6 @@ def norm_qkv_rope_write(x: jax.Array, norm_weight: jax.Array, wqkv: jax.Array, c
     fp8_kv = is_fp8(k_cache.dtype)
     scale_block = None if wqkv_scale is None else tuple(scale_block or ())
     check_scale("wqkv", wqkv, wqkv_scale, scale_block)
-    if fp8_mode not in MODES:
-        raise ValueError(f"fp8_mode must be one of {MODES}, got {fp8_mode!r}")
     block_k = default_block_k(hidden, scale_block) if block_k is None else block_k
     if scale_block is not None and scale_block[0] % block_k:
         raise ValueError(f"block_k={block_k} must divide the FP8 scale blocks' height {scale_block[0]}")
@@ -305,7 +301,7 @@ def norm_qkv_rope_write(x: jax.Array, norm_weight: jax.Array, wqkv: jax.Array, c
                                prefetch_programs=prefetch_programs,
                                prefetch_row_count=0 if pf is None else prefetch_rows_count(pf, prefetch_fraction),
                                prefetch_eviction=prefetch_eviction, fp8_kv=fp8_kv,
-                               **({} if scale_block is None else {"scale_block": scale_block, "fp8_mode": fp8_mode}))
+                               **({} if scale_block is None else {"scale_block": scale_block}))
     whole = pl.no_block_spec
     outs = [
         jax.ShapeDtypeStruct((tokens, num_heads, head_dim), x.dtype),
@@ -349,13 +345,15 @@ def norm_qkv_rope_write(x: jax.Array, norm_weight: jax.Array, wqkv: jax.Array, c
 
 def norm_qkv_rope_write_reference(x, norm_weight, wqkv, cos, sin, slot_mapping, q_norm, k_norm, k_cache, v_cache,
                                   counters=None, *, num_heads: int, num_kv_heads: int, eps: float = 1e-6,
-                                  wqkv_scale=None, scale_block=None, k_scale=None, v_scale=None):
+                                  wqkv_scale=None, scale_block=None, block_k=None, k_scale=None, v_scale=None):
     """Plain jnp, the same contract: HF's RMSNorm, the projection rounded to x's dtype, then `qkv_rope_write`'s
-    reference. An FP8 wqkv is dequantized to x's dtype first."""
-    if wqkv_scale is not None:
-        wqkv = dequantize(wqkv, wqkv_scale, scale_block, x.dtype)
+    reference. An FP8 wqkv: dequantized to float32, the normed rows FP8-quantized per K tile as the kernel does
+    (`fake_quant_rows`; block_k: the kernel's, default `default_block_k`)."""
     xf = x.astype(jnp.float32)
     h = norm_weight * (xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)).astype(x.dtype)
+    if wqkv_scale is not None:
+        wqkv = dequantize(wqkv, wqkv_scale, scale_block)
+        h = fake_quant_rows(h, block_k or default_block_k(x.shape[1], scale_block))
     qkv = jnp.dot(h, wqkv, preferred_element_type=jnp.float32).astype(x.dtype)
     return (*qkv_rope_write_reference(qkv, cos, sin, slot_mapping, q_norm, k_norm, k_cache, v_cache, k_scale, v_scale,
                                       num_heads=num_heads, num_kv_heads=num_kv_heads, eps=eps), counters)

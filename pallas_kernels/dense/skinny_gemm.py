@@ -11,9 +11,9 @@ residual add, the cast). Splitting K puts enough programs in flight when N is na
 the residual in each column block's last program, and a no-split GEMV with the residual add, both measured no faster
 than XLA's GEMM + add for Qwen3-4B's o at batch 1.)
 
-Block-FP8 weights (`scale`): e4m3 tiles converted in registers and each tile's product scaled
-(pallas_kernels/dense/fp8_tiles.py); the K tile divides the scale blocks' height, and the column block is 128
-wide (a 128 x 128 scale block's tile: the bytes of bf16's 128 x 64 tile).
+Block-FP8 weights (`scale`): e4m3 tiles met by x's rows quantized to e4m3 per K tile, FP8 dots, each tile's product
+scaled by both (pallas_kernels/dense/fp8_tiles.py); the K tile divides the scale blocks' height, and the column block
+is 128 wide (a 128 x 128 scale block's tile: the bytes of bf16's 128 x 64 tile).
 
 GPU backend: the Pallas Triton lowering (see `pallas_kernels/__init__.py`).
 """
@@ -29,8 +29,6 @@ from jax.experimental.pallas import triton as plgpu
 
 from pallas_kernels.common import pow2_divisor
 from pallas_kernels.dense.fp8_tiles import (
-    DEFAULT_MODE,
-    MODES,
     act_operand,
     check_scale,
     dequantize,
@@ -46,7 +44,7 @@ MAX_TOKENS = 32
 # Kernel body
 # ----------------------------------------------------------------------------------------------
 def _gemm_kernel(x_ref, w_ref, *refs, block_t: int, block_k: int, k_per_split: int,
-                 scale_block: tuple[int, int] | None = None, fp8_mode: str = DEFAULT_MODE, trans_w: bool = False):
+                 scale_block: tuple[int, int] | None = None, trans_w: bool = False):
     # x_ref [T, K] (whole: the real rows are loaded masked); w_ref [K, block_n]: this program's column
     # block, all K rows (the split picks its range); o_ref [k_splits, T, N] fp32 (whole).
     # FP8 (scale_block (bk, bn)): s_ref [K / bk, N / bn] float32 (whole), before o_ref. trans_w: w_ref [block_n, K],
@@ -63,7 +61,7 @@ def _gemm_kernel(x_ref, w_ref, *refs, block_t: int, block_k: int, k_per_split: i
         xk = plgpu.load(x_ref.at[rows, ks], mask=jnp.broadcast_to(real[:, None], (block_t, block_k)), other=0)
         if scale_block is None:
             return acc + plgpu.dot(xk, w_ref[ks, :])
-        xk, xs = act_operand(xk, fp8_mode)
+        xk, xs = act_operand(xk)
         wk = w_ref[:, ks] if trans_w else w_ref[ks, :]
         return acc + weight_dot(xk, wk, s_ref, s * k_per_split + kk * block_k, n * block_n, scale_block, xs, trans_w)
 
@@ -75,14 +73,13 @@ def _gemm_kernel(x_ref, w_ref, *refs, block_t: int, block_k: int, k_per_split: i
 # ----------------------------------------------------------------------------------------------
 # Wrapper
 # ----------------------------------------------------------------------------------------------
-def _gemm_call(x, w, scale, *, block_n, block_k, k_splits, num_warps, num_stages, scale_block, fp8_mode=DEFAULT_MODE,
-               trans_w=False, interpret):
+def _gemm_call(x, w, scale, *, block_n, block_k, k_splits, num_warps, num_stages, scale_block, trans_w=False,
+               interpret):
     tokens, k = x.shape
     n = w.shape[0 if trans_w else 1]
     block_t = max(16, 1 << (tokens - 1).bit_length())
     kernel = functools.partial(_gemm_kernel, block_t=block_t, block_k=block_k, k_per_split=k // k_splits,
-                               **({} if scale is None else {"scale_block": scale_block, "fp8_mode": fp8_mode,
-                                                            "trans_w": trans_w}))
+                               **({} if scale is None else {"scale_block": scale_block, "trans_w": trans_w}))
     scales = [] if scale is None else [scale]
     out = pl.pallas_call(
         kernel,
@@ -95,7 +92,7 @@ def _gemm_call(x, w, scale, *, block_n, block_k, k_splits, num_warps, num_stages
         compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),
         interpret=interpret,
         name=(f"skinny_gemm_n{block_n}_k{block_k}_s{k_splits}"
-              + (f"_fp8_{fp8_mode}" + ("_nk" if trans_w else "") if scales else "")),
+              + ("_fp8" + ("_nk" if trans_w else "") if scales else "")),
     )(x, w, *scales)
     return out[0] if k_splits == 1 else out.sum(axis=0)
 
@@ -116,20 +113,20 @@ def default_config(k: int, n: int, scale_block: tuple[int, int] | None = None) -
 # Public API
 # ----------------------------------------------------------------------------------------------
 @functools.partial(jax.jit, static_argnames=("block_n", "block_k", "k_splits", "num_warps", "num_stages",
-                                             "scale_block", "fp8_mode", "w_transposed", "interpret"))
+                                             "scale_block", "w_transposed", "interpret"))
 def skinny_gemm(x: jax.Array, w: jax.Array, scale: jax.Array | None = None, *,
                 scale_block: tuple[int, int] | None = None, block_n: int | None = None, block_k: int | None = None,
                 k_splits: int | None = None, num_warps: int | None = None, num_stages: int | None = None,
-                fp8_mode: str = DEFAULT_MODE, w_transposed: bool = False, interpret: bool = False) -> jax.Array:
+                w_transposed: bool = False, interpret: bool = False) -> jax.Array:
     """`x @ w` in float32 for a few token rows.
 
     Args:
       x: `[T, K]`, 1 <= T <= 32.
       w: `[K, N]`, same dtype, or float8_e4m3fn with `scale`; K and N multiples of 16.
-      scale: a block-FP8 w's float32 scales, one per `scale_block` = (bk, bn) block (block_k then divides bk).
+      scale: a block-FP8 w's float32 scales, one per `scale_block` = (bk, bn) block (block_k then divides bk); x then
+        meets it as e4m3 rows quantized per K tile (pallas_kernels/dense/fp8_tiles.py).
       block_n, block_k, k_splits, num_warps, num_stages: launch parameters; None: `default_config`.
         block_n must divide N, k_splits * block_k must divide K.
-      fp8_mode: how an FP8 tile meets x (fp8_tiles.act_operand): "convert" or "w8a8".
       w_transposed: an FP8 w given as its transpose [N, K] (K contiguous; scale still [K / bk, N / bn]).
       interpret: run the Pallas interpreter (CPU tests).
 
@@ -137,15 +134,12 @@ def skinny_gemm(x: jax.Array, w: jax.Array, scale: jax.Array | None = None, *,
       `[T, N]` float32 (the caller adds, casts or reduces across devices).
     """
     scale_block = None if scale is None else tuple(scale_block or ())
-    if fp8_mode not in MODES:
-        raise ValueError(f"fp8_mode must be one of {MODES}, got {fp8_mode!r}")
     if w_transposed and scale is None:
         raise ValueError("w_transposed is for FP8 weights")
     wkn = w.T if w_transposed else w  # (shape checks only)
     check_scale("w", wkn, scale, scale_block)
     launch = _launch(x, wkn, block_n, block_k, k_splits, num_warps, num_stages, scale_block)
-    return _gemm_call(x, w, scale, **launch, scale_block=scale_block, fp8_mode=fp8_mode, trans_w=w_transposed,
-                      interpret=interpret)
+    return _gemm_call(x, w, scale, **launch, scale_block=scale_block, trans_w=w_transposed, interpret=interpret)
 
 
 def _launch(x, w, block_n, block_k, k_splits, num_warps, num_stages, scale_block=None) -> dict:
@@ -175,15 +169,15 @@ def _launch(x, w, block_n, block_k, k_splits, num_warps, num_stages, scale_block
 # ----------------------------------------------------------------------------------------------
 # Reference
 # ----------------------------------------------------------------------------------------------
-@functools.partial(jax.jit, static_argnames=("scale_block", "x_group"))
+@functools.partial(jax.jit, static_argnames=("scale_block", "block_k"))
 def skinny_gemm_reference(x: jax.Array, w: jax.Array, scale: jax.Array | None = None, *,
-                          scale_block: tuple[int, int] | None = None, x_group: int | None = None) -> jax.Array:
-    """What XLA does on its own (the batch-1 row padded to two, as `ops.project` does); an FP8 w dequantized to x's
-    dtype first. x_group (w8a8): x FP8-quantized per row and `x_group` columns, all in float32."""
-    if x_group is not None:
-        x = fake_quant_rows(x, x_group)
+                          scale_block: tuple[int, int] | None = None, block_k: int | None = None) -> jax.Array:
+    """What XLA does on its own (the batch-1 row padded to two, as `ops.project` does). An FP8 w: dequantized to
+    float32, x FP8-quantized per row and K tile as the kernel does (`fake_quant_rows`; block_k: the kernel's,
+    default `default_config`'s)."""
     if scale is not None:
-        w = dequantize(w, scale, scale_block, x.dtype)
+        x = fake_quant_rows(x, block_k or default_config(*w.shape, scale_block)["block_k"])
+        w = dequantize(w, scale, scale_block)
     if x.shape[0] == 1:
         return jnp.dot(jnp.pad(x, ((0, 1), (0, 0))), w, preferred_element_type=jnp.float32)[:1]
     return jnp.dot(x, w, preferred_element_type=jnp.float32)

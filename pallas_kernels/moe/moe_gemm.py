@@ -18,10 +18,11 @@ Tile sizes: `block_m` comes with the routing (the layout's padding unit: 16 for 
 where each expert has a few rows, 64-128 for prefill); `block_n` / `block_k` / warps / stages default
 per step size (see `_launch`), overridable for sweeps.
 
-Block-FP8 experts (`scales`, `scale_block`): e4m3 tiles converted in registers (or, fp8_mode "w8a8", met by the
-rows quantized per K tile), each K tile's fp32 product times its block scales (pallas_kernels/dense/fp8_tiles.py,
-the dense kernels' helpers); the K tile divides the scale blocks' height, the column tiles are bf16's (at decode a
-tile of 64 columns streams half the bytes with as many programs in flight). Plain weights trace as without FP8.
+Block-FP8 experts (`scales`, `scale_block`): e4m3 tiles met by the gathered rows quantized to e4m3 per K tile (a
+scale per row), FP8 dots, each K tile's fp32 product times the rows' scales and its block scales
+(pallas_kernels/dense/fp8_tiles.py, the dense kernels' helpers); the K tile divides the scale blocks' height, the
+column tiles are bf16's (at decode a tile of 64 columns streams half the bytes with as many programs in flight).
+Plain weights trace as without FP8.
 
 GPU backend: the Pallas Triton lowering (see `pallas_kernels/__init__.py`); the Mosaic GPU kernel
 for large steps is `moe_gemm_mgpu.py`.
@@ -38,8 +39,6 @@ from jax.experimental.pallas import triton as plgpu
 
 from pallas_kernels.common import pow2_divisor
 from pallas_kernels.dense.fp8_tiles import (
-    DEFAULT_MODE,
-    MODES,
     act_operand,
     check_scale,
     dequantize,
@@ -63,7 +62,7 @@ def _block(bexp_ref, brows_ref, sorted_ref, block_m):
 
 
 def _gate_up_kernel(bexp_ref, brows_ref, sorted_ref, x_ref, wg_ref, wu_ref, *refs, top_k, block_m, block_n,
-                    block_k, scale_block=None, fp8_mode=DEFAULT_MODE):
+                    block_k, scale_block=None):
     # bexp_ref / brows_ref [NB] int32; sorted_ref [M] int32; x_ref [T, K]; wg_ref / wu_ref [E, K, N];
     # h_ref [M, N] (out): this program writes rows [b*bm, (b+1)*bm) x columns [n*bn, (n+1)*bn)
     # FP8 (scale_block (bk, bn)): sg_ref / su_ref [E, K / bk, N / bn] float32 (whole), before h_ref
@@ -82,8 +81,8 @@ def _gate_up_kernel(bexp_ref, brows_ref, sorted_ref, x_ref, wg_ref, wu_ref, *ref
             if scale_block is None:
                 g = g + plgpu.dot(xk, wg_ref[expert, ks, cols])
                 u = u + plgpu.dot(xk, wu_ref[expert, ks, cols])
-            else:  # e4m3 tiles converted in registers, each K tile's product times its block scales
-                xk, xs = act_operand(xk, fp8_mode)  # w8a8: e4m3 rows and their scales, once for gate and up
+            else:  # e4m3 rows and their scales (once for gate and up) against e4m3 tiles and their block scales
+                xk, xs = act_operand(xk)
                 k0, n0 = i * block_k, n * block_n
                 g = g + weight_dot(xk, wg_ref[expert, ks, cols], sg_ref, k0, n0, scale_block, xs, lead=(expert,))
                 u = u + weight_dot(xk, wu_ref[expert, ks, cols], su_ref, k0, n0, scale_block, xs, lead=(expert,))
@@ -95,7 +94,7 @@ def _gate_up_kernel(bexp_ref, brows_ref, sorted_ref, x_ref, wg_ref, wu_ref, *ref
 
 
 def _down_kernel(bexp_ref, brows_ref, sorted_ref, w_ref, h_ref, wd_ref, *refs, block_m, block_n, block_k,
-                 scale_block=None, fp8_mode=DEFAULT_MODE):
+                 scale_block=None):
     # w_ref [T*k] fp32 routing weights by pair; h_ref [M, I]; wd_ref [E, I, N];
     # y_ref [T*k + 1, N] (out, by pair; the last row takes the masked-out lanes' addresses, never written)
     # FP8 (scale_block (bk, bn)): sd_ref [E, I / bk, N / bn] float32 (whole), before y_ref
@@ -111,7 +110,7 @@ def _down_kernel(bexp_ref, brows_ref, sorted_ref, w_ref, h_ref, wd_ref, *refs, b
             ks = pl.ds(i * block_k, block_k)
             if scale_block is None:
                 return acc + plgpu.dot(h_ref[rows, ks], wd_ref[expert, ks, cols])
-            hk, hs = act_operand(h_ref[rows, ks], fp8_mode)
+            hk, hs = act_operand(h_ref[rows, ks])
             return acc + weight_dot(hk, wd_ref[expert, ks, cols], sd_ref, i * block_k, n * block_n, scale_block, hs,
                                     lead=(expert,))
 
@@ -127,13 +126,18 @@ def _down_kernel(bexp_ref, brows_ref, sorted_ref, w_ref, h_ref, wd_ref, *refs, b
 # ----------------------------------------------------------------------------------------------
 # Wrappers
 # ----------------------------------------------------------------------------------------------
+def default_block_k(block_m: int, k: int, scale_block: tuple[int, int] | None = None) -> int:
+    """The K tile for blocks of `block_m` rows (FP8: inside one scale block; the rows' quantization group)."""
+    return tile_k(k, 128 if block_m <= 32 else 64, scale_block)
+
+
 def _launch(block_m, k, n, block_n, block_k, num_warps, num_stages, scale_block=None):
     """Defaults: decode-sized blocks (16 rows) are weight streams: narrow column tiles for more programs in
     flight, deep pipelines; prefill-sized ones are tensor-core tiles. FP8 (`scale_block`): the same tiles, the K
     tile inside one scale block (the column tile may span several: a scale per column)."""
     small = block_m <= 32
     block_n = block_n or pow2_divisor(n, 64 if small else 128)
-    block_k = block_k or tile_k(k, 128 if small else 64, scale_block)
+    block_k = block_k or default_block_k(block_m, k, scale_block)
     num_warps = num_warps or (4 if small else 8)
     num_stages = num_stages or (4 if small else 3)
     if scale_block is not None and scale_block[0] % block_k:
@@ -141,21 +145,21 @@ def _launch(block_m, k, n, block_n, block_k, num_warps, num_stages, scale_block=
     return block_n, block_k, num_warps, num_stages
 
 
-def _fp8_kwargs(scales, scale_block, fp8_mode) -> tuple[dict, str]:
+def _fp8_kwargs(scales, scale_block) -> tuple[dict, str]:
     """The kernels' FP8 keywords and name suffix (none for plain weights: their trace is the one without FP8)."""
     if not scales:
         return {}, ""
-    return {"scale_block": scale_block, "fp8_mode": fp8_mode}, f"_fp8_{fp8_mode}"
+    return {"scale_block": scale_block}, "_fp8"
 
 
-def _gate_up_call(x, routing, w_gate, w_up, scales, *, scale_block, fp8_mode, block_n, block_k, num_warps,
+def _gate_up_call(x, routing, w_gate, w_up, scales, *, scale_block, block_n, block_k, num_warps,
                   num_stages, interpret):
     _, k = x.shape
     n = w_gate.shape[2]
     bm = routing.block_m
     block_n, block_k, num_warps, num_stages = _launch(bm, k, n, block_n, block_k, num_warps, num_stages, scale_block)
     m, nb = routing.sorted_pairs.shape[0], routing.block_expert.shape[0]
-    fp8, suffix = _fp8_kwargs(scales, scale_block, fp8_mode)
+    fp8, suffix = _fp8_kwargs(scales, scale_block)
     kernel = functools.partial(_gate_up_kernel, top_k=routing.top_k, block_m=bm, block_n=block_n, block_k=block_k,
                                **fp8)
     whole = pl.no_block_spec
@@ -171,14 +175,14 @@ def _gate_up_call(x, routing, w_gate, w_up, scales, *, scale_block, fp8_mode, bl
     )(routing.block_expert, routing.block_rows, routing.sorted_pairs, x, w_gate, w_up, *scales)
 
 
-def _down_call(h, routing, w_down, scales, *, scale_block, fp8_mode, block_n, block_k, num_warps, num_stages,
+def _down_call(h, routing, w_down, scales, *, scale_block, block_n, block_k, num_warps, num_stages,
                interpret):
     _, k = h.shape
     n = w_down.shape[2]
     bm = routing.block_m
     block_n, block_k, num_warps, num_stages = _launch(bm, k, n, block_n, block_k, num_warps, num_stages, scale_block)
     pairs = routing.topk_ids.size
-    fp8, suffix = _fp8_kwargs(scales, scale_block, fp8_mode)
+    fp8, suffix = _fp8_kwargs(scales, scale_block)
     kernel = functools.partial(_down_kernel, block_m=bm, block_n=block_n, block_k=block_k, **fp8)
     whole = pl.no_block_spec
     return pl.pallas_call(
@@ -202,10 +206,8 @@ def _check_routing(routing: MoeRouting):
         raise ValueError(f"routing.sorted_pairs {routing.sorted_pairs.shape} must hold block_m x blocks rows")
 
 
-def _check_fp8(names, weights, scales, scale_block, fp8_mode) -> tuple:
+def _check_fp8(names, weights, scales, scale_block) -> tuple:
     """The scales as a tuple (empty for plain weights), checked against their weights (fp8_tiles.check_scale)."""
-    if fp8_mode not in MODES:
-        raise ValueError(f"fp8_mode must be one of {MODES}, got {fp8_mode!r}")
     scales = (None,) * len(weights) if scales is None else tuple(scales)
     if len(scales) != len(weights):
         raise ValueError(f"scales must be one per weight ({', '.join(names)}), got {len(scales)}")
@@ -214,7 +216,7 @@ def _check_fp8(names, weights, scales, scale_block, fp8_mode) -> tuple:
     return () if scales[0] is None else scales
 
 
-_TUNING = ("scale_block", "fp8_mode", "block_n", "block_k", "num_warps", "num_stages", "interpret")
+_TUNING = ("scale_block", "block_n", "block_k", "num_warps", "num_stages", "interpret")
 
 
 # ----------------------------------------------------------------------------------------------
@@ -223,8 +225,8 @@ _TUNING = ("scale_block", "fp8_mode", "block_n", "block_k", "num_warps", "num_st
 @functools.partial(jax.jit, static_argnames=_TUNING)
 def moe_gate_up(x: jax.Array, routing: MoeRouting, w_gate: jax.Array, w_up: jax.Array,
                 scales: tuple[jax.Array, jax.Array] | None = None, *, scale_block: tuple[int, int] | None = None,
-                fp8_mode: str = DEFAULT_MODE, block_n: int | None = None, block_k: int | None = None,
-                num_warps: int | None = None, num_stages: int | None = None, interpret: bool = False) -> jax.Array:
+                block_n: int | None = None, block_k: int | None = None, num_warps: int | None = None,
+                num_stages: int | None = None, interpret: bool = False) -> jax.Array:
     """silu(x @ w_gate[e]) * (x @ w_up[e]) for every routed row of the grouped layout.
 
     Args:
@@ -232,8 +234,8 @@ def moe_gate_up(x: jax.Array, routing: MoeRouting, w_gate: jax.Array, w_up: jax.
       routing: `moe_route(...)` of these tokens.
       w_gate, w_up: `[experts, hidden, intermediate]` in x's dtype, or float8_e4m3fn with `scales`.
       scales: block-FP8 weights' float32 scales (gate's, up's), `[experts, hidden / bk, intermediate / bn]` for
-        `scale_block` = (bk, bn) (the K tile then divides bk; pallas_kernels/dense/fp8_tiles.py).
-      fp8_mode: how an FP8 tile meets x (fp8_tiles.act_operand): "convert" or "w8a8".
+        `scale_block` = (bk, bn) (the K tile then divides bk); x's rows then meet them as e4m3 quantized per K
+        tile (pallas_kernels/dense/fp8_tiles.py).
       block_n, block_k, num_warps, num_stages: tile and launch overrides (powers of two dividing the dims).
       interpret: run the Pallas interpreter (CPU tests).
 
@@ -249,15 +251,14 @@ def moe_gate_up(x: jax.Array, routing: MoeRouting, w_gate: jax.Array, w_up: jax.
     _check_routing(routing)
     if x.shape[1] % 16 or w_gate.shape[2] % 16:
         raise ValueError(f"hidden and intermediate must be multiples of 16: {w_gate.shape=}")
-    scales = _check_fp8(("w_gate", "w_up"), (w_gate, w_up), scales, scale_block, fp8_mode)
-    return _gate_up_call(x, routing, w_gate, w_up, scales, scale_block=scale_block, fp8_mode=fp8_mode,
-                         block_n=block_n, block_k=block_k, num_warps=num_warps, num_stages=num_stages,
-                         interpret=interpret)
+    scales = _check_fp8(("w_gate", "w_up"), (w_gate, w_up), scales, scale_block)
+    return _gate_up_call(x, routing, w_gate, w_up, scales, scale_block=scale_block, block_n=block_n, block_k=block_k,
+                         num_warps=num_warps, num_stages=num_stages, interpret=interpret)
 
 
 @functools.partial(jax.jit, static_argnames=_TUNING)
 def moe_down(h: jax.Array, routing: MoeRouting, w_down: jax.Array, scale: jax.Array | None = None, *,
-             scale_block: tuple[int, int] | None = None, fp8_mode: str = DEFAULT_MODE, block_n: int | None = None,
+             scale_block: tuple[int, int] | None = None, block_n: int | None = None,
              block_k: int | None = None, num_warps: int | None = None, num_stages: int | None = None,
              interpret: bool = False) -> jax.Array:
     """routing weight x (h[row] @ w_down[e]) for every (token, slot) pair, in token order.
@@ -280,8 +281,8 @@ def moe_down(h: jax.Array, routing: MoeRouting, w_down: jax.Array, scale: jax.Ar
     _check_routing(routing)
     if h.shape[1] % 16 or w_down.shape[2] % 16:
         raise ValueError(f"intermediate and hidden must be multiples of 16: {w_down.shape=}")
-    scales = _check_fp8(("w_down",), (w_down,), None if scale is None else (scale,), scale_block, fp8_mode)
-    return _down_call(h, routing, w_down, scales, scale_block=scale_block, fp8_mode=fp8_mode, block_n=block_n,
+    scales = _check_fp8(("w_down",), (w_down,), None if scale is None else (scale,), scale_block)
+    return _down_call(h, routing, w_down, scales, scale_block=scale_block, block_n=block_n,
                       block_k=block_k, num_warps=num_warps, num_stages=num_stages, interpret=interpret)
 
 
@@ -302,35 +303,34 @@ def _row_experts(routing: MoeRouting) -> jax.Array:
     return jnp.repeat(jnp.maximum(routing.block_expert, 0), routing.block_m)  # [M]
 
 
-_REFERENCE_STATIC = ("scale_block", "x_group")
+_REFERENCE_STATIC = ("scale_block", "block_k")
 
 
-def _reference_operands(x, weights, scales, scale_block, x_group):
-    """The references' FP8 inputs: weights dequantized (fp8_tiles.dequantize) to x's dtype; x_group (w8a8): x
-    FP8-quantized per row and `x_group` columns first, all in float32."""
-    if x_group is not None:
-        x = fake_quant_rows(x, x_group)
-    if scales is not None:
-        weights = tuple(dequantize(w, s, scale_block, x.dtype) for w, s in zip(weights, scales, strict=True))
-    return x, weights
+def _reference_operands(x, weights, scales, scale_block, block_k, block_m):
+    """The references' FP8 inputs: weights dequantized to float32 (fp8_tiles.dequantize), x's rows FP8-quantized per
+    K tile as the kernels do (`fake_quant_rows`; block_k: the kernel's, default `default_block_k`)."""
+    if scales is None:
+        return x, weights
+    x = fake_quant_rows(x, block_k or default_block_k(block_m, x.shape[1], scale_block))
+    return x, tuple(dequantize(w, s, scale_block) for w, s in zip(weights, scales, strict=True))
 
 
 @functools.partial(jax.jit, static_argnames=_REFERENCE_STATIC)
-def moe_gate_up_reference(x, routing: MoeRouting, w_gate, w_up, scales=None, *, scale_block=None, x_group=None):
-    """Per-row jnp: each row of the layout times its expert's weights (fp32 accumulation); block-FP8 weights
-    dequantized first (`_reference_operands`)."""
+def moe_gate_up_reference(x, routing: MoeRouting, w_gate, w_up, scales=None, *, scale_block=None, block_k=None):
+    """Per-row jnp: each row of the layout times its expert's weights (fp32 accumulation); block-FP8 weights met by
+    FP8-quantized rows (`_reference_operands`)."""
     e = _row_experts(routing)
     xs, (w_gate, w_up) = _reference_operands(x[routing.sorted_pairs // routing.top_k], (w_gate, w_up), scales,
-                                             scale_block, x_group)  # xs [M, K]
+                                             scale_block, block_k, routing.block_m)  # xs [M, K]
     g = jnp.einsum("mk,mkn->mn", xs, w_gate[e], preferred_element_type=jnp.float32)
     u = jnp.einsum("mk,mkn->mn", xs, w_up[e], preferred_element_type=jnp.float32)
     return (jax.nn.silu(g) * u).astype(x.dtype)
 
 
 @functools.partial(jax.jit, static_argnames=_REFERENCE_STATIC)
-def moe_down_reference(h, routing: MoeRouting, w_down, scale=None, *, scale_block=None, x_group=None):
+def moe_down_reference(h, routing: MoeRouting, w_down, scale=None, *, scale_block=None, block_k=None):
     e = _row_experts(routing)[routing.pair_rows.reshape(-1)]  # [T*k]
     hp, (w_down,) = _reference_operands(h[routing.pair_rows.reshape(-1)], (w_down,),  # hp [T*k, I]
-                                        None if scale is None else (scale,), scale_block, x_group)
+                                        None if scale is None else (scale,), scale_block, block_k, routing.block_m)
     y = jnp.einsum("pi,pih->ph", hp, w_down[e], preferred_element_type=jnp.float32)
     return (y * routing.topk_weights.reshape(-1, 1)).astype(h.dtype)

@@ -23,7 +23,7 @@ def test_defaults_are_the_measured_choices():
     ("attention_backend", "cuda"), ("interpret", "yes"), ("pallas_mlp_tokens", (0,)), ("pallas_mlp_tokens", "1"),
     ("norm_qkv_max_tokens", -1), ("norm_qkv_max_tokens", 1.5), ("norm_qkv_k_splits", 0), ("prefetch_o", 1.5),
     ("prefetch_eviction", "evict_first"), ("pad_vector_dots", 1), ("fp8_skinny_o", 0),
-    ("fp8_max_tokens", -1), ("fp8_mode", "fp4"), ("launch", {"no_such_kernel": {}}),
+    ("fp8_max_tokens", -1), ("launch", {"no_such_kernel": {}}),
     ("launch", {"fused_mlp": {"block_i": "64"}}),
 ])
 def test_invalid_fields_are_named(field, value):
@@ -34,12 +34,12 @@ def test_invalid_fields_are_named(field, value):
 def test_from_env_reads_the_measurement_switches():
     env = {"JINFER_PALLAS_MLP_TOKENS": "8,1", "JINFER_NORM_QKV_TOKENS": "0", "JINFER_MOE_FRONT_TOKENS": "16",
            "JINFER_PREFETCH_O": "0.5", "JINFER_PREFETCH_EVICTION": "normal", "JINFER_XLA_DOT_MERGER": "1",
-           "JINFER_FP8_SKINNY_O": "0", "JINFER_FP8_MAX_TOKENS": "8", "JINFER_FP8_MODE": "w8a8",
+           "JINFER_FP8_SKINNY_O": "0", "JINFER_FP8_MAX_TOKENS": "8",
            "JINFER_MLA_RAGGED_KERNEL": "0", "JINFER_MLA_EXPAND_MIN_QUERY_LEN": "128"}
     p = KernelPolicy.from_env(env, attention_backend="pallas-triton")
     assert p == KernelPolicy(attention_backend="pallas-triton", pallas_mlp_tokens=(1, 8), norm_qkv_max_tokens=0,
                              moe_front_max_tokens=16, prefetch_o=0.5, prefetch_eviction="normal", xla_dot_merger=True,
-                             fp8_skinny_o=False, fp8_max_tokens=8, fp8_mode="w8a8", mla_ragged_kernel=False,
+                             fp8_skinny_o=False, fp8_max_tokens=8, mla_ragged_kernel=False,
                              mla_expand_min_query_len=128)
     assert KernelPolicy.from_env({}) == KernelPolicy()
     assert KernelPolicy.from_env({"JINFER_PALLAS_MLP_TOKENS": ""}).pallas_mlp_tokens == ()

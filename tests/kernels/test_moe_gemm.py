@@ -1,6 +1,7 @@
 """moe_gate_up / moe_down (Pallas, Triton lowering) vs per-row jnp references, and the whole expert MLP
-vs `layers.moe_mlp` (lax.ragged_dot: independent of the grouped layout); with bf16 / f32 and block-FP8 experts
-(the latter against moe_mlp on jinfer.models.fp8's dequantization, independent of the kernels' fp8_tiles)."""
+vs `layers.moe_mlp` (lax.ragged_dot: independent of the grouped layout); with bf16 / f32 and block-FP8 experts (the
+rows quantized to e4m3 per K tile: against references quantizing them alike, and against moe_mlp on
+jinfer.models.fp8's dequantization, independent of the kernels' fp8_tiles, within the rows' FP8 rounding)."""
 
 from __future__ import annotations
 
@@ -20,6 +21,16 @@ from pallas_kernels.moe.moe_gemm import (
 )
 from pallas_kernels.moe.moe_routing import moe_route_reference
 from tests.kernels.conftest import assert_close, by_mode, lower_for_cuda
+
+# The rows' e4m3 rounding (~3% a value) against unquantized rows, as the relative RMS of the outputs: measured
+# 0.034-0.045 on FP8_CASES, 0.019 on the model's block; bounded at ~2x.
+FP8_REL_RMS = 0.1
+
+
+def rel_rms(a, b) -> float:
+    a, b = (np.asarray(jnp.asarray(v, jnp.float32)) for v in (a, b))
+    return float(np.sqrt(np.mean((a - b) ** 2) / np.mean(b ** 2)))
+
 
 CASES = [  # tokens, experts, hidden, intermediate, top_k, block_m
     pytest.param(1, 16, 128, 64, 4, 16, id="decode-b1"),
@@ -133,25 +144,9 @@ def test_fp8_grouped_gemms_match_reference(mode, tokens, experts, hidden, inter,
     y = moe_down(h, r, wd.w, wd.scale, scale_block=block, interpret=interpret)
     assert y.shape == (tokens * top_k, hidden) and y.dtype == dtype
     assert_close(y, moe_down_reference(h, r, wd.w, wd.scale, scale_block=block), dtype, mode)
-    assert_close(moe_combine(y, top_k, dtype), moe_mlp(x, logits, wg, wu, wd, top_k, True), dtype, mode)
-
-
-def test_fp8_w8a8_matches_reference():
-    """fp8_mode w8a8: each gathered row's K tile (128 columns here) quantized to e4m3, FP8 dots; against the
-    references quantizing alike (float32: the same FP8 values, another summation order)."""
-    x, logits, r, wg, wu, wd = fp8_setup(8, 4, 128, 128, 2, 16, (128, 128), jnp.float32)
-    x = x * 4  # (beyond e4m3's subnormals)
-    h = moe_gate_up(x, r, wg.w, wu.w, (wg.scale, wu.scale), scale_block=(128, 128), fp8_mode="w8a8", interpret=True)
-    rows = np.asarray(r.pair_rows).ravel()
-    ref_h = moe_gate_up_reference(x, r, wg.w, wu.w, (wg.scale, wu.scale), scale_block=(128, 128), x_group=128)
-    assert_close(np.asarray(h)[rows], ref_h[rows], jnp.float32, "interpret")
-    y = moe_down(h, r, wd.w, wd.scale, scale_block=(128, 128), fp8_mode="w8a8", interpret=True)
-    assert_close(y, moe_down_reference(h, r, wd.w, wd.scale, scale_block=(128, 128), x_group=128), jnp.float32,
-                 "interpret")
-    # and within FP8 rounding of the unquantized activations' result (e4m3: ~3% per value), not equal to it
-    plain = np.asarray(moe_mlp(x, logits, wg, wu, wd, 2, True))
-    rel = np.sqrt(np.mean((np.asarray(moe_combine(y, 2, x.dtype)) - plain) ** 2) / np.mean(plain ** 2))
-    assert 1e-3 < rel < 0.1, rel
+    # and within the rows' FP8 rounding of moe_mlp's unquantized rows, not equal to them
+    rel = rel_rms(moe_combine(y, top_k, dtype), moe_mlp(x, logits, wg, wu, wd, top_k, True))
+    assert 1e-3 < rel < FP8_REL_RMS, rel
 
 
 def test_fp8_argument_errors():
@@ -165,13 +160,11 @@ def test_fp8_argument_errors():
                  scale_block=(16, 16), interpret=True)
     with pytest.raises(ValueError, match="scale blocks' height"):
         moe_gate_up(x, r, wg.w, wu.w, (wg.scale, wu.scale), scale_block=(16, 16), block_k=32, interpret=True)
-    with pytest.raises(ValueError, match="fp8_mode"):
-        moe_gate_up(x, r, wg.w, wu.w, (wg.scale, wu.scale), scale_block=(16, 16), fp8_mode="f16", interpret=True)
 
 
 def test_fp8_grouped_gemms_lower_for_cuda():
     """Qwen3-30B-A3B's experts in block-FP8 (128 x 128), decode-sized and prefill-sized layouts, through Pallas'
-    Triton lowering (e4m3 loads converted: tt.fp_to_fp)."""
+    Triton lowering (e4m3 loads, the rows quantized to e4m3, FP8 dots)."""
     from pallas_kernels.moe.moe_routing import moe_route
 
     S, bf, f8, f32 = jax.ShapeDtypeStruct, jnp.bfloat16, jnp.float8_e4m3fn, jnp.float32
@@ -186,8 +179,8 @@ def test_fp8_grouped_gemms_lower_for_cuda():
                               S((128, 2048, 768), f8), S((128, 2048, 768), f8), S((128, 768, 2048), f8),
                               S((128, 16, 6), f32), S((128, 16, 6), f32), S((128, 6, 16), f32))
         k = 128 if block_m == 16 else 64
-        assert f"moe_gate_up_m{block_m}_n{64 if block_m == 16 else 128}_k{k}_fp8_convert" in text
-        assert f"moe_down_m{block_m}_n{64 if block_m == 16 else 128}_k{k}_fp8_convert" in text
+        assert f"moe_gate_up_m{block_m}_n{64 if block_m == 16 else 128}_k{k}_fp8" in text
+        assert f"moe_down_m{block_m}_n{64 if block_m == 16 else 128}_k{k}_fp8" in text
 
 
 def test_model_moe_block_mosaic_path_matches_reference(monkeypatch):
@@ -219,7 +212,8 @@ def test_model_moe_block_mosaic_path_matches_reference(monkeypatch):
 def test_model_moe_block_fp8_experts_on_the_kernels():
     """ModelOps.moe_block at a decode-sized step with block-FP8 routed experts (the grouped GEMMs read them) and a
     gated FP8 shared expert (the fused MLP kernel reads it; its [hidden, 1] gate is dequantized): the reference
-    block's output (everything dequantized, lax.ragged_dot), and no ragged_dot in the kernels' block."""
+    block's output (everything dequantized, lax.ragged_dot) within the rows' FP8 rounding, and no ragged_dot in the
+    kernels' block."""
     from jinfer.ops import ModelOps
 
     e, hidden, inter, shared_inter, top_k, tokens, block = 4, 64, 32, 32, 2, 3, (16, 16)
@@ -240,8 +234,9 @@ def test_model_moe_block_fp8_experts_on_the_kernels():
         return ops.moe_block(x, norm, router, wg, wu, wd, **kw)[0]
 
     jaxpr = str(jax.make_jaxpr(lambda x: block_out(ops, x))(x))
-    for kernel in ("moe_gate_up_m16_n32_k16_fp8_convert", "moe_down_m16_n64_k16_fp8_convert",
-                   "fused_swiglu_mlp_t16_i16_fp8_convert"):
+    for kernel in ("moe_gate_up_m16_n32_k16_fp8", "moe_down_m16_n64_k16_fp8", "fused_swiglu_mlp_t16_i16_fp8"):
         assert kernel in jaxpr, kernel
     assert "ragged_dot" not in jaxpr
-    assert_close(block_out(ops, x), block_out(ModelOps(), x), jnp.float32, "interpret")
+    got, want = block_out(ops, x) - x, block_out(ModelOps(), x) - x  # the MoE and shared experts' outputs
+    rel = rel_rms(got, want)
+    assert 1e-3 < rel < FP8_REL_RMS, rel

@@ -28,8 +28,9 @@ CASES = [
     pytest.param(5, 192, 2, 1, 32, 8, False, jnp.float32, None, id="t5-no-qknorm-f32"),
     pytest.param(17, 64, 2, 2, 32, 4, True, jnp.float32, None, id="t17-kvh-eq-h-f32"),
     pytest.param(3, 256, 4, 1, 128, 16, True, jnp.bfloat16, None, id="t3-d128-bf16"),
-    # FP8 q|k|v: a head's halves inside one scale block (one scale per K tile and half), and across several (16-wide
-    # blocks: a scale per column), with 32-row K tiles
+    # FP8 q|k|v (the normed rows quantized to e4m3 per K tile, as the reference does): a head's halves inside one scale
+    # block (one scale per K tile and half), and across several (16-wide blocks: a scale per column), with 32-row K
+    # tiles
     pytest.param(2, 256, 4, 2, 64, 16, True, jnp.bfloat16, (64, 64), id="t2-bf16-fp8-b64"),
     pytest.param(3, 128, 2, 1, 64, 8, False, jnp.float32, (32, 16), id="t3-f32-fp8-b32x16"),
 ]
@@ -76,7 +77,7 @@ def test_matches_reference(mode, splits, tokens, hidden, heads, kv_heads, dim, p
                                          k_splits=None if splits == 1 else splits, interpret=mode == "interpret")
     if splits > 1:
         np.testing.assert_array_equal(np.asarray(cnt), 0)
-    rq, rk, rv, _ = norm_qkv_rope_write_reference(*args, **kw)
+    rq, rk, rv, _ = norm_qkv_rope_write_reference(*args, **kw, **({} if scale_block is None else {"block_k": block_k}))
     assert q.shape == (tokens, heads, dim) and q.dtype == dtype
     assert_close(q, rq, dtype, mode)
     assert_close(kc, rk, dtype, mode)

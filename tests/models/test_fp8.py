@@ -1,8 +1,8 @@
 """Block-FP8 weights against HF transformers: the tiny checkpoints quantized by scripts/make_fp8_golden.py
 (tests/data/tiny-*-fp8: float8_e4m3fn weights with a scale per 16 x 16 block) and HF's logits on the dequantized
 weights, on one device and tp=2; online FP8 (`quantization="fp8"`) against the unquantized model's goldens; FP8
-dummy weights; the Pallas backend's kernels reading FP8 (the MoE experts too, one device and ep=2), and refusing what
-they cannot read."""
+dummy weights; the Pallas backend's kernels reading FP8 against e4m3 activations (the MoE experts too, one device and
+ep=2: HF's logits within the activations' rounding), and refusing what they cannot read."""
 
 import dataclasses
 import logging
@@ -24,7 +24,6 @@ from jinfer.weights.loader import load_weights, resolve_model, with_online_fp8
 from ..conftest import DATA
 from . import test_golden_qwen3_5 as q35
 from .test_golden_tiny import (
-    ATOL,
     NUM_PAGES,
     OPS,
     PAGE,
@@ -142,12 +141,23 @@ def test_dummy_fp8_shape():
         resolve_model("dummy:nope-fp8")
 
 
-def test_fp8_pallas_decode_matches_hf(caplog):
+# |logit - HF| bounds where the Pallas kernels read the FP8 weights: they quantize the activations to e4m3 per row and K
+# tile (pallas_kernels/dense/fp8_tiles.py), HF's reference does not (logits' std ~0.8). About twice the largest
+# difference measured: tiny-qwen3-fp8's two decode steps 0.059; tiny-qwen3_moe-fp8's 8 positions 0.276 (one device and
+# ep=2 alike; RMS 0.035-0.093 a position).
+W8A8_ATOL = 0.12
+MOE_W8A8_ATOL = 0.55
+# A greedy token may differ from HF's only where HF's two best logits are this close: measured, one flip at a gap of
+# 0.069 (tiny-qwen3_moe-fp8, prompt 0's fourth greedy token).
+NEAR_TIE = 0.1
+
+
+def test_fp8_pallas_decode_close_to_hf(caplog):
     """The Pallas backend (interpreted) on the FP8 checkpoint's decode steps: the fused MLP, the skinny o GEMM and the
     norm + q|k|v kernel read the FP8 weights with their 16 x 16 block scales (layer 1's o is stored unquantized:
-    plain), the norm + q|k|v kernel's idle programs prefetch layer 0's FP8 o; after the reference's prefill, two
-    decode steps give HF's logits on the dequantized weights. (Decode steps only: a Pallas prefill step is one
-    more interpreter compile.)"""
+    plain) and meet them with e4m3 activations, the norm + q|k|v kernel's idle programs prefetch layer 0's FP8 o;
+    after the reference's prefill, two decode steps stay within W8A8_ATOL of HF's logits on the dequantized weights
+    and pick HF's greedy tokens. (Decode steps only: a Pallas prefill step is one more interpreter compile.)"""
     cfg, w = load("qwen3-fp8")
     w = fuse_qkv(cfg, w)
     gold = np.load(DATA / "golden" / "tiny-qwen3-fp8.npz")
@@ -164,9 +174,11 @@ def test_fp8_pallas_decode_matches_hf(caplog):
     with caplog.at_level(logging.INFO, logger="jinfer.models.fp8"):
         for s in range(1, 3):
             logits, kv = step(w, decode_batch(token, len(prompt) + s - 1, pages), kv)
-            np.testing.assert_allclose(np.asarray(logits[0]), gold["decode_logits_0"][s], atol=ATOL, rtol=1e-4,
-                                       err_msg=f"decode step {s}")
-            token = int(np.argmax(logits[0]))
+            got, want = np.asarray(logits[0]), gold["decode_logits_0"][s]
+            print(f"FP8 decode step {s}: max |logit - HF| {np.abs(got - want).max():.4f}, logits std {want.std():.3f}")
+            np.testing.assert_allclose(got, want, atol=W8A8_ATOL, rtol=0, err_msg=f"decode step {s}")
+            assert int(np.argmax(got)) == int(np.argmax(want)) == gold["greedy_0"][s]
+            token = int(np.argmax(got))
     assert "does not read them" not in caplog.text
 
 
@@ -175,38 +187,41 @@ def test_fp8_pallas_decode_matches_hf(caplog):
 DECODES = 4
 
 
-def check_token_by_token(step, w, kv, gold, i, decodes=DECODES):
-    """Prompt i fed one token a step, then `decodes` of our greedy tokens: every step is the decode executable (one
-    compile). Each position's logits are HF's (the prompt's prefill logits, then its decode logits) and the greedy ids
-    HF's."""
+def check_token_by_token(step, w, kv, gold, i, atol, decodes=DECODES):
+    """Prompt i fed one token a step, then HF's first `decodes` greedy tokens (HF's, so that a near tie the FP8
+    activations flip does not change the later positions' inputs): every step is the decode executable (one compile).
+    Each position's logits within `atol` of HF's (the prompt's prefill logits, then its decode logits), and its
+    greedy token HF's unless HF's two best are within NEAR_TIE."""
     prompt, greedy = gold[f"prompt_{i}"].tolist(), gold[f"greedy_{i}"][:decodes].tolist()
     pages = scrambled_pages(i, (len(prompt) + len(greedy)) // PAGE + 1)
     want = np.concatenate([gold[f"prefill_logits_{i}"], gold[f"decode_logits_{i}"][1:decodes]])
-    tokens, kv = list(prompt), placed_as_outputs(kv, w)
+    tokens, kv, diff = prompt + greedy, placed_as_outputs(kv, w), 0.0
     for pos in range(len(want)):
         logits, kv = step(w, decode_batch(tokens[pos], pos, pages), kv)
-        np.testing.assert_allclose(np.asarray(logits[0]), want[pos], atol=ATOL, rtol=1e-4, err_msg=f"position {pos}")
-        if pos >= len(prompt) - 1:
-            tokens.append(int(np.argmax(logits[0])))
-    assert tokens[len(prompt):] == greedy
+        got = np.asarray(logits[0])
+        diff = max(diff, float(np.abs(got - want[pos]).max()))
+        np.testing.assert_allclose(got, want[pos], atol=atol, rtol=0, err_msg=f"position {pos}")
+        best, second = np.sort(want[pos])[-2:][::-1]
+        assert np.argmax(got) == np.argmax(want[pos]) or best - second < NEAR_TIE, f"position {pos}"
+    print(f"prompt {i}, {len(want)} positions: max |logit - HF| {diff:.4f}")
 
 
 @pytest.mark.parametrize("devices,ep", [(1, False), (2, True)], ids=["one-device", "ep2"])
 def test_fp8_moe_experts_on_the_kernels_match_hf(devices, ep, caplog):
     """The MoE checkpoint's FP8 experts read by the grouped GEMMs (interpreted) with their 16 x 16 block scales, not
     dequantized for the reference's ragged dots; on one device and with the experts split over two (each device's
-    experts and scales): HF's logits at every position of prompt 0 and its first DECODES greedy tokens, to float32
-    noise."""
+    experts and scales): HF's logits at every position of prompt 0 and its first DECODES greedy tokens, within
+    MOE_W8A8_ATOL (the kernels' e4m3 activations)."""
     src = resolve_model(DATA / "tiny-qwen3_moe-fp8")
     cfg, _, w, step, new_kv = sharded_model(src, devices, ep, "pallas")
     if ep:
         assert w.layers[0].w_gate.scale.sharding.shard_shape(w.layers[0].w_gate.scale.shape) == (4, 4, 2)
     kv = new_kv()
     decode = str(jax.make_jaxpr(step)(w, decode_batch(1, 20, scrambled_pages(0, 8)), kv))
-    assert "moe_gate_up_m16_n32_k16_fp8_convert" in decode and "moe_down_m16_n64_k16_fp8_convert" in decode
+    assert "moe_gate_up_m16_n32_k16_fp8" in decode and "moe_down_m16_n64_k16_fp8" in decode
     assert "ragged_dot" not in decode
     with caplog.at_level(logging.INFO, logger="jinfer.models.fp8"):
-        check_token_by_token(step, w, kv, np.load(DATA / "golden" / "tiny-qwen3_moe-fp8.npz"), 0)
+        check_token_by_token(step, w, kv, np.load(DATA / "golden" / "tiny-qwen3_moe-fp8.npz"), 0, MOE_W8A8_ATOL)
     assert "does not read them" not in caplog.text
 
 
@@ -236,28 +251,3 @@ def test_pallas_kernels_refuse_mixed_fp8(caplog, monkeypatch):
         got = jax.jit(partial(mlp, OPS["pallas"]))(x, mixed)
     np.testing.assert_allclose(got, jax.jit(partial(mlp, OPS["ref"]))(x, mixed), rtol=1e-6)
     assert caplog.text.count("does not read them") == 1
-
-
-W8A8_ATOL = 0.15  # |logit - HF| bound for FP8-rounded activations (measured up to ~0.06 on the tiny model)
-
-
-def test_fp8_pallas_w8a8_decode_close_to_hf():
-    """fp8_mode w8a8 (the kernels quantize the activations per row and K tile, e4m3 dot): two decode steps after the
-    reference's prefill stay within W8A8_ATOL of HF's logits and pick HF's greedy tokens."""
-    cfg, w = load("qwen3-fp8")
-    w = fuse_qkv(cfg, w)
-    gold = np.load(DATA / "golden" / "tiny-qwen3-fp8.npz")
-    ops = dataclasses.replace(OPS["pallas"], policy=dataclasses.replace(OPS["pallas"].policy, fp8_mode="w8a8"))
-    prefill = jax.jit(partial(forward, cfg=cfg, ops=OPS["ref"]), donate_argnames=("kv_cache",))
-    step = jax.jit(partial(forward, cfg=cfg, ops=ops), donate_argnames=("kv_cache",))
-    prompt = gold["prompt_0"].tolist()
-    pages = scrambled_pages(0, len(prompt) // PAGE + 2)
-    logits, kv = prefill(w, prefill_batch([(prompt, 0, pages)]), placed_as_outputs(empty_cache(cfg), w))
-    token = int(np.argmax(logits[len(prompt) - 1]))
-    for s in range(1, 3):
-        logits, kv = step(w, decode_batch(token, len(prompt) + s - 1, pages), kv)
-        got, want = np.asarray(logits[0]), gold["decode_logits_0"][s]
-        print(f"w8a8 decode step {s}: max |logit - HF| {np.abs(got - want).max():.4f}, logits std {want.std():.3f}")
-        np.testing.assert_allclose(got, want, atol=W8A8_ATOL, rtol=0, err_msg=f"decode step {s}")
-        assert int(np.argmax(got)) == int(np.argmax(want))
-        token = int(np.argmax(got))

@@ -2,7 +2,8 @@
 scripts/make_compressed_tensors_golden.py (tiny-qwen3-ct-tensor: one scale per weight, static activation scales not
 read; tiny-qwen3_moe-ct-mixed: attention per tensor, the MLPs and experts per output channel) and HF's logits on
 their dequantized weights. Each loads onto the block-FP8 path exactly (no second rounding), so the logits match to
-float32 noise: on one device, tp=2, and the Pallas kernels (interpreted) reading per-column scales."""
+float32 noise on one device and tp=2; the Pallas kernels (interpreted) reading per-column scales meet them with e4m3
+activations, within W8A8_ATOL."""
 
 import dataclasses
 import logging
@@ -18,7 +19,6 @@ from jinfer.weights.loader import load_weights, resolve_model, with_online_fp8
 
 from ..conftest import DATA
 from .test_golden_tiny import (
-    ATOL,
     check_batched_chunked_prefill,
     check_prompt_and_decodes,
     decode_batch,
@@ -28,6 +28,9 @@ from .test_golden_tiny import (
 )
 
 DECODES = 4  # greedy tokens the interpreted Pallas steps check
+# |logit - HF| bound for the Pallas kernels' e4m3 activations (HF's reference keeps them unquantized; logits' std
+# ~0.8): about twice the largest difference measured, 0.189.
+W8A8_ATOL = 0.4
 
 
 def load(name):
@@ -103,9 +106,9 @@ def test_per_channel_tp2_matches_hf():
 
 def test_pallas_kernels_read_per_column_scales(caplog):
     """The Pallas backend (interpreted) on the mixed checkpoint, one device: norm + q|k|v, the skinny o GEMM, layer 1's
-    fused MLP and the experts' grouped GEMMs read the FP8 weights with one scale per output column. Prompt 0 a token
-    a step, then DECODES of our greedy tokens: every position's logits and every token HF's, to float32 noise (the
-    interpreted steps are slow: a few decodes, not HF's 32)."""
+    fused MLP and the experts' grouped GEMMs read the FP8 weights with one scale per output column and meet them
+    with e4m3 activations. Prompt 0 a token a step, then DECODES of our greedy tokens: every position's logits within
+    W8A8_ATOL of HF's and every token HF's (the interpreted steps are slow: a few decodes, not HF's 32)."""
     src = resolve_model(DATA / "tiny-qwen3_moe-ct-mixed")
     cfg, _, w, step, new_kv = sharded_model(src, 1, False, "pallas")
     kv = new_kv()
@@ -120,7 +123,7 @@ def test_pallas_kernels_read_per_column_scales(caplog):
     with caplog.at_level(logging.INFO, logger="jinfer.models.fp8"):
         for pos in range(len(want)):
             logits, kv = step(w, decode_batch(tokens[pos], pos, pages), kv)
-            np.testing.assert_allclose(np.asarray(logits[0]), want[pos], atol=ATOL, rtol=1e-4, err_msg=f"pos {pos}")
+            np.testing.assert_allclose(np.asarray(logits[0]), want[pos], atol=W8A8_ATOL, rtol=0, err_msg=f"pos {pos}")
             if pos >= len(prompt) - 1:
                 tokens.append(int(np.argmax(logits[0])))
     assert tokens[len(prompt):] == greedy[:DECODES] and "does not read them" not in caplog.text
