@@ -29,6 +29,7 @@ else
   run() { "$@"; }
 fi
 mkdir -p "$OUT"
+source benchmarks/per_gpu.sh
 SHAPE=${SHAPE:-qwen3-235b-a22b}
 PARTS=${PARTS:-tests,latency,throughput,serving}
 MOE_LAYOUTS=${MOE_LAYOUTS:-ep,tp}
@@ -48,15 +49,9 @@ if [[ $PARTS == *latency* ]]; then
     if [ "${PROCS:-1}" = 1 ]; then
       run timeout 570 python3 -m benchmarks.bench_latency --shape "$SHAPE" --batch-sizes ${BATCHES:-1 8 32} -tp $TP \
           $(ep_flag $moe) --input-len 1024 --output-len 128 --out "$OUT/latency_${NAME}_${moe}${TP}_$TAG.json" 2>&1 | show
-    else  # one process per GPU, each with its own CUDA_VISIBLE_DEVICES (the layout `jinfer serve -tp` runs)
-      for r in $(seq $((TP - 1)) -1 0); do
-        out=(); [[ $r == 0 ]] && out=(--out "$OUT/latency_${NAME}_${moe}${TP}_${TP}proc_$TAG.json" ${R0_ARGS:-})
-        run env CUDA_VISIBLE_DEVICES=$r timeout 570 python3 -m benchmarks.bench_latency --shape "$SHAPE" \
-            --batch-sizes ${BATCHES:-1 8 32} -tp $TP --nnodes $TP --node-rank $r --master-port 29555 $(ep_flag $moe) \
-            --input-len 1024 --output-len 128 "${out[@]}" > "$OUT/latency_rank$r.log" 2>&1 &
-      done
-      wait
-      grep -E "^batch|collectives: |Error" "$OUT/latency_rank0.log" | head -8; tail -n 2 "$OUT"/latency_rank[1-9].log
+    else  # one process per GPU
+      RUN=run latency_per_gpu $TP "$OUT/latency" "$OUT/latency_${NAME}_${moe}${TP}_${TP}proc_$TAG.json" \
+          --shape "$SHAPE" --batch-sizes ${BATCHES:-1 8 32} $(ep_flag $moe) --input-len 1024 --output-len 128
     fi
   done
 fi

@@ -20,6 +20,7 @@
 # JSON lands in $OUT; $TAG names the machine in the file names (default h200x2).
 set -uo pipefail
 source benchmarks/gpu_env.sh
+source benchmarks/per_gpu.sh
 export NCCL_NVLS_ENABLE=0  # NVLink multicast stays off on the shared machine
 PARTS=${PARTS:-tests,step,latency,throughput,profile,multiprocess,dp}
 TAG=${TAG:-h200x2}
@@ -95,17 +96,10 @@ if [[ $PARTS == *profile* ]]; then
   done
 fi
 if [[ $PARTS == *multiprocess* ]]; then
-  PORT=29555; MPS=${MP_SHAPE:-qwen3-8b}  # MP_ARGS: e.g. --enable-expert-parallel
+  MPS=${MP_SHAPE:-qwen3-8b}  # MP_ARGS: e.g. --enable-expert-parallel
   MP_ARGS=${MP_ARGS:-}
-  for r in $(seq $((TP - 1)) -1 0); do  # one GPU per process (its own CUDA_VISIBLE_DEVICES), as `jinfer serve -tp`
-    out=(); [[ $r == 0 ]] && out=(--out "$OUT/latency_${MPS}_tp${TP}_${TP}proc_$TAG.json")
-    CUDA_VISIBLE_DEVICES=$r timeout 300 python3 -m benchmarks.bench_latency --shape $MPS --batch-sizes ${BATCHES:-1 16} \
-        -tp $TP --nnodes $TP --node-rank $r --master-port $PORT $MP_ARGS --input-len 1024 --output-len 128 "${out[@]}" \
-        > "/tmp/multiprocess_rank$r.log" 2>&1 &
-  done
-  wait
-  grep -oE "^batch.*|collectives: .*|one-shot.*|Error.*" /tmp/multiprocess_rank0.log | head -8
-  tail -n 2 /tmp/multiprocess_rank[1-9]*.log
+  latency_per_gpu $TP /tmp/multiprocess "$OUT/latency_${MPS}_tp${TP}_${TP}proc_$TAG.json" --shape $MPS \
+      --batch-sizes ${BATCHES:-1 16} $MP_ARGS --input-len 1024 --output-len 128
   # the same layout in one process, and whether both gave the same greedy tokens (same prompts, same sums)
   [[ ${MP_ONE_PROCESS:-1} == 1 ]] && timeout 300 python3 -m benchmarks.bench_latency --shape $MPS --batch-sizes ${BATCHES:-1 16} -tp $TP \
       $MP_ARGS --input-len 1024 --output-len 128 --out "$OUT/latency_${MPS}_tp${TP}_1proc_$TAG.json" | grep "^batch"
@@ -125,7 +119,7 @@ if [[ $PARTS == *serve_tp* ]]; then  # `jinfer serve -tp $TP`: one process per G
     JAX_PLATFORMS=cpu timeout 300 python3 -m benchmarks.bench_serving --num-prompts 512 --input-len 1024 --output-len 128 \
         --vocab-size 151936 --warmup 16 --device "$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1) x $TP" \
         --out "$OUT/serving_${SERVE_SHAPE:-qwen3-8b}_tp${TP}_${backend}_${TAG}_saturation.json" | tail -1
-    ps -eo pid,args | grep -c "[w]orker_proc"
+    echo "$backend: followers while serving: $(ps -eo args | grep -c '[w]orker_proc')"
     kill -TERM $SERVER; wait $SERVER; sleep 2
     echo "$backend: stopped, followers left: $(ps -eo args | grep -c '[w]orker_proc')"
   done

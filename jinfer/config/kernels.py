@@ -154,7 +154,7 @@ class KernelPolicy:
         """`one_shot_all_reduce_bytes`, or where None the measured default for a process driving this many GPUs."""
         if self.one_shot_all_reduce_bytes is not None:
             return self.one_shot_all_reduce_bytes
-        return 16384 if devices_per_process > 1 else 1 << 20
+        return 16384 if devices_per_process > 1 else 1 << 20  # (1 MB: pallas_kernels.all_reduce.MAX_BYTES)
 
     def launch_args(self, kernel: str) -> dict:
         """The launch keyword arguments the policy sets for `kernel` (one of LAUNCH_KERNELS; {} for none)."""
