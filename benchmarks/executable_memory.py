@@ -125,6 +125,7 @@ def engine_cycle(model: str, directory: Path, cycles: int = 2, warmup_threads: i
     from jinfer.config.engine import EngineConfig
     from jinfer.engine import executables as model_runner
     from jinfer.engine.core import EngineCore
+    from jinfer.engine.idle_unload import RELOAD_AFTER_STEPS
 
     if warmup_threads:
         model_runner.WARMUP_THREADS = warmup_threads
@@ -152,7 +153,7 @@ def engine_cycle(model: str, directory: Path, cycles: int = 2, warmup_threads: i
         runner.unload_idle()
         point(f"unloaded {c}")
         for T, decode in sorted(runner._unloaded):
-            for _ in range(model_runner.RELOAD_AFTER_STEPS):
+            for _ in range(RELOAD_AFTER_STEPS):
                 runner._want(T, decode)
         while runner._unloaded or runner._loading:
             time.sleep(0.05)

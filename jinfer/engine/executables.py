@@ -1,5 +1,6 @@
 """The step's compiled executables: one per shape bucket, loaded from the on-disk cache (`executable_cache.py`) or
-compiled, made ready in the background during a staged warm-up, dropped when idle and loaded again on demand.
+compiled, made ready in the background during a staged warm-up, dropped when idle and loaded again on demand
+(idle_unload.py).
 
 Shapes come from a small fixed set of buckets so serving never stalls on a compile:
 - T (tokens in the step): 1 (GPU only), then powers of two from `MIN_TOKENS` up to `max_num_batched_tokens`;
@@ -20,7 +21,6 @@ buckets, the ready sets and the executables through the runner).
 
 from __future__ import annotations
 
-import ctypes
 import logging
 import threading
 import time
@@ -33,6 +33,7 @@ import jax
 import jax.numpy as jnp
 
 from jinfer.engine.device_step import fork_step, forward_step, prompt_logprobs_step, sample_step
+from jinfer.engine.idle_unload import IdleUnloading, trim_host_heap
 from jinfer.engine.sampling_tensors import SamplerFlags, mask_words
 from jinfer.engine.step_inputs import batch_sizes, sampling_size
 from jinfer.parallel.mesh import array_specs
@@ -47,26 +48,12 @@ WARMUP_THREADS = 8  # forward executables loaded / compiled at once during warm-
 # 1k-token prefill executable (it was re-recorded in front of the first prefill after warm-up, on
 # the TTFT path), and large steps hide their launches behind device time anyway.
 COMMAND_BUFFER_MAX_TOKENS = 32
-# An unloaded bucket (`unload_idle`) is loaded again once this many steps wanted it: sustained demand, not
-# one request's few prefill chunks (a lone 1k-token prompt after an idle minute ran 0.15-0.2 s slower while the
-# 512-2048 buckets its first chunk asked for loaded beside it; it needs none of them).
-RELOAD_AFTER_STEPS = 16
 # Large (prefill) steps: no command buffers (above), and no "dot merger". That XLA pass merges two dots of
 # one operand into one over the concatenation of the other operands: it merged the MLP's x @ w_gate and
 # x @ w_up, concatenating the two weights (94 MB for Qwen3.5-4B) anew in every layer of every prefill step:
 # 60 us a layer on an H100, more than the merged dot saved (`benchmarks/hlo_ops.py` names such kernels).
 # That choice is the KernelPolicy's (`large_step_xla_options`; xla_dot_merger=True keeps XLA's default, for A/B runs).
 NO_COMMAND_BUFFER = {"xla_gpu_enable_command_buffer": ""}
-
-
-def trim_host_heap() -> None:
-    """Hand the heap's free pages back to the OS (glibc only; a no-op elsewhere). Warm-up frees a lot
-    (executable payloads read from disk, lowering and compile temporaries), spread over the arenas of
-    its threads; glibc keeps such memory mapped, and it counted as the idle engine's RSS."""
-    try:
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
-    except (OSError, AttributeError):
-        pass
 
 
 def pow2_buckets(lo: int, hi: int) -> tuple[int, ...]:
@@ -90,7 +77,7 @@ def sampler_key(R: int, M: int, W: int, K: int, num_logprobs: int, flags: Sample
     return ("sample", R, M, W, K, num_logprobs, flags)
 
 
-class StepExecutables:
+class StepExecutables(IdleUnloading):
     """Buckets and the executables compiled for them (the registry half of `ModelRunner`). Needs of its subclass:
     cfg, mesh, ops, weights, kv_cache, `_replicated` (the sharding of logits and tokens), `_prev_spec` (a tokens
     buffer), `executables` (the on-disk cache), `_slot_layers` (the cache's layers indexed by state slot) and
@@ -129,24 +116,18 @@ class StepExecutables:
         self._stop_background = threading.Event()
         self._ready_lock = threading.Lock()
         self.background_seconds = 0.0  # start-up to the last background compile
-        # Idle unloading (`unload_idle`): a bucket beyond the staged warm-up's first ones whose forward executables
-        # no step used for `keep_alive` seconds is dropped (its host memory, ~1 MB per GPU code image, goes back),
-        # and loaded again from the executable cache in the background when a step wants it (`_want`).
-        self.keep_alive = float(keep_alive)
-        self._pinned: frozenset[tuple[int, int]] = frozenset()  # (T, kind) buckets never unloaded
-        self._last_used: dict[tuple[int, int], float] = {}
-        self._unloaded: set[tuple[int, int]] = set()
-        self._loading: set[tuple[int, int]] = set()
-        self._demand: dict[tuple[int, int], int] = {}  # unloaded bucket -> steps that wanted it since
-        self._loader: ThreadPoolExecutor | None = None
+        self._init_idle(keep_alive)  # idle_unload.py
         self._rest: list[tuple[int, int]] = []  # buckets a staged warm-up left to the background
-        self.unloads = self.reloads = 0  # buckets dropped as idle / loaded again
         self.compiles_after_warmup = 0  # shapes first needed after warm-up (each one stalls a step)
 
     @property
     def warm_sampler_flags(self) -> tuple[SamplerFlags, ...]:
         """The sampler variants warm-up compiles for each sequence bucket; none for an embedding model (no sampler)."""
         return () if self.cfg.pooling else SamplerFlags.warm()
+
+    def _warm_sampler_keys(self, B: int) -> set[tuple]:
+        """The keys of the warm sampler variants of sequence bucket B (unloaded with the last bucket of B sequences)."""
+        return {sampler_key(B, 0, 0, 0, -1, flags) for flags in SamplerFlags.warm()}
 
     def seqs_bucket(self, num_tokens_bucket: int) -> int:
         return min(num_tokens_bucket, self.max_seqs_bucket)
@@ -382,106 +363,5 @@ class StepExecutables:
         if self._loader is not None:
             self._loader.shutdown(wait=False, cancel_futures=True)
 
-    # ---- idle unloading and reloading ---------------------------------------------------------------------------
-
-    def unload_idle(self, now: float | None = None) -> int:
-        """Drop the forward executables of every bucket (but the warm-up's first ones) that no step used for
-        `keep_alive` seconds; returns how many buckets. Call it from the thread that launches steps, between
-        steps (the engine loop does, while idle): a step picks its bucket from the ready ones."""
-        warming = self._background is not None and self._background.is_alive()
-        if not self.keep_alive or not self._pinned or warming:  # (only after a staged warm-up)
-            return 0
-        now = time.monotonic() if now is None else now
-        with self._ready_lock:
-            idle = [b for b, t in self._last_used.items()
-                    if b not in self._pinned and b not in self._unloaded and b not in self._loading
-                    and now - t >= self.keep_alive]
-            if not idle:
-                return 0
-            drop_tokens = {T for T, decode in idle if not decode}
-            self.ready_tokens = tuple(T for T in self.ready_tokens if T not in drop_tokens)
-            self.ready_decode = self.ready_decode - {T for T, decode in idle if decode == 1}
-            self.ready_verify = self.ready_verify - {T for T, decode in idle if decode > 1}
-            self._unloaded.update(idle)
-            for b in idle:
-                self._demand.pop(b, None)
-            # ... and the warm sampler variants of every sequence bucket no loaded bucket has any more
-            kept = {self.seqs_bucket(T) for T in (*self.ready_tokens, *self.ready_decode, *self.ready_verify)}
-            kept |= {self.seqs_bucket(T) for T, _ in self._loading}
-            samplers = {sampler_key(self.seqs_bucket(T), 0, 0, 0, -1, flags) for T, _ in idle
-                        for flags in SamplerFlags.warm()} - {sampler_key(B, 0, 0, 0, -1, flags) for B in kept
-                                                             for flags in SamplerFlags.warm()}
-            for key in [k for k in list(self._compiled)  # (a snapshot: a reload may be adding keys)
-                        if (_bucket_of(k) in idle) or k in samplers]:
-                del self._compiled[key]
-        self.unloads += len(idle)
-        trim_host_heap()
-        log.info("unloaded the executables of %d bucket(s) idle for %.0f s: %s", len(idle), self.keep_alive,
-                 ", ".join(f"{T}{_kind_label(d)}" for T, d in sorted(idle)))
-        return len(idle)
-
-    def _note_use(self, T: int, decode: int, num_tokens: int, kind: int) -> None:
-        """Idle unloading's bookkeeping for a step of bucket T: it was used now, and the unloaded buckets a step of
-        `num_tokens` wanted (its own, and every larger one when it filled the scheduler's budget: the budget is the
-        largest ready bucket, so the scheduler wanted more) count one more step towards their reload. `kind`: the
-        forward kind the step could take (1 decode-only, Q a verify step, else 0)."""
-        if not self.keep_alive:
-            return
-        if self._unloaded:
-            wanted = pick(self.token_buckets, num_tokens)
-            self._want(wanted, 0)
-            if kind and kind in self.kinds(wanted):
-                self._want(wanted, kind)
-            if num_tokens >= self.ready_limits()[0]:
-                for U in self.token_buckets:
-                    if U > wanted:
-                        self._want(U, 0)
-        self._last_used[(T, decode)] = time.monotonic()
-
-    def _want(self, T: int, decode: int) -> None:
-        """A step wanted bucket T (decode-only or not) and it is unloaded: the RELOAD_AFTER_STEPS-th such step loads
-        it again in the background (steps run padded into a ready bucket meanwhile)."""
-        b = (T, decode)
-        with self._ready_lock:
-            if b not in self._unloaded or b in self._loading:
-                return
-            self._demand[b] = self._demand.get(b, 0) + 1
-            if self._demand[b] < RELOAD_AFTER_STEPS:
-                return
-            del self._demand[b]
-            self._loading.add(b)
-        if self._loader is None:
-            self._loader = ThreadPoolExecutor(max_workers=1, thread_name_prefix="jinfer-reload")  # one arena
-
-        def load():
-            try:
-                self._bucket_executables(T, decode, background=True)  # (samplers unloaded with the last B bucket)
-                self._make_ready(T, decode)
-                self.reloads += 1
-                log.info("loaded the executables of bucket %d%s again", T, _kind_label(decode))
-            except Exception:  # the step path goes on padded; a later step asks again
-                log.exception("loading bucket %s again failed", b)
-            finally:
-                with self._ready_lock:
-                    self._loading.discard(b)
-
-        self._loader.submit(load)
-
 
 _KIND_NAMES = {1: "forward_decode"}  # forward kind -> its executables' name (verify Q: "forward_q{Q}")
-
-
-def _bucket_of(key: tuple) -> tuple[int, int] | None:
-    """(T, kind) of a forward executable's key (None for other executables and prompt-logits forwards)."""
-    name = key[0]
-    if name == "forward":
-        return key[1], 0
-    if name == "forward_decode":
-        return key[1], 1
-    if name.startswith("forward_q"):
-        return key[1], int(name.removeprefix("forward_q"))
-    return None
-
-
-def _kind_label(kind: int) -> str:
-    return "" if kind == 0 else " decode" if kind == 1 else f" verify (q{kind})"

@@ -43,7 +43,8 @@ from jinfer.engine.batch_builder import (
 )
 from jinfer.engine.device_step import FORK_CHUNK
 from jinfer.engine.executable_cache import ExecutableCache
-from jinfer.engine.executables import COMMAND_BUFFER_MAX_TOKENS, StepExecutables, pick, trim_host_heap
+from jinfer.engine.executables import COMMAND_BUFFER_MAX_TOKENS, StepExecutables, pick
+from jinfer.engine.idle_unload import trim_host_heap
 from jinfer.engine.sampling_tensors import SamplerFlags
 from jinfer.engine.scheduler import SchedulerOutput
 from jinfer.engine.step_inputs import (

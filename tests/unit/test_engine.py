@@ -14,7 +14,7 @@ import pytest
 
 from jinfer.config.engine import EngineConfig
 from jinfer.engine.core import EngineCore
-from jinfer.engine.executables import RELOAD_AFTER_STEPS
+from jinfer.engine.idle_unload import RELOAD_AFTER_STEPS
 from jinfer.llm import LLM
 from jinfer.sampling_params import SamplingParams
 
@@ -132,6 +132,8 @@ def test_staged_warmup_then_idle_buckets_unload_and_load_again_on_demand(alone, 
     assert core.stats()["compiles_after_warmup"] == 0
     assert core.unload_idle() == 0  # all used just now
     dropped = [c._executable.xla_executable for k, c in runner._compiled.items() if k[1] == 16]
+    assert runner.unload_idle(now=time.monotonic() + 31) == 0  # 16 is kept too: steps used it last (keep_recent)
+    runner.keep_recent = 0  # (the rest of the test unloads it and loads it again)
     assert runner.unload_idle(now=time.monotonic() + 31) == 1  # 16; 8 is the warm-up's first bucket: kept
     assert runner.ready_tokens == (8,) and runner.ready_limits() == (8, 8)
     assert not any(k[1] == 16 for k in runner._compiled if k[0].startswith("forward"))
@@ -146,7 +148,7 @@ def test_staged_warmup_then_idle_buckets_unload_and_load_again_on_demand(alone, 
     assert run_all(core, [("lone", prompts(16)[i], GREEDY)])[0] == {"lone/0": alone[f"{i}/0"]}
     assert not runner._loading and runner.ready_tokens == (8,)  # too few steps wanted 16 to load it again
     widths.clear()
-    with caplog.at_level(logging.INFO, logger="jinfer.engine.executables"):
+    with caplog.at_level(logging.INFO, logger="jinfer.engine.idle_unload"):
         out, _ = run_all(core, [(f"b{r}", p, s) for r, p, s in reqs])
         assert {k[1:]: v for k, v in out.items()} == alone
         assert widths[:RELOAD_AFTER_STEPS] == [8] * RELOAD_AFTER_STEPS  # steps at the budget: they want 16
