@@ -1,6 +1,6 @@
 """`jinfer serve --executable-keep-alive`: an idle server drops the step shapes beyond its staged warm-up's first one
-(its engine loop does, while idle), says so in /metrics and its log, and still answers (padded into the loaded
-shape) with the same tokens as before."""
+that requests did not use last (its engine loop does, while idle), says so in /metrics and its log, and still answers
+(padded into the loaded shape) with the same tokens as once the shape is loaded again."""
 
 import signal
 
@@ -27,11 +27,15 @@ def test_idle_server_drops_shapes_and_still_serves(tmp_path):
     try:
         prompt = list(range(3, 23))  # 20 tokens: more than the first shape's 8
         assert wait_for(lambda: metric(srv.url, "jinfer_warmup_pending_shapes") == 0, timeout=300)
-        before = complete(srv.url, prompt)
-        compiles = metric(srv.url, "jinfer_compiles_after_warmup")  # (the logprobs sampler: compiled on first use)
+        # idle after the warm-up: the 16-token shape, which no request used, is dropped
         assert wait_for(lambda: metric(srv.url, "jinfer_executable_unloads") >= 1, timeout=60)
-        assert "unloaded the executables of 1 bucket(s)" in srv.log()
-        assert complete(srv.url, prompt) == before
-        assert metric(srv.url, "jinfer_compiles_after_warmup") == compiles  # nothing compiles for the padded steps
+        assert "unloaded the executables of 1 bucket(s) idle for 1 s: 16" in srv.log()
+        padded = complete(srv.url, prompt)  # in steps of 8 tokens
+        compiles = metric(srv.url, "jinfer_compiles_after_warmup")  # (the logprobs sampler: compiled on first use)
+        # a long prompt's 15 steps at the 8-token budget want the 16-token shape: it is loaded again (from disk)
+        complete(srv.url, list(range(130, 250)))  # (no prefix in common with `prompt`)
+        assert wait_for(lambda: metric(srv.url, "jinfer_executable_reloads") >= 1, timeout=120)
+        assert complete(srv.url, prompt) == padded
+        assert metric(srv.url, "jinfer_compiles_after_warmup") == compiles  # nothing compiled for either
     finally:
         assert srv.stop(signal.SIGTERM) == 0
