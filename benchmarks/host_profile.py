@@ -60,6 +60,9 @@ def main():
     ap.add_argument("--replay-acceptance", type=float, default=None, metavar="P")
     ap.add_argument("--tensor-parallel-size", "-tp", type=int, default=1)
     ap.add_argument("--enable-expert-parallel", action="store_true")
+    ap.add_argument("--nnodes", type=int, default=1, help="processes the mesh spans (as bench_latency's)")
+    ap.add_argument("--node-rank", type=int, default=0, help="> 0: follow process 0's steps, profile nothing")
+    ap.add_argument("--master-port", type=int, default=29500)
     add_profile_argument(ap)
     ap.add_argument("--runs", type=int, default=2, help="unprofiled runs")
     ap.add_argument("--top", type=int, default=45)
@@ -73,7 +76,10 @@ def main():
                                    async_scheduling=not args.no_async_scheduling, warmup=False,
                                    tensor_parallel_size=args.tensor_parallel_size,
                                    enable_expert_parallel=args.enable_expert_parallel,
+                                   nnodes=args.nnodes, node_rank=args.node_rank, master_port=args.master_port,
                                    speculative_config=None if replay else spec), proposer=proposer)
+    if args.node_rank > 0:
+        raise SystemExit(core.group.serve(core.runner))
     rng = np.random.default_rng(0)
     make = lambda: [rng.integers(0, min(core.model_config.vocab_size, 256), args.input_len).tolist()  # noqa: E731
                     for _ in range(args.batch_size)]

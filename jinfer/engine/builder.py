@@ -329,7 +329,7 @@ def build_engine(config: EngineConfig, tokenizer: Tokenizer | None = None, specu
     phases("kv cache and runner")
     if config.warmup:
         # every process of a group warms up the same shapes in the same order, all before serving
-        runner.warmup(first_tokens=config.warmup_first_tokens if group is None else None)
+        runner.warmup(first_tokens=config.warmup_first_tokens if group is None else None, compile_turn=group)
     if isinstance(group, Leader):
         group.wait_for_workers()
         runner.on_launch = group.send_step

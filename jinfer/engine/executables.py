@@ -57,6 +57,13 @@ RELOAD_AFTER_STEPS = 16
 # 60 us a layer on an H100, more than the merged dot saved (`benchmarks/hlo_ops.py` names such kernels).
 # That choice is the KernelPolicy's (`large_step_xla_options`; xla_dot_merger=True keeps XLA's default, for A/B runs).
 NO_COMMAND_BUFFER = {"xla_gpu_enable_command_buffer": ""}
+# Every executable of a multi-process group: each process autotunes XLA's GEMM fusions itself. By default XLA splits
+# a module's autotuning among the processes compiling it and waits for the others' parts, keyed by the set of
+# fusions not yet tuned in that process; with compiles in parallel threads, that set differed between processes and
+# a two-process `jinfer serve -tp 2` hung in its warm-up (two H200s). The processes tune the same choices anyway:
+# process 0 compiles first and the others then read its autotuning results (`warmup`'s `compile_turn`; JAX's
+# persistent cache keeps them, process 0 writing, the others reading).
+GROUP_XLA_OPTIONS = {"xla_gpu_shard_autotuning": False}
 
 
 def trim_host_heap() -> None:
@@ -177,11 +184,13 @@ class StepExecutables:
         (a cold-started Qwen3-4B server idled at 1.83 GB, against 854 MB after a warm start)."""
         kv_shardings = jax.tree.map(lambda a: a.sharding, self.kv_cache)
         specs = (array_specs(self.weights), array_specs(self.kv_cache))
-        forward_jit = lambda ops, small, **kw: jax.jit(  # noqa: E731
+        group = GROUP_XLA_OPTIONS if jax.process_count() > 1 else {}
+        forward_jit = lambda ops, small, compiler_options={}, **kw: jax.jit(  # noqa: E731
             partial(forward_step, cfg=self.cfg, ops=ops, mesh=self.mesh, specs=specs, aux_layers=self.aux_layers),
             static_argnames=("dims",), keep_unused=True,  # (logits_out is donated, not read)
             donate_argnames=("kv_cache", "logits_out") if small and not self.cfg.pooling else ("kv_cache",),
-            out_shardings=(self._replicated, kv_shardings) + ((self._replicated,) if self.aux_layers else ()), **kw)
+            out_shardings=(self._replicated, kv_shardings) + ((self._replicated,) if self.aux_layers else ()),
+            compiler_options={**group, **compiler_options} or None, **kw)
         # Indexed by "decode step": small steps run with command buffers (XLA's default), large without.
         large = NO_COMMAND_BUFFER | self.ops.policy.large_step_xla_options()
         kinds = [(0, self.ops), (1, replace(self.ops, decode_step=True))]
@@ -191,11 +200,12 @@ class StepExecutables:
         self._sample = jax.jit(partial(sample_step, max_rows=self.max_rows), donate_argnames=("prev_tokens",),
                                keep_unused=True,  # (a donated argument the step does not read still gives its buffer)
                                static_argnames=("dims", "num_logprobs", "flags"),
-                               out_shardings=(self._replicated, self._replicated))
+                               out_shardings=(self._replicated, self._replicated), compiler_options=group or None)
         self._prompt_logprobs = jax.jit(prompt_logprobs_step, static_argnames=("num_rows", "k"),
-                                        out_shardings=(self._replicated, self._replicated))
+                                        out_shardings=(self._replicated, self._replicated),
+                                        compiler_options=group or None)
         self._fork = jax.jit(partial(fork_step, slot_layers=self._slot_layers), donate_argnames=("kv_cache",),
-                             out_shardings=kv_shardings)
+                             out_shardings=kv_shardings, compiler_options=group or None)
 
     def _drop_traces(self) -> None:
         """After compiles ahead of use (so no executable is the plain jit's own): new jit objects, so JAX frees the

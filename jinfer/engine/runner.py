@@ -17,6 +17,8 @@ of `SamplerFlags.warm()` for every B ahead of time. The KV cache is donated to e
 
 from __future__ import annotations
 
+import contextlib
+
 import logging
 import time
 from collections.abc import Callable
@@ -349,7 +351,7 @@ class ModelRunner(StepExecutables):
     def _sampling_buffer(self, B: int) -> jax.Array:
         return self._put(pack_sampling(sampling_tensors([None] * B, B, self.cfg.vocab_size)))
 
-    def warmup(self, first_tokens: int | None = None, background: bool = True) -> float:
+    def warmup(self, first_tokens: int | None = None, background: bool = True, compile_turn=None) -> float:
         """Compile (or load) every forward bucket, and the warm sampler variants per sequence bucket.
 
         `first_tokens` (a staged warm-up, for a server to be ready sooner): only T = 1 and the bucket of
@@ -357,6 +359,9 @@ class ModelRunner(StepExecutables):
         background thread (`background`; else `start_background()` later). Until a bucket is ready a step
         is padded into a larger ready one (`ready_tokens`) and the scheduler stays within the largest
         (`ready_limits`), so no step waits for a compile.
+
+        `compile_turn`: a multi-process group's member (jinfer/parallel/multihost.py), a context manager around the
+        compiles ahead: process 0 compiles first, the others after it (`GROUP_XLA_OPTIONS`).
         """
         t0 = time.perf_counter()
         run = not self.compiles_ahead  # plain jit compiles on its first call: make that call
@@ -367,7 +372,8 @@ class ModelRunner(StepExecutables):
         shapes = [(T, self.seqs_bucket(T), P, decode) for T in now for P in self.page_buckets
                   for decode in (self.kinds(T) if first_tokens is None else (0,))]
         if not run:
-            self._load_all(shapes, self._fork_sizes)
+            with compile_turn or contextlib.nullcontext():
+                self._load_all(shapes, self._fork_sizes)
         for T in now:
             B = self.seqs_bucket(T)
             for _, _, P, decode in (shape for shape in shapes if shape[0] == T):
