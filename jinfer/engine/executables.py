@@ -125,6 +125,7 @@ class StepExecutables:
         top = pick(self.token_buckets, min(Q * self.max_seqs_bucket, self.token_buckets[-1])) if self.verify_len else 0
         self.verify_buckets = frozenset(T for T in self.token_buckets if 1 < T <= top)
         self._compiled: dict[tuple, jax.stages.Compiled] = {}
+        self._precompiling = False  # `_precompile_all` at work
         self.compile_seconds = 0.0
         self.warmed_up = False
         # Buckets steps may use now: all of them (compiled on first use) unless a staged warm-up
@@ -210,7 +211,7 @@ class StepExecutables:
     def _drop_traces(self) -> None:
         """After compiles ahead of use (so no executable is the plain jit's own): new jit objects, so JAX frees the
         old ones' traces and lowerings. Later misses trace again, as they would anyway."""
-        if self.compiles_ahead and (self.executables.misses or self.executables.directory is None):
+        if self.compiles_ahead and self.executables.misses:
             self._make_jits()
 
     def _add_executable(self, key: tuple, jitted, args: tuple, background: bool = False,
@@ -221,17 +222,19 @@ class StepExecutables:
         if self.warmed_up and not background:
             self.compiles_after_warmup += 1
             log.warning("compiling %s after warm-up", key)
+        if self._precompiling:  # a group's warm-up (`_precompile_all`): JAX's caches hold it for the plain jit's call
+            jitted.lower(*args, **static).compile()
         self._compiled[key] = (partial(jitted, **static) if not self.compiles_ahead and not background
                                else self.executables.compile(key[0], jitted, *args, **static))
         return self._compiled[key]
 
     @property
     def compiles_ahead(self) -> bool:
-        """Whether shapes compile ahead of their first call (lowered and compiled, several at once during warm-up):
-        with an executable cache, and in a multi-process group, which has none. (One by one at their first calls, a
-        two-process group's 16 Qwen3-8B shapes took 158 s on two H200s; one process compiling them in parallel ran at
-        full speed 57 s after its launch.)"""
-        return self.executables.directory is not None or jax.process_count() > 1
+        """Whether shapes compile (or load) ahead of their first call, several at once during warm-up, into
+        executables of their own: with an executable cache, in one process. (A multi-process group calls its plain
+        jits, after `_precompile_all`: called by the processes of a group, an executable compiled ahead failed,
+        'compiled for 405 inputs but called with 403', two H200s.)"""
+        return self.executables.directory is not None
 
     def forward_executable(self, T: int, B: int, P: int, decode: int = 0, R: int | None = None,
                            prompt_logits: bool = False, background: bool = False) -> jax.stages.Compiled:
@@ -292,6 +295,17 @@ class StepExecutables:
         if (hit := self._compiled.get(key)) is None:
             hit = self._add_executable(key, self._fork, (self.kv_cache, jax.ShapeDtypeStruct((4, N), jnp.int32)))
         return hit
+
+    def _precompile_all(self, shapes: list[tuple[int, int, int, bool]], fork_sizes: list[int]) -> None:
+        """A multi-process group's warm-up: `_load_all`'s compiles, into JAX's caches (the plain jits' first calls
+        then find them). One by one at their first calls, a two-process group's 16 Qwen3-8B shapes took 158 s on two
+        H200s; one process compiling them in parallel ran at full speed 57 s after its launch."""
+        self._precompiling = True
+        try:
+            self._load_all(shapes, fork_sizes)
+        finally:
+            self._precompiling = False
+            self._compiled.clear()  # (the plain jits again, as warm-up calls them)
 
     def _load_all(self, shapes: list[tuple[int, int, int, bool]], fork_sizes: list[int]) -> None:
         """Load (or trace + compile) the forwards of `shapes` ((T, B, P, decode) each), the warm samplers of their

@@ -17,7 +17,6 @@ of `SamplerFlags.warm()` for every B ahead of time. The KV cache is donated to e
 
 from __future__ import annotations
 
-import contextlib
 
 import logging
 import time
@@ -360,8 +359,8 @@ class ModelRunner(StepExecutables):
         is padded into a larger ready one (`ready_tokens`) and the scheduler stays within the largest
         (`ready_limits`), so no step waits for a compile.
 
-        `compile_turn`: a multi-process group's member (jinfer/parallel/multihost.py), a context manager around the
-        compiles ahead: process 0 compiles first, the others after it (`GROUP_XLA_OPTIONS`).
+        `compile_turn`: a multi-process group's member (jinfer/parallel/multihost.py), a context manager around its
+        compiles ahead (`_precompile_all`): process 0 compiles first, the others after it (`GROUP_XLA_OPTIONS`).
         """
         t0 = time.perf_counter()
         run = not self.compiles_ahead  # plain jit compiles on its first call: make that call
@@ -372,8 +371,10 @@ class ModelRunner(StepExecutables):
         shapes = [(T, self.seqs_bucket(T), P, decode) for T in now for P in self.page_buckets
                   for decode in (self.kinds(T) if first_tokens is None else (0,))]
         if not run:
-            with compile_turn or contextlib.nullcontext():
-                self._load_all(shapes, self._fork_sizes)
+            self._load_all(shapes, self._fork_sizes)
+        elif compile_turn is not None:
+            with compile_turn:
+                self._precompile_all(shapes, self._fork_sizes)
         for T in now:
             B = self.seqs_bucket(T)
             for _, _, P, decode in (shape for shape in shapes if shape[0] == T):
