@@ -101,7 +101,8 @@ class StepExecutables:
     """Buckets and the executables compiled for them (the registry half of `ModelRunner`). Needs of its subclass:
     cfg, mesh, ops, weights, kv_cache, `_replicated` (the sharding of logits and tokens), `_prev_spec` (a tokens
     buffer), `executables` (the on-disk cache), `_slot_layers` (the cache's layers indexed by state slot) and
-    `aux_layers` (the layer boundaries whose hidden states the forward also returns: an EAGLE-3 head's, else ())."""
+    `aux_layers` (the layer boundaries whose hidden states the forward also returns: an EAGLE-3 head's, else ()) and
+    `expert_load` (the forward also returns the MoE layers' expert counts: `--expert-load-stats`)."""
 
     def _init_registry(self, max_num_batched_tokens: int, max_num_seqs: int, max_pages: int,
                        keep_alive: float, verify_query_len: int = 0) -> None:
@@ -186,11 +187,14 @@ class StepExecutables:
         kv_shardings = jax.tree.map(lambda a: a.sharding, self.kv_cache)
         specs = (array_specs(self.weights), array_specs(self.kv_cache))
         group = GROUP_XLA_OPTIONS if jax.process_count() > 1 else {}
+        load = {"expert_load": True} if self.expert_load else {}  # (off: the step's program and key are unchanged)
+        extra_outputs = (self._replicated,) * (bool(self.aux_layers) + self.expert_load)
         forward_jit = lambda ops, small, compiler_options={}, **kw: jax.jit(  # noqa: E731
-            partial(forward_step, cfg=self.cfg, ops=ops, mesh=self.mesh, specs=specs, aux_layers=self.aux_layers),
+            partial(forward_step, cfg=self.cfg, ops=ops, mesh=self.mesh, specs=specs, aux_layers=self.aux_layers,
+                    **load),
             static_argnames=("dims",), keep_unused=True,  # (logits_out is donated, not read)
             donate_argnames=("kv_cache", "logits_out") if small and not self.cfg.pooling else ("kv_cache",),
-            out_shardings=(self._replicated, kv_shardings) + ((self._replicated,) if self.aux_layers else ()),
+            out_shardings=(self._replicated, kv_shardings) + extra_outputs,
             compiler_options={**group, **compiler_options} or None, **kw)
         # Indexed by "decode step": small steps run with command buffers (XLA's default), large without.
         large = NO_COMMAND_BUFFER | self.ops.policy.large_step_xla_options()

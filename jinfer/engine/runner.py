@@ -83,6 +83,7 @@ class Launched:
     prompt_rows: list[tuple[str, int]] = field(default_factory=list)
     batch: Batch | None = None  # the step's padded batch (numpy), for a drafter that runs after it (EAGLE-3)
     aux: jax.Array | None = None  # [T, n*H] the hidden states at the runner's `aux_layers` (None without)
+    expert_load: jax.Array | None = None  # i32[MoE layers, E]: expert counts (`expert_load` runners; copy started)
     row_of: dict[str, int] = field(init=False)  # request id -> the row of its last sample (its next decode's input)
 
     def __post_init__(self):
@@ -94,14 +95,16 @@ class ModelRunner(StepExecutables):
                  kv_dtype, max_num_batched_tokens: int, max_num_seqs: int, max_model_len: int,
                  ops: ModelOps = REFERENCE_OPS, executable_dir: str | None = None, num_state_slots: int = 0,
                  num_host_pages: int = 0, keep_alive: float = 0.0, aux_layers: tuple[int, ...] = (), dtype=None,
-                 kv_scales: dict | None = None, verify_query_len: int = 0):
+                 kv_scales: dict | None = None, verify_query_len: int = 0, expert_load: bool = False):
         """`kv_dtype`: the KV pages'; `dtype` (default kv_dtype): the model's (state pools, a draft head's KV);
         `kv_scales`: an FP8 cache's checkpoint scales (`layout.init_kv_cache`). `aux_layers`: the forward also
         returns the hidden states at these layer boundaries (an EAGLE-3 head's: `Launched.aux`); part of the
         executables' key. `verify_query_len`: 1 + the drafts a drafter verifies per sequence and step (0: none), for
-        the verify steps' executables (`executables.py`)."""
+        the verify steps' executables (`executables.py`). `expert_load`: the forward also returns the MoE layers'
+        expert counts (`Launched.expert_load`, read back with the step: jinfer/engine/expert_load.py)."""
         self.cfg, self.weights, self.mesh, self.ops = cfg, weights, mesh, ops
         self.aux_layers, self._aux = tuple(aux_layers), None
+        self.expert_load, self._load = bool(expert_load), None
         self.page_size = page_size
         self.dtype = kv_dtype if dtype is None else dtype
         self.kv_cache = init_kv_cache(cfg, num_pages, page_size, self.dtype, mesh, num_state_slots, kv_dtype,
@@ -138,7 +141,8 @@ class ModelRunner(StepExecutables):
         # Compiled executables per shape, loaded from / stored to disk when `executable_dir` is set: a
         # warm start then neither traces nor lowers (see executable_cache.py).
         self.executables = ExecutableCache(executable_dir, namespace=repr(
-            (cfg, ops, mesh.shape, self.max_seqs_bucket) + ((self.aux_layers,) if self.aux_layers else ())))
+            (cfg, ops, mesh.shape, self.max_seqs_bucket) + ((self.aux_layers,) if self.aux_layers else ())
+            + (("expert_load",) if self.expert_load else ())))
         # The forward's `prev_tokens` argument is always the latest sampler output (even when no row
         # reads it), so every call of an executable sees arguments of identical type and sharding and
         # stays on JAX's C++ fast path (see above).
@@ -251,8 +255,10 @@ class ModelRunner(StepExecutables):
         self.forward_at = time.perf_counter()
         forward = None if group else self.run_forward(T, B, P, decode, packed_batch, plp_k, plp_targets, R)
         if self.cfg.pooling:  # an embedding model: the forward's rows are the pooled vectors, nothing is sampled
-            forward[0].copy_to_host_async()
-            return Launched(out, forward[0], self._last_tokens, built.rows, batch=batch)
+            for a in (forward[0], self._load):
+                if a is not None:
+                    a.copy_to_host_async()
+            return Launched(out, forward[0], self._last_tokens, built.rows, batch=batch, expert_load=self._load)
         if callable(token_mask):
             token_mask = token_mask()
         if pending_outputs and prev is not None:
@@ -267,9 +273,10 @@ class ModelRunner(StepExecutables):
             self.on_launch(step)
         packed, tokens, prompt_packed = self.run_step(step, forward)
         packed.copy_to_host_async()
-        if prompt_packed is not None:
-            prompt_packed.copy_to_host_async()
-        return Launched(out, packed, tokens, built.rows, prompt_packed, prompt_rows, batch, self._aux)
+        for extra in (prompt_packed, self._load):
+            if extra is not None:
+                extra.copy_to_host_async()
+        return Launched(out, packed, tokens, built.rows, prompt_packed, prompt_rows, batch, self._aux, self._load)
 
     def run_step(self, step: StepInputs, forward: tuple[jax.Array, jax.Array | None] | None = None
                  ) -> tuple[jax.Array, jax.Array, jax.Array | None]:
@@ -327,11 +334,12 @@ class ModelRunner(StepExecutables):
         out = self._logits_out.pop(rows, None) if keep else self._placeholder
         if out is None:
             out = put(np.zeros(self.logits_out_shape(rows, T), np.float32), self._replicated)
-        logits, self.kv_cache, *aux = forward(self.weights, buf, self.kv_cache, self._last_tokens, out,
-                                              *self._all_reduce_table)
+        logits, self.kv_cache, *extra = forward(self.weights, buf, self.kv_cache, self._last_tokens, out,
+                                                *self._all_reduce_table)
         if keep:
             self._logits_out[rows] = logits
-        self._aux = aux[0] if aux else None
+        self._aux = extra[0] if self.aux_layers else None
+        self._load = extra[-1] if self.expert_load else None
         return logits
 
     def fetch(self, launched: Launched) -> StepResult:
