@@ -17,7 +17,6 @@ of `SamplerFlags.warm()` for every B ahead of time. The KV cache is donated to e
 
 from __future__ import annotations
 
-
 import logging
 import time
 from collections.abc import Callable
