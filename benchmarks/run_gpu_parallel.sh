@@ -103,7 +103,10 @@ if [[ $PARTS == *multiprocess* ]]; then
   latency_per_gpu $TP /tmp/multiprocess "$OUT/latency_${MPS}_tp${TP}_${TP}proc_$TAG.json" --shape $MPS \
       --batch-sizes ${BATCHES:-1 16} $MP_ARGS --input-len 1024 --output-len 128
   # the same layout in one process, and whether both gave the same greedy tokens (same prompts, same sums)
-  [[ ${MP_ONE_PROCESS:-1} == 1 ]] && timeout 300 python3 -m benchmarks.bench_latency --shape $MPS --batch-sizes ${BATCHES:-1 16} -tp $TP \
+  # MP_1PROC_AR_BYTES: the one process's one-shot all-reduce limit (default 16 KB there, 1 MB in the group): equal
+  # limits run the same reduction kernels in both layouts
+  [[ ${MP_ONE_PROCESS:-1} == 1 ]] && env ${MP_1PROC_AR_BYTES:+JINFER_ONE_SHOT_ALL_REDUCE_BYTES=$MP_1PROC_AR_BYTES} \
+      timeout 300 python3 -m benchmarks.bench_latency --shape $MPS --batch-sizes ${BATCHES:-1 16} -tp $TP \
       $MP_ARGS --input-len 1024 --output-len 128 --out "$OUT/latency_${MPS}_tp${TP}_1proc_$TAG.json" | grep "^batch"
   [[ ${MP_ONE_PROCESS:-1} == 1 ]] && python3 -c "import json, sys; a, b = (json.load(open(f))['rows'] for f in sys.argv[1:]); \
 print('same tokens ($TP processes vs 1):', [x['tokens_sha_runs'] == y['tokens_sha_runs'] for x, y in zip(a, b)])" \
