@@ -20,7 +20,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
-from dataclasses import astuple, dataclass, field
+from dataclasses import dataclass, field
 
 import jax
 import jax.numpy as jnp
@@ -32,18 +32,11 @@ from jinfer.cache.layout import init_kv_cache, slot_layers
 from jinfer.cache.manager import cdiv
 from jinfer.cache.transfer import HostKVPool
 from jinfer.config.model import ModelConfig
-from jinfer.engine.batch_builder import (
-    BuiltBatch,
-    StepRow,
-    build_batch,
-    logits_rows,
-    prompt_positions,
-    sampling_tensors,
-    with_pending_output,
-)
+from jinfer.engine.batch_builder import BuiltBatch, StepRow, build_batch, prompt_positions, sampling_tensors
 from jinfer.engine.device_step import FORK_CHUNK
 from jinfer.engine.executable_cache import ExecutableCache
 from jinfer.engine.executables import COMMAND_BUFFER_MAX_TOKENS, StepExecutables, pick, trim_host_heap
+from jinfer.engine.sampling_inputs import SamplingInputs
 from jinfer.engine.sampling_tensors import SamplerFlags
 from jinfer.engine.scheduler import SchedulerOutput
 from jinfer.engine.step_inputs import (
@@ -150,6 +143,7 @@ class ModelRunner(StepExecutables):
         # several processes each one puts its (identical) copy on its own devices of the mesh.
         self._input_sharding = self._replicated if jax.process_count() > 1 else None
         self.on_launch = None  # process 0 of a group: called with each step's StepInputs before launching
+        self.sampling = SamplingInputs(cfg.vocab_size)  # each step's sampler inputs (rows kept across steps)
         self.forward_at = 0.0  # perf_counter() when the last step's forward was dispatched (EngineCore's host timing)
 
     def _put(self, x):
@@ -250,7 +244,9 @@ class ModelRunner(StepExecutables):
             if prompt_rows:
                 plp_k, plp_targets = prompt_logprobs[0], targets
                 batch.logits_indices = np.concatenate([batch.logits_indices, indices])
-        packed_batch = pack_batch(batch, built.prev_index)
+        packed_batch = built.packed  # (small steps come packed; prompt logprobs' rows change the batch)
+        if packed_batch is None or prompt_rows:
+            packed_batch = pack_batch(batch, built.prev_index)
         self.forward_at = time.perf_counter()
         forward = None if group else self.run_forward(T, B, P, decode, packed_batch, plp_k, plp_targets, R)
         if self.cfg.pooling:  # an embedding model: the forward's rows are the pooled vectors, nothing is sampled
@@ -260,14 +256,10 @@ class ModelRunner(StepExecutables):
             return Launched(out, forward[0], self._last_tokens, built.rows, batch=batch, expert_load=self._load)
         if callable(token_mask):
             token_mask = token_mask()
-        if pending_outputs and prev is not None:
-            prev_rows = prev.row_of
-            rows = [with_pending_output(r, s, prev_rows) for r, s in zip(rows, out.scheduled, strict=True)]
-        st = sampling_tensors(logits_rows(rows, out, built.counts), R, self.cfg.vocab_size, token_mask,
-                              built.counts)
-        step = StepInputs(T, B, P, decode, st.output_tokens.shape[1], st.prompt_mask.shape[1], num_logprobs,
-                          astuple(SamplerFlags.of(st)), packed_batch, pack_sampling(st),
-                          K=st.bias_ids.shape[1], plp_k=plp_k, plp_targets=plp_targets, R=R)
+        sampling = self.sampling.build(rows, out, built.counts, R, token_mask,
+                                       prev.row_of if pending_outputs and prev is not None else None)
+        step = StepInputs(T, B, P, decode, sampling.M, sampling.W, num_logprobs, sampling.flags, packed_batch,
+                          sampling.buffer, K=sampling.K, plp_k=plp_k, plp_targets=plp_targets, R=R)
         if group:  # the other processes of a multi-process group launch it too
             self.on_launch(step)
         packed, tokens, prompt_packed = self.run_step(step, forward)
