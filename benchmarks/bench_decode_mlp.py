@@ -6,6 +6,11 @@ weight bytes; the copy rate of the same run (`roofline.measure_copy_bandwidth`) 
 without a CUDA graph, so its wall time carries launch gaps; `--profile` adds each config's GPU kernel time.
 
     python -m benchmarks.bench_decode_mlp --shapes qwen3.5-4b qwen3-4b --out benchmarks/results/decode_mlp_h100.json
+    python -m benchmarks.bench_decode_mlp --shapes qwen3-8b --fp8 --tokens 1 8 --block-i 64 128 --variants fused \
+        --profile /tmp/mlp --out benchmarks/results/decode_mlp_fp8_h200.json
+
+`--fp8`: block-FP8 weights (128 x 128 scales, e4m3 activations in the kernel; XLA's side dequantizes them to bf16
+first, as the jnp path does); TB/s on the FP8 bytes and their scales.
 
 On CPU (no GPU): tiny shapes through the Pallas interpreter, to check the script.
 """
@@ -29,13 +34,25 @@ SHAPES = {"qwen3.5-4b": (2560, 9216), "qwen3-4b": (2560, 9728), "qwen3-8b": (409
 EPS = 1e-6
 
 
+FP8_BLOCK = (128, 128)
+
+
 def chain(mlp, layers: int):
-    """x -> x + mlp(x) over `layers` weight sets, unrolled in one executable."""
+    """x -> x + mlp(x) over `layers` weight sets ((norm, gate, up, down, FP8 scales or None) each), unrolled in one
+    executable."""
     def run(x, weights):
-        for norm, wg, wu, wd in weights:
-            x = x + mlp(x, norm, wg, wu, wd)
+        for norm, wg, wu, wd, scales in weights:
+            x = x + mlp(x, norm, wg, wu, wd, scales)
         return x
     return jax.jit(run)
+
+
+def _xla(x, norm, wg, wu, wd, scales):
+    if scales is not None:  # the jnp path's FP8: each weight dequantized to the activations' dtype, then XLA's dots
+        from pallas_kernels.dense.fp8_tiles import dequantize
+
+        wg, wu, wd = (dequantize(w, s, FP8_BLOCK).astype(x.dtype) for w, s in zip((wg, wu, wd), scales, strict=True))
+    return swiglu_mlp(rms_norm(x, norm, EPS), wg, wu, wd)
 
 
 def timed(fn, x, weights, reps: int) -> float:
@@ -72,6 +89,7 @@ def main() -> None:
     ap.add_argument("--variants", nargs="+", default=["fused", "fused_loop_norm", "prenorm"],
                     help="fused: the kernel with its norm (the sum of squares unrolled); fused_loop_norm: the sum of "
                          "squares as a loop; prenorm: XLA's norm, then the kernel without one")
+    ap.add_argument("--fp8", action="store_true", help="block-FP8 weights (128 x 128 blocks)")
     ap.add_argument("--profile", metavar="DIR", help="also the GPU kernel time per layer, from a profile per config")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
@@ -79,6 +97,8 @@ def main() -> None:
     if not gpu:
         args.shapes, args.layers, args.reps = ["tiny"], 2, 1
         args.block_i, args.num_warps, args.num_stages = [32], [4], [2]
+        if args.fp8:
+            SHAPES["tiny"] = (256, 512)  # (whole 128 x 128 scale blocks)
     copy = {}
     if gpu:
         from benchmarks.roofline import measure_copy_bandwidth
@@ -97,13 +117,22 @@ def main() -> None:
                             (jax.random.normal(ku, (hidden, inter)) * hidden**-0.5).astype(jnp.bfloat16),
                             (jax.random.normal(kd, (inter, hidden)) * inter**-0.5).astype(jnp.bfloat16)))
         layer_bytes = 3 * hidden * inter * 2
+        scales = [None] * args.layers
+        if args.fp8:
+            from jinfer.models.fp8 import quantize
+
+            qs = [[quantize(w.astype(jnp.float32), FP8_BLOCK) for w in ws[1:]] for ws in weights]
+            weights = [(ws[0], *(q.w for q in q3)) for ws, q3 in zip(weights, qs, strict=True)]
+            scales = [tuple(q.scale for q in q3) for q3 in qs]
+            layer_bytes = sum(q.w.nbytes + q.scale.nbytes for q in qs[0])
+        weights = [(*ws, s_) for ws, s_ in zip(weights, scales, strict=True)]
         for tokens in args.tokens:
             x = jax.random.normal(jax.random.key(1), (tokens, hidden)).astype(jnp.bfloat16)
             configs = [("xla", None)] + [(v, c) for v in args.variants
                                          for c in itertools.product(args.block_i, args.num_warps, args.num_stages)]
             for impl, cfg in configs:
                 if impl == "xla":
-                    mlp = lambda x, n, g, u, d: swiglu_mlp(rms_norm(x, n, EPS), g, u, d)  # noqa: E731
+                    mlp = _xla
                     params = {}
                 else:
                     bi, warps, stages = cfg
@@ -137,8 +166,9 @@ def main() -> None:
                   "results": rows}, args.out)
 
 
-def _pallas(x, norm, wg, wu, wd, *, variant, block_i, num_warps, num_stages, interpret):
-    kw = dict(block_i=block_i, num_warps=num_warps, num_stages=num_stages, interpret=interpret)
+def _pallas(x, norm, wg, wu, wd, scales, *, variant, block_i, num_warps, num_stages, interpret):
+    kw = dict(block_i=block_i, num_warps=num_warps, num_stages=num_stages, interpret=interpret, scales=scales,
+              scale_block=scales and FP8_BLOCK)
     if variant == "prenorm":
         return fused_swiglu_mlp(rms_norm(x, norm, EPS), wg, wu, wd, **kw)
     return fused_swiglu_mlp(x, wg, wu, wd, norm, eps=EPS, unroll_norm=variant == "fused", **kw)

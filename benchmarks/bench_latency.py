@@ -19,6 +19,11 @@ tokens a verification row does not reproduce). With drafts TPOT is the decode ti
 Per step read back while decoding: `device_wait_ms_per_step` (the host blocked reading it back), `host_ms_per_step`
 (the rest of the loop's time), and `serial_host_ms_per_step`, the host's time from a read-back to the next forward's
 dispatch while no step is in flight (the device idles then: speculative decoding, `--no-async-scheduling`).
+
+`--expert-load-stats` (MoE shapes): each row's `expert_load` has the decode steps' expert-load imbalance
+(jinfer/engine/expert_load.py), mean and max over the steps: over the run's expert-parallel ranks (`imbalance_*`: 1.0
+without expert parallel), over single experts, and what an ep = 2 / 4 / 8 split would see of the same routing
+(`ep{R}_imbalance_*`); dummy weights route like random ones, a checkpoint as it does.
 """
 
 from __future__ import annotations
@@ -45,6 +50,7 @@ from jinfer.config.kernels import KernelPolicy
 from jinfer.config.speculative import SpeculativeConfig
 from jinfer.engine.args import compilation_cache_dir_from_env
 from jinfer.engine.core import EngineCore
+from jinfer.engine.expert_load import summarize
 from jinfer.sampling_params import SamplingParams
 from jinfer.spec.replay import ReplayProposer
 
@@ -55,6 +61,7 @@ def run_batch(core: EngineCore, prompts: list[list[int]], output_len: int, tag: 
         core.add_request(f"{tag}-{i}", p, params)
     counters = lambda: (core.device_wait_seconds_total, core.num_steps_total,  # noqa: E731
                         core.serial_host_seconds_total)
+    loads = lambda: core.expert_load.steps if core.expert_load is not None else 0  # noqa: E731
     spec0 = core.spec.stats() if core.spec is not None else {}
     t0 = time.perf_counter()
     first_seen: set[str] = set()
@@ -71,12 +78,16 @@ def run_batch(core: EngineCore, prompts: list[list[int]], output_len: int, tag: 
             tokens.setdefault(o.request_id, []).extend(o.new_token_ids)
         if ttft is None and len(first_seen) == len(prompts):
             ttft = time.perf_counter() - t0
-            decode_start, decode0 = len(step_times), counters()
+            decode_start, decode0, load0 = len(step_times), counters(), loads()
     decode = np.asarray(step_times[decode_start:]) * 1e3
     # per step read back while decoding: the host blocked reading it (waiting for the device), the host's own time
     # (the rest), and of that the time from a read-back to the next forward's dispatch with no step in flight (the
     # device idles: speculative decoding, async scheduling off)
     wait, steps, serial = (b - a for a, b in zip(decode0, counters()))
+    load = {}
+    if core.expert_load is not None:  # the decode steps' expert load (the recorder keeps the last steps' summaries)
+        n = min(loads() - load0, len(core.expert_load.history))
+        load = {"expert_load": summarize(list(core.expert_load.history)[len(core.expert_load.history) - n:])}
     steps = max(steps, 1)
     spec = {}
     if core.spec is not None:  # a step emits several tokens: TPOT is the decode time per token of a sequence
@@ -90,7 +101,7 @@ def run_batch(core: EngineCore, prompts: list[list[int]], output_len: int, tag: 
             "decode_step_ms": [round(float(x), 3) for x in decode],
             "total_s": time.perf_counter() - t0,
             "device_wait_ms_per_step": wait * 1e3 / steps, "host_ms_per_step": (decode.sum() - wait * 1e3) / steps,
-            "serial_host_ms_per_step": serial * 1e3 / steps}
+            "serial_host_ms_per_step": serial * 1e3 / steps, **load}
 
 
 def main():
@@ -117,6 +128,8 @@ def main():
     ap.add_argument("--replay-acceptance", type=float, default=None, metavar="P",
                     help="with --speculative-config: the benchmark-only replay drafter, whose num_speculative_tokens "
                          "drafts are each accepted with probability P up to the first rejection")
+    ap.add_argument("--expert-load-stats", action="store_true",
+                    help="MoE shapes: count the experts' load each step; rows get the decode steps' imbalance")
     ap.add_argument("--repeat", type=int, default=3, help="timed runs per batch size (the median-TPOT run is kept)")
     add_profile_argument(ap)
     ap.add_argument("--out")
@@ -145,6 +158,7 @@ def main():
                                    enable_expert_parallel=args.enable_expert_parallel,
                                    nnodes=args.nnodes, node_rank=args.node_rank, master_port=args.master_port,
                                    speculative_config=None if replay else spec_config,
+                                   expert_load_stats=args.expert_load_stats,
                                    **compilation_cache_dir_from_env({})),
                       proposer=proposer)
     if core.runner.collectives:
@@ -199,6 +213,12 @@ def main():
               f"device wait {row['device_wait_ms_per_step']:.2f} ms/step, host {row['host_ms_per_step']:.2f} ms/step"
               + (f" of which {row['serial_host_ms_per_step']:.2f} in series" if row['serial_host_ms_per_step'] else "")
               + (f"; busiest device {busiest:.2f} ms" if busiest and args.tensor_parallel_size > 1 else "") + ")")
+        if load := row.get("expert_load"):
+            print(f"batch {bs}: expert load over {load['steps']} decode steps: imbalance mean / max "
+                  f"{load['imbalance_mean']:.3f} / {load['imbalance_max']:.3f} (experts "
+                  f"{load['expert_imbalance_mean']:.2f} / {load['expert_imbalance_max']:.2f}"
+                  + "".join(f", ep{r} {load[f'ep{r}_imbalance_mean']:.3f} / {load[f'ep{r}_imbalance_max']:.3f}"
+                            for r in (2, 4, 8) if f"ep{r}_imbalance_mean" in load) + ")")
     result = {"benchmark": "latency", **environment(), "shape": args.shape, "dtype": args.dtype,
               "kv_cache_dtype": args.kv_cache_dtype,
               "tensor_parallel_size": args.tensor_parallel_size, "expert_parallel": args.enable_expert_parallel,
@@ -208,6 +228,7 @@ def main():
               "attention_backend": core.runner.ops.backend, "mosaic_prefill": core.runner.ops.mosaic_prefill,
               "async_scheduling": core.config.async_scheduling,
               "speculative_config": args.speculative_config, "replay_acceptance": args.replay_acceptance,
+              "expert_load_stats": args.expert_load_stats,
               "executable_cache": core.config.executable_cache,
               "xla_flags": os.environ.get("XLA_FLAGS", ""),
               "allocator": os.environ.get("XLA_PYTHON_CLIENT_ALLOCATOR", "default"), "startup_s": startup_s,

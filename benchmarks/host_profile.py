@@ -5,7 +5,8 @@
         --speculative-config '{"method": "ngram", "num_speculative_tokens": 4}' --replay-acceptance 0.742
 
 Runs one untimed batch (compiles), then a profiled one and unprofiled ones; prints the unprofiled runs' median
-step time and device wait per step, and the profiled run's top functions by own time and by cumulative time.
+step time, device wait, serial host time per step (from a read-back to the next forward's dispatch, with no step in
+flight) and the engine thread's CPU time per step, and the profiled run's top functions by own and cumulative time.
 `--profile DIR`: one more run under jax.profiler without the Python tracer (XLA's host events and the GPU
 timeline at the host's own speed); `python -m benchmarks.trace_summary TRACE --steps N` (N: the run's steps,
 printed) gives the host's runtime events per step (executions, command buffer launches and updates).
@@ -33,18 +34,25 @@ from jinfer.spec.replay import ReplayProposer
 
 
 def run(core, prompts, output_len, tag):
-    """(median step ms, device wait ms per read-back) over the decode steps."""
+    """(median step ms, device wait ms per read-back, serial host ms per read-back, median CPU ms of the engine's thread
+    per step: its host work, whatever other threads and processes take of the cores) over the decode steps. Serial:
+    the host's time from a read-back to the next forward's dispatch while no step is in flight (speculative decoding,
+    `--no-async-scheduling`), when the device idles (EngineCore.serial_host_seconds_total)."""
     params = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True)
     for i, p in enumerate(prompts):
         core.add_request(f"{tag}-{i}", p, params)
-    times = []
-    wait0, steps0 = core.device_wait_seconds_total, core.num_steps_total
+    times, cpu = [], []
+    wait0, steps0, serial0 = core.device_wait_seconds_total, core.num_steps_total, core.serial_host_seconds_total
     while core.has_unfinished_requests():
-        t = time.perf_counter()
+        t, c = time.perf_counter(), time.thread_time()
         core.step()
         times.append(time.perf_counter() - t)
-    wait = (core.device_wait_seconds_total - wait0) / max(core.num_steps_total - steps0, 1)
-    return float(np.median(times[len(prompts) + 1:]) * 1e3), wait * 1e3
+        cpu.append(time.thread_time() - c)
+    steps = max(core.num_steps_total - steps0, 1)
+    wait = (core.device_wait_seconds_total - wait0) / steps
+    serial = (core.serial_host_seconds_total - serial0) / steps
+    skip = len(prompts) + 1
+    return (float(np.median(times[skip:]) * 1e3), wait * 1e3, serial * 1e3, float(np.median(cpu[skip:]) * 1e3))
 
 
 def main():
@@ -60,6 +68,9 @@ def main():
     ap.add_argument("--replay-acceptance", type=float, default=None, metavar="P")
     ap.add_argument("--tensor-parallel-size", "-tp", type=int, default=1)
     ap.add_argument("--enable-expert-parallel", action="store_true")
+    ap.add_argument("--nnodes", type=int, default=1, help="processes the mesh spans (as bench_latency's)")
+    ap.add_argument("--node-rank", type=int, default=0, help="> 0: follow process 0's steps, profile nothing")
+    ap.add_argument("--master-port", type=int, default=29500)
     add_profile_argument(ap)
     ap.add_argument("--runs", type=int, default=2, help="unprofiled runs")
     ap.add_argument("--top", type=int, default=45)
@@ -73,14 +84,17 @@ def main():
                                    async_scheduling=not args.no_async_scheduling, warmup=False,
                                    tensor_parallel_size=args.tensor_parallel_size,
                                    enable_expert_parallel=args.enable_expert_parallel,
+                                   nnodes=args.nnodes, node_rank=args.node_rank, master_port=args.master_port,
                                    speculative_config=None if replay else spec), proposer=proposer)
+    if args.node_rank > 0:
+        raise SystemExit(core.group.serve(core.runner))
     rng = np.random.default_rng(0)
     make = lambda: [rng.integers(0, min(core.model_config.vocab_size, 256), args.input_len).tolist()  # noqa: E731
                     for _ in range(args.batch_size)]
     run(core, make(), 16, "warm")
     prof = cProfile.Profile()
     prof.enable()
-    profiled, _ = run(core, make(), args.output_len, "prof")
+    profiled = run(core, make(), args.output_len, "prof")[0]
     prof.disable()
     plain = [run(core, make(), args.output_len, f"plain{i}") for i in range(args.runs)]
     if args.profile:
@@ -90,7 +104,9 @@ def main():
         print(f"trace: {core.num_steps_total - steps0} engine steps in {args.profile}")
     s = io.StringIO()
     s.write(f"median step ms: unprofiled {[round(p[0], 3) for p in plain]}, profiled {profiled:.3f}; "
-            f"device wait ms/step {[round(p[1], 3) for p in plain]}\n")
+            f"device wait ms/step {[round(p[1], 3) for p in plain]}; "
+            f"serial host ms/step {[round(p[2], 3) for p in plain]}; "
+            f"median engine-thread CPU ms/step {[round(p[3], 3) for p in plain]}\n")
     stats = pstats.Stats(prof, stream=s)
     stats.sort_stats("tottime").print_stats(args.top)
     stats.sort_stats("cumtime").print_stats(args.top)

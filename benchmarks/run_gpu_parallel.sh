@@ -14,6 +14,8 @@
 #   profile     a Perfetto trace of the Qwen3-8B decode step at tp 1 and $TP (batch 1), summarized per device
 #   multiprocess $MP_SHAPE (Qwen3-8B) TPOT with one process per GPU ($TP processes, jax.distributed) vs one process, and whether
 #               both gave the same greedy tokens (MP_ONE_PROCESS=0: the processes only)
+#   hostprof    where the host's time of a batch-1 decode step goes ($MP_SHAPE, benchmarks/host_profile.py: cProfile and
+#               XLA's host events): process 0 of a $TP-process group, and one GPU
 #   serve_tp    `jinfer serve dummy:$SERVE_SHAPE -tp $TP` (Qwen3-8B), one process per GPU (mp) vs one process (uni): the
 #               time to full speed and serving at saturation (512 x 1k / 128)
 #   dp          serving at saturation, Qwen3-4B: one replica vs $TP replicas (--data-parallel-size) behind one server
@@ -101,15 +103,35 @@ if [[ $PARTS == *multiprocess* ]]; then
   latency_per_gpu $TP /tmp/multiprocess "$OUT/latency_${MPS}_tp${TP}_${TP}proc_$TAG.json" --shape $MPS \
       --batch-sizes ${BATCHES:-1 16} $MP_ARGS --input-len 1024 --output-len 128
   # the same layout in one process, and whether both gave the same greedy tokens (same prompts, same sums)
-  [[ ${MP_ONE_PROCESS:-1} == 1 ]] && timeout 300 python3 -m benchmarks.bench_latency --shape $MPS --batch-sizes ${BATCHES:-1 16} -tp $TP \
+  # MP_1PROC_AR_BYTES: the one process's one-shot all-reduce limit (default 16 KB there, 1 MB in the group): equal
+  # limits run the same reduction kernels in both layouts
+  [[ ${MP_ONE_PROCESS:-1} == 1 ]] && env ${MP_1PROC_AR_BYTES:+JINFER_ONE_SHOT_ALL_REDUCE_BYTES=$MP_1PROC_AR_BYTES} \
+      timeout 300 python3 -m benchmarks.bench_latency --shape $MPS --batch-sizes ${BATCHES:-1 16} -tp $TP \
       $MP_ARGS --input-len 1024 --output-len 128 --out "$OUT/latency_${MPS}_tp${TP}_1proc_$TAG.json" | grep "^batch"
   [[ ${MP_ONE_PROCESS:-1} == 1 ]] && python3 -c "import json, sys; a, b = (json.load(open(f))['rows'] for f in sys.argv[1:]); \
 print('same tokens ($TP processes vs 1):', [x['tokens_sha_runs'] == y['tokens_sha_runs'] for x, y in zip(a, b)])" \
       "$OUT/latency_${MPS}_tp${TP}_${TP}proc_$TAG.json" "$OUT/latency_${MPS}_tp${TP}_1proc_$TAG.json"
 fi
+if [[ $PARTS == *hostprof* ]]; then
+  MPS=${MP_SHAPE:-qwen3-8b}
+  for tp in $TP 1; do
+    HP="--shape $MPS --batch-size 1 --output-len 128 --top 40 --profile /tmp/hostprof$tp ${MP_ARGS:-}"
+    if [[ $tp == 1 ]]; then
+      CUDA_VISIBLE_DEVICES=0 timeout 300 python3 -m benchmarks.host_profile $HP --out "$OUT/host_profile_${MPS}_tp1_$TAG.txt" \
+          > /tmp/hostprof1_rank0.log 2>&1
+    else
+      MODULE=host_profile latency_per_gpu $tp /tmp/hostprof$tp "$OUT/host_profile_${MPS}_tp${tp}_${tp}proc_$TAG.txt" $HP
+    fi
+    steps=$(grep -h "^trace" /tmp/hostprof${tp}_rank0.log | awk '{print $2}')
+    grep -h "^median" /tmp/hostprof${tp}_rank0.log
+    echo "== tp $tp: $steps steps"
+    [[ -n $steps ]] && python3 -m benchmarks.trace_summary "$(find /tmp/hostprof$tp -name '*.trace.json.gz' | head -1)" \
+        --steps $steps --top 30 | grep -v "^ *[0-9.]* + " | head -70
+  done
+fi
 if [[ $PARTS == *serve_tp* ]]; then  # `jinfer serve -tp $TP`: one process per GPU (the default) against one process
   ARGS="--max-model-len 2048 --max-num-seqs 256 --max-num-batched-tokens 2048 --log-level warning"
-  for backend in mp uni; do
+  for backend in ${BACKENDS:-mp uni}; do
     t0=$(date +%s.%N)
     python3 -m server.launcher dummy:${SERVE_SHAPE:-qwen3-8b} --port 8000 -tp $TP --distributed-executor-backend $backend \
         $ARGS > "$OUT/serve_tp${TP}_$backend.log" 2>&1 &

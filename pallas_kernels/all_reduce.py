@@ -35,6 +35,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import math
+import threading
 
 import jax
 import jax.extend
@@ -47,7 +48,15 @@ PROGRAMS = 8  # fixed: the flags and counters are per program
 NUM_WARPS = 4
 MAX_BYTES = 1 << 20  # per device and call; larger reductions take XLA's psum
 DTYPES = ("bfloat16", "float16", "float32")
-_ACTIVE: list = []  # the workspace tables of the forwards being traced (`use`)
+# The workspace tables of the forwards this thread is tracing (`use`): per thread, as warm-up traces several forwards
+# at once (shared, a trace took another thread's table: a leaked tracer, or an executable whose inputs did not match)
+_TRACING = threading.local()
+
+
+def _active() -> list:
+    if not hasattr(_TRACING, "tables"):
+        _TRACING.tables = []
+    return _TRACING.tables
 _WORKSPACES: dict = {}  # device ids -> Workspace
 
 
@@ -85,15 +94,15 @@ class Workspace:
 @contextlib.contextmanager
 def use(table):
     """While tracing a sharded forward: `one_shot_all_reduce` reads this (traced, replicated) workspace table."""
-    _ACTIVE.append(table)
+    _active().append(table)
     try:
         yield
     finally:
-        _ACTIVE.pop()
+        _active().pop()
 
 
 def active() -> bool:
-    return bool(_ACTIVE)
+    return bool(_active())
 
 
 @functools.cache
@@ -178,7 +187,7 @@ def _call(x: jax.Array, axis_name: str, gather: bool) -> jax.Array:
     world = jax.lax.axis_size(axis_name)
     if world == 1:
         return x
-    if not _ACTIVE:
+    if not _active():
         raise ValueError("the one-shot collectives need a workspace: trace the forward under all_reduce.use(table)")
     if not supported(x.shape, x.dtype) or (gather and x.ndim != 2):
         raise ValueError(f"x: shape {x.shape} / dtype {x.dtype} is not supported by the one-shot collectives")
@@ -188,7 +197,7 @@ def _call(x: jax.Array, axis_name: str, gather: bool) -> jax.Array:
     elems = -(-elems // block) * block
     rank = jax.lax.axis_index(axis_name).astype(jnp.int32).reshape(1)
     out_shape = (x.shape[0], world * x.shape[1]) if gather else x.shape
-    out = _one_shot_p.bind(x.reshape(size), _ACTIVE[-1], rank, dtype=jnp.dtype(x.dtype).name, size=size,
+    out = _one_shot_p.bind(x.reshape(size), _active()[-1], rank, dtype=jnp.dtype(x.dtype).name, size=size,
                            out_size=math.prod(out_shape), world=world, elems=elems, block=block,
                            gather_cols=x.shape[1] if gather else 0)
     return out.reshape(out_shape)

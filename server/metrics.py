@@ -17,6 +17,8 @@ from dataclasses import dataclass
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
+from jinfer.engine.expert_load import EXPERT_TOKENS, RANK_TOKENS
+
 STATUSES = ("success", "invalid", "unauthorized", "overloaded", "aborted", "error")
 VLLM_LABELS = ("model_name", "engine")
 # vLLM's FinishReason strings that jinfer produces (its series exist from the start, at 0, as vLLM's do)
@@ -57,8 +59,24 @@ ENGINE_SERIES = (
            "vllm:spec_decode_num_draft_tokens", True, "Draft tokens verified"),
     Series("spec_decode_num_accepted_tokens", "jinfer_spec_decode_num_accepted_tokens",
            "vllm:spec_decode_num_accepted_tokens", True, "Draft tokens accepted"),
+    # expert load (--expert-load-stats, jinfer/engine/expert_load.py): present once an engine counts it
+    Series("expert_load_steps_total", "jinfer_expert_load_steps", None, True, "Steps whose expert load was counted"),
+    Series("expert_load_imbalance", "jinfer_expert_load_last_imbalance", None, False,
+           "Last step's expert-parallel imbalance: busiest rank's load over the mean rank load, over the MoE layers "
+           "(1 = balanced)"),
+    Series("expert_load_imbalance_sum", "jinfer_expert_load_imbalance", None, True,
+           "Sum of the steps' expert-parallel imbalance (over jinfer_expert_load_steps_total: the mean)"),
+    Series("expert_load_expert_imbalance_sum", "jinfer_expert_load_expert_imbalance", None, True,
+           "Sum of the steps' imbalance over single experts (busiest expert's load over the mean)"),
+    Series("expert_load_cumulative_imbalance", "jinfer_expert_load_cumulative_imbalance", None, False,
+           "Expert-parallel imbalance of the load counted since start"),
 )
 _PER_POS = "spec_decode_num_accepted_tokens_per_pos_"  # + position: a labelled family of its own
+# per rank and per expert: (stats key prefix, jinfer counter name, its label, doc)
+_LABELLED = ((RANK_TOKENS, "jinfer_expert_load_rank_tokens", "rank",
+              "(token, top-k slot) pairs routed to each expert-parallel rank's experts, summed over the MoE layers"),
+             (EXPERT_TOKENS, "jinfer_expert_load_expert_tokens", "expert",
+              "(token, top-k slot) pairs routed to each expert, summed over the MoE layers"))
 
 # Latency histograms the server measures: (name without prefix, doc, vLLM's bucket boundaries, used by both families)
 REQUEST_HISTOGRAMS = {
@@ -198,3 +216,11 @@ class _EngineSeries:
                 vllm.add_metric([self.model_name, replica, position], value)
             yield jinfer
             yield vllm
+        for prefix, name, label, doc in _LABELLED:
+            values = [(replica, key[len(prefix):], value) for replica, stats in replicas
+                      for key, value in stats.items() if key.startswith(prefix)]
+            if values:
+                family = CounterMetricFamily(name, doc, labels=["replica", label])
+                for replica, which, value in values:
+                    family.add_metric([replica, which], value)
+                yield family

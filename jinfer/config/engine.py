@@ -129,6 +129,9 @@ class EngineConfig:
     kv_events_config: KVEventsConfig | None = None
     # "generate", "pooling" (embeddings) or "auto" (pooling for embedding checkpoints): jinfer/config/pooling.py
     runner: str = "auto"
+    # MoE models: each step also counts the (token, top-k slot) pairs every expert got (jinfer/engine/expert_load.py:
+    # per step and cumulative, per expert-parallel rank, the imbalance) into the stats. Part of the step's key.
+    expert_load_stats: bool = False
 
     def __post_init__(self):
         if isinstance(self.kernel_policy, dict):
@@ -162,6 +165,9 @@ class EngineConfig:
         if not isinstance(self.compilation_cache_dir, str):
             raise ValueError(f"compilation_cache_dir={self.compilation_cache_dir!r} must be a directory ('' = off)")
         check_generation_config(self.generation_config)
+        for name in ("expert_load_stats",):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name}={getattr(self, name)!r} must be True or False")
         if self.runner not in RUNNERS:
             raise ValueError(f"runner={self.runner!r} must be one of {RUNNERS}")
         for name, what in (("executable_keep_alive", "seconds >= 0 (0: never unload)"),

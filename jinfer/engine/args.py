@@ -194,6 +194,10 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
                    help="vLLM's older name for --runner: embed = pooling")
     e.add_argument("--no-async-scheduling", action="store_true",
                    help="read each step's tokens back before scheduling the next (no overlap of host and device)")
+    e.add_argument("--expert-load-stats", action="store_true",
+                   help="MoE models: count each step's tokens per expert on the device and report the load per "
+                        "expert and expert-parallel rank and its imbalance (max / mean rank load) in the stats line "
+                        "and /metrics (default: off, the step unchanged)")
 
 
 def engine_config_kwargs(args: argparse.Namespace) -> dict:
@@ -212,6 +216,8 @@ def engine_config_kwargs(args: argparse.Namespace) -> dict:
         kw["warmup_first_tokens"] = first or None  # 0: everything before serving
     if getattr(args, "no_async_scheduling", False):
         kw["async_scheduling"] = False
+    if getattr(args, "expert_load_stats", False):
+        kw["expert_load_stats"] = True
     kw = vllm_engine_args(kw)
     kw["kernel_policy"] = KernelPolicy.from_env()  # the JINFER_* kernel switches: read here and nowhere below
     return compilation_cache_dir_from_env(kw)

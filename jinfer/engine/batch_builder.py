@@ -45,6 +45,7 @@ class BuiltBatch:
     #                     padding row)
     rows: dict[str, tuple[int, int]]  # request id -> (first logits row, count), the sequences that sample
     max_query_len: int = 0  # the most new tokens of one sequence (a verify step's executable takes up to its Q)
+    packed: np.ndarray | None = None  # `step_inputs.pack_batch(batch, prev_index)` when built so (small steps)
 
 
 def build_batch(out: SchedulerOutput, prev_rows: dict[str, int] | None, T: int, B: int, P: int,
@@ -111,20 +112,22 @@ SMALL_STEP = 256  # steps of at most this many tokens (decodes, drafts verified)
 
 def _build_small(out: SchedulerOutput, prev_rows: dict[str, int] | None, T: int, B: int, P: int,
                  ps: int) -> BuiltBatch:
-    """`build_batch` for a few tokens: lists per token, one conversion per array. A step's numpy calls cost more
-    than its tokens' Python here (~40 calls: 0.2 ms of the host's time in series with the device at batch 1)."""
+    """`build_batch` for a few tokens: lists per token, written straight into the packed buffer the forward takes
+    (`BuiltBatch.packed`; the batch's arrays are views of it). A step's numpy calls cost more than its tokens' Python
+    here (~40 calls: 0.2 ms of the host's time in series with the device at batch 1)."""
     ids, pos, slots, prev, qs, lens, logits_idx, counts, state_slots = [], [], [], [], [0], [], [], [], []
     rows, row, longest = {}, 0, 0
-    page_table = np.full((B, P), NULL_PAGE, np.int32)
-    for b, s in enumerate(out.scheduled):
+    tables = []
+    for s in out.scheduled:
         n, start, pages = s.num_new_tokens, s.start, s.page_ids
         longest = n if n > longest else longest
-        page_table[b, :len(pages)] = pages
+        tables.append(pages)
         tokens = s.token_ids
-        prev += [-1] * n
         if s.input_from_device:  # its first token is the one `prev` is sampling
-            prev[-n] = prev_rows[s.request_id]
+            prev += [prev_rows[s.request_id]] + [-1] * (n - 1)
             tokens = [0, *tokens[1:]]
+        else:
+            prev += [-1] * n
         ids += tokens
         positions = range(start, start + n)
         pos += positions
@@ -143,15 +146,29 @@ def _build_small(out: SchedulerOutput, prev_rows: dict[str, int] | None, T: int,
     if min(ids, default=0) < 0:
         raise ValueError("a pending token past a row's first one comes from the device: one step in flight at most")
     R = B if row <= B else T
-
-    def padded(values, size, fill=0):
-        a = np.full(size, fill, np.int32)
-        a[:len(values)] = values
-        return a
-
-    batch = Batch(padded(ids, T), padded(pos, T), padded(slots, T, -1), padded(qs, B + 1, total), padded(lens, B),
-                  page_table, padded(logits_idx, R), padded(state_slots, B))
-    return BuiltBatch(batch, padded(prev, T, -1), R, np.asarray(counts, np.int32), rows, longest)
+    # the packed layout (`step_inputs.pack_batch`): ids, positions, slots, prev rows [T each], query starts [B + 1],
+    # lengths [B], logits rows [R], state slots [B], page table [B, P]
+    o_qs = 4 * T
+    o_table = o_qs + 3 * B + 1 + R
+    packed = np.zeros(o_table + B * P, np.int32)  # (NULL_PAGE, padding ids / positions / lengths / slots: 0)
+    n = len(ids)
+    packed[:n] = ids
+    packed[T:T + n] = pos
+    packed[2 * T:4 * T] = -1
+    packed[2 * T:2 * T + n] = slots
+    packed[3 * T:3 * T + n] = prev
+    packed[o_qs:o_qs + len(qs)] = qs
+    packed[o_qs + len(qs):o_qs + B + 1] = total
+    o = o_qs + B + 1
+    packed[o:o + len(lens)] = lens
+    packed[o + B:o + B + len(logits_idx)] = logits_idx
+    packed[o + B + R:o + B + R + len(state_slots)] = state_slots
+    table = packed[o_table:].reshape(B, P)
+    for b, pages in enumerate(tables):
+        table[b, :len(pages)] = pages
+    batch = Batch(packed[:T], packed[T:2 * T], packed[2 * T:3 * T], packed[o_qs:o], packed[o:o + B], table,
+                  packed[o + B:o + B + R], packed[o + B + R:o_table])
+    return BuiltBatch(batch, packed[3 * T:4 * T], R, np.asarray(counts, np.int32), rows, longest, packed)
 
 
 def with_pending_output(row: StepRow | None, s, prev_rows: dict[str, int]) -> StepRow | None:

@@ -268,6 +268,9 @@ def build_engine(config: EngineConfig, tokenizer: Tokenizer | None = None, specu
         if spec.method == "mtp" and model_config.architecture != "qwen3_5":
             raise ValueError(f"speculative_config.method='mtp' reads the MTP layer of Qwen3.5 checkpoints, not of "
                              f"{model_config.architecture!r}")
+    if config.expert_load_stats and not model_config.num_experts:  # (before the weights load)
+        raise ValueError(f"expert_load_stats=True needs a mixture-of-experts model; {model_config.architecture!r} "
+                         "has no experts")
     generation_defaults = load_generation_defaults(config.generation_config, source.path)
     tokenizer, tokenizer_path = _load_tokenizer(config, source.path, tokenizer)
     phases("tokenizer")
@@ -322,14 +325,15 @@ def build_engine(config: EngineConfig, tokenizer: Tokenizer | None = None, specu
                          executable_dir=os.path.join(cache_dir, "executables")
                          if cache_dir and config.executable_cache and group is None else None,
                          aux_layers=head_kind.aux_layers(head[0]) if head else (),
-                         verify_query_len=1 + (speculative or ((spec.num_speculative_tokens or 1) if spec else 0)))
+                         verify_query_len=1 + (speculative or ((spec.num_speculative_tokens or 1) if spec else 0)),
+                         expert_load=config.expert_load_stats)
     eos_token_ids = tuple(tokenizer.eos_token_ids) if tokenizer else model_config.eos_token_ids
     proposer = None if spec is None else build_proposer(spec, max_model_len=max_len, num_state_slots=num_state_slots,
                                                          head=head, runner=runner, kv_manager=kv)
     phases("kv cache and runner")
     if config.warmup:
         # every process of a group warms up the same shapes in the same order, all before serving
-        runner.warmup(first_tokens=config.warmup_first_tokens if group is None else None)
+        runner.warmup(first_tokens=config.warmup_first_tokens if group is None else None, compile_turn=group)
     if isinstance(group, Leader):
         group.wait_for_workers()
         runner.on_launch = group.send_step

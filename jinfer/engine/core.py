@@ -11,9 +11,12 @@ from __future__ import annotations
 
 import time
 
+import numpy as np
+
 from jinfer.cache.kv_events import make_publisher
 from jinfer.config.engine import EngineConfig
 from jinfer.engine.builder import build_engine, release_at_exit
+from jinfer.engine.expert_load import ExpertLoadRecorder
 from jinfer.engine.grammar import GrammarEngine
 from jinfer.engine.input_processor import InputProcessor, SequenceState, prompt_logprobs_wanted, step_rows
 from jinfer.engine.output_processor import emit, record_prompt_logprobs, token_logprobs
@@ -22,6 +25,7 @@ from jinfer.engine.request import FinishReason
 from jinfer.engine.runner import Launched
 from jinfer.engine.sampling_tensors import num_logprobs_for
 from jinfer.errors import InvalidParam
+from jinfer.models.registry import moe_layers
 from jinfer.outputs import EngineOutput
 from jinfer.pooling_params import PoolingParams
 from jinfer.sampling_params import SamplingParams
@@ -68,6 +72,11 @@ class EngineCore:
         # next forward's dispatch: the host's time in series with it (accept, update, drafts, schedule, batch inputs)
         self.serial_host_seconds_total, self._read_at = 0.0, None
         self._inflight: Launched | None = None  # the launched step whose tokens are not read yet
+        # --expert-load-stats: each step's expert counts, read back with its tokens (jinfer/engine/expert_load.py)
+        cfg = self.model_config
+        self.expert_load = ExpertLoadRecorder(
+            moe_layers(cfg), cfg.num_experts, cfg.num_experts_per_tok,
+            config.tensor_parallel_size if config.enable_expert_parallel else 1) if config.expert_load_stats else None
         # KV-cache events (--kv-events-config): the cache manager records them, each step publishes its own
         self.kv_events = make_publisher(config.kv_events_config, config.data_parallel_rank)
         if self.kv_events is not None:
@@ -246,6 +255,8 @@ class EngineCore:
         self.device_wait_seconds_total += self._read_at - t
         self.num_steps_total += 1
         self.runner.host_tier_read_back()  # host-tier copies may go out until the next read-back is due
+        if launched.expert_load is not None and self.expert_load is not None:  # (its copy came with the tokens')
+            self.expert_load.record(np.asarray(launched.expert_load))
         record_prompt_logprobs(self.runner.fetch_prompt_logprobs(launched), launched.prompt_rows, self._seqs)
         live = [s for s in out.scheduled if s.needs_sample and not s.request.is_finished]
         rows = result.rows
@@ -342,4 +353,5 @@ class EngineCore:
                 "compiles_after_warmup": self.runner.compiles_after_warmup,
                 "warmup_pending": self.runner.warmup_pending(),
                 "executable_unloads_total": self.runner.unloads, "executable_reloads_total": self.runner.reloads,
-                **(self.spec.stats() if self.spec is not None else {})}
+                **(self.spec.stats() if self.spec is not None else {}),
+                **(self.expert_load.stats() if self.expert_load is not None else {})}

@@ -21,19 +21,20 @@ FORK_CHUNK = 16
 
 
 def forward_step(weights, buf, kv_cache, prev_tokens, logits_out, *table, dims, cfg, ops, mesh, specs,
-                 aux_layers=()):
+                 aux_layers=(), expert_load=False):
     """Unpack the batch (dims = (T, B, P, L)) and run the model's forward on the mesh (`parallel.mesh_forward`;
     `specs`: the weights' and the cache's PartitionSpecs): (logits [L, V], the cache), and with `aux_layers` (an
     EAGLE-3 head's) the hidden states at those boundaries [T, n*H] too. `logits_out` (donated, unread): the
     previous logits of this shape, whose buffer the logits are written to, so that every output of a step stays at
     the same address from step to step (runner.py: stable step buffers). `table`: the one-shot all-reduce's
-    workspace table, where the runner uses that kernel (`all_reduce_table`)."""
+    workspace table, where the runner uses that kernel (`all_reduce_table`). `expert_load` (`--expert-load-stats`):
+    the MoE layers' expert counts i32[MoE layers, E] come last (`base.decoder_forward`)."""
     del logits_out
     batch, prev = unpack_batch(buf, dims)
     # Tokens sampled by the previous step (the first token of its sequences' decodes) are read from its buffer.
     batch.input_ids = jnp.where(prev >= 0, prev_tokens[jnp.maximum(prev, 0)], batch.input_ids)
-    return mesh_forward(forward, cfg, ops, mesh, *specs, aux_layers, all_reduce_table=bool(table))(
-        weights, batch, kv_cache, *table)
+    return mesh_forward(forward, cfg, ops, mesh, *specs, aux_layers, all_reduce_table=bool(table),
+                        expert_load=expert_load)(weights, batch, kv_cache, *table)
 
 
 def fork_step(kv_cache, pairs, *, slot_layers: frozenset[int]):

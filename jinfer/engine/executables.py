@@ -54,6 +54,13 @@ COMMAND_BUFFER_MAX_TOKENS = 32
 # 60 us a layer on an H100, more than the merged dot saved (`benchmarks/hlo_ops.py` names such kernels).
 # That choice is the KernelPolicy's (`large_step_xla_options`; xla_dot_merger=True keeps XLA's default, for A/B runs).
 NO_COMMAND_BUFFER = {"xla_gpu_enable_command_buffer": ""}
+# Every executable of a multi-process group: each process autotunes XLA's GEMM fusions itself. By default XLA splits
+# a module's autotuning among the processes compiling it and waits for the others' parts, keyed by the set of
+# fusions not yet tuned in that process; with compiles in parallel threads, that set differed between processes and
+# a two-process `jinfer serve -tp 2` hung in its warm-up (two H200s). The processes tune the same choices anyway:
+# process 0 compiles first and the others then read its autotuning results (`warmup`'s `compile_turn`; JAX's
+# persistent cache keeps them, process 0 writing, the others reading).
+GROUP_XLA_OPTIONS = {"xla_gpu_shard_autotuning": False}
 
 
 def pow2_buckets(lo: int, hi: int) -> tuple[int, ...]:
@@ -81,7 +88,8 @@ class StepExecutables(IdleUnloading):
     """Buckets and the executables compiled for them (the registry half of `ModelRunner`). Needs of its subclass:
     cfg, mesh, ops, weights, kv_cache, `_replicated` (the sharding of logits and tokens), `_prev_spec` (a tokens
     buffer), `executables` (the on-disk cache), `_slot_layers` (the cache's layers indexed by state slot) and
-    `aux_layers` (the layer boundaries whose hidden states the forward also returns: an EAGLE-3 head's, else ())."""
+    `aux_layers` (the layer boundaries whose hidden states the forward also returns: an EAGLE-3 head's, else ()) and
+    `expert_load` (the forward also returns the MoE layers' expert counts: `--expert-load-stats`)."""
 
     def _init_registry(self, max_num_batched_tokens: int, max_num_seqs: int, max_pages: int,
                        keep_alive: float, verify_query_len: int = 0) -> None:
@@ -105,6 +113,7 @@ class StepExecutables(IdleUnloading):
         top = pick(self.token_buckets, min(Q * self.max_seqs_bucket, self.token_buckets[-1])) if self.verify_len else 0
         self.verify_buckets = frozenset(T for T in self.token_buckets if 1 < T <= top)
         self._compiled: dict[tuple, jax.stages.Compiled] = {}
+        self._precompiling = False  # `_precompile_all` at work
         self.compile_seconds = 0.0
         self.warmed_up = False
         # Buckets steps may use now: all of them (compiled on first use) unless a staged warm-up
@@ -158,11 +167,16 @@ class StepExecutables(IdleUnloading):
         (a cold-started Qwen3-4B server idled at 1.83 GB, against 854 MB after a warm start)."""
         kv_shardings = jax.tree.map(lambda a: a.sharding, self.kv_cache)
         specs = (array_specs(self.weights), array_specs(self.kv_cache))
-        forward_jit = lambda ops, small, **kw: jax.jit(  # noqa: E731
-            partial(forward_step, cfg=self.cfg, ops=ops, mesh=self.mesh, specs=specs, aux_layers=self.aux_layers),
+        group = GROUP_XLA_OPTIONS if jax.process_count() > 1 else {}
+        load = {"expert_load": True} if self.expert_load else {}  # (off: the step's program and key are unchanged)
+        extra_outputs = (self._replicated,) * (bool(self.aux_layers) + self.expert_load)
+        forward_jit = lambda ops, small, compiler_options={}, **kw: jax.jit(  # noqa: E731
+            partial(forward_step, cfg=self.cfg, ops=ops, mesh=self.mesh, specs=specs, aux_layers=self.aux_layers,
+                    **load),
             static_argnames=("dims",), keep_unused=True,  # (logits_out is donated, not read)
             donate_argnames=("kv_cache", "logits_out") if small and not self.cfg.pooling else ("kv_cache",),
-            out_shardings=(self._replicated, kv_shardings) + ((self._replicated,) if self.aux_layers else ()), **kw)
+            out_shardings=(self._replicated, kv_shardings) + extra_outputs,
+            compiler_options={**group, **compiler_options} or None, **kw)
         # Indexed by "decode step": small steps run with command buffers (XLA's default), large without.
         large = NO_COMMAND_BUFFER | self.ops.policy.large_step_xla_options()
         kinds = [(0, self.ops), (1, replace(self.ops, decode_step=True))]
@@ -172,16 +186,17 @@ class StepExecutables(IdleUnloading):
         self._sample = jax.jit(partial(sample_step, max_rows=self.max_rows), donate_argnames=("prev_tokens",),
                                keep_unused=True,  # (a donated argument the step does not read still gives its buffer)
                                static_argnames=("dims", "num_logprobs", "flags"),
-                               out_shardings=(self._replicated, self._replicated))
+                               out_shardings=(self._replicated, self._replicated), compiler_options=group or None)
         self._prompt_logprobs = jax.jit(prompt_logprobs_step, static_argnames=("num_rows", "k"),
-                                        out_shardings=(self._replicated, self._replicated))
+                                        out_shardings=(self._replicated, self._replicated),
+                                        compiler_options=group or None)
         self._fork = jax.jit(partial(fork_step, slot_layers=self._slot_layers), donate_argnames=("kv_cache",),
-                             out_shardings=kv_shardings)
+                             out_shardings=kv_shardings, compiler_options=group or None)
 
     def _drop_traces(self) -> None:
         """After compiles ahead of use (so no executable is the plain jit's own): new jit objects, so JAX frees the
         old ones' traces and lowerings. Later misses trace again, as they would anyway."""
-        if self.compiles_ahead and (self.executables.misses or self.executables.directory is None):
+        if self.compiles_ahead and self.executables.misses:
             self._make_jits()
 
     def _add_executable(self, key: tuple, jitted, args: tuple, background: bool = False,
@@ -192,17 +207,19 @@ class StepExecutables(IdleUnloading):
         if self.warmed_up and not background:
             self.compiles_after_warmup += 1
             log.warning("compiling %s after warm-up", key)
+        if self._precompiling:  # a group's warm-up (`_precompile_all`): JAX's caches hold it for the plain jit's call
+            jitted.lower(*args, **static).compile()
         self._compiled[key] = (partial(jitted, **static) if not self.compiles_ahead and not background
                                else self.executables.compile(key[0], jitted, *args, **static))
         return self._compiled[key]
 
     @property
     def compiles_ahead(self) -> bool:
-        """Whether shapes compile ahead of their first call (lowered and compiled, several at once during warm-up):
-        with an executable cache, and in a multi-process group, which has none. (One by one at their first calls, a
-        two-process group's 16 Qwen3-8B shapes took 158 s on two H200s; one process compiling them in parallel ran at
-        full speed 57 s after its launch.)"""
-        return self.executables.directory is not None or jax.process_count() > 1
+        """Whether shapes compile (or load) ahead of their first call, several at once during warm-up, into
+        executables of their own: with an executable cache, in one process. (A multi-process group calls its plain
+        jits, after `_precompile_all`: called by the processes of a group, an executable compiled ahead failed,
+        'compiled for 405 inputs but called with 403', two H200s.)"""
+        return self.executables.directory is not None
 
     def forward_executable(self, T: int, B: int, P: int, decode: int = 0, R: int | None = None,
                            prompt_logits: bool = False, background: bool = False) -> jax.stages.Compiled:
@@ -263,6 +280,17 @@ class StepExecutables(IdleUnloading):
         if (hit := self._compiled.get(key)) is None:
             hit = self._add_executable(key, self._fork, (self.kv_cache, jax.ShapeDtypeStruct((4, N), jnp.int32)))
         return hit
+
+    def _precompile_all(self, shapes: list[tuple[int, int, int, bool]], fork_sizes: list[int]) -> None:
+        """A multi-process group's warm-up: `_load_all`'s compiles, into JAX's caches (the plain jits' first calls
+        then find them). One by one at their first calls, a two-process group's 16 Qwen3-8B shapes took 158 s on two
+        H200s; one process compiling them in parallel ran at full speed 57 s after its launch."""
+        self._precompiling = True
+        try:
+            self._load_all(shapes, fork_sizes)
+        finally:
+            self._precompiling = False
+            self._compiled.clear()  # (the plain jits again, as warm-up calls them)
 
     def _load_all(self, shapes: list[tuple[int, int, int, bool]], fork_sizes: list[int]) -> None:
         """Load (or trace + compile) the forwards of `shapes` ((T, B, P, decode) each), the warm samplers of their

@@ -20,7 +20,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
-from dataclasses import astuple, dataclass, field
+from dataclasses import dataclass, field
 
 import jax
 import jax.numpy as jnp
@@ -32,19 +32,12 @@ from jinfer.cache.layout import init_kv_cache, slot_layers
 from jinfer.cache.manager import cdiv
 from jinfer.cache.transfer import HostKVPool
 from jinfer.config.model import ModelConfig
-from jinfer.engine.batch_builder import (
-    BuiltBatch,
-    StepRow,
-    build_batch,
-    logits_rows,
-    prompt_positions,
-    sampling_tensors,
-    with_pending_output,
-)
+from jinfer.engine.batch_builder import BuiltBatch, StepRow, build_batch, prompt_positions, sampling_tensors
 from jinfer.engine.device_step import FORK_CHUNK
 from jinfer.engine.executable_cache import ExecutableCache
 from jinfer.engine.executables import COMMAND_BUFFER_MAX_TOKENS, StepExecutables, pick
 from jinfer.engine.idle_unload import trim_host_heap
+from jinfer.engine.sampling_inputs import SamplingInputs
 from jinfer.engine.sampling_tensors import SamplerFlags
 from jinfer.engine.scheduler import SchedulerOutput
 from jinfer.engine.step_inputs import (
@@ -83,6 +76,7 @@ class Launched:
     prompt_rows: list[tuple[str, int]] = field(default_factory=list)
     batch: Batch | None = None  # the step's padded batch (numpy), for a drafter that runs after it (EAGLE-3)
     aux: jax.Array | None = None  # [T, n*H] the hidden states at the runner's `aux_layers` (None without)
+    expert_load: jax.Array | None = None  # i32[MoE layers, E]: expert counts (`expert_load` runners; copy started)
     row_of: dict[str, int] = field(init=False)  # request id -> the row of its last sample (its next decode's input)
 
     def __post_init__(self):
@@ -94,14 +88,16 @@ class ModelRunner(StepExecutables):
                  kv_dtype, max_num_batched_tokens: int, max_num_seqs: int, max_model_len: int,
                  ops: ModelOps = REFERENCE_OPS, executable_dir: str | None = None, num_state_slots: int = 0,
                  num_host_pages: int = 0, keep_alive: float = 0.0, aux_layers: tuple[int, ...] = (), dtype=None,
-                 kv_scales: dict | None = None, verify_query_len: int = 0):
+                 kv_scales: dict | None = None, verify_query_len: int = 0, expert_load: bool = False):
         """`kv_dtype`: the KV pages'; `dtype` (default kv_dtype): the model's (state pools, a draft head's KV);
         `kv_scales`: an FP8 cache's checkpoint scales (`layout.init_kv_cache`). `aux_layers`: the forward also
         returns the hidden states at these layer boundaries (an EAGLE-3 head's: `Launched.aux`); part of the
         executables' key. `verify_query_len`: 1 + the drafts a drafter verifies per sequence and step (0: none), for
-        the verify steps' executables (`executables.py`)."""
+        the verify steps' executables (`executables.py`). `expert_load`: the forward also returns the MoE layers'
+        expert counts (`Launched.expert_load`, read back with the step: jinfer/engine/expert_load.py)."""
         self.cfg, self.weights, self.mesh, self.ops = cfg, weights, mesh, ops
         self.aux_layers, self._aux = tuple(aux_layers), None
+        self.expert_load, self._load = bool(expert_load), None
         self.page_size = page_size
         self.dtype = kv_dtype if dtype is None else dtype
         self.kv_cache = init_kv_cache(cfg, num_pages, page_size, self.dtype, mesh, num_state_slots, kv_dtype,
@@ -138,7 +134,8 @@ class ModelRunner(StepExecutables):
         # Compiled executables per shape, loaded from / stored to disk when `executable_dir` is set: a
         # warm start then neither traces nor lowers (see executable_cache.py).
         self.executables = ExecutableCache(executable_dir, namespace=repr(
-            (cfg, ops, mesh.shape, self.max_seqs_bucket) + ((self.aux_layers,) if self.aux_layers else ())))
+            (cfg, ops, mesh.shape, self.max_seqs_bucket) + ((self.aux_layers,) if self.aux_layers else ())
+            + (("expert_load",) if self.expert_load else ())))
         # The forward's `prev_tokens` argument is always the latest sampler output (even when no row
         # reads it), so every call of an executable sees arguments of identical type and sharding and
         # stays on JAX's C++ fast path (see above).
@@ -147,6 +144,7 @@ class ModelRunner(StepExecutables):
         # several processes each one puts its (identical) copy on its own devices of the mesh.
         self._input_sharding = self._replicated if jax.process_count() > 1 else None
         self.on_launch = None  # process 0 of a group: called with each step's StepInputs before launching
+        self.sampling = SamplingInputs(cfg.vocab_size)  # each step's sampler inputs (rows kept across steps)
         self.forward_at = 0.0  # perf_counter() when the last step's forward was dispatched (EngineCore's host timing)
 
     def _put(self, x):
@@ -247,29 +245,30 @@ class ModelRunner(StepExecutables):
             if prompt_rows:
                 plp_k, plp_targets = prompt_logprobs[0], targets
                 batch.logits_indices = np.concatenate([batch.logits_indices, indices])
-        packed_batch = pack_batch(batch, built.prev_index)
+        packed_batch = built.packed  # (small steps come packed; prompt logprobs' rows change the batch)
+        if packed_batch is None or prompt_rows:
+            packed_batch = pack_batch(batch, built.prev_index)
         self.forward_at = time.perf_counter()
         forward = None if group else self.run_forward(T, B, P, decode, packed_batch, plp_k, plp_targets, R)
         if self.cfg.pooling:  # an embedding model: the forward's rows are the pooled vectors, nothing is sampled
-            forward[0].copy_to_host_async()
-            return Launched(out, forward[0], self._last_tokens, built.rows, batch=batch)
+            for a in (forward[0], self._load):
+                if a is not None:
+                    a.copy_to_host_async()
+            return Launched(out, forward[0], self._last_tokens, built.rows, batch=batch, expert_load=self._load)
         if callable(token_mask):
             token_mask = token_mask()
-        if pending_outputs and prev is not None:
-            prev_rows = prev.row_of
-            rows = [with_pending_output(r, s, prev_rows) for r, s in zip(rows, out.scheduled, strict=True)]
-        st = sampling_tensors(logits_rows(rows, out, built.counts), R, self.cfg.vocab_size, token_mask,
-                              built.counts)
-        step = StepInputs(T, B, P, decode, st.output_tokens.shape[1], st.prompt_mask.shape[1], num_logprobs,
-                          astuple(SamplerFlags.of(st)), packed_batch, pack_sampling(st),
-                          K=st.bias_ids.shape[1], plp_k=plp_k, plp_targets=plp_targets, R=R)
+        sampling = self.sampling.build(rows, out, built.counts, R, token_mask,
+                                       prev.row_of if pending_outputs and prev is not None else None)
+        step = StepInputs(T, B, P, decode, sampling.M, sampling.W, num_logprobs, sampling.flags, packed_batch,
+                          sampling.buffer, K=sampling.K, plp_k=plp_k, plp_targets=plp_targets, R=R)
         if group:  # the other processes of a multi-process group launch it too
             self.on_launch(step)
         packed, tokens, prompt_packed = self.run_step(step, forward)
         packed.copy_to_host_async()
-        if prompt_packed is not None:
-            prompt_packed.copy_to_host_async()
-        return Launched(out, packed, tokens, built.rows, prompt_packed, prompt_rows, batch, self._aux)
+        for extra in (prompt_packed, self._load):
+            if extra is not None:
+                extra.copy_to_host_async()
+        return Launched(out, packed, tokens, built.rows, prompt_packed, prompt_rows, batch, self._aux, self._load)
 
     def run_step(self, step: StepInputs, forward: tuple[jax.Array, jax.Array | None] | None = None
                  ) -> tuple[jax.Array, jax.Array, jax.Array | None]:
@@ -327,11 +326,12 @@ class ModelRunner(StepExecutables):
         out = self._logits_out.pop(rows, None) if keep else self._placeholder
         if out is None:
             out = put(np.zeros(self.logits_out_shape(rows, T), np.float32), self._replicated)
-        logits, self.kv_cache, *aux = forward(self.weights, buf, self.kv_cache, self._last_tokens, out,
-                                              *self._all_reduce_table)
+        logits, self.kv_cache, *extra = forward(self.weights, buf, self.kv_cache, self._last_tokens, out,
+                                                *self._all_reduce_table)
         if keep:
             self._logits_out[rows] = logits
-        self._aux = aux[0] if aux else None
+        self._aux = extra[0] if self.aux_layers else None
+        self._load = extra[-1] if self.expert_load else None
         return logits
 
     def fetch(self, launched: Launched) -> StepResult:
@@ -350,7 +350,7 @@ class ModelRunner(StepExecutables):
     def _sampling_buffer(self, B: int) -> jax.Array:
         return self._put(pack_sampling(sampling_tensors([None] * B, B, self.cfg.vocab_size)))
 
-    def warmup(self, first_tokens: int | None = None, background: bool = True) -> float:
+    def warmup(self, first_tokens: int | None = None, background: bool = True, compile_turn=None) -> float:
         """Compile (or load) every forward bucket, and the warm sampler variants per sequence bucket.
 
         `first_tokens` (a staged warm-up, for a server to be ready sooner): only T = 1 and the bucket of
@@ -358,6 +358,9 @@ class ModelRunner(StepExecutables):
         background thread (`background`; else `start_background()` later). Until a bucket is ready a step
         is padded into a larger ready one (`ready_tokens`) and the scheduler stays within the largest
         (`ready_limits`), so no step waits for a compile.
+
+        `compile_turn`: a multi-process group's member (jinfer/parallel/multihost.py), a context manager around its
+        compiles ahead (`_precompile_all`): process 0 compiles first, the others after it (`GROUP_XLA_OPTIONS`).
         """
         t0 = time.perf_counter()
         run = not self.compiles_ahead  # plain jit compiles on its first call: make that call
@@ -369,6 +372,9 @@ class ModelRunner(StepExecutables):
                   for decode in (self.kinds(T) if first_tokens is None else (0,))]
         if not run:
             self._load_all(shapes, self._fork_sizes)
+        elif compile_turn is not None:
+            with compile_turn:
+                self._precompile_all(shapes, self._fork_sizes)
         for T in now:
             B = self.seqs_bucket(T)
             for _, _, P, decode in (shape for shape in shapes if shape[0] == T):

@@ -6,7 +6,8 @@
 Throughputs are averages over the interval (`--log-stats-interval`, default 10 s; 0 turns the line off);
 the prefix-cache hit rate is over the interval's lookups (the lifetime rate when there were none); with a
 KV host tier (`--kv-offload-gb`) the line adds its usage, its share of the hits and the interval's copies; with
-speculative decoding a second line gives the interval's mean acceptance length and per-position rates. An idle
+speculative decoding a second line gives the interval's mean acceptance length and per-position rates, with
+`--expert-load-stats` another the interval's expert-load imbalance (jinfer/engine/expert_load.py). An idle
 engine logs once after its last busy interval, then stays quiet (as vLLM does).
 """
 
@@ -53,10 +54,25 @@ class StatsLogger:
                      f"{100 * host:.1f}%, offloaded: {delta('kv_offload_bytes_total') / 2**20:.0f} MiB, restored: "
                      f"{delta('kv_restore_bytes_total') / 2**20:.0f} MiB")
         log.info(line)
-        if (spec := spec_decoding_line(stats, last, self.engine_index)) is not None:
-            log.info(spec)
-            line += "\n" + spec
+        for extra in (spec_decoding_line(stats, last, self.engine_index),
+                      expert_load_line(stats, last, self.engine_index)):
+            if extra is not None:
+                log.info(extra)
+                line += "\n" + extra
         return line
+
+
+def expert_load_line(stats: dict[str, float], last: dict[str, float], engine_index: int = 0) -> str | None:
+    """The interval's expert load: its steps' mean imbalance over the expert-parallel ranks and over the experts (max
+    / mean load: 1.0 is balanced), and the rank imbalance of the counts since start; None without steps counted."""
+    delta = lambda key: stats.get(key, 0) - last.get(key, 0)
+    steps = delta("expert_load_steps_total")
+    if steps <= 0:
+        return None
+    ranks, since_start = int(stats.get("expert_load_ranks", 1)), stats.get("expert_load_cumulative_imbalance", 1.0)
+    return (f"Engine {engine_index:03d}: Expert load: {int(steps)} steps, imbalance over {ranks} rank(s) "
+            f"{delta('expert_load_imbalance_sum') / steps:.3f} (since start {since_start:.3f}), "
+            f"over experts {delta('expert_load_expert_imbalance_sum') / steps:.3f}")
 
 
 def spec_decoding_line(stats: dict[str, float], last: dict[str, float], engine_index: int = 0) -> str | None:

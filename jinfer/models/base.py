@@ -26,7 +26,8 @@ from jinfer.models.spec import ArrayInfo
 from jinfer.ops import ModelOps
 
 __all__ = ["LayerWeights", "Weights", "assemble_weights", "attention_specs", "cache_spec", "decoder_forward",
-           "decoder_specs", "dense_mlp", "fuse_qkv", "lm_head_logits", "mlp_specs"]
+           "decoder_specs", "dense_mlp", "expert_load_output", "fuse_qkv", "lm_head_logits", "mlp_specs",
+           "real_tokens"]
 
 
 def cache_spec(cfg: ModelConfig) -> list[LayerCacheSpec]:
@@ -198,7 +199,8 @@ MlpFn = Callable[[LayerWeights, int, jax.Array, ModelConfig, ModelOps, jax.Array
 
 
 def decoder_forward(weights: Weights, batch: Batch, kv_cache: tuple[tuple[jax.Array, jax.Array], ...],
-                    cfg: ModelConfig, ops: ModelOps, mlp: MlpFn, aux_layers: tuple[int, ...] = ()):
+                    cfg: ModelConfig, ops: ModelOps, mlp: MlpFn, aux_layers: tuple[int, ...] = (),
+                    expert_load: bool = False):
     """The decoder every family shares: embedding, per layer attention then the family's `mlp` block
     (`mlp(layer, i, x, cfg, ops, counters) -> (x + mlp(norm(x)), counters)`), final norm and lm_head.
     Returns (logits [N, vocab] float32, new cache).
@@ -212,6 +214,11 @@ def decoder_forward(weights: Weights, batch: Batch, kv_cache: tuple[tuple[jax.Ar
     embedding); boundary `num_layers` is the last layer's output before the final norm (HF's last entry is after
     it). Empty (the default): nothing is traced for it, the step's program is the plain one.
 
+    `expert_load` (static; the expert-load recorder, `--expert-load-stats`): `mlp` is also given `num_real` (the
+    step's real tokens, `real_tokens`) and a MoE layer's returns a third value, its experts' counts of (token, slot)
+    pairs from those tokens; stacked, i32[MoE layers, E], they are the last output (`expert_load_output`). False (the
+    default): nothing is traced for it.
+
     Under `jax.shard_map` (jinfer/parallel/mesh.py) this runs on each device's shards: `cfg` then holds the
     device's q / kv head counts (`parallel.local_config`) and `ops` the collectives.
     """
@@ -221,18 +228,34 @@ def decoder_forward(weights: Weights, batch: Batch, kv_cache: tuple[tuple[jax.Ar
     cos, sin = rope_cos_sin(batch.positions, cfg, x.dtype)
     new_cache = []
     counters = ops.step_counters(x.shape[0])
-    captured = {}
+    captured, loads = {}, []
+    record = {"num_real": real_tokens(batch)} if expert_load else {}
     for i, (layer, kv) in enumerate(zip(weights.layers, kv_cache, strict=True)):
         if i in aux_layers:
             captured[i] = x
         x, kv, counters = _attention(layer, x, cos, sin, kv, batch, cfg, ops, counters)
-        x, counters = mlp(layer, i, x, cfg, ops, counters)
+        x, counters, *load = mlp(layer, i, x, cfg, ops, counters, **record)  # (a MoE layer's counts with `record`)
+        loads += load
         new_cache.append(kv)
     logits = lm_head_logits(weights, x, batch, cfg, ops)
-    if not aux_layers:
-        return logits, tuple(new_cache)
     captured[cfg.num_layers] = x
-    return logits, tuple(new_cache), jnp.concatenate([captured[i] for i in aux_layers], axis=-1)
+    aux = (jnp.concatenate([captured[i] for i in aux_layers], axis=-1),) if aux_layers else ()
+    return logits, tuple(new_cache), *aux, *expert_load_output(loads, cfg, expert_load)
+
+
+def real_tokens(batch: Batch) -> jax.Array:
+    """i32[]: the step's real tokens, its first rows (the padding rows come after them: `Batch.query_start`)."""
+    return batch.query_start[-1]
+
+
+def expert_load_output(loads: list[jax.Array], cfg: ModelConfig, expert_load: bool) -> tuple[jax.Array, ...]:
+    """The forward's last output with `expert_load`: the MoE layers' expert counts (`ops.moe.expert_counts`, [E] each,
+    in layer order) stacked, i32[MoE layers, E]; () without."""
+    if not expert_load:
+        return ()
+    if not loads:
+        raise ValueError(f"expert_load: {cfg.architecture!r} has no mixture-of-experts layer to count")
+    return (jnp.stack(loads),)
 
 
 def lm_head_logits(weights: Weights, x: jax.Array, batch: Batch, cfg: ModelConfig, ops: ModelOps) -> jax.Array:

@@ -33,7 +33,7 @@ import jax.numpy as jnp
 from jinfer.cache.spec import LatentKV, LayerCacheSpec
 from jinfer.config.model import ModelConfig
 from jinfer.config.rope import yarn_attention_factor, yarn_softmax_mscale
-from jinfer.models.base import Weights, decoder_specs, lm_head_logits, mlp_specs
+from jinfer.models.base import Weights, decoder_specs, expert_load_output, lm_head_logits, mlp_specs, real_tokens
 from jinfer.models.base import assemble_weights as _assemble
 from jinfer.models.batch import Batch
 from jinfer.models.fp8 import dense
@@ -184,35 +184,40 @@ def write_latent(latent: jax.Array, rows: jax.Array, slot_mapping: jax.Array) ->
     return flat.reshape(latent.shape)
 
 
-def mlp(layer: MlaLayer, i: int, x: jax.Array, cfg: ModelConfig, ops: ModelOps) -> jax.Array:
+def mlp(layer: MlaLayer, i: int, x: jax.Array, cfg: ModelConfig, ops: ModelOps, num_real: jax.Array | None = None
+        ) -> tuple:
+    """(x + the layer's MLP,), and a MoE layer given `num_real` its expert counts (`ModelOps.grouped_moe_block`)."""
     if not cfg.is_moe_layer(i):
-        return ops.mlp_block(x, layer.mlp_norm, layer.w_gate, layer.w_up, layer.w_down, cfg.rms_norm_eps)
+        return (ops.mlp_block(x, layer.mlp_norm, layer.w_gate, layer.w_up, layer.w_down, cfg.rms_norm_eps),)
     shared = (layer.ws_gate, layer.ws_up, layer.ws_down) if layer.ws_gate is not None else None
-    return ops.grouped_moe_block(x, layer.mlp_norm, layer.router, layer.router_bias, layer.w_gate, layer.w_up,
-                                 layer.w_down, shared, top_k=cfg.num_experts_per_tok, n_group=cfg.n_group,
-                                 topk_group=cfg.topk_group, sigmoid=cfg.scoring_func == "sigmoid",
-                                 renormalize=cfg.norm_topk_prob, scaling=cfg.routed_scaling_factor,
-                                 eps=cfg.rms_norm_eps)
+    out = ops.grouped_moe_block(x, layer.mlp_norm, layer.router, layer.router_bias, layer.w_gate, layer.w_up,
+                                layer.w_down, shared, top_k=cfg.num_experts_per_tok, n_group=cfg.n_group,
+                                topk_group=cfg.topk_group, sigmoid=cfg.scoring_func == "sigmoid",
+                                renormalize=cfg.norm_topk_prob, scaling=cfg.routed_scaling_factor,
+                                eps=cfg.rms_norm_eps, num_real=num_real)
+    return out if num_real is not None else (out,)
 
 
 def forward(weights: Weights, batch: Batch, kv_cache: tuple[tuple[jax.Array], ...], cfg: ModelConfig,
-            ops: ModelOps = REFERENCE_OPS, aux_layers: tuple[int, ...] = ()):
+            ops: ModelOps = REFERENCE_OPS, aux_layers: tuple[int, ...] = (), expert_load: bool = False):
     """One step over a flattened ragged batch: (logits [N, vocab] float32, the updated latent cache, one (latent,)
-    per layer), and with `aux_layers` the hidden states at those layer boundaries (as `base.decoder_forward`)."""
+    per layer), and with `aux_layers` the hidden states at those layer boundaries, with `expert_load` the MoE layers'
+    expert counts last (as `base.decoder_forward`)."""
     if any(not 0 <= i <= cfg.num_layers for i in aux_layers):
         raise ValueError(f"aux_layers={aux_layers} must be layer boundaries in [0, {cfg.num_layers}]")
     x = ops.embed(weights.embed, batch.input_ids, cfg.vocab_size)  # [T, hidden]
     cos, sin = rope_cos_sin(batch.positions, cfg, jnp.float32)  # [T, rope]
     factor = yarn_attention_factor(cfg.rope_scaling)
     cos, sin = (cos * factor).astype(x.dtype), (sin * factor).astype(x.dtype)
-    new_cache, captured = [], {}
+    new_cache, captured, loads = [], {}, []
+    record = {"num_real": real_tokens(batch)} if expert_load else {}
     for i, (layer, (latent,)) in enumerate(zip(weights.layers, kv_cache, strict=True)):
         captured[i] = x
         x, latent = mla_attention(layer, x, cos, sin, latent, batch, cfg, ops)
-        x = mlp(layer, i, x, cfg, ops)
+        x, *load = mlp(layer, i, x, cfg, ops, **record)
+        loads += load
         new_cache.append((latent,))
     logits = lm_head_logits(weights, x, batch, cfg, ops)
-    if not aux_layers:
-        return logits, tuple(new_cache)
     captured[cfg.num_layers] = x
-    return logits, tuple(new_cache), jnp.concatenate([captured[i] for i in aux_layers], axis=-1)
+    aux = (jnp.concatenate([captured[i] for i in aux_layers], axis=-1),) if aux_layers else ()
+    return logits, tuple(new_cache), *aux, *expert_load_output(loads, cfg, expert_load)

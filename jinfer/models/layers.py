@@ -50,14 +50,15 @@ def swiglu_mlp(x: jax.Array, w_gate: jax.Array, w_up: jax.Array, w_down: jax.Arr
 
 def moe_mlp(x: jax.Array, logits: jax.Array, w_gate: jax.Array, w_up: jax.Array, w_down: jax.Array, top_k: int,
             renormalize: bool, first: jax.Array | None = None,
-            routed: tuple[jax.Array, jax.Array] | None = None) -> jax.Array:
+            routed: tuple[jax.Array, jax.Array] | None = None, return_ids: bool = False):
     """Mixture of SwiGLU experts in plain jnp (XLA): HF's routing, the (token, slot) pairs sorted by
     expert, two `lax.ragged_dot`s, then each token's k outputs weighted and summed.
 
     x: [T, hidden]; logits: [T, E] router logits; w_gate/w_up: [E', hidden, I]; w_down: [E', I, hidden].
     `first` (expert parallelism): the weights are experts [first, first + E') of the E; only the pairs
     routed to them are computed (the others sort last, outside every group) and summed. `routed`: (weights, ids)
-    [T, k] each, already routed (`grouped_topk_routing`); `logits` is then unused.
+    [T, k] each, already routed (`grouped_topk_routing`); `logits` is then unused. `return_ids`: return (out, the
+    routed expert ids [T, k]) (the expert-load recorder's).
     """
     tokens, hidden = x.shape
     count = w_gate.shape[0]
@@ -82,7 +83,8 @@ def moe_mlp(x: jax.Array, logits: jax.Array, w_gate: jax.Array, w_up: jax.Array,
     if first is not None:  # rows past the groups are not defined by ragged_dot
         y = jnp.where(mine[order][:, None], y, 0.0)
     out = jnp.zeros((tokens * top_k, hidden), jnp.float32).at[order].set(y, unique_indices=True)  # a permutation
-    return out.reshape(tokens, top_k, hidden).sum(axis=1).astype(x.dtype)
+    out = out.reshape(tokens, top_k, hidden).sum(axis=1).astype(x.dtype)
+    return (out, ids) if return_ids else out
 
 
 def grouped_topk_routing(logits: jax.Array, bias: jax.Array | None, *, top_k: int, n_group: int, topk_group: int,

@@ -243,15 +243,17 @@ def _gated_delta_net(layer: HybridLayer, x, state, batch: Batch, info, cfg: Mode
     return ops.out_proj(o.reshape(T, Hv * Dv), layer.lin_out, x), (conv_state, rec_state)
 
 
-def mlp(layer: HybridLayer, i: int, x: jax.Array, cfg: ModelConfig, ops: ModelOps, counters: jax.Array | None
-        ) -> tuple[jax.Array, jax.Array | None]:
+def mlp(layer: HybridLayer, i: int, x: jax.Array, cfg: ModelConfig, ops: ModelOps, counters: jax.Array | None,
+        num_real: jax.Array | None = None) -> tuple:
     """x + the layer's MLP of rms_norm(x): dense SwiGLU, or (qwen3_5_moe) routed experts plus the gated shared one
-    (the step's counters passed on: with them a small step's norm, router and routing are one kernel)."""
+    (the step's counters passed on: with them a small step's norm, router and routing are one kernel); a MoE layer
+    given `num_real` adds its expert counts (`ModelOps.moe_block`)."""
     if not cfg.is_moe_layer(i):
         return ops.mlp_block(x, layer.mlp_norm, layer.w_gate, layer.w_up, layer.w_down, cfg.rms_norm_eps), counters
     return ops.moe_block(x, layer.mlp_norm, layer.router, layer.w_gate, layer.w_up, layer.w_down,
                          top_k=cfg.num_experts_per_tok, renormalize=cfg.norm_topk_prob, eps=cfg.rms_norm_eps,
-                         counters=counters, shared=(layer.ws_gate, layer.ws_up, layer.ws_down, layer.shared_gate))
+                         counters=counters, shared=(layer.ws_gate, layer.ws_up, layer.ws_down, layer.shared_gate),
+                         num_real=num_real)
 
 
 def forward(
@@ -261,18 +263,21 @@ def forward(
     cfg: ModelConfig,
     ops: ModelOps = REFERENCE_OPS,
     aux_layers: tuple[int, ...] = (),
+    expert_load: bool = False,
 ):
     """One step over a flattened ragged batch. `kv_cache[i]` is layer i's (k, v) pages or, for a linear
     layer, its (conv, recurrent) state pools. Returns (logits [N, vocab] float32, the updated cache), and with
     `aux_layers` (static layer boundaries, as `base.decoder_forward`'s; an MTP head's is `num_layers`, the last
-    layer's output before the final norm) the residual stream there [T, len(aux_layers) * hidden] too."""
+    layer's output before the final norm) the residual stream there [T, len(aux_layers) * hidden] too, with
+    `expert_load` the MoE layers' expert counts last (as `base.decoder_forward`'s)."""
     x = ops.embed(weights.embed, batch.input_ids, cfg.vocab_size)  # [T, hidden]
     cos, sin = rope_cos_sin(batch.positions, cfg, x.dtype)
     qs = batch.query_start
     fresh = batch.seq_lens - (qs[1:] - qs[:-1]) == 0  # [B] first new token at position 0 (or padding)
     info = (ops.token_sequences(qs, x.shape[0]), fresh)
-    new_cache, captured = [], {}
+    new_cache, captured, loads = [], {}, []
     counters = ops.step_counters(x.shape[0]) if cfg.num_experts else None  # (only the MoE front end takes them)
+    record = {"num_real": base.real_tokens(batch)} if expert_load else {}
     for i, (layer, cache) in enumerate(zip(weights.layers, kv_cache, strict=True)):
         if i in aux_layers:
             captured[i] = x
@@ -280,11 +285,11 @@ def forward(
             x, cache = _gated_delta_net(layer, x, cache, batch, info, cfg, ops)
         else:
             x, cache = gated_attention(layer, x, cos, sin, cache, batch, cfg, ops)
-        x, counters = mlp(layer, i, x, cfg, ops, counters)
+        x, counters, *load = mlp(layer, i, x, cfg, ops, counters, **record)
+        loads += load
         new_cache.append(cache)
     captured[cfg.num_layers] = x
     logits = lm_head_logits(weights, x, batch, cfg, ops)
-    if not aux_layers:
-        return logits, tuple(new_cache)
-    return logits, tuple(new_cache), jnp.concatenate([captured[i] for i in aux_layers], axis=-1)
+    aux = (jnp.concatenate([captured[i] for i in aux_layers], axis=-1),) if aux_layers else ()
+    return logits, tuple(new_cache), *aux, *base.expert_load_output(loads, cfg, expert_load)
 

@@ -59,12 +59,13 @@ def weight_specs(cfg: ModelConfig) -> dict[str, ArrayInfo]:
 
 
 def moe_or_dense_mlp(layer: LayerWeights, i: int, x: jax.Array, cfg: ModelConfig, ops: ModelOps,
-                     counters: jax.Array | None = None) -> tuple[jax.Array, jax.Array | None]:
+                     counters: jax.Array | None = None, num_real: jax.Array | None = None) -> tuple:
+    """(x + the layer's MLP, counters); a MoE layer given `num_real` adds its expert counts (`ModelOps.moe_block`)."""
     if not cfg.is_moe_layer(i):
         return dense_mlp(layer, i, x, cfg, ops, counters)
     return ops.moe_block(x, layer.mlp_norm, layer.router, layer.w_gate, layer.w_up, layer.w_down,
                          top_k=cfg.num_experts_per_tok, renormalize=cfg.norm_topk_prob, eps=cfg.rms_norm_eps,
-                         counters=counters)
+                         counters=counters, num_real=num_real)
 
 
 def forward(
@@ -74,7 +75,9 @@ def forward(
     cfg: ModelConfig,
     ops: ModelOps = REFERENCE_OPS,
     aux_layers: tuple[int, ...] = (),
+    expert_load: bool = False,
 ):
     """One step over a flattened ragged batch. Returns (logits [N, vocab] float32, updated kv_cache), and with
-    `aux_layers` the hidden states at those layer boundaries too (`base.decoder_forward`)."""
-    return decoder_forward(weights, batch, kv_cache, cfg, ops, moe_or_dense_mlp, aux_layers)
+    `aux_layers` the hidden states at those layer boundaries too, with `expert_load` the MoE layers' expert counts
+    last (`base.decoder_forward`)."""
+    return decoder_forward(weights, batch, kv_cache, cfg, ops, moe_or_dense_mlp, aux_layers, expert_load)

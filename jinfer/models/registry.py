@@ -66,12 +66,21 @@ def assemble_weights(cfg: ModelConfig, arrays):
 
 
 def forward(weights, batch, kv_cache, cfg: ModelConfig, ops: ModelOps = REFERENCE_OPS,
-            aux_layers: tuple[int, ...] = ()):
+            aux_layers: tuple[int, ...] = (), expert_load: bool = False):
     """(logits, cache); with `aux_layers` (llama, qwen3_moe and deepseek: not qwen3_5) also the hidden
-    states at those layer boundaries, an EAGLE-3 head's inputs."""
-    if aux_layers:
-        return family(cfg).forward(weights, batch, kv_cache, cfg, ops, aux_layers=aux_layers)
-    return family(cfg).forward(weights, batch, kv_cache, cfg, ops)
+    states at those layer boundaries, an EAGLE-3 head's inputs; with `expert_load` (the MoE families) the MoE
+    layers' expert counts i32[MoE layers, E] last (`base.decoder_forward`)."""
+    extra = {"aux_layers": aux_layers} if aux_layers else {}
+    if expert_load:
+        if not cfg.num_experts:
+            raise ValueError(f"expert_load_stats: {cfg.architecture!r} is not a mixture-of-experts model")
+        extra["expert_load"] = True
+    return family(cfg).forward(weights, batch, kv_cache, cfg, ops, **extra)
+
+
+def moe_layers(cfg: ModelConfig) -> tuple[int, ...]:
+    """The MoE layers' indices: the rows of the forward's expert counts (`expert_load`)."""
+    return tuple(i for i in range(cfg.num_layers) if cfg.is_moe_layer(i))
 
 
 def fuse_qkv(cfg: ModelConfig, weights):

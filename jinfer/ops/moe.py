@@ -44,11 +44,12 @@ class MoeOps:
 
     def moe_block(self, x: jax.Array, norm: jax.Array, router: jax.Array, w_gate: jax.Array, w_up: jax.Array,
                   w_down: jax.Array, *, top_k: int, renormalize: bool, eps: float, counters: jax.Array | None = None,
-                  shared: tuple[jax.Array, ...] | None = None) -> tuple[jax.Array, jax.Array | None]:
+                  shared: tuple[jax.Array, ...] | None = None, num_real: jax.Array | None = None) -> tuple:
         """(x + moe(rms_norm(x)), counters); x: [T, hidden]; router: [hidden, E]; experts stacked [E, ...].
         counters: the step's (`step_counters`), passed on; with them a small step's norm, router and routing are
         one kernel (`moe_norm_route`). `shared` (Qwen3.5-MoE): a shared expert's (gate, up, down, sigmoid gate
-        [hidden, 1]) added to the routed experts' output (`shared_expert`).
+        [hidden, 1]) added to the routed experts' output (`shared_expert`). `num_real` (the expert-load recorder:
+        the step's real tokens, its first rows): also return the layer's `expert_counts` [E], a third output.
 
         Sharded (`axis`), the experts here are this device's: their intermediate columns (tensor
         parallel) or, when there are fewer of them than the router's E, experts [e0, e0 + E_local)
@@ -75,26 +76,33 @@ class MoeOps:
             logits = self.project(h, router, preferred_element_type=jnp.float32).astype(h.dtype)  # [T, E]
         extra = 0 if shared is None else self.shared_expert(h, *shared)
         if not kernels:
-            out = moe_mlp(h, logits, w_gate, w_up, w_down, top_k, renormalize, first)
-            return x + self.reduce(out + extra), counters
-        from pallas_kernels.moe.moe_routing import moe_route
+            out = moe_mlp(h, logits, w_gate, w_up, w_down, top_k, renormalize, first, return_ids=num_real is not None)
+            out, ids = out if num_real is not None else (out, None)
+        else:
+            from pallas_kernels.moe.moe_routing import moe_route
 
-        def route(block_m):
-            return moe_route(logits, top_k=top_k, renormalize=renormalize, block_m=block_m, interpret=self.interpret,
-                             **policy.launch_args("moe_route"))
+            def route(block_m):
+                return moe_route(logits, top_k=top_k, renormalize=renormalize, block_m=block_m,
+                                 interpret=self.interpret, **policy.launch_args("moe_route"))
 
-        out = self._routed_experts(h, route, kernels, first, top_k, router.shape[1], routing)
-        return x + self.reduce(out + extra), counters
+            out, routing = self._routed_experts(h, route, kernels, first, top_k, router.shape[1], routing)
+            ids = routing.topk_ids
+        x = x + self.reduce(out + extra)
+        if num_real is None:
+            return x, counters
+        return x, counters, expert_counts(ids, num_real, router.shape[1])
 
     def grouped_moe_block(self, x: jax.Array, norm: jax.Array, router: jax.Array, bias: jax.Array | None,
                           w_gate: jax.Array, w_up: jax.Array, w_down: jax.Array, shared: tuple[jax.Array, ...] | None,
                           *, top_k: int, n_group: int, topk_group: int, sigmoid: bool, renormalize: bool,
-                          scaling: float, eps: float) -> jax.Array:
+                          scaling: float, eps: float, num_real: jax.Array | None = None
+                          ) -> jax.Array | tuple[jax.Array, jax.Array]:
         """DeepSeekMoE: x + routed experts + shared experts (`shared`: their (gate, up, down), or None) of
         rms_norm(x), routed by `layers.grouped_topk_routing` on float32 router logits, as HF computes them (in XLA);
         its weights carry the routed scaling factor, as HF's router applies it. The routed experts run as
         `moe_block`'s do (`moe_routing.moe_route_chosen` lays the chosen pairs out for the grouped GEMMs), the shared
-        ones in XLA. Sharded as `moe_block` (tensor or expert parallel, one psum)."""
+        ones in XLA. Sharded as `moe_block` (tensor or expert parallel, one psum). `num_real`: as `moe_block`'s
+        (then returns (x, the layer's `expert_counts`))."""
         num_experts, hidden, inter = w_gate.shape
         h = rms_norm(x, norm, eps)
         logits = self.project(h, router, preferred_element_type=jnp.float32)  # [T, E]
@@ -110,12 +118,13 @@ class MoeOps:
                 return moe_route_chosen(ids, weights, num_experts=router.shape[1], block_m=block_m,
                                         interpret=self.interpret)
 
-            y = self._routed_experts(h, route, kernels, first, top_k, router.shape[1])
+            y, _ = self._routed_experts(h, route, kernels, first, top_k, router.shape[1])
         else:
             y = moe_mlp(h, logits, w_gate, w_up, w_down, top_k, renormalize, first, routed=(weights, ids))
         if shared is not None:
             y = y + self.shared_expert(h, *shared)
-        return x + self.reduce(y)
+        x = x + self.reduce(y)
+        return x if num_real is None else (x, expert_counts(ids, num_real, router.shape[1]))
 
     def _moe_kernels(self, hidden, inter, *weights) -> tuple | None:
         """The routed experts' operands for the grouped-GEMM kernels, as `dense.fp8_operands` gives them ((w_gate,
@@ -126,9 +135,10 @@ class MoeOps:
         return fp8_operands("moe grouped GEMM", *weights)
 
     def _routed_experts(self, h, route, operands, first, top_k, router_experts, routing=None):
-        """The routed experts' weighted sum [T, hidden] of the normed rows h (this device's share when sharded) on
-        the kernels. route(block_m): the step's `MoeRouting` in blocks of block_m rows; `routing`: one made already
-        (the fused front end's, decode-sized), which the Triton GEMMs take. Steps routing at least
+        """(The routed experts' weighted sum [T, hidden] of the normed rows h (this device's share when sharded) on
+        the kernels, the step's whole `MoeRouting`, every device's experts). route(block_m): the step's `MoeRouting`
+        in blocks of block_m rows; `routing`: one made already (the fused front end's, decode-sized), which the
+        Triton GEMMs take. Steps routing at least
         `mosaic_moe_min_rows_per_expert` rows per expert run the Mosaic GPU grouped GEMM where it takes the shapes
         (bf16 weights: block-FP8 experts take the Triton GEMMs at every size). `operands`: `_moe_kernels`'.
         `first`: the id of this device's first expert (expert parallel), or None."""
@@ -143,14 +153,14 @@ class MoeOps:
                 and _mgpu_supported(h, w_gate, w_up, w_down):
             from pallas_kernels.moe.moe_gemm_mgpu import moe_experts_mgpu
 
-            routing = route(MOSAIC_MOE_BLOCK_M)
+            whole = routing = route(MOSAIC_MOE_BLOCK_M)
             mine = None
             if first is not None:
                 routing, mine = local_experts(routing, first, num_experts)
-            return moe_experts_mgpu(h, routing, w_gate, w_up, w_down, mine=mine, interpret=self.interpret)
+            return moe_experts_mgpu(h, routing, w_gate, w_up, w_down, mine=mine, interpret=self.interpret), whole
         if routing is None:
             routing = route(moe_block_m(pairs, router_experts))
-        mine = None
+        whole, mine = routing, None
         if first is not None:
             routing, mine = local_experts(routing, first, num_experts)
         if scales is None:
@@ -160,7 +170,7 @@ class MoeOps:
             fp8 = {"scale_block": block, "interpret": self.interpret}
             act = moe_gate_up(h, routing, w_gate, w_up, scales[:2], **fp8)
             y = moe_down(act, routing, w_down, scales[2], **fp8)
-        return moe_combine(y, top_k, h.dtype, mine)
+        return moe_combine(y, top_k, h.dtype, mine), whole
 
     def shared_expert(self, h: jax.Array, w_gate: jax.Array, w_up: jax.Array, w_down: jax.Array,
                       gate: jax.Array | None = None) -> jax.Array:
@@ -170,6 +180,15 @@ class MoeOps:
         (the gate is replicated, so scaling before the block's psum is the same)."""
         y = self.swiglu(h, w_gate, w_up, w_down)
         return y if gate is None else jax.nn.sigmoid(h @ dense(gate, h.dtype)) * y
+
+
+def expert_counts(ids: jax.Array, num_real: jax.Array, num_experts: int) -> jax.Array:
+    """i32[num_experts]: the (token, top-k slot) pairs each expert got among the first `num_real` rows of the routed
+    ids [T, k] (the step's real tokens; the padding rows after them are routed too, and not counted). A one-hot sum
+    that XLA fuses into one reduction: no [T, k, E] array is written."""
+    real = jnp.arange(ids.shape[0], dtype=jnp.int32) < num_real  # [T]
+    hit = (ids[:, :, None] == jnp.arange(num_experts, dtype=ids.dtype)) & real[:, None, None]  # [T, k, E]
+    return jnp.sum(hit, axis=(0, 1), dtype=jnp.int32)
 
 
 def _front_supported(tokens: int, hidden: int, experts: int) -> bool:

@@ -235,7 +235,7 @@ def all_reduce_table(mesh: Mesh, ops) -> tuple:
 
 
 def mesh_forward(forward, cfg, ops, mesh: Mesh, weight_specs, kv_specs, aux_layers: tuple[int, ...] = (),
-                 all_reduce_table: bool = False):
+                 all_reduce_table: bool = False, expert_load: bool = False):
     """`forward(weights, batch, kv_cache, cfg, ops)` (a family's, or the registry's) as a function of
     (weights, batch, kv_cache) for the mesh: itself on one device; on several, each device runs it on its
     shards under `jax.shard_map` with its `local_config` and the collectives on (`ModelOps.axis`). The
@@ -243,13 +243,16 @@ def mesh_forward(forward, cfg, ops, mesh: Mesh, weight_specs, kv_specs, aux_laye
     stays in its shards (`weight_specs`, `kv_specs`: `array_specs` of the placed arrays). `aux_layers`: the forward
     also returns the hidden states at those layer boundaries, whole (replicated after the layers' psums).
     `all_reduce_table`: the function takes a fourth argument, the table of a `pallas_kernels.all_reduce.Workspace`
-    for the mesh, and the collectives the policy sends there (`one_shot_all_*_bytes`) run on its kernels."""
-    extra = {"aux_layers": aux_layers} if aux_layers else {}
+    for the mesh, and the collectives the policy sends there (`one_shot_all_*_bytes`) run on its kernels.
+    `expert_load`: the forward also returns the MoE layers' expert counts, last, whole (every device routes every
+    token, so each holds the same counts)."""
+    extra = ({"aux_layers": aux_layers} if aux_layers else {}) | ({"expert_load": True} if expert_load else {})
     if mesh.size == 1:
         return functools.partial(forward, cfg=cfg, ops=ops, **extra)
     body = functools.partial(forward, cfg=local_config(cfg, mesh.size), ops=dataclasses.replace(ops, axis=TP_AXIS),
                              **extra)
-    out_specs = (PartitionSpec(), kv_specs) + ((PartitionSpec(),) if aux_layers else ())
+    out_specs = (PartitionSpec(), kv_specs) + ((PartitionSpec(),) if aux_layers else ()) \
+        + ((PartitionSpec(),) if expert_load else ())
     in_specs = (weight_specs, PartitionSpec(), kv_specs)
     if all_reduce_table:
         from pallas_kernels import all_reduce

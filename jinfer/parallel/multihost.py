@@ -59,6 +59,7 @@ EXIT_PEER_LOST = 3
 STOP = b"stop"
 PING, PONG, UP = b"ping", b"pong", b"up"  # UP: process 0's beat once the group is up
 _STEPS_KEY, _HEARTBEAT_KEY = "jinfer/steps", "jinfer/heartbeat"
+_COMPILED_KEY = "jinfer/warmup_compiled"  # process 0's warm-up compiles are done
 
 
 def check_group(nnodes: int, node_rank: int, master_port: int) -> None:
@@ -241,6 +242,16 @@ class _Member:
 
     def lost(self, reason: str) -> None:
         _lost(reason)
+
+    def __enter__(self):
+        """The compiles ahead of a warm-up (`ModelRunner.warmup`'s compile_turn): the others wait for process 0's."""
+        if self.rank:
+            self.kv.blocking_key_value_get(_COMPILED_KEY, int(WORKER_WAIT_S * 1000))
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if not self.rank and exc[0] is None:
+            self.kv.key_value_set(_COMPILED_KEY, "1")
 
     def agree_min(self, name: str, value: int) -> int:
         """The least of every process's `value` (e.g. KV pages: each process sizes its pool by its own

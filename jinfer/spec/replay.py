@@ -34,18 +34,19 @@ class ReplayProposer:
         self._recorded[tuple(prompt_token_ids)] = list(output_token_ids)
 
     def propose(self, requests: Sequence) -> list[list[int]]:
-        trials = self._rng.random((len(requests), self.k)) < self.acceptance
+        # (lists, not numpy per request: this runs in series with the device, before every verify step)
+        trials = (self._rng.random((len(requests), self.k)) < self.acceptance).tolist()
         drafts = []
         for r, right in zip(requests, trials):
             rec = self._of.get(r.request_id, 0)
             if rec == 0:
                 rec = self._of[r.request_id] = self._recorded.get(tuple(r.prompt_token_ids))
             n = r.num_output_tokens
-            draft = rec[n:n + self.k] if rec is not None else list(r.all_token_ids[-self.k:])
+            draft = rec[n:n + self.k] if rec is not None else r.all_token_ids[-self.k:]
             if self.forced:  # leading successes
-                self._planned[r.request_id] = self.k if right.all() else int(np.argmin(right))
+                self._planned[r.request_id] = right.index(False) if False in right else self.k
             elif rec is not None:
-                draft = [t if ok else (t - 1 if t else 1) for t, ok in zip(draft, right.tolist())]
+                draft = [t if ok else (t - 1 if t else 1) for t, ok in zip(draft, right)]
             else:
                 draft = []
             drafts.append(draft)

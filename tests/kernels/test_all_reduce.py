@@ -34,6 +34,29 @@ def test_reduce_without_workspace_is_psum():
     assert "psum" in jaxpr and "one_shot_collective" not in jaxpr
 
 
+def test_workspace_is_per_thread():
+    """Warm-up traces several forwards at once: each thread's trace sees only the table it set (`use`)."""
+    import threading
+
+    inside, leave, seen = threading.Barrier(2), threading.Event(), {}
+
+    def trace(name):
+        with all_reduce.use(name):
+            inside.wait(5)  # both threads inside `use` at once
+            seen[name] = all_reduce._active()[-1]
+            leave.wait(5)
+        seen[name + " after"] = all_reduce.active()
+
+    threads = [threading.Thread(target=trace, args=(n,)) for n in ("a", "b")]
+    for t in threads:
+        t.start()
+    leave.set()
+    for t in threads:
+        t.join(5)
+    assert seen == {"a": "a", "b": "b", "a after": False, "b after": False}
+    assert not all_reduce.active()
+
+
 def test_kernel_is_xla_triton_custom_call():
     """The kernel reaches XLA as the Triton custom call XLA compiles itself (a kernel its command buffers hold),
     not jax-triton's legacy call, which cut a sharded step into a command buffer per reduction."""

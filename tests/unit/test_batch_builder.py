@@ -1,4 +1,5 @@
-"""batch_builder.build_batch: its per-token path for small steps builds the same padded batch as its numpy path."""
+"""batch_builder.build_batch: its per-token path for small steps builds the same padded batch as its numpy path, and
+packs it as `step_inputs.pack_batch` does."""
 
 from dataclasses import asdict
 from types import SimpleNamespace
@@ -8,6 +9,7 @@ import pytest
 
 from jinfer.engine import batch_builder
 from jinfer.engine.batch_builder import build_batch
+from jinfer.engine.step_inputs import pack_batch
 
 
 def schedule(rng, n: int, page_size: int):
@@ -44,3 +46,6 @@ def test_small_steps_match_the_numpy_path(seed, monkeypatch):
                  (small.counts, big.counts)]:
         assert a.dtype == b.dtype == np.int32
         np.testing.assert_array_equal(a, b)
+    assert big.packed is None
+    np.testing.assert_array_equal(small.packed, pack_batch(big.batch, big.prev_index))
+    assert small.packed.dtype == np.int32

@@ -1,6 +1,7 @@
 """The one-shot all-reduce's workspace across processes (jinfer/parallel/peer_memory.py): the exchange of CUDA IPC
 handles through a key-value store and the table rows it builds, with two simulated processes (threads), a fake
-store and a fake driver. The driver calls and the kernel itself need GPUs (tests/kernels/test_all_reduce.py)."""
+store and a fake driver. The driver calls and the kernel itself need GPUs (tests/kernels/test_all_reduce.py). Also the
+group's other use of the store at start-up: the order of the warm-up compiles."""
 
 from __future__ import annotations
 
@@ -85,3 +86,33 @@ def test_all_or_none():
     assert run(2, [fake_driver(0, fail_open=True), fake_driver(1)]) == [None, None]
     assert run(2, [fake_driver(0), fake_driver(1)], device_procs=[0, 1, 1]) == [None, None]
 
+
+
+def test_group_compile_turn():
+    """A group's warm-up compiles (ModelRunner.warmup's compile_turn): the others start once process 0's are done,
+    and not when process 0's failed (they then wait until the group is lost)."""
+    from jinfer.parallel.multihost import _COMPILED_KEY, _Member
+
+    store, order = Store(), []
+    leader, follower = _Member(2, 0, store), _Member(2, 1, store)
+
+    def follow():
+        with follower:
+            order.append("follower")
+
+    t = threading.Thread(target=follow)
+    t.start()
+    t.join(0.2)
+    assert t.is_alive() and order == []  # waiting for process 0
+    try:
+        with leader:
+            raise RuntimeError("compile failed")
+    except RuntimeError:
+        pass
+    assert _COMPILED_KEY not in store.values
+    with leader:
+        order.append("leader")
+    t.join(5)
+    assert order == ["leader", "follower"]
+    for m in (leader, follower):
+        m.ctx.term()

@@ -226,6 +226,12 @@ def test_replay_drafter_exact_and_forced():
         draft = p.propose([ns(request_id=str(i), prompt_token_ids=[1], num_output_tokens=0, all_token_ids=[5] * 3)])[0]
         kept.append(len(p.forced_accept(str(i), draft, [9] * (len(draft) + 1))))
     assert abs(np.mean(kept) - (1 + 0.6 + 0.36 + 0.216)) < 0.06
+    # each plan: the leading successes of one row of a [requests, k] draw per call
+    p = ReplayProposer(4, acceptance=0.5, seed=1, forced=True)
+    reqs = [ns(request_id=str(i), prompt_token_ids=[1], num_output_tokens=0, all_token_ids=[5] * 4) for i in range(64)]
+    p.propose(reqs)
+    right = np.random.default_rng(1).random((64, 4)) < 0.5
+    assert [p._planned[str(i)] for i in range(64)] == [4 if row.all() else int(np.argmin(row)) for row in right]
 
 
 def test_stats_line_reports_acceptance_per_interval():
