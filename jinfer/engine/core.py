@@ -11,12 +11,10 @@ from __future__ import annotations
 
 import time
 
-import numpy as np
-
 from jinfer.cache.kv_events import make_publisher
 from jinfer.config.engine import EngineConfig
 from jinfer.engine.builder import build_engine, release_at_exit
-from jinfer.engine.expert_load import ExpertLoadRecorder
+from jinfer.engine.expert_load import expert_load_recorder
 from jinfer.engine.grammar import GrammarEngine
 from jinfer.engine.input_processor import InputProcessor, SequenceState, prompt_logprobs_wanted, step_rows
 from jinfer.engine.output_processor import emit, record_prompt_logprobs, token_logprobs
@@ -25,7 +23,6 @@ from jinfer.engine.request import FinishReason
 from jinfer.engine.runner import Launched
 from jinfer.engine.sampling_tensors import num_logprobs_for
 from jinfer.errors import InvalidParam
-from jinfer.models.registry import moe_layers
 from jinfer.outputs import EngineOutput
 from jinfer.pooling_params import PoolingParams
 from jinfer.sampling_params import SamplingParams
@@ -72,11 +69,7 @@ class EngineCore:
         # next forward's dispatch: the host's time in series with it (accept, update, drafts, schedule, batch inputs)
         self.serial_host_seconds_total, self._read_at = 0.0, None
         self._inflight: Launched | None = None  # the launched step whose tokens are not read yet
-        # --expert-load-stats: each step's expert counts, read back with its tokens (jinfer/engine/expert_load.py)
-        cfg = self.model_config
-        self.expert_load = ExpertLoadRecorder(
-            moe_layers(cfg), cfg.num_experts, cfg.num_experts_per_tok,
-            config.tensor_parallel_size if config.enable_expert_parallel else 1) if config.expert_load_stats else None
+        self.expert_load = expert_load_recorder(config, self.model_config)  # --expert-load-stats (or None)
         # KV-cache events (--kv-events-config): the cache manager records them, each step publishes its own
         self.kv_events = make_publisher(config.kv_events_config, config.data_parallel_rank)
         if self.kv_events is not None:
@@ -256,7 +249,7 @@ class EngineCore:
         self.num_steps_total += 1
         self.runner.host_tier_read_back()  # host-tier copies may go out until the next read-back is due
         if launched.expert_load is not None and self.expert_load is not None:  # (its copy came with the tokens')
-            self.expert_load.record(np.asarray(launched.expert_load))
+            self.expert_load.record(launched.expert_load)
         record_prompt_logprobs(self.runner.fetch_prompt_logprobs(launched), launched.prompt_rows, self._seqs)
         live = [s for s in out.scheduled if s.needs_sample and not s.request.is_finished]
         rows = result.rows

@@ -120,3 +120,15 @@ def summarize(steps: list[StepLoad]) -> dict[str, float]:
     for name, values in series.items():
         out |= {f"{name}_mean": float(np.mean(values)), f"{name}_max": float(np.max(values))}
     return out
+
+
+def expert_load_recorder(config, model_config) -> ExpertLoadRecorder | None:
+    """An engine's recorder (`EngineConfig.expert_load_stats`; None when off): its MoE layers over its expert-parallel
+    ranks (1 without expert parallel)."""
+    if not config.expert_load_stats:
+        return None
+    from jinfer.models.registry import moe_layers
+
+    ranks = config.tensor_parallel_size if config.enable_expert_parallel else 1
+    return ExpertLoadRecorder(moe_layers(model_config), model_config.num_experts, model_config.num_experts_per_tok,
+                              ranks)

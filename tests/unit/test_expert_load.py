@@ -1,7 +1,7 @@
 """The expert-load recorder (--expert-load-stats): the device's counts against routers computed independently in
 numpy (each MoE block path: XLA reference, routing kernel, fused front end, DeepSeek's grouped top-k), padding rows
 excluded; the forward with the flag off is the plain program (the flag on adds only the counting); the host side's
-imbalance, stats, stats line and /metrics. The whole engine (one device and ep = 2 on fake devices):
+imbalance, stats, stats line and /metrics. The whole engine (ep = 2 on fake devices):
 tests/models/test_expert_load_engine.py."""
 
 import argparse
