@@ -54,12 +54,13 @@ COMMAND_BUFFER_MAX_TOKENS = 32
 # 60 us a layer on an H100, more than the merged dot saved (`benchmarks/hlo_ops.py` names such kernels).
 # That choice is the KernelPolicy's (`large_step_xla_options`; xla_dot_merger=True keeps XLA's default, for A/B runs).
 NO_COMMAND_BUFFER = {"xla_gpu_enable_command_buffer": ""}
-# Every executable of a multi-process group: each process autotunes XLA's GEMM fusions itself. By default XLA splits
-# a module's autotuning among the processes compiling it and waits for the others' parts, keyed by the set of
-# fusions not yet tuned in that process; with compiles in parallel threads, that set differed between processes and
-# a two-process `jinfer serve -tp 2` hung in its warm-up (two H200s). The processes tune the same choices anyway:
-# process 0 compiles first and the others then read its autotuning results (`warmup`'s `compile_turn`; JAX's
-# persistent cache keeps them, process 0 writing, the others reading).
+# The executables of a multi-process group's warm-up (`_precompile_all`): each process autotunes XLA's GEMM fusions
+# itself. By default XLA splits a module's autotuning among the processes compiling it and waits for the others'
+# parts, keyed by the set of fusions not yet tuned in that process; with compiles in parallel threads, that set
+# differed between processes and a two-process `jinfer serve -tp 2` hung in its warm-up (two H200s). The processes
+# still tune the same choices: process 0 compiles first and the others then read its results (`warmup`'s
+# `compile_turn`; JAX's persistent cache keeps them, process 0 writing, the others reading). A group without a warm-up
+# compiles each shape at its first call, every process at once, and keeps XLA's split autotuning.
 GROUP_XLA_OPTIONS = {"xla_gpu_shard_autotuning": False}
 
 
@@ -161,13 +162,13 @@ class StepExecutables(IdleUnloading):
 
     # ---- the jitted functions and their executables -------------------------------------------------------------
 
-    def _make_jits(self) -> None:
+    def _make_jits(self, own_autotuning: bool = False) -> None:
         """The jitted step functions that executables are lowered from. Made anew (`_drop_traces`) once a cold
         start's compiles are done: JAX caches each jit's traces and lowerings for as long as its function lives
         (a cold-started Qwen3-4B server idled at 1.83 GB, against 854 MB after a warm start)."""
         kv_shardings = jax.tree.map(lambda a: a.sharding, self.kv_cache)
         specs = (array_specs(self.weights), array_specs(self.kv_cache))
-        group = GROUP_XLA_OPTIONS if jax.process_count() > 1 else {}
+        group = GROUP_XLA_OPTIONS if own_autotuning else {}  # (`_precompile_all`)
         load = {"expert_load": True} if self.expert_load else {}  # (off: the step's program and key are unchanged)
         extra_outputs = (self._replicated,) * (bool(self.aux_layers) + self.expert_load)
         forward_jit = lambda ops, small, compiler_options={}, **kw: jax.jit(  # noqa: E731
@@ -285,6 +286,7 @@ class StepExecutables(IdleUnloading):
         """A multi-process group's warm-up: `_load_all`'s compiles, into JAX's caches (the plain jits' first calls
         then find them). One by one at their first calls, a two-process group's 16 Qwen3-8B shapes took 158 s on two
         H200s; one process compiling them in parallel ran at full speed 57 s after its launch."""
+        self._make_jits(own_autotuning=True)
         self._precompiling = True
         try:
             self._load_all(shapes, fork_sizes)
