@@ -137,7 +137,7 @@ class StepExecutables(IdleUnloading):
 
     def _warm_sampler_keys(self, B: int) -> set[tuple]:
         """The keys of the warm sampler variants of sequence bucket B (unloaded with the last bucket of B sequences)."""
-        return {sampler_key(B, 0, 0, 0, -1, flags) for flags in SamplerFlags.warm()}
+        return {sampler_key(B, 0, 0, 0, -1, flags) for flags in self.warm_sampler_flags}
 
     def seqs_bucket(self, num_tokens_bucket: int) -> int:
         return min(num_tokens_bucket, self.max_seqs_bucket)

@@ -18,7 +18,7 @@ from typing import NamedTuple
 import numpy as np
 
 from jinfer.engine.batch_builder import StepRow, logits_rows, sampling_tensors, with_pending_output
-from jinfer.engine.sampling_tensors import GREEDY_EPS, NUM_GROUPS, SamplerFlags, _row_params
+from jinfer.engine.sampling_tensors import SamplerFlags, _row_params, sort_flags
 from jinfer.engine.step_inputs import pack_sampling
 
 MAX_KEPT = 4096  # (parameters, seed) entries kept; the table starts again past this
@@ -49,9 +49,7 @@ def _kept(row: StepRow) -> _Kept:
     floats = np.array(values, np.float32)
     seed = np.array([row.seed % 2**32], np.uint32).view(np.int32)
     words = (*floats.view(np.int32).tolist(), top_k, int(seed[0]))
-    sampled = bool(floats[0] >= GREEDY_EPS)
-    small_k = 0 < top_k <= NUM_GROUPS
-    full_sort = sampled and bool((floats[1] < 1 and not small_k) or top_k > NUM_GROUPS)
+    sampled, full_sort = (bool(f) for f in sort_flags(floats[0], top_k, floats[1]))
     return _Kept(row.params, words, not penalized and not logit_bias, sampled, full_sort, min_tokens)
 
 

@@ -156,20 +156,26 @@ class SamplerFlags:
     @classmethod
     def of(cls, t: SamplingTensors) -> SamplerFlags:
         """The flags a batch needs, from host (numpy) parameters."""
-        temp, top_k, top_p = (np.asarray(a) for a in (t.temperature, t.top_k, t.top_p))
-        sampled = temp >= GREEDY_EPS
-        small_k = (top_k > 0) & (top_k <= NUM_GROUPS)  # top-k (and top-p inside it) settled by the candidates
+        sampled, full_sort = sort_flags(t.temperature, t.top_k, t.top_p)
         rep = np.asarray(t.repetition_penalty)
         penalties = bool(np.any((np.asarray(t.presence_penalty) != 0) | (np.asarray(t.frequency_penalty) != 0)
                                 | ((rep != 1) & (rep > 0))))
-        return cls(sampling=bool(sampled.any()),
-                   full_sort=bool((sampled & (((top_p < 1) & ~small_k) | (top_k > NUM_GROUPS))).any()),
+        return cls(sampling=bool(sampled.any()), full_sort=bool(full_sort.any()),
                    penalties=penalties, grammar=t.token_mask is not None and t.token_mask.shape[1] > 0)
 
     @classmethod
     def warm(cls) -> tuple[SamplerFlags, ...]:
         """The variants compiled at start-up (penalties compile on first use)."""
         return GREEDY_FLAGS, cls(full_sort=False, penalties=False), cls(penalties=False)
+
+
+def sort_flags(temperature, top_k, top_p) -> tuple[np.ndarray, np.ndarray]:
+    """(sampled, full_sort) per row (numpy arrays or scalars; top_k 0: off): whether a row samples, and whether it
+    needs the full sort (top-p outside a small top-k; top-k past the candidates)."""
+    temp, top_k, top_p = (np.asarray(a) for a in (temperature, top_k, top_p))
+    sampled = temp >= GREEDY_EPS
+    small_k = (top_k > 0) & (top_k <= NUM_GROUPS)  # top-k (and top-p inside it) settled by the candidates
+    return sampled, sampled & (((top_p < 1) & ~small_k) | (top_k > NUM_GROUPS))
 
 
 ALL_FLAGS = SamplerFlags()
