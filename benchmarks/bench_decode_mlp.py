@@ -6,11 +6,12 @@ weight bytes; the copy rate of the same run (`roofline.measure_copy_bandwidth`) 
 without a CUDA graph, so its wall time carries launch gaps; `--profile` adds each config's GPU kernel time.
 
     python -m benchmarks.bench_decode_mlp --shapes qwen3.5-4b qwen3-4b --out benchmarks/results/decode_mlp_h100.json
-    python -m benchmarks.bench_decode_mlp --shapes qwen3-8b --fp8 --tokens 1 8 --block-i 64 128 --variants fused \
-        --profile /tmp/mlp --out benchmarks/results/decode_mlp_fp8_h200.json
+    python -m benchmarks.bench_decode_mlp --shapes qwen3-8b --fp8 --tokens 1 8 --block-i 64 128 --num-warps 4 8 \
+        --num-stages 3 4 --variants fused fused_1tile --profile /tmp/mlp --out decode_mlp_fp8_h200.json
 
-`--fp8`: block-FP8 weights (128 x 128 scales, e4m3 activations in the kernel; XLA's side dequantizes them to bf16
-first, as the jnp path does); TB/s on the FP8 bytes and their scales.
+`--fp8`: block-FP8 weights (128 x 128 scales, [out, in] in the kernel as the engine keeps them, e4m3 activations;
+XLA's side dequantizes them to bf16 first, as the jnp path does); TB/s on the FP8 bytes and their scales. The variant
+`fused_1tile` takes one K tile a loop step (`fused`: two, as the engine does at these shapes).
 
 On CPU (no GPU): tiny shapes through the Pallas interpreter, to check the script.
 """
@@ -88,7 +89,8 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--variants", nargs="+", default=["fused", "fused_loop_norm", "prenorm"],
                     help="fused: the kernel with its norm (the sum of squares unrolled); fused_loop_norm: the sum of "
-                         "squares as a loop; prenorm: XLA's norm, then the kernel without one")
+                         "squares as a loop; prenorm: XLA's norm, then the kernel without one; fused_1tile (--fp8): "
+                         "fused with one K tile a loop step")
     ap.add_argument("--fp8", action="store_true", help="block-FP8 weights (128 x 128 blocks)")
     ap.add_argument("--profile", metavar="DIR", help="also the GPU kernel time per layer, from a profile per config")
     ap.add_argument("--out", default=None)
@@ -126,6 +128,9 @@ def main() -> None:
             scales = [tuple(q.scale for q in q3) for q3 in qs]
             layer_bytes = sum(q.w.nbytes + q.scale.nbytes for q in qs[0])
         weights = [(*ws, s_) for ws, s_ in zip(weights, scales, strict=True)]
+        # (the kernel reads FP8 weights [out, in]: copies made once, a transpose in the chain would be timed)
+        swapped = [(n, *(jnp.asarray(w.T) for w in (wg, wu, wd)), s_) for n, wg, wu, wd, s_ in weights] \
+            if args.fp8 else weights
         for tokens in args.tokens:
             x = jax.random.normal(jax.random.key(1), (tokens, hidden)).astype(jnp.bfloat16)
             configs = [("xla", None)] + [(v, c) for v in args.variants
@@ -140,9 +145,10 @@ def main() -> None:
                         continue
                     params = {"block_i": bi, "num_warps": warps, "num_stages": stages}
                     mlp = functools.partial(_pallas, interpret=not gpu, variant=impl, **params)
+                ws = weights if impl == "xla" else swapped
                 try:
                     fn = chain(mlp, args.layers)
-                    t = timed(fn, x, weights, args.reps) / args.layers
+                    t = timed(fn, x, ws, args.reps) / args.layers
                 except Exception as e:  # a launch configuration that does not fit (shared memory): recorded
                     rows.append({"shape": shape, "tokens": tokens, "impl": impl, **params, "error": str(e)[:200]})
                     print(rows[-1], flush=True)
@@ -151,7 +157,7 @@ def main() -> None:
                        "weight_tb_per_s": round(layer_bytes / t / 1e12, 3)}
                 if args.profile:
                     name = "_".join([shape, str(tokens), impl] + [str(v) for v in params.values()])
-                    k = kernel_times(fn, x, weights, 5, f"{args.profile}/{name}")
+                    k = kernel_times(fn, x, ws, 5, f"{args.profile}/{name}")
                     kt = sum(k.values()) / args.layers
                     row["kernel_us_per_layer"] = round(kt, 2)
                     if kt:  # (no device kernels in a CPU trace)
@@ -171,7 +177,9 @@ def _pallas(x, norm, wg, wu, wd, scales, *, variant, block_i, num_warps, num_sta
               scale_block=scales and FP8_BLOCK)
     if variant == "prenorm":
         return fused_swiglu_mlp(rms_norm(x, norm, EPS), wg, wu, wd, **kw)
-    return fused_swiglu_mlp(x, wg, wu, wd, norm, eps=EPS, unroll_norm=variant == "fused", **kw)
+    if scales is not None:
+        kw["tiles_per_step"] = 1 if variant == "fused_1tile" else 2
+    return fused_swiglu_mlp(x, wg, wu, wd, norm, eps=EPS, unroll_norm=variant != "fused_loop_norm", **kw)
 
 
 if __name__ == "__main__":

@@ -88,7 +88,7 @@ class SkinnyOOps(ModelOps):
 
         if attn.shape[0] > MAX_TOKENS or (operands := fp8_operands("skinny_gemm", wo)) is None:
             return super().out_proj(attn, wo, residual)
-        (w,), scales, block = operands
+        (w,), scales, block = operands  # (FP8: [out, in], fp8.kernel_layout)
         out = skinny_gemm(attn, w, scales and scales[0], scale_block=block, interpret=self.interpret)
         return residual + self.reduce(out.astype(attn.dtype))
 

@@ -29,7 +29,7 @@ from jinfer.engine.runner import ModelRunner
 from jinfer.engine.scheduler import Scheduler
 from jinfer.engine.spawn import MEM_FRACTION
 from jinfer.generation_config import load_generation_defaults
-from jinfer.models.fp8 import FP8
+from jinfer.models.fp8 import FP8, kernel_layout
 from jinfer.models.registry import shard_weights, state_specs
 from jinfer.ops import select_ops
 from jinfer.parallel.mesh import check_parallel, make_mesh
@@ -290,6 +290,8 @@ def build_engine(config: EngineConfig, tokenizer: Tokenizer | None = None, specu
         head = eagle.load_head(spec, model_config, weights, dtype, mesh)
     elif spec is not None and spec.method == "mtp":
         head = mtp.load_head(source.path, model_config, weights, dtype, mesh)
+    if head is not None:  # (FP8 dense weights [out, in] for the decode kernels, as the target's: shard_weights)
+        head = (head[0], kernel_layout(head[1]))
     phases("weights")
     # Models with per-sequence state layers (linear attention): one state slot per running sequence, plus
     # the reserved slot 0. Their state summarises a whole prefix, so prefix-cache hits would need it

@@ -21,6 +21,7 @@ from jinfer.cache.spec import LayerCacheSpec
 from jinfer.config.model import ModelConfig
 from jinfer.models import deepseek, llama, qwen3_5, qwen3_moe
 from jinfer.models.architectures import ARCHITECTURES, Architecture
+from jinfer.models.fp8 import kernel_layout
 from jinfer.models.spec import StateSpec, quantize_specs
 from jinfer.ops import REFERENCE_OPS, ModelOps
 from jinfer.parallel.mesh import shard_attention_weights
@@ -94,10 +95,10 @@ def cache_spec(cfg: ModelConfig) -> list[LayerCacheSpec]:
 
 def shard_weights(cfg: ModelConfig, weights, mesh, fuse_qkv: bool = True, expert_parallel: bool = False):
     """The weights laid out for the mesh (`parallel.mesh.shard_attention_weights`); on one device, with `fuse_qkv`,
-    the family's own fused projections."""
+    the family's own fused projections. The dense MLPs' and o's FP8 weights [out, in] (`fp8.kernel_layout`)."""
     if mesh.size == 1:
-        return family(cfg).fuse_qkv(weights) if fuse_qkv else weights
-    return shard_attention_weights(cfg, weights, mesh, fuse_qkv, expert_parallel)
+        return kernel_layout(family(cfg).fuse_qkv(weights) if fuse_qkv else weights)
+    return kernel_layout(shard_attention_weights(cfg, weights, mesh, fuse_qkv, expert_parallel))
 
 
 def state_specs(cfg: ModelConfig) -> dict[int, tuple[StateSpec, ...]]:

@@ -39,14 +39,16 @@ def project(x: jax.Array, w: jax.Array, pad_vector_dots: bool = True, **kw) -> j
     return jnp.dot(x, w, **kw)
 
 
-def fp8_operands(kernel: str, *weights) -> tuple[tuple, tuple | None, tuple[int, int] | None] | None:
+def fp8_operands(kernel: str, *weights, transposed: bool = False
+                 ) -> tuple[tuple, tuple | None, tuple[int, int] | None] | None:
     """What a kernel that reads block-FP8 weights takes: (values, scales, scale block) where every weight is FP8 in
-    one block shape of >= 16 rows (a kernel's K tile divides it), (weights, None, None) where none is FP8, None
-    where the kernel cannot take them (`refuse_fp8` logs it; the caller takes the jnp path)."""
+    one block shape of >= 16 rows (a kernel's K tile divides it) and in the kernel's layout (`transposed`: [out, in],
+    fp8.kernel_layout), (weights, None, None) where none is FP8, None where the kernel cannot take them
+    (`refuse_fp8` logs it; the caller takes the jnp path)."""
     if not any(is_fp8(w) for w in weights):
         return weights, None, None
     block = getattr(weights[0], "block", None)
-    if not all(is_fp8(w) and w.block == block for w in weights) or block[0] % 16:
+    if not all(is_fp8(w) and w.block == block and w.transposed == transposed for w in weights) or block[0] % 16:
         refuse_fp8(kernel, *weights)
         return None
     return tuple(w.w for w in weights), tuple(w.scale for w in weights), block
@@ -108,7 +110,7 @@ class DenseOps:
         if check_supported(x.shape[0], x.shape[1], wqkv.shape[1], num_heads, num_kv_heads, kv[0].shape[-1],
                            cos.shape[-1]) is not None:
             return None
-        if is_fp8(prefetch):  # the o weight's FP8 values (its scales are a few KB)
+        if is_fp8(prefetch):  # the o weight's FP8 values (its scales are a few KB; their layout does not matter)
             prefetch = prefetch.w
         if not policy.prefetch_o or self.axis is not None or prefetch is None or prefetch_view(prefetch) is None:
             prefetch = None
@@ -141,18 +143,19 @@ class DenseOps:
         3.588 ms in interleaved rounds (`local_step_skinny_o_qwen3-30b-a3b_h100.json`); on Qwen3-4B's unpadded
         4096 x 2560 o, and at batch 8, the two were even, so those keep XLA's GEMM.
 
-        An FP8 o weight takes the skinny GEMM at one token whatever its size where `KernelPolicy.fp8_skinny_o`
-        (the alternative is not XLA's plain GEMM but a dequantization and a GEMM), and at up to fp8_max_tokens."""
+        An FP8 o weight ([out, in]: fp8.kernel_layout) takes the skinny GEMM at one token whatever its size where
+        `KernelPolicy.fp8_skinny_o` (the alternative is not XLA's plain GEMM but a dequantization and a GEMM), and at
+        up to fp8_max_tokens."""
         policy = self.policy
         tokens = attn.shape[0]
         small = wo.shape[0] * wo.shape[1] < STRENGTH_REDUCED_DOT_ELEMENTS and policy.pad_vector_dots
         fp8 = is_fp8(wo) and (tokens == 1 and policy.fp8_skinny_o or 1 < tokens <= policy.fp8_max_tokens)
         if self.backend == "pallas" and (tokens == 1 and small or fp8) \
                 and wo.shape[0] % 16 == 0 and wo.shape[1] % 16 == 0 \
-                and (operands := fp8_operands("skinny_gemm", wo)) is not None:
+                and (operands := fp8_operands("skinny_gemm", wo, transposed=True)) is not None:
             from pallas_kernels.dense.skinny_gemm import skinny_gemm
 
-            (w,), scales, block = operands
+            (w,), scales, block = operands  # (FP8: [out, in], fp8.kernel_layout)
             out = skinny_gemm(attn, w, None if scales is None else scales[0], scale_block=block,
                               interpret=self.interpret)
             return residual + self.reduce(out.astype(attn.dtype))
@@ -183,13 +186,16 @@ class DenseOps:
         plain ones where `plain`."""
         fp8 = is_fp8(w_gate) and x.shape[0] <= self.policy.fp8_max_tokens
         if self.backend != "pallas" or not (plain or fp8) or x.shape[1] % 16 or w_gate.shape[1] % 16 \
-                or (operands := fp8_operands("fused_mlp", w_gate, w_up, w_down)) is None:
+                or (operands := fp8_operands("fused_mlp", w_gate, w_up, w_down, transposed=True)) is None:
             return None
-        from pallas_kernels.dense.fused_mlp import fused_swiglu_mlp
+        from pallas_kernels.dense.fused_mlp import fits_tiles_per_step, fused_swiglu_mlp
 
         (wg, wu, wd), scales, block = operands
+        launch = self.policy.launch_args("fused_mlp")
+        if scales is not None:  # (Qwen3-8B at 1 / 8 tokens on the H200: two K tiles a step, decode_mlp_fp8_swap_h200)
+            launch = {"tiles_per_step": 2 if fits_tiles_per_step(x.shape[1], block, 2) else 1} | launch
         return fused_swiglu_mlp(x, wg, wu, wd, norm, scales, scale_block=block, eps=eps, interpret=self.interpret,
-                                **self.policy.launch_args("fused_mlp"))
+                                **launch)
 
     def reduce(self, partial: jax.Array) -> jax.Array:
         """The sum of the devices' partial results of a row-parallel matmul (identity on one device)."""

@@ -1,5 +1,9 @@
 """Block-FP8 weight tiles in the Triton kernels (fused MLP, skinny GEMM, norm + q|k|v + RoPE, MoE grouped GEMMs).
 
+The fused MLP and the skinny GEMM take their weights [out, in], as checkpoints store them, and multiply weight tile @
+activations^T (`weight_dot_swapped`): the weight's rows are the dot's M, which Hopper's wgmma (M >= 64 a warpgroup)
+takes; the others keep [in, out] and the token tile as M (`weight_dot`).
+
 A block-FP8 weight is float8_e4m3fn values [K, N] and one float32 scale per (bk x bn) block of them (scale
 [ceil(K / bk), ceil(N / bn)]): value = w * scale. A kernel loads the e4m3 tile (half the bytes of bf16) and meets it
 with e4m3 activations: the token tile's rows quantized over the K tile's columns (`act_operand`: a float32 scale per
@@ -64,26 +68,36 @@ def tile_scales(scale_ref, k0, n0, width: int, block: tuple[int, int], lead: tup
     return plgpu.load(scale_ref.at[(*lead, k0 // bk, cols)])[None, :]
 
 
-def act_operand(xk: jax.Array) -> tuple[jax.Array, jax.Array]:
+def act_operand(xk: jax.Array, axis: int = 1) -> tuple[jax.Array, jax.Array]:
     """The activation tile [rows, k] as the FP8 dot (`weight_dot`) takes it: (e4m3 xk, its float32 scales [rows, 1]),
     each row scaled by amax / 448 over the tile's k columns (the K tile sits inside one weight scale block, so a row's
-    scale is one per 128-column group where the tile is 128 wide). Zero rows (masked padding) stay zero."""
+    scale is one per 128-column group where the tile is 128 wide). Zero rows (masked padding) stay zero. axis=0: a
+    transposed tile [k, rows] (`weight_dot_swapped`'s), scales [1, rows]."""
     xf = xk.astype(jnp.float32)
-    amax = jnp.max(jnp.abs(xf), axis=1, keepdims=True)  # [rows, 1]
+    amax = jnp.max(jnp.abs(xf), axis=axis, keepdims=True)  # [rows, 1] ([1, rows] for axis 0)
     live = amax > 0
     inv = jnp.where(live, FP8_MAX / jnp.where(live, amax, 1.0), 1.0)
     return (xf * inv).astype(FP8), jnp.where(live, amax / FP8_MAX, 0.0)
 
 
 def weight_dot(xk: jax.Array, w: jax.Array, scale_ref, k0, n0, block: tuple[int, int], x_scale: jax.Array,
-               trans_w: bool = False, lead: tuple = ()) -> jax.Array:
+               lead: tuple = ()) -> jax.Array:
     """xk [rows, tile_k] @ w [tile_k, width] in fp32 for an FP8 tile w whose first row is k0 and first column n0,
     (xk, x_scale) from `act_operand`: e4m3 times e4m3 on the FP8 tensor cores, the product scaled by the rows'
-    `x_scale`, then by the tile's weight scales (`tile_scales`; `lead`: their leading indices). trans_w: w is the tile
-    [width, tile_k] of a transposed [N, K] weight."""
-    width = w.shape[0] if trans_w else w.shape[1]
-    out = plgpu.dot(xk, w, trans_b=trans_w) * x_scale
-    return out * tile_scales(scale_ref, k0, n0, width, block, lead)
+    `x_scale`, then by the tile's weight scales (`tile_scales`; `lead`: their leading indices)."""
+    out = plgpu.dot(xk, w) * x_scale
+    return out * tile_scales(scale_ref, k0, n0, w.shape[1], block, lead)
+
+
+def weight_dot_swapped(w: jax.Array, xk: jax.Array, x_scale: jax.Array, w_scale: jax.Array,
+                       xk_transposed: bool = False) -> jax.Array:
+    """The transposed product (xk @ w^T)^T = w @ xk^T in fp32, [width, rows], for an FP8 tile w [width, tile_k] of a
+    transposed [N, K] weight (K contiguous, as checkpoints store it) inside one scale block, whose scale is the scalar
+    w_scale (`tile_scales`): the weight's rows are the dot's M, so Hopper's wgmma (M >= 64 a warpgroup) takes the
+    e4m3 dot that a tile of a few token rows as M cannot. xk: e4m3 [rows, tile_k] with x_scale [rows, 1]
+    (`act_operand`), or xk_transposed [tile_k, rows] with x_scale [1, rows] (`act_operand(axis=0)`)."""
+    out = plgpu.dot(w, xk, trans_b=not xk_transposed)
+    return out * (x_scale if xk_transposed else x_scale.T) * w_scale
 
 
 def fake_quant_rows(x: jax.Array, group: int) -> jax.Array:

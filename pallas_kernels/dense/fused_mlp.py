@@ -14,12 +14,18 @@ hidden]` buffer instead of
 partials measured 1.6-10x slower on the H100; see kernels_h100_sweep_v0.json; summing the partials and adding the
 residual in each column tile's last program measured slower at batch 1 too: XLA sums them.)
 
+Block-FP8 weights come [out, in], as checkpoints store them (`_mlp_kernel_fp8`): each dot is a weight tile @ the
+e4m3 activations^T, the weight's 128 rows as M, which Hopper's wgmma takes and a 16-row token tile as M does not.
+Qwen3-8B's MLP at one token on the H200: 59 us a layer (2.6 TB/s on the FP8 bytes), against 100 us with the weights
+[in, out] and the tokens as M, and 76 us for bf16 (docs/performance.md).
+
 GPU backend: the Pallas Triton lowering (see `pallas_kernels/__init__.py`).
 """
 
 from __future__ import annotations
 
 import functools
+import math
 
 import jax
 import jax.numpy as jnp
@@ -33,36 +39,21 @@ from pallas_kernels.dense.fp8_tiles import (
     dequantize,
     fake_quant_rows,
     tile_k,
-    weight_dot,
+    weight_dot_swapped,
 )
 
 
 # ----------------------------------------------------------------------------------------------
 # Kernel body
 # ----------------------------------------------------------------------------------------------
-def _mlp_kernel(
-    *refs,
-    block_t: int,
-    block_k: int,
-    block_n: int,
-    has_norm: bool,
-    eps: float,
-    unroll_norm: bool,
-    scale_block: tuple[int, int] | None = None,
-):
+def _mlp_kernel(*refs, block_t: int, block_k: int, block_n: int, has_norm: bool, eps: float, unroll_norm: bool):
     refs = list(refs)
     n_ref = refs.pop(1) if has_norm else None
-    sg_ref = su_ref = sd_ref = None
-    if scale_block is not None:
-        sg_ref, su_ref, sd_ref = refs[4:7]
-        del refs[4:7]
     x_ref, wg_ref, wu_ref, wd_ref, o_ref = refs
     # x_ref [tokens, hidden] (whole; this tile's rows loaded masked); n_ref [hidden]: RMSNorm weight
     # applied to x first (optional); wg_ref/wu_ref [hidden, block_i]: this program's gate/up columns;
     # wd_ref [block_i, hidden]: the matching down-projection rows; o_ref [splits, tokens, hidden] fp32
     # (whole): this intermediate block's partial goes to o_ref[i, tile rows], real rows only.
-    # FP8 weights (scale_block (bk, bn)): sg_ref / su_ref [hidden / bk, intermediate / bn], sd_ref
-    # [intermediate / bk, hidden / bn] float32 (whole): the block scales (fp8_tiles.weight_dot).
     hidden = x_ref.shape[1]
     block_i = wg_ref.shape[1]
     t, i = pl.program_id(0), pl.program_id(1)
@@ -70,100 +61,158 @@ def _mlp_kernel(
     if has_norm:
         inv = rms_inverse(x_cols, hidden, block_t, block_k, eps, unroll_norm)  # [block_t]
 
-    steps = hidden // block_k
-
     def up_body(kk, carry):
         g, u = carry  # [block_t, block_i] fp32 each
         cols = pl.ds(kk * block_k, block_k)
         xk = x_cols(cols, block_k)  # [block_t, block_k] (loading it a step ahead measured no faster)
         if has_norm:
             xk = rms_normed(xk, inv, n_ref[cols])
-        if scale_block is None:
-            return g + plgpu.dot(xk, wg_ref[cols, :]), u + plgpu.dot(xk, wu_ref[cols, :])
-        xk, xs = act_operand(xk)  # e4m3 rows and their scales, once for gate and up
-        g = g + weight_dot(xk, wg_ref[cols, :], sg_ref, kk * block_k, i * block_i, scale_block, xs)
-        u = u + weight_dot(xk, wu_ref[cols, :], su_ref, kk * block_k, i * block_i, scale_block, xs)
-        return g, u
+        return g + plgpu.dot(xk, wg_ref[cols, :]), u + plgpu.dot(xk, wu_ref[cols, :])
 
     zeros = jnp.zeros((block_t, block_i), jnp.float32)
-    g, u = jax.lax.fori_loop(0, steps, up_body, (zeros, zeros))
-    h = g * jax.nn.sigmoid(g) * u  # [block_t, block_i] fp32, never leaves the SM
-    hs = None
-    if scale_block is None:
-        h = h.astype(wd_ref.dtype)
-    else:  # e4m3 with one scale per row (block_i divides the down weight's scale blocks' height)
-        h, hs = act_operand(h)
-
+    g, u = jax.lax.fori_loop(0, hidden // block_k, up_body, (zeros, zeros))
+    h = (g * jax.nn.sigmoid(g) * u).astype(wd_ref.dtype)  # [block_t, block_i], never leaves the SM
     out_mask = jnp.broadcast_to(real[:, None], (block_t, block_n))
-    n_blocks = hidden // block_n
 
     def down_body(n, _):
         cols = pl.ds(n * block_n, block_n)
-        if scale_block is None:
-            y = plgpu.dot(h, wd_ref[:, cols])  # [block_t, block_n] fp32
-        else:
-            y = weight_dot(h, wd_ref[:, cols], sd_ref, i * block_i, n * block_n, scale_block, hs)
-        plgpu.store(o_ref.at[i, rows, cols], y, mask=out_mask)
+        plgpu.store(o_ref.at[i, rows, cols], plgpu.dot(h, wd_ref[:, cols]), mask=out_mask)  # [block_t, block_n]
         return 0
 
-    jax.lax.fori_loop(0, n_blocks, down_body, 0)
+    jax.lax.fori_loop(0, hidden // block_n, down_body, 0)
+
+
+def _mlp_kernel_fp8(*refs, block_t: int, block_k: int, block_n: int, has_norm: bool, eps: float,
+                        unroll_norm: bool, scale_block: tuple[int, int], tiles_per_step: int = 1):
+    """Block-FP8 weights as checkpoints store them, [out, in]: wg_ref / wu_ref [block_i, hidden] (this program's rows
+    of [intermediate, hidden]), wd_ref [hidden, block_i] (its columns of [hidden, intermediate]); every dot is weight
+    rows @ activations^T (fp8_tiles.weight_dot_swapped), so gate / up / h are [block_i, block_t] and the partial
+    o_ref [splits, hidden, tokens] (whole) is transposed. sg_ref / su_ref [hidden / bk, intermediate / bn], sd_ref
+    [intermediate / bk, hidden / bn] float32 (whole): the scales of the [in, out] weights' blocks, one per tile
+    (block_i and block_n divide bn, block_k and block_i divide bk). Each loop step takes `tiles_per_step` K tiles
+    (up) / row blocks (down), and loads the next step's activations and scales (carried), off the dots' critical
+    path."""
+    refs = list(refs)
+    n_ref = refs.pop(1) if has_norm else None
+    x_ref, wg_ref, wu_ref, wd_ref, sg_ref, su_ref, sd_ref, o_ref = refs
+    hidden = x_ref.shape[1]
+    block_i = wg_ref.shape[0]
+    bk, bn = scale_block
+    per = tiles_per_step
+    t, i = pl.program_id(0), pl.program_id(1)
+    rows, real, x_cols = tile_rows(x_ref, t, block_t)
+    if has_norm:
+        inv = rms_inverse(x_cols, hidden, block_t, block_k, eps, unroll_norm)
+    steps = hidden // (block_k * per)
+
+    def up_operands(kk):  # K tile kk's activations (raw, and the norm weight) and the gate / up tiles' scales
+        cols = pl.ds(kk * block_k, block_k)
+        norm = n_ref[cols] if has_norm else None
+        kb, nb = kk * block_k // bk, i * block_i // bn
+        return x_cols(cols, block_k), norm, sg_ref[kb, nb], su_ref[kb, nb]
+
+    def step_operands(st):
+        st = jnp.minimum(st, steps - 1)
+        return tuple(v for j in range(per) for v in up_operands(st * per + j))
+
+    def up_body(st, carry):
+        g, u, *ops = carry  # g, u [block_i, block_t] fp32 each
+        nxt = step_operands(st + 1)
+        for j in range(per):
+            xk, norm, sg, su = ops[4 * j:4 * j + 4]
+            if has_norm:
+                xk = rms_normed(xk, inv, norm)
+            xk, xs = act_operand(xk)
+            cols = pl.ds((st * per + j) * block_k, block_k)
+            g = g + weight_dot_swapped(wg_ref[:, cols], xk, xs, sg)
+            u = u + weight_dot_swapped(wu_ref[:, cols], xk, xs, su)
+        return g, u, *nxt
+
+    zeros = jnp.zeros((block_i, block_t), jnp.float32)
+    g, u, *_ = jax.lax.fori_loop(0, steps, up_body, (zeros, zeros, *step_operands(0)))
+    h, hs = act_operand(g * jax.nn.sigmoid(g) * u, axis=0)  # e4m3 [block_i, block_t], a scale per token column
+    out_mask = jnp.broadcast_to(real[None, :], (block_n, block_t))
+    n_steps = hidden // (block_n * per)
+
+    def down_scales(st):
+        st = jnp.minimum(st, n_steps - 1)
+        return tuple(sd_ref[i * block_i // bk, (st * per + j) * block_n // bn] for j in range(per))
+
+    def down_body(st, sds):
+        nxt = down_scales(st + 1)
+        for j in range(per):
+            cols = pl.ds((st * per + j) * block_n, block_n)
+            y = weight_dot_swapped(wd_ref[cols, :], h, hs, sds[j], xk_transposed=True)  # [block_n, block_t]
+            plgpu.store(o_ref.at[i, cols, rows], y, mask=out_mask)
+        return nxt
+
+    jax.lax.fori_loop(0, n_steps, down_body, down_scales(0))
 
 
 # ----------------------------------------------------------------------------------------------
 # Wrapper: grid and block specs
 # ----------------------------------------------------------------------------------------------
 def default_block_i(inter: int, scale_block: tuple[int, int] | None = None) -> int:
-    """Intermediate columns per program: 128, the H100 sweep's best at Qwen3-4B's width (FP8: also a divisor of the
-    scale blocks' height, as they are the down projection's K tile; 128 for 128 x 128 blocks)."""
-    return tile_k(inter, 128, scale_block)
+    """Intermediate columns per program: 128, the H100 sweep's best at Qwen3-4B's width (FP8: a divisor of the scale
+    blocks' height and width too, a tile's rows inside one block; 128 for 128 x 128 blocks)."""
+    return pow2_divisor(inter if scale_block is None else math.gcd(inter, *scale_block), 128)
+
+
+def _fp8_tiles(hidden: int, scale_block: tuple[int, int]) -> tuple[int, int]:
+    """(block_k, block_n) of the FP8 kernel: a K tile, and a down row block, inside one scale block."""
+    return tile_k(hidden, 128, scale_block), pow2_divisor(math.gcd(hidden, scale_block[1]), 256)
+
+
+def fits_tiles_per_step(hidden: int, scale_block: tuple[int, int], tiles_per_step: int) -> bool:
+    """Whether the FP8 kernel's loops can take `tiles_per_step` K tiles / row blocks a step at this width."""
+    return all(hidden % (b * tiles_per_step) == 0 for b in _fp8_tiles(hidden, scale_block))
 
 
 def _mlp_call(x, w_gate, w_up, w_down, norm_weight, scales, *, eps, block_t, block_i, num_warps, num_stages,
-              unroll_norm, scale_block, interpret):
+              unroll_norm, scale_block, tiles_per_step, interpret):
     tokens, hidden = x.shape
-    inter = w_gate.shape[1]
+    fp8 = bool(scales)
+    inter = w_gate.shape[0 if fp8 else 1]
     if block_t is None:
         block_t = min(64, max(16, 1 << (tokens - 1).bit_length()))
     if block_i is None:
         block_i = default_block_i(inter, scale_block)
     if num_warps is None:  # H100 sweep: 8 warps / 3 stages for decode tiles; bigger tiles run out of smem
         num_warps = 8 if block_t <= 16 else 4
-    if num_stages is None:
-        num_stages = 3 if block_t <= 16 else 2
-    block_k = tile_k(hidden, 128, scale_block)  # FP8: a K tile inside one scale block
-    block_n = pow2_divisor(hidden, 256)
+    if num_stages is None:  # (FP8, H200: 4 stages at 1 and 8 tokens, decode_mlp_fp8_swap_h200.json)
+        num_stages = (4 if fp8 else 3) if block_t <= 16 else 2
+    block_k, block_n = _fp8_tiles(hidden, scale_block) if fp8 else (tile_k(hidden, 128, None),
+                                                                     pow2_divisor(hidden, 256))
     t_tiles, splits = pl.cdiv(tokens, block_t), inter // block_i
     has_norm = norm_weight is not None
-    kernel = functools.partial(_mlp_kernel, block_t=block_t, block_k=block_k, block_n=block_n, has_norm=has_norm,
-                               eps=eps, unroll_norm=unroll_norm, scale_block=scale_block)
+    kernel = functools.partial(_mlp_kernel_fp8 if fp8 else _mlp_kernel, block_t=block_t, block_k=block_k,
+                               block_n=block_n, has_norm=has_norm, eps=eps, unroll_norm=unroll_norm,
+                               **({"scale_block": scale_block, "tiles_per_step": tiles_per_step} if fp8 else {}))
     norm_spec = [pl.BlockSpec((hidden,), lambda t, i: (0,))] if has_norm else []
     whole = pl.no_block_spec  # x and the partials: the tile's rows are picked (masked) in the kernel
+    rows_i = pl.BlockSpec((block_i, hidden), lambda t, i: (i, 0))
+    cols_i = pl.BlockSpec((hidden, block_i), lambda t, i: (0, i))
     out = pl.pallas_call(
         kernel,
         grid=(t_tiles, splits),
-        in_specs=[
-            whole,
-            *norm_spec,
-            pl.BlockSpec((hidden, block_i), lambda t, i: (0, i)),
-            pl.BlockSpec((hidden, block_i), lambda t, i: (0, i)),
-            pl.BlockSpec((block_i, hidden), lambda t, i: (i, 0)),
-            *[whole] * len(scales),
-        ],
+        in_specs=[whole, *norm_spec, *((rows_i, rows_i, cols_i) if fp8 else (cols_i, cols_i, rows_i)),
+                  *[whole] * len(scales)],
         out_specs=whole,
-        out_shape=jax.ShapeDtypeStruct((splits, tokens, hidden), jnp.float32),
+        out_shape=jax.ShapeDtypeStruct((splits, hidden, tokens) if fp8 else (splits, tokens, hidden), jnp.float32),
         compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),
         interpret=interpret,
         name=(f"fused_swiglu_mlp_t{block_t}_i{block_i}" + ("_norm" if has_norm else "")
-              + ("_fp8" if scales else "")),
+              + (f"_fp8_nk{tiles_per_step}" if fp8 else "")),
     )(x, *([norm_weight] if has_norm else []), w_gate, w_up, w_down, *scales)
-    return out.sum(axis=0).astype(x.dtype)  # [tokens, hidden]
+    out = out.sum(axis=0)
+    return (out.T if fp8 else out).astype(x.dtype)  # [tokens, hidden]
 
 
 # ----------------------------------------------------------------------------------------------
 # Public API
 # ----------------------------------------------------------------------------------------------
 @functools.partial(jax.jit, static_argnames=("eps", "block_t", "block_i", "num_warps", "num_stages", "unroll_norm",
-                                             "scale_block", "interpret"))
+                                             "scale_block", "tiles_per_step", "interpret"))
 def fused_swiglu_mlp(
     x: jax.Array,
     w_gate: jax.Array,
@@ -179,48 +228,59 @@ def fused_swiglu_mlp(
     num_warps: int | None = None,
     num_stages: int | None = None,
     unroll_norm: bool = True,
+    tiles_per_step: int = 1,
     interpret: bool = False,
 ) -> jax.Array:
     """SwiGLU MLP `(silu(x @ w_gate) * (x @ w_up)) @ w_down` with the intermediate kept on-chip.
 
     Args:
       x: `[tokens, hidden]`.
-      w_gate, w_up: `[hidden, intermediate]`.
-      w_down: `[intermediate, hidden]`.
+      w_gate, w_up: `[hidden, intermediate]`; FP8 (`scales`): `[intermediate, hidden]`.
+      w_down: `[intermediate, hidden]`; FP8: `[hidden, intermediate]`.
       norm_weight: `[hidden]`: apply RMSNorm (HF rounding) to x first, inside the kernel; None: no norm.
-      scales: block-FP8 weights (float8_e4m3fn w_gate, w_up, w_down): their float32 scales (gate, up, down), one per
-        `scale_block` = (bk, bn) block of each [in, out] weight; the K tiles and block_i then divide bk. The normed x
-        and the SwiGLU output meet them as e4m3 rows, quantized per K tile (pallas_kernels/dense/fp8_tiles.py).
-        None: weights in x's dtype.
+      scales: block-FP8 weights (float8_e4m3fn w_gate, w_up, w_down, [out, in] as checkpoints store them: each
+        dot takes the weight's rows as M, `_mlp_kernel_fp8`): their float32 scales (gate, up, down), one per
+        `scale_block` = (bk, bn) block of each [in, out] weight; the K tiles divide bk, block_i divides bk and bn.
+        The normed x and the SwiGLU output meet them as e4m3 rows, quantized per K tile
+        (pallas_kernels/dense/fp8_tiles.py). None: weights in x's dtype.
       eps: RMSNorm epsilon.
       block_t: tokens per tile (power of two >= 16); default min(64, next_pow2(tokens)).
-      block_i: intermediate columns per program (power of two dividing intermediate, and bk for FP8); default 128.
-      num_warps, num_stages: Triton launch parameters; None picks (8, 3) for block_t 16, else (4, 2).
+      block_i: intermediate columns per program (power of two dividing intermediate, and bk, bn for FP8); default
+        128 (`default_block_i`).
+      num_warps, num_stages: Triton launch parameters; None picks (8, 3) for block_t 16 (FP8: (8, 4)), else (4, 2).
       unroll_norm: the norm's sum of squares as straight-line code (all of the row's loads in flight at once)
         rather than a loop of hidden / 128 dependent round trips (51.6 vs 55.2 us per Qwen3.5-4B layer at
         T = 1 on the H100, decode_mlp_variants_h100.json).
+      tiles_per_step: (FP8) K tiles / down row blocks a loop step takes (2 measured fastest at Qwen3-8B's shapes;
+        hidden must then be a multiple of 2 * bk and 2 * bn).
       interpret: run the Pallas interpreter (CPU tests).
 
     Returns:
       `[tokens, hidden]` in x's dtype (fp32 accumulation).
     """
-    _check_args(x, w_gate, w_up, w_down, norm_weight, block_t, block_i)
     scales = tuple(scales or ())
     if scales or scale_block is not None:
         if len(scales) != 3:
             raise ValueError(f"scales must be (gate, up, down) scales with scale_block, got {len(scales)}")
         scale_block = tuple(scale_block or ())
+        w_gate, w_up, w_down = w_gate.T, w_up.T, w_down.T  # [in, out] views for the checks (not traced into the call)
+    _check_args(x, w_gate, w_up, w_down, norm_weight, block_t, block_i)
+    if scales:
         for name, w, s in zip(("w_gate", "w_up", "w_down"), (w_gate, w_up, w_down), scales, strict=True):
             check_scale(name, w, s, scale_block)
-        if block_i is not None and scale_block[0] % block_i:
-            raise ValueError(f"block_i={block_i} must divide the FP8 scale blocks' height {scale_block[0]}")
+        if block_i is not None and (scale_block[0] % block_i or scale_block[1] % block_i):
+            raise ValueError(f"block_i={block_i} must divide the FP8 scale blocks {scale_block}")
+        if not fits_tiles_per_step(x.shape[1], scale_block, tiles_per_step):
+            raise ValueError(f"tiles_per_step={tiles_per_step} K tiles / row blocks must divide hidden={x.shape[1]} "
+                             f"(FP8 blocks {scale_block})")
+        w_gate, w_up, w_down = w_gate.T, w_up.T, w_down.T
     else:
         for name, w in (("w_gate", w_gate), ("w_up", w_up), ("w_down", w_down)):
             check_scale(name, w, None, None)
         scale_block = None
     return _mlp_call(x, w_gate, w_up, w_down, norm_weight, scales, eps=eps, block_t=block_t, block_i=block_i,
                      num_warps=num_warps, num_stages=num_stages, unroll_norm=unroll_norm, scale_block=scale_block,
-                     interpret=interpret)
+                     tiles_per_step=tiles_per_step, interpret=interpret)
 
 
 def _check_args(x, w_gate, w_up, w_down, norm_weight, block_t, block_i):

@@ -10,6 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from jinfer.models import fp8
 from jinfer.models.fp8 import quantize
 from jinfer.models.layers import moe_mlp
 from pallas_kernels.moe.moe_gemm import (
@@ -224,6 +225,7 @@ def test_model_moe_block_fp8_experts_on_the_kernels():
     shared = tuple(quantize(w(k, s), block) for k, s in zip(ks[3:7], ((hidden, shared_inter), (hidden, shared_inter),
                                                                       (shared_inter, hidden), (hidden, 1)),
                                                              strict=True))
+    shared = (*(fp8.transpose(q) for q in shared[:3]), shared[3])  # (the fused MLP's FP8 [out, in]: kernel_layout)
     router = w(ks[7], (hidden, e)) * 8
     x = jax.random.normal(ks[8], (tokens, hidden))
     norm = jnp.ones(hidden)
@@ -234,7 +236,7 @@ def test_model_moe_block_fp8_experts_on_the_kernels():
         return ops.moe_block(x, norm, router, wg, wu, wd, **kw)[0]
 
     jaxpr = str(jax.make_jaxpr(lambda x: block_out(ops, x))(x))
-    for kernel in ("moe_gate_up_m16_n32_k16_fp8", "moe_down_m16_n64_k16_fp8", "fused_swiglu_mlp_t16_i16_fp8"):
+    for kernel in ("moe_gate_up_m16_n32_k16_fp8", "moe_down_m16_n64_k16_fp8", "fused_swiglu_mlp_t16_i16_fp8_nk2"):
         assert kernel in jaxpr, kernel
     assert "ragged_dot" not in jaxpr
     got, want = block_out(ops, x) - x, block_out(ModelOps(), x) - x  # the MoE and shared experts' outputs

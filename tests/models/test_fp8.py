@@ -16,7 +16,7 @@ import pytest
 from jinfer.cache.layout import init_kv_cache
 from jinfer.config.quantization import Fp8Config
 from jinfer.models import fp8
-from jinfer.models.fp8 import Fp8Weight, dequantize
+from jinfer.models.fp8 import Fp8Weight, dequantize, kernel_layout
 from jinfer.models.registry import forward, fuse_qkv, shard_weights
 from jinfer.parallel.mesh import array_specs, make_mesh, mesh_forward
 from jinfer.weights.loader import load_weights, resolve_model, with_online_fp8
@@ -94,6 +94,11 @@ def test_fp8_checkpoint_tp2_matches_hf():
     layer = w.layers[0]
     assert isinstance(layer.wqkv, Fp8Weight) and layer.wqkv.scale.sharding.spec == layer.wqkv.w.sharding.spec
     assert layer.wo.scale.sharding.shard_shape(layer.wo.scale.shape) == (256 // 16 // 2, 64 // 16)
+    # the MLP's and o's values [out, in] (fp8.kernel_layout), their shards the [in, out] ones' transposed
+    for wt in (layer.wo, layer.w_gate, layer.w_down):
+        scale_shard = wt.scale.sharding.shard_shape(wt.scale.shape)
+        assert wt.transposed and wt.w.sharding.shard_shape(wt.w.shape)[::-1] == \
+            tuple(int(n) * b for n, b in zip(scale_shard, wt.block, strict=True))
     kv = init_kv_cache(cfg, NUM_PAGES, PAGE, "float32", mesh)
     step = jax.jit(mesh_forward(forward, cfg, OPS["ref"], mesh, array_specs(w), array_specs(kv)), donate_argnums=(2,))
     check_batched_chunked_prefill(step, w, kv, np.load(DATA / "golden" / "tiny-qwen3-fp8.npz"))
@@ -154,12 +159,13 @@ NEAR_TIE = 0.1
 
 def test_fp8_pallas_decode_close_to_hf(caplog):
     """The Pallas backend (interpreted) on the FP8 checkpoint's decode steps: the fused MLP, the skinny o GEMM and the
-    norm + q|k|v kernel read the FP8 weights with their 16 x 16 block scales (layer 1's o is stored unquantized:
+    norm + q|k|v kernel read the FP8 weights with their 16 x 16 block scales (the MLP's and o's [out, in], as the
+    engine keeps them: fp8.kernel_layout; layer 1's o is stored unquantized:
     plain) and meet them with e4m3 activations, the norm + q|k|v kernel's idle programs prefetch layer 0's FP8 o;
     after the reference's prefill, two decode steps stay within W8A8_ATOL of HF's logits on the dequantized weights
     and pick HF's greedy tokens. (Decode steps only: a Pallas prefill step is one more interpreter compile.)"""
     cfg, w = load("qwen3-fp8")
-    w = fuse_qkv(cfg, w)
+    w = kernel_layout(fuse_qkv(cfg, w))  # (as the engine: the MLP's and o's FP8 values [out, in])
     gold = np.load(DATA / "golden" / "tiny-qwen3-fp8.npz")
     prefill, step = (jax.jit(partial(forward, cfg=cfg, ops=OPS[o]), donate_argnames=("kv_cache",))
                      for o in ("ref", "pallas"))
@@ -168,7 +174,7 @@ def test_fp8_pallas_decode_close_to_hf(caplog):
     logits, kv = prefill(w, prefill_batch([(prompt, 0, pages)]), placed_as_outputs(empty_cache(cfg), w))
     token = int(np.argmax(logits[len(prompt) - 1]))
     decode = str(step.trace(w, decode_batch(token, len(prompt), pages), kv).jaxpr)
-    for kernel in ("fused_swiglu_mlp_t16_i16_norm_fp8", "skinny_gemm_n64_k16_s2_fp8",
+    for kernel in ("fused_swiglu_mlp_t16_i16_norm_fp8_nk2", "skinny_gemm_n16_k16_s2_fp8_nk",
                    "norm_qkv_rope_write_k16_s4_pf84_fp8"):
         assert kernel in decode, kernel
     with caplog.at_level(logging.INFO, logger="jinfer.models.fp8"):
@@ -237,11 +243,11 @@ def test_fp8_moe_tp2_splits_expert_scales_with_their_blocks():
 
 
 def test_pallas_kernels_refuse_mixed_fp8(caplog, monkeypatch):
-    """A fused MLP whose weights are not all FP8 in one block shape takes the jnp path (one log line), with the
-    reference's result."""
+    """A fused MLP whose weights are not all FP8 in one block shape and layout takes the jnp path (one log line), with
+    the reference's result."""
     cfg, w = load("qwen3-fp8")
     layer, x = w.layers[0], jax.random.normal(jax.random.key(0), (1, 64), jnp.float32)
-    mixed = (layer.w_gate, layer.w_up, dequantize(layer.w_down))
+    mixed = (fp8.transpose(layer.w_gate), fp8.transpose(layer.w_up), dequantize(layer.w_down))
     monkeypatch.setattr(fp8, "_refused", set())  # (one line per kernel per process)
 
     def mlp(ops, x, weights):
