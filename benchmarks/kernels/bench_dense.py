@@ -186,8 +186,8 @@ def _fp8_cases(tokens: int, interpret: bool) -> dict:
     out = {}
     for name, (ws, make) in cases.items():
         qs = [quantize(w.astype(jnp.float32), block) for w in ws]
-        # (the MLP and o kernels read FP8 weights [out, in], as checkpoints store them: "_nk")
-        variants = {"pallas" if name == "qkv" else "pallas_nk": make(False)}
+        # (the kernels read FP8 weights [out, in], as checkpoints store them: "_nk")
+        variants = {"pallas_nk": make(False)}
         out[name] = (tuple(ws), (tuple(q.w for q in qs), tuple(q.scale for q in qs)), make(False), make(True),
                      variants)
     return out
@@ -195,8 +195,8 @@ def _fp8_cases(tokens: int, interpret: bool) -> dict:
 
 def bench_fp8(argv: list[str] | None = None) -> None:
     """Qwen3-8B's decode kernels (fused MLP, skinny o, norm + q|k|v at 1 and 8 tokens) with bf16 weights (the Pallas
-    kernel and XLA) and block-FP8 (128 x 128) ones: the Pallas kernel (e4m3 activations, fp8_tiles.py; the MLP's and
-    o's weights [out, in], "_nk"), device time per call over distinct weight copies (more than L2 holds) and weight
+    kernel and XLA) and block-FP8 (128 x 128) ones: the Pallas kernel (e4m3 activations, fp8_tiles.py; the weights
+    [out, in], "_nk"), device time per call over distinct weight copies (more than L2 holds) and weight
     bytes / time. JSON to argv[0]."""
     argv = argv or []
     interpret = jax.default_backend() != "gpu"

@@ -163,8 +163,9 @@ def concat_columns(parts: list) -> jax.Array | Fp8Weight | None:
                      jnp.concatenate([p.scale for p in parts], axis=-1), block)
 
 
-# The dense layers' FP8 weights the decode kernels read [out, in] (`kernel_layout`): the fused MLP's and o's.
-KERNEL_LAYOUT_FIELDS = ("w_gate", "w_up", "w_down", "ws_gate", "ws_up", "ws_down", "wo")
+# The dense layers' FP8 weights the decode kernels read [out, in] (`kernel_layout`): the fused MLP's (a MoE layer's
+# shared experts' too), o's and the fused q|k|v's.
+KERNEL_LAYOUT_FIELDS = ("w_gate", "w_up", "w_down", "ws_gate", "ws_up", "ws_down", "wo", "wqkv")
 
 
 def transpose(q: Fp8Weight) -> Fp8Weight:
@@ -186,9 +187,9 @@ def _transposer(sharding):
 
 
 def kernel_layout(weights):
-    """The weights with each 2-D FP8 weight of a dense MLP or o projection (KERNEL_LAYOUT_FIELDS) stored [out, in],
-    the layout the decode kernels read fastest (Qwen3-8B's fused MLP at one token: 59 vs 100 us on the H200,
-    docs/performance.md); every other weight as it is."""
+    """The weights with each 2-D FP8 weight of a dense MLP, o or q|k|v projection (KERNEL_LAYOUT_FIELDS) stored
+    [out, in], the layout the decode kernels read fastest (Qwen3-8B's fused MLP at one token: 59 vs 100 us on the
+    H200, docs/performance.md); every other weight as it is."""
     def relayout(path, leaf):
         name = getattr(path[-1], "name", None) if path else None
         if isinstance(leaf, Fp8Weight) and leaf.ndim == 2 and not leaf.transposed and name in KERNEL_LAYOUT_FIELDS:

@@ -100,14 +100,15 @@ class DenseOps:
         policy = self.policy
         if self.backend != "pallas" or x.shape[0] > policy.norm_qkv_max_tokens:
             return None
-        operands = fp8_operands("norm_qkv_rope", wqkv)
+        operands = fp8_operands("norm_qkv_rope", wqkv, transposed=True)  # (FP8: [out, in], fp8.kernel_layout)
         if operands is None:
             return None
+        w_kn = wqkv  # (the logical [in, out] shape, for the checks)
         (wqkv,), scales, block = operands
         from pallas_kernels.dense.norm_qkv_rope import check_supported, norm_qkv_rope_write
         from pallas_kernels.dense.prefetch import prefetch_view
 
-        if check_supported(x.shape[0], x.shape[1], wqkv.shape[1], num_heads, num_kv_heads, kv[0].shape[-1],
+        if check_supported(x.shape[0], x.shape[1], w_kn.shape[1], num_heads, num_kv_heads, kv[0].shape[-1],
                            cos.shape[-1]) is not None:
             return None
         if is_fp8(prefetch):  # the o weight's FP8 values (its scales are a few KB; their layout does not matter)

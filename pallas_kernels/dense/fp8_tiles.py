@@ -1,8 +1,9 @@
 """Block-FP8 weight tiles in the Triton kernels (fused MLP, skinny GEMM, norm + q|k|v + RoPE, MoE grouped GEMMs).
 
-The fused MLP and the skinny GEMM take their weights [out, in], as checkpoints store them, and multiply weight tile @
-activations^T (`weight_dot_swapped`): the weight's rows are the dot's M, which Hopper's wgmma (M >= 64 a warpgroup)
-takes; the others keep [in, out] and the token tile as M (`weight_dot`).
+The dense decode kernels (fused MLP, skinny GEMM, norm + q|k|v) take their weights [out, in], as checkpoints store
+them, and multiply weight tile @ activations^T (`weight_dot_swapped`): the weight's rows are the dot's M, which
+Hopper's wgmma (M >= 64 a warpgroup) takes; the MoE grouped GEMMs keep [in, out] and the token tile as M
+(`weight_dot`).
 
 A block-FP8 weight is float8_e4m3fn values [K, N] and one float32 scale per (bk x bn) block of them (scale
 [ceil(K / bk), ceil(N / bn)]): value = w * scale. A kernel loads the e4m3 tile (half the bytes of bf16) and meets it
@@ -92,12 +93,13 @@ def weight_dot(xk: jax.Array, w: jax.Array, scale_ref, k0, n0, block: tuple[int,
 def weight_dot_swapped(w: jax.Array, xk: jax.Array, x_scale: jax.Array, w_scale: jax.Array,
                        xk_transposed: bool = False) -> jax.Array:
     """The transposed product (xk @ w^T)^T = w @ xk^T in fp32, [width, rows], for an FP8 tile w [width, tile_k] of a
-    transposed [N, K] weight (K contiguous, as checkpoints store it) inside one scale block, whose scale is the scalar
-    w_scale (`tile_scales`): the weight's rows are the dot's M, so Hopper's wgmma (M >= 64 a warpgroup) takes the
-    e4m3 dot that a tile of a few token rows as M cannot. xk: e4m3 [rows, tile_k] with x_scale [rows, 1]
-    (`act_operand`), or xk_transposed [tile_k, rows] with x_scale [1, rows] (`act_operand(axis=0)`)."""
+    transposed [N, K] weight (K contiguous, as checkpoints store it), w_scale its scales from `tile_scales` (a scalar,
+    or [1, width] where the tile's rows span several scale blocks): the weight's rows are the dot's M, so Hopper's
+    wgmma (M >= 64 a warpgroup) takes the e4m3 dot that a tile of a few token rows as M cannot. xk: e4m3
+    [rows, tile_k] with x_scale [rows, 1] (`act_operand`), or xk_transposed [tile_k, rows] with x_scale [1, rows]
+    (`act_operand(axis=0)`)."""
     out = plgpu.dot(w, xk, trans_b=not xk_transposed)
-    return out * (x_scale if xk_transposed else x_scale.T) * w_scale
+    return out * (x_scale if xk_transposed else x_scale.T) * (w_scale.T if w_scale.ndim == 2 else w_scale)
 
 
 def fake_quant_rows(x: jax.Array, group: int) -> jax.Array:

@@ -23,9 +23,10 @@ counters are made zero once and every launch leaves them zero, launches being or
 Prefetch (`prefetch=`, the layer's o projection weight; `KernelPolicy.prefetch_o`): extra programs on the launch's
 idle SMs read the first part of another array into L2 (evict-last) while the heads stream (dense/prefetch.py).
 
-Block-FP8 q|k|v weights (`wqkv_scale`): e4m3 tiles met by the normed rows quantized to e4m3 per K tile, FP8 dots,
-each tile's product scaled by both (pallas_kernels/dense/fp8_tiles.py); the K tile divides the scale blocks' height
-(128 for 128 x 128 blocks, the bf16 default), so a head of 128 columns reads one scale per K tile and half.
+Block-FP8 q|k|v weights (`wqkv_scale`) come [out, in], as checkpoints store them: e4m3 tiles of a head half's rows
+met by the normed rows quantized to e4m3 per K tile, FP8 dots whose M is the weight's rows (wgmma's M >= 64), each
+tile's product scaled by both (pallas_kernels/dense/fp8_tiles.py); the K tile divides the scale blocks' height (128
+for 128 x 128 blocks, the bf16 default), so a head of 128 rows reads one scale per K tile and half.
 
 FP8 KV cache (float8_e4m3fn, `k_scale` / `v_scale` per kv head): the k and v rows are quantized as they are written
 (`common.quantize_kv`).
@@ -46,7 +47,15 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from pallas_kernels.common import rms_inverse, rms_normed, tile_rows
-from pallas_kernels.dense.fp8_tiles import act_operand, check_scale, dequantize, fake_quant_rows, tile_k, weight_dot
+from pallas_kernels.dense.fp8_tiles import (
+    act_operand,
+    check_scale,
+    dequantize,
+    fake_quant_rows,
+    tile_k,
+    tile_scales,
+    weight_dot_swapped,
+)
 from pallas_kernels.dense.prefetch import WIDTH, prefetch_rows, prefetch_rows_count, prefetch_view
 from pallas_kernels.dense.qkv_rope import qkv_rope_write_reference
 from pallas_kernels.kv_fp8 import check_kv_scales, is_fp8, quantize_kv
@@ -66,7 +75,8 @@ def _kernel(x_ref, n_ref, w_ref, cos_ref, sin_ref, slot_ref, qn_ref, kn_ref, _k_
     # Split-K (k_splits > 1): part_ref [S, T, heads * D] fp32 partials; cnt_ref [>= heads] int32, zero on entry
     # and left zero: the split that arrives last at a head's counter sums the partials and finishes the head.
     # Prefetch (prefetch_programs > 0): pf_ref [rows, 256], the array read into L2; pf_out [programs] fp32 (unused).
-    # FP8 w (scale_block (bk, bn)): s_ref [hidden / bk, heads * D / bn] float32 (whole), w_ref's block scales.
+    # FP8 w (scale_block (bk, bn)): w_ref [D, hidden], the head's rows of the [out, in] weight; s_ref
+    # [hidden / bk, heads * D / bn] float32 (whole), the block scales of the [in, out] weight.
     # FP8 cache (fp8_kv): ks_ref, vs_ref [KVH] float32 (whole), its scales.
     refs = list(refs)
     if prefetch_programs:
@@ -103,7 +113,8 @@ def _head(x_ref, n_ref, w_ref, cos_ref, sin_ref, slot_ref, qn_ref, kn_ref, q_ref
           interpret: bool, kv_scale_refs, s_ref=None, scale_block: tuple[int, int] | None = None):
     """One (head, K split) program: the head's normed, projected, rotated rows (see the module doc)."""
     tokens, hidden = x_ref.shape
-    head_dim = w_ref.shape[1]
+    fp8 = scale_block is not None
+    head_dim = w_ref.shape[0 if fp8 else 1]  # (FP8: the head's rows of the [out, in] weight)
     half = head_dim // 2
     ks_ref, vs_ref = kv_scale_refs
     block_t = _block_t(tokens)
@@ -115,19 +126,22 @@ def _head(x_ref, n_ref, w_ref, cos_ref, sin_ref, slot_ref, qn_ref, kn_ref, q_ref
     steps = hidden // k_splits // block_k
 
     def body(kk, carry):
-        a1, a2 = carry  # [block_t, half] fp32 each: the head's two rotate-half halves
+        a1, a2 = carry  # [block_t, half] fp32 each: the head's two rotate-half halves ([half, block_t] FP8)
         cols = pl.ds((split * steps + kk) * block_k, block_k)
         xk = rms_normed(x_cols(cols, block_k), inv, n_ref[cols])
-        if scale_block is None:
+        if not fp8:
             return a1 + plgpu.dot(xk, w_ref[cols, lo]), a2 + plgpu.dot(xk, w_ref[cols, hi])
         k0 = (split * steps + kk) * block_k
         xk, xs = act_operand(xk)
-        a1 = a1 + weight_dot(xk, w_ref[cols, lo], s_ref, k0, h * head_dim, scale_block, xs)
-        a2 = a2 + weight_dot(xk, w_ref[cols, hi], s_ref, k0, h * head_dim + half, scale_block, xs)
-        return a1, a2
+        s1 = tile_scales(s_ref, k0, h * head_dim, half, scale_block)
+        s2 = tile_scales(s_ref, k0, h * head_dim + half, half, scale_block)
+        return (a1 + weight_dot_swapped(w_ref[lo, cols], xk, xs, s1),
+                a2 + weight_dot_swapped(w_ref[hi, cols], xk, xs, s2))
 
-    zeros = jnp.zeros((block_t, half), f32)
+    zeros = jnp.zeros((half, block_t) if fp8 else (block_t, half), f32)
     a1, a2 = jax.lax.fori_loop(0, steps, body, (zeros, zeros))
+    if fp8:  # (the weight's rows were the dots' M: back to token rows for the epilogue)
+        a1, a2 = a1.T, a2.T
 
     def finish(a1, a2):
         a1, a2 = a1.astype(dtype).astype(f32), a2.astype(dtype).astype(f32)  # the projection's output, rounded
@@ -256,22 +270,25 @@ def norm_qkv_rope_write(x: jax.Array, norm_weight: jax.Array, wqkv: jax.Array, c
     `idle_programs`) extra programs read it (its first `prefetch_fraction`) meanwhile, marked evict-last, so it is
     in L2 when its GEMM runs. prefetch_eviction: those loads' L2 policy, "evict_last" or "normal".
 
-    wqkv_scale: a block-FP8 wqkv's (float8_e4m3fn) float32 scales, one per `scale_block` = (bk, bn) block of it
-    (block_k then divides bk); the normed rows meet it quantized to e4m3 per K tile (fp8_tiles.py). k_scale /
+    wqkv_scale: a block-FP8 wqkv's float32 scales, one per `scale_block` = (bk, bn) block of [in, out] (block_k then
+    divides bk); the float8_e4m3fn wqkv comes [(H + 2 KVH) * D, hidden], as checkpoints store it (each dot takes a
+    head half's weight rows as M), and the normed rows meet it quantized to e4m3 per K tile (fp8_tiles.py). k_scale /
     v_scale: float32 [KVH] for a float8_e4m3fn cache, else None.
     """
     tokens, hidden = x.shape
     head_dim = k_cache.shape[-1]
     heads = num_heads + 2 * num_kv_heads
-    why = check_supported(tokens, hidden, wqkv.shape[1], num_heads, num_kv_heads, head_dim, cos.shape[-1])
+    fp8 = wqkv_scale is not None
+    w_kn = wqkv.T if fp8 else wqkv  # (FP8 comes [out, in]: the [in, out] view for the checks)
+    why = check_supported(tokens, hidden, w_kn.shape[1], num_heads, num_kv_heads, head_dim, cos.shape[-1])
     if why is not None:
         raise ValueError(why)
-    if wqkv.shape[0] != hidden or norm_weight.shape != (hidden,) or k_cache.shape[2] != num_kv_heads:
+    if w_kn.shape[0] != hidden or norm_weight.shape != (hidden,) or k_cache.shape[2] != num_kv_heads:
         raise ValueError(f"shapes disagree: {x.shape=} {norm_weight.shape=} {wqkv.shape=} {k_cache.shape=}")
     check_kv_scales(k_cache, k_scale, v_scale)
     fp8_kv = is_fp8(k_cache.dtype)
     scale_block = None if wqkv_scale is None else tuple(scale_block or ())
-    check_scale("wqkv", wqkv, wqkv_scale, scale_block)
+    check_scale("wqkv", w_kn, wqkv_scale, scale_block)
     block_k = default_block_k(hidden, scale_block) if block_k is None else block_k
     if scale_block is not None and scale_block[0] % block_k:
         raise ValueError(f"block_k={block_k} must divide the FP8 scale blocks' height {scale_block[0]}")
@@ -324,7 +341,9 @@ def norm_qkv_rope_write(x: jax.Array, norm_weight: jax.Array, wqkv: jax.Array, c
         in_specs=[
             whole,
             pl.BlockSpec((hidden,), lambda h, s: (0,)),
-            pl.BlockSpec((hidden, head_dim), lambda h, s: (0, jnp.minimum(h, heads - 1))),  # prefetchers: unused
+            # (prefetchers: unused)
+            pl.BlockSpec((head_dim, hidden), lambda h, s: (jnp.minimum(h, heads - 1), 0)) if fp8 else
+            pl.BlockSpec((hidden, head_dim), lambda h, s: (0, jnp.minimum(h, heads - 1))),
             whole, whole, whole,
             pl.BlockSpec((head_dim,), lambda h, s: (0,)),
             pl.BlockSpec((head_dim,), lambda h, s: (0,)),
@@ -336,7 +355,7 @@ def norm_qkv_rope_write(x: jax.Array, norm_weight: jax.Array, wqkv: jax.Array, c
         compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),
         interpret=interpret,
         name=f"norm_qkv_rope_write_k{block_k}_s{k_splits}" + (f"_pf{prefetch_programs}" if prefetch_programs else "")
-        + ("_fp8" if wqkv_scale is not None else "") + ("_kvfp8" if fp8_kv else ""),
+        + ("_fp8_nk" if fp8 else "") + ("_kvfp8" if fp8_kv else ""),
     )(x, norm_weight, wqkv, cos, sin, slot_mapping.astype(jnp.int32), q_norm, k_norm, k_cache.reshape(flat),
       v_cache.reshape(flat), *split_args, *pf_args, *scale_args)
     q, k_out, v_out = res[:3]

@@ -67,13 +67,15 @@ def test_matches_reference(mode, splits, tokens, hidden, heads, kv_heads, dim, p
     rng = np.random.default_rng(tokens * 100 + heads * 10 + dim)
     args = _inputs(rng, tokens, hidden, heads, kv_heads, dim, page_size, qk_norm, dtype, scale_block=scale_block)
     kw = dict(num_heads=heads, num_kv_heads=kv_heads, eps=1e-6)
+    kernel_args = args
     if scale_block is not None:
         args, scale = args
         kw.update(wqkv_scale=scale, scale_block=scale_block)
+        kernel_args = (*args[:2], args[2].T, *args[3:])  # (the kernel reads an FP8 weight [out, in])
     before_k = np.asarray(args[8].astype(jnp.float32))
     # split-K: the counters come back all zero (a buffer shared by the calls of a step)
     counters = None if splits == 1 else jnp.zeros((heads + 2 * kv_heads + 3,), jnp.int32)
-    q, kc, vc, cnt = norm_qkv_rope_write(*args, counters, **kw, block_k=block_k,
+    q, kc, vc, cnt = norm_qkv_rope_write(*kernel_args, counters, **kw, block_k=block_k,
                                          k_splits=None if splits == 1 else splits, interpret=mode == "interpret")
     if splits > 1:
         np.testing.assert_array_equal(np.asarray(cnt), 0)
@@ -117,16 +119,16 @@ def test_fp8_cache_lowers_for_the_gpu():
 
 
 def test_fp8_lowers_for_the_gpu():
-    """Qwen3-8B's q|k|v in FP8 (128 x 128 blocks), split-K, through Pallas' Triton lowering. (With `prefetch` the
-    lowering against an abstract device fails in a reduction's sharding, bf16 alike: not checked here.)"""
+    """Qwen3-8B's q|k|v in FP8 ([out, in], 128 x 128 blocks), split-K, through Pallas' Triton lowering. (With
+    `prefetch` the lowering against an abstract device fails in a reduction's sharding, bf16 alike: unchecked.)"""
     s, b, f8, i32, h = jax.ShapeDtypeStruct, jnp.bfloat16, jnp.float8_e4m3fn, jnp.int32, 4096
     cache = s((64, 16, 8, 128), b)
     text = lower_for_cuda(
         lambda x, n, w, c, sn, sl, qn, kn, k, v, cnt, sc: norm_qkv_rope_write(
             x, n, w, c, sn, sl, qn, kn, k, v, cnt, num_heads=32, num_kv_heads=8, wqkv_scale=sc, scale_block=(128, 128)),
-        s((1, h), b), s((h,), b), s((h, 48 * 128), f8), s((1, 128), b), s((1, 128), b), s((1,), i32), s((128,), b),
+        s((1, h), b), s((h,), b), s((48 * 128, h), f8), s((1, 128), b), s((1, 128), b), s((1,), i32), s((128,), b),
         s((128,), b), cache, cache, s((1024,), i32), s((32, 48), jnp.float32))
-    assert "norm_qkv_rope_write_k128_s2_fp8" in text
+    assert "norm_qkv_rope_write_k128_s2_fp8_nk" in text
 
 
 def test_default_k_splits():
