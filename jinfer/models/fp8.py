@@ -23,7 +23,7 @@ import jax.numpy as jnp
 import numpy as np
 
 __all__ = ["FP8", "FP8_MAX", "Fp8Weight", "concat_columns", "dense", "dequantize_np", "is_fp8", "kernel_layout",
-           "map_columns", "quantize", "quantize_np", "refuse_fp8", "transpose"]
+           "map_columns", "quantize", "quantize_np", "refuse_fp8", "transpose", "transposed_sharding"]
 
 log = logging.getLogger(__name__)
 
@@ -168,14 +168,18 @@ def concat_columns(parts: list) -> jax.Array | Fp8Weight | None:
 KERNEL_LAYOUT_FIELDS = ("w_gate", "w_up", "w_down", "ws_gate", "ws_up", "ws_down", "wo", "wqkv")
 
 
+def transposed_sharding(sharding, ndim: int):
+    """A NamedSharding with its last two axes' partitioning swapped (anything else: None, placement left to JAX)."""
+    if not isinstance(sharding, jax.sharding.NamedSharding):
+        return None
+    spec = (*sharding.spec, *([None] * (ndim - len(sharding.spec))))
+    return jax.sharding.NamedSharding(sharding.mesh, jax.sharding.PartitionSpec(*spec[:-2], spec[-1], spec[-2]))
+
+
 def transpose(q: Fp8Weight) -> Fp8Weight:
     """The weight with its values [out, in] (`Fp8Weight.transposed`), placed on the devices of the [in, out] ones with
     their sharding's spec transposed."""
-    sharding = getattr(q.w, "sharding", None)
-    out = None
-    if isinstance(sharding, jax.sharding.NamedSharding):
-        spec = (*sharding.spec, *([None] * (q.w.ndim - len(sharding.spec))))
-        out = jax.sharding.NamedSharding(sharding.mesh, jax.sharding.PartitionSpec(*spec[:-2], spec[-1], spec[-2]))
+    out = transposed_sharding(getattr(q.w, "sharding", None), q.w.ndim)
     return Fp8Weight(_transposer(out)(q.w), q.scale, q.block, not q.transposed)
 
 

@@ -28,7 +28,7 @@ from tqdm.auto import tqdm
 from jinfer.config.model import NAMED_SHAPES, ModelConfig
 from jinfer.config.quantization import Fp8Config
 from jinfer.models.base import Weights
-from jinfer.models.fp8 import Fp8Weight, quantize
+from jinfer.models.fp8 import KERNEL_LAYOUT_FIELDS, Fp8Weight, quantize, transposed_sharding
 from jinfer.models.registry import assemble_weights, weight_specs
 from jinfer.models.spec import ArrayInfo
 from jinfer.parallel.mesh import fp8_shardings, logical_sharding, make_mesh, put
@@ -200,7 +200,9 @@ def _load_checkpoint(source: ModelSource, specs: dict[str, ArrayInfo], dtype, me
     bar = tqdm(specs.items(), desc=f"loading {source.path.name}", unit="tensor", disable=not progress, leave=False)
     for name, spec in bar:
         if spec.fp8_block is not None and getattr(reader, "stored_fp8", lambda s: False)(spec):
-            arrays[name] = place_fp8(*reader.get_fp8(spec), spec, mesh, expert_parallel)
+            # (the weights the decode kernels read [out, in] stay as the checkpoint stores them: fp8.kernel_layout)
+            out_in = name.rsplit(".", 1)[-1] in KERNEL_LAYOUT_FIELDS and len(spec.shape) == 2 and spec.transpose
+            arrays[name] = place_fp8(*reader.get_fp8(spec), spec, mesh, expert_parallel, out_in)
             continue
         online = spec.fp8_block is not None and source.config.quantization.online
         # (quantized from float32, not from the model's dtype: one rounding, not two)
@@ -228,9 +230,10 @@ def _to_fp8(a: jax.Array, spec: ArrayInfo, mesh: Mesh, expert_parallel: bool) ->
 
 
 def place_fp8(values: np.ndarray, scale: np.ndarray, spec: ArrayInfo, mesh: Mesh,
-              expert_parallel: bool = False) -> Fp8Weight:
+              expert_parallel: bool = False, out_in: bool = False) -> Fp8Weight:
     """A checkpoint's FP8 weight [.., out, in] and its block scales [.., out / bn, in / bk] -> an Fp8Weight in
-    jinfer's [in, out] layout, values and scales sharded alike."""
+    jinfer's [in, out] layout, values and scales sharded alike; `out_in`: the values kept [out, in]
+    (`Fp8Weight.transposed`, their sharding transposed), no host transpose."""
     expected = spec.checkpoint_shape()
     if tuple(values.shape) != expected:
         raise ValueError(f"tensor {spec.hf_name!r} has shape {tuple(values.shape)}, expected {expected}")
@@ -240,9 +243,13 @@ def place_fp8(values: np.ndarray, scale: np.ndarray, spec: ArrayInfo, mesh: Mesh
         raise ValueError(f"the scales of tensor {spec.hf_name!r} have shape {tuple(scale.shape)}, expected {want} "
                          f"(blocks of {spec.fp8_block[::-1]} of the [out, in] weight)")
     if spec.transpose:
-        values, scale = np.swapaxes(values, -1, -2), np.swapaxes(scale, -1, -2)
+        values = values if out_in else np.swapaxes(values, -1, -2)
+        scale = np.swapaxes(scale, -1, -2)
     vs, ss = fp8_shardings(mesh, spec.axes, spec.shape, spec.fp8_block, expert_parallel, spec.hf_name)
-    return Fp8Weight(put(np.ascontiguousarray(values), vs), put(np.ascontiguousarray(scale), ss), spec.fp8_block)
+    if out_in:
+        vs = transposed_sharding(vs, values.ndim)
+    return Fp8Weight(put(np.ascontiguousarray(values), vs), put(np.ascontiguousarray(scale), ss), spec.fp8_block,
+                     out_in)
 
 
 def place(host: np.ndarray, spec: ArrayInfo, dtype, mesh: Mesh, expert_parallel: bool = False) -> jax.Array:
