@@ -173,7 +173,7 @@ class StepExecutables(IdleUnloading):
         extra_outputs = (self._replicated,) * (bool(self.aux_layers) + self.expert_load)
         forward_jit = lambda ops, small, compiler_options={}, **kw: jax.jit(  # noqa: E731
             partial(forward_step, cfg=self.cfg, ops=ops, mesh=self.mesh, specs=specs, aux_layers=self.aux_layers,
-                    **load),
+                    weights_tree=self._weights_tree, **load),
             static_argnames=("dims",), keep_unused=True,  # (logits_out is donated, not read)
             donate_argnames=("kv_cache", "logits_out") if small and not self.cfg.pooling else ("kv_cache",),
             out_shardings=(self._replicated, kv_shardings) + extra_outputs,
@@ -241,7 +241,7 @@ class StepExecutables(IdleUnloading):
         dims = (T, B, P, R + T if prompt_logits else R)
         buf = jax.ShapeDtypeStruct((sum(batch_sizes(*dims)),), jnp.int32, sharding=self._replicated)
         logits = jax.ShapeDtypeStruct(self.logits_out_shape(dims[3], T), jnp.float32, sharding=self._replicated)
-        compiled = self._add_executable(key, jitted, (self.weights, buf, self.kv_cache, self._prev_spec, logits,
+        compiled = self._add_executable(key, jitted, (self.weight_leaves, buf, self.kv_cache, self._prev_spec, logits,
                                                       *self._all_reduce_table), background,
                                         dims=dims)
         if T <= COMMAND_BUFFER_MAX_TOKENS:

@@ -96,6 +96,9 @@ class ModelRunner(StepExecutables):
         the verify steps' executables (`executables.py`). `expert_load`: the forward also returns the MoE layers'
         expert counts (`Launched.expert_load`, read back with the step: jinfer/engine/expert_load.py)."""
         self.cfg, self.weights, self.mesh, self.ops = cfg, weights, mesh, ops
+        # the forward takes the weights as flat leaves (device_step.forward_step's `weights_tree`)
+        self.weight_leaves, self._weights_tree = jax.tree.flatten(weights)
+        self.weight_leaves = tuple(self.weight_leaves)
         self.aux_layers, self._aux = tuple(aux_layers), None
         self.expert_load, self._load = bool(expert_load), None
         self.page_size = page_size
@@ -326,7 +329,7 @@ class ModelRunner(StepExecutables):
         out = self._logits_out.pop(rows, None) if keep else self._placeholder
         if out is None:
             out = put(np.zeros(self.logits_out_shape(rows, T), np.float32), self._replicated)
-        logits, self.kv_cache, *extra = forward(self.weights, buf, self.kv_cache, self._last_tokens, out,
+        logits, self.kv_cache, *extra = forward(self.weight_leaves, buf, self.kv_cache, self._last_tokens, out,
                                                 *self._all_reduce_table)
         if keep:
             self._logits_out[rows] = logits

@@ -198,7 +198,7 @@ def test_verify_steps_take_the_paged_decode_kernel(plain):
     P = runner.page_buckets[-1]
     buf = jax.ShapeDtypeStruct((sum(batch_sizes(8, 4, P, 8)),), jnp.int32)
     logits = jax.ShapeDtypeStruct(runner.logits_out_shape(8, 8), jnp.float32)
-    jaxpr = str(jax.make_jaxpr(runner.forward_executable(8, 4, P, 4))(runner.weights, buf, runner.kv_cache,
+    jaxpr = str(jax.make_jaxpr(runner.forward_executable(8, 4, P, 4))(runner.weight_leaves, buf, runner.kv_cache,
                                                                        runner._prev_spec, logits))
     assert "paged_decode_attention_ppb" in jaxpr and "_q4" in jaxpr and "ragged_prefill_attention" not in jaxpr
 
