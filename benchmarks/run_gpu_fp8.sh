@@ -8,6 +8,8 @@
 #            $OUT/fp8_latency_<shape>.json (every process, the medians, FP8 / bf16; benchmarks/latency_summary.py)
 #   ttft     TTFT of one 4096-token prompt, dummy:<shape> and <shape>-fp8, ROUNDS alternating processes x 3 runs:
 #            $OUT/ttft4k_<shape>[-fp8]_<round>.json
+#   hostprof where the host's time of a batch-1 decode step goes, <shape> and <shape>-fp8 (benchmarks/host_profile.py:
+#            cProfile and XLA's host events; FP8 passes 180 more buffers to the forward): $OUT/host_profile_<shape>*.txt
 #   SHAPE=qwen3-8b ROUNDS=3 BATCHES="1 8" bash benchmarks/run_gpu_fp8.sh
 #   PARTS=tests,moe,latency SHAPE=qwen3-30b-a3b TIMEOUT=600 ROUNDS=2 bash benchmarks/run_gpu_fp8.sh   # the MoE
 set -uo pipefail
@@ -47,5 +49,15 @@ if [[ $PARTS == *latency* ]]; then
     done
     python3 -m benchmarks.latency_summary "$OUT/fp8_latency_${SHAPE}.json" bf16="/tmp/fp8ab/${SHAPE}_*.json" \
       fp8="/tmp/fp8ab/${SHAPE}-fp8_*.json"  # after every round (time limits)
+  done
+fi
+if [[ $PARTS == *hostprof* ]]; then
+  for s in "$SHAPE" "$SHAPE-fp8"; do
+    timeout "$TIMEOUT" python3 -m benchmarks.host_profile --shape "$s" --batch-size 1 --output-len 128 --top 40 \
+      --profile "/tmp/hostprof_$s" --out "$OUT/host_profile_${s}_$TAG.txt" > "/tmp/hostprof_$s.log" 2>&1
+    steps=$(grep -h "^trace" "/tmp/hostprof_$s.log" | awk '{print $2}')
+    grep -h "^median" "/tmp/hostprof_$s.log"; echo "== $s: $steps steps"
+    [[ -n $steps ]] && python3 -m benchmarks.trace_summary "$(find "/tmp/hostprof_$s" -name '*.trace.json.gz' | head -1)" \
+      --steps "$steps" --top 30 | grep -v "^ *[0-9.]* + " | head -50
   done
 fi
