@@ -17,6 +17,7 @@ def summarize(groups: dict[str, str]) -> dict:
     for label, pattern in groups.items():
         files = sorted(glob.glob(pattern))  # (a process that failed wrote none)
         tpot: dict[int, list[float]] = {}
+        ttft: dict[int, list[float]] = {}
         roof: dict[int, float] = {}
         head: dict = {}
         for f in files:
@@ -25,11 +26,14 @@ def summarize(groups: dict[str, str]) -> dict:
                                           "speculative_config", "replay_acceptance", "async_scheduling")}
             for row in d["rows"]:
                 tpot.setdefault(row["batch_size"], []).append(row["tpot_ms"])
+                if "ttft_ms" in row:
+                    ttft.setdefault(row["batch_size"], []).append(row["ttft_ms"])
                 roof[row["batch_size"]] = row["roofline_tpot_ms"]
         median = {b: statistics.median(v) for b, v in tpot.items()}
         out["configurations"][label] = {
             **head, "files": files, "tpot_ms": tpot, "tpot_ms_median": median, "roofline_tpot_ms": roof,
-            "tpot_over_roofline": {b: median[b] / roof[b] for b in median}}
+            "tpot_over_roofline": {b: median[b] / roof[b] for b in median},
+            "ttft_ms": ttft, "ttft_ms_median": {b: statistics.median(v) for b, v in ttft.items()}}
     configs = out["configurations"]
     first = next(iter(configs.values()), None)
     if first is not None:

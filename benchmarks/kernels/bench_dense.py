@@ -3,6 +3,7 @@
     python -m benchmarks.kernels.bench_dense mlp                    # fused SwiGLU MLP vs XLA at Qwen3-4B shapes
     python -m benchmarks.kernels.bench_dense skinny_gemm [OUT.json]  # skinny GEMM launch sweep vs XLA
     python -m benchmarks.kernels.bench_dense fp8 [OUT.json]          # bf16 vs block-FP8 weights at Qwen3-8B shapes
+    python -m benchmarks.kernels.bench_dense fp8_skinny [OUT.json]   # FP8 skinny GEMM launch sweep
 
 On CPU: tiny shapes in the interpreter, to check the script.
 """
@@ -228,7 +229,48 @@ def bench_fp8(argv: list[str] | None = None) -> None:
             json.dump({"device": jax.devices()[0].device_kind, "jax": jax.__version__, "results": rows}, f, indent=1)
 
 
-BENCHMARKS = {"mlp": bench_mlp, "skinny_gemm": bench_skinny_gemm, "fp8": bench_fp8}
+def bench_fp8_skinny(argv: list[str] | None = None) -> None:
+    """Block-FP8 skinny GEMMs at Qwen3-8B's o / gate / down shapes, 1 / 8 tokens: the default launch and a sweep of K
+    splits, stages and warps; device time per call over distinct weight copies and weight bytes / time. JSON to
+    argv[0]."""
+    from jinfer.models.fp8 import quantize
+
+    argv = argv or []
+    interpret = jax.default_backend() != "gpu"
+    block = (128, 128)
+    shapes = {"o": (256, 256), "down": (512, 256)} if interpret else \
+        {"o": (4096, 4096), "gate": (4096, 12288), "down": (12288, 4096)}
+    configs = [dict()] + [dict(k_splits=ks, num_stages=ns, num_warps=nw) for ks in (4, 8) for ns in (3, 4)
+                          for nw in (4, 8)]
+    if interpret:
+        configs = configs[:2]
+    rows = []
+    for name, (k, n) in shapes.items():
+        w = jax.random.normal(jax.random.key(1), (k, n), jnp.float32) * k**-0.5
+        q = quantize(w, block)
+        nbytes = q.w.nbytes + q.scale.nbytes
+        copies = 1 if interpret else max(2, -(-400_000_000 // nbytes))
+        wcopies = [(jnp.array(q.w.T, copy=True), q.scale) for _ in range(copies)]
+        for tokens in (1, 8):
+            x = jax.random.normal(jax.random.key(0), (tokens, k), jnp.bfloat16)
+            for cfg in configs:
+                if "k_splits" in cfg and cfg["k_splits"] * 128 * 8 > k:  # (each split >= 8 tiles)
+                    continue
+                fn = functools.partial(skinny_gemm, scale_block=block, interpret=interpret, **cfg)
+                row = {"kernel": name, "tokens": tokens, **cfg}
+                try:
+                    t = _time_us(lambda x, ws_, fn=fn: fn(x, *ws_), x, wcopies, reps=2 if interpret else 10)
+                    row.update(time_us=t, weight_bytes=nbytes, tb_per_s=nbytes / t / 1e6)
+                except Exception as e:  # a launch that does not compile: recorded, the others still run
+                    row["error"] = str(e)[:200]
+                rows.append(row)
+                print(json.dumps(row), flush=True)
+    if argv:
+        with open(argv[0], "w") as f:
+            json.dump({"device": jax.devices()[0].device_kind, "jax": jax.__version__, "results": rows}, f, indent=1)
+
+
+BENCHMARKS = {"mlp": bench_mlp, "skinny_gemm": bench_skinny_gemm, "fp8": bench_fp8, "fp8_skinny": bench_fp8_skinny}
 
 def main(argv: list[str] | None = None) -> None:
     run_subcommand(BENCHMARKS, __spec__.name, __doc__, argv)

@@ -27,7 +27,7 @@ from jinfer.config.model import ModelConfig
 from jinfer.config.pooling import resolve_runner
 from jinfer.engine.runner import ModelRunner
 from jinfer.engine.scheduler import Scheduler
-from jinfer.engine.spawn import MEM_FRACTION
+from jinfer.engine.spawn import set_jax_env_defaults
 from jinfer.generation_config import load_generation_defaults
 from jinfer.models.fp8 import FP8, kernel_layout
 from jinfer.models.registry import shard_weights, state_specs
@@ -243,7 +243,7 @@ def build_engine(config: EngineConfig, tokenizer: Tokenizer | None = None, specu
     from jax._src import xla_bridge
 
     if not xla_bridge.backends_are_initialized():
-        os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", MEM_FRACTION)
+        set_jax_env_defaults()
     # Several processes: join the group before anything starts JAX's backends (jinfer/parallel/multihost.py).
     group = join(config.nnodes, config.node_rank, config.master_addr, config.master_port,
                  peer_timeout_s=config.peer_timeout_s)

@@ -55,9 +55,9 @@ from jinfer.engine.protocol import (
     encode,
 )
 from jinfer.engine.spawn import (  # noqa: F401 (re-exported)
-    MEM_FRACTION,
     config_to_dict,
     default_address,
+    set_jax_env_defaults,
     start_engine_process,
 )
 from jinfer.engine.stats_log import StatsLogger
@@ -97,7 +97,7 @@ def _default_core_factory(config: dict[str, Any]) -> Any:
         # JAX's backend (on a GPU: the CUDA context and memory pool, ~0.7 s on an H100) starts in a thread
         # while this one imports the engine's modules. JAX itself is imported here first (~1.5 s there; the
         # engine's modules need it anyway), so the two threads never import the same modules at once.
-        os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", MEM_FRACTION)
+        set_jax_env_defaults()
         import jax  # noqa: F401
 
         threading.Thread(target=_start_backend, name="jinfer-backend", daemon=True).start()
@@ -449,11 +449,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--core-factory", default=None, help="module:callable building the core (tests)")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    # Before JAX starts its backend. XLA's default GPU allocator (BFC) keeps a host-side table of 8
-    # bytes per 256 bytes of its pool: 1.9 GB of host RSS for the ~60 GB pool of an 80 GB H100. CUDA's
-    # stream-ordered pool (cudaMallocAsync) has none and measured as fast (batch-1 TPOT 6.41 vs 6.44 ms,
-    # throughput 37.1k vs 37.0k tok/s on one H100). Set the variable to choose another allocator.
-    os.environ.setdefault("XLA_PYTHON_CLIENT_ALLOCATOR", "cuda_async")
+    set_jax_env_defaults()  # before JAX starts its backend
     if args.parent_pid is not None:
         watch_parent(args.parent_pid, args.owned_ipc_dir)
     code = 1

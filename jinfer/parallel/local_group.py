@@ -24,7 +24,7 @@ import sys
 from typing import Any
 
 from jinfer.config.engine import EngineConfig
-from jinfer.engine.spawn import MEM_FRACTION, child_env
+from jinfer.engine.spawn import child_env, set_jax_env_defaults
 
 log = logging.getLogger(__name__)
 
@@ -84,7 +84,7 @@ def spread(config: dict[str, Any]) -> tuple[dict[str, Any], list[subprocess.Pope
                          f"{len(gpus)}")
     group = dict(config, nnodes=tp, node_rank=0, master_addr="127.0.0.1", master_port=_free_port(),
                  distributed_executor_backend="uni")
-    os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", MEM_FRACTION)  # as one engine process on its GPUs
+    set_jax_env_defaults()  # as one engine process on its GPUs
     followers = []
     try:
         for rank in range(1, tp):

@@ -117,7 +117,9 @@ def default_config(k: int, n: int, scale_block: tuple[int, int] | None = None) -
     k_splits = 1
     while (n // block_n) * k_splits < 264 and k % (k_splits * 2 * block_k) == 0 and k // (k_splits * 2) >= 8 * block_k:
         k_splits *= 2
-    return {"block_n": block_n, "block_k": block_k, "k_splits": k_splits, "num_warps": 4, "num_stages": 4}
+    # FP8: 8 warps (Qwen3-8B's o on the H200: 10.0 / 10.3 us at 1 / 8 tokens against 10.8 / 11.0 with 4)
+    num_warps = 4 if scale_block is None else 8
+    return {"block_n": block_n, "block_k": block_k, "k_splits": k_splits, "num_warps": num_warps, "num_stages": 4}
 
 
 # ----------------------------------------------------------------------------------------------

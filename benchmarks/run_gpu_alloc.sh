@@ -1,0 +1,56 @@
+#!/usr/bin/env bash
+# XLA's GPU allocator and command-buffer update mode, A/B on engine TPOT (one GPU). A command buffer (CUDA graph)
+# records device addresses; when an execution's temp buffer lands elsewhere than the last one's, XLA re-records
+# every command that uses it (~1 ms a step for Qwen3-8B's 297 commands). VARIANTS (space list) of:
+#   default      the engine's own choice (jinfer/engine/spawn.py set_jax_env_defaults: CUDA's stream-ordered pool)
+#   bfc          XLA's default allocator (BFC)
+#   cuda_async   CUDA's stream-ordered pool, set from outside
+#   skip_temp    --xla_gpu_command_buffer_update_mode=SKIP_TEMP: temps at stable virtual addresses (VMM allocator)
+# PARTS (comma list; default latency):
+#   latency    for every round, variant and shape (SHAPES): bench_latency at BATCHES; $OUT/alloc_latency_<shape>.json
+#              (benchmarks/latency_summary.py: every process, TPOT and TTFT medians, each variant over the first)
+#   cbupdates  XLA's log of command-buffer updates during a batch-1 decode (host_profile, the engine's allocator):
+#              how often a step's command buffer is re-recorded, for how many allocations and commands, and in how
+#              many us; $OUT/command_buffer_updates_<shape>_b1.txt
+#   ROUNDS=3 SHAPES="qwen3-8b-fp8 qwen3-8b" bash benchmarks/run_gpu_alloc.sh
+set -uo pipefail
+source benchmarks/gpu_env.sh
+PARTS=${PARTS:-latency}; VARIANTS=${VARIANTS:-default bfc skip_temp}; SHAPES=${SHAPES:-qwen3-8b-fp8 qwen3-8b}
+ROUNDS=${ROUNDS:-3}; BATCHES=${BATCHES:-1 8}; TIMEOUT=${TIMEOUT:-120}; OUTPUT_LEN=${OUTPUT_LEN:-128}
+mkdir -p /tmp/allocab
+variant_env() {
+  case $1 in
+    default) ;;
+    bfc) echo "XLA_PYTHON_CLIENT_ALLOCATOR=bfc" ;;
+    cuda_async) echo "XLA_PYTHON_CLIENT_ALLOCATOR=cuda_async" ;;
+    skip_temp) echo "XLA_FLAGS=--xla_gpu_command_buffer_update_mode=SKIP_TEMP" ;;
+    *) echo "unknown variant $1" >&2; exit 2 ;;
+  esac
+}
+if [[ $PARTS == *cbupdates* ]]; then
+  for s in $SHAPES; do
+    TF_CPP_VMODULE=command_buffer_thunk=3,command_executor=1 TF_CPP_MIN_LOG_LEVEL=0 timeout "$TIMEOUT" \
+      python3 -m benchmarks.host_profile --shape "$s" --batch-size 1 --output-len 64 --runs 1 --top 3 > "/tmp/vlog_$s.txt" 2>&1
+    { grep -E "^median" "/tmp/vlog_$s.txt"; grep -E "Update command buffer|Updated [0-9]+ commands" "/tmp/vlog_$s.txt" \
+      | sed 's/^.*\] //' | sort | uniq -c | sort -rn; } > "$OUT/command_buffer_updates_${s}_b1.txt"
+    echo "== $s"; head -8 "$OUT/command_buffer_updates_${s}_b1.txt"
+  done
+fi
+[[ $PARTS == *latency* ]] || exit 0
+for r in $(seq "$ROUNDS"); do
+  for v in $VARIANTS; do
+    for s in $SHAPES; do
+      env $(variant_env "$v") timeout "$TIMEOUT" python3 -m benchmarks.bench_latency --shape "$s" --batch-sizes $BATCHES \
+        --input-len 1024 --output-len "$OUTPUT_LEN" --repeat 1 --out "/tmp/allocab/${s}@${v}_$r.json" 2>&1 \
+        | grep -E "^batch|Error" | sed "s/^/[$s $v $r] /"
+    done
+  done
+  for s in $SHAPES; do  # after every round (time limits)
+    python3 -m benchmarks.latency_summary "$OUT/alloc_latency_${s}.json" \
+      $(for v in $VARIANTS; do echo "$v=/tmp/allocab/${s}@${v}_*.json"; done) > /dev/null
+  done
+done
+for s in $SHAPES; do
+  python3 -c "import json,sys; d=json.load(open(sys.argv[1])); print(sys.argv[1], json.dumps({k: v for k, v in d.items() if k.startswith('median_over')}))" "$OUT/alloc_latency_${s}.json"
+  python3 -c "import json,sys; d=json.load(open(sys.argv[1])); [print(k, c['tpot_ms']) for k, c in d['configurations'].items()]" "$OUT/alloc_latency_${s}.json"
+done
