@@ -3,7 +3,7 @@
     python -m benchmarks.kernels.bench_dense mlp                    # fused SwiGLU MLP vs XLA at Qwen3-4B shapes
     python -m benchmarks.kernels.bench_dense skinny_gemm [OUT.json]  # skinny GEMM launch sweep vs XLA
     python -m benchmarks.kernels.bench_dense fp8 [OUT.json]          # bf16 vs block-FP8 weights at Qwen3-8B shapes
-    python -m benchmarks.kernels.bench_dense fp8_skinny [OUT.json]   # FP8 skinny GEMM launch sweep
+    python -m benchmarks.kernels.bench_dense fp8_skinny [OUT.json]   # FP8 skinny GEMMs: Triton vs Mosaic GPU
 
 On CPU: tiny shapes in the interpreter, to check the script.
 """
@@ -230,20 +230,30 @@ def bench_fp8(argv: list[str] | None = None) -> None:
 
 
 def bench_fp8_skinny(argv: list[str] | None = None) -> None:
-    """Block-FP8 skinny GEMMs at Qwen3-8B's o / gate / down shapes, 1 / 8 tokens: the default launch and a sweep of K
-    splits, stages and warps; device time per call over distinct weight copies and weight bytes / time. JSON to
-    argv[0]."""
+    """Block-FP8 skinny GEMMs [N, K] weights at Qwen3-8B's o / gate|up (both in one weight) / down shapes, 1 / 16
+    tokens: the Triton kernel (skinny_gemm.py: e4m3 rows per 128 columns quantized in every program; its default
+    launch and a sweep of K splits, stages and warps) against the Mosaic GPU one (fp8_gemv_mgpu.py: TMA ring, rows
+    quantized per token once, before it; its default and a sweep of block_n, K splits and ring depth). Device time per
+    call (the quantization's own kernel included) over distinct weight copies, and weight bytes / time. `--impl
+    triton|mgpu` runs one. JSON to argv[0]."""
     from jinfer.models.fp8 import quantize
+    from pallas_kernels.dense.fp8_gemv_mgpu import fp8_gemv_mgpu
 
-    argv = argv or []
+    argv = list(argv or [])
+    impls = ("triton", "mgpu")
+    if "--impl" in argv:
+        i = argv.index("--impl")
+        impls, argv = (argv[i + 1],), argv[:i] + argv[i + 2:]
     interpret = jax.default_backend() != "gpu"
     block = (128, 128)
     shapes = {"o": (256, 256), "down": (512, 256)} if interpret else \
-        {"o": (4096, 4096), "gate": (4096, 12288), "down": (12288, 4096)}
-    configs = [dict()] + [dict(k_splits=ks, num_stages=ns, num_warps=nw) for ks in (4, 8) for ns in (3, 4)
-                          for nw in (4, 8)]
+        {"o": (4096, 4096), "gate_up": (4096, 24576), "down": (12288, 4096)}
+    triton = [dict()] + [dict(k_splits=ks, num_stages=3, num_warps=nw) for ks in (4, 8) for nw in (4, 8)]
+    mgpu = [dict()] + [dict(block_n=bn, k_splits=ks, max_steps=ms) for bn in (64, 128) for ks in (1, 2, 4)
+                       for ms in (4, 8)]
+    configs = [("triton", c) for c in triton if "triton" in impls] + [("mgpu", c) for c in mgpu if "mgpu" in impls]
     if interpret:
-        configs = configs[:2]
+        configs = [c for c in configs if not c[1]]
     rows = []
     for name, (k, n) in shapes.items():
         w = jax.random.normal(jax.random.key(1), (k, n), jnp.float32) * k**-0.5
@@ -251,13 +261,14 @@ def bench_fp8_skinny(argv: list[str] | None = None) -> None:
         nbytes = q.w.nbytes + q.scale.nbytes
         copies = 1 if interpret else max(2, -(-400_000_000 // nbytes))
         wcopies = [(jnp.array(q.w.T, copy=True), q.scale) for _ in range(copies)]
-        for tokens in (1, 8):
+        for tokens in (1, 16):
             x = jax.random.normal(jax.random.key(0), (tokens, k), jnp.bfloat16)
-            for cfg in configs:
+            for impl, cfg in configs:
                 if "k_splits" in cfg and cfg["k_splits"] * 128 * 8 > k:  # (each split >= 8 tiles)
                     continue
-                fn = functools.partial(skinny_gemm, scale_block=block, interpret=interpret, **cfg)
-                row = {"kernel": name, "tokens": tokens, **cfg}
+                kernel = skinny_gemm if impl == "triton" else fp8_gemv_mgpu
+                fn = functools.partial(kernel, scale_block=block, interpret=interpret, **cfg)
+                row = {"kernel": name, "tokens": tokens, "impl": impl, **cfg}
                 try:
                     t = _time_us(lambda x, ws_, fn=fn: fn(x, *ws_), x, wcopies, reps=2 if interpret else 10)
                     row.update(time_us=t, weight_bytes=nbytes, tb_per_s=nbytes / t / 1e6)

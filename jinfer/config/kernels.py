@@ -35,6 +35,9 @@ The defaults are the measured choices (H100 figures; docs/performance.md has the
   (FP8 routed experts take the Triton grouped GEMMs at every step size.) The kernels meet an FP8 tile with the
   activations quantized to e4m3 per row and 128 columns (pallas_kernels/dense/fp8_tiles.py): Qwen3-8B TPOT 5.66 vs
   6.41 ms at batch 1 against tiles converted to bf16 in registers (fp8mode_*_h200.json).
+- fp8_mosaic_gemv: the A/B switch (off) of an unmeasured path: decode steps of <= 16 tokens with block-FP8 (128 x 128)
+  weights run o, gate, up and down on the Mosaic GPU skinny GEMM (pallas_kernels/dense/fp8_gemv_mgpu.py: a TMA ring,
+  the rows quantized per token once) instead of the Triton kernels; the MLP's norm and SwiGLU are XLA's then.
 - one_shot_all_reduce_bytes: a sharded step's reductions of up to this many bytes a device run as our one-shot
   all-reduce over NVLink peer memory (pallas_kernels/all_reduce.py) instead of XLA's NCCL all-reduce; 0: always
   XLA's; None (the default): the kernel's whole range (1 MB) where each process drives one GPU, 16 KB where one
@@ -58,6 +61,10 @@ The defaults are the measured choices (H100 figures; docs/performance.md has the
   before them in the absorbed form (2176, no decompression); shorter ones absorbed only; 0: never expanded. Unmeasured
   default (until measured: run_gpu_deepseek.sh mla): the FLOP break-even of decompressing a new token (2 x 512 x 256 a
   head) against the absorbed form's extra 1536 a key is ~170 keys, less with the absorbed tiles' slower dots.
+- small_step_skip_temp: the A/B switch (off) of an unmeasured choice: small steps' executables compiled with XLA's
+  command-buffer update mode SKIP_TEMP (their temp buffers at stable virtual addresses: no re-recording when the
+  allocator places a step's temp elsewhere, ~1 ms a FP8 Qwen3-8B step); it takes effect with the VMM allocator
+  (XLA_PYTHON_CLIENT_ALLOCATOR=vmm). Globally (XLA_FLAGS), SKIP_TEMP made batch-8 TTFT 3.6x (docs/performance.md).
 - xla_dot_merger: XLA's dot merger in large (prefill) steps. Off: it merged the MLP's x @ w_gate and x @ w_up by
   concatenating the two weights anew in every layer of every prefill step (60 us a layer for Qwen3.5-4B).
 """
@@ -82,8 +89,10 @@ ENV_FIELDS = {
     "JINFER_PREFETCH_O": "prefetch_o",
     "JINFER_PREFETCH_EVICTION": "prefetch_eviction",
     "JINFER_XLA_DOT_MERGER": "xla_dot_merger",
+    "JINFER_SMALL_STEP_SKIP_TEMP": "small_step_skip_temp",
     "JINFER_FP8_SKINNY_O": "fp8_skinny_o",
     "JINFER_FP8_MAX_TOKENS": "fp8_max_tokens",
+    "JINFER_FP8_MOSAIC_GEMV": "fp8_mosaic_gemv",
     "JINFER_ONE_SHOT_ALL_REDUCE_BYTES": "one_shot_all_reduce_bytes",
     "JINFER_ONE_SHOT_ALL_GATHER_BYTES": "one_shot_all_gather_bytes",
     "JINFER_VERIFY_MAX_QUERY_LEN": "verify_max_query_len",
@@ -110,8 +119,10 @@ class KernelPolicy:
     mosaic_moe_min_rows_per_expert: int = 128
     pad_vector_dots: bool = True
     xla_dot_merger: bool = False
+    small_step_skip_temp: bool = False
     fp8_skinny_o: bool = True
     fp8_max_tokens: int = 16
+    fp8_mosaic_gemv: bool = False
     one_shot_all_reduce_bytes: int | None = None  # None: by the layout (`all_reduce_limit`)
     one_shot_all_gather_bytes: int = 1 << 20
     verify_max_query_len: int = 8
@@ -145,7 +156,8 @@ class KernelPolicy:
             raise ValueError(f"prefetch_o={self.prefetch_o!r} must be a fraction in [0, 1]")
         if self.prefetch_eviction not in EVICTION_POLICIES:
             raise ValueError(f"prefetch_eviction={self.prefetch_eviction!r} must be one of {EVICTION_POLICIES}")
-        for name in ("pad_vector_dots", "xla_dot_merger", "fp8_skinny_o", "mla_ragged_kernel"):
+        for name in ("pad_vector_dots", "xla_dot_merger", "small_step_skip_temp", "fp8_skinny_o", "fp8_mosaic_gemv",
+                     "mla_ragged_kernel"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name}={getattr(self, name)!r} must be a bool")
         object.__setattr__(self, "launch", _launch_tuple(self.launch))
@@ -168,6 +180,10 @@ class KernelPolicy:
         launch[kernel] = launch.get(kernel, {}) | args
         return dataclasses.replace(self, launch=launch)
 
+    def small_step_xla_options(self) -> dict[str, object]:
+        """XLA compiler options for the executables of small (command-buffer) steps that the policy decides."""
+        return {"xla_gpu_command_buffer_update_mode": "SKIP_TEMP"} if self.small_step_skip_temp else {}
+
     def large_step_xla_options(self) -> dict[str, object]:
         """XLA compiler options for the executables of large (prefill) steps that the policy decides."""
         return {} if self.xla_dot_merger else {"xla_gpu_dot_merger_threshold_mb": 0}
@@ -178,7 +194,8 @@ class KernelPolicy:
         benchmarks only: nothing below them reads the environment.
 
         JINFER_PALLAS_MLP_TOKENS="1,8" (a list of token counts, "" none); JINFER_XLA_DOT_MERGER=1 (XLA's default),
-        JINFER_FP8_SKINNY_O / JINFER_MLA_RAGGED_KERNEL=0 / 1; the others take the field's value."""
+        JINFER_SMALL_STEP_SKIP_TEMP / JINFER_FP8_SKINNY_O / JINFER_FP8_MOSAIC_GEMV / JINFER_MLA_RAGGED_KERNEL=0 / 1;
+        the others take the field's value."""
         environ = os.environ if environ is None else environ
         for var, name in ENV_FIELDS.items():
             text = environ.get(var)
@@ -187,7 +204,8 @@ class KernelPolicy:
             try:
                 if name == "pallas_mlp_tokens":
                     value = tuple(int(t) for t in text.split(",") if t)
-                elif name in ("xla_dot_merger", "fp8_skinny_o", "mla_ragged_kernel"):
+                elif name in ("xla_dot_merger", "small_step_skip_temp", "fp8_skinny_o", "fp8_mosaic_gemv",
+                              "mla_ragged_kernel"):
                     value = text == "1"
                 elif name == "prefetch_o":
                     value = float(text)

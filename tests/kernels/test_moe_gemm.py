@@ -21,7 +21,7 @@ from pallas_kernels.moe.moe_gemm import (
     moe_gate_up_reference,
 )
 from pallas_kernels.moe.moe_routing import moe_route_reference
-from tests.kernels.conftest import assert_close, by_mode, lower_for_cuda
+from tests.kernels.conftest import assert_close, by_mode, lower_for_cuda, normal
 
 # The rows' e4m3 rounding (~3% a value) against unquantized rows, as the relative RMS of the outputs: measured
 # 0.034-0.045 on FP8_CASES, 0.019 on the model's block; bounded at ~2x.
@@ -42,13 +42,12 @@ CASES = [  # tokens, experts, hidden, intermediate, top_k, block_m
 
 
 def setup(tokens, experts, hidden, inter, top_k, block_m, dtype):
-    ks = jax.random.split(jax.random.key(tokens + experts + hidden), 5)
-    w = lambda k, shape: (jax.random.normal(k, shape, jnp.float32) * hidden**-0.5).astype(dtype)  # noqa: E731
-    x = jax.random.normal(ks[0], (tokens, hidden), jnp.float32).astype(dtype)
-    logits = jax.random.normal(ks[1], (tokens, experts), jnp.float32)
+    rng = np.random.default_rng(tokens + experts + hidden)
+    w = lambda shape: normal(rng, shape, dtype, hidden**-0.5)  # noqa: E731
+    x = normal(rng, (tokens, hidden), dtype)
+    logits = normal(rng, (tokens, experts))
     r = moe_route_reference(logits, top_k=top_k, block_m=block_m)
-    return x, logits, r, w(ks[2], (experts, hidden, inter)), w(ks[3], (experts, hidden, inter)), \
-        w(ks[4], (experts, inter, hidden))
+    return x, logits, r, w((experts, hidden, inter)), w((experts, hidden, inter)), w((experts, inter, hidden))
 
 
 DTYPES = [(jnp.float32, "f32"), (jnp.bfloat16, "bf16")]
@@ -195,13 +194,13 @@ def test_model_moe_block_mosaic_path_matches_reference(monkeypatch):
     monkeypatch.setattr(mgpu, "moe_grouped_matmul_mgpu", lambda *a, **kw: (calls.append(1), real(*a, **kw))[1])
     # 128 rows per expert on average (the threshold), in as few rows as it takes: the interpreter's time grows with them
     e, hidden, inter, top_k, tokens = 2, 128, 128, 1, 256
-    ks = jax.random.split(jax.random.key(0), 9)
-    w = lambda k, s: (jax.random.normal(k, s) * hidden**-0.5).astype(jnp.bfloat16)  # noqa: E731
-    wg, wu, wd = w(ks[0], (e, hidden, inter)), w(ks[1], (e, hidden, inter)), w(ks[2], (e, inter, hidden))
-    router = w(ks[3], (hidden, e)) * 8
-    x = jax.random.normal(ks[4], (tokens, hidden)).astype(jnp.bfloat16)
+    rng = np.random.default_rng(0)
+    w = lambda s, scale=1.0: normal(rng, s, jnp.bfloat16, scale * hidden**-0.5)  # noqa: E731
+    wg, wu, wd = w((e, hidden, inter)), w((e, hidden, inter)), w((e, inter, hidden))
+    router = w((hidden, e), 8.0)
+    x = normal(rng, (tokens, hidden), jnp.bfloat16)
     norm = jnp.ones(hidden, jnp.bfloat16)
-    shared = (w(ks[5], (hidden, 64)), w(ks[6], (hidden, 64)), w(ks[7], (64, hidden)), w(ks[8], (hidden, 1)))
+    shared = (w((hidden, 64)), w((hidden, 64)), w((64, hidden)), w((hidden, 1)))
     # (top-1: the weights are the router's probabilities; the gated shared expert beside the routed ones)
     kw = dict(top_k=top_k, renormalize=False, eps=1e-6, shared=shared)
     out, _ = ModelOps("pallas", interpret=True, mosaic_prefill=True).moe_block(x, norm, router, wg, wu, wd, **kw)
@@ -218,16 +217,14 @@ def test_model_moe_block_fp8_experts_on_the_kernels():
     from jinfer.ops import ModelOps
 
     e, hidden, inter, shared_inter, top_k, tokens, block = 4, 64, 32, 32, 2, 3, (16, 16)
-    ks = jax.random.split(jax.random.key(1), 9)
-    w = lambda k, s: jax.random.normal(k, s) * hidden**-0.5  # noqa: E731
-    wg, wu, wd = (quantize(w(k, s), block) for k, s in zip(ks[:3], ((e, hidden, inter), (e, hidden, inter),
-                                                                    (e, inter, hidden)), strict=True))
-    shared = tuple(quantize(w(k, s), block) for k, s in zip(ks[3:7], ((hidden, shared_inter), (hidden, shared_inter),
-                                                                      (shared_inter, hidden), (hidden, 1)),
-                                                             strict=True))
+    rng = np.random.default_rng(1)
+    w = lambda s, scale=1.0: normal(rng, s, scale=scale * hidden**-0.5)  # noqa: E731
+    wg, wu, wd = (quantize(w(s), block) for s in ((e, hidden, inter), (e, hidden, inter), (e, inter, hidden)))
+    shared = tuple(quantize(w(s), block) for s in ((hidden, shared_inter), (hidden, shared_inter),
+                                                   (shared_inter, hidden), (hidden, 1)))
     shared = (*(fp8.transpose(q) for q in shared[:3]), shared[3])  # (the fused MLP's FP8 [out, in]: kernel_layout)
-    router = w(ks[7], (hidden, e)) * 8
-    x = jax.random.normal(ks[8], (tokens, hidden))
+    router = w((hidden, e), 8.0)
+    x = normal(rng, (tokens, hidden))
     norm = jnp.ones(hidden)
     kw = dict(top_k=top_k, renormalize=True, eps=1e-6, shared=shared)
     ops = ModelOps("pallas", interpret=True)

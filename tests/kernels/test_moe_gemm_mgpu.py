@@ -19,15 +19,15 @@ from pallas_kernels.moe.moe_gemm_mgpu import (
     moe_grouped_matmul_mgpu,
     moe_grouped_matmul_reference,
 )
-from tests.kernels.conftest import MODES, assert_close, by_mode
+from tests.kernels.conftest import MODES, assert_close, by_mode, normal
 
 
 def _problem(seed, blocks, experts, k, n, block_m, gated, dtype=jnp.bfloat16):
     """x [len(blocks) * block_m, k], w (and w2) [experts, k, n], block_expert = blocks."""
-    kx, kw, kw2 = jax.random.split(jax.random.key(seed), 3)
-    x = jax.random.normal(kx, (len(blocks) * block_m, k), jnp.float32).astype(dtype)
-    w = (jax.random.normal(kw, (experts, k, n), jnp.float32) * k**-0.5).astype(dtype)
-    w2 = (jax.random.normal(kw2, (experts, k, n), jnp.float32) * k**-0.5).astype(dtype) if gated else None
+    rng = np.random.default_rng(seed)
+    x = normal(rng, (len(blocks) * block_m, k), dtype)
+    w = normal(rng, (experts, k, n), dtype, k**-0.5)
+    w2 = normal(rng, (experts, k, n), dtype, k**-0.5) if gated else None
     return x, w, jnp.asarray(blocks, jnp.int32), w2
 
 

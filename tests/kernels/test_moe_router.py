@@ -10,15 +10,15 @@ import pytest
 
 from pallas_kernels.moe.moe_router import MAX_TOKENS, moe_norm_route, moe_norm_router_reference
 from pallas_kernels.moe.moe_routing import moe_route_reference
-from tests.kernels.conftest import by_mode, lower_for_cuda
+from tests.kernels.conftest import by_mode, lower_for_cuda, normal
 from tests.kernels.test_moe_routing import check_layout
 
 
 def inputs(tokens, hidden, experts, dtype):
-    kx, kn, kw = jax.random.split(jax.random.key(tokens * hidden + experts), 3)
-    x = (3 * jax.random.normal(kx, (tokens, hidden))).astype(dtype)
-    norm = (1 + 0.1 * jax.random.normal(kn, (hidden,))).astype(dtype)
-    router = (jax.random.normal(kw, (hidden, experts)) / np.sqrt(hidden)).astype(dtype)
+    rng = np.random.default_rng(tokens * hidden + experts)
+    x = normal(rng, (tokens, hidden), dtype, 3.0)
+    norm = normal(rng, (hidden,), dtype, 0.1, loc=1.0)
+    router = normal(rng, (hidden, experts), dtype, 1 / np.sqrt(hidden))
     return x, norm, router
 
 

@@ -18,7 +18,7 @@ from pallas_kernels.moe.moe_routing import (
     num_blocks,
     topk_routing,
 )
-from tests.kernels.conftest import by_mode, lower_for_cuda
+from tests.kernels.conftest import by_mode, lower_for_cuda, normal
 
 CASES = [  # tokens, experts, top_k, block_m, renormalize
     pytest.param(1, 128, 8, 16, True, id="decode-b1"),
@@ -51,7 +51,7 @@ def check_layout(r, tokens: int, experts: int, top_k: int, block_m: int) -> None
 @pytest.mark.parametrize("mode,tokens,experts,top_k,block_m,renormalize",
                          by_mode([c for c in CASES if c.id != "decode-b16"], CASES))
 def test_route_matches_reference(mode, tokens, experts, top_k, block_m, renormalize):
-    logits = jax.random.normal(jax.random.key(tokens * experts + top_k), (tokens, experts), jnp.float32) * 2
+    logits = normal(np.random.default_rng(tokens * experts + top_k), (tokens, experts), scale=2.0)
     r = moe_route(logits, top_k=top_k, renormalize=renormalize, block_m=block_m, interpret=mode == "interpret")
     ref = moe_route_reference(logits, top_k=top_k, renormalize=renormalize, block_m=block_m)
     for field in ("topk_ids", "pair_rows", "block_expert", "block_rows"):
@@ -77,9 +77,9 @@ CHOSEN = [  # tokens, experts, block_m, routing
 
 
 def grouped_choice(tokens, experts, kw):
-    key = jax.random.key(tokens * experts)
-    logits = jax.random.normal(key, (tokens, experts), jnp.float32) * 2
-    bias = jax.random.normal(jax.random.fold_in(key, 1), (experts,), jnp.float32) if kw["sigmoid"] else None
+    rng = np.random.default_rng(tokens * experts)
+    logits = normal(rng, (tokens, experts), scale=2.0)
+    bias = normal(rng, (experts,)) if kw["sigmoid"] else None
     return grouped_topk_routing(logits, bias, **kw)
 
 
@@ -97,7 +97,7 @@ def test_route_chosen_matches_reference(mode, tokens, experts, block_m, kw):
 
 def test_route_chosen_of_top_k_is_moe_route():
     """Given moe_route's own top-k, the layout is moe_route's (the jnp forms; the kernels match them above)."""
-    logits = jax.random.normal(jax.random.key(2), (37, 60))
+    logits = normal(np.random.default_rng(2), (37, 60))
     r = moe_route_reference(logits, top_k=4, block_m=8)
     chosen = moe_route_chosen_reference(r.topk_ids, r.topk_weights, num_experts=60, block_m=8)
     for a, b in zip(jax.tree.leaves(r), jax.tree.leaves(chosen), strict=True):
@@ -120,7 +120,7 @@ def test_topk_routing_is_hfs():
 
 def test_large_steps_take_the_xla_path():
     tokens = ROUTE_KERNEL_MAX_TOKENS + 1
-    logits = jax.random.normal(jax.random.key(1), (tokens, 16))
+    logits = normal(np.random.default_rng(1), (tokens, 16))
     r = moe_route(logits, top_k=2, block_m=16, interpret=True)
     check_layout(r, tokens, 16, 2, 16)
     r = moe_route_chosen(r.topk_ids, r.topk_weights, num_experts=16, block_m=16, interpret=True)

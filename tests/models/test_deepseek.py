@@ -268,7 +268,7 @@ def test_engine_greedy_matches_hf(monkeypatch):
     g = gold(arch)
     prompts, greedy = [g[f"prompt_{i}"].tolist() for i in range(3)], [g[f"greedy_{i}"].tolist() for i in range(3)]
     llm = LLM(str(DATA / f"tiny-{arch}"), dtype="float32", page_size=4, max_model_len=128, max_num_batched_tokens=16,
-              max_num_seqs=8, compilation_cache_dir="", num_pages=30)
+              max_num_seqs=8, compilation_cache_dir="", num_pages=30, warmup=False)
     core = llm.engine
     preempted = []
     real = core.scheduler._preempt
@@ -297,7 +297,7 @@ def test_host_tier_brings_latent_pages_back():
     cfg = resolve_model(DATA / "tiny-deepseek_v3").config
     page_bytes = kv_cache_bytes_per_page(cfg, 4, "float32")
     llm = LLM(str(DATA / "tiny-deepseek_v3"), dtype="float32", page_size=4, max_model_len=128, num_pages=30,
-              max_num_batched_tokens=16, max_num_seqs=8, compilation_cache_dir="",
+              max_num_batched_tokens=16, max_num_seqs=8, compilation_cache_dir="", warmup=False,
               kv_offload_gb=64 * page_bytes / 2**30)
     core = llm.engine
     assert core.runner.host_pool.page_bytes == page_bytes == 4 * cfg.latent_dim * cfg.num_layers * 4

@@ -29,7 +29,8 @@ from ..conftest import DATA, FAST_COMPILE, ROOT
 
 BASE = dict(dtype="float32", page_size=4, max_model_len=128, max_num_batched_tokens=16, max_num_seqs=8,
             compilation_cache_dir="")
-# Prints the greedy ids of the golden prompts as JSON, then stops the group.
+# Prints the greedy ids of the golden prompts (the first GROUP_TOKENS of each) as JSON, then stops the group.
+GROUP_TOKENS = 16  # (every step of the group is a collective over gloo: HF's 32 add steps, not code paths)
 LEADER = """
 import json, sys
 from jinfer.llm import LLM
@@ -37,7 +38,7 @@ from jinfer.sampling_params import SamplingParams
 config, prompts = json.loads(sys.argv[1]), json.loads(sys.argv[2])
 llm = LLM(**config)
 outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
-                    SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True), use_tqdm=False)
+                    SamplingParams(temperature=0.0, max_tokens=int(sys.argv[3]), ignore_eos=True), use_tqdm=False)
 print("TOKENS", json.dumps([list(o.outputs[0].token_ids) for o in outs]), flush=True)
 llm.engine.close()
 """
@@ -77,15 +78,15 @@ def test_two_processes_give_hf_tokens(arch, devices, ep, backend, warmup):
                   master_port=free_port(), enable_expert_parallel=ep, attention_backend=backend, warmup=warmup)
     follower = start_follower(config, 1, devices)
     leader = subprocess.run([sys.executable, "-c", LEADER, json.dumps(config | {"node_rank": 0}),
-                             json.dumps(prompts)], env=process_env(devices), capture_output=True, text=True,
-                            timeout=300)
+                             json.dumps(prompts), str(GROUP_TOKENS)], env=process_env(devices), capture_output=True,
+                            text=True, timeout=300)
     try:
         assert follower.wait(timeout=60) == 0, follower.stderr.read()[-3000:]  # stopped by process 0, cleanly
     finally:
         follower.kill()
     assert leader.returncode == 0, leader.stderr[-3000:]
     line = next(x for x in leader.stdout.splitlines() if x.startswith("TOKENS"))
-    assert json.loads(line.removeprefix("TOKENS ")) == greedy
+    assert json.loads(line.removeprefix("TOKENS ")) == [g[:GROUP_TOKENS] for g in greedy]
 
 
 def spawn_group(monkeypatch):
@@ -167,7 +168,9 @@ def test_served_engine_spreads_over_a_process_per_device(monkeypatch):
     follower itself and leads the group, both warmed up (compiled ahead, every shape); HF's greedy ids; the client's
     Shutdown stops both processes cleanly."""
     prompts, greedy = gold("qwen3")
-    config = dict(BASE, model=str(DATA / "tiny-qwen3"), tensor_parallel_size=2, distributed_executor_backend="mp")
+    # (8-token steps and 16 pages a sequence: 3 forward shapes to warm up in both processes, not 8)
+    config = dict(BASE, model=str(DATA / "tiny-qwen3"), tensor_parallel_size=2, distributed_executor_backend="mp",
+                  max_num_batched_tokens=8, max_model_len=64)
     monkeypatch.setenv("XLA_FLAGS", f"--xla_force_host_platform_device_count=1 {FAST_COMPILE}")  # per process
     client = EngineClient.spawn(config, startup_timeout=240)
     engine = client.process

@@ -23,6 +23,9 @@ GREEDY_IDS = [GOLD[f"greedy_{i}"].tolist() for i in range(3)]
 GREEDY = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True)
 BASE = dict(dtype="float32", page_size=4, max_model_len=128, max_num_seqs=8, max_num_batched_tokens=32,
             compilation_cache_dir="", warmup=False)
+# Room for 32 pages of 4 tokens: too few for the golden prompts' 28 + 18 + 10 pages at once, so requests are preempted.
+# Every speculating engine here has this pool: one KV shape, so the later engines load the first one's executables.
+SMALL_POOL = 33
 NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
 # a prompt whose phrase repeats (n-gram drafts found in it), next to the golden ones
 REPEAT = [7, 19, 44, 101] * 4
@@ -49,7 +52,7 @@ def plain_repeat():
 
 @pytest.fixture(scope="module")
 def ngram():
-    return EngineCore(EngineConfig(TINY, **BASE, speculative_config=NGRAM))
+    return EngineCore(EngineConfig(TINY, **BASE, num_pages=SMALL_POOL, speculative_config=NGRAM))
 
 
 def assert_slots_free(engine: EngineCore):
@@ -73,14 +76,14 @@ def replay_engine(acceptance: float, **kw) -> EngineCore:
     proposer = ReplayProposer(3, acceptance=acceptance, seed=3)
     for p, ids in zip(PROMPTS, GREEDY_IDS):
         proposer.record(p, ids)
-    return EngineCore(EngineConfig(TINY, **(BASE | kw)), proposer=proposer)
+    return EngineCore(EngineConfig(TINY, **(BASE | {"num_pages": SMALL_POOL} | kw)), proposer=proposer)
 
 
 def test_replay_drafts_accepted_and_rejected_with_preemption():
     """Forced rejections (acceptance 0.6) at batch 3 with mixed prompt lengths, in a pool too small for all three:
     requests are preempted (their slots freed, a pending restore dropped) and still give HF's ids; rows that recompute
     accepted tokens verify new drafts too."""
-    engine = replay_engine(0.6, num_pages=33)
+    engine = replay_engine(0.6)
     sched = engine.scheduler
     preempted, original, schedule, known = [], sched._preempt, sched.schedule, []
     sched._preempt = lambda r: (preempted.append(r.request_id), original(r))
