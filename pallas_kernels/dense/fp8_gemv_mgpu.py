@@ -10,7 +10,8 @@ slots, independent of the compute warpgroup, which takes each slot as soon as it
   multiple of 64), and the token tile the B operand, transposed ([t_pad, block_k] in SMEM: K-major, as 8-bit wgmma
   operands must be), N = t_pad (8 or 16) columns.
 - One weight scale per 128 x 128 block: each K step's product goes into a fresh accumulator, which is added to the
-  running fp32 sum times that step's scalar weight scale (block_k = 128: one scale block a step).
+  running fp32 sum times that step's scalar weight scale (block_k = 128: one scale block a step), read from GMEM a
+  step ahead.
 - The token rows come quantized to e4m3 once, per token over all of K (`quantize_tokens`: a float32 scale per
   token, amax / 448), before the kernel; their scales multiply the output after it. (The Triton kernels quantize per
   token and 128 columns, in every program.)
@@ -58,22 +59,28 @@ def _kernel(x_gmem, w_gmem, ws_gmem, out_gmem, out_smem, *, block_n: int, k_per_
     scale_col = n_idx * block_n // 128
     tiles = (plgpu.TilingTransform((8, BLOCK_K)), plgpu.SwizzleTransform(128))  # e4m3: 128 bytes a row
 
+    last_tile = k_tile0 + k_steps - 1
+
     def compute_context(eval_pipeline):
-        total = eval_pipeline(plgpu.layout_cast(jnp.full((block_n, t_pad), 0, jnp.float32), plgpu.Layout.WGMMA))
+        zeros = plgpu.layout_cast(jnp.full((block_n, t_pad), 0, jnp.float32), plgpu.Layout.WGMMA)
+        total, _ = eval_pipeline((zeros, ws_gmem[k_tile0, scale_col]))
         out_smem[...] = total
         plgpu.commit_smem()
         plgpu.copy_smem_to_gmem(out_smem, out_gmem.at[s_idx, pl.ds(n_idx * block_n, block_n)])
         plgpu.wait_smem_to_gmem(0)
 
-    def body(idxs, w_smem, x_smem, total):
+    def body(idxs, w_smem, x_smem, carry):
         (k,) = idxs
+        total, scale = carry
+        # the next step's scale, loaded here (a GMEM scalar: its latency under this step's wgmma, not the next's)
+        next_scale = ws_gmem[jnp.minimum(k_tile0 + k + 1, last_tile), scale_col]
 
         def tile(acc_ref):
             plgpu.wgmma(acc_ref, w_smem, x_smem.transpose((1, 0)))
             return acc_ref[...]
 
         product = pl.run_scoped(tile, plgpu.ACC((block_n, t_pad), jnp.float32))
-        return total + product * ws_gmem[k_tile0 + k, scale_col]
+        return total + product * scale, next_scale
 
     pipeline = plgpu.emit_pipeline_warp_specialized(
         body,
