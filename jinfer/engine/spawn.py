@@ -24,8 +24,8 @@ def set_jax_env_defaults() -> None:
     user set wins): the pool's MEM_FRACTION, and CUDA's stream-ordered pool (cudaMallocAsync) as the allocator. XLA's
     default (BFC) keeps a host-side table of 8 bytes per 256 bytes of its pool (1.9 GB of host RSS for the ~60 GB pool
     of an 80 GB H100); the CUDA pool has none and measured as fast (one H100: batch-1 TPOT 6.41 vs 6.44 ms, throughput
-    37.1k vs 37.0k tok/s; one H200, Qwen3-8B batch 1 / 8, medians of 3 processes: bf16 1.00x / 1.00x, FP8 weights
-    0.97x / 1.00x, benchmarks/run_gpu_alloc.sh). The same allocator in the serving engine and in-process `LLM`s."""
+    37.1k vs 37.0k tok/s; one H200, Qwen3-8B batch 1 / 8, medians of 3 processes: 1.00x / 1.00x with bf16 and with
+    FP8 weights, benchmarks/run_gpu_alloc.sh). The same allocator in the serving engine and in-process `LLM`s."""
     os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", MEM_FRACTION)
     os.environ.setdefault("XLA_PYTHON_CLIENT_ALLOCATOR", "cuda_async")
 
