@@ -10,8 +10,8 @@
 #            $OUT/ttft4k_<shape>[-fp8]_<round>.json
 #   mosaic   the Mosaic GPU FP8 skinny GEMM (pallas_kernels/dense/fp8_gemv_mgpu.py) against the Triton kernels: its GPU
 #            tests, the kernel sweep (bench_dense fp8_skinny: $OUT/fp8_skinny_mgpu_$TAG.json), then engine TPOT of
-#            <shape>-fp8 with JINFER_FP8_MOSAIC_GEMV=1 against without and bf16, ROUNDS alternating processes:
-#            $OUT/fp8_mosaic_latency_<shape>.json
+#            <shape>-fp8 with JINFER_FP8_MOSAIC_GEMV=w8a8 / w8a16 against the Triton kernels and bf16, ROUNDS
+#            alternating processes: $OUT/fp8_mosaic_latency_<shape>.json
 #   hostprof where the host's time of a batch-1 decode step goes, <shape> and <shape>-fp8 (benchmarks/host_profile.py:
 #            cProfile and XLA's host events; FP8 passes 180 more buffers to the forward): $OUT/host_profile_<shape>*.txt
 #   SHAPE=qwen3-8b ROUNDS=3 BATCHES="1 8" bash benchmarks/run_gpu_fp8.sh
@@ -66,14 +66,15 @@ for line in sys.stdin:
     print(r["kernel"], r["tokens"], r["impl"], {k: r[k] for k in ("block_n", "k_splits", "max_steps", "num_stages",
           "num_warps") if k in r}, r.get("time_us"), r.get("tb_per_s"), r.get("error", "")[:100])'
   for r in $(seq "$ROUNDS"); do
-    for v in triton mosaic bf16; do
+    for v in triton w8a8 w8a16 bf16; do
       s="$SHAPE-fp8"; [[ $v == bf16 ]] && s=$SHAPE
-      JINFER_FP8_MOSAIC_GEMV=$([[ $v == mosaic ]] && echo 1 || echo 0) timeout "$TIMEOUT" python3 -m benchmarks.bench_latency \
+      JINFER_FP8_MOSAIC_GEMV=$([[ $v == w8a* ]] && echo $v) timeout "$TIMEOUT" python3 -m benchmarks.bench_latency \
         --shape "$s" --batch-sizes $BATCHES --input-len 1024 --output-len 128 --repeat 1 \
         --out "/tmp/fp8ab/mosaic_${v}_$r.json" 2>&1 | grep -E "^batch|Error" | sed "s/^/[$v $r] /"
     done
     python3 -m benchmarks.latency_summary "$OUT/fp8_mosaic_latency_${SHAPE}.json" triton="/tmp/fp8ab/mosaic_triton_*.json" \
-      mosaic="/tmp/fp8ab/mosaic_mosaic_*.json" bf16="/tmp/fp8ab/mosaic_bf16_*.json" > /dev/null
+      w8a8="/tmp/fp8ab/mosaic_w8a8_*.json" w8a16="/tmp/fp8ab/mosaic_w8a16_*.json" bf16="/tmp/fp8ab/mosaic_bf16_*.json" \
+      > /dev/null
   done
   python3 -c "import json,sys; d=json.load(open(sys.argv[1])); print(json.dumps(d['median_over_triton']))" \
     "$OUT/fp8_mosaic_latency_${SHAPE}.json"

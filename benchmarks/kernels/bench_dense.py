@@ -233,7 +233,8 @@ def bench_fp8_skinny(argv: list[str] | None = None) -> None:
     """Block-FP8 skinny GEMMs [N, K] weights at Qwen3-8B's o / gate|up (both in one weight) / down shapes, 1 / 16
     tokens: the Triton kernel (skinny_gemm.py: e4m3 rows per 128 columns quantized in every program; its default
     launch and a sweep of K splits, stages and warps) against the Mosaic GPU one (fp8_gemv_mgpu.py: TMA ring, rows
-    quantized per token once, before it; its default and a sweep of block_n, K splits and ring depth). Device time per
+    quantized per token once, before it, or bf16 rows against tiles converted in registers (`w8a16`); defaults and a
+    sweep of block_n, K splits and ring depth). Device time per
     call (the quantization's own kernel included) over distinct weight copies, and weight bytes / time. `--impl
     triton|mgpu` runs one. JSON to argv[0]."""
     from jinfer.models.fp8 import quantize
@@ -249,8 +250,8 @@ def bench_fp8_skinny(argv: list[str] | None = None) -> None:
     shapes = {"o": (256, 256), "down": (512, 256)} if interpret else \
         {"o": (4096, 4096), "gate_up": (4096, 24576), "down": (12288, 4096)}
     triton = [dict()] + [dict(k_splits=ks, num_stages=3, num_warps=nw) for ks in (4, 8) for nw in (4, 8)]
-    mgpu = [dict()] + [dict(block_n=bn, k_splits=ks, max_steps=ms) for bn in (64, 128) for ks in (1, 2, 4)
-                       for ms in (4, 8)]
+    mgpu = [dict(), dict(w8a16=True)] + [dict(block_n=bn, k_splits=ks, max_steps=ms, w8a16=a16) for a16 in (False, True)
+                                         for bn in (64, 128) for ks in (1, 2, 4) for ms in (4, 8)]
     configs = [("triton", c) for c in triton if "triton" in impls] + [("mgpu", c) for c in mgpu if "mgpu" in impls]
     if interpret:
         configs = [c for c in configs if not c[1]]

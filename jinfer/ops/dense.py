@@ -62,7 +62,7 @@ class DenseOps:
         fp8_mosaic_gemv: Mosaic kernels allowed, block-FP8 [out, in] in 128 x 128 blocks, multiples of 128)."""
         from pallas_kernels.dense.fp8_gemv_mgpu import MAX_TOKENS
 
-        return (self.policy.fp8_mosaic_gemv and self.mosaic_prefill and tokens <= MAX_TOKENS
+        return (bool(self.policy.fp8_mosaic_gemv) and self.mosaic_prefill and tokens <= MAX_TOKENS
                 and all(is_fp8(w) and w.transposed and tuple(w.block) == (128, 128)
                         and w.w.shape[0] % 128 == 0 and w.w.shape[1] % 128 == 0 for w in weights))
 
@@ -70,7 +70,8 @@ class DenseOps:
         """x @ w for a block-FP8 w ([out, in]) on the Mosaic GPU skinny GEMM (`_fp8_gemv` says where), float32."""
         from pallas_kernels.dense.fp8_gemv_mgpu import fp8_gemv_mgpu
 
-        return fp8_gemv_mgpu(x, w.w, w.scale, scale_block=tuple(w.block), interpret=self.interpret)
+        return fp8_gemv_mgpu(x, w.w, w.scale, scale_block=tuple(w.block), w8a16=self.policy.fp8_mosaic_gemv == "w8a16",
+                             interpret=self.interpret)
 
     def project(self, x: jax.Array, w: jax.Array, **kw) -> jax.Array:
         """x @ w, kept a GEMM at T = 1 where the policy pads vector dots (`project`)."""

@@ -14,15 +14,18 @@ slots, independent of the compute warpgroup, which takes each slot as soon as it
   step ahead.
 - The token rows come quantized to e4m3 once, per token over all of K (`quantize_tokens`: a float32 scale per
   token, amax / 448), before the kernel; their scales multiply the output after it. (The Triton kernels quantize per
-  token and 128 columns, in every program.)
+  token and 128 columns, in every program.) Or (`w8a16`) they stay bf16, no kernel before this one, and the compute
+  warpgroup converts each e4m3 tile to bf16 in its registers, the wgmma's A from registers (as JAX's
+  hopper_mixed_type_matmul_mgpu does for int8): a few conversions per weight byte against the quantization pass.
 - Split-K (`k_splits`) puts enough CTAs in flight for narrow outputs: each writes its fp32 partial [N, t_pad]; the
   wrapper sums them, scales, transposes.
 
-Refs (GMEM): x [t_pad, K] e4m3, w [N, K] e4m3, ws [K / 128, N / 128] float32 (read as scalars), out
+Refs (GMEM): x [t_pad, K] e4m3 (w8a16: bf16), w [N, K] e4m3, ws [K / 128, N / 128] float32 (read as scalars), out
 [k_splits, N, t_pad] float32. Grid (N / block_n, k_splits), one compute warpgroup and one memory warpgroup per CTA.
 
-Interpret mode (CPU): jax's Mosaic GPU interpreter runs the same code (tests); `lower_for_cuda`-style export checks
-the CUDA lowering (layouts, TMA legality, SMEM) on a machine without a GPU.
+Interpret mode (CPU): jax's Mosaic GPU interpreter runs the same code (tests), but for w8a16's converted tile, which
+passes through SMEM there (the interpreter's wgmma takes SMEM operands only); exporting for CUDA checks the GPU
+lowering (layouts, TMA legality, SMEM) on a machine without a GPU.
 """
 
 from __future__ import annotations
@@ -51,13 +54,17 @@ def quantize_tokens(x: jax.Array) -> tuple[jax.Array, jax.Array]:
     return q, jnp.where(live, amax / FP8_MAX, 0.0)
 
 
-def _kernel(x_gmem, w_gmem, ws_gmem, out_gmem, out_smem, *, block_n: int, k_per_split: int, max_steps: int,
-            t_pad: int):
+def _kernel(x_gmem, w_gmem, ws_gmem, out_gmem, out_smem, a_smem, *, block_n: int, k_per_split: int,
+            max_steps: int, t_pad: int, w8a16: bool):
+    # a_smem: None, or (w8a16 under the interpreter, whose wgmma takes SMEM operands only) [block_n, 128] bf16 that
+    # the converted tile passes through
     n_idx, s_idx = lax.axis_index("n"), lax.axis_index("s")
     k_steps = k_per_split // BLOCK_K
     k_tile0 = s_idx * k_steps  # the split's first K tile (= scale row)
     scale_col = n_idx * block_n // 128
     tiles = (plgpu.TilingTransform((8, BLOCK_K)), plgpu.SwizzleTransform(128))  # e4m3: 128 bytes a row
+    # bf16 token rows (w8a16): 256 bytes a row, two 128-byte swizzle tiles of 64 columns
+    x_tiles = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128)) if w8a16 else tiles
 
     last_tile = k_tile0 + k_steps - 1
 
@@ -76,7 +83,13 @@ def _kernel(x_gmem, w_gmem, ws_gmem, out_gmem, out_smem, *, block_n: int, k_per_
         next_scale = ws_gmem[jnp.minimum(k_tile0 + k + 1, last_tile), scale_col]
 
         def tile(acc_ref):
-            plgpu.wgmma(acc_ref, w_smem, x_smem.transpose((1, 0)))
+            # w8a16: the e4m3 tile into registers as bf16 (via f16 and f32: no direct e4m3 -> bf16 before PTX 9.2)
+            a = w_smem[...].astype(jnp.float32).astype(jnp.bfloat16) if w8a16 else w_smem
+            if a_smem is not None:
+                a_smem[...] = a
+                plgpu.commit_smem()
+                a = a_smem
+            plgpu.wgmma(acc_ref, a, x_smem.transpose((1, 0)))
             return acc_ref[...]
 
         product = pl.run_scoped(tile, plgpu.ACC((block_n, t_pad), jnp.float32))
@@ -88,7 +101,7 @@ def _kernel(x_gmem, w_gmem, ws_gmem, out_gmem, out_smem, *, block_n: int, k_per_
         memory_registers=40,
         in_specs=[
             plgpu.BlockSpec((block_n, BLOCK_K), lambda k: (0, k), transforms=tiles, memory_space=plgpu.SMEM),
-            plgpu.BlockSpec((t_pad, BLOCK_K), lambda k: (0, k), transforms=tiles, memory_space=plgpu.SMEM),
+            plgpu.BlockSpec((t_pad, BLOCK_K), lambda k: (0, k), transforms=x_tiles, memory_space=plgpu.SMEM),
         ],
         wg_axis="wg",
         num_compute_wgs=1,
@@ -111,10 +124,11 @@ def default_config(k: int, n: int) -> dict:
     return {"block_n": block_n, "k_splits": k_splits, "max_steps": 6}
 
 
-@functools.partial(jax.jit, static_argnames=("scale_block", "block_n", "k_splits", "max_steps", "interpret"))
+@functools.partial(jax.jit, static_argnames=("scale_block", "block_n", "k_splits", "max_steps", "w8a16",
+                                             "interpret"))
 def fp8_gemv_mgpu(x: jax.Array, w: jax.Array, scale: jax.Array, *, scale_block: tuple[int, int] = (128, 128),
                   block_n: int | None = None, k_splits: int | None = None, max_steps: int | None = None,
-                  interpret: bool = False) -> jax.Array:
+                  w8a16: bool = False, interpret: bool = False) -> jax.Array:
     """`x @ dequant(w)^T` in float32 for 1..16 token rows.
 
     Args:
@@ -123,6 +137,8 @@ def fp8_gemv_mgpu(x: jax.Array, w: jax.Array, scale: jax.Array, *, scale_block: 
       scale: float32 [K / 128, N / 128], one per 128 x 128 block of the [K, N] weight (value = w * scale).
       scale_block: must be (128, 128).
       block_n, k_splits, max_steps: launch parameters; None: `default_config`.
+      w8a16: x stays bf16 (no quantization, no kernel before this one) and each e4m3 tile is converted to bf16 in
+        the compute warpgroup's registers (the wgmma's A from registers); else x is quantized per token to e4m3.
       interpret: run the Mosaic GPU interpreter (CPU tests).
 
     Returns:
@@ -143,13 +159,19 @@ def fp8_gemv_mgpu(x: jax.Array, w: jax.Array, scale: jax.Array, *, scale_block: 
     if k % (k_splits * BLOCK_K):
         raise ValueError(f"k_splits * 128 = {k_splits * BLOCK_K} must divide K={k}")
     t_pad = 8 if tokens <= 8 else 16
-    xq, xs = quantize_tokens(x)
+    if w8a16:
+        xq, xs = x.astype(jnp.bfloat16), jnp.ones((tokens,), jnp.float32)
+    else:
+        xq, xs = quantize_tokens(x)
     xq = jnp.pad(xq, ((0, t_pad - tokens), (0, 0)))
+    bf16_tiles = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
+    a_staging = [plgpu.SMEM((block_n, BLOCK_K), jnp.bfloat16, transforms=bf16_tiles)] if w8a16 and interpret else []
     out = plgpu.kernel(
         lambda x_ref, w_ref, s_ref, o_ref: pl.run_scoped(
-            lambda o_smem: _kernel(x_ref, w_ref, s_ref, o_ref, o_smem, block_n=block_n,
-                                   k_per_split=k // k_splits, max_steps=max_steps, t_pad=t_pad),
-            plgpu.SMEM((block_n, t_pad), jnp.float32),
+            lambda o_smem, *a_smem: _kernel(x_ref, w_ref, s_ref, o_ref, o_smem, a_smem[0] if a_smem else None,
+                                            block_n=block_n, k_per_split=k // k_splits, max_steps=max_steps,
+                                            t_pad=t_pad, w8a16=w8a16),
+            plgpu.SMEM((block_n, t_pad), jnp.float32), *a_staging,
             collective_axes="wg",
         ),
         out_type=jax.ShapeDtypeStruct((k_splits, n, t_pad), jnp.float32),
@@ -158,14 +180,14 @@ def fp8_gemv_mgpu(x: jax.Array, w: jax.Array, scale: jax.Array, *, scale_block: 
         num_threads=2,
         thread_name="wg",
         interpret=plgpu.InterpretGPUParams() if interpret else None,
-        kernel_name=f"fp8_gemv_mgpu_n{block_n}_s{k_splits}_r{max_steps}",
+        kernel_name=f"fp8_gemv_mgpu_n{block_n}_s{k_splits}_r{max_steps}" + ("_w8a16" if w8a16 else ""),
     )(xq, w, scale)
     return out.sum(axis=0)[:, :tokens].T * xs[:, None]
 
 
-def fp8_gemv_reference(x: jax.Array, w: jax.Array, scale: jax.Array) -> jax.Array:
-    """The same contract in jnp: the token rows quantized as the kernel's (`quantize_tokens`), w dequantized, an
-    fp32 product."""
-    xq, xs = quantize_tokens(x)
+def fp8_gemv_reference(x: jax.Array, w: jax.Array, scale: jax.Array, w8a16: bool = False) -> jax.Array:
+    """The same contract in jnp: the token rows quantized as the kernel's (`quantize_tokens`; w8a16: bf16), w
+    dequantized, an fp32 product."""
+    xq, xs = (x.astype(jnp.bfloat16), jnp.ones((x.shape[0],), jnp.float32)) if w8a16 else quantize_tokens(x)
     wd = dequantize(w.T, scale, (BLOCK_K, 128))  # [K, N] float32
     return jnp.dot(xq.astype(jnp.float32), wd, precision=jax.lax.Precision.HIGHEST) * xs[:, None]
