@@ -8,10 +8,10 @@
 #            $OUT/fp8_latency_<shape>.json (every process, the medians, FP8 / bf16; benchmarks/latency_summary.py)
 #   ttft     TTFT of one 4096-token prompt, dummy:<shape> and <shape>-fp8, ROUNDS alternating processes x 3 runs:
 #            $OUT/ttft4k_<shape>[-fp8]_<round>.json
-#   mosaic   the Mosaic GPU FP8 skinny GEMM (pallas_kernels/dense/fp8_gemv_mgpu.py) against the Triton kernels: its GPU
-#            tests, the kernel sweep (bench_dense fp8_skinny: $OUT/fp8_skinny_mgpu_$TAG.json), then engine TPOT of
-#            <shape>-fp8 with JINFER_FP8_MOSAIC_GEMV=w8a8 / w8a16 against the Triton kernels and bf16, ROUNDS
-#            alternating processes: $OUT/fp8_mosaic_latency_<shape>.json
+#   mgpu_kernels  the Mosaic GPU FP8 skinny GEMM (pallas_kernels/dense/fp8_gemv_mgpu.py) against the Triton kernels:
+#            its GPU tests and the kernel sweep (bench_dense fp8_skinny: $OUT/fp8_skinny_mgpu_$TAG.json)
+#   mgpu_tpot  engine TPOT of <shape>-fp8 with JINFER_FP8_MOSAIC_GEMV=w8a8 / w8a16 against the Triton kernels and
+#            bf16, ROUNDS alternating processes: $OUT/fp8_mosaic_latency_<shape>.json
 #   hostprof where the host's time of a batch-1 decode step goes, <shape> and <shape>-fp8 (benchmarks/host_profile.py:
 #            cProfile and XLA's host events; FP8 passes 180 more buffers to the forward): $OUT/host_profile_<shape>*.txt
 #   SHAPE=qwen3-8b ROUNDS=3 BATCHES="1 8" bash benchmarks/run_gpu_fp8.sh
@@ -55,16 +55,18 @@ if [[ $PARTS == *latency* ]]; then
       fp8="/tmp/fp8ab/${SHAPE}-fp8_*.json"  # after every round (time limits)
   done
 fi
-if [[ $PARTS == *mosaic* ]]; then
+if [[ $PARTS == *mgpu_kernels* ]]; then
   XLA_PYTHON_CLIENT_PREALLOCATE=false JAX_PLATFORMS=cuda timeout 200 python3 -m pytest -q -m gpu -p no:cacheprovider \
     tests/kernels/test_fp8_gemv_mgpu.py 2>&1 | tail -2
-  timeout 300 python3 -m benchmarks.kernels.bench_dense fp8_skinny "$OUT/fp8_skinny_mgpu_$TAG.json" | grep '^{' \
+  timeout 420 python3 -m benchmarks.kernels.bench_dense fp8_skinny "$OUT/fp8_skinny_mgpu_$TAG.json" | grep '^{' \
     | python3 -c '
 import json, sys
 for line in sys.stdin:
     r = json.loads(line)
     print(r["kernel"], r["tokens"], r["impl"], {k: r[k] for k in ("block_n", "k_splits", "max_steps", "num_stages",
-          "num_warps") if k in r}, r.get("time_us"), r.get("tb_per_s"), r.get("error", "")[:100])'
+          "num_warps", "w8a16") if k in r}, r.get("time_us"), r.get("tb_per_s"), r.get("error", "")[:100])'
+fi
+if [[ $PARTS == *mgpu_tpot* ]]; then
   for r in $(seq "$ROUNDS"); do
     for v in triton w8a8 w8a16 bf16; do
       s="$SHAPE-fp8"; [[ $v == bf16 ]] && s=$SHAPE

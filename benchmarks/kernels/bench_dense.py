@@ -277,9 +277,10 @@ def bench_fp8_skinny(argv: list[str] | None = None) -> None:
                     row["error"] = str(e)[:200]
                 rows.append(row)
                 print(json.dumps(row), flush=True)
-    if argv:
-        with open(argv[0], "w") as f:
-            json.dump({"device": jax.devices()[0].device_kind, "jax": jax.__version__, "results": rows}, f, indent=1)
+                if argv:  # after every row (a time limit keeps what ran)
+                    with open(argv[0], "w") as f:
+                        json.dump({"device": jax.devices()[0].device_kind, "jax": jax.__version__, "results": rows}, f,
+                                  indent=1)
 
 
 BENCHMARKS = {"mlp": bench_mlp, "skinny_gemm": bench_skinny_gemm, "fp8": bench_fp8, "fp8_skinny": bench_fp8_skinny}
