@@ -1,6 +1,7 @@
 """A deterministic EngineCore stand-in (no model): tests of the engine process, the ZMQ client and the HTTP
 server that do not need a real model. Sample i of a request emits tokens last_prompt_token + 1 + i, +2, ...
-(mod vocab) with text " <id>", until max_tokens; prompt token FAIL_TOKEN makes step() raise. With
+(mod vocab) with text " <id>", until max_tokens; prompt token FAIL_TOKEN makes step() raise (JINFER_FAKE_FAIL_TOKEN=-1:
+never, for fuzzers whose prompts may hold any id). With
 prompt_logprobs k, the first delta has prompt token j's logprob -j/1000 and top k ids prompt[j] + 1.. (logprob
 -0.1 i)."""
 
@@ -31,6 +32,7 @@ class FakeCore:
         self.tokenizer_path = str(default_model_path()) if default_model_path().is_file() else None
         self.eos_token_ids = (0,)
         self.step_delay = config.get("step_delay", float(os.environ.get("JINFER_FAKE_STEP_DELAY", "0")))
+        self.fail_token = int(os.environ.get("JINFER_FAKE_FAIL_TOKEN", FAIL_TOKEN))
         self.num_pages = 100
         self.seqs: dict[tuple[str, int], dict[str, Any]] = {}
         self.num_prompt_tokens = self.num_generation_tokens = 0  # running totals, as the real core's stats
@@ -44,7 +46,7 @@ class FakeCore:
         for i in range(params.n):
             self.seqs[(request_id, i)] = dict(next=prompt_token_ids[-1] + 1 + i, left=max_tokens,
                                               prompt=len(prompt_token_ids), params=params,
-                                              fail=FAIL_TOKEN in prompt_token_ids,
+                                              fail=self.fail_token in prompt_token_ids,
                                               prompt_ids=list(prompt_token_ids))
 
     def abort(self, request_id: str) -> None:

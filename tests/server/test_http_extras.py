@@ -90,7 +90,8 @@ raw_bodies = (st.binary(max_size=200)
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    srv = start_server(ARGS, tmp_path_factory.mktemp("fuzz"), timeout=120)
+    # (the fuzzed prompts may hold the fake core's failure token: a real engine has none)
+    srv = start_server(ARGS, tmp_path_factory.mktemp("fuzz"), env={"JINFER_FAKE_FAIL_TOKEN": "-1"}, timeout=120)
     yield srv
     srv.stop()
 
