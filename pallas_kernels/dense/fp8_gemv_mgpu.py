@@ -113,10 +113,12 @@ def _kernel(x_gmem, w_gmem, ws_gmem, out_gmem, out_smem, a_smem, *, block_n: int
              x_gmem.at[:, pl.ds(k0, k_per_split)])
 
 
-def default_config(k: int, n: int) -> dict:
-    """block_n (128: one scale block's width, the wgmma's two 64-row groups), k_splits (enough CTAs for ~one wave of
-    132 SMs, each split >= 8 K steps) and max_steps (the ring: 6 slots of 18 KB)."""
-    block_n = 128
+def default_config(k: int, n: int, w8a16: bool = False) -> dict:
+    """block_n (128: one scale block's width, the wgmma's two 64-row groups; w8a16: 64, the tile converted in
+    registers is 64 values a thread then, 128 with its fp32 step), k_splits (enough CTAs for ~one wave of 132 SMs,
+    each split >= 8 K steps) and max_steps (the ring: 6 slots of <= 18 KB). Reasoned, not yet measured
+    (`bench_dense fp8_skinny` sweeps them)."""
+    block_n = 64 if w8a16 else 128
     k_splits = 1
     while (n // block_n) * k_splits * 2 <= 132 * 1.25 and k % (k_splits * 2 * BLOCK_K) == 0 \
             and k // (k_splits * 2) >= 8 * BLOCK_K:
@@ -151,11 +153,11 @@ def fp8_gemv_mgpu(x: jax.Array, w: jax.Array, scale: jax.Array, *, scale_block: 
     check_scale("w", w.T, scale, tuple(scale_block))
     if not 1 <= tokens <= MAX_TOKENS or w.shape[1] != k:
         raise ValueError(f"x must be [1..{MAX_TOKENS}, K] and w [N, K]: {x.shape=} {w.shape=}")
-    cfg = default_config(k, n)
+    cfg = default_config(k, n, w8a16)
     block_n, k_splits, max_steps = block_n or cfg["block_n"], k_splits or cfg["k_splits"], \
         max_steps or cfg["max_steps"]
-    if n % block_n or block_n % 64 or 128 % block_n and block_n % 128:
-        raise ValueError(f"block_n={block_n} must be a multiple of 64 dividing N={n} and sit in 128-wide scale blocks")
+    if block_n not in (64, 128) or n % block_n:
+        raise ValueError(f"block_n={block_n} must be 64 or 128 (inside one 128-wide scale block) and divide N={n}")
     if k % (k_splits * BLOCK_K):
         raise ValueError(f"k_splits * 128 = {k_splits * BLOCK_K} must divide K={k}")
     t_pad = 8 if tokens <= 8 else 16

@@ -64,6 +64,7 @@ def test_fp8_gemv_mgpu_lowers_for_cuda():
 def test_fp8_gemv_mgpu_defaults_and_checks():
     assert default_config(4096, 4096) == {"block_n": 128, "k_splits": 4, "max_steps": 6}  # 32 x 4 CTAs
     assert default_config(4096, 24576)["k_splits"] == 1  # 192 CTAs already
+    assert default_config(4096, 4096, w8a16=True) == {"block_n": 64, "k_splits": 2, "max_steps": 6}
     w = jnp.zeros((256, 512), jnp.float8_e4m3fn)
     scale = jnp.ones((4, 2), jnp.float32)
     x = jnp.zeros((1, 512), jnp.bfloat16)
@@ -71,6 +72,8 @@ def test_fp8_gemv_mgpu_defaults_and_checks():
         fp8_gemv_mgpu(jnp.zeros((17, 512), jnp.bfloat16), w, scale, interpret=True)
     with pytest.raises(ValueError, match="k_splits"):
         fp8_gemv_mgpu(x, w, scale, k_splits=8, interpret=True)
+    with pytest.raises(ValueError, match="block_n"):
+        fp8_gemv_mgpu(x, w, scale, block_n=256, interpret=True)
     with pytest.raises(ValueError, match="scale"):
         fp8_gemv_mgpu(x, w, jnp.ones((4, 3), jnp.float32), interpret=True)
     with pytest.raises(ValueError, match="128 x 128"):
