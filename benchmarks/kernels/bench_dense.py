@@ -230,8 +230,7 @@ def bench_fp8(argv: list[str] | None = None) -> None:
 
 
 def bench_fp8_skinny(argv: list[str] | None = None) -> None:
-    """Block-FP8 skinny GEMMs [N, K] weights at Qwen3-8B's o / gate|up (both in one weight) / down shapes, 1 / 16
-    tokens: the Triton kernel (skinny_gemm.py: e4m3 rows per 128 columns quantized in every program; its default
+    """Block-FP8 skinny GEMMs [N, K] weights at Qwen3-8B's o / gate (or up) / down shapes, 1 / 16 tokens: the Triton kernel (skinny_gemm.py: e4m3 rows per 128 columns quantized in every program; its default
     launch and a sweep of K splits, stages and warps) against the Mosaic GPU one (fp8_gemv_mgpu.py: TMA ring, rows
     quantized per token once, before it, or bf16 rows against tiles converted in registers (`w8a16`); defaults and a
     sweep of block_n, K splits and ring depth). Device time per
@@ -248,7 +247,7 @@ def bench_fp8_skinny(argv: list[str] | None = None) -> None:
     interpret = jax.default_backend() != "gpu"
     block = (128, 128)
     shapes = {"o": (256, 256), "down": (512, 256)} if interpret else \
-        {"o": (4096, 4096), "gate_up": (4096, 24576), "down": (12288, 4096)}
+        {"o": (4096, 4096), "gate": (4096, 12288), "down": (12288, 4096)}
     triton = [dict()] + [dict(k_splits=ks, num_stages=3, num_warps=nw) for ks in (4, 8) for nw in (4, 8)]
     mgpu = [dict(), dict(w8a16=True)] + [dict(block_n=bn, k_splits=ks, max_steps=ms, w8a16=a16) for a16 in (False, True)
                                          for bn in (64, 128) for ks in (1, 2, 4) for ms in (4, 8)]
