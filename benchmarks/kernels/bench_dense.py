@@ -230,12 +230,12 @@ def bench_fp8(argv: list[str] | None = None) -> None:
 
 
 def bench_fp8_skinny(argv: list[str] | None = None) -> None:
-    """Block-FP8 skinny GEMMs [N, K] weights at Qwen3-8B's o / gate (or up) / down shapes, 1 / 16 tokens: the Triton kernel (skinny_gemm.py: e4m3 rows per 128 columns quantized in every program; its default
-    launch and a sweep of K splits, stages and warps) against the Mosaic GPU one (fp8_gemv_mgpu.py: TMA ring, rows
-    quantized per token once, before it, or bf16 rows against tiles converted in registers (`w8a16`); defaults and a
-    sweep of block_n, K splits and ring depth). Device time per
-    call (the quantization's own kernel included) over distinct weight copies, and weight bytes / time. `--impl
-    triton|mgpu` runs one. JSON to argv[0]."""
+    """Block-FP8 skinny GEMMs ([N, K] weights) at Qwen3-8B's o / gate (or up) / down shapes, 1 / 16 tokens: the Triton
+    kernel (skinny_gemm.py: e4m3 rows per 128 columns quantized in every program; its default launch and a sweep of K
+    splits, stages and warps) against the Mosaic GPU one (fp8_gemv_mgpu.py: TMA ring, rows quantized per token once,
+    before it, or bf16 rows against tiles converted in registers (`w8a16`); defaults and a sweep of block_n, K splits
+    and ring depth). Device time per call (the quantization's own kernel included) over distinct weight copies, and
+    weight bytes / time. `--impl triton|mgpu` runs one. JSON to argv[0]."""
     from jinfer.models.fp8 import quantize
     from pallas_kernels.dense.fp8_gemv_mgpu import fp8_gemv_mgpu
 
