@@ -230,11 +230,11 @@ def bench_fp8(argv: list[str] | None = None) -> None:
 
 
 def bench_fp8_skinny(argv: list[str] | None = None) -> None:
-    """Block-FP8 skinny GEMMs ([N, K] weights) at Qwen3-8B's o / gate (or up) / down shapes, 1 / 16 tokens: the Triton
-    kernel (skinny_gemm.py: e4m3 rows per 128 columns quantized in every program; its default launch and a sweep of K
-    splits, stages and warps) against the Mosaic GPU one (fp8_gemv_mgpu.py: TMA ring, rows quantized per token once,
-    before it, or bf16 rows against tiles converted in registers (`w8a16`); defaults and a sweep of block_n, K splits
-    and ring depth). Device time per call (the quantization's own kernel included) over distinct weight copies, and
+    """Block-FP8 skinny GEMMs ([N, K] weights) at Qwen3-8B's o / gate (or up) / down shapes, 1 / 8 / 16 tokens: the
+    Triton kernel (skinny_gemm.py: e4m3 rows per 128 columns quantized in every program; its default launch and a
+    sweep of K splits and warps) against the Mosaic GPU one (fp8_gemv_mgpu.py: TMA ring, rows quantized per token
+    once, before it, or bf16 rows against tiles converted in registers (`w8a16`); defaults and a sweep of block_n
+    and K splits). Device time per call (the quantization's own kernel included) over distinct weight copies, and
     weight bytes / time. `--impl triton|mgpu` runs one. JSON to argv[0]."""
     from jinfer.models.fp8 import quantize
     from pallas_kernels.dense.fp8_gemv_mgpu import fp8_gemv_mgpu
@@ -248,9 +248,9 @@ def bench_fp8_skinny(argv: list[str] | None = None) -> None:
     block = (128, 128)
     shapes = {"o": (256, 256), "down": (512, 256)} if interpret else \
         {"o": (4096, 4096), "gate": (4096, 12288), "down": (12288, 4096)}
-    triton = [dict()] + [dict(k_splits=ks, num_stages=3, num_warps=nw) for ks in (4, 8) for nw in (4, 8)]
-    mgpu = [dict(), dict(w8a16=True)] + [dict(block_n=bn, k_splits=ks, max_steps=ms, w8a16=a16) for a16 in (False, True)
-                                         for bn in (64, 128) for ks in (1, 2, 4) for ms in (4, 8)]
+    triton = [dict()] + [dict(k_splits=ks, num_stages=4, num_warps=nw) for ks in (4, 8) for nw in (4, 8)]
+    mgpu = [dict(), dict(w8a16=True)] + [dict(block_n=bn, k_splits=ks, w8a16=a16) for a16 in (False, True)
+                                         for bn in (64, 128) for ks in (1, 2, 4)]
     configs = [("triton", c) for c in triton if "triton" in impls] + [("mgpu", c) for c in mgpu if "mgpu" in impls]
     if interpret:
         configs = [c for c in configs if not c[1]]
@@ -261,7 +261,7 @@ def bench_fp8_skinny(argv: list[str] | None = None) -> None:
         nbytes = q.w.nbytes + q.scale.nbytes
         copies = 1 if interpret else max(2, -(-400_000_000 // nbytes))
         wcopies = [(jnp.array(q.w.T, copy=True), q.scale) for _ in range(copies)]
-        for tokens in (1, 16):
+        for tokens in (1, 8, 16):
             x = jax.random.normal(jax.random.key(0), (tokens, k), jnp.bfloat16)
             for impl, cfg in configs:
                 if "k_splits" in cfg and cfg["k_splits"] * 128 * 8 > k:  # (each split >= 8 tiles)
