@@ -62,7 +62,8 @@ class DenseOps:
         fp8_mosaic_gemv: Mosaic kernels allowed, block-FP8 [out, in] in 128 x 128 blocks, multiples of 128)."""
         from pallas_kernels.dense.fp8_gemv_mgpu import MAX_TOKENS
 
-        return (bool(self.policy.fp8_mosaic_gemv) and self.mosaic_prefill and tokens <= MAX_TOKENS
+        return (bool(self.policy.fp8_mosaic_gemv) and self.backend == "pallas" and self.mosaic_prefill
+                and tokens <= MAX_TOKENS
                 and all(is_fp8(w) and w.transposed and tuple(w.block) == (128, 128)
                         and w.w.shape[0] % 128 == 0 and w.w.shape[1] % 128 == 0 for w in weights))
 
@@ -205,11 +206,11 @@ class DenseOps:
         """The fused SwiGLU kernel's output (its RMSNorm prologue where `norm` is given), or None where XLA's path
         runs: the kernel takes block-FP8 weights in steps of <= fp8_max_tokens (the jnp path would dequantize them),
         plain ones where `plain`."""
-        fp8 = is_fp8(w_gate) and x.shape[0] <= self.policy.fp8_max_tokens
-        if fp8 and self._fp8_gemv(x.shape[0], w_gate, w_up, w_down):
+        if self._fp8_gemv(x.shape[0], w_gate, w_up, w_down):  # (up to its MAX_TOKENS, as q|k|v and o)
             h = x if norm is None else rms_norm(x, norm, eps)
             act = jax.nn.silu(self.fp8_gemv(h, w_gate)) * self.fp8_gemv(h, w_up)
             return self.fp8_gemv(act.astype(x.dtype), w_down).astype(x.dtype)
+        fp8 = is_fp8(w_gate) and x.shape[0] <= self.policy.fp8_max_tokens
         if self.backend != "pallas" or not (plain or fp8) or x.shape[1] % 16 or w_gate.shape[1] % 16 \
                 or (operands := fp8_operands("fused_mlp", w_gate, w_up, w_down, transposed=True)) is None:
             return None

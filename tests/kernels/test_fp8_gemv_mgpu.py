@@ -28,7 +28,10 @@ GPU_CASES = CASES + [pytest.param(16, 4096, 4096, {}, id="t16-o"), pytest.param(
 @pytest.mark.parametrize("mode,tokens,k,n,launch", by_mode(CASES, GPU_CASES))
 def test_fp8_gemv_mgpu_matches_reference(mode, tokens, k, n, launch):
     rng = np.random.default_rng(tokens + k + n)
-    q = quantize(normal(rng, (k, n), scale=k**-0.5), (128, 128))
+    # blocks of magnitudes 2^-4 .. 2^4 apart: each K step's product must meet its own block's scale
+    spread = jnp.repeat(jnp.repeat(jnp.asarray(2.0 ** rng.integers(-4, 5, (k // 128, n // 128)), jnp.float32), 128, 0),
+                        128, 1)
+    q = quantize(normal(rng, (k, n), scale=k**-0.5) * spread, (128, 128))
     w = jnp.asarray(q.w.T)  # [N, K], as checkpoints store it
     x = normal(rng, (tokens, k), jnp.bfloat16)
     if tokens > 1:
@@ -37,7 +40,9 @@ def test_fp8_gemv_mgpu_matches_reference(mode, tokens, k, n, launch):
     assert out.shape == (tokens, n) and out.dtype == jnp.float32
     w8a16 = launch.get("w8a16", False)
     ref = fp8_gemv_reference(x, w, q.scale, w8a16)
-    np.testing.assert_allclose(np.asarray(out), np.asarray(ref), rtol=1e-4, atol=1e-4 * float(jnp.max(jnp.abs(ref))))
+    # (the GPU's FP8 wgmma keeps fewer accumulator bits within a 128-wide K step than fp32: a looser bound there)
+    tol = 1e-4 if mode == "interpret" else 2e-3
+    np.testing.assert_allclose(np.asarray(out), np.asarray(ref), rtol=tol, atol=tol * float(jnp.max(jnp.abs(ref))))
     if tokens > 1:
         assert not np.any(np.asarray(out[-1]))
     # against the unquantized rows: the e4m3 rounding of the activations (3 mantissa bits), as a relative RMS; w8a16:
