@@ -38,7 +38,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from pallas_kernels.dense.fp8_tiles import FP8, FP8_MAX, check_scale, dequantize
+from pallas_kernels.dense.fp8_tiles import check_scale, dequantize, quantize_groups
 
 MAX_TOKENS = 16
 BLOCK_K = 128  # one 128 x 128 scale block a K step (and a 128-byte swizzle row of e4m3)
@@ -47,11 +47,8 @@ BLOCK_K = 128  # one 128 x 128 scale block a K step (and a 128-byte swizzle row 
 def quantize_tokens(x: jax.Array) -> tuple[jax.Array, jax.Array]:
     """x [T, K] -> (e4m3 [T, K], float32 [T]): each token row scaled by amax / 448 over all of K; zero rows stay
     zero (scale 0)."""
-    xf = x.astype(jnp.float32)
-    amax = jnp.max(jnp.abs(xf), axis=1)
-    live = amax > 0
-    q = (xf * jnp.where(live, FP8_MAX / jnp.where(live, amax, 1.0), 1.0)[:, None]).astype(FP8)
-    return q, jnp.where(live, amax / FP8_MAX, 0.0)
+    q, scale = quantize_groups(x, x.shape[1])
+    return q, scale[:, 0]
 
 
 def _kernel(x_gmem, w_gmem, ws_gmem, out_gmem, out_smem, a_smem, *, block_n: int, k_per_split: int,

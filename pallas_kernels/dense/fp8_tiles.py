@@ -102,17 +102,25 @@ def weight_dot_swapped(w: jax.Array, xk: jax.Array, x_scale: jax.Array, w_scale:
     return out * (x_scale if xk_transposed else x_scale.T) * (w_scale.T if w_scale.ndim == 2 else w_scale)
 
 
-def fake_quant_rows(x: jax.Array, group: int) -> jax.Array:
-    """The references' activations: x [T, K] as the FP8 dot sees it (`act_operand` per `group` columns: the kernel's
-    K tile), in float32."""
+def quantize_groups(x: jax.Array, group: int) -> tuple[jax.Array, jax.Array]:
+    """x [T, K] as e4m3 per row and `group` columns, as `act_operand` quantizes a tile: (e4m3 [T, K], float32 scales
+    [T, K / group], amax / 448); zero groups stay zero (scale 0)."""
     t, k = x.shape
     xg = x.astype(jnp.float32).reshape(t, k // group, group)
     amax = jnp.max(jnp.abs(xg), axis=-1, keepdims=True)
     live = amax > 0
+    q = (xg * jnp.where(live, FP8_MAX / jnp.where(live, amax, 1.0), 1.0)).astype(FP8)
+    return q.reshape(t, k), jnp.where(live, amax / FP8_MAX, 0.0)[..., 0]
+
+
+def fake_quant_rows(x: jax.Array, group: int) -> jax.Array:
+    """The references' activations: x [T, K] as the FP8 dot sees it (`act_operand` per `group` columns: the kernel's
+    K tile), in float32."""
+    t, k = x.shape
+    q, scale = quantize_groups(x, group)
     # the barrier: XLA's GPU pipeline folds convert(convert(x, e4m3), f32) back to x (excess precision allowed)
-    q = jax.lax.optimization_barrier((xg * jnp.where(live, FP8_MAX / jnp.where(live, amax, 1.0), 1.0)).astype(FP8))
-    q = q.astype(jnp.float32)
-    return (q * jnp.where(live, amax / FP8_MAX, 0.0)).reshape(t, k)
+    q = jax.lax.optimization_barrier(q).astype(jnp.float32).reshape(t, k // group, group)
+    return (q * scale[..., None]).reshape(t, k)
 
 
 def dequantize(w: jax.Array, scale: jax.Array, block: tuple[int, int]) -> jax.Array:
