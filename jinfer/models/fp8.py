@@ -22,8 +22,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-__all__ = ["FP8", "FP8_MAX", "Fp8Weight", "concat_columns", "dense", "dequantize_np", "is_fp8", "kernel_layout",
-           "map_columns", "quantize", "quantize_np", "refuse_fp8", "transpose", "transposed_sharding"]
+__all__ = ["FP8", "FP8_MAX", "Fp8Weight", "concat_columns", "dense", "dequantize_np", "in_kernel_layout", "is_fp8",
+           "kernel_layout", "map_columns", "quantize", "quantize_np", "refuse_fp8", "transpose", "transposed_sharding"]
 
 log = logging.getLogger(__name__)
 
@@ -168,6 +168,11 @@ def concat_columns(parts: list) -> jax.Array | Fp8Weight | None:
 KERNEL_LAYOUT_FIELDS = ("w_gate", "w_up", "w_down", "ws_gate", "ws_up", "ws_down", "wo", "wqkv")
 
 
+def in_kernel_layout(name: str, ndim: int) -> bool:
+    """Whether a weight field of this name and rank is kept [out, in] when FP8 (`kernel_layout`)."""
+    return name in KERNEL_LAYOUT_FIELDS and ndim == 2
+
+
 def transposed_sharding(sharding, ndim: int):
     """A NamedSharding with its last two axes' partitioning swapped (anything else: None, placement left to JAX)."""
     if not isinstance(sharding, jax.sharding.NamedSharding):
@@ -196,7 +201,7 @@ def kernel_layout(weights):
     H200, docs/performance.md); every other weight as it is."""
     def relayout(path, leaf):
         name = getattr(path[-1], "name", None) if path else None
-        if isinstance(leaf, Fp8Weight) and leaf.ndim == 2 and not leaf.transposed and name in KERNEL_LAYOUT_FIELDS:
+        if isinstance(leaf, Fp8Weight) and not leaf.transposed and in_kernel_layout(name, leaf.ndim):
             return transpose(leaf)
         return leaf
     return jax.tree_util.tree_map_with_path(relayout, weights, is_leaf=lambda x: isinstance(x, Fp8Weight))

@@ -28,7 +28,7 @@ from tqdm.auto import tqdm
 from jinfer.config.model import NAMED_SHAPES, ModelConfig
 from jinfer.config.quantization import Fp8Config
 from jinfer.models.base import Weights
-from jinfer.models.fp8 import KERNEL_LAYOUT_FIELDS, Fp8Weight, quantize, transposed_sharding
+from jinfer.models.fp8 import Fp8Weight, in_kernel_layout, quantize, transposed_sharding
 from jinfer.models.registry import assemble_weights, weight_specs
 from jinfer.models.spec import ArrayInfo
 from jinfer.parallel.mesh import fp8_shardings, logical_sharding, make_mesh, put
@@ -201,7 +201,7 @@ def _load_checkpoint(source: ModelSource, specs: dict[str, ArrayInfo], dtype, me
     for name, spec in bar:
         if spec.fp8_block is not None and getattr(reader, "stored_fp8", lambda s: False)(spec):
             # (the weights the decode kernels read [out, in] stay as the checkpoint stores them: fp8.kernel_layout)
-            out_in = name.rsplit(".", 1)[-1] in KERNEL_LAYOUT_FIELDS and len(spec.shape) == 2 and spec.transpose
+            out_in = in_kernel_layout(name.rsplit(".", 1)[-1], len(spec.shape)) and spec.transpose
             arrays[name] = place_fp8(*reader.get_fp8(spec), spec, mesh, expert_parallel, out_in)
             continue
         online = spec.fp8_block is not None and source.config.quantization.online
