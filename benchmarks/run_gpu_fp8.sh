@@ -6,12 +6,11 @@
 #            (bench_moe --fp8; the bf16 Mosaic GPU grouped GEMM at 4096): $OUT/moe_fp8_$TAG.json
 #   latency  engine TPOT of dummy:<shape> and dummy:<shape>-fp8 in alternating processes, ROUNDS each:
 #            $OUT/fp8_latency_<shape>.json (every process, the medians, FP8 / bf16; benchmarks/latency_summary.py)
-#   ttft     TTFT of one 4096-token prompt, dummy:<shape> and <shape>-fp8, ROUNDS alternating processes x 3 runs:
-#            $OUT/ttft4k_<shape>[-fp8]_<round>.json
-#   mgpu_kernels  the Mosaic GPU FP8 skinny GEMM (pallas_kernels/dense/fp8_gemv_mgpu.py) against the Triton kernels:
-#            its GPU tests and the kernel sweep (bench_dense fp8_skinny: $OUT/fp8_skinny_mgpu_$TAG.json)
-#   mgpu_tpot  engine TPOT of <shape>-fp8 with JINFER_FP8_MOSAIC_GEMV=w8a8 / w8a16 against the Triton kernels and
-#            bf16, ROUNDS alternating processes: $OUT/fp8_mosaic_latency_<shape>.json
+#   ttft     TTFT of one 4096-token prompt, dummy:<shape>, <shape>-fp8 and <shape>-fp8 with JINFER_FP8_MOSAIC_GEMM=0
+#            (prefill dequantizes for XLA's GEMMs), ROUNDS alternating processes x 3 runs:
+#            $OUT/ttft4k_<shape>[-fp8[_dequant]]_<round>.json
+#   prefill  the Mosaic GPU FP8 GEMM for prefill (pallas_kernels/dense/fp8_gemm_mgpu.py): its GPU tests and the kernel
+#            sweep against dequantize + XLA's GEMM and bf16 (bench_dense fp8_prefill: $OUT/dense_fp8_prefill_$TAG.json)
 #   hostprof where the host's time of a batch-1 decode step goes, <shape> and <shape>-fp8 (benchmarks/host_profile.py:
 #            cProfile and XLA's host events; FP8 passes 180 more buffers to the forward): $OUT/host_profile_<shape>*.txt
 #   SHAPE=qwen3-8b ROUNDS=3 BATCHES="1 8" bash benchmarks/run_gpu_fp8.sh
@@ -31,9 +30,11 @@ if [[ $PARTS == *dense* ]]; then
 fi
 if [[ $PARTS == *ttft* ]]; then  # TTFT of one 4096-token prompt, bf16 vs FP8 weights, alternating processes
   for r in $(seq "$ROUNDS"); do
-    for s in "$SHAPE" "$SHAPE-fp8"; do
-      timeout "$TIMEOUT" python3 -m benchmarks.bench_latency --shape "$s" --batch-sizes 1 --input-len 4096 --output-len 8 \
-        --max-num-batched-tokens 4096 --repeat 3 --out "$OUT/ttft4k_${s}_$r.json" 2>&1 | grep -E "^batch|Error" | sed "s/^/[$s $r] /"
+    for v in "$SHAPE" "$SHAPE-fp8" "$SHAPE-fp8_dequant"; do
+      s=${v%_dequant}
+      JINFER_FP8_MOSAIC_GEMM=$([[ $v == *_dequant ]] && echo 0 || echo 1) timeout "$TIMEOUT" python3 -m benchmarks.bench_latency \
+        --shape "$s" --batch-sizes 1 --input-len 4096 --output-len 8 --max-num-batched-tokens 4096 --repeat 3 \
+        --out "$OUT/ttft4k_${v}_$r.json" 2>&1 | grep -E "^batch|Error" | sed "s/^/[$v $r] /"
     done
   done
 fi
@@ -55,31 +56,16 @@ if [[ $PARTS == *latency* ]]; then
       fp8="/tmp/fp8ab/${SHAPE}-fp8_*.json"  # after every round (time limits)
   done
 fi
-if [[ $PARTS == *mgpu_kernels* ]]; then
+if [[ $PARTS == *prefill* ]]; then
   XLA_PYTHON_CLIENT_PREALLOCATE=false JAX_PLATFORMS=cuda timeout 200 python3 -m pytest -q -m gpu -p no:cacheprovider \
-    tests/kernels/test_fp8_gemv_mgpu.py 2>&1 | tail -2
-  timeout 420 python3 -m benchmarks.kernels.bench_dense fp8_skinny "$OUT/fp8_skinny_mgpu_$TAG.json" | grep '^{' \
+    tests/kernels/test_fp8_gemm_mgpu.py 2>&1 | tail -2
+  timeout 400 python3 -m benchmarks.kernels.bench_dense fp8_prefill "$OUT/dense_fp8_prefill_$TAG.json" | grep '^{' \
     | python3 -c '
 import json, sys
 for line in sys.stdin:
     r = json.loads(line)
-    print(r["kernel"], r["tokens"], r["impl"], {k: r[k] for k in ("block_n", "k_splits", "max_steps", "num_stages",
-          "num_warps", "w8a16") if k in r}, r.get("time_us"), r.get("tb_per_s"), r.get("error", "")[:100])'
-fi
-if [[ $PARTS == *mgpu_tpot* ]]; then
-  for r in $(seq "$ROUNDS"); do
-    for v in triton w8a8 w8a16 bf16; do
-      s="$SHAPE-fp8"; [[ $v == bf16 ]] && s=$SHAPE
-      JINFER_FP8_MOSAIC_GEMV=$([[ $v == w8a* ]] && echo $v) timeout "$TIMEOUT" python3 -m benchmarks.bench_latency \
-        --shape "$s" --batch-sizes $BATCHES --input-len 1024 --output-len 128 --repeat 1 \
-        --out "/tmp/fp8ab/mosaic_${v}_$r.json" 2>&1 | grep -E "^batch|Error" | sed "s/^/[$v $r] /"
-    done
-    python3 -m benchmarks.latency_summary "$OUT/fp8_mosaic_latency_${SHAPE}.json" triton="/tmp/fp8ab/mosaic_triton_*.json" \
-      w8a8="/tmp/fp8ab/mosaic_w8a8_*.json" w8a16="/tmp/fp8ab/mosaic_w8a16_*.json" bf16="/tmp/fp8ab/mosaic_bf16_*.json" \
-      > /dev/null
-  done
-  python3 -c "import json,sys; d=json.load(open(sys.argv[1])); print(json.dumps(d['median_over_triton']))" \
-    "$OUT/fp8_mosaic_latency_${SHAPE}.json"
+    print(r["kernel"], r["tokens"], r["impl"], {k: r[k] for k in ("wg_dim", "max_steps", "grid_minor") if k in r},
+          r.get("time_us"), r.get("tflop_per_s"), r.get("rel_err_vs_ref"), r.get("error", "")[:160])'
 fi
 if [[ $PARTS == *hostprof* ]]; then
   for s in "$SHAPE" "$SHAPE-fp8"; do

@@ -230,30 +230,19 @@ def bench_fp8(argv: list[str] | None = None) -> None:
 
 
 def bench_fp8_skinny(argv: list[str] | None = None) -> None:
-    """Block-FP8 skinny GEMMs ([N, K] weights) at Qwen3-8B's o / gate (or up) / down shapes, 1 / 8 / 16 tokens: the
-    Triton kernel (skinny_gemm.py: e4m3 rows per 128 columns quantized in every program; its default launch and a
-    sweep of K splits and warps) against the Mosaic GPU one (fp8_gemv_mgpu.py: TMA ring, rows quantized per token
-    once, before it, or bf16 rows against tiles converted in registers (`w8a16`); defaults and a sweep of block_n
-    and K splits). Device time per call (the quantization's own kernel included) over distinct weight copies, and
-    weight bytes / time. `--impl triton|mgpu` runs one. JSON to argv[0]."""
+    """The block-FP8 skinny GEMM (skinny_gemm.py: e4m3 rows per 128 columns quantized in every program; [N, K]
+    weights) at Qwen3-8B's o / gate (or up) / down shapes, 1 / 8 / 16 tokens: its default launch and a sweep of K
+    splits and warps. Device time per call over distinct weight copies, and weight bytes / time. JSON to argv[0]."""
     from jinfer.models.fp8 import quantize
-    from pallas_kernels.dense.fp8_gemv_mgpu import fp8_gemv_mgpu
 
     argv = list(argv or [])
-    impls = ("triton", "mgpu")
-    if "--impl" in argv:
-        i = argv.index("--impl")
-        impls, argv = (argv[i + 1],), argv[:i] + argv[i + 2:]
     interpret = jax.default_backend() != "gpu"
     block = (128, 128)
     shapes = {"o": (256, 256), "down": (512, 256)} if interpret else \
         {"o": (4096, 4096), "gate": (4096, 12288), "down": (12288, 4096)}
-    triton = [dict()] + [dict(k_splits=ks, num_stages=4, num_warps=nw) for ks in (4, 8) for nw in (4, 8)]
-    mgpu = [dict(), dict(w8a16=True)] + [dict(block_n=bn, k_splits=ks, w8a16=a16) for a16 in (False, True)
-                                         for bn in (64, 128) for ks in (1, 2, 4)]
-    configs = [("triton", c) for c in triton if "triton" in impls] + [("mgpu", c) for c in mgpu if "mgpu" in impls]
+    configs = [dict()] + [dict(k_splits=ks, num_stages=4, num_warps=nw) for ks in (4, 8) for nw in (4, 8)]
     if interpret:
-        configs = [c for c in configs if not c[1]]
+        configs = configs[:1]
     rows = []
     for name, (k, n) in shapes.items():
         w = jax.random.normal(jax.random.key(1), (k, n), jnp.float32) * k**-0.5
@@ -263,12 +252,11 @@ def bench_fp8_skinny(argv: list[str] | None = None) -> None:
         wcopies = [(jnp.array(q.w.T, copy=True), q.scale) for _ in range(copies)]
         for tokens in (1, 8, 16):
             x = jax.random.normal(jax.random.key(0), (tokens, k), jnp.bfloat16)
-            for impl, cfg in configs:
+            for cfg in configs:
                 if "k_splits" in cfg and cfg["k_splits"] * 128 * 8 > k:  # (each split >= 8 tiles)
                     continue
-                kernel = skinny_gemm if impl == "triton" else fp8_gemv_mgpu
-                fn = functools.partial(kernel, scale_block=block, interpret=interpret, **cfg)
-                row = {"kernel": name, "tokens": tokens, "impl": impl, **cfg}
+                fn = functools.partial(skinny_gemm, scale_block=block, interpret=interpret, **cfg)
+                row = {"kernel": name, "tokens": tokens, "impl": "triton", **cfg}
                 try:
                     t = _time_us(lambda x, ws_, fn=fn: fn(x, *ws_), x, wcopies, reps=2 if interpret else 10)
                     row.update(time_us=t, weight_bytes=nbytes, tb_per_s=nbytes / t / 1e6)
@@ -282,7 +270,59 @@ def bench_fp8_skinny(argv: list[str] | None = None) -> None:
                                   indent=1)
 
 
-BENCHMARKS = {"mlp": bench_mlp, "skinny_gemm": bench_skinny_gemm, "fp8": bench_fp8, "fp8_skinny": bench_fp8_skinny}
+def bench_fp8_prefill(argv: list[str] | None = None) -> None:
+    """Block-FP8 GEMMs for prefill at Qwen3-8B's q|k|v / o / gate / down shapes, 4096 (and 1000) tokens: the Mosaic
+    GPU e4m3 GEMM (fp8_gemm_mgpu.py: defaults and a sweep of its CTA tile, ring depth and grid order; the token
+    quantization's own kernel included) against what the engine did before it (the weight dequantized to bf16, then
+    XLA's GEMM) and XLA's GEMM of bf16 weights (a bf16 model's). Device time per call, TFLOP/s, and the kernel's
+    largest difference from its jnp reference relative to the output's largest value. JSON to argv[0]."""
+    from jinfer.models.fp8 import dense, quantize
+    from pallas_kernels.dense.fp8_gemm_mgpu import fp8_gemm_mgpu, fp8_gemm_reference
+
+    interpret = jax.default_backend() != "gpu"
+    block = (128, 128)
+    shapes = {"o": (256, 256)} if interpret else \
+        {"qkv": (4096, 6144), "o": (4096, 4096), "gate": (4096, 12288), "down": (12288, 4096)}
+    sweep_ = [dict()] if interpret else [dict()] + [
+        dict(wg_dim=d, max_steps=s, grid_minor=g, grid_width=8)
+        for d, s in (("m", 4), ("m", 6), ("n", 3), ("n", 4)) for g in (0, 1)]
+    rows = []
+
+    def record(row):
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+        if argv:  # after every row (a time limit keeps what ran)
+            with open(argv[0], "w") as f:
+                json.dump({"device": jax.devices()[0].device_kind, "jax": jax.__version__, "results": rows}, f,
+                          indent=1)
+
+    for name, (k, n) in shapes.items():
+        q = quantize(jax.random.normal(jax.random.key(1), (k, n), jnp.float32) * k**-0.5, block)
+        wq = [(jnp.array(q.w.T, copy=True), q.scale) for _ in range(2)]
+        wb = [dense(q, jnp.bfloat16) for _ in range(2)]
+        for tokens in ((128,) if interpret else (4096, 1000)):
+            x = jax.random.normal(jax.random.key(0), (tokens, k), jnp.bfloat16)
+            flop = 2 * tokens * k * n
+            base = {"kernel": name, "tokens": tokens}
+            for impl, fn, ws in (("xla_bf16", lambda x, w: x @ w, wb),
+                                 ("dequant_xla", lambda x, w: x @ dense(w, x.dtype), [q] * 2)):
+                t = _time_us(fn, x, ws, reps=2 if interpret else 10)
+                record({**base, "impl": impl, "time_us": t, "tflop_per_s": flop / t / 1e6})
+            ref = fp8_gemm_reference(x, *wq[0]).astype(jnp.float32)
+            for cfg in sweep_ if tokens == 4096 or interpret else [{}]:
+                fn = functools.partial(fp8_gemm_mgpu, scale_block=block, interpret=interpret, **cfg)
+                row = {**base, "impl": "mgpu", **cfg}
+                try:
+                    t = _time_us(lambda x, ws_, fn=fn: fn(x, *ws_), x, wq, reps=2 if interpret else 10)
+                    err = jnp.max(jnp.abs(fn(x, *wq[0]).astype(jnp.float32) - ref)) / jnp.max(jnp.abs(ref))
+                    row.update(time_us=t, tflop_per_s=flop / t / 1e6, rel_err_vs_ref=float(err))
+                except Exception as e:  # a launch that does not compile: recorded, the others still run
+                    row["error"] = str(e)[:200]
+                record(row)
+
+
+BENCHMARKS = {"mlp": bench_mlp, "skinny_gemm": bench_skinny_gemm, "fp8": bench_fp8, "fp8_skinny": bench_fp8_skinny,
+              "fp8_prefill": bench_fp8_prefill}
 
 def main(argv: list[str] | None = None) -> None:
     run_subcommand(BENCHMARKS, __spec__.name, __doc__, argv)

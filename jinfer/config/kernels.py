@@ -35,10 +35,10 @@ The defaults are the measured choices (H100 figures; docs/performance.md has the
   (FP8 routed experts take the Triton grouped GEMMs at every step size.) The kernels meet an FP8 tile with the
   activations quantized to e4m3 per row and 128 columns (pallas_kernels/dense/fp8_tiles.py): Qwen3-8B TPOT 5.66 vs
   6.41 ms at batch 1 against tiles converted to bf16 in registers (fp8mode_*_h200.json).
-- fp8_mosaic_gemv: the A/B switch ("": off) of an unmeasured path: decode steps of <= 16 tokens with block-FP8
-  (128 x 128) weights run q|k|v, o, gate, up and down on the Mosaic GPU skinny GEMM (pallas_kernels/dense/
-  fp8_gemv_mgpu.py: a TMA ring) instead of the Triton kernels, the rows quantized per token to e4m3 once ("w8a8") or
-  kept bf16 against tiles converted in registers ("w8a16"); the norms, RoPE and SwiGLU are separate kernels then.
+- fp8_mosaic_gemm: steps of more than fp8_max_tokens tokens with block-FP8 (128 x 128, [out, in]) weights run every
+  dense projection and the MLP on the Mosaic GPU e4m3 GEMM (pallas_kernels/dense/fp8_gemm_mgpu.py: rows quantized per
+  token, FP8 tensor cores) instead of dequantizing each weight for XLA's bf16 GEMM. The A/B switch of an unmeasured
+  path (until measured: run_gpu_fp8.sh PARTS=prefill,ttft).
 - one_shot_all_reduce_bytes: a sharded step's reductions of up to this many bytes a device run as our one-shot
   all-reduce over NVLink peer memory (pallas_kernels/all_reduce.py) instead of XLA's NCCL all-reduce; 0: always
   XLA's; None (the default): the kernel's whole range (1 MB) where each process drives one GPU, 16 KB where one
@@ -79,7 +79,6 @@ from dataclasses import dataclass
 
 BACKENDS = ("auto", "reference", "pallas", "pallas-triton")  # pallas-triton: no Mosaic GPU kernel
 EVICTION_POLICIES = ("evict_last", "normal")
-FP8_MOSAIC_MODES = ("", "w8a8", "w8a16")
 # Kernels whose launch parameters `KernelPolicy.launch` may set (keyword arguments of their public functions).
 LAUNCH_KERNELS = ("fused_mlp", "paged_decode_attention", "mla_decode_attention", "norm_qkv_rope", "moe_route",
                   "moe_norm_route")
@@ -94,7 +93,7 @@ ENV_FIELDS = {
     "JINFER_SMALL_STEP_SKIP_TEMP": "small_step_skip_temp",
     "JINFER_FP8_SKINNY_O": "fp8_skinny_o",
     "JINFER_FP8_MAX_TOKENS": "fp8_max_tokens",
-    "JINFER_FP8_MOSAIC_GEMV": "fp8_mosaic_gemv",
+    "JINFER_FP8_MOSAIC_GEMM": "fp8_mosaic_gemm",
     "JINFER_ONE_SHOT_ALL_REDUCE_BYTES": "one_shot_all_reduce_bytes",
     "JINFER_ONE_SHOT_ALL_GATHER_BYTES": "one_shot_all_gather_bytes",
     "JINFER_VERIFY_MAX_QUERY_LEN": "verify_max_query_len",
@@ -124,7 +123,7 @@ class KernelPolicy:
     small_step_skip_temp: bool = False
     fp8_skinny_o: bool = True
     fp8_max_tokens: int = 16
-    fp8_mosaic_gemv: str = ""  # FP8_MOSAIC_MODES
+    fp8_mosaic_gemm: bool = True
     one_shot_all_reduce_bytes: int | None = None  # None: by the layout (`all_reduce_limit`)
     one_shot_all_gather_bytes: int = 1 << 20
     verify_max_query_len: int = 8
@@ -158,9 +157,8 @@ class KernelPolicy:
             raise ValueError(f"prefetch_o={self.prefetch_o!r} must be a fraction in [0, 1]")
         if self.prefetch_eviction not in EVICTION_POLICIES:
             raise ValueError(f"prefetch_eviction={self.prefetch_eviction!r} must be one of {EVICTION_POLICIES}")
-        if self.fp8_mosaic_gemv not in FP8_MOSAIC_MODES:
-            raise ValueError(f"fp8_mosaic_gemv={self.fp8_mosaic_gemv!r} must be one of {FP8_MOSAIC_MODES}")
-        for name in ("pad_vector_dots", "xla_dot_merger", "small_step_skip_temp", "fp8_skinny_o", "mla_ragged_kernel"):
+        for name in ("pad_vector_dots", "xla_dot_merger", "small_step_skip_temp", "fp8_skinny_o", "fp8_mosaic_gemm",
+                     "mla_ragged_kernel"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name}={getattr(self, name)!r} must be a bool")
         object.__setattr__(self, "launch", _launch_tuple(self.launch))
@@ -197,8 +195,8 @@ class KernelPolicy:
         benchmarks only: nothing below them reads the environment.
 
         JINFER_PALLAS_MLP_TOKENS="1,8" (a list of token counts, "" none); JINFER_XLA_DOT_MERGER=1 (XLA's default),
-        JINFER_SMALL_STEP_SKIP_TEMP / JINFER_FP8_SKINNY_O / JINFER_MLA_RAGGED_KERNEL=0 / 1; the others take the field's
-        value (JINFER_FP8_MOSAIC_GEMV=w8a8 | w8a16)."""
+        JINFER_SMALL_STEP_SKIP_TEMP / JINFER_FP8_SKINNY_O / JINFER_FP8_MOSAIC_GEMM / JINFER_MLA_RAGGED_KERNEL=0 / 1;
+        the others take the field's value."""
         environ = os.environ if environ is None else environ
         for var, name in ENV_FIELDS.items():
             text = environ.get(var)
@@ -207,11 +205,12 @@ class KernelPolicy:
             try:
                 if name == "pallas_mlp_tokens":
                     value = tuple(int(t) for t in text.split(",") if t)
-                elif name in ("xla_dot_merger", "small_step_skip_temp", "fp8_skinny_o", "mla_ragged_kernel"):
+                elif name in ("xla_dot_merger", "small_step_skip_temp", "fp8_skinny_o", "fp8_mosaic_gemm",
+                              "mla_ragged_kernel"):
                     value = text == "1"
                 elif name == "prefetch_o":
                     value = float(text)
-                elif name in ("prefetch_eviction", "fp8_mosaic_gemv"):
+                elif name == "prefetch_eviction":
                     value = text
                 else:
                     value = int(text)

@@ -57,25 +57,27 @@ def fp8_operands(kernel: str, *weights, transposed: bool = False
 class DenseOps:
     """ModelOps' dense ops (mixed into `jinfer.ops.ModelOps`, whose fields they read)."""
 
-    def _fp8_gemv(self, tokens: int, *weights) -> bool:
-        """Whether the Mosaic GPU FP8 skinny GEMM takes these weights in a step of `tokens` (KernelPolicy's
-        fp8_mosaic_gemv: Mosaic kernels allowed, block-FP8 [out, in] in 128 x 128 blocks, multiples of 128)."""
-        from pallas_kernels.dense.fp8_gemv_mgpu import MAX_TOKENS
-
-        return (bool(self.policy.fp8_mosaic_gemv) and self.backend == "pallas" and self.mosaic_prefill
-                and tokens <= MAX_TOKENS
+    def _fp8_gemm(self, tokens: int, *weights) -> bool:
+        """Whether a step of `tokens` runs these weights on the Mosaic GPU block-FP8 GEMM (pallas_kernels/dense/
+        fp8_gemm_mgpu.py): steps past fp8_max_tokens (smaller ones take the decode kernels) where
+        KernelPolicy.fp8_mosaic_gemm and Mosaic kernels are on, every weight block-FP8 [out, in] in 128 x 128 blocks
+        with both sides multiples of 128. Elsewhere large steps dequantize for XLA's GEMM."""
+        return (self.policy.fp8_mosaic_gemm and self.backend == "pallas" and self.mosaic_prefill
+                and tokens > self.policy.fp8_max_tokens
                 and all(is_fp8(w) and w.transposed and tuple(w.block) == (128, 128)
                         and w.w.shape[0] % 128 == 0 and w.w.shape[1] % 128 == 0 for w in weights))
 
-    def fp8_gemv(self, x: jax.Array, w) -> jax.Array:
-        """x @ w for a block-FP8 w ([out, in]) on the Mosaic GPU skinny GEMM (`_fp8_gemv` says where), float32."""
-        from pallas_kernels.dense.fp8_gemv_mgpu import fp8_gemv_mgpu
+    def fp8_gemm(self, x: jax.Array, w) -> jax.Array:
+        """x @ w for a block-FP8 w ([out, in]) on the Mosaic GPU GEMM (`_fp8_gemm` says where), in x's dtype."""
+        from pallas_kernels.dense.fp8_gemm_mgpu import fp8_gemm_mgpu
 
-        return fp8_gemv_mgpu(x, w.w, w.scale, scale_block=tuple(w.block), w8a16=self.policy.fp8_mosaic_gemv == "w8a16",
-                             interpret=self.interpret)
+        return fp8_gemm_mgpu(x, w.w, w.scale, scale_block=tuple(w.block), out_dtype=x.dtype, interpret=self.interpret)
 
     def project(self, x: jax.Array, w: jax.Array, **kw) -> jax.Array:
-        """x @ w, kept a GEMM at T = 1 where the policy pads vector dots (`project`)."""
+        """x @ w, kept a GEMM at T = 1 where the policy pads vector dots (`project`); a block-FP8 w in a large step on
+        the FP8 GEMM (`_fp8_gemm`)."""
+        if not kw and self._fp8_gemm(x.shape[0], w):
+            return self.fp8_gemm(x, w)
         return project(x, w, self.policy.pad_vector_dots, **kw)
 
     def step_counters(self, tokens: int) -> jax.Array | None:
@@ -115,8 +117,8 @@ class DenseOps:
         shapes (partial RoPE, ...). With `counters` (`step_counters`) each head's K range is split over programs.
         `prefetch` (the layer's o weight) is read into L2 by the launch's idle SMs where prefetch_o is on."""
         policy = self.policy
-        if self.backend != "pallas" or x.shape[0] > policy.norm_qkv_max_tokens or self._fp8_gemv(x.shape[0], wqkv):
-            return None  # (the Mosaic FP8 GEMM: `norm_projections`, then `qkv_rope_write`)
+        if self.backend != "pallas" or x.shape[0] > policy.norm_qkv_max_tokens:
+            return None
         operands = fp8_operands("norm_qkv_rope", wqkv, transposed=True)  # (FP8: [out, in], fp8.kernel_layout)
         if operands is None:
             return None
@@ -150,8 +152,6 @@ class DenseOps:
         owns whole heads and splits K (see `pallas_kernels/dense/norm_qkv_rope.py`).
         """
         h = rms_norm(x, norm, eps)
-        if self._fp8_gemv(x.shape[0], *weights):
-            return tuple(self.fp8_gemv(h, w).astype(x.dtype) for w in weights)
         return tuple(self.project(h, w) for w in weights)
 
     def out_proj(self, attn: jax.Array, wo: jax.Array, residual: jax.Array) -> jax.Array:
@@ -168,8 +168,6 @@ class DenseOps:
         up to fp8_max_tokens."""
         policy = self.policy
         tokens = attn.shape[0]
-        if self._fp8_gemv(tokens, wo):
-            return residual + self.reduce(self.fp8_gemv(attn, wo).astype(attn.dtype))
         small = wo.shape[0] * wo.shape[1] < STRENGTH_REDUCED_DOT_ELEMENTS and policy.pad_vector_dots
         fp8 = is_fp8(wo) and (tokens == 1 and policy.fp8_skinny_o or 1 < tokens <= policy.fp8_max_tokens)
         if self.backend == "pallas" and (tokens == 1 and small or fp8) \
@@ -206,10 +204,10 @@ class DenseOps:
         """The fused SwiGLU kernel's output (its RMSNorm prologue where `norm` is given), or None where XLA's path
         runs: the kernel takes block-FP8 weights in steps of <= fp8_max_tokens (the jnp path would dequantize them),
         plain ones where `plain`."""
-        if self._fp8_gemv(x.shape[0], w_gate, w_up, w_down):  # (up to its MAX_TOKENS, as q|k|v and o)
+        if self._fp8_gemm(x.shape[0], w_gate, w_up, w_down):
             h = x if norm is None else rms_norm(x, norm, eps)
-            act = jax.nn.silu(self.fp8_gemv(h, w_gate)) * self.fp8_gemv(h, w_up)
-            return self.fp8_gemv(act.astype(x.dtype), w_down).astype(x.dtype)
+            act = jax.nn.silu(self.fp8_gemm(h, w_gate).astype(jnp.float32)) * self.fp8_gemm(h, w_up)
+            return self.fp8_gemm(act.astype(x.dtype), w_down)
         fp8 = is_fp8(w_gate) and x.shape[0] <= self.policy.fp8_max_tokens
         if self.backend != "pallas" or not (plain or fp8) or x.shape[1] % 16 or w_gate.shape[1] % 16 \
                 or (operands := fp8_operands("fused_mlp", w_gate, w_up, w_down, transposed=True)) is None:

@@ -1,0 +1,222 @@
+"""Block-FP8 GEMM for prefill, Mosaic GPU (Hopper: TMA + e4m3 wgmma): `x @ dequant(w)^T` for many token rows.
+
+Prefill with block-FP8 weights used to dequantize them for XLA's bf16 GEMM (an extra pass over every weight per
+step, and bf16's tensor-core rate); a Triton w8a8 GEMM (vLLM's design) reached 137 TFLOP/s on an H200
+(docs/performance.md). This kernel takes FP8 at the tensor cores' FP8 rate, as DeepGEMM does on Hopper:
+
+- The activations come quantized to e4m3 once, per token over all of K (`quantize_tokens`: amax / 448, a float32
+  scale a token; e4m3 is floating point, so one scale a row keeps 3 mantissa bits for every value within 2^15 of the
+  row's largest), by an XLA fusion before the kernel; the weight comes [N, K] e4m3 (K contiguous, as checkpoints
+  store it and `fp8.kernel_layout` keeps it), one float32 scale per 128 x 128 block.
+- A persistent grid of one CTA per SM walks the output's [cta_m, cta_n] tiles (`plgpu.nd_loop`, `planar_snake` order
+  for L2 reuse). Per tile, a memory warpgroup streams [cta_m, 128] token tiles and [cta_n, 128] weight tiles by TMA
+  into a ring of `max_steps` SMEM slots (`emit_pipeline_warp_specialized`, as JAX's hopper_matmul_mgpu), and two
+  compute warpgroups each own a [64, 128] part of the tile (`wg_dim` "m": the CTA tile is 128 x 128; "n": 64 x 256).
+- A K step is 128 deep, one scale block: each warpgroup's wgmma (A the token rows, B the weight tile's K-major
+  transposed view: both 8-bit operands K-major, as wgmma wants) goes into a fresh fp32 accumulator, which is added to
+  the running sum times the step's weight scale (a scalar: a warpgroup's 128 columns are one scale block), read from
+  GMEM a step ahead. The two warpgroups' chains interleave, so one's rescale runs under the other's wgmma.
+- Epilogue: the sum times each row's token scale (a [64] vector through SMEM, in the accumulator's row layout), cast
+  to bf16, a TMA store from a staging buffer per warpgroup.
+
+Registers bound the tile: a warpgroup holds its sum and one step's product, 2 x 64 fp32 values a thread for
+[64, 128]; a [64, 256] part would need all 240 registers for those alone.
+
+Refs (GMEM): x [M, K] e4m3, xs [M] float32, w [N, K] e4m3, ws [K / 128, N / 128] float32 (read as scalars), out
+[M, N] bf16; M a multiple of cta_m (the wrapper pads), N of cta_n, K of 128.
+
+Interpret mode (CPU): jax's Mosaic GPU interpreter runs the same code (tests); exporting for CUDA checks the GPU
+lowering (layouts, TMA legality, SMEM) on a machine without a GPU.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+from pallas_kernels.dense.fp8_tiles import check_scale, dequantize, quantize_groups
+
+BLOCK_K = 128  # one 128 x 128 scale block a K step (and a 128-byte swizzle row of e4m3)
+WG_ROWS, WG_COLS = 64, 128  # a compute warpgroup's part of the output tile
+SMEM_BYTES = 227 * 1024  # per CTA on Hopper
+_H100_SMS = 132  # CTAs when lowering for CUDA on a machine without a GPU
+_INTERPRET_CTAS = 4
+
+
+def quantize_tokens(x: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """x [T, K] -> (e4m3 [T, K], float32 [T]): each token row scaled by amax / 448 over all of K; zero rows stay
+    zero (scale 0)."""
+    q, scale = quantize_groups(x, x.shape[1])
+    return q, scale[:, 0]
+
+
+def cta_tile(wg_dim: str) -> tuple[int, int]:
+    """(rows, columns) of a CTA's output tile: the two compute warpgroups' [64, 128] parts side by side."""
+    return (2 * WG_ROWS, WG_COLS) if wg_dim == "m" else (WG_ROWS, 2 * WG_COLS)
+
+
+def _kernel(x_gmem, xs_gmem, w_gmem, ws_gmem, out_gmem, *, wg_dim: str, max_steps: int, grid_minor: int,
+            grid_width: int):
+    m, k = x_gmem.shape
+    n = w_gmem.shape[0]
+    cta_m, cta_n = cta_tile(wg_dim)
+    m_iters, n_iters, k_iters = m // cta_m, n // cta_n, k // BLOCK_K
+    tiles = (plgpu.TilingTransform((8, BLOCK_K)), plgpu.SwizzleTransform(128))  # e4m3: 128 bytes a row
+    swizzle_cols = 128 // jnp.dtype(out_gmem.dtype).itemsize  # a 128-byte swizzle row of the output
+    out_tiles = (plgpu.TilingTransform((8, swizzle_cols)), plgpu.SwizzleTransform(128))
+
+    def pipeline(body, compute_context):
+        return plgpu.emit_pipeline_warp_specialized(
+            body,
+            grid=(k_iters,),
+            memory_registers=40,
+            in_specs=[
+                plgpu.BlockSpec((cta_m, BLOCK_K), lambda kk: (0, kk), transforms=tiles, memory_space=plgpu.SMEM),
+                plgpu.BlockSpec((cta_n, BLOCK_K), lambda kk: (0, kk), transforms=tiles, memory_space=plgpu.SMEM),
+            ],
+            wg_axis="wg",
+            num_compute_wgs=2,
+            max_concurrent_steps=max_steps,
+            compute_context=compute_context,
+        )
+
+    ignore = lambda *_, **__: None  # noqa: E731  (the allocations do not depend on the bodies)
+
+    @functools.partial(
+        pl.run_scoped,
+        allocs=pipeline(ignore, ignore).get_allocations(x_gmem, w_gmem),
+        out_smem=plgpu.SMEM((2, WG_ROWS, WG_COLS), out_gmem.dtype, transforms=out_tiles),
+        xs_smem=plgpu.SMEM((2, WG_ROWS), jnp.float32),
+        xs_ready=plgpu.Barrier(num_barriers=2),
+        collective_axes="wg",
+    )
+    def _scope(allocs, out_smem, xs_smem, xs_ready):
+        wg = lax.axis_index("wg")
+
+        @plgpu.nd_loop((m_iters * n_iters,), collective_axes="cta")
+        def _tiles(info):
+            (lin,) = info.index
+            m_idx, n_idx = plgpu.planar_snake(lin, (m_iters, n_iters), grid_minor, grid_width)
+            wg_row = m_idx * cta_m + (wg * WG_ROWS if wg_dim == "m" else 0)
+            wg_col = n_idx * cta_n + (wg * WG_COLS if wg_dim == "n" else 0)
+            a_rows = pl.ds(wg * WG_ROWS, WG_ROWS) if wg_dim == "m" else slice(None)
+            b_rows = pl.ds(wg * WG_COLS, WG_COLS) if wg_dim == "n" else slice(None)
+            scale_col = wg_col // 128
+
+            def compute_context(eval_pipeline):
+                # the tile's token scales land while the K loop runs
+                plgpu.copy_gmem_to_smem(xs_gmem.at[pl.ds(wg_row, WG_ROWS)], xs_smem.at[wg], xs_ready.at[wg])
+                zeros = plgpu.layout_cast(jnp.full((WG_ROWS, WG_COLS), 0, jnp.float32), plgpu.Layout.WGMMA)
+                total, _ = eval_pipeline((zeros, ws_gmem[0, scale_col]))
+                plgpu.barrier_wait(xs_ready.at[wg])
+                xs = plgpu.load(xs_smem.at[wg], layout=plgpu.Layout.WGMMA.reduce(1))
+                out = (total * lax.broadcast_in_dim(xs, total.shape, [0])).astype(out_smem.dtype)
+                plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the previous tile's store has read the buffer
+                out_smem[wg] = out
+                plgpu.commit_smem()
+                plgpu.copy_smem_to_gmem(out_smem.at[wg], out_gmem.at[pl.ds(wg_row, WG_ROWS), pl.ds(wg_col, WG_COLS)])
+
+            def body(idxs, a_smem, b_smem, carry):
+                (kk,) = idxs
+                total, scale = carry
+                next_scale = ws_gmem[jnp.minimum(kk + 1, k_iters - 1), scale_col]  # its latency under this wgmma
+
+                def step(acc_ref):
+                    plgpu.wgmma(acc_ref, a_smem.at[a_rows], b_smem.at[b_rows].transpose((1, 0)))
+                    return acc_ref[...]
+
+                product = pl.run_scoped(step, plgpu.ACC((WG_ROWS, WG_COLS), jnp.float32))
+                return total + product * scale, next_scale
+
+            pipeline(body, compute_context)(x_gmem.at[pl.ds(m_idx * cta_m, cta_m)],
+                                            w_gmem.at[pl.ds(n_idx * cta_n, cta_n)], allocations=allocs)
+
+        plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+
+
+def smem_bytes(wg_dim: str, max_steps: int, out_dtype) -> int:
+    """SMEM a CTA takes: the ring's slots (a token tile and a weight tile, e4m3), the two output staging buffers and
+    the token scales."""
+    cta_m, cta_n = cta_tile(wg_dim)
+    staging = 2 * WG_ROWS * WG_COLS * jnp.dtype(out_dtype).itemsize
+    return max_steps * (cta_m + cta_n) * BLOCK_K + staging + 2 * WG_ROWS * 4
+
+
+def default_config(m: int, n: int) -> dict:
+    """wg_dim ("m": 128 x 128 CTA tiles, a weight tile serving 128 rows), max_steps (the ring: 32 KB a slot) and
+    the grid's order (planar snake, `grid_width` tiles wide along the minor dimension). Reasoned, not yet measured
+    (`bench_dense fp8_prefill` sweeps them)."""
+    return {"wg_dim": "m", "max_steps": 4, "grid_minor": 0, "grid_width": 8}
+
+
+def _num_ctas(interpret: bool) -> int:
+    if interpret:
+        return _INTERPRET_CTAS
+    try:
+        dev = jax.devices()[0]
+        return dev.core_count if dev.platform == "gpu" else _H100_SMS
+    except RuntimeError:
+        return _H100_SMS
+
+
+@functools.partial(jax.jit, static_argnames=("scale_block", "wg_dim", "max_steps", "grid_minor", "grid_width",
+                                             "out_dtype", "interpret"))
+def fp8_gemm_mgpu(x: jax.Array, w: jax.Array, scale: jax.Array, *, scale_block: tuple[int, int] = (128, 128),
+                  wg_dim: str | None = None, max_steps: int | None = None, grid_minor: int | None = None,
+                  grid_width: int | None = None, out_dtype=jnp.bfloat16, interpret: bool = False) -> jax.Array:
+    """`x @ dequant(w)^T` with e4m3 tensor-core products and float32 accumulation, for prefill-sized token counts.
+
+    Args:
+      x: [T, K] (bf16 / f32); quantized per token to e4m3 here (`quantize_tokens`), T padded to the CTA tile's rows.
+      w: float8_e4m3fn [N, K], as checkpoints store it; N a multiple of the CTA tile's columns, K of 128.
+      scale: float32 [K / 128, N / 128], one per 128 x 128 block of the [K, N] weight (value = w * scale).
+      scale_block: must be (128, 128).
+      wg_dim, max_steps, grid_minor, grid_width: launch parameters; None: `default_config`.
+      interpret: run the Mosaic GPU interpreter (CPU tests).
+
+    Returns:
+      [T, N] out_dtype.
+    """
+    tokens, k = x.shape
+    n = w.shape[0]
+    if tuple(scale_block) != (BLOCK_K, 128):
+        raise ValueError(f"fp8_gemm_mgpu takes 128 x 128 scale blocks, got {scale_block}")
+    check_scale("w", w.T, scale, tuple(scale_block))
+    cfg = default_config(tokens, n)
+    wg_dim = wg_dim or cfg["wg_dim"]
+    max_steps = max_steps or cfg["max_steps"]
+    grid_minor = cfg["grid_minor"] if grid_minor is None else grid_minor
+    grid_width = grid_width or cfg["grid_width"]
+    cta_m, cta_n = cta_tile(wg_dim)
+    if w.shape[1] != k or k % BLOCK_K or n % cta_n:
+        raise ValueError(f"x [T, K] and w [N, K] need K % {BLOCK_K} == 0 and N % {cta_n} == 0: {x.shape=} {w.shape=}")
+    if (need := smem_bytes(wg_dim, max_steps, out_dtype)) > SMEM_BYTES:
+        raise ValueError(f"max_steps={max_steps} needs {need} bytes of SMEM a CTA ({wg_dim=}), over {SMEM_BYTES}")
+    xq, xs = quantize_tokens(x)
+    pad = -tokens % cta_m
+    xq, xs = jnp.pad(xq, ((0, pad), (0, 0))), jnp.pad(xs, (0, pad))
+    out = plgpu.kernel(
+        functools.partial(_kernel, wg_dim=wg_dim, max_steps=max_steps, grid_minor=grid_minor, grid_width=grid_width),
+        out_type=jax.ShapeDtypeStruct((tokens + pad, n), out_dtype),
+        grid=(_num_ctas(interpret),),
+        grid_names=("cta",),
+        num_threads=3,
+        thread_name="wg",
+        interpret=plgpu.InterpretGPUParams() if interpret else None,
+        kernel_name=f"fp8_gemm_mgpu_{wg_dim}_r{max_steps}",
+    )(xq, xs, w, scale)
+    return out[:tokens]
+
+
+def fp8_gemm_reference(x: jax.Array, w: jax.Array, scale: jax.Array, out_dtype=jnp.bfloat16) -> jax.Array:
+    """The same contract in jnp: the token rows quantized as the kernel's (`quantize_tokens`), w dequantized, an fp32
+    product."""
+    xq, xs = quantize_tokens(x)
+    wd = dequantize(w.T, scale, (BLOCK_K, 128))  # [K, N] float32
+    out = jnp.dot(xq.astype(jnp.float32), wd, precision=jax.lax.Precision.HIGHEST) * xs[:, None]
+    return out.astype(out_dtype)

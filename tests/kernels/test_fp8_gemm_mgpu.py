@@ -1,0 +1,116 @@
+"""fp8_gemm_mgpu (Mosaic GPU: persistent grid, TMA ring, e4m3 wgmma; block-FP8 weights [N, K]) vs its jnp reference
+and vs the unquantized product. "interpret" runs jax's Mosaic GPU interpreter on CPU; "gpu" compiles for Hopper. A CPU
+test lowers the kernel for CUDA at Qwen3-8B's shapes (Mosaic GPU's layout inference, TMA legality, SMEM)."""
+
+from __future__ import annotations
+
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jinfer.models.fp8 import quantize
+from pallas_kernels.dense.fp8_gemm_mgpu import SMEM_BYTES, fp8_gemm_mgpu, fp8_gemm_reference, smem_bytes
+from pallas_kernels.dense.fp8_tiles import dequantize
+from tests.kernels.conftest import by_mode, normal
+
+CASES = [  # tokens, K, N, launch
+    pytest.param(200, 256, 256, {"max_steps": 2, "grid_width": 2}, id="t200-m"),  # rows padded; 2 x 2 CTA tiles
+    pytest.param(70, 384, 512, {"wg_dim": "n", "max_steps": 2, "grid_minor": 1}, id="t70-n"),
+]
+GPU_CASES = CASES + [pytest.param(4096, 4096, 12288, {}, id="t4096-gate"),
+                     pytest.param(1000, 12288, 4096, {"wg_dim": "n"}, id="t1000-down-n")]
+
+
+@pytest.mark.parametrize("mode,tokens,k,n,launch", by_mode(CASES, GPU_CASES))
+def test_fp8_gemm_mgpu_matches_reference(mode, tokens, k, n, launch):
+    rng = np.random.default_rng(tokens + k + n)
+    # blocks of magnitudes 2^-4 .. 2^4 apart: each K step's product must meet its own block's scale
+    spread = jnp.repeat(jnp.repeat(jnp.asarray(2.0 ** rng.integers(-4, 5, (k // 128, n // 128)), jnp.float32), 128, 0),
+                        128, 1)
+    q = quantize(normal(rng, (k, n), scale=k**-0.5) * spread, (128, 128))
+    w = jnp.asarray(q.w.T)  # [N, K], as checkpoints store it
+    # rows of magnitudes 2^-3 .. 2^3 apart (each row's own scale), the last one zero (a padded token stays zero)
+    x = (normal(rng, (tokens, k)) * jnp.asarray(2.0 ** rng.integers(-3, 4, (tokens, 1)), jnp.float32)).at[-1].set(0)
+    x = x.astype(jnp.bfloat16)
+    out = fp8_gemm_mgpu(x, w, q.scale, interpret=mode == "interpret", **launch)
+    assert out.shape == (tokens, n) and out.dtype == jnp.bfloat16
+    ref = fp8_gemm_reference(x, w, q.scale, jnp.float32)
+    # bf16 output; on the GPU, FP8 wgmma keeps fewer accumulator bits within a 128-deep K step than fp32
+    got = np.asarray(out.astype(jnp.float32))
+    np.testing.assert_allclose(got, np.asarray(ref), rtol=1e-2, atol=2e-3 * float(jnp.max(jnp.abs(ref))))
+    assert not np.any(got[-1])
+    # against the unquantized rows: the e4m3 rounding of the activations (3 mantissa bits), as a relative RMS
+    full = x.astype(jnp.float32) @ dequantize(q.w, q.scale, (128, 128))
+    rel = float(jnp.sqrt(jnp.mean((got - full) ** 2) / jnp.mean(full**2)))
+    assert 1e-3 < rel < 0.06, rel
+
+
+def test_fp8_gemm_mgpu_lowers_for_cuda():
+    """Exporting for CUDA runs Mosaic GPU's own compile steps (the interpreter does not) at Qwen3-8B's q|k|v and
+    down shapes, both CTA tilings, the deepest rings the SMEM budget takes (`smem_bytes`)."""
+    from jax import export
+
+    assert smem_bytes("m", 7, jnp.bfloat16) > SMEM_BYTES >= smem_bytes("m", 6, jnp.bfloat16)
+    assert smem_bytes("n", 5, jnp.bfloat16) > SMEM_BYTES >= smem_bytes("n", 4, jnp.bfloat16)
+    s = jax.ShapeDtypeStruct
+    for n, k, tokens, launch in ((6144, 4096, 1000, {"max_steps": 6}), (4096, 12288, 4096, {"wg_dim": "n",
+                                                                                           "max_steps": 4})):
+        fn = jax.jit(lambda x, w, sc, launch=launch: fp8_gemm_mgpu(x, w, sc, **launch))
+        exp = export.export(fn, platforms=["cuda"])(s((tokens, k), jnp.bfloat16), s((n, k), jnp.float8_e4m3fn),
+                                                    s((k // 128, n // 128), jnp.float32))
+        assert "mosaic_gpu" in exp.mlir_module()
+        assert exp.out_avals[0].shape == (tokens, n)
+
+
+def test_fp8_gemm_mgpu_checks():
+    w = jnp.zeros((256, 512), jnp.float8_e4m3fn)
+    scale = jnp.ones((4, 2), jnp.float32)
+    x = jnp.zeros((128, 512), jnp.bfloat16)
+    with pytest.raises(ValueError, match="N % 256"):
+        fp8_gemm_mgpu(x, jnp.zeros((128, 512), jnp.float8_e4m3fn), jnp.ones((4, 1), jnp.float32), wg_dim="n",
+                      interpret=True)
+    with pytest.raises(ValueError, match="SMEM"):
+        fp8_gemm_mgpu(x, w, scale, max_steps=7, interpret=True)
+    with pytest.raises(ValueError, match="scale"):
+        fp8_gemm_mgpu(x, w, jnp.ones((4, 3), jnp.float32), interpret=True)
+    with pytest.raises(ValueError, match="128 x 128"):
+        fp8_gemm_mgpu(x, w, scale, scale_block=(64, 64), interpret=True)
+
+
+def test_ops_take_it_for_fp8_prefill_steps():
+    """A step of more than fp8_max_tokens tokens with block-FP8 [out, in] weights runs q|k|v, o and the MLP (gate, up,
+    down) on this kernel where Mosaic kernels are on (the jnp path's results, weights dequantized and activations
+    unquantized, within the rows' e4m3 rounding); with KernelPolicy.fp8_mosaic_gemm off, or at decode sizes, not."""
+    from jinfer.config.kernels import KernelPolicy
+    from jinfer.models.fp8 import transpose
+    from jinfer.ops import ModelOps
+
+    hidden, inter, tokens = 128, 256, 40
+    rng = np.random.default_rng(0)
+    wg, wu = (transpose(quantize(normal(rng, (hidden, inter), scale=hidden**-0.5), (128, 128))) for _ in range(2))
+    wd, wo, wqkv = (transpose(quantize(normal(rng, s, scale=s[0]**-0.5), (128, 128)))
+                    for s in ((inter, hidden), (hidden, hidden), (hidden, 256)))
+    x, attn = normal(rng, (tokens, hidden)), normal(rng, (tokens, hidden))
+    norm = jnp.ones(hidden) + 0.1 * normal(rng, (hidden,))
+    ops = ModelOps("pallas", interpret=True, mosaic_prefill=True)
+
+    def layer(ops, x, attn):
+        (qkv,) = ops.norm_projections(x, norm, (wqkv,), 1e-6)
+        return ops.mlp_block(ops.out_proj(attn, wo, x), norm, wg, wu, wd, 1e-6), qkv
+
+    def calls(ops, x):
+        return len(re.findall(r"name=fp8_gemm_mgpu(?!\w)", str(jax.make_jaxpr(lambda x, a: layer(ops, x, a))(x, x))))
+
+    def rel(got, want):
+        return float(jnp.sqrt(jnp.mean((got - want) ** 2) / jnp.mean(want**2)))
+
+    assert calls(ops, x) == 5  # (the call sites: q|k|v, o, gate, up, down)
+    (out, qkv), (want_out, want_qkv) = layer(ops, x, attn), layer(ModelOps(), x, attn)
+    assert 1e-3 < rel(out - x, want_out - x) < 0.06
+    assert 1e-3 < rel(qkv, want_qkv) < 0.06
+    assert calls(ModelOps("pallas", interpret=True, mosaic_prefill=True,
+                          policy=KernelPolicy(fp8_mosaic_gemm=False)), x) == 0
+    assert calls(ops, x[:16]) == 0  # decode-sized: the Triton kernels
