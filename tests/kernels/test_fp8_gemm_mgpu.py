@@ -17,10 +17,11 @@ from pallas_kernels.dense.fp8_tiles import dequantize
 from tests.kernels.conftest import by_mode, normal
 
 CASES = [  # tokens, K, N, launch
-    pytest.param(200, 256, 256, {"max_steps": 2, "grid_width": 2}, id="t200-m"),  # rows padded; 2 x 2 CTA tiles
-    pytest.param(70, 384, 512, {"wg_dim": "n", "max_steps": 2, "grid_minor": 1}, id="t70-n"),
+    pytest.param(200, 256, 256, {"max_steps": 2, "grid_width": 2, "overlap": True}, id="t200-m-overlap"),
+    pytest.param(300, 384, 512, {"wg_dim": "n", "max_steps": 2, "grid_minor": 1, "cluster": 2}, id="t300-n-cluster"),
 ]
 GPU_CASES = CASES + [pytest.param(4096, 4096, 12288, {}, id="t4096-gate"),
+                     pytest.param(4096, 4096, 12288, {"cluster": 2, "overlap": True}, id="t4096-gate-cluster-overlap"),
                      pytest.param(1000, 12288, 4096, {"wg_dim": "n"}, id="t1000-down-n")]
 
 
@@ -74,6 +75,8 @@ def test_fp8_gemm_mgpu_checks():
                       interpret=True)
     with pytest.raises(ValueError, match="SMEM"):
         fp8_gemm_mgpu(x, w, scale, max_steps=7, interpret=True)
+    with pytest.raises(ValueError, match="cluster"):
+        fp8_gemm_mgpu(x, w, scale, cluster=4, interpret=True)
     with pytest.raises(ValueError, match="scale"):
         fp8_gemm_mgpu(x, w, jnp.ones((4, 3), jnp.float32), interpret=True)
     with pytest.raises(ValueError, match="128 x 128"):
