@@ -1,5 +1,5 @@
-"""Several bench_latency processes per configuration -> one JSON: per configuration and batch size every process's TPOT,
-their median (the figure), the roofline, and each configuration's median over the first one's.
+"""Several bench_latency processes per configuration -> one JSON: per configuration and batch size every process's TPOT
+and TTFT, their medians (the figures), the roofline, and each configuration's medians over the first one's.
 
     python3 -m benchmarks.latency_summary OUT.json bf16='/tmp/r/qwen3-8b_*.json' fp8='/tmp/r/qwen3-8b-fp8_*.json'
 """
@@ -40,6 +40,9 @@ def summarize(groups: dict[str, str]) -> dict:
         out["median_over_" + next(iter(configs))] = {
             label: {b: c["tpot_ms_median"][b] / first["tpot_ms_median"][b] for b in c["tpot_ms_median"]
                     if b in first["tpot_ms_median"]} for label, c in configs.items()}
+        out["ttft_median_over_" + next(iter(configs))] = {
+            label: {b: c["ttft_ms_median"][b] / first["ttft_ms_median"][b] for b in c["ttft_ms_median"]
+                    if b in first["ttft_ms_median"]} for label, c in configs.items()}
     return out
 
 
@@ -52,7 +55,7 @@ def main(argv: list[str]) -> None:
         print(label, {b: round(v, 3) for b, v in c["tpot_ms_median"].items()},
               {b: round(v, 2) for b, v in c["tpot_over_roofline"].items()}, f"({len(c['files'])} processes)")
     for key, ratios in result.items():
-        if key.startswith("median_over_"):
+        if key.startswith(("median_over_", "ttft_median_over_")):
             print(key, {label: {b: round(v, 3) for b, v in r.items()} for label, r in ratios.items()})
 
 

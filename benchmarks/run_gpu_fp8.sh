@@ -6,9 +6,8 @@
 #            (bench_moe --fp8; the bf16 Mosaic GPU grouped GEMM at 4096): $OUT/moe_fp8_$TAG.json
 #   latency  engine TPOT of dummy:<shape> and dummy:<shape>-fp8 in alternating processes, ROUNDS each:
 #            $OUT/fp8_latency_<shape>.json (every process, the medians, FP8 / bf16; benchmarks/latency_summary.py)
-#   ttft     TTFT of one 4096-token prompt, dummy:<shape>, <shape>-fp8 and <shape>-fp8 with JINFER_FP8_MOSAIC_GEMM=0
-#            (prefill dequantizes for XLA's GEMMs), ROUNDS alternating processes x 3 runs:
-#            $OUT/ttft4k_<shape>[-fp8[_dequant]]_<round>.json
+#   ttft     TTFT of one 4096-token prompt, dummy:<shape> and <shape>-fp8, ROUNDS alternating processes x 3 runs:
+#            $OUT/ttft4k_<shape>[-fp8]_<round>.json, the medians in $OUT/ttft4k_<shape>.json (benchmarks/latency_summary.py)
 #   prefill  the Mosaic GPU FP8 GEMM for prefill (pallas_kernels/dense/fp8_gemm_mgpu.py): its GPU tests and the kernel
 #            sweep against dequantize + XLA's GEMM and bf16 (bench_dense fp8_prefill: $OUT/dense_fp8_prefill_$TAG.json)
 #   hostprof where the host's time of a batch-1 decode step goes, <shape> and <shape>-fp8 (benchmarks/host_profile.py:
@@ -30,12 +29,12 @@ if [[ $PARTS == *dense* ]]; then
 fi
 if [[ $PARTS == *ttft* ]]; then  # TTFT of one 4096-token prompt, bf16 vs FP8 weights, alternating processes
   for r in $(seq "$ROUNDS"); do
-    for v in "$SHAPE" "$SHAPE-fp8" "$SHAPE-fp8_dequant"; do
-      s=${v%_dequant}
-      JINFER_FP8_MOSAIC_GEMM=$([[ $v == *_dequant ]] && echo 0 || echo 1) timeout "$TIMEOUT" python3 -m benchmarks.bench_latency \
-        --shape "$s" --batch-sizes 1 --input-len 4096 --output-len 8 --max-num-batched-tokens 4096 --repeat 3 \
-        --out "$OUT/ttft4k_${v}_$r.json" 2>&1 | grep -E "^batch|Error" | sed "s/^/[$v $r] /"
+    for s in "$SHAPE" "$SHAPE-fp8"; do
+      timeout "$TIMEOUT" python3 -m benchmarks.bench_latency --shape "$s" --batch-sizes 1 --input-len 4096 --output-len 8 \
+        --max-num-batched-tokens 4096 --repeat 3 --out "$OUT/ttft4k_${s}_$r.json" 2>&1 | grep -E "^batch|Error" | sed "s/^/[$s $r] /"
     done
+    python3 -m benchmarks.latency_summary "$OUT/ttft4k_${SHAPE}.json" bf16="$OUT/ttft4k_${SHAPE}_[0-9]*.json" \
+      fp8="$OUT/ttft4k_${SHAPE}-fp8_[0-9]*.json" > /dev/null
   done
 fi
 if [[ $PARTS == *moe* ]]; then
@@ -64,7 +63,7 @@ if [[ $PARTS == *prefill* ]]; then
 import json, sys
 for line in sys.stdin:
     r = json.loads(line)
-    print(r["kernel"], r["tokens"], r["impl"], {k: r[k] for k in ("wg_dim", "max_steps", "cluster", "overlap") if k in r},
+    print(r["kernel"], r["tokens"], r["impl"], {k: r[k] for k in ("wg_dim", "max_steps", "grid_minor") if k in r},
           r.get("time_us"), r.get("tflop_per_s"), r.get("rel_err_vs_ref"), r.get("error", "")[:160])'
 fi
 if [[ $PARTS == *hostprof* ]]; then

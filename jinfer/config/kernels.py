@@ -30,15 +30,14 @@ The defaults are the measured choices (H100 figures; docs/performance.md has the
   weight's size; off: only those under pad_vector_dots' size, as bf16 (the others dequantize, then XLA's GEMM).
   Unmeasured default: the alternative reads the FP8 bytes and writes and reads a bf16 copy unless XLA fuses it.
 - fp8_max_tokens: steps of up to this many tokens with block-FP8 weights run the MLP (and MoE shared experts) on the
-  fused kernel and o on the skinny GEMM (both read FP8) whatever pallas_mlp_tokens says; past it the jnp path
-  dequantizes, then XLA's GEMMs (at batch 8 on the H100 that path made Qwen3-8B's TPOT 14.4 ms against bf16's 6.3).
+  fused kernel and o on the skinny GEMM (both read FP8) whatever pallas_mlp_tokens says; past it every dense
+  projection runs on the Mosaic GPU e4m3 GEMM (pallas_kernels/dense/fp8_gemm_mgpu.py) where its 128 x 128 blocks
+  fit (Qwen3-8B at 4096 tokens, H200: 1022-1155 TFLOP/s against 601-742 for dequantizing each weight for XLA's bf16
+  GEMM; dense_fp8_prefill_h200.json), the jnp path (dequantize, XLA's GEMMs) elsewhere (at batch 8 on the H100
+  that path made Qwen3-8B's TPOT 14.4 ms against bf16's 6.3).
   (FP8 routed experts take the Triton grouped GEMMs at every step size.) The kernels meet an FP8 tile with the
   activations quantized to e4m3 per row and 128 columns (pallas_kernels/dense/fp8_tiles.py): Qwen3-8B TPOT 5.66 vs
   6.41 ms at batch 1 against tiles converted to bf16 in registers (fp8mode_*_h200.json).
-- fp8_mosaic_gemm: steps of more than fp8_max_tokens tokens with block-FP8 (128 x 128, [out, in]) weights run every
-  dense projection and the MLP on the Mosaic GPU e4m3 GEMM (pallas_kernels/dense/fp8_gemm_mgpu.py: rows quantized per
-  token, FP8 tensor cores) instead of dequantizing each weight for XLA's bf16 GEMM. The A/B switch of an unmeasured
-  path (until measured: run_gpu_fp8.sh PARTS=prefill,ttft).
 - one_shot_all_reduce_bytes: a sharded step's reductions of up to this many bytes a device run as our one-shot
   all-reduce over NVLink peer memory (pallas_kernels/all_reduce.py) instead of XLA's NCCL all-reduce; 0: always
   XLA's; None (the default): the kernel's whole range (1 MB) where each process drives one GPU, 16 KB where one
@@ -93,7 +92,6 @@ ENV_FIELDS = {
     "JINFER_SMALL_STEP_SKIP_TEMP": "small_step_skip_temp",
     "JINFER_FP8_SKINNY_O": "fp8_skinny_o",
     "JINFER_FP8_MAX_TOKENS": "fp8_max_tokens",
-    "JINFER_FP8_MOSAIC_GEMM": "fp8_mosaic_gemm",
     "JINFER_ONE_SHOT_ALL_REDUCE_BYTES": "one_shot_all_reduce_bytes",
     "JINFER_ONE_SHOT_ALL_GATHER_BYTES": "one_shot_all_gather_bytes",
     "JINFER_VERIFY_MAX_QUERY_LEN": "verify_max_query_len",
@@ -123,7 +121,6 @@ class KernelPolicy:
     small_step_skip_temp: bool = False
     fp8_skinny_o: bool = True
     fp8_max_tokens: int = 16
-    fp8_mosaic_gemm: bool = True
     one_shot_all_reduce_bytes: int | None = None  # None: by the layout (`all_reduce_limit`)
     one_shot_all_gather_bytes: int = 1 << 20
     verify_max_query_len: int = 8
@@ -157,8 +154,7 @@ class KernelPolicy:
             raise ValueError(f"prefetch_o={self.prefetch_o!r} must be a fraction in [0, 1]")
         if self.prefetch_eviction not in EVICTION_POLICIES:
             raise ValueError(f"prefetch_eviction={self.prefetch_eviction!r} must be one of {EVICTION_POLICIES}")
-        for name in ("pad_vector_dots", "xla_dot_merger", "small_step_skip_temp", "fp8_skinny_o", "fp8_mosaic_gemm",
-                     "mla_ragged_kernel"):
+        for name in ("pad_vector_dots", "xla_dot_merger", "small_step_skip_temp", "fp8_skinny_o", "mla_ragged_kernel"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name}={getattr(self, name)!r} must be a bool")
         object.__setattr__(self, "launch", _launch_tuple(self.launch))
@@ -195,8 +191,8 @@ class KernelPolicy:
         benchmarks only: nothing below them reads the environment.
 
         JINFER_PALLAS_MLP_TOKENS="1,8" (a list of token counts, "" none); JINFER_XLA_DOT_MERGER=1 (XLA's default),
-        JINFER_SMALL_STEP_SKIP_TEMP / JINFER_FP8_SKINNY_O / JINFER_FP8_MOSAIC_GEMM / JINFER_MLA_RAGGED_KERNEL=0 / 1;
-        the others take the field's value."""
+        JINFER_SMALL_STEP_SKIP_TEMP / JINFER_FP8_SKINNY_O / JINFER_MLA_RAGGED_KERNEL=0 / 1; the others take the
+        field's value."""
         environ = os.environ if environ is None else environ
         for var, name in ENV_FIELDS.items():
             text = environ.get(var)
@@ -205,8 +201,7 @@ class KernelPolicy:
             try:
                 if name == "pallas_mlp_tokens":
                     value = tuple(int(t) for t in text.split(",") if t)
-                elif name in ("xla_dot_merger", "small_step_skip_temp", "fp8_skinny_o", "fp8_mosaic_gemm",
-                              "mla_ragged_kernel"):
+                elif name in ("xla_dot_merger", "small_step_skip_temp", "fp8_skinny_o", "mla_ragged_kernel"):
                     value = text == "1"
                 elif name == "prefetch_o":
                     value = float(text)

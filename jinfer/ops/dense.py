@@ -59,11 +59,10 @@ class DenseOps:
 
     def _fp8_gemm(self, tokens: int, *weights) -> bool:
         """Whether a step of `tokens` runs these weights on the Mosaic GPU block-FP8 GEMM (pallas_kernels/dense/
-        fp8_gemm_mgpu.py): steps past fp8_max_tokens (smaller ones take the decode kernels) where
-        KernelPolicy.fp8_mosaic_gemm and Mosaic kernels are on, every weight block-FP8 [out, in] in 128 x 128 blocks
-        with both sides multiples of 128. Elsewhere large steps dequantize for XLA's GEMM."""
-        return (self.policy.fp8_mosaic_gemm and self.backend == "pallas" and self.mosaic_prefill
-                and tokens > self.policy.fp8_max_tokens
+        fp8_gemm_mgpu.py): steps past fp8_max_tokens (smaller ones take the decode kernels) where Mosaic kernels are
+        on, every weight block-FP8 [out, in] in 128 x 128 blocks with both sides multiples of 128. Elsewhere large
+        steps dequantize for XLA's GEMM."""
+        return (self.backend == "pallas" and self.mosaic_prefill and tokens > self.policy.fp8_max_tokens
                 and all(is_fp8(w) and w.transposed and tuple(w.block) == (128, 128)
                         and w.w.shape[0] % 128 == 0 and w.w.shape[1] % 128 == 0 for w in weights))
 

@@ -61,12 +61,11 @@ def cta_tile(wg_dim: str) -> tuple[int, int]:
 
 
 def _kernel(x_gmem, xs_gmem, w_gmem, ws_gmem, out_gmem, *, wg_dim: str, max_steps: int, grid_minor: int,
-            grid_width: int, cluster: int, overlap: bool):
+            grid_width: int):
     m, k = x_gmem.shape
     n = w_gmem.shape[0]
     cta_m, cta_n = cta_tile(wg_dim)
-    m_iters, n_iters, k_iters = m // (cta_m * cluster), n // cta_n, k // BLOCK_K
-    shared = ("cluster",) if cluster > 1 else ()  # the cluster's CTAs share (multicast) the weight tile
+    m_iters, n_iters, k_iters = m // cta_m, n // cta_n, k // BLOCK_K
     tiles = (plgpu.TilingTransform((8, BLOCK_K)), plgpu.SwizzleTransform(128))  # e4m3: 128 bytes a row
     swizzle_cols = 128 // jnp.dtype(out_gmem.dtype).itemsize  # a 128-byte swizzle row of the output
     out_tiles = (plgpu.TilingTransform((8, swizzle_cols)), plgpu.SwizzleTransform(128))
@@ -78,8 +77,7 @@ def _kernel(x_gmem, xs_gmem, w_gmem, ws_gmem, out_gmem, *, wg_dim: str, max_step
             memory_registers=40,
             in_specs=[
                 plgpu.BlockSpec((cta_m, BLOCK_K), lambda kk: (0, kk), transforms=tiles, memory_space=plgpu.SMEM),
-                plgpu.BlockSpec((cta_n, BLOCK_K), lambda kk: (0, kk), transforms=tiles, memory_space=plgpu.SMEM,
-                                collective_axes=shared),
+                plgpu.BlockSpec((cta_n, BLOCK_K), lambda kk: (0, kk), transforms=tiles, memory_space=plgpu.SMEM),
             ],
             wg_axis="wg",
             num_compute_wgs=2,
@@ -104,8 +102,6 @@ def _kernel(x_gmem, xs_gmem, w_gmem, ws_gmem, out_gmem, *, wg_dim: str, max_step
         def _tiles(info):
             (lin,) = info.index
             m_idx, n_idx = plgpu.planar_snake(lin, (m_iters, n_iters), grid_minor, grid_width)
-            if cluster > 1:
-                m_idx = m_idx * cluster + lax.axis_index("cluster")
             wg_row = m_idx * cta_m + (wg * WG_ROWS if wg_dim == "m" else 0)
             wg_col = n_idx * cta_n + (wg * WG_COLS if wg_dim == "n" else 0)
             a_rows = pl.ds(wg * WG_ROWS, WG_ROWS) if wg_dim == "m" else slice(None)
@@ -116,11 +112,7 @@ def _kernel(x_gmem, xs_gmem, w_gmem, ws_gmem, out_gmem, *, wg_dim: str, max_step
                 # the tile's token scales land while the K loop runs
                 plgpu.copy_gmem_to_smem(xs_gmem.at[pl.ds(wg_row, WG_ROWS)], xs_smem.at[wg], xs_ready.at[wg])
                 zeros = plgpu.layout_cast(jnp.full((WG_ROWS, WG_COLS), 0, jnp.float32), plgpu.Layout.WGMMA)
-                if overlap:
-                    total, last, last_scale, _ = eval_pipeline((zeros, zeros, jnp.float32(0), ws_gmem[0, scale_col]))
-                    total = total + last * last_scale
-                else:
-                    total, _ = eval_pipeline((zeros, ws_gmem[0, scale_col]))
+                total, _ = eval_pipeline((zeros, ws_gmem[0, scale_col]))
                 plgpu.barrier_wait(xs_ready.at[wg])
                 xs = plgpu.load(xs_smem.at[wg], layout=plgpu.Layout.WGMMA.reduce(1))
                 out = (total * lax.broadcast_in_dim(xs, total.shape, [0])).astype(out_smem.dtype)
@@ -132,15 +124,6 @@ def _kernel(x_gmem, xs_gmem, w_gmem, ws_gmem, out_gmem, *, wg_dim: str, max_step
             def body(idxs, a_smem, b_smem, carry):
                 (kk,) = idxs
                 next_scale = ws_gmem[jnp.minimum(kk + 1, k_iters - 1), scale_col]  # its latency under this wgmma
-                if overlap:  # the previous step's product is scaled and added while this step's wgmma runs
-                    total, last, last_scale, scale = carry
-
-                    def step(acc_ref):
-                        plgpu.wgmma(acc_ref, a_smem.at[a_rows], b_smem.at[b_rows].transpose((1, 0)))
-                        return acc_ref[...], total + last * last_scale
-
-                    product, total = pl.run_scoped(step, plgpu.ACC((WG_ROWS, WG_COLS), jnp.float32))
-                    return total, product, scale, next_scale
                 total, scale = carry
 
                 def step(acc_ref):
@@ -166,9 +149,11 @@ def smem_bytes(wg_dim: str, max_steps: int, out_dtype) -> int:
 
 def default_config(m: int, n: int) -> dict:
     """wg_dim ("m": 128 x 128 CTA tiles, a weight tile serving 128 rows), max_steps (the ring: 32 KB a slot) and
-    the grid's order (planar snake, `grid_width` tiles wide along the minor dimension). Reasoned, not yet measured
-    (`bench_dense fp8_prefill` sweeps them)."""
-    return {"wg_dim": "m", "max_steps": 4, "grid_minor": 0, "grid_width": 8, "cluster": 1, "overlap": False}
+    the grid's order (planar snake, `grid_width` tiles wide along the minor dimension). The sweep at Qwen3-8B's
+    shapes and 4096 tokens (H200, dense_fp8_prefill_sweep_h200.json): "m" with 4 slots was the fastest or within
+    1% everywhere (1086 / 1022 / 1155 / 1075 TFLOP/s for q|k|v / o / gate / down); 6 slots 1-3% slower, "n" 1-3%
+    slower, the grid's order within 1%."""
+    return {"wg_dim": "m", "max_steps": 4, "grid_minor": 0, "grid_width": 8}
 
 
 def _num_ctas(interpret: bool) -> int:
@@ -182,11 +167,10 @@ def _num_ctas(interpret: bool) -> int:
 
 
 @functools.partial(jax.jit, static_argnames=("scale_block", "wg_dim", "max_steps", "grid_minor", "grid_width",
-                                             "cluster", "overlap", "out_dtype", "interpret"))
+                                             "out_dtype", "interpret"))
 def fp8_gemm_mgpu(x: jax.Array, w: jax.Array, scale: jax.Array, *, scale_block: tuple[int, int] = (128, 128),
                   wg_dim: str | None = None, max_steps: int | None = None, grid_minor: int | None = None,
-                  grid_width: int | None = None, cluster: int | None = None, overlap: bool | None = None,
-                  out_dtype=jnp.bfloat16, interpret: bool = False) -> jax.Array:
+                  grid_width: int | None = None, out_dtype=jnp.bfloat16, interpret: bool = False) -> jax.Array:
     """`x @ dequant(w)^T` with e4m3 tensor-core products and float32 accumulation, for prefill-sized token counts.
 
     Args:
@@ -194,9 +178,7 @@ def fp8_gemm_mgpu(x: jax.Array, w: jax.Array, scale: jax.Array, *, scale_block: 
       w: float8_e4m3fn [N, K], as checkpoints store it; N a multiple of the CTA tile's columns, K of 128.
       scale: float32 [K / 128, N / 128], one per 128 x 128 block of the [K, N] weight (value = w * scale).
       scale_block: must be (128, 128).
-      wg_dim, max_steps, grid_minor, grid_width, cluster, overlap: launch parameters; None: `default_config`.
-        cluster = 2: CTAs in pairs on vertically adjacent tiles, each weight tile loaded once for both (TMA
-        multicast). overlap: each step's wgmma issued before the previous step's product is scaled and added.
+      wg_dim, max_steps, grid_minor, grid_width: launch parameters; None: `default_config`.
       interpret: run the Mosaic GPU interpreter (CPU tests).
 
     Returns:
@@ -212,29 +194,23 @@ def fp8_gemm_mgpu(x: jax.Array, w: jax.Array, scale: jax.Array, *, scale_block: 
     max_steps = max_steps or cfg["max_steps"]
     grid_minor = cfg["grid_minor"] if grid_minor is None else grid_minor
     grid_width = grid_width or cfg["grid_width"]
-    cluster = cluster or cfg["cluster"]
-    overlap = cfg["overlap"] if overlap is None else overlap
     cta_m, cta_n = cta_tile(wg_dim)
-    if cluster not in (1, 2):
-        raise ValueError(f"cluster={cluster} must be 1 or 2")
     if w.shape[1] != k or k % BLOCK_K or n % cta_n:
         raise ValueError(f"x [T, K] and w [N, K] need K % {BLOCK_K} == 0 and N % {cta_n} == 0: {x.shape=} {w.shape=}")
     if (need := smem_bytes(wg_dim, max_steps, out_dtype)) > SMEM_BYTES:
         raise ValueError(f"max_steps={max_steps} needs {need} bytes of SMEM a CTA ({wg_dim=}), over {SMEM_BYTES}")
     xq, xs = quantize_tokens(x)
-    pad = -tokens % (cta_m * cluster)
+    pad = -tokens % cta_m
     xq, xs = jnp.pad(xq, ((0, pad), (0, 0))), jnp.pad(xs, (0, pad))
     out = plgpu.kernel(
-        functools.partial(_kernel, wg_dim=wg_dim, max_steps=max_steps, grid_minor=grid_minor, grid_width=grid_width,
-                          cluster=cluster, overlap=overlap),
+        functools.partial(_kernel, wg_dim=wg_dim, max_steps=max_steps, grid_minor=grid_minor, grid_width=grid_width),
         out_type=jax.ShapeDtypeStruct((tokens + pad, n), out_dtype),
-        grid=(_num_ctas(interpret) // cluster,),
+        grid=(_num_ctas(interpret),),
         grid_names=("cta",),
-        **({"cluster": (cluster,), "cluster_names": ("cluster",)} if cluster > 1 else {}),
         num_threads=3,
         thread_name="wg",
         interpret=plgpu.InterpretGPUParams() if interpret else None,
-        kernel_name=f"fp8_gemm_mgpu_{wg_dim}_r{max_steps}_c{cluster}" + ("_o" if overlap else ""),
+        kernel_name=f"fp8_gemm_mgpu_{wg_dim}_r{max_steps}",
     )(xq, xs, w, scale)
     return out[:tokens]
 
