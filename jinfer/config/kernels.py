@@ -33,7 +33,7 @@ The defaults are the measured choices (H100 figures; docs/performance.md has the
   fused kernel and o on the skinny GEMM (both read FP8) whatever pallas_mlp_tokens says; past it every dense
   projection runs on the Mosaic GPU e4m3 GEMM (pallas_kernels/dense/fp8_gemm_mgpu.py) where its 128 x 128 blocks
   fit (Qwen3-8B at 4096 tokens, H200: 1022-1155 TFLOP/s against 601-742 for dequantizing each weight for XLA's bf16
-  GEMM; dense_fp8_prefill_h200.json), the jnp path (dequantize, XLA's GEMMs) elsewhere (at batch 8 on the H100
+  GEMM; dense_fp8_prefill_sweep_h200.json), the jnp path (dequantize, XLA's GEMMs) elsewhere (at batch 8 on the H100
   that path made Qwen3-8B's TPOT 14.4 ms against bf16's 6.3).
   (FP8 routed experts take the Triton grouped GEMMs at every step size.) The kernels meet an FP8 tile with the
   activations quantized to e4m3 per row and 128 columns (pallas_kernels/dense/fp8_tiles.py): Qwen3-8B TPOT 5.66 vs
