@@ -18,12 +18,14 @@ step, and bf16's tensor-core rate); a Triton w8a8 GEMM (vLLM's design) reached 1
   GMEM a step ahead. The two warpgroups' chains interleave, so one's rescale runs under the other's wgmma.
 - Epilogue: the sum times each row's token scale (a [64] vector through SMEM, in the accumulator's row layout), cast
   to bf16, a TMA store from a staging buffer per warpgroup.
+- Split-K (`k_splits`) for decode-sized steps, where the output has too few tiles to keep the SMs streaming weights:
+  work items are (K split, tile), each split writes its float32 partial, and the wrapper's XLA fusion sums them.
 
 Registers bound the tile: a warpgroup holds its sum and one step's product, 2 x 64 fp32 values a thread for
 [64, 128]; a [64, 256] part would need all 240 registers for those alone.
 
 Refs (GMEM): x [M, K] e4m3, xs [M] float32, w [N, K] e4m3, ws [K / 128, N / 128] float32 (read as scalars), out
-[M, N] bf16; M a multiple of cta_m (the wrapper pads), N of cta_n, K of 128.
+[M, N] bf16 (split-K: [k_splits, M, N] float32); M a multiple of cta_m (the wrapper pads), N of cta_n, K of 128.
 
 Interpret mode (CPU): jax's Mosaic GPU interpreter runs the same code (tests); exporting for CUDA checks the GPU
 lowering (layouts, TMA legality, SMEM) on a machine without a GPU.
@@ -61,11 +63,11 @@ def cta_tile(wg_dim: str) -> tuple[int, int]:
 
 
 def _kernel(x_gmem, xs_gmem, w_gmem, ws_gmem, out_gmem, *, wg_dim: str, max_steps: int, grid_minor: int,
-            grid_width: int):
+            grid_width: int, k_splits: int):
     m, k = x_gmem.shape
     n = w_gmem.shape[0]
     cta_m, cta_n = cta_tile(wg_dim)
-    m_iters, n_iters, k_iters = m // cta_m, n // cta_n, k // BLOCK_K
+    m_iters, n_iters, k_iters = m // cta_m, n // cta_n, k // (BLOCK_K * k_splits)  # k_iters: K steps a split
     tiles = (plgpu.TilingTransform((8, BLOCK_K)), plgpu.SwizzleTransform(128))  # e4m3: 128 bytes a row
     swizzle_cols = 128 // jnp.dtype(out_gmem.dtype).itemsize  # a 128-byte swizzle row of the output
     out_tiles = (plgpu.TilingTransform((8, swizzle_cols)), plgpu.SwizzleTransform(128))
@@ -98,10 +100,13 @@ def _kernel(x_gmem, xs_gmem, w_gmem, ws_gmem, out_gmem, *, wg_dim: str, max_step
     def _scope(allocs, out_smem, xs_smem, xs_ready):
         wg = lax.axis_index("wg")
 
-        @plgpu.nd_loop((m_iters * n_iters,), collective_axes="cta")
+        @plgpu.nd_loop((k_splits * m_iters * n_iters,), collective_axes="cta")
         def _tiles(info):
-            (lin,) = info.index
+            (item,) = info.index
+            split, lin = lax.div(item, m_iters * n_iters), lax.rem(item, m_iters * n_iters)
             m_idx, n_idx = plgpu.planar_snake(lin, (m_iters, n_iters), grid_minor, grid_width)
+            k_step0 = split * k_iters  # the split's first K step (= scale row)
+            out_part = out_gmem.at[split] if k_splits > 1 else out_gmem
             wg_row = m_idx * cta_m + (wg * WG_ROWS if wg_dim == "m" else 0)
             wg_col = n_idx * cta_n + (wg * WG_COLS if wg_dim == "n" else 0)
             a_rows = pl.ds(wg * WG_ROWS, WG_ROWS) if wg_dim == "m" else slice(None)
@@ -112,18 +117,18 @@ def _kernel(x_gmem, xs_gmem, w_gmem, ws_gmem, out_gmem, *, wg_dim: str, max_step
                 # the tile's token scales land while the K loop runs
                 plgpu.copy_gmem_to_smem(xs_gmem.at[pl.ds(wg_row, WG_ROWS)], xs_smem.at[wg], xs_ready.at[wg])
                 zeros = plgpu.layout_cast(jnp.full((WG_ROWS, WG_COLS), 0, jnp.float32), plgpu.Layout.WGMMA)
-                total, _ = eval_pipeline((zeros, ws_gmem[0, scale_col]))
+                total, _ = eval_pipeline((zeros, ws_gmem[k_step0, scale_col]))
                 plgpu.barrier_wait(xs_ready.at[wg])
                 xs = plgpu.load(xs_smem.at[wg], layout=plgpu.Layout.WGMMA.reduce(1))
                 out = (total * lax.broadcast_in_dim(xs, total.shape, [0])).astype(out_smem.dtype)
                 plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the previous tile's store has read the buffer
                 out_smem[wg] = out
                 plgpu.commit_smem()
-                plgpu.copy_smem_to_gmem(out_smem.at[wg], out_gmem.at[pl.ds(wg_row, WG_ROWS), pl.ds(wg_col, WG_COLS)])
+                plgpu.copy_smem_to_gmem(out_smem.at[wg], out_part.at[pl.ds(wg_row, WG_ROWS), pl.ds(wg_col, WG_COLS)])
 
             def body(idxs, a_smem, b_smem, carry):
                 (kk,) = idxs
-                next_scale = ws_gmem[jnp.minimum(kk + 1, k_iters - 1), scale_col]  # its latency under this wgmma
+                next_scale = ws_gmem[k_step0 + jnp.minimum(kk + 1, k_iters - 1), scale_col]  # (latency under the wgmma)
                 total, scale = carry
 
                 def step(acc_ref):
@@ -133,8 +138,9 @@ def _kernel(x_gmem, xs_gmem, w_gmem, ws_gmem, out_gmem, *, wg_dim: str, max_step
                 product = pl.run_scoped(step, plgpu.ACC((WG_ROWS, WG_COLS), jnp.float32))
                 return total + product * scale, next_scale
 
-            pipeline(body, compute_context)(x_gmem.at[pl.ds(m_idx * cta_m, cta_m)],
-                                            w_gmem.at[pl.ds(n_idx * cta_n, cta_n)], allocations=allocs)
+            ks = pl.ds(k_step0 * BLOCK_K, k_iters * BLOCK_K)
+            pipeline(body, compute_context)(x_gmem.at[pl.ds(m_idx * cta_m, cta_m), ks],
+                                            w_gmem.at[pl.ds(n_idx * cta_n, cta_n), ks], allocations=allocs)
 
         plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
@@ -147,13 +153,24 @@ def smem_bytes(wg_dim: str, max_steps: int, out_dtype) -> int:
     return max_steps * (cta_m + cta_n) * BLOCK_K + staging + 2 * WG_ROWS * 4
 
 
-def default_config(m: int, n: int) -> dict:
-    """wg_dim ("m": 128 x 128 CTA tiles, a weight tile serving 128 rows), max_steps (the ring: 32 KB a slot) and
-    the grid's order (planar snake, `grid_width` tiles wide along the minor dimension). The sweep at Qwen3-8B's
-    shapes and 4096 tokens (H200, dense_fp8_prefill_sweep_h200.json): "m" with 4 slots was the fastest or within
-    1% everywhere (1086 / 1022 / 1155 / 1075 TFLOP/s for q|k|v / o / gate / down); 6 slots 1-3% slower, "n" 1-3%
-    slower, the grid's order within 1%."""
-    return {"wg_dim": "m", "max_steps": 4, "grid_minor": 0, "grid_width": 8}
+def default_config(m: int, n: int, k: int, num_sms: int = _H100_SMS) -> dict:
+    """wg_dim ("m": 128 x 128 CTA tiles, a weight tile serving 128 rows), max_steps (the ring: 32 KB a slot), the
+    grid's order (planar snake, `grid_width` tiles wide along the minor dimension) and k_splits.
+
+    The sweep at Qwen3-8B's shapes and 4096 tokens (H200, dense_fp8_prefill_sweep_h200.json): "m" with 4 slots was
+    the fastest or within 1% everywhere (1086 / 1022 / 1155 / 1075 TFLOP/s for q|k|v / o / gate / down); 6 slots 1-3%
+    slower, "n" 1-3% slower, the grid's order within 1%.
+
+    k_splits: where the output has fewer tiles than half the SMs (decode-sized steps past fp8_max_tokens: Qwen3-8B's
+    o and down have 32 tiles at up to 128 tokens, and such a step streams the weights), K is split in powers of two
+    until the work items would pass the SMs, each split >= 4 K steps. Reasoned, not yet measured."""
+    cfg = {"wg_dim": "m", "max_steps": 4, "grid_minor": 0, "grid_width": 8, "k_splits": 1}
+    cta_m, cta_n = cta_tile(cfg["wg_dim"])
+    tiles, k_steps = -(-m // cta_m) * (n // cta_n), k // BLOCK_K
+    while tiles * cfg["k_splits"] * 2 <= num_sms and k_steps % (cfg["k_splits"] * 2) == 0 \
+            and k_steps // (cfg["k_splits"] * 2) >= 4:
+        cfg["k_splits"] *= 2
+    return cfg
 
 
 def _num_ctas(interpret: bool) -> int:
@@ -167,10 +184,11 @@ def _num_ctas(interpret: bool) -> int:
 
 
 @functools.partial(jax.jit, static_argnames=("scale_block", "wg_dim", "max_steps", "grid_minor", "grid_width",
-                                             "out_dtype", "interpret"))
+                                             "k_splits", "out_dtype", "interpret"))
 def fp8_gemm_mgpu(x: jax.Array, w: jax.Array, scale: jax.Array, *, scale_block: tuple[int, int] = (128, 128),
                   wg_dim: str | None = None, max_steps: int | None = None, grid_minor: int | None = None,
-                  grid_width: int | None = None, out_dtype=jnp.bfloat16, interpret: bool = False) -> jax.Array:
+                  grid_width: int | None = None, k_splits: int | None = None, out_dtype=jnp.bfloat16,
+                  interpret: bool = False) -> jax.Array:
     """`x @ dequant(w)^T` with e4m3 tensor-core products and float32 accumulation, for prefill-sized token counts.
 
     Args:
@@ -178,7 +196,8 @@ def fp8_gemm_mgpu(x: jax.Array, w: jax.Array, scale: jax.Array, *, scale_block: 
       w: float8_e4m3fn [N, K], as checkpoints store it; N a multiple of the CTA tile's columns, K of 128.
       scale: float32 [K / 128, N / 128], one per 128 x 128 block of the [K, N] weight (value = w * scale).
       scale_block: must be (128, 128).
-      wg_dim, max_steps, grid_minor, grid_width: launch parameters; None: `default_config`.
+      wg_dim, max_steps, grid_minor, grid_width, k_splits: launch parameters; None: `default_config`. With
+        k_splits > 1 each split writes a float32 partial and an XLA fusion sums them.
       interpret: run the Mosaic GPU interpreter (CPU tests).
 
     Returns:
@@ -189,30 +208,36 @@ def fp8_gemm_mgpu(x: jax.Array, w: jax.Array, scale: jax.Array, *, scale_block: 
     if tuple(scale_block) != (BLOCK_K, 128):
         raise ValueError(f"fp8_gemm_mgpu takes 128 x 128 scale blocks, got {scale_block}")
     check_scale("w", w.T, scale, tuple(scale_block))
-    cfg = default_config(tokens, n)
+    num_ctas = _num_ctas(interpret)
+    cfg = default_config(tokens, n, k, num_ctas)
     wg_dim = wg_dim or cfg["wg_dim"]
     max_steps = max_steps or cfg["max_steps"]
     grid_minor = cfg["grid_minor"] if grid_minor is None else grid_minor
     grid_width = grid_width or cfg["grid_width"]
+    k_splits = k_splits or cfg["k_splits"]
     cta_m, cta_n = cta_tile(wg_dim)
+    if k % (k_splits * BLOCK_K):
+        raise ValueError(f"k_splits * 128 = {k_splits * BLOCK_K} must divide K={k}")
+    part_dtype = jnp.float32 if k_splits > 1 else out_dtype
     if w.shape[1] != k or k % BLOCK_K or n % cta_n:
         raise ValueError(f"x [T, K] and w [N, K] need K % {BLOCK_K} == 0 and N % {cta_n} == 0: {x.shape=} {w.shape=}")
-    if (need := smem_bytes(wg_dim, max_steps, out_dtype)) > SMEM_BYTES:
+    if (need := smem_bytes(wg_dim, max_steps, part_dtype)) > SMEM_BYTES:
         raise ValueError(f"max_steps={max_steps} needs {need} bytes of SMEM a CTA ({wg_dim=}), over {SMEM_BYTES}")
     xq, xs = quantize_tokens(x)
     pad = -tokens % cta_m
     xq, xs = jnp.pad(xq, ((0, pad), (0, 0))), jnp.pad(xs, (0, pad))
     out = plgpu.kernel(
-        functools.partial(_kernel, wg_dim=wg_dim, max_steps=max_steps, grid_minor=grid_minor, grid_width=grid_width),
-        out_type=jax.ShapeDtypeStruct((tokens + pad, n), out_dtype),
-        grid=(_num_ctas(interpret),),
+        functools.partial(_kernel, wg_dim=wg_dim, max_steps=max_steps, grid_minor=grid_minor, grid_width=grid_width,
+                          k_splits=k_splits),
+        out_type=jax.ShapeDtypeStruct((k_splits, tokens + pad, n) if k_splits > 1 else (tokens + pad, n), part_dtype),
+        grid=(num_ctas,),
         grid_names=("cta",),
         num_threads=3,
         thread_name="wg",
         interpret=plgpu.InterpretGPUParams() if interpret else None,
-        kernel_name=f"fp8_gemm_mgpu_{wg_dim}_r{max_steps}",
+        kernel_name=f"fp8_gemm_mgpu_{wg_dim}_r{max_steps}_s{k_splits}",
     )(xq, xs, w, scale)
-    return out[:tokens]
+    return out[:, :tokens].sum(axis=0).astype(out_dtype) if k_splits > 1 else out[:tokens]
 
 
 def fp8_gemm_reference(x: jax.Array, w: jax.Array, scale: jax.Array, out_dtype=jnp.bfloat16) -> jax.Array:

@@ -12,16 +12,18 @@ import numpy as np
 import pytest
 
 from jinfer.models.fp8 import quantize
-from pallas_kernels.dense.fp8_gemm_mgpu import SMEM_BYTES, fp8_gemm_mgpu, fp8_gemm_reference, smem_bytes
+from pallas_kernels.dense.fp8_gemm_mgpu import SMEM_BYTES, default_config, fp8_gemm_mgpu, fp8_gemm_reference, smem_bytes
 from pallas_kernels.dense.fp8_tiles import dequantize
 from tests.kernels.conftest import by_mode, normal
 
 CASES = [  # tokens, K, N, launch
     pytest.param(200, 256, 256, {"max_steps": 2, "grid_width": 2}, id="t200-m"),  # rows padded; 2 x 2 CTA tiles
     pytest.param(70, 384, 512, {"wg_dim": "n", "max_steps": 2, "grid_minor": 1}, id="t70-n"),
+    pytest.param(40, 512, 256, {"k_splits": 2, "max_steps": 2}, id="t40-split2"),
 ]
 GPU_CASES = CASES + [pytest.param(4096, 4096, 12288, {}, id="t4096-gate"),
-                     pytest.param(1000, 12288, 4096, {"wg_dim": "n"}, id="t1000-down-n")]
+                     pytest.param(1000, 12288, 4096, {"wg_dim": "n"}, id="t1000-down-n"),
+                     pytest.param(32, 12288, 4096, {}, id="t32-down")]  # (4 K splits)
 
 
 @pytest.mark.parametrize("mode,tokens,k,n,launch", by_mode(CASES, GPU_CASES))
@@ -66,12 +68,19 @@ def test_fp8_gemm_mgpu_lowers_for_cuda():
 
 
 def test_fp8_gemm_mgpu_checks():
+    # K splits where the output's tiles leave SMs idle (decode-sized steps), each split >= 4 K steps
+    assert default_config(32, 4096, 12288)["k_splits"] == 4  # 32 tiles x 4 of 132 SMs
+    assert default_config(32, 6144, 4096)["k_splits"] == 2
+    assert default_config(32, 4096, 512)["k_splits"] == 1  # (4 K steps)
+    assert default_config(4096, 12288, 4096)["k_splits"] == 1
     w = jnp.zeros((256, 512), jnp.float8_e4m3fn)
     scale = jnp.ones((4, 2), jnp.float32)
     x = jnp.zeros((128, 512), jnp.bfloat16)
     with pytest.raises(ValueError, match="N % 256"):
         fp8_gemm_mgpu(x, jnp.zeros((128, 512), jnp.float8_e4m3fn), jnp.ones((4, 1), jnp.float32), wg_dim="n",
                       interpret=True)
+    with pytest.raises(ValueError, match="k_splits"):
+        fp8_gemm_mgpu(x, w, scale, k_splits=8, interpret=True)
     with pytest.raises(ValueError, match="SMEM"):
         fp8_gemm_mgpu(x, w, scale, max_steps=7, interpret=True)
     with pytest.raises(ValueError, match="scale"):
