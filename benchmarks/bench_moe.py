@@ -19,8 +19,9 @@ split by kernel); torch's are CUDA-event times of a CUDA graph of 10 chained cal
 kernels included, a few us).
 Bandwidth counts the bytes of the experts actually hit; TFLOP/s the real routed rows (2 x rows x 3 x H x I).
 `--fp8` ("fp8" rows, default 1 / 8 / 16 / 4096 tokens): the Triton grouped GEMMs on block-FP8 experts (128 x 128
-scales) against the same kernels on the bf16 experts (same routing), and the bf16 Mosaic GPU grouped GEMM where a step
-reaches it; FP8 bandwidth counts its bytes (values and scales).
+scales; [E, out, in] as the engine keeps them, and [E, in, out]) against the same kernels on the bf16 experts (same
+routing), and the bf16 Mosaic GPU grouped GEMM where a step reaches it; FP8 bandwidth counts its bytes (values and
+scales).
 
     python -m benchmarks.bench_moe --out benchmarks/results/moe_kernels_h100.json [--sweep] [--tokens 1 8 64]
     python -m benchmarks.bench_moe --fp8 --out benchmarks/results/moe_fp8_h200.json
@@ -43,7 +44,7 @@ import numpy as np
 
 from benchmarks.bench_kernels import chained, timeit
 from benchmarks.common import environment, write_result
-from jinfer.models.fp8 import quantize
+from jinfer.models.fp8 import quantize, transpose
 from jinfer.models.layers import moe_mlp, rms_norm
 from jinfer.ops import ModelOps
 from jinfer.ops.moe import moe_block_m
@@ -221,20 +222,24 @@ def bench_fp8(rows: list, tokens: int, w, q) -> None:
     per_expert, flops = 3 * H * INTER, 2 * tokens * K * 3 * H * INTER
     scale_bytes = sum(s.scale.nbytes for s in q) // E  # one expert's
     base = {"what": "fp8", "tokens": tokens, "top_k": K, "experts_hit": hit, "flops": flops, "block_m": bm}
-    fp8 = {"scale_block": FP8_BLOCK, **KW}
+    fp8_kw = {"scale_block": FP8_BLOCK, **KW}
 
-    def triton(x, fp8_weights=False):
-        if not fp8_weights:
+    qt = [transpose(a) for a in q]  # [E, out, in]: the engine's layout (fp8.kernel_layout)
+
+    def triton(x, experts=None):
+        if experts is None:
             return moe_combine(moe_down(moe_gate_up(x, routing, wg, wu, **KW), routing, wd, **KW), K, x.dtype)
-        h = moe_gate_up(x, routing, q[0].w, q[1].w, (q[0].scale, q[1].scale), **fp8)
-        return moe_combine(moe_down(h, routing, q[2].w, q[2].scale, **fp8), K, x.dtype)
+        tr = {**fp8_kw, "transposed": experts[0].transposed}
+        h = moe_gate_up(x, routing, experts[0].w, experts[1].w, (experts[0].scale, experts[1].scale), **tr)
+        return moe_combine(moe_down(h, routing, experts[2].w, experts[2].scale, **tr), K, x.dtype)
 
     ref = moe_mlp(x, logits, *q, K, True).astype(jnp.float32)
-    err = float(jnp.abs(triton(x, True).astype(jnp.float32) - ref).max())
     record(rows, {**base, "impl": "pallas_triton_bf16"}, triton, x, hit_bytes=hit * per_expert * 2, flops=flops)
-    record(rows, {**base, "impl": "pallas_triton_fp8", "max_abs_err_vs_ref": err, "ref_max_abs": float(
-        jnp.abs(ref).max())}, functools.partial(triton, fp8_weights=True), x,
-        hit_bytes=hit * (per_expert + scale_bytes), flops=flops)
+    # the engine's [E, out, in] experts (K-major tiles), and [E, in, out] ones (the layout before)
+    for impl, experts in (("pallas_triton_fp8", qt), ("pallas_triton_fp8_in_out", q)):
+        err = float(jnp.abs(triton(x, experts).astype(jnp.float32) - ref).max())
+        record(rows, {**base, "impl": impl, "max_abs_err_vs_ref": err, "ref_max_abs": float(jnp.abs(ref).max())},
+               functools.partial(triton, experts=experts), x, hit_bytes=hit * (per_expert + scale_bytes), flops=flops)
     if tokens * K >= 512 and not KW:  # the bf16 Mosaic GPU grouped GEMM, where large steps run bf16 experts
         from pallas_kernels.moe.moe_gemm_mgpu import moe_experts_mgpu
 

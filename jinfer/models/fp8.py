@@ -163,14 +163,15 @@ def concat_columns(parts: list) -> jax.Array | Fp8Weight | None:
                      jnp.concatenate([p.scale for p in parts], axis=-1), block)
 
 
-# The dense layers' FP8 weights the decode kernels read [out, in] (`kernel_layout`): the fused MLP's (a MoE layer's
-# shared experts' too), o's and the fused q|k|v's.
+# The FP8 weights the kernels read [out, in] (`kernel_layout`): the dense MLP's (a MoE layer's shared experts' too),
+# o's and the fused q|k|v's, and a MoE layer's routed experts ([E, out, in]: the grouped GEMMs' K-major tiles).
 KERNEL_LAYOUT_FIELDS = ("w_gate", "w_up", "w_down", "ws_gate", "ws_up", "ws_down", "wo", "wqkv")
+EXPERT_FIELDS = ("w_gate", "w_up", "w_down")
 
 
 def in_kernel_layout(name: str, ndim: int) -> bool:
     """Whether a weight field of this name and rank is kept [out, in] when FP8 (`kernel_layout`)."""
-    return name in KERNEL_LAYOUT_FIELDS and ndim == 2
+    return name in KERNEL_LAYOUT_FIELDS and ndim == 2 or name in EXPERT_FIELDS and ndim == 3
 
 
 def transposed_sharding(sharding, ndim: int):
@@ -196,9 +197,10 @@ def _transposer(sharding):
 
 
 def kernel_layout(weights):
-    """The weights with each 2-D FP8 weight of a dense MLP, o or q|k|v projection (KERNEL_LAYOUT_FIELDS) stored
-    [out, in], the layout the decode kernels read fastest (Qwen3-8B's fused MLP at one token: 59 vs 100 us on the
-    H200, docs/performance.md); every other weight as it is."""
+    """The weights with each FP8 weight of a dense MLP, o or q|k|v projection and of the routed experts
+    (`in_kernel_layout`) stored [out, in], the layout the decode kernels read fastest (Qwen3-8B's fused MLP at one
+    token: 59 vs 100 us on the H200, docs/performance.md) and the one FP8 tensor cores take as a GEMM's right side
+    (8-bit wgmma operands are K-major); every other weight as it is."""
     def relayout(path, leaf):
         name = getattr(path[-1], "name", None) if path else None
         if isinstance(leaf, Fp8Weight) and not leaf.transposed and in_kernel_layout(name, leaf.ndim):

@@ -11,11 +11,11 @@ reference is `layers.moe_mlp` (`lax.ragged_dot`). DeepSeek chooses its experts i
 group-limited top-k, V3's sigmoid and correction bias), then `moe_route_chosen` lays them out and the same expert
 kernels run.
 
-Block-FP8 experts (`Fp8Weight`) run on the Triton GEMMs at every step size: they read the e4m3 tiles and their scales
-and meet them with the rows quantized to e4m3 per K tile (a scale per row, FP8 dots; prefill steps too: e4m3 rows
-against bf16 ones was measured on the dense decode kernels only, performance.md); the Mosaic GPU kernel reads bf16
-only and is not offered them (unmeasured against dequantizing for it at large steps: benchmarks/bench_moe.py --fp8
-times both kernels). Experts the kernels cannot read (FP8 mixed with plain) take
+Block-FP8 experts (`Fp8Weight`, values [E, out, in]: fp8.kernel_layout) run on the Triton GEMMs at every step size:
+they read the e4m3 tiles (K-major, as FP8 tensor cores take a GEMM's right side) and their scales and meet them with
+the rows quantized to e4m3 per K tile (a scale per row, FP8 dots; prefill steps too: e4m3 rows against bf16 ones was
+measured on the dense decode kernels only, performance.md); the Mosaic GPU kernel reads bf16 only and is not offered
+them (unmeasured against dequantizing for it at large steps: benchmarks/bench_moe.py --fp8 times both kernels). Experts the kernels cannot read (FP8 mixed with plain) take
 `layers.moe_mlp`, which dequantizes (`refuse_fp8`). Shared experts go through `DenseOps.swiglu` (FP8: the fused MLP
 kernel in small steps).
 """
@@ -128,11 +128,14 @@ class MoeOps:
 
     def _moe_kernels(self, hidden, inter, *weights) -> tuple | None:
         """The routed experts' operands for the grouped-GEMM kernels, as `dense.fp8_operands` gives them ((w_gate,
-        w_up, w_down), block-FP8 scales or None, scale block), or None where they run on `layers.moe_mlp`: not the
+        w_up, w_down), block-FP8 scales or None, scale block), and whether block-FP8 values are [E, out, in]
+        (`Fp8Weight.transposed`: fp8.kernel_layout keeps them so); or None where they run on `layers.moe_mlp`: not the
         Pallas backend, dims not multiples of 16, FP8 weights the kernels cannot read (mixed, blocks under 16 rows)."""
         if self.backend != "pallas" or hidden % 16 or inter % 16:
             return None
-        return fp8_operands("moe grouped GEMM", *weights)
+        transposed = getattr(weights[0], "transposed", False)
+        operands = fp8_operands("moe grouped GEMM", *weights, transposed=transposed)
+        return None if operands is None else (*operands, transposed)
 
     def _routed_experts(self, h, route, operands, first, top_k, router_experts, routing=None):
         """(The routed experts' weighted sum [T, hidden] of the normed rows h (this device's share when sharded) on
@@ -145,7 +148,7 @@ class MoeOps:
         from pallas_kernels.moe.moe_gemm import moe_combine, moe_down, moe_gate_up
         from pallas_kernels.moe.moe_routing import local_experts
 
-        (w_gate, w_up, w_down), scales, block = operands
+        (w_gate, w_up, w_down), scales, block, transposed = operands
         tokens, num_experts = h.shape[0], w_gate.shape[0]
         pairs = tokens * top_k
         if routing is None and scales is None and self.mosaic_prefill \
@@ -166,8 +169,8 @@ class MoeOps:
         if scales is None:
             act = moe_gate_up(h, routing, w_gate, w_up, interpret=self.interpret)
             y = moe_down(act, routing, w_down, interpret=self.interpret)
-        else:  # block-FP8 experts: e4m3 tiles and their scales, met by e4m3 rows
-            fp8 = {"scale_block": block, "interpret": self.interpret}
+        else:  # block-FP8 experts ([E, out, in] or [E, in, out]): e4m3 tiles and their scales, met by e4m3 rows
+            fp8 = {"scale_block": block, "transposed": transposed, "interpret": self.interpret}
             act = moe_gate_up(h, routing, w_gate, w_up, scales[:2], **fp8)
             y = moe_down(act, routing, w_down, scales[2], **fp8)
         return moe_combine(y, top_k, h.dtype, mine), whole

@@ -113,17 +113,19 @@ def test_grouped_gemms_lower_for_cuda():
         assert f"moe_gate_up_m{block_m}" in text and f"moe_down_m{block_m}" in text
 
 
-# Block-FP8 experts: (tokens, experts, hidden, intermediate, top_k, block_m, scale block, dtype). The tiny
+# Block-FP8 experts: (tokens, experts, hidden, intermediate, top_k, block_m, scale block, dtype, transposed). The tiny
 # checkpoints' 16 x 16 blocks (column tiles spanning several blocks: a scale per column), and real checkpoints' 128 x
-# 128 (a scale per tile; at 64-row blocks two K tiles per scale block).
+# 128 (a scale per tile; at 64-row blocks two K tiles per scale block). transposed: the values [E, out, in], as the
+# engine keeps them (fp8.kernel_layout).
 FP8_CASES = [
-    pytest.param(1, 4, 64, 32, 2, 16, (16, 16), jnp.float32, id="t1-f32-b16"),
-    pytest.param(8, 4, 128, 128, 2, 16, (128, 128), jnp.bfloat16, id="t8-bf16-b128"),
-    pytest.param(24, 2, 128, 128, 2, 64, (128, 128), jnp.float32, id="t24-f32-b128-m64"),
+    pytest.param(1, 4, 64, 32, 2, 16, (16, 16), jnp.float32, False, id="t1-f32-b16"),
+    pytest.param(1, 4, 64, 48, 2, 16, (16, 16), jnp.float32, True, id="t1-f32-b16-t"),
+    pytest.param(8, 4, 128, 128, 2, 16, (128, 128), jnp.bfloat16, True, id="t8-bf16-b128-t"),
+    pytest.param(24, 2, 128, 128, 2, 64, (128, 128), jnp.float32, True, id="t24-f32-b128-m64-t"),
 ]
 FP8_GPU_CASES = [  # Qwen3-30B-A3B's experts
-    pytest.param(t, 128, 2048, 768, 8, bm, (128, 128), jnp.bfloat16, id=f"30b-a3b-t{t}")
-    for t, bm in ((1, 16), (16, 16), (512, 64))]
+    pytest.param(t, 128, 2048, 768, 8, bm, (128, 128), jnp.bfloat16, tr, id=f"30b-a3b-t{t}" + "-t" * tr)
+    for t, bm in ((1, 16), (16, 16), (512, 64)) for tr in (False, True)]
 
 
 def fp8_setup(tokens, experts, hidden, inter, top_k, block_m, block, dtype):
@@ -132,18 +134,22 @@ def fp8_setup(tokens, experts, hidden, inter, top_k, block_m, block, dtype):
     return x.astype(dtype), logits, r, *(quantize(w, block) for w in ws)
 
 
-@pytest.mark.parametrize("mode,tokens,experts,hidden,inter,top_k,block_m,block,dtype",
+@pytest.mark.parametrize("mode,tokens,experts,hidden,inter,top_k,block_m,block,dtype,transposed",
                          by_mode(FP8_CASES, FP8_CASES + FP8_GPU_CASES))
-def test_fp8_grouped_gemms_match_reference(mode, tokens, experts, hidden, inter, top_k, block_m, block, dtype):
+def test_fp8_grouped_gemms_match_reference(mode, tokens, experts, hidden, inter, top_k, block_m, block, dtype,
+                                           transposed):
     x, logits, r, wg, wu, wd = fp8_setup(tokens, experts, hidden, inter, top_k, block_m, block, dtype)
+    if transposed:
+        wg, wu, wd = (fp8.transpose(w) for w in (wg, wu, wd))
     interpret = mode == "interpret"
-    h = moe_gate_up(x, r, wg.w, wu.w, (wg.scale, wu.scale), scale_block=block, interpret=interpret)
+    kw = {"scale_block": block, "transposed": transposed}
+    h = moe_gate_up(x, r, wg.w, wu.w, (wg.scale, wu.scale), interpret=interpret, **kw)
     rows = np.asarray(r.pair_rows).ravel()
-    ref_h = moe_gate_up_reference(x, r, wg.w, wu.w, (wg.scale, wu.scale), scale_block=block)
+    ref_h = moe_gate_up_reference(x, r, wg.w, wu.w, (wg.scale, wu.scale), **kw)
     assert_close(np.asarray(h.astype(jnp.float32))[rows], ref_h[rows], dtype, mode)
-    y = moe_down(h, r, wd.w, wd.scale, scale_block=block, interpret=interpret)
+    y = moe_down(h, r, wd.w, wd.scale, interpret=interpret, **kw)
     assert y.shape == (tokens * top_k, hidden) and y.dtype == dtype
-    assert_close(y, moe_down_reference(h, r, wd.w, wd.scale, scale_block=block), dtype, mode)
+    assert_close(y, moe_down_reference(h, r, wd.w, wd.scale, **kw), dtype, mode)
     # and within the rows' FP8 rounding of moe_mlp's unquantized rows, not equal to them
     rel = rel_rms(moe_combine(y, top_k, dtype), moe_mlp(x, logits, wg, wu, wd, top_k, True))
     assert 1e-3 < rel < FP8_REL_RMS, rel
@@ -163,24 +169,24 @@ def test_fp8_argument_errors():
 
 
 def test_fp8_grouped_gemms_lower_for_cuda():
-    """Qwen3-30B-A3B's experts in block-FP8 (128 x 128), decode-sized and prefill-sized layouts, through Pallas'
-    Triton lowering (e4m3 loads, the rows quantized to e4m3, FP8 dots)."""
+    """Qwen3-30B-A3B's experts in block-FP8 (128 x 128) as the engine keeps them ([E, out, in]), decode-sized and
+    prefill-sized layouts, through Pallas' Triton lowering (e4m3 loads, the rows quantized to e4m3, FP8 dots)."""
     from pallas_kernels.moe.moe_routing import moe_route
 
     S, bf, f8, f32 = jax.ShapeDtypeStruct, jnp.bfloat16, jnp.float8_e4m3fn, jnp.float32
 
     def mlp(x, logits, wg, wu, wd, sg, su, sd, block_m):
         r = moe_route(logits, top_k=8, block_m=block_m)
-        h = moe_gate_up(x, r, wg, wu, (sg, su), scale_block=(128, 128))
-        return moe_combine(moe_down(h, r, wd, sd, scale_block=(128, 128)), 8, x.dtype)
+        h = moe_gate_up(x, r, wg, wu, (sg, su), scale_block=(128, 128), transposed=True)
+        return moe_combine(moe_down(h, r, wd, sd, scale_block=(128, 128), transposed=True), 8, x.dtype)
 
     for tokens, block_m in ((1, 16), (2048, 64)):
         text = lower_for_cuda(lambda *a, bm=block_m: mlp(*a, bm), S((tokens, 2048), bf), S((tokens, 128), bf),
-                              S((128, 2048, 768), f8), S((128, 2048, 768), f8), S((128, 768, 2048), f8),
+                              S((128, 768, 2048), f8), S((128, 768, 2048), f8), S((128, 2048, 768), f8),
                               S((128, 16, 6), f32), S((128, 16, 6), f32), S((128, 6, 16), f32))
         k = 128 if block_m == 16 else 64
-        assert f"moe_gate_up_m{block_m}_n{64 if block_m == 16 else 128}_k{k}_fp8" in text
-        assert f"moe_down_m{block_m}_n{64 if block_m == 16 else 128}_k{k}_fp8" in text
+        assert f"moe_gate_up_m{block_m}_n{64 if block_m == 16 else 128}_k{k}_fp8t" in text
+        assert f"moe_down_m{block_m}_n{64 if block_m == 16 else 128}_k{k}_fp8t" in text
 
 
 def test_model_moe_block_mosaic_path_matches_reference(monkeypatch):

@@ -233,13 +233,15 @@ def test_fp8_moe_experts_on_the_kernels_match_hf(devices, ep, caplog):
 
 def test_fp8_moe_tp2_splits_expert_scales_with_their_blocks():
     """tp=2 (the ep2 run above splits whole experts): each expert's intermediate columns split, gate / up by output
-    blocks and down by input blocks, their scales alike, so each device's grouped GEMMs get their blocks' scales."""
+    blocks and down by input blocks, their scales alike, so each device's grouped GEMMs get their blocks' scales. The
+    values are [E, out, in] (fp8.kernel_layout), split along the same logical axis."""
     mesh = make_mesh(2)
     cfg, w = load("qwen3_moe-fp8", mesh)
     layer = shard_weights(cfg, w, mesh).layers[0]
     for name, shard in (("w_gate", (8, 4, 1)), ("w_up", (8, 4, 1)), ("w_down", (8, 1, 4))):
         q = getattr(layer, name)
-        assert q.scale.sharding.spec == q.w.sharding.spec and q.scale.sharding.shard_shape(q.scale.shape) == shard
+        assert q.transposed and q.scale.sharding.shard_shape(q.scale.shape) == shard
+        assert q.w.sharding.spec == fp8.transposed_sharding(q.scale.sharding, 3).spec
 
 
 def test_pallas_kernels_refuse_mixed_fp8(caplog, monkeypatch):

@@ -13,6 +13,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jinfer.models import fp8
 from jinfer.models.fp8 import Fp8Weight
 from jinfer.models.registry import forward, fuse_qkv
 from jinfer.weights.loader import load_weights, resolve_model, with_online_fp8
@@ -98,8 +99,8 @@ def test_per_channel_tp2_matches_hf():
     quant = dataclasses.replace(src.config.quantization, block=(1, 16))
     src = dataclasses.replace(src, config=src.config.replace(quantization=quant))
     _, _, w, step, new_kv = sharded_model(src, 2, False, "ref")
-    down = w.layers[0].w_down
-    assert down.scale.sharding.spec == down.w.sharding.spec
+    down = w.layers[0].w_down  # (values [E, out, in]: fp8.kernel_layout)
+    assert down.transposed and down.w.sharding.spec == fp8.transposed_sharding(down.scale.sharding, 3).spec
     assert down.scale.sharding.shard_shape(down.scale.shape) == (8, 1, 64)  # [E, 32 / 2 / 16, 64]
     check_batched_chunked_prefill(step, w, new_kv(), np.load(DATA / "golden" / "tiny-qwen3_moe-ct-mixed.npz"))
 
