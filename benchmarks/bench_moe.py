@@ -20,8 +20,8 @@ kernels included, a few us).
 Bandwidth counts the bytes of the experts actually hit; TFLOP/s the real routed rows (2 x rows x 3 x H x I).
 `--fp8` ("fp8" rows, default 1 / 8 / 16 / 4096 tokens): the Triton grouped GEMMs on block-FP8 experts (128 x 128
 scales; [E, out, in] as the engine keeps them, and [E, in, out]) against the same kernels on the bf16 experts (same
-routing), and the bf16 Mosaic GPU grouped GEMM where a step reaches it; FP8 bandwidth counts its bytes (values and
-scales).
+routing), and the Mosaic GPU grouped GEMMs (bf16, and e4m3: moe_fp8_mgpu.py) where a step reaches them; FP8 bandwidth
+counts its bytes (values and scales). "tflop_per_s" counts the routed rows' FLOPs (not the padding's).
 
     python -m benchmarks.bench_moe --out benchmarks/results/moe_kernels_h100.json [--sweep] [--tokens 1 8 64]
     python -m benchmarks.bench_moe --fp8 --out benchmarks/results/moe_fp8_h200.json
@@ -240,12 +240,18 @@ def bench_fp8(rows: list, tokens: int, w, q) -> None:
         err = float(jnp.abs(triton(x, experts).astype(jnp.float32) - ref).max())
         record(rows, {**base, "impl": impl, "max_abs_err_vs_ref": err, "ref_max_abs": float(jnp.abs(ref).max())},
                functools.partial(triton, experts=experts), x, hit_bytes=hit * (per_expert + scale_bytes), flops=flops)
-    if tokens * K >= 512 and not KW:  # the bf16 Mosaic GPU grouped GEMM, where large steps run bf16 experts
+    if tokens * K >= 512 and not KW:  # the Mosaic GPU grouped GEMMs, where large steps run: bf16 and e4m3
+        from pallas_kernels.moe.moe_fp8_mgpu import moe_experts_fp8_mgpu
         from pallas_kernels.moe.moe_gemm_mgpu import moe_experts_mgpu
 
         r = moe_route_reference(logits, top_k=K, block_m=128)
         record(rows, {**base, "impl": "pallas_mgpu_bf16", "block_m": 128},
                lambda x: moe_experts_mgpu(x, r, wg, wu, wd), x, hit_bytes=hit * per_expert * 2, flops=flops)
+        vals, scales = tuple(a.w for a in qt), tuple(a.scale for a in qt)
+        err = float(jnp.abs(moe_experts_fp8_mgpu(x, r, *vals, scales).astype(jnp.float32) - ref).max())
+        record(rows, {**base, "impl": "pallas_mgpu_fp8", "block_m": 128, "max_abs_err_vs_ref": err},
+               lambda x: moe_experts_fp8_mgpu(x, r, *vals, scales), x, hit_bytes=hit * (per_expert + scale_bytes),
+               flops=flops)
 
 
 def bench_front(rows: list, tokens: int, router) -> None:

@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
 # FP8 weights against bf16 on one GPU. PARTS (comma list; default tests,dense,latency):
-#   tests    the FP8 kernel tests compiled for the GPU (dense kernels and the MoE grouped GEMMs)
+#   tests    the FP8 kernel tests compiled for the GPU (dense kernels, the e4m3 GEMM, the MoE grouped GEMMs)
 #   dense    the decode kernels at Qwen3-8B's shapes (bench_dense fp8): $OUT/dense_fp8_${SHAPE}.json
 #   moe      the MoE grouped GEMMs with block-FP8 experts vs bf16 at Qwen3-30B-A3B's shapes, 1 / 8 / 16 / 4096 tokens
-#            (bench_moe --fp8; the bf16 Mosaic GPU grouped GEMM at 4096): $OUT/moe_fp8_$TAG.json
+#            (bench_moe --fp8: Triton on [E, out, in] and [E, in, out] experts; the Mosaic GPU grouped GEMMs, bf16 and
+#            e4m3, at 4096): $OUT/moe_fp8_$TAG.json
 #   latency  engine TPOT of dummy:<shape> and dummy:<shape>-fp8 in alternating processes, ROUNDS each:
 #            $OUT/fp8_latency_<shape>.json (every process, the medians, FP8 / bf16; benchmarks/latency_summary.py)
 #   ttft     TTFT of one 4096-token prompt, dummy:<shape> and <shape>-fp8, ROUNDS alternating processes x 3 runs:
@@ -22,7 +23,7 @@ SHAPE=${SHAPE:-qwen3-8b}; ROUNDS=${ROUNDS:-3}; BATCHES=${BATCHES:-1 8}; TIMEOUT=
 if [[ $PARTS == *tests* ]]; then
   XLA_PYTHON_CLIENT_PREALLOCATE=false JAX_PLATFORMS=cuda timeout 400 python3 -m pytest -q -n 4 -m gpu -p no:cacheprovider \
     tests/kernels/test_fused_mlp.py tests/kernels/test_skinny_gemm.py tests/kernels/test_norm_qkv_rope.py \
-    tests/kernels/test_moe_gemm.py 2>&1 | tail -2
+    tests/kernels/test_moe_gemm.py tests/kernels/test_fp8_gemm_mgpu.py 2>&1 | tail -2
 fi
 if [[ $PARTS == *dense* ]]; then
   timeout 180 python3 -m benchmarks.kernels.bench_dense fp8 "$OUT/dense_fp8_${SHAPE}.json" 2>&1 | grep -v '^{' | tail -20

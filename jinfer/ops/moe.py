@@ -11,13 +11,12 @@ reference is `layers.moe_mlp` (`lax.ragged_dot`). DeepSeek chooses its experts i
 group-limited top-k, V3's sigmoid and correction bias), then `moe_route_chosen` lays them out and the same expert
 kernels run.
 
-Block-FP8 experts (`Fp8Weight`, values [E, out, in]: fp8.kernel_layout) run on the Triton GEMMs at every step size:
-they read the e4m3 tiles (K-major, as FP8 tensor cores take a GEMM's right side) and their scales and meet them with
-the rows quantized to e4m3 per K tile (a scale per row, FP8 dots; prefill steps too: e4m3 rows against bf16 ones was
-measured on the dense decode kernels only, performance.md); the Mosaic GPU kernel reads bf16 only and is not offered
-them (unmeasured against dequantizing for it at large steps: benchmarks/bench_moe.py --fp8 times both kernels). Experts the kernels cannot read (FP8 mixed with plain) take
-`layers.moe_mlp`, which dequantizes (`refuse_fp8`). Shared experts go through `DenseOps.swiglu` (FP8: the fused MLP
-kernel in small steps).
+Block-FP8 experts (`Fp8Weight`, values [E, out, in]: fp8.kernel_layout) run on the Triton GEMMs: they read the e4m3
+tiles (K-major, as FP8 tensor cores take a GEMM's right side) and their scales and meet them with the rows quantized
+to e4m3 per K tile (a scale per row, FP8 dots). Steps past `mosaic_moe_min_rows_per_expert` rows per expert take the
+grouped Mosaic GPU e4m3 GEMM instead (moe_fp8_mgpu.py; 128 x 128 blocks). Unmeasured: bench_moe.py --fp8 times them.
+Experts the kernels cannot read (FP8 mixed with plain) take `layers.moe_mlp`, which dequantizes (`refuse_fp8`).
+Shared experts go through `DenseOps.swiglu` (FP8: the fused MLP kernel in small steps, the e4m3 GEMM in large ones).
 """
 
 from __future__ import annotations
@@ -142,8 +141,9 @@ class MoeOps:
         the kernels, the step's whole `MoeRouting`, every device's experts). route(block_m): the step's `MoeRouting`
         in blocks of block_m rows; `routing`: one made already (the fused front end's, decode-sized), which the
         Triton GEMMs take. Steps routing at least
-        `mosaic_moe_min_rows_per_expert` rows per expert run the Mosaic GPU grouped GEMM where it takes the shapes
-        (bf16 weights: block-FP8 experts take the Triton GEMMs at every size). `operands`: `_moe_kernels`'.
+        `mosaic_moe_min_rows_per_expert` rows per expert run a Mosaic GPU grouped GEMM where it takes the shapes
+        (bf16 experts moe_gemm_mgpu.py, block-FP8 [E, out, in] ones the e4m3 GEMM, moe_fp8_mgpu.py). `operands`:
+        `_moe_kernels`'.
         `first`: the id of this device's first expert (expert parallel), or None."""
         from pallas_kernels.moe.moe_gemm import moe_combine, moe_down, moe_gate_up
         from pallas_kernels.moe.moe_routing import local_experts
@@ -161,6 +161,17 @@ class MoeOps:
             if first is not None:
                 routing, mine = local_experts(routing, first, num_experts)
             return moe_experts_mgpu(h, routing, w_gate, w_up, w_down, mine=mine, interpret=self.interpret), whole
+        if routing is None and scales is not None and transposed and self.mosaic_prefill \
+                and pairs >= self.policy.mosaic_moe_min_rows_per_expert * router_experts:
+            from pallas_kernels.moe import moe_fp8_mgpu
+
+            if moe_fp8_mgpu.supported(h.shape[1], w_gate.shape[1], block):  # ([E, out, in] values: I is axis 1)
+                whole = routing = route(moe_fp8_mgpu.BLOCK_M)
+                mine = None
+                if first is not None:
+                    routing, mine = local_experts(routing, first, num_experts)
+                return moe_fp8_mgpu.moe_experts_fp8_mgpu(h, routing, w_gate, w_up, w_down, scales, mine=mine,
+                                                         interpret=self.interpret), whole
         if routing is None:
             routing = route(moe_block_m(pairs, router_experts))
         whole, mine = routing, None

@@ -62,10 +62,12 @@ def cta_tile(wg_dim: str) -> tuple[int, int]:
     return (2 * WG_ROWS, WG_COLS) if wg_dim == "m" else (WG_ROWS, 2 * WG_COLS)
 
 
-def _kernel(x_gmem, xs_gmem, w_gmem, ws_gmem, out_gmem, *, wg_dim: str, max_steps: int, grid_minor: int,
-            grid_width: int, k_splits: int):
+def _kernel(x_gmem, xs_gmem, w_gmem, ws_gmem, *refs, wg_dim: str, max_steps: int, grid_minor: int,
+            grid_width: int, k_splits: int, grouped: bool):
+    # grouped: refs = (be_gmem [M / cta_m] int32, out_gmem), w_gmem [E, N, K], ws_gmem [E, K / 128, N / 128]
+    be_gmem, out_gmem = refs if grouped else (None, *refs)
     m, k = x_gmem.shape
-    n = w_gmem.shape[0]
+    n = w_gmem.shape[-2]
     cta_m, cta_n = cta_tile(wg_dim)
     m_iters, n_iters, k_iters = m // cta_m, n // cta_n, k // (BLOCK_K * k_splits)  # k_iters: K steps a split
     tiles = (plgpu.TilingTransform((8, BLOCK_K)), plgpu.SwizzleTransform(128))  # e4m3: 128 bytes a row
@@ -91,7 +93,7 @@ def _kernel(x_gmem, xs_gmem, w_gmem, ws_gmem, out_gmem, *, wg_dim: str, max_step
 
     @functools.partial(
         pl.run_scoped,
-        allocs=pipeline(ignore, ignore).get_allocations(x_gmem, w_gmem),
+        allocs=pipeline(ignore, ignore).get_allocations(x_gmem, w_gmem.at[0] if grouped else w_gmem),
         out_smem=plgpu.SMEM((2, WG_ROWS, WG_COLS), out_gmem.dtype, transforms=out_tiles),
         xs_smem=plgpu.SMEM((2, WG_ROWS), jnp.float32),
         xs_ready=plgpu.Barrier(num_barriers=2),
@@ -112,12 +114,17 @@ def _kernel(x_gmem, xs_gmem, w_gmem, ws_gmem, out_gmem, *, wg_dim: str, max_step
             a_rows = pl.ds(wg * WG_ROWS, WG_ROWS) if wg_dim == "m" else slice(None)
             b_rows = pl.ds(wg * WG_COLS, WG_COLS) if wg_dim == "n" else slice(None)
             scale_col = wg_col // 128
+            expert = be_gmem[m_idx] if grouped else None  # (-1: an unused block, skipped)
+            w_rows = w_gmem.at[jnp.maximum(expert, 0)] if grouped else w_gmem
+
+            def w_scale(kk):
+                return ws_gmem[expert, kk, scale_col] if grouped else ws_gmem[kk, scale_col]
 
             def compute_context(eval_pipeline):
                 # the tile's token scales land while the K loop runs
                 plgpu.copy_gmem_to_smem(xs_gmem.at[pl.ds(wg_row, WG_ROWS)], xs_smem.at[wg], xs_ready.at[wg])
                 zeros = plgpu.layout_cast(jnp.full((WG_ROWS, WG_COLS), 0, jnp.float32), plgpu.Layout.WGMMA)
-                total, _ = eval_pipeline((zeros, ws_gmem[k_step0, scale_col]))
+                total, _ = eval_pipeline((zeros, w_scale(k_step0)))
                 plgpu.barrier_wait(xs_ready.at[wg])
                 xs = plgpu.load(xs_smem.at[wg], layout=plgpu.Layout.WGMMA.reduce(1))
                 out = (total * lax.broadcast_in_dim(xs, total.shape, [0])).astype(out_smem.dtype)
@@ -128,7 +135,7 @@ def _kernel(x_gmem, xs_gmem, w_gmem, ws_gmem, out_gmem, *, wg_dim: str, max_step
 
             def body(idxs, a_smem, b_smem, carry):
                 (kk,) = idxs
-                next_scale = ws_gmem[k_step0 + jnp.minimum(kk + 1, k_iters - 1), scale_col]  # (latency under the wgmma)
+                next_scale = w_scale(k_step0 + jnp.minimum(kk + 1, k_iters - 1))  # (its latency under the wgmma)
                 total, scale = carry
 
                 def step(acc_ref):
@@ -139,8 +146,12 @@ def _kernel(x_gmem, xs_gmem, w_gmem, ws_gmem, out_gmem, *, wg_dim: str, max_step
                 return total + product * scale, next_scale
 
             ks = pl.ds(k_step0 * BLOCK_K, k_iters * BLOCK_K)
-            pipeline(body, compute_context)(x_gmem.at[pl.ds(m_idx * cta_m, cta_m), ks],
-                                            w_gmem.at[pl.ds(n_idx * cta_n, cta_n), ks], allocations=allocs)
+
+            def run():
+                pipeline(body, compute_context)(x_gmem.at[pl.ds(m_idx * cta_m, cta_m), ks],
+                                                w_rows.at[pl.ds(n_idx * cta_n, cta_n), ks], allocations=allocs)
+
+            pl.when(expert >= 0)(run) if grouped else run()
 
         plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
@@ -185,16 +196,19 @@ def _num_ctas(interpret: bool) -> int:
 
 @functools.partial(jax.jit, static_argnames=("scale_block", "wg_dim", "max_steps", "grid_minor", "grid_width",
                                              "k_splits", "out_dtype", "interpret"))
-def fp8_gemm_mgpu(x: jax.Array, w: jax.Array, scale: jax.Array, *, scale_block: tuple[int, int] = (128, 128),
-                  wg_dim: str | None = None, max_steps: int | None = None, grid_minor: int | None = None,
-                  grid_width: int | None = None, k_splits: int | None = None, out_dtype=jnp.bfloat16,
-                  interpret: bool = False) -> jax.Array:
+def fp8_gemm_mgpu(x: jax.Array, w: jax.Array, scale: jax.Array, block_expert: jax.Array | None = None, *,
+                  scale_block: tuple[int, int] = (128, 128), wg_dim: str | None = None, max_steps: int | None = None,
+                  grid_minor: int | None = None, grid_width: int | None = None, k_splits: int | None = None,
+                  out_dtype=jnp.bfloat16, interpret: bool = False) -> jax.Array:
     """`x @ dequant(w)^T` with e4m3 tensor-core products and float32 accumulation, for prefill-sized token counts.
 
     Args:
       x: [T, K] (bf16 / f32); quantized per token to e4m3 here (`quantize_tokens`), T padded to the CTA tile's rows.
       w: float8_e4m3fn [N, K], as checkpoints store it; N a multiple of the CTA tile's columns, K of 128.
       scale: float32 [K / 128, N / 128], one per 128 x 128 block of the [K, N] weight (value = w * scale).
+      block_expert: a grouped GEMM (mixture of experts): w [E, N, K] and scale [E, K / 128, N / 128] per expert, x's
+        rows in blocks of 128 (the CTA tile's rows), block_expert [T / 128] int32 the expert of each (-1: unused,
+        skipped; its output rows unspecified).
       scale_block: must be (128, 128).
       wg_dim, max_steps, grid_minor, grid_width, k_splits: launch parameters; None: `default_config`. With
         k_splits > 1 each split writes a float32 partial and an XLA fusion sums them.
@@ -204,22 +218,29 @@ def fp8_gemm_mgpu(x: jax.Array, w: jax.Array, scale: jax.Array, *, scale_block: 
       [T, N] out_dtype.
     """
     tokens, k = x.shape
-    n = w.shape[0]
+    n = w.shape[-2]
+    grouped = block_expert is not None
     if tuple(scale_block) != (BLOCK_K, 128):
         raise ValueError(f"fp8_gemm_mgpu takes 128 x 128 scale blocks, got {scale_block}")
-    check_scale("w", w.T, scale, tuple(scale_block))
+    if w.ndim != (3 if grouped else 2):
+        raise ValueError(f"w must be [N, K], or [E, N, K] with block_expert: {w.shape=}")
+    check_scale("w", jnp.swapaxes(w, -1, -2), scale, tuple(scale_block))
+    if grouped and (wg_dim not in (None, "m") or (k_splits or 1) != 1 or block_expert.dtype != jnp.int32
+                    or block_expert.shape != (tokens // cta_tile("m")[0],) or tokens % cta_tile("m")[0]):
+        raise ValueError(f"a grouped GEMM takes rows in blocks of {cta_tile('m')[0]}, block_expert int32 one per block "
+                         f"(got {block_expert.dtype} {block_expert.shape} for {tokens} rows), wg_dim 'm', no K split")
     num_ctas = _num_ctas(interpret)
     cfg = default_config(tokens, n, k, num_ctas)
     wg_dim = wg_dim or cfg["wg_dim"]
     max_steps = max_steps or cfg["max_steps"]
     grid_minor = cfg["grid_minor"] if grid_minor is None else grid_minor
     grid_width = grid_width or cfg["grid_width"]
-    k_splits = k_splits or cfg["k_splits"]
+    k_splits = 1 if grouped else k_splits or cfg["k_splits"]
     cta_m, cta_n = cta_tile(wg_dim)
     if k % (k_splits * BLOCK_K):
         raise ValueError(f"k_splits * 128 = {k_splits * BLOCK_K} must divide K={k}")
     part_dtype = jnp.float32 if k_splits > 1 else out_dtype
-    if w.shape[1] != k or k % BLOCK_K or n % cta_n:
+    if w.shape[-1] != k or k % BLOCK_K or n % cta_n:
         raise ValueError(f"x [T, K] and w [N, K] need K % {BLOCK_K} == 0 and N % {cta_n} == 0: {x.shape=} {w.shape=}")
     if (need := smem_bytes(wg_dim, max_steps, part_dtype)) > SMEM_BYTES:
         raise ValueError(f"max_steps={max_steps} needs {need} bytes of SMEM a CTA ({wg_dim=}), over {SMEM_BYTES}")
@@ -228,22 +249,30 @@ def fp8_gemm_mgpu(x: jax.Array, w: jax.Array, scale: jax.Array, *, scale_block: 
     xq, xs = jnp.pad(xq, ((0, pad), (0, 0))), jnp.pad(xs, (0, pad))
     out = plgpu.kernel(
         functools.partial(_kernel, wg_dim=wg_dim, max_steps=max_steps, grid_minor=grid_minor, grid_width=grid_width,
-                          k_splits=k_splits),
+                          k_splits=k_splits, grouped=grouped),
         out_type=jax.ShapeDtypeStruct((k_splits, tokens + pad, n) if k_splits > 1 else (tokens + pad, n), part_dtype),
         grid=(num_ctas,),
         grid_names=("cta",),
         num_threads=3,
         thread_name="wg",
         interpret=plgpu.InterpretGPUParams() if interpret else None,
-        kernel_name=f"fp8_gemm_mgpu_{wg_dim}_r{max_steps}_s{k_splits}",
-    )(xq, xs, w, scale)
+        kernel_name=f"fp8_gemm_mgpu_{wg_dim}_r{max_steps}_s{k_splits}" + ("_grouped" if grouped else ""),
+    )(xq, xs, w, scale, *(() if block_expert is None else (block_expert,)))
     return out[:, :tokens].sum(axis=0).astype(out_dtype) if k_splits > 1 else out[:tokens]
 
 
-def fp8_gemm_reference(x: jax.Array, w: jax.Array, scale: jax.Array, out_dtype=jnp.bfloat16) -> jax.Array:
+def fp8_gemm_reference(x: jax.Array, w: jax.Array, scale: jax.Array, block_expert: jax.Array | None = None,
+                       out_dtype=jnp.bfloat16) -> jax.Array:
     """The same contract in jnp: the token rows quantized as the kernel's (`quantize_tokens`), w dequantized, an fp32
-    product."""
+    product (grouped: each block of 128 rows times its expert's weight; unused blocks' rows zero)."""
     xq, xs = quantize_tokens(x)
-    wd = dequantize(w.T, scale, (BLOCK_K, 128))  # [K, N] float32
-    out = jnp.dot(xq.astype(jnp.float32), wd, precision=jax.lax.Precision.HIGHEST) * xs[:, None]
-    return out.astype(out_dtype)
+    wd = dequantize(jnp.swapaxes(w, -1, -2), scale, (BLOCK_K, 128))  # [(E,) K, N] float32
+    xq = xq.astype(jnp.float32)
+    if block_expert is None:
+        out = jnp.dot(xq, wd, precision=jax.lax.Precision.HIGHEST)
+    else:
+        rows = cta_tile("m")[0]
+        xb = xq.reshape(-1, rows, xq.shape[1])
+        out = jnp.einsum("bmk,bkn->bmn", xb, wd[jnp.maximum(block_expert, 0)], precision=jax.lax.Precision.HIGHEST)
+        out = jnp.where((block_expert >= 0)[:, None, None], out, 0.0).reshape(x.shape[0], -1)
+    return (out * xs[:, None]).astype(out_dtype)

@@ -39,7 +39,7 @@ def test_fp8_gemm_mgpu_matches_reference(mode, tokens, k, n, launch):
     x = x.astype(jnp.bfloat16)
     out = fp8_gemm_mgpu(x, w, q.scale, interpret=mode == "interpret", **launch)
     assert out.shape == (tokens, n) and out.dtype == jnp.bfloat16
-    ref = fp8_gemm_reference(x, w, q.scale, jnp.float32)
+    ref = fp8_gemm_reference(x, w, q.scale, out_dtype=jnp.float32)
     # bf16 output; on the GPU, FP8 wgmma keeps fewer accumulator bits within a 128-deep K step than fp32
     got = np.asarray(out.astype(jnp.float32))
     np.testing.assert_allclose(got, np.asarray(ref), rtol=1e-2, atol=2e-3 * float(jnp.max(jnp.abs(ref))))
@@ -65,6 +65,12 @@ def test_fp8_gemm_mgpu_lowers_for_cuda():
                                                     s((k // 128, n // 128), jnp.float32))
         assert "mosaic_gpu" in exp.mlir_module()
         assert exp.out_avals[0].shape == (tokens, n)
+    # grouped, at Qwen3-30B-A3B's gate / up (128 experts [768, 2048]; 4096 tokens x top-8 in 128-row blocks)
+    blocks = 4096 * 8 // 128 + 128
+    exp = export.export(jax.jit(fp8_gemm_mgpu), platforms=["cuda"])(
+        s((128 * blocks, 2048), jnp.bfloat16), s((128, 768, 2048), jnp.float8_e4m3fn), s((128, 16, 6), jnp.float32),
+        s((blocks,), jnp.int32))
+    assert "fp8_gemm_mgpu_m_r4_s1_grouped" in exp.mlir_module()
 
 
 def test_fp8_gemm_mgpu_checks():
@@ -121,3 +127,52 @@ def test_ops_take_it_for_fp8_prefill_steps():
     assert 1e-3 < rel(qkv, want_qkv) < 0.06
     assert calls(ModelOps("pallas", interpret=True), x) == 0
     assert calls(ops, x[:16]) == 0  # decode-sized: the Triton kernels
+
+
+GROUPED_CASES = [pytest.param(3, 256, 256, [0, 2, -1, 1], id="e3-unused-block")]  # experts, K, N, block_expert
+GROUPED_GPU_CASES = GROUPED_CASES + [  # Qwen3-30B-A3B's gate / up and down, 16 blocks over 8 experts
+    pytest.param(8, 2048, 768, [e // 2 for e in range(16)], id="30b-gate"),
+    pytest.param(8, 768, 2048, [e // 2 for e in range(15)] + [-1], id="30b-down")]
+
+
+@pytest.mark.parametrize("mode,experts,k,n,block_expert", by_mode(GROUPED_CASES, GROUPED_GPU_CASES))
+def test_grouped_fp8_gemm_matches_reference(mode, experts, k, n, block_expert):
+    """block_expert: each block of 128 rows times its expert's [N, K] weight and scales; an unused block (-1) is
+    skipped (its rows are not computed: not compared)."""
+    rng = np.random.default_rng(k + n)
+    qs = [quantize(normal(rng, (k, n), scale=k**-0.5 * 2.0**e), (128, 128)) for e in range(experts)]
+    w, scale = jnp.stack([q.w.T for q in qs]), jnp.stack([q.scale for q in qs])  # [E, N, K], [E, K/128, N/128]
+    be = jnp.asarray(block_expert, jnp.int32)
+    x = normal(rng, (128 * len(block_expert), k), jnp.bfloat16)
+    out = fp8_gemm_mgpu(x, w, scale, be, interpret=mode == "interpret", out_dtype=jnp.float32)
+    ref = fp8_gemm_reference(x, w, scale, be, jnp.float32)
+    used = np.repeat(np.asarray(block_expert) >= 0, 128)
+    got, want = np.asarray(out)[used], np.asarray(ref)[used]
+    np.testing.assert_allclose(got, want, rtol=1e-2, atol=2e-3 * float(np.abs(want).max()))
+    with pytest.raises(ValueError, match="blocks of 128"):
+        fp8_gemm_mgpu(x[:100], w, scale, be[:1], interpret=True)
+
+
+def test_moe_block_fp8_experts_take_the_grouped_gemm(monkeypatch):
+    """ModelOps.moe_block at a step with >= mosaic_moe_min_rows_per_expert rows per expert and block-FP8 experts
+    [E, out, in] (as the engine keeps them) in 128 x 128 blocks: the grouped e4m3 GEMM (three calls: gate, up, down),
+    the reference block's output (experts dequantized, lax.ragged_dot) within the rows' e4m3 rounding."""
+    import pallas_kernels.moe.moe_fp8_mgpu as mod
+    from jinfer.models.fp8 import transpose
+    from jinfer.ops import ModelOps
+
+    calls = []
+    real = mod.fp8_gemm_mgpu
+    monkeypatch.setattr(mod, "fp8_gemm_mgpu", lambda *a, **kw: (calls.append(1), real(*a, **kw))[1])
+    e, hidden, inter, top_k, tokens = 2, 128, 128, 1, 256  # (128 rows per expert on average: the threshold)
+    rng = np.random.default_rng(0)
+    w = lambda s, scale=1.0: normal(rng, s, scale=scale * hidden**-0.5)  # noqa: E731
+    wg, wu, wd = (transpose(quantize(w(s), (128, 128))) for s in ((e, hidden, inter), (e, hidden, inter),
+                                                                   (e, inter, hidden)))
+    router, x, norm = w((hidden, e), 8.0), normal(rng, (tokens, hidden)), jnp.ones(hidden)
+    kw = dict(top_k=top_k, renormalize=False, eps=1e-6)
+    out, _ = ModelOps("pallas", interpret=True, mosaic_prefill=True).moe_block(x, norm, router, wg, wu, wd, **kw)
+    assert len(calls) == 3
+    ref, _ = ModelOps().moe_block(x, norm, router, wg, wu, wd, **kw)
+    rel = float(jnp.sqrt(jnp.mean((out - ref) ** 2) / jnp.mean((ref - x) ** 2)))
+    assert 1e-3 < rel < 0.06, rel
