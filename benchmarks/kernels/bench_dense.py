@@ -229,6 +229,15 @@ def bench_fp8(argv: list[str] | None = None) -> None:
             json.dump({"device": jax.devices()[0].device_kind, "jax": jax.__version__, "results": rows}, f, indent=1)
 
 
+def _record(rows: list, row: dict, argv) -> None:
+    """Append a result row, print it and rewrite the JSON at argv[0] (after every row: a time limit keeps what ran)."""
+    rows.append(row)
+    print(json.dumps(row), flush=True)
+    if argv:
+        with open(argv[0], "w") as f:
+            json.dump({"device": jax.devices()[0].device_kind, "jax": jax.__version__, "results": rows}, f, indent=1)
+
+
 def bench_fp8_skinny(argv: list[str] | None = None) -> None:
     """The block-FP8 skinny GEMM (skinny_gemm.py: e4m3 rows per 128 columns quantized in every program; [N, K]
     weights) at Qwen3-8B's o / gate (or up) / down shapes, 1 / 8 / 16 tokens: its default launch and a sweep of K
@@ -262,12 +271,7 @@ def bench_fp8_skinny(argv: list[str] | None = None) -> None:
                     row.update(time_us=t, weight_bytes=nbytes, tb_per_s=nbytes / t / 1e6)
                 except Exception as e:  # a launch that does not compile: recorded, the others still run
                     row["error"] = str(e)[:200]
-                rows.append(row)
-                print(json.dumps(row), flush=True)
-                if argv:  # after every row (a time limit keeps what ran)
-                    with open(argv[0], "w") as f:
-                        json.dump({"device": jax.devices()[0].device_kind, "jax": jax.__version__, "results": rows}, f,
-                                  indent=1)
+                _record(rows, row, argv)
 
 
 def bench_fp8_prefill(argv: list[str] | None = None) -> None:
@@ -286,14 +290,7 @@ def bench_fp8_prefill(argv: list[str] | None = None) -> None:
     sweep_ = [dict()] if interpret else [dict()] + [
         dict(wg_dim=d, max_steps=s, grid_minor=g) for d, s in (("m", 4), ("m", 6), ("n", 4)) for g in (0, 1)]
     rows = []
-
-    def record(row):
-        rows.append(row)
-        print(json.dumps(row), flush=True)
-        if argv:  # after every row (a time limit keeps what ran)
-            with open(argv[0], "w") as f:
-                json.dump({"device": jax.devices()[0].device_kind, "jax": jax.__version__, "results": rows}, f,
-                          indent=1)
+    record = functools.partial(_record, rows, argv=argv)
 
     for name, (k, n) in shapes.items():
         q = quantize(jax.random.normal(jax.random.key(1), (k, n), jnp.float32) * k**-0.5, block)

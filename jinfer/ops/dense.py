@@ -10,8 +10,9 @@ the o projection, the dense MLP block, embedding and lm_head.
 The layer's norms and residual adds belong to these ops, so a fused kernel can take them in.
 
 Block-FP8 weights (`Fp8Weight`): these three kernels read them (values and scales, `fp8_operands`) and meet them with
-the activations quantized to e4m3 per row and K tile (pallas_kernels/dense/fp8_tiles.py); where they cannot (a mix
-of FP8 and plain weights, scale blocks under 16 rows) the jnp path dequantizes (`refuse_fp8`), as in large steps.
+the activations quantized to e4m3 per row and K tile (pallas_kernels/dense/fp8_tiles.py); steps past fp8_max_tokens run
+every projection on the Mosaic GPU e4m3 GEMM (`_fp8_gemm`); where neither can (a mix of FP8 and plain weights, scale
+blocks under 16 rows or not 128 x 128 in large steps, no Mosaic GPU) the jnp path dequantizes (`refuse_fp8`).
 """
 
 from __future__ import annotations
@@ -202,7 +203,8 @@ class DenseOps:
     def _fused_mlp(self, x, norm, w_gate, w_up, w_down, eps, plain: bool) -> jax.Array | None:
         """The fused SwiGLU kernel's output (its RMSNorm prologue where `norm` is given), or None where XLA's path
         runs: the kernel takes block-FP8 weights in steps of <= fp8_max_tokens (the jnp path would dequantize them),
-        plain ones where `plain`."""
+        plain ones where `plain`. Larger steps with block-FP8 weights run gate, up and down on the e4m3 GEMM
+        (`_fp8_gemm`), SwiGLU between them in XLA."""
         if self._fp8_gemm(x.shape[0], w_gate, w_up, w_down):
             h = x if norm is None else rms_norm(x, norm, eps)
             act = jax.nn.silu(self.fp8_gemm(h, w_gate).astype(jnp.float32)) * self.fp8_gemm(h, w_up)
