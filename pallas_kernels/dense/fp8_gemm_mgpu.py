@@ -2,7 +2,8 @@
 
 Prefill with block-FP8 weights used to dequantize them for XLA's bf16 GEMM (an extra pass over every weight per
 step, and bf16's tensor-core rate); a Triton w8a8 GEMM (vLLM's design) reached 137 TFLOP/s on an H200
-(docs/performance.md). This kernel takes FP8 at the tensor cores' FP8 rate, as DeepGEMM does on Hopper:
+(docs/performance.md). This kernel takes FP8 at the tensor cores' FP8 rate, as DeepGEMM does on Hopper: 1022-1155
+TFLOP/s at Qwen3-8B's shapes and 4096 tokens on an H200, against 663-834 for XLA's bf16 GEMM.
 
 - The activations come quantized to e4m3 once, per token over all of K (`quantize_tokens`: amax / 448, a float32
   scale a token; e4m3 is floating point, so one scale a row keeps 3 mantissa bits for every value within 2^15 of the
@@ -20,12 +21,16 @@ step, and bf16's tensor-core rate); a Triton w8a8 GEMM (vLLM's design) reached 1
   to bf16, a TMA store from a staging buffer per warpgroup.
 - Split-K (`k_splits`) for decode-sized steps, where the output has too few tiles to keep the SMs streaming weights:
   work items are (K split, tile), each split writes its float32 partial, and the wrapper's XLA fusion sums them.
+- Grouped (`block_expert`, a mixture of experts' routed rows; pallas_kernels/moe/moe_fp8_mgpu.py): the rows come in
+  blocks of 128 sorted by expert, each CTA tile reads its block's expert (a GMEM scalar) and that expert's weight and
+  scales; unused blocks (-1) are skipped.
 
 Registers bound the tile: a warpgroup holds its sum and one step's product, 2 x 64 fp32 values a thread for
 [64, 128]; a [64, 256] part would need all 240 registers for those alone.
 
 Refs (GMEM): x [M, K] e4m3, xs [M] float32, w [N, K] e4m3, ws [K / 128, N / 128] float32 (read as scalars), out
 [M, N] bf16 (split-K: [k_splits, M, N] float32); M a multiple of cta_m (the wrapper pads), N of cta_n, K of 128.
+Grouped: w [E, N, K], ws [E, K / 128, N / 128], and be [M / 128] int32 before out.
 
 Interpret mode (CPU): jax's Mosaic GPU interpreter runs the same code (tests); exporting for CUDA checks the GPU
 lowering (layouts, TMA legality, SMEM) on a machine without a GPU.
