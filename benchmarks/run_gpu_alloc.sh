@@ -13,14 +13,15 @@
 # PARTS (comma list; default latency):
 #   latency    for every round, variant and shape (SHAPES): bench_latency at BATCHES; $OUT/alloc_latency_<shape>.json
 #              (benchmarks/latency_summary.py: every process, TPOT and TTFT medians, each variant over the first)
-#   cbupdates  XLA's log of command-buffer updates during a batch-$CB_BATCH (default 1) decode (host_profile, the
-#              engine's allocator): how often a step's command buffer is re-recorded, for how many allocations and
-#              commands, and in how many us; $OUT/command_buffer_updates_<shape>_b$CB_BATCH.txt
+#   cbupdates  XLA's log of command-buffer updates during a batch-$CB_BATCH (default 1) decode (host_profile, variant
+#              $CB_VARIANT, default the engine's): how often a step's command buffer is re-recorded, for how many
+#              allocations and commands, and in how many us; $OUT/command_buffer_updates_<shape>_b<batch>_<variant>.txt
 #   ROUNDS=3 SHAPES="qwen3-8b-fp8 qwen3-8b" bash benchmarks/run_gpu_alloc.sh
 set -uo pipefail
 source benchmarks/gpu_env.sh
 PARTS=${PARTS:-latency}; VARIANTS=${VARIANTS:-default bfc skip_temp}; SHAPES=${SHAPES:-qwen3-8b-fp8 qwen3-8b}
 ROUNDS=${ROUNDS:-3}; BATCHES=${BATCHES:-1 8}; TIMEOUT=${TIMEOUT:-120}; OUTPUT_LEN=${OUTPUT_LEN:-128}; CB_BATCH=${CB_BATCH:-1}
+CB_VARIANT=${CB_VARIANT:-default}
 mkdir -p /tmp/allocab
 variant_env() {
   case $1 in
@@ -36,12 +37,13 @@ variant_env() {
 }
 if [[ $PARTS == *cbupdates* ]]; then
   for s in $SHAPES; do
-    TF_CPP_VMODULE=command_buffer_thunk=3,command_executor=1 TF_CPP_MIN_LOG_LEVEL=0 timeout "$TIMEOUT" \
+    env $(variant_env "$CB_VARIANT") TF_CPP_VMODULE=command_buffer_thunk=3,command_executor=1 TF_CPP_MIN_LOG_LEVEL=0 \
+      timeout "$TIMEOUT" \
       python3 -m benchmarks.host_profile --shape "$s" --batch-size "$CB_BATCH" --output-len 64 --runs 1 --top 3 \
       > "/tmp/vlog_$s.txt" 2>&1
     { grep -E "^median" "/tmp/vlog_$s.txt"; grep -E "Update command buffer|Updated [0-9]+ commands" "/tmp/vlog_$s.txt" \
-      | sed 's/^.*\] //' | sort | uniq -c | sort -rn; } > "$OUT/command_buffer_updates_${s}_b$CB_BATCH.txt"
-    echo "== $s"; head -8 "$OUT/command_buffer_updates_${s}_b$CB_BATCH.txt"
+      | sed 's/^.*\] //' | sort | uniq -c | sort -rn; } > "$OUT/command_buffer_updates_${s}_b${CB_BATCH}_$CB_VARIANT.txt"
+    echo "== $s"; head -8 "$OUT/command_buffer_updates_${s}_b${CB_BATCH}_$CB_VARIANT.txt"
   done
 fi
 [[ $PARTS == *latency* ]] || exit 0
