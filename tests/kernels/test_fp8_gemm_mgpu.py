@@ -59,7 +59,8 @@ def test_fp8_gemm_mgpu_lowers_for_cuda():
     assert smem_bytes("n", 5, jnp.bfloat16) > SMEM_BYTES >= smem_bytes("n", 4, jnp.bfloat16)
     s = jax.ShapeDtypeStruct
     for n, k, tokens, launch in ((6144, 4096, 1000, {"max_steps": 6}), (4096, 12288, 4096, {"wg_dim": "n",
-                                                                                           "max_steps": 4})):
+                                                                                           "max_steps": 4}),
+                                 (4096, 12288, 32, {})):  # (a decode-sized step: 4 K splits, float32 partials)
         fn = jax.jit(lambda x, w, sc, launch=launch: fp8_gemm_mgpu(x, w, sc, **launch))
         exp = export.export(fn, platforms=["cuda"])(s((tokens, k), jnp.bfloat16), s((n, k), jnp.float8_e4m3fn),
                                                     s((k // 128, n // 128), jnp.float32))
