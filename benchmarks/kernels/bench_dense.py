@@ -277,10 +277,10 @@ def bench_fp8_skinny(argv: list[str] | None = None) -> None:
 def bench_fp8_prefill(argv: list[str] | None = None) -> None:
     """Block-FP8 GEMMs for prefill at Qwen3-8B's q|k|v / o / gate / down shapes, 4096 (and 1000, 32) tokens: the Mosaic
     GPU e4m3 GEMM (fp8_gemm_mgpu.py: defaults and a sweep of its CTA tile, ring depth, grid order and the warpgroups'
-    turns (pingpong); the token
-    quantization's own kernel included) against what the engine did before it (the weight dequantized to bf16, then
-    XLA's GEMM) and XLA's GEMM of bf16 weights (a bf16 model's). Device time per call, TFLOP/s, and the kernel's
-    largest difference from its jnp reference relative to the output's largest value. JSON to argv[0]."""
+    turns, pingpong; the token quantization's own kernel included) against what the engine did before it (the weight
+    dequantized to bf16, then XLA's GEMM) and XLA's GEMM of bf16 weights (a bf16 model's). Device time per call,
+    TFLOP/s, and the kernel's largest difference from its jnp reference relative to the output's largest value. JSON
+    to argv[0]."""
     from jinfer.models.fp8 import dense, quantize
     from pallas_kernels.dense.fp8_gemm_mgpu import fp8_gemm_mgpu, fp8_gemm_reference
 
