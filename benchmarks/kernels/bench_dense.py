@@ -289,8 +289,8 @@ def bench_fp8_prefill(argv: list[str] | None = None) -> None:
     shapes = {"o": (256, 256)} if interpret else \
         {"qkv": (4096, 6144), "o": (4096, 4096), "gate": (4096, 12288), "down": (12288, 4096)}
     sweep_ = [dict()] if interpret else [dict()] + [
-        dict(wg_dim=d, max_steps=s, grid_minor=g) for d, s in (("m", 4), ("m", 6), ("n", 4)) for g in (0, 1)] + [
-        dict(pingpong=True, max_steps=s) for s in (4, 6)]
+        dict(wg_dim=d, max_steps=s, grid_minor=g) for d, s in (("m", 4), ("m", 5), ("n", 4)) for g in (0, 1)] + [
+        dict(pingpong=True, max_steps=s) for s in (4, 5)]
     rows = []
     record = functools.partial(_record, rows, argv=argv)
 
