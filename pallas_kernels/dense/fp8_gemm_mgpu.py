@@ -246,6 +246,8 @@ def fp8_gemm_mgpu(x: jax.Array, w: jax.Array, scale: jax.Array, block_expert: ja
     grid_width = grid_width or cfg["grid_width"]
     k_splits = 1 if grouped else k_splits or cfg["k_splits"]
     pingpong = cfg["pingpong"] if pingpong is None else pingpong
+    if wg_dim not in ("m", "n") or grid_minor not in (0, 1):
+        raise ValueError(f"wg_dim={wg_dim!r} must be 'm' or 'n' and grid_minor={grid_minor!r} 0 or 1")
     cta_m, cta_n = cta_tile(wg_dim)
     if k % (k_splits * BLOCK_K):
         raise ValueError(f"k_splits * 128 = {k_splits * BLOCK_K} must divide K={k}")

@@ -89,6 +89,8 @@ def test_fp8_gemm_mgpu_checks():
                       interpret=True)
     with pytest.raises(ValueError, match="k_splits"):
         fp8_gemm_mgpu(x, w, scale, k_splits=8, interpret=True)
+    with pytest.raises(ValueError, match="wg_dim"):
+        fp8_gemm_mgpu(x, w, scale, wg_dim="M", interpret=True)
     with pytest.raises(ValueError, match="SMEM"):
         fp8_gemm_mgpu(x, w, scale, max_steps=6, interpret=True)
     with pytest.raises(ValueError, match="scale"):
