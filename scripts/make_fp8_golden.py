@@ -5,18 +5,21 @@ Run with the PyTorch environment (as scripts/make_golden.py), after it:
 
     /tmp/torchenv/bin/python scripts/make_fp8_golden.py
 
-For each of tiny-qwen3, tiny-qwen3_moe and tiny-qwen3_5 this quantizes the linear weights of the committed float32
-checkpoint to the block-FP8 format the published FP8 checkpoints use (`weight` in float8_e4m3fn, `weight_scale_inv`
-one scale per [16, 16] block of the [out, in] weight: the tiny shapes are too small for 128, and the format allows any
-block size), writes tests/data/tiny-<arch>-fp8/ with its `quantization_config`, then builds the HF model from the
-DEQUANTIZED weights (value * scale, float32) and records its logits and greedy ids on the tiny goldens' prompts in
-tests/data/golden/tiny-<arch>-fp8.npz. jinfer reading the FP8 files must match these to float32 noise.
+For each of tiny-qwen3, tiny-qwen3_moe, tiny-qwen3_5 and tiny-deepseek_v3 this quantizes the linear weights of the
+committed float32 checkpoint to the block-FP8 format the published FP8 checkpoints use (`weight` in float8_e4m3fn,
+`weight_scale_inv` one scale per [16, 16] block of the [out, in] weight: the tiny shapes are too small for 128, and
+the format allows any block size), writes tests/data/tiny-<arch>-fp8/ with its `quantization_config`, then builds the
+HF model from the DEQUANTIZED weights (value * scale, float32) and records its logits and greedy ids on the tiny
+goldens' prompts in tests/data/golden/tiny-<arch>-fp8.npz. jinfer reading the FP8 files must match these to float32
+noise.
 
 The quantization is written here in torch, independently of jinfer's (jinfer/models/fp8.py): per block,
 scale = amax / 448 and value = float8_e4m3fn(w / scale) (round to nearest even, as vLLM and DeepSeek quantize).
 What stays unquantized, as in the published checkpoints: embeddings, norms, lm_head, MoE routers (`mlp.gate`); in
 tiny-qwen3_5 also the linear layers' in_proj_a / in_proj_b (listed in modules_to_not_convert); in tiny-qwen3 layer 1's
-o_proj is stored unquantized without being listed (jinfer must keep what the checkpoint stores).
+o_proj is stored unquantized without being listed (jinfer must keep what the checkpoint stores). tiny-deepseek_v3 as
+DeepSeek-V3's own FP8 release: every projection (MLA's q_a / q_b / kv_a / kv_b too, their 24- and 40-row shapes
+partial blocks), float32 scales, no modules_to_not_convert.
 """
 
 from __future__ import annotations
@@ -33,7 +36,19 @@ from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from make_golden import DATA, GOLDEN, META, MIN_ROUTER_GAP, N_DECODE, VOCAB, greedy_with_cache, router_gap, top2_margin  # noqa: E402
+from make_golden import (  # noqa: E402
+    DATA,
+    GOLDEN,
+    META,
+    MIN_MARGIN_BY_ARCH,
+    MIN_ROUTER_GAP,
+    MIN_ROUTER_GAP_BY_ARCH,
+    N_DECODE,
+    VOCAB,
+    greedy_with_cache,
+    router_gap,
+    top2_margin,
+)
 
 BLOCK = (16, 16)  # [out, in] per scale
 FP8_MAX = 448.0
@@ -44,6 +59,7 @@ CASES = {
     "qwen3_moe": (["lm_head", "model.layers.0.mlp.gate", "model.layers.2.mlp.gate"], set(), torch.bfloat16),
     "qwen3_5": (["lm_head"] + [f"model.layers.{i}.linear_attn.in_proj_{p}" for i in (0, 2) for p in "ab"], set(),
                 torch.float32),
+    "deepseek_v3": ([], set(), torch.float32),
 }
 
 
@@ -120,23 +136,25 @@ def write_goldens(model, arch: str, name: str, meta: dict, decoded=(0, 1, 2)) ->
     MIN_MARGIN or a MoE layer's router gap under MIN_ROUTER_GAP. Returns each prompt's smallest margin."""
     base = np.load(GOLDEN / f"tiny-{arch}.npz")
     rng = np.random.default_rng(11)
+    min_margin = max(MIN_MARGIN, MIN_MARGIN_BY_ARCH.get(arch, 0.0))  # (DeepSeek's grouped routing: the float goldens')
+    min_gap = MIN_ROUTER_GAP_BY_ARCH.get(arch, MIN_ROUTER_GAP)
     arrays, margins = {}, []
     for i in range(3):
         prompt = base[f"prompt_{i}"]
         for _attempt in range(200):  # the float goldens' prompt first, another where FP8 made a step too close
             prefill, greedy, dec = greedy_with_cache(model, prompt.tolist(), N_DECODE)
-            if top2_margin(dec).min() >= MIN_MARGIN and router_gap(
-                    model, prompt.tolist() + greedy.tolist()) >= MIN_ROUTER_GAP:
+            if top2_margin(dec).min() >= min_margin and router_gap(
+                    model, prompt.tolist() + greedy.tolist()) >= min_gap:
                 break
             prompt = rng.integers(0, VOCAB, size=len(prompt)).astype(np.int32)
         else:
-            raise RuntimeError(f"no prompt with margin >= {MIN_MARGIN} and router gap >= {MIN_ROUTER_GAP} for {name} "
+            raise RuntimeError(f"no prompt with margin >= {min_margin} and router gap >= {min_gap} for {name} "
                                f"prompt {i}")
         arrays |= {f"prompt_{i}": prompt, f"prefill_logits_{i}": prefill.astype(np.float32), f"greedy_{i}": greedy}
         if i in decoded:
             arrays[f"decode_logits_{i}"] = dec.astype(np.float32)
         margins.append(float(top2_margin(dec).min()))
-    arrays["meta"] = np.array(json.dumps({**META, "arch": arch, **meta, "n_decode": N_DECODE, "min_margin": MIN_MARGIN,
+    arrays["meta"] = np.array(json.dumps({**META, "arch": arch, **meta, "n_decode": N_DECODE, "min_margin": min_margin,
                                           "source": f"tiny-{arch} quantized"}))
     np.savez(GOLDEN / f"{name}.npz", **arrays)
     return margins

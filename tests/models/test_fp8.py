@@ -2,7 +2,7 @@
 (tests/data/tiny-*-fp8: float8_e4m3fn weights with a scale per 16 x 16 block) and HF's logits on the dequantized
 weights, on one device and tp=2; online FP8 (`quantization="fp8"`) against the unquantized model's goldens; FP8
 dummy weights; the Pallas backend's kernels reading FP8 against e4m3 activations (the MoE experts too, one device and
-ep=2: HF's logits within the activations' rounding), and refusing what they cannot read."""
+ep=2: HF's logits within the activations' rounding), and refusing what they cannot read; DeepSeek-V3's FP8 format."""
 
 import dataclasses
 import logging
@@ -259,3 +259,22 @@ def test_pallas_kernels_refuse_mixed_fp8(caplog, monkeypatch):
         got = jax.jit(partial(mlp, OPS["pallas"]))(x, mixed)
     np.testing.assert_allclose(got, jax.jit(partial(mlp, OPS["ref"]))(x, mixed), rtol=1e-6)
     assert caplog.text.count("does not read them") == 1
+
+
+def test_fp8_deepseek_v3_matches_hf():
+    """DeepSeek-V3's own FP8 format (every projection block-FP8, MLA's q_a / q_b / kv_a / kv_b too, in partial 16 x 16
+    blocks at the 24- and 40-row shapes; the routed experts [E, out, in]): logits as HF's on the dequantized weights
+    through a batched chunked prefill, one device, and with the experts split over two devices; the Pallas kernels
+    (interpreted: the grouped GEMMs on the [E, out, in] experts, the fused MLP, the skinny GEMM, MLA decode) a token a
+    step within the e4m3 activations' rounding."""
+    src, gold = resolve_model(DATA / "tiny-deepseek_v3-fp8"), np.load(DATA / "golden" / "tiny-deepseek_v3-fp8.npz")
+    for devices, ep in ((1, False), (2, True)):
+        cfg, _, w, step, new_kv = sharded_model(src, devices, ep, "ref")
+        layer = w.layers[1]
+        assert all(isinstance(q, Fp8Weight) for q in (w.layers[0].wq_a, w.layers[0].wkv_a, layer.wkv_b, layer.w_gate))
+        assert layer.w_gate.transposed and not isinstance(layer.router, Fp8Weight)
+        check_batched_chunked_prefill(step, w, new_kv(), gold)
+    _, _, w, step, new_kv = sharded_model(src, 1, False, "pallas")
+    decode = str(jax.make_jaxpr(step)(w, decode_batch(1, 20, scrambled_pages(0, 8)), new_kv()))
+    assert all(k in decode for k in ("moe_gate_up", "_fp8t", "fused_swiglu_mlp", "mla_decode_attention"))
+    check_token_by_token(step, w, new_kv(), gold, 0, MOE_W8A8_ATOL, decodes=4)
