@@ -21,6 +21,8 @@ Shared experts go through `DenseOps.swiglu` (FP8: the fused MLP kernel in small 
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 
@@ -151,27 +153,15 @@ class MoeOps:
         (w_gate, w_up, w_down), scales, block, transposed = operands
         tokens, num_experts = h.shape[0], w_gate.shape[0]
         pairs = tokens * top_k
-        if routing is None and scales is None and self.mosaic_prefill \
+        if routing is None and self.mosaic_prefill \
                 and pairs >= self.policy.mosaic_moe_min_rows_per_expert * router_experts \
-                and _mgpu_supported(h, w_gate, w_up, w_down):
-            from pallas_kernels.moe.moe_gemm_mgpu import moe_experts_mgpu
-
-            whole = routing = route(MOSAIC_MOE_BLOCK_M)
+                and (mosaic := _mosaic_experts(h, (w_gate, w_up, w_down), scales, block, transposed)) is not None:
+            block_m, experts = mosaic
+            whole = routing = route(block_m)
             mine = None
             if first is not None:
                 routing, mine = local_experts(routing, first, num_experts)
-            return moe_experts_mgpu(h, routing, w_gate, w_up, w_down, mine=mine, interpret=self.interpret), whole
-        if routing is None and scales is not None and transposed and self.mosaic_prefill \
-                and pairs >= self.policy.mosaic_moe_min_rows_per_expert * router_experts:
-            from pallas_kernels.moe import moe_fp8_mgpu
-
-            if moe_fp8_mgpu.supported(h.shape[1], w_gate.shape[1], block):  # ([E, out, in] values: I is axis 1)
-                whole = routing = route(moe_fp8_mgpu.BLOCK_M)
-                mine = None
-                if first is not None:
-                    routing, mine = local_experts(routing, first, num_experts)
-                return moe_fp8_mgpu.moe_experts_fp8_mgpu(h, routing, w_gate, w_up, w_down, scales, mine=mine,
-                                                         interpret=self.interpret), whole
+            return experts(h, routing, mine=mine, interpret=self.interpret), whole
         if routing is None:
             routing = route(moe_block_m(pairs, router_experts))
         whole, mine = routing, None
@@ -209,6 +199,23 @@ def _front_supported(tokens: int, hidden: int, experts: int) -> bool:
     from pallas_kernels.moe.moe_router import front_supported
 
     return front_supported(tokens, hidden, experts) is None
+
+
+def _mosaic_experts(h, weights, scales, block, transposed):
+    """(block_m, experts(h, routing, mine=, interpret=)) of the Mosaic GPU grouped GEMM that takes these experts (bf16:
+    moe_gemm_mgpu.py; block-FP8 [E, out, in] in 128 x 128 blocks: the e4m3 GEMM, moe_fp8_mgpu.py), or None."""
+    if scales is None and _mgpu_supported(h, *weights):
+        from pallas_kernels.moe.moe_gemm_mgpu import moe_experts_mgpu
+
+        return MOSAIC_MOE_BLOCK_M, functools.partial(moe_experts_mgpu, w_gate=weights[0], w_up=weights[1],
+                                                     w_down=weights[2])
+    if scales is not None and transposed:
+        from pallas_kernels.moe import moe_fp8_mgpu
+
+        if moe_fp8_mgpu.supported(h.shape[1], weights[0].shape[1], block):  # ([E, out, in] values: I is axis 1)
+            return moe_fp8_mgpu.BLOCK_M, functools.partial(moe_fp8_mgpu.moe_experts_fp8_mgpu, w_gate=weights[0],
+                                                           w_up=weights[1], w_down=weights[2], scales=scales)
+    return None
 
 
 def _mgpu_supported(h, w_gate, w_up, w_down) -> bool:
