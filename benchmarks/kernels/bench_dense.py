@@ -289,7 +289,8 @@ def bench_fp8_prefill(argv: list[str] | None = None) -> None:
     shapes = {"o": (256, 256)} if interpret else \
         {"qkv": (4096, 6144), "o": (4096, 4096), "gate": (4096, 12288), "down": (12288, 4096)}
     # (the 64 x 256 tiles, 6-slot rings and the grid's other order measured 1-3% slower: dense_fp8_prefill_sweep_h200)
-    sweep_ = [dict()] if interpret else [dict(), dict(max_steps=5), dict(pingpong=True), dict(pingpong=True, max_steps=5)]
+    sweep_ = [dict()] if interpret else [dict(), dict(max_steps=5), dict(pingpong=True),
+                                         dict(pingpong=True, max_steps=5)]
     rows = []
     record = functools.partial(_record, rows, argv=argv)
 
