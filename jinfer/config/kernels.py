@@ -35,7 +35,8 @@ The defaults are the measured choices (H100 figures; docs/performance.md has the
   fit (Qwen3-8B at 4096 tokens, H200: 1022-1155 TFLOP/s against 601-742 for dequantizing each weight for XLA's bf16
   GEMM; dense_fp8_prefill_sweep_h200.json), the jnp path (dequantize, XLA's GEMMs) elsewhere (at batch 8 on the H100
   that path made Qwen3-8B's TPOT 14.4 ms against bf16's 6.3).
-  (FP8 routed experts take the Triton grouped GEMMs at every step size.) The kernels meet an FP8 tile with the
+  (FP8 routed experts take the Triton grouped GEMMs, and in steps past mosaic_moe_min_rows_per_expert the grouped
+  e4m3 GEMM, pallas_kernels/moe/moe_fp8_mgpu.py.) The kernels meet an FP8 tile with the
   activations quantized to e4m3 per row and 128 columns (pallas_kernels/dense/fp8_tiles.py): Qwen3-8B TPOT 5.66 vs
   6.41 ms at batch 1 against tiles converted to bf16 in registers (fp8mode_*_h200.json).
 - one_shot_all_reduce_bytes: a sharded step's reductions of up to this many bytes a device run as our one-shot

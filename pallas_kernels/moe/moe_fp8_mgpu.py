@@ -2,10 +2,10 @@
 (pallas_kernels/dense/fp8_gemm_mgpu.py, `block_expert`), as moe_gemm_mgpu.py runs bf16 experts.
 
 The routing's expert-sorted layout in blocks of 128 rows (the GEMM's CTA tile) takes x's rows gathered by XLA (TMA
-wants each expert's rows contiguous); gate and up are two grouped GEMMs over the same rows (each quantizes them per
-token to e4m3: one XLA fusion after CSE), SwiGLU and the down projection's row quantization are XLA fusions, and the
-down rows are gathered back per (token, slot), weighted and summed (`moe_gemm.moe_combine`). Unused blocks (expert -1)
-cost a scalar read per tile; padding rows inside a block are computed and never read.
+wants each expert's rows contiguous); gate and up are two grouped GEMMs over the same rows (each quantizes them to
+e4m3 per token and 128 columns: one XLA fusion after CSE), SwiGLU and the down projection's row quantization are XLA
+fusions, and the down rows are gathered back per (token, slot), weighted and summed (`moe_gemm.moe_combine`). Unused
+blocks (expert -1) cost a scalar read per tile; padding rows inside a block are computed and never read.
 """
 
 from __future__ import annotations
