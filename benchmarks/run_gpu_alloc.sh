@@ -7,9 +7,6 @@
 #   cuda_async   CUDA's stream-ordered pool, set from outside
 #   skip_temp    --xla_gpu_command_buffer_update_mode=SKIP_TEMP: temps at stable virtual addresses (VMM allocator)
 #   vmm          XLA's VMM allocator alone
-#   vmm_small    the VMM allocator, SKIP_TEMP for the small steps' executables only (KernelPolicy.small_step_skip_temp)
-#   temp_color   --xla_gpu_temp_buffer_use_separate_color: every executable's temp buffer from a pool of its own, at the
-#                same address each execution (XLA's flag), the engine's allocator for the rest
 # PARTS (comma list; default latency):
 #   latency    for every round, variant and shape (SHAPES): bench_latency at BATCHES; $OUT/alloc_latency_<shape>.json
 #              (benchmarks/latency_summary.py: every process, TPOT and TTFT medians, each variant over the first)
@@ -30,8 +27,6 @@ variant_env() {
     cuda_async) echo "XLA_PYTHON_CLIENT_ALLOCATOR=cuda_async" ;;
     skip_temp) echo "XLA_FLAGS=--xla_gpu_command_buffer_update_mode=SKIP_TEMP" ;;
     vmm) echo "XLA_PYTHON_CLIENT_ALLOCATOR=vmm" ;;
-    vmm_small) echo "XLA_PYTHON_CLIENT_ALLOCATOR=vmm JINFER_SMALL_STEP_SKIP_TEMP=1" ;;
-    temp_color) echo "XLA_FLAGS=--xla_gpu_temp_buffer_use_separate_color=true" ;;
     *) echo "unknown variant $1" >&2; exit 2 ;;
   esac
 }

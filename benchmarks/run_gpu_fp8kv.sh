@@ -2,15 +2,18 @@
 # FP8 KV cache (--kv-cache-dtype fp8) against bf16 KV on one H100 (device tool, carrying .whl): the GPU kernel tests of
 # the FP8 paths (decode, Triton prefill, Mosaic prefill's routing, the K/V-writing front ends), then with
 # dummy:<shape> (bf16 weights):
-# - offline throughput, 512 prompts of 1k in / 128 out, where the KV pool limits the batch: at GPU_UTIL (0.45 of the
-#   device's memory for weights + pool: ~100 running sequences of Qwen3-8B with bf16 KV, twice the pages in FP8)
+# - offline throughput, 512 prompts of 1k in / 128 out, where the KV pool limits the batch: at GPU_UTIL (default
+#   36 GB of the device's memory for weights + pool, 0.45 of an H100, 0.26 of an H200: ~120 running sequences of
+#   Qwen3-8B with bf16 KV, twice the pages in FP8; at 0.45 of an H200 both pools reach 256 sequences x 1152 tokens)
 #   -> $OUT/fp8kv_throughput_<shape>_{bf16,fp8}.json (num_pages in each: the pool doubles);
 # - engine TPOT at batch 1 and 32 (1k in / 128 out), bf16 KV and FP8 KV in alternating processes, ROUNDS each
 #   -> $OUT/fp8kv_latency_<shape>.json (every process, the medians, FP8 / bf16; benchmarks/latency_summary.py).
-#   SHAPE=qwen3-8b ROUNDS=3 GPU_UTIL=0.45 PARTS="tests throughput latency" bash benchmarks/run_gpu_fp8kv.sh
+#   SHAPE=qwen3-8b ROUNDS=3 PARTS="tests throughput latency" bash benchmarks/run_gpu_fp8kv.sh
 set -uo pipefail
 source benchmarks/gpu_env.sh
-SHAPE=${SHAPE:-qwen3-8b}; ROUNDS=${ROUNDS:-3}; GPU_UTIL=${GPU_UTIL:-0.45}; TIMEOUT=${TIMEOUT:-240}
+SHAPE=${SHAPE:-qwen3-8b}; ROUNDS=${ROUNDS:-3}; TIMEOUT=${TIMEOUT:-240}
+GPU_UTIL=${GPU_UTIL:-$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits | head -1 \
+  | awk '{printf "%.2f", 36 * 1024 / $1}')}  # (36 GB whatever the device)
 PARTS=${PARTS:-tests throughput latency}
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv
 mkdir -p /tmp/fp8kv

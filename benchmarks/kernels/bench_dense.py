@@ -3,7 +3,9 @@
     python -m benchmarks.kernels.bench_dense mlp                    # fused SwiGLU MLP vs XLA at Qwen3-4B shapes
     python -m benchmarks.kernels.bench_dense skinny_gemm [OUT.json]  # skinny GEMM launch sweep vs XLA
     python -m benchmarks.kernels.bench_dense fp8 [OUT.json]          # bf16 vs block-FP8 weights at Qwen3-8B shapes
-    python -m benchmarks.kernels.bench_dense fp8_skinny [OUT.json]   # FP8 skinny GEMMs: Triton vs Mosaic GPU
+    python -m benchmarks.kernels.bench_dense fp8_skinny [OUT.json]   # FP8 skinny GEMM: a sweep of its launch
+    python -m benchmarks.kernels.bench_dense fp8_qkv [OUT.json]      # FP8 norm + q|k|v: a sweep of its launch
+    python -m benchmarks.kernels.bench_dense fp8_prefill [OUT.json [qkv o gate down]]  # FP8 prefill GEMM
 
 On CPU: tiny shapes in the interpreter, to check the script.
 """
@@ -173,12 +175,12 @@ def _fp8_cases(tokens: int, interpret: bool) -> dict:
         return lambda x, w, s: fn(x, w[0], s and s[0], scale_block=s and block)
 
     def qkv(ref):
-        def call(x, w, s):
+        def call(x, w, s, **launch):  # (launch: norm_qkv_rope_write's own k_splits, num_warps, num_stages)
             kw = dict(qkv_kw, wqkv_scale=s and s[0], scale_block=s and block)
             if ref:
                 return norm_qkv_rope_write_reference(x, norm, w[0], *rope[:3], *rope[3:], cache, cache, **kw)
             return norm_qkv_rope_write(x, norm, w[0], *rope[:3], *rope[3:], cache, cache, counters, **kw,
-                                       interpret=interpret)
+                                       interpret=interpret, **launch)
         return call
 
     cases = {"mlp": (weights((hidden, inter), (hidden, inter), (inter, hidden)), mlp),
@@ -274,6 +276,33 @@ def bench_fp8_skinny(argv: list[str] | None = None) -> None:
                 _record(rows, row, argv)
 
 
+def bench_fp8_qkv(argv: list[str] | None = None) -> None:
+    """The block-FP8 norm + q|k|v + RoPE kernel (norm_qkv_rope.py, [out, in] weights) at Qwen3-8B's shapes, 1 / 8
+    tokens: its default launch and a sweep of K splits (past one wave of programs), warps and stages. Device time per
+    call over distinct weight copies, and weight bytes / time. JSON to argv[0]."""
+    argv = list(argv or [])
+    interpret = jax.default_backend() != "gpu"
+    # (8 warps were 1.1-1.4x slower at 4 / 8 splits, 4 warps 1.2x slower at 2: dense_fp8_qkv_sweep_h200.json)
+    configs = [dict()] + ([] if interpret else [dict(k_splits=2, num_warps=8, num_stages=4)] + [
+        dict(k_splits=ks, num_warps=4, num_stages=ns) for ks in (4, 8, 16) for ns in (2, 3, 4)])
+    rows = []
+    for tokens in (1, 8):
+        x = jax.random.normal(jax.random.key(0), (tokens, 256 if interpret else 4096), jnp.bfloat16)
+        _ws, (qw, qs), call, _ref, _variants = _fp8_cases(tokens, interpret)["qkv"]
+        nbytes = qw[0].nbytes + qs[0].nbytes
+        copies = 1 if interpret else max(2, -(-400_000_000 // nbytes))
+        wc = [((jnp.array(qw[0].T, copy=True),), qs) for _ in range(copies)]
+        for cfg in configs:
+            row = {"kernel": "qkv", "tokens": tokens, "impl": "pallas_nk", **cfg}
+            try:
+                fn = functools.partial(call, **cfg)
+                t = _time_us(lambda x, ws_, fn=fn: fn(x, *ws_), x, wc, reps=2 if interpret else 10)
+                row.update(time_us=t, weight_bytes=nbytes, tb_per_s=nbytes / t / 1e6)
+            except Exception as e:  # a launch that does not compile: recorded, the others still run
+                row["error"] = str(e)[:200]
+            _record(rows, row, argv)
+
+
 def bench_fp8_prefill(argv: list[str] | None = None) -> None:
     """Block-FP8 GEMMs for prefill at Qwen3-8B's q|k|v / o / gate / down shapes, 4096 (and 1000, 32) tokens: the Mosaic
     GPU e4m3 GEMM (fp8_gemm_mgpu.py: defaults and a sweep of its ring depth and the warpgroups' turns, pingpong; the
@@ -284,10 +313,12 @@ def bench_fp8_prefill(argv: list[str] | None = None) -> None:
     from jinfer.models.fp8 import dense, quantize
     from pallas_kernels.dense.fp8_gemm_mgpu import fp8_gemm_mgpu, fp8_gemm_reference
 
+    argv = list(argv or [])
     interpret = jax.default_backend() != "gpu"
     block = (128, 128)
     shapes = {"o": (256, 256)} if interpret else \
         {"qkv": (4096, 6144), "o": (4096, 4096), "gate": (4096, 12288), "down": (12288, 4096)}
+    shapes = {k: v for k, v in shapes.items() if k in argv[1:]} or shapes  # (kernel names after the JSON path)
     # (the 64 x 256 tiles, 6-slot rings and the grid's other order measured 1-3% slower: dense_fp8_prefill_sweep_h200)
     sweep_ = [dict()] if interpret else [dict(), dict(max_steps=5), dict(pingpong=True),
                                          dict(pingpong=True, max_steps=5)]
@@ -325,7 +356,7 @@ def bench_fp8_prefill(argv: list[str] | None = None) -> None:
 
 
 BENCHMARKS = {"mlp": bench_mlp, "skinny_gemm": bench_skinny_gemm, "fp8": bench_fp8, "fp8_skinny": bench_fp8_skinny,
-              "fp8_prefill": bench_fp8_prefill}
+              "fp8_qkv": bench_fp8_qkv, "fp8_prefill": bench_fp8_prefill}
 
 def main(argv: list[str] | None = None) -> None:
     run_subcommand(BENCHMARKS, __spec__.name, __doc__, argv)

@@ -17,6 +17,7 @@ The defaults are the measured choices (H100 figures; docs/performance.md has the
 - prefetch_o: the norm_qkv_rope kernel's idle SMs read this fraction of the layer's o weight into L2 while it runs.
   Qwen3-4B decode steps: 20% saves 11-21 us a step at batch 1 and 36-51 at batch 8 (o 9.5 -> 8.2 us a layer, the
   q|k|v kernel 16.0 -> 17.1); the whole weight made o 6.6 us but the q|k|v kernel 35 us (local_step_prefetch_o*.json).
+  A launch with no idle SMs prefetches nothing (FP8 Qwen3-8B: 8 K splits of its 48 heads, 384 programs).
 - moe_front_max_tokens: a MoE block's RMSNorm + router + routing as one kernel (moe_router.moe_norm_route) up to
   here. Qwen3-30B-A3B decode steps: 3.60-3.63 vs 3.89 ms at batch 1, 4.19-4.28 vs 4.31 at 8; slower at 16 (5.23 vs
   4.83: one K split there) and 32 (local_step_front*_qwen3-30b-a3b_h100.json).
@@ -62,10 +63,6 @@ The defaults are the measured choices (H100 figures; docs/performance.md has the
   before them in the absorbed form (2176, no decompression); shorter ones absorbed only; 0: never expanded. Unmeasured
   default (until measured: run_gpu_deepseek.sh mla): the FLOP break-even of decompressing a new token (2 x 512 x 256 a
   head) against the absorbed form's extra 1536 a key is ~170 keys, less with the absorbed tiles' slower dots.
-- small_step_skip_temp: the A/B switch (off) of an unmeasured choice: small steps' executables compiled with XLA's
-  command-buffer update mode SKIP_TEMP (their temp buffers at stable virtual addresses: no re-recording when the
-  allocator places a step's temp elsewhere, ~1 ms a FP8 Qwen3-8B step); it takes effect with the VMM allocator
-  (XLA_PYTHON_CLIENT_ALLOCATOR=vmm). Globally (XLA_FLAGS), SKIP_TEMP made batch-8 TTFT 3.6x (docs/performance.md).
 - xla_dot_merger: XLA's dot merger in large (prefill) steps. Off: it merged the MLP's x @ w_gate and x @ w_up by
   concatenating the two weights anew in every layer of every prefill step (60 us a layer for Qwen3.5-4B).
 """
@@ -90,7 +87,6 @@ ENV_FIELDS = {
     "JINFER_PREFETCH_O": "prefetch_o",
     "JINFER_PREFETCH_EVICTION": "prefetch_eviction",
     "JINFER_XLA_DOT_MERGER": "xla_dot_merger",
-    "JINFER_SMALL_STEP_SKIP_TEMP": "small_step_skip_temp",
     "JINFER_FP8_SKINNY_O": "fp8_skinny_o",
     "JINFER_FP8_MAX_TOKENS": "fp8_max_tokens",
     "JINFER_ONE_SHOT_ALL_REDUCE_BYTES": "one_shot_all_reduce_bytes",
@@ -119,7 +115,6 @@ class KernelPolicy:
     mosaic_moe_min_rows_per_expert: int = 128
     pad_vector_dots: bool = True
     xla_dot_merger: bool = False
-    small_step_skip_temp: bool = False
     fp8_skinny_o: bool = True
     fp8_max_tokens: int = 16
     one_shot_all_reduce_bytes: int | None = None  # None: by the layout (`all_reduce_limit`)
@@ -155,7 +150,7 @@ class KernelPolicy:
             raise ValueError(f"prefetch_o={self.prefetch_o!r} must be a fraction in [0, 1]")
         if self.prefetch_eviction not in EVICTION_POLICIES:
             raise ValueError(f"prefetch_eviction={self.prefetch_eviction!r} must be one of {EVICTION_POLICIES}")
-        for name in ("pad_vector_dots", "xla_dot_merger", "small_step_skip_temp", "fp8_skinny_o", "mla_ragged_kernel"):
+        for name in ("pad_vector_dots", "xla_dot_merger", "fp8_skinny_o", "mla_ragged_kernel"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name}={getattr(self, name)!r} must be a bool")
         object.__setattr__(self, "launch", _launch_tuple(self.launch))
@@ -178,10 +173,6 @@ class KernelPolicy:
         launch[kernel] = launch.get(kernel, {}) | args
         return dataclasses.replace(self, launch=launch)
 
-    def small_step_xla_options(self) -> dict[str, object]:
-        """XLA compiler options for the executables of small (command-buffer) steps that the policy decides."""
-        return {"xla_gpu_command_buffer_update_mode": "SKIP_TEMP"} if self.small_step_skip_temp else {}
-
     def large_step_xla_options(self) -> dict[str, object]:
         """XLA compiler options for the executables of large (prefill) steps that the policy decides."""
         return {} if self.xla_dot_merger else {"xla_gpu_dot_merger_threshold_mb": 0}
@@ -192,7 +183,7 @@ class KernelPolicy:
         benchmarks only: nothing below them reads the environment.
 
         JINFER_PALLAS_MLP_TOKENS="1,8" (a list of token counts, "" none); JINFER_XLA_DOT_MERGER=1 (XLA's default),
-        JINFER_SMALL_STEP_SKIP_TEMP / JINFER_FP8_SKINNY_O / JINFER_MLA_RAGGED_KERNEL=0 / 1; the others take the
+        JINFER_FP8_SKINNY_O / JINFER_MLA_RAGGED_KERNEL=0 / 1; the others take the
         field's value."""
         environ = os.environ if environ is None else environ
         for var, name in ENV_FIELDS.items():
@@ -202,7 +193,7 @@ class KernelPolicy:
             try:
                 if name == "pallas_mlp_tokens":
                     value = tuple(int(t) for t in text.split(",") if t)
-                elif name in ("xla_dot_merger", "small_step_skip_temp", "fp8_skinny_o", "mla_ragged_kernel"):
+                elif name in ("xla_dot_merger", "fp8_skinny_o", "mla_ragged_kernel"):
                     value = text == "1"
                 elif name == "prefetch_o":
                     value = float(text)

@@ -183,8 +183,7 @@ class StepExecutables(IdleUnloading):
         kinds = [(0, self.ops), (1, replace(self.ops, decode_step=True))]
         if self.verify_len:
             kinds.append((self.verify_len, replace(self.ops, verify_query_len=self.verify_len)))
-        small = self.ops.policy.small_step_xla_options()
-        self._forward = {d: (forward_jit(o, True, compiler_options=small),
+        self._forward = {d: (forward_jit(o, True),
                              forward_jit(o, False, compiler_options=large)) for d, o in kinds}
         self._sample = jax.jit(partial(sample_step, max_rows=self.max_rows), donate_argnames=("prev_tokens",),
                                keep_unused=True,  # (a donated argument the step does not read still gives its buffer)

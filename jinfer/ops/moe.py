@@ -129,14 +129,12 @@ class MoeOps:
 
     def _moe_kernels(self, hidden, inter, *weights) -> tuple | None:
         """The routed experts' operands for the grouped-GEMM kernels, as `dense.fp8_operands` gives them ((w_gate,
-        w_up, w_down), block-FP8 scales or None, scale block), and whether block-FP8 values are [E, out, in]
-        (`Fp8Weight.transposed`: fp8.kernel_layout keeps them so); or None where they run on `layers.moe_mlp`: not the
-        Pallas backend, dims not multiples of 16, FP8 weights the kernels cannot read (mixed, blocks under 16 rows)."""
+        w_up, w_down), block-FP8 scales or None, scale block); or None where they run on `layers.moe_mlp`: not the
+        Pallas backend, dims not multiples of 16, FP8 weights the kernels cannot read (mixed, blocks under 16 rows,
+        values not [E, out, in]: `Fp8Weight.transposed`, as fp8.kernel_layout keeps them)."""
         if self.backend != "pallas" or hidden % 16 or inter % 16:
             return None
-        transposed = getattr(weights[0], "transposed", False)
-        operands = fp8_operands("moe grouped GEMM", *weights, transposed=transposed)
-        return None if operands is None else (*operands, transposed)
+        return fp8_operands("moe grouped GEMM", *weights, transposed=True)
 
     def _routed_experts(self, h, route, operands, first, top_k, router_experts, routing=None):
         """(The routed experts' weighted sum [T, hidden] of the normed rows h (this device's share when sharded) on
@@ -150,12 +148,12 @@ class MoeOps:
         from pallas_kernels.moe.moe_gemm import moe_combine, moe_down, moe_gate_up
         from pallas_kernels.moe.moe_routing import local_experts
 
-        (w_gate, w_up, w_down), scales, block, transposed = operands
+        (w_gate, w_up, w_down), scales, block = operands
         tokens, num_experts = h.shape[0], w_gate.shape[0]
         pairs = tokens * top_k
         if routing is None and self.mosaic_prefill \
                 and pairs >= self.policy.mosaic_moe_min_rows_per_expert * router_experts \
-                and (mosaic := _mosaic_experts(h, (w_gate, w_up, w_down), scales, block, transposed)) is not None:
+                and (mosaic := _mosaic_experts(h, (w_gate, w_up, w_down), scales, block)) is not None:
             block_m, experts = mosaic
             whole = routing = route(block_m)
             mine = None
@@ -170,8 +168,8 @@ class MoeOps:
         if scales is None:
             act = moe_gate_up(h, routing, w_gate, w_up, interpret=self.interpret)
             y = moe_down(act, routing, w_down, interpret=self.interpret)
-        else:  # block-FP8 experts ([E, out, in] or [E, in, out]): e4m3 tiles and their scales, met by e4m3 rows
-            fp8 = {"scale_block": block, "transposed": transposed, "interpret": self.interpret}
+        else:  # block-FP8 experts [E, out, in]: e4m3 tiles and their scales, met by e4m3 rows
+            fp8 = {"scale_block": block, "interpret": self.interpret}
             act = moe_gate_up(h, routing, w_gate, w_up, scales[:2], **fp8)
             y = moe_down(act, routing, w_down, scales[2], **fp8)
         return moe_combine(y, top_k, h.dtype, mine), whole
@@ -201,7 +199,7 @@ def _front_supported(tokens: int, hidden: int, experts: int) -> bool:
     return front_supported(tokens, hidden, experts) is None
 
 
-def _mosaic_experts(h, weights, scales, block, transposed):
+def _mosaic_experts(h, weights, scales, block):
     """(block_m, experts(h, routing, mine=, interpret=)) of the Mosaic GPU grouped GEMM that takes these experts (bf16:
     moe_gemm_mgpu.py; block-FP8 [E, out, in] in 128 x 128 blocks: the e4m3 GEMM, moe_fp8_mgpu.py), or None."""
     if scales is None and _mgpu_supported(h, *weights):
@@ -209,7 +207,7 @@ def _mosaic_experts(h, weights, scales, block, transposed):
 
         return MOSAIC_MOE_BLOCK_M, functools.partial(moe_experts_mgpu, w_gate=weights[0], w_up=weights[1],
                                                      w_down=weights[2])
-    if scales is not None and transposed:
+    if scales is not None:
         from pallas_kernels.moe import moe_fp8_mgpu
 
         if moe_fp8_mgpu.supported(h.shape[1], weights[0].shape[1], block):  # ([E, out, in] values: I is axis 1)

@@ -3,7 +3,7 @@
 The dense decode kernels (fused MLP, skinny GEMM, norm + q|k|v) take their weights [out, in], as checkpoints store
 them, and multiply weight tile @ activations^T (`weight_dot_swapped`): the weight's rows are the dot's M, which
 Hopper's wgmma (M >= 64 a warpgroup) takes; the MoE grouped GEMMs keep the token tile as M and take the [out, in]
-tile as the dot's transposed, K-major right side (`weight_dot(transposed=True)`).
+tile as the dot's transposed, K-major right side (`weight_dot`).
 
 A block-FP8 weight is float8_e4m3fn values [K, N] and one float32 scale per (bk x bn) block of them (scale
 [ceil(K / bk), ceil(N / bn)]): value = w * scale. A kernel loads the e4m3 tile (half the bytes of bf16) and meets it
@@ -82,13 +82,13 @@ def act_operand(xk: jax.Array, axis: int = 1) -> tuple[jax.Array, jax.Array]:
 
 
 def weight_dot(xk: jax.Array, w: jax.Array, scale_ref, k0, n0, block: tuple[int, int], x_scale: jax.Array,
-               lead: tuple = (), transposed: bool = False) -> jax.Array:
-    """xk [rows, tile_k] @ w [tile_k, width] in fp32 for an FP8 tile w whose first row is k0 and first column n0,
-    (xk, x_scale) from `act_operand`: e4m3 times e4m3 on the FP8 tensor cores, the product scaled by the rows'
-    `x_scale`, then by the tile's weight scales (`tile_scales`; `lead`: their leading indices). `transposed`: w is
-    the [width, tile_k] tile of an [N, K] weight (K contiguous: the K-major operand 8-bit dots want)."""
-    out = plgpu.dot(xk, w, trans_b=transposed) * x_scale
-    return out * tile_scales(scale_ref, k0, n0, w.shape[0 if transposed else 1], block, lead)
+               lead: tuple = ()) -> jax.Array:
+    """xk [rows, tile_k] @ w^T in fp32 for an FP8 tile w [width, tile_k] of an [N, K] weight (K contiguous: the
+    K-major operand 8-bit dots want) whose first column is k0 and first row n0, (xk, x_scale) from `act_operand`:
+    e4m3 times e4m3 on the FP8 tensor cores, the product scaled by the rows' `x_scale`, then by the tile's weight
+    scales (`tile_scales` of the [K, N] blocks; `lead`: their leading indices)."""
+    out = plgpu.dot(xk, w, trans_b=True) * x_scale
+    return out * tile_scales(scale_ref, k0, n0, w.shape[0], block, lead)
 
 
 def weight_dot_swapped(w: jax.Array, xk: jax.Array, x_scale: jax.Array, w_scale: jax.Array,

@@ -9,8 +9,8 @@ tokens: it recomputes the tokens' RMSNorm from x (x is a few KB next to the weig
 squares as straight-line loads, all in flight at once), streams its `[hidden, D]` slab of the weight in
 `block_k`-row tiles into two fp32 accumulators (the head's two rotate-half halves), then finishes the head
 in registers: q heads are normed, rotated and stored; k heads normed, rotated and written to the cache slot
-of each token; v heads written as they are. No split-K: a head's whole dot product is in one program, which
-is what lets the epilogue norm and rotate it.
+of each token; v heads written as they are. Split over K (`counters`), the last of a head's programs to finish sums
+their fp32 partials in split order and finishes the head: the epilogue's norm and rotation need the whole product.
 
 Numerics: the input norm and the projection are HF's (the normed input rounded to the activation dtype before
 the weight multiply, the projection rounded before the q/k norm: the V rows match HF's bit for bit); the q/k
@@ -63,6 +63,9 @@ from pallas_kernels.split_k import check_counters, sum_splits, take_ticket
 
 MAX_TOKENS = 64  # one token tile holds the whole step: the weights are read once
 ONE_WAVE = 132  # the H100's SMs
+LAUNCH = {"num_warps": 8, "num_stages": 4}  # bf16 weights
+FP8_LAUNCH = {"num_warps": 4, "num_stages": 3}  # block-FP8 weights in > 2 K splits (default_k_splits)
+FP8_MAX_SPLITS, FP8_MIN_SPLIT_TILES = 8, 4
 
 
 def _kernel(x_ref, n_ref, w_ref, cos_ref, sin_ref, slot_ref, qn_ref, kn_ref, _k_in, _v_in, *refs,
@@ -227,11 +230,22 @@ def default_block_k(hidden: int, scale_block: tuple[int, int] | None = None) -> 
     return tile_k(hidden, 128, scale_block)
 
 
-def default_k_splits(heads: int, hidden: int, block_k: int) -> int:
+def default_k_splits(heads: int, hidden: int, block_k: int, fp8: bool = False, tokens: int = 1) -> int:
     """The most K splits (1, 2, 4) that keep `heads x splits` programs within one wave of ONE_WAVE and each
     split a whole number of K tiles: a program streams a head's weight at a per-SM rate (~37 GB/s measured on
-    the H100 for these Triton loops), so the 48 heads of Qwen3-4B alone reach ~1.8 TB/s."""
+    the H100 for these Triton loops), so the 48 heads of Qwen3-4B alone reach ~1.8 TB/s.
+
+    FP8 (`fp8`): up to FP8_MAX_SPLITS, past one wave, while each split keeps FP8_MIN_SPLIT_TILES K tiles and the fp32
+    partials of `tokens` rows, written and read, stay within a quarter of the FP8 weight's bytes: a K tile's chain
+    (quantize the normed rows, two e4m3 dots, rescale) bounds a program, and several programs an SM (4 warps,
+    FP8_LAUNCH) hide it. Qwen3-8B on the H200 at 1 and 8 tokens: 15.2 / 16.0 us at 8 splits of 4 tiles against
+    22.7 / 22.8 at 2 (8 warps, 4 stages) (dense_fp8_qkv_sweep_h200.json)."""
     splits = 1
+    if fp8:
+        while splits < FP8_MAX_SPLITS and hidden % (splits * 2 * block_k) == 0 \
+                and hidden // (splits * 2 * block_k) >= FP8_MIN_SPLIT_TILES and splits * 2 * tokens * 32 <= hidden:
+            splits *= 2
+        return splits
     while heads * splits * 2 <= ONE_WAVE and hidden % (splits * 2 * block_k) == 0:
         splits *= 2
     return min(splits, 4)
@@ -249,7 +263,7 @@ def norm_qkv_rope_write(x: jax.Array, norm_weight: jax.Array, wqkv: jax.Array, c
                         slot_mapping: jax.Array, q_norm: jax.Array | None, k_norm: jax.Array | None,
                         k_cache: jax.Array, v_cache: jax.Array, counters: jax.Array | None = None, *, num_heads: int,
                         num_kv_heads: int, eps: float = 1e-6, block_k: int | None = None, k_splits: int | None = None,
-                        num_warps: int = 8, num_stages: int = 4, prefetch: jax.Array | None = None,
+                        num_warps: int | None = None, num_stages: int | None = None, prefetch: jax.Array | None = None,
                         prefetch_programs: int | None = None, prefetch_fraction: float = 1.0,
                         prefetch_eviction: str = "evict_last", wqkv_scale: jax.Array | None = None,
                         scale_block: tuple[int, int] | None = None, k_scale: jax.Array | None = None,
@@ -264,6 +278,7 @@ def norm_qkv_rope_write(x: jax.Array, norm_weight: jax.Array, wqkv: jax.Array, c
     counters: int32 [>= H + 2 KVH], all zero, or None. With them the head's K range is split over `k_splits`
     programs (default `default_k_splits`) whose last to finish sums the partials and finishes the head; they are
     returned all zero again (aliased: pass them on to the next call). None: one program per head.
+    num_warps / num_stages: default LAUNCH (FP8_LAUNCH for FP8 weights in more than 2 K splits).
 
     prefetch: an array the next kernels read (a decode step's o projection weight), or None. The launch leaves SMs
     idle (Qwen3-4B: 96 programs on 132 SMs) and the weight stream short of HBM's rate; `prefetch_programs` (default
@@ -295,9 +310,12 @@ def norm_qkv_rope_write(x: jax.Array, norm_weight: jax.Array, wqkv: jax.Array, c
     if counters is None:
         k_splits = 1
     elif k_splits is None:
-        k_splits = default_k_splits(heads, hidden, block_k)
+        k_splits = default_k_splits(heads, hidden, block_k, fp8, tokens)
     if hidden % (block_k * k_splits):
         raise ValueError(f"block_k {block_k} x k_splits {k_splits} must divide hidden {hidden}")
+    launch = FP8_LAUNCH if fp8 and k_splits > 2 else LAUNCH  # (FP8 at 2 splits: 4 warps 26.5 vs 8 warps 22.7 us)
+    num_warps = launch["num_warps"] if num_warps is None else num_warps
+    num_stages = launch["num_stages"] if num_stages is None else num_stages
     if counters is not None:
         check_counters(counters, heads)
     qk_norm = q_norm is not None

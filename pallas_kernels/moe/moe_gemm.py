@@ -18,8 +18,9 @@ Tile sizes: `block_m` comes with the routing (the layout's padding unit: 16 for 
 where each expert has a few rows, 64-128 for prefill); `block_n` / `block_k` / warps / stages default
 per step size (see `_launch`), overridable for sweeps.
 
-Block-FP8 experts (`scales`, `scale_block`): e4m3 tiles met by the gathered rows quantized to e4m3 per K tile (a
-scale per row), FP8 dots, each K tile's fp32 product times the rows' scales and its block scales
+Block-FP8 experts (`scales`, `scale_block`) come [E, out, in], as checkpoints store them (`Fp8Weight.transposed`,
+fp8.kernel_layout): K-major e4m3 tiles, the dots' transposed right side, met by the gathered rows quantized to e4m3
+per K tile (a scale per row), FP8 dots, each K tile's fp32 product times the rows' scales and its block scales
 (pallas_kernels/dense/fp8_tiles.py, the dense kernels' helpers); the K tile divides the scale blocks' height, the
 column tiles are bf16's (at decode a tile of 64 columns streams half the bytes with as many programs in flight).
 Plain weights trace as without FP8.
@@ -62,9 +63,8 @@ def _block(bexp_ref, brows_ref, sorted_ref, block_m):
 
 
 def _gate_up_kernel(bexp_ref, brows_ref, sorted_ref, x_ref, wg_ref, wu_ref, *refs, top_k, block_m, block_n,
-                    block_k, scale_block=None, transposed=False):
-    # bexp_ref / brows_ref [NB] int32; sorted_ref [M] int32; x_ref [T, K]; wg_ref / wu_ref [E, K, N] ([E, N, K]
-    # where `transposed`, FP8 only);
+                    block_k, scale_block=None):
+    # bexp_ref / brows_ref [NB] int32; sorted_ref [M] int32; x_ref [T, K]; wg_ref / wu_ref [E, K, N] ([E, N, K] FP8)
     # h_ref [M, N] (out): this program writes rows [b*bm, (b+1)*bm) x columns [n*bn, (n+1)*bn)
     # FP8 (scale_block (bk, bn)): sg_ref / su_ref [E, K / bk, N / bn] float32 (whole), before h_ref
     sg_ref, su_ref, h_ref = refs if scale_block is not None else (None, None, *refs)
@@ -85,9 +85,8 @@ def _gate_up_kernel(bexp_ref, brows_ref, sorted_ref, x_ref, wg_ref, wu_ref, *ref
             else:  # e4m3 rows and their scales (once for gate and up) against e4m3 tiles and their block scales
                 xk, xs = act_operand(xk)
                 k0, n0 = i * block_k, n * block_n
-                tile = (expert, cols, ks) if transposed else (expert, ks, cols)
-                g = g + weight_dot(xk, wg_ref[tile], sg_ref, k0, n0, scale_block, xs, (expert,), transposed)
-                u = u + weight_dot(xk, wu_ref[tile], su_ref, k0, n0, scale_block, xs, (expert,), transposed)
+                g = g + weight_dot(xk, wg_ref[expert, cols, ks], sg_ref, k0, n0, scale_block, xs, (expert,))
+                u = u + weight_dot(xk, wu_ref[expert, cols, ks], su_ref, k0, n0, scale_block, xs, (expert,))
             return g, u
 
         zeros = jnp.zeros((block_m, block_n), jnp.float32)
@@ -96,8 +95,8 @@ def _gate_up_kernel(bexp_ref, brows_ref, sorted_ref, x_ref, wg_ref, wu_ref, *ref
 
 
 def _down_kernel(bexp_ref, brows_ref, sorted_ref, w_ref, h_ref, wd_ref, *refs, block_m, block_n, block_k,
-                 scale_block=None, transposed=False):
-    # w_ref [T*k] fp32 routing weights by pair; h_ref [M, I]; wd_ref [E, I, N] ([E, N, I] where `transposed`);
+                 scale_block=None):
+    # w_ref [T*k] fp32 routing weights by pair; h_ref [M, I]; wd_ref [E, I, N] ([E, N, I] FP8);
     # y_ref [T*k + 1, N] (out, by pair; the last row takes the masked-out lanes' addresses, never written)
     # FP8 (scale_block (bk, bn)): sd_ref [E, I / bk, N / bn] float32 (whole), before y_ref
     sd_ref, y_ref = refs if scale_block is not None else (None, *refs)
@@ -113,9 +112,8 @@ def _down_kernel(bexp_ref, brows_ref, sorted_ref, w_ref, h_ref, wd_ref, *refs, b
             if scale_block is None:
                 return acc + plgpu.dot(h_ref[rows, ks], wd_ref[expert, ks, cols])
             hk, hs = act_operand(h_ref[rows, ks])
-            tile = wd_ref[expert, cols, ks] if transposed else wd_ref[expert, ks, cols]
-            return acc + weight_dot(hk, tile, sd_ref, i * block_k, n * block_n, scale_block, hs, (expert,),
-                                    transposed)
+            return acc + weight_dot(hk, wd_ref[expert, cols, ks], sd_ref, i * block_k, n * block_n, scale_block, hs,
+                                    (expert,))
 
         acc = jax.lax.fori_loop(0, h_ref.shape[1] // block_k, body, jnp.zeros((block_m, block_n), jnp.float32))
         acc = acc * w_ref[pairs][:, None]  # [bm, bn] weighted by each pair's routing weight
@@ -148,21 +146,19 @@ def _launch(block_m, k, n, block_n, block_k, num_warps, num_stages, scale_block=
     return block_n, block_k, num_warps, num_stages
 
 
-def _fp8_kwargs(scales, scale_block, transposed) -> tuple[dict, str]:
+def _fp8_kwargs(scales, scale_block) -> tuple[dict, str]:
     """The kernels' FP8 keywords and name suffix (none for plain weights: their trace is the one without FP8)."""
-    if not scales:
-        return {}, ""
-    return {"scale_block": scale_block, "transposed": transposed}, "_fp8" + ("t" if transposed else "")
+    return ({"scale_block": scale_block}, "_fp8") if scales else ({}, "")
 
 
-def _gate_up_call(x, routing, w_gate, w_up, scales, *, scale_block, transposed, block_n, block_k, num_warps,
-                  num_stages, interpret):
+def _gate_up_call(x, routing, w_gate, w_up, scales, *, scale_block, block_n, block_k, num_warps, num_stages,
+                  interpret):
     _, k = x.shape
-    n = w_gate.shape[1 if transposed else 2]
+    n = w_gate.shape[1 if scales else 2]
     bm = routing.block_m
     block_n, block_k, num_warps, num_stages = _launch(bm, k, n, block_n, block_k, num_warps, num_stages, scale_block)
     m, nb = routing.sorted_pairs.shape[0], routing.block_expert.shape[0]
-    fp8, suffix = _fp8_kwargs(scales, scale_block, transposed)
+    fp8, suffix = _fp8_kwargs(scales, scale_block)
     kernel = functools.partial(_gate_up_kernel, top_k=routing.top_k, block_m=bm, block_n=block_n, block_k=block_k,
                                **fp8)
     whole = pl.no_block_spec
@@ -178,14 +174,13 @@ def _gate_up_call(x, routing, w_gate, w_up, scales, *, scale_block, transposed, 
     )(routing.block_expert, routing.block_rows, routing.sorted_pairs, x, w_gate, w_up, *scales)
 
 
-def _down_call(h, routing, w_down, scales, *, scale_block, transposed, block_n, block_k, num_warps, num_stages,
-               interpret):
+def _down_call(h, routing, w_down, scales, *, scale_block, block_n, block_k, num_warps, num_stages, interpret):
     _, k = h.shape
-    n = w_down.shape[1 if transposed else 2]
+    n = w_down.shape[1 if scales else 2]
     bm = routing.block_m
     block_n, block_k, num_warps, num_stages = _launch(bm, k, n, block_n, block_k, num_warps, num_stages, scale_block)
     pairs = routing.topk_ids.size
-    fp8, suffix = _fp8_kwargs(scales, scale_block, transposed)
+    fp8, suffix = _fp8_kwargs(scales, scale_block)
     kernel = functools.partial(_down_kernel, block_m=bm, block_n=block_n, block_k=block_k, **fp8)
     whole = pl.no_block_spec
     return pl.pallas_call(
@@ -209,20 +204,18 @@ def _check_routing(routing: MoeRouting):
         raise ValueError(f"routing.sorted_pairs {routing.sorted_pairs.shape} must hold block_m x blocks rows")
 
 
-def _check_fp8(names, weights, scales, scale_block, transposed) -> tuple:
-    """The scales as a tuple (empty for plain weights), checked against their weights (fp8_tiles.check_scale;
-    `transposed` weights [E, N, K] against the [E, K, N] blocks' scales)."""
+def _check_fp8(names, weights, scales, scale_block) -> tuple:
+    """The scales as a tuple (empty for plain weights), checked against their weights (fp8_tiles.check_scale; FP8
+    weights [E, N, K] against the [E, K, N] blocks' scales)."""
     scales = (None,) * len(weights) if scales is None else tuple(scales)
     if len(scales) != len(weights):
         raise ValueError(f"scales must be one per weight ({', '.join(names)}), got {len(scales)}")
-    if transposed and scales[0] is None:
-        raise ValueError("transposed ([experts, out, in]) weights are block-FP8 only")
     for name, w, scale in zip(names, weights, scales, strict=True):
-        check_scale(name, jnp.swapaxes(w, -1, -2) if transposed else w, scale, scale_block)
+        check_scale(name, w if scale is None else jnp.swapaxes(w, -1, -2), scale, scale_block)
     return () if scales[0] is None else scales
 
 
-_TUNING = ("scale_block", "transposed", "block_n", "block_k", "num_warps", "num_stages", "interpret")
+_TUNING = ("scale_block", "block_n", "block_k", "num_warps", "num_stages", "interpret")
 
 
 # ----------------------------------------------------------------------------------------------
@@ -231,19 +224,18 @@ _TUNING = ("scale_block", "transposed", "block_n", "block_k", "num_warps", "num_
 @functools.partial(jax.jit, static_argnames=_TUNING)
 def moe_gate_up(x: jax.Array, routing: MoeRouting, w_gate: jax.Array, w_up: jax.Array,
                 scales: tuple[jax.Array, jax.Array] | None = None, *, scale_block: tuple[int, int] | None = None,
-                transposed: bool = False, block_n: int | None = None, block_k: int | None = None,
-                num_warps: int | None = None, num_stages: int | None = None, interpret: bool = False) -> jax.Array:
+                block_n: int | None = None, block_k: int | None = None, num_warps: int | None = None,
+                num_stages: int | None = None, interpret: bool = False) -> jax.Array:
     """silu(x @ w_gate[e]) * (x @ w_up[e]) for every routed row of the grouped layout.
 
     Args:
       x: `[tokens, hidden]` (the normed MLP input).
       routing: `moe_route(...)` of these tokens.
-      w_gate, w_up: `[experts, hidden, intermediate]` in x's dtype, or float8_e4m3fn with `scales`.
+      w_gate, w_up: `[experts, hidden, intermediate]` in x's dtype, or float8_e4m3fn
+        `[experts, intermediate, hidden]` (the checkpoint's [out, in], `Fp8Weight.transposed`) with `scales`.
       scales: block-FP8 weights' float32 scales (gate's, up's), `[experts, hidden / bk, intermediate / bn]` for
         `scale_block` = (bk, bn) (the K tile then divides bk); x's rows then meet them as e4m3 quantized per K
         tile (pallas_kernels/dense/fp8_tiles.py).
-      transposed: block-FP8 w_gate / w_up are `[experts, intermediate, hidden]` (the checkpoint's [out, in],
-        `Fp8Weight.transposed`; their scales as above).
       block_n, block_k, num_warps, num_stages: tile and launch overrides (powers of two dividing the dims).
       interpret: run the Pallas interpreter (CPU tests).
 
@@ -251,50 +243,47 @@ def moe_gate_up(x: jax.Array, routing: MoeRouting, w_gate: jax.Array, w_up: jax.
       `[rows, intermediate]` in x's dtype, rows in the grouped layout (fp32 accumulation); rows past a
       block's valid rows and rows of unused blocks are unspecified.
     """
-    if x.ndim != 2 or w_gate.ndim != 3 or w_gate.shape[2 if transposed else 1] != x.shape[1] \
-            or w_up.shape != w_gate.shape:
+    fp8 = scales is not None
+    if x.ndim != 2 or w_gate.ndim != 3 or w_gate.shape[2 if fp8 else 1] != x.shape[1] or w_up.shape != w_gate.shape:
         raise ValueError(f"x must be [tokens, hidden] and w_gate/w_up [experts, hidden, intermediate] "
-                         f"({transposed=}: [experts, intermediate, hidden]): {x.shape=} {w_gate.shape=} {w_up.shape=}")
+                         f"(block-FP8: [experts, intermediate, hidden]): {x.shape=} {w_gate.shape=} {w_up.shape=}")
     if routing.topk_ids.shape[0] != x.shape[0]:
         raise ValueError(f"routing is for {routing.topk_ids.shape[0]} tokens, x has {x.shape[0]}")
     _check_routing(routing)
     if x.shape[1] % 16 or w_gate.shape[1] % 16 or w_gate.shape[2] % 16:
         raise ValueError(f"hidden and intermediate must be multiples of 16: {w_gate.shape=}")
-    scales = _check_fp8(("w_gate", "w_up"), (w_gate, w_up), scales, scale_block, transposed)
-    return _gate_up_call(x, routing, w_gate, w_up, scales, scale_block=scale_block, transposed=transposed,
-                         block_n=block_n, block_k=block_k, num_warps=num_warps, num_stages=num_stages,
-                         interpret=interpret)
+    scales = _check_fp8(("w_gate", "w_up"), (w_gate, w_up), scales, scale_block)
+    return _gate_up_call(x, routing, w_gate, w_up, scales, scale_block=scale_block, block_n=block_n, block_k=block_k,
+                         num_warps=num_warps, num_stages=num_stages, interpret=interpret)
 
 
 @functools.partial(jax.jit, static_argnames=_TUNING)
 def moe_down(h: jax.Array, routing: MoeRouting, w_down: jax.Array, scale: jax.Array | None = None, *,
-             scale_block: tuple[int, int] | None = None, transposed: bool = False, block_n: int | None = None,
-             block_k: int | None = None, num_warps: int | None = None, num_stages: int | None = None,
-             interpret: bool = False) -> jax.Array:
+             scale_block: tuple[int, int] | None = None, block_n: int | None = None, block_k: int | None = None,
+             num_warps: int | None = None, num_stages: int | None = None, interpret: bool = False) -> jax.Array:
     """routing weight x (h[row] @ w_down[e]) for every (token, slot) pair, in token order.
 
     Args:
       h: `[rows, intermediate]`, `moe_gate_up`'s output.
       routing: the same routing.
-      w_down: `[experts, intermediate, hidden]` in h's dtype, or float8_e4m3fn with `scale`
-        `[experts, intermediate / bk, hidden / bn]` for `scale_block` = (bk, bn) (as `moe_gate_up`'s); `transposed`:
-        a block-FP8 w_down `[experts, hidden, intermediate]`.
+      w_down: `[experts, intermediate, hidden]` in h's dtype, or float8_e4m3fn `[experts, hidden, intermediate]`
+        with `scale` `[experts, intermediate / bk, hidden / bn]` for `scale_block` = (bk, bn) (as `moe_gate_up`'s).
 
     Returns:
       `[tokens * top_k, hidden]` in h's dtype: row t * k + j is slot j of token t; the MLP output is
       `.reshape(tokens, top_k, hidden).sum(1)`.
     """
-    if h.ndim != 2 or w_down.ndim != 3 or w_down.shape[2 if transposed else 1] != h.shape[1]:
+    if h.ndim != 2 or w_down.ndim != 3 or w_down.shape[1 if scale is None else 2] != h.shape[1]:
         raise ValueError(f"h must be [rows, intermediate] and w_down [experts, intermediate, hidden] "
-                         f"({transposed=}: [experts, hidden, intermediate]): {h.shape=} {w_down.shape=}")
+                         f"(block-FP8: [experts, hidden, intermediate]): {h.shape=} {w_down.shape=}")
     if h.shape[0] != routing.sorted_pairs.shape[0]:
         raise ValueError(f"h has {h.shape[0]} rows, the routing's layout {routing.sorted_pairs.shape[0]}")
     _check_routing(routing)
     if w_down.shape[1] % 16 or w_down.shape[2] % 16:
         raise ValueError(f"intermediate and hidden must be multiples of 16: {w_down.shape=}")
-    scales = _check_fp8(("w_down",), (w_down,), None if scale is None else (scale,), scale_block, transposed)
-    return _down_call(h, routing, w_down, scales, scale_block=scale_block, transposed=transposed, block_n=block_n,
-                      block_k=block_k, num_warps=num_warps, num_stages=num_stages, interpret=interpret)
+    scales = _check_fp8(("w_down",), (w_down,), None if scale is None else (scale,), scale_block)
+    return _down_call(h, routing, w_down, scales, scale_block=scale_block, block_n=block_n, block_k=block_k,
+                      num_warps=num_warps, num_stages=num_stages, interpret=interpret)
 
 
 def moe_combine(y: jax.Array, top_k: int, dtype, mine: jax.Array | None = None) -> jax.Array:
@@ -314,40 +303,35 @@ def _row_experts(routing: MoeRouting) -> jax.Array:
     return jnp.repeat(jnp.maximum(routing.block_expert, 0), routing.block_m)  # [M]
 
 
-_REFERENCE_STATIC = ("scale_block", "block_k", "transposed")
+_REFERENCE_STATIC = ("scale_block", "block_k")
 
 
-def _reference_operands(x, weights, scales, scale_block, block_k, block_m, transposed=False):
-    """The references' FP8 inputs: weights dequantized to float32 [E, K, N] (fp8_tiles.dequantize; `transposed` ones
-    swapped first), x's rows FP8-quantized per K tile as the kernels do (`fake_quant_rows`; block_k: the kernel's,
-    default `default_block_k`)."""
+def _reference_operands(x, weights, scales, scale_block, block_k, block_m):
+    """The references' FP8 inputs: the [E, N, K] weights dequantized to float32 [E, K, N] (fp8_tiles.dequantize), x's
+    rows FP8-quantized per K tile as the kernels do (`fake_quant_rows`; block_k: the kernel's, default
+    `default_block_k`)."""
     if scales is None:
         return x, weights
     x = fake_quant_rows(x, block_k or default_block_k(block_m, x.shape[1], scale_block))
-    if transposed:
-        weights = tuple(jnp.swapaxes(w, -1, -2) for w in weights)
-    return x, tuple(dequantize(w, s, scale_block) for w, s in zip(weights, scales, strict=True))
+    return x, tuple(dequantize(jnp.swapaxes(w, -1, -2), s, scale_block) for w, s in zip(weights, scales, strict=True))
 
 
 @functools.partial(jax.jit, static_argnames=_REFERENCE_STATIC)
-def moe_gate_up_reference(x, routing: MoeRouting, w_gate, w_up, scales=None, *, scale_block=None, block_k=None,
-                          transposed=False):
+def moe_gate_up_reference(x, routing: MoeRouting, w_gate, w_up, scales=None, *, scale_block=None, block_k=None):
     """Per-row jnp: each row of the layout times its expert's weights (fp32 accumulation); block-FP8 weights met by
     FP8-quantized rows (`_reference_operands`)."""
     e = _row_experts(routing)
     xs, (w_gate, w_up) = _reference_operands(x[routing.sorted_pairs // routing.top_k], (w_gate, w_up), scales,
-                                             scale_block, block_k, routing.block_m, transposed)  # xs [M, K]
+                                             scale_block, block_k, routing.block_m)  # xs [M, K]
     g = jnp.einsum("mk,mkn->mn", xs, w_gate[e], preferred_element_type=jnp.float32)
     u = jnp.einsum("mk,mkn->mn", xs, w_up[e], preferred_element_type=jnp.float32)
     return (jax.nn.silu(g) * u).astype(x.dtype)
 
 
 @functools.partial(jax.jit, static_argnames=_REFERENCE_STATIC)
-def moe_down_reference(h, routing: MoeRouting, w_down, scale=None, *, scale_block=None, block_k=None,
-                       transposed=False):
+def moe_down_reference(h, routing: MoeRouting, w_down, scale=None, *, scale_block=None, block_k=None):
     e = _row_experts(routing)[routing.pair_rows.reshape(-1)]  # [T*k]
     hp, (w_down,) = _reference_operands(h[routing.pair_rows.reshape(-1)], (w_down,),  # hp [T*k, I]
-                                        None if scale is None else (scale,), scale_block, block_k, routing.block_m,
-                                        transposed)
+                                        None if scale is None else (scale,), scale_block, block_k, routing.block_m)
     y = jnp.einsum("pi,pih->ph", hp, w_down[e], preferred_element_type=jnp.float32)
     return (y * routing.topk_weights.reshape(-1, 1)).astype(h.dtype)

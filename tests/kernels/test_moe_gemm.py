@@ -113,36 +113,32 @@ def test_grouped_gemms_lower_for_cuda():
         assert f"moe_gate_up_m{block_m}" in text and f"moe_down_m{block_m}" in text
 
 
-# Block-FP8 experts: (tokens, experts, hidden, intermediate, top_k, block_m, scale block, dtype, transposed). The tiny
-# checkpoints' 16 x 16 blocks (column tiles spanning several blocks: a scale per column), and real checkpoints' 128 x
-# 128 (a scale per tile; at 64-row blocks two K tiles per scale block). transposed: the values [E, out, in], as the
-# engine keeps them (fp8.kernel_layout).
+# Block-FP8 experts [E, out, in], as the engine keeps them (fp8.kernel_layout): (tokens, experts, hidden,
+# intermediate, top_k, block_m, scale block, dtype). The tiny checkpoints' 16 x 16 blocks (column tiles spanning several
+# blocks: a scale per column), and real checkpoints' 128 x 128 (a scale per tile; at 64-row blocks two K tiles per
+# scale block).
 FP8_CASES = [
-    pytest.param(1, 4, 64, 32, 2, 16, (16, 16), jnp.float32, False, id="t1-f32-b16"),
-    pytest.param(1, 4, 64, 48, 2, 16, (16, 16), jnp.float32, True, id="t1-f32-b16-t"),
-    pytest.param(8, 4, 128, 128, 2, 16, (128, 128), jnp.bfloat16, True, id="t8-bf16-b128-t"),
-    pytest.param(24, 2, 128, 128, 2, 64, (128, 128), jnp.float32, True, id="t24-f32-b128-m64-t"),
+    pytest.param(1, 4, 64, 48, 2, 16, (16, 16), jnp.float32, id="t1-f32-b16"),
+    pytest.param(8, 4, 128, 128, 2, 16, (128, 128), jnp.bfloat16, id="t8-bf16-b128"),
+    pytest.param(24, 2, 128, 128, 2, 64, (128, 128), jnp.float32, id="t24-f32-b128-m64"),
 ]
 FP8_GPU_CASES = [  # Qwen3-30B-A3B's experts
-    pytest.param(t, 128, 2048, 768, 8, bm, (128, 128), jnp.bfloat16, tr, id=f"30b-a3b-t{t}" + "-t" * tr)
-    for t, bm in ((1, 16), (16, 16), (512, 64)) for tr in (False, True)]
+    pytest.param(t, 128, 2048, 768, 8, bm, (128, 128), jnp.bfloat16, id=f"30b-a3b-t{t}")
+    for t, bm in ((1, 16), (16, 16), (512, 64))]
 
 
 def fp8_setup(tokens, experts, hidden, inter, top_k, block_m, block, dtype):
-    """setup's inputs with the experts block-FP8 (jinfer.models.fp8.quantize of the float32 weights)."""
+    """setup's inputs with the experts block-FP8 (jinfer.models.fp8.quantize of the float32 weights), [E, out, in]."""
     x, logits, r, *ws = setup(tokens, experts, hidden, inter, top_k, block_m, jnp.float32)
-    return x.astype(dtype), logits, r, *(quantize(w, block) for w in ws)
+    return x.astype(dtype), logits, r, *(fp8.transpose(quantize(w, block)) for w in ws)
 
 
-@pytest.mark.parametrize("mode,tokens,experts,hidden,inter,top_k,block_m,block,dtype,transposed",
+@pytest.mark.parametrize("mode,tokens,experts,hidden,inter,top_k,block_m,block,dtype",
                          by_mode(FP8_CASES, FP8_CASES + FP8_GPU_CASES))
-def test_fp8_grouped_gemms_match_reference(mode, tokens, experts, hidden, inter, top_k, block_m, block, dtype,
-                                           transposed):
+def test_fp8_grouped_gemms_match_reference(mode, tokens, experts, hidden, inter, top_k, block_m, block, dtype):
     x, logits, r, wg, wu, wd = fp8_setup(tokens, experts, hidden, inter, top_k, block_m, block, dtype)
-    if transposed:
-        wg, wu, wd = (fp8.transpose(w) for w in (wg, wu, wd))
     interpret = mode == "interpret"
-    kw = {"scale_block": block, "transposed": transposed}
+    kw = {"scale_block": block}
     h = moe_gate_up(x, r, wg.w, wu.w, (wg.scale, wu.scale), interpret=interpret, **kw)
     rows = np.asarray(r.pair_rows).ravel()
     ref_h = moe_gate_up_reference(x, r, wg.w, wu.w, (wg.scale, wu.scale), **kw)
@@ -157,8 +153,8 @@ def test_fp8_grouped_gemms_match_reference(mode, tokens, experts, hidden, inter,
 
 def test_fp8_argument_errors():
     x, logits, r, wg, wu, wd = fp8_setup(8, 4, 64, 32, 2, 16, (16, 16), jnp.float32)
-    with pytest.raises(ValueError, match="needs its scales"):
-        moe_gate_up(x, r, wg.w, wu.w, interpret=True)
+    with pytest.raises(ValueError, match="needs its scales"):  # (e4m3 values as a plain weight's [E, in, out])
+        moe_gate_up(x, r, jnp.swapaxes(wg.w, 1, 2), jnp.swapaxes(wu.w, 1, 2), interpret=True)
     with pytest.raises(ValueError, match="scale must be float32"):
         moe_gate_up(x, r, wg.w, wu.w, (wg.scale, wu.scale[:, :1]), scale_block=(16, 16), interpret=True)
     with pytest.raises(ValueError, match="scales go with a float8_e4m3fn weight"):
@@ -177,16 +173,16 @@ def test_fp8_grouped_gemms_lower_for_cuda():
 
     def mlp(x, logits, wg, wu, wd, sg, su, sd, block_m):
         r = moe_route(logits, top_k=8, block_m=block_m)
-        h = moe_gate_up(x, r, wg, wu, (sg, su), scale_block=(128, 128), transposed=True)
-        return moe_combine(moe_down(h, r, wd, sd, scale_block=(128, 128), transposed=True), 8, x.dtype)
+        h = moe_gate_up(x, r, wg, wu, (sg, su), scale_block=(128, 128))
+        return moe_combine(moe_down(h, r, wd, sd, scale_block=(128, 128)), 8, x.dtype)
 
     for tokens, block_m in ((1, 16), (2048, 64)):
         text = lower_for_cuda(lambda *a, bm=block_m: mlp(*a, bm), S((tokens, 2048), bf), S((tokens, 128), bf),
                               S((128, 768, 2048), f8), S((128, 768, 2048), f8), S((128, 2048, 768), f8),
                               S((128, 16, 6), f32), S((128, 16, 6), f32), S((128, 6, 16), f32))
         k = 128 if block_m == 16 else 64
-        assert f"moe_gate_up_m{block_m}_n{64 if block_m == 16 else 128}_k{k}_fp8t" in text
-        assert f"moe_down_m{block_m}_n{64 if block_m == 16 else 128}_k{k}_fp8t" in text
+        assert f"moe_gate_up_m{block_m}_n{64 if block_m == 16 else 128}_k{k}_fp8" in text
+        assert f"moe_down_m{block_m}_n{64 if block_m == 16 else 128}_k{k}_fp8" in text
 
 
 def test_model_moe_block_mosaic_path_matches_reference(monkeypatch):
@@ -225,10 +221,12 @@ def test_model_moe_block_fp8_experts_on_the_kernels():
     e, hidden, inter, shared_inter, top_k, tokens, block = 4, 64, 32, 32, 2, 3, (16, 16)
     rng = np.random.default_rng(1)
     w = lambda s, scale=1.0: normal(rng, s, scale=scale * hidden**-0.5)  # noqa: E731
-    wg, wu, wd = (quantize(w(s), block) for s in ((e, hidden, inter), (e, hidden, inter), (e, inter, hidden)))
+    # (the experts' and the fused MLP's FP8 values [out, in], as fp8.kernel_layout keeps them)
+    wg, wu, wd = (fp8.transpose(quantize(w(s), block))
+                  for s in ((e, hidden, inter), (e, hidden, inter), (e, inter, hidden)))
     shared = tuple(quantize(w(s), block) for s in ((hidden, shared_inter), (hidden, shared_inter),
                                                    (shared_inter, hidden), (hidden, 1)))
-    shared = (*(fp8.transpose(q) for q in shared[:3]), shared[3])  # (the fused MLP's FP8 [out, in]: kernel_layout)
+    shared = (*(fp8.transpose(q) for q in shared[:3]), shared[3])
     router = w((hidden, e), 8.0)
     x = normal(rng, (tokens, hidden))
     norm = jnp.ones(hidden)

@@ -128,7 +128,7 @@ def test_fp8_lowers_for_the_gpu():
             x, n, w, c, sn, sl, qn, kn, k, v, cnt, num_heads=32, num_kv_heads=8, wqkv_scale=sc, scale_block=(128, 128)),
         s((1, h), b), s((h,), b), s((48 * 128, h), f8), s((1, 128), b), s((1, 128), b), s((1,), i32), s((128,), b),
         s((128,), b), cache, cache, s((1024,), i32), s((32, 48), jnp.float32))
-    assert "norm_qkv_rope_write_k128_s2_fp8_nk" in text
+    assert "norm_qkv_rope_write_k128_s8_fp8_nk" in text  # (8 K splits: default_k_splits)
 
 
 def test_default_k_splits():
@@ -139,6 +139,13 @@ def test_default_k_splits():
     assert default_k_splits(24, 2048, 128) == 4
     assert default_k_splits(80, 4096, 128) == 1
     assert default_k_splits(24, 384, 128) == 1  # 3 K tiles do not split
+    # FP8: past one wave, while each split keeps 4 K tiles and the partials a quarter of the weight's bytes
+    assert default_k_splits(48, 4096, 128, fp8=True) == 8  # Qwen3-8B: 384 programs
+    assert default_k_splits(48, 4096, 128, fp8=True, tokens=8) == 8
+    assert default_k_splits(48, 4096, 128, fp8=True, tokens=32) == 4
+    assert default_k_splits(48, 4096, 128, fp8=True, tokens=64) == 2
+    assert default_k_splits(48, 2560, 128, fp8=True) == 4  # Qwen3-4B: 20 tiles
+    assert default_k_splits(24, 384, 128, fp8=True) == 1
 
 
 def test_check_supported():
