@@ -1,4 +1,4 @@
-"""Tokenizer (a `tokenizers.Tokenizer` built from tokenizer.json or from GGUF metadata), chat templates,
+"""Tokenizer (a `tokenizers.Tokenizer` built from tokenizer.json, a tiktoken file or GGUF metadata), chat templates,
 and the incremental detokenizer used for streaming.
 
 A GGUF carries no tokenizer.json, only llama.cpp's description of one (tokens, merges, token types,
@@ -148,7 +148,8 @@ class Tokenizer:
 
     @classmethod
     def from_pretrained(cls, path: str | Path) -> Tokenizer:
-        """From a directory with tokenizer.json (HF layout), a .gguf file, or a directory holding one GGUF."""
+        """From a directory with tokenizer.json (HF layout) or a tiktoken BPE file (Kimi-K2's: tokenizer_tiktoken.py), a
+        .gguf file, or a directory holding one GGUF."""
         p = Path(path)
         if p.is_file() and p.suffix == ".gguf":
             from jinfer.weights.gguf_meta import read_metadata
@@ -160,6 +161,10 @@ class Tokenizer:
             raise ValueError(f"tokenizer path {str(p)!r} is neither a directory nor a .gguf file")
         if (p / "tokenizer.json").is_file():
             return cls._from_hf_dir(p)
+        from jinfer.tokenizer_tiktoken import find_file
+
+        if (tiktoken_file := find_file(p)) is not None:
+            return cls._from_hf_dir(p, tiktoken_file)
         ggufs = sorted(p.glob("*.gguf"))
         first_shards = [g for g in ggufs if re.search(r"-0*1-of-\d+\.gguf$", g.name)]
         if len(ggufs) > 1 and len(first_shards) == 1:  # split GGUF: the metadata is in the first part
@@ -167,12 +172,26 @@ class Tokenizer:
         if len(ggufs) == 1:
             return cls.from_pretrained(ggufs[0])
         found = f"several GGUF files ({', '.join(g.name for g in ggufs)})" if ggufs else "no .gguf file"
-        raise ValueError(f"no usable tokenizer in {str(p)!r}: no tokenizer.json and {found}")
+        raise ValueError(f"no usable tokenizer in {str(p)!r}: no tokenizer.json, no tiktoken file and {found}")
+
+    @staticmethod
+    def found_in(path: str | Path) -> bool:
+        """Whether `from_pretrained(path)` has a tokenizer to read: a GGUF, tokenizer.json or a tiktoken file."""
+        from jinfer.tokenizer_tiktoken import find_file
+
+        p = Path(path)
+        return p.is_file() or (p / "tokenizer.json").is_file() or (p.is_dir() and find_file(p) is not None)
 
     @classmethod
-    def _from_hf_dir(cls, d: Path) -> Tokenizer:
-        backend = HFTokenizer.from_file(str(d / "tokenizer.json"))
+    def _from_hf_dir(cls, d: Path, tiktoken_file: Path | None = None) -> Tokenizer:
+        """An HF directory's tokenizer: tokenizer.json, or a tiktoken BPE file (tokenizer_tiktoken.py)."""
         cfg = _read_json(d / "tokenizer_config.json")
+        if tiktoken_file is None:
+            backend = HFTokenizer.from_file(str(d / "tokenizer.json"))
+        else:
+            from jinfer.tokenizer_tiktoken import build
+
+            backend = build(d, tiktoken_file, cfg, _byte_alphabet())
         model_cfg, gen_cfg = _read_json(d / "config.json"), _read_json(d / "generation_config.json")
 
         template = cfg.get("chat_template")

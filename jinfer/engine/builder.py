@@ -148,10 +148,18 @@ def _load_tokenizer(config: EngineConfig, source_path, tokenizer: Tokenizer | No
         path = resolve_path(config.tokenizer, revision=revision, download_dir=config.download_dir, field="tokenizer")
         tokenizer = Tokenizer.from_pretrained(path)
     elif tokenizer is None and source_path is not None:
-        if source_path.is_file() or (source_path / "tokenizer.json").exists():
-            path, tokenizer = source_path, Tokenizer.from_pretrained(source_path)
+        if Tokenizer.found_in(source_path):
+            try:
+                path, tokenizer = source_path, Tokenizer.from_pretrained(source_path)
+            except ValueError as e:  # a tiktoken file without its split pattern (a snapshot taken without the module)
+                if source_path.is_file() or (source_path / "tokenizer.json").is_file():
+                    raise
+                path = None
+                log.warning("%s: its tiktoken tokenizer does not load (%s): prompts must be token ids, outputs carry "
+                            "no text", source_path, e)
         else:
-            log.warning("%s has no tokenizer.json: prompts must be token ids, outputs carry no text", source_path)
+            log.warning("%s has no tokenizer (tokenizer.json, a tiktoken file): prompts must be token ids, outputs "
+                        "carry no text", source_path)
     if config.chat_template is not None:
         if tokenizer is None:
             raise ValueError("chat_template= needs a tokenizer: this model has none (give tokenizer=)")

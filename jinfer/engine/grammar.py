@@ -13,7 +13,7 @@ its sequence: it goes when the sequence finishes or is aborted, and preemption d
 tokens it consumed stay the sequence's tokens).
 
 The tokenizer llguidance needs is the model's own (`Tokenizer.backend`, a `tokenizers` object built
-from tokenizer.json or from a GGUF's vocabulary), serialized to JSON once per engine (~0.2 s for a
+from tokenizer.json, a tiktoken file or a GGUF's vocabulary), serialized to JSON once per engine (~0.2 s for a
 49k vocabulary). Its EOS ids are the engine's: a grammar that accepts lets them through, and one that
 can go no further allows nothing else.
 """

@@ -18,7 +18,8 @@ log = logging.getLogger(__name__)
 _REPO_ID = re.compile(r"^[A-Za-z0-9][\w.-]*(/[A-Za-z0-9][\w.-]*)?$")
 # What a safetensors checkpoint, its tokenizer and its chat template need: not the .bin / .gguf / ONNX copies
 # that many repositories carry besides (often several times the model's size).
-ALLOW_PATTERNS = ["*.json", "*.safetensors", "*.jinja", "*.txt", "*.model", "*.tiktoken"]
+# (tokenization_*.py: a tiktoken tokenizer's split pattern is read from it, never run: jinfer/tokenizer_tiktoken.py)
+ALLOW_PATTERNS = ["*.json", "*.safetensors", "*.jinja", "*.txt", "*.model", "*.tiktoken", "tokenization_*.py"]
 
 
 def _offline() -> bool:

@@ -187,7 +187,7 @@ def test_hf_directory_roundtrip(tok: Tokenizer, tmp_path: Path) -> None:
 def test_from_pretrained_errors(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="neither a directory nor a .gguf"):
         Tokenizer.from_pretrained(tmp_path / "missing")
-    with pytest.raises(ValueError, match="no tokenizer.json and no .gguf file"):
+    with pytest.raises(ValueError, match="no tokenizer.json, no tiktoken file and no .gguf file"):
         Tokenizer.from_pretrained(tmp_path)
     (tmp_path / "a.gguf").write_bytes(b"x")
     (tmp_path / "b.gguf").write_bytes(b"x")
