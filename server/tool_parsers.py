@@ -10,6 +10,12 @@ pythonic calls go through `ast` with literal values only.
   or `[TOOL_CALLS]name[ARGS]{...}` per call (v11 and later: Mistral Small 3.2, Magistral, Devstral).
 - pythonic: the whole output is a Python list of calls with keyword arguments, `[f(a=1, b="x"), g()]` (Llama
   3.2 / 4's pythonic template, ToolACE), optionally inside `<|python_start|>...<|python_end|>`.
+- kimi_k2: `<|tool_calls_section_begin|><|tool_call_begin|>functions.NAME:IDX<|tool_call_argument_begin|>{...}
+  <|tool_call_end|>...<|tool_calls_section_end|>` (Kimi-K2); the model's `functions.NAME:IDX` is the call's id, which
+  Kimi's template writes back into the history.
+- deepseek_v3: `<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>NAME\n```json\n{...}\n```
+  <｜tool▁call▁end｜>...<｜tool▁calls▁end｜>` (DeepSeek-V3, R1); deepseek_v31:
+  `<｜tool▁call▁begin｜>NAME<｜tool▁sep｜>{...}<｜tool▁call▁end｜>` in the same section (DeepSeek-V3.1 and later).
 """
 
 from __future__ import annotations
@@ -17,6 +23,7 @@ from __future__ import annotations
 import ast
 import json
 import re
+from collections.abc import Callable
 from dataclasses import dataclass
 
 _WS = " \t\r\n"
@@ -33,6 +40,7 @@ class Call:
     name: str | None  # None until the name's string is complete
     arguments: str | None  # raw JSON text of the arguments so far (None: not started)
     complete: bool = False
+    id: str | None = None  # the call's id where the model writes one (kimi_k2), else the server makes one
 
 
 # ---- incremental JSON scanning -------------------------------------------------------------------------
@@ -329,5 +337,63 @@ def parse_pythonic(text: str, final: bool) -> tuple[str, list[Call]]:
     return "", calls
 
 
+# ---- marked sections (Kimi-K2, DeepSeek) ---------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class _Markers:
+    sections: tuple[str, ...]  # what opens the calls' section (content is the text before it)
+    begin: str  # what opens a call
+    header_end: str  # what ends the call's header (its name, or id), before the arguments
+    name: Callable[[str], tuple[str, str | None]]  # header -> (name, the model's id or None)
+
+
+def _marked(m: _Markers, text: str, final: bool) -> tuple[str, list[Call]]:
+    found = [i for i in (text.find(t) for t in m.sections) if i >= 0]
+    if not found:
+        hold = 0 if final else max(partial_suffix(text, t) for t in m.sections)
+        return text[:len(text) - hold], []
+    start = min(found)
+    calls, pos = [], text.find(m.begin, start)
+    while pos >= 0:
+        k = pos + len(m.begin)
+        h = text.find(m.header_end, k)
+        if h < 0:
+            break  # the header is not complete yet
+        name, call_id = m.name(text[k:h])
+        j = skip_ws(text, h + len(m.header_end))
+        end = scan_value(text, j, final) if j < len(text) else None
+        calls.append(Call(name, text[j:end] if end is not None else text[j:] or None, end is not None, call_id))
+        if end is None:
+            break
+        pos = text.find(m.begin, end)
+    return text[:start], calls
+
+
+def _kimi_name(header: str) -> tuple[str, str]:
+    call_id = header.strip()  # functions.get_weather:0
+    return call_id.rsplit(":", 1)[0].split(".", 1)[-1], call_id
+
+
+_DS_SECTION, _DS_BEGIN, _DS_SEP = "<｜tool▁calls▁begin｜>", "<｜tool▁call▁begin｜>", "<｜tool▁sep｜>"
+_KIMI = _Markers(("<|tool_calls_section_begin|>", "<|tool_call_section_begin|>"), "<|tool_call_begin|>",
+                 "<|tool_call_argument_begin|>", _kimi_name)
+_DEEPSEEK_V3 = _Markers((_DS_SECTION,), _DS_BEGIN, "```json", lambda h: (h.split(_DS_SEP)[-1].strip(), None))
+_DEEPSEEK_V31 = _Markers((_DS_SECTION,), _DS_BEGIN, _DS_SEP, lambda h: (h.strip(), None))
+
+
+def parse_kimi_k2(text: str, final: bool) -> tuple[str, list[Call]]:
+    return _marked(_KIMI, text, final)
+
+
+def parse_deepseek_v3(text: str, final: bool) -> tuple[str, list[Call]]:
+    return _marked(_DEEPSEEK_V3, text, final)
+
+
+def parse_deepseek_v31(text: str, final: bool) -> tuple[str, list[Call]]:
+    return _marked(_DEEPSEEK_V31, text, final)
+
+
 PARSERS = {"hermes": parse_hermes, "llama3_json": parse_llama3, "mistral": parse_mistral,
-           "pythonic": parse_pythonic}
+           "pythonic": parse_pythonic, "kimi_k2": parse_kimi_k2, "deepseek_v3": parse_deepseek_v3,
+           "deepseek_v31": parse_deepseek_v31}

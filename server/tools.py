@@ -6,7 +6,7 @@ writes back becomes `message.tool_calls` (and `delta.tool_calls` pieces when str
 - "none": plain text (the template still sees the tools, as in vLLM).
 - "auto": the model decides; a parser reads its calls out of the text. It needs the server's
   `--enable-auto-tool-choice --tool-call-parser NAME` (vLLM's flags): hermes (alias qwen), llama3_json,
-  mistral or pythonic (server/tool_parsers.py: the formats).
+  mistral, pythonic, kimi_k2, deepseek_v3 or deepseek_v31 (server/tool_parsers.py: the formats).
 - "required": the grammar engine forces a JSON array of `{"name": <one of the tools>, "parameters":
   <its schema>}` objects (one only with `parallel_tool_calls: false`), so the output always parses.
 - a named function: the grammar forces that function's parameters schema; the output is the arguments.
@@ -33,7 +33,8 @@ from server.errors import InvalidRequest
 from server.tool_parsers import PARSERS, Call, parse_array, scan_value, skip_ws
 
 TOOL_PARSERS = {"hermes": "hermes", "qwen": "hermes", "llama3_json": "llama3_json", "mistral": "mistral",
-                "pythonic": "pythonic"}
+                "pythonic": "pythonic", "kimi_k2": "kimi_k2", "deepseek_v3": "deepseek_v3",
+                "deepseek_v31": "deepseek_v31"}
 _NAME = re.compile(r"^[A-Za-z0-9_.:-]{1,64}$")
 _ALNUM = string.ascii_letters + string.digits
 
@@ -66,7 +67,8 @@ class ToolPlan:
     def message(self, text: str) -> tuple[str | None, list[dict[str, Any]]]:
         """Non-streaming: the message's content and its `tool_calls`."""
         content, calls = self.parse(text, True)
-        tool_calls = [function_call(self.new_call_id(), c.name, c.arguments or "") for c in calls if c.name is not None]
+        tool_calls = [function_call(c.id or self.new_call_id(), c.name, c.arguments or "") for c in calls
+                      if c.name is not None]
         if not tool_calls:
             return text if self.mode == "auto" else content, []
         return (content if content and content.strip() else None), tool_calls
@@ -108,7 +110,7 @@ class ToolStream:
             if i == len(self.ids):
                 if call.name is None:
                     break
-                self.ids.append(self.plan.new_call_id())
+                self.ids.append(call.id or self.plan.new_call_id())
                 self.args_sent.append(len(args))
                 pieces.append({"index": i, **function_call(self.ids[i], call.name, args)})
             elif len(args) > self.args_sent[i]:

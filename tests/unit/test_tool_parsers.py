@@ -1,4 +1,5 @@
-"""Tool-call parsing on fixed model outputs (Hermes / Qwen, Llama 3 JSON, Mistral, pythonic, the forced formats): the
+"""Tool-call parsing on fixed model outputs (Hermes / Qwen, Llama 3 JSON, Mistral, pythonic, Kimi-K2, DeepSeek-V3 /
+V3.1, the forced formats): the
 non-streaming message, and streaming fed in every possible piece size, whose assembled result (the
 way the openai client assembles `delta.tool_calls`) must equal it."""
 
@@ -14,6 +15,11 @@ HERMES = ToolPlan("auto", parser="hermes")
 LLAMA = ToolPlan("auto", parser="llama3_json")
 MISTRAL = ToolPlan("auto", parser="mistral")
 PYTHONIC = ToolPlan("auto", parser="pythonic")
+KIMI = ToolPlan("auto", parser="kimi_k2")
+DSV3, DSV31 = ToolPlan("auto", parser="deepseek_v3"), ToolPlan("auto", parser="deepseek_v31")
+KIMI_TEXT = ('Let me check.<|tool_calls_section_begin|><|tool_call_begin|>functions.get_weather:0'
+             '<|tool_call_argument_begin|>{"city": "Beijing"}<|tool_call_end|><|tool_call_begin|> functions.ns.find:1 '
+             '<|tool_call_argument_begin|> {"q": "}<|tool_call_end|>"}<|tool_call_end|><|tool_calls_section_end|>')
 # brackets and quotes inside strings, a triple-quoted string, a tuple, Llama 4's tags
 TRICKY = "<|python_start|>[f(a=[1, {'k': (2, 'x)]')}], b='''q\"), ''', c=-1.5, d=True)]<|python_end|>"
 WEATHER = {"type": "function", "function": {"name": "get_weather", "parameters": {
@@ -51,6 +57,15 @@ CASES = [  # plan, model output, expected content, expected [(name, arguments)]
     (PYTHONIC, "[f(1)]", "[f(1)]", []),  # positional arguments: not vLLM's format
     (PYTHONIC, "[f(x=open('/etc/passwd'))]", "[f(x=open('/etc/passwd'))]", []),  # literals only, never evaluated
     (PYTHONIC, "[f(x={1, 2})]", "[f(x={1, 2})]", []),  # a set has no JSON form
+    (KIMI, KIMI_TEXT, "Let me check.",
+     [("get_weather", '{"city": "Beijing"}'), ("ns.find", '{"q": "}<|tool_call_end|>"}')]),
+    (KIMI, "Text with <|tool_call_begin|> alone.", "Text with <|tool_call_begin|> alone.", []),
+    (DSV3, 'Sure.<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>get_weather\n```json\n'
+           '{"city": "Paris"}\n```<｜tool▁call▁end｜>\n<｜tool▁call▁begin｜>function<｜tool▁sep｜>b\n```json\n{}\n```'
+           '<｜tool▁call▁end｜><｜tool▁calls▁end｜>',
+     "Sure.", [("get_weather", '{"city": "Paris"}'), ("b", "{}")]),
+    (DSV31, '<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>get_weather<｜tool▁sep｜>{"city": "Paris"}<｜tool▁call▁end｜>'
+            '<｜tool▁calls▁end｜>', None, [("get_weather", '{"city": "Paris"}')]),
 ]
 
 
@@ -74,7 +89,7 @@ def test_message_and_every_streaming_split_agree(plan, text, content, calls):
     got_content, tool_calls = plan.message(text)
     assert got_content == content
     assert [(c["function"]["name"], c["function"]["arguments"]) for c in tool_calls] == calls
-    assert all(c["id"].startswith("chatcmpl-tool-") or plan is MISTRAL for c in tool_calls)
+    assert all(c["id"].startswith("chatcmpl-tool-") or plan in (MISTRAL, KIMI) for c in tool_calls)
     assert all(c["type"] == "function" for c in tool_calls)
     for call in tool_calls:
         json.loads(call["function"]["arguments"])
@@ -107,6 +122,17 @@ def test_mistral_ids_fit_its_template_and_pythonic_calls_come_whole():
     assert PYTHONIC.message("[f(x=1), g(") == ("[f(x=1), g(", [])
     assert PYTHONIC.message("[f(x=1)] and then text") == ("[f(x=1)] and then text", [])
     assert PYTHONIC.message("  ") == ("  ", [])
+
+
+def test_kimi_call_ids_are_the_models():
+    """Kimi's template writes each call's id back into the history (`<|tool_call_begin|>{{ id }}...`): the id is the
+    one the model wrote, in the message and in the stream's headers."""
+    _, calls = KIMI.message(KIMI_TEXT)
+    assert [c["id"] for c in calls] == ["functions.get_weather:0", "functions.ns.find:1"]
+    stream = ToolStream(KIMI)
+    ids = [p["id"] for end in range(1, len(KIMI_TEXT) + 1) for p in stream.update(KIMI_TEXT[:end], False)[1]
+           if "id" in p]
+    assert ids == ["functions.get_weather:0", "functions.ns.find:1"]
 
 
 def test_truncated_call_keeps_what_was_written():
