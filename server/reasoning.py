@@ -7,6 +7,12 @@
 - deepseek_r1: the chat template already opened `<think>` (DeepSeek-R1, QwQ, Qwen3-*-Thinking-2507), so the
   output starts inside the reasoning: everything before `</think>` is reasoning (a leading `<think>` is
   dropped), and an output that never closes it is all reasoning.
+- kimi_k2: deepseek_r1's split, and a tool-call section (`<|tool_calls_section_begin|>`) also ends the reasoning
+  (Kimi-K2-Thinking may call a tool without closing it; the section stays in the content for the tool parser).
+  Off (all content) with `chat_template_kwargs` `{"thinking": false}`.
+- deepseek_v3: off unless the request's `chat_template_kwargs` turn thinking on (`{"thinking": true}`: DeepSeek-V3.1
+  and later), then deepseek_r1's split.
+  (`reasoning_parser` says which split a request takes.)
 
 A think block still open at the end (max_tokens reached while thinking) is reasoning for both parsers, streamed
 or not, so that a stream and a plain response always agree (vLLM's qwen3 returns it as content when not
@@ -17,7 +23,18 @@ streaming). Tool calls are read from the content only (server/generation.py). Ta
 from __future__ import annotations
 
 START, END = "<think>", "</think>"
-REASONING_PARSERS = ("deepseek_r1", "qwen3")
+REASONING_PARSERS = ("deepseek_r1", "deepseek_v3", "kimi_k2", "qwen3")
+# what else ends the reasoning, kept in the content: Kimi's tool-call section (both of its spellings)
+_TOOL_SECTIONS = {"kimi_k2": ("<|tool_calls_section_begin|>", "<|tool_call_section_begin|>")}
+
+
+def reasoning_parser(parser: str | None, template_kwargs: dict) -> str | None:
+    """The split a request takes under `--reasoning-parser parser`: None (all content) where its chat template
+    kwargs turn thinking off (kimi_k2, on by default) or leave it off (deepseek_v3, off by default)."""
+    if parser not in ("kimi_k2", "deepseek_v3"):
+        return parser
+    thinking = template_kwargs.get("thinking", template_kwargs.get("enable_thinking", parser == "kimi_k2"))
+    return ("kimi_k2" if parser == "kimi_k2" else "deepseek_r1") if thinking else None
 
 
 def _partial_suffix(text: str, tag: str) -> int:
@@ -39,11 +56,14 @@ def split(parser: str, text: str, final: bool = True) -> tuple[str | None, str |
     elif parser == "qwen3":
         return None, text  # no think block: all content
     else:
-        body = text  # deepseek_r1: the template opened the block
-    end = body.find(END)
-    if end < 0:
-        return body[:len(body) - (0 if final else _partial_suffix(body, END))], None
-    return body[:end], body[end + len(END):] or None
+        body = text  # deepseek_r1, kimi_k2: the template opened the block
+    ends = [(i, len(END)) for i in [body.find(END)] if i >= 0]
+    ends += [(i, 0) for i in (body.find(t) for t in _TOOL_SECTIONS.get(parser, ())) if i >= 0]
+    if not ends:
+        hold = 0 if final else max(_partial_suffix(body, t) for t in (END, *_TOOL_SECTIONS.get(parser, ())))
+        return body[:len(body) - hold], None
+    end, skip = min(ends)
+    return body[:end], body[end + skip:] or None
 
 
 class ReasoningStream:

@@ -16,6 +16,7 @@ from typing import Any
 from jinfer.errors import InvalidParam
 from jinfer.sampling_params import INT32_MAX, SamplingParams
 from server.errors import InvalidRequest, from_invalid_param
+from server.reasoning import reasoning_parser
 from server.structured import parse_structured_outputs
 from server.tools import history_fields, parse_tools
 
@@ -318,6 +319,7 @@ def parse_chat(body: Any, ctx: ServingContext) -> GenerationRequest:
     plp = _prompt_logprobs(body, kw, names)
     params = _build_params(_with_generation_defaults(body, kw, ctx, [ids]), names)
     # a grammar-constrained output has no think block (the grammar holds from its first token)
-    reasoning = ctx.reasoning_parser if forced is None and structured is None else None
+    reasoning = reasoning_parser(ctx.reasoning_parser, template_kwargs) if forced is None and structured is None \
+        else None
     return GenerationRequest(True, model, [ids], [text], params, stream, include_usage, False, top, tools=tool_plan,
                              param_names=names, reasoning=reasoning, prompt_logprobs=plp)

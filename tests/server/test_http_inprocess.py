@@ -78,6 +78,26 @@ def test_deepseek_r1_output_starts_inside_reasoning_and_no_parser_means_no_field
     assert msg["content"] == "<think>a</think>b" and "reasoning_content" not in msg
 
 
+def test_kimi_thinking_ends_at_a_tool_call_and_deepseek_v3_thinks_when_asked():
+    """kimi_k2: reasoning up to the tool-call section (no </think>), which the kimi_k2 tool parser reads; off with
+    `thinking: false`. deepseek_v3: all content unless `thinking: true`, then R1's split."""
+    kimi = ["Weather?", "<|tool_calls_section_begin|><|tool_call_begin|>functions.get_weather:0",
+            '<|tool_call_argument_begin|>{"city": "Oslo"}<|tool_call_end|><|tool_calls_section_end|>']
+    c = client(kimi, reasoning_parser="kimi_k2", tool_parser="kimi_k2")
+    msg = c.post(CHAT, json={"messages": MSG, "tools": TOOLS}).json()["choices"][0]["message"]
+    assert msg["reasoning_content"] == "Weather?" and msg["content"] is None
+    assert msg["tool_calls"][0]["id"] == "functions.get_weather:0"
+    assert msg["tool_calls"][0]["function"] == {"name": "get_weather", "arguments": '{"city": "Oslo"}'}
+    off = {"messages": MSG, "chat_template_kwargs": {"thinking": False}}
+    assert "reasoning_content" not in client(["a</think>b"], reasoning_parser="kimi_k2").post(CHAT, json=off).json()[
+        "choices"][0]["message"]
+    c = client(["Hmm", ".</think>", "4"], reasoning_parser="deepseek_v3")
+    assert c.post(CHAT, json={"messages": MSG}).json()["choices"][0]["message"]["content"] == "Hmm.</think>4"
+    msg = c.post(CHAT, json={"messages": MSG, "chat_template_kwargs": {"thinking": True}}).json()["choices"][0][
+        "message"]
+    assert (msg["reasoning_content"], msg["content"]) == ("Hmm.", "4")
+
+
 def test_chat_template_kwargs_reach_the_template():
     c = client(["x"])
     r = c.post(CHAT, json={"messages": MSG, "chat_template_kwargs": {"tools": []}})

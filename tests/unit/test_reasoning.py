@@ -16,6 +16,11 @@ CASES = [  # parser, model output, expected (reasoning_content, content)
     ("deepseek_r1", "<think>Hmm.</think>4.", ("Hmm.", "4.")),
     ("deepseek_r1", "no end tag: all reasoning", ("no end tag: all reasoning", None)),
     ("deepseek_r1", "a </th b </think> c", ("a </th b ", " c")),
+    ("kimi_k2", "<think>Plan.</think>Done.", ("Plan.", "Done.")),
+    # a tool call ends the reasoning, the section stays in the content (for the tool parser)
+    ("kimi_k2", "Need the weather.<|tool_calls_section_begin|><|tool_call_begin|>functions.w:0",
+     ("Need the weather.", "<|tool_calls_section_begin|><|tool_call_begin|>functions.w:0")),
+    ("kimi_k2", "a <|tool_calls b</think>c", ("a <|tool_calls b", "c")),
 ]
 
 
@@ -43,3 +48,14 @@ def test_streaming_holds_back_partial_tags():
     assert ReasoningStream("qwen3").update("Hello", False) == ("", "Hello", "Hello")
     assert ReasoningStream("deepseek_r1").update("  <th", False) == ("", "", "")
     assert ReasoningStream("deepseek_r1").update("  <ta", False) == ("  <ta", "", "")
+
+
+def test_thinking_by_the_requests_template_kwargs():
+    """kimi_k2 thinks unless `{"thinking": false}`; deepseek_v3 only with `{"thinking": true}` (then R1's split)."""
+    from server.reasoning import reasoning_parser
+
+    assert reasoning_parser("kimi_k2", {}) == "kimi_k2" and reasoning_parser("kimi_k2", {"thinking": False}) is None
+    assert reasoning_parser("deepseek_v3", {}) is None
+    assert reasoning_parser("deepseek_v3", {"thinking": True}) == "deepseek_r1"
+    assert reasoning_parser("qwen3", {"enable_thinking": False}) == "qwen3"  # (its template leaves no tags)
+    assert ReasoningStream("kimi_k2").update("x<|tool_calls_sec", False) == ("x", "", "")  # held back: may end it
