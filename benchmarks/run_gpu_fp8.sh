@@ -4,7 +4,7 @@
 #   dense    the decode kernels at Qwen3-8B's shapes (bench_dense fp8): $OUT/dense_fp8_${SHAPE}.json
 #   moe      the MoE grouped GEMMs with block-FP8 experts vs bf16 at Qwen3-30B-A3B's shapes, 1 / 8 / 16 / 4096 tokens
 #            (bench_moe --fp8: Triton on [E, out, in] and [E, in, out] experts; the Mosaic GPU grouped GEMMs, bf16 and
-#            e4m3, at 4096): $OUT/moe_fp8_$TAG.json
+#            e4m3, at 4096; MOE_TOKENS="4096": only those, within the time limit): $OUT/moe_fp8_$TAG.json
 #   latency  engine TPOT of dummy:<shape> and dummy:<shape>-fp8 in alternating processes, ROUNDS each:
 #            $OUT/fp8_latency_<shape>.json (every process, the medians, FP8 / bf16; benchmarks/latency_summary.py)
 #   ttft     TTFT of one 4096-token prompt, dummy:<shape> and <shape>-fp8, ROUNDS alternating processes x 3 runs:
@@ -39,7 +39,8 @@ if [[ $PARTS == *ttft* ]]; then  # TTFT of one 4096-token prompt, bf16 vs FP8 we
   done
 fi
 if [[ $PARTS == *moe* ]]; then
-  timeout 600 python3 -m benchmarks.bench_moe --fp8 --out "$OUT/moe_fp8_$TAG.json" | grep '^{"what' | python3 -c '
+  timeout 600 python3 -m benchmarks.bench_moe --fp8 --tokens ${MOE_TOKENS:-1 8 16 4096} --out "$OUT/moe_fp8_$TAG.json" \
+    | grep '^{"what' | python3 -c '
 import json, sys
 for line in sys.stdin:
     r = json.loads(line)
