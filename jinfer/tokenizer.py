@@ -34,6 +34,22 @@ _LLAMA3 = (
 )
 _QWEN2 = _LLAMA3.replace(r"\p{N}{1,3}", r"\p{N}")
 _DEFAULT = (r"[\p{P}\$\+<=>\^~\|]+", _GPT2, r"\p{N}+", r"[0-9][0-9][0-9]")
+# DeepSeek-V3 / R1 (tokenizer.json's three splits): digits in threes, CJK and kana runs, then words and punctuation
+_DEEPSEEK3 = (
+    r"\p{N}{1,3}",
+    "[\u4e00-\u9fa5\u3040-\u309f\u30a0-\u30ff]+",
+    r"""[!"#$%&'()*+,\-./:;<=>?@\[\\\]^_`{|}~][A-Za-z]+|[^\r\n\p{L}\p{P}\p{S}]?[\p{L}\p{M}]+| ?[\p{P}\p{S}]+[\r\n]*"""
+    r"|\s*[\r\n]+|\s+(?!\S)|\s+",
+)
+# Kimi-K2 / Moonlight (tokenization_kimi.py's pat_str): Han runs apart from the other letters (class intersection)
+_KIMI_K2 = "|".join((
+    r"[\p{Han}]+",
+    r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}&&[^\p{Han}]]*[\p{Ll}\p{Lm}\p{Lo}\p{M}&&[^\p{Han}]]+"
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)?",
+    r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}&&[^\p{Han}]]+[\p{Ll}\p{Lm}\p{Lo}\p{M}&&[^\p{Han}]]*"
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)?",
+    r"\p{N}{1,3}", r" ?[^\s\p{L}\p{N}]+[\r\n]*", r"\s*[\r\n]+", r"\s+(?!\S)", r"\s+",
+))
 _PRE_TOKENIZERS: dict[str, tuple[str, ...]] = {
     "default": _DEFAULT,
     **dict.fromkeys(("gpt2", "mpt", "olmo"), (_GPT2,)),
@@ -42,6 +58,8 @@ _PRE_TOKENIZERS: dict[str, tuple[str, ...]] = {
         ("llama3", "llama-v3", "llama-bpe", "falcon3", "pixtral", "dbrx", "smaug-bpe"), (_LLAMA3,)
     ),
     **dict.fromkeys(("qwen2", "deepseek-r1-qwen", "stablelm2", "megrez"), (_QWEN2,)),
+    "deepseek-v3": _DEEPSEEK3,
+    "kimi-k2": (_KIMI_K2,),
 }
 # llama.cpp matches whole vocabulary words before merging for the llama3 family (tokenizer.json's
 # "ignore_merges": true).
@@ -67,7 +85,8 @@ def _byte_alphabet() -> dict[int, str]:
 def _bpe_from_gguf(meta: Mapping[str, Any], tokens: list[str], types: list[int]) -> HFTokenizer:
     pre = meta.get("tokenizer.ggml.pre", "default")
     if pre not in _PRE_TOKENIZERS:
-        raise ValueError(f"unsupported GGUF pre-tokenizer {pre=}; supported: {sorted(_PRE_TOKENIZERS)}")
+        raise ValueError(f"unsupported GGUF pre-tokenizer {pre=}; supported: {sorted(_PRE_TOKENIZERS)} (or give the "
+                         "model's own tokenizer: --tokenizer / tokenizer= a Hub ID or directory)")
     alphabet = set(_byte_alphabet().values())
     byte_map = _byte_alphabet()
     vocab: dict[str, int] = {}

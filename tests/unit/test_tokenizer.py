@@ -221,12 +221,22 @@ def _byte_meta(pre: str, **extra) -> dict:
         ("smollm", ["x", "ĠĠ", "1", "2", "3", "4", "5", "6", "7", "Ġabc"]),
         ("llama-bpe", ["x", "Ġ", "Ġ", "123", "456", "7", "Ġabc"]),
         ("qwen2", ["x", "Ġ", "Ġ", "1", "2", "3", "4", "5", "6", "7", "Ġabc"]),
+        ("deepseek-v3", ["x", "ĠĠ", "123", "456", "7", "Ġabc"]),
+        ("kimi-k2", ["x", "Ġ", "Ġ", "123", "456", "7", "Ġabc"]),
     ],
 )
 def test_gguf_pre_tokenizers(pre: str, pieces: list[str]) -> None:
     t = Tokenizer.from_gguf_metadata(_byte_meta(pre))
     assert [p for p, _ in t.backend.pre_tokenizer.pre_tokenize_str("x  1234567 abc")] == pieces
     assert t.decode(t.encode("x  1234567 abc")) == "x  1234567 abc"
+
+
+def test_gguf_deepseek_v3_splits_cjk_runs_and_punctuation_words() -> None:
+    """DeepSeek-V3's splits: Han and kana runs apart from Latin words, a punctuation mark leading a word joins it."""
+    t = Tokenizer.from_gguf_metadata(_byte_meta("deepseek-v3"))
+    pieces = [p for p, _ in t.backend.pre_tokenizer.pre_tokenize_str("中文English ひらがな!abc")]
+    spell = lambda text: "".join(_byte_alphabet()[b] for b in text.encode())  # noqa: E731
+    assert pieces == [spell(p) for p in ("中文", "English", " ", "ひらがな", "!abc")]
 
 
 def test_gguf_added_tokens_and_bos() -> None:

@@ -184,3 +184,23 @@ def test_engine_serves_without_text_when_the_split_pattern_is_missing(tmp_path, 
     (d / "tokenization_kimi.py").write_text(MODULE)
     tok, path = _load_tokenizer(EngineConfig(model=str(d)), d, None)
     assert path == str(d) and tok.decode(tok.encode("中文English混合")) == "中文English混合"
+
+
+def test_kimi_gguf_encodes_as_tiktoken():
+    """Kimi-K2 as llama.cpp converts it (`tokenizer.ggml.pre` "kimi-k2", byte-level tokens, merges): tiktoken's ids."""
+    from jinfer.tokenizer import _byte_alphabet
+    from jinfer.tokenizer_tiktoken import _merge_parts
+
+    ranks, alphabet = learned_ranks(), _byte_alphabet()
+    spell = lambda b: "".join(alphabet[x] for x in b)  # noqa: E731
+    by_id = sorted(ranks, key=ranks.get)
+    merges = [" ".join(map(spell, parts)) for t in by_id if len(parts := _merge_parts(ranks, t)) == 2 and len(t) > 1]
+    n = len(ranks)
+    specials = [SPECIAL[i] if i < len(SPECIAL) else f"<|reserved_token_{n + i}|>" for i in range(256)]
+    meta = {"tokenizer.ggml.model": "gpt2", "tokenizer.ggml.pre": "kimi-k2",
+            "tokenizer.ggml.tokens": [spell(t) for t in by_id] + specials,
+            "tokenizer.ggml.token_type": [1] * n + [3] * 256, "tokenizer.ggml.merges": merges,
+            "tokenizer.ggml.bos_token_id": n, "tokenizer.ggml.eos_token_id": n + 1}
+    tok, ref = Tokenizer.from_gguf_metadata(meta), reference(ranks)
+    for text in TEXTS:
+        assert tok.encode(text, add_special_tokens=False) == ref.encode(text, allowed_special="all"), text
