@@ -62,8 +62,8 @@ _PRE_TOKENIZERS: dict[str, tuple[str, ...]] = {
     "kimi-k2": (_KIMI_K2,),
 }
 # llama.cpp matches whole vocabulary words before merging for the llama3 family (tokenizer.json's
-# "ignore_merges": true).
-_IGNORE_MERGES = {"llama3", "llama-v3", "llama-bpe"}
+# "ignore_merges": true) and Kimi-K2 (tiktoken's way: jinfer/tokenizer_tiktoken.py).
+_IGNORE_MERGES = {"llama3", "llama-v3", "llama-bpe", "kimi-k2"}
 # Tokens that end generation besides the GGUF's eos/eot/eom ids (llama.cpp's end-of-generation list).
 _EOG_TEXTS = set(
     "<|eot_id|> <|im_end|> <|end|> <end_of_turn> <|endoftext|> <|eom_id|> <EOT> <|end_of_text|> <|return|> "

@@ -204,3 +204,9 @@ def test_kimi_gguf_encodes_as_tiktoken():
     tok, ref = Tokenizer.from_gguf_metadata(meta), reference(ranks)
     for text in TEXTS:
         assert tok.encode(text, add_special_tokens=False) == ref.encode(text, allowed_special="all"), text
+    # whole pieces first, as tiktoken (and llama.cpp for "kimi-k2"): a token no merge replay reaches
+    whole = {bytes([b]): b for b in range(256)} | {b":.": 256, b".:": 257, b".:.:": 258}
+    meta |= {"tokenizer.ggml.tokens": [spell(t) for t in sorted(whole, key=whole.get)], "tokenizer.ggml.merges":
+             [f"{spell(b':')} {spell(b'.')}", f"{spell(b'.')} {spell(b':')}"], "tokenizer.ggml.token_type": [1] * 259,
+             "tokenizer.ggml.bos_token_id": None, "tokenizer.ggml.eos_token_id": None}
+    assert Tokenizer.from_gguf_metadata(meta).encode(".:.:", add_special_tokens=False) == [258]
