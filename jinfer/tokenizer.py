@@ -41,6 +41,11 @@ _DEEPSEEK3 = (
     r"""[!"#$%&'()*+,\-./:;<=>?@\[\\\]^_`{|}~][A-Za-z]+|[^\r\n\p{L}\p{P}\p{S}]?[\p{L}\p{M}]+| ?[\p{P}\p{S}]+[\r\n]*"""
     r"|\s*[\r\n]+|\s+(?!\S)|\s+",
 )
+# DeepSeek-Coder (V1 / V2: tokenizer.json's five splits): line breaks, letter runs, punctuation runs, CJK / Hangul runs,
+# single digits
+_DEEPSEEK_CODER = (
+    r"[\r\n]", r"\s?\p{L}+", r"\s?\p{P}+", "[\u4e00-\u9fa5\u0800-\u4e00\uac00-\ud7ff]+", r"\p{N}",
+)
 # Kimi-K2 / Moonlight (tokenization_kimi.py's pat_str): Han runs apart from the other letters (class intersection)
 _KIMI_K2 = "|".join((
     r"[\p{Han}]+",
@@ -59,6 +64,7 @@ _PRE_TOKENIZERS: dict[str, tuple[str, ...]] = {
     ),
     **dict.fromkeys(("qwen2", "deepseek-r1-qwen", "stablelm2", "megrez"), (_QWEN2,)),
     "deepseek-v3": _DEEPSEEK3,
+    "deepseek-coder": _DEEPSEEK_CODER,
     "kimi-k2": (_KIMI_K2,),
 }
 # llama.cpp matches whole vocabulary words before merging for the llama3 family (tokenizer.json's

@@ -222,6 +222,7 @@ def _byte_meta(pre: str, **extra) -> dict:
         ("llama-bpe", ["x", "Ġ", "Ġ", "123", "456", "7", "Ġabc"]),
         ("qwen2", ["x", "Ġ", "Ġ", "1", "2", "3", "4", "5", "6", "7", "Ġabc"]),
         ("deepseek-v3", ["x", "ĠĠ", "123", "456", "7", "Ġabc"]),
+        ("deepseek-coder", ["x", "ĠĠ", "1", "2", "3", "4", "5", "6", "7", "Ġabc"]),
         ("kimi-k2", ["x", "Ġ", "Ġ", "123", "456", "7", "Ġabc"]),
     ],
 )
@@ -231,12 +232,16 @@ def test_gguf_pre_tokenizers(pre: str, pieces: list[str]) -> None:
     assert t.decode(t.encode("x  1234567 abc")) == "x  1234567 abc"
 
 
-def test_gguf_deepseek_v3_splits_cjk_runs_and_punctuation_words() -> None:
+def test_gguf_deepseek_splits_cjk_runs_apart() -> None:
     """DeepSeek-V3's splits: Han and kana runs apart from Latin words, a punctuation mark leading a word joins it."""
     t = Tokenizer.from_gguf_metadata(_byte_meta("deepseek-v3"))
     pieces = [p for p, _ in t.backend.pre_tokenizer.pre_tokenize_str("中文English ひらがな!abc")]
     spell = lambda text: "".join(_byte_alphabet()[b] for b in text.encode())  # noqa: E731
     assert pieces == [spell(p) for p in ("中文", "English", " ", "ひらがな", "!abc")]
+    # DeepSeek-Coder's: letter runs with their space, then CJK / Hangul runs split out of them
+    t = Tokenizer.from_gguf_metadata(_byte_meta("deepseek-coder"))
+    pieces = [p for p, _ in t.backend.pre_tokenizer.pre_tokenize_str("f(x):\n return 中文 한국어")]
+    assert pieces == [spell(p) for p in ("f", "(", "x", "):", "\n", " return", " ", "中文", " ", "한국어")]
 
 
 def test_gguf_added_tokens_and_bos() -> None:
