@@ -22,10 +22,12 @@ streaming). Tool calls are read from the content only (server/generation.py). Ta
 
 from __future__ import annotations
 
+from server.tool_parsers import KIMI_SECTIONS, partial_suffix
+
 START, END = "<think>", "</think>"
 REASONING_PARSERS = ("deepseek_r1", "deepseek_v3", "kimi_k2", "qwen3")
-# what else ends the reasoning, kept in the content: Kimi's tool-call section (both of its spellings)
-_TOOL_SECTIONS = {"kimi_k2": ("<|tool_calls_section_begin|>", "<|tool_call_section_begin|>")}
+# what else ends the reasoning, kept in the content: Kimi's tool-call section
+_TOOL_SECTIONS = {"kimi_k2": KIMI_SECTIONS}
 
 
 def reasoning_parser(parser: str | None, template_kwargs: dict) -> str | None:
@@ -35,14 +37,6 @@ def reasoning_parser(parser: str | None, template_kwargs: dict) -> str | None:
         return parser
     thinking = template_kwargs.get("thinking", template_kwargs.get("enable_thinking", parser == "kimi_k2"))
     return ("kimi_k2" if parser == "kimi_k2" else "deepseek_r1") if thinking else None
-
-
-def _partial_suffix(text: str, tag: str) -> int:
-    """Length of the longest end of `text` that is a proper start of `tag` (held back while streaming)."""
-    for k in range(min(len(tag) - 1, len(text)), 0, -1):
-        if text.endswith(tag[:k]):
-            return k
-    return 0
 
 
 def split(parser: str, text: str, final: bool = True) -> tuple[str | None, str | None]:
@@ -60,7 +54,7 @@ def split(parser: str, text: str, final: bool = True) -> tuple[str | None, str |
     ends = [(i, len(END)) for i in [body.find(END)] if i >= 0]
     ends += [(i, 0) for i in (body.find(t) for t in _TOOL_SECTIONS.get(parser, ())) if i >= 0]
     if not ends:
-        hold = 0 if final else max(_partial_suffix(body, t) for t in (END, *_TOOL_SECTIONS.get(parser, ())))
+        hold = 0 if final else max(partial_suffix(body, t) for t in (END, *_TOOL_SECTIONS.get(parser, ())))
         return body[:len(body) - hold], None
     end, skip = min(ends)
     return body[:end], body[end + skip:] or None

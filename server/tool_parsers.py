@@ -376,8 +376,8 @@ def _kimi_name(header: str) -> tuple[str, str]:
 
 
 _DS_SECTION, _DS_BEGIN, _DS_SEP = "<｜tool▁calls▁begin｜>", "<｜tool▁call▁begin｜>", "<｜tool▁sep｜>"
-_KIMI = _Markers(("<|tool_calls_section_begin|>", "<|tool_call_section_begin|>"), "<|tool_call_begin|>",
-                 "<|tool_call_argument_begin|>", _kimi_name)
+KIMI_SECTIONS = ("<|tool_calls_section_begin|>", "<|tool_call_section_begin|>")  # (both of Kimi's spellings)
+_KIMI = _Markers(KIMI_SECTIONS, "<|tool_call_begin|>", "<|tool_call_argument_begin|>", _kimi_name)
 _DEEPSEEK_V3 = _Markers((_DS_SECTION,), _DS_BEGIN, "```json", lambda h: (h.split(_DS_SEP)[-1].strip(), None))
 _DEEPSEEK_V31 = _Markers((_DS_SECTION,), _DS_BEGIN, _DS_SEP, lambda h: (h.strip(), None))
 

@@ -240,6 +240,17 @@ def _record(rows: list, row: dict, argv) -> None:
             json.dump({"device": jax.devices()[0].device_kind, "jax": jax.__version__, "results": rows}, f, indent=1)
 
 
+def _record_launch(rows: list, row: dict, fn, x, weights: list, nbytes: int, interpret: bool, argv) -> None:
+    """`row` with fn(x, *w)'s device time over the weight copies `weights` and weight bytes / time (or the error of a
+    launch that does not compile: the others still run), recorded (`_record`)."""
+    try:
+        t = _time_us(lambda x, ws_: fn(x, *ws_), x, weights, reps=2 if interpret else 10)
+        row.update(time_us=t, weight_bytes=nbytes, tb_per_s=nbytes / t / 1e6)
+    except Exception as e:
+        row["error"] = str(e)[:200]
+    _record(rows, row, argv)
+
+
 def bench_fp8_skinny(argv: list[str] | None = None) -> None:
     """The block-FP8 skinny GEMM (skinny_gemm.py: e4m3 rows per 128 columns quantized in every program; [N, K]
     weights) at Qwen3-8B's o / gate (or up) / down shapes, 1 / 8 / 16 tokens: its default launch and a sweep of K
@@ -267,13 +278,8 @@ def bench_fp8_skinny(argv: list[str] | None = None) -> None:
                 if "k_splits" in cfg and cfg["k_splits"] * 128 * 8 > k:  # (each split >= 8 tiles)
                     continue
                 fn = functools.partial(skinny_gemm, scale_block=block, interpret=interpret, **cfg)
-                row = {"kernel": name, "tokens": tokens, "impl": "triton", **cfg}
-                try:
-                    t = _time_us(lambda x, ws_, fn=fn: fn(x, *ws_), x, wcopies, reps=2 if interpret else 10)
-                    row.update(time_us=t, weight_bytes=nbytes, tb_per_s=nbytes / t / 1e6)
-                except Exception as e:  # a launch that does not compile: recorded, the others still run
-                    row["error"] = str(e)[:200]
-                _record(rows, row, argv)
+                _record_launch(rows, {"kernel": name, "tokens": tokens, "impl": "triton", **cfg}, fn, x, wcopies,
+                               nbytes, interpret, argv)
 
 
 def bench_fp8_qkv(argv: list[str] | None = None) -> None:
@@ -293,14 +299,8 @@ def bench_fp8_qkv(argv: list[str] | None = None) -> None:
         copies = 1 if interpret else max(2, -(-400_000_000 // nbytes))
         wc = [((jnp.array(qw[0].T, copy=True),), qs) for _ in range(copies)]
         for cfg in configs:
-            row = {"kernel": "qkv", "tokens": tokens, "impl": "pallas_nk", **cfg}
-            try:
-                fn = functools.partial(call, **cfg)
-                t = _time_us(lambda x, ws_, fn=fn: fn(x, *ws_), x, wc, reps=2 if interpret else 10)
-                row.update(time_us=t, weight_bytes=nbytes, tb_per_s=nbytes / t / 1e6)
-            except Exception as e:  # a launch that does not compile: recorded, the others still run
-                row["error"] = str(e)[:200]
-            _record(rows, row, argv)
+            _record_launch(rows, {"kernel": "qkv", "tokens": tokens, "impl": "pallas_nk", **cfg},
+                           functools.partial(call, **cfg), x, wc, nbytes, interpret, argv)
 
 
 def bench_fp8_prefill(argv: list[str] | None = None) -> None:
