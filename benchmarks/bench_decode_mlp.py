@@ -31,7 +31,9 @@ from benchmarks.common import environment, write_result
 from jinfer.models.layers import rms_norm, swiglu_mlp
 from pallas_kernels.dense.fused_mlp import fused_swiglu_mlp
 
-SHAPES = {"qwen3.5-4b": (2560, 9216), "qwen3-4b": (2560, 9728), "qwen3-8b": (4096, 12288), "tiny": (64, 256)}
+SHAPES = {"qwen3.5-4b": (2560, 9216), "qwen3-4b": (2560, 9728), "qwen3-8b": (4096, 12288), "tiny": (64, 256),
+          # MoE layers' shared experts (one SwiGLU of their total width)
+          "deepseek-v2-lite-shared": (2048, 2816), "qwen3.5-35b-a3b-shared": (2048, 512)}
 EPS = 1e-6
 
 

@@ -39,6 +39,7 @@ def main() -> None:
     ap.add_argument("--max-matches", type=int, default=3, help="per distinct instruction name")
     ap.add_argument("--max-num-seqs", type=int, default=64, help="the engine's (the bucket's sequence count)")
     ap.add_argument("--max-model-len", type=int, default=4096)
+    ap.add_argument("--out", help="also write the whole optimized HLO module here")
     args = ap.parse_args()
     model = args.shape if "/" in args.shape else f"dummy:{args.shape}"
     core = EngineCore(EngineConfig(model=model, max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
@@ -48,6 +49,9 @@ def main() -> None:
     compiled = runner.forward_executable(T, runner.seqs_bucket(T), runner.page_buckets[-1], args.decode,
                                          background=True)  # a jax.stages.Compiled, not the lazy jit
     text = compiled.as_text()
+    if args.out:
+        with open(args.out, "w") as f:
+            f.write(text)
     comps = computations(text)
     pat = re.compile(args.pattern)
     seen: dict[str, int] = {}

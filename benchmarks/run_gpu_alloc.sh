@@ -13,12 +13,18 @@
 #   cbupdates  XLA's log of command-buffer updates during a batch-$CB_BATCH (default 1) decode (host_profile, variant
 #              $CB_VARIANT, default the engine's): how often a step's command buffer is re-recorded, for how many
 #              allocations and commands, and in how many us; $OUT/command_buffer_updates_<shape>_b<batch>_<variant>.txt
+#   hostprof   for every variant and shape: a batch-$CB_BATCH decode's host events per step (host_profile --profile, then
+#              trace_summary: the execution, command buffer update and cuGraphLaunch) and the GPU's busy time;
+#              $OUT/host_trace_<shape>_b<batch>_<variant>.txt
 #   ROUNDS=3 SHAPES="qwen3-8b-fp8 qwen3-8b" bash benchmarks/run_gpu_alloc.sh
 set -uo pipefail
 source benchmarks/gpu_env.sh
 PARTS=${PARTS:-latency}; VARIANTS=${VARIANTS:-default bfc skip_temp}; SHAPES=${SHAPES:-qwen3-8b-fp8 qwen3-8b}
 ROUNDS=${ROUNDS:-3}; BATCHES=${BATCHES:-1 8}; TIMEOUT=${TIMEOUT:-120}; OUTPUT_LEN=${OUTPUT_LEN:-128}; CB_BATCH=${CB_BATCH:-1}
 CB_VARIANT=${CB_VARIANT:-default}
+# (CB_VMODULE with command_buffer_cmd=5 also logs every recorded kernel argument's allocation slice and address: which
+# allocation moved between two updates; the whole log stays in /tmp/vlog_<shape>.txt)
+CB_VMODULE=${CB_VMODULE:-command_buffer_thunk=3,command_executor=1}
 mkdir -p /tmp/allocab
 variant_env() {
   case $1 in
@@ -32,13 +38,27 @@ variant_env() {
 }
 if [[ $PARTS == *cbupdates* ]]; then
   for s in $SHAPES; do
-    env $(variant_env "$CB_VARIANT") TF_CPP_VMODULE=command_buffer_thunk=3,command_executor=1 TF_CPP_MIN_LOG_LEVEL=0 \
+    env $(variant_env "$CB_VARIANT") TF_CPP_VMODULE=$CB_VMODULE TF_CPP_MIN_LOG_LEVEL=0 \
       timeout "$TIMEOUT" \
       python3 -m benchmarks.host_profile --shape "$s" --batch-size "$CB_BATCH" --output-len 64 --runs 1 --top 3 \
       > "/tmp/vlog_$s.txt" 2>&1
     { grep -E "^median" "/tmp/vlog_$s.txt"; grep -E "Update command buffer|Updated [0-9]+ commands" "/tmp/vlog_$s.txt" \
       | sed 's/^.*\] //' | sort | uniq -c | sort -rn; } > "$OUT/command_buffer_updates_${s}_b${CB_BATCH}_$CB_VARIANT.txt"
     echo "== $s"; head -8 "$OUT/command_buffer_updates_${s}_b${CB_BATCH}_$CB_VARIANT.txt"
+  done
+fi
+if [[ $PARTS == *hostprof* ]]; then
+  for v in $VARIANTS; do
+    for s in $SHAPES; do
+      rm -rf "/tmp/hp_$s@$v"
+      env $(variant_env "$v") timeout "$TIMEOUT" python3 -m benchmarks.host_profile --shape "$s" --batch-size "$CB_BATCH" \
+        --output-len 128 --runs 1 --top 3 --profile "/tmp/hp_$s@$v" > "/tmp/hp_$s@$v.log" 2>&1
+      steps=$(grep -h "^trace" "/tmp/hp_$s@$v.log" | awk '{print $2}')
+      { grep -h "^median" "/tmp/hp_$s@$v.log"
+        [[ -n $steps ]] && python3 -m benchmarks.trace_summary "$(find "/tmp/hp_$s@$v" -name '*.trace.json.gz' | head -1)" \
+          --steps "$steps" --top 12; } > "$OUT/host_trace_${s}_b${CB_BATCH}_$v.txt" 2>&1
+      echo "== $s $v"; head -16 "$OUT/host_trace_${s}_b${CB_BATCH}_$v.txt"
+    done
   done
 fi
 [[ $PARTS == *latency* ]] || exit 0

@@ -12,6 +12,8 @@
 #            a sequence's own >= 64 new tokens expanded, the rest absorbed), absorbed (JINFER_MLA_EXPAND_MIN_QUERY_LEN=0)
 #            or reference (JINFER_MLA_RAGGED_KERNEL=0: the jnp reference, the path before)
 #   mla_long the same for one 8k prompt (2048-token chunks, up to 6k tokens of context before a chunk)
+#   hostprof where a batch-1 decode step of dummy:deepseek-v2-lite goes: the host (cProfile, XLA's host events) and the
+#            GPU's kernels (benchmarks/host_profile.py --profile, then trace_summary): $OUT/host_profile_deepseek-v2-lite_$TAG.txt
 # JSON lands in $OUT (copy to benchmarks/results/); $TAG names the device in the file names (default h100).
 set -uo pipefail
 source benchmarks/gpu_env.sh
@@ -57,4 +59,13 @@ if [[ ,$PARTS, == *,mla_long,* ]]; then
   env $(mla_env) timeout 540 python3 -m benchmarks.bench_latency --shape deepseek-v2-lite --batch-sizes 1 \
       --input-len 8192 --output-len 32 --repeat 2 \
       --out "$OUT/latency_deepseek-v2-lite_8k_mla-${MLA:-kernel}_$TAG.json" | grep "^batch"
+fi
+if [[ ,$PARTS, == *,hostprof,* ]]; then
+  timeout 300 python3 -m benchmarks.host_profile --shape deepseek-v2-lite --batch-size 1 --output-len 128 --top 40 \
+    --profile /tmp/hostprof_ds --out "$OUT/host_profile_deepseek-v2-lite_$TAG.txt" > /tmp/hostprof_ds.log 2>&1
+  steps=$(grep -h "^trace" /tmp/hostprof_ds.log | awk '{print $2}')
+  grep -h "^median" /tmp/hostprof_ds.log; echo "== $steps steps"; tail -3 /tmp/hostprof_ds.log
+  [[ -n $steps ]] && python3 -m benchmarks.trace_summary "$(find /tmp/hostprof_ds -name '*.trace.json.gz' | head -1)" \
+    --steps "$steps" --top 40 > "$OUT/trace_summary_deepseek-v2-lite_b1_$TAG.txt"
+  sed -n 1,75p "$OUT/trace_summary_deepseek-v2-lite_b1_$TAG.txt"
 fi

@@ -65,7 +65,7 @@ if [[ $PARTS == *prefill* ]]; then
 import json, sys
 for line in sys.stdin:
     r = json.loads(line)
-    print(r["kernel"], r["tokens"], r["impl"], {k: r[k] for k in ("wg_dim", "max_steps", "grid_minor", "k_splits", "pingpong")
+    print(r["kernel"], r["tokens"], r["impl"], {k: r[k] for k in ("wg_dim", "max_steps", "grid_minor", "k_splits")
           if k in r}, r.get("time_us"), r.get("tflop_per_s"), r.get("weight_tb_per_s"), r.get("rel_err_vs_ref"),
           r.get("error", "")[:160])'
 fi

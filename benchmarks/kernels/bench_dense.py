@@ -305,7 +305,7 @@ def bench_fp8_qkv(argv: list[str] | None = None) -> None:
 
 def bench_fp8_prefill(argv: list[str] | None = None) -> None:
     """Block-FP8 GEMMs for prefill at Qwen3-8B's q|k|v / o / gate / down shapes, 4096 (and 1000, 32) tokens: the Mosaic
-    GPU e4m3 GEMM (fp8_gemm_mgpu.py: defaults and a sweep of its ring depth and the warpgroups' turns, pingpong; the
+    GPU e4m3 GEMM (fp8_gemm_mgpu.py: defaults and a sweep of its ring depth; the
     token quantization's own kernel included) against what the engine did before it (the weight
     dequantized to bf16, then XLA's GEMM) and XLA's GEMM of bf16 weights (a bf16 model's). Device time per call,
     TFLOP/s, and the kernel's largest difference from its jnp reference relative to the output's largest value. JSON
@@ -319,9 +319,9 @@ def bench_fp8_prefill(argv: list[str] | None = None) -> None:
     shapes = {"o": (256, 256)} if interpret else \
         {"qkv": (4096, 6144), "o": (4096, 4096), "gate": (4096, 12288), "down": (12288, 4096)}
     shapes = {k: v for k, v in shapes.items() if k in argv[1:]} or shapes  # (kernel names after the JSON path)
-    # (the 64 x 256 tiles, 6-slot rings and the grid's other order measured 1-3% slower: dense_fp8_prefill_sweep_h200)
-    sweep_ = [dict()] if interpret else [dict(), dict(max_steps=5), dict(pingpong=True),
-                                         dict(pingpong=True, max_steps=5)]
+    # (the 64 x 256 tiles, 6-slot rings and the grid's other order measured 1-3% slower: dense_fp8_prefill_sweep_h200;
+    # the warpgroups' wgmmas in turn, "ping-pong", 11-12%: dense_fp8_prefill_pingpong_h200)
+    sweep_ = [dict()] if interpret else [dict(), dict(max_steps=5)]
     rows = []
     record = functools.partial(_record, rows, argv=argv)
 

@@ -9,7 +9,8 @@ CLI, the benchmarks). JAX-free: the choices that depend on the device (is there 
 The defaults are the measured choices (H100 figures; docs/performance.md has the comparisons):
 - pallas_mlp_tokens: the fused Pallas MLP beat XLA only at T = 1 (63.7 vs 77.5 us). With the partials' padding gone
   it was still slower at decode batches 8 / 16 / 32 (TPOT 4.44 / 5.13 / 7.62 ms against XLA's 4.30 / 4.96 / 6.05;
-  latency_mlp_tokens_*_qwen3-4b_h100.json).
+  latency_mlp_tokens_*_qwen3-4b_h100.json). MoE layers' shared experts take the kernel at these sizes too
+  (DeepSeek-V2-Lite batch 1 on the H200: TPOT 3.18 vs 3.95 ms with them in XLA, ab_shared_fused_deepseek-v2-lite_h200).
 - qkv_rope_max_tokens: q/k norm + RoPE + the K/V write as one kernel up to here: at decode they are ~8 XLA kernels a
   layer of ~1.3 us launch latency each; prefill-sized steps keep XLA's fusions, which stream large inputs well.
 - norm_qkv_max_tokens: the input RMSNorm, the q|k|v projection and the above as one kernel
@@ -20,7 +21,8 @@ The defaults are the measured choices (H100 figures; docs/performance.md has the
   A launch with no idle SMs prefetches nothing (FP8 Qwen3-8B: 8 K splits of its 48 heads, 384 programs).
 - moe_front_max_tokens: a MoE block's RMSNorm + router + routing as one kernel (moe_router.moe_norm_route) up to
   here. Qwen3-30B-A3B decode steps: 3.60-3.63 vs 3.89 ms at batch 1, 4.19-4.28 vs 4.31 at 8; slower at 16 (5.23 vs
-  4.83: one K split there) and 32 (local_step_front*_qwen3-30b-a3b_h100.json).
+  4.83: one K split there) and 32 (local_step_front*_qwen3-30b-a3b_h100.json). DeepSeek-V2-Lite's softmax routing too
+  (float32 logits): TPOT 2.81 vs 3.31 ms at batch 1 (H200, ab_front_kernel_deepseek-v2-lite_h200.json).
 - mosaic_min_query_len: sequences with at least this many new tokens take the Mosaic GPU prefill kernel: a full tile
   (2 warpgroups x 64 query rows); shorter ones waste most of its rows. mosaic_min_step_tokens: steps of fewer tokens
   never launch it (decode batches, small chunks: its tile table and launch, ~0.1 ms a step over 36 layers, buy

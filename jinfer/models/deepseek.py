@@ -184,18 +184,18 @@ def write_latent(latent: jax.Array, rows: jax.Array, slot_mapping: jax.Array) ->
     return flat.reshape(latent.shape)
 
 
-def mlp(layer: MlaLayer, i: int, x: jax.Array, cfg: ModelConfig, ops: ModelOps, num_real: jax.Array | None = None
-        ) -> tuple:
-    """(x + the layer's MLP,), and a MoE layer given `num_real` its expert counts (`ModelOps.grouped_moe_block`)."""
+def mlp(layer: MlaLayer, i: int, x: jax.Array, cfg: ModelConfig, ops: ModelOps, counters: jax.Array | None = None,
+        num_real: jax.Array | None = None) -> tuple:
+    """(x + the layer's MLP, counters), and a MoE layer given `num_real` its expert counts
+    (`ModelOps.grouped_moe_block`; `counters`: the step's, `ModelOps.step_counters`, passed on)."""
     if not cfg.is_moe_layer(i):
-        return (ops.mlp_block(x, layer.mlp_norm, layer.w_gate, layer.w_up, layer.w_down, cfg.rms_norm_eps),)
+        return ops.mlp_block(x, layer.mlp_norm, layer.w_gate, layer.w_up, layer.w_down, cfg.rms_norm_eps), counters
     shared = (layer.ws_gate, layer.ws_up, layer.ws_down) if layer.ws_gate is not None else None
-    out = ops.grouped_moe_block(x, layer.mlp_norm, layer.router, layer.router_bias, layer.w_gate, layer.w_up,
-                                layer.w_down, shared, top_k=cfg.num_experts_per_tok, n_group=cfg.n_group,
-                                topk_group=cfg.topk_group, sigmoid=cfg.scoring_func == "sigmoid",
-                                renormalize=cfg.norm_topk_prob, scaling=cfg.routed_scaling_factor,
-                                eps=cfg.rms_norm_eps, num_real=num_real)
-    return out if num_real is not None else (out,)
+    return ops.grouped_moe_block(x, layer.mlp_norm, layer.router, layer.router_bias, layer.w_gate, layer.w_up,
+                                 layer.w_down, shared, top_k=cfg.num_experts_per_tok, n_group=cfg.n_group,
+                                 topk_group=cfg.topk_group, sigmoid=cfg.scoring_func == "sigmoid",
+                                 renormalize=cfg.norm_topk_prob, scaling=cfg.routed_scaling_factor,
+                                 eps=cfg.rms_norm_eps, counters=counters, num_real=num_real)
 
 
 def forward(weights: Weights, batch: Batch, kv_cache: tuple[tuple[jax.Array], ...], cfg: ModelConfig,
@@ -211,10 +211,11 @@ def forward(weights: Weights, batch: Batch, kv_cache: tuple[tuple[jax.Array], ..
     cos, sin = (cos * factor).astype(x.dtype), (sin * factor).astype(x.dtype)
     new_cache, captured, loads = [], {}, []
     record = {"num_real": real_tokens(batch)} if expert_load else {}
+    counters = ops.step_counters(x.shape[0])
     for i, (layer, (latent,)) in enumerate(zip(weights.layers, kv_cache, strict=True)):
         captured[i] = x
         x, latent = mla_attention(layer, x, cos, sin, latent, batch, cfg, ops)
-        x, *load = mlp(layer, i, x, cfg, ops, **record)
+        x, counters, *load = mlp(layer, i, x, cfg, ops, counters, **record)
         loads += load
         new_cache.append((latent,))
     logits = lm_head_logits(weights, x, batch, cfg, ops)

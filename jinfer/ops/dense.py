@@ -195,16 +195,20 @@ class DenseOps:
         return x + self.reduce(out)
 
     def swiglu(self, h: jax.Array, w_gate: jax.Array, w_up: jax.Array, w_down: jax.Array) -> jax.Array:
-        """The SwiGLU MLP of rows already normed (a MoE block's shared experts; a partial sum when sharded): block-FP8
-        weights in steps of <= fp8_max_tokens on the fused kernel, which reads them, else XLA's fusion."""
-        out = self._fused_mlp(h, None, w_gate, w_up, w_down, 1e-6, False)
+        """The SwiGLU MLP of rows already normed (a MoE block's shared experts; a partial sum when sharded) on the fused
+        kernel where `mlp_block` takes it (block-FP8 weights in steps of <= fp8_max_tokens, which it reads; bf16 ones in
+        steps of `pallas_mlp_tokens`), else XLA's fusion. (At one token XLA turns the three dots into multiplies and
+        reductions: DeepSeek-V2-Lite's shared experts, 35 MB, took ~52 us a layer of a batch-1 step, the kernel 19.)"""
+        out = self._fused_mlp(h, None, w_gate, w_up, w_down, 1e-6, h.shape[0] in self.policy.pallas_mlp_tokens,
+                              narrow=True)
         return swiglu_mlp(h, w_gate, w_up, w_down) if out is None else out
 
-    def _fused_mlp(self, x, norm, w_gate, w_up, w_down, eps, plain: bool) -> jax.Array | None:
+    def _fused_mlp(self, x, norm, w_gate, w_up, w_down, eps, plain: bool, narrow: bool = False) -> jax.Array | None:
         """The fused SwiGLU kernel's output (its RMSNorm prologue where `norm` is given), or None where XLA's path
         runs: the kernel takes block-FP8 weights in steps of <= fp8_max_tokens (the jnp path would dequantize them),
         plain ones where `plain`. Larger steps with block-FP8 weights run gate, up and down on the e4m3 GEMM
-        (`_fp8_gemm`), SwiGLU between them in XLA."""
+        (`_fp8_gemm`), SwiGLU between them in XLA. `narrow` (shared experts): plain weights in `narrow_block_i`'s
+        blocks, whatever the policy's launch for the dense MLP says."""
         if self._fp8_gemm(x.shape[0], w_gate, w_up, w_down):
             h = x if norm is None else rms_norm(x, norm, eps)
             act = jax.nn.silu(self.fp8_gemm(h, w_gate).astype(jnp.float32)) * self.fp8_gemm(h, w_up)
@@ -213,10 +217,12 @@ class DenseOps:
         if self.backend != "pallas" or not (plain or fp8) or x.shape[1] % 16 or w_gate.shape[1] % 16 \
                 or (operands := fp8_operands("fused_mlp", w_gate, w_up, w_down, transposed=True)) is None:
             return None
-        from pallas_kernels.dense.fused_mlp import fits_tiles_per_step, fused_swiglu_mlp
+        from pallas_kernels.dense.fused_mlp import fits_tiles_per_step, fused_swiglu_mlp, narrow_block_i
 
         (wg, wu, wd), scales, block = operands
         launch = self.policy.launch_args("fused_mlp")
+        if narrow and scales is None:
+            launch["block_i"] = narrow_block_i(wg.shape[1])
         if scales is not None:  # (Qwen3-8B at 1 / 8 tokens on the H200: two K tiles a step, decode_mlp_fp8_swap_h200)
             launch = {"tiles_per_step": 2 if fits_tiles_per_step(x.shape[1], block, 2) else 1} | launch
         return fused_swiglu_mlp(x, wg, wu, wd, norm, scales, scale_block=block, eps=eps, interpret=self.interpret,

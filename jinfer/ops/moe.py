@@ -9,18 +9,21 @@ against 251 for the Triton kernels; at 512 and 1024 tokens it was weight-bound a
 kernels were not measured there, so they keep those steps; moe_kernels_h100.json, moe_mgpu_h100.json). The
 reference is `layers.moe_mlp` (`lax.ragged_dot`). DeepSeek chooses its experts in XLA (`layers.grouped_topk_routing`:
 group-limited top-k, V3's sigmoid and correction bias), then `moe_route_chosen` lays them out and the same expert
-kernels run.
+kernels run; its softmax routing without groups or bias (V2-Lite) takes the one-kernel front end in small steps, with
+float32 logits (DeepSeek-V2-Lite batch-1 TPOT, medians of 3 host-bound processes: 2.81 vs 3.31 ms, runs 2.70-3.43 vs
+2.98-3.92; ab_front_kernel_deepseek-v2-lite_h200.json).
 
 Block-FP8 experts (`Fp8Weight`, values [E, out, in]: fp8.kernel_layout) run on the Triton GEMMs: they read the e4m3
 tiles (K-major, as FP8 tensor cores take a GEMM's right side) and their scales and meet them with the rows quantized
 to e4m3 per K tile (a scale per row, FP8 dots). Steps past `mosaic_moe_min_rows_per_expert` rows per expert take the
 grouped Mosaic GPU e4m3 GEMM instead (moe_fp8_mgpu.py; 128 x 128 blocks). Unmeasured: bench_moe.py --fp8 times them.
 Experts the kernels cannot read (FP8 mixed with plain) take `layers.moe_mlp`, which dequantizes (`refuse_fp8`).
-Shared experts go through `DenseOps.swiglu` (FP8: the fused MLP kernel in small steps, the e4m3 GEMM in large ones).
+Shared experts go through `DenseOps.swiglu` (the fused MLP kernel in small steps, FP8's e4m3 GEMM in large ones).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
@@ -96,36 +99,54 @@ class MoeOps:
     def grouped_moe_block(self, x: jax.Array, norm: jax.Array, router: jax.Array, bias: jax.Array | None,
                           w_gate: jax.Array, w_up: jax.Array, w_down: jax.Array, shared: tuple[jax.Array, ...] | None,
                           *, top_k: int, n_group: int, topk_group: int, sigmoid: bool, renormalize: bool,
-                          scaling: float, eps: float, num_real: jax.Array | None = None
-                          ) -> jax.Array | tuple[jax.Array, jax.Array]:
-        """DeepSeekMoE: x + routed experts + shared experts (`shared`: their (gate, up, down), or None) of
-        rms_norm(x), routed by `layers.grouped_topk_routing` on float32 router logits, as HF computes them (in XLA);
-        its weights carry the routed scaling factor, as HF's router applies it. The routed experts run as
+                          scaling: float, eps: float, counters: jax.Array | None = None,
+                          num_real: jax.Array | None = None) -> tuple:
+        """DeepSeekMoE: (x + routed experts + shared experts (`shared`: their (gate, up, down), or None) of
+        rms_norm(x), counters), routed by `layers.grouped_topk_routing` on float32 router logits, as HF computes them
+        (in XLA); its weights carry the routed scaling factor, as HF's router applies it. The routed experts run as
         `moe_block`'s do (`moe_routing.moe_route_chosen` lays the chosen pairs out for the grouped GEMMs), the shared
-        ones in XLA. Sharded as `moe_block` (tensor or expert parallel, one psum). `num_real`: as `moe_block`'s
-        (then returns (x, the layer's `expert_counts`))."""
+        ones on `shared_expert`. Softmax routing without groups or bias (DeepSeek-V2-Lite) is `moe_block`'s, so a
+        small step given the step's `counters` takes its one-kernel front end (`moe_norm_route`, float32 logits).
+        Sharded as `moe_block` (tensor or expert parallel, one psum). `num_real`: as `moe_block`'s (then also returns
+        the layer's `expert_counts`)."""
         num_experts, hidden, inter = w_gate.shape
-        h = rms_norm(x, norm, eps)
-        logits = self.project(h, router, preferred_element_type=jnp.float32)  # [T, E]
-        weights, ids = grouped_topk_routing(logits, bias, top_k=top_k, n_group=n_group, topk_group=topk_group,
-                                            sigmoid=sigmoid, renormalize=renormalize, scaling=scaling)
+        tokens, experts = x.shape[0], router.shape[1]
         first = None
-        if num_experts != router.shape[1]:  # expert parallel: this device's experts
+        if num_experts != experts:  # expert parallel: this device's experts
             first = jax.lax.axis_index(self.axis) * num_experts
-        if kernels := self._moe_kernels(hidden, inter, w_gate, w_up, w_down):
-            from pallas_kernels.moe.moe_routing import moe_route_chosen
+        kernels = self._moe_kernels(hidden, inter, w_gate, w_up, w_down)
+        if kernels and counters is not None and not sigmoid and bias is None and n_group <= 1 \
+                and tokens <= self.policy.moe_front_max_tokens and _front_supported(tokens, hidden, experts) \
+                and x.dtype == norm.dtype == getattr(router, "dtype", None):
+            from pallas_kernels.moe.moe_router import moe_norm_route
 
-            def route(block_m):
-                return moe_route_chosen(ids, weights, num_experts=router.shape[1], block_m=block_m,
-                                        interpret=self.interpret)
-
-            y, _ = self._routed_experts(h, route, kernels, first, top_k, router.shape[1])
+            h, routing, counters = moe_norm_route(x, norm, router, counters, top_k=top_k, renormalize=renormalize,
+                                                  block_m=moe_block_m(tokens * top_k, experts), eps=eps,
+                                                  round_logits=False, interpret=self.interpret,
+                                                  **self.policy.launch_args("moe_norm_route"))
+            if scaling != 1.0:
+                routing = dataclasses.replace(routing, topk_weights=routing.topk_weights * scaling)
+            y, _ = self._routed_experts(h, None, kernels, first, top_k, experts, routing)
+            ids = routing.topk_ids
         else:
-            y = moe_mlp(h, logits, w_gate, w_up, w_down, top_k, renormalize, first, routed=(weights, ids))
+            h = rms_norm(x, norm, eps)
+            logits = self.project(h, router, preferred_element_type=jnp.float32)  # [T, E]
+            weights, ids = grouped_topk_routing(logits, bias, top_k=top_k, n_group=n_group, topk_group=topk_group,
+                                                sigmoid=sigmoid, renormalize=renormalize, scaling=scaling)
+            if kernels:
+                from pallas_kernels.moe.moe_routing import moe_route_chosen
+
+                def route(block_m):
+                    return moe_route_chosen(ids, weights, num_experts=experts, block_m=block_m,
+                                            interpret=self.interpret)
+
+                y, _ = self._routed_experts(h, route, kernels, first, top_k, experts)
+            else:
+                y = moe_mlp(h, logits, w_gate, w_up, w_down, top_k, renormalize, first, routed=(weights, ids))
         if shared is not None:
             y = y + self.shared_expert(h, *shared)
         x = x + self.reduce(y)
-        return x if num_real is None else (x, expert_counts(ids, num_real, router.shape[1]))
+        return (x, counters) if num_real is None else (x, counters, expert_counts(ids, num_real, experts))
 
     def _moe_kernels(self, hidden, inter, *weights) -> tuple | None:
         """The routed experts' operands for the grouped-GEMM kernels, as `dense.fp8_operands` gives them ((w_gate,
@@ -176,8 +197,8 @@ class MoeOps:
 
     def shared_expert(self, h: jax.Array, w_gate: jax.Array, w_up: jax.Array, w_down: jax.Array,
                       gate: jax.Array | None = None) -> jax.Array:
-        """A shared expert's output for the normed rows h [T, hidden]: SwiGLU (`DenseOps.swiglu`: block-FP8 weights
-        in small steps on the fused MLP kernel, else XLA), times sigmoid(h @ gate) per row where the model gates it
+        """A shared expert's output for the normed rows h [T, hidden]: SwiGLU (`DenseOps.swiglu`: the fused MLP kernel
+        in small steps, else XLA or FP8's e4m3 GEMM), times sigmoid(h @ gate) per row where the model gates it
         (Qwen3.5-MoE's `shared_expert_gate`, [hidden, 1]). Sharded, its columns are this device's: a partial sum
         (the gate is replicated, so scaling before the block's psum is the same)."""
         y = self.swiglu(h, w_gate, w_up, w_down)

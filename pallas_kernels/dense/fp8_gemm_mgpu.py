@@ -19,7 +19,8 @@ TFLOP/s at Qwen3-8B's shapes and 4096 tokens on an H200, against 663-834 for XLA
   the running sum times the step's weight scale (a scalar: a warpgroup's 128 columns are one scale block, read from
   GMEM a step ahead) and its rows' scales (a [64] vector the ring brings with the tiles, in the accumulator's row
   layout). Both warpgroups wait for the same slots, so their rescales tend to coincide, leaving the tensor
-  cores idle meanwhile (~57% of FP8 peak); `pingpong` makes them issue their wgmmas in turn (unmeasured).
+  cores idle meanwhile (~57% of FP8 peak). Making them issue their wgmmas in turn (two barriers, "ping-pong") was
+  measured 11-12% slower at Qwen3-8B's shapes and 4096 tokens (dense_fp8_prefill_pingpong_h200.json) and removed.
 - Epilogue: the sum cast to bf16, a TMA store from a staging buffer per warpgroup.
 - Split-K (`k_splits`) for decode-sized steps, where the output has too few tiles to keep the SMs streaming weights:
   work items are (K split, tile), each split writes its float32 partial, and the wrapper's XLA fusion sums them.
@@ -63,7 +64,7 @@ def cta_tile(wg_dim: str) -> tuple[int, int]:
 
 
 def _kernel(x_gmem, xs_gmem, w_gmem, ws_gmem, *refs, wg_dim: str, max_steps: int, grid_minor: int,
-            grid_width: int, k_splits: int, grouped: bool, pingpong: bool):
+            grid_width: int, k_splits: int, grouped: bool):
     # xs_gmem [K / 128, M]: the rows' scales per 128 columns; grouped: refs = (be_gmem [M / cta_m] int32, out_gmem),
     # w_gmem [E, N, K], ws_gmem [E, K / 128, N / 128]
     be_gmem, out_gmem = refs if grouped else (None, *refs)
@@ -97,13 +98,10 @@ def _kernel(x_gmem, xs_gmem, w_gmem, ws_gmem, *refs, wg_dim: str, max_steps: int
         pl.run_scoped,
         allocs=pipeline(ignore, ignore).get_allocations(x_gmem, w_gmem.at[0] if grouped else w_gmem, xs_gmem),
         out_smem=plgpu.SMEM((2, WG_ROWS, WG_COLS), out_gmem.dtype, transforms=out_tiles),
-        turn=plgpu.Barrier(num_barriers=2),  # pingpong: warpgroup w may issue its next wgmma once turn[w] completes
         collective_axes="wg",
     )
-    def _scope(allocs, out_smem, turn):
+    def _scope(allocs, out_smem):
         wg = lax.axis_index("wg")
-        if pingpong:  # warpgroup 0 goes first
-            pl.when(wg == 0)(lambda: plgpu.barrier_arrive(turn.at[0]))
 
         @plgpu.nd_loop((k_splits * m_iters * n_iters,), collective_axes="cta")
         def _tiles(info):
@@ -138,11 +136,7 @@ def _kernel(x_gmem, xs_gmem, w_gmem, ws_gmem, *refs, wg_dim: str, max_steps: int
                 total, scale = carry
 
                 def step(acc_ref):
-                    if pingpong:  # the warpgroups' wgmmas alternate, so one's rescale runs under the other's wgmma
-                        plgpu.barrier_wait(turn.at[wg])
                     plgpu.wgmma(acc_ref, a_smem.at[a_rows], b_smem.at[b_rows].transpose((1, 0)))
-                    if pingpong:
-                        plgpu.barrier_arrive(turn.at[1 - wg])
                     return acc_ref[...]
 
                 product = pl.run_scoped(step, plgpu.ACC((WG_ROWS, WG_COLS), jnp.float32))
@@ -159,8 +153,6 @@ def _kernel(x_gmem, xs_gmem, w_gmem, ws_gmem, *refs, wg_dim: str, max_steps: int
 
             pl.when(expert >= 0)(run) if grouped else run()
 
-        if pingpong:  # warpgroup 1's last turn: every completed phase observed
-            pl.when(wg == 0)(lambda: plgpu.barrier_wait(turn.at[0]))
         plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
 
@@ -176,14 +168,15 @@ def default_config(m: int, n: int, k: int, num_sms: int = _H100_SMS) -> dict:
     """wg_dim ("m": 128 x 128 CTA tiles, a weight tile serving 128 rows), max_steps (the ring: 32 KB a slot), the
     grid's order (planar snake, `grid_width` tiles wide along the minor dimension) and k_splits.
 
-    The sweep at Qwen3-8B's shapes and 4096 tokens (H200, dense_fp8_prefill_sweep_h200.json, when the rows had one
-    scale over all of K): "m" with 4 slots was the fastest or within 1% everywhere (1086 / 1022 / 1155 / 1075 TFLOP/s
-    for q|k|v / o / gate / down); 6 slots 1-3% slower, "n" 1-3% slower, the grid's order within 1%.
+    The sweep at Qwen3-8B's shapes and 4096 tokens (H200, dense_fp8_prefill_sweep_h200.json): "m" with 4 slots was the
+    fastest or within 1% everywhere; 6 slots 1-3% slower, "n" 1-3% slower, the grid's order within 1%. With the rows
+    scaled per 128 columns: 1115 / 1109 / 1130 / 1135 TFLOP/s for q|k|v / o / gate / down, 5 slots 3% slower
+    (dense_fp8_prefill_pingpong_h200.json).
 
     k_splits: where the output has fewer tiles than half the SMs (decode-sized steps past fp8_max_tokens: Qwen3-8B's
     o and down have 32 tiles at up to 128 tokens, and such a step streams the weights), K is split in powers of two
     until the work items would pass the SMs, each split >= 4 K steps. Reasoned, not yet measured."""
-    cfg = {"wg_dim": "m", "max_steps": 4, "grid_minor": 0, "grid_width": 8, "k_splits": 1, "pingpong": False}
+    cfg = {"wg_dim": "m", "max_steps": 4, "grid_minor": 0, "grid_width": 8, "k_splits": 1}
     cta_m, cta_n = cta_tile(cfg["wg_dim"])
     tiles, k_steps = -(-m // cta_m) * (n // cta_n), k // BLOCK_K
     while tiles * cfg["k_splits"] * 2 <= num_sms and k_steps % (cfg["k_splits"] * 2) == 0 \
@@ -203,11 +196,11 @@ def _num_ctas(interpret: bool) -> int:
 
 
 @functools.partial(jax.jit, static_argnames=("scale_block", "wg_dim", "max_steps", "grid_minor", "grid_width",
-                                             "k_splits", "pingpong", "out_dtype", "interpret"))
+                                             "k_splits", "out_dtype", "interpret"))
 def fp8_gemm_mgpu(x: jax.Array, w: jax.Array, scale: jax.Array, block_expert: jax.Array | None = None, *,
                   scale_block: tuple[int, int] = (128, 128), wg_dim: str | None = None, max_steps: int | None = None,
                   grid_minor: int | None = None, grid_width: int | None = None, k_splits: int | None = None,
-                  pingpong: bool | None = None, out_dtype=jnp.bfloat16, interpret: bool = False) -> jax.Array:
+                  out_dtype=jnp.bfloat16, interpret: bool = False) -> jax.Array:
     """`x @ dequant(w)^T` with e4m3 tensor-core products and float32 accumulation, for prefill-sized token counts.
 
     Args:
@@ -218,9 +211,8 @@ def fp8_gemm_mgpu(x: jax.Array, w: jax.Array, scale: jax.Array, block_expert: ja
         rows in blocks of 128 (the CTA tile's rows), block_expert [T / 128] int32 the expert of each (-1: unused,
         skipped; its output rows unspecified).
       scale_block: must be (128, 128).
-      wg_dim, max_steps, grid_minor, grid_width, k_splits, pingpong: launch parameters; None: `default_config`. With
-        k_splits > 1 each split writes a float32 partial and an XLA fusion sums them. pingpong: the two compute
-        warpgroups issue their wgmmas in turn (two barriers), so their rescale phases do not line up.
+      wg_dim, max_steps, grid_minor, grid_width, k_splits: launch parameters; None: `default_config`. With
+        k_splits > 1 each split writes a float32 partial and an XLA fusion sums them.
       interpret: run the Mosaic GPU interpreter (CPU tests).
 
     Returns:
@@ -245,7 +237,6 @@ def fp8_gemm_mgpu(x: jax.Array, w: jax.Array, scale: jax.Array, block_expert: ja
     grid_minor = cfg["grid_minor"] if grid_minor is None else grid_minor
     grid_width = grid_width or cfg["grid_width"]
     k_splits = 1 if grouped else k_splits or cfg["k_splits"]
-    pingpong = cfg["pingpong"] if pingpong is None else pingpong
     if wg_dim not in ("m", "n") or grid_minor not in (0, 1):
         raise ValueError(f"wg_dim={wg_dim!r} must be 'm' or 'n' and grid_minor={grid_minor!r} 0 or 1")
     cta_m, cta_n = cta_tile(wg_dim)
@@ -261,15 +252,14 @@ def fp8_gemm_mgpu(x: jax.Array, w: jax.Array, scale: jax.Array, block_expert: ja
     xq, xs = jnp.pad(xq, ((0, pad), (0, 0))), jnp.pad(xs, ((0, pad), (0, 0))).T  # xs [K / 128, T + pad]
     out = plgpu.kernel(
         functools.partial(_kernel, wg_dim=wg_dim, max_steps=max_steps, grid_minor=grid_minor, grid_width=grid_width,
-                          k_splits=k_splits, grouped=grouped, pingpong=pingpong),
+                          k_splits=k_splits, grouped=grouped),
         out_type=jax.ShapeDtypeStruct((k_splits, tokens + pad, n) if k_splits > 1 else (tokens + pad, n), part_dtype),
         grid=(num_ctas,),
         grid_names=("cta",),
         num_threads=3,
         thread_name="wg",
         interpret=plgpu.InterpretGPUParams() if interpret else None,
-        kernel_name=f"fp8_gemm_mgpu_{wg_dim}_r{max_steps}_s{k_splits}" + ("_grouped" if grouped else "")
-        + ("_pp" if pingpong else ""),
+        kernel_name=f"fp8_gemm_mgpu_{wg_dim}_r{max_steps}_s{k_splits}" + ("_grouped" if grouped else ""),
     )(xq, xs, w, scale, *(() if block_expert is None else (block_expert,)))
     return out[:, :tokens].sum(axis=0).astype(out_dtype) if k_splits > 1 else out[:tokens]
 

@@ -3,7 +3,8 @@ projection and the routing (moe_routing.route_body) in one launch (used by the e
 KernelPolicy.moe_front_max_tokens):
 
     h = rms_norm(x) * norm_weight                 (HF rounding: normalised in fp32, cast, times the weight)
-    logits = round_to_x_dtype(h @ router)         (fp32 accumulation; HF's F.linear output dtype)
+    logits = round_to_x_dtype(h @ router)         (fp32 accumulation; HF's F.linear output dtype; DeepSeek's fp32
+                                                   router keeps them fp32: `round_logits=False`)
     routing = moe_route(logits)                   (softmax in fp32, top-k, the expert-grouped layout)
 
 At batch 1 XLA runs the first two as ~7 kernels per layer (the norm's reduction and multiply, the batch-1 dot's
@@ -49,7 +50,8 @@ def _check_blocks(block_e: int, experts: int, block_k: int, hidden: int) -> None
 # The whole front end: norm, router, routing
 # ----------------------------------------------------------------------------------------------
 def _front_kernel(x_ref, n_ref, w_ref, _cnt_in, h_ref, ids_ref, wts_ref, rows_ref, sorted_ref, bexp_ref, brows_ref,
-                  cnt_ref, part_ref, *, block_t, block_k, k_splits, top_k, block_m, renormalize, eps, interpret):
+                  cnt_ref, part_ref, *, block_t, block_k, k_splits, top_k, block_m, renormalize, round_logits, eps,
+                  interpret):
     # x_ref [T, H] (whole); n_ref [H]; w_ref [H, block_e]: this program's router columns, of which it reads K split
     # `split`; h_ref [T, H] (whole, written by the programs of expert block 0, each its K split); the routing
     # outputs as moe_routing.route_body's; cnt_ref [>= 1] int32 (counter 0: zero on entry, left zero);
@@ -86,7 +88,8 @@ def _front_kernel(x_ref, n_ref, w_ref, _cnt_in, h_ref, ids_ref, wts_ref, rows_re
         e = jax.lax.broadcasted_iota(jnp.int32, (tp, ep), 1)
         ok = (t < tokens) & (e < experts)
         logits = sum_splits(part_ref, k_splits, lambda s_: (s_, pl.ds(0, tp), pl.ds(0, ep)), ok)
-        logits = logits.astype(x_ref.dtype).astype(jnp.float32)  # F.linear's output dtype, as the XLA path
+        if round_logits:
+            logits = logits.astype(x_ref.dtype).astype(jnp.float32)  # F.linear's output dtype, as the XLA path
         logits = jnp.where(e < experts, logits, jnp.where(t < tokens, -jnp.inf, 0.0))  # padding rows finite
         cnt_ref[0] = 0  # left zero for the next call that shares the buffer
         route_body(logits, ids_ref, wts_ref, rows_ref, sorted_ref, bexp_ref, brows_ref, tokens=tokens,
@@ -114,15 +117,16 @@ def default_front_tiling(tokens: int, hidden: int, experts: int) -> tuple[int, i
     return block_e, block_k, k_splits
 
 
-@functools.partial(jax.jit, static_argnames=("top_k", "renormalize", "block_m", "eps", "block_e", "block_k",
-                                             "k_splits", "num_warps", "num_stages", "interpret"))
+@functools.partial(jax.jit, static_argnames=("top_k", "renormalize", "block_m", "eps", "round_logits", "block_e",
+                                             "block_k", "k_splits", "num_warps", "num_stages", "interpret"))
 def moe_norm_route(x: jax.Array, norm_weight: jax.Array, router: jax.Array, counters: jax.Array, *, top_k: int,
-                   renormalize: bool, block_m: int, eps: float, block_e: int | None = None,
+                   renormalize: bool, block_m: int, eps: float, round_logits: bool = True, block_e: int | None = None,
                    block_k: int | None = None, k_splits: int | None = None, num_warps: int | None = None,
                    num_stages: int = 3, interpret: bool = False) -> tuple[jax.Array, MoeRouting, jax.Array]:
     """A decode step's MoE front end in one kernel: (h, routing, counters) where `h = rms_norm(x) * norm_weight`,
-    the router logits `h @ router` are rounded to x's dtype (HF's F.linear) and routed as `moe_routing.moe_route`
-    does (softmax in fp32, top-k, renormalised when `renormalize`, grouped by expert in blocks of `block_m`).
+    the router logits `h @ router` are rounded to x's dtype (HF's F.linear; kept fp32 without `round_logits`, as
+    DeepSeek-V2's router computes them) and routed as `moe_routing.moe_route` does (softmax in fp32, top-k,
+    renormalised when `renormalize`, grouped by expert in blocks of `block_m`).
 
     One program per (16 experts, K split) computes its partial logits; the program that arrives last at
     `counters[0]` sums them in split order and routes (moe_routing.route_body). So the norm, the router's dot and
@@ -156,7 +160,8 @@ def moe_norm_route(x: jax.Array, norm_weight: jax.Array, router: jax.Array, coun
         raise ValueError(f"block_k {block_k} x k_splits {k_splits} must divide hidden {hidden}")
     block_t = max(16, next_pow2(tokens))
     kernel = functools.partial(_front_kernel, block_t=block_t, block_k=block_k, k_splits=k_splits, top_k=top_k,
-                               block_m=block_m, renormalize=renormalize, eps=eps, interpret=interpret)
+                               block_m=block_m, renormalize=renormalize, round_logits=round_logits, eps=eps,
+                               interpret=interpret)
     whole = pl.no_block_spec
     h, *routed, counters, _ = pl.pallas_call(
         kernel,
@@ -175,13 +180,13 @@ def moe_norm_route(x: jax.Array, norm_weight: jax.Array, router: jax.Array, coun
     return h, routing_from_outputs(tokens, top_k, *routed), counters
 
 
-def moe_norm_router_reference(x: jax.Array, norm_weight: jax.Array, router: jax.Array, *, eps: float
-                              ) -> tuple[jax.Array, jax.Array]:
+def moe_norm_router_reference(x: jax.Array, norm_weight: jax.Array, router: jax.Array, *, eps: float,
+                              round_logits: bool = True) -> tuple[jax.Array, jax.Array]:
     """(h, logits) as `ops.moe_block` computes them with XLA: HF's RMSNorm, then the router's F.linear in x's dtype
-    (returned as fp32 holding values of x's dtype, what `moe_route` takes)."""
+    (returned as fp32 holding values of x's dtype, what `moe_route` takes; fp32 ones without `round_logits`)."""
     xf = x.astype(jnp.float32)
     h = norm_weight * (xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)).astype(x.dtype)
     # float32: exact products as the kernel takes them (XLA's default on a GPU is TF32, ~1e-3 relative)
     precision = jax.lax.Precision.HIGHEST if x.dtype == jnp.float32 else None
-    return h, jnp.dot(h, router, precision=precision,
-                      preferred_element_type=jnp.float32).astype(x.dtype).astype(jnp.float32)
+    logits = jnp.dot(h, router, precision=precision, preferred_element_type=jnp.float32)
+    return h, logits.astype(x.dtype).astype(jnp.float32) if round_logits else logits

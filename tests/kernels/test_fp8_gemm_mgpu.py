@@ -19,10 +19,9 @@ from tests.kernels.conftest import by_mode, normal
 CASES = [  # tokens, K, N, launch
     pytest.param(200, 256, 256, {"max_steps": 2, "grid_width": 2}, id="t200-m"),  # rows padded; 2 x 2 CTA tiles
     pytest.param(70, 384, 512, {"wg_dim": "n", "max_steps": 2, "grid_minor": 1}, id="t70-n"),
-    pytest.param(40, 512, 256, {"k_splits": 2, "max_steps": 2, "pingpong": True}, id="t40-split2-pingpong"),
+    pytest.param(40, 512, 256, {"k_splits": 2, "max_steps": 2}, id="t40-split2"),
 ]
 GPU_CASES = CASES + [pytest.param(4096, 4096, 12288, {}, id="t4096-gate"),
-                     pytest.param(4096, 4096, 12288, {"pingpong": True}, id="t4096-gate-pingpong"),
                      pytest.param(1000, 12288, 4096, {"wg_dim": "n"}, id="t1000-down-n"),
                      pytest.param(32, 12288, 4096, {}, id="t32-down")]  # (4 K splits)
 

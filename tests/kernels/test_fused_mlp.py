@@ -9,7 +9,7 @@ import pytest
 
 from jinfer.models.fp8 import quantize
 from pallas_kernels.dense.fp8_tiles import dequantize
-from pallas_kernels.dense.fused_mlp import fused_swiglu_mlp, fused_swiglu_mlp_reference
+from pallas_kernels.dense.fused_mlp import fused_swiglu_mlp, fused_swiglu_mlp_reference, narrow_block_i
 from tests.kernels.conftest import MODES, assert_close, by_mode, lower_for_cuda
 
 # (tokens, hidden, intermediate, dtype, block_i, RMSNorm prologue: None / unrolled / looped, FP8 scale block or None)
@@ -80,6 +80,12 @@ def test_mlp_with_norm_prologue(mode, unroll_norm):
     g = jnp.asarray(1 + 0.2 * rng.standard_normal(hidden), dtype)
     out = fused_swiglu_mlp(x, wg, wu, wd, g, eps=1e-5, unroll_norm=unroll_norm, interpret=mode == "interpret")
     assert_close(out, fused_swiglu_mlp_reference(x, wg, wu, wd, g, eps=1e-5), dtype, mode)
+
+
+def test_narrow_block_i():
+    """Shared experts' widths get enough programs (DeepSeek-V2-Lite's 2816: 88; Qwen3.5-35B-A3B's 512: 16, the 32-column
+    floor); a width that already has them keeps the 128 of the dense MLP's sweep."""
+    assert [narrow_block_i(i) for i in (2816, 512, 9728, 12288, 10944)] == [32, 32, 128, 128, 64]
 
 
 def test_mlp_argument_checks():

@@ -113,6 +113,25 @@ def test_norm_route_chained_calls_share_counters():
     assert not np.asarray(counters).any()
 
 
+def test_norm_route_fp32_logits():
+    """round_logits=False (DeepSeek-V2's float32 router): the routing of the unrounded logits, weights within float32
+    summation order of their softmax (the bf16-rounded logits would be ~1e-3 off)."""
+    tokens, hidden, experts, top_k = 5, 256, 64, 6
+    x, norm, router = inputs(tokens, hidden, experts, jnp.bfloat16)
+    kw = dict(top_k=top_k, renormalize=False, block_m=16)
+    h, r, _ = moe_norm_route(x, norm, router, jnp.zeros((1,), jnp.int32), eps=1e-6, round_logits=False,
+                             interpret=True, **kw)
+    h_ref, logits = moe_norm_router_reference(x, norm, router, eps=1e-6, round_logits=False)
+    ref = moe_route_reference(logits, **kw)
+    np.testing.assert_array_equal(np.asarray(h.astype(jnp.float32)), np.asarray(h_ref.astype(jnp.float32)))
+    check_routing_matches(r, ref, logits, tokens, experts, top_k, 16, renormalize=False)
+    lg = np.asarray(logits, np.float64)
+    p = np.exp(lg - lg.max(1, keepdims=True))
+    p /= p.sum(1, keepdims=True)
+    np.testing.assert_allclose(np.asarray(r.topk_weights), np.take_along_axis(p, np.asarray(r.topk_ids), 1),
+                               rtol=1e-4)
+
+
 def test_norm_route_bad_arguments_are_value_errors():
     x, norm, router = inputs(2, 64, 8, jnp.float32)
     c = jnp.zeros((1,), jnp.int32)

@@ -9,6 +9,7 @@ GGUF files (tests/data/tiny-deepseek_v*.gguf, scripts/make_deepseek_gguf.py: lla
 
 import dataclasses
 import math
+import re
 from functools import partial
 
 import jax
@@ -68,8 +69,8 @@ PALLAS = dataclasses.replace(OPS["pallas"], policy=KernelPolicy(mla_expand_min_q
                 ids=lambda p: f"{p[0]}-{'ep' if p[2] else 'tp'}{p[1]}-{p[3]}" + ("-gguf" if p[4:] else ""))
 def model(request):
     """The Pallas ops (interpreted) run the dense layer's and the projections' kernels, the routed experts' grouped
-    GEMMs (the routing and the shared experts in XLA), the MLA decode kernel in one-token steps and the ragged MLA
-    kernels in the others (PALLAS); the reference ops the jnp MLA reference."""
+    GEMMs (the routing in XLA), the shared experts on the fused SwiGLU kernel and the MLA decode kernel in one-token
+    steps, and the ragged MLA kernels in the others (PALLAS); the reference ops the jnp MLA reference."""
     arch, n, ep, ops, *suffix = request.param
     src = resolve_model(DATA / f"tiny-{arch}{''.join(suffix)}")
     assert src.kind == ("gguf" if suffix else "hf")
@@ -205,12 +206,13 @@ def test_batched_chunked_prefill_matches_hf(model):
 
 @pytest.mark.parametrize("arch", ARCHS)
 def test_pallas_ops_run_the_kernels(arch):
-    """The Pallas cases above go through the expert kernels, not the reference's ragged dots, and their prefill steps
-    (the batched chunked prefill's second) through the ragged MLA kernels in both forms, not the jnp reference
-    attention (traced only)."""
-    _, _, w, step, empty = sharded_model(resolve_model(DATA / f"tiny-{arch}"), 1, False, PALLAS)
+    """The Pallas cases above go through the expert kernels, not the reference's ragged dots, a one-token step's dense
+    MLP and shared experts through the fused SwiGLU kernel (one a layer), and their prefill steps (the batched chunked
+    prefill's second) through the ragged MLA kernels in both forms, not the jnp reference attention (traced only)."""
+    cfg, _, w, step, empty = sharded_model(resolve_model(DATA / f"tiny-{arch}"), 1, False, PALLAS)
     jaxpr = str(jax.make_jaxpr(step)(w, decode_batch(1, 20, scrambled_pages(0, 8)), empty()))
     assert all(k in jaxpr for k in ("moe_route_chosen", "moe_gate_up", "moe_down")) and "ragged_dot" not in jaxpr
+    assert len(re.findall(r"name=fused_swiglu_mlp\b", jaxpr)) == cfg.num_layers
     assert "mla_decode_attention" in jaxpr
     g, pages = gold(arch), scrambled_pages(7, 30)
     prompts = [g[f"prompt_{i}"].tolist() for i in range(3)]

@@ -83,7 +83,7 @@ def test_grouped_moe_block_counts_match_numpy_grouped_topk():
     num_real = 13
     block = jax.jit(partial(ModelOps().grouped_moe_block, top_k=top_k, n_group=n_group, topk_group=topk_group,
                             sigmoid=True, renormalize=True, scaling=2.5, eps=1e-6))
-    _, counts = block(x, norm, router, bias, wg, wu, wd, None, num_real=num_real)
+    _, _, counts = block(x, norm, router, bias, wg, wu, wd, None, num_real=num_real)
     xf = np.asarray(x, np.float64)
     h = xf / np.sqrt(np.mean(xf * xf, axis=-1, keepdims=True) + 1e-6) * np.asarray(norm)
     choice = 1 / (1 + np.exp(-(h @ np.asarray(router, np.float64)))) + np.asarray(bias)  # [T, E]
@@ -95,6 +95,29 @@ def test_grouped_moe_block_counts_match_numpy_grouped_topk():
     masked = np.where(np.repeat(allowed, experts // n_group, axis=1), choice, -np.inf)
     ids = np.argsort(-masked, axis=-1, kind="stable")[:, :top_k]
     np.testing.assert_array_equal(np.asarray(counts), counts_of(ids, num_real, experts))
+
+
+def test_grouped_moe_block_softmax_routing_takes_the_front_kernel(monkeypatch):
+    """DeepSeek-V2-Lite's routing (softmax, no groups, no bias) in a small step given the step's counters: the fused
+    norm + router + routing kernel with float32 logits (HF's DeepSeek router; a bf16 model's would be rounded
+    otherwise), its counts numpy's and its output the XLA path's (which HF's goldens check), the routed scaling factor
+    applied."""
+    from pallas_kernels.moe import moe_router
+
+    calls = []
+    kernel = moe_router.moe_norm_route
+    monkeypatch.setattr(moe_router, "moe_norm_route", lambda *a, **k: calls.append(k) or kernel(*a, **k))
+    tokens, experts, top_k = 6, 16, 4
+    x, norm, router, wg, wu, wd = block_inputs(tokens, experts=experts, seed=2)
+    kw = dict(top_k=top_k, n_group=1, topk_group=1, sigmoid=False, renormalize=False, scaling=1.5, eps=1e-6)
+    front = partial(PALLAS.grouped_moe_block, **kw, counters=PALLAS.step_counters(tokens), num_real=tokens)
+    out, counters, counts = jax.jit(front)(x, norm, router, None, wg, wu, wd, None)
+    assert [c["round_logits"] for c in calls] == [False]
+    want, _ = jax.jit(partial(ModelOps().grouped_moe_block, **kw))(x, norm, router, None, wg, wu, wd, None)
+    np.testing.assert_allclose(np.asarray(out), np.asarray(want), rtol=2e-5, atol=2e-5)
+    np.testing.assert_array_equal(np.asarray(counts), counts_of(softmax_topk_ids(x, norm, router, top_k), tokens,
+                                                                experts))
+    assert not np.asarray(counters).any()
 
 
 # ---- the forward: off is the plain program; on adds only the counting ------------------------------------------------
