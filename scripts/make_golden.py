@@ -11,7 +11,8 @@ The jinfer tests only read the outputs (numpy / json / safetensors); they never 
 Outputs (all under tests/data/, see tests/data/README.md):
   tiny-llama/, tiny-qwen2/, tiny-qwen3/,
   tiny-qwen3_moe/, tiny-qwen3_5/, tiny-qwen3_5_moe/,
-  tiny-deepseek_v2/, tiny-deepseek_v3/        tiny random-weight HF checkpoints (float32 safetensors)
+  tiny-deepseek_v2/, tiny-deepseek_v3/,
+  tiny-deepseek_v2_lite/                      tiny random-weight HF checkpoints (float32 safetensors)
   golden/tiny-<arch>.npz                      prefill logits, greedy ids and per-step decode logits
   golden/smollm2_greedy.json                  greedy continuations of SmolLM2-135M-Instruct (Q4_1 GGUF)
   golden/smollm2_chat0_last_logits.npy        HF prefill logits of the first chat prompt, last position
@@ -48,8 +49,8 @@ N_DECODE = 32
 MIN_MARGIN = 0.02  # logits have std ~0.8; see make_tiny
 # The tiny DeepSeek models' logits and router scores are flatter: prompts with a 0.02 margin and 1e-3 router gaps
 # at every step are too rare to find; their float32 differences to HF are ~1e-6, far below these.
-MIN_MARGIN_BY_ARCH = {"deepseek_v2": 0.005, "deepseek_v3": 0.005}
-MIN_ROUTER_GAP_BY_ARCH = {"deepseek_v2": 3e-5, "deepseek_v3": 3e-5}
+MIN_MARGIN_BY_ARCH = {"deepseek_v2": 0.005, "deepseek_v3": 0.005, "deepseek_v2_lite": 0.005}
+MIN_ROUTER_GAP_BY_ARCH = {"deepseek_v2": 3e-5, "deepseek_v3": 3e-5, "deepseek_v2_lite": 3e-5}
 
 META = {
     "transformers": transformers.__version__,
@@ -102,7 +103,8 @@ def deepseek_router_gap(model, ids):
         else:
             choice = logits.softmax(dim=-1)
             groups = choice.view(-1, g, e // g).max(dim=-1).values
-        gaps.append(_gap(groups, cfg.topk_group))
+        if g > cfg.topk_group:  # (one group, V2-Lite's greedy top-k: no group choice to be near a tie)
+            gaps.append(_gap(groups, cfg.topk_group))
         keep = torch.zeros_like(groups).scatter_(1, groups.topk(cfg.topk_group, dim=-1)[1], 1.0)
         masked = choice.masked_fill(~keep.repeat_interleave(e // g, dim=1).bool(), -1e9)
         gaps.append(_gap(masked, cfg.num_experts_per_tok))

@@ -181,6 +181,18 @@ def tiny_specs():
             ),
             None,
         ),
+        # DeepSeek-V2-Lite's routing: softmax top-k over all experts (`topk_method: greedy`, one group), not
+        # renormalised, times the routed scaling factor (1.5 here, 1.0 in V2-Lite, so that it shows); else as V2
+        "deepseek_v2_lite": (
+            DeepseekV2ForCausalLM,
+            DeepseekV2Config(**_deepseek_common(
+                q_lora_rank=None, n_shared_experts=2, topk_method="greedy", n_group=1, topk_group=1,
+                routed_scaling_factor=1.5, norm_topk_prob=False,
+                rope_parameters={"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 128,
+                                 "beta_fast": 32, "beta_slow": 1, "mscale": 1.0, "mscale_all_dim": 0.8,
+                                 "rope_theta": 10000.0})),
+            None,
+        ),
     }
 
 

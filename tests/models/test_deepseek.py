@@ -5,7 +5,8 @@ DeepSeekMoE (V2: softmax, group-limited; V3: sigmoid + correction bias, top grou
 experts). One device and tp / ep = 2 on fake CPU devices, the forward alone and the whole engine (chunked prefill,
 prefix-cache hits), and the cache's size: one latent row per token per layer. The same checkpoints as `deepseek2`
 GGUF files (tests/data/tiny-deepseek_v*.gguf, scripts/make_deepseek_gguf.py: llama.cpp's converter; V2's with
-`attn_kv_b` whole, V3's split into `attn_k_b` / `attn_v_b`) give HF's logits and ids too."""
+`attn_kv_b` whole, V3's split into `attn_k_b` / `attn_v_b`) give HF's logits and ids too. tiny-deepseek_v2_lite:
+V2-Lite's greedy softmax routing, on the Pallas ops' MoE front-end kernel."""
 
 import dataclasses
 import math
@@ -221,6 +222,21 @@ def test_pallas_ops_run_the_kernels(arch):
     jaxpr = str(jax.make_jaxpr(step)(w, prefill, empty()))
     assert "mla_absorbed_attention" in jaxpr and "mla_expanded_attention" in jaxpr
     assert "ragged_prefill_attention_reference" not in jaxpr
+
+
+@pytest.mark.parametrize("n,ep", [(1, False), (2, True)], ids=["tp1", "ep2"])
+def test_v2_lite_routing_on_the_front_kernel_matches_hf(n, ep):
+    """DeepSeek-V2-Lite's routing (`topk_method: greedy`: softmax top-k over all experts, scaled, not renormalised)
+    on the Pallas ops (interpreted): small steps route on the one-kernel MoE front end with float32 logits (the
+    5-token prefill and every one-token decode step), and prompt and decode logits and greedy ids equal HF's, on one
+    device and expert parallel on two (each device its experts of the front end's routing)."""
+    src = resolve_model(DATA / "tiny-deepseek_v2_lite")
+    assert (src.config.n_group, src.config.topk_group, src.config.routed_scaling_factor) == (1, 1, 1.5)
+    _, _, w, step, empty = sharded_model(src, n, ep, PALLAS)
+    assert "moe_norm_route" in str(jax.make_jaxpr(step)(w, decode_batch(1, 20, scrambled_pages(0, 8)), empty()))
+    g = gold("deepseek_v2_lite")
+    for i in range(3):
+        check_prompt_and_decodes(step, w, empty(), g, i)
 
 
 def test_latent_cache_size():
