@@ -60,20 +60,15 @@ class MoeOps:
         (expert parallel). Every device routes every token; the psum adds the partial outputs.
         """
         num_experts, hidden, inter = w_gate.shape
-        tokens = x.shape[0]
         policy = self.policy
         first = None  # expert parallel: the id of this device's first expert
         if num_experts != router.shape[1]:
             first = jax.lax.axis_index(self.axis) * num_experts
         kernels = self._moe_kernels(hidden, inter, w_gate, w_up, w_down)  # their operands, or None
         routing = None
-        if kernels and counters is not None and tokens <= policy.moe_front_max_tokens \
-                and _front_supported(tokens, hidden, router.shape[1]):
-            from pallas_kernels.moe.moe_router import moe_norm_route
-
-            h, routing, counters = moe_norm_route(x, norm, router, counters, top_k=top_k, renormalize=renormalize,
-                                                  block_m=moe_block_m(tokens * top_k, router.shape[1]), eps=eps,
-                                                  interpret=self.interpret, **policy.launch_args("moe_norm_route"))
+        if front := self._norm_route(x, norm, router, counters, kernels, top_k=top_k, renormalize=renormalize,
+                                     eps=eps):
+            h, routing, counters = front
         else:
             h = rms_norm(x, norm, eps)
             # router logits rounded to the activation dtype, as HF's F.linear (and vLLM) produce them
@@ -110,20 +105,15 @@ class MoeOps:
         Sharded as `moe_block` (tensor or expert parallel, one psum). `num_real`: as `moe_block`'s (then also returns
         the layer's `expert_counts`)."""
         num_experts, hidden, inter = w_gate.shape
-        tokens, experts = x.shape[0], router.shape[1]
+        experts = router.shape[1]
         first = None
         if num_experts != experts:  # expert parallel: this device's experts
             first = jax.lax.axis_index(self.axis) * num_experts
         kernels = self._moe_kernels(hidden, inter, w_gate, w_up, w_down)
-        if kernels and counters is not None and not sigmoid and bias is None and n_group <= 1 \
-                and tokens <= self.policy.moe_front_max_tokens and _front_supported(tokens, hidden, experts) \
-                and x.dtype == norm.dtype == getattr(router, "dtype", None):
-            from pallas_kernels.moe.moe_router import moe_norm_route
-
-            h, routing, counters = moe_norm_route(x, norm, router, counters, top_k=top_k, renormalize=renormalize,
-                                                  block_m=moe_block_m(tokens * top_k, experts), eps=eps,
-                                                  round_logits=False, interpret=self.interpret,
-                                                  **self.policy.launch_args("moe_norm_route"))
+        softmax = not sigmoid and bias is None and n_group <= 1  # (moe_block's routing)
+        if softmax and (front := self._norm_route(x, norm, router, counters, kernels, top_k=top_k,
+                                                  renormalize=renormalize, eps=eps, round_logits=False)):
+            h, routing, counters = front
             if scaling != 1.0:
                 routing = dataclasses.replace(routing, topk_weights=routing.topk_weights * scaling)
             y, _ = self._routed_experts(h, None, kernels, first, top_k, experts, routing)
@@ -147,6 +137,23 @@ class MoeOps:
             y = y + self.shared_expert(h, *shared)
         x = x + self.reduce(y)
         return (x, counters) if num_real is None else (x, counters, expert_counts(ids, num_real, experts))
+
+    def _norm_route(self, x, norm, router, counters, kernels, *, top_k: int, renormalize: bool, eps: float,
+                    round_logits: bool = True) -> tuple | None:
+        """A small step's norm, router and softmax routing as one kernel (`moe_norm_route`): (h, routing, counters),
+        or None where it does not run: no expert kernels (`kernels`: `_moe_kernels`'), no step counters, a step past
+        `moe_front_max_tokens`, shapes it does not take, or x, norm and router in different dtypes."""
+        tokens, hidden = x.shape
+        experts = router.shape[1]
+        if not kernels or counters is None or tokens > self.policy.moe_front_max_tokens \
+                or not _front_supported(tokens, hidden, experts) \
+                or not x.dtype == norm.dtype == getattr(router, "dtype", None):
+            return None
+        from pallas_kernels.moe.moe_router import moe_norm_route
+
+        return moe_norm_route(x, norm, router, counters, top_k=top_k, renormalize=renormalize,
+                              block_m=moe_block_m(tokens * top_k, experts), eps=eps, round_logits=round_logits,
+                              interpret=self.interpret, **self.policy.launch_args("moe_norm_route"))
 
     def _moe_kernels(self, hidden, inter, *weights) -> tuple | None:
         """The routed experts' operands for the grouped-GEMM kernels, as `dense.fp8_operands` gives them ((w_gate,
