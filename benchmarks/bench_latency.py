@@ -32,6 +32,7 @@ import argparse
 import hashlib
 import json
 import os
+import resource
 import time
 
 import numpy as np
@@ -232,6 +233,7 @@ def main():
               "executable_cache": core.config.executable_cache,
               "xla_flags": os.environ.get("XLA_FLAGS", ""),
               "allocator": os.environ.get("XLA_PYTHON_CLIENT_ALLOCATOR", "default"), "startup_s": startup_s,
+              "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
               "repeat": args.repeat,
               "measured_bandwidth_Bps": bandwidth, "copy_bandwidth": copy, "measured_matmul_flops": matmul,
               "executables": {"hits": core.runner.executables.hits, "misses": core.runner.executables.misses,

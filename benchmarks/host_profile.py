@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import cProfile
 import io
+import os
 import pstats
 import time
 
@@ -31,6 +32,28 @@ from jinfer.config.speculative import SpeculativeConfig
 from jinfer.engine.core import EngineCore
 from jinfer.sampling_params import SamplingParams
 from jinfer.spec.replay import ReplayProposer
+
+MARK = os.environ.get("JINFER_STEP_MARK") == "1"
+
+
+def mark_calls(runner) -> None:
+    """JINFER_STEP_MARK=1 (benchmarks/cb_alloc_trace.py): a line on stderr before each forward and sampler call (and
+    each engine step, `run`), in order with XLA's own log lines."""
+    call_forward, sampler_executable = runner._call_forward, runner.sampler_executable
+
+    def forward(*args, **kwargs):
+        os.write(2, b"== forward\n")
+        return call_forward(*args, **kwargs)
+
+    def sampler(*args, **kwargs):
+        sample = sampler_executable(*args, **kwargs)
+
+        def call(*a):
+            os.write(2, b"== sample\n")
+            return sample(*a)
+        return call
+
+    runner._call_forward, runner.sampler_executable = forward, sampler
 
 
 def run(core, prompts, output_len, tag):
@@ -45,6 +68,8 @@ def run(core, prompts, output_len, tag):
     wait0, steps0, serial0 = core.device_wait_seconds_total, core.num_steps_total, core.serial_host_seconds_total
     while core.has_unfinished_requests():
         t, c = time.perf_counter(), time.thread_time()
+        if MARK:
+            os.write(2, b"== step\n")
         core.step()
         times.append(time.perf_counter() - t)
         cpu.append(time.thread_time() - c)
@@ -88,6 +113,8 @@ def main():
                                    speculative_config=None if replay else spec), proposer=proposer)
     if args.node_rank > 0:
         raise SystemExit(core.group.serve(core.runner))
+    if MARK:
+        mark_calls(core.runner)
     rng = np.random.default_rng(0)
     make = lambda: [rng.integers(0, min(core.model_config.vocab_size, 256), args.input_len).tolist()  # noqa: E731
                     for _ in range(args.batch_size)]

@@ -7,15 +7,21 @@
 #   cuda_async   CUDA's stream-ordered pool, set from outside
 #   skip_temp    --xla_gpu_command_buffer_update_mode=SKIP_TEMP: temps at stable virtual addresses (VMM allocator)
 #   vmm          XLA's VMM allocator alone
+#   deterministic  CUDA's pool without opportunistic reuse (TF_DETERMINISTIC_ALLOCATOR=1)
 # PARTS (comma list; default latency):
 #   latency    for every round, variant and shape (SHAPES): bench_latency at BATCHES; $OUT/alloc_latency_<shape>.json
 #              (benchmarks/latency_summary.py: every process, TPOT and TTFT medians, each variant over the first)
 #   cbupdates  XLA's log of command-buffer updates during a batch-$CB_BATCH (default 1) decode (host_profile, variant
 #              $CB_VARIANT, default the engine's): how often a step's command buffer is re-recorded, for how many
 #              allocations and commands, and in how many us; $OUT/command_buffer_updates_<shape>_b<batch>_<variant>.txt
+#   alloctrace for every variant and shape: a batch-$CB_BATCH decode of 48 tokens with the CUDA pool's allocations and
+#              frees and the command-buffer updates logged: which allocation sits where the last step's temp buffer was
+#              (benchmarks/cb_alloc_trace.py); $OUT/cb_alloc_trace_<shape>_b<batch>_<variant>.txt
 #   hostprof   for every variant and shape: a batch-$CB_BATCH decode's host events per step (host_profile --profile, then
 #              trace_summary: the execution, command buffer update and cuGraphLaunch) and the GPU's busy time;
 #              $OUT/host_trace_<shape>_b<batch>_<variant>.txt
+# SPEC=K:P (cbupdates, alloctrace, hostprof): speculative decoding with the replay drafter, K drafts accepted each with
+# probability P (host_profile --replay-acceptance); their files get the suffix _spec.
 #   ROUNDS=3 SHAPES="qwen3-8b-fp8 qwen3-8b" bash benchmarks/run_gpu_alloc.sh
 set -uo pipefail
 source benchmarks/gpu_env.sh
@@ -26,6 +32,11 @@ CB_VARIANT=${CB_VARIANT:-default}
 # allocation moved between two updates; the whole log stays in /tmp/vlog_<shape>.txt)
 CB_VMODULE=${CB_VMODULE:-command_buffer_thunk=3,command_executor=1}
 mkdir -p /tmp/allocab
+HP=(); SFX=""
+if [[ -n ${SPEC:-} ]]; then
+  HP=(--speculative-config "{\"method\": \"ngram\", \"num_speculative_tokens\": ${SPEC%%:*}}" --replay-acceptance "${SPEC#*:}")
+  SFX=_spec
+fi
 variant_env() {
   case $1 in
     default) ;;
@@ -33,6 +44,7 @@ variant_env() {
     cuda_async) echo "XLA_PYTHON_CLIENT_ALLOCATOR=cuda_async" ;;
     skip_temp) echo "XLA_FLAGS=--xla_gpu_command_buffer_update_mode=SKIP_TEMP" ;;
     vmm) echo "XLA_PYTHON_CLIENT_ALLOCATOR=vmm" ;;
+    deterministic) echo "TF_DETERMINISTIC_ALLOCATOR=1" ;;
     *) echo "unknown variant $1" >&2; exit 2 ;;
   esac
 }
@@ -40,11 +52,24 @@ if [[ $PARTS == *cbupdates* ]]; then
   for s in $SHAPES; do
     env $(variant_env "$CB_VARIANT") TF_CPP_VMODULE=$CB_VMODULE TF_CPP_MIN_LOG_LEVEL=0 \
       timeout "$TIMEOUT" \
-      python3 -m benchmarks.host_profile --shape "$s" --batch-size "$CB_BATCH" --output-len 64 --runs 1 --top 3 \
+      python3 -m benchmarks.host_profile --shape "$s" --batch-size "$CB_BATCH" --output-len 64 --runs 1 --top 3 "${HP[@]}" \
       > "/tmp/vlog_$s.txt" 2>&1
     { grep -E "^median" "/tmp/vlog_$s.txt"; grep -E "Update command buffer|Updated [0-9]+ commands" "/tmp/vlog_$s.txt" \
-      | sed 's/^.*\] //' | sort | uniq -c | sort -rn; } > "$OUT/command_buffer_updates_${s}_b${CB_BATCH}_$CB_VARIANT.txt"
-    echo "== $s"; head -8 "$OUT/command_buffer_updates_${s}_b${CB_BATCH}_$CB_VARIANT.txt"
+      | sed 's/^.*\] //' | sort | uniq -c | sort -rn; } > "$OUT/command_buffer_updates_${s}_b${CB_BATCH}_$CB_VARIANT$SFX.txt"
+    echo "== $s"; head -8 "$OUT/command_buffer_updates_${s}_b${CB_BATCH}_$CB_VARIANT$SFX.txt"
+  done
+fi
+if [[ $PARTS == *alloctrace* ]]; then
+  for v in $VARIANTS; do
+    for s in $SHAPES; do
+      t=/tmp/atrace_$s@$v.txt; f=cb_alloc_trace_${s}_b${CB_BATCH}_$v$SFX
+      env $(variant_env "$v") TF_CPP_VMODULE=command_buffer_thunk=3,gpu_cudamallocasync_allocator=10 \
+        TF_CPP_MIN_LOG_LEVEL=0 JINFER_STEP_MARK=1 timeout "$TIMEOUT" python3 -m benchmarks.host_profile --shape "$s" \
+        --batch-size "$CB_BATCH" --output-len 48 --runs 1 --top 3 "${HP[@]}" > "$t" 2>&1
+      { grep -E "^median" "$t"; python3 -m benchmarks.cb_alloc_trace "$t" --steps 60; } > "$OUT/$f.txt" 2>&1
+      grep -E "Allocated|Freed ptr|command buffer|== " "$t" | gzip > "$OUT/$f.log.gz"  # (the raw events, for a re-read)
+      echo "== $s $v"; head -12 "$OUT/$f.txt"
+    done
   done
 fi
 if [[ $PARTS == *hostprof* ]]; then
@@ -52,12 +77,12 @@ if [[ $PARTS == *hostprof* ]]; then
     for s in $SHAPES; do
       rm -rf "/tmp/hp_$s@$v"
       env $(variant_env "$v") timeout "$TIMEOUT" python3 -m benchmarks.host_profile --shape "$s" --batch-size "$CB_BATCH" \
-        --output-len 128 --runs 1 --top 3 --profile "/tmp/hp_$s@$v" > "/tmp/hp_$s@$v.log" 2>&1
+        --output-len 128 --runs 1 --top 3 "${HP[@]}" --profile "/tmp/hp_$s@$v" > "/tmp/hp_$s@$v.log" 2>&1
       steps=$(grep -h "^trace" "/tmp/hp_$s@$v.log" | awk '{print $2}')
       { grep -h "^median" "/tmp/hp_$s@$v.log"
         [[ -n $steps ]] && python3 -m benchmarks.trace_summary "$(find "/tmp/hp_$s@$v" -name '*.trace.json.gz' | head -1)" \
-          --steps "$steps" --top 12; } > "$OUT/host_trace_${s}_b${CB_BATCH}_$v.txt" 2>&1
-      echo "== $s $v"; head -16 "$OUT/host_trace_${s}_b${CB_BATCH}_$v.txt"
+          --steps "$steps" --top 12; } > "$OUT/host_trace_${s}_b${CB_BATCH}_$v$SFX.txt" 2>&1
+      echo "== $s $v"; head -16 "$OUT/host_trace_${s}_b${CB_BATCH}_$v$SFX.txt"
     done
   done
 fi

@@ -52,9 +52,10 @@ def fork_step(kv_cache, pairs, *, slot_layers: frozenset[int]):
     return tuple(out)
 
 
-def sample_step(logits, buf, prev_tokens, *, dims, num_logprobs, flags, max_rows):
-    """Sample every logits row (dims = (R, M, W, K)): (packed samples i32[R, 3 + 2N], the sampled ids in a
-    [max_rows] buffer, from which the next step takes the inputs of its decodes)."""
+def sample_step(logits, buf, prev_tokens, packed_out, *, dims, num_logprobs, flags, max_rows):
+    """Sample every logits row (dims = (R, M, W, K)): (packed samples i32[R, 3 + 2N], written into the donated
+    `packed_out` of that shape, whose values are not read; the sampled ids in a [max_rows] buffer, from which the next
+    step takes the inputs of its decodes)."""
     R, V = logits.shape
     t = unpack_sampling(buf, dims, mask_words(V) if flags.grammar else 0)
     if dims[1]:  # penalties: an output token still pending on the host is -2 - (its row in prev_tokens)

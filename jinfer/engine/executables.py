@@ -35,7 +35,7 @@ import jax.numpy as jnp
 from jinfer.engine.device_step import fork_step, forward_step, prompt_logprobs_step, sample_step
 from jinfer.engine.idle_unload import IdleUnloading, trim_host_heap
 from jinfer.engine.sampling_tensors import SamplerFlags, mask_words
-from jinfer.engine.step_inputs import batch_sizes, sampling_size
+from jinfer.engine.step_inputs import batch_sizes, packed_shape, sampling_size
 from jinfer.parallel.mesh import array_specs
 
 log = logging.getLogger(__name__)
@@ -185,7 +185,8 @@ class StepExecutables(IdleUnloading):
             kinds.append((self.verify_len, replace(self.ops, verify_query_len=self.verify_len)))
         self._forward = {d: (forward_jit(o, True),
                              forward_jit(o, False, compiler_options=large)) for d, o in kinds}
-        self._sample = jax.jit(partial(sample_step, max_rows=self.max_rows), donate_argnames=("prev_tokens",),
+        self._sample = jax.jit(partial(sample_step, max_rows=self.max_rows),
+                               donate_argnames=("prev_tokens", "packed_out"),
                                keep_unused=True,  # (a donated argument the step does not read still gives its buffer)
                                static_argnames=("dims", "num_logprobs", "flags"),
                                out_shardings=(self._replicated, self._replicated), compiler_options=group or None)
@@ -274,8 +275,9 @@ class StepExecutables(IdleUnloading):
         logits = jax.ShapeDtypeStruct((R, self.cfg.vocab_size), jnp.float32, sharding=self._replicated)
         G = mask_words(self.cfg.vocab_size) if flags.grammar else 0
         buf = jax.ShapeDtypeStruct((sampling_size(R, M, W, K, G),), jnp.int32)
-        return self._add_executable(key, self._sample, (logits, buf, self._prev_spec), background, dims=(R, M, W, K),
-                                    num_logprobs=num_logprobs, flags=flags)
+        packed = jax.ShapeDtypeStruct(packed_shape(R, num_logprobs), jnp.int32, sharding=self._replicated)
+        return self._add_executable(key, self._sample, (logits, buf, self._prev_spec, packed), background,
+                                    dims=(R, M, W, K), num_logprobs=num_logprobs, flags=flags)
 
     def fork_executable(self, N: int) -> jax.stages.Compiled:
         key = ("fork", N)

@@ -47,6 +47,7 @@ from jinfer.engine.step_inputs import (
     batch_sizes,
     pack_batch,
     pack_sampling,
+    packed_shape,
     pooled_result,
     unpack_prompt_logprobs,
     unpack_result,
@@ -130,6 +131,10 @@ class ModelRunner(StepExecutables):
         # into the buffer of the previous logits of their shape (donated), and the packed inputs are copied into a
         # staging buffer per size (`_stage`, donated) before the forward reads them.
         self._logits_out: dict[int, jax.Array] = {}
+        # The sampler's packed samples are written into a donated buffer of their shape, one a fetched step gave back
+        # (`fetch`): a new small array each step, alive until its read-back, had landed where the forward's temp
+        # buffer had been, moving the next temp (the CUDA pool) and re-recording the forward's command buffer.
+        self._packed_free: dict[tuple[int, int], list[jax.Array]] = {}
         self._placeholder = put(np.zeros(1, np.float32), self._replicated)  # large steps' logits_out (not donated)
         self._staged: dict[int, jax.Array] = {}
         self._stage = jax.jit(lambda dst, src: jax.lax.dynamic_update_slice(dst, src, (0,)), donate_argnums=0,
@@ -284,7 +289,8 @@ class ModelRunner(StepExecutables):
         logits, prompt_packed = forward
         sample = self.sampler_executable(step.R, step.M, step.W, step.num_logprobs, SamplerFlags(*step.flags),
                                          step.K)
-        packed, tokens = sample(logits, self._put(step.sampling), self._last_tokens)
+        packed, tokens = sample(logits, self._put(step.sampling), self._last_tokens,
+                                self._packed_out(step.R, step.num_logprobs))
         self._last_tokens = tokens
         return packed, tokens, prompt_packed
 
@@ -338,10 +344,25 @@ class ModelRunner(StepExecutables):
         return logits
 
     def fetch(self, launched: Launched) -> StepResult:
-        """Wait for a launched step and return its samples (an embedding model: its pooled rows) on the host."""
+        """Wait for a launched step and return its samples (an embedding model: its pooled rows) on the host; the
+        samples' buffer goes back to the sampler's (`_packed_out`)."""
         if self.cfg.pooling:
             return pooled_result(np.asarray(launched.packed), launched.rows)
-        return unpack_result(np.asarray(launched.packed), launched.rows)
+        packed = np.asarray(launched.packed)
+        self.give_back_packed(launched.packed)
+        return unpack_result(packed, launched.rows)
+
+    def give_back_packed(self, packed: jax.Array) -> None:
+        """A step's packed samples, read (or never to be read), become a buffer for a later sampler (`_packed_out`)."""
+        free = self._packed_free.setdefault(packed.shape, [])
+        if len(free) < 4:
+            free.append(packed)
+
+    def _packed_out(self, rows: int, num_logprobs: int) -> jax.Array:
+        """A buffer for a sampler's packed samples (donated to it): one a fetched step gave back, else a new one."""
+        shape = packed_shape(rows, num_logprobs)
+        free = self._packed_free.get(shape)
+        return free.pop() if free else put(np.zeros(shape, np.int32), self._replicated)
 
     def fetch_prompt_logprobs(self, launched: Launched) -> PromptLogprobs | None:
         if launched.prompt_packed is None:
@@ -390,7 +411,8 @@ class ModelRunner(StepExecutables):
             for flags in self.warm_sampler_flags:
                 sample = self.sampler_executable(B, 0, 0, -1, flags)
                 if run:
-                    self._last_tokens = sample(logits, self._sampling_buffer(B), self._last_tokens)[1]
+                    self._last_tokens = sample(logits, self._sampling_buffer(B), self._last_tokens,
+                                               self._packed_out(B, -1))[1]
                     jax.block_until_ready(self._last_tokens)
         if self.host_pool is not None:  # the host tier's gathers and scatters, every chunk size
             self.kv_cache = self.host_pool.warmup(self.kv_cache)
@@ -401,7 +423,7 @@ class ModelRunner(StepExecutables):
             B = self.seqs_bucket(now[0])
             sample = self.sampler_executable(B, 0, 0, -1, SamplerFlags.warm()[0])
             logits = put(np.zeros((B, self.cfg.vocab_size), np.float32), self._replicated)
-            self._last_tokens = sample(logits, self._sampling_buffer(B), self._last_tokens)[1]
+            self._last_tokens = sample(logits, self._sampling_buffer(B), self._last_tokens, self._packed_out(B, -1))[1]
         self.warmed_up = True
         if first_tokens is None:  # (a staged warm-up does this once its background compiles are done)
             self._drop_traces()

@@ -188,6 +188,11 @@ def pack_samples(tokens, logprobs, ranks, top_ids, top_logprobs) -> jax.Array:
                            axis=1)
 
 
+def packed_shape(rows: int, num_logprobs: int) -> tuple[int, int]:
+    """The sampler's packed samples' shape (`pack_samples`) for `num_logprobs` top logprobs (< 0: none)."""
+    return rows, 3 + 2 * max(num_logprobs, 0)
+
+
 def unpack_result(packed: np.ndarray, rows: dict[str, tuple[int, int]]) -> StepResult:
     n = (packed.shape[1] - 3) // 2
     f32 = lambda x: np.ascontiguousarray(x).view(np.float32)

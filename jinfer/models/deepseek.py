@@ -39,6 +39,7 @@ from jinfer.models.batch import Batch
 from jinfer.models.fp8 import dense
 from jinfer.models.layers import apply_rope, rms_norm, rope_cos_sin
 from jinfer.models.qwen3_moe import moe_specs
+from jinfer.models.shared_experts import stacked_count
 from jinfer.models.spec import ArrayInfo
 from jinfer.ops import REFERENCE_OPS, ModelOps
 
@@ -195,7 +196,8 @@ def mlp(layer: MlaLayer, i: int, x: jax.Array, cfg: ModelConfig, ops: ModelOps, 
                                  layer.w_down, shared, top_k=cfg.num_experts_per_tok, n_group=cfg.n_group,
                                  topk_group=cfg.topk_group, sigmoid=cfg.scoring_func == "sigmoid",
                                  renormalize=cfg.norm_topk_prob, scaling=cfg.routed_scaling_factor,
-                                 eps=cfg.rms_norm_eps, counters=counters, num_real=num_real)
+                                 eps=cfg.rms_norm_eps, counters=counters, num_real=num_real,
+                                 stacked=stacked_count(layer, cfg.num_experts))  # (shared_experts.py)
 
 
 def forward(weights: Weights, batch: Batch, kv_cache: tuple[tuple[jax.Array], ...], cfg: ModelConfig,

@@ -42,6 +42,7 @@ from jinfer.models.batch import Batch
 from jinfer.models.fp8 import concat_columns
 from jinfer.models.layers import apply_rope, rms_norm, rope_cos_sin, write_kv
 from jinfer.models.qwen3_moe import moe_specs
+from jinfer.models.shared_experts import stacked_count
 from jinfer.models.spec import ArrayInfo, StateSpec
 from jinfer.ops import REFERENCE_OPS, ModelOps
 
@@ -250,10 +251,11 @@ def mlp(layer: HybridLayer, i: int, x: jax.Array, cfg: ModelConfig, ops: ModelOp
     given `num_real` adds its expert counts (`ModelOps.moe_block`)."""
     if not cfg.is_moe_layer(i):
         return ops.mlp_block(x, layer.mlp_norm, layer.w_gate, layer.w_up, layer.w_down, cfg.rms_norm_eps), counters
+    stacked = stacked_count(layer, cfg.num_experts)  # the shared expert in the experts' launches (shared_experts.py)
     return ops.moe_block(x, layer.mlp_norm, layer.router, layer.w_gate, layer.w_up, layer.w_down,
                          top_k=cfg.num_experts_per_tok, renormalize=cfg.norm_topk_prob, eps=cfg.rms_norm_eps,
-                         counters=counters, shared=(layer.ws_gate, layer.ws_up, layer.ws_down, layer.shared_gate),
-                         num_real=num_real)
+                         counters=counters, num_real=num_real, stacked=stacked,
+                         shared=None if stacked else (layer.ws_gate, layer.ws_up, layer.ws_down, layer.shared_gate))
 
 
 def forward(

@@ -18,7 +18,12 @@ tiles (K-major, as FP8 tensor cores take a GEMM's right side) and their scales a
 to e4m3 per K tile (a scale per row, FP8 dots). Steps past `mosaic_moe_min_rows_per_expert` rows per expert take the
 grouped Mosaic GPU e4m3 GEMM instead (moe_fp8_mgpu.py; 128 x 128 blocks). Unmeasured: bench_moe.py --fp8 times them.
 Experts the kernels cannot read (FP8 mixed with plain) take `layers.moe_mlp`, which dequantizes (`refuse_fp8`).
-Shared experts go through `DenseOps.swiglu` (the fused MLP kernel in small steps, FP8's e4m3 GEMM in large ones).
+
+Shared experts stacked after the routed ones at load (`jinfer/models/shared_experts.py`: one device, bf16 / float32
+weights; `stacked` S of them) run in the same grouped-GEMM launches: every token routes to them in its last S slots,
+weighted 1 or by its gate (Qwen3.5-MoE's sigmoid(h @ gate), the router's gate column block), laid out by the
+routing kernels themselves (`moe_routing.layout_body`). Otherwise they go through `DenseOps.swiglu` (the fused MLP
+kernel in small steps, FP8's e4m3 GEMM in large ones).
 """
 
 from __future__ import annotations
@@ -48,17 +53,22 @@ class MoeOps:
 
     def moe_block(self, x: jax.Array, norm: jax.Array, router: jax.Array, w_gate: jax.Array, w_up: jax.Array,
                   w_down: jax.Array, *, top_k: int, renormalize: bool, eps: float, counters: jax.Array | None = None,
-                  shared: tuple[jax.Array, ...] | None = None, num_real: jax.Array | None = None) -> tuple:
+                  shared: tuple[jax.Array, ...] | None = None, num_real: jax.Array | None = None,
+                  stacked: int = 0) -> tuple:
         """(x + moe(rms_norm(x)), counters); x: [T, hidden]; router: [hidden, E]; experts stacked [E, ...].
         counters: the step's (`step_counters`), passed on; with them a small step's norm, router and routing are
         one kernel (`moe_norm_route`). `shared` (Qwen3.5-MoE): a shared expert's (gate, up, down, sigmoid gate
-        [hidden, 1]) added to the routed experts' output (`shared_expert`). `num_real` (the expert-load recorder:
-        the step's real tokens, its first rows): also return the layer's `expert_counts` [E], a third output.
+        [hidden, 1]) added to the routed experts' output (`shared_expert`); or `stacked` shared experts after the
+        routed ones in the expert weights (`_stacked_moe_block`). `num_real` (the expert-load recorder: the step's
+        real tokens, its first rows): also return the layer's `expert_counts` [E], a third output.
 
         Sharded (`axis`), the experts here are this device's: their intermediate columns (tensor
         parallel) or, when there are fewer of them than the router's E, experts [e0, e0 + E_local)
         (expert parallel). Every device routes every token; the psum adds the partial outputs.
         """
+        if stacked:
+            return self._stacked_moe_block(x, norm, router, (w_gate, w_up, w_down), stacked, counters, num_real,
+                                           top_k=top_k, renormalize=renormalize, eps=eps)
         num_experts, hidden, inter = w_gate.shape
         policy = self.policy
         first = None  # expert parallel: the id of this device's first expert
@@ -95,7 +105,7 @@ class MoeOps:
                           w_gate: jax.Array, w_up: jax.Array, w_down: jax.Array, shared: tuple[jax.Array, ...] | None,
                           *, top_k: int, n_group: int, topk_group: int, sigmoid: bool, renormalize: bool,
                           scaling: float, eps: float, counters: jax.Array | None = None,
-                          num_real: jax.Array | None = None) -> tuple:
+                          num_real: jax.Array | None = None, stacked: int = 0) -> tuple:
         """DeepSeekMoE: (x + routed experts + shared experts (`shared`: their (gate, up, down), or None) of
         rms_norm(x), counters), routed by `layers.grouped_topk_routing` on float32 router logits, as HF computes them
         (in XLA); its weights carry the routed scaling factor, as HF's router applies it. The routed experts run as
@@ -103,14 +113,22 @@ class MoeOps:
         ones on `shared_expert`. Softmax routing without groups or bias (DeepSeek-V2-Lite) is `moe_block`'s, so a
         small step given the step's `counters` takes its one-kernel front end (`moe_norm_route`, float32 logits).
         Sharded as `moe_block` (tensor or expert parallel, one psum). `num_real`: as `moe_block`'s (then also returns
-        the layer's `expert_counts`)."""
+        the layer's `expert_counts`). `stacked`: the shared experts are in the expert weights instead (`shared` None;
+        `_stacked_moe_block`)."""
+        softmax = not sigmoid and bias is None and n_group <= 1  # (moe_block's routing)
+        if stacked:
+            choose = None if softmax else functools.partial(
+                grouped_topk_routing, bias=bias, top_k=top_k, n_group=n_group, topk_group=topk_group, sigmoid=sigmoid,
+                renormalize=renormalize, scaling=scaling)
+            return self._stacked_moe_block(x, norm, router, (w_gate, w_up, w_down), stacked, counters, num_real,
+                                           top_k=top_k, renormalize=renormalize, eps=eps, scaling=scaling,
+                                           round_logits=False, choose=choose)
         num_experts, hidden, inter = w_gate.shape
         experts = router.shape[1]
         first = None
         if num_experts != experts:  # expert parallel: this device's experts
             first = jax.lax.axis_index(self.axis) * num_experts
         kernels = self._moe_kernels(hidden, inter, w_gate, w_up, w_down)
-        softmax = not sigmoid and bias is None and n_group <= 1  # (moe_block's routing)
         if softmax and (front := self._norm_route(x, norm, router, counters, kernels, top_k=top_k,
                                                   renormalize=renormalize, eps=eps, round_logits=False)):
             h, routing, counters = front
@@ -138,22 +156,77 @@ class MoeOps:
         x = x + self.reduce(y)
         return (x, counters) if num_real is None else (x, counters, expert_counts(ids, num_real, experts))
 
+    def _stacked_moe_block(self, x, norm, router, weights, stacked: int, counters, num_real, *, top_k: int,
+                           renormalize: bool, eps: float, scaling: float = 1.0, round_logits: bool = True,
+                           choose=None) -> tuple:
+        """(x + the routed experts' and `stacked` shared experts' outputs of rms_norm(x), counters[, expert counts]):
+        the shared experts are the last `stacked` of the weights [E + S, ...] (jinfer/models/shared_experts.py), every
+        token's last slots, weighted 1, or, where the router has a gate column block ([hidden, E + GATE_COLUMNS]:
+        Qwen3.5-MoE's), sigmoid(h @ gate). One device: no expert or tensor split. `choose(logits)` -> the routed
+        (weights, ids) (DeepSeek's grouped routing, scaled); None: softmax top-k (renormalised when `renormalize`)
+        times `scaling`, which a small step takes on the one-kernel front end (`moe_norm_route`). Router logits are
+        rounded to the activations' dtype with `round_logits` (HF's F.linear), else kept float32 (DeepSeek's)."""
+        from pallas_kernels.moe.moe_routing import moe_route_chosen, topk_routing, with_shared
+
+        experts = weights[0].shape[0] - stacked
+        gated = router.shape[1] != experts
+        kernels = self._moe_kernels(weights[0].shape[1], weights[0].shape[2], *weights)
+        slots = top_k + stacked
+        front = choose is None and self._norm_route(
+            x, norm, router, counters, kernels, top_k=top_k, renormalize=renormalize, eps=eps,
+            round_logits=round_logits, scaling=scaling, shared=stacked, shared_gate=gated, experts=experts)
+        if front:
+            h, routing, counters = front
+            out, _ = self._routed_experts(h, None, kernels, None, slots, experts + stacked, routing)
+            ids = routing.topk_ids
+        else:
+            h = rms_norm(x, norm, eps)
+            logits = self.project(h, router, preferred_element_type=jnp.float32)  # [T, E (+ the gate's block)]
+            if round_logits:
+                logits = logits.astype(h.dtype)
+            if choose is None:
+                w, ids = topk_routing(logits[:, :experts], top_k, renormalize)
+                w = w * scaling
+            else:
+                w, ids = choose(logits[:, :experts])
+            gate = jax.nn.sigmoid(logits[:, experts]).astype(jnp.float32) if gated else None
+            if kernels:
+                def route(block_m):
+                    return moe_route_chosen(ids, w, num_experts=experts, block_m=block_m, shared=stacked,
+                                            shared_weight=gate, interpret=self.interpret)
+
+                out, routing = self._routed_experts(h, route, kernels, None, slots, experts + stacked)
+            else:
+                ids, w = with_shared(ids, w, experts, stacked, gate)
+                out = moe_mlp(h, None, *weights, slots, renormalize, routed=(w, ids))
+        x = x + self.reduce(out)
+        if num_real is None:
+            return x, counters
+        return x, counters, expert_counts(ids, num_real, experts)
+
     def _norm_route(self, x, norm, router, counters, kernels, *, top_k: int, renormalize: bool, eps: float,
-                    round_logits: bool = True) -> tuple | None:
-        """A small step's norm, router and softmax routing as one kernel (`moe_norm_route`): (h, routing, counters),
+                    round_logits: bool = True, scaling: float = 1.0, shared: int = 0, shared_gate: bool = False,
+                    experts: int | None = None) -> tuple | None:
+        """A small step's norm, router and softmax routing as one kernel (`moe_norm_route`; with `shared` experts
+        stacked after the routed ones, a gated router's gate, the routed weights' `scaling`): (h, routing, counters),
         or None where it does not run: no expert kernels (`kernels`: `_moe_kernels`'), no step counters, a step past
-        `moe_front_max_tokens`, shapes it does not take, or x, norm and router in different dtypes."""
+        `moe_front_max_tokens`, shapes it does not take, or x, norm and router in different dtypes. `experts`: the
+        routed experts (default: the router's columns)."""
         tokens, hidden = x.shape
-        experts = router.shape[1]
+        experts = router.shape[1] if experts is None else experts
         if not kernels or counters is None or tokens > self.policy.moe_front_max_tokens \
                 or not _front_supported(tokens, hidden, experts) \
                 or not x.dtype == norm.dtype == getattr(router, "dtype", None):
             return None
-        from pallas_kernels.moe.moe_router import moe_norm_route
+        from pallas_kernels.moe.moe_router import GATE_COLUMNS, moe_norm_route
 
+        launch = self.policy.launch_args("moe_norm_route")
+        if shared_gate and GATE_COLUMNS % launch.get("block_e", 1):  # (an override whose tiles split the gate's block)
+            return None
         return moe_norm_route(x, norm, router, counters, top_k=top_k, renormalize=renormalize,
-                              block_m=moe_block_m(tokens * top_k, experts), eps=eps, round_logits=round_logits,
-                              interpret=self.interpret, **self.policy.launch_args("moe_norm_route"))
+                              block_m=moe_block_m(tokens * (top_k + shared), experts + shared), eps=eps,
+                              round_logits=round_logits, scaling=scaling, shared=shared, shared_gate=shared_gate,
+                              interpret=self.interpret, **launch)
 
     def _moe_kernels(self, hidden, inter, *weights) -> tuple | None:
         """The routed experts' operands for the grouped-GEMM kernels, as `dense.fp8_operands` gives them ((w_gate,

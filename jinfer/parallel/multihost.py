@@ -354,7 +354,9 @@ class Follower(_Member):
                 packed, _, _ = runner.run_step(StepInputs.from_wire(frame))
                 in_flight.append(packed)  # (not the tokens: the next step's sampler takes their buffer)
                 if len(in_flight) > 2:  # as deep as process 0's pipeline: launch N+1, then wait for N
-                    jax.block_until_ready(in_flight.pop(0))
+                    done = in_flight.pop(0)
+                    jax.block_until_ready(done)
+                    runner.give_back_packed(done)  # (never read here: the sampler's next buffer of its shape)
             except Exception as e:  # noqa: BLE001 - the group's collectives are out of step for good
                 self.lost(f"a step failed ({type(e).__name__}: {e}); the group cannot go on")
         log.info("process %d: stopped by process 0", self.rank)

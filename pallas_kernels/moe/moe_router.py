@@ -7,6 +7,11 @@ KernelPolicy.moe_front_max_tokens):
                                                    router keeps them fp32: `round_logits=False`)
     routing = moe_route(logits)                   (softmax in fp32, top-k, the expert-grouped layout)
 
+Shared experts stacked after the routed ones ride along (`shared`: moe_routing.route_body gives them the last slots
+of every token), weighted 1 or, with `shared_gate`, sigmoid(h @ gate) per token (Qwen3.5-MoE's
+`shared_expert_gate`), the gate a 17th column block of the router: [hidden, E + GATE_COLUMNS], its column E the gate
+and the rest zeros (`gated_router`); the routed weights can carry a scaling factor (DeepSeek's).
+
 At batch 1 XLA runs the first two as ~7 kernels per layer (the norm's reduction and multiply, the batch-1 dot's
 padding row, the dot, the logits' conversions) and the routing as an 8th: ~14 us a Qwen3-30B-A3B layer on the
 H100, against 7.3 us for this kernel (`local_step_front_profile_qwen3-30b-a3b_h100.json`). An earlier kernel that
@@ -38,6 +43,14 @@ from pallas_kernels.split_k import check_counters, sum_splits, take_ticket
 
 # Largest step the kernel takes (rows held in registers; larger steps keep XLA's fusions and GEMM).
 MAX_TOKENS = 64
+# A gated shared expert's router block: its gate column, then zeros (a block of the kernel's expert tiles).
+GATE_COLUMNS = 16
+
+
+def gated_router(router: jax.Array, gate: jax.Array) -> jax.Array:
+    """The router [hidden, E] with a shared expert's gate [hidden, 1] as column E, padded to E + GATE_COLUMNS."""
+    pad = jnp.zeros((router.shape[0], GATE_COLUMNS - 1), router.dtype)
+    return jnp.concatenate([router, gate.astype(router.dtype), pad], axis=1)
 
 
 def _check_blocks(block_e: int, experts: int, block_k: int, hidden: int) -> None:
@@ -50,14 +63,14 @@ def _check_blocks(block_e: int, experts: int, block_k: int, hidden: int) -> None
 # The whole front end: norm, router, routing
 # ----------------------------------------------------------------------------------------------
 def _front_kernel(x_ref, n_ref, w_ref, _cnt_in, h_ref, ids_ref, wts_ref, rows_ref, sorted_ref, bexp_ref, brows_ref,
-                  cnt_ref, part_ref, *, block_t, block_k, k_splits, top_k, block_m, renormalize, round_logits, eps,
-                  interpret):
+                  cnt_ref, part_ref, *, experts, block_t, block_k, k_splits, top_k, block_m, renormalize, round_logits,
+                  eps, scaling, shared, shared_gate, interpret):
     # x_ref [T, H] (whole); n_ref [H]; w_ref [H, block_e]: this program's router columns, of which it reads K split
     # `split`; h_ref [T, H] (whole, written by the programs of expert block 0, each its K split); the routing
     # outputs as moe_routing.route_body's; cnt_ref [>= 1] int32 (counter 0: zero on entry, left zero);
-    # part_ref [S, T, E] fp32: each program's partial logits, summed by the program that arrives last.
+    # part_ref [S, T, C] fp32: each program's partial logits (C: the router's columns, `experts` of them routed, then
+    # a gated shared expert's block), summed by the program that arrives last.
     tokens, hidden = x_ref.shape
-    experts = part_ref.shape[2]
     block_e = w_ref.shape[1]
     eb, split = pl.program_id(0), pl.program_id(1)
     rows, real, x_cols = tile_rows(x_ref, 0, block_t)
@@ -91,9 +104,21 @@ def _front_kernel(x_ref, n_ref, w_ref, _cnt_in, h_ref, ids_ref, wts_ref, rows_re
         if round_logits:
             logits = logits.astype(x_ref.dtype).astype(jnp.float32)  # F.linear's output dtype, as the XLA path
         logits = jnp.where(e < experts, logits, jnp.where(t < tokens, -jnp.inf, 0.0))  # padding rows finite
+        gate = None
+        if shared_gate:  # the gate's column block: its first column, rounded and activated as the XLA path does
+            g = sum_splits(part_ref, k_splits, lambda s_: (s_, pl.ds(0, tp), pl.ds(experts, GATE_COLUMNS)),
+                           jax.lax.broadcasted_iota(jnp.int32, (tp, GATE_COLUMNS), 0) < tokens)
+            first = jax.lax.broadcasted_iota(jnp.int32, (tp, GATE_COLUMNS), 1) == 0
+            g = jnp.sum(jnp.where(first, g, 0.0), axis=1, keepdims=True)  # [Tp, 1]
+            if round_logits:
+                g = g.astype(x_ref.dtype).astype(jnp.float32)
+            gate = jax.nn.sigmoid(g)
+            if round_logits:
+                gate = gate.astype(x_ref.dtype).astype(jnp.float32)
         cnt_ref[0] = 0  # left zero for the next call that shares the buffer
         route_body(logits, ids_ref, wts_ref, rows_ref, sorted_ref, bexp_ref, brows_ref, tokens=tokens,
-                   experts=experts, top_k=top_k, block_m=block_m, renormalize=renormalize)
+                   experts=experts, top_k=top_k, block_m=block_m, renormalize=renormalize, scaling=scaling,
+                   shared=shared, shared_weight=gate)
 
 
 def front_supported(tokens: int, hidden: int, experts: int) -> str | None:
@@ -117,10 +142,12 @@ def default_front_tiling(tokens: int, hidden: int, experts: int) -> tuple[int, i
     return block_e, block_k, k_splits
 
 
-@functools.partial(jax.jit, static_argnames=("top_k", "renormalize", "block_m", "eps", "round_logits", "block_e",
-                                             "block_k", "k_splits", "num_warps", "num_stages", "interpret"))
+@functools.partial(jax.jit, static_argnames=("top_k", "renormalize", "block_m", "eps", "round_logits", "scaling",
+                                             "shared", "shared_gate", "block_e", "block_k", "k_splits", "num_warps",
+                                             "num_stages", "interpret"))
 def moe_norm_route(x: jax.Array, norm_weight: jax.Array, router: jax.Array, counters: jax.Array, *, top_k: int,
-                   renormalize: bool, block_m: int, eps: float, round_logits: bool = True, block_e: int | None = None,
+                   renormalize: bool, block_m: int, eps: float, round_logits: bool = True, scaling: float = 1.0,
+                   shared: int = 0, shared_gate: bool = False, block_e: int | None = None,
                    block_k: int | None = None, k_splits: int | None = None, num_warps: int | None = None,
                    num_stages: int = 3, interpret: bool = False) -> tuple[jax.Array, MoeRouting, jax.Array]:
     """A decode step's MoE front end in one kernel: (h, routing, counters) where `h = rms_norm(x) * norm_weight`,
@@ -133,8 +160,13 @@ def moe_norm_route(x: jax.Array, norm_weight: jax.Array, router: jax.Array, coun
     the routing are one launch where XLA makes ~7 kernels and the routing program an 8th.
 
     Args:
-      x: `[tokens, hidden]`, tokens <= MAX_TOKENS; norm_weight `[hidden]`; router `[hidden, experts]`.
+      x: `[tokens, hidden]`, tokens <= MAX_TOKENS; norm_weight `[hidden]`; router `[hidden, experts]` (with
+        `shared_gate`: `[hidden, experts + GATE_COLUMNS]`, `gated_router`).
       counters: int32 `[>= 1]`, counter 0 zero on entry (`ModelOps.step_counters`); returned zero again (aliased).
+      scaling: the routed weights' factor (after any renormalisation).
+      shared: shared experts stacked after the routed ones (ids experts..experts + shared - 1): every token's last
+        `shared` slots, weighted 1, or with `shared_gate` sigmoid(h @ the router's column `experts`) (rounded to x's
+        dtype, before and after the sigmoid, with `round_logits`, as the XLA path's bf16 dot and sigmoid).
       block_e, block_k, k_splits: tiling (default `default_front_tiling`); num_warps (default 4), num_stages.
       interpret: run the Pallas interpreter (CPU tests).
     """
@@ -142,7 +174,10 @@ def moe_norm_route(x: jax.Array, norm_weight: jax.Array, router: jax.Array, coun
         raise ValueError(f"x must be [tokens, hidden], norm_weight [hidden], router [hidden, experts]: {x.shape=} "
                          f"{norm_weight.shape=} {router.shape=}")
     tokens, hidden = x.shape
-    experts = router.shape[1]
+    columns = router.shape[1]
+    experts = columns - GATE_COLUMNS if shared_gate else columns
+    if shared_gate and not shared:
+        raise ValueError("shared_gate needs shared experts")
     if norm_weight.dtype != x.dtype or router.dtype != x.dtype:
         raise ValueError(f"x, norm_weight and router must share a dtype: {x.dtype}, {norm_weight.dtype}, "
                          f"{router.dtype}")
@@ -156,28 +191,31 @@ def moe_norm_route(x: jax.Array, norm_weight: jax.Array, router: jax.Array, coun
     d_e, d_k, d_s = default_front_tiling(tokens, hidden, experts)
     block_e, block_k, k_splits = block_e or d_e, block_k or d_k, k_splits or d_s
     _check_blocks(block_e, experts, block_k, hidden)
+    if shared_gate and GATE_COLUMNS % block_e:
+        raise ValueError(f"block_e={block_e} must divide the gate's {GATE_COLUMNS} columns")
     if hidden % (block_k * k_splits):
         raise ValueError(f"block_k {block_k} x k_splits {k_splits} must divide hidden {hidden}")
     block_t = max(16, next_pow2(tokens))
-    kernel = functools.partial(_front_kernel, block_t=block_t, block_k=block_k, k_splits=k_splits, top_k=top_k,
-                               block_m=block_m, renormalize=renormalize, round_logits=round_logits, eps=eps,
-                               interpret=interpret)
+    kernel = functools.partial(_front_kernel, experts=experts, block_t=block_t, block_k=block_k, k_splits=k_splits,
+                               top_k=top_k, block_m=block_m, renormalize=renormalize, round_logits=round_logits,
+                               eps=eps, scaling=scaling, shared=shared, shared_gate=shared_gate, interpret=interpret)
     whole = pl.no_block_spec
     h, *routed, counters, _ = pl.pallas_call(
         kernel,
-        grid=(experts // block_e, k_splits),
+        grid=(columns // block_e, k_splits),
         in_specs=[whole, pl.BlockSpec((hidden,), lambda e, s: (0,)),
                   pl.BlockSpec((hidden, block_e), lambda e, s: (0, e)), whole],
         out_specs=[whole] * 9,
-        out_shape=[jax.ShapeDtypeStruct((tokens, hidden), x.dtype), *route_out_shapes(tokens, experts, top_k, block_m),
+        out_shape=[jax.ShapeDtypeStruct((tokens, hidden), x.dtype),
+                   *route_out_shapes(tokens, experts, top_k, block_m, shared),
                    jax.ShapeDtypeStruct(counters.shape, jnp.int32),
-                   jax.ShapeDtypeStruct((k_splits, tokens, experts), jnp.float32)],
+                   jax.ShapeDtypeStruct((k_splits, tokens, columns), jnp.float32)],
         input_output_aliases={3: 7},
         compiler_params=plgpu.CompilerParams(num_warps=num_warps or 4, num_stages=num_stages),
         interpret=interpret,
-        name=f"moe_norm_route_t{block_t}_e{block_e}_k{block_k}_s{k_splits}",
+        name=f"moe_norm_route_t{block_t}_e{block_e}_k{block_k}_s{k_splits}" + (f"_sh{shared}" if shared else ""),
     )(x, norm_weight, router, counters)
-    return h, routing_from_outputs(tokens, top_k, *routed), counters
+    return h, routing_from_outputs(tokens, top_k + shared, *routed), counters
 
 
 def moe_norm_router_reference(x: jax.Array, norm_weight: jax.Array, router: jax.Array, *, eps: float,

@@ -24,6 +24,11 @@ Two implementations of the same layout:
 Routings that choose their experts otherwise (DeepSeek's group-limited top-k, in XLA) give the chosen
 ids and weights to `moe_route_chosen`: the same program from the selection mask on (`layout_body`), and
 its jnp form `moe_route_chosen_reference`.
+
+Shared experts stacked after the routed ones (`shared` S: ids E..E+S-1, chosen by every token, in the last S slots
+of each token's k + S): their blocks follow the routed experts' blocks, cdiv(T, block_m) each, laid out without
+widening the [T, E] selection tiles. It is the layout `moe_route_chosen_reference` gives those ids over E + S
+experts (blocks are ordered by expert id); only the static block count differs.
 """
 
 from __future__ import annotations
@@ -64,11 +69,11 @@ class MoeRouting:
         return self.topk_ids.shape[1]
 
 
-def num_blocks(num_pairs: int, num_experts: int, block_m: int) -> int:
+def num_blocks(num_pairs: int, num_experts: int, block_m: int, tokens: int = 0, shared: int = 0) -> int:
     """Static bound on the blocks of the grouped layout: the blocks used number sum_e cdiv(c_e, block_m)
-    < R / block_m + n (R pairs, n <= min(E, R) experts hit), so with block_m > 1 the last block is never
-    used."""
-    return pl.cdiv(num_pairs, block_m) + min(num_experts, num_pairs)
+    < R / block_m + n (R routed pairs, n <= min(E, R) experts hit), so with block_m > 1 the last block is never
+    used; `shared` experts (every one of the `tokens`) add cdiv(tokens, block_m) blocks each."""
+    return pl.cdiv(num_pairs, block_m) + min(num_experts, num_pairs) + shared * pl.cdiv(tokens, block_m)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -79,23 +84,25 @@ def _route_kernel(logits_ref, *out_refs, **kw):
     route_body(logits_ref[...], *out_refs, **kw)
 
 
-def _place_kernel(ids_ref, rows_ref, sorted_ref, bexp_ref, brows_ref, *, tokens, experts, top_k, block_m):
-    # ids_ref [T*k] int32: the chosen experts, pair p = t * k + j (gathered: no padded copy); the outputs as
-    # route_body's
+def _place_kernel(ids_ref, rows_ref, sorted_ref, bexp_ref, brows_ref, *, tokens, experts, top_k, block_m, shared):
+    # ids_ref [T*k] int32: the chosen experts, pair p = t * k + j (gathered: no padded copy; the last `shared` slots
+    # are the shared experts, laid out by layout_body itself); the outputs as route_body's
     tp = rows_ref.shape[0]
     t = jnp.minimum(lax.broadcasted_iota(jnp.int32, (tp,), 0), tokens - 1)  # [Tp]: padding rows read the last token
-    picked = [ids_ref[t * top_k + j][:, None] for j in range(top_k)]  # top_k x [Tp, 1]
+    picked = [ids_ref[t * top_k + j][:, None] for j in range(top_k - shared)]  # routed slots x [Tp, 1]
     e = lax.broadcasted_iota(jnp.int32, (tp, next_pow2(experts)), 1)  # [Tp, Ep]
     chosen = functools.reduce(operator.or_, [e == ij for ij in picked])  # [Tp, Ep]
     layout_body(picked, chosen, rows_ref, sorted_ref, bexp_ref, brows_ref, tokens=tokens, experts=experts,
-                top_k=top_k, block_m=block_m)
+                top_k=top_k, block_m=block_m, shared=shared)
 
 
 def route_body(logits, ids_ref, w_ref, rows_ref, sorted_ref, bexp_ref, brows_ref, *, tokens, experts, top_k,
-               block_m, renormalize):
+               block_m, renormalize, scaling=1.0, shared=0, shared_weight=None):
     """The routing program's work on its logits [Tp, Ep] f32 (padding columns -inf, padding rows finite), also the
     tail of moe_router.moe_norm_route. ids_ref / w_ref / rows_ref [Tp, Kp] (out); sorted_ref [M] (out, scattered);
-    bexp_ref / brows_ref [NB] (out, NB <= NBp, stored masked). Every dim of a value here is a power of two."""
+    bexp_ref / brows_ref [NB] (out, NB <= NBp, stored masked). Every dim of a value here is a power of two.
+    The routed weights are times `scaling`; `shared` experts (ids experts..experts + shared - 1) take the slots after
+    the top_k routed ones, each weighted `shared_weight` ([Tp, 1] f32; None: 1)."""
     tp, ep = logits.shape
     kp = ids_ref.shape[1]
     e = lax.broadcasted_iota(jnp.int32, (tp, ep), 1)  # [Tp, Ep]
@@ -118,16 +125,24 @@ def route_body(logits, ids_ref, w_ref, rows_ref, sorted_ref, bexp_ref, brows_ref
         picked.append(ij)
     if renormalize:
         ws = ws / jnp.sum(ws, axis=1, keepdims=True)
+    if scaling != 1.0:
+        ws = ws * scaling
+    for s_ in range(shared):  # (after the renormalisation: it is over the routed weights only)
+        ids = jnp.where(slot == top_k + s_, experts + s_, ids)
+        ws = jnp.where(slot == top_k + s_, 1.0 if shared_weight is None else shared_weight, ws)
     ids_ref[...] = ids
     w_ref[...] = ws
     layout_body(picked, cur == -2.0, rows_ref, sorted_ref, bexp_ref, brows_ref, tokens=tokens, experts=experts,
-                top_k=top_k, block_m=block_m)
+                top_k=top_k + shared, block_m=block_m, shared=shared)
 
 
-def layout_body(picked, chosen, rows_ref, sorted_ref, bexp_ref, brows_ref, *, tokens, experts, top_k, block_m):
-    """The grouped layout of chosen experts: picked, top_k x [Tp, 1] int32 (slot j's expert of each token); chosen
-    [Tp, Ep] bool (token t picked expert e; padding rows' values are masked here). rows_ref [Tp, Kp] (out); the
-    rest as route_body's."""
+def layout_body(picked, chosen, rows_ref, sorted_ref, bexp_ref, brows_ref, *, tokens, experts, top_k, block_m,
+                shared=0):
+    """The grouped layout of chosen experts: picked, (top_k - shared) x [Tp, 1] int32 (slot j's routed expert of each
+    token); chosen [Tp, Ep] bool (token t picked routed expert e; padding rows' values are masked here); top_k: the
+    slots per token, the last `shared` of them the shared experts (experts + s, every token: `route_body`), whose
+    cdiv(tokens, block_m) blocks each follow the routed experts' blocks. rows_ref [Tp, Kp] (out); the rest as
+    route_body's."""
     tp, ep = chosen.shape
     kp = rows_ref.shape[1]
     nb = bexp_ref.shape[0]
@@ -146,8 +161,14 @@ def layout_body(picked, chosen, rows_ref, sorted_ref, bexp_ref, brows_ref, *, to
     row = blk_start[None, :] * block_m + rank  # [Tp, Ep]
     rows = jnp.zeros((tp, kp), jnp.int32)
     t1 = lax.broadcasted_iota(jnp.int32, (tp, 1), 0)  # [Tp, 1]
-    for j, ij in enumerate(picked):
-        rj = jnp.sum(jnp.where(e == ij, row, 0), axis=1, keepdims=True)  # [Tp, 1]
+    routed_blocks = jnp.sum(nblk)  # the shared experts' blocks start here, per_shared blocks each
+    per_shared = pl.cdiv(tokens, block_m)
+    shared_rows = [(routed_blocks + s_ * per_shared) * block_m + t1 for s_ in range(shared)]
+    for j, ij in enumerate(picked + shared_rows):
+        if j < len(picked):
+            rj = jnp.sum(jnp.where(e == ij, row, 0), axis=1, keepdims=True)  # [Tp, 1]
+        else:
+            rj = ij  # a shared expert: token t's row of its blocks
         rows = jnp.where(slot == j, rj, rows)
         ok = t1 < tokens
         # padding tokens aim at the last row, which the layout never uses (see num_blocks)
@@ -156,6 +177,14 @@ def layout_body(picked, chosen, rows_ref, sorted_ref, bexp_ref, brows_ref, *, to
     rows_ref[...] = rows
 
     b1 = lax.broadcasted_iota(jnp.int32, (nbp,), 0)
+    used_blocks = routed_blocks + shared * per_shared
+    # the shared experts' blocks [routed_blocks, used_blocks) (the general table below masks them, stored here)
+    sb = b1 - routed_blocks
+    in_shared = (sb >= 0) & (b1 < used_blocks) & (b1 < nb)
+    if shared:
+        plgpu.store(bexp_ref.at[pl.ds(0, nbp)], experts + sb // per_shared, mask=in_shared)
+        plgpu.store(brows_ref.at[pl.ds(0, nbp)], jnp.clip(tokens - sb % per_shared * block_m, 0, block_m),
+                    mask=in_shared)
     if tokens <= block_m:
         # every expert's rows fit one block (a token picks an expert once): expert e, when hit, owns block
         # blk_start[e], and the blocks from the used count on are unused. Scattered: [Ep] values, where the general
@@ -164,7 +193,7 @@ def layout_body(picked, chosen, rows_ref, sorted_ref, bexp_ref, brows_ref, *, to
         at = jnp.where(hit_e, blk_start, nb - 1)  # masked lanes aim at the spare last block, stored after
         plgpu.store(bexp_ref.at[at], lax.broadcasted_iota(jnp.int32, (ep,), 0), mask=hit_e)
         plgpu.store(brows_ref.at[at], counts, mask=hit_e)
-        tail = (b1 >= jnp.sum(nblk)) & (b1 < nb)
+        tail = (b1 >= used_blocks) & (b1 < nb)
         plgpu.store(bexp_ref.at[pl.ds(0, nbp)], jnp.full((nbp,), -1, jnp.int32), mask=tail)
         plgpu.store(brows_ref.at[pl.ds(0, nbp)], jnp.zeros((nbp,), jnp.int32), mask=tail)
         return
@@ -176,7 +205,7 @@ def layout_body(picked, chosen, rows_ref, sorted_ref, bexp_ref, brows_ref, *, to
     start_b = jnp.sum(jnp.where(hit, blk_start[None, :], 0), axis=1, keepdims=True)
     b1 = b1[:, None]
     used = eb < experts
-    keep = b1[:, 0] < nb  # (outputs are exactly [NB]: a padded one cost a copy kernel to slice)
+    keep = (b1[:, 0] < nb) & ~in_shared  # (outputs are exactly [NB]: a padded one cost a copy kernel to slice)
     plgpu.store(bexp_ref.at[pl.ds(0, nbp)], jnp.where(used, eb, -1)[:, 0], mask=keep)
     plgpu.store(brows_ref.at[pl.ds(0, nbp)], jnp.where(used, jnp.clip(cnt_b - (b1 - start_b) * block_m, 0, block_m),
                                                         0)[:, 0], mask=keep)
@@ -185,11 +214,12 @@ def layout_body(picked, chosen, rows_ref, sorted_ref, bexp_ref, brows_ref, *, to
 # ----------------------------------------------------------------------------------------------
 # Wrapper
 # ----------------------------------------------------------------------------------------------
-def route_out_shapes(tokens: int, experts: int, top_k: int, block_m: int) -> list[jax.ShapeDtypeStruct]:
-    """`route_body`'s outputs: ids, weights, rows [Tp, Kp] (powers of two), sorted pairs [M], block experts and
-    block rows [NB]."""
-    tp, kp = next_pow2(tokens), next_pow2(top_k)
-    nb = num_blocks(tokens * top_k, experts, block_m)
+def route_out_shapes(tokens: int, experts: int, top_k: int, block_m: int, shared: int = 0
+                     ) -> list[jax.ShapeDtypeStruct]:
+    """`route_body`'s outputs: ids, weights, rows [Tp, Kp] (powers of two; Kp >= top_k routed + shared slots), sorted
+    pairs [M], block experts and block rows [NB]."""
+    tp, kp = next_pow2(tokens), next_pow2(top_k + shared)
+    nb = num_blocks(tokens * top_k, experts, block_m, tokens, shared)
     i32 = jnp.int32
     return [jax.ShapeDtypeStruct((tp, kp), i32), jax.ShapeDtypeStruct((tp, kp), jnp.float32),
             jax.ShapeDtypeStruct((tp, kp), i32), jax.ShapeDtypeStruct((nb * block_m,), i32),
@@ -226,11 +256,12 @@ def _route_call(logits, top_k, renormalize, block_m, num_warps, interpret):
     return routing_from_outputs(tokens, top_k, *outs)
 
 
-def _place_call(topk_ids, topk_weights, experts, block_m, num_warps, interpret):
-    tokens, top_k = topk_ids.shape
-    shapes = route_out_shapes(tokens, experts, top_k, block_m)
+def _place_call(topk_ids, topk_weights, experts, block_m, num_warps, interpret, shared):
+    tokens, top_k = topk_ids.shape  # (top_k: the routed slots and the shared ones)
+    shapes = route_out_shapes(tokens, experts, top_k - shared, block_m, shared)
     whole = pl.no_block_spec
-    kernel = functools.partial(_place_kernel, tokens=tokens, experts=experts, top_k=top_k, block_m=block_m)
+    kernel = functools.partial(_place_kernel, tokens=tokens, experts=experts, top_k=top_k, block_m=block_m,
+                               shared=shared)
     rows, *layout = pl.pallas_call(
         kernel,
         grid=(1,),
@@ -284,9 +315,10 @@ def moe_route(logits: jax.Array, *, top_k: int, renormalize: bool = True, block_
     return _route_call(logits, top_k, renormalize, block_m, num_warps, interpret)
 
 
-@functools.partial(jax.jit, static_argnames=("num_experts", "block_m", "num_warps", "interpret"))
+@functools.partial(jax.jit, static_argnames=("num_experts", "block_m", "shared", "num_warps", "interpret"))
 def moe_route_chosen(topk_ids: jax.Array, topk_weights: jax.Array, *, num_experts: int, block_m: int = 16,
-                     num_warps: int | None = None, interpret: bool = False) -> MoeRouting:
+                     shared: int = 0, shared_weight: jax.Array | None = None, num_warps: int | None = None,
+                     interpret: bool = False) -> MoeRouting:
     """Group the routed rows of experts already chosen (DeepSeek's group-limited routing,
     `jinfer.models.layers.grouped_topk_routing`) by expert: `moe_route`'s layout without its softmax and top-k.
 
@@ -299,6 +331,8 @@ def moe_route_chosen(topk_ids: jax.Array, topk_weights: jax.Array, *, num_expert
       topk_ids: `[tokens, k]` int32 experts in [0, num_experts), distinct within a token.
       topk_weights: `[tokens, k]` their routing weights (kept as they are, in float32).
       num_experts: the router's expert count.
+      shared: shared experts stacked after the routed ones (ids num_experts..num_experts + shared - 1), chosen by
+        every token: the routing gets them in k more slots, weighted `shared_weight` ([tokens] float32; None: 1).
       block_m, num_warps, interpret: as `moe_route`'s.
 
     Steps of more than `ROUTE_KERNEL_MAX_TOKENS` tokens use `moe_route_chosen_reference` (XLA).
@@ -309,10 +343,25 @@ def moe_route_chosen(topk_ids: jax.Array, topk_weights: jax.Array, *, num_expert
     check_route_args(num_experts, topk_ids.shape[1], block_m)
     tokens = topk_ids.shape[0]
     if tokens > ROUTE_KERNEL_MAX_TOKENS:
-        return moe_route_chosen_reference(topk_ids, topk_weights, num_experts=num_experts, block_m=block_m)
+        return moe_route_chosen_reference(topk_ids, topk_weights, num_experts=num_experts, block_m=block_m,
+                                          shared=shared, shared_weight=shared_weight)
     if num_warps is None:
         num_warps = 4 if tokens * num_experts <= 4096 else 8
-    return _place_call(topk_ids, topk_weights, num_experts, block_m, num_warps, interpret)
+    ids, weights = with_shared(topk_ids, topk_weights, num_experts, shared, shared_weight)
+    return _place_call(ids, weights, num_experts, block_m, num_warps, interpret, shared)
+
+
+def with_shared(topk_ids, topk_weights, num_experts: int, shared: int, shared_weight=None):
+    """(ids, weights) [T, k + shared]: the routed ones, then the shared experts num_experts + s, weighted
+    `shared_weight` [T] (None: 1)."""
+    if not shared:
+        return topk_ids, topk_weights
+    tokens = topk_ids.shape[0]
+    ids = jnp.broadcast_to(num_experts + jnp.arange(shared, dtype=jnp.int32), (tokens, shared))
+    w = jnp.ones((tokens, 1), jnp.float32) if shared_weight is None else shared_weight.reshape(tokens, 1)
+    return (jnp.concatenate([topk_ids, ids], axis=1),
+            jnp.concatenate([topk_weights.astype(jnp.float32), jnp.broadcast_to(w.astype(jnp.float32),
+                                                                                (tokens, shared))], axis=1))
 
 
 def local_experts(routing: MoeRouting, first: jax.Array, count: int) -> tuple[MoeRouting, jax.Array]:
@@ -349,15 +398,19 @@ def moe_route_reference(logits: jax.Array, *, top_k: int, renormalize: bool = Tr
     return _layout_reference(ids, weights, logits.shape[1], block_m)
 
 
-@functools.partial(jax.jit, static_argnames=("num_experts", "block_m"))
-def moe_route_chosen_reference(topk_ids: jax.Array, topk_weights: jax.Array, *, num_experts: int, block_m: int = 16
-                               ) -> MoeRouting:
-    """`moe_route_chosen` in jnp; rows of `sorted_pairs` past each block's valid rows are 0."""
+@functools.partial(jax.jit, static_argnames=("num_experts", "block_m", "shared"))
+def moe_route_chosen_reference(topk_ids: jax.Array, topk_weights: jax.Array, *, num_experts: int, block_m: int = 16,
+                               shared: int = 0, shared_weight: jax.Array | None = None) -> MoeRouting:
+    """`moe_route_chosen` in jnp (the shared experts laid out as any chosen ones, over num_experts + shared); rows of
+    `sorted_pairs` past each block's valid rows are 0."""
     check_route_args(num_experts, topk_ids.shape[1], block_m)
-    return _layout_reference(topk_ids, topk_weights.astype(jnp.float32), num_experts, block_m)
+    tokens, top_k = topk_ids.shape
+    ids, weights = with_shared(topk_ids, topk_weights.astype(jnp.float32), num_experts, shared, shared_weight)
+    return _layout_reference(ids, weights, num_experts + shared, block_m,
+                             num_blocks(tokens * top_k, num_experts, block_m, tokens, shared))
 
 
-def _layout_reference(ids, weights, experts, block_m):
+def _layout_reference(ids, weights, experts, block_m, nb=None):
     tokens, top_k = ids.shape
     sel = jnp.zeros((tokens, experts), jnp.int32).at[jnp.arange(tokens)[:, None], ids].set(1)  # [T, E]
     counts = sel.sum(axis=0)  # [E]
@@ -366,7 +419,7 @@ def _layout_reference(ids, weights, experts, block_m):
     blk_end = jnp.cumsum(nblk)
     blk_start = blk_end - nblk
     pair_rows = jnp.take_along_axis(blk_start[None, :] * block_m + rank, ids, axis=1)  # [T, k]
-    nb = num_blocks(tokens * top_k, experts, block_m)
+    nb = nb or num_blocks(tokens * top_k, experts, block_m)
     sorted_pairs = jnp.zeros(nb * block_m, jnp.int32).at[pair_rows.reshape(-1)].set(
         jnp.arange(tokens * top_k, dtype=jnp.int32))
     b = jnp.arange(nb, dtype=jnp.int32)

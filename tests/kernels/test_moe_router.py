@@ -8,8 +8,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from pallas_kernels.moe.moe_router import MAX_TOKENS, moe_norm_route, moe_norm_router_reference
-from pallas_kernels.moe.moe_routing import moe_route_reference
+from pallas_kernels.moe.moe_router import MAX_TOKENS, gated_router, moe_norm_route, moe_norm_router_reference
+from pallas_kernels.moe.moe_routing import moe_route_chosen_reference, moe_route_reference, topk_routing
 from tests.kernels.conftest import by_mode, lower_for_cuda, normal
 from tests.kernels.test_moe_routing import check_layout
 
@@ -130,6 +130,35 @@ def test_norm_route_fp32_logits():
     p /= p.sum(1, keepdims=True)
     np.testing.assert_allclose(np.asarray(r.topk_weights), np.take_along_axis(p, np.asarray(r.topk_ids), 1),
                                rtol=1e-4)
+
+
+@pytest.mark.parametrize("tokens,experts,top_k,renormalize,scaling,shared,gated,tiles", [
+    # the gate's partial sums over 2 K splits (the default tiling has one at hidden 64)
+    pytest.param(3, 8, 2, True, 1.0, 2, True, dict(block_k=32, k_splits=2), id="qwen3.5-moe-gated-2-splits"),
+    pytest.param(20, 24, 6, False, 2.5, 1, False, {}, id="deepseek-scaled-t20"),  # two blocks of the shared expert
+])
+def test_norm_route_with_shared_experts(tokens, experts, top_k, renormalize, scaling, shared, gated, tiles):
+    """Shared experts stacked after the routed ones take every token's last slots, weighted 1 or sigmoid(h @ gate)
+    (the router's gate column block, `gated_router`); the routed weights carry the scaling: the routing equals the
+    reference's top-k of the routed logits, scaled, with the shared experts laid out by moe_route_chosen_reference."""
+    hidden, block_m = 64, 16
+    x, norm, router = inputs(tokens, hidden, experts, jnp.float32)
+    gate = normal(np.random.default_rng(5), (hidden, 1), jnp.float32, 1 / np.sqrt(hidden))
+    h, r, counters = moe_norm_route(x, norm, gated_router(router, gate) if gated else router,
+                                    jnp.zeros((1,), jnp.int32), top_k=top_k, renormalize=renormalize,
+                                    block_m=block_m, eps=1e-6, scaling=scaling, shared=shared, shared_gate=gated,
+                                    interpret=True, **tiles)
+    h_ref, logits = moe_norm_router_reference(x, norm, router, eps=1e-6)
+    w, ids = topk_routing(logits, top_k, renormalize)
+    sw = jax.nn.sigmoid(jnp.dot(h_ref, gate, precision=jax.lax.Precision.HIGHEST))[:, 0] if gated else None
+    ref = moe_route_chosen_reference(ids, w * scaling, num_experts=experts, block_m=block_m, shared=shared,
+                                     shared_weight=sw)
+    np.testing.assert_allclose(np.asarray(h), np.asarray(h_ref), rtol=1e-6, atol=1e-6)
+    for field in ("topk_ids", "pair_rows", "block_expert", "block_rows"):
+        np.testing.assert_array_equal(getattr(r, field), getattr(ref, field), err_msg=field)
+    np.testing.assert_allclose(np.asarray(r.topk_weights), np.asarray(ref.topk_weights), rtol=1e-5, atol=1e-6)
+    check_layout(r, tokens, experts, top_k, block_m, shared)
+    assert int(counters[0]) == 0
 
 
 def test_norm_route_bad_arguments_are_value_errors():

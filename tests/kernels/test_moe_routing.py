@@ -30,17 +30,20 @@ CASES = [  # tokens, experts, top_k, block_m, renormalize
 ]
 
 
-def check_layout(r, tokens: int, experts: int, top_k: int, block_m: int) -> None:
-    """Every pair sits exactly once in a block of its own expert; blocks are grouped by expert in order."""
+def check_layout(r, tokens: int, experts: int, top_k: int, block_m: int, shared: int = 0) -> None:
+    """Every pair sits exactly once in a block of its own expert; blocks are grouped by expert in order. `top_k`
+    routed slots, then `shared` experts (ids experts + s) in every token's last slots."""
     ids = np.asarray(r.topk_ids)
     rows = np.asarray(r.pair_rows).ravel()
     bexp, brows = np.asarray(r.block_expert), np.asarray(r.block_rows)
-    assert r.sorted_pairs.shape == (num_blocks(tokens * top_k, experts, block_m) * block_m,)
+    pairs = tokens * (top_k + shared)
+    assert r.sorted_pairs.shape == (num_blocks(tokens * top_k, experts, block_m, tokens, shared) * block_m,)
+    assert (ids[:, top_k:] == experts + np.arange(shared)).all()
     assert len(set(rows.tolist())) == rows.size
     assert (bexp[rows // block_m] == ids.ravel()).all(), "a pair sits in another expert's block"
     assert (rows % block_m < brows[rows // block_m]).all(), "a pair sits past its block's valid rows"
-    assert brows.sum() == tokens * top_k
-    assert (np.asarray(r.sorted_pairs)[rows] == np.arange(tokens * top_k)).all()
+    assert brows.sum() == pairs
+    assert (np.asarray(r.sorted_pairs)[rows] == np.arange(pairs)).all()
     used = bexp >= 0
     assert used[:used.sum()].all() and bexp[-1] == -1, "unused blocks come last (and the last one is spare)"
     assert (np.diff(bexp[used]) >= 0).all()
@@ -93,6 +96,30 @@ def test_route_chosen_matches_reference(mode, tokens, experts, block_m, kw):
         np.testing.assert_array_equal(getattr(r, field), getattr(ref, field), err_msg=field)
     np.testing.assert_array_equal(r.topk_ids, ids)
     check_layout(r, tokens, experts, kw["top_k"], block_m)
+
+
+SHARED = [  # tokens, experts, block_m, routing, shared experts
+    pytest.param(1, 64, 16, V2_LITE, 2, id="v2-lite-b1-2-shared"),
+    pytest.param(37, 60, 8, dict(V2_LITE, top_k=4), 3, id="t37-e60-3-shared"),  # several blocks per shared expert
+    pytest.param(16, 256, 16, V3, 1, id="v3-b16-1-shared"),
+]
+
+
+@pytest.mark.parametrize("mode,tokens,experts,block_m,kw,shared", by_mode(SHARED[:2], SHARED))
+def test_route_chosen_with_shared_experts_matches_reference(mode, tokens, experts, block_m, kw, shared):
+    """Shared experts stacked after the routed ones: the kernel lays them out itself (no [T, E + S] tiles), as the
+    reference lays out any chosen experts over E + S, with their weights (1 or given per token) in the last slots."""
+    weights, ids = grouped_choice(tokens, experts, kw)
+    sw = jnp.asarray(np.random.default_rng(tokens).uniform(0.1, 0.9, tokens), jnp.float32) if shared != 2 else None
+    r = moe_route_chosen(ids, weights, num_experts=experts, block_m=block_m, shared=shared, shared_weight=sw,
+                         interpret=mode == "interpret")
+    ref = moe_route_chosen_reference(ids, weights, num_experts=experts, block_m=block_m, shared=shared,
+                                     shared_weight=sw)
+    for field in ("topk_ids", "topk_weights", "pair_rows", "block_expert", "block_rows"):
+        np.testing.assert_array_equal(getattr(r, field), getattr(ref, field), err_msg=field)
+    check_layout(r, tokens, experts, kw["top_k"], block_m, shared)
+    want = np.ones((tokens, shared)) if sw is None else np.repeat(np.asarray(sw)[:, None], shared, 1)
+    np.testing.assert_array_equal(np.asarray(r.topk_weights)[:, kw["top_k"]:], want)
 
 
 def test_route_chosen_of_top_k_is_moe_route():

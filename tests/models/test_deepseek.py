@@ -70,7 +70,8 @@ PALLAS = dataclasses.replace(OPS["pallas"], policy=KernelPolicy(mla_expand_min_q
                 ids=lambda p: f"{p[0]}-{'ep' if p[2] else 'tp'}{p[1]}-{p[3]}" + ("-gguf" if p[4:] else ""))
 def model(request):
     """The Pallas ops (interpreted) run the dense layer's and the projections' kernels, the routed experts' grouped
-    GEMMs (the routing in XLA), the shared experts on the fused SwiGLU kernel and the MLA decode kernel in one-token
+    GEMMs (the routing in XLA; on one device the shared experts stacked with the routed ones, else on the fused SwiGLU
+    kernel) and the MLA decode kernel in one-token
     steps, and the ragged MLA kernels in the others (PALLAS); the reference ops the jnp MLA reference."""
     arch, n, ep, ops, *suffix = request.param
     src = resolve_model(DATA / f"tiny-{arch}{''.join(suffix)}")
@@ -89,7 +90,11 @@ def test_heads_split_latent_replicated(model):
     n, layer, moe = w.embed.sharding.mesh.size, w.layers[0], w.layers[1]
     q = layer.wq if layer.wq is not None else layer.wq_b
     assert split(q, 1) == n and split(layer.wkv_b, 1) == n and split(layer.wo, 0) == n
-    assert split(layer.wkv_a, 1) == 1 and split(moe.ws_gate, 1) == n
+    assert split(layer.wkv_a, 1) == 1
+    if n == 1:  # the shared experts stacked after the routed ones (shared_experts.py)
+        assert moe.ws_gate is None and moe.w_gate.shape[0] == cfg.num_experts + cfg.num_shared_experts
+    else:
+        assert split(moe.ws_gate, 1) == n
     assert all(split(a, 2) == 1 and a.shape[2] == cfg.latent_dim for (a,) in empty())
 
 
@@ -207,13 +212,16 @@ def test_batched_chunked_prefill_matches_hf(model):
 
 @pytest.mark.parametrize("arch", ARCHS)
 def test_pallas_ops_run_the_kernels(arch):
-    """The Pallas cases above go through the expert kernels, not the reference's ragged dots, a one-token step's dense
-    MLP and shared experts through the fused SwiGLU kernel (one a layer), and their prefill steps (the batched chunked
-    prefill's second) through the ragged MLA kernels in both forms, not the jnp reference attention (traced only)."""
+    """The Pallas cases above go through the expert kernels, not the reference's ragged dots, with the shared experts
+    stacked after the routed ones (one device: no shared MLP), a one-token step's dense MLP through the fused SwiGLU
+    kernel, and their prefill steps (the batched chunked prefill's second) through the ragged MLA kernels in both
+    forms, not the jnp reference attention (traced only)."""
     cfg, _, w, step, empty = sharded_model(resolve_model(DATA / f"tiny-{arch}"), 1, False, PALLAS)
+    moe = [layer for i, layer in enumerate(w.layers) if cfg.is_moe_layer(i)]
+    assert moe and all(layer.w_gate.shape[0] == cfg.num_experts + cfg.num_shared_experts for layer in moe)
     jaxpr = str(jax.make_jaxpr(step)(w, decode_batch(1, 20, scrambled_pages(0, 8)), empty()))
     assert all(k in jaxpr for k in ("moe_route_chosen", "moe_gate_up", "moe_down")) and "ragged_dot" not in jaxpr
-    assert len(re.findall(r"name=fused_swiglu_mlp\b", jaxpr)) == cfg.num_layers
+    assert len(re.findall(r"name=fused_swiglu_mlp\b", jaxpr)) == cfg.num_layers - len(moe)
     assert "mla_decode_attention" in jaxpr
     g, pages = gold(arch), scrambled_pages(7, 30)
     prompts = [g[f"prompt_{i}"].tolist() for i in range(3)]

@@ -23,6 +23,7 @@ from safetensors.numpy import load_file, save_file
 
 from jinfer.models.batch import make_batch
 from jinfer.models.registry import forward, fuse_qkv, state_specs
+from jinfer.models.shared_experts import stack_shared_experts
 from jinfer.ops import REFERENCE_OPS, ModelOps
 from jinfer.weights.loader import load_weights, resolve_model
 
@@ -79,8 +80,11 @@ def step_fn(cfg, ops):
     return jax.jit(partial(forward, cfg=cfg, ops=ops), donate_argnames=("kv_cache",))
 
 
-# (checkpoint, ops): the MoE model with the reference ops only (its expert kernels are qwen3_moe's, tested there)
-CASES = [("qwen3_5", "ref"), pytest.param(("qwen3_5", "pallas"), marks=pytest.mark.slow), ("qwen3_5_moe", "ref")]
+# (checkpoint, ops): the MoE model with the reference ops only (its expert kernels are qwen3_moe's, tested there;
+# those of its shared expert stacked with the routed ones in tests/models/test_shared_experts.py), its shared expert
+# apart (as under tensor or expert parallel) and stacked after the routed experts (one device: the engine's load)
+CASES = [("qwen3_5", "ref"), pytest.param(("qwen3_5", "pallas"), marks=pytest.mark.slow), ("qwen3_5_moe", "ref"),
+         ("qwen3_5_moe", "stacked")]
 
 
 @pytest.fixture(scope="module", params=CASES, ids=lambda c: "-".join(c))
@@ -90,6 +94,9 @@ def model(request):
     if ops == "pallas":
         w = fuse_qkv(cfg, w)
         assert w.layers[0].lin_in is not None and w.layers[1].wqkv is not None
+    if ops == "stacked":  # 48 shared columns over experts of 32: two stacked experts, the second half zeros
+        w, ops = stack_shared_experts(w, cfg.num_experts), "ref"
+        assert w.layers[0].w_gate.shape[0] == cfg.num_experts + 2 and w.layers[0].ws_gate is None
     return cfg, w, step_fn(cfg, OPS[ops])
 
 

@@ -428,7 +428,8 @@ def test_greedy_verify_rows_compile_to_an_argmax():
 
     R, vocab = 8, 4096
     shapes = (jax.ShapeDtypeStruct((R, vocab), jnp.float32),
-              jax.ShapeDtypeStruct((sampling_size(R, 0, 0, 0, 0),), jnp.int32), jax.ShapeDtypeStruct((16,), jnp.int32))
+              jax.ShapeDtypeStruct((sampling_size(R, 0, 0, 0, 0),), jnp.int32), jax.ShapeDtypeStruct((16,), jnp.int32),
+              jax.ShapeDtypeStruct((R, 3), jnp.int32))
 
     def ops(flags) -> set[str]:
         step = functools.partial(sample_step, dims=(R, 0, 0, 0), num_logprobs=-1, flags=flags, max_rows=16)
