@@ -13,7 +13,9 @@ Speculative decoding: `--speculative-config '{"method": "ngram", "num_speculativ
 it; with `--replay-acceptance P` the drafter is instead the benchmark-only replay drafter (jinfer/spec/replay.py),
 which decides each verification's outcome (k drafts, each accepted with probability P up to the first rejection),
 so the engine's TPOT at mean acceptance length 1 + P + ... + P^k is measured on dummy weights (whose own greedy
-tokens a verification row does not reproduce). With drafts TPOT is the decode time over the tokens per sequence
+tokens a verification row does not reproduce). A model drafter (`"method": "mtp"` on dummy:qwen3.5-*, whose MTP layer
+is random then; `"eagle3"`) keeps its head and does its device work; only the verifications' outcomes are forced
+(jinfer/spec/replay.py `ForcedAcceptance`). With drafts TPOT is the decode time over the tokens per sequence
 (a step emits several), `step_ms` the mean step.
 
 Per step read back while decoding: `device_wait_ms_per_step` (the host blocked reading it back), `host_ms_per_step`
@@ -53,7 +55,8 @@ from jinfer.engine.args import compilation_cache_dir_from_env
 from jinfer.engine.core import EngineCore
 from jinfer.engine.expert_load import summarize
 from jinfer.sampling_params import SamplingParams
-from jinfer.spec.replay import ReplayProposer
+from jinfer.spec.decoding import SpecDecoding
+from jinfer.spec.replay import ForcedAcceptance, ReplayProposer
 
 
 def run_batch(core: EngineCore, prompts: list[list[int]], output_len: int, tag: str) -> dict:
@@ -128,7 +131,8 @@ def main():
                     help='speculative decoding, vLLM\'s form: \'{"method": "ngram", "num_speculative_tokens": 4}\'')
     ap.add_argument("--replay-acceptance", type=float, default=None, metavar="P",
                     help="with --speculative-config: the benchmark-only replay drafter, whose num_speculative_tokens "
-                         "drafts are each accepted with probability P up to the first rejection")
+                         "drafts are each accepted with probability P up to the first rejection (mtp, eagle3: the "
+                         "method's own drafts, accepted so)")
     ap.add_argument("--expert-load-stats", action="store_true",
                     help="MoE shapes: count the experts' load each step; rows get the decode steps' imbalance")
     ap.add_argument("--repeat", type=int, default=3, help="timed runs per batch size (the median-TPOT run is kept)")
@@ -145,6 +149,9 @@ def main():
     replay = args.replay_acceptance is not None
     if replay and spec_config is None:
         ap.error("--replay-acceptance needs --speculative-config (its num_speculative_tokens)")
+    # a model drafter (EAGLE-3, MTP) keeps its head and its work, only the verifications' outcomes are forced
+    forced_head = replay and spec_config.method in ("eagle3", "mtp")
+    replay = replay and not forced_head
     proposer = ReplayProposer(spec_config.num_speculative_tokens, args.replay_acceptance,
                                                 forced=True) if replay else None
     core = EngineCore(EngineConfig(model=model, dtype=args.dtype, kv_cache_dtype=args.kv_cache_dtype,
@@ -162,6 +169,8 @@ def main():
                                    expert_load_stats=args.expert_load_stats,
                                    **compilation_cache_dir_from_env({})),
                       proposer=proposer)
+    if forced_head:
+        core.spec = SpecDecoding(ForcedAcceptance(core.spec.proposer, args.replay_acceptance))
     if core.runner.collectives:
         print(f"collectives: {core.runner.collectives}", flush=True)
     if follower:

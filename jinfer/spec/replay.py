@@ -11,6 +11,9 @@ with no recording is drafted from its own last tokens). Two modes:
   trials up to the first failure) and `forced_accept` keeps that many drafts plus the target's sample after them:
   the engine does exactly the work of a verification that accepted them; only the tokens are not the target's.
 With per-token acceptance p and k drafts the mean acceptance length is 1 + p + p^2 + ... + p^k.
+
+`ForcedAcceptance` forces the same outcomes on another drafter's drafts (a model head's: EAGLE-3's, Qwen3.5's MTP
+layer's), so a benchmark on random weights pays the head's own device work too.
 """
 
 from __future__ import annotations
@@ -20,22 +23,42 @@ from collections.abc import Sequence
 import numpy as np
 
 
-class ReplayProposer:
-    def __init__(self, num_speculative_tokens: int, acceptance: float, seed: int = 0, forced: bool = False):
+class _Trials:
+    """k Bernoulli(acceptance) trials per drafted request, and (forced) the leading successes each request's next
+    verification accepts."""
+
+    def __init__(self, k: int, acceptance: float, seed: int):
         if not 0.0 <= acceptance <= 1.0:
             raise ValueError(f"acceptance={acceptance} must be in [0, 1]")
+        self.k, self.acceptance = k, acceptance
+        self._planned: dict[str, int] = {}  # request id -> drafts its next verification accepts
+        self._rng = np.random.default_rng(seed)
+
+    def draw(self, count: int) -> list[list[bool]]:
+        return (self._rng.random((count, self.k)) < self.acceptance).tolist()
+
+    def plan(self, request_id: str, right: list[bool]) -> None:
+        self._planned[request_id] = right.index(False) if False in right else self.k
+
+    def accept(self, request_id: str, draft_ids: Sequence[int], sampled_ids: Sequence[int]) -> list[int]:
+        """The planned number of drafts and the target's sample after them."""
+        a = min(self._planned.pop(request_id, 0), len(draft_ids))
+        return [*map(int, draft_ids[:a]), int(sampled_ids[a])]
+
+
+class ReplayProposer:
+    def __init__(self, num_speculative_tokens: int, acceptance: float, seed: int = 0, forced: bool = False):
+        self._trials = _Trials(num_speculative_tokens, acceptance, seed)
         self.k, self.acceptance, self.forced = num_speculative_tokens, acceptance, forced
         self._recorded: dict[tuple[int, ...], list[int]] = {}
         self._of: dict[str, list[int] | None] = {}  # request id -> its recording (looked up once)
-        self._planned: dict[str, int] = {}  # forced: request id -> drafts its next verification accepts
-        self._rng = np.random.default_rng(seed)
 
     def record(self, prompt_token_ids: Sequence[int], output_token_ids: Sequence[int]) -> None:
         self._recorded[tuple(prompt_token_ids)] = list(output_token_ids)
 
     def propose(self, requests: Sequence) -> list[list[int]]:
         # (lists, not numpy per request: this runs in series with the device, before every verify step)
-        trials = (self._rng.random((len(requests), self.k)) < self.acceptance).tolist()
+        trials = self._trials.draw(len(requests))
         drafts = []
         for r, right in zip(requests, trials):
             rec = self._of.get(r.request_id, 0)
@@ -44,7 +67,7 @@ class ReplayProposer:
             n = r.num_output_tokens
             draft = rec[n:n + self.k] if rec is not None else r.all_token_ids[-self.k:]
             if self.forced:  # leading successes
-                self._planned[r.request_id] = right.index(False) if False in right else self.k
+                self._trials.plan(r.request_id, right)
             elif rec is not None:
                 draft = [t if ok else (t - 1 if t else 1) for t, ok in zip(draft, right)]
             else:
@@ -55,5 +78,28 @@ class ReplayProposer:
     def forced_accept(self, request_id: str, draft_ids: Sequence[int], sampled_ids: Sequence[int]) -> list[int]:
         """Forced mode: the tokens a verification keeps, the planned number of drafts and the target's sample after
         them."""
-        a = min(self._planned.pop(request_id, 0), len(draft_ids))
-        return [*map(int, draft_ids[:a]), int(sampled_ids[a])]
+        return self._trials.accept(request_id, draft_ids, sampled_ids)
+
+
+class ForcedAcceptance:
+    """Benchmarks: `inner`'s drafts (its real work, a model head's device step included), each verification keeping
+    a planned number of them as the forced replay drafter does (module doc), then the target's sample."""
+
+    forced = True
+
+    def __init__(self, inner, acceptance: float, seed: int = 0):
+        self.inner, self.k = inner, inner.k
+        self._trials = _Trials(inner.k, acceptance, seed)
+
+    def propose(self, requests: Sequence) -> list[list[int]]:
+        drafts = self.inner.propose(requests)
+        for r, right in zip(requests, self._trials.draw(len(requests)), strict=True):
+            self._trials.plan(r.request_id, right)
+        return drafts
+
+    def after_step(self, launched) -> None:
+        if (hook := getattr(self.inner, "after_step", None)) is not None:
+            hook(launched)
+
+    def forced_accept(self, request_id: str, draft_ids: Sequence[int], sampled_ids: Sequence[int]) -> list[int]:
+        return self._trials.accept(request_id, draft_ids, sampled_ids)

@@ -186,3 +186,35 @@ def test_engine_greedy_with_mtp_equals_hf(mtp_engine):
     assert drafted > 0 and accepted < drafted
     kv = mtp_engine.kv
     assert kv.num_free_state_slots == kv.num_state_slots - 1 and kv.num_free_pages == kv.num_usable_pages
+
+
+def test_forced_acceptance_on_the_mtp_head(mtp_engine):
+    """The benchmarks' forced outcomes around the engine's MTP drafter (bench_latency --replay-acceptance with
+    "method": "mtp"): at P = 1 every draft is kept, at 0 none, the head drafting each step either way."""
+    from jinfer.sampling_params import SamplingParams
+    from jinfer.spec.decoding import SpecDecoding
+    from jinfer.spec.replay import ForcedAcceptance
+
+    own = mtp_engine.spec
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    try:
+        for p in (1.0, 0.0):
+            mtp_engine.spec = SpecDecoding(ForcedAcceptance(own.proposer, p))
+            mtp_engine.add_request(f"forced{p}", list(range(3, 20)), params)
+            while mtp_engine.has_unfinished_requests():
+                mtp_engine.step()
+            s = mtp_engine.spec.stats()
+            assert s["spec_decode_num_draft_tokens"] > 0
+            assert s["spec_decode_num_accepted_tokens"] == (s["spec_decode_num_draft_tokens"] if p else 0)
+    finally:
+        mtp_engine.spec = own
+
+
+def test_dummy_target_gets_a_random_mtp_layer(setup):
+    """A dummy target (no checkpoint): the layer at the checkpoint's shapes, random, norms 1 + 0."""
+    cfg, target = setup[0], setup[1]
+    ckpt = load_mtp(CKPT, cfg, target, dtype="float32")
+    rand = load_mtp(None, cfg, target, dtype="float32", seed=1)
+    assert jax.tree.map(jnp.shape, rand) == jax.tree.map(jnp.shape, ckpt)
+    assert not np.allclose(rand.fc, ckpt.fc) and np.asarray(rand.fc).std() > 0
+    np.testing.assert_array_equal(rand.final_norm, np.ones_like(rand.final_norm))

@@ -17,7 +17,7 @@ from jinfer.engine.scheduler import Scheduler, SchedulerConfig
 from jinfer.sampling_params import SamplingParams
 from jinfer.spec.ngram import NgramProposer, propose_ngram
 from jinfer.spec.proposer import build_proposer
-from jinfer.spec.replay import ReplayProposer
+from jinfer.spec.replay import ForcedAcceptance, ReplayProposer
 
 # ---- config ------------------------------------------------------------------------------------------------------
 
@@ -231,7 +231,23 @@ def test_replay_drafter_exact_and_forced():
     reqs = [ns(request_id=str(i), prompt_token_ids=[1], num_output_tokens=0, all_token_ids=[5] * 4) for i in range(64)]
     p.propose(reqs)
     right = np.random.default_rng(1).random((64, 4)) < 0.5
-    assert [p._planned[str(i)] for i in range(64)] == [4 if row.all() else int(np.argmin(row)) for row in right]
+    assert [p._trials._planned[str(i)] for i in range(64)] == [4 if row.all() else int(np.argmin(row)) for row in right]
+
+
+def test_forced_acceptance_keeps_a_model_drafters_drafts_and_work():
+    """ForcedAcceptance (benchmarks: a model head's drafts, outcomes forced): the inner drafter's drafts unchanged, its
+    after_step hook called, and the verifications' kept tokens planned as the forced replay drafter's."""
+    ns = types.SimpleNamespace
+    hooks = []
+    inner = ns(k=2, propose=lambda reqs: [[7, 8] for _ in reqs], after_step=hooks.append)
+    p = ForcedAcceptance(inner, acceptance=0.5, seed=3)
+    reqs = [ns(request_id=str(i)) for i in range(2000)]
+    assert p.propose(reqs) == [[7, 8]] * 2000 and p.k == 2 and p.forced
+    kept = [len(p.forced_accept(str(i), [7, 8], [1, 2, 3])) for i in range(2000)]
+    assert abs(np.mean(kept) - (1 + 0.5 + 0.25)) < 0.06
+    p.after_step("launched")
+    assert hooks == ["launched"]
+    assert ForcedAcceptance(ns(k=1, propose=lambda reqs: [[5]]), 1.0).propose([ns(request_id="a")]) == [[5]]
 
 
 def test_stats_line_reports_acceptance_per_interval():
