@@ -10,7 +10,8 @@ flight) and the engine thread's CPU time per step, and the profiled run's top fu
 `--profile DIR`: one more run under jax.profiler without the Python tracer (XLA's host events and the GPU
 timeline at the host's own speed); `python -m benchmarks.trace_summary TRACE --steps N` (N: the run's steps,
 printed) gives the host's runtime events per step (executions, command buffer launches and updates).
-`--speculative-config` with `--replay-acceptance P`: the replay drafter (jinfer/spec/replay.py, forced), as in
+`--speculative-config` with `--replay-acceptance P`: the replay drafter (jinfer/spec/replay.py, forced; a model
+drafter's own drafts with forced outcomes for "mtp" and "eagle3"), as in
 bench_latency. `--model`: a checkpoint directory instead of a named shape (on CPU: tests/data/tiny-qwen3).
 """
 
@@ -31,7 +32,8 @@ from jinfer.config.engine import EngineConfig
 from jinfer.config.speculative import SpeculativeConfig
 from jinfer.engine.core import EngineCore
 from jinfer.sampling_params import SamplingParams
-from jinfer.spec.replay import ReplayProposer
+from jinfer.spec.decoding import SpecDecoding
+from jinfer.spec.replay import ForcedAcceptance, ReplayProposer
 
 MARK = os.environ.get("JINFER_STEP_MARK") == "1"
 
@@ -103,6 +105,8 @@ def main():
     args = ap.parse_args()
     spec = SpeculativeConfig.parse(args.speculative_config)
     replay = args.replay_acceptance is not None
+    forced_head = replay and spec.method in ("eagle3", "mtp")  # the head's drafts, outcomes forced (bench_latency)
+    replay = replay and not forced_head
     proposer = ReplayProposer(spec.num_speculative_tokens, args.replay_acceptance, forced=True) if replay else None
     core = EngineCore(EngineConfig(model=args.model or f"dummy:{args.shape}", dtype=args.dtype,
                                    max_model_len=args.input_len + args.output_len, max_num_seqs=max(args.batch_size, 8),
@@ -115,6 +119,8 @@ def main():
         raise SystemExit(core.group.serve(core.runner))
     if MARK:
         mark_calls(core.runner)
+    if forced_head:
+        core.spec = SpecDecoding(ForcedAcceptance(core.spec.proposer, args.replay_acceptance))
     rng = np.random.default_rng(0)
     make = lambda: [rng.integers(0, min(core.model_config.vocab_size, 256), args.input_len).tolist()  # noqa: E731
                     for _ in range(args.batch_size)]

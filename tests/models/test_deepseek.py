@@ -51,10 +51,12 @@ def gold(arch):
     return np.load(DATA / "golden" / f"tiny-{arch}.npz")
 
 
-# Each family on one device; tensor parallel on V2, expert parallel (heads split too) on V3; each from GGUF on one;
+# Each family on one device; tensor parallel on V2, expert parallel (heads split too) on V3, 2 and 4 ways (V3 at 4: two
+# experts a device); each from GGUF on one;
 # the Pallas kernels on V2 on one device and on V3 expert parallel (each device its experts' blocks: local_experts).
 CASES = [("deepseek_v2", 1, False, "ref"), ("deepseek_v3", 1, False, "ref"), ("deepseek_v2", 2, False, "ref"),
-         ("deepseek_v3", 2, True, "ref"), pytest.param(("deepseek_v2", 1, False, "pallas"), marks=pytest.mark.slow),
+         ("deepseek_v3", 2, True, "ref"), ("deepseek_v2", 4, False, "ref"), ("deepseek_v3", 4, True, "ref"),
+         pytest.param(("deepseek_v2", 1, False, "pallas"), marks=pytest.mark.slow),
          pytest.param(("deepseek_v3", 2, True, "pallas"), marks=pytest.mark.slow),
          ("deepseek_v2", 1, False, "ref", ".gguf"), ("deepseek_v3", 1, False, "ref", ".gguf")]
 
