@@ -26,9 +26,10 @@ def kv_cache_bytes_per_page(cfg: ModelConfig, page_size: int, dtype, tp: int = 1
     return sum(spec.page_bytes(page_size, dtype, tp) for spec in cache_spec(cfg))
 
 
-def state_bytes_per_slot(cfg: ModelConfig, dtype) -> int:
-    """Bytes one sequence's state slot takes over all layers with a per-sequence state (0 for most models)."""
-    return sum(spec.slot_bytes(dtype) for spec in cache_spec(cfg))
+def state_bytes_per_slot(cfg: ModelConfig, dtype, tp: int = 1) -> int:
+    """Bytes one sequence's state slot takes over all layers with a per-sequence state (0 for most models), on each
+    device of a `tp`-way mesh."""
+    return sum(spec.slot_bytes(dtype, tp) for spec in cache_spec(cfg))
 
 
 def slot_layers(specs: list[LayerCacheSpec]) -> frozenset[int]:

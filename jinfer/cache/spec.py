@@ -40,6 +40,7 @@ class StateArray:
 
     shape: tuple[int, ...]
     dtype: str | None = None
+    axes: tuple[str | None, ...] | None = None  # logical axes of `shape`, split over the mesh; None: replicated
 
     def __post_init__(self):
         if not self.shape or any(not isinstance(n, int) or n < 1 for n in self.shape):
@@ -56,8 +57,8 @@ class LayerCacheSpec:
         """Bytes one page takes on each device of a `tp`-way mesh."""
         return 0
 
-    def slot_bytes(self, dtype) -> int:
-        """Bytes one sequence's state slot takes (on every device: slots are replicated)."""
+    def slot_bytes(self, dtype, tp: int = 1) -> int:
+        """Bytes one sequence's state slot takes on each device of a `tp`-way mesh."""
         return 0
 
     def arrays(self, num_pages: int, page_size: int, num_slots: int, dtype, mesh: Mesh) -> tuple[jax.Array, ...]:
@@ -132,16 +133,21 @@ class StateSlots(LayerCacheSpec):
         if not self.states:
             raise ValueError("states=() must name at least one state array")
 
-    def slot_bytes(self, dtype) -> int:
+    def slot_bytes(self, dtype, tp: int = 1) -> int:
         total = 0
         for s in self.states:
             n = 1
             for d in s.shape:
                 n *= d
-            total += n * jnp.dtype(s.dtype or dtype).itemsize
+            split = tp if s.axes is not None and any(s.axes) else 1  # (a state split by heads: its share)
+            total += n * jnp.dtype(s.dtype or dtype).itemsize // split
         return total
 
     def arrays(self, num_pages, page_size, num_slots, dtype, mesh):
-        replicated = NamedSharding(mesh, PartitionSpec())
+        def sharding(s):  # (a state split by heads over the mesh, as its layer's weights: `StateArray.axes`)
+            if s.axes is None:
+                return NamedSharding(mesh, PartitionSpec())
+            return logical_sharding(mesh, (None, *s.axes), (num_slots, *s.shape))
+
         return tuple(jax.jit(lambda s=s: jnp.zeros((num_slots, *s.shape), s.dtype or dtype),
-                             out_shardings=replicated)() for s in self.states)
+                             out_shardings=sharding(s))() for s in self.states)

@@ -219,7 +219,7 @@ def _auto_num_pages(config: EngineConfig, model_config: ModelConfig, dtype: str,
         budget = int(stats["bytes_limit"] * config.gpu_memory_utilization - stats.get("bytes_in_use", 0))
     else:
         budget = CPU_KV_CACHE_BYTES
-    budget -= num_state_slots * state_bytes_per_slot(model_config, DTYPES[dtype])
+    budget -= num_state_slots * state_bytes_per_slot(model_config, DTYPES[dtype], config.tensor_parallel_size)
     # never more than max_num_seqs full-length sequences would need
     cap = config.max_num_seqs * cdiv(config.max_model_len or model_config.max_position_embeddings,
                                      config.page_size) + 1

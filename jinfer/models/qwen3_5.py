@@ -104,16 +104,19 @@ def attention_specs(cfg: ModelConfig, i: int) -> dict[str, ArrayInfo]:
 def linear_attention_specs(cfg: ModelConfig, i: int) -> dict[str, ArrayInfo]:
     h, conv, vs, hv = cfg.hidden_size, cfg.linear_conv_dim, cfg.linear_value_size, cfg.linear_num_value_heads
     hf = f"model.layers.{i}.linear_attn."
+    # (split over the mesh by value heads, `linear_heads`; q | k | v and the conv's channels are loaded whole and
+    # reordered per shard: parallel/mesh.py `_linear_channels_per_shard`)
+    heads = ("embed", "linear_heads")
     return {
         "lin_qkv": ArrayInfo((h, conv), ("embed", None), hf + "in_proj_qkv.weight", "", True),
-        "lin_z": ArrayInfo((h, vs), ("embed", None), hf + "in_proj_z.weight", "", True),
-        "lin_b": ArrayInfo((h, hv), ("embed", None), hf + "in_proj_b.weight", "", True),
-        "lin_a": ArrayInfo((h, hv), ("embed", None), hf + "in_proj_a.weight", "", True),
+        "lin_z": ArrayInfo((h, vs), heads, hf + "in_proj_z.weight", "", True),
+        "lin_b": ArrayInfo((h, hv), heads, hf + "in_proj_b.weight", "", True),
+        "lin_a": ArrayInfo((h, hv), heads, hf + "in_proj_a.weight", "", True),
         "conv_w": ArrayInfo((conv, 1, cfg.linear_conv_kernel_dim), (None, None, None), hf + "conv1d.weight", ""),
-        "a_log": ArrayInfo((hv,), (None,), hf + "A_log", "", init="zeros"),
-        "dt_bias": ArrayInfo((hv,), (None,), hf + "dt_bias", "", init="ones"),
+        "a_log": ArrayInfo((hv,), ("linear_heads",), hf + "A_log", "", init="zeros"),
+        "dt_bias": ArrayInfo((hv,), ("linear_heads",), hf + "dt_bias", "", init="ones"),
         "lin_norm": ArrayInfo((cfg.linear_value_head_dim,), (None,), hf + "norm.weight", "", init="ones"),
-        "lin_out": ArrayInfo((vs, h), (None, "embed"), hf + "out_proj.weight", "", True),
+        "lin_out": ArrayInfo((vs, h), ("linear_heads", "embed"), hf + "out_proj.weight", "", True),
     }
 
 
@@ -173,16 +176,18 @@ def fuse_qkv(weights: Weights) -> Weights:
 
 
 def state_specs(cfg: ModelConfig) -> dict[int, tuple[StateSpec, ...]]:
-    """The per-sequence state of each linear layer: (conv inputs, recurrent state)."""
-    conv = StateSpec((cfg.linear_conv_kernel_dim, cfg.linear_conv_dim), None)  # a ring (causal_conv.py)
-    rec = StateSpec((cfg.linear_num_value_heads, cfg.linear_key_head_dim, cfg.linear_value_head_dim), "float32")
+    """The per-sequence state of each linear layer: (conv inputs, recurrent state), split over the mesh by heads
+    (the conv's channels in their per-shard order, as its weights)."""
+    conv = StateSpec((cfg.linear_conv_kernel_dim, cfg.linear_conv_dim), None, (None, "linear_heads"))  # a ring
+    rec = StateSpec((cfg.linear_num_value_heads, cfg.linear_key_head_dim, cfg.linear_value_head_dim), "float32",
+                    ("linear_heads", None, None))
     return {i: (conv, rec) for i in range(cfg.num_layers) if cfg.is_linear_layer(i)}
 
 
 def cache_spec(cfg: ModelConfig) -> list[LayerCacheSpec]:
     """Linear layers: their state slots (`state_specs`); full-attention layers: paged K and V."""
     states = state_specs(cfg)
-    return [StateSlots(tuple(StateArray(s.shape, s.dtype) for s in states[i])) if i in states
+    return [StateSlots(tuple(StateArray(s.shape, s.dtype, s.axes) for s in states[i])) if i in states
             else AttentionKV(cfg.num_kv_heads, cfg.head_dim) for i in range(cfg.num_layers)]
 
 

@@ -59,6 +59,7 @@ class StateSpec:
 
     shape: tuple[int, ...]
     dtype: str | None = None
+    axes: tuple[str | None, ...] | None = None  # logical axes of `shape` (jinfer/parallel/mesh.py); None: replicated
 
 
 ROUTERS = ("router",)  # kept unquantized whatever the checkpoint: HF (and vLLM) never quantize a MoE gate

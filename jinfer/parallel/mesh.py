@@ -43,6 +43,7 @@ LOGICAL_RULES: dict[str, str | None] = {
     "embed": None,
     "q_heads": TP_AXIS,
     "kv_heads": TP_AXIS,
+    "linear_heads": TP_AXIS,  # a linear-attention layer's key / value heads (and their channels, states)
     "head_dim": None,
     "mlp": TP_AXIS,
     "moe_mlp": TP_AXIS,  # experts' intermediate axis: tensor parallel MoE
@@ -111,9 +112,11 @@ def fp8_shardings(mesh: Mesh, logical_axes: tuple[str | None, ...], shape: tuple
 
 def check_parallel(cfg, tp: int, expert_parallel: bool = False) -> None:
     """ValueError, naming the field, when the model cannot be split `tp` ways."""
-    if tp > 1 and "linear_attention" in cfg.layer_types:
-        raise ValueError(f"tensor_parallel_size={tp}: models with linear-attention layers ({cfg.architecture}) "
-                         "run on one device only for now")
+    if "linear_attention" in cfg.layer_types:  # their key and value heads split as the attention's
+        for name in ("linear_num_key_heads", "linear_num_value_heads"):
+            if getattr(cfg, name) % tp:
+                raise ValueError(f"tensor_parallel_size={tp} must divide the linear-attention layers' "
+                                 f"{name}={getattr(cfg, name)}")
     if cfg.num_heads % tp:
         raise ValueError(f"tensor_parallel_size={tp} must divide the model's num_heads={cfg.num_heads}")
     kvh = cfg.num_kv_heads
@@ -148,7 +151,12 @@ def local_config(cfg, tp: int):
     forward derives from its arrays' (local) shapes."""
     if tp == 1:
         return cfg
-    return dataclasses.replace(cfg, num_heads=cfg.num_heads // tp, num_kv_heads=kv_heads_total(cfg, tp) // tp)
+    linear = {}
+    if "linear_attention" in (cfg.layer_types or ()):
+        linear = dict(linear_num_key_heads=cfg.linear_num_key_heads // tp,
+                      linear_num_value_heads=cfg.linear_num_value_heads // tp)
+    return dataclasses.replace(cfg, num_heads=cfg.num_heads // tp, num_kv_heads=kv_heads_total(cfg, tp) // tp,
+                               **linear)
 
 
 def shard_attention_weights(cfg, weights, mesh: Mesh, fuse_qkv: bool = True, expert_parallel: bool = False):
@@ -186,12 +194,16 @@ def shard_attention_weights(cfg, weights, mesh: Mesh, fuse_qkv: bool = True, exp
     col = ("embed", "kv_heads")
     layers = []
     for layer in weights.layers:
-        if getattr(layer, "wqkv", None) is not None or not hasattr(layer, "wk"):  # fused already, or MLA (no k/v)
+        if getattr(layer, "lin_qkv", None) is not None:  # a linear-attention layer (Qwen3.5): no q/k/v of heads
+            layers.append(_linear_channels_per_shard(cfg, layer, mesh, expert_parallel))
+            continue
+        if getattr(layer, "wqkv", None) is not None or getattr(layer, "wk", None) is None:  # fused, or MLA (no k/v)
             layers.append(layer)
             continue
         wk, wv = place(heads(layer.wk), col), place(heads(layer.wv), col)
-        bk, bv = place(heads(layer.bk), col[1:]), place(heads(layer.bv), col[1:])
-        new = dict(wk=wk, wv=wv, bk=bk, bv=bv)
+        new = dict(wk=wk, wv=wv)
+        if hasattr(layer, "bk"):  # (q/k/v biases: Qwen2)
+            new |= dict(bk=place(heads(layer.bk), col[1:]), bv=place(heads(layer.bv), col[1:]))
         parts = (layer.wq, wk, wv)
         fp8 = [isinstance(w, Fp8Weight) for w in parts]
         if fuse_qkv and (not any(fp8) or all(fp8) and all(w.shape[1] // tp % w.block[1] == 0 for w in parts)):
@@ -204,6 +216,28 @@ def shard_attention_weights(cfg, weights, mesh: Mesh, fuse_qkv: bool = True, exp
             new |= dict(wq=None, wk=None, wv=None, wqkv=place(wqkv, ("embed", "q_heads")))
         layers.append(dataclasses.replace(layer, **new))
     return dataclasses.replace(weights, layers=layers)
+
+
+def _linear_channels_per_shard(cfg, layer, mesh: Mesh, expert_parallel: bool):
+    """A linear-attention layer's q | k | v channels (the input projection's columns, the conv's channels), loaded
+    whole, reordered so device d's shard is [q_d | k_d | v_d] (its key and value heads' channels) and split: each
+    device's conv and delta rule then read their channels as one device reads them all. The layer's other weights
+    and its states split by heads as loaded (`linear_heads`)."""
+    if isinstance(layer.lin_qkv, Fp8Weight) or isinstance(layer.conv_w, Fp8Weight):
+        raise ValueError(f"tensor_parallel_size={mesh.size}: FP8 linear-attention projections are not split yet")
+    tp, keys = mesh.size, cfg.linear_key_size
+    sizes = (keys, keys, cfg.linear_value_size)
+
+    def per_shard(w, axis):  # [..., q | k | v, ...] on `axis` -> [q_0 | k_0 | v_0 | q_1 | ...]
+        parts = jnp.split(w, [sizes[0], sizes[0] + sizes[1]], axis=axis)
+        parts = [p.reshape(*p.shape[:axis], tp, p.shape[axis] // tp, *p.shape[axis + 1:]) for p in parts]
+        return jnp.concatenate(parts, axis=axis + 1).reshape(w.shape)
+
+    def place(w, axes):
+        return jax.device_put(w, logical_sharding(mesh, axes, w.shape, expert_parallel))
+
+    return dataclasses.replace(layer, lin_qkv=place(per_shard(layer.lin_qkv, 1), ("embed", "linear_heads")),
+                               conv_w=place(per_shard(layer.conv_w, 0), ("linear_heads", None, None)))
 
 
 # ---- the sharded forward ------------------------------------------------------------------------

@@ -74,6 +74,31 @@ def test_small_chunks_and_preemption_recompute_the_state(arch, caplog):
     assert_all_free(llm)
 
 
+# Tensor parallel on both models, expert parallel on the MoE (attention and linear-attention heads split too; the
+# tiny models' 2 linear key heads allow 2 ways), 8-token steps: chunks beside decodes; the reference ops, and the
+# Pallas kernels (interpreted) on the expert-parallel MoE
+SHARDED = [("qwen3_5", False, "auto"), ("qwen3_5_moe", False, "auto"), ("qwen3_5_moe", True, "auto"),
+           ("qwen3_5_moe", True, "pallas")]
+
+
+@pytest.mark.parametrize("arch,ep,backend", SHARDED, ids=lambda c: str(c))
+def test_two_devices_match_hf(arch, ep, backend):
+    """On two (fake CPU) devices: the linear-attention layers' heads, channels and states split (q | k | v per
+    shard), the gated attention's heads too, the experts by columns (tp) or whole (ep): HF's greedy ids."""
+    gold = np.load(DATA / "golden" / f"tiny-{arch}.npz")
+    llm = LLM(str(DATA / f"tiny-{arch}"), **BASE, tensor_parallel_size=2, enable_expert_parallel=ep,
+              max_num_batched_tokens=8, warmup=False, attention_backend=backend)
+    runner = llm.engine.runner
+    linear = next(layer for layer in runner.weights.layers if layer.lin_qkv is not None)
+    conv, rec = next(runner.kv_cache[i] for i in range(len(runner.kv_cache)) if runner.cfg.is_linear_layer(i))
+    for a, axis in [(linear.lin_qkv, 1), (linear.conv_w, 0), (linear.lin_z, 1), (linear.lin_out, 0), (conv, 2),
+                    (rec, 1)]:  # (states: [slots, K, channels], [slots, Hv, Dk, Dv])
+        assert a.shape[axis] // a.sharding.shard_shape(a.shape)[axis] == 2
+    prompts = [gold[f"prompt_{i}"].tolist() for i in range(3)]
+    assert [o[0] for o in generate(llm, prompts=prompts)] == [gold[f"greedy_{i}"].tolist() for i in range(3)]
+    assert_all_free(llm)
+
+
 def test_n_samples_fork_from_the_first(llm32):
     """n = 3: the first sample computes all but the prompt's last token, the others fork from it (its full pages
     shared, the partial page and the state slot copied) and compute only the last token: every sample matches
@@ -138,3 +163,13 @@ def test_pallas_backend_warm_buckets_decode_only_and_async():
     params = SamplingParams(n=3, temperature=0.0, max_tokens=4, ignore_eos=True)
     assert generate(llm, params, PROMPTS[1:2]) == [[GREEDY_IDS[1][:4]] * 3]
     assert runner.compiles_after_warmup == 0
+
+
+def test_tensor_parallel_needs_whole_linear_heads():
+    from jinfer.parallel.mesh import check_parallel
+    from jinfer.weights.loader import resolve_model
+
+    cfg = resolve_model(TINY).config  # 2 linear key heads, 4 value heads, 4 attention heads
+    check_parallel(cfg, 2)
+    with pytest.raises(ValueError, match="linear_num_key_heads=2"):
+        check_parallel(cfg, 4)
