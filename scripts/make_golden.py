@@ -10,7 +10,7 @@ The jinfer tests only read the outputs (numpy / json / safetensors); they never 
 
 Outputs (all under tests/data/, see tests/data/README.md):
   tiny-llama/, tiny-qwen2/, tiny-qwen3/,
-  tiny-qwen3_moe/, tiny-qwen3_5/, tiny-qwen3_5_moe/,
+  tiny-qwen3_moe/, tiny-qwen3_5/, tiny-qwen3_5_moe/, tiny-qwen3_5_moe_h4/ (heads for 4 devices),
   tiny-deepseek_v2/, tiny-deepseek_v3/,
   tiny-deepseek_v2_lite/                      tiny random-weight HF checkpoints (float32 safetensors)
   golden/tiny-<arch>.npz                      prefill logits, greedy ids and per-step decode logits
@@ -44,7 +44,7 @@ DEFAULT_GGUF = REPO / "models" / "SmolLM2-135M-Instruct" / "SmolLM2-135M-Instruc
 
 PROMPT_LENS = (5, 19, 37)
 # qwen3_5: the longest prompt spans two of HF's 64-token delta-rule chunks
-PROMPT_LENS_BY_ARCH = {"qwen3_5": (5, 37, 80), "qwen3_5_moe": (5, 37, 80)}
+PROMPT_LENS_BY_ARCH = {"qwen3_5": (5, 37, 80), "qwen3_5_moe": (5, 37, 80), "qwen3_5_moe_h4": (5, 37, 80)}
 N_DECODE = 32
 MIN_MARGIN = 0.02  # logits have std ~0.8; see make_tiny
 # The tiny DeepSeek models' logits and router scores are flatter: prompts with a 0.02 margin and 1e-3 router gaps

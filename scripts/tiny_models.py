@@ -181,6 +181,23 @@ def tiny_specs():
             ),
             None,
         ),
+        # tiny-qwen3_5_moe with heads enough to split 4 ways (4 linear key heads serving 8 value heads, 4 attention
+        # heads over 2 kv heads, 8 experts): the 4-device tensor / expert parallel goldens
+        "qwen3_5_moe_h4": (
+            Qwen3_5MoeForCausalLM,
+            Qwen3_5MoeTextConfig(
+                **_common(
+                    num_hidden_layers=2,
+                    layer_types=["linear_attention", "full_attention"],
+                    **(QWEN3_5_SHAPE | dict(linear_num_key_heads=4, linear_num_value_heads=8)),
+                    num_experts=8,
+                    num_experts_per_tok=2,
+                    moe_intermediate_size=32,
+                    shared_expert_intermediate_size=64,
+                )
+            ),
+            None,
+        ),
         # DeepSeek-V2-Lite's routing: softmax top-k over all experts (`topk_method: greedy`, one group), not
         # renormalised, times the routed scaling factor (1.5 here, 1.0 in V2-Lite, so that it shows); else as V2
         "deepseek_v2_lite": (

@@ -75,25 +75,30 @@ def test_small_chunks_and_preemption_recompute_the_state(arch, caplog):
 
 
 # Tensor parallel on both models, expert parallel on the MoE (attention and linear-attention heads split too; the
-# tiny models' 2 linear key heads allow 2 ways), 8-token steps: chunks beside decodes; the reference ops, and the
-# Pallas kernels (interpreted) on the expert-parallel MoE
-SHARDED = [("qwen3_5", False, "auto"), ("qwen3_5_moe", False, "auto"), ("qwen3_5_moe", True, "auto"),
-           ("qwen3_5_moe", True, "pallas")]
+# tiny models' 2 linear key heads allow 2 ways, tiny-qwen3_5_moe_h4's 4 four), 8-token steps: chunks beside decodes;
+# the reference ops, and the Pallas kernels (interpreted) on the expert-parallel MoE
+SHARDED = [("qwen3_5", 2, False, "auto"), ("qwen3_5_moe", 2, False, "auto"), ("qwen3_5_moe", 2, True, "auto"),
+           ("qwen3_5_moe", 2, True, "pallas"), ("qwen3_5_moe_h4", 1, False, "auto"),
+           ("qwen3_5_moe_h4", 4, False, "auto"), ("qwen3_5_moe_h4", 4, True, "auto"),
+           ("qwen3_5_moe_h4", 4, True, "pallas")]
 
 
-@pytest.mark.parametrize("arch,ep,backend", SHARDED, ids=lambda c: str(c))
-def test_two_devices_match_hf(arch, ep, backend):
-    """On two (fake CPU) devices: the linear-attention layers' heads, channels and states split (q | k | v per
-    shard), the gated attention's heads too, the experts by columns (tp) or whole (ep): HF's greedy ids."""
+@pytest.mark.parametrize("arch,n,ep,backend", SHARDED,
+                         ids=lambda c: str(c) if not isinstance(c, bool) else ("ep" if c else "tp"))
+def test_several_devices_match_hf(arch, n, ep, backend):
+    """On n (fake CPU) devices: the linear-attention layers' heads, channels and states split (q | k | v per
+    shard), the gated attention's heads too (kv heads repeated past 2), the experts by columns (tp) or whole (ep, two
+    a device at 4): HF's greedy ids."""
     gold = np.load(DATA / "golden" / f"tiny-{arch}.npz")
-    llm = LLM(str(DATA / f"tiny-{arch}"), **BASE, tensor_parallel_size=2, enable_expert_parallel=ep,
+    llm = LLM(str(DATA / f"tiny-{arch}"), **BASE, tensor_parallel_size=n, enable_expert_parallel=ep,
               max_num_batched_tokens=8, warmup=False, attention_backend=backend)
     runner = llm.engine.runner
-    linear = next(layer for layer in runner.weights.layers if layer.lin_qkv is not None)
-    conv, rec = next(runner.kv_cache[i] for i in range(len(runner.kv_cache)) if runner.cfg.is_linear_layer(i))
-    for a, axis in [(linear.lin_qkv, 1), (linear.conv_w, 0), (linear.lin_z, 1), (linear.lin_out, 0), (conv, 2),
-                    (rec, 1)]:  # (states: [slots, K, channels], [slots, Hv, Dk, Dv])
-        assert a.shape[axis] // a.sharding.shard_shape(a.shape)[axis] == 2
+    if n > 1:  # (one device fuses the linear layers' projections into one: lin_in)
+        linear = next(layer for layer in runner.weights.layers if layer.lin_qkv is not None)
+        conv, rec = next(runner.kv_cache[i] for i in range(len(runner.kv_cache)) if runner.cfg.is_linear_layer(i))
+        for a, axis in [(linear.lin_qkv, 1), (linear.conv_w, 0), (linear.lin_z, 1), (linear.lin_out, 0), (conv, 2),
+                        (rec, 1)]:  # (states: [slots, K, channels], [slots, Hv, Dk, Dv])
+            assert a.shape[axis] // a.sharding.shard_shape(a.shape)[axis] == n
     prompts = [gold[f"prompt_{i}"].tolist() for i in range(3)]
     assert [o[0] for o in generate(llm, prompts=prompts)] == [gold[f"greedy_{i}"].tolist() for i in range(3)]
     assert_all_free(llm)
