@@ -96,11 +96,13 @@ def cache_spec(cfg: ModelConfig) -> list[LayerCacheSpec]:
 
 def shard_weights(cfg: ModelConfig, weights, mesh, fuse_qkv: bool = True, expert_parallel: bool = False):
     """The weights laid out for the mesh (`parallel.mesh.shard_attention_weights`); on one device, with `fuse_qkv`,
-    the family's own fused projections and the MoE layers' shared experts stacked after the routed ones
-    (`shared_experts.stack_shared_experts`). The dense MLPs' and o's FP8 weights [out, in] (`fp8.kernel_layout`)."""
+    the family's own fused projections; the MoE layers' shared experts stacked after the routed ones but under expert
+    parallel (`shared_experts.stack_shared_experts`). The dense MLPs' and o's FP8 weights [out, in]
+    (`fp8.kernel_layout`)."""
+    if fuse_qkv and not expert_parallel and cfg.num_experts and (cfg.num_shared_experts
+                                                                  or cfg.shared_expert_intermediate_size):
+        weights = stack_shared_experts(weights, cfg.num_experts)
     if mesh.size == 1:
-        if fuse_qkv and cfg.num_experts and (cfg.num_shared_experts or cfg.shared_expert_intermediate_size):
-            weights = stack_shared_experts(weights, cfg.num_experts)
         return kernel_layout(family(cfg).fuse_qkv(weights) if fuse_qkv else weights)
     return kernel_layout(shard_attention_weights(cfg, weights, mesh, fuse_qkv, expert_parallel))
 

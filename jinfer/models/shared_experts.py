@@ -1,4 +1,4 @@
-"""Shared experts stacked after the routed ones (one device): the MoE layers' shared SwiGLU (DeepSeekMoE's
+"""Shared experts stacked after the routed ones: the MoE layers' shared SwiGLU (DeepSeekMoE's
 `num_shared_experts` experts as one MLP, Qwen3.5-MoE's gated shared expert) cut into experts of the routed width
 and appended to the routed experts' weights, so a decode step's grouped GEMMs run them in the same launches as the
 routed experts (`ModelOps.moe_block`'s `stacked`), at their bandwidth, where a separate shared MLP ran below it
@@ -9,8 +9,10 @@ A SwiGLU is a sum over its intermediate columns, so any split of them into group
 silu(0) * 0 = 0). Qwen3.5-MoE's gate becomes the router's column E, padded to a block of GATE_COLUMNS
 (`moe_router.gated_router`): its sigmoid weighs the stacked experts.
 
-Kept apart: FP8 weights (block scales), expert or tensor parallel meshes (`registry.shard_weights` calls this on one
-device only), layers without shared experts.
+Under tensor parallel the stacked experts split by their intermediate columns as the routed ones: any partition of
+the shared columns over the devices is exact too (each device sums its columns, the layer's reduction adds the
+devices). Kept apart: FP8 weights (block scales), expert parallel (`registry.shard_weights` does not stack there),
+layers without shared experts.
 """
 
 from __future__ import annotations
@@ -46,9 +48,9 @@ def _stack(w_gate, w_up, w_down, ws_gate, ws_up, ws_down):
 
 def stack_shared_experts(weights, num_experts: int):
     """The weights with every MoE layer's shared experts stacked after its `num_experts` routed ones (module doc);
-    layers that cannot be are kept. On a GPU the routed and shared arrays are consumed: deleted once a layer's new
-    experts are made, so the peak grows by one layer's experts, not by all of them (the caller's `weights` still
-    holds the old layers until this returns). On CPU they are left as they are."""
+    layers that cannot be are kept, each new array sharded as the routed experts were. On a GPU the routed and shared
+    arrays are consumed: deleted once a layer's new experts are made, so the peak grows by one layer's experts, not
+    by all of them (the caller's `weights` still holds the old layers until this returns). On CPU they are left."""
     from pallas_kernels.moe.moe_router import gated_router
 
     consume = jax.default_backend() != "cpu"

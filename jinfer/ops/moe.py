@@ -19,11 +19,11 @@ to e4m3 per K tile (a scale per row, FP8 dots). Steps past `mosaic_moe_min_rows_
 grouped Mosaic GPU e4m3 GEMM instead (moe_fp8_mgpu.py; 128 x 128 blocks). Unmeasured: bench_moe.py --fp8 times them.
 Experts the kernels cannot read (FP8 mixed with plain) take `layers.moe_mlp`, which dequantizes (`refuse_fp8`).
 
-Shared experts stacked after the routed ones at load (`jinfer/models/shared_experts.py`: one device, bf16 / float32
-weights; `stacked` S of them) run in the same grouped-GEMM launches: every token routes to them in its last S slots,
-weighted 1 or by its gate (Qwen3.5-MoE's sigmoid(h @ gate), the router's gate column block), laid out by the
-routing kernels themselves (`moe_routing.layout_body`). Otherwise they go through `DenseOps.swiglu` (the fused MLP
-kernel in small steps, FP8's e4m3 GEMM in large ones).
+Shared experts stacked after the routed ones at load (`jinfer/models/shared_experts.py`: bf16 / float32 weights, not
+under expert parallel; `stacked` S of them) run in the same grouped-GEMM launches: every token routes to them in its
+last S slots, weighted 1 or by its gate (Qwen3.5-MoE's sigmoid(h @ gate), the router's gate column block), laid out
+by the routing kernels themselves (`moe_routing.layout_body`). Otherwise they go through `DenseOps.swiglu` (the fused
+MLP kernel in small steps, FP8's e4m3 GEMM in large ones).
 """
 
 from __future__ import annotations
@@ -162,7 +162,8 @@ class MoeOps:
         """(x + the routed experts' and `stacked` shared experts' outputs of rms_norm(x), counters[, expert counts]):
         the shared experts are the last `stacked` of the weights [E + S, ...] (jinfer/models/shared_experts.py), every
         token's last slots, weighted 1, or, where the router has a gate column block ([hidden, E + GATE_COLUMNS]:
-        Qwen3.5-MoE's), sigmoid(h @ gate). One device: no expert or tensor split. `choose(logits)` -> the routed
+        Qwen3.5-MoE's), sigmoid(h @ gate). Tensor parallel: this device's columns of every expert (a partial sum,
+        reduced); never expert parallel. `choose(logits)` -> the routed
         (weights, ids) (DeepSeek's grouped routing, scaled); None: softmax top-k (renormalised when `renormalize`)
         times `scaling`, which a small step takes on the one-kernel front end (`moe_norm_route`). Router logits are
         rounded to the activations' dtype with `round_logits` (HF's F.linear), else kept float32 (DeepSeek's)."""

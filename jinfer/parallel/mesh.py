@@ -132,6 +132,9 @@ def check_parallel(cfg, tp: int, expert_parallel: bool = False) -> None:
     if expert_parallel and cfg.num_experts % tp:
         raise ValueError(f"tensor_parallel_size={tp} must divide num_experts={cfg.num_experts} "
                          "with enable_expert_parallel")
+    if cfg.shared_expert_intermediate_size % tp:  # (Qwen3.5-MoE's shared expert, split like a dense MLP)
+        raise ValueError(f"tensor_parallel_size={tp} must divide shared_expert_intermediate_size="
+                         f"{cfg.shared_expert_intermediate_size}")
     if cfg.num_shared_experts * cfg.moe_intermediate_size % tp:  # split like a dense MLP, ep or not
         raise ValueError(f"tensor_parallel_size={tp} must divide the shared experts' width "
                          f"{cfg.num_shared_experts} x {cfg.moe_intermediate_size}")

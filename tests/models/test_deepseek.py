@@ -93,10 +93,10 @@ def test_heads_split_latent_replicated(model):
     q = layer.wq if layer.wq is not None else layer.wq_b
     assert split(q, 1) == n and split(layer.wkv_b, 1) == n and split(layer.wo, 0) == n
     assert split(layer.wkv_a, 1) == 1
-    if n == 1:  # the shared experts stacked after the routed ones (shared_experts.py)
-        assert moe.ws_gate is None and moe.w_gate.shape[0] == cfg.num_experts + cfg.num_shared_experts
-    else:
-        assert split(moe.ws_gate, 1) == n
+    if moe.ws_gate is None:  # one device or tensor parallel: the shared experts stacked after the routed ones
+        assert moe.w_gate.shape[0] == cfg.num_experts + cfg.num_shared_experts and split(moe.w_gate, 2) == n
+    else:  # expert parallel: the shared experts apart, split by columns
+        assert n > 1 and split(moe.w_gate, 0) == n and split(moe.ws_gate, 1) == n
     assert all(split(a, 2) == 1 and a.shape[2] == cfg.latent_dim for (a,) in empty())
 
 

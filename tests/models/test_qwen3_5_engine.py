@@ -99,6 +99,8 @@ def test_several_devices_match_hf(arch, n, ep, backend):
         for a, axis in [(linear.lin_qkv, 1), (linear.conv_w, 0), (linear.lin_z, 1), (linear.lin_out, 0), (conv, 2),
                         (rec, 1)]:  # (states: [slots, K, channels], [slots, Hv, Dk, Dv])
             assert a.shape[axis] // a.sharding.shard_shape(a.shape)[axis] == n
+    # the shared expert stacked after the routed ones (split by columns as they are) but under expert parallel
+    assert all((layer.ws_gate is None) != ep for layer in runner.weights.layers if layer.router is not None)
     prompts = [gold[f"prompt_{i}"].tolist() for i in range(3)]
     assert [o[0] for o in generate(llm, prompts=prompts)] == [gold[f"greedy_{i}"].tolist() for i in range(3)]
     assert_all_free(llm)
