@@ -53,7 +53,7 @@ def check_kv_dtype(cfg: ModelConfig, kv_dtype) -> None:
 def init_kv_cache(cfg: ModelConfig, num_pages: int, page_size: int, dtype, mesh: Mesh, num_state_slots: int = 0,
                   kv_dtype=None, kv_scales: dict[int, tuple[np.ndarray, np.ndarray]] | None = None):
     """Per layer: its spec's zero-filled arrays (attention: (k, v) pages sharded by kv head; a layer with a
-    per-sequence state: one pool of `num_state_slots` slots per state array, replicated over the mesh). `kv_dtype`
+    per-sequence state: one pool of `num_state_slots` slots per state array, split by heads as its layer). `kv_dtype`
     (default `dtype`): the pages' dtype. FP8 (`check_kv_dtype`): each attention layer's k_scale and v_scale, 1.0
     or, for a layer in `kv_scales`, its (k_scale, v_scale) [num_kv_heads] (the checkpoint's), repeated with the
     heads where the devices outnumber them."""

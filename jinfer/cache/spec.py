@@ -10,7 +10,7 @@ so the engine never asks which family it runs. Three kinds today:
 - `LatentKV`: one paged row per token, `[num_pages, page_size, dim]` (multi-head latent attention: the K/V latent
   and the shared RoPE key, 576 values for DeepSeek-V2/V3), shared by every head, so replicated over the devices;
 - `StateSlots`: fixed-size per-sequence state arrays (linear-attention layers), one pool `[num_slots, *shape]`
-  per array, indexed by a sequence's state slot, replicated over the devices.
+  per array, indexed by a sequence's state slot, split over the devices by heads (`StateArray.axes`) as the layer.
 Another cache is a new subclass: its arrays per layer (`arrays`), its bytes per page and per slot, and `paged`
 (which pool indexes it). A layer's arrays are indexed by page or slot on their leading axis, but for trailing 1-D
 ones (FP8 scales), which are the layer's constants (`indexed_arrays`).

@@ -297,7 +297,8 @@ def build_engine(config: EngineConfig, tokenizer: Tokenizer | None = None, specu
     if spec is not None and spec.method == "eagle3":
         head = eagle.load_head(spec, model_config, weights, dtype, mesh)
     elif spec is not None and spec.method == "mtp":
-        head = mtp.load_head(None if source.kind == "dummy" else source.path, model_config, weights, dtype, mesh)
+        head = mtp.load_head(None if source.kind == "dummy" else source.path, model_config, weights, dtype, mesh,
+                             seed=config.seed + 1)  # (a dummy head's values: not the target's first layers')
     if head is not None:  # (FP8 dense weights [out, in] for the decode kernels, as the target's: shard_weights)
         head = (head[0], kernel_layout(head[1]))
     phases("weights")

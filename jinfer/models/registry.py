@@ -99,8 +99,8 @@ def shard_weights(cfg: ModelConfig, weights, mesh, fuse_qkv: bool = True, expert
     the family's own fused projections; the MoE layers' shared experts stacked after the routed ones but under expert
     parallel (`shared_experts.stack_shared_experts`). The dense MLPs' and o's FP8 weights [out, in]
     (`fp8.kernel_layout`)."""
-    if fuse_qkv and not expert_parallel and cfg.num_experts and (cfg.num_shared_experts
-                                                                  or cfg.shared_expert_intermediate_size):
+    if fuse_qkv and not (expert_parallel and mesh.size > 1) and cfg.num_experts and (
+            cfg.num_shared_experts or cfg.shared_expert_intermediate_size):
         weights = stack_shared_experts(weights, cfg.num_experts)
     if mesh.size == 1:
         return kernel_layout(family(cfg).fuse_qkv(weights) if fuse_qkv else weights)

@@ -113,6 +113,9 @@ def fp8_shardings(mesh: Mesh, logical_axes: tuple[str | None, ...], shape: tuple
 def check_parallel(cfg, tp: int, expert_parallel: bool = False) -> None:
     """ValueError, naming the field, when the model cannot be split `tp` ways."""
     if "linear_attention" in cfg.layer_types:  # their key and value heads split as the attention's
+        if tp > 1 and cfg.quantization:  # (refused before the weights load; their small b / a split below a block)
+            raise ValueError(f"tensor_parallel_size={tp}: FP8 linear-attention layers ({cfg.architecture}) run on one "
+                             "device only for now")
         for name in ("linear_num_key_heads", "linear_num_value_heads"):
             if getattr(cfg, name) % tp:
                 raise ValueError(f"tensor_parallel_size={tp} must divide the linear-attention layers' "

@@ -16,12 +16,12 @@ from jinfer.spec.eagle import Eagle3Proposer
 from jinfer.weights.mtp import load_mtp
 
 
-def load_head(path: str | None, target: ModelConfig, target_weights, dtype: str, mesh
+def load_head(path: str | None, target: ModelConfig, target_weights, dtype: str, mesh, seed: int = 0
               ) -> tuple[ModelConfig, qwen3_5_mtp.MtpWeights]:
     """(the target's config, the MTP layer's weights) from the target's checkpoint directory `path` (None: a dummy
-    target's, random); ValueError naming the field where it has none."""
+    target's, random from `seed`); ValueError naming the field where it has none."""
     try:
-        return target, load_mtp(path, target, target_weights, dtype, mesh)
+        return target, load_mtp(path, target, target_weights, dtype, mesh, seed=seed)
     except ValueError as e:
         raise ValueError(f"speculative_config.method='mtp': {e}") from None
 

@@ -79,6 +79,7 @@ def test_small_chunks_and_preemption_recompute_the_state(arch, caplog):
 # the reference ops, and the Pallas kernels (interpreted) on the expert-parallel MoE
 SHARDED = [("qwen3_5", 2, False, "auto"), ("qwen3_5_moe", 2, False, "auto"), ("qwen3_5_moe", 2, True, "auto"),
            ("qwen3_5_moe", 2, True, "pallas"), ("qwen3_5_moe_h4", 1, False, "auto"),
+           ("qwen3_5_moe_h4", 2, False, "auto"),  # two key heads a shard (their value heads' grouping within it)
            ("qwen3_5_moe_h4", 4, False, "auto"), ("qwen3_5_moe_h4", 4, True, "auto"),
            ("qwen3_5_moe_h4", 4, True, "pallas")]
 
@@ -172,7 +173,7 @@ def test_pallas_backend_warm_buckets_decode_only_and_async():
     assert runner.compiles_after_warmup == 0
 
 
-def test_tensor_parallel_needs_whole_linear_heads():
+def test_tensor_parallel_needs_whole_linear_heads_and_shared_width():
     from jinfer.parallel.mesh import check_parallel
     from jinfer.weights.loader import resolve_model
 
@@ -180,3 +181,24 @@ def test_tensor_parallel_needs_whole_linear_heads():
     check_parallel(cfg, 2)
     with pytest.raises(ValueError, match="linear_num_key_heads=2"):
         check_parallel(cfg, 4)
+    moe = resolve_model(DATA / "tiny-qwen3_5_moe_h4").config
+    check_parallel(moe, 4, expert_parallel=True)
+    with pytest.raises(ValueError, match="shared_expert_intermediate_size=66"):  # (ep: the shared expert by columns)
+        check_parallel(moe.replace(shared_expert_intermediate_size=66), 4, expert_parallel=True)
+    with pytest.raises(ValueError, match="FP8 linear-attention"):
+        check_parallel(moe.replace(quantization=resolve_model("dummy:qwen3-8b-fp8").config.quantization), 2)
+
+
+def test_state_slot_bytes_are_each_devices_share():
+    """The pool sizing's bytes per state slot on each device: the states split by heads, tp ways."""
+    import jax.numpy as jnp
+
+    from jinfer.cache.layout import state_bytes_per_slot
+    from jinfer.weights.loader import resolve_model
+
+    cfg = resolve_model(TINY).config
+    whole = state_bytes_per_slot(cfg, jnp.float32)
+    conv = cfg.linear_conv_kernel_dim * cfg.linear_conv_dim * 4
+    rec = cfg.linear_num_value_heads * cfg.linear_key_head_dim * cfg.linear_value_head_dim * 4
+    assert whole == 2 * (conv + rec)  # (two linear layers)
+    assert state_bytes_per_slot(cfg, jnp.float32, 2) == whole // 2
