@@ -200,7 +200,7 @@ def shard_attention_weights(cfg, weights, mesh: Mesh, fuse_qkv: bool = True, exp
     col = ("embed", "kv_heads")
     layers = []
     for layer in weights.layers:
-        if getattr(layer, "lin_qkv", None) is not None:  # a linear-attention layer (Qwen3.5): no q/k/v of heads
+        if getattr(layer, "lin_qkv", None) is not None:  # a linear-attention layer (Qwen3.5): no q/k/v heads
             layers.append(_linear_channels_per_shard(cfg, layer, mesh, expert_parallel))
             continue
         if getattr(layer, "wqkv", None) is not None or getattr(layer, "wk", None) is None:  # fused, or MLA (no k/v)
@@ -227,23 +227,28 @@ def shard_attention_weights(cfg, weights, mesh: Mesh, fuse_qkv: bool = True, exp
 def _linear_channels_per_shard(cfg, layer, mesh: Mesh, expert_parallel: bool):
     """A linear-attention layer's q | k | v channels (the input projection's columns, the conv's channels), loaded
     whole, reordered so device d's shard is [q_d | k_d | v_d] (its key and value heads' channels) and split: each
-    device's conv and delta rule then read their channels as one device reads them all. The layer's other weights
-    and its states split by heads as loaded (`linear_heads`)."""
+    device's conv and delta rule then read their channels as one device reads them all. Its input projections are
+    then one, [qkv_d | z_d | b_d | a_d] per shard (`lin_in`, as one device fuses them). The layer's other weights and
+    its states split by heads as loaded (`linear_heads`)."""
     if isinstance(layer.lin_qkv, Fp8Weight) or isinstance(layer.conv_w, Fp8Weight):
         raise ValueError(f"tensor_parallel_size={mesh.size}: FP8 linear-attention projections are not split yet")
     tp, keys = mesh.size, cfg.linear_key_size
-    sizes = (keys, keys, cfg.linear_value_size)
 
-    def per_shard(w, axis):  # [..., q | k | v, ...] on `axis` -> [q_0 | k_0 | v_0 | q_1 | ...]
-        parts = jnp.split(w, [sizes[0], sizes[0] + sizes[1]], axis=axis)
+    def per_shard(parts, axis):  # [a | b | ...] on `axis` -> [a_0 | b_0 | ... | a_1 | b_1 | ...]
         parts = [p.reshape(*p.shape[:axis], tp, p.shape[axis] // tp, *p.shape[axis + 1:]) for p in parts]
-        return jnp.concatenate(parts, axis=axis + 1).reshape(w.shape)
+        w = jnp.concatenate(parts, axis=axis + 1)
+        return w.reshape(*w.shape[:axis], -1, *w.shape[axis + 2:])
+
+    def qkv(w, axis):
+        return jnp.split(w, [keys, 2 * keys], axis=axis)
 
     def place(w, axes):
         return jax.device_put(w, logical_sharding(mesh, axes, w.shape, expert_parallel))
 
-    return dataclasses.replace(layer, lin_qkv=place(per_shard(layer.lin_qkv, 1), ("embed", "linear_heads")),
-                               conv_w=place(per_shard(layer.conv_w, 0), ("linear_heads", None, None)))
+    lin_in = per_shard([*qkv(layer.lin_qkv, 1), layer.lin_z, layer.lin_b, layer.lin_a], 1)
+    return dataclasses.replace(layer, lin_in=place(lin_in, ("embed", "linear_heads")), lin_qkv=None, lin_z=None,
+                               lin_b=None, lin_a=None,
+                               conv_w=place(per_shard(qkv(layer.conv_w, 0), 0), ("linear_heads", None, None)))
 
 
 # ---- the sharded forward ------------------------------------------------------------------------

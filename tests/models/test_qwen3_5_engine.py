@@ -94,12 +94,11 @@ def test_several_devices_match_hf(arch, n, ep, backend):
     llm = LLM(str(DATA / f"tiny-{arch}"), **BASE, tensor_parallel_size=n, enable_expert_parallel=ep,
               max_num_batched_tokens=8, warmup=False, attention_backend=backend)
     runner = llm.engine.runner
-    if n > 1:  # (one device fuses the linear layers' projections into one: lin_in)
-        linear = next(layer for layer in runner.weights.layers if layer.lin_qkv is not None)
-        conv, rec = next(runner.kv_cache[i] for i in range(len(runner.kv_cache)) if runner.cfg.is_linear_layer(i))
-        for a, axis in [(linear.lin_qkv, 1), (linear.conv_w, 0), (linear.lin_z, 1), (linear.lin_out, 0), (conv, 2),
-                        (rec, 1)]:  # (states: [slots, K, channels], [slots, Hv, Dk, Dv])
-            assert a.shape[axis] // a.sharding.shard_shape(a.shape)[axis] == n
+    linear = next(layer for layer in runner.weights.layers if layer.lin_in is not None)  # (qkv | z | b | a fused)
+    conv, rec = next(runner.kv_cache[i] for i in range(len(runner.kv_cache)) if runner.cfg.is_linear_layer(i))
+    for a, axis in [(linear.lin_in, 1), (linear.conv_w, 0), (linear.lin_out, 0), (conv, 2),
+                    (rec, 1)]:  # (states: [slots, K, channels], [slots, Hv, Dk, Dv])
+        assert a.shape[axis] // a.sharding.shard_shape(a.shape)[axis] == n
     # the shared expert stacked after the routed ones (split by columns as they are) but under expert parallel
     assert all((layer.ws_gate is None) != ep for layer in runner.weights.layers if layer.router is not None)
     prompts = [gold[f"prompt_{i}"].tolist() for i in range(3)]
