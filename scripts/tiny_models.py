@@ -166,38 +166,7 @@ def tiny_specs():
         # renormalised, beside a shared expert (wider than a routed one, 48 vs 32) scaled by
         # sigmoid(shared_expert_gate). Two layers (one Gated DeltaNet layer, then one gated attention layer), the
         # linear one shaped as tiny-qwen3_5's
-        "qwen3_5_moe": (
-            Qwen3_5MoeForCausalLM,
-            Qwen3_5MoeTextConfig(
-                **_common(
-                    num_hidden_layers=2,
-                    layer_types=["linear_attention", "full_attention"],
-                    **QWEN3_5_SHAPE,
-                    num_experts=8,
-                    num_experts_per_tok=2,
-                    moe_intermediate_size=32,
-                    shared_expert_intermediate_size=48,
-                )
-            ),
-            None,
-        ),
-        # tiny-qwen3_5_moe with heads enough to split 4 ways (4 linear key heads serving 8 value heads, 4 attention
-        # heads over 2 kv heads, 8 experts): the 4-device tensor / expert parallel goldens
-        "qwen3_5_moe_h4": (
-            Qwen3_5MoeForCausalLM,
-            Qwen3_5MoeTextConfig(
-                **_common(
-                    num_hidden_layers=2,
-                    layer_types=["linear_attention", "full_attention"],
-                    **(QWEN3_5_SHAPE | dict(linear_num_key_heads=4, linear_num_value_heads=8)),
-                    num_experts=8,
-                    num_experts_per_tok=2,
-                    moe_intermediate_size=32,
-                    shared_expert_intermediate_size=64,
-                )
-            ),
-            None,
-        ),
+        "qwen3_5_moe": _qwen3_5_moe(shared_expert_intermediate_size=48),
         # DeepSeek-V2-Lite's routing: softmax top-k over all experts (`topk_method: greedy`, one group), not
         # renormalised, times the routed scaling factor (1.5 here, 1.0 in V2-Lite, so that it shows); else as V2
         "deepseek_v2_lite": (
@@ -210,7 +179,19 @@ def tiny_specs():
                                  "rope_theta": 10000.0})),
             None,
         ),
+        # tiny-qwen3_5_moe with heads enough to split 4 ways (4 linear key heads serving 8 value heads, 4 attention
+        # heads over 2 kv heads, 8 experts): the 4-device tensor / expert parallel goldens (last: seeds go by position)
+        "qwen3_5_moe_h4": _qwen3_5_moe(shared_expert_intermediate_size=64, linear_num_key_heads=4,
+                                       linear_num_value_heads=8),
     }
+
+
+def _qwen3_5_moe(**kw):
+    """A two-layer Qwen3.5-MoE (a Gated DeltaNet layer, then a gated attention layer; 8 experts of 32, top-2), with
+    `kw` over QWEN3_5_SHAPE and the MoE fields."""
+    cfg = _common(num_hidden_layers=2, layer_types=["linear_attention", "full_attention"], **QWEN3_5_SHAPE,
+                  num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32)
+    return Qwen3_5MoeForCausalLM, Qwen3_5MoeTextConfig(**(cfg | kw)), None
 
 
 def _deepseek_common(**kw):
