@@ -193,10 +193,6 @@ def shard_attention_weights(cfg, weights, mesh: Mesh, fuse_qkv: bool = True, exp
             return Fp8Weight(jax.device_put(w.w, vs), jax.device_put(w.scale, ss), w.block)
         return None if w is None else jax.device_put(w, logical_sharding(mesh, axes, w.shape, expert_parallel))
 
-    def per_shard(parts):  # [K, N_i] each -> [K, sum N_i] whose shard d is [part_0's shard d | part_1's | ...]
-        parts = [w.reshape(w.shape[0], tp, w.shape[1] // tp) for w in parts]
-        return jnp.concatenate(parts, axis=2).reshape(parts[0].shape[0], -1)
-
     col = ("embed", "kv_heads")
     layers = []
     for layer in weights.layers:
@@ -216,12 +212,20 @@ def shard_attention_weights(cfg, weights, mesh: Mesh, fuse_qkv: bool = True, exp
             # (biases stay apart, added after the split; FP8 parts fuse with their scales when shards are whole
             # blocks, which `place` checked for each already)
             if all(fp8):
-                wqkv = Fp8Weight(per_shard([w.w for w in parts]), per_shard([w.scale for w in parts]), parts[0].block)
+                wqkv = Fp8Weight(per_shard([w.w for w in parts], tp, 1), per_shard([w.scale for w in parts], tp, 1),
+                                 parts[0].block)
             else:
-                wqkv = per_shard(parts)
+                wqkv = per_shard(parts, tp, 1)
             new |= dict(wq=None, wk=None, wv=None, wqkv=place(wqkv, ("embed", "q_heads")))
         layers.append(dataclasses.replace(layer, **new))
     return dataclasses.replace(weights, layers=layers)
+
+
+def per_shard(parts: list, tp: int, axis: int) -> jax.Array:
+    """Arrays joined on `axis` so that the result's shard d of `tp` is [part_0's shard d | part_1's | ...]."""
+    parts = [p.reshape(*p.shape[:axis], tp, p.shape[axis] // tp, *p.shape[axis + 1:]) for p in parts]
+    w = jnp.concatenate(parts, axis=axis + 1)
+    return w.reshape(*w.shape[:axis], -1, *w.shape[axis + 2:])
 
 
 def _linear_channels_per_shard(cfg, layer, mesh: Mesh, expert_parallel: bool):
@@ -234,21 +238,16 @@ def _linear_channels_per_shard(cfg, layer, mesh: Mesh, expert_parallel: bool):
         raise ValueError(f"tensor_parallel_size={mesh.size}: FP8 linear-attention projections are not split yet")
     tp, keys = mesh.size, cfg.linear_key_size
 
-    def per_shard(parts, axis):  # [a | b | ...] on `axis` -> [a_0 | b_0 | ... | a_1 | b_1 | ...]
-        parts = [p.reshape(*p.shape[:axis], tp, p.shape[axis] // tp, *p.shape[axis + 1:]) for p in parts]
-        w = jnp.concatenate(parts, axis=axis + 1)
-        return w.reshape(*w.shape[:axis], -1, *w.shape[axis + 2:])
-
     def qkv(w, axis):
         return jnp.split(w, [keys, 2 * keys], axis=axis)
 
     def place(w, axes):
         return jax.device_put(w, logical_sharding(mesh, axes, w.shape, expert_parallel))
 
-    lin_in = per_shard([*qkv(layer.lin_qkv, 1), layer.lin_z, layer.lin_b, layer.lin_a], 1)
+    lin_in = per_shard([*qkv(layer.lin_qkv, 1), layer.lin_z, layer.lin_b, layer.lin_a], tp, 1)
     return dataclasses.replace(layer, lin_in=place(lin_in, ("embed", "linear_heads")), lin_qkv=None, lin_z=None,
                                lin_b=None, lin_a=None,
-                               conv_w=place(per_shard(qkv(layer.conv_w, 0), 0), ("linear_heads", None, None)))
+                               conv_w=place(per_shard(qkv(layer.conv_w, 0), tp, 0), ("linear_heads", None, None)))
 
 
 # ---- the sharded forward ------------------------------------------------------------------------
