@@ -39,7 +39,7 @@ import time
 
 import numpy as np
 
-from benchmarks.common import add_profile_argument, environment, profiled, write_result
+from benchmarks.common import ReplayDrafts, add_profile_argument, environment, profiled, write_result
 from benchmarks.roofline import (
     decode_bytes,
     decode_bytes_per_device,
@@ -55,8 +55,6 @@ from jinfer.engine.args import compilation_cache_dir_from_env
 from jinfer.engine.core import EngineCore
 from jinfer.engine.expert_load import summarize
 from jinfer.sampling_params import SamplingParams
-from jinfer.spec.decoding import SpecDecoding
-from jinfer.spec.replay import ForcedAcceptance, ReplayProposer
 
 
 def run_batch(core: EngineCore, prompts: list[list[int]], output_len: int, tag: str) -> dict:
@@ -146,14 +144,9 @@ def main():
     t0 = time.perf_counter()
     max_model_len = args.max_model_len or args.input_len + args.output_len
     spec_config = SpeculativeConfig.parse(args.speculative_config)
-    replay = args.replay_acceptance is not None
-    if replay and spec_config is None:
+    if args.replay_acceptance is not None and spec_config is None:
         ap.error("--replay-acceptance needs --speculative-config (its num_speculative_tokens)")
-    # a model drafter (EAGLE-3, MTP) keeps its head and its work, only the verifications' outcomes are forced
-    forced_head = replay and spec_config.method in ("eagle3", "mtp")
-    replay = replay and not forced_head
-    proposer = ReplayProposer(spec_config.num_speculative_tokens, args.replay_acceptance,
-                                                forced=True) if replay else None
+    drafts = ReplayDrafts(spec_config, args.replay_acceptance)
     core = EngineCore(EngineConfig(model=model, dtype=args.dtype, kv_cache_dtype=args.kv_cache_dtype,
                                    max_model_len=max_model_len,
                                    max_num_seqs=max(args.batch_sizes),
@@ -165,12 +158,11 @@ def main():
                                    tensor_parallel_size=args.tensor_parallel_size,
                                    enable_expert_parallel=args.enable_expert_parallel,
                                    nnodes=args.nnodes, node_rank=args.node_rank, master_port=args.master_port,
-                                   speculative_config=None if replay else spec_config,
+                                   speculative_config=drafts.speculative_config,
                                    expert_load_stats=args.expert_load_stats,
                                    **compilation_cache_dir_from_env({})),
-                      proposer=proposer)
-    if forced_head:
-        core.spec = SpecDecoding(ForcedAcceptance(core.spec.proposer, args.replay_acceptance))
+                      proposer=drafts.proposer)
+    drafts.apply(core)
     if core.runner.collectives:
         print(f"collectives: {core.runner.collectives}", flush=True)
     if follower:

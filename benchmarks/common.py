@@ -62,3 +62,26 @@ def write_result(result: dict, out: str | None) -> None:
         Path(out).parent.mkdir(parents=True, exist_ok=True)
         Path(out).write_text(text + "\n")
     print(text)
+
+
+class ReplayDrafts:
+    """`--speculative-config` with `--replay-acceptance P` on dummy weights (whose own greedy tokens a verification
+    does not reproduce): a model-free method is replaced by the forced replay drafter (jinfer/spec/replay.py); a
+    model drafter (EAGLE-3, MTP) keeps its head and work and only its verifications' outcomes are forced
+    (`ForcedAcceptance`). `proposer` and `speculative_config` go to EngineCore / EngineConfig, then `apply(core)`."""
+
+    def __init__(self, spec, acceptance: float | None):
+        self.acceptance = acceptance
+        self.forced_head = acceptance is not None and spec is not None and spec.method in ("eagle3", "mtp")
+        replay = acceptance is not None and not self.forced_head
+        from jinfer.spec.replay import ReplayProposer
+
+        self.proposer = ReplayProposer(spec.num_speculative_tokens, acceptance, forced=True) if replay else None
+        self.speculative_config = None if replay else spec
+
+    def apply(self, core) -> None:
+        if self.forced_head:
+            from jinfer.spec.decoding import SpecDecoding
+            from jinfer.spec.replay import ForcedAcceptance
+
+            core.spec = SpecDecoding(ForcedAcceptance(core.spec.proposer, self.acceptance))

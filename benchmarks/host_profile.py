@@ -26,14 +26,12 @@ import time
 
 import numpy as np
 
-from benchmarks.common import add_profile_argument
+from benchmarks.common import ReplayDrafts, add_profile_argument
 from benchmarks.common import profiled as jax_trace
 from jinfer.config.engine import EngineConfig
 from jinfer.config.speculative import SpeculativeConfig
 from jinfer.engine.core import EngineCore
 from jinfer.sampling_params import SamplingParams
-from jinfer.spec.decoding import SpecDecoding
-from jinfer.spec.replay import ForcedAcceptance, ReplayProposer
 
 MARK = os.environ.get("JINFER_STEP_MARK") == "1"
 
@@ -104,23 +102,19 @@ def main():
     ap.add_argument("--out")
     args = ap.parse_args()
     spec = SpeculativeConfig.parse(args.speculative_config)
-    replay = args.replay_acceptance is not None
-    forced_head = replay and spec.method in ("eagle3", "mtp")  # the head's drafts, outcomes forced (bench_latency)
-    replay = replay and not forced_head
-    proposer = ReplayProposer(spec.num_speculative_tokens, args.replay_acceptance, forced=True) if replay else None
+    drafts = ReplayDrafts(spec, args.replay_acceptance)
     core = EngineCore(EngineConfig(model=args.model or f"dummy:{args.shape}", dtype=args.dtype,
                                    max_model_len=args.input_len + args.output_len, max_num_seqs=max(args.batch_size, 8),
                                    async_scheduling=not args.no_async_scheduling, warmup=False,
                                    tensor_parallel_size=args.tensor_parallel_size,
                                    enable_expert_parallel=args.enable_expert_parallel,
                                    nnodes=args.nnodes, node_rank=args.node_rank, master_port=args.master_port,
-                                   speculative_config=None if replay else spec), proposer=proposer)
+                                   speculative_config=drafts.speculative_config), proposer=drafts.proposer)
     if args.node_rank > 0:
         raise SystemExit(core.group.serve(core.runner))
     if MARK:
         mark_calls(core.runner)
-    if forced_head:
-        core.spec = SpecDecoding(ForcedAcceptance(core.spec.proposer, args.replay_acceptance))
+    drafts.apply(core)
     rng = np.random.default_rng(0)
     make = lambda: [rng.integers(0, min(core.model_config.vocab_size, 256), args.input_len).tolist()  # noqa: E731
                     for _ in range(args.batch_size)]
