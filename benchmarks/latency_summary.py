@@ -1,5 +1,6 @@
 """Several bench_latency processes per configuration -> one JSON: per configuration and batch size every process's TPOT
-and TTFT, their medians (the figures), the roofline, and each configuration's medians over the first one's.
+and TTFT, their medians (the figures), the roofline, each process's peak host RSS, and each configuration's medians
+over the first one's.
 
     python3 -m benchmarks.latency_summary OUT.json bf16='/tmp/r/qwen3-8b_*.json' fp8='/tmp/r/qwen3-8b-fp8_*.json'
 """
@@ -20,8 +21,10 @@ def summarize(groups: dict[str, str]) -> dict:
         ttft: dict[int, list[float]] = {}
         roof: dict[int, float] = {}
         head: dict = {}
+        rss: list = []  # each process's peak host RSS, MB (bench_latency's peak_rss_mb)
         for f in files:
             d = json.load(open(f))
+            rss.append(d.get("peak_rss_mb"))
             head = {k: d.get(k) for k in ("device", "jax_version", "commit", "source_hash", "shape",
                                           "speculative_config", "replay_acceptance", "async_scheduling")}
             for row in d["rows"]:
@@ -31,7 +34,8 @@ def summarize(groups: dict[str, str]) -> dict:
                 roof[row["batch_size"]] = row["roofline_tpot_ms"]
         median = {b: statistics.median(v) for b, v in tpot.items()}
         out["configurations"][label] = {
-            **head, "files": files, "tpot_ms": tpot, "tpot_ms_median": median, "roofline_tpot_ms": roof,
+            **head, "files": files, "peak_rss_mb": rss, "tpot_ms": tpot, "tpot_ms_median": median,
+            "roofline_tpot_ms": roof,
             "tpot_over_roofline": {b: median[b] / roof[b] for b in median},
             "ttft_ms": ttft, "ttft_ms_median": {b: statistics.median(v) for b, v in ttft.items()}}
     configs = out["configurations"]
