@@ -163,10 +163,10 @@ class MoeOps:
         the shared experts are the last `stacked` of the weights [E + S, ...] (jinfer/models/shared_experts.py), every
         token's last slots, weighted 1, or, where the router has a gate column block ([hidden, E + GATE_COLUMNS]:
         Qwen3.5-MoE's), sigmoid(h @ gate). Tensor parallel: this device's columns of every expert (a partial sum,
-        reduced); never expert parallel. `choose(logits)` -> the routed
-        (weights, ids) (DeepSeek's grouped routing, scaled); None: softmax top-k (renormalised when `renormalize`)
-        times `scaling`, which a small step takes on the one-kernel front end (`moe_norm_route`). Router logits are
-        rounded to the activations' dtype with `round_logits` (HF's F.linear), else kept float32 (DeepSeek's)."""
+        reduced); never expert parallel. `choose(logits)` -> the routed (weights, ids) (DeepSeek's grouped routing,
+        scaled); None: softmax top-k (renormalised when `renormalize`) times `scaling`, which a small step takes on
+        the one-kernel front end (`moe_norm_route`). Router logits are rounded to the activations' dtype with
+        `round_logits` (HF's F.linear), else kept float32 (DeepSeek's)."""
         from pallas_kernels.moe.moe_routing import moe_route_chosen, topk_routing, with_shared
 
         experts = weights[0].shape[0] - stacked
