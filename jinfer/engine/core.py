@@ -175,6 +175,8 @@ class EngineCore:
                 launched, outputs = self._launch_guided(out, rows, num_logprobs, guided, outputs, prompt_logprobs)
             if idle:
                 self.serial_host_seconds_total += self.runner.forward_at - self._read_at
+            if self.spec is not None:  # a model drafter's device step (EAGLE-3: the head over this step's rows)
+                self.spec.after_launch(launched)
         if read is not None:
             outputs += self._emit(*read)
         if self._inflight is not None:
@@ -273,8 +275,6 @@ class EngineCore:
                             finished[rid] = self.scheduler.finish_request(rid, FinishReason.STOP)
                         break
             news.append(new)
-        if self.spec is not None:  # a model drafter's device step (EAGLE-3: the head over this step's rows)
-            self.spec.after_step(launched)
         return result, live, before, news, finished, sampled
 
     def _emit(self, result, live, before, news, finished, sampled) -> list[EngineOutput]:

@@ -78,9 +78,9 @@ class SpecDecoding:
             return self._forced(request_id, draft_ids, sampled_ids)
         return accept_draft_tokens(draft_ids, sampled_ids)
 
-    def after_step(self, launched) -> None:
-        """A step was read back and the scheduler updated: a model drafter runs its device step (spec/eagle.py)."""
-        if (hook := getattr(self.proposer, "after_step", None)) is not None:
+    def after_launch(self, launched) -> None:
+        """A step was dispatched: a model drafter launches its device step behind it (spec/eagle.py)."""
+        if (hook := getattr(self.proposer, "after_launch", None)) is not None:
             hook(launched)
 
     def record(self, num_drafts: int, accepted: list[int]) -> int:

@@ -7,29 +7,33 @@ one attention layer (`head_page_bytes`: its K and V, replicated over a mesh), ke
 `[num_pages, page_size, kv_heads, head_dim]` pair on the target's page ids; the target's executables return the
 hidden states at the head's `aux_layers` (`Launched.aux`, kept on the device).
 
-After a step is read back and the scheduler updated (`after_step`; with speculation the engine is synchronous, so
-the host knows every sequence's accepted tokens), one jitted call per step runs on the step's own shapes:
+The head is launched with each step, right after the target's forward and sampler (`after_launch`, one jitted call
+on the step's own shapes, its inputs the step's device arrays): the engine reads the step's tokens and the head's
+drafts back together, one round trip a step. On the device:
+- which drafts each verification keeps (`accepted_drafts`: the samples equal to the drafts, the host's exact rule);
 - the head's first pass over *every* row of the step (prefill chunks too, so a preempted and recomputed sequence's
-  head KV is rewritten): row at position q takes the token at q + 1 (a prompt token mid-prefill, the token just
-  sampled at a sequence's last accepted row). Rows whose next token is not known (rejected drafts' rows) and the
-  rows of sequences that finished write nothing;
-- then k - 1 one-token steps (`eagle3.propose`) for the sequences that sampled and go on ("live"), from their last
-  accepted row. The chain writes the head's KV up to that row's position + k - 1: those pages are allocated here
+  head KV is rewritten): row at position q takes the token at q + 1 (a prompt token mid-prefill, a sampled id at a
+  sequence's sampled rows). The rows past the kept drafts write nothing (`head_rows`);
+- then k - 1 one-token steps (`eagle3.propose`) for the sequences that sample, from their last accepted row. The
+  chain writes the head's KV up to that row's position + k - 1: those pages are allocated at the launch
   (`allocate_slots` for k - 1 more tokens; the next step needs them for its verification row anyway); where the
   pool is short, the chain's write into a page-table entry not allocated (the reserved page 0) is dropped.
-The drafts [B, k] are read back, cut to the room left in the context, and returned by `propose` before the next
-schedule (the scheduler's `_fit_drafts` drops what does not fit the budget or max_tokens).
+`propose` reads the drafts [B, k] and the kept counts back; a request's drafts are handed over where the host's
+verification kept as many (its token count says so), cut to the room left in the context (the scheduler's
+`_fit_drafts` drops what does not fit the budget or max_tokens). A Qwen3.5 sequence rolled back over a rejected
+draft gets its drafts too: its recompute row verifies them.
 
 Prefix cache: the head's KV at position p depends on the token at p + 1, so a hit's last page may hold KV computed
 with another next token: with a head, a prefix hit is one page shorter (`KVCacheManager(hit_drop_last_page=True)`),
 that page is recomputed. Drafts only ever cost acceptance, never correctness: pages restored from the host tier
 and the last rows of a finished sequence's cached pages carry no (or stale) head KV.
-Not built: drafting inside the step's own launch (drafts kept on the device), tensor-parallel shards of the head
-(it runs replicated, on the reference ops), multi-process groups.
+Not built: launching the next step before this one's tokens are read back (drafts kept on the device as its inputs),
+tensor-parallel shards of the head (it runs replicated, on the reference ops), multi-process groups.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from collections.abc import Sequence
 from pathlib import Path
@@ -94,47 +98,68 @@ class Eagle3Proposer:
                         out_shardings=NamedSharding(runner.mesh, PartitionSpec()))
         self.kv = (zeros(), zeros())
         ops = runner.ops if runner.mesh.size == 1 else REFERENCE_OPS  # (replicated: no sharded kernels)
-        self._chain = jax.jit(functools.partial(self.chain, cfg=cfg, num_steps=k, ops=ops), donate_argnames=("kv",))
-        self._drafts: dict[str, tuple[int, list[int]]] = {}  # request id -> (its num_tokens, draft)
+        self._head = jax.jit(functools.partial(head_step, chain=self.chain, cfg=cfg, num_steps=k, ops=ops),
+                             donate_argnames=("kv",))
+        # the last launch's (drafts [B, k], accepted [B]) on the device, its sequences' request id -> (row, position of
+        # the first sampled row), and the host copies once read
+        self._launched: tuple[tuple[jax.Array, jax.Array], dict[str, tuple[int, int]]] | None = None
+        self._read: tuple[np.ndarray, np.ndarray] | None = None
 
     cache_spec = staticmethod(eagle3.cache_spec)  # the head's one layer of KV
     chain = staticmethod(_chain)  # (weights, kv, batch, aux, live, *, cfg, num_steps, ops) -> (drafts, kv)
 
     def propose(self, requests: Sequence) -> list[list[int]]:
-        """The drafts the last step's chain made for these requests (none for a request that moved on since)."""
+        """The drafts the last launch's chain made for these requests, where the verification the host accepted is
+        the one the chain started from (none for a request that moved on since)."""
+        if self._launched is None:
+            return [[] for _ in requests]
+        if self._read is None:
+            self._read = tuple(np.asarray(a) for a in self._launched[0])
+        (drafts, accepted), rows = self._read, self._launched[1]
         out = []
         for r in requests:
-            entry = self._drafts.get(r.request_id)
-            out.append(entry[1] if entry is not None and entry[0] == r.num_tokens else [])
+            b, at = rows.get(r.request_id, (-1, 0))
+            room = min(self.k, self.max_model_len - r.num_tokens)
+            ok = b >= 0 and room > 0 and r.num_tokens == at + int(accepted[b]) + 2  # (its last token: at + a + 1)
+            out.append(drafts[b, :room].tolist() if ok else [])
         return out
 
-    def after_step(self, launched) -> None:
-        """Run the head over a step read back (`Launched`: its scheduler output, padded batch and hidden states) and
-        keep each live sequence's drafts for `propose`."""
-        self._drafts = {}
+    def after_launch(self, launched, forced: dict[str, int] | None = None) -> None:
+        """Launch the head over a step just dispatched (`Launched`: its scheduler output, padded batch, hidden states
+        and sampled ids, all still on the device), its drafts read by the next `propose`. `forced` (benchmarks:
+        `ForcedAcceptance`): request id -> the drafts its verification keeps, instead of the exact rule."""
+        self._launched, self._read = None, None
         built, scheduled = launched.batch, launched.out.scheduled
         if built is None or launched.aux is None or not scheduled:
             return
-        T, B = built.input_ids.shape[0], built.seq_lens.shape[0]
+        T, B, K = built.input_ids.shape[0], built.seq_lens.shape[0], max(self.k, 1)
         ids, slots = np.zeros(T, np.int32), built.slot_mapping.astype(np.int32)  # (a copy)
-        last, live, room = np.zeros(B, np.int32), np.zeros(B, bool), {}
-        tables = {}
+        at, first, count = np.full(B, T, np.int32), np.zeros(B, np.int32), np.zeros(B, np.int32)
+        drafts, force, live = np.full((B, K), -1, np.int32), np.full(B, -1, np.int32), np.zeros(B, bool)
+        rows, tables = {}, {}
         for b, s in enumerate(scheduled):
             r, lo, n = s.request, int(built.query_start[b]), s.num_new_tokens
-            nxt = [] if r.is_finished else r.all_token_ids[s.start + 1:s.start + n + 1]  # rows whose next is known
-            v = len(nxt)
-            ids[lo:lo + v] = nxt
-            slots[lo + v:lo + n] = -1
-            last[b] = lo + max(v, 1) - 1
-            k = min(self.k, self.max_model_len - r.num_tokens)
-            if not (s.needs_sample and v and k > 0 and r.num_computed_tokens == r.num_tokens - 1):
+            if r.is_finished:  # (aborted since it was scheduled: its rows write nothing)
+                slots[lo:lo + n] = -1
                 continue
-            live[b], room[b] = True, k
+            m = s.num_logits  # its sampled rows, the last m: the row's last token and its drafts
+            known = r.all_token_ids[s.start + 1:s.start + n - m + 1]  # the next tokens of the rows before them
+            ids[lo:lo + len(known)] = known
+            slots[lo + len(known):lo + n - m] = -1
+            at[b] = lo + n - m
+            if not m:
+                continue
+            first[b], count[b] = launched.rows[s.request_id][0], m
+            drafts[b, :m - 1] = s.draft_token_ids
+            if forced is not None:
+                force[b] = min(forced.get(s.request_id, 0), m - 1)
+            rows[s.request_id] = (b, int(built.positions[lo + n - m]))
+            live[b] = True
             ahead = min(self.k - 1, self.max_model_len - r.num_computed_tokens)
             if ahead > 0:  # the chain's KV positions (module doc); where the pool is short, writes are dropped
                 self.kv_manager.allocate_slots(r, ahead)
             tables[b] = r.page_ids
-        if not (slots[:T] >= 0).any():
+        if not rows and not (slots[:T] >= 0).any():
             return
         P = built.page_table.shape[1]
         width = max([P] + [len(p) for p in tables.values()])
@@ -143,10 +168,49 @@ class Eagle3Proposer:
         page_table[:, :P] = built.page_table
         for b, pages in tables.items():
             page_table[b, :len(pages)] = pages
-        batch = Batch(ids, built.positions, slots, built.query_start, built.seq_lens, page_table, last,
+        batch = Batch(ids, built.positions, slots, built.query_start, built.seq_lens, page_table, at,
                       built.state_slots)
-        drafts, self.kv = self._chain(self.weights, self.kv, batch, launched.aux, live)
-        if room:
-            drafts = np.asarray(drafts)
-            self._drafts = {scheduled[b].request_id: (scheduled[b].request.num_tokens, drafts[b, :k].tolist())
-                            for b, k in room.items()}
+        out, self.kv = self._head(self.weights, self.kv, batch, launched.aux, live, launched.tokens, first, count,
+                                  drafts, force)
+        for a in out:
+            a.copy_to_host_async()
+        self._launched = out, rows
+
+
+def accepted_drafts(tokens: jax.Array, first: jax.Array, count: jax.Array, drafts: jax.Array,
+                    forced: jax.Array) -> jax.Array:
+    """i32[B]: the drafts each sequence's verification keeps by the exact rule (while its samples equal them; the
+    host's `accept_draft_tokens`), or `forced[b]` where >= 0. `tokens` the step's sampled ids by logits row; sequence
+    b samples rows first[b]..first[b] + count[b] - 1 and verifies drafts[b, :count[b] - 1]."""
+    j = jnp.arange(drafts.shape[1])
+    sampled = tokens[jnp.clip(first[:, None] + j, 0, tokens.shape[0] - 1)]
+    match = (j < count[:, None] - 1) & (sampled == drafts)
+    kept = jnp.sum(jnp.cumprod(match.astype(jnp.int32), axis=1), axis=1)
+    return jnp.where(forced >= 0, forced, kept).astype(jnp.int32)
+
+
+def head_rows(batch: Batch, tokens: jax.Array, first: jax.Array, count: jax.Array, accepted: jax.Array) -> Batch:
+    """The head's first pass over a verified step (module doc): `batch` holds the host's next ids and slots, and in
+    `logits_indices` each sequence's first sampled row (count[b] of them). Those rows take the sampled ids (the row at
+    position q the token at q + 1), the rows past a sequence's accepted drafts write nothing, and each sequence's
+    last row (`logits_indices`, where its chain starts) is its last accepted one."""
+    T, B = batch.input_ids.shape[0], count.shape[0]
+    at = batch.logits_indices
+    seq = jnp.clip(jnp.searchsorted(batch.query_start, jnp.arange(T), side="right") - 1, 0, B - 1)
+    rel = jnp.arange(T) - at[seq]
+    sampled = (rel >= 0) & (rel < count[seq])
+    ids = jnp.where(sampled, tokens[jnp.clip(first[seq] + rel, 0, tokens.shape[0] - 1)], batch.input_ids)
+    slots = jnp.where(sampled & (rel > accepted[seq]), -1, batch.slot_mapping)
+    last = jnp.clip(jnp.where(count > 0, at + accepted, at - 1), 0, T - 1)
+    return dataclasses.replace(batch, input_ids=ids.astype(jnp.int32), slot_mapping=slots.astype(jnp.int32),
+                               logits_indices=last.astype(jnp.int32))
+
+
+def head_step(weights, kv, batch: Batch, aux, live, tokens, first, count, drafts, forced, *, chain, cfg, num_steps,
+              ops):
+    """The head's device step after a verification (one jitted call): acceptance, its rows, the chain. Returns
+    ((drafts [B, num_steps], accepted [B]), kv)."""
+    accepted = accepted_drafts(tokens, first, count, drafts, forced)
+    out, kv = chain(weights, kv, head_rows(batch, tokens, first, count, accepted), aux, live, cfg=cfg,
+                    num_steps=num_steps, ops=ops)
+    return (out, accepted), kv

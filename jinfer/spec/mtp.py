@@ -2,10 +2,11 @@
 Qwen3.5 checkpoint ships (jinfer/models/qwen3_5_mtp.py) run as the EAGLE-3 head is (jinfer/spec/eagle.py, whose
 proposer this one is): loaded after the target from the target's own checkpoint, its KV paged on the target's pages
 (a page's bytes grow by its layer), the target's executables return its last layer's output (`aux_layers =
-(num_layers,)`), and after each read-back one jitted call runs the layer over the step's rows and k - 1 chain steps.
+(num_layers,)`), and one jitted call launched behind each step runs the layer over the step's rows and k - 1 chain
+steps.
 
 On Qwen3.5 a rejected draft rolls the sequence back to its row's start (jinfer/engine/scheduler.py): the next step
-recomputes the accepted tokens and its chain drafts from there (the sequence drafts nothing in between).
+recomputes the accepted tokens and verifies the drafts the chain made from the last accepted row.
 """
 
 from __future__ import annotations

@@ -2,8 +2,8 @@
 
 A `Proposer` takes the requests that may be drafted this step (running, past their prefill, no token in flight) and
 returns a draft per request: up to `num_speculative_tokens` token ids that the next step verifies. Model-free
-drafters (n-gram) read the requests' tokens; the EAGLE-3 drafter runs its head on the device after each step
-(`after_step`) and hands over the drafts it made; so does a Qwen3.5 checkpoint's MTP layer (jinfer/spec/mtp.py).
+drafters (n-gram) read the requests' tokens; the EAGLE-3 drafter launches its head on the device behind each step
+(`after_launch`) and hands over the drafts it made; so does a Qwen3.5 checkpoint's MTP layer (jinfer/spec/mtp.py).
 """
 
 from __future__ import annotations
@@ -22,8 +22,8 @@ class Proposer(Protocol):
         `request.all_token_ids` (prompt + accepted outputs), none in flight."""
         ...
 
-    # Optional: `after_step(launched)`, called with each step once it is read back and the scheduler updated (a
-    # model drafter runs its device step there: jinfer/spec/eagle.py).
+    # Optional: `after_launch(launched)`, called with each step once it is dispatched (a model drafter launches its
+    # device step behind it there: jinfer/spec/eagle.py).
 
 
 def check_proposer(config: SpeculativeConfig, *, num_state_slots: int) -> None:

@@ -31,18 +31,18 @@ class _Trials:
         if not 0.0 <= acceptance <= 1.0:
             raise ValueError(f"acceptance={acceptance} must be in [0, 1]")
         self.k, self.acceptance = k, acceptance
-        self._planned: dict[str, int] = {}  # request id -> drafts its next verification accepts
+        self.planned: dict[str, int] = {}  # request id -> drafts its next verification accepts
         self._rng = np.random.default_rng(seed)
 
     def draw(self, count: int) -> list[list[bool]]:
         return (self._rng.random((count, self.k)) < self.acceptance).tolist()
 
     def plan(self, request_id: str, right: list[bool]) -> None:
-        self._planned[request_id] = right.index(False) if False in right else self.k
+        self.planned[request_id] = right.index(False) if False in right else self.k
 
     def accept(self, request_id: str, draft_ids: Sequence[int], sampled_ids: Sequence[int]) -> list[int]:
         """The planned number of drafts and the target's sample after them."""
-        a = min(self._planned.pop(request_id, 0), len(draft_ids))
+        a = min(self.planned.pop(request_id, 0), len(draft_ids))
         return [*map(int, draft_ids[:a]), int(sampled_ids[a])]
 
 
@@ -97,9 +97,10 @@ class ForcedAcceptance:
             self._trials.plan(r.request_id, right)
         return drafts
 
-    def after_step(self, launched) -> None:
-        if (hook := getattr(self.inner, "after_step", None)) is not None:
-            hook(launched)
+    def after_launch(self, launched) -> None:
+        """The inner drafter's device step, its verifications kept as planned (not by the exact rule)."""
+        if (hook := getattr(self.inner, "after_launch", None)) is not None:
+            hook(launched, forced=self._trials.planned)
 
     def forced_accept(self, request_id: str, draft_ids: Sequence[int], sampled_ids: Sequence[int]) -> list[int]:
         return self._trials.accept(request_id, draft_ids, sampled_ids)

@@ -166,7 +166,9 @@ def test_engine_drafts_are_the_golden_chain(setup, mtp_engine):
 
 def test_engine_greedy_with_mtp_equals_hf(mtp_engine):
     """Batch 3, mixed prompt lengths (5, 37, 80 tokens): HF's greedy ids with MTP drafts, some accepted, some
-    rejected (the random layer guesses poorly: each rejection restores the state and recomputes)."""
+    rejected (the random layer guesses poorly: each rejection restores the state and recomputes). The head launched
+    behind each step kept as many drafts as the host's verification: every sequence that sampled in a step gets
+    drafts for the next (the recompute after a rejection too)."""
     from jinfer.sampling_params import SamplingParams
 
     gold = np.load(DATA / "golden" / "tiny-qwen3_5.npz")
@@ -175,17 +177,36 @@ def test_engine_greedy_with_mtp_equals_hf(mtp_engine):
     params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
     for i, p in enumerate(prompts):
         mtp_engine.add_request(str(i), p, params)
-    got = {}
-    while mtp_engine.has_unfinished_requests():
-        for d in mtp_engine.step():
-            got.setdefault(d.request_id, []).extend(d.new_token_ids)
+    got, handed = {}, watch_handed(mtp_engine.spec.proposer)
+    try:
+        while mtp_engine.has_unfinished_requests():
+            for d in mtp_engine.step():
+                got.setdefault(d.request_id, []).extend(d.new_token_ids)
+    finally:
+        del mtp_engine.spec.proposer.propose
     assert [got[str(i)] for i in range(3)] == [g[:16] for g in GREEDY_IDS]
+    assert len(handed) > 20 and all(handed)
     after = mtp_engine.stats()
     drafted = after["spec_decode_num_draft_tokens"] - before["spec_decode_num_draft_tokens"]
     accepted = after["spec_decode_num_accepted_tokens"] - before["spec_decode_num_accepted_tokens"]
     assert drafted > 0 and accepted < drafted
     kv = mtp_engine.kv
     assert kv.num_free_state_slots == kv.num_state_slots - 1 and kv.num_free_pages == kv.num_usable_pages
+
+
+def watch_handed(proposer) -> list[bool]:
+    """Wrap `proposer.propose` (undone by deleting the attribute): for each request that sampled in the last launch,
+    whether it got drafts, appended to the list returned."""
+    handed, original = [], proposer.propose
+
+    def propose(requests):
+        sampled = proposer._launched[1] if proposer._launched else {}
+        drafts = original(requests)
+        handed.extend(bool(d) for r, d in zip(requests, drafts) if r.request_id in sampled)
+        return drafts
+
+    proposer.propose = propose
+    return handed
 
 
 def test_forced_acceptance_on_the_mtp_head(mtp_engine):
@@ -201,8 +222,13 @@ def test_forced_acceptance_on_the_mtp_head(mtp_engine):
         for p in (1.0, 0.0):
             mtp_engine.spec = SpecDecoding(ForcedAcceptance(own.proposer, p))
             mtp_engine.add_request(f"forced{p}", list(range(3, 20)), params)
-            while mtp_engine.has_unfinished_requests():
-                mtp_engine.step()
+            handed = watch_handed(own.proposer)  # (the head keeps the forced drafts too)
+            try:
+                while mtp_engine.has_unfinished_requests():
+                    mtp_engine.step()
+            finally:
+                del own.proposer.propose
+            assert handed and all(handed)
             s = mtp_engine.spec.stats()
             assert s["spec_decode_num_draft_tokens"] > 0
             assert s["spec_decode_num_accepted_tokens"] == (s["spec_decode_num_draft_tokens"] if p else 0)

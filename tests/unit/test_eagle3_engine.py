@@ -63,17 +63,26 @@ def test_greedy_outputs_equal_without_speculation(plain, spec, batch):
 
 
 def first_drafts(engine, rid: str, prompt: list[int]) -> tuple[int, list[int]]:
-    """Run one request until its first token; (that token, the drafts the engine proposes next)."""
+    """Run one request to its end; (its first token, the drafts the engine proposed after it)."""
+    proposer, proposed = engine.spec.proposer, {}
+    original = proposer.propose
+
+    def propose(requests):
+        drafts = original(requests)
+        for r, d in zip(requests, drafts):
+            if r.request_id == rid and r.num_tokens == len(prompt) + 1:
+                proposed.setdefault(rid, d)
+        return drafts
+
+    proposer.propose = propose
     engine.add_request(rid, prompt, SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True))
-    while True:
-        out = [d for d in engine.step() if d.request_id == rid]
-        if out and out[0].new_token_ids:
-            num_tokens, drafts = engine.spec.proposer._drafts[rid]
-            assert num_tokens == len(prompt) + 1
-            break
-    while engine.has_unfinished_requests():
-        engine.step()
-    return out[0].new_token_ids[0], drafts
+    tokens = []
+    try:
+        while engine.has_unfinished_requests():
+            tokens += [t for d in engine.step() if d.request_id == rid for t in d.new_token_ids]
+    finally:
+        del proposer.propose
+    return tokens[0], proposed[rid]
 
 
 @pytest.mark.parametrize("engine", ["spec", "small"])

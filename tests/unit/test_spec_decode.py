@@ -231,22 +231,25 @@ def test_replay_drafter_exact_and_forced():
     reqs = [ns(request_id=str(i), prompt_token_ids=[1], num_output_tokens=0, all_token_ids=[5] * 4) for i in range(64)]
     p.propose(reqs)
     right = np.random.default_rng(1).random((64, 4)) < 0.5
-    assert [p._trials._planned[str(i)] for i in range(64)] == [4 if row.all() else int(np.argmin(row)) for row in right]
+    assert [p._trials.planned[str(i)] for i in range(64)] == [4 if row.all() else int(np.argmin(row)) for row in right]
 
 
 def test_forced_acceptance_keeps_a_model_drafters_drafts_and_work():
     """ForcedAcceptance (benchmarks: a model head's drafts, outcomes forced): the inner drafter's drafts unchanged, its
-    after_step hook called, and the verifications' kept tokens planned as the forced replay drafter's."""
+    after_launch hook called with the planned outcomes, and the verifications' kept tokens planned as the forced replay
+    drafter's."""
     ns = types.SimpleNamespace
     hooks = []
-    inner = ns(k=2, propose=lambda reqs: [[7, 8] for _ in reqs], after_step=hooks.append)
+    inner = ns(k=2, propose=lambda reqs: [[7, 8] for _ in reqs],
+               after_launch=lambda launched, forced: hooks.append((launched, dict(forced))))
     p = ForcedAcceptance(inner, acceptance=0.5, seed=3)
     reqs = [ns(request_id=str(i)) for i in range(2000)]
     assert p.propose(reqs) == [[7, 8]] * 2000 and p.k == 2 and p.forced
+    p.after_launch("launched")
+    planned = hooks[0][1]
     kept = [len(p.forced_accept(str(i), [7, 8], [1, 2, 3])) for i in range(2000)]
     assert abs(np.mean(kept) - (1 + 0.5 + 0.25)) < 0.06
-    p.after_step("launched")
-    assert hooks == ["launched"]
+    assert hooks[0][0] == "launched" and [planned[str(i)] + 1 for i in range(2000)] == kept
     assert ForcedAcceptance(ns(k=1, propose=lambda reqs: [[5]]), 1.0).propose([ns(request_id="a")]) == [[5]]
 
 
@@ -267,3 +270,49 @@ def test_stats_line_reports_acceptance_per_interval():
     line = logger.maybe_log(stats).splitlines()[1]
     assert line == ("Engine 000: SpecDecoding metrics: Mean acceptance length: 2.20, Accepted: 120 tokens, Drafted: "
                     "200 tokens, Per-position acceptance rate: 0.800, 0.400, Avg Draft acceptance rate: 60.0%")
+
+
+def test_head_step_keeps_the_hosts_drafts_and_starts_the_chain_at_the_last_kept_row():
+    """The device side of a model drafter's launch (jinfer/spec/eagle.py): the drafts each verification keeps equal
+    the host's exact rule (`accept_draft_tokens`) or the forced count; the head's rows take the sampled ids at the
+    sampled rows, write nothing past the kept drafts, and its chain starts at the last kept row."""
+    from jinfer.models.batch import Batch
+    from jinfer.spec.eagle import accepted_drafts, head_rows
+
+    rng = np.random.default_rng(0)
+    K, B = 4, 64
+    count = rng.integers(0, K + 2, B).astype(np.int32)  # sampled rows: 0 (mid-prefill) .. 1 + K
+    first = np.concatenate([[0], np.cumsum(count)[:-1]]).astype(np.int32)
+    tokens = rng.integers(0, 3, int(count.sum()) + 8).astype(np.int32)  # 3 ids: drafts often match
+    drafts = np.full((B, K), -1, np.int32)
+    for b in range(B):
+        drafts[b, :max(count[b] - 1, 0)] = rng.integers(0, 3, max(count[b] - 1, 0))
+    forced = np.where(rng.random(B) < 0.3, np.minimum(rng.integers(0, K + 1, B), np.maximum(count - 1, 0)), -1)
+    kept = np.asarray(accepted_drafts(tokens, first, count, drafts, forced.astype(np.int32)))
+    for b in range(B):
+        if count[b] and forced[b] < 0:
+            n = count[b] - 1
+            assert kept[b] == len(accept_draft_tokens(drafts[b, :n], tokens[first[b]:first[b] + n + 1])) - 1, b
+        elif forced[b] >= 0:
+            assert kept[b] == forced[b]
+    # rows: two host rows (a prompt's) before each sequence's sampled ones
+    lens = count + 2
+    qs = np.concatenate([[0], np.cumsum(lens)]).astype(np.int32)
+    T = int(qs[-1]) + 3
+    at = (qs[:-1] + 2).astype(np.int32)
+    host_ids = rng.integers(100, 200, T).astype(np.int32)
+    slots = np.arange(T, dtype=np.int32)
+    slots[qs[-1]:] = -1  # padding
+    batch = Batch(host_ids, np.zeros(T, np.int32), slots, qs, lens.astype(np.int32), np.zeros((B, 1), np.int32), at)
+    got = head_rows(batch, tokens, first, count, kept)
+    ids, out_slots, last = map(np.asarray, (got.input_ids, got.slot_mapping, got.logits_indices))
+    for b in range(B):
+        lo = qs[b]
+        assert (ids[lo:lo + 2] == host_ids[lo:lo + 2]).all() and (out_slots[lo:lo + 2] == slots[lo:lo + 2]).all()
+        c = count[b]
+        assert (ids[lo + 2:lo + 2 + c] == tokens[first[b]:first[b] + c]).all()
+        valid = kept[b] + 1 if c else 0
+        assert (out_slots[lo + 2:lo + 2 + valid] == slots[lo + 2:lo + 2 + valid]).all()
+        assert (out_slots[lo + 2 + valid:lo + 2 + c] == -1).all()
+        assert last[b] == (lo + 2 + kept[b] if c else lo + 1)
+    assert (out_slots[qs[-1]:] == -1).all()
