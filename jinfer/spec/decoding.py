@@ -60,8 +60,8 @@ class SpecDecoding:
         # tokens, or one recomputing after preemption; its drafts follow those tokens, dropped where they do not fit)
         ready = [r for r in running if not r.pending_token_ids and (r.num_computed_tokens == r.num_tokens - 1
                                                                    or (r.state_slot and r.num_output_tokens))]
-        if not ready:
-            return
+        # (called with none ready too: a model drafter reads its head's outputs back and lets go of them before the
+        # next step is launched, whose buffers then land where the last step's did)
         for r, draft in zip(ready, self.proposer.propose(ready), strict=True):
             if not draft:
                 continue

@@ -18,7 +18,9 @@ drafts back together, one round trip a step. On the device:
   chain writes the head's KV up to that row's position + k - 1: those pages are allocated at the launch
   (`allocate_slots` for k - 1 more tokens; the next step needs them for its verification row anyway); where the
   pool is short, the chain's write into a page-table entry not allocated (the reserved page 0) is dropped.
-`propose` reads the drafts [B, k] and the kept counts back; a request's drafts are handed over where the host's
+`propose` reads the drafts [B, k] and the kept counts back (and drops the device arrays: alive during the next
+step's launch, small arrays like these can sit where its temp buffer was and move it, and a moved temp re-records the
+whole command buffer: docs/ARCHITECTURE.md); a request's drafts are handed over where the host's
 verification kept as many (its token count says so), cut to the room left in the context (the scheduler's
 `_fit_drafts` drops what does not fit the budget or max_tokens). A Qwen3.5 sequence rolled back over a rejected
 draft gets its drafts too: its recompute row verifies them.
@@ -113,8 +115,9 @@ class Eagle3Proposer:
         the one the chain started from (none for a request that moved on since)."""
         if self._launched is None:
             return [[] for _ in requests]
-        if self._read is None:
+        if self._read is None:  # (the device arrays are let go of once read: module doc)
             self._read = tuple(np.asarray(a) for a in self._launched[0])
+            self._launched = None, self._launched[1]
         (drafts, accepted), rows = self._read, self._launched[1]
         out = []
         for r in requests:
