@@ -20,7 +20,7 @@ import re
 ALLOC = re.compile(r"Allocated (\d+) at (0x[0-9a-f]+)")
 FREE = re.compile(r"Freed ptr: (0x[0-9a-f]+)")
 UPDATE = re.compile(r"Update command buffer .*num_commands=(\d+); updated_allocs=(\d+)")
-MARK = re.compile(r"== (step|forward|sample)\s*$")  # host_profile with JINFER_STEP_MARK=1: before each step and call
+MARK = re.compile(r"== (step|forward|sample|head)\s*$")  # host_profile's JINFER_STEP_MARK=1 lines
 
 
 def size_str(n: int) -> str:
@@ -32,7 +32,7 @@ def size_str(n: int) -> str:
 
 def parse(lines):
     """Events in order: ("A", size, addr), ("F", addr), ("U", commands, allocs), ("X",) (an engine step begins),
-    ("M", "forward" | "sample") (the runner calls a forward / sampler executable)."""
+    ("M", "forward" | "sample" | "head") (the runner calls a forward / sampler executable, a model drafter its head)."""
     for line in lines:
         if m := ALLOC.search(line):
             yield "A", int(m[1]), int(m[2], 16)

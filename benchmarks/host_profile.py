@@ -36,10 +36,15 @@ from jinfer.sampling_params import SamplingParams
 MARK = os.environ.get("JINFER_STEP_MARK") == "1"
 
 
-def mark_calls(runner) -> None:
-    """JINFER_STEP_MARK=1 (benchmarks/cb_alloc_trace.py): a line on stderr before each forward and sampler call (and
-    each engine step, `run`), in order with XLA's own log lines."""
+def mark_calls(runner, proposer=None) -> None:
+    """JINFER_STEP_MARK=1 (benchmarks/cb_alloc_trace.py): a line on stderr before each forward and sampler call, a
+    model drafter's head (`proposer`'s jitted step) and each engine step (`run`), in order with XLA's own log lines."""
     call_forward, sampler_executable = runner._call_forward, runner.sampler_executable
+    if (head := getattr(proposer, "_head", None)) is not None:
+        def call_head(*a, **kw):
+            os.write(2, b"== head\n")
+            return head(*a, **kw)
+        proposer._head = call_head
 
     def forward(*args, **kwargs):
         os.write(2, b"== forward\n")
@@ -113,7 +118,7 @@ def main():
     if args.node_rank > 0:
         raise SystemExit(core.group.serve(core.runner))
     if MARK:
-        mark_calls(core.runner)
+        mark_calls(core.runner, core.spec.proposer if core.spec is not None else None)
     drafts.apply(core)
     rng = np.random.default_rng(0)
     make = lambda: [rng.integers(0, min(core.model_config.vocab_size, 256), args.input_len).tolist()  # noqa: E731

@@ -16,12 +16,14 @@
 #              allocations and commands, and in how many us; $OUT/command_buffer_updates_<shape>_b<batch>_<variant>.txt
 #   alloctrace for every variant and shape: a batch-$CB_BATCH decode of 48 tokens with the CUDA pool's allocations and
 #              frees and the command-buffer updates logged: which allocation sits where the last step's temp buffer was
-#              (benchmarks/cb_alloc_trace.py); $OUT/cb_alloc_trace_<shape>_b<batch>_<variant>.txt
+#              (benchmarks/cb_alloc_trace.py; allocations under CB_MIN_SIZE bytes, default 64 KiB, only counted);
+#              $OUT/cb_alloc_trace_<shape>_b<batch>_<variant>.txt
 #   hostprof   for every variant and shape: a batch-$CB_BATCH decode's host events per step (host_profile --profile, then
 #              trace_summary: the execution, command buffer update and cuGraphLaunch) and the GPU's busy time;
 #              $OUT/host_trace_<shape>_b<batch>_<variant>.txt
 # SPEC=K:P (cbupdates, alloctrace, hostprof): speculative decoding with the replay drafter, K drafts accepted each with
-# probability P (host_profile --replay-acceptance); their files get the suffix _spec.
+# probability P (host_profile --replay-acceptance); their files get the suffix _spec. SPEC_METHOD=mtp (or eagle3 with
+# SPEC_MODEL=DIR): that method's head drafting, its verifications' outcomes forced at P (suffix _spec_<method>).
 #   ROUNDS=3 SHAPES="qwen3-8b-fp8 qwen3-8b" bash benchmarks/run_gpu_alloc.sh
 set -uo pipefail
 source benchmarks/gpu_env.sh
@@ -34,8 +36,9 @@ CB_VMODULE=${CB_VMODULE:-command_buffer_thunk=3,command_executor=1}
 mkdir -p /tmp/allocab
 HP=(); SFX=""
 if [[ -n ${SPEC:-} ]]; then
-  HP=(--speculative-config "{\"method\": \"ngram\", \"num_speculative_tokens\": ${SPEC%%:*}}" --replay-acceptance "${SPEC#*:}")
-  SFX=_spec
+  M=${SPEC_METHOD:-ngram}; MODEL=${SPEC_MODEL:+, \"model\": \"$SPEC_MODEL\"}
+  HP=(--speculative-config "{\"method\": \"$M\", \"num_speculative_tokens\": ${SPEC%%:*}$MODEL}" --replay-acceptance "${SPEC#*:}")
+  SFX=_spec${SPEC_METHOD:+_$SPEC_METHOD}
 fi
 variant_env() {
   case $1 in
@@ -66,7 +69,8 @@ if [[ $PARTS == *alloctrace* ]]; then
       env $(variant_env "$v") TF_CPP_VMODULE=command_buffer_thunk=3,gpu_cudamallocasync_allocator=10 \
         TF_CPP_MIN_LOG_LEVEL=0 JINFER_STEP_MARK=1 timeout "$TIMEOUT" python3 -m benchmarks.host_profile --shape "$s" \
         --batch-size "$CB_BATCH" --output-len 48 --runs 1 --top 3 "${HP[@]}" > "$t" 2>&1
-      { grep -E "^median" "$t"; python3 -m benchmarks.cb_alloc_trace "$t" --steps 60; } > "$OUT/$f.txt" 2>&1
+      { grep -E "^median" "$t"; python3 -m benchmarks.cb_alloc_trace "$t" --steps 60 --min-size "${CB_MIN_SIZE:-65536}"; } \
+        > "$OUT/$f.txt" 2>&1
       grep -E "Allocated|Freed ptr|command buffer|== " "$t" | gzip > "$OUT/$f.log.gz"  # (the raw events, for a re-read)
       echo "== $s $v"; head -12 "$OUT/$f.txt"
     done
