@@ -170,13 +170,12 @@ class EngineCore:
                       if s.needs_sample and self._seqs[s.request_id].needs_tokens]
             idle = self._inflight is None and self._read_at is not None
             if not guided:
-                launched = self.runner.launch(out, rows, num_logprobs, self._inflight, prompt_logprobs)
+                launched = self.runner.launch(out, rows, num_logprobs, self._inflight, prompt_logprobs,
+                                              prepare=self.spec and self.spec.prepare)
             else:
                 launched, outputs = self._launch_guided(out, rows, num_logprobs, guided, outputs, prompt_logprobs)
             if idle:
                 self.serial_host_seconds_total += self.runner.forward_at - self._read_at
-            if self.spec is not None:  # a model drafter's device step (EAGLE-3: the head over this step's rows)
-                self.spec.after_launch(launched)
         if read is not None:
             outputs += self._emit(*read)
         if self._inflight is not None:
@@ -222,7 +221,7 @@ class EngineCore:
             return self._grammar_masks(out, guided)
 
         return self.runner.launch(out, rows, num_logprobs, prev, prompt_logprobs, token_mask=masks,
-                                  pending_outputs=False), outputs
+                                  pending_outputs=False, prepare=self.spec and self.spec.prepare), outputs
 
     def _grammar_masks(self, out, guided: list[int]):
         """One mask per logits row (a sequence verifying drafts has 1 + drafts rows); padded rows allow everything."""

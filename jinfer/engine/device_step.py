@@ -25,8 +25,9 @@ def forward_step(weights, buf, kv_cache, prev_tokens, logits_out, *table, dims, 
     """Unpack the batch (dims = (T, B, P, L)) and run the model's forward on the mesh (`parallel.mesh_forward`;
     `specs`: the weights' and the cache's PartitionSpecs): (logits [L, V], the cache), and with `aux_layers` (an
     EAGLE-3 head's) the hidden states at those boundaries [T, n*H] too. `logits_out` (donated, unread): the
-    previous logits of this shape, whose buffer the logits are written to, so that every output of a step stays at
-    the same address from step to step (runner.py: stable step buffers). `table`: the one-shot all-reduce's
+    previous logits of this shape (and with `aux_layers` the previous hidden states), whose buffers the outputs are
+    written to, so that every output of a step stays at the same address from step to step (runner.py: stable step
+    buffers). `table`: the one-shot all-reduce's
     workspace table, where the runner uses that kernel (`all_reduce_table`). `expert_load` (`--expert-load-stats`):
     the MoE layers' expert counts i32[MoE layers, E] come last (`base.decoder_forward`). `weights_tree`: `weights`
     come as their flat leaves, this the tree's structure (the runner flattens them once, not at every step's call:

@@ -242,19 +242,26 @@ class StepExecutables(IdleUnloading):
         jitted = self._forward[decode][T > COMMAND_BUFFER_MAX_TOKENS]
         dims = (T, B, P, R + T if prompt_logits else R)
         buf = jax.ShapeDtypeStruct((sum(batch_sizes(*dims)),), jnp.int32, sharding=self._replicated)
-        logits = jax.ShapeDtypeStruct(self.logits_out_shape(dims[3], T), jnp.float32, sharding=self._replicated)
-        compiled = self._add_executable(key, jitted, (self.weight_leaves, buf, self.kv_cache, self._prev_spec, logits,
+        outs = tuple(jax.ShapeDtypeStruct(shape, dtype, sharding=self._replicated)
+                     for shape, dtype in self.outputs_kept(dims[3], T))
+        compiled = self._add_executable(key, jitted, (self.weight_leaves, buf, self.kv_cache, self._prev_spec, outs,
                                                       *self._all_reduce_table), background,
                                         dims=dims)
         if T <= COMMAND_BUFFER_MAX_TOKENS:
             self._warm_stage(buf.shape[0])
         return compiled
 
-    def logits_out_shape(self, rows: int, T: int) -> tuple[int, ...]:
-        """The forward's `logits_out`: for a small step (T tokens, one command buffer), the previous logits of its
-        `rows` rows, donated (runner.py: stable step buffers); for a large step (no command buffer: kept buffers
-        would buy nothing and hold up to [T + B, V] floats) or an embedding model (pooled rows), a placeholder."""
-        return (rows, self.cfg.vocab_size) if self.keeps_logits(T) else (1,)
+    def outputs_kept(self, rows: int, T: int) -> tuple[tuple[tuple[int, ...], object], ...]:
+        """The (shape, dtype) of the forward's `logits_out` buffers: for a small step (T tokens, one command buffer),
+        the previous logits of its `rows` rows, and with `aux_layers` the previous hidden states [T, n*H], donated
+        (runner.py: stable step buffers); for a large step (no command buffer: kept buffers would buy nothing and
+        hold up to [T + B, V] floats) or an embedding model (pooled rows), placeholders."""
+        keep = self.keeps_logits(T)
+        outs = (((rows, self.cfg.vocab_size) if keep else (1,), jnp.float32),)
+        if self.aux_layers:
+            hidden = (T, len(self.aux_layers) * self.cfg.hidden_size)
+            outs += ((hidden, self.weights.embed.dtype) if keep else ((1,), jnp.float32),)
+        return outs
 
     def keeps_logits(self, T: int) -> bool:
         return T <= COMMAND_BUFFER_MAX_TOKENS and not self.cfg.pooling
@@ -274,10 +281,12 @@ class StepExecutables(IdleUnloading):
             return hit
         logits = jax.ShapeDtypeStruct((R, self.cfg.vocab_size), jnp.float32, sharding=self._replicated)
         G = mask_words(self.cfg.vocab_size) if flags.grammar else 0
-        buf = jax.ShapeDtypeStruct((sampling_size(R, M, W, K, G),), jnp.int32)
+        buf = jax.ShapeDtypeStruct((sampling_size(R, M, W, K, G),), jnp.int32, sharding=self._replicated)
         packed = jax.ShapeDtypeStruct(packed_shape(R, num_logprobs), jnp.int32, sharding=self._replicated)
-        return self._add_executable(key, self._sample, (logits, buf, self._prev_spec, packed), background,
-                                    dims=(R, M, W, K), num_logprobs=num_logprobs, flags=flags)
+        compiled = self._add_executable(key, self._sample, (logits, buf, self._prev_spec, packed), background,
+                                        dims=(R, M, W, K), num_logprobs=num_logprobs, flags=flags)
+        self._warm_stage(buf.shape[0], sampling=True)  # (steps with none in flight stage their inputs: runner.py)
+        return compiled
 
     def fork_executable(self, N: int) -> jax.stages.Compiled:
         key = ("fork", N)

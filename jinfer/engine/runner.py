@@ -131,12 +131,14 @@ class ModelRunner(StepExecutables):
         # into the buffer of the previous logits of their shape (donated), and the packed inputs are copied into a
         # staging buffer per size (`_stage`, donated) before the forward reads them.
         self._logits_out: dict[int, jax.Array] = {}
+        self._aux_out: dict[int, jax.Array] = {}  # (the hidden states of `aux_layers` by T, as the logits by rows)
         # The sampler's packed samples are written into a donated buffer of their shape, one a fetched step gave back
         # (`fetch`): a new small array each step, alive until its read-back, had landed where the forward's temp
         # buffer had been, moving the next temp (the CUDA pool) and re-recording the forward's command buffer.
         self._packed_free: dict[tuple[int, int], list[jax.Array]] = {}
         self._placeholder = put(np.zeros(1, np.float32), self._replicated)  # large steps' logits_out (not donated)
         self._staged: dict[int, jax.Array] = {}
+        self._staged_sampling: dict[int, jax.Array] = {}  # (`launch`: steps with none in flight)
         self._stage = jax.jit(lambda dst, src: jax.lax.dynamic_update_slice(dst, src, (0,)), donate_argnums=0,
                               out_shardings=self._replicated)
         # Compiled executables per shape, loaded from / stored to disk when `executable_dir` is set: a
@@ -220,7 +222,7 @@ class ModelRunner(StepExecutables):
     def launch(self, out: SchedulerOutput, rows: list[StepRow | None], num_logprobs: int,
                prev: Launched | None = None, prompt_logprobs: tuple[int, list[bool]] | None = None,
                token_mask: np.ndarray | Callable[[], np.ndarray] | None = None,
-               pending_outputs: bool = True) -> Launched:
+               pending_outputs: bool = True, prepare: Callable | None = None) -> Launched:
         """Dispatch the step (forward + sampler) and return without waiting for the device.
 
         `rows`: each scheduled sequence's sampling inputs (None: it samples nothing). `prev`: the step launched
@@ -230,7 +232,15 @@ class ModelRunner(StepExecutables):
         (`batch_builder.sampling_tensors`), or a function returning them that is called once the forward is
         dispatched (one process; a group calls it first), so the host computes them (and may read `prev` back)
         while the device runs the forward. `pending_outputs` False: the rows' output ids hold `prev`'s tokens by
-        the time the sampler's inputs are built (no device-side markers for penalties)."""
+        the time the sampler's inputs are built (no device-side markers for penalties). `prepare(out, built)`: called
+        once the batch is built, before anything of the step is dispatched; what it returns, if not None, is called
+        with the `Launched` step (a model drafter stages its head's inputs, then launches its head behind the step:
+        jinfer/spec/eagle.py).
+
+        The sampler's inputs are staged as the batch (`stage`), and with no step in flight (speculative decoding's
+        steps, a first step) before the forward: uploaded after it, they stayed alive until the sampler ran and were
+        freed late, where the next step's first inputs could not take their place, and the next forward's temp buffer
+        moved every other step (its command buffer re-recorded: ~1.7 ms a Qwen3-8B verify step)."""
         # One process: the forward goes first, and the host builds the sampler's inputs while the device runs it
         # (a lone step's first token waited for both: 0.3-0.5 ms at batch 1). A group sends whole steps.
         group = self.on_launch is not None
@@ -239,6 +249,7 @@ class ModelRunner(StepExecutables):
         if prev is None and any(s.input_from_device for s in out.scheduled):
             raise ValueError("decodes of pending tokens need the previous step")
         built = self.build_batch(out, prev)
+        then = prepare(out, built) if prepare is not None else None
         batch = built.batch
         T, B, P, R = batch.num_tokens, batch.num_seqs, batch.page_table.shape[1], built.R
         # The forward's kind: decode-only steps take the paged decode kernel, and so do verify steps (every sequence at
@@ -256,6 +267,10 @@ class ModelRunner(StepExecutables):
         packed_batch = built.packed  # (small steps come packed; prompt logprobs' rows change the batch)
         if packed_batch is None or prompt_rows:
             packed_batch = pack_batch(batch, built.prev_index)
+        sampling = staged = None
+        if prev is None and not group and not callable(token_mask) and not self.cfg.pooling:
+            sampling = self.sampling.build(rows, out, built.counts, R, token_mask, None)
+            staged = self.stage(self._staged_sampling, sampling.buffer)
         self.forward_at = time.perf_counter()
         forward = None if group else self.run_forward(T, B, P, decode, packed_batch, plp_k, plp_targets, R)
         if self.cfg.pooling:  # an embedding model: the forward's rows are the pooled vectors, nothing is sampled
@@ -263,33 +278,40 @@ class ModelRunner(StepExecutables):
                 if a is not None:
                     a.copy_to_host_async()
             return Launched(out, forward[0], self._last_tokens, built.rows, batch=batch, expert_load=self._load)
-        if callable(token_mask):
-            token_mask = token_mask()
-        sampling = self.sampling.build(rows, out, built.counts, R, token_mask,
-                                       prev.row_of if pending_outputs and prev is not None else None)
+        if sampling is None:
+            if callable(token_mask):
+                token_mask = token_mask()
+            sampling = self.sampling.build(rows, out, built.counts, R, token_mask,
+                                           prev.row_of if pending_outputs and prev is not None else None)
         step = StepInputs(T, B, P, decode, sampling.M, sampling.W, num_logprobs, sampling.flags, packed_batch,
                           sampling.buffer, K=sampling.K, plp_k=plp_k, plp_targets=plp_targets, R=R)
         if group:  # the other processes of a multi-process group launch it too
             self.on_launch(step)
-        packed, tokens, prompt_packed = self.run_step(step, forward)
+        packed, tokens, prompt_packed = self.run_step(step, forward, staged)
         packed.copy_to_host_async()
         for extra in (prompt_packed, self._load):
             if extra is not None:
                 extra.copy_to_host_async()
-        return Launched(out, packed, tokens, built.rows, prompt_packed, prompt_rows, batch, self._aux, self._load)
+        launched = Launched(out, packed, tokens, built.rows, prompt_packed, prompt_rows, batch, self._aux, self._load)
+        if then is not None:
+            then(launched)
+        return launched
 
-    def run_step(self, step: StepInputs, forward: tuple[jax.Array, jax.Array | None] | None = None
-                 ) -> tuple[jax.Array, jax.Array, jax.Array | None]:
+    def run_step(self, step: StepInputs, forward: tuple[jax.Array, jax.Array | None] | None = None,
+                 sampling: jax.Array | None = None) -> tuple[jax.Array, jax.Array, jax.Array | None]:
         """Launch one step's executables on its packed inputs: (packed samples, sampled ids, packed prompt
         logprobs or None). The decodes of pending tokens read the latest sampler output, the step launched
-        just before this one. `forward`: what `run_forward` returned for this step, if it was launched already."""
+        just before this one. `forward`: what `run_forward` returned for this step, if it was launched already;
+        `sampling`: the step's sampling inputs staged on the devices already (`launch`)."""
         if forward is None:
             forward = self.run_forward(step.T, step.B, step.P, step.decode, step.batch, step.plp_k, step.plp_targets,
                                        step.R)
         logits, prompt_packed = forward
         sample = self.sampler_executable(step.R, step.M, step.W, step.num_logprobs, SamplerFlags(*step.flags),
                                          step.K)
-        packed, tokens = sample(logits, self._put(step.sampling), self._last_tokens,
+        if sampling is None:  # (staged as the batch: the sampler's inputs keep their address)
+            sampling = self.stage(self._staged_sampling, step.sampling)
+        packed, tokens = sample(logits, sampling, self._last_tokens,
                                 self._packed_out(step.R, step.num_logprobs))
         self._last_tokens = tokens
         return packed, tokens, prompt_packed
@@ -309,36 +331,46 @@ class ModelRunner(StepExecutables):
             logits, prompt_packed = split(logits, self._put(plp_targets))
         return logits, prompt_packed
 
-    def _warm_stage(self, size: int) -> None:
-        """The staging copy of a small step's packed batch of this size, compiled (with the forward, maybe in a
-        warm-up thread: it never takes a staging buffer out of the table, which a step may be about to read)."""
-        if size not in self._staged:
+    def _warm_stage(self, size: int, sampling: bool = False) -> None:
+        """The staging copy of a small step's packed batch (the sampler's inputs) of this size, compiled (with the
+        forward or the sampler, maybe in a warm-up thread: it never takes a staging buffer out of the table, which a
+        step may be about to read)."""
+        table = self._staged_sampling if sampling else self._staged
+        if size not in table:
             zeros = np.zeros(size, np.int32)
-            self._staged.setdefault(size, self._stage(put(zeros, self._replicated), self._put(zeros)))
+            table.setdefault(size, self._stage(put(zeros, self._replicated), self._put(zeros)))
 
     def _forward_input(self, batch: np.ndarray, T: int):
         """A step's packed batch as its forward takes it: for a small step (T tokens, one command buffer), in this
-        size's staging buffer on the devices (its address never changes); else as it is (`_put`)."""
+        size's staging buffer on the devices (`stage`); else as it is (`_put`)."""
         if T > COMMAND_BUFFER_MAX_TOKENS:
             return self._put(batch)
-        dst = self._staged.pop(batch.size, None)
+        return self.stage(self._staged, batch)
+
+    def stage(self, table: dict[int, jax.Array], buf: np.ndarray) -> jax.Array:
+        """int32 `buf` on the devices, copied into `table`'s staging buffer of its size (donated: its address never
+        changes; the staging's own upload is freed as soon as the copy ran)."""
+        dst = table.pop(buf.size, None)
         if dst is None:
-            dst = put(np.zeros(batch.size, np.int32), self._replicated)
-        self._staged[batch.size] = staged = self._stage(dst, self._put(batch))
+            dst = put(np.zeros(buf.size, np.int32), self._replicated)
+        table[buf.size] = staged = self._stage(dst, self._put(buf))
         return staged
 
     def _call_forward(self, forward, buf: jax.Array, rows: int, T: int) -> jax.Array:
         """Run a forward executable of T tokens on a packed batch: the cache is updated, the hidden states kept
         (`aux_layers`); returns the logits ([rows, V]), for a small step written into the previous logits' buffer of
-        their shape (`logits_out_shape`)."""
-        keep = self.keeps_logits(T)
-        out = self._logits_out.pop(rows, None) if keep else self._placeholder
-        if out is None:
-            out = put(np.zeros(self.logits_out_shape(rows, T), np.float32), self._replicated)
-        logits, self.kv_cache, *extra = forward(self.weight_leaves, buf, self.kv_cache, self._last_tokens, out,
+        their shape, the hidden states into the previous ones' (`outputs_kept`)."""
+        keep, specs = self.keeps_logits(T), self.outputs_kept(rows, T)
+        kept = ((self._logits_out.pop(rows, None), self._aux_out.pop(T, None))[:len(specs)] if keep
+                else (self._placeholder,) * len(specs))
+        outs = tuple(put(np.zeros(shape, dtype), self._replicated) if out is None else out
+                     for out, (shape, dtype) in zip(kept, specs))
+        logits, self.kv_cache, *extra = forward(self.weight_leaves, buf, self.kv_cache, self._last_tokens, outs,
                                                 *self._all_reduce_table)
         if keep:
             self._logits_out[rows] = logits
+            if self.aux_layers:
+                self._aux_out[T] = extra[0]
         self._aux = extra[0] if self.aux_layers else None
         self._load = extra[-1] if self.expert_load else None
         return logits
@@ -372,7 +404,7 @@ class ModelRunner(StepExecutables):
     # ---- warm-up ------------------------------------------------------------------------------------------------
 
     def _sampling_buffer(self, B: int) -> jax.Array:
-        return self._put(pack_sampling(sampling_tensors([None] * B, B, self.cfg.vocab_size)))
+        return self.stage(self._staged_sampling, pack_sampling(sampling_tensors([None] * B, B, self.cfg.vocab_size)))
 
     def warmup(self, first_tokens: int | None = None, background: bool = True, compile_turn=None) -> float:
         """Compile (or load) every forward bucket, and the warm sampler variants per sequence bucket.

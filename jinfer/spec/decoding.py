@@ -78,10 +78,12 @@ class SpecDecoding:
             return self._forced(request_id, draft_ids, sampled_ids)
         return accept_draft_tokens(draft_ids, sampled_ids)
 
-    def after_launch(self, launched) -> None:
-        """A step was dispatched: a model drafter launches its device step behind it (spec/eagle.py)."""
-        if (hook := getattr(self.proposer, "after_launch", None)) is not None:
-            hook(launched)
+    def prepare(self, out, built):
+        """A step's batch is built, nothing dispatched yet (`ModelRunner.launch`): a model drafter stages its device
+        step's inputs, and returns what launches that step behind the target's (spec/eagle.py)."""
+        if (hook := getattr(self.proposer, "prepare", None)) is not None:
+            return hook(out, built)
+        return None
 
     def record(self, num_drafts: int, accepted: list[int]) -> int:
         """Count one verification of `num_drafts` drafts that accepted `accepted` tokens (drafts matched + 1); the

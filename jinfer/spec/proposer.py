@@ -22,8 +22,9 @@ class Proposer(Protocol):
         `request.all_token_ids` (prompt + accepted outputs), none in flight."""
         ...
 
-    # Optional: `after_launch(launched)`, called with each step once it is dispatched (a model drafter launches its
-    # device step behind it there: jinfer/spec/eagle.py).
+    # Optional: `prepare(out, built)`, called with each step's built batch before anything of it is dispatched,
+    # returning None or a function the runner calls with the `Launched` step (a model drafter stages its device step's
+    # inputs, then launches that step behind the target's: jinfer/spec/eagle.py).
 
 
 def check_proposer(config: SpeculativeConfig, *, num_state_slots: int) -> None:

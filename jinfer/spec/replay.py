@@ -97,10 +97,12 @@ class ForcedAcceptance:
             self._trials.plan(r.request_id, right)
         return drafts
 
-    def after_launch(self, launched) -> None:
-        """The inner drafter's device step, its verifications kept as planned (not by the exact rule)."""
-        if (hook := getattr(self.inner, "after_launch", None)) is not None:
-            hook(launched, forced=self._trials.planned)
+    def prepare(self, out, built):
+        """The inner drafter's inputs for its device step, its verifications kept as planned (not by the exact
+        rule); what launches that step."""
+        if (hook := getattr(self.inner, "prepare", None)) is not None:
+            return hook(out, built, forced=self._trials.planned)
+        return None
 
     def forced_accept(self, request_id: str, draft_ids: Sequence[int], sampled_ids: Sequence[int]) -> list[int]:
         return self._trials.accept(request_id, draft_ids, sampled_ids)

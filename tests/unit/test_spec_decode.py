@@ -236,20 +236,21 @@ def test_replay_drafter_exact_and_forced():
 
 def test_forced_acceptance_keeps_a_model_drafters_drafts_and_work():
     """ForcedAcceptance (benchmarks: a model head's drafts, outcomes forced): the inner drafter's drafts unchanged, its
-    after_launch hook called with the planned outcomes, and the verifications' kept tokens planned as the forced replay
-    drafter's."""
+    prepare hook called with the planned outcomes (what it returns handed back), and the verifications' kept tokens
+    planned as the forced replay drafter's."""
     ns = types.SimpleNamespace
     hooks = []
     inner = ns(k=2, propose=lambda reqs: [[7, 8] for _ in reqs],
-               after_launch=lambda launched, forced: hooks.append((launched, dict(forced))))
+               prepare=lambda out, built, forced: hooks.append((out, built, dict(forced))) or hooks.append)
     p = ForcedAcceptance(inner, acceptance=0.5, seed=3)
     reqs = [ns(request_id=str(i)) for i in range(2000)]
     assert p.propose(reqs) == [[7, 8]] * 2000 and p.k == 2 and p.forced
-    p.after_launch("launched")
-    planned = hooks[0][1]
+    p.prepare("out", "built")("launched")
+    planned = hooks[0][2]
     kept = [len(p.forced_accept(str(i), [7, 8], [1, 2, 3])) for i in range(2000)]
     assert abs(np.mean(kept) - (1 + 0.5 + 0.25)) < 0.06
-    assert hooks[0][0] == "launched" and [planned[str(i)] + 1 for i in range(2000)] == kept
+    assert hooks[0][:2] == ("out", "built") and hooks[1] == "launched"
+    assert [planned[str(i)] + 1 for i in range(2000)] == kept
     assert ForcedAcceptance(ns(k=1, propose=lambda reqs: [[5]]), 1.0).propose([ns(request_id="a")]) == [[5]]
 
 

@@ -197,9 +197,9 @@ def test_verify_steps_take_the_paged_decode_kernel(plain):
     assert kinds.count(4) >= 5 and 0 in kinds  # (prefills: the ragged kernel)
     P = runner.page_buckets[-1]
     buf = jax.ShapeDtypeStruct((sum(batch_sizes(8, 4, P, 8)),), jnp.int32)
-    logits = jax.ShapeDtypeStruct(runner.logits_out_shape(8, 8), jnp.float32)
+    outs = tuple(jax.ShapeDtypeStruct(shape, dtype) for shape, dtype in runner.outputs_kept(8, 8))
     jaxpr = str(jax.make_jaxpr(runner.forward_executable(8, 4, P, 4))(runner.weight_leaves, buf, runner.kv_cache,
-                                                                       runner._prev_spec, logits))
+                                                                       runner._prev_spec, outs))
     assert "paged_decode_attention_ppb" in jaxpr and "_q4" in jaxpr and "ragged_prefill_attention" not in jaxpr
 
 
