@@ -4,7 +4,8 @@
 #   BASE=.base ROUNDS=3 bash benchmarks/run_gpu_ab.sh qwen3-4b qwen3-30b-a3b
 # BASE is the other tree (e.g. `git archive <commit> | tar -x -C .base`, carried to the device as an ignored path);
 # the current tree is "new". Writes $OUT/ab_<shape>.json (every process's rows, per tree) via benchmarks/ab_summary.py,
-# and every process's whole log in $OUT/ab_<shape>_logs.txt.
+# and every process's whole log in $OUT/ab_<shape>_logs.txt. SPEC=JSON (with REPLAY=P): bench_latency with that
+# --speculative-config (and --replay-acceptance P).
 set -uo pipefail
 source benchmarks/gpu_env.sh
 BASE=${BASE:?set BASE to the other tree}
@@ -15,6 +16,7 @@ LOCAL_TIMEOUT=${LOCAL_TIMEOUT:-300}  # seconds per process
 LATENCY_TIMEOUT=${LATENCY_TIMEOUT:-400}
 BENCHES=${BENCHES:-local latency}  # which of the two to run
 NEW=$PWD
+SPEC_ARGS=(); [[ -z ${SPEC:-} ]] || SPEC_ARGS=(--speculative-config "$SPEC" ${REPLAY:+--replay-acceptance "$REPLAY"})
 mkdir -p /tmp/ab /tmp/ab_logs
 for shape in "$@"; do
   for r in $(seq "$ROUNDS"); do
@@ -25,7 +27,7 @@ for shape in "$@"; do
           --table-pages 128 --runs 3 --out "/tmp/ab/${side}_local_${shape}_$r.json" > "/tmp/ab_logs/${side}_local_${shape}_$r.log" 2>&1 ;
         grep -E "^\{|Error" "/tmp/ab_logs/${side}_local_${shape}_$r.log" ; }
         [[ " $BENCHES " != *" latency "* ]] || { timeout "$LATENCY_TIMEOUT" python3 -m benchmarks.bench_latency --shape "$shape" --batch-sizes $BATCHES --input-len 1024 \
-          --output-len "$OUTPUT_LEN" --repeat 1 --out "/tmp/ab/${side}_latency_${shape}_$r.json" \
+          --output-len "$OUTPUT_LEN" --repeat 1 "${SPEC_ARGS[@]}" --out "/tmp/ab/${side}_latency_${shape}_$r.json" \
           > "/tmp/ab_logs/${side}_latency_${shape}_$r.log" 2>&1 ;
         grep -E "^batch|Error" "/tmp/ab_logs/${side}_latency_${shape}_$r.log" ; } ) | sed "s/^/[$shape $side $r] /"
     done

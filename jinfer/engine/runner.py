@@ -35,7 +35,7 @@ from jinfer.config.model import ModelConfig
 from jinfer.engine.batch_builder import BuiltBatch, StepRow, build_batch, prompt_positions, sampling_tensors
 from jinfer.engine.device_step import FORK_CHUNK
 from jinfer.engine.executable_cache import ExecutableCache
-from jinfer.engine.executables import COMMAND_BUFFER_MAX_TOKENS, StepExecutables, pick
+from jinfer.engine.executables import COMMAND_BUFFER_MAX_TOKENS, NO_COMMAND_BUFFER, StepExecutables, pick
 from jinfer.engine.idle_unload import trim_host_heap
 from jinfer.engine.sampling_inputs import SamplingInputs
 from jinfer.engine.sampling_tensors import SamplerFlags
@@ -139,8 +139,9 @@ class ModelRunner(StepExecutables):
         self._placeholder = put(np.zeros(1, np.float32), self._replicated)  # large steps' logits_out (not donated)
         self._staged: dict[int, jax.Array] = {}
         self._staged_sampling: dict[int, jax.Array] = {}  # (`launch`: steps with none in flight)
+        # (no command buffer: its upload moves every call, and re-recording one took ~0.35 ms of host a call)
         self._stage = jax.jit(lambda dst, src: jax.lax.dynamic_update_slice(dst, src, (0,)), donate_argnums=0,
-                              out_shardings=self._replicated)
+                              out_shardings=self._replicated, compiler_options=NO_COMMAND_BUFFER)
         # Compiled executables per shape, loaded from / stored to disk when `executable_dir` is set: a
         # warm start then neither traces nor lowers (see executable_cache.py).
         self.executables = ExecutableCache(executable_dir, namespace=repr(
