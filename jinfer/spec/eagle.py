@@ -8,8 +8,9 @@ one attention layer (`head_page_bytes`: its K and V, replicated over a mesh), ke
 hidden states at the head's `aux_layers` (`Launched.aux`, kept on the device).
 
 The head is launched with each step, right after the target's forward and sampler (`after_launch`, one jitted call
-on the step's own shapes, its inputs the step's device arrays): the engine reads the step's tokens and the head's
-drafts back together, one round trip a step. On the device:
+on the step's own shapes, on the step's device arrays and one int32 upload of the host's part, built while the
+device runs the step): the engine reads the step's tokens and the head's drafts back together, one round trip a
+step. On the device:
 - which drafts each verification keeps (`accepted_drafts`: the samples equal to the drafts, the host's exact rule);
 - the head's first pass over *every* row of the step (prefill chunks too, so a preempted and recomputed sequence's
   head KV is rewritten): row at position q takes the token at q + 1 (a prompt token mid-prefill, a sampled id at a
@@ -102,7 +103,6 @@ class Eagle3Proposer:
         ops = runner.ops if runner.mesh.size == 1 else REFERENCE_OPS  # (replicated: no sharded kernels)
         self._head = jax.jit(functools.partial(head_step, chain=self.chain, cfg=cfg, num_steps=k, ops=ops),
                              donate_argnames=("kv",), static_argnames=("dims",))
-        self.runner, self._staged, self._inputs = runner, {}, None  # (`prepare`: the head's staged inputs)
         # the last launch's (drafts [B, k], accepted [B]) on the device, its sequences' request id -> (row, position of
         # the first sampled row), and the host copies once read
         self._launched: tuple[tuple[jax.Array, jax.Array], dict[str, tuple[int, int]]] | None = None
@@ -129,20 +129,26 @@ class Eagle3Proposer:
         return out
 
     def prepare(self, out, built, forced: dict[str, int] | None = None):
-        """A step's batch is built (`out` its scheduler output, `built` its `BuiltBatch`), nothing of it dispatched
-        yet: stage the head's inputs on the device now (one int32 buffer, `head_inputs`), so they stay put and never
-        sit where the forward's temp buffer goes (module doc), and allocate the chain's pages. `forced` (benchmarks:
-        `ForcedAcceptance`): request id -> the drafts its verification keeps, instead of the exact rule. Returns
-        `after_launch` (None where the head has nothing to do)."""
-        self._launched, self._read, self._inputs = None, None, None
-        batch, scheduled = built.batch, out.scheduled
-        T, B, K = batch.input_ids.shape[0], batch.seq_lens.shape[0], max(self.k, 1)
-        ids, slots = np.zeros(T, np.int32), batch.slot_mapping.astype(np.int32)  # (a copy)
+        """A step's batch is built, nothing of it dispatched yet (`ModelRunner.launch`): returns what launches the head
+        behind it (`after_launch`). `forced` (benchmarks: `ForcedAcceptance`): request id -> the drafts its
+        verification keeps, instead of the exact rule."""
+        self._launched, self._read = None, None
+        return functools.partial(self.after_launch, forced=forced)
+
+    def after_launch(self, launched, forced: dict[str, int] | None = None) -> None:
+        """Launch the head behind a step just dispatched (`Launched`: its scheduler output, padded batch, hidden states
+        and sampled ids, all still on the device), its inputs built while the device runs the step and uploaded as
+        one int32 buffer (`head_inputs`); the next `propose` reads its drafts."""
+        built, scheduled = launched.batch, launched.out.scheduled
+        if built is None or launched.aux is None or not scheduled:
+            return
+        T, B, K = built.input_ids.shape[0], built.seq_lens.shape[0], max(self.k, 1)
+        ids, slots = np.zeros(T, np.int32), built.slot_mapping.astype(np.int32)  # (a copy)
         at, first, count = np.full(B, T, np.int32), np.zeros(B, np.int32), np.zeros(B, np.int32)
         drafts, force, live = np.full((B, K), -1, np.int32), np.full(B, -1, np.int32), np.zeros(B, np.int32)
         rows, tables = {}, {}
         for b, s in enumerate(scheduled):
-            r, lo, n = s.request, int(batch.query_start[b]), s.num_new_tokens
+            r, lo, n = s.request, int(built.query_start[b]), s.num_new_tokens
             if r.is_finished:  # (aborted since it was scheduled: its rows write nothing)
                 slots[lo:lo + n] = -1
                 continue
@@ -153,45 +159,35 @@ class Eagle3Proposer:
             at[b] = lo + n - m
             if not m:
                 continue
-            first[b], count[b] = built.rows[s.request_id][0], m
+            first[b], count[b] = launched.rows[s.request_id][0], m
             drafts[b, :m - 1] = s.draft_token_ids
             if forced is not None:
                 force[b] = min(forced.get(s.request_id, 0), m - 1)
-            rows[s.request_id] = (b, int(batch.positions[lo + n - m]))
+            rows[s.request_id] = (b, int(built.positions[lo + n - m]))
             live[b] = 1
             ahead = min(self.k - 1, self.max_model_len - r.num_computed_tokens)
             if ahead > 0:  # the chain's KV positions (module doc); where the pool is short, writes are dropped
                 self.kv_manager.allocate_slots(r, ahead)
             tables[b] = r.page_ids
         if not rows and not (slots >= 0).any():
-            return None
-        P = batch.page_table.shape[1]
+            return
+        P = built.page_table.shape[1]
         width = max([P] + [len(p) for p in tables.values()])
         P2 = next((p for p in self.page_buckets if p >= width), width)
         page_table = np.zeros((B, P2), np.int32)
-        page_table[:, :P] = batch.page_table
+        page_table[:, :P] = built.page_table
         for b, pages in tables.items():
             page_table[b, :len(pages)] = pages
-        packed = np.concatenate([ids, slots, batch.positions, batch.query_start, batch.seq_lens, page_table.ravel(),
+        packed = np.concatenate([ids, slots, built.positions, built.query_start, built.seq_lens, page_table.ravel(),
                                  at, live, first, count, drafts.ravel(), force]).astype(np.int32)
-        self._inputs = self.runner.stage(self._staged, packed), (T, B, P2, K), rows
-        return self.after_launch
-
-    def after_launch(self, launched) -> None:
-        """Launch the head behind a step just dispatched (its hidden states and sampled ids still on the device),
-        on the inputs `prepare` staged; the next `propose` reads its drafts."""
-        if self._inputs is None or launched.aux is None:
-            return
-        staged, dims, rows = self._inputs
-        self._inputs = None
-        out, self.kv = self._head(self.weights, self.kv, staged, launched.aux, launched.tokens, dims=dims)
+        out, self.kv = self._head(self.weights, self.kv, packed, launched.aux, launched.tokens, dims=(T, B, P2, K))
         for a in out:
             a.copy_to_host_async()
         self._launched = out, rows
 
 
 def head_inputs(packed: jax.Array, dims: tuple[int, int, int, int]):
-    """`prepare`'s int32 buffer: (the head's Batch, its `logits_indices` each sequence's first sampled row, live,
+    """`after_launch`'s int32 buffer: (the head's Batch, its `logits_indices` each sequence's first sampled row, live,
     first, count, drafts, forced)."""
     T, B, P, K = dims
     sizes = [T, T, T, B + 1, B, B * P, B, B, B, B, B * K, B]
@@ -232,7 +228,7 @@ def head_rows(batch: Batch, tokens: jax.Array, first: jax.Array, count: jax.Arra
 
 def head_step(weights, kv, packed, aux, tokens, *, dims, chain, cfg, num_steps, ops):
     """The head's device step after a verification (one jitted call): acceptance, its rows, the chain, on the inputs
-    `prepare` staged (`head_inputs`). Returns ((drafts [B, num_steps], accepted [B]), kv)."""
+    `after_launch` packed (`head_inputs`). Returns ((drafts [B, num_steps], accepted [B]), kv)."""
     batch, live, first, count, drafts, forced = head_inputs(packed, dims)
     accepted = accepted_drafts(tokens, first, count, drafts, forced)
     out, kv = chain(weights, kv, head_rows(batch, tokens, first, count, accepted), aux, live, cfg=cfg,

@@ -247,19 +247,19 @@ def test_dummy_target_gets_a_random_mtp_layer(setup):
 
 
 def test_speculative_steps_keep_their_buffers(mtp_engine):
-    """Stable step buffers with a head (runner.py, jinfer/spec/eagle.py): the sampler's staged inputs, the forward's
-    logits and hidden states and the head's staged inputs stay at the same device addresses from step to step."""
+    """Stable step buffers with a head (runner.py): the sampler's staged inputs and the forward's logits and hidden
+    states (which the head reads) stay at the same device addresses from step to step."""
     from jinfer.sampling_params import SamplingParams
 
-    runner, proposer = mtp_engine.runner, mtp_engine.spec.proposer
+    runner = mtp_engine.runner
     mtp_engine.add_request("stable", list(range(3, 40)), SamplingParams(temperature=0.0, max_tokens=16,
                                                                         ignore_eos=True))
     addresses = {}
     while mtp_engine.has_unfinished_requests():
         mtp_engine.step()
         for kind, table in (("sampling", runner._staged_sampling), ("logits", runner._logits_out),
-                            ("aux", runner._aux_out), ("head", proposer._staged)):
+                            ("aux", runner._aux_out)):
             for size, a in table.items():
                 addresses.setdefault((kind, size), set()).add(a.unsafe_buffer_pointer())
-    assert {kind for kind, _ in addresses} == {"sampling", "logits", "aux", "head"}
+    assert {kind for kind, _ in addresses} == {"sampling", "logits", "aux"}
     assert all(len(a) == 1 for a in addresses.values()), addresses
