@@ -20,9 +20,11 @@ The device KV cache is `[num_pages, page_size, ...]` per layer; this module only
   taken at admission with its first pages and returned by `free` (finish, abort, preemption: a
   preempted request recomputes its state from position 0). Slot 0 is reserved for padding sequences.
   A state summarises a whole prefix and cannot be rebuilt from pages, so such models run without
-  prefix caching (the engine turns it off). With speculative decoding (`state_backups`) each slot s has a backup
-  slot `backup_slot(s)` past the others: the device pool holds `num_device_state_slots` (jinfer/engine/scheduler.py
-  copies a verifying sequence's state there before its step and back where a draft was rejected).
+  prefix caching (the engine turns it off). With speculative decoding (`state_pairs`) each slot s has a second
+  slot past the others, and a request's state is in either of the pair (`request.state_slot`; `other_slot`): the
+  device pool holds `num_device_state_slots`. A step verifying drafts reads one and writes the other, which becomes
+  the request's where every draft was accepted (jinfer/engine/scheduler.py); the first still holds the state before
+  the step where one was rejected.
 - Host tier (`num_host_pages` > 0, `kv_host_tier.py`): a cached page freed by its last user is written
   back to a host slot (in batches), and one taken from the free queue for reuse first has its content
   offloaded if it is not there yet, and a prefix lookup continues into the host tier
@@ -63,7 +65,7 @@ def hash_page(parent: bytes, token_ids: list[int]) -> bytes:
 
 class KVCacheManager:
     def __init__(self, num_pages: int, page_size: int, enable_prefix_caching: bool = True, num_state_slots: int = 0,
-                 num_host_pages: int = 0, hit_drop_last_page: bool = False, state_backups: bool = False):
+                 num_host_pages: int = 0, hit_drop_last_page: bool = False, state_pairs: bool = False):
         if num_pages < 2:
             raise ValueError(f"num_pages={num_pages} must be >= 2 (page 0 is the reserved null page)")
         if page_size < 1:
@@ -96,7 +98,7 @@ class KVCacheManager:
             raise ValueError("enable_prefix_caching=True needs states checkpointed at page boundaries, which "
                              "models with per-sequence state slots do not have")
         self.num_state_slots = num_state_slots
-        self.state_backups = state_backups and bool(num_state_slots)
+        self.state_pairs = state_pairs and bool(num_state_slots)
         self._free_slots: list[int] = list(range(num_state_slots - 1, 0, -1))  # pop() takes the lowest
 
     # ---- pool state ----------------------------------------------------------------------------
@@ -354,18 +356,20 @@ class KVCacheManager:
                     self.host.write_back(page, self._page_hash[page])
         request.page_ids = []  # a new list: a ScheduledRequest may still hold the old one
         self._num_registered.pop(request.request_id, None)
-        if request.state_slot:
-            self._free_slots.append(request.state_slot)
+        if request.state_slot:  # (the first slot of its pair, whichever holds its state)
+            slot = request.state_slot
+            self._free_slots.append(slot if slot < self.num_state_slots else slot - self.num_state_slots + 1)
             request.state_slot = 0
 
-    def backup_slot(self, slot: int) -> int:
-        """The device slot that holds slot `slot`'s state from before a step verifying drafts (`state_backups`)."""
-        return slot + self.num_state_slots - 1
+    def other_slot(self, slot: int) -> int:
+        """The other device slot of slot `slot`'s pair (`state_pairs`; module doc)."""
+        n = self.num_state_slots - 1
+        return slot + n if slot <= n else slot - n
 
     @property
     def num_device_state_slots(self) -> int:
-        """State slots the device pools hold: the slots, and with `state_backups` a backup of each but slot 0."""
-        return 2 * self.num_state_slots - 1 if self.state_backups else self.num_state_slots
+        """State slots the device pools hold: the slots, and with `state_pairs` a second one of each but slot 0."""
+        return 2 * self.num_state_slots - 1 if self.state_pairs else self.num_state_slots
 
     @property
     def num_free_state_slots(self) -> int:

@@ -243,7 +243,7 @@ def _mesh(config: EngineConfig, model_config: ModelConfig, group):
 
 def build_engine(config: EngineConfig, tokenizer: Tokenizer | None = None, speculative: int = 0) -> EngineParts:
     """Everything an EngineCore needs, built and warmed up (see the module's docstring for the order). `speculative`:
-    the drafts per step of a drafter besides `config.speculative_config`'s (0: none): state slots get backups, verify
+    the drafts per step of a drafter besides `config.speculative_config`'s (0: none): state slots go in pairs, verify
     steps their executables."""
     t0 = time.perf_counter()
     age = _process_age_s()
@@ -306,14 +306,14 @@ def build_engine(config: EngineConfig, tokenizer: Tokenizer | None = None, specu
     # the reserved slot 0. Their state summarises a whole prefix, so prefix-cache hits would need it
     # checkpointed at page boundaries: not built; hits are off for such models.
     num_state_slots = config.max_num_seqs + 1 if state_specs(model_config) else 0
-    # Speculative decoding on such a model: a backup of each slot, the state before a row of drafts (scheduler.py)
-    state_backups = bool(num_state_slots) and (spec is not None or speculative)
+    # Speculative decoding on such a model: slots in pairs, one keeps the state before a row of drafts (scheduler.py)
+    state_pairs = bool(num_state_slots) and (spec is not None or speculative)
     prefix_caching = config.enable_prefix_caching and not num_state_slots
     if config.enable_prefix_caching and not prefix_caching:
         log.info("prefix caching is off: %s keeps a per-sequence state in its linear-attention layers, "
                  "which a cached prefix's pages cannot restore", model_config.architecture)
     num_pages = config.num_pages or _auto_num_pages(
-        config, model_config, dtype, num_state_slots * (2 if state_backups else 1),
+        config, model_config, dtype, num_state_slots * (2 if state_pairs else 1),
         next(d for d in mesh.devices.flat if d.process_index == jax.process_index()),
         head_kind.head_page_bytes(head[0], config.page_size, DTYPES[dtype]) if head else 0)
     if group is not None:  # the same pool (and executables) in every process
@@ -323,7 +323,7 @@ def build_engine(config: EngineConfig, tokenizer: Tokenizer | None = None, specu
                                   (num_pages - 1) * config.page_size, explicit_pages=config.num_pages is not None)
     num_host_pages = _num_host_pages(config, model_config, dtype, prefix_caching)
     kv = KVCacheManager(num_pages, config.page_size, prefix_caching, num_state_slots, num_host_pages,
-                        hit_drop_last_page=head is not None, state_backups=state_backups)
+                        hit_drop_last_page=head is not None, state_pairs=state_pairs)
     scheduler = Scheduler(config.scheduler_config(max_len), kv)
     runner = ModelRunner(model_config, weights, mesh, num_pages=num_pages, page_size=config.page_size,
                          kv_dtype=kv_dtype(config, dtype), dtype=DTYPES[dtype],

@@ -21,10 +21,11 @@ row; `update` takes the accepted tokens (1 to num_logits of them, `request.accep
 `num_computed_tokens` back over the rejected drafts (their KV is overwritten later). Drafts that the budget or the
 length limit leaves no room for are dropped, so a row never verifies only some of them.
 A model with a per-sequence state (linear attention) cannot roll its state back that way: the row advanced it
-through every draft. With `kv.state_backups` the schedule copies each verifying sequence's slot to its backup slot
-ahead of the step (`SchedulerOutput.fork_slots`); where a draft was rejected `update` rolls `num_computed_tokens`
-back to the row's start and the next schedule copies the backup back first, so the next step recomputes the
-accepted tokens from the state before the row (their KV is rewritten with the same values).
+through every draft. With `kv.state_pairs` each request's state is in one slot of a pair, and a verifying row
+reads its slot and writes the other (`ScheduledRequest.write_slot`): where every draft was accepted the other
+slot becomes the request's, and where one was rejected `update` rolls `num_computed_tokens` back to the row's
+start, its slot still holding the state from before the row, so the next step recomputes the accepted tokens from
+there (their KV is rewritten with the same values). Nothing is copied.
 
 Policy (vLLM v1 style, token-count model): each step has a budget of `max_num_batched_tokens`.
 Running requests go first, in admission order: a decode takes 1 token, an unfinished prefill the
@@ -76,6 +77,7 @@ class ScheduledRequest:
     # it verifies), and those drafts' ids.
     num_logits: int = 0
     draft_token_ids: list[int] = field(default_factory=list)
+    write_slot: int | None = None  # the state slot the row writes, where not its own (module doc: state pairs)
 
     @property
     def request_id(self) -> str:
@@ -95,6 +97,10 @@ class ScheduledRequest:
     @property
     def state_slot(self) -> int:
         return self.request.state_slot
+
+    @property
+    def state_write_slot(self) -> int:
+        return self.request.state_slot if self.write_slot is None else self.write_slot
 
     @property
     def prompt_token_ids(self) -> list[int]:
@@ -136,7 +142,6 @@ class Scheduler:
         self.running: list[Request] = []  # admission order: the last one is the newest
         self._finished_ids: list[str] = []
         self._forks: dict[str, list[Request]] = {}  # leader id -> its followers, not yet admitted
-        self._restores: list[tuple[Request, int]] = []  # (request, slot) to restore from its backup (module doc)
         self.num_preemptions_total = 0  # (vLLM's num_preemptions)
 
     # ---- requests in and out -------------------------------------------------------------------
@@ -329,22 +334,12 @@ class Scheduler:
             self.running.append(request)
             out.scheduled.append(self._scheduled(request, num_new, num_cached))
             budget -= num_new
-        if self.kv.state_backups:
-            self._state_copies(out)
+        if self.kv.state_pairs:  # a row verifying drafts writes the other slot of its pair (module doc)
+            for s in out.scheduled:
+                if s.draft_token_ids and s.state_slot:
+                    s.write_slot = self.kv.other_slot(s.state_slot)
         out.kv_transfers = self.kv.take_transfers()
         return out
-
-    def _state_copies(self, out: SchedulerOutput) -> None:
-        """Restore the states of sequences with rejected drafts (still running in the same slot) and back up those of
-        the sequences verifying drafts in this step (module doc); the runner copies both before the step."""
-        backup = self.kv.backup_slot
-        restored = [slot for r, slot in self._restores if r.status == RequestStatus.RUNNING and r.state_slot == slot]
-        self._restores = []
-        out.fork_slots += [(backup(slot), slot) for slot in restored]
-        # (a restored slot's backup already holds the state at its row's start: both copies in one call would read
-        # the slot before its restore)
-        out.fork_slots += [(s.state_slot, backup(s.state_slot)) for s in out.scheduled
-                           if s.draft_token_ids and s.state_slot not in restored]
 
     def _fork(self, out: SchedulerOutput) -> None:
         """Admit the followers of each leader that has computed all but its prompt's last token (module doc);
@@ -401,11 +396,12 @@ class Scheduler:
                     if request.num_sampling_tokens:
                         raise RuntimeError(f"request {request.request_id!r}: a step in flight computes past "
                                            f"{rejected} rejected draft tokens")
-                    if self.kv.state_backups and request.state_slot:  # recompute from the state before the row
+                    if self.kv.state_pairs and request.state_slot:  # recompute from the state before the row
                         request.num_computed_tokens = s.start
-                        self._restores.append((request, request.state_slot))
                     else:
                         request.num_computed_tokens -= rejected
+                elif s.write_slot is not None and request.state_slot:  # every draft kept: the state the row wrote
+                    request.state_slot = s.write_slot
                 for token in tokens:
                     request.append_output_token(token)
                     if (stop := self._check_stop(request)) is not None:

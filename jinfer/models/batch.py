@@ -35,6 +35,9 @@ class Batch:
     # [B] int32, each sequence's slot in the per-sequence state pools of linear-attention layers (slot 0:
     # reserved, padding sequences); unused by models without such layers
     state_slots: jax.Array | None = None
+    # [B] int32, the slot each sequence's state is written to after the step (None: `state_slots`): a row verifying
+    # drafts writes the other slot of its pair and keeps the state before it (jinfer/engine/scheduler.py)
+    state_write_slots: jax.Array | None = None
 
     @property
     def num_tokens(self) -> int:

@@ -230,21 +230,24 @@ def _gated_delta_net(layer: HybridLayer, x, state, batch: Batch, info, cfg: Mode
     b, a = jnp.split(y[:, c + vs:], [Hv], axis=-1)  # q | k | v and z: the kernels below read them in place
     seq, fresh = info
     slots, qs = batch.state_slots, batch.query_start
-    if ops.decode_step or (T == 1 and slots.shape[0] == 1):  # one new row per sequence: row b is sequence b's
+    writes = slots if batch.state_write_slots is None else batch.state_write_slots
+    # (one new row per sequence: row b is sequence b's; no drafts, so each writes the slot it reads)
+    if ops.decode_step or (T == 1 and slots.shape[0] == 1):
         o, conv_state, rec_state = ops.gated_delta_decode(  # o normalised and gated
             y, conv_state, layer.conv_w, layer.a_log, layer.dt_bias, rec_state, slots, batch.positions, fresh,
             num_k_heads=Hk, key_dim=Dk, value_dim=Dv, b_col=c + vs, a_col=c + vs + Hv, z_col=c,
             norm_weight=layer.lin_norm, eps=cfg.rms_norm_eps)
     else:
         # y in place: q | k | v are its first conv_dim columns (a slice passed to a kernel is copied out first)
-        mixed, conv_state = ops.causal_conv(y, conv_state, layer.conv_w, seq, qs[:-1], qs, slots, batch.positions)
+        mixed, conv_state = ops.causal_conv(y, conv_state, layer.conv_w, seq, qs[:-1], qs, slots, batch.positions,
+                                            writes)
         if Dk == Dv:  # the kernels read q, k, v as heads of the conv output (slicing them out copies 3/4 of it)
             q, k, v, packed = mixed.reshape(T, 2 * Hk + Hv, Dk), None, None, Hk
         else:
             q, k, v = jnp.split(mixed, [Hk * Dk, 2 * Hk * Dk], axis=-1)
             q, k, v, packed = q.reshape(T, Hk, Dk), k.reshape(T, Hk, Dk), v.reshape(T, Hv, Dv), None
         beta, g = ops.delta_rule_gates(b, a, layer.a_log, layer.dt_bias)
-        o, rec_state = ops.gated_delta_rule(q, k, v, g, beta, rec_state, slots, fresh, qs, x.dtype, packed)
+        o, rec_state = ops.gated_delta_rule(q, k, v, g, beta, rec_state, slots, fresh, qs, x.dtype, packed, writes)
         o = ops.gated_rms_norm(o, y, layer.lin_norm, cfg.rms_norm_eps, gate_col=c)  # z read in place from y
     return ops.out_proj(o.reshape(T, Hv * Dv), layer.lin_out, x), (conv_state, rec_state)
 

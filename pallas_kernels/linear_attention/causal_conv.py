@@ -49,21 +49,22 @@ def conv_reference(x: jax.Array, conv_state: jax.Array, weight: jax.Array, seq: 
 
 
 def causal_conv_reference(x: jax.Array, conv_state: jax.Array, weight: jax.Array, seq: jax.Array, starts: jax.Array,
-                          query_start: jax.Array, slots: jax.Array,
-                          positions: jax.Array) -> tuple[jax.Array, jax.Array]:
+                          query_start: jax.Array, slots: jax.Array, positions: jax.Array,
+                          write_slots: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
     """The whole conv step in jnp: (y [T, C], the pool with each sequence's newest inputs written to its ring)
     for the first C = weight.shape[0] columns of x [T, >= C] (`conv_reference`, then `ring_update`). The ring
     has one row more than the conv reads, so that the decode kernel (gated_delta_rule_decode.py) writes a step's
     row where no program of the step reads; inputs before position 0 are zeros, whatever the ring holds."""
     x = x[:, :weight.shape[0]]
     return (conv_reference(x, conv_state, weight, seq, starts, slots, positions),
-            ring_update(x, conv_state, slots, query_start, positions))
+            ring_update(x, conv_state, slots, query_start, positions, write_slots))
 
 
 def ring_update(x: jax.Array, conv_state: jax.Array, slots: jax.Array, query_start: jax.Array,
-                positions: jax.Array) -> jax.Array:
+                positions: jax.Array, write_slots: jax.Array | None = None) -> jax.Array:
     """The pool with each sequence's newest inputs written to its ring: ring row r takes the sequence's latest
-    new input at a position = r mod K, if this step has one (else it keeps what it held)."""
+    new input at a position = r mod K, if this step has one (else it keeps what it held). write_slots (None:
+    `slots`): where each sequence's updated ring goes (read from slots[b])."""
     T = x.shape[0]
     K = conv_state.shape[1]
     ring = conv_state[slots]  # [B, K, C]
@@ -75,7 +76,8 @@ def ring_update(x: jax.Array, conv_state: jax.Array, slots: jax.Array, query_sta
     # unique_indices: a running sequence's slot is its own; padding sequences all share the scratch slot 0, whose
     # contents no sequence reads. Without it XLA's GPU scatter writes each element by an atomic compare-and-swap
     # loop (86 us a layer for 256 rings of 4 x 8192 bf16 in an H100 profile of offline serving).
-    return conv_state.at[slots].set(new.astype(conv_state.dtype), unique_indices=True)
+    return conv_state.at[slots if write_slots is None else write_slots].set(new.astype(conv_state.dtype),
+                                                                           unique_indices=True)
 
 
 def _conv_kernel(x_ref, cs_ref, w_ref, seq_ref, starts_ref, slots_ref, pos_ref, y_ref, *, taps: int, block_t: int,

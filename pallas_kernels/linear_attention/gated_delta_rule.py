@@ -46,9 +46,10 @@ from pallas_kernels.linear_attention.gated_delta_rule_common import (
 # ----------------------------------------------------------------------------------------------
 # Kernel body
 # ----------------------------------------------------------------------------------------------
-def _recurrent_kernel(qs_ref, slot_ref, fresh_ref, active_ref, q_ref, k_ref, v_ref, g_ref, beta_ref, s_in_ref,
-                      o_in_ref, o_ref, s_ref, *, group: int, block_v: int, offsets: tuple[int, int, int]):
-    # qs_ref [B + 1]: row ranges; slot_ref, fresh_ref, active_ref [B]; q_ref, k_ref [T, Hk, Dk]; v_ref [T, Hv, Dv]
+def _recurrent_kernel(qs_ref, slot_ref, wslot_ref, fresh_ref, active_ref, q_ref, k_ref, v_ref, g_ref, beta_ref,
+                      s_in_ref, o_in_ref, o_ref, s_ref, *, group: int, block_v: int, offsets: tuple[int, int, int]):
+    # qs_ref [B + 1]: row ranges; slot_ref (read), wslot_ref (written), fresh_ref, active_ref [B]; q_ref, k_ref
+    # [T, Hk, Dk]; v_ref [T, Hv, Dv]
     # (or one packed array: heads read at `offsets`, see head_views);
     # g_ref, beta_ref [T, Hv] f32; s_in_ref / s_ref [S, Hv, Dk, Dv] f32: the pool, aliased (read, then
     # written in place); o_in_ref / o_ref [T, Hv, Dv]: the output, aliased (only this kernel's rows written).
@@ -82,11 +83,11 @@ def _recurrent_kernel(qs_ref, slot_ref, fresh_ref, active_ref, q_ref, k_ref, v_r
         slot = slot_ref[b]
         live = fresh_ref[b] == 0  # a fresh sequence starts from zeros: its slot is not read
         state = plgpu.load(s_ref.at[slot, h, :, cols], mask=jnp.broadcast_to(live, (dk, block_v)), other=0.0)
-        s_ref[slot, h, :, cols] = jax.lax.fori_loop(start, end, body, state)
+        s_ref[wslot_ref[b], h, :, cols] = jax.lax.fori_loop(start, end, body, state)
 
 
-def _recurrent_call(q, k, v, g, beta, states, slots, fresh, query_start, active, out, *, hk, block_v, num_warps,
-                    offsets, interpret):
+def _recurrent_call(q, k, v, g, beta, states, slots, write_slots, fresh, query_start, active, out, *, hk, block_v,
+                    num_warps, offsets, interpret):
     T, hv, dv = out.shape
     B = slots.shape[0]
     whole = pl.no_block_spec
@@ -94,15 +95,15 @@ def _recurrent_call(q, k, v, g, beta, states, slots, fresh, query_start, active,
     o, states = pl.pallas_call(
         kernel,
         grid=(dv // block_v, hv, B),
-        in_specs=[whole] * 11,
+        in_specs=[whole] * 12,
         out_specs=[whole, whole],
         out_shape=[jax.ShapeDtypeStruct(out.shape, out.dtype), jax.ShapeDtypeStruct(states.shape, jnp.float32)],
-        input_output_aliases={10: 0, 9: 1},
+        input_output_aliases={11: 0, 10: 1},
         compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=1),
         interpret=interpret,
         name=f"recurrent_gated_delta_rule_bv{block_v}",
-    )(query_start.astype(jnp.int32), slots.astype(jnp.int32), fresh.astype(jnp.int32), active.astype(jnp.int32),
-      q, k, v, g.astype(jnp.float32), beta.astype(jnp.float32), states, out)
+    )(query_start.astype(jnp.int32), slots.astype(jnp.int32), write_slots.astype(jnp.int32), fresh.astype(jnp.int32),
+      active.astype(jnp.int32), q, k, v, g.astype(jnp.float32), beta.astype(jnp.float32), states, out)
     return o, states
 
 
@@ -112,16 +113,18 @@ def _recurrent_call(q, k, v, g, beta, states, slots, fresh, query_start, active,
 @functools.partial(jax.jit, static_argnames=("block_v", "num_warps", "packed_k_heads", "interpret"),
                    donate_argnames=("states", "out"))
 def recurrent_gated_delta_rule(q, k, v, g, beta, states, slots, fresh, query_start, active=None, out=None, *,
-                               block_v: int | None = None, num_warps: int = 4, packed_k_heads: int | None = None,
-                               interpret: bool = False) -> tuple[jax.Array, jax.Array]:
+                               write_slots=None, block_v: int | None = None, num_warps: int = 4,
+                               packed_k_heads: int | None = None, interpret: bool = False
+                               ) -> tuple[jax.Array, jax.Array]:
     """The rule over a ragged batch (module doc), updating the state pool in place (donated).
 
     q, k: [T, Hk, Dk]; v: [T, Hv, Dv] (or q|k|v packed in q, k = v = None: `head_views`); g, beta: [T, Hv];
     states: [S, Hv, Dk, Dv] float32; slots, fresh: [B]; query_start: [B + 1]; active: [B] bool or None (all):
     the sequences to run (the others' rows and slots are not touched: the chunked kernel runs them); out:
     [T, Hv, Dv] or None (zeros, float32): the output buffer (donated), of which only the active sequences'
-    rows are written, in its dtype (so two kernels fill one buffer, each its own rows). Returns (o, the
-    pool). Dk and Dv powers of two.
+    rows are written, in its dtype (so two kernels fill one buffer, each its own rows). write_slots [B] (None:
+    `slots`): where each sequence's final state goes (read from slots[b]: a speculative row keeps the state before
+    it). Returns (o, the pool). Dk and Dv powers of two.
     """
     shapes = head_shapes(q, k, v, packed_k_heads)
     hv, dk, dv = check_shapes(*shapes, g, beta, states)
@@ -133,5 +136,7 @@ def recurrent_gated_delta_rule(q, k, v, g, beta, states, slots, fresh, query_sta
         active = jnp.ones(slots.shape, bool)
     out = check_out(out, q.shape[0], hv, dv)
     (q, k, v), offsets = head_views(q, k, v, packed_k_heads)
-    return _recurrent_call(q, k, v, g, beta, states, slots, fresh, query_start, active, out, hk=shapes[0].shape[1],
-                           block_v=block_v, num_warps=num_warps, offsets=offsets, interpret=interpret)
+    write_slots = slots if write_slots is None else write_slots
+    return _recurrent_call(q, k, v, g, beta, states, slots, write_slots, fresh, query_start, active, out,
+                           hk=shapes[0].shape[1], block_v=block_v, num_warps=num_warps, offsets=offsets,
+                           interpret=interpret)

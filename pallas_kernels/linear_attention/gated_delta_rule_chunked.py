@@ -102,13 +102,13 @@ def _rows_out(o_chunks, layout) -> jax.Array:
 
 
 def _write_states(states, slots, layout, finals) -> jax.Array:
-    """The final states of the chunked sequences into their slots; the others' slots keep what they hold."""
+    """The final states of the chunked sequences into their (write) slots; the others' slots keep what they hold."""
     keep = states[slots]
     return states.at[slots].set(jnp.where(layout["long"][:, None, None, None], finals, keep))
 
 
 def chunked_reference(q, k, v, g, beta, states, slots, fresh, query_start, *, min_len: int = 1,
-                      chunk: int = CHUNK) -> tuple[jax.Array, jax.Array]:
+                      chunk: int = CHUNK, write_slots=None) -> tuple[jax.Array, jax.Array]:
     """The chunked algorithm in jnp: `intra_chunk`, then the recurrence as a scan over chunk positions (all
     sequences at once). Same arguments and results as `recurrent_reference`, for the sequences with >=
     min_len new rows (the others: zero outputs, slots untouched)."""
@@ -134,15 +134,17 @@ def chunked_reference(q, k, v, g, beta, states, slots, fresh, query_start, *, mi
     c = jnp.arange(nc)
     seq = jnp.minimum(jnp.searchsorted(cs[1:], c, side="right"), B - 1)
     o_chunks = o[jnp.clip(c - cs[seq], 0, steps - 1), seq]  # [NC, Hv, C, Dv]
-    return _rows_out(o_chunks, layout), _write_states(states, slots, layout, finals)
+    return _rows_out(o_chunks, layout), _write_states(states, slots if write_slots is None else write_slots, layout,
+                                                      finals)
 
 
 # ----------------------------------------------------------------------------------------------
 # Kernel body: the inter-chunk recurrence
 # ----------------------------------------------------------------------------------------------
-def _chunk_state_kernel(qs_ref, cs_ref, slot_ref, fresh_ref, w_ref, u_ref, qg_ref, kd_ref, p_ref, dl_ref, s_in_ref,
-                        o_in_ref, o_ref, s_ref, *, block_v: int, precision):
-    # qs_ref [B + 1]: row ranges; cs_ref [B + 1]: each sequence's chunks; slot_ref, fresh_ref [B]; w_ref, qg_ref,
+def _chunk_state_kernel(qs_ref, cs_ref, slot_ref, wslot_ref, fresh_ref, w_ref, u_ref, qg_ref, kd_ref, p_ref, dl_ref,
+                        s_in_ref, o_in_ref, o_ref, s_ref, *, block_v: int, precision):
+    # qs_ref [B + 1]: row ranges; cs_ref [B + 1]: each sequence's chunks; slot_ref (read), wslot_ref (written),
+    # fresh_ref [B]; w_ref, qg_ref,
     # kd_ref [NC, Hv, C, Dk]; u_ref [NC, Hv, C, Dv]; p_ref [NC, Hv, C, C] (these five f32 or bf16); dl_ref [NC, Hv]
     # f32; s_in_ref / s_ref [S, Hv, Dk, Dv] f32: the pool, aliased; o_in_ref / o_ref [T, Hv, Dv]: the output rows,
     # aliased (only the chunked sequences' rows are written, in o_ref's dtype).
@@ -171,11 +173,11 @@ def _chunk_state_kernel(qs_ref, cs_ref, slot_ref, fresh_ref, w_ref, u_ref, qg_re
             return state * dl_ref[c, h] + jax.lax.dot_general(kd, vn, (((0,), (0,)), ((), ())), precision=precision,
                                                               preferred_element_type=jnp.float32)
 
-        s_ref[slot, h, :, cols] = jax.lax.fori_loop(first, last, body, state)
+        s_ref[wslot_ref[b], h, :, cols] = jax.lax.fori_loop(first, last, body, state)
 
 
-def _chunk_state_call(parts, states, slots, fresh, query_start, chunk_start, out, *, block_v, num_warps, num_stages,
-                      precision, interpret):
+def _chunk_state_call(parts, states, slots, write_slots, fresh, query_start, chunk_start, out, *, block_v, num_warps,
+                      num_stages, precision, interpret):
     hv, dv = parts["u"].shape[1], parts["u"].shape[3]
     B = slots.shape[0]
     whole = pl.no_block_spec
@@ -183,15 +185,15 @@ def _chunk_state_call(parts, states, slots, fresh, query_start, chunk_start, out
     return pl.pallas_call(
         kernel,
         grid=(B, hv, dv // block_v),
-        in_specs=[whole] * 12,
+        in_specs=[whole] * 13,
         out_specs=[whole, whole],
         out_shape=[jax.ShapeDtypeStruct(out.shape, out.dtype), jax.ShapeDtypeStruct(states.shape, jnp.float32)],
-        input_output_aliases={11: 0, 10: 1},
+        input_output_aliases={12: 0, 11: 1},
         compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),
         interpret=interpret,
         name=f"chunked_gated_delta_rule_bv{block_v}",
-    )(query_start.astype(jnp.int32), chunk_start, slots.astype(jnp.int32), fresh.astype(jnp.int32), parts["w"],
-      parts["u"], parts["qg"], parts["kd"], parts["p"], parts["dl"], states, out)
+    )(query_start.astype(jnp.int32), chunk_start, slots.astype(jnp.int32), write_slots.astype(jnp.int32),
+      fresh.astype(jnp.int32), parts["w"], parts["u"], parts["qg"], parts["kd"], parts["p"], parts["dl"], states, out)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -207,7 +209,7 @@ INTRA_HEADS_PER_PROGRAM = 1
                                              "parts_dtype", "packed_k_heads", "interpret"),
                    donate_argnames=("states", "out"))
 def chunked_gated_delta_rule(q, k, v, g, beta, states, slots, fresh, query_start, out=None, *, min_len: int = 1,
-                             block_v: int | None = None, num_warps: int = 4, num_stages: int = 2,
+                             write_slots=None, block_v: int | None = None, num_warps: int = 4, num_stages: int = 2,
                              exact: bool = False, intra: str = "pallas", parts_dtype=None,
                              packed_k_heads: int | None = None, interpret: bool = False
                              ) -> tuple[jax.Array, jax.Array]:
@@ -217,8 +219,9 @@ def chunked_gated_delta_rule(q, k, v, g, beta, states, slots, fresh, query_start
     q, k: [T, Hk, Dk]; v: [T, Hv, Dv] (or q|k|v packed in q, k = v = None: gated_delta_rule.head_views); g,
     beta: [T, Hv]; states: [S, Hv, Dk, Dv] float32; slots, fresh:
     [B]; query_start: [B + 1]; out: [T, Hv, Dv] or None (zeros, float32): the output buffer (donated), of which
-    only the chunked sequences' rows are written, in its dtype (the recurrent kernel fills the others). Returns
-    (o, the pool). Dk, Dv powers of two >= 16.
+    only the chunked sequences' rows are written, in its dtype (the recurrent kernel fills the others);
+    write_slots [B] (None: `slots`): where each sequence's final state goes. Returns (o, the pool). Dk, Dv powers
+    of two >= 16.
     exact: the kernels' dots in full float32 (default: TF32 on the GPU's tensor cores). intra: the
     intra-chunk part by the fused kernel ("pallas") or by XLA ("jnp": `intra_chunk`, float32); parts_dtype:
     the dtype the kernel stores W, U, Qg, Kd, P in (default v's: bf16 in the model, as fla).
@@ -242,6 +245,7 @@ def chunked_gated_delta_rule(q, k, v, g, beta, states, slots, fresh, query_start
     else:
         parts = intra_chunk(*unpack_heads(q, k, v, packed_k_heads), g, beta, layout["rows"])
     precision = jax.lax.Precision.HIGHEST if exact else jax.lax.Precision.DEFAULT
-    return _chunk_state_call(parts, states, slots, fresh, query_start, layout["chunk_start"],
+    write_slots = slots if write_slots is None else write_slots
+    return _chunk_state_call(parts, states, slots, write_slots, fresh, query_start, layout["chunk_start"],
                              check_out(out, T, hv, dv), block_v=block_v, num_warps=num_warps, num_stages=num_stages,
                              precision=precision, interpret=interpret)

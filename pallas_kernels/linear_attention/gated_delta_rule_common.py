@@ -88,7 +88,8 @@ def initial_states(states: jax.Array, slots: jax.Array, fresh: jax.Array) -> jax
 
 
 def recurrent_reference(q: jax.Array, k: jax.Array, v: jax.Array, g: jax.Array, beta: jax.Array,
-                        states: jax.Array, slots: jax.Array, fresh: jax.Array, query_start: jax.Array
+                        states: jax.Array, slots: jax.Array, fresh: jax.Array, query_start: jax.Array,
+                        write_slots: jax.Array | None = None
                         ) -> tuple[jax.Array, jax.Array]:
     """The rule token by token (a `lax.scan` over the T rows) in float32. Returns (o [T, Hv, Dv] float32,
     the updated states pool)."""
@@ -114,7 +115,7 @@ def recurrent_reference(q: jax.Array, k: jax.Array, v: jax.Array, g: jax.Array, 
 
     xs = (qh, kh, v.astype(jnp.float32), g.astype(jnp.float32), beta.astype(jnp.float32), seq, first)
     (_, finals), o = jax.lax.scan(step, (init[0], finals), xs)
-    return o, states.at[slots].set(finals[:B])
+    return o, states.at[slots if write_slots is None else write_slots].set(finals[:B])
 
 
 def check_out(out, T: int, hv: int, dv: int) -> jax.Array:

@@ -229,3 +229,39 @@ def test_unit_lower_inverse_matches_numpy(C):
     want = np.linalg.inv(a)
     got = np.asarray(unit_lower_inverse(jnp.asarray(a, jnp.float32)))
     np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4 * np.abs(want).max())
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_write_slots_keep_the_state_read(mode):
+    """A speculative row reads its slot and writes the other of its pair (jinfer/engine/scheduler.py): the states
+    written to `write_slots` are those an in-place step leaves in `slots`, the slots read keep the state from before
+    the step, the others are untouched; the reference and the Pallas dispatch (a chunked and recurrent sequences)
+    alike, and the conv rings' update."""
+    from pallas_kernels.linear_attention.causal_conv import ring_update
+
+    interpret = mode == "interpret"
+    tol = 1e-4 if interpret else 1e-2
+    lens, fresh, T = [2, 70, 1], [0, 0, 1], 80
+    args = problem(np.random.default_rng(5), lens, fresh, 2, 4, 16, 32, jnp.float32, T, num_slots=8)
+    slots = np.asarray(args[6])
+    writes = np.setdiff1d(np.arange(1, 8), slots)[:len(slots)].astype(np.int32)
+    before = np.asarray(args[5]).copy()
+    o_ref, s_ref = recurrent_reference(*args)
+    for backend in ("reference", "pallas"):
+        o, s = jax.jit(partial(gated_delta_rule, backend=backend, interpret=interpret))(*args, write_slots=writes)
+        s = np.asarray(s)
+        np.testing.assert_allclose(np.asarray(o)[:sum(lens)], np.asarray(o_ref)[:sum(lens)], atol=tol, rtol=tol)
+        np.testing.assert_allclose(s[writes], np.asarray(s_ref)[slots], atol=tol * 10, rtol=tol)
+        others = np.setdiff1d(np.arange(8), writes)
+        np.testing.assert_array_equal(s[others], before[others])  # the slots read among them
+    rng = np.random.default_rng(6)
+    K, C = 4, 8
+    pool = jnp.asarray(rng.standard_normal((8, K, C)), jnp.float32)
+    x = jnp.asarray(rng.standard_normal((T, C)), jnp.float32)
+    qs, positions = args[8], jnp.asarray(np.concatenate([np.arange(n) + 5 for n in lens] + [np.zeros(T - 73)]),
+                                         jnp.int32)
+    in_place = np.asarray(ring_update(x, pool, args[6], qs, positions))
+    moved = np.asarray(ring_update(x, pool, args[6], qs, positions, jnp.asarray(writes)))
+    np.testing.assert_array_equal(moved[writes], in_place[slots])
+    np.testing.assert_array_equal(moved[np.setdiff1d(np.arange(8), writes)],
+                                  np.asarray(pool)[np.setdiff1d(np.arange(8), writes)])

@@ -68,7 +68,7 @@ def test_ngram_greedy_equals_without_speculation(ngram, plain_repeat, batch):
     assert [g[0] for g in got] == want
     assert counters["spec_decode_num_drafts"] > 0
     assert counters["spec_decode_num_accepted_tokens"] < counters["spec_decode_num_draft_tokens"]  # rejections
-    assert ngram.kv.state_backups and ngram.kv.num_device_state_slots == 2 * ngram.kv.num_state_slots - 1
+    assert ngram.kv.state_pairs and ngram.kv.num_device_state_slots == 2 * ngram.kv.num_state_slots - 1
     assert_slots_free(ngram)
 
 
@@ -81,16 +81,21 @@ def replay_engine(acceptance: float, **kw) -> EngineCore:
 
 def test_replay_drafts_accepted_and_rejected_with_preemption():
     """Forced rejections (acceptance 0.6) at batch 3 with mixed prompt lengths, in a pool too small for all three:
-    requests are preempted (their slots freed, a pending restore dropped) and still give HF's ids; rows that recompute
-    accepted tokens verify new drafts too."""
+    requests are preempted (their slots freed) and still give HF's ids; rows that recompute accepted tokens verify new
+    drafts too. A verifying row writes the other slot of its request's pair, which is the request's after it where
+    every draft was kept: no state is copied."""
     engine = replay_engine(0.6)
     sched = engine.scheduler
-    preempted, original, schedule, known = [], sched._preempt, sched.schedule, []
+    preempted, original, schedule, known, moved = [], sched._preempt, sched.schedule, [], []
     sched._preempt = lambda r: (preempted.append(r.request_id), original(r))
 
-    def counting(*args):  # the known tokens of each row that verifies drafts
+    def counting(*args):  # the known tokens of each row that verifies drafts; its slots
         out = schedule(*args)
         known.extend(s.num_new_tokens - len(s.draft_token_ids) for s in out.scheduled if s.draft_token_ids)
+        assert not out.fork_slots
+        for s in out.scheduled:
+            assert (s.state_write_slot == engine.kv.other_slot(s.state_slot)) == bool(s.draft_token_ids), s
+            moved.append(s.state_slot >= engine.kv.num_state_slots)
         return out
 
     sched.schedule = counting
@@ -100,6 +105,7 @@ def test_replay_drafts_accepted_and_rejected_with_preemption():
     # a row rolled back over a rejected draft recomputes its accepted tokens and verifies new drafts in one step
     assert max(known) > 1
     assert 0 < counters["spec_decode_num_accepted_tokens"] < counters["spec_decode_num_draft_tokens"]
+    assert any(moved) and not all(moved)  # states in the second slots of their pairs, and in the first
     assert_slots_free(engine)
 
 
