@@ -233,15 +233,15 @@ class ModelRunner(StepExecutables):
         (`batch_builder.sampling_tensors`), or a function returning them that is called once the forward is
         dispatched (one process; a group calls it first), so the host computes them (and may read `prev` back)
         while the device runs the forward. `pending_outputs` False: the rows' output ids hold `prev`'s tokens by
-        the time the sampler's inputs are built (no device-side markers for penalties). `prepare(out, built)`: called
-        once the batch is built, before anything of the step is dispatched; what it returns, if not None, is called
-        with the `Launched` step (a model drafter stages its head's inputs, then launches its head behind the step:
+        the time the sampler's inputs are built (no device-side markers for penalties). `prepare(out, built)`
+        (speculative decoding): called once the batch is built, before anything of the step is dispatched; what it
+        returns, if not None, is called with the `Launched` step (a model drafter launches its head behind the step:
         jinfer/spec/eagle.py).
 
-        The sampler's inputs are staged as the batch (`stage`), and with no step in flight (speculative decoding's
-        steps, a first step) before the forward: uploaded after it, they stayed alive until the sampler ran and were
-        freed late, where the next step's first inputs could not take their place, and the next forward's temp buffer
-        moved every other step (its command buffer re-recorded: ~1.7 ms a Qwen3-8B verify step)."""
+        The sampler's inputs are staged as the batch (`stage`), and in speculative decoding's synchronous steps (no
+        step in flight) before the forward: uploaded after it, they stayed alive until the sampler ran and were freed
+        late, where the next step's first inputs could not take their place, and the next forward's temp buffer moved
+        every other step (its command buffer re-recorded: ~1.7 ms a Qwen3-8B verify step)."""
         # One process: the forward goes first, and the host builds the sampler's inputs while the device runs it
         # (a lone step's first token waited for both: 0.3-0.5 ms at batch 1). A group sends whole steps.
         group = self.on_launch is not None
@@ -269,7 +269,7 @@ class ModelRunner(StepExecutables):
         if packed_batch is None or prompt_rows:
             packed_batch = pack_batch(batch, built.prev_index)
         sampling = staged = None
-        if prev is None and not group and not callable(token_mask) and not self.cfg.pooling:
+        if prepare is not None and prev is None and not group and not callable(token_mask) and not self.cfg.pooling:
             sampling = self.sampling.build(rows, out, built.counts, R, token_mask, None)
             staged = self.stage(self._staged_sampling, sampling.buffer)
         self.forward_at = time.perf_counter()

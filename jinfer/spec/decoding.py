@@ -79,8 +79,8 @@ class SpecDecoding:
         return accept_draft_tokens(draft_ids, sampled_ids)
 
     def prepare(self, out, built):
-        """A step's batch is built, nothing dispatched yet (`ModelRunner.launch`): a model drafter stages its device
-        step's inputs, and returns what launches that step behind the target's (spec/eagle.py)."""
+        """A step's batch is built, nothing dispatched yet (`ModelRunner.launch`): a model drafter returns what
+        launches its device step behind the target's (spec/eagle.py); None without one."""
         if (hook := getattr(self.proposer, "prepare", None)) is not None:
             return hook(out, built)
         return None

@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import logging
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -52,6 +53,8 @@ from jinfer.models import eagle3
 from jinfer.models.batch import Batch
 from jinfer.ops import REFERENCE_OPS
 from jinfer.weights.eagle3 import load_eagle3
+
+log = logging.getLogger(__name__)
 
 
 def load_head(config: SpeculativeConfig, target: ModelConfig, target_weights, dtype: str, mesh
@@ -107,6 +110,7 @@ class Eagle3Proposer:
         # the first sampled row), and the host copies once read
         self._launched: tuple[tuple[jax.Array, jax.Array], dict[str, tuple[int, int]]] | None = None
         self._read: tuple[np.ndarray, np.ndarray] | None = None
+        self._mismatched = False  # (logged once: `propose`)
 
     cache_spec = staticmethod(eagle3.cache_spec)  # the head's one layer of KV
     chain = staticmethod(_chain)  # (weights, kv, batch, aux, live, *, cfg, num_steps, ops) -> (drafts, kv)
@@ -124,8 +128,12 @@ class Eagle3Proposer:
         for r in requests:
             b, at = rows.get(r.request_id, (-1, 0))
             room = min(self.k, self.max_model_len - r.num_tokens)
-            ok = b >= 0 and room > 0 and r.num_tokens == at + int(accepted[b]) + 2  # (its last token: at + a + 1)
-            out.append(drafts[b, :room].tolist() if ok else [])
+            ok = b >= 0 and r.num_tokens == at + int(accepted[b]) + 2  # (its last token: at + a + 1)
+            if b >= 0 and not ok and not self._mismatched:  # (the device kept other drafts than the host: a bug)
+                self._mismatched = True
+                log.warning("request %s: the head's step kept %d drafts, the host's verification %d; its drafts are "
+                            "dropped", r.request_id, int(accepted[b]), r.num_tokens - at - 2)
+            out.append(drafts[b, :room].tolist() if ok and room > 0 else [])
         return out
 
     def prepare(self, out, built, forced: dict[str, int] | None = None):
@@ -209,17 +217,22 @@ def accepted_drafts(tokens: jax.Array, first: jax.Array, count: jax.Array, draft
     return jnp.where(forced >= 0, forced, kept).astype(jnp.int32)
 
 
-def head_rows(batch: Batch, tokens: jax.Array, first: jax.Array, count: jax.Array, accepted: jax.Array) -> Batch:
+def head_rows(batch: Batch, tokens: jax.Array, first: jax.Array, count: jax.Array, drafts: jax.Array,
+              accepted: jax.Array) -> Batch:
     """The head's first pass over a verified step (module doc): `batch` holds the host's next ids and slots, and in
-    `logits_indices` each sequence's first sampled row (count[b] of them). Those rows take the sampled ids (the row at
-    position q the token at q + 1), the rows past a sequence's accepted drafts write nothing, and each sequence's
-    last row (`logits_indices`, where its chain starts) is its last accepted one."""
+    `logits_indices` each sequence's first sampled row (count[b] of them). Those rows take the kept drafts, then the
+    sampled id after them (the row at position q the token at q + 1: by the exact rule a kept draft is the sample;
+    forced outcomes keep drafts that are not), the rows past them write nothing, and each sequence's last row
+    (`logits_indices`, where its chain starts) is its last accepted one."""
     T, B = batch.input_ids.shape[0], count.shape[0]
     at = batch.logits_indices
     seq = jnp.clip(jnp.searchsorted(batch.query_start, jnp.arange(T), side="right") - 1, 0, B - 1)
     rel = jnp.arange(T) - at[seq]
     sampled = (rel >= 0) & (rel < count[seq])
-    ids = jnp.where(sampled, tokens[jnp.clip(first[seq] + rel, 0, tokens.shape[0] - 1)], batch.input_ids)
+    kept = drafts[seq, jnp.clip(rel, 0, drafts.shape[1] - 1)]
+    ids = jnp.where(sampled, jnp.where(rel < accepted[seq], kept, tokens[jnp.clip(first[seq] + rel, 0,
+                                                                                  tokens.shape[0] - 1)]),
+                    batch.input_ids)
     slots = jnp.where(sampled & (rel > accepted[seq]), -1, batch.slot_mapping)
     last = jnp.clip(jnp.where(count > 0, at + accepted, at - 1), 0, T - 1)
     return dataclasses.replace(batch, input_ids=ids.astype(jnp.int32), slot_mapping=slots.astype(jnp.int32),
@@ -231,6 +244,6 @@ def head_step(weights, kv, packed, aux, tokens, *, dims, chain, cfg, num_steps, 
     `after_launch` packed (`head_inputs`). Returns ((drafts [B, num_steps], accepted [B]), kv)."""
     batch, live, first, count, drafts, forced = head_inputs(packed, dims)
     accepted = accepted_drafts(tokens, first, count, drafts, forced)
-    out, kv = chain(weights, kv, head_rows(batch, tokens, first, count, accepted), aux, live, cfg=cfg,
+    out, kv = chain(weights, kv, head_rows(batch, tokens, first, count, drafts, accepted), aux, live, cfg=cfg,
                     num_steps=num_steps, ops=ops)
     return (out, accepted), kv

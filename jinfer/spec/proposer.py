@@ -23,8 +23,8 @@ class Proposer(Protocol):
         ...
 
     # Optional: `prepare(out, built)`, called with each step's built batch before anything of it is dispatched,
-    # returning None or a function the runner calls with the `Launched` step (a model drafter stages its device step's
-    # inputs, then launches that step behind the target's: jinfer/spec/eagle.py).
+    # returning None or a function the runner calls with the `Launched` step (a model drafter launches its device
+    # step behind the target's there: jinfer/spec/eagle.py).
 
 
 def check_proposer(config: SpeculativeConfig, *, num_state_slots: int) -> None:

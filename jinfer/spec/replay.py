@@ -98,8 +98,8 @@ class ForcedAcceptance:
         return drafts
 
     def prepare(self, out, built):
-        """The inner drafter's inputs for its device step, its verifications kept as planned (not by the exact
-        rule); what launches that step."""
+        """What launches the inner drafter's device step, its verifications kept as planned (not by the exact
+        rule)."""
         if (hook := getattr(self.inner, "prepare", None)) is not None:
             return hook(out, built, forced=self._trials.planned)
         return None

@@ -166,9 +166,9 @@ def test_engine_drafts_are_the_golden_chain(setup, mtp_engine):
 
 def test_engine_greedy_with_mtp_equals_hf(mtp_engine):
     """Batch 3, mixed prompt lengths (5, 37, 80 tokens): HF's greedy ids with MTP drafts, some accepted, some
-    rejected (the random layer guesses poorly: each rejection restores the state and recomputes). The head launched
-    behind each step kept as many drafts as the host's verification: every sequence that sampled in a step gets
-    drafts for the next (the recompute after a rejection too)."""
+    rejected (the random layer guesses poorly: each rejection recomputes from the state before its row). The head
+    launched behind each step kept as many drafts as the host's verification: every sequence that sampled in a step
+    gets drafts for the next (the recompute after a rejection too)."""
     from jinfer.sampling_params import SamplingParams
 
     gold = np.load(DATA / "golden" / "tiny-qwen3_5.npz")
@@ -254,12 +254,14 @@ def test_speculative_steps_keep_their_buffers(mtp_engine):
     runner = mtp_engine.runner
     mtp_engine.add_request("stable", list(range(3, 40)), SamplingParams(temperature=0.0, max_tokens=16,
                                                                         ignore_eos=True))
-    addresses = {}
+    addresses, held = {}, []
     while mtp_engine.has_unfinished_requests():
         mtp_engine.step()
         for kind, table in (("sampling", runner._staged_sampling), ("logits", runner._logits_out),
                             ("aux", runner._aux_out)):
             for size, a in table.items():
                 addresses.setdefault((kind, size), set()).add(a.unsafe_buffer_pointer())
+                held.append(a)
     assert {kind for kind, _ in addresses} == {"sampling", "logits", "aux"}
     assert all(len(a) == 1 for a in addresses.values()), addresses
+    assert sum(a.is_deleted() for a in held) > 10  # (donated to the steps after: not kept by chance)

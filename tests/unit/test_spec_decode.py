@@ -275,8 +275,8 @@ def test_stats_line_reports_acceptance_per_interval():
 
 def test_head_step_keeps_the_hosts_drafts_and_starts_the_chain_at_the_last_kept_row():
     """The device side of a model drafter's launch (jinfer/spec/eagle.py): the drafts each verification keeps equal
-    the host's exact rule (`accept_draft_tokens`) or the forced count; the head's rows take the sampled ids at the
-    sampled rows, write nothing past the kept drafts, and its chain starts at the last kept row."""
+    the host's exact rule (`accept_draft_tokens`) or the forced count; the head's rows take the kept drafts and the
+    sample after them, write nothing past them, and its chain starts at the last kept row."""
     from jinfer.models.batch import Batch
     from jinfer.spec.eagle import accepted_drafts, head_rows
 
@@ -305,13 +305,15 @@ def test_head_step_keeps_the_hosts_drafts_and_starts_the_chain_at_the_last_kept_
     slots = np.arange(T, dtype=np.int32)
     slots[qs[-1]:] = -1  # padding
     batch = Batch(host_ids, np.zeros(T, np.int32), slots, qs, lens.astype(np.int32), np.zeros((B, 1), np.int32), at)
-    got = head_rows(batch, tokens, first, count, kept)
+    got = head_rows(batch, tokens, first, count, drafts, kept)
     ids, out_slots, last = map(np.asarray, (got.input_ids, got.slot_mapping, got.logits_indices))
     for b in range(B):
         lo = qs[b]
         assert (ids[lo:lo + 2] == host_ids[lo:lo + 2]).all() and (out_slots[lo:lo + 2] == slots[lo:lo + 2]).all()
         c = count[b]
-        assert (ids[lo + 2:lo + 2 + c] == tokens[first[b]:first[b] + c]).all()
+        want = tokens[first[b]:first[b] + c].copy()  # the samples, but kept drafts (forced: maybe not the samples)
+        want[:kept[b]] = drafts[b, :kept[b]] if c else want[:0]
+        assert (ids[lo + 2:lo + 2 + c] == want).all(), b
         valid = kept[b] + 1 if c else 0
         assert (out_slots[lo + 2:lo + 2 + valid] == slots[lo + 2:lo + 2 + valid]).all()
         assert (out_slots[lo + 2 + valid:lo + 2 + c] == -1).all()
