@@ -110,6 +110,7 @@ class StepExecutables(IdleUnloading):
                                if self.ops.backend == "pallas" else frozenset())
         # ... and verify steps (`verify_query_len` Q = 1 + the drafts per sequence; 0: no drafter): the kind Q forward
         Q = verify_query_len
+        self.verifies = Q > 1  # a drafter's steps return more logits rows than sequences (`row_buckets`)
         self.verify_len = Q if self.ops.backend == "pallas" and 1 < Q <= self.ops.policy.verify_max_query_len else 0
         top = pick(self.token_buckets, min(Q * self.max_seqs_bucket, self.token_buckets[-1])) if self.verify_len else 0
         self.verify_buckets = frozenset(T for T in self.token_buckets if 1 < T <= top)
@@ -154,6 +155,17 @@ class StepExecutables(IdleUnloading):
     def warm_rows(self, T: int, kind: int) -> int:
         """R, the logits rows a bucket's forward is made ready for: B, or T for verify steps (a row per token)."""
         return T if kind > 1 else self.seqs_bucket(T)
+
+    def row_buckets(self, T: int, kind: int) -> tuple[int, ...]:
+        """The logits rows R a bucket's forwards of `kind` are made ready for: `warm_rows`, and with a drafter also T
+        for any step (a prefill chunk beside rows of drafts returns a row per token)."""
+        R = self.warm_rows(T, kind)
+        return (R, T) if self.verifies and kind == 0 and T != R else (R,)
+
+    def sampler_rows(self, T: int) -> tuple[int, ...]:
+        """The logits rows R bucket T's warm sampler variants are made ready for: B, and with a drafter T."""
+        B = self.seqs_bucket(T)
+        return (B, T) if self.verifies and T != B else (B,)
 
     def ready_limits(self) -> tuple[int, int]:
         """(tokens, sequences) a step may hold now: the largest ready bucket and its sequence bucket."""
@@ -309,9 +321,11 @@ class StepExecutables(IdleUnloading):
     def _load_all(self, shapes: list[tuple[int, int, int, bool]], fork_sizes: list[int]) -> None:
         """Load (or trace + compile) the forwards of `shapes` ((T, B, P, decode) each), the warm samplers of their
         sequence buckets and the fork copies of `fork_sizes`, in parallel: loads and XLA compiles release the GIL."""
-        jobs = [partial(self.forward_executable, *shape) for shape in shapes]
-        jobs += [partial(self.sampler_executable, B, 0, 0, -1, flags)
-                 for B in sorted({shape[1] for shape in shapes}) for flags in self.warm_sampler_flags]
+        jobs = [partial(self.forward_executable, *shape, R) for shape in shapes for R in self.row_buckets(T=shape[0],
+                                                                                                          kind=shape[3])]
+        jobs += [partial(self.sampler_executable, R, 0, 0, -1, flags)
+                 for R in sorted({R for shape in shapes for R in self.sampler_rows(shape[0])})
+                 for flags in self.warm_sampler_flags]
         jobs += [partial(self.fork_executable, N) for N in fork_sizes]
         with ThreadPoolExecutor(max_workers=WARMUP_THREADS) as pool:
             for _ in pool.map(lambda job: job(), jobs):  # re-raises a job's exception
@@ -321,11 +335,13 @@ class StepExecutables(IdleUnloading):
         """Every executable of one bucket: its forwards (every P), and its sampler's warm variants."""
         B = self.seqs_bucket(T)
         for P in self.page_buckets:
-            if self._stop_background.is_set() and background:  # a bucket is several compiles: stop between them
-                return
-            self.forward_executable(T, B, P, decode, background=background)
-        for flags in self.warm_sampler_flags:
-            self.sampler_executable(B, 0, 0, -1, flags, background=background)
+            for R in self.row_buckets(T, decode):
+                if self._stop_background.is_set() and background:  # a bucket is several compiles: stop between them
+                    return
+                self.forward_executable(T, B, P, decode, R, background=background)
+        for R in self.sampler_rows(T):
+            for flags in self.warm_sampler_flags:
+                self.sampler_executable(R, 0, 0, -1, flags, background=background)
 
     # ---- staged warm-up: the rest in the background -----------------------------------------------------------
 

@@ -408,7 +408,8 @@ class ModelRunner(StepExecutables):
         return self.stage(self._staged_sampling, pack_sampling(sampling_tensors([None] * B, B, self.cfg.vocab_size)))
 
     def warmup(self, first_tokens: int | None = None, background: bool = True, compile_turn=None) -> float:
-        """Compile (or load) every forward bucket, and the warm sampler variants per sequence bucket.
+        """Compile (or load) every forward bucket (with a drafter, for as many logits rows as tokens too), and the warm
+        sampler variants per sequence bucket (and per token bucket with a drafter).
 
         `first_tokens` (a staged warm-up, for a server to be ready sooner): only T = 1 and the bucket of
         `first_tokens` tokens now; the other buckets, smallest first, then the decode-only variants, in a
@@ -435,18 +436,20 @@ class ModelRunner(StepExecutables):
         for T in now:
             B = self.seqs_bucket(T)
             for _, _, P, decode in (shape for shape in shapes if shape[0] == T):
-                forward = self.forward_executable(T, B, P, decode)
-                if run:
-                    buf = np.zeros(sum(batch_sizes(T, B, P, self.warm_rows(T, decode))), np.int32)
-                    buf[2 * T:4 * T] = -1  # slots and prev rows (parts 3, 4): no KV writes, no previous step
-                    self._call_forward(forward, self._forward_input(buf, T), self.warm_rows(T, decode), T)
-            logits = put(np.zeros((B, self.cfg.vocab_size), np.float32), self._replicated)
-            for flags in self.warm_sampler_flags:
-                sample = self.sampler_executable(B, 0, 0, -1, flags)
-                if run:
-                    self._last_tokens = sample(logits, self._sampling_buffer(B), self._last_tokens,
-                                               self._packed_out(B, -1))[1]
-                    jax.block_until_ready(self._last_tokens)
+                for R in self.row_buckets(T, decode):
+                    forward = self.forward_executable(T, B, P, decode, R)
+                    if run:
+                        buf = np.zeros(sum(batch_sizes(T, B, P, R)), np.int32)
+                        buf[2 * T:4 * T] = -1  # slots and prev rows (parts 3, 4): no KV writes, no previous step
+                        self._call_forward(forward, self._forward_input(buf, T), R, T)
+            for R in self.sampler_rows(T):
+                logits = put(np.zeros((R, self.cfg.vocab_size), np.float32), self._replicated)
+                for flags in self.warm_sampler_flags:
+                    sample = self.sampler_executable(R, 0, 0, -1, flags)
+                    if run:
+                        self._last_tokens = sample(logits, self._sampling_buffer(R), self._last_tokens,
+                                                   self._packed_out(R, -1))[1]
+                        jax.block_until_ready(self._last_tokens)
         if self.host_pool is not None:  # the host tier's gathers and scatters, every chunk size
             self.kv_cache = self.host_pool.warmup(self.kv_cache)
         for N in self._fork_sizes:  # forked samples' copies (n > 1 on models with states), every chunk size

@@ -18,7 +18,7 @@ from jinfer.sampling_params import SamplingParams
 from jinfer.structured_outputs import StructuredOutputsParams
 
 from ..conftest import DATA
-from .test_engine import BASE, run_all
+from .test_engine import BASE, lowerings, run_all
 from .test_structured_engine import byte_tokenizer
 
 TINY = str(DATA / "tiny-qwen3")
@@ -168,15 +168,19 @@ def test_grammar_constrains_every_drafted_position(plain, spec):
 
 
 def test_preemption_and_chunked_prefill(plain):
+    """... and nothing compiles after warm-up: steps with more logits rows than sequences (drafts beside a prefill
+    chunk, verify steps) have their forwards and samplers made ready too."""
     prompts = spec_prompts(8, seed=13)
     want, _ = generate(plain, prompts, GREEDY)
-    small = core(speculative_config=NGRAM, num_pages=26, max_num_batched_tokens=16)
+    small = core(speculative_config=NGRAM, num_pages=26, max_num_batched_tokens=16, max_num_seqs=4, warmup=True)
     preempted = []
     original = small.scheduler._preempt
     small.scheduler._preempt = lambda r: (preempted.append(r.request_id), original(r))
-    got, counters = generate(small, prompts, GREEDY)
+    with lowerings() as lowered:
+        got, counters = generate(small, prompts, GREEDY)
     assert_same(got, want)
     assert preempted and counters["spec_decode_num_accepted_tokens"] > 0
+    assert lowered == [] and small.stats()["compiles_after_warmup"] == 0, lowered
 
 
 def test_verify_steps_take_the_paged_decode_kernel(plain):
