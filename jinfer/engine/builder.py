@@ -345,6 +345,8 @@ def build_engine(config: EngineConfig, tokenizer: Tokenizer | None = None, specu
     if config.warmup:
         # every process of a group warms up the same shapes in the same order, all before serving
         runner.warmup(first_tokens=config.warmup_first_tokens if group is None else None, compile_turn=group)
+        if (warm_head := getattr(proposer, "warmup", None)) is not None:  # (a drafter's head: its buckets too)
+            warm_head()
     if isinstance(group, Leader):
         group.wait_for_workers()
         runner.on_launch = group.send_step

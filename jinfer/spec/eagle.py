@@ -52,6 +52,7 @@ from jinfer.config.speculative import SpeculativeConfig
 from jinfer.models import eagle3
 from jinfer.models.batch import Batch
 from jinfer.ops import REFERENCE_OPS
+from jinfer.parallel.mesh import put
 from jinfer.weights.eagle3 import load_eagle3
 
 log = logging.getLogger(__name__)
@@ -106,6 +107,7 @@ class Eagle3Proposer:
         ops = runner.ops if runner.mesh.size == 1 else REFERENCE_OPS  # (replicated: no sharded kernels)
         self._head = jax.jit(functools.partial(head_step, chain=self.chain, cfg=cfg, num_steps=k, ops=ops),
                              donate_argnames=("kv",), static_argnames=("dims",))
+        self.runner = runner
         # the last launch's (drafts [B, k], accepted [B]) on the device, its sequences' request id -> (row, position of
         # the first sampled row), and the host copies once read
         self._launched: tuple[tuple[jax.Array, jax.Array], dict[str, tuple[int, int]]] | None = None
@@ -135,6 +137,19 @@ class Eagle3Proposer:
                             "dropped", r.request_id, int(accepted[b]), r.num_tokens - at - 2)
             out.append(drafts[b, :room].tolist() if ok and room > 0 else [])
         return out
+
+    def warmup(self) -> None:
+        """Compile the head's step for the buckets the runner made ready (each token bucket with its sequence bucket,
+        every page bucket; the engine calls this after the runner's warm-up), so no step waits for it."""
+        r, K = self.runner, max(self.k, 1)
+        for T in r.ready_tokens:
+            B = r.seqs_bucket(T)
+            aux = put(np.zeros((T, len(r.aux_layers) * r.cfg.hidden_size), r.weights.embed.dtype), r._replicated)
+            for P in self.page_buckets:
+                packed = np.zeros(sum(head_sizes((T, B, P, K))), np.int32)
+                packed[T:2 * T] = -1  # (slots: nothing written)
+                out, self.kv = self._head(self.weights, self.kv, packed, aux, r._last_tokens, dims=(T, B, P, K))
+                jax.block_until_ready(out)
 
     def prepare(self, out, built, forced: dict[str, int] | None = None):
         """A step's batch is built, nothing of it dispatched yet (`ModelRunner.launch`): returns what launches the head
@@ -194,13 +209,18 @@ class Eagle3Proposer:
         self._launched = out, rows
 
 
+def head_sizes(dims: tuple[int, int, int, int]) -> list[int]:
+    """The parts of `after_launch`'s int32 buffer for dims (T, B, pages, K), in `head_inputs`' order."""
+    T, B, P, K = dims
+    return [T, T, T, B + 1, B, B * P, B, B, B, B, B * K, B]
+
+
 def head_inputs(packed: jax.Array, dims: tuple[int, int, int, int]):
     """`after_launch`'s int32 buffer: (the head's Batch, its `logits_indices` each sequence's first sampled row, live,
     first, count, drafts, forced)."""
     T, B, P, K = dims
-    sizes = [T, T, T, B + 1, B, B * P, B, B, B, B, B * K, B]
     ids, slots, positions, qs, seq_lens, pages, at, live, first, count, drafts, forced = jnp.split(
-        packed, np.cumsum(sizes)[:-1])
+        packed, np.cumsum(head_sizes(dims))[:-1])
     batch = Batch(ids, positions, slots, qs, seq_lens, pages.reshape(B, P), at)
     return batch, live > 0, first, count, drafts.reshape(B, K), forced
 

@@ -265,3 +265,31 @@ def test_speculative_steps_keep_their_buffers(mtp_engine):
     assert {kind for kind, _ in addresses} == {"sampling", "logits", "aux"}
     assert all(len(a) == 1 for a in addresses.values()), addresses
     assert sum(a.is_deleted() for a in held) > 10  # (donated to the steps after: not kept by chance)
+
+
+def test_head_warmed_up_compiles_nothing_at_its_steps(mtp_engine):
+    """A drafter's head warmed up with the engine (`warmup`, after the runner's) is never compiled at a step: a fresh
+    head (its own jit, nothing cached) warmed, then a request's steps lower no head step."""
+    from jinfer.sampling_params import SamplingParams
+    from jinfer.spec.decoding import SpecDecoding
+    from jinfer.spec.mtp import MtpProposer
+
+    from ..unit.test_engine import lowerings
+
+    own = mtp_engine.spec
+    p = own.proposer
+    fresh = MtpProposer(p.cfg, p.weights, p.k, runner=mtp_engine.runner, kv_manager=mtp_engine.kv,
+                        max_model_len=p.max_model_len)
+    fresh.warmup()
+    mtp_engine.spec = SpecDecoding(fresh)
+    try:
+        with lowerings() as lowered:
+            mtp_engine.add_request("warm", list(range(3, 30)), SamplingParams(temperature=0.0, max_tokens=8,
+                                                                               ignore_eos=True))
+            while mtp_engine.has_unfinished_requests():
+                mtp_engine.step()
+        drafts = mtp_engine.spec.stats()["spec_decode_num_drafts"]
+    finally:
+        mtp_engine.spec = own
+    assert drafts > 0
+    assert not [name for name in lowered if "head_step" in name], lowered
