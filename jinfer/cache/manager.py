@@ -357,8 +357,7 @@ class KVCacheManager:
         request.page_ids = []  # a new list: a ScheduledRequest may still hold the old one
         self._num_registered.pop(request.request_id, None)
         if request.state_slot:  # (the first slot of its pair, whichever holds its state)
-            slot = request.state_slot
-            self._free_slots.append(slot if slot < self.num_state_slots else slot - self.num_state_slots + 1)
+            self._free_slots.append(min(request.state_slot, self.other_slot(request.state_slot)))
             request.state_slot = 0
 
     def other_slot(self, slot: int) -> int:

@@ -138,7 +138,7 @@ class ModelRunner(StepExecutables):
         self._packed_free: dict[tuple[int, int], list[jax.Array]] = {}
         self._placeholder = put(np.zeros(1, np.float32), self._replicated)  # large steps' logits_out (not donated)
         self._staged: dict[int, jax.Array] = {}
-        self._staged_sampling: dict[int, jax.Array] = {}  # (`launch`: steps with none in flight)
+        self._staged_sampling: dict[int, jax.Array] = {}  # the sampler's inputs, by size (`run_step`, `launch`)
         # (no command buffer: its upload moves every call, and re-recording one took ~0.35 ms of host a call)
         self._stage = jax.jit(lambda dst, src: jax.lax.dynamic_update_slice(dst, src, (0,)), donate_argnums=0,
                               out_shardings=self._replicated, compiler_options=NO_COMMAND_BUFFER)
@@ -268,9 +268,15 @@ class ModelRunner(StepExecutables):
         packed_batch = built.packed  # (small steps come packed; prompt logprobs' rows change the batch)
         if packed_batch is None or prompt_rows:
             packed_batch = pack_batch(batch, built.prev_index)
+
+        def sampler_inputs():
+            mask = token_mask() if callable(token_mask) else token_mask
+            return self.sampling.build(rows, out, built.counts, R, mask,
+                                       prev.row_of if pending_outputs and prev is not None else None)
+
         sampling = staged = None
         if prepare is not None and prev is None and not group and not callable(token_mask) and not self.cfg.pooling:
-            sampling = self.sampling.build(rows, out, built.counts, R, token_mask, None)
+            sampling = sampler_inputs()
             staged = self.stage(self._staged_sampling, sampling.buffer)
         self.forward_at = time.perf_counter()
         forward = None if group else self.run_forward(T, B, P, decode, packed_batch, plp_k, plp_targets, R)
@@ -280,10 +286,7 @@ class ModelRunner(StepExecutables):
                     a.copy_to_host_async()
             return Launched(out, forward[0], self._last_tokens, built.rows, batch=batch, expert_load=self._load)
         if sampling is None:
-            if callable(token_mask):
-                token_mask = token_mask()
-            sampling = self.sampling.build(rows, out, built.counts, R, token_mask,
-                                           prev.row_of if pending_outputs and prev is not None else None)
+            sampling = sampler_inputs()
         step = StepInputs(T, B, P, decode, sampling.M, sampling.W, num_logprobs, sampling.flags, packed_batch,
                           sampling.buffer, K=sampling.K, plp_k=plp_k, plp_targets=plp_targets, R=R)
         if group:  # the other processes of a multi-process group launch it too
