@@ -19,6 +19,14 @@ def next_pow2(n: int) -> int:
     return 1 << max(0, (n - 1).bit_length())
 
 
+def search_right(sorted_values: jax.Array, x: jax.Array) -> jax.Array:
+    """`jnp.searchsorted(sorted_values, x, side="right")` as one compare-and-count fusion. The default method is a
+    while loop of log2(n) iterations, which a GPU executable drives from the host (each iteration's kernels launched
+    by it) and which cuts the step's command buffer in two; the bounds searched here (a batch's query starts, its
+    tiles) are small."""
+    return jnp.searchsorted(sorted_values, x, side="right", method="compare_all")
+
+
 def pow2_divisor(n: int, cap: int) -> int:
     """Largest power of two <= cap dividing n."""
     d = 1

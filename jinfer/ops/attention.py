@@ -146,7 +146,9 @@ class AttentionOps:
         kv = jnp.einsum("tl,lhn->thn", rows[:, :rank], w_kv.astype(rows.dtype))  # [T, H, nope + v]
         o_e, lse_e = mla_expanded_attention(q_nope, q_pe, kv, rows, qs, long, kv_lora_rank=rank, scale=scale,
                                             interpret=self.interpret)
-        seq = jnp.searchsorted(qs, jnp.arange(num_tokens), side="right") - 1  # [T]; B: padding tokens
+        from pallas_kernels.common import search_right
+
+        seq = search_right(qs, jnp.arange(num_tokens)) - 1  # [T]; B: padding tokens
         pad = jnp.zeros((1,), bool)
         long_t = jnp.concatenate([long, pad])[seq]  # [T]
         ctx_t = jnp.concatenate([limit > 0, pad])[seq]  # rows the absorbed kernel computed (others: unspecified)

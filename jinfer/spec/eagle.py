@@ -246,7 +246,9 @@ def head_rows(batch: Batch, tokens: jax.Array, first: jax.Array, count: jax.Arra
     (`logits_indices`, where its chain starts) is its last accepted one."""
     T, B = batch.input_ids.shape[0], count.shape[0]
     at = batch.logits_indices
-    seq = jnp.clip(jnp.searchsorted(batch.query_start, jnp.arange(T), side="right") - 1, 0, B - 1)
+    from pallas_kernels.common import search_right
+
+    seq = jnp.clip(search_right(batch.query_start, jnp.arange(T)) - 1, 0, B - 1)
     rel = jnp.arange(T) - at[seq]
     sampled = (rel >= 0) & (rel < count[seq])
     kept = drafts[seq, jnp.clip(rel, 0, drafts.shape[1] - 1)]

@@ -37,7 +37,7 @@ from jax.experimental.pallas import triton as plgpu
 from pallas_kernels.attention.mla_decode import _cols, plan_heads
 from pallas_kernels.attention.paged_attention import token_rows
 from pallas_kernels.attention.prefill_attention import _tile_table
-from pallas_kernels.common import LOG2E, MASK_VALUE, next_pow2
+from pallas_kernels.common import LOG2E, MASK_VALUE, next_pow2, search_right
 
 MIN_ROWS = 16  # tensor-core dots want M, N and K >= 16
 _Q0, _Q1, _WIN, _SHIFT, _SEQ, _LIMIT = 0, 1, 2, 3, 4, 6  # tile table columns (prefill_attention's; 6: the key limit)
@@ -346,7 +346,7 @@ def _reference(q_a, q_pe, k_a, k_pe, v, query_start, seq_lens, kv_limit, scale):
     batch, ctx, kv_heads, _ = k_a.shape
     f32 = jnp.float32
     t = jnp.arange(num_tokens)
-    seq = jnp.clip(jnp.searchsorted(query_start, t, side="right") - 1, 0, batch - 1)  # [T]
+    seq = jnp.clip(search_right(query_start, t) - 1, 0, batch - 1)  # [T]
     real = t < query_start[-1]
     pos = seq_lens[seq] - (query_start[seq + 1] - t)  # [T]
     qa = q_a.reshape(num_tokens, kv_heads, num_heads // kv_heads, -1).astype(f32)

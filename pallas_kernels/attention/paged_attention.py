@@ -42,7 +42,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from pallas_kernels.attention.decode_merge import MERGE_KERNEL_MAX_SPLITS, merge_call, merge_splits_reference
-from pallas_kernels.common import LOG2E, MASK_VALUE, next_pow2
+from pallas_kernels.common import LOG2E, MASK_VALUE, next_pow2, search_right
 from pallas_kernels.kv_fp8 import check_kv_scales, dequantize_kv, is_fp8
 
 MIN_ROWS = 16  # tensor-core dots want M >= 16
@@ -316,7 +316,7 @@ def _ragged_rows(merged, query_start, query_len: int, num_kv_heads: int, group: 
     batch, _, _, head_dim = merged.shape
     dense = merged.reshape(batch, num_kv_heads, query_len, group, head_dim).transpose(0, 2, 1, 3, 4)  # [B,Q,KVH,G,D]
     t = jnp.arange(num_tokens, dtype=jnp.int32)
-    seq = jnp.clip(jnp.searchsorted(query_start, t, side="right") - 1, 0, batch - 1)  # [T]
+    seq = jnp.clip(search_right(query_start, t) - 1, 0, batch - 1)  # [T]
     j = t - query_start[seq]
     real = (t < query_start[batch]) & (j < query_len)
     out = dense[seq, jnp.clip(j, 0, query_len - 1)].reshape(num_tokens, -1, head_dim)  # [T, H, D]

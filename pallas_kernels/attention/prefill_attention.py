@@ -29,7 +29,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from pallas_kernels.attention.paged_attention import row_view, token_rows
-from pallas_kernels.common import LOG2E, MASK_VALUE, next_pow2
+from pallas_kernels.common import LOG2E, MASK_VALUE, next_pow2, search_right
 from pallas_kernels.kv_fp8 import check_kv_scales, dequantize_kv, is_fp8
 
 # columns of the per-tile table
@@ -137,7 +137,7 @@ def _tile_table(query_start, seq_lens, num_tokens: int, block_q: int, num_tiles:
         tiles = jnp.where(seg_mask, tiles, 0)
     cum = jnp.cumsum(tiles)
     i = jnp.arange(num_tiles, dtype=jnp.int32)
-    seg = jnp.minimum(jnp.searchsorted(cum, i, side="right"), batch).astype(jnp.int32)
+    seg = jnp.minimum(search_right(cum, i), batch).astype(jnp.int32)
     live = i < cum[-1]
     j = i - (cum[seg] - tiles[seg])
     q0 = jnp.where(live, starts[seg] + j * block[seg], 0)
@@ -217,7 +217,7 @@ def _prefill_call(q, k_cache, v_cache, query_start, seq_lens, page_table, seq_ma
     res = res[:num_tokens, :, :group].reshape(num_tokens, num_heads, head_dim)
     if out is not None and not alias:  # rows of the sequences seq_mask leaves out come from `out`
         t = jnp.arange(num_tokens)
-        seg = jnp.searchsorted(query_start, t, side="right") - 1  # [T]; >= batch: padding
+        seg = search_right(query_start, t) - 1  # [T]; >= batch: padding
         ours = (seg >= batch) | seq_mask[jnp.clip(seg, 0, batch - 1)]
         res = jnp.where(ours[:, None, None], res, out)
     return res
@@ -333,7 +333,7 @@ def ragged_prefill_attention_reference(
     group = num_heads // num_kv_heads
     scale = head_dim**-0.5 if scale is None else scale
     t = jnp.arange(num_tokens)
-    seq = jnp.clip(jnp.searchsorted(query_start, t, side="right") - 1, 0, batch - 1)  # [T]
+    seq = jnp.clip(search_right(query_start, t) - 1, 0, batch - 1)  # [T]
     real = t < query_start[-1]
     pos = seq_lens[seq] - (query_start[seq + 1] - t)  # [T]
     ctx = max_pages * page_size

@@ -43,7 +43,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from pallas_kernels.common import next_pow2
+from pallas_kernels.common import next_pow2, search_right
 
 # Largest token count routed by the Pallas program; larger steps use the jnp version (the program
 # holds [tokens, experts] tiles in registers).
@@ -423,7 +423,7 @@ def _layout_reference(ids, weights, experts, block_m, nb=None):
     sorted_pairs = jnp.zeros(nb * block_m, jnp.int32).at[pair_rows.reshape(-1)].set(
         jnp.arange(tokens * top_k, dtype=jnp.int32))
     b = jnp.arange(nb, dtype=jnp.int32)
-    eb = jnp.searchsorted(blk_end, b, side="right").astype(jnp.int32)  # [NB]
+    eb = search_right(blk_end, b).astype(jnp.int32)  # [NB]
     used = eb < experts
     ebc = jnp.minimum(eb, experts - 1)
     block_rows = jnp.where(used, jnp.clip(counts[ebc] - (b - blk_start[ebc]) * block_m, 0, block_m), 0)
