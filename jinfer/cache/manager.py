@@ -23,8 +23,8 @@ The device KV cache is `[num_pages, page_size, ...]` per layer; this module only
   prefix caching (the engine turns it off). With speculative decoding (`state_pairs`) each slot s has a second
   slot past the others, and a request's state is in either of the pair (`request.state_slot`; `other_slot`): the
   device pool holds `num_device_state_slots`. A step verifying drafts reads one and writes the other, which becomes
-  the request's where every draft was accepted (jinfer/engine/scheduler.py); the first still holds the state before
-  the step where one was rejected.
+  the request's where every draft was accepted (jinfer/engine/scheduler.py); the first takes the state after the row's
+  known tokens, from which a rejection goes on.
 - Host tier (`num_host_pages` > 0, `kv_host_tier.py`): a cached page freed by its last user is written
   back to a host slot (in batches), and one taken from the free queue for reuse first has its content
   offloaded if it is not there yet, and a prefix lookup continues into the host tier

@@ -99,8 +99,9 @@ def build_batch(out: SchedulerOutput, prev_rows: dict[str, int] | None, T: int, 
         row_seq = np.repeat(np.arange(n_seqs), logit_counts)
         logits_idx[:num_rows] = (query_start[1:n_seqs + 1][row_seq] - logit_counts[row_seq]
                                  + np.arange(num_rows) - first_row[row_seq])
-    state_slots = np.zeros((2, B), np.int32)  # read, written; padding sequences: the reserved slot 0
-    state_slots[:, :n_seqs] = [[s.state_slot for s in out.scheduled], [s.state_write_slot for s in out.scheduled]]
+    state_slots = np.zeros((3, B), np.int32)  # read, written, rows kept; padding sequences: the reserved slot 0
+    state_slots[:, :n_seqs] = [[s.state_slot for s in out.scheduled], [s.state_write_slot for s in out.scheduled],
+                               [s.state_keep for s in out.scheduled]]
     rows = {s.request_id: (int(first_row[b]), int(logit_counts[b]))
             for b, s in enumerate(out.scheduled) if s.needs_sample}
     return BuiltBatch(Batch(input_ids, positions, slots, query_start, seq_lens, page_table, logits_idx, *state_slots),
@@ -115,7 +116,8 @@ def _build_small(out: SchedulerOutput, prev_rows: dict[str, int] | None, T: int,
     """`build_batch` for a few tokens: lists per token, written straight into the packed buffer the forward takes
     (`BuiltBatch.packed`; the batch's arrays are views of it). A step's numpy calls cost more than its tokens' Python
     here (~40 calls: 0.2 ms of the host's time in series with the device at batch 1)."""
-    ids, pos, slots, prev, qs, lens, logits_idx, counts, state_slots, writes = [], [], [], [], [0], [], [], [], [], []
+    ids, pos, slots, prev, qs, lens, logits_idx, counts = [], [], [], [], [0], [], [], []
+    state_slots, writes, keep = [], [], []
     rows, row, longest = {}, 0, 0
     tables = []
     for s in out.scheduled:
@@ -143,14 +145,15 @@ def _build_small(out: SchedulerOutput, prev_rows: dict[str, int] | None, T: int,
         row += c
         state_slots.append(s.state_slot)
         writes.append(s.state_write_slot)
+        keep.append(s.state_keep)
     total = qs[-1]
     if min(ids, default=0) < 0:
         raise ValueError("a pending token past a row's first one comes from the device: one step in flight at most")
     R = B if row <= B else T
     # the packed layout (`step_inputs.pack_batch`): ids, positions, slots, prev rows [T each], query starts [B + 1],
-    # lengths [B], logits rows [R], state slots read and written [B each], page table [B, P]
+    # lengths [B], logits rows [R], state slots read and written and rows kept [B each], page table [B, P]
     o_qs = 4 * T
-    o_table = o_qs + 4 * B + 1 + R
+    o_table = o_qs + 5 * B + 1 + R
     packed = np.zeros(o_table + B * P, np.int32)  # (NULL_PAGE, padding ids / positions / lengths / slots: 0)
     n = len(ids)
     packed[:n] = ids
@@ -165,11 +168,13 @@ def _build_small(out: SchedulerOutput, prev_rows: dict[str, int] | None, T: int,
     packed[o + B:o + B + len(logits_idx)] = logits_idx
     packed[o + B + R:o + B + R + len(state_slots)] = state_slots
     packed[o + 2 * B + R:o + 2 * B + R + len(writes)] = writes
+    packed[o + 3 * B + R:o + 3 * B + R + len(keep)] = keep
     table = packed[o_table:].reshape(B, P)
     for b, pages in enumerate(tables):
         table[b, :len(pages)] = pages
     batch = Batch(packed[:T], packed[T:2 * T], packed[2 * T:3 * T], packed[o_qs:o], packed[o:o + B], table,
-                  packed[o + B:o + B + R], packed[o + B + R:o + 2 * B + R], packed[o + 2 * B + R:o_table])
+                  packed[o + B:o + B + R], packed[o + B + R:o + 2 * B + R], packed[o + 2 * B + R:o + 3 * B + R],
+                  packed[o + 3 * B + R:o_table])
     return BuiltBatch(batch, packed[3 * T:4 * T], R, np.asarray(counts, np.int32), rows, longest, packed)
 
 

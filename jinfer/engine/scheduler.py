@@ -22,10 +22,11 @@ row; `update` takes the accepted tokens (1 to num_logits of them, `request.accep
 length limit leaves no room for are dropped, so a row never verifies only some of them.
 A model with a per-sequence state (linear attention) cannot roll its state back that way: the row advanced it
 through every draft. With `kv.state_pairs` each request's state is in one slot of a pair, and a verifying row
-reads its slot and writes the other (`ScheduledRequest.write_slot`): where every draft was accepted the other
-slot becomes the request's, and where one was rejected `update` rolls `num_computed_tokens` back to the row's
-start, its slot still holding the state from before the row, so the next step recomputes the accepted tokens from
-there (their KV is rewritten with the same values). Nothing is copied.
+reads its slot and writes the other (`ScheduledRequest.write_slot`), and into the slot it reads the state after
+its known tokens, the rows before its drafts (`state_keep`): where every draft was accepted the other slot becomes
+the request's; where one was rejected `update` rolls `num_computed_tokens` back to the first draft, its slot
+holding the state there, so the next step recomputes the drafts accepted (none with one draft: its row is the
+sample and the new drafts, as after an acceptance; their KV is rewritten with the same values). Nothing is copied.
 
 Policy (vLLM v1 style, token-count model): each step has a budget of `max_num_batched_tokens`.
 Running requests go first, in admission order: a decode takes 1 token, an unfinished prefill the
@@ -101,6 +102,12 @@ class ScheduledRequest:
     @property
     def state_write_slot(self) -> int:
         return self.request.state_slot if self.write_slot is None else self.write_slot
+
+    @property
+    def state_keep(self) -> int:
+        """The row's leading rows after which its slot read keeps the state (its known tokens, before its drafts), where
+        it writes the other slot of its pair; 0 elsewhere (module doc: state pairs)."""
+        return self.num_new_tokens - len(self.draft_token_ids) if self.write_slot is not None else 0
 
     @property
     def prompt_token_ids(self) -> list[int]:
@@ -396,8 +403,8 @@ class Scheduler:
                     if request.num_sampling_tokens:
                         raise RuntimeError(f"request {request.request_id!r}: a step in flight computes past "
                                            f"{rejected} rejected draft tokens")
-                    if self.kv.state_pairs and request.state_slot:  # recompute from the state before the row
-                        request.num_computed_tokens = s.start
+                    if s.write_slot is not None and request.state_slot:  # on from the state its slot kept
+                        request.num_computed_tokens = s.start + s.state_keep
                     else:
                         request.num_computed_tokens -= rejected
                 elif s.write_slot is not None and request.state_slot:  # every draft kept: the state the row wrote

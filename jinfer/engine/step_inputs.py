@@ -74,14 +74,15 @@ def pack_batch(batch: Batch, prev_index: np.ndarray) -> np.ndarray:
     """One int32 buffer for the batch description (see `unpack_batch`). `prev_index` [T]: the row of the previous
     step's samples each token takes as its input id (-1: its id in the batch)."""
     writes = batch.state_slots if batch.state_write_slots is None else batch.state_write_slots
+    keep = np.zeros_like(batch.state_slots) if batch.state_keep is None else batch.state_keep
     return np.concatenate([batch.input_ids, batch.positions, batch.slot_mapping, prev_index, batch.query_start,
-                           batch.seq_lens, batch.logits_indices, batch.state_slots, writes,
+                           batch.seq_lens, batch.logits_indices, batch.state_slots, writes, keep,
                            batch.page_table.ravel()]).astype(np.int32)
 
 
 def batch_sizes(T: int, B: int, P: int, L: int) -> tuple[int, ...]:
     """Lengths of the packed batch's parts, in `pack_batch` order (L: logits rows)."""
-    return (T, T, T, T, B + 1, B, L, B, B, B * P)
+    return (T, T, T, T, B + 1, B, L, B, B, B, B * P)
 
 
 def unpack_batch(buf: jax.Array, dims: tuple[int, int, int, int]) -> tuple[Batch, jax.Array]:
@@ -91,8 +92,8 @@ def unpack_batch(buf: jax.Array, dims: tuple[int, int, int, int]) -> tuple[Batch
     for n in batch_sizes(*dims):
         parts.append(buf[o:o + n])
         o += n
-    ids, pos, slots, prev, qs, lens, logits_idx, state_slots, writes, table = parts
-    return Batch(ids, pos, slots, qs, lens, table.reshape(B, P), logits_idx, state_slots, writes), prev
+    ids, pos, slots, prev, qs, lens, logits_idx, state_slots, writes, keep, table = parts
+    return Batch(ids, pos, slots, qs, lens, table.reshape(B, P), logits_idx, state_slots, writes, keep), prev
 
 
 # ---- the sampling buffer ----------------------------------------------------------------------------------------

@@ -36,8 +36,11 @@ class Batch:
     # reserved, padding sequences); unused by models without such layers
     state_slots: jax.Array | None = None
     # [B] int32, the slot each sequence's state is written to after the step (None: `state_slots`): a row verifying
-    # drafts writes the other slot of its pair and keeps the state before it (jinfer/engine/scheduler.py)
+    # drafts writes the other slot of its pair (jinfer/engine/scheduler.py)
     state_write_slots: jax.Array | None = None
+    # [B] int32 (None: zeros): where > 0, the slot read takes the state after the sequence's first state_keep[b] rows:
+    # a row verifying drafts keeps there the state after its known tokens, from which a rejection goes on
+    state_keep: jax.Array | None = None
 
     @property
     def num_tokens(self) -> int:

@@ -240,14 +240,15 @@ def _gated_delta_net(layer: HybridLayer, x, state, batch: Batch, info, cfg: Mode
     else:
         # y in place: q | k | v are its first conv_dim columns (a slice passed to a kernel is copied out first)
         mixed, conv_state = ops.causal_conv(y, conv_state, layer.conv_w, seq, qs[:-1], qs, slots, batch.positions,
-                                            writes)
+                                            writes, batch.state_keep)
         if Dk == Dv:  # the kernels read q, k, v as heads of the conv output (slicing them out copies 3/4 of it)
             q, k, v, packed = mixed.reshape(T, 2 * Hk + Hv, Dk), None, None, Hk
         else:
             q, k, v = jnp.split(mixed, [Hk * Dk, 2 * Hk * Dk], axis=-1)
             q, k, v, packed = q.reshape(T, Hk, Dk), k.reshape(T, Hk, Dk), v.reshape(T, Hv, Dv), None
         beta, g = ops.delta_rule_gates(b, a, layer.a_log, layer.dt_bias)
-        o, rec_state = ops.gated_delta_rule(q, k, v, g, beta, rec_state, slots, fresh, qs, x.dtype, packed, writes)
+        o, rec_state = ops.gated_delta_rule(q, k, v, g, beta, rec_state, slots, fresh, qs, x.dtype, packed, writes,
+                                            batch.state_keep)
         o = ops.gated_rms_norm(o, y, layer.lin_norm, cfg.rms_norm_eps, gate_col=c)  # z read in place from y
     return ops.out_proj(o.reshape(T, Hv * Dv), layer.lin_out, x), (conv_state, rec_state)
 

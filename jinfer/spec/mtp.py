@@ -5,8 +5,8 @@ proposer this one is): loaded after the target from the target's own checkpoint,
 (num_layers,)`), and one jitted call launched behind each step runs the layer over the step's rows and k - 1 chain
 steps.
 
-On Qwen3.5 a rejected draft rolls the sequence back to its row's start (jinfer/engine/scheduler.py): the next step
-recomputes the accepted tokens and verifies the drafts the chain made from the last accepted row.
+On Qwen3.5 a rejected draft rolls the sequence back to its row's first draft (jinfer/engine/scheduler.py): the next
+step recomputes the drafts accepted (none at k = 1) and verifies those the chain made from the last accepted row.
 """
 
 from __future__ import annotations

@@ -50,34 +50,49 @@ def conv_reference(x: jax.Array, conv_state: jax.Array, weight: jax.Array, seq: 
 
 def causal_conv_reference(x: jax.Array, conv_state: jax.Array, weight: jax.Array, seq: jax.Array, starts: jax.Array,
                           query_start: jax.Array, slots: jax.Array, positions: jax.Array,
-                          write_slots: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
+                          write_slots: jax.Array | None = None, keep: jax.Array | None = None
+                          ) -> tuple[jax.Array, jax.Array]:
     """The whole conv step in jnp: (y [T, C], the pool with each sequence's newest inputs written to its ring)
     for the first C = weight.shape[0] columns of x [T, >= C] (`conv_reference`, then `ring_update`). The ring
     has one row more than the conv reads, so that the decode kernel (gated_delta_rule_decode.py) writes a step's
     row where no program of the step reads; inputs before position 0 are zeros, whatever the ring holds."""
     x = x[:, :weight.shape[0]]
     return (conv_reference(x, conv_state, weight, seq, starts, slots, positions),
-            ring_update(x, conv_state, slots, query_start, positions, write_slots))
+            ring_update(x, conv_state, slots, query_start, positions, write_slots, keep))
 
 
 def ring_update(x: jax.Array, conv_state: jax.Array, slots: jax.Array, query_start: jax.Array,
-                positions: jax.Array, write_slots: jax.Array | None = None) -> jax.Array:
+                positions: jax.Array, write_slots: jax.Array | None = None, keep: jax.Array | None = None
+                ) -> jax.Array:
     """The pool with each sequence's newest inputs written to its ring: ring row r takes the sequence's latest
     new input at a position = r mod K, if this step has one (else it keeps what it held). write_slots (None:
-    `slots`): where each sequence's updated ring goes (read from slots[b])."""
-    T = x.shape[0]
-    K = conv_state.shape[1]
+    `slots`): where each sequence's updated ring goes (read from slots[b]). keep (None: none): where keep[b] > 0
+    (and write_slots[b] != slots[b]), slots[b] takes the ring after the sequence's first keep[b] new rows (a row
+    verifying drafts keeps the ring after its known tokens)."""
     ring = conv_state[slots]  # [B, K, C]
     n = query_start[1:] - query_start[:-1]  # [B]
-    last = positions[jnp.clip(query_start[1:] - 1, 0, T - 1)]  # [B] the position of each sequence's last row
+    writes = slots if write_slots is None else write_slots
+    # unique_indices: a running sequence's slots are its own; padding sequences (and the kept rings' writes of the
+    # sequences keeping none) go to the scratch slot 0, whose contents no sequence reads. Without it XLA's GPU scatter
+    # writes each element by an atomic compare-and-swap loop (86 us a layer for 256 rings of 4 x 8192 bf16 in an
+    # H100 profile of offline serving).
+    if keep is None:
+        return conv_state.at[writes].set(_ring_after(x, ring, query_start, positions, n).astype(conv_state.dtype),
+                                         unique_indices=True)
+    rings = jnp.concatenate([_ring_after(x, ring, query_start, positions, jnp.minimum(keep, n)),
+                             _ring_after(x, ring, query_start, positions, n)])  # (one scatter for both)
+    return conv_state.at[jnp.concatenate([jnp.where(keep > 0, slots, 0), writes])].set(
+        rings.astype(conv_state.dtype), unique_indices=True)
+
+
+def _ring_after(x: jax.Array, ring: jax.Array, query_start: jax.Array, positions: jax.Array, count: jax.Array
+                ) -> jax.Array:
+    """[B, K, C]: each sequence's ring (`ring`, as read) after its first count[b] new rows (0: unchanged)."""
+    T, K = x.shape[0], ring.shape[1]
+    last = positions[jnp.clip(query_start[:-1] + count - 1, 0, T - 1)]  # [B] the position of the last row counted
     latest = last[:, None] - (last[:, None] - jnp.arange(K)[None, :]) % K  # [B, K]
-    off = latest - (last - n + 1)[:, None]  # offset within the sequence's new rows (< 0: not among them)
-    new = jnp.where((off >= 0)[..., None], x[jnp.clip(query_start[:-1, None] + off, 0, T - 1)], ring)
-    # unique_indices: a running sequence's slot is its own; padding sequences all share the scratch slot 0, whose
-    # contents no sequence reads. Without it XLA's GPU scatter writes each element by an atomic compare-and-swap
-    # loop (86 us a layer for 256 rings of 4 x 8192 bf16 in an H100 profile of offline serving).
-    return conv_state.at[slots if write_slots is None else write_slots].set(new.astype(conv_state.dtype),
-                                                                           unique_indices=True)
+    off = latest - (last - count + 1)[:, None]  # offset within the sequence's rows counted (< 0: not among them)
+    return jnp.where((off >= 0)[..., None], x[jnp.clip(query_start[:-1, None] + off, 0, T - 1)], ring)
 
 
 def _conv_kernel(x_ref, cs_ref, w_ref, seq_ref, starts_ref, slots_ref, pos_ref, y_ref, *, taps: int, block_t: int,

@@ -46,9 +46,11 @@ from pallas_kernels.linear_attention.gated_delta_rule_common import (
 # ----------------------------------------------------------------------------------------------
 # Kernel body
 # ----------------------------------------------------------------------------------------------
-def _recurrent_kernel(qs_ref, slot_ref, wslot_ref, fresh_ref, active_ref, q_ref, k_ref, v_ref, g_ref, beta_ref,
-                      s_in_ref, o_in_ref, o_ref, s_ref, *, group: int, block_v: int, offsets: tuple[int, int, int]):
-    # qs_ref [B + 1]: row ranges; slot_ref (read), wslot_ref (written), fresh_ref, active_ref [B]; q_ref, k_ref
+def _recurrent_kernel(qs_ref, slot_ref, wslot_ref, keep_ref, fresh_ref, active_ref, q_ref, k_ref, v_ref, g_ref,
+                      beta_ref, s_in_ref, o_in_ref, o_ref, s_ref, *, group: int, block_v: int,
+                      offsets: tuple[int, int, int]):
+    # qs_ref [B + 1]: row ranges; slot_ref (read), wslot_ref (written), keep_ref (rows after which the state also goes
+    # to the slot read, 0: none), fresh_ref, active_ref [B]; q_ref, k_ref
     # [T, Hk, Dk]; v_ref [T, Hv, Dv]
     # (or one packed array: heads read at `offsets`, see head_views);
     # g_ref, beta_ref [T, Hv] f32; s_in_ref / s_ref [S, Hv, Dk, Dv] f32: the pool, aliased (read, then
@@ -83,11 +85,19 @@ def _recurrent_kernel(qs_ref, slot_ref, wslot_ref, fresh_ref, active_ref, q_ref,
         slot = slot_ref[b]
         live = fresh_ref[b] == 0  # a fresh sequence starts from zeros: its slot is not read
         state = plgpu.load(s_ref.at[slot, h, :, cols], mask=jnp.broadcast_to(live, (dk, block_v)), other=0.0)
-        s_ref[wslot_ref[b], h, :, cols] = jax.lax.fori_loop(start, end, body, state)
+        keep = keep_ref[b]
+        mid = jnp.minimum(start + keep, end)
+        state = jax.lax.fori_loop(start, mid, body, state)
+
+        @pl.when(keep > 0)  # the state after the first `keep` rows, into the slot read (this program's slice only)
+        def _():
+            s_ref[slot, h, :, cols] = state
+
+        s_ref[wslot_ref[b], h, :, cols] = jax.lax.fori_loop(mid, end, body, state)
 
 
-def _recurrent_call(q, k, v, g, beta, states, slots, write_slots, fresh, query_start, active, out, *, hk, block_v,
-                    num_warps, offsets, interpret):
+def _recurrent_call(q, k, v, g, beta, states, slots, write_slots, keep, fresh, query_start, active, out, *, hk,
+                    block_v, num_warps, offsets, interpret):
     T, hv, dv = out.shape
     B = slots.shape[0]
     whole = pl.no_block_spec
@@ -95,15 +105,16 @@ def _recurrent_call(q, k, v, g, beta, states, slots, write_slots, fresh, query_s
     o, states = pl.pallas_call(
         kernel,
         grid=(dv // block_v, hv, B),
-        in_specs=[whole] * 12,
+        in_specs=[whole] * 13,
         out_specs=[whole, whole],
         out_shape=[jax.ShapeDtypeStruct(out.shape, out.dtype), jax.ShapeDtypeStruct(states.shape, jnp.float32)],
-        input_output_aliases={11: 0, 10: 1},
+        input_output_aliases={12: 0, 11: 1},
         compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=1),
         interpret=interpret,
         name=f"recurrent_gated_delta_rule_bv{block_v}",
-    )(query_start.astype(jnp.int32), slots.astype(jnp.int32), write_slots.astype(jnp.int32), fresh.astype(jnp.int32),
-      active.astype(jnp.int32), q, k, v, g.astype(jnp.float32), beta.astype(jnp.float32), states, out)
+    )(query_start.astype(jnp.int32), slots.astype(jnp.int32), write_slots.astype(jnp.int32), keep.astype(jnp.int32),
+      fresh.astype(jnp.int32), active.astype(jnp.int32), q, k, v, g.astype(jnp.float32), beta.astype(jnp.float32),
+      states, out)
     return o, states
 
 
@@ -113,7 +124,7 @@ def _recurrent_call(q, k, v, g, beta, states, slots, write_slots, fresh, query_s
 @functools.partial(jax.jit, static_argnames=("block_v", "num_warps", "packed_k_heads", "interpret"),
                    donate_argnames=("states", "out"))
 def recurrent_gated_delta_rule(q, k, v, g, beta, states, slots, fresh, query_start, active=None, out=None, *,
-                               write_slots=None, block_v: int | None = None, num_warps: int = 4,
+                               write_slots=None, keep=None, block_v: int | None = None, num_warps: int = 4,
                                packed_k_heads: int | None = None, interpret: bool = False
                                ) -> tuple[jax.Array, jax.Array]:
     """The rule over a ragged batch (module doc), updating the state pool in place (donated).
@@ -124,7 +135,9 @@ def recurrent_gated_delta_rule(q, k, v, g, beta, states, slots, fresh, query_sta
     [T, Hv, Dv] or None (zeros, float32): the output buffer (donated), of which only the active sequences'
     rows are written, in its dtype (so two kernels fill one buffer, each its own rows). write_slots [B] (None:
     `slots`): where each sequence's final state goes (read from slots[b]: a speculative row keeps the state before
-    it). Returns (o, the pool). Dk and Dv powers of two.
+    it); keep [B] (None: zeros): where > 0, the state after the sequence's first keep[b] rows is also written to
+    slots[b] (a row verifying drafts keeps there the state after its known tokens). Returns (o, the pool). Dk and Dv
+    powers of two.
     """
     shapes = head_shapes(q, k, v, packed_k_heads)
     hv, dk, dv = check_shapes(*shapes, g, beta, states)
@@ -137,6 +150,7 @@ def recurrent_gated_delta_rule(q, k, v, g, beta, states, slots, fresh, query_sta
     out = check_out(out, q.shape[0], hv, dv)
     (q, k, v), offsets = head_views(q, k, v, packed_k_heads)
     write_slots = slots if write_slots is None else write_slots
-    return _recurrent_call(q, k, v, g, beta, states, slots, write_slots, fresh, query_start, active, out,
+    keep = jnp.zeros_like(slots) if keep is None else keep
+    return _recurrent_call(q, k, v, g, beta, states, slots, write_slots, keep, fresh, query_start, active, out,
                            hk=shapes[0].shape[1], block_v=block_v, num_warps=num_warps, offsets=offsets,
                            interpret=interpret)

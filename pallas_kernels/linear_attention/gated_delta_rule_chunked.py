@@ -47,6 +47,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
+from pallas_kernels.common import search_right
 from pallas_kernels.linear_attention.gated_delta_rule_common import (
     check_out,
     check_shapes,
@@ -66,8 +67,8 @@ def max_chunks(num_tokens: int, num_seqs: int, chunk: int = CHUNK, min_len: int 
 
 
 def chunk_layout(query_start: jax.Array, num_tokens: int, num_chunks: int, chunk: int = CHUNK,
-                 min_len: int = 1) -> dict[str, jax.Array]:
-    """Where each chunk's rows come from, for the sequences with >= min_len new rows.
+                 min_len: int = 1, skip: jax.Array | None = None) -> dict[str, jax.Array]:
+    """Where each chunk's rows come from, for the sequences with >= min_len new rows (but those `skip` [B] marks).
 
     Returns {"long": [B] bool (runs chunked), "chunk_start": [B + 1] each sequence's first chunk,
     "rows": [NC, C] row of each chunk row (num_tokens for padding: the zero row), "row_chunk": [T] and
@@ -75,18 +76,18 @@ def chunk_layout(query_start: jax.Array, num_tokens: int, num_chunks: int, chunk
     """
     B = query_start.shape[0] - 1
     n = query_start[1:] - query_start[:-1]  # [B]
-    long = n >= min_len
+    long = n >= min_len if skip is None else (n >= min_len) & ~skip
     nch = jnp.where(long, (n + chunk - 1) // chunk, 0)
     chunk_start = jnp.concatenate([jnp.zeros(1, jnp.int32), jnp.cumsum(nch).astype(jnp.int32)])  # [B + 1]
     c = jnp.arange(num_chunks, dtype=jnp.int32)
-    seq = jnp.searchsorted(chunk_start[1:], c, side="right").astype(jnp.int32)  # [NC]; B for unused chunks
+    seq = search_right(chunk_start[1:], c).astype(jnp.int32)  # [NC]; B for unused chunks
     b = jnp.minimum(seq, B - 1)
     start = query_start[b] + (c - chunk_start[b]) * chunk
     rows = start[:, None] + jnp.arange(chunk, dtype=jnp.int32)[None, :]  # [NC, C]
     valid = (seq < B)[:, None] & (rows < query_start[b + 1][:, None])
     rows = jnp.where(valid, rows, num_tokens)
     t = jnp.arange(num_tokens, dtype=jnp.int32)
-    row_seq = jnp.searchsorted(query_start[1:], t, side="right").astype(jnp.int32)  # [T]; B for padding
+    row_seq = search_right(query_start[1:], t).astype(jnp.int32)  # [T]; B for padding
     rb = jnp.minimum(row_seq, B - 1)
     local = t - query_start[rb]
     row_long = (row_seq < B) & long[rb]
@@ -108,13 +109,13 @@ def _write_states(states, slots, layout, finals) -> jax.Array:
 
 
 def chunked_reference(q, k, v, g, beta, states, slots, fresh, query_start, *, min_len: int = 1,
-                      chunk: int = CHUNK, write_slots=None) -> tuple[jax.Array, jax.Array]:
+                      chunk: int = CHUNK, write_slots=None, keep=None) -> tuple[jax.Array, jax.Array]:
     """The chunked algorithm in jnp: `intra_chunk`, then the recurrence as a scan over chunk positions (all
     sequences at once). Same arguments and results as `recurrent_reference`, for the sequences with >=
-    min_len new rows (the others: zero outputs, slots untouched)."""
+    min_len new rows but those with keep > 0 (the others: zero outputs, slots untouched)."""
     T, B = q.shape[0], slots.shape[0]
     nc = max_chunks(T, B, chunk, min_len)
-    layout = chunk_layout(query_start, T, nc, chunk, min_len)
+    layout = chunk_layout(query_start, T, nc, chunk, min_len, None if keep is None else keep > 0)
     parts = intra_chunk(q, k, v, g, beta, layout["rows"])
     cs = layout["chunk_start"]
     steps = -(-T // chunk)  # the most chunks one sequence can have
@@ -132,7 +133,7 @@ def chunked_reference(q, k, v, g, beta, states, slots, fresh, query_start, *, mi
 
     finals, o = jax.lax.scan(step, initial_states(states, slots, fresh), jnp.arange(steps))  # o: [steps, B, ...]
     c = jnp.arange(nc)
-    seq = jnp.minimum(jnp.searchsorted(cs[1:], c, side="right"), B - 1)
+    seq = jnp.minimum(search_right(cs[1:], c), B - 1)
     o_chunks = o[jnp.clip(c - cs[seq], 0, steps - 1), seq]  # [NC, Hv, C, Dv]
     return _rows_out(o_chunks, layout), _write_states(states, slots if write_slots is None else write_slots, layout,
                                                       finals)
@@ -209,7 +210,8 @@ INTRA_HEADS_PER_PROGRAM = 1
                                              "parts_dtype", "packed_k_heads", "interpret"),
                    donate_argnames=("states", "out"))
 def chunked_gated_delta_rule(q, k, v, g, beta, states, slots, fresh, query_start, out=None, *, min_len: int = 1,
-                             write_slots=None, block_v: int | None = None, num_warps: int = 4, num_stages: int = 2,
+                             write_slots=None, keep=None, block_v: int | None = None, num_warps: int = 4,
+                             num_stages: int = 2,
                              exact: bool = False, intra: str = "pallas", parts_dtype=None,
                              packed_k_heads: int | None = None, interpret: bool = False
                              ) -> tuple[jax.Array, jax.Array]:
@@ -220,7 +222,9 @@ def chunked_gated_delta_rule(q, k, v, g, beta, states, slots, fresh, query_start
     beta: [T, Hv]; states: [S, Hv, Dk, Dv] float32; slots, fresh:
     [B]; query_start: [B + 1]; out: [T, Hv, Dv] or None (zeros, float32): the output buffer (donated), of which
     only the chunked sequences' rows are written, in its dtype (the recurrent kernel fills the others);
-    write_slots [B] (None: `slots`): where each sequence's final state goes. Returns (o, the pool). Dk, Dv powers
+    write_slots [B] (None: `slots`): where each sequence's final state goes; keep [B] (None: zeros): the sequences
+    with keep > 0, which keep a state after their first rows too, are left to the recurrent kernel (which writes it;
+    gated_delta_rule.py), whatever their length. Returns (o, the pool). Dk, Dv powers
     of two >= 16.
     exact: the kernels' dots in full float32 (default: TF32 on the GPU's tensor cores). intra: the
     intra-chunk part by the fused kernel ("pallas") or by XLA ("jnp": `intra_chunk`, float32); parts_dtype:
@@ -237,7 +241,7 @@ def chunked_gated_delta_rule(q, k, v, g, beta, states, slots, fresh, query_start
         raise ValueError(f"intra={intra!r} must be 'pallas' or 'jnp'")
     B = slots.shape[0]
     nc = max_chunks(T, B, CHUNK, min_len)
-    layout = chunk_layout(query_start, T, nc, CHUNK, min_len)
+    layout = chunk_layout(query_start, T, nc, CHUNK, min_len, None if keep is None else keep > 0)
     if intra == "pallas":  # 8 warps from 128 chunks: 1.82 vs 2.80 ms at 16k tokens, 4: 0.17 vs 0.26 ms at 1k
         parts = intra_chunk_pallas(q, k, v, g, beta, layout["rows"], out_dtype=parts_dtype, exact=exact,
                                    num_warps=8 if nc >= INTRA_WIDE_CHUNKS else 4, packed_k_heads=packed_k_heads,

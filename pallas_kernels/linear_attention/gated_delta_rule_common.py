@@ -8,6 +8,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from pallas_kernels.common import search_right
+
 L2_EPS = 1e-6  # HF / flash-linear-attention's l2norm epsilon
 
 
@@ -35,7 +37,7 @@ def l2norm(x: jax.Array) -> jax.Array:
 
 def token_sequences(query_start: jax.Array, num_tokens: int) -> jax.Array:
     """[T] the sequence of each row; B (one past the last) for padding rows."""
-    return jnp.searchsorted(query_start[1:], jnp.arange(num_tokens, dtype=jnp.int32), side="right").astype(jnp.int32)
+    return search_right(query_start[1:], jnp.arange(num_tokens, dtype=jnp.int32)).astype(jnp.int32)
 
 
 def head_views(q, k, v, packed_k_heads: int | None):
@@ -89,21 +91,23 @@ def initial_states(states: jax.Array, slots: jax.Array, fresh: jax.Array) -> jax
 
 def recurrent_reference(q: jax.Array, k: jax.Array, v: jax.Array, g: jax.Array, beta: jax.Array,
                         states: jax.Array, slots: jax.Array, fresh: jax.Array, query_start: jax.Array,
-                        write_slots: jax.Array | None = None
+                        write_slots: jax.Array | None = None, keep: jax.Array | None = None
                         ) -> tuple[jax.Array, jax.Array]:
     """The rule token by token (a `lax.scan` over the T rows) in float32. Returns (o [T, Hv, Dv] float32,
-    the updated states pool)."""
+    the updated states pool). write_slots, keep: as the recurrent kernel's (gated_delta_rule.py)."""
     T, B = q.shape[0], slots.shape[0]
     qh, kh = prepare_qk(q, k, v.shape[1])
     seq = token_sequences(query_start, T)
     first = jnp.arange(T) == query_start[jnp.minimum(seq, B)]  # the first row of its sequence (padding: any)
     init = initial_states(states, slots, fresh)
     init = jnp.concatenate([init, jnp.zeros_like(init[:1])])  # row B: the padding rows' scratch state
-    finals = init
+    keep = jnp.zeros_like(slots) if keep is None else keep
+    kept_row = (jnp.arange(T) - query_start[jnp.minimum(seq, B)]) < jnp.concatenate([keep, jnp.zeros(1, keep.dtype)])[
+        jnp.minimum(seq, B)]  # [T] a row within its sequence's first keep rows
 
     def step(carry, xs):
-        s, finals = carry
-        q_t, k_t, v_t, g_t, b_t, seq_t, first_t = xs
+        s, finals, kept = carry
+        q_t, k_t, v_t, g_t, b_t, seq_t, first_t, kept_t = xs
         s = jnp.where(first_t, init[seq_t], s)  # [Hv, Dk, Dv]
         s = s * jnp.exp(g_t)[:, None, None]
         kv_mem = jnp.einsum("hk,hkv->hv", k_t, s)
@@ -111,10 +115,13 @@ def recurrent_reference(q: jax.Array, k: jax.Array, v: jax.Array, g: jax.Array, 
         s = s + k_t[:, :, None] * delta[:, None, :]
         o_t = jnp.einsum("hk,hkv->hv", q_t, s)
         finals = jax.lax.dynamic_update_index_in_dim(finals, s, seq_t, 0)  # the last row of a sequence wins
-        return (s, finals), o_t
+        kept = jnp.where(kept_t, jax.lax.dynamic_update_index_in_dim(kept, s, seq_t, 0), kept)
+        return (s, finals, kept), o_t
 
-    xs = (qh, kh, v.astype(jnp.float32), g.astype(jnp.float32), beta.astype(jnp.float32), seq, first)
-    (_, finals), o = jax.lax.scan(step, (init[0], finals), xs)
+    xs = (qh, kh, v.astype(jnp.float32), g.astype(jnp.float32), beta.astype(jnp.float32), seq, first, kept_row)
+    (_, finals, kept), o = jax.lax.scan(step, (init[0], init, init), xs)
+    # the kept states first (a sequence keeping none writes its read slot's own contents back), the finals after
+    states = states.at[slots].set(jnp.where((keep > 0)[:, None, None, None], kept[:B], states[slots]))
     return o, states.at[slots if write_slots is None else write_slots].set(finals[:B])
 
 

@@ -265,3 +265,49 @@ def test_write_slots_keep_the_state_read(mode):
     np.testing.assert_array_equal(moved[writes], in_place[slots])
     np.testing.assert_array_equal(moved[np.setdiff1d(np.arange(8), writes)],
                                   np.asarray(pool)[np.setdiff1d(np.arange(8), writes)])
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_keep_leaves_the_state_after_the_known_rows_in_the_slot_read(mode):
+    """A row verifying drafts also leaves in the slot it reads the state after its known tokens (`keep` rows: the
+    scheduler goes on from there after a rejection): those slots hold what an in-place step over only those rows
+    leaves, the written slots what the whole row leaves, slots of sequences keeping none are as before; the reference
+    and the Pallas dispatch alike (the 70-row sequence keeping rows runs on the recurrent kernel), and the rings."""
+    from pallas_kernels.linear_attention.causal_conv import ring_update
+
+    interpret = mode == "interpret"
+    tol = 1e-4 if interpret else 1e-2
+    lens, fresh, keep, T = [2, 70, 1, 3], [0, 0, 1, 0], [1, 3, 0, 0], 80
+    args = problem(np.random.default_rng(7), lens, fresh, 2, 4, 16, 32, jnp.float32, T, num_slots=10)
+    slots, qs = np.asarray(args[6]), np.asarray(args[8])
+    writes = np.setdiff1d(np.arange(1, 10), slots)[:len(slots)].astype(np.int32)
+    kept = slots[np.asarray(keep) > 0]
+    rows = np.concatenate([np.arange(qs[b], qs[b] + n) for b, n in enumerate(keep)])  # the known rows
+    cut = [jnp.asarray(np.asarray(a)[np.pad(rows, (0, T - len(rows)))]) for a in args[:5]]
+    cut_qs = jnp.asarray(np.concatenate([[0], np.cumsum(keep)] + [[sum(keep)]] * (len(qs) - len(keep) - 1)), jnp.int32)
+    before = np.asarray(args[5]).copy()
+    o_ref, s_ref = recurrent_reference(*args)
+    _, s_cut = recurrent_reference(*cut, *args[5:8], cut_qs)
+    for backend in ("reference", "pallas"):
+        o, s = jax.jit(partial(gated_delta_rule, backend=backend, interpret=interpret))(
+            *args, write_slots=writes, keep=jnp.asarray(keep, jnp.int32))
+        s = np.asarray(s)
+        np.testing.assert_allclose(np.asarray(o)[:sum(lens)], np.asarray(o_ref)[:sum(lens)], atol=tol, rtol=tol)
+        np.testing.assert_allclose(s[writes], np.asarray(s_ref)[slots], atol=tol * 10, rtol=tol)
+        np.testing.assert_allclose(s[kept], np.asarray(s_cut)[kept], atol=tol * 10, rtol=tol)
+        others = np.setdiff1d(np.arange(10), np.concatenate([writes, kept]))
+        np.testing.assert_array_equal(s[others], before[others])
+    rng = np.random.default_rng(8)
+    K, C = 4, 8
+    pool = jnp.asarray(rng.standard_normal((10, K, C)), jnp.float32)
+    x = jnp.asarray(rng.standard_normal((T, C)), jnp.float32)
+    positions = np.concatenate([np.arange(n) + 5 for n in lens] + [np.zeros(T - sum(lens))]).astype(np.int32)
+    in_place = np.asarray(ring_update(x, pool, args[6], args[8], jnp.asarray(positions)))
+    known = np.asarray(ring_update(jnp.asarray(np.asarray(x)[np.pad(rows, (0, T - len(rows)))]), pool, args[6],
+                                   cut_qs, jnp.asarray(positions[np.pad(rows, (0, T - len(rows)))])))
+    moved = np.asarray(ring_update(x, pool, args[6], args[8], jnp.asarray(positions), jnp.asarray(writes),
+                                   jnp.asarray(keep, jnp.int32)))
+    np.testing.assert_array_equal(moved[writes], in_place[slots])
+    np.testing.assert_array_equal(moved[kept], known[kept])
+    others = np.setdiff1d(np.arange(1, 10), np.concatenate([writes, kept]))  # (slot 0: the scratch slot)
+    np.testing.assert_array_equal(moved[others], np.asarray(pool)[others])

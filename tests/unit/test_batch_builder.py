@@ -27,7 +27,8 @@ def schedule(rng, n: int, page_size: int):
             request_id=rid, num_new_tokens=num_new, start=start, page_ids=pages,
             token_ids=rng.integers(3, 200, num_new).tolist(), input_from_device=from_device,
             num_logits=(num_new if num_new == 1 + drafts else 1) if needs_sample else 0,
-            needs_sample=needs_sample, state_slot=int(rng.integers(0, 4)), state_write_slot=int(rng.integers(0, 8))))
+            needs_sample=needs_sample, state_slot=int(rng.integers(0, 4)), state_write_slot=int(rng.integers(0, 8)),
+            state_keep=int(rng.integers(0, num_new + 1))))
     total = sum(s.num_new_tokens for s in scheduled)
     return SimpleNamespace(scheduled=scheduled, num_scheduled_tokens=total), prev_rows
 
