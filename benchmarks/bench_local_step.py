@@ -15,6 +15,7 @@ kernels keep their speed at the narrower shapes, apart from communication. Each 
 environment's `KernelPolicy.from_env` changed in one choice), or for the o projection's experiments a ModelOps
 subclass:
 
+- mlp_tokens{N}[_{M}...]: the fused MLP kernel at steps of N [, M, ...] tokens (`pallas_mlp_tokens`; default 1);
 - mlp_i{N}[_w{W}][_s{S}]: the fused MLP kernel with N intermediate columns per program (default 128: at tp 2 an 8B
   layer gives it 48 programs for 132 SMs) [, W warps, S pipeline stages];
 - o_barrier: an optimization barrier between attention and the o projection;
@@ -149,6 +150,8 @@ def _apply(name: str, ops: ModelOps) -> ModelOps:
             p = dataclasses.replace(p, norm_qkv_k_splits=splits[0])
     elif name == "jnp_dense":
         p = dataclasses.replace(p, pallas_mlp_tokens=(), norm_qkv_max_tokens=0, fp8_skinny_o=False)
+    elif name.startswith("mlp_tokens"):
+        p = dataclasses.replace(p, pallas_mlp_tokens=tuple(int(x) for x in name.removeprefix("mlp_tokens").split("_")))
     elif name == "fp8_xla_o":
         p = dataclasses.replace(p, fp8_skinny_o=False)
     elif name == "vector_dots":
