@@ -87,12 +87,15 @@ def main() -> None:
         print(f"  {t / n:9.1f} us  x{count[name] / n:5.1f}  {name[:90]}")
 
 
-def idle_gaps(evs: list[dict]) -> None:
-    """Where the device waits: the gaps between one kernel's end and the next one's start, by size."""
+def idle_gaps(evs: list[dict], n: int = 1, top: int = 6) -> None:
+    """Where the device waits: the gaps between one kernel's end and the next one's start, by size; then the gaps
+    over 100 us by the kernels around them (the one before -> the one after), per step of `n`."""
     evs = sorted(evs, key=lambda e: e["ts"])
-    end, gaps = evs[0]["ts"] + evs[0]["dur"], []
-    for e in evs[1:]:
+    end, gaps, around = evs[0]["ts"] + evs[0]["dur"], [], collections.Counter()
+    for prev, e in zip(evs, evs[1:]):
         gaps.append(max(e["ts"] - end, 0))
+        if gaps[-1] > 100:
+            around[f"{prev['name'][:45]} -> {e['name'][:45]}"] += gaps[-1]
         end = max(end, e["ts"] + e["dur"])
     span = end - evs[0]["ts"]
     edges = (0, 10, 100, 1000, 10000, float("inf"))  # us
@@ -101,6 +104,8 @@ def idle_gaps(evs: list[dict]) -> None:
         sel = [g for g in gaps if a < g <= b]
         parts.append(f"({a:g}, {b:g}] us: {len(sel)} gaps, {sum(sel) / 1e3:.1f} ms")
     print(f"  idle {sum(gaps) / 1e3:.1f} ms of {span / 1e3:.1f} ms ({sum(gaps) / span:.1%}); " + "; ".join(parts))
+    for where, t in around.most_common(top):
+        print(f"    gaps > 100 us: {t / n:8.1f} us per step  {where}")
 
 
 def per_device(spans: list[dict], procs: dict, threads: dict, n: int, top: int) -> None:
@@ -130,7 +135,7 @@ def per_device(spans: list[dict], procs: dict, threads: dict, n: int, top: int) 
             total[e["name"]] += e["dur"]
         print(f"{procs[pid]}: {(hi - lo) / n / 1e3:.2f} ms per step first to last kernel, busy "
               f"{sum(total.values()) / n / 1e3:.2f} ms, {len(evs) / n:.0f} kernels per step")
-        idle_gaps(evs)
+        idle_gaps(evs, n)
         for name, t in total.most_common(top):
             print(f"  {t / n:9.1f} us  x{count[name] / n:5.1f}  {name[:100]}")
 
