@@ -7,13 +7,14 @@ CLI, the benchmarks). JAX-free: the choices that depend on the device (is there 
 `jinfer.ops.select_ops`.
 
 The defaults are the measured choices (H100 figures; docs/performance.md has the comparisons):
-- pallas_mlp_tokens: the fused Pallas MLP beat XLA at T = 1 (63.7 vs 77.5 us) and T = 2 (Qwen3.5-4B's verify step
-  of a token and a draft: 3.09 vs 3.38 ms, 403 kernels against 498; local_step_verify_qwen3.5-4b_h200.json). With
-  the partials' padding gone it was still slower at decode batches 8 / 16 / 32 (TPOT 4.44 / 5.13 / 7.62 ms against
-  XLA's 4.30 / 4.96 / 6.05; latency_mlp_tokens_*_qwen3-4b_h100.json), and at 5 tokens the same (Qwen3-8B, 4.60 vs
-  4.55 ms), at 40 far slower (10.6 vs 6.8; local_step_verify_mlp_qwen3-8b_h200.json); batch-2 decodes of Qwen3-4B /
-  8B within 1.5% (local_step_b2_mlp_*_h200.json). MoE layers' shared experts take the kernel at these sizes too
-  (DeepSeek-V2-Lite batch 1 on the H200: TPOT 3.18 vs 3.95 ms with them in XLA, ab_shared_fused_deepseek-v2-lite_h200).
+- pallas_mlp_tokens: the fused Pallas MLP beat XLA at T = 1 (63.7 vs 77.5 us). With the partials' padding gone it was
+  still slower at decode batches 8 / 16 / 32 (TPOT 4.44 / 5.13 / 7.62 ms against XLA's 4.30 / 4.96 / 6.05;
+  latency_mlp_tokens_*_qwen3-4b_h100.json), the same at 5 tokens (Qwen3-8B, 4.60 vs 4.55 ms), far slower at 40 (10.6
+  vs 6.8; local_step_verify_mlp_qwen3-8b_h200.json); faster at 2 (Qwen3.5-4B's verify step of a token and a draft:
+  3.09 vs 3.38 ms, local_step_verify_qwen3.5-4b_h200.json), a size no engine step has (buckets 1, 8, 16, ...: the
+  small buckets that made it one were measured slower, performance.md). MoE layers' shared experts take the kernel at
+  these sizes too (DeepSeek-V2-Lite batch 1 on the H200: TPOT 3.18 vs 3.95 ms with them in XLA,
+  ab_shared_fused_deepseek-v2-lite_h200).
 - qkv_rope_max_tokens: q/k norm + RoPE + the K/V write as one kernel up to here: at decode they are ~8 XLA kernels a
   layer of ~1.3 us launch latency each; prefill-sized steps keep XLA's fusions, which stream large inputs well.
 - norm_qkv_max_tokens: the input RMSNorm, the q|k|v projection and the above as one kernel
@@ -108,7 +109,7 @@ LaunchArgs = tuple[tuple[str, tuple[tuple[str, int | bool | None], ...]], ...]
 class KernelPolicy:
     attention_backend: str = "auto"  # one of BACKENDS; "auto": Pallas on GPU, the jnp reference elsewhere
     interpret: bool | None = None  # Pallas interpreter; None: where there is no GPU
-    pallas_mlp_tokens: tuple[int, ...] = (1, 2)  # step sizes that run the fused Pallas MLP (any iterable; sorted)
+    pallas_mlp_tokens: tuple[int, ...] = (1,)  # step sizes that run the fused Pallas MLP (any iterable; sorted)
     qkv_rope_max_tokens: int = 256
     norm_qkv_max_tokens: int = 64
     norm_qkv_k_splits: int | None = None  # None: the kernel's default_k_splits

@@ -3,9 +3,7 @@ compiled, made ready in the background during a staged warm-up, dropped when idl
 (idle_unload.py).
 
 Shapes come from a small fixed set of buckets so serving never stalls on a compile:
-- T (tokens in the step): 1 (GPU only), then powers of two from `MIN_TOKENS` up to `max_num_batched_tokens`; with a
-  drafter also Q, 2Q, ... under MIN_TOKENS (GPU only; Q = 1 + k): a verify step of a few sequences is not padded to
-  MIN_TOKENS rows (Qwen3.5-4B, one sequence and one draft: 2 rows, not 8);
+- T (tokens in the step): 1 (GPU only), then powers of two from `MIN_TOKENS` up to `max_num_batched_tokens`;
 - B (sequences): min(T, the max_num_seqs bucket): a step never has more sequences than tokens;
 - P (pages per sequence in the page table): powers of two up to the longest sequence allowed;
 - R (logits rows the sampler takes): B, or T in steps whose sequences return more rows than B (drafts);
@@ -76,14 +74,6 @@ def pow2_buckets(lo: int, hi: int) -> tuple[int, ...]:
     return tuple(out)
 
 
-def token_buckets(max_num_batched_tokens: int, gpu: bool, verify_query_len: int = 0) -> tuple[int, ...]:
-    """The T buckets (module doc): on a GPU 1, and with verify steps of Q = verify_query_len rows a sequence Q, 2Q, ...
-    under MIN_TOKENS; then MIN_TOKENS, 2 MIN_TOKENS, ... up to max_num_batched_tokens."""
-    Q = verify_query_len if gpu else 0
-    small = (1,) * gpu + tuple(Q << i for i in range(MIN_TOKENS.bit_length()) if 1 < Q << i < MIN_TOKENS)
-    return small + pow2_buckets(MIN_TOKENS, max(max_num_batched_tokens, MIN_TOKENS))
-
-
 def pick(buckets: Sequence[int], n: int) -> int:
     for b in buckets:
         if n <= b:
@@ -107,8 +97,8 @@ class StepExecutables(IdleUnloading):
         # On GPU, T=1 is its own bucket: batch-1 decode is the latency-critical case and has its own
         # kernels. Not on CPU: there XLA copies the whole KV cache when a one-token update is followed
         # by a read of the cache in the same executable (step time grew with the pool: 4 s at 4096 pages).
-        self.token_buckets = token_buckets(max_num_batched_tokens, jax.default_backend() == "gpu",
-                                           verify_query_len if self.ops.backend == "pallas" else 0)
+        one = (1,) if jax.default_backend() == "gpu" else ()
+        self.token_buckets = one + pow2_buckets(MIN_TOKENS, max(max_num_batched_tokens, MIN_TOKENS))
         self.max_seqs_bucket = pick(pow2_buckets(1, 1 << (max_num_seqs - 1).bit_length()), max_num_seqs)
         self.max_rows = self.token_buckets[-1]  # the sampled-token buffer: a row per logits row of any step
         # The reference attention gathers all P pages of every token, so P is bucketed; the Pallas

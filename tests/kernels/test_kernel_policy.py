@@ -14,7 +14,7 @@ from jinfer.config.kernels import KernelPolicy
 
 def test_defaults_are_the_measured_choices():
     p = KernelPolicy()
-    assert p.pallas_mlp_tokens == (1, 2) and p.prefetch_o == 0.2 and p.moe_front_max_tokens == 8
+    assert p.pallas_mlp_tokens == (1,) and p.prefetch_o == 0.2 and p.moe_front_max_tokens == 8
     assert p.large_step_xla_options() == {"xla_gpu_dot_merger_threshold_mb": 0}
     assert KernelPolicy(xla_dot_merger=True).large_step_xla_options() == {}
 

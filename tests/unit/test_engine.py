@@ -14,7 +14,6 @@ import pytest
 
 from jinfer.config.engine import EngineConfig
 from jinfer.engine.core import EngineCore
-from jinfer.engine.executables import token_buckets
 from jinfer.engine.idle_unload import RELOAD_AFTER_STEPS
 from jinfer.llm import LLM
 from jinfer.sampling_params import SamplingParams
@@ -184,16 +183,6 @@ def test_staged_warmup_then_idle_buckets_unload_and_load_again_on_demand(alone, 
     # small batch's decode steps must not run padded into the large first bucket.
     core.runner.warmup(first_tokens=16, background=False)
     assert {(8, False), (16, False)} <= core.runner._pinned
-
-
-def test_token_buckets():
-    """T = 1 on a GPU, with a drafter's verify steps (Q rows a sequence) Q, 2Q, ... under 8 there, then powers of two
-    from 8 to the step's limit."""
-    assert token_buckets(64, gpu=False, verify_query_len=2) == (8, 16, 32, 64)
-    assert token_buckets(64, gpu=True) == (1, 8, 16, 32, 64)
-    assert token_buckets(64, gpu=True, verify_query_len=2) == (1, 2, 4, 8, 16, 32, 64)
-    assert token_buckets(48, gpu=True, verify_query_len=3) == (1, 3, 6, 8, 16, 32, 48)
-    assert token_buckets(64, gpu=True, verify_query_len=8) == (1, 8, 16, 32, 64)
 
 
 def test_keep_alive_validated():
