@@ -103,13 +103,16 @@ def main():
     ap.add_argument("--master-port", type=int, default=29500)
     add_profile_argument(ap)
     ap.add_argument("--runs", type=int, default=2, help="unprofiled runs")
+    ap.add_argument("--max-num-seqs", type=int, default=None, help="default: max(batch size, 8); bench_latency's is "
+                    "the batch size")
     ap.add_argument("--top", type=int, default=45)
     ap.add_argument("--out")
     args = ap.parse_args()
     spec = SpeculativeConfig.parse(args.speculative_config)
     drafts = ReplayDrafts(spec, args.replay_acceptance)
     core = EngineCore(EngineConfig(model=args.model or f"dummy:{args.shape}", dtype=args.dtype,
-                                   max_model_len=args.input_len + args.output_len, max_num_seqs=max(args.batch_size, 8),
+                                   max_model_len=args.input_len + args.output_len,
+                                   max_num_seqs=args.max_num_seqs or max(args.batch_size, 8),
                                    async_scheduling=not args.no_async_scheduling, warmup=False,
                                    tensor_parallel_size=args.tensor_parallel_size,
                                    enable_expert_parallel=args.enable_expert_parallel,
