@@ -16,6 +16,7 @@ import numpy as np
 
 from jinfer.cache.manager import NULL_PAGE
 from jinfer.engine.bad_words import banned_tokens
+from jinfer.engine.request import DEVICE_DRAFT
 from jinfer.engine.sampling_tensors import SamplingTensors, mask_words, uses_penalties
 from jinfer.engine.scheduler import SchedulerOutput
 from jinfer.models.batch import Batch
@@ -79,6 +80,9 @@ def build_batch(out: SchedulerOutput, prev_rows: dict[str, int] | None, T: int, 
             tokens = [0, *tokens[1:]]
         ids.extend(tokens)
     input_ids[:total] = ids
+    device = input_ids <= DEVICE_DRAFT  # drafts the device holds (request.device_input)
+    prev_index[device] = DEVICE_DRAFT - input_ids[device]
+    input_ids[device] = 0
     if (input_ids[:total] < 0).any():
         raise ValueError("a pending token past a row's first one comes from the device: one step in flight at most")
     positions = np.zeros(T, np.int32)
@@ -126,10 +130,14 @@ def _build_small(out: SchedulerOutput, prev_rows: dict[str, int] | None, T: int,
         tables.append(pages)
         tokens = s.token_ids
         if s.input_from_device:  # its first token is the one `prev` is sampling
-            prev += [prev_rows[s.request_id]] + [-1] * (n - 1)
+            row_prev = [prev_rows[s.request_id]] + [-1] * (n - 1)
             tokens = [0, *tokens[1:]]
         else:
-            prev += [-1] * n
+            row_prev = [-1] * n
+        if s.draft_token_ids and s.draft_token_ids[0] <= DEVICE_DRAFT:  # drafts the device holds (device_input)
+            row_prev = [DEVICE_DRAFT - t if t <= DEVICE_DRAFT else p for t, p in zip(tokens, row_prev)]
+            tokens = [0 if t <= DEVICE_DRAFT else t for t in tokens]
+        prev += row_prev
         ids += tokens
         positions = range(start, start + n)
         pos += positions

@@ -3,9 +3,11 @@
 Token-count model: `all_token_ids` = prompt + accepted generated tokens, followed by
 `pending_token_ids`: tokens a step consumes before they are accepted outputs. A pending entry is
 `DEVICE_TOKEN` for a token that a launched step is sampling (its value is on the device: async
-scheduling feeds it to the next step there), or a known id: a draft token (speculative decoding) that
-the step computing it verifies. `num_computed_tokens` counts the leading tokens (pending ones too)
-whose KV is in the cache or is being written by a launched step. A step computes the next
+scheduling feeds it to the next step there), or a draft token (speculative decoding) that the step
+computing it verifies: its id, or `device_input(i)` for one the device holds at row i of the next step's
+input ids (a model drafter's; the id replaces it once that step is dispatched). `num_computed_tokens`
+counts the leading tokens (pending ones too) whose KV is in the cache or is being written by a launched
+step. A step computes the next
 `num_new_tokens` of them; when it reaches the end, it samples a token at each of its last positions
 that verify (the last accepted token and every draft after it) and the scheduler's update appends
 the accepted ones. Prefill, chunked prefill, decode, verification and recompute after preemption are
@@ -22,6 +24,13 @@ from dataclasses import dataclass, field
 from jinfer.sampling_params import SamplingParams
 
 DEVICE_TOKEN = -1  # a pending token whose value a launched step is sampling (it stays on the device)
+DEVICE_DRAFT = -2  # pending ids <= this are drafts the device holds (`device_input`)
+
+
+def device_input(index: int) -> int:
+    """The pending id of a draft the device holds at row `index` of the buffer the next step reads its input ids from
+    (the sampled ids, a head's drafts after them): -2 - index, as the batch builder and the sampler read it back."""
+    return DEVICE_DRAFT - index
 
 
 class RequestStatus(enum.Enum):
@@ -69,7 +78,7 @@ class Request:
     num_computed_tokens: int = field(default=0, init=False)
     # Tokens after all_token_ids that steps consume before they are accepted (module doc): DEVICE_TOKEN for one
     # a launched step samples (with one step in flight the scheduler schedules its decode before its value is
-    # known: the device feeds it in), or a draft token's id. Drafts always follow the last DEVICE_TOKEN.
+    # known: the device feeds it in), or a draft token's id (or `device_input`). Drafts follow the last DEVICE_TOKEN.
     pending_token_ids: list[int] = field(default_factory=list, init=False)
     num_cached_tokens: int = field(default=0, init=False)  # prefix-cache hit at first admission
     first_scheduled_time: float | None = field(default=None, init=False)  # time.time() at first admission
@@ -143,8 +152,9 @@ class Request:
     def add_draft_tokens(self, token_ids: Sequence[int]) -> None:
         """Propose tokens to verify after the request's last one (speculative decoding): the next step that
         reaches them computes them and samples at each of their positions (`accept_draft_tokens`)."""
-        if any(t < 0 for t in token_ids):
-            raise ValueError(f"request {self.request_id!r}: draft token ids must be >= 0, got {list(token_ids)}")
+        if any(t == DEVICE_TOKEN for t in token_ids):
+            raise ValueError(f"request {self.request_id!r}: draft token ids must be >= 0 (or device inputs), got "
+                             f"{list(token_ids)}")
         self.pending_token_ids.extend(token_ids)
 
     def drop_draft_tokens(self, keep: int = 0) -> None:

@@ -23,7 +23,9 @@ Async scheduling: a request's drafts need its last token, which with one step in
 engine with a proposer reads each step back before scheduling the next (as vLLM did before it combined the two), and
 builds that step's outputs (text, stop strings, logprobs) once the next is launched, while the device runs it;
 the scheduler also never schedules a request past drafts still in flight (its rows would start from a token the
-verification may reject).
+verification may reject). A model drafter's head runs behind the step on the device; its drafts are scheduled
+without their ids (`request.device_input`: the next step reads them from the device, penalties' samplers too) and
+get them once that step is dispatched, so the host does not wait for the head between two steps.
 
 Structured outputs: a draft is cut at the first token its sequence's grammar forbids (`LLMatcher.validate_tokens`)
 before it is scheduled; the mask of each verified position is the matcher's after the drafts before it (llguidance
@@ -36,7 +38,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from jinfer.engine.request import accept_draft_tokens
+from jinfer.engine.request import DEVICE_DRAFT, accept_draft_tokens
 from jinfer.spec.proposer import Proposer
 
 
@@ -58,11 +60,18 @@ class SpecDecoding:
         sequence states (grammar matchers)."""
         # (a model with states: also a sequence rolled back over a rejected draft, whose row recomputes the accepted
         # tokens, or one recomputing after preemption; its drafts follow those tokens, dropped where they do not fit)
+        for r in running:  # drafts handed over as the device's that no step took: its rows hold others' by now
+            if r.num_draft_tokens and r.pending_token_ids[-1] <= DEVICE_DRAFT:
+                r.drop_draft_tokens()
         ready = [r for r in running if not r.pending_token_ids and (r.num_computed_tokens == r.num_tokens - 1
                                                                    or (r.state_slot and r.num_output_tokens))]
-        # (called with none ready too: a model drafter reads its head's outputs back and lets go of them before the
-        # next step is launched, whose buffers then land where the last step's did)
-        for r, draft in zip(ready, self.proposer.propose(ready), strict=True):
+        # A model drafter hands its drafts over as the device holds them (the next step reads them there: the host
+        # waits for no head) where no host work needs their ids first: a grammar's, a multi-token bad word's
+        if getattr(self.proposer, "device_drafts", False):
+            drafts = self.proposer.propose(ready, [not seqs[r.request_id].needs_tokens for r in ready])
+        else:
+            drafts = self.proposer.propose(ready)
+        for r, draft in zip(ready, drafts, strict=True):
             if not draft:
                 continue
             draft = draft[:self.k]

@@ -9,8 +9,8 @@ hidden states at the head's `aux_layers` (`Launched.aux`, kept on the device).
 
 The head is launched with each step, right after the target's forward and sampler (`after_launch`, one jitted call
 on the step's own shapes, on the step's device arrays and one int32 upload of the host's part, built while the
-device runs the step): the engine reads the step's tokens and the head's drafts back together, one round trip a
-step. On the device:
+device runs the step); the engine reads the step's tokens back, and the head's drafts stay on the device. On the
+device:
 - which drafts each verification keeps (`accepted_drafts`: the samples equal to the drafts, the host's exact rule);
 - the head's first pass over *every* row of the step (prefill chunks too, so a preempted and recomputed sequence's
   head KV is rewritten): row at position q takes the token at q + 1 (a prompt token mid-prefill, a sampled id at a
@@ -19,19 +19,24 @@ step. On the device:
   chain writes the head's KV up to that row's position + k - 1: those pages are allocated at the launch
   (`allocate_slots` for k - 1 more tokens; the next step needs them for its verification row anyway); where the
   pool is short, the chain's write into a page-table entry not allocated (the reserved page 0) is dropped.
-`propose` reads the drafts [B, k] and the kept counts back (and drops the device arrays: alive during the next
-step's launch, small arrays like these can sit where its temp buffer was and move it, and a moved temp re-records the
-whole command buffer: docs/ARCHITECTURE.md); a request's drafts are handed over where the host's
-verification kept as many (its token count says so), cut to the room left in the context (the scheduler's
-`_fit_drafts` drops what does not fit the budget or max_tokens). A Qwen3.5 sequence rolled back over a rejected
-draft gets its drafts too: its recompute row verifies them.
+The step writes the drafts into the last B * k rows of the runner's sampled-ids buffer (donated: the next step's
+forward and sampler read their inputs there), and (drafts | kept counts) into a recycled buffer (`_out_free`: a new
+small array alive during the next step's launch can sit where its temp buffer was and move it, and a moved temp
+re-records the whole command buffer: docs/ARCHITECTURE.md). `propose` hands a request its drafts where the host's
+verification kept as many as the head's step started from (its token count says so), cut to the room left in the
+context (the scheduler's `_fit_drafts` drops what does not fit the budget or max_tokens): as the device holds them
+(`request.device_input` markers: the next step reads them there, so the host schedules it while the head still runs)
+where no host work needs their ids first (SpecDecoding.propose: grammars, multi-token bad words), else read back.
+Once that step is dispatched, `after_launch` reads the drafts and puts their ids in its rows (`_resolve`): its
+verification compares them with the samples. A Qwen3.5 sequence rolled back over a rejected draft gets its drafts
+too: its recompute row verifies them.
 
 Prefix cache: the head's KV at position p depends on the token at p + 1, so a hit's last page may hold KV computed
 with another next token: with a head, a prefix hit is one page shorter (`KVCacheManager(hit_drop_last_page=True)`),
 that page is recomputed. Drafts only ever cost acceptance, never correctness: pages restored from the host tier
 and the last rows of a finished sequence's cached pages carry no (or stale) head KV.
-Not built: launching the next step before this one's tokens are read back (drafts kept on the device as its inputs),
-tensor-parallel shards of the head (it runs replicated, on the reference ops), multi-process groups.
+Not built: launching the next step before this one's tokens are read back (positions shifted by the kept counts on
+the device), tensor-parallel shards of the head (it runs replicated, on the reference ops), multi-process groups.
 """
 
 from __future__ import annotations
@@ -49,6 +54,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from jinfer.config.model import ModelConfig
 from jinfer.config.speculative import SpeculativeConfig
+from jinfer.engine.request import DEVICE_DRAFT, device_input
 from jinfer.models import eagle3
 from jinfer.models.batch import Batch
 from jinfer.ops import REFERENCE_OPS
@@ -106,37 +112,83 @@ class Eagle3Proposer:
         self.kv = (zeros(), zeros())
         ops = runner.ops if runner.mesh.size == 1 else REFERENCE_OPS  # (replicated: no sharded kernels)
         self._head = jax.jit(functools.partial(head_step, chain=self.chain, cfg=cfg, num_steps=k, ops=ops),
-                             donate_argnames=("kv",), static_argnames=("dims",))
+                             donate_argnames=("kv", "tokens", "out"), static_argnames=("dims",),
+                             out_shardings=NamedSharding(runner.mesh, PartitionSpec()))  # (as the step's inputs)
         self.runner = runner
-        # the last launch's (drafts [B, k], accepted [B]) on the device, its sequences' request id -> (row, position of
-        # the first sampled row), and the host copies once read
-        self._launched: tuple[tuple[jax.Array, jax.Array], dict[str, tuple[int, int]]] | None = None
-        self._read: tuple[np.ndarray, np.ndarray] | None = None
-        self._mismatched = False  # (logged once: `propose`)
+        # The last launch: its (drafts | accepted) [B, k + 1] on the device, its sequences' request id -> (row, position
+        # of the first sampled row, sampled rows), where its drafts sit in the next step's input ids (`_tail`; None:
+        # nowhere), and the host copy once read. Its buffer comes from (and once read goes back to) `_out_free`: a new
+        # small array alive across the next forward's launch could move that forward's temporary (docs/ARCHITECTURE.md)
+        self._launched: tuple[jax.Array | None, dict[str, tuple[int, int, int]], int | None] | None = None
+        self._read: np.ndarray | None = None
+        self._out_free: dict[int, list[jax.Array]] = {}
+        self._mismatched = False  # (logged once)
 
     cache_spec = staticmethod(eagle3.cache_spec)  # the head's one layer of KV
     chain = staticmethod(_chain)  # (weights, kv, batch, aux, live, *, cfg, num_steps, ops) -> (drafts, kv)
 
-    def propose(self, requests: Sequence) -> list[list[int]]:
+    device_drafts = True  # `propose` may hand drafts over as the device's (SpecDecoding.propose)
+
+    def propose(self, requests: Sequence, on_device: Sequence[bool] | None = None) -> list[list[int]]:
         """The drafts the last launch's chain made for these requests, where the verification the host accepted is
-        the one the chain started from (none for a request that moved on since)."""
+        the one the chain started from (none for a request that moved on since). Where `on_device[i]`, request i's are
+        handed over as the device holds them (`request.device_input` markers: the next step reads them there, the host
+        waits for nothing; `after_launch` puts their ids in once that step is dispatched); the others are read back."""
         if self._launched is None:
             return [[] for _ in requests]
-        if self._read is None:  # (the device arrays are let go of once read: module doc)
-            self._read = tuple(np.asarray(a) for a in self._launched[0])
-            self._launched = None, self._launched[1]
-        (drafts, accepted), rows = self._read, self._launched[1]
+        _, rows, tail = self._launched
+        on_device = [False] * len(requests) if on_device is None or tail is None else on_device
+        if not all(d for r, d in zip(requests, on_device) if r.request_id in rows):
+            self._fetch()
         out = []
-        for r in requests:
-            b, at = rows.get(r.request_id, (-1, 0))
+        for r, device in zip(requests, on_device, strict=True):
+            b, at, m = rows.get(r.request_id, (-1, 0, 0))
             room = min(self.k, self.max_model_len - r.num_tokens)
-            ok = b >= 0 and r.num_tokens == at + int(accepted[b]) + 2  # (its last token: at + a + 1)
-            if b >= 0 and not ok and not self._mismatched:  # (the device kept other drafts than the host: a bug)
-                self._mismatched = True
-                log.warning("request %s: the head's step kept %d drafts, the host's verification %d; its drafts are "
-                            "dropped", r.request_id, int(accepted[b]), r.num_tokens - at - 2)
-            out.append(drafts[b, :room].tolist() if ok and room > 0 else [])
+            kept = r.num_tokens - at - 2  # the drafts the host's verification kept (its last token: at + kept + 1)
+            if b < 0 or room <= 0 or not 0 <= kept < m:
+                out.append([])
+            elif device:
+                out.append([device_input(tail + b * self.k + j) for j in range(room)])
+            elif self._agrees(r.request_id, b, kept):
+                out.append(self._read[b, :room].tolist())
+            else:
+                out.append([])
         return out
+
+    def _fetch(self) -> np.ndarray:
+        """The last launch's (drafts | accepted) on the host; its device buffer goes back to `_out_free`."""
+        if self._read is None:
+            result, rows, tail = self._launched
+            self._read = np.asarray(result)
+            self._out_free.setdefault(result.shape[0], []).append(result)
+            self._launched = None, rows, tail
+        return self._read
+
+    def _agrees(self, request_id: str, b: int, kept: int) -> bool:
+        """Whether the head's step kept as many drafts as the host's verification (else its chain started elsewhere:
+        a bug, logged once; its drafts cost only acceptance)."""
+        device = int(self._read[b, self.k])
+        if device != kept and not self._mismatched:
+            self._mismatched = True
+            log.warning("request %s: the head's step kept %d drafts, the host's verification %d; its drafts are "
+                        "dropped", request_id, device, kept)
+        return device == kept
+
+    def _resolve(self, scheduled) -> None:
+        """The ids of the drafts handed over as the device's (`propose`) into the scheduled rows and their requests'
+        pending tokens, from the last launch's copy (read now: the step that reads them on the device is dispatched)."""
+        marked = [s for s in scheduled if s.draft_token_ids and s.draft_token_ids[0] <= DEVICE_DRAFT]
+        if not marked:
+            return
+        read, (_, rows, tail) = self._fetch(), self._launched
+        ids = lambda tokens: [int(read[divmod(DEVICE_DRAFT - t - tail, self.k)]) if t <= DEVICE_DRAFT else t
+                              for t in tokens]
+        for s in marked:
+            b, at, _ = rows[s.request_id]
+            self._agrees(s.request_id, b, s.request.num_tokens - at - 2)  # (else only acceptance suffers)
+            pending = s.request.pending_token_ids
+            pending[:] = ids(pending)
+            s.draft_token_ids[:] = ids(s.draft_token_ids)
 
     def warmup(self) -> None:
         """Compile the head's step for the buckets the runner made ready (each token bucket with its sequence bucket,
@@ -148,21 +200,27 @@ class Eagle3Proposer:
             for P in self.page_buckets:
                 packed = np.zeros(sum(head_sizes((T, B, P, K))), np.int32)
                 packed[T:2 * T] = -1  # (slots: nothing written)
-                out, self.kv = self._head(self.weights, self.kv, packed, aux, r._last_tokens, dims=(T, B, P, K))
+                out, _ = self._call(packed, aux, (T, B, P, K))
                 jax.block_until_ready(out)
+                self._out_free.setdefault(B, []).append(out)
 
     def prepare(self, out, built, forced: dict[str, int] | None = None):
         """A step's batch is built, nothing of it dispatched yet (`ModelRunner.launch`): returns what launches the head
         behind it (`after_launch`). `forced` (benchmarks: `ForcedAcceptance`): request id -> the drafts its
         verification keeps, instead of the exact rule."""
-        self._launched, self._read = None, None
         return functools.partial(self.after_launch, forced=forced)
 
     def after_launch(self, launched, forced: dict[str, int] | None = None) -> None:
         """Launch the head behind a step just dispatched (`Launched`: its scheduler output, padded batch, hidden states
         and sampled ids, all still on the device), its inputs built while the device runs the step and uploaded as
-        one int32 buffer (`head_inputs`); the next `propose` reads its drafts."""
+        one int32 buffer (`head_inputs`); the next `propose` reads its drafts. First the step's drafts handed over as
+        the device's get their ids (`_resolve`)."""
         built, scheduled = launched.batch, launched.out.scheduled
+        if self._launched is not None:
+            self._resolve(scheduled)
+            if (result := self._launched[0]) is not None:  # (not read: its buffer serves a later head step as is)
+                self._out_free.setdefault(result.shape[0], []).append(result)
+        self._launched, self._read = None, None
         if built is None or launched.aux is None or not scheduled:
             return
         T, B, K = built.input_ids.shape[0], built.seq_lens.shape[0], max(self.k, 1)
@@ -186,7 +244,7 @@ class Eagle3Proposer:
             drafts[b, :m - 1] = s.draft_token_ids
             if forced is not None:
                 force[b] = min(forced.get(s.request_id, 0), m - 1)
-            rows[s.request_id] = (b, int(built.positions[lo + n - m]))
+            rows[s.request_id] = (b, int(built.positions[lo + n - m]), m)
             live[b] = 1
             ahead = min(self.k - 1, self.max_model_len - r.num_computed_tokens)
             if ahead > 0:  # the chain's KV positions (module doc); where the pool is short, writes are dropped
@@ -203,10 +261,22 @@ class Eagle3Proposer:
             page_table[b, :len(pages)] = pages
         packed = np.concatenate([ids, slots, built.positions, built.query_start, built.seq_lens, page_table.ravel(),
                                  at, live, first, count, drafts.ravel(), force]).astype(np.int32)
-        out, self.kv = self._head(self.weights, self.kv, packed, launched.aux, launched.tokens, dims=(T, B, P2, K))
-        for a in out:
-            a.copy_to_host_async()
-        self._launched = out, rows
+        out, tail = self._call(packed, launched.aux, (T, B, P2, K))
+        out.copy_to_host_async()
+        self._launched = out, rows, tail
+
+    def _call(self, packed: np.ndarray, aux: jax.Array, dims: tuple[int, int, int, int]
+              ) -> tuple[jax.Array, int | None]:
+        """Run the head's step on the runner's latest sampled ids: ((drafts | accepted) [B, K + 1] in a recycled
+        buffer, where its drafts sit in the next step's input ids, or None where they do not fit). The ids' buffer,
+        donated, becomes the runner's with the drafts in its last B * K rows (`head_step`)."""
+        B, K = dims[1], dims[3]
+        free = self._out_free.get(B)
+        out = free.pop() if free else put(np.zeros((B, K + 1), np.int32), self.runner._replicated)
+        out, self.kv, self.runner._last_tokens = self._head(self.weights, self.kv, packed, aux,
+                                                            self.runner._last_tokens, out, dims=dims)
+        rows = self.runner.max_rows
+        return out, rows - B * K if B * K <= rows else None
 
 
 def head_sizes(dims: tuple[int, int, int, int]) -> list[int]:
@@ -261,11 +331,18 @@ def head_rows(batch: Batch, tokens: jax.Array, first: jax.Array, count: jax.Arra
                                logits_indices=last.astype(jnp.int32))
 
 
-def head_step(weights, kv, packed, aux, tokens, *, dims, chain, cfg, num_steps, ops):
+def head_step(weights, kv, packed, aux, tokens, out, *, dims, chain, cfg, num_steps, ops):
     """The head's device step after a verification (one jitted call): acceptance, its rows, the chain, on the inputs
-    `after_launch` packed (`head_inputs`). Returns ((drafts [B, num_steps], accepted [B]), kv)."""
+    `after_launch` packed (`head_inputs`) and the step's sampled ids `tokens` [rows]. Returns ((drafts [B, num_steps] |
+    accepted [B]) [B, num_steps + 1], written into the donated `out` of that shape; kv; `tokens` (donated) with the
+    drafts, row-major, in its last B * num_steps rows, where the next step's rows read them (`request.device_input`),
+    if they fit)."""
+    del out
     batch, live, first, count, drafts, forced = head_inputs(packed, dims)
     accepted = accepted_drafts(tokens, first, count, drafts, forced)
-    out, kv = chain(weights, kv, head_rows(batch, tokens, first, count, drafts, accepted), aux, live, cfg=cfg,
+    new, kv = chain(weights, kv, head_rows(batch, tokens, first, count, drafts, accepted), aux, live, cfg=cfg,
                     num_steps=num_steps, ops=ops)
-    return (out, accepted), kv
+    n = new.size
+    if n <= tokens.shape[0]:
+        tokens = jax.lax.dynamic_update_slice(tokens, new.reshape(-1).astype(tokens.dtype), (tokens.shape[0] - n,))
+    return jnp.concatenate([new, accepted[:, None]], axis=1).astype(jnp.int32), kv, tokens

@@ -91,8 +91,12 @@ class ForcedAcceptance:
         self.inner, self.k = inner, inner.k
         self._trials = _Trials(inner.k, acceptance, seed)
 
-    def propose(self, requests: Sequence) -> list[list[int]]:
-        drafts = self.inner.propose(requests)
+    @property
+    def device_drafts(self) -> bool:
+        return getattr(self.inner, "device_drafts", False)
+
+    def propose(self, requests: Sequence, *on_device) -> list[list[int]]:
+        drafts = self.inner.propose(requests, *on_device)
         for r, right in zip(requests, self._trials.draw(len(requests)), strict=True):
             self._trials.plan(r.request_id, right)
         return drafts

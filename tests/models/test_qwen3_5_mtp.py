@@ -145,30 +145,37 @@ def mtp_engine():
 
 
 def test_engine_drafts_are_the_golden_chain(setup, mtp_engine):
-    """The drafts the engine's MTP proposer hands over after a prompt's prefill: the reference's chain."""
+    """The drafts the engine's MTP proposer hands over after a prompt's prefill (as the device holds them: their ids
+    as the first verification checks them): the reference's chain."""
     from jinfer.sampling_params import SamplingParams
 
     _, _, _, golden, prompts, _ = setup
-    proposer, seen = mtp_engine.spec.proposer, {}
-    original = proposer.propose
-    proposer.propose = lambda reqs: [seen.setdefault(r.request_id, d) for r, d in zip(reqs, original(reqs))]
+    spec, seen = mtp_engine.spec, {}
+    original = spec.accept
+
+    def accept(rid, drafts, sampled):
+        if drafts:
+            seen.setdefault(rid, list(drafts))
+        return original(rid, drafts, sampled)
+
+    spec.accept = accept
     try:
         for i, p in enumerate(prompts):
-            mtp_engine.add_request(f"g{i}", p, SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True))
+            mtp_engine.add_request(f"g{i}", p, SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True))
         while mtp_engine.has_unfinished_requests():
             mtp_engine.step()
     finally:
-        proposer.propose = original
+        del spec.accept
     for i in range(len(prompts)):
         sure = golden[f"chain_margin_{i}"] > 1e-3
         assert (np.asarray(seen[f"g{i}"])[sure] == golden[f"chain_ids_{i}"][sure]).all(), i
 
 
 def test_engine_greedy_with_mtp_equals_hf(mtp_engine):
-    """Batch 3, mixed prompt lengths (5, 37, 80 tokens): HF's greedy ids with MTP drafts, some accepted, some
-    rejected (the random layer guesses poorly: each rejection recomputes from the state before its row). The head
-    launched behind each step kept as many drafts as the host's verification: every sequence that sampled in a step
-    gets drafts for the next (the recompute after a rejection too)."""
+    """Batch 3, mixed prompt lengths (5, 37, 80 tokens): HF's greedy ids with MTP drafts, all rejected here (the
+    random layer guesses poorly; kept drafts: `test_forced_acceptance_on_the_mtp_head`). The head launched behind each
+    step kept as many drafts as the host's verification: every sequence that sampled in a step gets drafts for the
+    next, handed over as the device holds them."""
     from jinfer.sampling_params import SamplingParams
 
     gold = np.load(DATA / "golden" / "tiny-qwen3_5.npz")
@@ -190,19 +197,20 @@ def test_engine_greedy_with_mtp_equals_hf(mtp_engine):
     drafted = after["spec_decode_num_draft_tokens"] - before["spec_decode_num_draft_tokens"]
     accepted = after["spec_decode_num_accepted_tokens"] - before["spec_decode_num_accepted_tokens"]
     assert drafted > 0 and accepted < drafted
+    assert any(d[0] <= -2 for d in handed)  # (handed over as the device holds them: request.device_input)
     kv = mtp_engine.kv
     assert kv.num_free_state_slots == kv.num_state_slots - 1 and kv.num_free_pages == kv.num_usable_pages
 
 
-def watch_handed(proposer) -> list[bool]:
+def watch_handed(proposer) -> list[list[int]]:
     """Wrap `proposer.propose` (undone by deleting the attribute): for each request that sampled in the last launch,
-    whether it got drafts, appended to the list returned."""
+    the drafts it got (empty: none), appended to the list returned."""
     handed, original = [], proposer.propose
 
-    def propose(requests):
+    def propose(requests, *on_device):
         sampled = proposer._launched[1] if proposer._launched else {}
-        drafts = original(requests)
-        handed.extend(bool(d) for r, d in zip(requests, drafts) if r.request_id in sampled)
+        drafts = original(requests, *on_device)
+        handed.extend(list(d) for r, d in zip(requests, drafts) if r.request_id in sampled)
         return drafts
 
     proposer.propose = propose
@@ -211,29 +219,37 @@ def watch_handed(proposer) -> list[bool]:
 
 def test_forced_acceptance_on_the_mtp_head(mtp_engine):
     """The benchmarks' forced outcomes around the engine's MTP drafter (bench_latency --replay-acceptance with
-    "method": "mtp"): at P = 1 every draft is kept, at 0 none, the head drafting each step either way."""
+    "method": "mtp"): at P = 1 every draft is kept, at 0 none, the head drafting each step either way. At P = 1 the
+    kept drafts become the outputs, so the drafts the next steps read on the device (`request.device_input`) must be
+    the ids the host recorded: the same tokens as with every draft read back first (device_drafts off)."""
     from jinfer.sampling_params import SamplingParams
     from jinfer.spec.decoding import SpecDecoding
     from jinfer.spec.replay import ForcedAcceptance
 
     own = mtp_engine.spec
     params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    outputs = {}
     try:
-        for p in (1.0, 0.0):
+        for p, device in ((1.0, True), (1.0, False), (0.0, True)):
+            own.proposer.device_drafts = device
             mtp_engine.spec = SpecDecoding(ForcedAcceptance(own.proposer, p))
-            mtp_engine.add_request(f"forced{p}", list(range(3, 20)), params)
+            rid = f"forced{p}{device}"
+            mtp_engine.add_request(rid, list(range(3, 20)), params)
             handed = watch_handed(own.proposer)  # (the head keeps the forced drafts too)
             try:
                 while mtp_engine.has_unfinished_requests():
-                    mtp_engine.step()
+                    outputs[(p, device)] = outputs.get((p, device), []) + [
+                        t for d in mtp_engine.step() if d.request_id == rid for t in d.new_token_ids]
             finally:
                 del own.proposer.propose
-            assert handed and all(handed)
+            assert handed and all(handed) and all((d[0] <= -2) == device for d in handed)
             s = mtp_engine.spec.stats()
             assert s["spec_decode_num_draft_tokens"] > 0
             assert s["spec_decode_num_accepted_tokens"] == (s["spec_decode_num_draft_tokens"] if p else 0)
     finally:
         mtp_engine.spec = own
+        del own.proposer.device_drafts
+    assert outputs[(1.0, True)] == outputs[(1.0, False)] and len(outputs[(1.0, True)]) == 12
 
 
 def test_dummy_target_gets_a_random_mtp_layer(setup):

@@ -9,6 +9,7 @@ import pytest
 
 from jinfer.engine import batch_builder
 from jinfer.engine.batch_builder import build_batch
+from jinfer.engine.request import device_input
 from jinfer.engine.step_inputs import pack_batch
 
 
@@ -23,9 +24,14 @@ def schedule(rng, n: int, page_size: int):
         pages = rng.integers(1, 100, -(-(start + num_new) // page_size)).tolist()
         rid = f"r{i}"
         prev_rows[rid] = int(rng.integers(0, 8))
+        tokens = rng.integers(3, 200, num_new).tolist()
+        verify = needs_sample and num_new == 1 + drafts and drafts
+        if verify and rng.random() < 0.5:  # drafts the device holds (request.device_input)
+            tokens[1:] = [device_input(int(x)) for x in rng.integers(100, 2048, drafts)]
         scheduled.append(SimpleNamespace(
             request_id=rid, num_new_tokens=num_new, start=start, page_ids=pages,
-            token_ids=rng.integers(3, 200, num_new).tolist(), input_from_device=from_device,
+            draft_token_ids=tokens[1:] if verify else [],
+            token_ids=tokens, input_from_device=from_device,
             num_logits=(num_new if num_new == 1 + drafts else 1) if needs_sample else 0,
             needs_sample=needs_sample, state_slot=int(rng.integers(0, 4)), state_write_slot=int(rng.integers(0, 8)),
             state_keep=int(rng.integers(0, num_new + 1))))
@@ -49,4 +55,9 @@ def test_small_steps_match_the_numpy_path(seed, monkeypatch):
         np.testing.assert_array_equal(a, b)
     assert big.packed is None
     np.testing.assert_array_equal(small.packed, pack_batch(big.batch, big.prev_index))
+    for s, lo in zip(out.scheduled, big.batch.query_start):  # device drafts: read from the device's rows, id 0
+        marked = np.asarray(s.token_ids) <= -2
+        rows = lo + np.flatnonzero(marked)
+        np.testing.assert_array_equal(big.prev_index[rows], -2 - np.asarray(s.token_ids)[marked])
+        assert not big.batch.input_ids[rows].any()
     assert small.packed.dtype == np.int32

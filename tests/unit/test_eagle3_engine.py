@@ -62,26 +62,64 @@ def test_greedy_outputs_equal_without_speculation(plain, spec, batch):
     assert_same(again, want)
 
 
-def first_drafts(engine, rid: str, prompt: list[int]) -> tuple[int, list[int]]:
-    """Run one request to its end; (its first token, the drafts the engine proposed after it)."""
-    proposer, proposed = engine.spec.proposer, {}
+def test_device_drafts_with_penalties_seeds_and_min_tokens(plain, spec):
+    """The head's drafts go to the next step as the device holds them (`request.device_input`), penalized rows'
+    samplers read them there too: seeded, penalized and min_tokens requests give the tokens they give without
+    drafts; and with every draft kept (forced: their ids become outputs and penalize the samples after them) the
+    tokens they give with the drafts read back first."""
+    from jinfer.spec.decoding import SpecDecoding
+    from jinfer.spec.replay import ForcedAcceptance
+
+    prompts = spec_prompts(4, seed=11)
+    params = [SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True, frequency_penalty=0.5,
+                             repetition_penalty=1.5),
+              SamplingParams(temperature=0.8, seed=3, max_tokens=10, ignore_eos=True, presence_penalty=0.5),
+              SamplingParams(temperature=0.0, max_tokens=10, min_tokens=6, stop_token_ids=[200, 44, 214]),
+              GREEDY]
+    proposer, marked = spec.spec.proposer, []
     original = proposer.propose
 
-    def propose(requests):
-        drafts = original(requests)
-        for r, d in zip(requests, drafts):
-            if r.request_id == rid and r.num_tokens == len(prompt) + 1:
-                proposed.setdefault(rid, d)
+    def propose(requests, *on_device):
+        drafts = original(requests, *on_device)
+        marked.extend(d[0] <= -2 for d in drafts if d)
         return drafts
 
+    own, runs = spec.spec, {}
     proposer.propose = propose
+    try:
+        got, _ = generate(spec, prompts, params)
+        for device in (True, False):
+            proposer.device_drafts = device
+            spec.spec = SpecDecoding(ForcedAcceptance(proposer, 1.0))
+            runs[device], counters = generate(spec, prompts[:2], params[:2])
+            assert counters["spec_decode_num_accepted_tokens"] > 0
+    finally:
+        spec.spec = own
+        del proposer.propose, proposer.device_drafts
+    assert_same(got, generate(plain, prompts, params)[0])
+    assert_same(runs[True], runs[False])
+    assert True in marked and False in marked  # (device drafts, and the drafts read back)
+
+
+def first_drafts(engine, rid: str, prompt: list[int]) -> tuple[int, list[int]]:
+    """Run one request to its end; (its first token, the drafts the engine proposed after it: their ids as its first
+    verification checks them)."""
+    spec, proposed = engine.spec, {}
+    original = spec.accept
+
+    def accept(request_id, drafts, sampled):
+        if request_id == rid and drafts:
+            proposed.setdefault(rid, list(drafts))
+        return original(request_id, drafts, sampled)
+
+    spec.accept = accept
     engine.add_request(rid, prompt, SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True))
     tokens = []
     try:
         while engine.has_unfinished_requests():
             tokens += [t for d in engine.step() if d.request_id == rid for t in d.new_token_ids]
     finally:
-        del proposer.propose
+        del spec.accept
     return tokens[0], proposed[rid]
 
 
