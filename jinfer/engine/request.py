@@ -1,17 +1,16 @@
 """One generation request as the scheduler sees it: tokens, progress, pages, and how it ended.
 
-Token-count model: `all_token_ids` = prompt + accepted generated tokens, followed by
-`pending_token_ids`: tokens a step consumes before they are accepted outputs. A pending entry is
-`DEVICE_TOKEN` for a token that a launched step is sampling (its value is on the device: async
-scheduling feeds it to the next step there), or a draft token (speculative decoding) that the step
-computing it verifies: its id, or `device_input(i)` for one the device holds at row i of the next step's
-input ids (a model drafter's; the id replaces it once that step is dispatched). `num_computed_tokens`
-counts the leading tokens (pending ones too) whose KV is in the cache or is being written by a launched
-step. A step computes the next
-`num_new_tokens` of them; when it reaches the end, it samples a token at each of its last positions
-that verify (the last accepted token and every draft after it) and the scheduler's update appends
-the accepted ones. Prefill, chunked prefill, decode, verification and recompute after preemption are
-all this one loop. A request is one sequence: the engine fans `SamplingParams.n > 1` out into n Requests.
+Token-count model: `all_token_ids` = prompt + accepted generated tokens, followed by `pending_token_ids`:
+tokens a step consumes before they are accepted outputs. A pending entry is `DEVICE_TOKEN` for a token that a
+launched step is sampling (its value is on the device: async scheduling feeds it to the next step there), or a
+draft token (speculative decoding) that the step computing it verifies: its id, or `device_input(i)` for one
+the device holds at row i of the sampled-ids buffer the next step reads its inputs from (a model drafter's;
+the id replaces it once that step is dispatched). `num_computed_tokens` counts the leading tokens (pending
+ones too) whose KV is in the cache or is being written by a launched step. A step computes the next
+`num_new_tokens` of them; when it reaches the end, it samples a token at each of its last positions that
+verify (the last accepted token and every draft after it) and the scheduler's update appends the accepted
+ones. Prefill, chunked prefill, decode, verification and recompute after preemption are all this one loop. A
+request is one sequence: the engine fans `SamplingParams.n > 1` out into n Requests.
 """
 
 from __future__ import annotations

@@ -69,7 +69,7 @@ class Launched:
 
     out: SchedulerOutput
     packed: jax.Array  # i32[R, 3 + 2N]: token, logprob bits, rank, top ids, top logprob bits
-    tokens: jax.Array  # i32[max_rows]: sampled ids, for the next step's inputs
+    tokens: jax.Array  # i32[max_rows]: sampled ids, for the next step's inputs (a drafter's head donates it)
     rows: dict[str, tuple[int, int]]  # request id -> (first logits row, count), for sequences that sample
     # Prompt logprobs: i32[T, 2 + 2k] (target logprob bits, rank, top ids, top logprob bits), and for each of its
     # rows (request id, prompt position whose token it scores).

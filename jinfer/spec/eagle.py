@@ -113,11 +113,12 @@ class Eagle3Proposer:
         ops = runner.ops if runner.mesh.size == 1 else REFERENCE_OPS  # (replicated: no sharded kernels)
         self._head = jax.jit(functools.partial(head_step, chain=self.chain, cfg=cfg, num_steps=k, ops=ops),
                              donate_argnames=("kv", "tokens", "out"), static_argnames=("dims",),
+                             keep_unused=True,  # (`out` is not read: without this its donation is dropped)
                              out_shardings=NamedSharding(runner.mesh, PartitionSpec()))  # (as the step's inputs)
         self.runner = runner
         # The last launch: its (drafts | accepted) [B, k + 1] on the device, its sequences' request id -> (row, position
-        # of the first sampled row, sampled rows), where its drafts sit in the next step's input ids (`_tail`; None:
-        # nowhere), and the host copy once read. Its buffer comes from (and once read goes back to) `_out_free`: a new
+        # of the first sampled row, sampled rows), the row where its drafts start in the sampled-ids buffer (None: not
+        # there), and the host copy once read. Its buffer comes from (and once read goes back to) `_out_free`: a new
         # small array alive across the next forward's launch could move that forward's temporary (docs/ARCHITECTURE.md)
         self._launched: tuple[jax.Array | None, dict[str, tuple[int, int, int]], int | None] | None = None
         self._read: np.ndarray | None = None
@@ -133,7 +134,8 @@ class Eagle3Proposer:
         """The drafts the last launch's chain made for these requests, where the verification the host accepted is
         the one the chain started from (none for a request that moved on since). Where `on_device[i]`, request i's are
         handed over as the device holds them (`request.device_input` markers: the next step reads them there, the host
-        waits for nothing; `after_launch` puts their ids in once that step is dispatched); the others are read back."""
+        waits for nothing; `after_launch` puts their ids in once that step is dispatched, and only then compares the
+        head's kept count with the host's: a mismatch costs acceptance); the others are read back."""
         if self._launched is None:
             return [[] for _ in requests]
         _, rows, tail = self._launched
@@ -170,8 +172,9 @@ class Eagle3Proposer:
         device = int(self._read[b, self.k])
         if device != kept and not self._mismatched:
             self._mismatched = True
-            log.warning("request %s: the head's step kept %d drafts, the host's verification %d; its drafts are "
-                        "dropped", request_id, device, kept)
+            log.warning("request %s: the head's step kept %d drafts, the host's verification %d: its chain started "
+                        "elsewhere (drafts read back are dropped, those on the device only cost acceptance)",
+                        request_id, device, kept)
         return device == kept
 
     def _resolve(self, scheduled) -> None:

@@ -19,7 +19,9 @@ class Proposer(Protocol):
 
     def propose(self, requests: Sequence) -> list[list[int]]:
         """A draft (a list of up to k ids, maybe empty) per request, in order; a request's tokens are
-        `request.all_token_ids` (prompt + accepted outputs), none in flight."""
+        `request.all_token_ids` (prompt + accepted outputs), none in flight. A drafter with `device_drafts` = True
+        takes a second argument, a bool per request: whether its drafts may be handed over as the device holds them
+        (`request.device_input` markers instead of ids: jinfer/spec/eagle.py)."""
         ...
 
     # Optional: `prepare(out, built)`, called with each step's built batch before anything of it is dispatched,

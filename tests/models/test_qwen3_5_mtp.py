@@ -264,7 +264,9 @@ def test_dummy_target_gets_a_random_mtp_layer(setup):
 
 def test_speculative_steps_keep_their_buffers(mtp_engine):
     """Stable step buffers with a head (runner.py): the sampler's staged inputs and the forward's logits and hidden
-    states (which the head reads) stay at the same device addresses from step to step."""
+    states (which the head reads) stay at the same device addresses from step to step; the head's step writes its
+    outputs into the buffers it is given (every donated input aliased to an output: on this CPU backend a buffer read
+    into numpy is copied instead, so its address is not checked here)."""
     from jinfer.sampling_params import SamplingParams
 
     runner = mtp_engine.runner
@@ -281,6 +283,19 @@ def test_speculative_steps_keep_their_buffers(mtp_engine):
     assert {kind for kind, _ in addresses} == {"sampling", "logits", "aux"}
     assert all(len(a) == 1 for a in addresses.values()), addresses
     assert sum(a.is_deleted() for a in held) > 10  # (donated to the steps after: not kept by chance)
+    proposer, calls = mtp_engine.spec.proposer, []
+    head = proposer._head
+    proposer._head = lambda *a, **kw: calls.append((a, kw)) or head(*a, **kw)
+    try:
+        mtp_engine.add_request("stable2", list(range(3, 20)), SamplingParams(temperature=0.0, max_tokens=4))
+        while mtp_engine.has_unfinished_requests():
+            mtp_engine.step()
+    finally:
+        del proposer._head
+    args, kw = calls[-1]
+    text = head.lower(*args, **kw).as_text()
+    donated = len(jax.tree.leaves(proposer.kv)) + 2  # (the KV, the sampled ids, the (drafts | kept) buffer)
+    assert text.count("tf.aliasing_output") == donated
 
 
 def test_head_warmed_up_compiles_nothing_at_its_steps(mtp_engine):
