@@ -219,9 +219,10 @@ def watch_handed(proposer) -> list[list[int]]:
 
 def test_forced_acceptance_on_the_mtp_head(mtp_engine):
     """The benchmarks' forced outcomes around the engine's MTP drafter (bench_latency --replay-acceptance with
-    "method": "mtp"): at P = 1 every draft is kept, at 0 none, the head drafting each step either way. At P = 1 the
-    kept drafts become the outputs, so the drafts the next steps read on the device (`request.device_input`) must be
-    the ids the host recorded: the same tokens as with every draft read back first (device_drafts off)."""
+    "method": "mtp"): at P = 1 every draft is kept, at 0 none, the head drafting each step either way. Kept drafts
+    become the outputs, so the drafts the next steps read on the device (`request.device_input`) must be the ids the
+    host recorded: at P = 1 and 0.6 (some kept, then a rejection: the row goes on from its first draft, recomputing
+    those kept) the same tokens as with every draft read back first (device_drafts off)."""
     from jinfer.sampling_params import SamplingParams
     from jinfer.spec.decoding import SpecDecoding
     from jinfer.spec.replay import ForcedAcceptance
@@ -230,7 +231,7 @@ def test_forced_acceptance_on_the_mtp_head(mtp_engine):
     params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
     outputs = {}
     try:
-        for p, device in ((1.0, True), (1.0, False), (0.0, True)):
+        for p, device in ((1.0, True), (1.0, False), (0.6, True), (0.6, False), (0.0, True)):
             own.proposer.device_drafts = device
             mtp_engine.spec = SpecDecoding(ForcedAcceptance(own.proposer, p))
             rid = f"forced{p}{device}"
@@ -245,11 +246,15 @@ def test_forced_acceptance_on_the_mtp_head(mtp_engine):
             assert handed and all(handed) and all((d[0] <= -2) == device for d in handed)
             s = mtp_engine.spec.stats()
             assert s["spec_decode_num_draft_tokens"] > 0
-            assert s["spec_decode_num_accepted_tokens"] == (s["spec_decode_num_draft_tokens"] if p else 0)
+            if p in (0.0, 1.0):
+                assert s["spec_decode_num_accepted_tokens"] == (s["spec_decode_num_draft_tokens"] if p else 0)
+            else:
+                assert 0 < s["spec_decode_num_accepted_tokens"] < s["spec_decode_num_draft_tokens"]
     finally:
         mtp_engine.spec = own
         del own.proposer.device_drafts
-    assert outputs[(1.0, True)] == outputs[(1.0, False)] and len(outputs[(1.0, True)]) == 12
+    for p in (1.0, 0.6):
+        assert outputs[(p, True)] == outputs[(p, False)] and len(outputs[(p, True)]) == 12
 
 
 def test_dummy_target_gets_a_random_mtp_layer(setup):

@@ -1,6 +1,7 @@
 """Speculative decoding on the tiny Qwen3.5 (Gated DeltaNet layers with a state per sequence, one attention layer):
-a verifying row advances the state through every draft, so a rejected draft restores the state from the backup slot
-taken before the step and recomputes the accepted tokens (jinfer/engine/scheduler.py). Greedy outputs equal HF's
+a verifying row reads one slot of its pair, writes the state after the whole row to the other and the state after its
+known tokens to the first, so a rejection goes on from its first draft and recomputes the drafts it kept
+(jinfer/engine/scheduler.py). Greedy outputs equal HF's
 and the engine's without drafts, token for token, at batch 1 and 4, with n-gram drafts and with a replay drafter
 that forces rejections, under preemption, and with n > 1 samples forked from one prefill."""
 
