@@ -5,7 +5,9 @@
 # BASE is the other tree (e.g. `git archive <commit> | tar -x -C .base`, carried to the device as an ignored path);
 # the current tree is "new". Writes $OUT/ab_<shape>.json (every process's rows, per tree) via benchmarks/ab_summary.py,
 # and every process's whole log in $OUT/ab_<shape>_logs.txt. SPEC=JSON (with REPLAY=P): bench_latency with that
-# --speculative-config (and --replay-acceptance P).
+# --speculative-config (and --replay-acceptance P). BENCHES with "hostprof": in round 1 each tree's host_profile --profile
+# at the first batch size (max_num_seqs as bench_latency's; the base tree needs host_profile's --max-num-seqs), read by
+# this tree's trace_summary (busy time, the device's gaps by the kernels around them) into $OUT/host_trace_<shape>_<side>.txt.
 set -uo pipefail
 source benchmarks/gpu_env.sh
 BASE=${BASE:?set BASE to the other tree}
@@ -29,7 +31,16 @@ for shape in "$@"; do
         [[ " $BENCHES " != *" latency "* ]] || { timeout "$LATENCY_TIMEOUT" python3 -m benchmarks.bench_latency --shape "$shape" --batch-sizes $BATCHES --input-len 1024 \
           --output-len "$OUTPUT_LEN" --repeat 1 "${SPEC_ARGS[@]}" --out "/tmp/ab/${side}_latency_${shape}_$r.json" \
           > "/tmp/ab_logs/${side}_latency_${shape}_$r.log" 2>&1 ;
-        grep -E "^batch|Error" "/tmp/ab_logs/${side}_latency_${shape}_$r.log" ; } ) | sed "s/^/[$shape $side $r] /"
+        grep -E "^batch|Error" "/tmp/ab_logs/${side}_latency_${shape}_$r.log" ; }
+        [[ " $BENCHES " != *" hostprof "* || $r != 1 ]] || { rm -rf "/tmp/hp_$side"; b=${BATCHES%% *}
+          timeout "$LATENCY_TIMEOUT" python3 -m benchmarks.host_profile --shape "$shape" --batch-size "$b" --max-num-seqs "$b" \
+            --output-len "$OUTPUT_LEN" --runs 1 --top 30 "${SPEC_ARGS[@]}" --profile "/tmp/hp_$side" \
+            > "/tmp/ab_logs/${side}_hostprof_${shape}_$r.log" 2>&1
+          steps=$(grep -h "^trace" "/tmp/ab_logs/${side}_hostprof_${shape}_$r.log" | awk '{print $2}')
+          [[ -z $steps ]] || PYTHONPATH=/tmp/site:$NEW python3 -m benchmarks.trace_summary \
+            "$(find "/tmp/hp_$side" -name '*.trace.json.gz' | head -1)" --steps "$steps" --top 30 > "$OUT/host_trace_${shape}_$side.txt" 2>&1
+          grep -E "^median|Error" "/tmp/ab_logs/${side}_hostprof_${shape}_$r.log"; grep -A4 "device:GPU:0:" "$OUT/host_trace_${shape}_$side.txt"; }
+      ) | sed "s/^/[$shape $side $r] /"
     done
     python3 benchmarks/ab_summary.py /tmp/ab "$shape" > "$OUT/ab_${shape}.json"  # after every round (time limits)
     for f in /tmp/ab_logs/*_"${shape}"_*.log; do echo "=== $f"; cat "$f"; done > "$OUT/ab_${shape}_logs.txt"
