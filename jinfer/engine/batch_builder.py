@@ -134,7 +134,7 @@ def _build_small(out: SchedulerOutput, prev_rows: dict[str, int] | None, T: int,
             tokens = [0, *tokens[1:]]
         else:
             row_prev = [-1] * n
-        if s.draft_token_ids and s.draft_token_ids[0] <= DEVICE_DRAFT:  # drafts the device holds (device_input)
+        if s.device_drafts:  # read from the device's rows (request.device_input)
             row_prev = [DEVICE_DRAFT - t if t <= DEVICE_DRAFT else p for t, p in zip(tokens, row_prev)]
             tokens = [0 if t <= DEVICE_DRAFT else t for t in tokens]
         prev += row_prev

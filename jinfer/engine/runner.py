@@ -56,7 +56,7 @@ from jinfer.models.base import Weights
 from jinfer.models.batch import Batch
 from jinfer.models.registry import cache_spec
 from jinfer.ops import REFERENCE_OPS, ModelOps
-from jinfer.parallel.mesh import all_reduce_table, put
+from jinfer.parallel.mesh import RecycledBuffers, all_reduce_table, put
 
 log = logging.getLogger(__name__)
 
@@ -135,7 +135,7 @@ class ModelRunner(StepExecutables):
         # The sampler's packed samples are written into a donated buffer of their shape, one a fetched step gave back
         # (`fetch`): a new small array each step, alive until its read-back, had landed where the forward's temp
         # buffer had been, moving the next temp (the CUDA pool) and re-recording the forward's command buffer.
-        self._packed_free: dict[tuple[int, int], list[jax.Array]] = {}
+        self._packed = RecycledBuffers(self._replicated)
         self._placeholder = put(np.zeros(1, np.float32), self._replicated)  # large steps' logits_out (not donated)
         self._staged: dict[int, jax.Array] = {}
         self._staged_sampling: dict[int, jax.Array] = {}  # the sampler's inputs, by size (`run_step`, `launch`)
@@ -390,15 +390,11 @@ class ModelRunner(StepExecutables):
 
     def give_back_packed(self, packed: jax.Array) -> None:
         """A step's packed samples, read (or never to be read), become a buffer for a later sampler (`_packed_out`)."""
-        free = self._packed_free.setdefault(packed.shape, [])
-        if len(free) < 4:
-            free.append(packed)
+        self._packed.give_back(packed)
 
     def _packed_out(self, rows: int, num_logprobs: int) -> jax.Array:
         """A buffer for a sampler's packed samples (donated to it): one a fetched step gave back, else a new one."""
-        shape = packed_shape(rows, num_logprobs)
-        free = self._packed_free.get(shape)
-        return free.pop() if free else put(np.zeros(shape, np.int32), self._replicated)
+        return self._packed.take(packed_shape(rows, num_logprobs))
 
     def fetch_prompt_logprobs(self, launched: Launched) -> PromptLogprobs | None:
         if launched.prompt_packed is None:

@@ -61,7 +61,7 @@ from dataclasses import dataclass, field
 from jinfer.cache.host_tier import KVTransfers
 from jinfer.cache.manager import KVCacheManager
 from jinfer.config.engine import SchedulerConfig
-from jinfer.engine.request import DEVICE_TOKEN, FinishReason, Request, RequestStatus
+from jinfer.engine.request import DEVICE_DRAFT, DEVICE_TOKEN, FinishReason, Request, RequestStatus
 
 
 @dataclass
@@ -98,6 +98,11 @@ class ScheduledRequest:
     @property
     def state_slot(self) -> int:
         return self.request.state_slot
+
+    @property
+    def device_drafts(self) -> bool:
+        """Whether its drafts are ones the device holds (`request.device_input`; their ids come once it is launched)."""
+        return bool(self.draft_token_ids) and self.draft_token_ids[0] <= DEVICE_DRAFT
 
     @property
     def state_write_slot(self) -> int:

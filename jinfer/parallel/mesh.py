@@ -74,6 +74,27 @@ def put(host, sharding):
     return jax.make_array_from_callback(host.shape, sharding, lambda index: host[index])
 
 
+class RecycledBuffers:
+    """int32 device buffers by shape for an executable's small outputs: each is donated to the call that writes it and
+    given back once read (or never to be read). A new small array alive across a step's launch can sit where the
+    forward's temp buffer was and move it (its command buffer re-recorded: docs/ARCHITECTURE.md); these keep their
+    addresses. At most `keep` of a shape wait."""
+
+    def __init__(self, sharding, keep: int = 4):
+        self.sharding, self.keep = sharding, keep
+        self._free: dict[tuple[int, ...], list[jax.Array]] = {}
+
+    def take(self, shape: tuple[int, ...]) -> jax.Array:
+        """One given back of this shape, else a new one (zeros)."""
+        free = self._free.get(tuple(shape))
+        return free.pop() if free else put(np.zeros(shape, np.int32), self.sharding)
+
+    def give_back(self, buffer: jax.Array) -> None:
+        free = self._free.setdefault(buffer.shape, [])
+        if len(free) < self.keep:
+            free.append(buffer)
+
+
 def rules(expert_parallel: bool = False) -> dict[str, str | None]:
     return EXPERT_PARALLEL_RULES if expert_parallel else LOGICAL_RULES
 

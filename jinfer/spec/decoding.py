@@ -38,7 +38,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from jinfer.engine.request import DEVICE_DRAFT, accept_draft_tokens
+from jinfer.engine.request import accept_draft_tokens
 from jinfer.spec.proposer import Proposer
 
 
@@ -60,9 +60,6 @@ class SpecDecoding:
         sequence states (grammar matchers)."""
         # (a model with states: also a sequence rolled back over a rejected draft, whose row recomputes the accepted
         # tokens, or one recomputing after preemption; its drafts follow those tokens, dropped where they do not fit)
-        for r in running:  # drafts handed over as the device's that no step took: its rows hold others' by now
-            if r.num_draft_tokens and r.pending_token_ids[-1] <= DEVICE_DRAFT:
-                r.drop_draft_tokens()
         ready = [r for r in running if not r.pending_token_ids and (r.num_computed_tokens == r.num_tokens - 1
                                                                    or (r.state_slot and r.num_output_tokens))]
         # A model drafter hands its drafts over as the device holds them (the next step reads them there: the host

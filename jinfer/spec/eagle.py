@@ -20,16 +20,15 @@ device:
   (`allocate_slots` for k - 1 more tokens; the next step needs them for its verification row anyway); where the
   pool is short, the chain's write into a page-table entry not allocated (the reserved page 0) is dropped.
 The step writes the drafts into the last B * k rows of the runner's sampled-ids buffer (donated: the next step's
-forward and sampler read their inputs there), and (drafts | kept counts) into a recycled buffer (`_out_free`: a new
-small array alive during the next step's launch can sit where its temp buffer was and move it, and a moved temp
-re-records the whole command buffer: docs/ARCHITECTURE.md). `propose` hands a request its drafts where the host's
-verification kept as many as the head's step started from (its token count says so), cut to the room left in the
-context (the scheduler's `_fit_drafts` drops what does not fit the budget or max_tokens): as the device holds them
-(`request.device_input` markers: the next step reads them there, so the host schedules it while the head still runs)
-where no host work needs their ids first (SpecDecoding.propose: grammars, multi-token bad words), else read back.
-Once that step is dispatched, `after_launch` reads the drafts and puts their ids in its rows (`_resolve`): its
-verification compares them with the samples. A Qwen3.5 sequence rolled back over a rejected draft gets its drafts
-too: its recompute row verifies them.
+forward and sampler read their inputs there), and (drafts | kept counts) into a recycled buffer (`_out_free`,
+`parallel.mesh.RecycledBuffers`: a new one alive during the next step's launch could move its forward's temp
+buffer). `propose` hands a request its drafts where the host's verification kept as many as the head's step started
+from (its token count says so), cut to the room left in the context (the scheduler's `_fit_drafts` drops what does
+not fit the budget or max_tokens): as the device holds them (`request.device_input` markers: the next step reads
+them there, so the host schedules it while the head still runs) where no host work needs their ids first
+(SpecDecoding.propose: grammars, multi-token bad words), else read back. Once that step is dispatched,
+`after_launch` reads the drafts and puts their ids in its rows (`_resolve`): its verification compares them with the
+samples. A Qwen3.5 sequence rolled back over a rejected draft gets its drafts too: its recompute row verifies them.
 
 Prefix cache: the head's KV at position p depends on the token at p + 1, so a hit's last page may hold KV computed
 with another next token: with a head, a prefix hit is one page shorter (`KVCacheManager(hit_drop_last_page=True)`),
@@ -58,7 +57,7 @@ from jinfer.engine.request import DEVICE_DRAFT, device_input
 from jinfer.models import eagle3
 from jinfer.models.batch import Batch
 from jinfer.ops import REFERENCE_OPS
-from jinfer.parallel.mesh import put
+from jinfer.parallel.mesh import RecycledBuffers, put
 from jinfer.weights.eagle3 import load_eagle3
 
 log = logging.getLogger(__name__)
@@ -118,11 +117,11 @@ class Eagle3Proposer:
         self.runner = runner
         # The last launch: its (drafts | accepted) [B, k + 1] on the device, its sequences' request id -> (row, position
         # of the first sampled row, sampled rows), the row where its drafts start in the sampled-ids buffer (None: not
-        # there), and the host copy once read. Its buffer comes from (and once read goes back to) `_out_free`: a new
-        # small array alive across the next forward's launch could move that forward's temporary (docs/ARCHITECTURE.md)
+        # there), and the host copy once read. Its buffer comes from (and once read goes back to) `_out_free`
         self._launched: tuple[jax.Array | None, dict[str, tuple[int, int, int]], int | None] | None = None
         self._read: np.ndarray | None = None
-        self._out_free: dict[int, list[jax.Array]] = {}
+        self._handed: list = []  # requests given markers since the last launch (`_resolve` drops those no step took)
+        self._out_free = RecycledBuffers(NamedSharding(runner.mesh, PartitionSpec()))
         self._mismatched = False  # (logged once)
 
     cache_spec = staticmethod(eagle3.cache_spec)  # the head's one layer of KV
@@ -151,6 +150,7 @@ class Eagle3Proposer:
                 out.append([])
             elif device:
                 out.append([device_input(tail + b * self.k + j) for j in range(room)])
+                self._handed.append(r)
             elif self._agrees(r.request_id, b, kept):
                 out.append(self._read[b, :room].tolist())
             else:
@@ -162,7 +162,7 @@ class Eagle3Proposer:
         if self._read is None:
             result, rows, tail = self._launched
             self._read = np.asarray(result)
-            self._out_free.setdefault(result.shape[0], []).append(result)
+            self._out_free.give_back(result)
             self._launched = None, rows, tail
         return self._read
 
@@ -179,8 +179,13 @@ class Eagle3Proposer:
 
     def _resolve(self, scheduled) -> None:
         """The ids of the drafts handed over as the device's (`propose`) into the scheduled rows and their requests'
-        pending tokens, from the last launch's copy (read now: the step that reads them on the device is dispatched)."""
-        marked = [s for s in scheduled if s.draft_token_ids and s.draft_token_ids[0] <= DEVICE_DRAFT]
+        pending tokens, from the last launch's copy (read now: the step that reads them on the device is dispatched);
+        those handed to requests this step did not take are dropped."""
+        marked = [s for s in scheduled if s.device_drafts]
+        for r in self._handed:  # markers no step took: once this step has run their rows hold other drafts
+            if r.num_draft_tokens and r.pending_token_ids[-1] <= DEVICE_DRAFT:
+                r.drop_draft_tokens()
+        self._handed = []
         if not marked:
             return
         read, (_, rows, tail) = self._fetch(), self._launched
@@ -205,7 +210,7 @@ class Eagle3Proposer:
                 packed[T:2 * T] = -1  # (slots: nothing written)
                 out, _ = self._call(packed, aux, (T, B, P, K))
                 jax.block_until_ready(out)
-                self._out_free.setdefault(B, []).append(out)
+                self._out_free.give_back(out)
 
     def prepare(self, out, built, forced: dict[str, int] | None = None):
         """A step's batch is built, nothing of it dispatched yet (`ModelRunner.launch`): returns what launches the head
@@ -222,7 +227,7 @@ class Eagle3Proposer:
         if self._launched is not None:
             self._resolve(scheduled)
             if (result := self._launched[0]) is not None:  # (not read: its buffer serves a later head step as is)
-                self._out_free.setdefault(result.shape[0], []).append(result)
+                self._out_free.give_back(result)
         self._launched, self._read = None, None
         if built is None or launched.aux is None or not scheduled:
             return
@@ -274,8 +279,7 @@ class Eagle3Proposer:
         buffer, where its drafts sit in the next step's input ids, or None where they do not fit). The ids' buffer,
         donated, becomes the runner's with the drafts in its last B * K rows (`head_step`)."""
         B, K = dims[1], dims[3]
-        free = self._out_free.get(B)
-        out = free.pop() if free else put(np.zeros((B, K + 1), np.int32), self.runner._replicated)
+        out = self._out_free.take((B, K + 1))
         out, self.kv, self.runner._last_tokens = self._head(self.weights, self.kv, packed, aux,
                                                             self.runner._last_tokens, out, dims=dims)
         rows = self.runner.max_rows

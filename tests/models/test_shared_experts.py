@@ -141,17 +141,16 @@ def test_fp8_and_unshared_layers_are_kept():
 
 
 def test_packed_buffers_are_given_back_only_after_their_step():
-    """The sampler's packed-samples buffers (ModelRunner._packed_out): a new one while every earlier one is still
-    out, the one given back (after its step's read-back, `fetch`) next, per shape."""
-    from types import SimpleNamespace
+    """The sampler's packed-samples buffers (ModelRunner._packed_out, a RecycledBuffers): a new one while every
+    earlier one is still out, the one given back (after its step's read-back, `fetch`) next, per shape."""
+    from jinfer.engine.step_inputs import packed_shape
+    from jinfer.parallel.mesh import RecycledBuffers
 
-    from jinfer.engine.runner import ModelRunner
-
-    runner = SimpleNamespace(_packed_free={}, _replicated=jax.sharding.SingleDeviceSharding(jax.devices()[0]))
-    a, b = (ModelRunner._packed_out(runner, 2, -1) for _ in range(2))
+    pool = RecycledBuffers(jax.sharding.SingleDeviceSharding(jax.devices()[0]))
+    a, b = (pool.take(packed_shape(2, -1)) for _ in range(2))
     assert a is not b and a.shape == (2, 3)
-    ModelRunner.give_back_packed(runner, a)
-    assert ModelRunner._packed_out(runner, 2, 4).shape == (2, 11)  # another shape: a new buffer
-    assert ModelRunner._packed_out(runner, 2, -1) is a
-    c = ModelRunner._packed_out(runner, 2, -1)
+    pool.give_back(a)
+    assert pool.take(packed_shape(2, 4)).shape == (2, 11)  # another shape: a new buffer
+    assert pool.take(packed_shape(2, -1)) is a
+    c = pool.take(packed_shape(2, -1))
     assert c is not a and c is not b

@@ -26,11 +26,12 @@ def schedule(rng, n: int, page_size: int):
         prev_rows[rid] = int(rng.integers(0, 8))
         tokens = rng.integers(3, 200, num_new).tolist()
         verify = needs_sample and num_new == 1 + drafts and drafts
-        if verify and rng.random() < 0.5:  # drafts the device holds (request.device_input)
+        on_device = bool(verify and rng.random() < 0.5)
+        if on_device:  # drafts the device holds (request.device_input)
             tokens[1:] = [device_input(int(x)) for x in rng.integers(100, 2048, drafts)]
         scheduled.append(SimpleNamespace(
             request_id=rid, num_new_tokens=num_new, start=start, page_ids=pages,
-            draft_token_ids=tokens[1:] if verify else [],
+            draft_token_ids=tokens[1:] if verify else [], device_drafts=on_device,
             token_ids=tokens, input_from_device=from_device,
             num_logits=(num_new if num_new == 1 + drafts else 1) if needs_sample else 0,
             needs_sample=needs_sample, state_slot=int(rng.integers(0, 4)), state_write_slot=int(rng.integers(0, 8)),

@@ -150,6 +150,21 @@ def test_preemption_and_chunked_prefill(plain, small):
     assert_drafted(counters)
 
 
+def test_device_drafts_no_step_took_are_dropped(spec):
+    """Drafts handed over as the device holds them to a request the next step did not take (the budget ran out
+    before it) are dropped once that step is launched: its head overwrites the rows they point at. Ids and the
+    request's sampled token stay."""
+    from jinfer.engine.request import DEVICE_TOKEN, Request, device_input
+
+    proposer = spec.spec.proposer
+    left, taken = (Request(rid, [5, 6, 7], GREEDY) for rid in ("left", "taken"))
+    left.add_draft_tokens([device_input(i) for i in (100, 101, 102)])
+    taken.pending_token_ids[:] = [11, DEVICE_TOKEN]  # (scheduled: its drafts have ids, its sample is in flight)
+    proposer._handed = [left, taken]
+    proposer._resolve([])
+    assert left.pending_token_ids == [] and taken.pending_token_ids == [11, DEVICE_TOKEN] and proposer._handed == []
+
+
 def test_executable_key_and_head_pages(plain, spec):
     """(The LLM API hands speculative_config to the engine as it is, whatever the method: test_spec_engine.py's
     test_offline_llm_api_with_speculative_config; the EAGLE-3 engine's outputs: the tests above.)"""
