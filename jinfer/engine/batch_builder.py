@@ -46,7 +46,8 @@ class BuiltBatch:
     #                     padding row)
     rows: dict[str, tuple[int, int]]  # request id -> (first logits row, count), the sequences that sample
     max_query_len: int = 0  # the most new tokens of one sequence (a verify step's executable takes up to its Q)
-    packed: np.ndarray | None = None  # `step_inputs.pack_batch(batch, prev_index)` when built so (small steps)
+    packed: np.ndarray | None = None  # `step_inputs.pack_batch(batch, prev_index, shift_from)` when built so (small)
+    shift_from: np.ndarray | None = None  # [B] each sequence's `ScheduledRequest.shift_from` (-1: padding)
 
 
 def build_batch(out: SchedulerOutput, prev_rows: dict[str, int] | None, T: int, B: int, P: int,
@@ -108,8 +109,10 @@ def build_batch(out: SchedulerOutput, prev_rows: dict[str, int] | None, T: int, 
                                [s.state_keep for s in out.scheduled]]
     rows = {s.request_id: (int(first_row[b]), int(logit_counts[b]))
             for b, s in enumerate(out.scheduled) if s.needs_sample}
+    shift_from = np.full(B, -1, np.int32)
+    shift_from[:n_seqs] = [s.shift_from for s in out.scheduled]
     return BuiltBatch(Batch(input_ids, positions, slots, query_start, seq_lens, page_table, logits_idx, *state_slots),
-                      prev_index, R, logit_counts, rows, int(counts.max()))
+                      prev_index, R, logit_counts, rows, int(counts.max()), shift_from=shift_from)
 
 
 SMALL_STEP = 256  # steps of at most this many tokens (decodes, drafts verified) are built per token in Python
@@ -121,7 +124,7 @@ def _build_small(out: SchedulerOutput, prev_rows: dict[str, int] | None, T: int,
     (`BuiltBatch.packed`; the batch's arrays are views of it). A step's numpy calls cost more than its tokens' Python
     here (~40 calls: 0.2 ms of the host's time in series with the device at batch 1)."""
     ids, pos, slots, prev, qs, lens, logits_idx, counts = [], [], [], [], [0], [], [], []
-    state_slots, writes, keep = [], [], []
+    state_slots, writes, keep, shifts = [], [], [], []
     rows, row, longest = {}, 0, 0
     tables = []
     for s in out.scheduled:
@@ -154,14 +157,15 @@ def _build_small(out: SchedulerOutput, prev_rows: dict[str, int] | None, T: int,
         state_slots.append(s.state_slot)
         writes.append(s.state_write_slot)
         keep.append(s.state_keep)
+        shifts.append(s.shift_from)
     total = qs[-1]
     if min(ids, default=0) < 0:
         raise ValueError("a pending token past a row's first one comes from the device: one step in flight at most")
     R = B if row <= B else T
     # the packed layout (`step_inputs.pack_batch`): ids, positions, slots, prev rows [T each], query starts [B + 1],
-    # lengths [B], logits rows [R], state slots read and written and rows kept [B each], page table [B, P]
+    # lengths [B], logits rows [R], state slots read and written, rows kept, shifts [B each], page table [B, P]
     o_qs = 4 * T
-    o_table = o_qs + 5 * B + 1 + R
+    o_table = o_qs + 6 * B + 1 + R
     packed = np.zeros(o_table + B * P, np.int32)  # (NULL_PAGE, padding ids / positions / lengths / slots: 0)
     n = len(ids)
     packed[:n] = ids
@@ -177,13 +181,16 @@ def _build_small(out: SchedulerOutput, prev_rows: dict[str, int] | None, T: int,
     packed[o + B + R:o + B + R + len(state_slots)] = state_slots
     packed[o + 2 * B + R:o + 2 * B + R + len(writes)] = writes
     packed[o + 3 * B + R:o + 3 * B + R + len(keep)] = keep
+    packed[o + 4 * B + R:o_table] = -1
+    packed[o + 4 * B + R:o + 4 * B + R + len(shifts)] = shifts
     table = packed[o_table:].reshape(B, P)
     for b, pages in enumerate(tables):
         table[b, :len(pages)] = pages
     batch = Batch(packed[:T], packed[T:2 * T], packed[2 * T:3 * T], packed[o_qs:o], packed[o:o + B], table,
                   packed[o + B:o + B + R], packed[o + B + R:o + 2 * B + R], packed[o + 2 * B + R:o + 3 * B + R],
-                  packed[o + 3 * B + R:o_table])
-    return BuiltBatch(batch, packed[3 * T:4 * T], R, np.asarray(counts, np.int32), rows, longest, packed)
+                  packed[o + 3 * B + R:o + 4 * B + R])
+    return BuiltBatch(batch, packed[3 * T:4 * T], R, np.asarray(counts, np.int32), rows, longest, packed,
+                      packed[o + 4 * B + R:o_table])
 
 
 def with_pending_output(row: StepRow | None, s, prev_rows: dict[str, int]) -> StepRow | None:

@@ -46,10 +46,9 @@ class EngineCore:
         self.kv, self.scheduler, self.runner = parts.kv, parts.scheduler, parts.runner
         self.eos_token_ids = parts.eos_token_ids
         proposer = proposer or parts.proposer  # (builder.py builds speculative_config's)
-        # Speculative decoding (jinfer/spec/decoding.py): drafts need every token read back, so the next step is not
-        # launched before a step is read back; its outputs are built after that launch instead (`_step`)
-        self.spec = SpecDecoding(proposer) if proposer is not None else None
+        self.spec = SpecDecoding(proposer) if proposer is not None else None  # (jinfer/spec/decoding.py, `_step`)
         self._async = config.async_scheduling and self.spec is None
+        self._overlap = config.async_scheduling and self.group is None  # (speculative: `_step`)
         self.grammar = GrammarEngine(self.tokenizer, self.model_config.vocab_size, self.eos_token_ids)
         self.inputs = InputProcessor(vocab_size=self.model_config.vocab_size, max_model_len=self.max_model_len,
                                      tokenizer=self.tokenizer, eos_token_ids=self.eos_token_ids, grammar=self.grammar,
@@ -58,15 +57,11 @@ class EngineCore:
         self._seqs: dict[str, SequenceState] = {}  # sequence id -> state
         self._children: dict[str, list[str]] = {}  # request id -> its sequence ids
         self._pooling: dict[str, PoolingParams] = {}  # embedding request id -> its parameters
-        self.num_prompt_tokens_total = 0
-        self.num_generation_tokens_total = 0
-        # steps read back, and the host's time blocked reading them (waiting for the device). Time not spent
-        # here is not all host work: a launch also blocks while the device's queue is full, so little waiting
-        # does not by itself mean the device idles (a whole-run profile says; docs/ARCHITECTURE.md)
-        self.num_steps_total = 0
-        self.device_wait_seconds_total = 0.0
-        # With no step in flight (speculative decoding, async scheduling off) the device idles from a read-back to the
-        # next forward's dispatch: the host's time in series with it (accept, update, drafts, schedule, batch inputs)
+        self.num_prompt_tokens_total = self.num_generation_tokens_total = 0
+        # steps read back, and the host's time blocked reading them (not all host work: a launch also blocks while the
+        # device's queue is full; a whole-run profile says, docs/ARCHITECTURE.md); with no step in flight the host's
+        # time from a read-back to the next forward's dispatch, in series with the device (accept, update, schedule...)
+        self.num_steps_total, self.device_wait_seconds_total = 0, 0.0
         self.serial_host_seconds_total, self._read_at = 0.0, None
         self._inflight: Launched | None = None  # the launched step whose tokens are not read yet
         self.expert_load = expert_load_recorder(config, self.model_config)  # --expert-load-stats (or None)
@@ -143,16 +138,22 @@ class EngineCore:
             raise
 
     def _step(self) -> list[EngineOutput]:
-        """Speculative decoding reads the step in flight back first (its accepted tokens decide the next drafts and
-        schedule) but builds its outputs (detokenizing, stop strings, logprobs) only once the next step is launched,
-        so they overlap the device; a stop string found then ends its request one step late, and that step's tokens
-        for it are dropped (`_read_back` skips finished requests), as with async scheduling."""
-        outputs, read = [], None
+        """Speculative decoding: with a model drafter whose drafts stay on the device, the next step is launched before
+        the step in flight is read back (its rows as if every draft is kept, moved back on the device), as async
+        scheduling does, where every request allows (`SpecDecoding.can_overlap`); else the step in flight is read
+        back first (its accepted tokens decide the next drafts and schedule), its outputs (detokenizing, stop strings,
+        logprobs) built once the next step is launched, so they overlap the device; a stop string found then ends its
+        request one step late, and that step's tokens for it are dropped (`_read_back` skips finished requests)."""
+        outputs, read, overlap = [], None, False
         if self.spec is not None:
-            if self._inflight is not None:
+            overlap = self._overlap and self._inflight is not None and self.spec.can_overlap(self.scheduler.running,
+                                                                                               self._seqs)
+            if self._inflight is not None and not overlap:
                 read, self._inflight = self._read_back(self._inflight), None
-            self.spec.propose(self.scheduler.running, self._seqs)
-        out = self.scheduler.schedule(*self.runner.ready_limits())
+            self.spec.propose(self.scheduler.running, self._seqs, overlap)
+        out = self.scheduler.schedule(*self.runner.ready_limits(), past_drafts=overlap)
+        if overlap:
+            self.spec.shift_rows(out)
         if not out.is_empty:  # the host tier's copies now wait for read-backs
             self.runner.host_tier_hold()
         if out.kv_transfers:  # copies between the HBM and host tiers go to the device ahead of the step

@@ -100,7 +100,9 @@ class StepExecutables(IdleUnloading):
         one = (1,) if jax.default_backend() == "gpu" else ()
         self.token_buckets = one + pow2_buckets(MIN_TOKENS, max(max_num_batched_tokens, MIN_TOKENS))
         self.max_seqs_bucket = pick(pow2_buckets(1, 1 << (max_num_seqs - 1).bit_length()), max_num_seqs)
-        self.max_rows = self.token_buckets[-1]  # the sampled-token buffer: a row per logits row of any step
+        self.max_rows = self.token_buckets[-1]  # the sampled-token buffer: a row per logits row of any step, and with
+        # a drafter (Q = 1 + its drafts) the drafter's rows after them: a rejected count and Q - 1 drafts per sequence
+        self.ids_rows = self.max_rows + (self.max_seqs_bucket * verify_query_len if verify_query_len > 1 else 0)
         # The reference attention gathers all P pages of every token, so P is bucketed; the Pallas
         # kernels stop at each sequence's length, so one full-width page table costs nothing there.
         self.page_buckets = ((max_pages,) if self.ops.backend == "pallas"
@@ -182,6 +184,8 @@ class StepExecutables(IdleUnloading):
         specs = (array_specs(self.weights), array_specs(self.kv_cache))
         group = GROUP_XLA_OPTIONS if own_autotuning else {}  # (`_precompile_all`)
         load = {"expert_load": True} if self.expert_load else {}  # (off: the step's program and key are unchanged)
+        if self.shift_page_size:  # (a drafter: rows after a verification in flight move on the device)
+            load["page_size"] = self.shift_page_size
         extra_outputs = (self._replicated,) * (bool(self.aux_layers) + self.expert_load)
         forward_jit = lambda ops, small, compiler_options={}, **kw: jax.jit(  # noqa: E731
             partial(forward_step, cfg=self.cfg, ops=ops, mesh=self.mesh, specs=specs, aux_layers=self.aux_layers,
@@ -197,7 +201,7 @@ class StepExecutables(IdleUnloading):
             kinds.append((self.verify_len, replace(self.ops, verify_query_len=self.verify_len)))
         self._forward = {d: (forward_jit(o, True),
                              forward_jit(o, False, compiler_options=large)) for d, o in kinds}
-        self._sample = jax.jit(partial(sample_step, max_rows=self.max_rows),
+        self._sample = jax.jit(sample_step,
                                donate_argnames=("prev_tokens", "packed_out"),
                                keep_unused=True,  # (a donated argument the step does not read still gives its buffer)
                                static_argnames=("dims", "num_logprobs", "flags"),

@@ -124,6 +124,16 @@ class Request:
         return self.pending_token_ids.count(DEVICE_TOKEN)
 
     @property
+    def num_inflight_tokens(self) -> int:
+        """Pending tokens up to the last one being sampled: those launched steps compute or sample, as if every draft
+        among them is kept (the most tokens the request may have once they are read back)."""
+        p = self.pending_token_ids
+        for i in range(len(p) - 1, -1, -1):
+            if p[i] == DEVICE_TOKEN:
+                return i + 1
+        return 0
+
+    @property
     def num_draft_tokens(self) -> int:
         """Draft tokens after the last token being sampled: no launched step covers them yet."""
         pending = self.pending_token_ids

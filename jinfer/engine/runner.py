@@ -69,7 +69,7 @@ class Launched:
 
     out: SchedulerOutput
     packed: jax.Array  # i32[R, 3 + 2N]: token, logprob bits, rank, top ids, top logprob bits
-    tokens: jax.Array  # i32[max_rows]: sampled ids, for the next step's inputs (a drafter's head donates it)
+    tokens: jax.Array  # i32[ids_rows]: sampled ids, for the next step's inputs (a drafter's head donates it)
     rows: dict[str, tuple[int, int]]  # request id -> (first logits row, count), for sequences that sample
     # Prompt logprobs: i32[T, 2 + 2k] (target logprob bits, rank, top ids, top logprob bits), and for each of its
     # rows (request id, prompt position whose token it scores).
@@ -119,11 +119,13 @@ class ModelRunner(StepExecutables):
         self._slot_layers = slot_layers(cache_spec(cfg))
         self._fork_sizes = [1 << b for b in range(FORK_CHUNK.bit_length())] if self._slot_layers else []
         self._all_reduce_table = all_reduce_table(mesh, ops)
+        # with a drafter, the forward moves rows that follow a verification in flight (device_step.shift_rows)
+        self.shift_page_size = page_size if verify_query_len > 1 else 0
         # what a sharded step reduces with: our one-shot kernels (over CUDA IPC across processes) or XLA's collectives
         self.collectives = None if mesh.size == 1 else "xla" if not self._all_reduce_table else (
             "one_shot_ipc" if jax.process_count() > 1 else "one_shot")
         self._make_jits()
-        self._prev_spec = jax.ShapeDtypeStruct((self.max_rows,), jnp.int32, sharding=self._replicated)
+        self._prev_spec = jax.ShapeDtypeStruct((self.ids_rows,), jnp.int32, sharding=self._replicated)
         # Stable step buffers. A small step's executable runs as one XLA command buffer (a CUDA graph), which XLA
         # updates (every kernel node again: ~1.1 ms of host a step for Qwen3-8B on an H200, as long as its launch)
         # whenever one of its buffers moved since the last call. So every buffer a small step reads or writes keeps
@@ -146,11 +148,11 @@ class ModelRunner(StepExecutables):
         # warm start then neither traces nor lowers (see executable_cache.py).
         self.executables = ExecutableCache(executable_dir, namespace=repr(
             (cfg, ops, mesh.shape, self.max_seqs_bucket) + ((self.aux_layers,) if self.aux_layers else ())
-            + (("expert_load",) if self.expert_load else ())))
+            + (("expert_load",) if self.expert_load else ()) + (("shift",) if self.shift_page_size else ())))
         # The forward's `prev_tokens` argument is always the latest sampler output (even when no row
         # reads it), so every call of an executable sees arguments of identical type and sharding and
         # stays on JAX's C++ fast path (see above).
-        self._last_tokens = put(np.zeros(self.max_rows, np.int32), self._replicated)
+        self._last_tokens = put(np.zeros(self.ids_rows, np.int32), self._replicated)
         # Host inputs go to the devices uncommitted (the executable places them) in one process; over
         # several processes each one puts its (identical) copy on its own devices of the mesh.
         self._input_sharding = self._replicated if jax.process_count() > 1 else None
@@ -238,10 +240,10 @@ class ModelRunner(StepExecutables):
         returns, if not None, is called with the `Launched` step (a model drafter launches its head behind the step:
         jinfer/spec/eagle.py).
 
-        The sampler's inputs are staged as the batch (`stage`), and in speculative decoding's synchronous steps (no
-        step in flight) before the forward: uploaded after it, they stayed alive until the sampler ran and were freed
-        late, where the next step's first inputs could not take their place, and the next forward's temp buffer moved
-        every other step (its command buffer re-recorded: ~1.7 ms a Qwen3-8B verify step)."""
+        The sampler's inputs are staged as the batch (`stage`), and in speculative decoding's steps before the forward:
+        uploaded after it, they stayed alive until the sampler ran and were freed late, where the next step's first
+        inputs could not take their place, and the next forward's temp buffer moved every other step (its command
+        buffer re-recorded: ~1.7 ms a Qwen3-8B verify step)."""
         # One process: the forward goes first, and the host builds the sampler's inputs while the device runs it
         # (a lone step's first token waited for both: 0.3-0.5 ms at batch 1). A group sends whole steps.
         group = self.on_launch is not None
@@ -267,7 +269,7 @@ class ModelRunner(StepExecutables):
                 batch.logits_indices = np.concatenate([batch.logits_indices, indices])
         packed_batch = built.packed  # (small steps come packed; prompt logprobs' rows change the batch)
         if packed_batch is None or prompt_rows:
-            packed_batch = pack_batch(batch, built.prev_index)
+            packed_batch = pack_batch(batch, built.prev_index, built.shift_from)
 
         def sampler_inputs():
             mask = token_mask() if callable(token_mask) else token_mask
@@ -275,7 +277,7 @@ class ModelRunner(StepExecutables):
                                        prev.row_of if pending_outputs and prev is not None else None)
 
         sampling = staged = None
-        if prepare is not None and prev is None and not group and not callable(token_mask) and not self.cfg.pooling:
+        if prepare is not None and not group and not callable(token_mask) and not self.cfg.pooling:
             sampling = sampler_inputs()
             staged = self.stage(self._staged_sampling, sampling.buffer)
         self.forward_at = time.perf_counter()

@@ -72,17 +72,24 @@ class SamplingInputs:
         """`rows`: each scheduled sequence's sampler inputs (None: it samples nothing); `counts`: its logits rows;
         `token_mask`: grammar masks (row by row); `prev_rows`: the step in flight's row of each sequence's pending
         output (penalized rows read it on the device: `batch_builder.with_pending_output`), None when not pending."""
-        if token_mask is None and (fast := self._from_kept(rows, counts.tolist(), R)) is not None:
+        shifts = None  # (rows after a verification in flight: `SamplingTensors.shifts`)
+        if any(s.shift_from >= 0 for s in out.scheduled):
+            shifts = np.full(R, -1, np.int32)
+            per_row = np.repeat([s.shift_from for s in out.scheduled], counts)
+            shifts[:len(per_row)] = per_row
+        if token_mask is None and (fast := self._from_kept(rows, counts.tolist(), R, shifts)) is not None:
             self.hits += 1
             return fast
         self.misses += 1
         if prev_rows is not None:
             rows = [with_pending_output(r, s, prev_rows) for r, s in zip(rows, out.scheduled, strict=True)]
         st = sampling_tensors(logits_rows(rows, out, counts), R, self.vocab_size, token_mask, counts)
+        st.shifts = shifts
         return StepSampling(pack_sampling(st), st.output_tokens.shape[1], st.prompt_mask.shape[1],
                             st.bias_ids.shape[1], astuple(SamplerFlags.of(st)))
 
-    def _from_kept(self, rows: list[StepRow | None], counts: list[int], R: int) -> StepSampling | None:
+    def _from_kept(self, rows: list[StepRow | None], counts: list[int], R: int,
+                   shifts: np.ndarray | None = None) -> StepSampling | None:
         """The step's buffer from its rows' kept words, or None where a row needs more than its parameters."""
         words, steps, sampled, full_sort = [], [], False, False
         for r, n in zip(rows, counts, strict=True):
@@ -111,9 +118,10 @@ class SamplingInputs:
             base[:, :num] = np.repeat(np.array(words, np.int32), counts, axis=0).T
             base[:, num:] = np.array(_PADDING, np.int32)[:, None]
             self._last_key, self._last_words = key, base
-        buf = np.empty((9, R), np.int32)
+        buf = np.empty((10, R), np.int32)
         buf[:8] = self._last_words
         buf[8, :num] = steps
         buf[8, num:] = 0
+        buf[9] = -1 if shifts is None else shifts
         return StepSampling(buf.ravel(), 0, 0, 0, _FLAGS[sampled, full_sort])
 

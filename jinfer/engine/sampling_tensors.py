@@ -57,6 +57,9 @@ class SamplingTensors:
     # [B] i32 (with a token mask): 1 where the mask also masks the logprobs (a grammar's, as vLLM applies its bitmask
     # before the sampler), 0 where it applies after them (allowed_token_ids, as vLLM). None: every row is 1.
     mask_logprobs: jax.Array = None
+    # [B] i32 (None: all -1): where >= 0, the row of the previous step's sampled-ids buffer holding how many drafts the
+    # step in flight rejected of the row's sequence; its step moves back by that many (`device_step.sample_step`)
+    shifts: jax.Array = None
 
     @classmethod
     def from_params(

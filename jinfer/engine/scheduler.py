@@ -12,7 +12,8 @@ read back (async scheduling): a request with a pending token gets a decode whose
 device takes from step N's samples (`ScheduledRequest.input_from_device`). A request whose pending
 token is certainly its last (max_tokens, max_model_len) is not scheduled again; one that turns out to
 stop on EOS or a stop string has computed one extra token, which `update` drops. A request whose drafts a launched
-step verifies is not scheduled again until that step is read back.
+step verifies is not scheduled again until that step is read back, unless the drafter moves its next row on the device
+(below: verifications in flight).
 
 Multi-token steps (speculative decoding): a request's draft tokens (`Request.add_draft_tokens`) are pending
 tokens with known ids. The step that reaches the end of a request computes its last accepted token and every
@@ -27,6 +28,15 @@ its known tokens, the rows before its drafts (`state_keep`): where every draft w
 the request's; where one was rejected `update` rolls `num_computed_tokens` back to the first draft, its slot
 holding the state there, so the next step recomputes the drafts accepted (none with one draft: its row is the
 sample and the new drafts, as after an acceptance; their KV is rewritten with the same values). Nothing is copied.
+
+Verifications in flight (`schedule(past_drafts=True)`; a model drafter, jinfer/spec/decoding.py): a request whose
+drafts a launched step verifies is scheduled again before that step is read back, as if it keeps every draft: its row
+starts after them (the sample after them from the device, the drafter's next drafts) and, on the device, moves back
+by the drafts rejected (positions, slots, length: `ScheduledRequest.shift_from`, engine/device_step.py `shift_rows`);
+its pages cover the row as scheduled. `update` then rolls `num_computed_tokens` back by as many, and where every draft
+was kept moves the request to the other slot of its pair. Such a row reads one slot and writes the other whether it has
+drafts or not (on the device, where the verification before it kept all, the two swap). Length checks count the
+tokens in flight as kept: a request that might reach its limit waits for the read-back.
 
 Policy (vLLM v1 style, token-count model): each step has a budget of `max_num_batched_tokens`.
 Running requests go first, in admission order: a decode takes 1 token, an unfinished prefill the
@@ -79,6 +89,9 @@ class ScheduledRequest:
     num_logits: int = 0
     draft_token_ids: list[int] = field(default_factory=list)
     write_slot: int | None = None  # the state slot the row writes, where not its own (module doc: state pairs)
+    # A row scheduled past drafts in flight (module doc: verifications in flight): the row of the sampled-ids buffer
+    # where the drafter's device step writes how many of them that verification rejected (-1: none)
+    shift_from: int = -1
 
     @property
     def request_id(self) -> str:
@@ -253,7 +266,7 @@ class Scheduler:
             without = remaining - drafts
             fits = self._clamp(request, start, remaining, budget) - without  # drafts the step's row can take
             # positions a draft may take
-            room = self._length_limit(request) - 1 - request.num_tokens - request.num_sampling_tokens
+            room = self._length_limit(request) - 1 - request.num_tokens - request.num_inflight_tokens
             request.drop_draft_tokens(max(0, min(drafts, fits, room)))
             remaining = request.num_tokens + request.num_pending_tokens - start
         return self._clamp(request, start, remaining, budget)
@@ -287,9 +300,11 @@ class Scheduler:
         """max_tokens or max_model_len is reached, counting `pending` tokens not yet read back."""
         return request.num_tokens + pending >= self._length_limit(request)
 
-    def schedule(self, max_tokens: int | None = None, max_seqs: int | None = None) -> SchedulerOutput:
+    def schedule(self, max_tokens: int | None = None, max_seqs: int | None = None,
+                 past_drafts: bool = False) -> SchedulerOutput:
         """One step's work. `max_tokens` / `max_seqs`: tighter limits for this step (the executables ready
-        while a staged warm-up compiles the rest)."""
+        while a staged warm-up compiles the rest). `past_drafts`: requests whose drafts a step in flight verifies are
+        scheduled too, as if it keeps them all (module doc: verifications in flight)."""
         out = SchedulerOutput(finished_ids=self._finished_ids)
         self._finished_ids = []
         budget = min(self.config.max_num_batched_tokens, max_tokens or self.config.max_num_batched_tokens)
@@ -300,13 +315,13 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0 and len(out.scheduled) < max_seqs:
             request = self.running[i]
-            # A pending token that certainly ends the request (length) needs no decode.
-            sampling = request.num_sampling_tokens
+            # A pending token that may end the request (length) needs no decode: wait until it is read.
+            sampling = request.num_inflight_tokens
             if sampling and self._reaches_length(request, sampling):
                 request.drop_draft_tokens()
                 i += 1
                 continue
-            if sampling and request.has_drafts_in_flight:  # its next row starts where the verification ends
+            if sampling and not past_drafts and request.has_drafts_in_flight:  # its row starts where they end
                 i += 1
                 continue
             start = request.num_computed_tokens
@@ -346,9 +361,9 @@ class Scheduler:
             self.running.append(request)
             out.scheduled.append(self._scheduled(request, num_new, num_cached))
             budget -= num_new
-        if self.kv.state_pairs:  # a row verifying drafts writes the other slot of its pair (module doc)
-            for s in out.scheduled:
-                if s.draft_token_ids and s.state_slot:
+        if self.kv.state_pairs:  # a row verifying drafts writes the other slot of its pair (module doc), and so does
+            for s in out.scheduled:  # one after drafts in flight (the device may swap the two)
+                if (s.draft_token_ids or (past_drafts and s.input_from_device)) and s.state_slot:
                     s.write_slot = self.kv.other_slot(s.state_slot)
         out.kv_transfers = self.kv.take_transfers()
         return out
@@ -405,15 +420,13 @@ class Scheduler:
                                      f"{s.num_logits} logits (must be 1 to {s.num_logits})")
                 rejected = s.num_logits - len(tokens)
                 if rejected and request.status == RequestStatus.RUNNING:  # their KV is garbage: recompute from there
-                    if request.num_sampling_tokens:
-                        raise RuntimeError(f"request {request.request_id!r}: a step in flight computes past "
-                                           f"{rejected} rejected draft tokens")
-                    if s.write_slot is not None and request.state_slot:  # on from the state its slot kept
-                        request.num_computed_tokens = s.start + s.state_keep
-                    else:
+                    if (s.write_slot is not None and request.state_slot and not request.num_sampling_tokens
+                            and s.shift_from < 0):  # (a row moved back on the device: its start is not the host's)
+                        request.num_computed_tokens = s.start + s.state_keep  # on from the state its slot kept
+                    else:  # (a step in flight past them: the device moved its row back as many)
                         request.num_computed_tokens -= rejected
                 elif s.write_slot is not None and request.state_slot:  # every draft kept: the state the row wrote
-                    request.state_slot = s.write_slot
+                    request.state_slot = self.kv.other_slot(request.state_slot)
                 for token in tokens:
                     request.append_output_token(token)
                     if (stop := self._check_stop(request)) is not None:

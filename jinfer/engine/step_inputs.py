@@ -70,36 +70,39 @@ class StepInputs:
 # ---- the batch buffer -------------------------------------------------------------------------------------------
 
 
-def pack_batch(batch: Batch, prev_index: np.ndarray) -> np.ndarray:
+def pack_batch(batch: Batch, prev_index: np.ndarray, shift_from: np.ndarray | None = None) -> np.ndarray:
     """One int32 buffer for the batch description (see `unpack_batch`). `prev_index` [T]: the row of the previous
-    step's samples each token takes as its input id (-1: its id in the batch)."""
+    step's samples each token takes as its input id (-1: its id in the batch); `shift_from` [B] (None: all -1): where
+    >= 0, the row of those samples' buffer holding the drafts the step in flight rejected of sequence b, by which its
+    row moves back on the device (`device_step.shift_rows`)."""
     writes = batch.state_slots if batch.state_write_slots is None else batch.state_write_slots
     keep = np.zeros_like(batch.state_slots) if batch.state_keep is None else batch.state_keep
+    shift = np.full_like(batch.seq_lens, -1) if shift_from is None else shift_from
     return np.concatenate([batch.input_ids, batch.positions, batch.slot_mapping, prev_index, batch.query_start,
-                           batch.seq_lens, batch.logits_indices, batch.state_slots, writes, keep,
+                           batch.seq_lens, batch.logits_indices, batch.state_slots, writes, keep, shift,
                            batch.page_table.ravel()]).astype(np.int32)
 
 
 def batch_sizes(T: int, B: int, P: int, L: int) -> tuple[int, ...]:
     """Lengths of the packed batch's parts, in `pack_batch` order (L: logits rows)."""
-    return (T, T, T, T, B + 1, B, L, B, B, B, B * P)
+    return (T, T, T, T, B + 1, B, L, B, B, B, B, B * P)
 
 
-def unpack_batch(buf: jax.Array, dims: tuple[int, int, int, int]) -> tuple[Batch, jax.Array]:
-    """dims = (T, B, P, L)."""
+def unpack_batch(buf: jax.Array, dims: tuple[int, int, int, int]) -> tuple[Batch, jax.Array, jax.Array]:
+    """dims = (T, B, P, L): (the batch, prev_index, shift_from)."""
     T, B, P, _ = dims
     parts, o = [], 0
     for n in batch_sizes(*dims):
         parts.append(buf[o:o + n])
         o += n
-    ids, pos, slots, prev, qs, lens, logits_idx, state_slots, writes, keep, table = parts
-    return Batch(ids, pos, slots, qs, lens, table.reshape(B, P), logits_idx, state_slots, writes, keep), prev
+    ids, pos, slots, prev, qs, lens, logits_idx, state_slots, writes, keep, shift, table = parts
+    return Batch(ids, pos, slots, qs, lens, table.reshape(B, P), logits_idx, state_slots, writes, keep), prev, shift
 
 
 # ---- the sampling buffer ----------------------------------------------------------------------------------------
 
 _FLOAT_FIELDS = ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty")
-_INT_FIELDS = ("top_k", "seeds", "steps")
+_INT_FIELDS = ("top_k", "seeds", "steps", "shifts")  # (shifts: `SamplingTensors.shifts`)
 
 
 def _i32(a: np.ndarray) -> np.ndarray:
@@ -109,7 +112,9 @@ def _i32(a: np.ndarray) -> np.ndarray:
 def pack_sampling(t: SamplingTensors) -> np.ndarray:
     """One int32 buffer for the sampling parameters (floats and u32 by bit pattern)."""
     parts = [_i32(np.asarray(getattr(t, f), np.float32)) for f in _FLOAT_FIELDS]
-    parts += [_i32(getattr(t, f)) for f in _INT_FIELDS] + [_i32(t.output_tokens), _i32(t.prompt_mask)]
+    R = len(t.steps)
+    shifts = np.full(R, -1, np.int32) if t.shifts is None else t.shifts
+    parts += [_i32(t.top_k), _i32(t.seeds), _i32(t.steps), _i32(shifts), _i32(t.output_tokens), _i32(t.prompt_mask)]
     parts += [_i32(t.bias_ids), _i32(np.asarray(t.bias_values, np.float32))]
     if t.token_mask is not None and t.token_mask.size:
         R = t.token_mask.shape[0]

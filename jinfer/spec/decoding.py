@@ -39,6 +39,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from jinfer.engine.request import accept_draft_tokens
+from jinfer.engine.sampling_tensors import uses_penalties
 from jinfer.spec.proposer import Proposer
 
 
@@ -50,18 +51,38 @@ class SpecDecoding:
         self.num_draft_tokens = 0
         self.num_accepted_tokens = 0
         self.accepted_per_pos = np.zeros(self.k, np.int64)  # accepted drafts at position 0..k-1
+        self.num_overlapped_steps = 0  # steps launched before the step in flight was read back (`shift_rows`)
         # The benchmark-only replay drafter decides acceptance itself (jinfer/spec/replay.py); every other drafter's
         # drafts are accepted by the exact rule (module doc).
         self._forced = proposer.forced_accept if getattr(proposer, "forced", False) else None
 
-    def propose(self, running: Sequence, seqs: dict) -> None:
+    def can_overlap(self, running: Sequence, seqs: dict) -> bool:
+        """Whether the next step may be launched before the step in flight is read back (EngineCore, module doc): the
+        drafter's drafts stay on the device and every request that step samples allows it: no host work needs its
+        tokens first (a grammar, bad words, penalties, min_tokens still due), and on a model with states it drafts
+        one token a step (its next row is then the same whatever is kept: the state after the row's first token)."""
+        in_flight = getattr(self.proposer, "in_flight", None)
+        if in_flight is None or not getattr(self.proposer, "device_drafts", False):
+            return False
+        for r in running:
+            if not r.num_sampling_tokens:
+                continue
+            seq = seqs[r.request_id]
+            if (seq.needs_tokens or not in_flight(r) or uses_penalties(seq.params)
+                    or seq.params.min_tokens > r.num_output_tokens or (r.state_slot and self.k > 1)):
+                return False
+        return True
+
+    def propose(self, running: Sequence, seqs: dict, overlap: bool = False) -> None:
         """Draft the running requests that have no token in flight and are past their prefill (their next step is a
         decode of their last token, or on a model with states the recompute of a row rolled back); `seqs`: the core's
-        sequence states (grammar matchers)."""
+        sequence states (grammar matchers). `overlap` (`can_overlap`): also those the step in flight samples, after
+        its tokens as if it keeps every draft (`shift_rows`)."""
         # (a model with states: also a sequence rolled back over a rejected draft, whose row recomputes the accepted
         # tokens, or one recomputing after preemption; its drafts follow those tokens, dropped where they do not fit)
-        ready = [r for r in running if not r.pending_token_ids and (r.num_computed_tokens == r.num_tokens - 1
-                                                                   or (r.state_slot and r.num_output_tokens))]
+        ready = [r for r in running if (not r.pending_token_ids and (r.num_computed_tokens == r.num_tokens - 1
+                                                                    or (r.state_slot and r.num_output_tokens)))
+                 or (overlap and r.num_sampling_tokens)]
         # A model drafter hands its drafts over as the device holds them (the next step reads them there: the host
         # waits for no head) where no host work needs their ids first: a grammar's, a multi-token bad word's
         if getattr(self.proposer, "device_drafts", False):
@@ -78,11 +99,28 @@ class SpecDecoding:
             if draft:
                 r.add_draft_tokens(draft)
 
+    def shift_rows(self, out) -> None:
+        """A step scheduled before the step in flight is read back: each row that follows a verification in flight
+        moves back on the device by the drafts it rejects, read from the row of the sampled ids the drafter's step
+        writes that count to (`ScheduledRequest.shift_from`)."""
+        self.num_overlapped_steps += 1
+        rows = self.proposer.shift_rows
+        for s in out.scheduled:
+            if s.input_from_device:
+                if s.request_id not in rows:
+                    raise RuntimeError(f"request {s.request_id!r}: scheduled after a verification in flight that its "
+                                       "drafter did not draft")
+                s.shift_from = rows[s.request_id]
+
     def accept(self, request_id: str, draft_ids: list[int], sampled_ids: list[int]) -> list[int]:
         """The tokens a verification keeps (`request.accept_draft_tokens`)."""
         if self._forced is not None:
-            return self._forced(request_id, draft_ids, sampled_ids)
-        return accept_draft_tokens(draft_ids, sampled_ids)
+            accepted = self._forced(request_id, draft_ids, sampled_ids)
+        else:
+            accepted = accept_draft_tokens(draft_ids, sampled_ids)
+        if (hook := getattr(self.proposer, "accepted", None)) is not None:  # (a model drafter's check of its chain)
+            hook(request_id, len(accepted) - 1)
+        return accepted
 
     def prepare(self, out, built):
         """A step's batch is built, nothing dispatched yet (`ModelRunner.launch`): a model drafter returns what

@@ -27,6 +27,10 @@ class Proposer(Protocol):
     # Optional: `prepare(out, built)`, called with each step's built batch before anything of it is dispatched,
     # returning None or a function the runner calls with the `Launched` step (a model drafter launches its device
     # step behind the target's there: jinfer/spec/eagle.py).
+    # Optional, a drafter whose drafts stay on the device, so the next step may be launched before the step in flight
+    # is read back (EngineCore): `in_flight(request)` (it may draft a request that step samples), `shift_rows`
+    # (request id -> the sampled-ids row where its device step writes that verification's rejected count, after a
+    # `propose` with such requests); `accepted(request_id, kept)`: a verification read back kept that many drafts.
 
 
 def check_proposer(config: SpeculativeConfig, *, num_state_slots: int) -> None:

@@ -18,6 +18,8 @@ layer's), so a benchmark on random weights pays the head's own device work too.
 
 from __future__ import annotations
 
+import zlib
+from collections import deque
 from collections.abc import Sequence
 
 import numpy as np
@@ -83,30 +85,53 @@ class ReplayProposer:
 
 class ForcedAcceptance:
     """Benchmarks: `inner`'s drafts (its real work, a model head's device step included), each verification keeping
-    a planned number of them as the forced replay drafter does (module doc), then the target's sample."""
+    a planned number of them as the forced replay drafter does (module doc), then the target's sample. The plan is
+    drawn when a row with drafts is launched, from the request's own random stream (the same outcomes whatever the
+    other requests do), and used when it is read back, in launch order per request (the next step may be launched
+    before one is read back)."""
 
     forced = True
 
     def __init__(self, inner, acceptance: float, seed: int = 0):
         self.inner, self.k = inner, inner.k
-        self._trials = _Trials(inner.k, acceptance, seed)
+        self._trials = _Trials(inner.k, acceptance, seed)  # (checks the rate)
+        self._seed = seed
+        self._streams: dict[str, np.random.Generator] = {}
+        self._plans: dict[str, deque[int]] = {}  # request id -> the kept drafts of its launched rows, oldest first
+
+    def __getattr__(self, name):  # (in_flight, shift_rows, accepted, warmup: the inner drafter's)
+        if name == "inner":
+            raise AttributeError(name)
+        return getattr(self.inner, name)
 
     @property
     def device_drafts(self) -> bool:
         return getattr(self.inner, "device_drafts", False)
 
     def propose(self, requests: Sequence, *on_device) -> list[list[int]]:
-        drafts = self.inner.propose(requests, *on_device)
-        for r, right in zip(requests, self._trials.draw(len(requests)), strict=True):
-            self._trials.plan(r.request_id, right)
-        return drafts
+        return self.inner.propose(requests, *on_device)
 
     def prepare(self, out, built):
-        """What launches the inner drafter's device step, its verifications kept as planned (not by the exact
-        rule)."""
+        """Plan the launched rows' outcomes; what launches the inner drafter's device step, its verifications kept as
+        planned (not by the exact rule)."""
+        forced = {}
+        for s in out.scheduled:  # a request's first rows (its prompt's): what an earlier one of its id left goes
+            if not s.draft_token_ids and not s.request.num_output_tokens:
+                self._plans.pop(s.request_id, None)
+                self._streams.pop(s.request_id, None)
+        for rid in (s.request_id for s in out.scheduled if s.draft_token_ids):
+            if (stream := self._streams.get(rid)) is None:
+                stream = self._streams[rid] = np.random.default_rng([self._seed, zlib.crc32(rid.encode())])
+            right = (stream.random(self.k) < self._trials.acceptance).tolist()
+            forced[rid] = right.index(False) if False in right else self.k
+            self._plans.setdefault(rid, deque()).append(forced[rid])
         if (hook := getattr(self.inner, "prepare", None)) is not None:
-            return hook(out, built, forced=self._trials.planned)
+            return hook(out, built, forced=forced)
         return None
 
     def forced_accept(self, request_id: str, draft_ids: Sequence[int], sampled_ids: Sequence[int]) -> list[int]:
-        return self._trials.accept(request_id, draft_ids, sampled_ids)
+        plans = self._plans.get(request_id)
+        if not draft_ids or not plans:
+            return [int(sampled_ids[0])]
+        a = min(plans.popleft(), len(draft_ids))
+        return [*map(int, draft_ids[:a]), int(sampled_ids[a])]

@@ -15,7 +15,7 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import Mesh
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from jinfer.config.model import ModelConfig
 from jinfer.models.base import Weights
@@ -63,6 +63,35 @@ def load_eagle3(path: str | os.PathLike, target: ModelConfig, target_weights: We
         arrays["embed"] = arrays["embed"].astype(jdtype)
     if arrays["d2t"] is None:
         del arrays["d2t"]
+    return cfg, assemble_weights(cfg, arrays)
+
+
+def dummy_eagle3(target: ModelConfig, target_weights: Weights, dtype: str = "bfloat16", mesh: Mesh | None = None,
+                 seed: int = 0) -> tuple[Eagle3Config, Eagle3Weights]:
+    """A random head for a target (benchmarks: speculative_config.model "dummy"): SpecForge's layout at the target's
+    layer shapes (its Qwen3-8B head's: hidden 4096, 32 / 8 heads of 128, MLP 12288) with a 32000-token draft
+    vocabulary (d2t: its first ids), the target's embedding shared."""
+    from jinfer.weights.dummy import dummy_weights
+
+    if dtype not in DTYPES:
+        raise ValueError(f"dtype={dtype!r} must be one of {sorted(DTYPES)}")
+    t = target
+    cfg = eagle3_config({"architectures": ["LlamaForCausalLMEagle3"], "hidden_size": t.hidden_size,
+                         "intermediate_size": t.intermediate_size, "num_attention_heads": t.num_heads,
+                         "num_key_value_heads": t.num_kv_heads, "head_dim": t.head_dim, "rms_norm_eps": t.rms_norm_eps,
+                         "rope_theta": t.rope_theta, "vocab_size": t.vocab_size,
+                         "draft_vocab_size": min(32000, t.vocab_size)}
+                        | ({} if t.num_layers >= 6 else  # (a tiny target: no default layers to read)
+                           {"eagle_config": {"eagle_aux_hidden_state_layer_ids": [0, t.num_layers // 2,
+                                                                                   t.num_layers - 1]}}), t)
+    mesh = mesh or make_mesh(1)
+    specs = {k: v for k, v in weight_specs(cfg).items() if k not in ("embed", "d2t")}
+    replicated = NamedSharding(mesh, PartitionSpec())
+    arrays = dummy_weights(specs, DTYPES[dtype], {name: replicated for name in specs}, seed)
+    arrays["embed"] = _shared("embed", weight_specs(cfg)["embed"], cfg, target_weights, Path("dummy"))
+    if arrays["embed"].dtype != DTYPES[dtype]:
+        arrays["embed"] = arrays["embed"].astype(DTYPES[dtype])
+    arrays["d2t"] = put(np.zeros(cfg.draft_vocab_size, np.int32), replicated)
     return cfg, assemble_weights(cfg, arrays)
 
 

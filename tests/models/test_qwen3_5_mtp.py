@@ -234,7 +234,7 @@ def test_forced_acceptance_on_the_mtp_head(mtp_engine):
         for p, device in ((1.0, True), (1.0, False), (0.6, True), (0.6, False), (0.0, True)):
             own.proposer.device_drafts = device
             mtp_engine.spec = SpecDecoding(ForcedAcceptance(own.proposer, p))
-            rid = f"forced{p}{device}"
+            rid = f"forced{p}"  # (the same id in both modes: the forced outcomes are drawn per request)
             mtp_engine.add_request(rid, list(range(3, 20)), params)
             handed = watch_handed(own.proposer)  # (the head keeps the forced drafts too)
             try:
@@ -329,3 +329,67 @@ def test_head_warmed_up_compiles_nothing_at_its_steps(mtp_engine):
         mtp_engine.spec = own
     assert drafts > 0
     assert not [name for name in lowered if "head_step" in name], lowered
+
+
+def test_next_step_launched_before_the_read_back_with_states():
+    """One draft a step on Qwen3.5 (k = 1): each step is launched before the one in flight is read back, its rows moved
+    back on the device by what that verification rejects, its states read from the slot the verification wrote
+    where the draft was kept, else from the one that kept the state after the row's first token. Batch 3: HF's greedy
+    ids (the random layer's drafts mostly rejected). Forced outcomes (all kept; some), with a penalized request
+    joining midway (steps read back first while it runs, then launched ahead again): every token the target sampled
+    (each verification's last) is its greedy token after the tokens before it, rows without drafts at the end of
+    max_tokens included; every state slot and page free after."""
+    from jinfer.config.engine import EngineConfig
+    from jinfer.engine.core import EngineCore
+    from jinfer.sampling_params import SamplingParams
+    from jinfer.spec.decoding import SpecDecoding
+    from jinfer.spec.replay import ForcedAcceptance
+
+    engine = EngineCore(EngineConfig(str(CKPT), **ENGINE, speculative_config={"method": "mtp",
+                                                                              "num_speculative_tokens": 1}))
+    gold = np.load(DATA / "golden" / "tiny-qwen3_5.npz")
+    prompts = [gold[f"prompt_{i}"].tolist() for i in range(3)]
+    greedy = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)
+
+    def run(engine, requests, join=None):
+        got = {}
+        for rid, p, params in requests:
+            engine.add_request(rid, p, params)
+        steps = 0
+        while engine.has_unfinished_requests():
+            if steps == 6 and join is not None:
+                engine.add_request(*join)
+            for d in engine.step():
+                got.setdefault(d.request_id, []).extend(d.new_token_ids)
+            steps += 1
+        return got
+
+    got = run(engine, [(str(i), p, SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True))
+                       for i, p in enumerate(prompts)])
+    assert [got[str(i)] for i in range(3)] == [g[:16] for g in GREEDY_IDS]
+    assert engine.spec.num_overlapped_steps > 10
+    own, checks = engine.spec, []
+    try:
+        for p in (1.0, 0.6):
+            engine.spec = spec = SpecDecoding(ForcedAcceptance(own.proposer, p))
+            kept, accept = {}, spec.accept
+            spec.accept = lambda rid, d, t, kept=kept, accept=accept: (
+                kept.setdefault(rid, []).append(accept(rid, d, t)) or kept[rid][-1])
+            join = ("pen", prompts[0][:9], SamplingParams(temperature=0.0, max_tokens=8, repetition_penalty=1.3))
+            got = run(engine, [(f"{p}/{i}", q, greedy) for i, q in enumerate(prompts)], join)
+            assert spec.num_overlapped_steps > 5 and spec.num_accepted_tokens > 0 and len(got["pen"]) == 8
+            for i, q in enumerate(prompts):
+                out, at = got[f"{p}/{i}"], 0
+                assert len(out) == 20
+                for accepted in kept[f"{p}/{i}"]:
+                    at += len(accepted)
+                    if at <= len(out):  # (the verification's sample: the target's own token)
+                        checks.append((q + out[:at - 1], out[at - 1]))
+    finally:
+        engine.spec = own
+    kv = engine.kv
+    assert kv.num_free_state_slots == kv.num_state_slots - 1 and kv.num_free_pages == kv.num_usable_pages
+    plain = EngineCore(EngineConfig(str(CKPT), **ENGINE | {"max_num_seqs": 8, "max_num_batched_tokens": 256}))
+    want = run(plain, [(str(j), prefix, SamplingParams(temperature=0.0, max_tokens=1)) for j, (prefix, _) in
+                       enumerate(checks)])
+    assert len(checks) > 40 and [t for _, t in checks] == [want[str(j)][0] for j in range(len(checks))]

@@ -90,8 +90,8 @@ def test_replay_drafts_accepted_and_rejected_with_preemption():
     preempted, original, schedule, known, moved = [], sched._preempt, sched.schedule, [], []
     sched._preempt = lambda r: (preempted.append(r.request_id), original(r))
 
-    def counting(*args):  # the known tokens of each row that verifies drafts; its slots
-        out = schedule(*args)
+    def counting(*args, **kw):  # the known tokens of each row that verifies drafts; its slots
+        out = schedule(*args, **kw)
         known.extend(s.num_new_tokens - len(s.draft_token_ids) for s in out.scheduled if s.draft_token_ids)
         assert not out.fork_slots
         for s in out.scheduled:

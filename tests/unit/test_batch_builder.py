@@ -35,7 +35,7 @@ def schedule(rng, n: int, page_size: int):
             token_ids=tokens, input_from_device=from_device,
             num_logits=(num_new if num_new == 1 + drafts else 1) if needs_sample else 0,
             needs_sample=needs_sample, state_slot=int(rng.integers(0, 4)), state_write_slot=int(rng.integers(0, 8)),
-            state_keep=int(rng.integers(0, num_new + 1))))
+            state_keep=int(rng.integers(0, num_new + 1)), shift_from=int(rng.integers(-1, 3)) if from_device else -1))
     total = sum(s.num_new_tokens for s in scheduled)
     return SimpleNamespace(scheduled=scheduled, num_scheduled_tokens=total), prev_rows
 
@@ -51,11 +51,12 @@ def test_small_steps_match_the_numpy_path(seed, monkeypatch):
     big = build_batch(out, prev_rows, T, 8, 16, 4)
     assert small.R == big.R and small.rows == big.rows
     for a, b in [*zip(asdict(small.batch).values(), asdict(big.batch).values()), (small.prev_index, big.prev_index),
-                 (small.counts, big.counts)]:
+                 (small.counts, big.counts), (small.shift_from, big.shift_from)]:
         assert a.dtype == b.dtype == np.int32
         np.testing.assert_array_equal(a, b)
     assert big.packed is None
-    np.testing.assert_array_equal(small.packed, pack_batch(big.batch, big.prev_index))
+    np.testing.assert_array_equal(small.packed, pack_batch(big.batch, big.prev_index, big.shift_from))
+    assert big.shift_from.tolist() == [s.shift_from for s in out.scheduled] + [-1] * (8 - n)
     for s, lo in zip(out.scheduled, big.batch.query_start):  # device drafts: read from the device's rows, id 0
         marked = np.asarray(s.token_ids) <= -2
         rows = lo + np.flatnonzero(marked)

@@ -136,18 +136,36 @@ def test_drafts_are_the_heads_golden_chain(engine, golden, request):
 
 
 def test_preemption_and_chunked_prefill(plain, small):
+    """Chunked prefill, preemption, requests arriving every few steps and two aborted midway, penalized and min_tokens
+    requests among greedy and seeded ones (steps launched before the read-back where every request allows, read back
+    first while one does not): every request that ran to its end gives the tokens it gives without drafts, and the
+    pool is whole after."""
     prompts = spec_prompts(8, seed=13)
-    want, _ = generate(plain, prompts, GREEDY)
-    preempted = []
+    params = [GREEDY, SamplingParams(temperature=0.9, seed=5, max_tokens=14, ignore_eos=True),
+              SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, presence_penalty=0.4),
+              SamplingParams(temperature=0.7, seed=8, max_tokens=15, ignore_eos=True, min_tokens=9)] * 2
+    want, _ = generate(plain, prompts, params)
+    preempted, overlapped = [], small.spec.num_overlapped_steps
     original = small.scheduler._preempt
     small.scheduler._preempt = lambda r: (preempted.append(r.request_id), original(r))
+    got, step, waiting = {}, 0, list(enumerate(prompts))
     try:
-        got, counters = generate(small, prompts, GREEDY)
+        while waiting or small.has_unfinished_requests():
+            if waiting and step % 3 == 0:
+                i, p = waiting.pop(0)
+                small.add_request(str(i), p, params[i])
+            if step in (aborted := {9: "1", 24: "7"}):
+                small.abort(aborted[step])
+            for d in small.step():
+                got[d.request_id] = got.get(d.request_id, []) + d.new_token_ids
+            step += 1
     finally:
         small.scheduler._preempt = original
-    assert_same(got, want)
-    assert preempted
-    assert_drafted(counters)
+    assert {r: got[r] for r in got if r not in ("1", "7")} == {r.split("/")[0]: want[r][0] for r in want
+                                                               if r.split("/")[0] not in ("1", "7")}
+    assert len(got.get("1", [])) < 14 and len(got.get("7", [])) < 16  # (cut short)
+    assert preempted and small.spec.num_overlapped_steps > overlapped
+    assert small.kv.num_free_pages == small.kv.num_usable_pages
 
 
 def test_device_drafts_no_step_took_are_dropped(spec):
@@ -187,6 +205,21 @@ def test_bad_heads_are_refused(tmp_path):
         core(speculative_config={"method": "eagle3", "model": str(HEAD)})
 
 
+def test_dummy_head_for_benchmarks():
+    """speculative_config.model "dummy" (benchmarks: a head's device work at a target's shapes): a random head of the
+    target's layer shapes with a 32000-token draft vocabulary (the tiny target's 256 here), d2t the identity, the
+    target's embedding; drafting through the engine keeps the tokens of decoding without it."""
+    engine = core(speculative_config=EAGLE | {"model": "dummy"})
+    head = engine.spec.proposer
+    assert head.cfg.layer.hidden_size == engine.model_config.hidden_size and head.cfg.draft_vocab_size == 256
+    np.testing.assert_array_equal(head.weights.embed, engine.runner.weights.embed)
+    np.testing.assert_array_equal(head.weights.draft_to_target, np.arange(256))
+    prompts = spec_prompts(2, seed=1)
+    got, counters = generate(engine, prompts, GREEDY)
+    assert_same(got, generate(core(), prompts, GREEDY)[0])
+    assert_drafted(counters)
+
+
 def test_chain_writes_only_allocated_pages():
     """A chain step's KV write at a position whose page-table entry is unallocated (the reserved page 0) or past the
     table, or of a sequence that is not live, goes nowhere (never into another sequence's page)."""
@@ -198,3 +231,35 @@ def test_chain_writes_only_allocated_pages():
     np.testing.assert_array_equal(step.slot_mapping, [5 * 4 + 1, -1, -1])
     live = eagle3.chain_batch(batch, jnp.zeros(3, jnp.int32), jnp.array([5, 0, 1]), 4, jnp.array([False, True, True]))
     np.testing.assert_array_equal(live.slot_mapping, [-1, 7 * 4, 2 * 4 + 1])
+
+
+def test_next_step_launched_before_the_read_back(plain, spec):
+    """With a step in flight whose drafts are the device's, the next step is launched before it is read back, its rows
+    built as if every draft is kept and moved back on the device by those rejected (positions, KV slots, lengths, the
+    first input, the sampler's output index): greedy and seeded sampling give the tokens they give without drafts
+    (nearly every draft rejected here), and forced outcomes (every draft kept; some kept, then a rejection) the tokens
+    they give with every step read back first, up to the last 2 (k + 1) tokens (there the drafts that fit max_tokens
+    are counted as if those in flight are kept: fewer are drafted, and forced outcomes keep other tokens)."""
+    from jinfer.spec.decoding import SpecDecoding
+    from jinfer.spec.replay import ForcedAcceptance
+
+    prompts = spec_prompts(4, seed=5)
+    params = [GREEDY, SamplingParams(temperature=0.8, seed=9, max_tokens=12, ignore_eos=True)] * 2
+    overlapped = spec.spec.num_overlapped_steps
+    assert_same(generate(spec, prompts, params)[0], generate(plain, prompts, params)[0])
+    assert spec.spec.num_overlapped_steps > overlapped
+    own, runs, n = spec.spec, {}, 24
+    try:
+        for p in (1.0, 0.6):
+            for overlap in (True, False):
+                spec._overlap = overlap
+                spec.spec = SpecDecoding(ForcedAcceptance(own.proposer, p))
+                runs[p, overlap], counters = generate(spec, prompts, SamplingParams(temperature=0.0, max_tokens=n,
+                                                                                    ignore_eos=True))
+                assert 0 < counters["spec_decode_num_accepted_tokens"]
+                assert (spec.spec.num_overlapped_steps > 0) == overlap
+            cut = n - 2 * (own.k + 1)
+            first = {overlap: {r: v[0][:cut] for r, v in runs[p, overlap].items()} for overlap in (True, False)}
+            assert first[True] == first[False]
+    finally:
+        spec.spec, spec._overlap = own, True

@@ -115,7 +115,8 @@ def test_staged_warmup_then_idle_buckets_unload_and_load_again_on_demand(alone, 
     runner.build_batch = lambda out, prev=None: (sizes.append(len(out.scheduled)), build(out, prev))[1]
     widths = []
     schedule = core.scheduler.schedule
-    core.scheduler.schedule = lambda *a: (lambda o: (widths.append(o.num_scheduled_tokens), o)[1])(schedule(*a))
+    core.scheduler.schedule = lambda *a, **kw: (lambda o: (widths.append(o.num_scheduled_tokens), o)[1])(
+        schedule(*a, **kw))
     reqs = [(str(i), p, GREEDY) for i, p in enumerate(prompts(16))]
     out, _ = run_all(core, reqs)
     assert out == alone

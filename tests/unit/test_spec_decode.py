@@ -236,8 +236,9 @@ def test_replay_drafter_exact_and_forced():
 
 def test_forced_acceptance_keeps_a_model_drafters_drafts_and_work():
     """ForcedAcceptance (benchmarks: a model head's drafts, outcomes forced): the inner drafter's drafts unchanged, its
-    prepare hook called with the planned outcomes (what it returns handed back), and the verifications' kept tokens
-    planned as the forced replay drafter's."""
+    prepare hook called with the outcomes planned for the launched rows with drafts (what it returns handed back), and
+    the verifications' kept tokens as planned, in launch order per request (the next step may be launched before one
+    is read back)."""
     ns = types.SimpleNamespace
     hooks = []
     inner = ns(k=2, propose=lambda reqs: [[7, 8] for _ in reqs],
@@ -245,12 +246,21 @@ def test_forced_acceptance_keeps_a_model_drafters_drafts_and_work():
     p = ForcedAcceptance(inner, acceptance=0.5, seed=3)
     reqs = [ns(request_id=str(i)) for i in range(2000)]
     assert p.propose(reqs) == [[7, 8]] * 2000 and p.k == 2 and p.forced
-    p.prepare("out", "built")("launched")
-    planned = hooks[0][2]
+    out = ns(scheduled=[ns(request_id=str(i), draft_token_ids=[7, 8]) for i in range(2000)]
+             + [ns(request_id="x", draft_token_ids=[], request=ns(num_output_tokens=3))])
+    p.prepare(out, "built")("launched")
+    p.prepare(out, "built")  # the next step's rows, launched before the first step is read back
+    (_, built, first), launched, (_, _, second) = hooks
+    assert (built, launched) == ("built", "launched") and "x" not in first and first != second
     kept = [len(p.forced_accept(str(i), [7, 8], [1, 2, 3])) for i in range(2000)]
     assert abs(np.mean(kept) - (1 + 0.5 + 0.25)) < 0.06
-    assert hooks[0][:2] == ("out", "built") and hooks[1] == "launched"
-    assert [planned[str(i)] + 1 for i in range(2000)] == kept
+    assert [first[str(i)] + 1 for i in range(2000)] == kept
+    assert [len(p.forced_accept(str(i), [7, 8], [1, 2, 3])) for i in range(2000)] == [second[str(i)] + 1
+                                                                                         for i in range(2000)]
+    assert p.forced_accept("x", [], [5]) == [5] and not any(p._plans.values())
+    p.prepare(ns(scheduled=[ns(request_id="0", draft_token_ids=[7, 8])]), "built")  # launched, never read back
+    p.prepare(ns(scheduled=[ns(request_id="0", draft_token_ids=[], request=ns(num_output_tokens=0))]), "built")
+    assert not p._plans.get("0")  # (a new request of that id: its prompt's row drops what the old one left)
     assert ForcedAcceptance(ns(k=1, propose=lambda reqs: [[5]]), 1.0).propose([ns(request_id="a")]) == [[5]]
 
 
