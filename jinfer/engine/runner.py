@@ -442,6 +442,7 @@ class ModelRunner(StepExecutables):
                     if run:
                         buf = np.zeros(sum(batch_sizes(T, B, P, R)), np.int32)
                         buf[2 * T:4 * T] = -1  # slots and prev rows (parts 3, 4): no KV writes, no previous step
+                        buf[4 * T + 5 * B + 1 + R:4 * T + 6 * B + 1 + R] = -1  # (shifts: no row moves)
                         self._call_forward(forward, self._forward_input(buf, T), R, T)
             for R in self.sampler_rows(T):
                 logits = put(np.zeros((R, self.cfg.vocab_size), np.float32), self._replicated)
