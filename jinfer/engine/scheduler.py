@@ -35,7 +35,8 @@ starts after them (the sample after them from the device, the drafter's next dra
 by the drafts rejected (positions, slots, length: `ScheduledRequest.shift_from`, engine/device_step.py `shift_rows`);
 its pages cover the row as scheduled. `update` then rolls `num_computed_tokens` back by as many, and where every draft
 was kept moves the request to the other slot of its pair. Such a row reads one slot and writes the other whether it has
-drafts or not (on the device, where the verification before it kept all, the two swap). Length checks count the
+drafts or not (on the device, where the verification before it kept all, the two swap); without drafts it leaves the
+same state in both, and the request stays where it is. Length checks count the
 tokens in flight as kept: a request that might reach its limit waits for the read-back.
 
 Policy (vLLM v1 style, token-count model): each step has a budget of `max_num_batched_tokens`.
@@ -425,8 +426,8 @@ class Scheduler:
                         request.num_computed_tokens = s.start + s.state_keep  # on from the state its slot kept
                     else:  # (a step in flight past them: the device moved its row back as many)
                         request.num_computed_tokens -= rejected
-                elif s.write_slot is not None and request.state_slot:  # every draft kept: the state the row wrote
-                    request.state_slot = self.kv.other_slot(request.state_slot)
+                elif s.write_slot is not None and request.state_slot and s.num_logits > 1:  # every draft kept: the
+                    request.state_slot = self.kv.other_slot(request.state_slot)  # state the row wrote (none: both same)
                 for token in tokens:
                     request.append_output_token(token)
                     if (stop := self._check_stop(request)) is not None:

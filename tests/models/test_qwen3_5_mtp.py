@@ -393,3 +393,10 @@ def test_next_step_launched_before_the_read_back_with_states():
     want = run(plain, [(str(j), prefix, SamplingParams(temperature=0.0, max_tokens=1)) for j, (prefix, _) in
                        enumerate(checks)])
     assert len(checks) > 40 and [t for _, t in checks] == [want[str(j)][0] for j in range(len(checks))]
+    # A 5-token budget: a row after a verification in flight now and then gets no drafts (the budget drops them), the
+    # next one some: the same tokens as without drafts
+    tight = EngineCore(EngineConfig(str(CKPT), **ENGINE | {"max_num_batched_tokens": 5},
+                                    speculative_config={"method": "mtp", "num_speculative_tokens": 1}))
+    requests = [(str(i), q[:4], SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True))
+                for i, (q, n) in enumerate(zip(prompts, (10, 24, 24)))]
+    assert run(tight, requests) == run(plain, requests) and tight.spec.num_overlapped_steps > 10
