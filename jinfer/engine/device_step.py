@@ -22,6 +22,14 @@ from jinfer.parallel.mesh import mesh_forward
 FORK_CHUNK = 16
 
 
+def token_seqs(batch) -> jax.Array:
+    """i32[T]: the sequence of each token of the batch (padding tokens: the last sequence's)."""
+    from pallas_kernels.common import search_right
+
+    T, B = batch.input_ids.shape[0], batch.seq_lens.shape[0]
+    return jnp.clip(search_right(batch.query_start, jnp.arange(T)) - 1, 0, B - 1)
+
+
 def shift_rows(batch, prev, shift_from, prev_tokens, page_size: int):
     """A step launched before the step in flight is read back (speculative decoding): the host built each row that
     follows a verification in flight as if it kept every draft; `shift_from[b] >= 0` is the row of `prev_tokens` where
@@ -29,12 +37,10 @@ def shift_rows(batch, prev, shift_from, prev_tokens, page_size: int):
     row moves back by as many: positions, KV slots (from its page table), context length, its first input (the
     sample after the kept drafts: `prev`), and with state pairs the slots (all kept: the request's state is in the slot
     the verification wrote, so the two swap). (batch, prev); the same batch where nothing was rejected."""
-    from pallas_kernels.common import search_right
-
     T, B = batch.input_ids.shape[0], batch.seq_lens.shape[0]
     shifted = shift_from >= 0
     rejected = jnp.where(shifted, prev_tokens[jnp.clip(shift_from, 0, prev_tokens.shape[0] - 1)], 0)
-    seq = jnp.clip(search_right(batch.query_start, jnp.arange(T)) - 1, 0, B - 1)
+    seq = token_seqs(batch)
     d = jnp.where(jnp.arange(T) < batch.query_start[B], rejected[seq], 0)
     pos = batch.positions - d
     page = batch.page_table[seq, jnp.clip(pos // page_size, 0, batch.page_table.shape[1] - 1)]

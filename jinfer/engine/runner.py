@@ -274,7 +274,7 @@ class ModelRunner(StepExecutables):
         def sampler_inputs():
             mask = token_mask() if callable(token_mask) else token_mask
             return self.sampling.build(rows, out, built.counts, R, mask,
-                                       prev.row_of if pending_outputs and prev is not None else None)
+                                       prev.row_of if pending_outputs and prev is not None else None, built.shift_from)
 
         sampling = staged = None
         if prepare is not None and not group and not callable(token_mask) and not self.cfg.pooling:

@@ -68,14 +68,15 @@ class SamplingInputs:
         self.hits = self.misses = 0  # steps built from kept rows / row by row
 
     def build(self, rows: list[StepRow | None], out, counts: np.ndarray, R: int, token_mask: np.ndarray | None = None,
-              prev_rows: dict[str, int] | None = None) -> StepSampling:
+              prev_rows: dict[str, int] | None = None, shift_from: np.ndarray | None = None) -> StepSampling:
         """`rows`: each scheduled sequence's sampler inputs (None: it samples nothing); `counts`: its logits rows;
         `token_mask`: grammar masks (row by row); `prev_rows`: the step in flight's row of each sequence's pending
-        output (penalized rows read it on the device: `batch_builder.with_pending_output`), None when not pending."""
+        output (penalized rows read it on the device: `batch_builder.with_pending_output`), None when not pending;
+        `shift_from`: each sequence's `ScheduledRequest.shift_from` (`BuiltBatch.shift_from`; None: no row moves)."""
         shifts = None  # (rows after a verification in flight: `SamplingTensors.shifts`)
-        if any(s.shift_from >= 0 for s in out.scheduled):
+        if shift_from is not None and (shift_from >= 0).any():
+            per_row = np.repeat(shift_from[:len(counts)], counts)
             shifts = np.full(R, -1, np.int32)
-            per_row = np.repeat([s.shift_from for s in out.scheduled], counts)
             shifts[:len(per_row)] = per_row
         if token_mask is None and (fast := self._from_kept(rows, counts.tolist(), R, shifts)) is not None:
             self.hits += 1

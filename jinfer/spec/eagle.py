@@ -359,11 +359,10 @@ def head_rows(batch: Batch, tokens: jax.Array, first: jax.Array, count: jax.Arra
     sampled id after them (the row at position q the token at q + 1: by the exact rule a kept draft is the sample;
     forced outcomes keep drafts that are not), the rows past them write nothing, and each sequence's last row
     (`logits_indices`, where its chain starts) is its last accepted one."""
-    T, B = batch.input_ids.shape[0], count.shape[0]
-    at = batch.logits_indices
-    from pallas_kernels.common import search_right
+    from jinfer.engine.device_step import token_seqs
 
-    seq = jnp.clip(search_right(batch.query_start, jnp.arange(T)) - 1, 0, B - 1)
+    T, at = batch.input_ids.shape[0], batch.logits_indices
+    seq = token_seqs(batch)
     rel = jnp.arange(T) - at[seq]
     sampled = (rel >= 0) & (rel < count[seq])
     kept = drafts[seq, jnp.clip(rel, 0, drafts.shape[1] - 1)]

@@ -48,8 +48,7 @@ def batch(rng, params_of):
     scheduled, rows = [], []
     for b in range(n):
         drafts = rng.integers(0, V, counts[b] - 1).tolist()
-        scheduled.append(SimpleNamespace(request_id=f"r{b}", draft_token_ids=drafts, input_from_device=True,
-                                         shift_from=-1))
+        scheduled.append(SimpleNamespace(request_id=f"r{b}", draft_token_ids=drafts, input_from_device=True))
         if counts[b] == 1 and rng.random() < 0.25:
             rows.append(None)  # a prefill chunk: no sample
             continue
@@ -89,8 +88,7 @@ def test_steps_of_static_rows_are_built_from_kept_rows(seed):
 def test_kept_rows_hold_their_parameters():
     """A kept row is keyed by its parameters' id: it holds them, so no new object takes that id."""
     inputs = SamplingInputs(V)
-    out = SimpleNamespace(scheduled=[SimpleNamespace(request_id="r0", draft_token_ids=[], input_from_device=False,
-                                                     shift_from=-1)])
+    out = SimpleNamespace(scheduled=[SimpleNamespace(request_id="r0", draft_token_ids=[], input_from_device=False)])
     counts = np.array([1], np.int32)
     for i in range(50):
         rows = [StepRow(SamplingParams(temperature=0.01 * i, top_k=i % 7 or -1), [], None, 3, 10)]
@@ -122,8 +120,7 @@ def test_rows_with_step_dependent_inputs_are_never_reused(kind):
 def test_min_tokens_reached_rows_are_reused():
     """Once every row's first logits row is past min_tokens, its stop ids are no longer masked: the rows are static."""
     params = SamplingParams(min_tokens=10)
-    out = SimpleNamespace(scheduled=[SimpleNamespace(request_id="r0", draft_token_ids=[5, 6], input_from_device=False,
-                                                 shift_from=-1)])
+    out = SimpleNamespace(scheduled=[SimpleNamespace(request_id="r0", draft_token_ids=[5, 6], input_from_device=False)])
     counts, R = np.array([3], np.int32), 8
     inputs = SamplingInputs(V)
     steps = [10, 11, 12, 13, 14]  # first rows 8 ... 12: masked until step 12's
