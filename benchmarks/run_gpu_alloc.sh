@@ -12,8 +12,9 @@
 #   latency    for every round, variant and shape (SHAPES): bench_latency at BATCHES; $OUT/alloc_latency_<shape>.json
 #              (benchmarks/latency_summary.py: every process, TPOT and TTFT medians, each variant over the first)
 #   cbupdates  XLA's log of command-buffer updates during a batch-$CB_BATCH (default 1) decode (host_profile, variant
-#              $CB_VARIANT, default the engine's): how often a step's command buffer is re-recorded, for how many
-#              allocations and commands, and in how many us; $OUT/command_buffer_updates_<shape>_b<batch>_<variant>.txt
+#              $CB_VARIANT, default the engine's; CB_SEQS: its max_num_seqs, e.g. 1 as bench_latency's at batch 1): how
+#              often a step's command buffer is re-recorded, for how many allocations and commands, and in how many us;
+#              $OUT/command_buffer_updates_<shape>_b<batch>_<variant>.txt
 #   alloctrace for every variant and shape: a batch-$CB_BATCH decode of 48 tokens with the CUDA pool's allocations and
 #              frees and the command-buffer updates logged: which allocation sits where the last step's temp buffer was
 #              (benchmarks/cb_alloc_trace.py; allocations under CB_MIN_SIZE bytes, default 64 KiB, only counted);
@@ -55,7 +56,8 @@ if [[ $PARTS == *cbupdates* ]]; then
   for s in $SHAPES; do
     env $(variant_env "$CB_VARIANT") TF_CPP_VMODULE=$CB_VMODULE TF_CPP_MIN_LOG_LEVEL=0 \
       timeout "$TIMEOUT" \
-      python3 -m benchmarks.host_profile --shape "$s" --batch-size "$CB_BATCH" --output-len 64 --runs 1 --top 3 "${HP[@]}" \
+      python3 -m benchmarks.host_profile --shape "$s" --batch-size "$CB_BATCH" ${CB_SEQS:+--max-num-seqs "$CB_SEQS"} \
+      --output-len 64 --runs 1 --top 3 "${HP[@]}" \
       > "/tmp/vlog_$s.txt" 2>&1
     { grep -E "^median" "/tmp/vlog_$s.txt"; grep -E "Update command buffer|Updated [0-9]+ commands" "/tmp/vlog_$s.txt" \
       | sed 's/^.*\] //' | sort | uniq -c | sort -rn; } > "$OUT/command_buffer_updates_${s}_b${CB_BATCH}_$CB_VARIANT$SFX.txt"
