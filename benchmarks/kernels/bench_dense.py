@@ -3,7 +3,7 @@
     python -m benchmarks.kernels.bench_dense mlp                    # fused SwiGLU MLP vs XLA at Qwen3-4B shapes
     python -m benchmarks.kernels.bench_dense skinny_gemm [OUT.json]  # skinny GEMM launch sweep vs XLA
     python -m benchmarks.kernels.bench_dense fp8 [OUT.json]          # bf16 vs block-FP8 weights at Qwen3-8B shapes
-    python -m benchmarks.kernels.bench_dense fp8_skinny [OUT.json]   # FP8 skinny GEMM: a sweep of its launch
+    python -m benchmarks.kernels.bench_dense fp8_skinny [OUT.json [heads]]  # FP8 skinny GEMM: a sweep of its launch
     python -m benchmarks.kernels.bench_dense fp8_qkv [OUT.json]      # FP8 norm + q|k|v: a sweep of its launch
     python -m benchmarks.kernels.bench_dense fp8_prefill [OUT.json [qkv o gate down]]  # FP8 prefill GEMM
 
@@ -251,18 +251,30 @@ def _record_launch(rows: list, row: dict, fn, x, weights: list, nbytes: int, int
     _record(rows, row, argv)
 
 
+# Draft heads' projections at one token (`fp8_skinny OUT.json heads`): Qwen3.5-4B's lm_head (its MTP head's FP8
+# copy), and a Qwen3-8B EAGLE-3 head's lm_head (32000-token draft vocabulary), q|k|v (of 2H inputs) and fc (3H -> H).
+HEAD_SHAPES = {"lm_head_qwen3.5": (2560, 248320), "eagle_lm_head": (4096, 32000), "eagle_qkv": (8192, 6144),
+               "eagle_fc": (12288, 4096)}
+
+
 def bench_fp8_skinny(argv: list[str] | None = None) -> None:
     """The block-FP8 skinny GEMM (skinny_gemm.py: e4m3 rows per 128 columns quantized in every program; [N, K]
     weights) at Qwen3-8B's o / gate (or up) / down shapes, 1 / 8 / 16 tokens: its default launch and a sweep of K
-    splits and warps. Device time per call over distinct weight copies, and weight bytes / time. JSON to argv[0]."""
+    splits and warps; with "heads" after the JSON path, at HEAD_SHAPES and one token: a sweep of column blocks, K
+    splits and warps, and XLA's bf16 GEMM of the same weight for scale. Device time per call over distinct weight
+    copies, and weight bytes / time. JSON to argv[0]."""
     from jinfer.models.fp8 import quantize
 
     argv = list(argv or [])
+    heads = "heads" in argv[1:]
     interpret = jax.default_backend() != "gpu"
     block = (128, 128)
     shapes = {"o": (256, 256), "down": (512, 256)} if interpret else \
-        {"o": (4096, 4096), "gate": (4096, 12288), "down": (12288, 4096)}
+        HEAD_SHAPES if heads else {"o": (4096, 4096), "gate": (4096, 12288), "down": (12288, 4096)}
     configs = [dict()] + [dict(k_splits=ks, num_stages=4, num_warps=nw) for ks in (4, 8) for nw in (4, 8)]
+    if heads:
+        configs = [dict()] + [dict(block_n=bn, k_splits=ks, num_stages=4, num_warps=nw) for bn in (64, 128)
+                              for ks in (1, 2, 4, 8) for nw in (4, 8)]
     if interpret:
         configs = configs[:1]
     rows = []
@@ -272,7 +284,13 @@ def bench_fp8_skinny(argv: list[str] | None = None) -> None:
         nbytes = q.w.nbytes + q.scale.nbytes
         copies = 1 if interpret else max(2, -(-400_000_000 // nbytes))
         wcopies = [(jnp.array(q.w.T, copy=True), q.scale) for _ in range(copies)]
-        for tokens in (1, 8, 16):
+        if heads:  # (XLA's bf16 GEMM of the same weight, the token padded to two rows as ops.project pads it)
+            bf16 = [(w.astype(jnp.bfloat16) + i,) for i in range(max(2, copies // 2))]
+            x = jax.random.normal(jax.random.key(0), (1, k), jnp.bfloat16)
+            _record_launch(rows, {"kernel": name, "tokens": 1, "impl": "xla_bf16"},
+                           lambda x, w: jnp.dot(jnp.pad(x, ((0, 1), (0, 0))), w)[:1], x, bf16, bf16[0][0].nbytes,
+                           interpret, argv)
+        for tokens in (1,) if heads else (1, 8, 16):
             x = jax.random.normal(jax.random.key(0), (tokens, k), jnp.bfloat16)
             for cfg in configs:
                 if "k_splits" in cfg and cfg["k_splits"] * 128 * 8 > k:  # (each split >= 8 tiles)

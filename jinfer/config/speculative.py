@@ -5,9 +5,10 @@ naming the field).
     {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2, "prompt_lookup_max": 5}
 
 Methods: "ngram" (prompt lookup: drafts copied from an earlier occurrence of the sequence's last tokens;
-jinfer/spec/ngram.py), "eagle3" (with "model", the draft head's directory: jinfer/spec/eagle.py). "mtp" (the model's
-own multi-token-prediction layers) is a recognised name whose drafter is not built yet: an engine asked for it
-refuses to start (jinfer/spec/proposer.py), it never runs without drafts silently.
+jinfer/spec/ngram.py), "eagle3" (with "model", the draft head's directory: jinfer/spec/eagle.py), "mtp" (the MTP layer
+a Qwen3.5 checkpoint ships: jinfer/spec/mtp.py). A model drafter takes "quantization": "fp8" (vLLM's field for the
+draft's weights): its linear weights and its lm_head quantized to block FP8 at load (MTP: an FP8 copy of the target's
+lm_head for the drafts), read by the FP8 kernels; the verification stays the target's, so the output is the same.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from jinfer.config.json_fields import config_fields
 METHODS = ("ngram", "eagle3", "mtp")
 # vLLM's defaults for prompt lookup when neither bound is given (both 5; one given sets the other).
 DEFAULT_PROMPT_LOOKUP = 5
+QUANTIZATIONS = ("fp8",)  # a model drafter's weights
 MAX_SPECULATIVE_TOKENS = 64  # a verifying row is 1 + k tokens of one step's budget
 
 
@@ -30,6 +32,7 @@ class SpeculativeConfig:
     prompt_lookup_min: int | None = None  # ngram: the shortest suffix that may match
     prompt_lookup_max: int | None = None  # ngram: the longest suffix tried
     model: str | None = None  # eagle3: the draft model; mtp: None (the target's own layers)
+    quantization: str | None = None  # eagle3 / mtp: "fp8" quantizes the draft's weights at load
 
     def __post_init__(self):
         method = self.method
@@ -61,6 +64,9 @@ class SpeculativeConfig:
         if method == "eagle3" and not (isinstance(self.model, str) and self.model):
             raise ValueError("speculative_config.model (the EAGLE-3 draft checkpoint) is required for method "
                              "'eagle3'")
+        if self.quantization is not None and (self.quantization not in QUANTIZATIONS or method == "ngram"):
+            raise ValueError(f"speculative_config.quantization={self.quantization!r} must be one of "
+                             f"{list(QUANTIZATIONS)} (for a model drafter: 'eagle3' or 'mtp')")
         if self.model is not None and not isinstance(self.model, str):
             raise ValueError(f"speculative_config.model={self.model!r} must be a path or name")
 

@@ -29,7 +29,7 @@ from jinfer.engine.runner import ModelRunner
 from jinfer.engine.scheduler import Scheduler
 from jinfer.engine.spawn import set_jax_env_defaults
 from jinfer.generation_config import load_generation_defaults
-from jinfer.models.fp8 import FP8, kernel_layout
+from jinfer.models.fp8 import FP8, KERNEL_LAYOUT_FIELDS, kernel_layout, quantize_fields
 from jinfer.models.registry import shard_weights, state_specs
 from jinfer.ops import select_ops
 from jinfer.parallel.mesh import check_parallel, make_mesh
@@ -300,6 +300,8 @@ def build_engine(config: EngineConfig, tokenizer: Tokenizer | None = None, specu
         head = mtp.load_head(None if source.kind == "dummy" else source.path, model_config, weights, dtype, mesh,
                              seed=config.seed + 1)  # (a dummy head's values: not the target's first layers')
     if head is not None:  # (FP8 dense weights [out, in] for the decode kernels, as the target's: shard_weights)
+        if spec.quantization == "fp8":  # (its projections and lm_head; the embedding and norms as they are)
+            head = (head[0], quantize_fields(head[1], KERNEL_LAYOUT_FIELDS))
         head = (head[0], kernel_layout(head[1]))
     phases("weights")
     # Models with per-sequence state layers (linear attention): one state slot per running sequence, plus

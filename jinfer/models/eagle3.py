@@ -217,7 +217,7 @@ def cache_spec(cfg: Eagle3Config) -> AttentionKV:
 def combine_hidden(weights: Eagle3Weights, aux: jax.Array, ops: ModelOps = REFERENCE_OPS) -> jax.Array:
     """fc(concat(low, mid, high)): the target's states [T, 3*Ht] (`forward(..., aux_layers=cfg.aux_layers)`'s third
     output) -> the head's h [T, H]."""
-    return ops.project(aux.astype(weights.fc.dtype), weights.fc)
+    return ops.project(aux.astype(weights.embed.dtype), weights.fc)
 
 
 def draft_forward(weights: Eagle3Weights, cfg: Eagle3Config, batch: Batch, hidden: jax.Array, kv: KV,
@@ -228,7 +228,7 @@ def draft_forward(weights: Eagle3Weights, cfg: Eagle3Config, batch: Batch, hidde
     the next step's h, the updated KV)."""
     c = cfg.layer
     T, H, KVH, D = hidden.shape[0], c.num_heads, c.num_kv_heads, c.head_dim
-    hidden = hidden.astype(weights.wqkv.dtype)
+    hidden = hidden.astype(weights.embed.dtype)
     e = rms_norm(ops.embed(weights.embed, batch.input_ids, c.vocab_size), weights.embed_norm, c.rms_norm_eps)
     h = rms_norm(hidden, weights.hidden_norm, c.rms_norm_eps)
     qkv = ops.project(jnp.concatenate([e, h], axis=-1), weights.wqkv)  # [T, (H + 2*KVH) * D]

@@ -23,7 +23,8 @@ import jax.numpy as jnp
 import numpy as np
 
 __all__ = ["FP8", "FP8_MAX", "Fp8Weight", "concat_columns", "dense", "dequantize_np", "in_kernel_layout", "is_fp8",
-           "kernel_layout", "map_columns", "quantize", "quantize_np", "refuse_fp8", "transpose", "transposed_sharding"]
+           "kernel_layout", "map_columns", "quantize", "quantize_fields", "quantize_np", "refuse_fp8", "transpose",
+           "transposed_sharding"]
 
 log = logging.getLogger(__name__)
 
@@ -114,6 +115,27 @@ def _quantizer(shardings):
     return jax.jit(_quantize, static_argnames=("block",), out_shardings=shardings)
 
 
+def quantize_fields(weights, fields: tuple[str, ...], blocks: tuple[int, ...] = (128, 64, 32, 16)):
+    """The weights with each 2-D float leaf named in `fields` (a dataclass field's name) quantized to block FP8 where it
+    lies (a draft head's online FP8: replicated), in square blocks of the largest of `blocks` that divides both sides
+    of every such leaf (that any does: 128 on real shapes, so the kernels take them all in one block shape); a leaf
+    not in whole blocks, and every other leaf, as it is."""
+    def named(path, leaf) -> bool:
+        name = getattr(path[-1], "name", None) if path else None
+        return name in fields and not is_fp8(leaf) and getattr(leaf, "ndim", 0) == 2
+    flat, _ = jax.tree_util.tree_flatten_with_path(weights, is_leaf=is_fp8)
+    leaves = [leaf for path, leaf in flat if named(path, leaf)]
+    sides = [d for leaf in leaves for d in leaf.shape]
+    size = next((b for b in blocks if all(d % b == 0 for d in sides)), None) \
+        or next((b for b in blocks if any(all(d % b == 0 for d in leaf.shape) for leaf in leaves)), None)
+
+    def quantized(path, leaf):
+        if size and named(path, leaf) and all(d % size == 0 for d in leaf.shape):
+            return quantize(leaf, (size, size))
+        return leaf
+    return jax.tree_util.tree_map_with_path(quantized, weights, is_leaf=is_fp8)
+
+
 def quantize_np(w: np.ndarray, block: tuple[int, int]) -> tuple[np.ndarray, np.ndarray]:
     """The same on the host (numpy + ml_dtypes): (float8_e4m3fn values, float32 scales)."""
     *lead, k, n = w.shape
@@ -164,8 +186,9 @@ def concat_columns(parts: list) -> jax.Array | Fp8Weight | None:
 
 
 # The FP8 weights the kernels read [out, in] (`kernel_layout`): the dense MLP's (a MoE layer's shared experts' too),
-# o's and the fused q|k|v's, and a MoE layer's routed experts ([E, out, in]: the grouped GEMMs' K-major tiles).
-KERNEL_LAYOUT_FIELDS = ("w_gate", "w_up", "w_down", "ws_gate", "ws_up", "ws_down", "wo", "wqkv")
+# o's and the fused q|k|v's, an lm_head's and a draft head's fc (the skinny GEMM), and a MoE layer's routed experts
+# ([E, out, in]: the grouped GEMMs' K-major tiles).
+KERNEL_LAYOUT_FIELDS = ("w_gate", "w_up", "w_down", "ws_gate", "ws_up", "ws_down", "wo", "wqkv", "lm_head", "fc")
 EXPERT_FIELDS = ("w_gate", "w_up", "w_down")
 
 

@@ -82,6 +82,9 @@ def assemble_weights(cfg: ModelConfig, arrays: dict[str, jax.Array], target) -> 
     """The pytree from `weight_specs`' arrays (zero-centred norms get their 1) and the target's `Weights`."""
     a = {k: (v + 1 if k in NORMS else v) for k, v in arrays.items()}
     layer = HybridLayer(**{k.removeprefix("layer."): a.pop(k) for k in list(a) if k.startswith("layer.")})
+    # (q | k | v as one projection, as the target's on one device: the layer is replicated, so on every mesh)
+    layer = dataclasses.replace(layer, wq=None, wk=None, wv=None,
+                                wqkv=jnp.concatenate([layer.wq, layer.wk, layer.wv], axis=-1))
     head = target.embed.T if target.lm_head is None else target.lm_head
     return MtpWeights(target.embed, head, target.final_norm, layer=layer, **a)
 
@@ -96,7 +99,7 @@ def draft_forward(weights: MtpWeights, cfg: ModelConfig, batch: Batch, hidden: j
     """One pass of the MTP layer over a packed batch: `batch.input_ids` the tokens it reads (each row's next token),
     `hidden` [T, H] each row's h (the target's hidden state, or the previous step's output). Returns (logits [N, V]
     float32 at `batch.logits_indices`, the rows' output after `norm` [T, H]: the next step's h, the updated KV)."""
-    dtype = weights.fc.dtype
+    dtype = weights.embed.dtype
     e = rms_norm(ops.embed(weights.embed, batch.input_ids, cfg.vocab_size), weights.embed_norm, cfg.rms_norm_eps)
     h = rms_norm(hidden.astype(dtype), weights.hidden_norm, cfg.rms_norm_eps)
     x = ops.project(jnp.concatenate([e, h], axis=-1), weights.fc)  # [T, H]
@@ -114,6 +117,6 @@ def propose(weights: MtpWeights, cfg: ModelConfig, batch: Batch, aux: jax.Array,
     """A greedy chain of `num_steps` drafts per sequence (as `eagle3.propose`): `batch` the target step's rows with
     `input_ids` shifted by one and `logits_indices` [B] each sequence's last accepted row; `aux` [T, H] the target's
     residual stream after its last layer (before its final norm). Returns (drafts [B, num_steps] int32, the KV)."""
-    hidden = rms_norm(aux.astype(weights.fc.dtype), weights.target_norm, cfg.rms_norm_eps)
+    hidden = rms_norm(aux.astype(weights.embed.dtype), weights.target_norm, cfg.rms_norm_eps)
     return greedy_chain(partial(draft_forward, weights, cfg), lambda logits: jnp.argmax(logits, -1).astype(jnp.int32),
                         batch, hidden, kv, num_steps, ops, live)

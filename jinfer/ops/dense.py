@@ -75,10 +75,27 @@ class DenseOps:
 
     def project(self, x: jax.Array, w: jax.Array, **kw) -> jax.Array:
         """x @ w, kept a GEMM at T = 1 where the policy pads vector dots (`project`); a block-FP8 w in a large step on
-        the FP8 GEMM (`_fp8_gemm`)."""
+        the FP8 GEMM (`_fp8_gemm`), in a step of <= fp8_max_tokens on the skinny GEMM (`_fp8_skinny`)."""
         if not kw and self._fp8_gemm(x.shape[0], w):
             return self.fp8_gemm(x, w)
+        if (out := self._fp8_skinny(x, w, kw)) is not None:
+            return out
         return project(x, w, self.policy.pad_vector_dots, **kw)
+
+    def _fp8_skinny(self, x: jax.Array, w, kw: dict) -> jax.Array | None:
+        """x @ w on the skinny GEMM (pallas_kernels/dense/skinny_gemm.py) for a block-FP8 w kept [out, in] (fp8.
+        kernel_layout: a draft head's projections and lm_head, q|k|v where no fused kernel takes it) in a step of <=
+        fp8_max_tokens, in `preferred_element_type` (else x's dtype); None elsewhere (the jnp path dequantizes the
+        whole weight every step, ~3x the bytes)."""
+        if not (is_fp8(w) and w.transposed and self.backend == "pallas" and set(kw) <= {"preferred_element_type"}
+                and x.shape[0] <= self.policy.fp8_max_tokens and w.w.shape[0] % 16 == 0 and w.w.shape[1] % 16 == 0) \
+                or (operands := fp8_operands("skinny_gemm", w, transposed=True)) is None:
+            return None
+        from pallas_kernels.dense.skinny_gemm import skinny_gemm
+
+        (values,), (scale,), block = operands
+        out = skinny_gemm(x, values, scale, scale_block=block, interpret=self.interpret)
+        return out.astype(kw.get("preferred_element_type") or x.dtype)
 
     def step_counters(self, tokens: int) -> jax.Array | None:
         """A step's zeroed int32 counters for the split-K kernels that finish in their last program

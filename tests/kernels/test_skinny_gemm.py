@@ -52,6 +52,9 @@ def test_default_config_fills_the_gpu_and_divides():
     assert default_config(4096, 2560)["k_splits"] > 1  # 40 column blocks alone would leave SMs idle
     fp8 = default_config(4096, 4096, (128, 128))  # Qwen3-8B's o: a 128 x 128 scale block per tile
     assert (fp8["block_n"], fp8["block_k"]) == (128, 128) and default_config(4096, 4096, (64, 64))["block_k"] == 64
+    # FP8 columns in ~1.5 waves of programs: an EAGLE-3 head's 32000-row lm_head unsplit, its q|k|v split 8 ways
+    assert default_config(4096, 32000, (128, 128))["k_splits"] == 1 and default_config(8192, 6144, (128, 128))[
+        "k_splits"] == 8
 
 
 def test_skinny_gemm_argument_checks():
@@ -77,3 +80,27 @@ def test_fp8_lowers_for_the_gpu():
     text = lower_for_cuda(lambda x, w, sc: skinny_gemm(x, w, sc, scale_block=(128, 128)), s((8, 4096), jnp.bfloat16),
                           s((4096, 4096), jnp.float8_e4m3fn), s((32, 32), jnp.float32))
     assert "skinny_gemm_n128_k128_s4_fp8_nk" in text
+
+
+def test_project_reads_fp8_weights_on_the_kernel_at_decode_sizes():
+    """ModelOps.project (a draft head's projections and lm_head, Qwen3.5's q|k|v) with a block-FP8 weight kept [out, in]
+    (fp8.kernel_layout): steps of <= fp8_max_tokens on the skinny GEMM, in the asked dtype, close to the product with
+    the dequantized weight (the rows meet it as e4m3); larger steps and [in, out] weights dequantize as before."""
+    from jinfer.models.fp8 import dequantize, transpose
+    from jinfer.ops import ModelOps
+
+    rng = np.random.default_rng(0)
+    w = quantize(jnp.asarray(rng.standard_normal((64, 96)) * 64**-0.5, jnp.float32), (32, 32))
+    ops = ModelOps("pallas", interpret=True)
+
+    def kernel_calls(x, w, **kw):
+        return str(jax.make_jaxpr(lambda x: ops.project(x, w, **kw))(x)).count("skinny_gemm_")
+
+    x = jnp.asarray(rng.standard_normal((3, 64)), jnp.float32)
+    assert kernel_calls(x, transpose(w), preferred_element_type=jnp.float32) == 1
+    assert kernel_calls(x, w) == 0 and kernel_calls(jnp.zeros((17, 64)), transpose(w)) == 0
+    got = ops.project(x.astype(jnp.bfloat16), transpose(w), preferred_element_type=jnp.float32)
+    want = x @ dequantize(w)
+    assert got.dtype == jnp.float32 and ops.project(x.astype(jnp.bfloat16), transpose(w)).dtype == jnp.bfloat16
+    err = float(jnp.sqrt(jnp.mean((got - want) ** 2) / jnp.mean(want**2)))
+    assert 1e-4 < err < 0.06, err  # (e4m3 rows: not the exact product, but near it)

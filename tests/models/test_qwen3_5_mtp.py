@@ -128,6 +128,35 @@ def test_chain_on_pallas_kernels(setup, target_aux):
         assert (np.asarray(drafts[i])[sure] == golden[f"chain_ids_{i}"][:3][sure]).all(), i
 
 
+def test_fp8_head_on_pallas_kernels(setup, target_aux):
+    """speculative_config quantization "fp8" (the engine's builder: `quantize_fields`, then the kernels' [out, in]
+    layout): the layer's projections and an FP8 copy of the target's lm_head (the target's own untouched), read by the
+    FP8 kernels (interpreted off GPU); the chain's drafts stay the reference's where its top two logits are apart."""
+    from jinfer.models.fp8 import KERNEL_LAYOUT_FIELDS, is_fp8, kernel_layout, quantize_fields
+
+    cfg, target, head, golden, prompts, pages = setup
+    fp8 = kernel_layout(quantize_fields(head, KERNEL_LAYOUT_FIELDS))
+    assert all(is_fp8(w) and w.transposed and w.block == (64, 64) for w in (fp8.lm_head, fp8.fc, fp8.layer.wqkv,
+                                                                            fp8.layer.wo, fp8.layer.w_down))
+    assert fp8.embed is head.embed and not is_fp8(target.lm_head) and not is_fp8(head.lm_head)
+    n = len(prompts)
+    shifted = [prompts[i][1:] + [int(golden[f"next_{i}"])] for i in range(n)]
+    batch = packed([(shifted[i], 0, pages[i]) for i in range(n)])
+    every_row = replace(batch, logits_indices=np.arange(PREFILL_TOKENS, dtype=np.int32))
+    logits, _, _ = jax.jit(qwen3_5_mtp.draft_forward, static_argnames=("cfg",))(
+        fp8, cfg, every_row, jnp.asarray(golden_hidden(golden, n)), kv(cfg))  # (the prompt's rows: dequantized)
+    want = np.concatenate([golden[f"first_logits_{i}"] for i in range(n)])
+    err = np.sqrt(np.mean((np.asarray(logits[:len(want)]) - want) ** 2) / np.mean(want**2))
+    assert 1e-4 < err < 0.08, err  # (FP8's rounding: 0.044 here; not another model)
+    ops = ModelOps("pallas", interpret=jax.default_backend() != "gpu")
+    propose = jax.jit(qwen3_5_mtp.propose, static_argnames=("cfg", "num_steps", "ops"))
+    assert "skinny_gemm_" in str(propose.trace(fp8, cfg, batch, target_aux[0], kv(cfg), num_steps=2, ops=ops).jaxpr)
+    drafts, _ = propose(fp8, cfg, batch, target_aux[0], kv(cfg), num_steps=2, ops=ops)
+    for i in range(n):
+        sure = golden[f"chain_margin_{i}"][:2] > 0.1
+        assert (np.asarray(drafts[i])[sure] == golden[f"chain_ids_{i}"][:2][sure]).all(), i
+
+
 # ---- in the engine ------------------------------------------------------------------------------------------------
 
 GREEDY_IDS = [np.load(DATA / "golden" / "tiny-qwen3_5.npz")[f"greedy_{i}"].tolist() for i in range(3)]  # same target

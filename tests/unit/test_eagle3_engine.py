@@ -205,13 +205,18 @@ def test_bad_heads_are_refused(tmp_path):
         core(speculative_config={"method": "eagle3", "model": str(HEAD)})
 
 
-def test_dummy_head_for_benchmarks():
+def test_dummy_head_for_benchmarks_in_fp8():
     """speculative_config.model "dummy" (benchmarks: a head's device work at a target's shapes): a random head of the
     target's layer shapes with a 32000-token draft vocabulary (the tiny target's 256 here), d2t the identity, the
-    target's embedding; drafting through the engine keeps the tokens of decoding without it."""
-    engine = core(speculative_config=EAGLE | {"model": "dummy"})
+    target's embedding; with quantization "fp8" its projections and lm_head are block FP8 kept [out, in] (the decode
+    kernels' layout); drafting through the engine keeps the tokens of decoding without it."""
+    from jinfer.models.fp8 import is_fp8
+
+    engine = core(speculative_config=EAGLE | {"model": "dummy", "quantization": "fp8"})
     head = engine.spec.proposer
     assert head.cfg.layer.hidden_size == engine.model_config.hidden_size and head.cfg.draft_vocab_size == 256
+    w = head.weights
+    assert all(is_fp8(x) and x.transposed for x in (w.fc, w.wqkv, w.wo, w.w_gate, w.w_up, w.w_down, w.lm_head))
     np.testing.assert_array_equal(head.weights.embed, engine.runner.weights.embed)
     np.testing.assert_array_equal(head.weights.draft_to_target, np.arange(256))
     prompts = spec_prompts(2, seed=1)

@@ -35,6 +35,8 @@ def test_config_parses_vllm_forms_and_defaults():
     assert EngineConfig(**dataclasses.asdict(e)) == e
     assert SpeculativeConfig.parse({"method": "eagle3", "model": "x/y", "num_speculative_tokens": 3}).model == "x/y"
     assert SpeculativeConfig.parse({"method": "mtp", "num_speculative_tokens": 1}).method == "mtp"
+    assert SpeculativeConfig.parse({"method": "mtp", "num_speculative_tokens": 1, "quantization": "fp8"}).quantization \
+        == "fp8"
 
 
 @pytest.mark.parametrize("value, field", [
@@ -46,6 +48,8 @@ def test_config_parses_vllm_forms_and_defaults():
      "prompt_lookup_min"),
     ({"method": "eagle3", "num_speculative_tokens": 2}, "model"),
     ({"method": "ngram", "num_speculative_tokens": 2, "lookahead": 3}, "unknown fields"),
+    ({"method": "ngram", "num_speculative_tokens": 2, "quantization": "fp8"}, "quantization"),
+    ({"method": "eagle3", "model": "x", "num_speculative_tokens": 2, "quantization": "int4"}, "quantization"),
     ("{not json", "not valid JSON"),
 ])
 def test_bad_config_names_the_field(value, field):
