@@ -45,9 +45,13 @@ fetch-model: $(VENV)/.installed
 # executable kept alive too), and xdist then waited forever for the dead worker's files.
 PYTEST_RUN = $(PY) -m pytest -q -n $(PYTEST_WORKERS) --maxprocesses 4 --dist loadfile --no-loadscope-reorder
 
+# (Both runs always; with PYTEST_ARGS, e.g. "-k sampler" or a test file, one run as asked.)
 test: install
-	$(PYTEST_RUN) tests/kernels $(PYTEST_ARGS)
-	$(PYTEST_RUN) --ignore=tests/kernels $(PYTEST_ARGS)
+ifeq ($(strip $(PYTEST_ARGS)),)
+	$(PYTEST_RUN) tests/kernels; k=$$?; $(PYTEST_RUN) --ignore=tests/kernels && exit $$k
+else
+	$(PYTEST_RUN) $(PYTEST_ARGS)
+endif
 
 lint: $(VENV)/.installed
 	$(VENV)/bin/ruff check .

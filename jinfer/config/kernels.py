@@ -37,11 +37,12 @@ The defaults are the measured choices (H100 figures; docs/performance.md has the
   weight's size; off: only those under pad_vector_dots' size, as bf16 (the others dequantize, then XLA's GEMM).
   Unmeasured default: the alternative reads the FP8 bytes and writes and reads a bf16 copy unless XLA fuses it.
 - fp8_max_tokens: steps of up to this many tokens with block-FP8 weights run the MLP (and MoE shared experts) on the
-  fused kernel and o on the skinny GEMM (both read FP8) whatever pallas_mlp_tokens says; past it every dense
-  projection runs on the Mosaic GPU e4m3 GEMM (pallas_kernels/dense/fp8_gemm_mgpu.py) where its 128 x 128 blocks
-  fit (Qwen3-8B at 4096 tokens, H200: 1022-1155 TFLOP/s against 601-742 for dequantizing each weight for XLA's bf16
-  GEMM; dense_fp8_prefill_sweep_h200.json), the jnp path (dequantize, XLA's GEMMs) elsewhere (at batch 8 on the H100
-  that path made Qwen3-8B's TPOT 14.4 ms against bf16's 6.3).
+  fused kernel and o and other [out, in] projections (a draft head's, lm_heads) on the skinny GEMM (both read FP8)
+  whatever pallas_mlp_tokens says; past it every dense projection runs on the Mosaic GPU e4m3 GEMM
+  (pallas_kernels/dense/fp8_gemm_mgpu.py) where its 128 x 128 blocks fit (Qwen3-8B at 4096 tokens, H200: 1022-1155
+  TFLOP/s against 601-742 for dequantizing each weight for XLA's bf16 GEMM; dense_fp8_prefill_sweep_h200.json), the
+  jnp path (dequantize, XLA's GEMMs) elsewhere (at batch 8 on the H100 that path made Qwen3-8B's TPOT 14.4 ms against
+  bf16's 6.3).
   (FP8 routed experts take the Triton grouped GEMMs, and in steps past mosaic_moe_min_rows_per_expert the grouped
   e4m3 GEMM, pallas_kernels/moe/moe_fp8_mgpu.py.) The kernels meet an FP8 tile with the
   activations quantized to e4m3 per row and 128 columns (pallas_kernels/dense/fp8_tiles.py): Qwen3-8B TPOT 5.66 vs

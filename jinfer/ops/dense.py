@@ -73,12 +73,13 @@ class DenseOps:
 
         return fp8_gemm_mgpu(x, w.w, w.scale, scale_block=tuple(w.block), out_dtype=x.dtype, interpret=self.interpret)
 
-    def project(self, x: jax.Array, w: jax.Array, **kw) -> jax.Array:
+    def project(self, x: jax.Array, w: jax.Array, skinny: bool = True, **kw) -> jax.Array:
         """x @ w, kept a GEMM at T = 1 where the policy pads vector dots (`project`); a block-FP8 w in a large step on
-        the FP8 GEMM (`_fp8_gemm`), in a step of <= fp8_max_tokens on the skinny GEMM (`_fp8_skinny`)."""
+        the FP8 GEMM (`_fp8_gemm`), in a step of <= fp8_max_tokens on the skinny GEMM (`_fp8_skinny`; not `skinny`:
+        dequantized, `out_proj`'s choice where the policy declines the kernel)."""
         if not kw and self._fp8_gemm(x.shape[0], w):
             return self.fp8_gemm(x, w)
-        if (out := self._fp8_skinny(x, w, kw)) is not None:
+        if skinny and (out := self._fp8_skinny(x, w, kw)) is not None:
             return out
         return project(x, w, self.policy.pad_vector_dots, **kw)
 
@@ -88,11 +89,12 @@ class DenseOps:
         fp8_max_tokens, in `preferred_element_type` (else x's dtype); None elsewhere (the jnp path dequantizes the
         whole weight every step, ~3x the bytes)."""
         if not (is_fp8(w) and w.transposed and self.backend == "pallas" and set(kw) <= {"preferred_element_type"}
-                and x.shape[0] <= self.policy.fp8_max_tokens and w.w.shape[0] % 16 == 0 and w.w.shape[1] % 16 == 0) \
-                or (operands := fp8_operands("skinny_gemm", w, transposed=True)) is None:
+                and x.shape[0] <= self.policy.fp8_max_tokens and w.w.shape[0] % 16 == 0 and w.w.shape[1] % 16 == 0):
             return None
-        from pallas_kernels.dense.skinny_gemm import skinny_gemm
+        from pallas_kernels.dense.skinny_gemm import MAX_TOKENS, skinny_gemm
 
+        if x.shape[0] > MAX_TOKENS or (operands := fp8_operands("skinny_gemm", w, transposed=True)) is None:
+            return None
         (values,), (scale,), block = operands
         out = skinny_gemm(x, values, scale, scale_block=block, interpret=self.interpret)
         return out.astype(kw.get("preferred_element_type") or x.dtype)
@@ -196,7 +198,7 @@ class DenseOps:
             out = skinny_gemm(attn, w, None if scales is None else scales[0], scale_block=block,
                               interpret=self.interpret)
             return residual + self.reduce(out.astype(attn.dtype))
-        return residual + self.reduce(self.project(attn, wo))
+        return residual + self.reduce(self.project(attn, wo, skinny=False))
 
     def mlp_block(self, x: jax.Array, norm: jax.Array, w_gate: jax.Array, w_up: jax.Array, w_down: jax.Array,
                   eps: float) -> jax.Array:

@@ -104,3 +104,14 @@ def test_project_reads_fp8_weights_on_the_kernel_at_decode_sizes():
     assert got.dtype == jnp.float32 and ops.project(x.astype(jnp.bfloat16), transpose(w)).dtype == jnp.bfloat16
     err = float(jnp.sqrt(jnp.mean((got - want) ** 2) / jnp.mean(want**2)))
     assert 1e-4 < err < 0.06, err  # (e4m3 rows: not the exact product, but near it)
+    # o at one token keeps its own switch: fp8_skinny_o off dequantizes a weight past XLA's strength reduction
+    from jinfer.config.kernels import KernelPolicy
+
+    wo = transpose(quantize(jnp.zeros((4096, 4096)), (128, 128)))  # (traced only)
+
+    def o_calls(ops):
+        fn = lambda a: ops.out_proj(a, wo, jnp.zeros((1, 4096)))  # noqa: E731
+        return str(jax.make_jaxpr(fn)(jnp.zeros((1, 4096)))).count("skinny_gemm_")
+
+    assert o_calls(ops) == 1 and o_calls(ModelOps("pallas", interpret=True,
+                                                  policy=KernelPolicy(fp8_skinny_o=False))) == 0
