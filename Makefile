@@ -39,10 +39,10 @@ $(VENV)/.installed: pyproject.toml
 fetch-model: $(VENV)/.installed
 	$(PY) scripts/fetch_default_model.py
 
-# Two runs: the kernel tests (tests/kernels), then the rest. A worker that ran engine files and kernel files in either
-# order died in about half of the full runs: a segfault or abort in libgcc's unwinder (`_Unwind_Find_FDE` under
-# `__cxa_throw`) during an XLA:CPU compile or serialization (jaxlib's; with the compilation cache off and with every
-# executable kept alive too), and xdist then waited forever for the dead worker's files.
+# Two runs: the kernel tests (tests/kernels), then the rest. In one run a worker died in about half of the full runs
+# (3 of 6; split, 1 of 3, in the second run): a segfault or abort in libgcc's unwinder (`_Unwind_Find_FDE` under
+# `__cxa_throw`) during an XLA:CPU compile or an executable's serialization (jaxlib's; also with the compilation cache
+# off and with every executable kept alive), and xdist then waits for the dead worker's files until killed.
 PYTEST_RUN = $(PY) -m pytest -q -n $(PYTEST_WORKERS) --maxprocesses 4 --dist loadfile --no-loadscope-reorder
 
 # (Both runs always; with PYTEST_ARGS, e.g. "-k sampler" or a test file, one run as asked.)
