@@ -46,8 +46,8 @@ from jinfer.models.shared_experts import stacked_count
 from jinfer.models.spec import ArrayInfo, StateSpec
 from jinfer.ops import REFERENCE_OPS, ModelOps
 
-__all__ = ["HybridLayer", "assemble_weights", "cache_spec", "forward", "fuse_qkv", "gated_attention", "state_specs",
-           "weight_specs"]
+__all__ = ["HybridLayer", "assemble_weights", "cache_spec", "forward", "fuse_layer_qkv", "fuse_qkv", "gated_attention",
+           "state_specs", "weight_specs"]
 
 # Norms stored zero-centred in checkpoints (HF multiplies by 1 + weight); the gated norm is not.
 ZERO_CENTRED = ("attn_norm", "mlp_norm", "q_norm", "k_norm")
@@ -162,17 +162,19 @@ def assemble_weights(cfg: ModelConfig, arrays: dict[str, jax.Array]) -> Weights:
 def fuse_qkv(weights: Weights) -> Weights:
     """One input projection per layer (single device): wq | wk | wv, and qkv | z | b | a in the linear
     layers (the same reason as base.fuse_qkv: small matrix-vector products run far below HBM speed)."""
-    layers = []
-    for layer in weights.layers:
-        # (FP8 parts are joined with their scales; parts that cannot be, e.g. unquantized b | a beside FP8 qkv | z,
-        # stay apart: `concat_columns` gives None)
-        if layer.wq is not None and (w := concat_columns([layer.wq, layer.wk, layer.wv])) is not None:
-            layer = dataclasses.replace(layer, wq=None, wk=None, wv=None, wqkv=w)
-        elif layer.lin_qkv is not None and (
-                w := concat_columns([layer.lin_qkv, layer.lin_z, layer.lin_b, layer.lin_a])) is not None:
-            layer = dataclasses.replace(layer, lin_qkv=None, lin_z=None, lin_b=None, lin_a=None, lin_in=w)
-        layers.append(layer)
-    return dataclasses.replace(weights, layers=layers)
+    return dataclasses.replace(weights, layers=[fuse_layer_qkv(layer) for layer in weights.layers])
+
+
+def fuse_layer_qkv(layer: HybridLayer) -> HybridLayer:
+    """One layer's input projections joined (`fuse_qkv`; the MTP layer's, which is replicated, on any mesh)."""
+    # (FP8 parts are joined with their scales; parts that cannot be, e.g. unquantized b | a beside FP8 qkv | z,
+    # stay apart: `concat_columns` gives None)
+    if layer.wq is not None and (w := concat_columns([layer.wq, layer.wk, layer.wv])) is not None:
+        return dataclasses.replace(layer, wq=None, wk=None, wv=None, wqkv=w)
+    if layer.lin_qkv is not None and (
+            w := concat_columns([layer.lin_qkv, layer.lin_z, layer.lin_b, layer.lin_a])) is not None:
+        return dataclasses.replace(layer, lin_qkv=None, lin_z=None, lin_b=None, lin_a=None, lin_in=w)
+    return layer
 
 
 def state_specs(cfg: ModelConfig) -> dict[int, tuple[StateSpec, ...]]:

@@ -29,7 +29,7 @@ from jinfer.config.model import ModelConfig
 from jinfer.models.batch import Batch
 from jinfer.models.eagle3 import greedy_chain
 from jinfer.models.layers import rms_norm, rope_cos_sin
-from jinfer.models.qwen3_5 import HybridLayer, gated_attention, layer_specs
+from jinfer.models.qwen3_5 import HybridLayer, fuse_layer_qkv, gated_attention, layer_specs
 from jinfer.models.spec import ArrayInfo
 from jinfer.ops import REFERENCE_OPS, ModelOps
 
@@ -82,9 +82,7 @@ def assemble_weights(cfg: ModelConfig, arrays: dict[str, jax.Array], target) -> 
     """The pytree from `weight_specs`' arrays (zero-centred norms get their 1) and the target's `Weights`."""
     a = {k: (v + 1 if k in NORMS else v) for k, v in arrays.items()}
     layer = HybridLayer(**{k.removeprefix("layer."): a.pop(k) for k in list(a) if k.startswith("layer.")})
-    # (q | k | v as one projection, as the target's on one device: the layer is replicated, so on every mesh)
-    layer = dataclasses.replace(layer, wq=None, wk=None, wv=None,
-                                wqkv=jnp.concatenate([layer.wq, layer.wk, layer.wv], axis=-1))
+    layer = fuse_layer_qkv(layer)  # (q | k | v as one projection, as the target's on one device)
     head = target.embed.T if target.lm_head is None else target.lm_head
     return MtpWeights(target.embed, head, target.final_norm, layer=layer, **a)
 
